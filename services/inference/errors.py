@@ -1,0 +1,47 @@
+"""Engine-level errors. They know nothing of gRPC; the servicer maps each to a status code.
+
+| error                 | gRPC status          |
+| --------------------- | -------------------- |
+| InvalidRequest        | INVALID_ARGUMENT     |
+| AdapterInvalid        | INVALID_ARGUMENT     |
+| AdapterNotFound       | NOT_FOUND            |
+| AdapterIncompatible   | FAILED_PRECONDITION  |
+| CapacityExceeded      | RESOURCE_EXHAUSTED   |
+| BackendUnavailable    | UNAVAILABLE          |
+"""
+
+from __future__ import annotations
+
+
+class LoraplexError(Exception):
+    """Base class; `field` names the request field or adapter file at fault, when known."""
+
+    def __init__(self, message: str, *, field: str | None = None, adapter: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.adapter = adapter
+
+
+class InvalidRequest(LoraplexError):
+    """The request itself is malformed (bad sampling value, prompt too long, ...)."""
+
+
+class AdapterInvalid(LoraplexError):
+    """The adapter files are malformed: no server configuration could run them."""
+
+
+class AdapterNotFound(LoraplexError):
+    """No adapter of that name is loaded here (and none could be pulled)."""
+
+
+class AdapterIncompatible(LoraplexError):
+    """The adapter is well-formed but does not fit this server (rank, modules, base model)."""
+
+
+class CapacityExceeded(LoraplexError):
+    """A queue, pool or limit is full; retrying later may succeed."""
+
+
+class BackendUnavailable(LoraplexError):
+    """A dependency (the adapter store) cannot be reached."""

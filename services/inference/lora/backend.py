@@ -1,0 +1,40 @@
+"""The seam between the model and LoRA: a backend applies resident adapters' deltas.
+
+The model calls `apply` after each target linear; the model runner calls `prepare` once
+per step. Module groups and the pool layout are fixed here so kernels, the pool and the
+model agree (see docs/architecture.md, "LoRA pool layout").
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+# group -> the PEFT module names stacked in it, in output order.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+class LoRABackend(ABC):
+    """Adds `scale_s * (x @ A_s^T) @ B_s^T` to a target linear's output, per token's slot.
+
+    Contract:
+    - `prepare(token_slots)` is called once per forward with an int32 device tensor of the
+      batch's tokens in forward order (-1 = no adapter). Everything per-step (sorting,
+      segments) happens here, never per layer. It must not sync the host when the tensor
+      lives in a CUDA graph's static buffer.
+    - `apply(layer, group, x, out)` adds the delta in place: `x` is `[T, in]`, `out` is
+      `[T, sum(stack widths)]`, the stacked output of that group's fused linear. Tokens
+      with slot -1, and slots whose adapter does not target a module, cost nothing.
+    """
+
+    @abstractmethod
+    def prepare(self, token_slots: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None: ...

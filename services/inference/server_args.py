@@ -1,0 +1,125 @@
+"""Command-line flags of `python -m services.inference`, as one frozen dataclass.
+
+Flag names and defaults follow SGLang's where SGLang has one (design brief §5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+
+ALL_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str = ""
+    # Model / device
+    device: str = "auto"  # auto | cuda | cpu
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    tp_size: int = 1
+    seed: int = 0
+    # LoRA
+    lora_paths: tuple[str, ...] = ()  # NAME=SOURCE
+    max_loras_per_batch: int = 8
+    lora_backend: str | None = None  # triton | torch; None = triton on CUDA, torch on CPU
+    max_lora_rank: int | None = None  # None = inferred from lora_paths, else 64
+    lora_target_modules: tuple[str, ...] | None = None  # None = inferred, else all
+    max_loaded_loras: int | None = None  # host cache size; None = unbounded
+    adapter_store: str = "none"  # HOST:PORT | none
+    # Memory and batching
+    mem_fraction_static: float = 0.88
+    max_total_tokens: int | None = None
+    page_size: int = 16
+    chunked_prefill_size: int = 2048
+    max_num_batched_tokens: int = 8192
+    max_running_requests: int = 256
+    context_length: int | None = None
+    cuda_graph_max_bs: int = 256
+    disable_cuda_graph: bool = False
+    # Request limits
+    max_new_tokens_limit: int = 4096
+    default_max_new_tokens: int = 128
+    max_inputs_per_request: int = 256
+    max_message_bytes: int = 64 * 1024 * 1024
+    max_queued_requests: int = 4096
+    # Server
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = None
+    grace_period: float = 30.0
+    admin_token: str | None = field(default=None, repr=False)
+    api_token: str | None = field(default=None, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    allowed_local_dirs: tuple[str, ...] = ()
+    log_level: str = "info"
+
+    @property
+    def lora_path_map(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for item in self.lora_paths:
+            name, sep, source = item.partition("=")
+            if not sep or not name or not source:
+                raise ValueError(f"--lora-paths expects NAME=SOURCE, got {item!r}")
+            out[name] = source
+        return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m services.inference", description="loraplex inference service")
+    d = ServerArgs()
+    a = p.add_argument
+    a("--model-path", required=True, help="HF directory or Hub id of the base model")
+    a("--device", default=d.device, choices=["auto", "cuda", "cpu"])
+    a("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
+    a("--tp-size", type=int, default=d.tp_size)
+    a("--seed", type=int, default=d.seed)
+    a("--lora-paths", nargs="*", default=[], metavar="NAME=SOURCE")
+    a("--max-loras-per-batch", type=int, default=d.max_loras_per_batch)
+    a("--lora-backend", default=None, choices=["triton", "torch"])
+    a("--max-lora-rank", type=int, default=None)
+    a("--lora-target-modules", nargs="*", default=None, help="module names, or 'all'")
+    a("--max-loaded-loras", type=int, default=None)
+    a("--adapter-store", default=d.adapter_store, help="HOST:PORT of the adapter store, or 'none'")
+    a("--mem-fraction-static", type=float, default=d.mem_fraction_static)
+    a("--max-total-tokens", type=int, default=None)
+    a("--page-size", type=int, default=d.page_size)
+    a("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    a("--max-running-requests", type=int, default=d.max_running_requests)
+    a("--context-length", type=int, default=None)
+    a("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
+    a("--disable-cuda-graph", action="store_true")
+    a("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
+    a("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
+    a("--max-inputs-per-request", type=int, default=d.max_inputs_per_request)
+    a("--max-message-bytes", type=int, default=d.max_message_bytes)
+    a("--max-queued-requests", type=int, default=d.max_queued_requests)
+    a("--host", default=d.host)
+    a("--port", type=int, default=d.port)
+    a("--metrics-port", type=int, default=None)
+    a("--grace-period", type=float, default=d.grace_period)
+    a("--admin-token", default=None)
+    a("--api-token", default=None)
+    a("--tls-cert", default=None)
+    a("--tls-key", default=None)
+    a("--tls-ca", default=None)
+    a("--allowed-local-dirs", nargs="*", default=[])
+    a("--log-level", default=d.log_level)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    ns = build_parser().parse_args(argv)
+    values = vars(ns)
+    for key in ("lora_paths", "allowed_local_dirs"):
+        values[key] = tuple(values[key])
+    if values["lora_target_modules"] is not None:
+        values["lora_target_modules"] = tuple(values["lora_target_modules"])
+    names = {f.name for f in dataclasses.fields(ServerArgs)}
+    args = ServerArgs(**{k: v for k, v in values.items() if k in names})
+    args.lora_path_map  # noqa: B018 - validates NAME=SOURCE early
+    return args

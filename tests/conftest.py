@@ -1,0 +1,48 @@
+"""Shared fixtures: the embedded SmolLM2, tiny random models and a PEFT adapter factory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.factories import make_peft_adapter, make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The converted embedded model (`make model` makes it; this converts if missing)."""
+    from services.inference.default_model import ensure_model
+
+    return ensure_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory, smollm2_path) -> Path:
+    """2-layer, hidden-64 random Llama with GQA (4 heads, 2 KV heads) and SmolLM2's tokenizer."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tokenizer_from=smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_path(tmp_path_factory, smollm2_path) -> Path:
+    """2-layer random Qwen2 (q/k/v biases) with SmolLM2's tokenizer."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", tokenizer_from=smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def adapter_factory(tmp_path_factory) -> Callable[..., Path]:
+    """`adapter_factory(base_path, name, r=8, lora_alpha=16, target_modules=[...], ...)` -> dir.
+
+    Adapters are cached per (base, name, kwargs) for the session.
+    """
+    cache: dict[tuple, Path] = {}
+
+    def make(base_path: Path, name: str, **kwargs) -> Path:
+        key = (str(base_path), name, repr(sorted(kwargs.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"adapter-{name}")
+            cache[key] = make_peft_adapter(base_path, out, **kwargs)
+        return cache[key]
+
+    return make
