@@ -28,6 +28,7 @@ class ServerArgs:
     lora_target_modules: tuple[str, ...] | None = None  # None = inferred, else all
     max_loaded_loras: int | None = None  # host cache size; None = unbounded
     adapter_store: str = "none"  # HOST:PORT | none
+    adapter_cache_dir: str | None = None  # adapters pulled from the store; None = ~/.cache/loraplex/inference
     # Memory and batching
     mem_fraction_static: float = 0.88
     max_total_tokens: int | None = None
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lora-target-modules", nargs="*", default=None, help="module names, or 'all'")
     a("--max-loaded-loras", type=int, default=None)
     a("--adapter-store", default=d.adapter_store, help="HOST:PORT of the adapter store, or 'none'")
+    a("--adapter-cache-dir", default=None, help="where adapters pulled from the store are kept")
     a("--mem-fraction-static", type=float, default=d.mem_fraction_static)
     a("--max-total-tokens", type=int, default=None)
     a("--page-size", type=int, default=d.page_size)

@@ -1,0 +1,22 @@
+"""`python -m services.inference --model-path PATH [flags]` (design brief §5)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from services.inference.server import main
+from services.inference.server_args import parse_args
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(run())

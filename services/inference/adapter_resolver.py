@@ -1,0 +1,174 @@
+"""Which adapters exist for this server: engine-resident, or pulled on demand from the store.
+
+Resolution order for a name: loaded in the engine → adapter store (GetAdapter + one
+PullAdapter, then engine load) → `AdapterNotFound`. Also counts requests in flight per
+adapter, so a store delete (WatchAdapters) unloads an adapter only once they finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from services.inference.engine.types import AdapterInfo
+from services.inference.errors import AdapterNotFound, InvalidRequest, LoraplexError
+from services.inference.metrics import Metrics
+from services.inference.store_client import StoreClient
+
+log = logging.getLogger(__name__)
+
+
+async def call(fn, *args: Any, **kwargs: Any) -> Any:
+    """Call an engine method that may be sync or async; sync ones run off the event loop."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    result = await asyncio.to_thread(fn, *args, **kwargs)
+    return await result if inspect.isawaitable(result) else result
+
+
+def local_path(source: str, allowed_dirs: tuple[str, ...]) -> Path:
+    """A local source (path or file:// URI) as a directory, checked against --allowed-local-dirs."""
+    raw = source.removeprefix("file://")
+    if source.startswith("hf://"):
+        raise InvalidRequest(
+            f"source {source!r} is a Hub reference; this server has no adapter store (--adapter-store none) "
+            "to fetch it, so give a local directory",
+            field="source",
+        )
+    path = Path(raw).expanduser().resolve()
+    if allowed_dirs and not any(path.is_relative_to(Path(d).expanduser().resolve()) for d in allowed_dirs):
+        raise InvalidRequest(f"source {source!r} is outside --allowed-local-dirs", field="source")
+    if not path.is_dir():
+        raise AdapterNotFound(f"adapter source {source!r} is not a directory on the server", field="source")
+    return path
+
+
+class AdapterResolver:
+    def __init__(self, engine, store: StoreClient | None, metrics: Metrics, allowed_dirs: tuple[str, ...] = ()):
+        self.engine = engine
+        self.store = store
+        self.metrics = metrics
+        self.allowed_dirs = allowed_dirs
+        self.in_flight: Counter[str] = Counter()
+        self._idle: dict[str, asyncio.Event] = {}
+        self._loading: dict[str, asyncio.Task] = {}
+        self._deleting: dict[str, asyncio.Task] = {}
+
+    # -- requests in flight ---------------------------------------------------------------
+    def acquire(self, name: str) -> None:
+        self.in_flight[name] += 1
+        self._idle.setdefault(name, asyncio.Event()).clear()
+        self.metrics.adapter_requests.labels(name).inc()
+
+    def release(self, name: str) -> None:
+        self.in_flight[name] -= 1
+        if self.in_flight[name] <= 0:
+            del self.in_flight[name]
+            self._idle.setdefault(name, asyncio.Event()).set()
+
+    async def wait_idle(self, name: str) -> None:
+        if self.in_flight.get(name, 0) > 0:
+            await self._idle.setdefault(name, asyncio.Event()).wait()
+
+    # -- resolution -----------------------------------------------------------------------
+    async def ensure(self, names: set[str]) -> None:
+        """Make every named adapter available, or raise for the first that cannot be."""
+        names = {n for n in names if n}
+        results = await asyncio.gather(*(self._ensure_one(n) for n in sorted(names)), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _ensure_one(self, name: str) -> None:
+        if name in self._deleting:
+            await asyncio.shield(self._deleting[name])
+        if await call(self.engine.has_adapter, name):
+            return
+        if self.store is None:
+            raise AdapterNotFound(
+                f"adapter {name!r} is not loaded on this server (no adapter store configured; "
+                "load it with LoadAdapter or --lora-paths)",
+                adapter=name,
+            )
+        task = self._loading.get(name)
+        if task is None:
+            task = asyncio.create_task(self._pull_and_load(name, pin=False))
+            self._loading[name] = task
+            task.add_done_callback(lambda _t, n=name: self._loading.pop(n, None))
+        await asyncio.shield(task)
+
+    async def _pull_and_load(self, name: str, *, pin: bool) -> AdapterInfo:
+        assert self.store is not None
+        pulled = await self.store.fetch(name)
+        return await self._engine_load(name, pulled.path, pin)
+
+    async def _engine_load(self, name: str, path: Path, pin: bool) -> AdapterInfo:
+        info = await call(self.engine.load_adapter, name, str(path), pin)
+        self.metrics.adapter_loads.labels(name).inc()
+        log.info("adapter %s loaded from %s (pin=%s)", name, path, pin)
+        return info
+
+    # -- explicit management ----------------------------------------------------------------
+    async def load(self, name: str, source: str, revision: str, pin: bool) -> AdapterInfo:
+        if not name:
+            raise InvalidRequest("name must not be empty", field="name")
+        if not source:
+            raise InvalidRequest("source must not be empty", field="source")
+        if await call(self.engine.has_adapter, name):
+            await self.wait_idle(name)
+            await call(self.engine.unload_adapter, name)
+        if self.store is None:
+            return await self._engine_load(name, local_path(source, self.allowed_dirs), pin)
+        if not source.startswith("hf://") and "://" not in source and Path(source).expanduser().exists():
+            local_path(source, self.allowed_dirs)  # the store reads it; still honour the allow-list
+        await self.store.register(name, source, revision)
+        return await self._pull_and_load(name, pin=pin)
+
+    async def unload(self, name: str) -> None:
+        if not name:
+            raise InvalidRequest("name must not be empty", field="name")
+        if not await call(self.engine.has_adapter, name):
+            raise AdapterNotFound(f"adapter {name!r} is not loaded on this server", adapter=name)
+        await call(self.engine.unload_adapter, name)
+
+    async def on_store_deleted(self, name: str, digest: str) -> None:
+        """Store delete event: drop the adapter here once its running requests finish."""
+        if name in self._deleting:
+            return
+        task = asyncio.create_task(self._drop_when_idle(name))
+        self._deleting[name] = task
+        task.add_done_callback(lambda _t: self._deleting.pop(name, None))
+
+    async def _drop_when_idle(self, name: str) -> None:
+        await self.wait_idle(name)
+        try:
+            if await call(self.engine.has_adapter, name):
+                await call(self.engine.unload_adapter, name)
+                log.info("adapter %s deleted in the store; unloaded here", name)
+        except LoraplexError as exc:
+            log.warning("could not unload deleted adapter %s: %s", name, exc)
+
+    async def list(self) -> list[AdapterInfo]:
+        adapters = list(await call(self.engine.list_adapters))
+        for info in adapters:
+            info.requests_in_flight = max(info.requests_in_flight, self.in_flight.get(info.name, 0))
+        if self.store is not None:
+            here = {a.name for a in adapters}
+            try:
+                records = await self.store.list()
+            except LoraplexError as exc:
+                log.warning("ListAdapters: store unavailable, listing local adapters only: %s", exc)
+                records = []
+            for rec in records:
+                if rec.name not in here:
+                    adapters.append(
+                        AdapterInfo(
+                            name=rec.name, rank=rec.rank, alpha=rec.alpha, target_modules=list(rec.target_modules),
+                            location="store", source=rec.source, digest=rec.digest,
+                        )
+                    )
+        return adapters

@@ -1,0 +1,197 @@
+"""The inference gRPC server: Inference + Health + reflection, engine start-up, SIGTERM drain.
+
+Lifecycle: bind and answer Health (NOT_SERVING) at once → build and warm the engine in
+the background → SERVING. On SIGTERM/SIGINT: NOT_SERVING, new work is refused with
+UNAVAILABLE, running RPCs get up to --grace-period to finish, then the server stops and
+the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from loraplex.v1 import inference_pb2, inference_pb2_grpc
+
+from services.inference.adapter_resolver import AdapterResolver, call
+from services.inference.default_model import default_cache_dir
+from services.inference.engine.types import SamplingParams
+from services.inference.metrics import Metrics
+from services.inference.server_args import ServerArgs
+from services.inference.servicer import InferenceServicer, ServerState
+from services.inference.store_client import StoreClient
+
+log = logging.getLogger("services.inference")
+
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+METRICS_REFRESH_S = 1.0
+
+
+def grpc_options(args: ServerArgs) -> list[tuple[str, int]]:
+    """Message limits and keepalive that let a long unary Generate live.
+
+    The server pings idle connections every 30 s and lets clients ping every 10 s even
+    with no data in flight; clients should set `grpc.keepalive_time_ms` >= 10000
+    (docs/walkthrough.md). grpc's own size limit sits above --max-message-bytes so an
+    oversized request gets our INVALID_ARGUMENT rather than grpc's RESOURCE_EXHAUSTED.
+    """
+    limit = args.max_message_bytes + (1 << 20)
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def _load_build_engine():
+    """The engine's factory, or the reason it is not there yet."""
+    for module in ("services.inference.engine", "services.inference.engine.async_engine"):
+        try:
+            factory = getattr(importlib.import_module(module), "build_engine", None)
+        except ImportError as exc:
+            return None, f"engine not available in this build: {exc}"
+        if factory is not None:
+            return factory, ""
+    return None, "engine not available in this build: services.inference.engine has no build_engine"
+
+
+class InferenceServer:
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.state = ServerState()
+        self.metrics = Metrics()
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=grpc_options(args))
+        self.store: StoreClient | None = None
+        self.port = 0
+        self._tasks: list[asyncio.Task] = []
+        self._stop = asyncio.Event()
+
+    async def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def start(self) -> int:
+        inference_pb2_grpc.add_InferenceServicer_to_server(
+            InferenceServicer(self.args, self.state, self.metrics), self.server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        await self._set_health(False)
+        self.port = self.server.add_insecure_port(f"{self.args.host}:{self.args.port}")
+        if self.port == 0:
+            raise SystemExit(f"could not bind {self.args.host}:{self.args.port}")
+        await self.server.start()
+        log.info("listening on %s:%d", self.args.host, self.port)
+        if self.args.metrics_port is not None:
+            mport = self.metrics.serve(self.args.host, self.args.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", self.args.host, mport)
+        if self.args.adapter_store and self.args.adapter_store != "none":
+            cache = Path(self.args.adapter_cache_dir or default_cache_dir() / "inference")
+            self.store = StoreClient(self.args.adapter_store, cache, on_pull=self._on_pull)
+        self._tasks.append(asyncio.create_task(self._bring_up()))
+        return self.port
+
+    def _on_pull(self, nbytes: int) -> None:
+        self.metrics.store_pulls.inc()
+        self.metrics.store_pull_bytes.inc(nbytes)
+
+    async def _bring_up(self) -> None:
+        factory, reason = _load_build_engine()
+        if factory is None:
+            self.state.not_ready_reason = reason
+            log.error("%s; engine RPCs answer UNIMPLEMENTED", reason)
+            return
+        try:
+            engine = await call(factory, self.args)
+            resolver = AdapterResolver(engine, self.store, self.metrics, self.args.allowed_local_dirs)
+            await self._preload(engine, resolver)
+            await self._warm_up(engine)
+        except Exception as exc:
+            log.exception("engine failed to start")
+            self.state.not_ready_reason = f"engine failed to start: {exc}"
+            self._stop.set()
+            self.exit_code = 1
+            return
+        self.state.engine, self.state.resolver = engine, resolver
+        if self.store is not None:
+            self._tasks.append(asyncio.create_task(self.store.watch(resolver.on_store_deleted)))
+        self._tasks.append(asyncio.create_task(self._refresh_metrics()))
+        if not self.state.draining:
+            await self._set_health(True)
+            log.info("model loaded and warmed up: SERVING")
+
+    async def _preload(self, engine, resolver: AdapterResolver) -> None:
+        """--lora-paths the engine did not load itself (it loads them when it can)."""
+        for name, source in self.args.lora_path_map.items():
+            if not await call(engine.has_adapter, name):
+                await resolver.load(name, source, "", pin=False)
+
+    async def _warm_up(self, engine) -> None:
+        params = SamplingParams(max_new_tokens=2)
+        async for _ in engine.generate("warmup", "Hello", None, params):
+            pass
+
+    async def _refresh_metrics(self) -> None:
+        while True:
+            try:
+                self.metrics.observe_engine(await call(self.state.engine.stats))
+                self.metrics.observe_adapters(list(await call(self.state.engine.list_adapters)))
+            except Exception:  # noqa: BLE001 - metrics never take the server down
+                log.debug("metrics refresh failed", exc_info=True)
+            await asyncio.sleep(METRICS_REFRESH_S)
+
+    async def drain(self) -> None:
+        """Refuse new work, let running RPCs finish up to the grace period, then stop."""
+        log.info("draining: %d RPCs running, grace %.1fs", self.state.active_rpcs, self.args.grace_period)
+        self.state.draining = True
+        await self._set_health(False)
+        try:
+            await asyncio.wait_for(self.state.idle.wait(), timeout=self.args.grace_period)
+        except TimeoutError:
+            log.warning("grace period over with %d RPCs running; cancelling them", self.state.active_rpcs)
+        await self.server.stop(grace=1.0)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                await task
+        if self.store is not None:
+            await self.store.close()
+        engine = self.state.engine
+        for name in ("shutdown", "close", "stop"):
+            if engine is not None and callable(getattr(engine, name, None)):
+                await call(getattr(engine, name))
+                break
+        log.info("stopped")
+
+    async def run_until_signal(self) -> int:
+        self.exit_code = 0
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        await self.start()
+        await self._stop.wait()
+        await self.drain()
+        return self.exit_code
+
+
+def main(args: ServerArgs) -> int:
+    async def run() -> int:
+        # grpc.aio objects bind to the running loop: build the server inside it.
+        return await InferenceServer(args).run_until_signal()
+
+    return asyncio.run(run())

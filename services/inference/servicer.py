@@ -1,0 +1,308 @@
+"""`loraplex.v1.Inference` over the engine: proto ⇄ engine types, limits, status codes.
+
+Thin on purpose: the engine schedules, the resolver finds adapters, this file validates
+the request, fans a batch out into engine requests and gathers (or streams) the results.
+A cancelled or expired RPC aborts every unfinished engine request it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import grpc
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
+
+from services.inference.adapter_resolver import AdapterResolver, call
+from services.inference.engine.types import RequestOutput, SamplingParams
+from services.inference.errors import InvalidRequest, LoraplexError
+from services.inference.metrics import Metrics, adapter_label
+from services.inference.server_args import ServerArgs
+from services.inference.status import abort_with, build_status, status_for
+
+log = logging.getLogger(__name__)
+
+LOCATION = {"gpu": pb.ADAPTER_LOCATION_GPU, "host": pb.ADAPTER_LOCATION_HOST, "store": pb.ADAPTER_LOCATION_STORE}
+
+
+class ServerState:
+    """What the servicer needs from the server: the engine once built, and the drain flag."""
+
+    def __init__(self) -> None:
+        self.engine = None
+        self.resolver: AdapterResolver | None = None
+        self.not_ready_reason = "the model is still loading"
+        self.draining = False
+        self.active_rpcs = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+
+def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
+    """Proto → engine; proto zeros mean 'server default' / 'off'."""
+    params = SamplingParams(
+        max_new_tokens=p.max_new_tokens or args.default_max_new_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p or 1.0,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
+    )
+    params.validate(args.max_new_tokens_limit)
+    return params
+
+
+def adapters_per_input(request: pb.GenerateRequest) -> list[str]:
+    n, adapters = len(request.text), list(request.adapter)
+    if not adapters:
+        return [""] * n
+    if len(adapters) == 1:
+        return adapters * n
+    if len(adapters) != n:
+        raise InvalidRequest(
+            f"adapter has {len(adapters)} entries for {n} texts; give one per text, one for all, or none",
+            field="adapter",
+        )
+    return adapters
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, args: ServerArgs, state: ServerState, metrics: Metrics) -> None:
+        self.args = args
+        self.state = state
+        self.metrics = metrics
+
+    # -- plumbing ---------------------------------------------------------------------------
+    async def _begin(self, context: grpc.aio.ServicerContext, method: str):
+        if self.state.draining:
+            self.metrics.rpcs.labels(method, "UNAVAILABLE").inc()
+            await abort_with(context, build_status(grpc.StatusCode.UNAVAILABLE, "server is draining; retry elsewhere"))
+        if self.state.engine is None:
+            code = grpc.StatusCode.UNAVAILABLE
+            if self.state.not_ready_reason.startswith("engine not available"):
+                code = grpc.StatusCode.UNIMPLEMENTED
+            self.metrics.rpcs.labels(method, code.name).inc()
+            await abort_with(context, build_status(code, self.state.not_ready_reason))
+        self.state.active_rpcs += 1
+        self.state.idle.clear()
+        return self.state.engine, self.state.resolver
+
+    def _end(self) -> None:
+        self.state.active_rpcs -= 1
+        if self.state.active_rpcs == 0:
+            self.state.idle.set()
+
+    async def _fail(self, context, method: str, exc: LoraplexError) -> None:
+        status = status_for(exc)
+        self.metrics.rpcs.labels(method, status.code.name).inc()
+        log.info("%s failed: %s %s", method, status.code.name, exc.message)
+        await abort_with(context, status)
+
+    async def _prepare(self, engine, resolver: AdapterResolver, request: pb.GenerateRequest):
+        """Validate everything and resolve every adapter before any engine work starts."""
+        if request.ByteSize() > self.args.max_message_bytes:
+            raise InvalidRequest(
+                f"request is {request.ByteSize()} bytes; this server accepts at most {self.args.max_message_bytes}"
+                " (--max-message-bytes)", field="text")
+        n = len(request.text)
+        if n == 0:
+            raise InvalidRequest("text must have at least one entry", field="text")
+        if n > self.args.max_inputs_per_request:
+            raise InvalidRequest(
+                f"{n} texts in one request; this server accepts at most {self.args.max_inputs_per_request}"
+                " (--max-inputs-per-request)", field="text")
+        adapters = adapters_per_input(request)
+        params = to_engine_params(request.sampling_params, self.args)
+        context_length = (await call(engine.model_info)).context_length
+        prompts = []
+        for i, text in enumerate(request.text):
+            if not text:
+                raise InvalidRequest(f"text[{i}] is empty", field=f"text[{i}]")
+            ids = list(await call(engine.tokenize, text))
+            if context_length and len(ids) + 1 > context_length:
+                raise InvalidRequest(
+                    f"text[{i}] has {len(ids)} tokens; the model's context length is {context_length}",
+                    field=f"text[{i}]")
+            prompts.append(ids)
+        await resolver.ensure(set(adapters))
+        return prompts, adapters, params
+
+    async def _run(self, engine, resolver, prompts, adapters, params) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every input as one engine request; yield (index, output) as they arrive."""
+        rpc_id = uuid.uuid4().hex[:12]
+        queue: asyncio.Queue = asyncio.Queue()
+        unfinished = {f"{rpc_id}-{i}" for i in range(len(prompts))}
+
+        async def pump(i: int) -> None:
+            rid, adapter = f"{rpc_id}-{i}", adapters[i] or None
+            last, first = time.monotonic(), True
+            try:
+                async for out in engine.generate(rid, prompts[i], adapter, params):
+                    if out.new_token_ids:
+                        now = time.monotonic()
+                        (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
+                        last, first = now, False
+                    if out.finished:
+                        unfinished.discard(rid)
+                    await queue.put((i, out))
+            except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
+                await queue.put((i, exc))
+
+        for name in adapters:
+            if name:
+                resolver.acquire(name)
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+        done = 0
+        try:
+            while done < len(tasks):
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    done += 1
+                    self._count(adapters[i], item)
+                yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            if unfinished:
+                self.metrics.aborted.labels("cancelled").inc(len(unfinished))
+                for rid in unfinished:
+                    try:
+                        await call(engine.abort, rid)
+                    except Exception:  # noqa: BLE001 - aborting is best effort, the KV is the engine's
+                        log.exception("abort %s failed", rid)
+                log.info("aborted %d unfinished engine requests of rpc %s", len(unfinished), rpc_id)
+            for name in adapters:
+                if name:
+                    resolver.release(name)
+
+    def _count(self, adapter: str, out: RequestOutput) -> None:
+        label = adapter_label(adapter)
+        self.metrics.requests.labels(label, "OK").inc()
+        self.metrics.prompt_tokens.labels(label).inc(out.prompt_tokens)
+        self.metrics.completion_tokens.labels(label).inc(out.completion_tokens)
+
+    # -- generation -------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        engine, resolver = await self._begin(context, "Generate")
+        try:
+            prompts, adapters, params = await self._prepare(engine, resolver, request)
+            texts = [[] for _ in prompts]
+            ids = [[] for _ in prompts]
+            final: list[RequestOutput | None] = [None] * len(prompts)
+            async with aclosing(self._run(engine, resolver, prompts, adapters, params)) as stream:
+                async for i, out in stream:
+                    texts[i].append(out.new_text)
+                    ids[i].extend(out.new_token_ids)
+                    if out.finished:
+                        final[i] = out
+            completions = [
+                pb.Completion(
+                    text="".join(texts[i]), token_ids=ids[i], finish_reason=f.finish_reason or "",
+                    prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens, adapter=adapters[i],
+                )
+                for i, f in enumerate(final)
+            ]
+            self.metrics.rpcs.labels("Generate", "OK").inc()
+            return pb.GenerateResponse(completions=completions)
+        except LoraplexError as exc:
+            await self._fail(context, "Generate", exc)
+        finally:
+            self._end()
+
+    async def GenerateStream(self, request, context):
+        engine, resolver = await self._begin(context, "GenerateStream")
+        try:
+            prompts, adapters, params = await self._prepare(engine, resolver, request)
+            async with aclosing(self._run(engine, resolver, prompts, adapters, params)) as stream:
+                async for i, out in stream:
+                    if not out.finished and not out.new_token_ids and not out.new_text:
+                        continue
+                    msg = pb.GenerateStreamResponse(index=i, text=out.new_text, token_ids=out.new_token_ids)
+                    if out.finished:
+                        msg.finish_reason = out.finish_reason or ""
+                        msg.prompt_tokens = out.prompt_tokens
+                        msg.completion_tokens = out.completion_tokens
+                    yield msg
+            self.metrics.rpcs.labels("GenerateStream", "OK").inc()
+        except LoraplexError as exc:
+            await self._fail(context, "GenerateStream", exc)
+        finally:
+            self._end()
+
+    # -- adapters and model -----------------------------------------------------------------
+    async def _simple(self, context, method: str, work):
+        engine, resolver = await self._begin(context, method)
+        try:
+            result = await work(engine, resolver)
+            self.metrics.rpcs.labels(method, "OK").inc()
+            return result
+        except LoraplexError as exc:
+            await self._fail(context, method, exc)
+        finally:
+            self._end()
+
+    async def LoadAdapter(self, request, context):
+        async def work(engine, resolver):
+            info = await resolver.load(request.name, request.source, request.revision, request.pin)
+            return pb.LoadAdapterResponse(adapter=adapter_proto(info))
+
+        return await self._simple(context, "LoadAdapter", work)
+
+    async def UnloadAdapter(self, request, context):
+        async def work(engine, resolver):
+            await resolver.unload(request.name)
+            return pb.UnloadAdapterResponse(name=request.name)
+
+        return await self._simple(context, "UnloadAdapter", work)
+
+    async def ListAdapters(self, request, context):
+        async def work(engine, resolver):
+            adapters = await resolver.list()
+            self.metrics.observe_adapters(adapters)
+            return pb.ListAdaptersResponse(adapters=[adapter_proto(a) for a in adapters])
+
+        return await self._simple(context, "ListAdapters", work)
+
+    async def GetModelInfo(self, request, context):
+        async def work(engine, resolver):
+            m = await call(engine.model_info)
+            return pb.ModelInfo(
+                model=m.model, dtype=m.dtype, device=m.device, max_loras_per_batch=m.max_loras_per_batch,
+                max_lora_rank=m.max_lora_rank, lora_target_modules=list(m.lora_target_modules),
+                lora_backend=m.lora_backend, tp_size=m.tp_size, context_length=m.context_length,
+                max_new_tokens_limit=self.args.max_new_tokens_limit,
+                max_inputs_per_request=self.args.max_inputs_per_request,
+            )
+
+        return await self._simple(context, "GetModelInfo", work)
+
+    async def Tokenize(self, request, context):
+        async def work(engine, resolver):
+            ids = list(await call(engine.tokenize, request.text))
+            tokenizer = getattr(engine, "tokenizer", None)
+            tokens = tokenizer.convert_ids_to_tokens(ids) if tokenizer is not None else []
+            return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
+
+        return await self._simple(context, "Tokenize", work)
+
+
+def adapter_proto(info) -> pb.AdapterInfo:
+    return pb.AdapterInfo(
+        name=info.name, rank=info.rank, alpha=info.alpha, target_modules=list(info.target_modules),
+        location=LOCATION.get(info.location, pb.ADAPTER_LOCATION_UNSPECIFIED), pinned=info.pinned,
+        requests_in_flight=info.requests_in_flight, source=info.source, digest=info.digest,
+        slot=info.slot if info.location == "gpu" else -1,
+    )

@@ -1,0 +1,201 @@
+"""The inference side of the adapter store: resolve a name, pull it once, watch for deletes.
+
+`fetch(name)` asks the store (`GetAdapter`), and unless the digest is already in the local
+cache (`<cache>/<hex digest>/`), streams `PullAdapter`, checks the sha256 of both files
+against the record and renames a finished temp dir into place, so a reader never sees a
+half-written adapter. Concurrent fetches of one name share one pull (single flight).
+`watch(on_deleted)` follows `WatchAdapters`, reconnecting with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import grpc
+from loraplex.v1 import adapter_store_pb2 as pb
+from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
+
+from services.inference.errors import (
+    AdapterIncompatible,
+    AdapterInvalid,
+    AdapterNotFound,
+    BackendUnavailable,
+    LoraplexError,
+)
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+class PulledAdapter(NamedTuple):
+    name: str
+    path: Path
+    record: pb.AdapterRecord
+
+
+def _hex(digest: str) -> str:
+    return digest.split(":", 1)[1] if ":" in digest else digest
+
+
+def _map_rpc_error(err: grpc.RpcError, name: str, what: str) -> LoraplexError:
+    code = err.code()
+    detail = err.details() or ""
+    if code == grpc.StatusCode.NOT_FOUND:
+        return AdapterNotFound(f"adapter {name!r} is not loaded here and not in the adapter store", adapter=name)
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+        cls = AdapterInvalid if code == grpc.StatusCode.INVALID_ARGUMENT else AdapterIncompatible
+        return cls(f"adapter store rejected {name!r}: {detail}", adapter=name)
+    return BackendUnavailable(f"adapter store {what} for {name!r} failed ({code.name}): {detail}", adapter=name)
+
+
+class StoreClient:
+    """Talks to one adapter store at `target` (HOST:PORT); all methods are coroutines."""
+
+    def __init__(self, target: str, cache_dir: Path, *, on_pull: Callable[[int], None] | None = None) -> None:
+        self.target = target
+        self.cache_dir = Path(cache_dir)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._channel = grpc.aio.insecure_channel(
+            target, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+        )
+        self._stub = pb_grpc.AdapterStoreStub(self._channel)
+        self._inflight: dict[str, asyncio.Future[PulledAdapter]] = {}
+        self._on_pull = on_pull
+        self.pulls = 0  # completed PullAdapter streams, for metrics and tests
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def get(self, name: str, timeout: float = 10.0) -> pb.AdapterRecord:
+        try:
+            return await self._stub.GetAdapter(pb.GetAdapterRequest(name=name), timeout=timeout)
+        except grpc.RpcError as err:
+            raise _map_rpc_error(err, name, "GetAdapter") from None
+
+    async def register(self, name: str, source: str, revision: str = "", timeout: float = 600.0) -> pb.AdapterRecord:
+        try:
+            req = pb.RegisterAdapterRequest(name=name, source=source, revision=revision)
+            return await self._stub.RegisterAdapter(req, timeout=timeout)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                raise AdapterNotFound(f"adapter source {source!r} not found: {err.details()}", adapter=name) from None
+            raise _map_rpc_error(err, name, "RegisterAdapter") from None
+
+    async def list(self) -> list[pb.AdapterRecord]:
+        out: list[pb.AdapterRecord] = []
+        token = ""
+        while True:
+            try:
+                resp = await self._stub.ListAdapters(pb.ListStoreAdaptersRequest(page_token=token), timeout=10.0)
+            except grpc.RpcError as err:
+                raise _map_rpc_error(err, "*", "ListAdapters") from None
+            out.extend(resp.adapters)
+            token = resp.next_page_token
+            if not token:
+                return out
+
+    async def fetch(self, name: str) -> PulledAdapter:
+        """The adapter's local directory, pulling it from the store if needed (one pull per name at a time)."""
+        pending = self._inflight.get(name)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[PulledAdapter] = asyncio.get_running_loop().create_future()
+        self._inflight[name] = future
+        try:
+            result = await self._fetch(name)
+            future.set_result(result)
+            return result
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # mark retrieved: waiters re-raise it, nobody else must
+            raise
+        finally:
+            self._inflight.pop(name, None)
+
+    async def _fetch(self, name: str) -> PulledAdapter:
+        record = await self.get(name)
+        local = self.cache_dir / _hex(record.digest)
+        if (local / WEIGHTS_FILE).exists() and (local / CONFIG_FILE).exists():
+            return PulledAdapter(name, local, record)
+        return await self._pull(name, local)
+
+    async def _pull(self, name: str, local: Path) -> PulledAdapter:
+        tmp = Path(tempfile.mkdtemp(prefix=".pull-", dir=self.cache_dir))
+        try:
+            record, nbytes = await self._stream_into(name, tmp)
+            target = self.cache_dir / _hex(record.digest)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not (target / WEIGHTS_FILE).exists():  # lost a race with a complete copy: fine
+                    raise
+            self.pulls += 1
+            if self._on_pull is not None:
+                self._on_pull(nbytes)
+            log.info("pulled adapter %s (%s, %d bytes) into %s", name, record.digest, nbytes, target)
+            return PulledAdapter(name, target, record)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    async def _stream_into(self, name: str, tmp: Path) -> tuple[pb.AdapterRecord, int]:
+        record: pb.AdapterRecord | None = None
+        weights = hashlib.sha256()
+        nbytes = 0
+        try:
+            with open(tmp / WEIGHTS_FILE, "wb") as out:
+                async for chunk in self._stub.PullAdapter(pb.PullAdapterRequest(name=name), timeout=600.0):
+                    if chunk.WhichOneof("payload") == "header":
+                        record = chunk.header.record
+                        config = chunk.header.adapter_config_json.encode()
+                        if record.config_digest and hashlib.sha256(config).hexdigest() != _hex(record.config_digest):
+                            raise AdapterInvalid(f"adapter {name!r}: adapter_config.json digest mismatch", adapter=name)
+                        (tmp / CONFIG_FILE).write_bytes(config)
+                    else:
+                        weights.update(chunk.data)
+                        out.write(chunk.data)
+                        nbytes += len(chunk.data)
+                out.flush()
+                os.fsync(out.fileno())
+        except grpc.RpcError as err:
+            raise _map_rpc_error(err, name, "PullAdapter") from None
+        if record is None:
+            raise BackendUnavailable(f"adapter store sent no header for {name!r}", adapter=name)
+        if "sha256:" + weights.hexdigest() != record.digest and weights.hexdigest() != record.digest:
+            raise BackendUnavailable(
+                f"adapter {name!r}: pulled bytes hash to sha256:{weights.hexdigest()}, record says {record.digest}",
+                adapter=name,
+            )
+        return record, nbytes
+
+    async def watch(self, on_deleted: Callable[[str, str], Awaitable[None]]) -> None:
+        """Follow store events forever; call `on_deleted(name, digest)` per delete. Reconnects."""
+        last_id = ""
+        backoff = 0.5
+        while True:
+            try:
+                stream = self._stub.WatchAdapters(pb.WatchAdaptersRequest(last_event_id=last_id))
+                async for event in stream:
+                    backoff = 0.5
+                    last_id = event.id or last_id
+                    if event.type == "deleted":
+                        await on_deleted(event.name, event.digest)
+            except asyncio.CancelledError:
+                raise
+            except grpc.RpcError as err:
+                log.warning("WatchAdapters on %s: %s (%s); reconnecting in %.1fs",
+                            self.target, err.code().name, err.details(), backoff)
+            except Exception:
+                log.exception("WatchAdapters handler failed; reconnecting")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
