@@ -1,0 +1,126 @@
+"""Per-step LoRA batch metadata: tokens grouped by adapter slot, in fixed-address device tensors.
+
+`build_segments` runs once per forward (not per layer) and only issues device ops, so it
+can sit inside a captured CUDA graph: no `.item()`, no data-dependent shapes, no host sync.
+
+Grouping: a stable sort of the batch's tokens by slot gives `sorted_tokens` (tokens with
+slot -1 last, never touched by a kernel). The slot-sorted list is cut into *token blocks*
+of `block_m` tokens that never straddle two slots; block `b` covers
+`sorted_tokens[block_start[b]:block_end[b]]`, all of slot `block_slot[b]` (-1: unused
+block, the kernel program exits at once). The kernels launch a fixed grid of
+`num_blocks_bound(T, ...)` blocks on axis 0, which is an upper bound on the real number,
+so the grid never depends on the batch's contents. One map is kept per block size in
+`BLOCK_MS` (small blocks for decode, large for prefill).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# Token-block sizes the kernels may use; a block map is built for each.
+BLOCK_MS: tuple[int, ...] = (16, 64)
+
+
+class LoRASegments(NamedTuple):
+    """Preallocated per-step metadata (all int32, on one device; addresses never change).
+
+    token_slots:   [max_tokens]           copy of the step's slots (-1 = no adapter)
+    sorted_tokens: [max_tokens]           token indices ordered by slot, -1 tokens last
+    slot_start:    [num_slots]            first position of each slot in `sorted_tokens`
+    slot_count:    [num_slots]            number of tokens of each slot
+    block_slot:    [len(BLOCK_MS), max_blocks]  slot of each token block, -1 = unused
+    block_start:   [len(BLOCK_MS), max_blocks]  first position (in `sorted_tokens`)
+    block_end:     [len(BLOCK_MS), max_blocks]  one past the last position
+    """
+
+    token_slots: torch.Tensor
+    sorted_tokens: torch.Tensor
+    slot_start: torch.Tensor
+    slot_count: torch.Tensor
+    block_slot: torch.Tensor
+    block_start: torch.Tensor
+    block_end: torch.Tensor
+
+    @property
+    def max_tokens(self) -> int:
+        return self.token_slots.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_start.shape[0]
+
+    def blocks_for(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block_slot, block_start, block_end) rows of the map built for `block_m`."""
+        i = BLOCK_MS.index(block_m)
+        return self.block_slot[i], self.block_start[i], self.block_end[i]
+
+
+def num_blocks_bound(num_tokens: int, num_slots: int, block_m: int) -> int:
+    """Most token blocks `num_tokens` tokens over `num_slots` slots can need (host-side, static)."""
+    return -(-num_tokens // block_m) + min(num_slots, num_tokens)
+
+
+def alloc_segments(max_tokens: int, num_slots: int, device: torch.device | str) -> LoRASegments:
+    """Allocate the metadata buffers once (before CUDA-graph capture)."""
+    if max_tokens < 1 or num_slots < 1:
+        raise ValueError(f"need max_tokens >= 1 and num_slots >= 1, got {max_tokens}, {num_slots}")
+    max_blocks = num_blocks_bound(max_tokens, num_slots, min(BLOCK_MS))
+
+    def i32(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=torch.int32, device=device)
+
+    nb = len(BLOCK_MS)
+    block_slot = torch.full((nb, max_blocks), -1, dtype=torch.int32, device=device)
+    return LoRASegments(
+        token_slots=torch.full((max_tokens,), -1, dtype=torch.int32, device=device),
+        sorted_tokens=i32(max_tokens),
+        slot_start=i32(num_slots),
+        slot_count=i32(num_slots),
+        block_slot=block_slot,
+        block_start=i32(nb, max_blocks),
+        block_end=i32(nb, max_blocks),
+    )
+
+
+def build_segments(token_slots: torch.Tensor, out: LoRASegments) -> LoRASegments:
+    """Group the step's tokens by slot into `out` (in place, device ops only); returns `out`.
+
+    `token_slots`: int32 `[T]` on `out`'s device, values in [-1, num_slots). Entries past
+    `T` in `out`'s token arrays are left as they were; kernels only look at the first `T`.
+    """
+    num_tokens = token_slots.shape[0]
+    num_slots = out.num_slots
+    if num_tokens > out.max_tokens:
+        raise ValueError(f"{num_tokens} tokens exceed the metadata's max_tokens={out.max_tokens}")
+    device = out.token_slots.device
+    slots = token_slots.to(device=device, dtype=torch.int32)
+    out.token_slots[:num_tokens].copy_(slots)
+    # Tokens without an adapter sort after every real slot and so fall out of all segments.
+    key = torch.where(slots >= 0, slots, num_slots).to(torch.int64)
+    order = torch.sort(key, stable=True).indices
+    out.sorted_tokens[:num_tokens].copy_(order)
+
+    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_slots]
+    starts = torch.cumsum(counts, 0) - counts
+    out.slot_count.copy_(counts)
+    out.slot_start.copy_(starts)
+
+    max_blocks = out.block_slot.shape[1]
+    block_ids = torch.arange(max_blocks, dtype=torch.int64, device=device)
+    for i, block_m in enumerate(BLOCK_MS):
+        nblk = (counts + block_m - 1) // block_m
+        cum = torch.cumsum(nblk, 0)
+        # Block b belongs to the first slot whose cumulative block count exceeds b.
+        slot_of = torch.searchsorted(cum, block_ids, right=True)
+        valid = slot_of < num_slots
+        s = slot_of.clamp(max=num_slots - 1)
+        first = starts[s] + (block_ids - (cum[s] - nblk[s])) * block_m
+        last = torch.minimum(first + block_m, starts[s] + counts[s])
+        out.block_slot[i].copy_(torch.where(valid, s, -1))
+        out.block_start[i].copy_(torch.where(valid, first, 0))
+        out.block_end[i].copy_(torch.where(valid, last, 0))
+    return out

@@ -1,0 +1,149 @@
+"""LoRA shrink: `y[t, i*R : i*R+r] = x[t] @ A[s, i*R : i*R+r]^T` for every token's slot `s`.
+
+One launch covers a whole mixed batch (decode tokens and prefill segments) and all `n`
+stacked modules of a group (q/k/v: n=3, gate/up: n=2). Programs are (stack x rank block,
+token block, K-split); a program whose rank block lies past its slot's rank for that
+stack exits at once, so a slot's real rank bounds the work and an untargeted module
+(rank 0) or a token without adapter (slot -1) costs nothing.
+
+Output `y` is float32, either `[T, n*R]` or `[S, T, n*R]`: with `S` K-splits each split
+writes its own partial sum (no atomics, no zeroing pass) and `lora_expand` adds the `S`
+partials as it reads them. Entries past a slot's rank, and rows of tokens without an
+adapter, are never written. Allocate with `alloc_shrink_out` and take `shrink_out_view`
+per step so `S` follows the block-size table.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_configs import shrink_config, shrink_splits
+from kernels.lora_meta import LoRASegments, num_blocks_bound
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, y_ptr, ranks_ptr, sorted_ptr, bslot_ptr, bstart_ptr, bend_ptr,
+    d, max_rank, k_per_split,
+    sx_t, sx_d, sa_s, sa_r, sa_d, sy_s, sy_t, sy_c, sr_s, sr_i,
+    R_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_sr = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    slot = tl.load(bslot_ptr + pid_b)
+    if slot < 0:
+        return
+    stack = pid_sr // R_BLOCKS
+    r0 = (pid_sr % R_BLOCKS) * BLOCK_R
+    rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
+    if r0 >= rank:
+        return
+    start = tl.load(bstart_ptr + pid_b)
+    end = tl.load(bend_ptr + pid_b)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < end
+    tok = tl.load(sorted_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    rows = stack * max_rank + offs_r
+
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, d)
+    x_rows = x_ptr + tok[:, None] * sx_t
+    a_rows = a_ptr + slot.to(tl.int64) * sa_s + rows[None, :].to(tl.int64) * sa_r
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(k_begin, k_end, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_end
+        xt = tl.load(x_rows + offs_k[None, :] * sx_d, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        at = tl.load(a_rows + offs_k[:, None] * sa_d, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        acc = tl.dot(xt, at, acc)
+    y_ptrs = y_ptr + pid_k * sy_s + tok[:, None] * sy_t + rows[None, :] * sy_c
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
+
+
+def alloc_shrink_out(
+    max_tokens: int, n_stack: int, max_rank: int, max_d: int, device: torch.device | str
+) -> torch.Tensor:
+    """Float32 buffer `[S_max, max_tokens, n_stack*max_rank]` for any step up to `max_tokens`."""
+    splits = max(shrink_splits(max_d, t) for t in (1, max_tokens))
+    return torch.empty((splits, max_tokens, n_stack * max_rank), dtype=torch.float32, device=device)
+
+
+def shrink_out_view(buf: torch.Tensor, d: int, num_tokens: int) -> torch.Tensor:
+    """The `[S, T, n*R]` slice of `buf` that `lora_shrink` fills for this `d` and token count."""
+    return buf[: shrink_splits(d, num_tokens), :num_tokens]
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    A: torch.Tensor,
+    ranks: torch.Tensor,
+    segs: LoRASegments,
+    y: torch.Tensor,
+) -> torch.Tensor:
+    """Triton shrink; see the module docstring. Returns `y`.
+
+    x: `[T, d]`; A: `[slots, n*R, d]` (one layer's view of the pool, same dtype as x);
+    ranks: int32 `[slots, n]`; segs: built by `build_segments` for these T tokens;
+    y: float32 `[T, n*R]` or `[S, T, n*R]` (S K-splits, see `shrink_out_view`).
+    """
+    num_tokens, d = x.shape
+    num_slots, n_rows, _ = A.shape
+    n_stack = ranks.shape[1]
+    max_rank = n_rows // n_stack
+    y3 = y.unsqueeze(0) if y.dim() == 2 else y
+    splits = y3.shape[0]
+    if num_tokens == 0:
+        return y
+    cfg = shrink_config(d, max_rank, num_tokens)
+    bslot, bstart, bend = segs.blocks_for(cfg.block_m)
+    r_blocks = triton.cdiv(max_rank, cfg.block_r)
+    k_per_split = triton.cdiv(triton.cdiv(d, splits), cfg.block_k) * cfg.block_k
+    grid = (n_stack * r_blocks, num_blocks_bound(num_tokens, num_slots, cfg.block_m), splits)
+    _shrink_kernel[grid](
+        x, A, y3, ranks, segs.sorted_tokens, bslot, bstart, bend,
+        d, max_rank, k_per_split,
+        x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
+        y3.stride(0), y3.stride(1), y3.stride(2), ranks.stride(0), ranks.stride(1),
+        R_BLOCKS=r_blocks, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
+
+
+def lora_shrink_ref(
+    x: torch.Tensor,
+    A: torch.Tensor,
+    ranks: torch.Tensor,
+    segs: LoRASegments,
+    y: torch.Tensor,
+) -> torch.Tensor:
+    """Torch reference with the same contract as `lora_shrink` (computes in float32).
+
+    With a `[S, T, n*R]` output the whole sum goes to partial 0 and the others get zeros,
+    so the partials add up to the same `y`. Loops over slots on the host (a reference,
+    not a fast path).
+    """
+    num_tokens = x.shape[0]
+    num_slots, n_rows, _ = A.shape
+    n_stack = ranks.shape[1]
+    max_rank = n_rows // n_stack
+    y3 = y.unsqueeze(0) if y.dim() == 2 else y
+    slots = segs.token_slots[:num_tokens].to(torch.int64)
+    col_rank = ranks.to(torch.int64).repeat_interleave(max_rank, dim=1)  # [slots, n*R]
+    col_in_rank = torch.arange(max_rank, device=A.device).repeat(n_stack)[None, :] < col_rank
+    xf = x.float()
+    for s in range(num_slots):
+        rows = (slots == s).nonzero().flatten()
+        if rows.numel() == 0:
+            continue
+        mask = col_in_rank[s][None, :].expand(rows.numel(), -1)
+        full = xf[rows] @ A[s].float().t()
+        for p in range(y3.shape[0]):
+            value = full if p == 0 else torch.zeros_like(full)
+            y3[p, rows] = torch.where(mask, value.to(y3.dtype), y3[p, rows])
+    return y
