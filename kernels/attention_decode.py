@@ -1,0 +1,188 @@
+"""Paged decode attention, flash-decoding style: one query token per sequence over its KV pages.
+
+KV cache layout (per layer): `k_cache`, `v_cache` shaped `[num_pages, page_size, kv_heads,
+head_dim]`; `block_tables[b, i]` is the page holding tokens `[i*page_size, (i+1)*page_size)`
+of sequence `b`; `context_lens[b]` counts its tokens (the new one included, already written).
+
+Work split: program `(b, kv_head, split)` handles every query head of one GQA group (so each
+K/V byte is read once per step, not once per query head) over one contiguous slice of the
+context. `num_splits` depends only on the batch shape, never on the contexts, so the launch is
+the same for every step of a captured CUDA graph; the slice length is computed in the kernel
+from `context_lens`. A second kernel merges the splits by their log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
+    scale_log2,
+    stride_qb, stride_qh,
+    stride_kp, stride_kt, stride_kh,
+    stride_vp, stride_vt, stride_vh,
+    stride_tb,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        page = tl.load(tables_ptr + b * stride_tb + offs_n // PAGE_SIZE, mask=n_mask, other=0)
+        slot = offs_n % PAGE_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # An empty split (short context) leaves l_i = 0: it writes lse = -inf and weighs nothing.
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+    tl.store(
+        mid_o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
+        out, mask=g_mask[:, None] & d_mask[None, :],
+    )
+    tl.store(mid_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    stride_outb, stride_outh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(mid_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)
+    total = tl.sum(w, 0)
+    parts = tl.load(
+        mid_o_ptr + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    # A sequence with no tokens (a CUDA-graph padding row) gets zeros, not NaN.
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_outb + h * stride_outh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits per sequence so the grid covers the GPU about twice (a function of shape only)."""
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
+    programs = max(1, batch * num_kv_heads)
+    return max(1, min(32, triton.cdiv(2 * sms, programs)))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Attention of `q` `[B, heads, head_dim]` over each sequence's paged K/V; returns `[B, heads, head_dim]`.
+
+    `block_tables` `[B, max_pages]` int32, `context_lens` `[B]` int32 (0 = padding row: zeros out).
+    No host sync: safe inside a captured CUDA graph.
+    """
+    batch, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"heads {num_heads} is not a multiple of kv heads {num_kv_heads}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q, k_cache and v_cache need a contiguous last dimension")
+    group = num_heads // num_kv_heads
+    splits = num_splits or decode_num_splits(batch, num_kv_heads, q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    mid_o = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    _decode_split_kernel[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_lse,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=splits,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+        num_warps=4 if block_d >= 128 else 2,
+    )
+    return out
