@@ -1,0 +1,115 @@
+"""asyncio Python client: the same calls as clients.client.Client, as coroutines.
+
+    async with AsyncClient("127.0.0.1:50051") as c:
+        async for delta in c.generate_stream(["a", "b"], adapter=["x", ""]):
+            ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from loraplex.v1 import adapter_store_pb2 as spb
+from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
+
+from clients.errors import from_rpc_error
+from clients.requests import CHANNEL_OPTIONS, generate_request
+
+
+class AsyncClient:
+    def __init__(self, target: str = "127.0.0.1:50051", *, store: str | None = None,
+                 timeout: float | None = None) -> None:
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.InferenceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._store_channel = grpc.aio.insecure_channel(store, options=CHANNEL_OPTIONS) if store else None
+        self._store = spb_grpc.AdapterStoreStub(self._store_channel) if self._store_channel else None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+        if self._store_channel is not None:
+            await self._store_channel.close()
+
+    async def _call(self, method, request, timeout: float | None):
+        try:
+            return await method(request, timeout=timeout if timeout is not None else self.timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def generate(self, texts: str | Sequence[str], adapter: str | Sequence[str] | None = None, *,
+                       timeout: float | None = None, **sampling: Any) -> list[pb.Completion]:
+        request = generate_request(texts, adapter, **sampling)
+        return list((await self._call(self._stub.Generate, request, timeout)).completions)
+
+    async def generate_stream(self, texts: str | Sequence[str], adapter: str | Sequence[str] | None = None, *,
+                              timeout: float | None = None,
+                              **sampling: Any) -> AsyncIterator[pb.GenerateStreamResponse]:
+        request = generate_request(texts, adapter, **sampling)
+        call = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout)
+        try:
+            async for message in call:
+                yield message
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
+    async def load_adapter(self, name: str, source: str, revision: str = "", pin: bool = False, *,
+                           timeout: float | None = None) -> pb.AdapterInfo:
+        req = pb.LoadAdapterRequest(name=name, source=source, revision=revision, pin=pin)
+        return (await self._call(self._stub.LoadAdapter, req, timeout)).adapter
+
+    async def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        await self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name), timeout)
+
+    async def list_adapters(self, *, timeout: float | None = None) -> list[pb.AdapterInfo]:
+        return list((await self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(), timeout)).adapters)
+
+    async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+        return await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+
+    async def tokenize(self, text: str, *, timeout: float | None = None) -> list[int]:
+        return list((await self._call(self._stub.Tokenize, pb.TokenizeRequest(text=text), timeout)).token_ids)
+
+    async def health(self, service: str = "", *, timeout: float | None = 5.0) -> str:
+        resp = await self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    def _store_stub(self) -> spb_grpc.AdapterStoreStub:
+        if self._store is None:
+            raise ValueError("this client has no store address (AsyncClient(..., store='HOST:PORT'))")
+        return self._store
+
+    async def register_adapter(self, name: str, source: str, revision: str = "", *,
+                               timeout: float | None = None) -> spb.AdapterRecord:
+        req = spb.RegisterAdapterRequest(name=name, source=source, revision=revision)
+        return await self._call(self._store_stub().RegisterAdapter, req, timeout)
+
+    async def get_adapter(self, name: str, *, timeout: float | None = None) -> spb.AdapterRecord:
+        return await self._call(self._store_stub().GetAdapter, spb.GetAdapterRequest(name=name), timeout)
+
+    async def list_store_adapters(self, *, timeout: float | None = None) -> list[spb.AdapterRecord]:
+        out, token = [], ""
+        while True:
+            req = spb.ListStoreAdaptersRequest(page_token=token)
+            resp = await self._call(self._store_stub().ListAdapters, req, timeout)
+            out.extend(resp.adapters)
+            token = resp.next_page_token
+            if not token:
+                return out
+
+    async def delete_adapter(self, name: str, *, timeout: float | None = None) -> bool:
+        req = spb.DeleteAdapterRequest(name=name)
+        return (await self._call(self._store_stub().DeleteAdapter, req, timeout)).deleted

@@ -1,0 +1,148 @@
+"""The `loraplex` command: generate, load, unload, list, info, tokenize, health, up.
+
+    loraplex generate --adapter sql "List 3 countries and their capitals."
+    loraplex load sql /path/to/peft_adapter
+    loraplex up
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from google.protobuf.json_format import MessageToDict
+
+from clients import up as up_cmd
+from clients.errors import LoraplexError
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loraplex", description="loraplex: multi-LoRA LLM serving over gRPC")
+    p.add_argument("--target", default=os.environ.get("LORAPLEX_TARGET", DEFAULT_TARGET),
+                   help="inference service HOST:PORT (env LORAPLEX_TARGET)")
+    p.add_argument("--store", default=os.environ.get("LORAPLEX_STORE"), help="adapter store HOST:PORT (env LORAPLEX_STORE)")
+    p.add_argument("--timeout", type=float, default=None, help="per-call deadline in seconds")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate from one or more prompts")
+    g.add_argument("text", nargs="+", help="prompts (one completion each)")
+    g.add_argument("--adapter", action="append", default=None,
+                   help="adapter name; once for all prompts or once per prompt; '' = base model")
+    g.add_argument("--max-new-tokens", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    g.add_argument("--json", action="store_true", help="print the full response as JSON")
+
+    ld = sub.add_parser("load", help="load an adapter (registers it in the store when the server has one)")
+    ld.add_argument("name")
+    ld.add_argument("source", help="local directory, file:// URI, hf://org/repo or org/repo")
+    ld.add_argument("--revision", default="")
+    ld.add_argument("--pin", action="store_true", help="keep it resident on the GPU")
+
+    ul = sub.add_parser("unload", help="unload an adapter from the inference service")
+    ul.add_argument("name")
+    ls = sub.add_parser("list", help="adapters: where they live, pinned, requests in flight")
+    ls.add_argument("--json", action="store_true")
+    sub.add_parser("info", help="the model and LoRA configuration of the server")
+    tk = sub.add_parser("tokenize", help="token ids of a text, as the server's tokenizer gives them")
+    tk.add_argument("text")
+    sub.add_parser("health", help="grpc.health.v1 status of the inference service")
+    up_cmd.add_arguments(sub.add_parser("up", help="start embedded Redis, the adapter store and inference"))
+    return p
+
+
+def _sampling(ns: argparse.Namespace) -> dict:
+    keys = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+    out = {k: getattr(ns, k) for k in keys if getattr(ns, k) is not None}
+    if ns.ignore_eos:
+        out["ignore_eos"] = True
+    return out
+
+
+def _generate(client, ns: argparse.Namespace) -> None:
+    adapters = ns.adapter if ns.adapter else None
+    if ns.stream:
+        finals = {}
+        for delta in client.generate_stream(ns.text, adapters, **_sampling(ns)):
+            if ns.json:
+                print(json.dumps(MessageToDict(delta)), flush=True)
+                continue
+            prefix = f"[{delta.index}] " if len(ns.text) > 1 else ""
+            if delta.text:
+                sys.stdout.write(prefix + delta.text if prefix else delta.text)
+                sys.stdout.flush()
+            if delta.finish_reason:
+                finals[delta.index] = delta
+                if prefix:
+                    sys.stdout.write("\n")
+        if not ns.json:
+            sys.stdout.write("\n")
+        return
+    completions = client.generate(ns.text, adapters, **_sampling(ns))
+    if ns.json:
+        print(json.dumps([MessageToDict(c) for c in completions], indent=2))
+        return
+    for i, c in enumerate(completions):
+        if len(completions) > 1:
+            print(f"--- [{i}] adapter={c.adapter or 'base'} finish={c.finish_reason} tokens={c.completion_tokens}")
+        print(c.text)
+
+
+def _list(client, ns: argparse.Namespace) -> None:
+    adapters = client.list_adapters()
+    if ns.json:
+        print(json.dumps([MessageToDict(a) for a in adapters], indent=2))
+        return
+    print(f"{'NAME':24} {'LOCATION':9} {'RANK':>4} {'ALPHA':>6} {'PIN':3} {'IN-FLIGHT':>9}  TARGETS")
+    for a in adapters:
+        loc = {1: "gpu", 2: "host", 3: "store"}.get(a.location, "?")
+        print(f"{a.name:24} {loc:9} {a.rank:>4} {a.alpha:>6g} {'yes' if a.pinned else 'no':3} "
+              f"{a.requests_in_flight:>9}  {','.join(a.target_modules)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ns.command == "up":
+        return up_cmd.run(ns)
+    from clients.client import Client
+
+    try:
+        with Client(ns.target, store=ns.store, timeout=ns.timeout) as client:
+            if ns.command == "generate":
+                _generate(client, ns)
+            elif ns.command == "load":
+                info = client.load_adapter(ns.name, ns.source, ns.revision, ns.pin)
+                print(json.dumps(MessageToDict(info), indent=2))
+            elif ns.command == "unload":
+                client.unload_adapter(ns.name)
+                print(f"unloaded {ns.name}")
+            elif ns.command == "list":
+                _list(client, ns)
+            elif ns.command == "info":
+                print(json.dumps(MessageToDict(client.model_info()), indent=2))
+            elif ns.command == "tokenize":
+                print(json.dumps(client.tokenize(ns.text)))
+            elif ns.command == "health":
+                print(client.health())
+    except LoraplexError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        for field, why in exc.field_violations.items():
+            print(f"  {field}: {why}", file=sys.stderr)
+        return 2 if exc.code.name == "INVALID_ARGUMENT" else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

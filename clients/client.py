@@ -1,0 +1,116 @@
+"""Synchronous Python client for the inference service and the adapter store.
+
+    from clients import Client
+    with Client("127.0.0.1:50051", store="127.0.0.1:50052") as c:
+        [out] = c.generate("List 3 countries and their capitals.", adapter="sql", max_new_tokens=64)
+
+Failed calls raise the typed exceptions of clients/errors.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from loraplex.v1 import adapter_store_pb2 as spb
+from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
+
+from clients.errors import from_rpc_error
+from clients.requests import CHANNEL_OPTIONS, generate_request
+
+
+class Client:
+    def __init__(self, target: str = "127.0.0.1:50051", *, store: str | None = None,
+                 timeout: float | None = None) -> None:
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.InferenceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._store_channel = grpc.insecure_channel(store, options=CHANNEL_OPTIONS) if store else None
+        self._store = spb_grpc.AdapterStoreStub(self._store_channel) if self._store_channel else None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+        if self._store_channel is not None:
+            self._store_channel.close()
+
+    def _call(self, method, request, timeout: float | None):
+        try:
+            return method(request, timeout=timeout if timeout is not None else self.timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    # -- inference --------------------------------------------------------------------------
+    def generate(self, texts: str | Sequence[str], adapter: str | Sequence[str] | None = None, *,
+                 timeout: float | None = None, **sampling: Any) -> list[pb.Completion]:
+        request = generate_request(texts, adapter, **sampling)
+        return list(self._call(self._stub.Generate, request, timeout).completions)
+
+    def generate_stream(self, texts: str | Sequence[str], adapter: str | Sequence[str] | None = None, *,
+                        timeout: float | None = None, **sampling: Any) -> Iterator[pb.GenerateStreamResponse]:
+        request = generate_request(texts, adapter, **sampling)
+        stream = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout)
+        try:
+            yield from stream
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        finally:
+            stream.cancel()  # no-op when finished; frees the server's work when the caller stops early
+
+    def load_adapter(self, name: str, source: str, revision: str = "", pin: bool = False, *,
+                     timeout: float | None = None) -> pb.AdapterInfo:
+        req = pb.LoadAdapterRequest(name=name, source=source, revision=revision, pin=pin)
+        return self._call(self._stub.LoadAdapter, req, timeout).adapter
+
+    def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name), timeout)
+
+    def list_adapters(self, *, timeout: float | None = None) -> list[pb.AdapterInfo]:
+        return list(self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(), timeout).adapters)
+
+    def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
+        return self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+
+    def tokenize(self, text: str, *, timeout: float | None = None) -> list[int]:
+        return list(self._call(self._stub.Tokenize, pb.TokenizeRequest(text=text), timeout).token_ids)
+
+    def health(self, service: str = "", *, timeout: float | None = 5.0) -> str:
+        """'SERVING', 'NOT_SERVING', ... of the inference server."""
+        resp = self._call(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+    # -- adapter store ----------------------------------------------------------------------
+    def _store_stub(self) -> spb_grpc.AdapterStoreStub:
+        if self._store is None:
+            raise ValueError("this client has no store address (Client(..., store='HOST:PORT'))")
+        return self._store
+
+    def register_adapter(self, name: str, source: str, revision: str = "", *,
+                         timeout: float | None = None) -> spb.AdapterRecord:
+        req = spb.RegisterAdapterRequest(name=name, source=source, revision=revision)
+        return self._call(self._store_stub().RegisterAdapter, req, timeout)
+
+    def get_adapter(self, name: str, *, timeout: float | None = None) -> spb.AdapterRecord:
+        return self._call(self._store_stub().GetAdapter, spb.GetAdapterRequest(name=name), timeout)
+
+    def list_store_adapters(self, *, timeout: float | None = None) -> list[spb.AdapterRecord]:
+        out, token = [], ""
+        while True:
+            resp = self._call(self._store_stub().ListAdapters, spb.ListStoreAdaptersRequest(page_token=token), timeout)
+            out.extend(resp.adapters)
+            token = resp.next_page_token
+            if not token:
+                return out
+
+    def delete_adapter(self, name: str, *, timeout: float | None = None) -> bool:
+        return self._call(self._store_stub().DeleteAdapter, spb.DeleteAdapterRequest(name=name), timeout).deleted

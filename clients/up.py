@@ -1,0 +1,84 @@
+"""`loraplex up`: the whole local stack as one process tree.
+
+Embedded Redis (inside the store), the adapter store and the inference service on the
+embedded SmolLM2; waits for both to report SERVING, prints how to call them, and stops
+everything on Ctrl-C / SIGTERM (or when either child dies). Flags after `--` go to
+`python -m services.inference` unchanged (e.g. `-- --max-lora-rank 64`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from clients.processes import ServerProcess
+
+log = logging.getLogger("loraplex.up")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="inference port (0 = any free port)")
+    p.add_argument("--store-port", type=int, default=50052, help="adapter store port (0 = any free port)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port of the inference service")
+    p.add_argument("--cache-dir", type=Path, default=Path("~/.cache/loraplex"), help="store blobs, Redis, adapters")
+    p.add_argument("--model-path", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("inference_args", nargs=argparse.REMAINDER, help="-- then extra flags for the inference service")
+
+
+def banner(inference: str, store: str) -> str:
+    return f"""
+loraplex is up.
+  inference  {inference}   (loraplex.v1.Inference)
+  store      {store}   (loraplex.v1.AdapterStore)
+
+Try:
+  .venv/bin/grpcurl -plaintext -d '{{"text": ["List 3 countries and their capitals."], "sampling_params": {{"max_new_tokens": 48}}}}' {inference} loraplex.v1.Inference/Generate
+  .venv/bin/loraplex --target {inference} generate --max-new-tokens 48 "List 3 countries and their capitals."
+
+Ctrl-C stops everything.
+"""
+
+
+def run(ns: argparse.Namespace) -> int:
+    from services.inference.default_model import ensure_model
+
+    cache = ns.cache_dir.expanduser()
+    cache.mkdir(parents=True, exist_ok=True)
+    model = ns.model_path or str(ensure_model())
+    extra = [a for a in ns.inference_args if a != "--"]
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    children: list[ServerProcess] = []
+    try:
+        store = ServerProcess("store", "adapter_store", [
+            "--host", ns.host, "--port", str(ns.store_port), "--cache-dir", str(cache / "store"), "--base-model", model,
+        ])
+        children.append(store)
+        store.wait_serving(ns.startup_timeout)
+        args = ["--model-path", model, "--host", ns.host, "--port", str(ns.port),
+                "--adapter-store", store.address, "--adapter-cache-dir", str(cache / "inference")]
+        if ns.metrics_port is not None:
+            args += ["--metrics-port", str(ns.metrics_port)]
+        inference = ServerProcess("inference", "services.inference", args + extra)
+        children.append(inference)
+        inference.wait_serving(ns.startup_timeout)
+        print(banner(inference.address, store.address), flush=True)
+        while not stop.wait(0.5):
+            dead = [c for c in children if c.proc.poll() is not None]
+            if dead:
+                log.error("%s exited with %s; stopping the stack", dead[0].name, dead[0].proc.returncode)
+                return 1
+        return 0
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        for child in reversed(children):
+            code = child.stop()
+            log.info("%s stopped (exit %s)", child.name, code)
