@@ -1,0 +1,123 @@
+"""Kernel-vs-reference checks for the LoRA shrink/expand kernels on random inputs.
+
+Shared by the CPU tests (run in a child process under TRITON_INTERPRET=1, because Triton
+decides interpreter vs compiler when a kernel is decorated) and the GPU benchmark (bf16,
+before any timing). `python -m kernels.lora_check` prints one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import NamedTuple
+
+import torch
+
+from kernels.lora_expand import lora_expand, lora_expand_ref
+from kernels.lora_meta import alloc_segments, build_segments
+from kernels.lora_shrink import lora_shrink, lora_shrink_ref, shrink_out_view
+
+
+class Case(NamedTuple):
+    name: str
+    num_tokens: int
+    d: int
+    widths: tuple[int, ...]
+    max_rank: int
+    ranks: tuple[tuple[int, ...], ...]  # per slot, per stacked module
+    dtype: str
+    splits: int | None = None  # None: the table's choice (shrink_out_view)
+    slot_pattern: str = "random"  # random | one_big | none
+
+
+class CaseResult(NamedTuple):
+    name: str
+    shrink_rel_err: float
+    expand_rel_err: float
+    y_written_exactly: bool  # kernel wrote every valid y entry and nothing else
+    untouched_rows_equal: bool  # tokens without adapter keep their output bit for bit
+    splits: int
+    delta_norm: float  # norm of the reference's added delta (0 only when no token has work)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / denom if denom > 0 else (a - b).norm().item()
+
+
+def _token_slots(case: Case, num_slots: int, gen: torch.Generator) -> torch.Tensor:
+    if case.slot_pattern == "none":
+        return torch.full((case.num_tokens,), -1, dtype=torch.int32)
+    slots = torch.randint(-1, num_slots, (case.num_tokens,), generator=gen, dtype=torch.int32)
+    if case.slot_pattern == "one_big":  # a long prefill segment beside single decode tokens
+        slots[: max(1, case.num_tokens * 3 // 4)] = 0
+        slots = slots[torch.randperm(case.num_tokens, generator=gen)]
+    return slots
+
+
+def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, case.dtype)
+    n = len(case.widths)
+    num_slots, R = len(case.ranks), case.max_rank
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    x = rand(case.num_tokens, case.d)
+    A = rand(num_slots, n * R, case.d, scale=case.d**-0.5)
+    B = rand(num_slots, sum(case.widths), R, scale=R**-0.5)
+    ranks = torch.tensor(case.ranks, dtype=torch.int32, device=device)
+    scalings = (torch.rand(num_slots, n, generator=gen) + 0.5).to(device)
+    slots = _token_slots(case, num_slots, gen).to(device)
+    segs = build_segments(slots, alloc_segments(case.num_tokens + 3, num_slots, device))
+
+    if case.splits is None:
+        buf = torch.empty(16, case.num_tokens, n * R, dtype=torch.float32, device=device)
+        y = shrink_out_view(buf, case.d, case.num_tokens)
+    else:
+        y = torch.empty(case.splits, case.num_tokens, n * R, dtype=torch.float32, device=device)
+    y.fill_(float("nan"))  # poison: unwritten entries stay NaN
+    y_ref = torch.full_like(y, float("nan"))
+    lora_shrink(x, A, ranks, segs, y)
+    lora_shrink_ref(x, A, ranks, segs, y_ref)
+    ys, ys_ref = y.sum(0), y_ref.sum(0)
+    written = bool(torch.equal(ys.isnan(), ys_ref.isnan()))
+    valid = ~ys_ref.isnan()
+    shrink_err = _rel(ys[valid], ys_ref[valid]) if bool(valid.any()) else 0.0
+
+    out0 = rand(case.num_tokens, sum(case.widths))
+    out, out_ref = out0.clone(), out0.clone()
+    lora_expand(y, B, ranks, scalings, segs, out, case.widths)
+    lora_expand_ref(y_ref, B, ranks, scalings, segs, out_ref, case.widths)
+    no_adapter = slots < 0
+    untouched = bool(torch.equal(out[no_adapter], out0[no_adapter]))
+    # Compare the deltas: the base output would otherwise dwarf the error.
+    expand_err = _rel(out.float() - out0.float(), out_ref.float() - out0.float())
+    delta_norm = (out_ref.float() - out0.float()).norm().item()
+    return CaseResult(case.name, shrink_err, expand_err, written, untouched, y.shape[0], delta_norm)
+
+
+R4 = ((1, 4, 0), (16, 8, 16), (0, 0, 0), (8, 16, 4))
+CASES: tuple[Case, ...] = (
+    Case("qkv_gqa_fp32", 37, 200, (48, 16, 16), 16, R4, "float32", splits=1),
+    Case("qkv_gqa_fp32_split3", 37, 200, (48, 16, 16), 16, R4, "float32", splits=3),
+    Case("qkv_gqa_fp16", 37, 200, (48, 16, 16), 16, R4, "float16", splits=2),
+    Case("gate_up_rank64_fp16", 20, 72, (96, 96), 64, ((64, 64), (4, 0), (0, 16), (1, 64)), "float16"),
+    Case("down_decode_split_table_fp32", 6, 2100, (40,), 16, ((16,), (8,), (0,)), "float32"),
+    Case("single_token_fp32", 1, 130, (24,), 8, ((8,), (4,)), "float32", slot_pattern="one_big"),
+    Case("mixed_prefill_decode_fp16", 300, 40, (32, 24), 16, ((16, 4), (1, 8), (16, 16)), "float16",
+         slot_pattern="one_big"),
+    Case("thousands_tokens_fp32", 2048, 24, (20,), 8, ((8,), (1,), (4,)), "float32"),
+    Case("no_adapter_tokens_fp32", 12, 40, (16, 8), 8, ((8, 8),), "float32", slot_pattern="none"),
+)
+
+
+def main() -> None:
+    for case in CASES:
+        print(json.dumps(run_case(case)._asdict()), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

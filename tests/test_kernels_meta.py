@@ -1,0 +1,74 @@
+"""`build_segments`: the slot grouping and token-block maps the LoRA kernels rely on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.lora_meta import BLOCK_MS, alloc_segments, build_segments, num_blocks_bound
+
+
+def check_invariants(slots: torch.Tensor, num_slots: int, max_tokens: int) -> None:
+    segs = build_segments(slots, alloc_segments(max_tokens, num_slots, "cpu"))
+    T = slots.shape[0]
+    sorted_tokens = segs.sorted_tokens[:T].tolist()
+    assert sorted(sorted_tokens) == list(range(T)), "sorted_tokens is not a permutation"
+    key = [s if s >= 0 else num_slots for s in slots.tolist()]
+    # Stable grouping by slot, tokens without an adapter last.
+    assert sorted_tokens == sorted(range(T), key=lambda t: (key[t], t))
+    assert torch.equal(segs.token_slots[:T], slots)
+    counts = [key.count(s) for s in range(num_slots)]
+    assert segs.slot_count.tolist() == counts
+    starts = segs.slot_start.tolist()
+    assert starts == [sum(counts[:s]) for s in range(num_slots)]
+    for block_m in BLOCK_MS:
+        bslot, bstart, bend = (t.tolist() for t in segs.blocks_for(block_m))
+        covered = []
+        used = [b for b, s in enumerate(bslot) if s >= 0]
+        assert len(used) <= num_blocks_bound(T, num_slots, block_m), "grid bound too small"
+        assert used == list(range(len(used))), "used blocks must come first"
+        for b in used:
+            s = bslot[b]
+            assert 0 < bend[b] - bstart[b] <= block_m
+            assert starts[s] <= bstart[b] and bend[b] <= starts[s] + counts[s], "block straddles slots"
+            covered.extend(range(bstart[b], bend[b]))
+        assert covered == list(range(sum(counts))), "blocks must cover every adapter token exactly once"
+
+
+@pytest.mark.parametrize(
+    "slots,num_slots",
+    [
+        ([-1, -1, -1], 4),  # nobody has an adapter
+        ([0], 1),  # a single token
+        ([3, 3, 3, 0, -1, 3, 0, 2], 4),
+        ([1] * 130 + [0] * 17 + [-1] * 5, 2),  # a prefill segment longer than every block size
+        (list(range(64)), 64),  # decode: 64 distinct adapters, one token each
+    ],
+)
+def test_segments_invariants(slots, num_slots):
+    check_invariants(torch.tensor(slots, dtype=torch.int32), num_slots, max_tokens=len(slots) + 7)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 9).flatmap(lambda n: st.tuples(st.just(n), st.lists(st.integers(-1, n - 1), min_size=1, max_size=200))))
+def test_segments_invariants_random(args):
+    num_slots, slots = args
+    check_invariants(torch.tensor(slots, dtype=torch.int32), num_slots, max_tokens=len(slots))
+
+
+def test_rebuild_reuses_buffers_and_overwrites_stale_blocks():
+    segs = alloc_segments(100, 4, "cpu")
+    pointers = [t.data_ptr() for t in segs]
+    build_segments(torch.arange(100, dtype=torch.int32) % 4, segs)
+    build_segments(torch.tensor([2, -1], dtype=torch.int32), segs)
+    assert [t.data_ptr() for t in segs] == pointers, "CUDA graphs need fixed addresses"
+    bslot, bstart, bend = segs.blocks_for(BLOCK_MS[0])
+    assert bslot.tolist().count(-1) == len(bslot) - 1 and bslot[0].item() == 2
+    assert (bstart[0].item(), bend[0].item()) == (0, 1)
+
+
+def test_too_many_tokens_is_rejected():
+    with pytest.raises(ValueError, match="max_tokens"):
+        build_segments(torch.zeros(9, dtype=torch.int32), alloc_segments(8, 2, "cpu"))
