@@ -1,0 +1,47 @@
+"""The scheduler's view of adapter slots: which adapters may run in this step's batch."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from services.inference.errors import AdapterNotFound
+
+
+class AdapterSlots(ABC):
+    """Hands out GPU adapter slots to requests (implemented by the LoRA manager).
+
+    Contract:
+    - `acquire(name)` returns the slot index (0 <= slot < max_loras_per_batch) holding
+      `name` and takes one reference on it, or `None` when the adapter is not resident yet
+      (an upload may have been started); the scheduler then skips the request for this step
+      and tries again later. It raises AdapterNotFound (or another LoraplexError) when the
+      adapter can never be served; the scheduler fails that request with the error.
+    - `release(name)` drops one reference taken by `acquire`; a slot with no references may
+      be reused for another adapter.
+    - Both are called only from the engine thread, between forward passes.
+    """
+
+    @abstractmethod
+    def acquire(self, adapter_name: str) -> int | None: ...
+
+    @abstractmethod
+    def release(self, adapter_name: str) -> None: ...
+
+    def slots_total(self) -> int:
+        return 0
+
+    def slots_used(self) -> int:
+        return 0
+
+
+class NoAdapters(AdapterSlots):
+    """Base model only: every adapter name is unknown."""
+
+    def acquire(self, adapter_name: str) -> int | None:
+        raise AdapterNotFound(
+            f"adapter {adapter_name!r} is not available: this server runs without LoRA support",
+            adapter=adapter_name,
+        )
+
+    def release(self, adapter_name: str) -> None:
+        raise AdapterNotFound(f"adapter {adapter_name!r} was never acquired", adapter=adapter_name)

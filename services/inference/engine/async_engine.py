@@ -1,0 +1,217 @@
+"""AsyncEngine: the engine API the gRPC layer uses. The model runs on one engine thread.
+
+Requests and aborts are handed to the engine thread through a thread-safe inbox; outputs
+come back to each caller's event loop with `loop.call_soon_threadsafe` into a per-request
+asyncio.Queue, so no coroutine ever waits on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
+
+from services.inference.engine.engine import LLMEngine
+from services.inference.engine.types import AdapterInfo, EngineStats, ModelInfo, RequestOutput, SamplingParams
+from services.inference.errors import AdapterNotFound, BackendUnavailable, InvalidRequest, LoraplexError
+
+log = logging.getLogger(__name__)
+
+
+class _Add(NamedTuple):
+    request_id: str
+    prompt_ids: list[int]
+    adapter: str | None
+    params: SamplingParams
+
+
+class _Abort(NamedTuple):
+    request_id: str
+
+
+class _Sink(NamedTuple):
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    """Thread-safe, asyncio-facing wrapper around one LLMEngine.
+
+    `lora_manager` (optional) provides `load_adapter(name, path, pin=False) -> AdapterInfo`,
+    `unload_adapter(name)`, `list_adapters() -> list[AdapterInfo]`, `has_adapter(name) -> bool`.
+    """
+
+    def __init__(self, engine: LLMEngine, *, lora_manager: Any = None, model_info: ModelInfo | None = None):
+        self.engine = engine
+        self.lora_manager = lora_manager
+        self._model_info = model_info or default_model_info(engine)
+        # The engine thread uses engine.tokenizer for decoding; callers get their own copy
+        # because a fast tokenizer must not be used from two threads at once.
+        self._tokenizer = _clone_tokenizer(engine)
+        self._tokenizer_lock = threading.Lock()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._sinks: dict[str, _Sink] = {}
+        self._sinks_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # -- requests -------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], adapter: str | None, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; the last has finished=True. Closing the iterator aborts."""
+        if self._stopped.is_set():
+            raise BackendUnavailable("the engine is shut down")
+        prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        adapter = adapter or None
+        if adapter is not None and not self.has_adapter(adapter):
+            raise AdapterNotFound(f"adapter {adapter!r} is not loaded on this server", adapter=adapter)
+        self.engine.check_request(prompt_ids, params)
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        with self._sinks_lock:
+            if request_id in self._sinks:
+                raise InvalidRequest(f"request id {request_id!r} is already in flight")
+            self._sinks[request_id] = sink
+        self._send(_Add(request_id, prompt_ids, adapter, params))
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            with self._sinks_lock:
+                self._sinks.pop(request_id, None)
+            if not finished:
+                self._send(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks and adapter reference (its stream ends with 'abort')."""
+        self._send(_Abort(request_id))
+
+    def tokenize(self, text: str) -> list[int]:
+        with self._tokenizer_lock:
+            return list(self._tokenizer(text).input_ids)
+
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    # -- adapters (delegated to the LoRA manager) --------------------------------------------
+
+    def _manager(self) -> Any:
+        if self.lora_manager is None:
+            raise AdapterNotFound("this server runs without LoRA support (no LoRA manager configured)")
+        return self.lora_manager
+
+    async def load_adapter(self, name: str, path: str, pin: bool = False) -> AdapterInfo:
+        return await asyncio.to_thread(self._manager().load_adapter, name, path, pin)
+
+    async def unload_adapter(self, name: str) -> None:
+        await asyncio.to_thread(self._manager().unload_adapter, name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return [] if self.lora_manager is None else list(self.lora_manager.list_adapters())
+
+    def has_adapter(self, name: str) -> bool:
+        return self.lora_manager is not None and bool(self.lora_manager.has_adapter(name))
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests still running end with an error."""
+        self._stopped.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # -- engine thread --------------------------------------------------------------------
+
+    def _send(self, command: _Add | _Abort) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._sinks_lock:
+            sink = self._sinks.get(request_id)
+        if sink is not None and not sink.loop.is_closed():
+            sink.loop.call_soon_threadsafe(sink.queue.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                try:
+                    self.engine.add_request(
+                        command.request_id, command.prompt_ids, command.params, command.adapter
+                    )
+                except LoraplexError as exc:
+                    self._deliver(command.request_id, exc)
+            else:
+                out = self.engine.abort_request(command.request_id)
+                if out is not None:
+                    self._deliver(out.request_id, out)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._drain_inbox()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # never leave callers hanging on a dead loop
+                log.exception("engine step failed; failing the running requests")
+                self._fail_all(BackendUnavailable(f"engine step failed: {exc}"))
+                continue
+            for out in outputs:
+                req_error = None
+                if out.finished and out.finish_reason == "abort":
+                    req_error = self._request_error(out.request_id)
+                self._deliver(out.request_id, req_error or out)
+        self._fail_all(BackendUnavailable("the engine shut down"))
+
+    def _request_error(self, request_id: str) -> BaseException | None:
+        return self.engine.errors.pop(request_id, None)
+
+    def _fail_all(self, exc: LoraplexError) -> None:
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            self._deliver(request_id, exc)
+
+
+def default_model_info(engine: LLMEngine) -> ModelInfo:
+    loaded = engine.loaded
+    return ModelInfo(
+        model=engine.config.model_path,
+        dtype=str(loaded.dtype).removeprefix("torch."),
+        device=loaded.device.type,
+        max_loras_per_batch=0,
+        max_lora_rank=0,
+        lora_target_modules=[],
+        lora_backend="none",
+        tp_size=1,
+        context_length=engine.context_length,
+    )
+
+
+def _clone_tokenizer(engine: LLMEngine):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(engine.loaded.model_dir)

@@ -1,0 +1,92 @@
+"""Attention over the paged KV cache: the torch reference path (CPU, and CUDA until a kernel lands).
+
+The KV cache is one tensor `[num_layers, 2, num_blocks, page_size, kv_heads, head_dim]`; a
+token at position p of a sequence lives in slot `block_table[p // page_size] * page_size +
+p % page_size`. A step's tokens come decodes first (one query token each, batched over a
+gathered, padded context), then prefill chunks (one SDPA call each over their whole context).
+A Triton decode kernel slots in by implementing `Attention` with the same metadata.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from services.inference.models.context import Attention
+
+
+class PrefillSegment(NamedTuple):
+    q_start: int  # first query token of the segment in the step's token order
+    q_len: int
+    ctx_start: int  # offset of this segment's context slots in AttentionMetadata.prefill_ctx_slots
+    ctx_len: int  # tokens of context, the new ones included (causal: query i sees ctx_len - q_len + i + 1)
+
+
+class AttentionMetadata(NamedTuple):
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's k/v goes
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [B_decode, max_blocks] int64 (padding: 0, masked by length)
+    decode_context_lens: torch.Tensor  # [B_decode] int64, the new token included
+    prefill_segments: list[PrefillSegment]
+    prefill_ctx_slots: torch.Tensor  # [sum ctx_len] int64: cache slots of each segment's context
+
+
+class TorchPagedAttention(Attention):
+    def __init__(self, kv_cache: torch.Tensor, scale: float):
+        self.kv_cache = kv_cache
+        self.page_size = kv_cache.shape[3]
+        self.scale = scale
+        self.meta: AttentionMetadata | None = None
+
+    def begin(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        assert meta is not None, "begin() must bind the step's metadata first"
+        kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_flat = self.kv_cache[layer, 0].view(-1, kv_heads, head_dim)
+        v_flat = self.kv_cache[layer, 1].view(-1, kv_heads, head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(layer, q[:nd], meta)
+        for seg in meta.prefill_segments:
+            q_seg = q[seg.q_start : seg.q_start + seg.q_len]
+            slots = meta.prefill_ctx_slots[seg.ctx_start : seg.ctx_start + seg.ctx_len]
+            out[seg.q_start : seg.q_start + seg.q_len] = self._prefill(
+                q_seg, k_flat[slots], v_flat[slots], seg
+            )
+        return out.reshape(q.shape[0], -1)
+
+    def _prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment
+    ) -> torch.Tensor:
+        q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        if seg.ctx_len == seg.q_len:
+            o = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            offset = seg.ctx_len - seg.q_len
+            q_pos = torch.arange(seg.q_len, device=q.device)[:, None] + offset
+            mask = torch.arange(seg.ctx_len, device=q.device)[None, :] <= q_pos
+            o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
+
+    def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        b, heads, head_dim = q.shape
+        tables = meta.decode_block_tables
+        k = self.kv_cache[layer, 0][tables].reshape(b, -1, self.kv_cache.shape[4], head_dim)
+        v = self.kv_cache[layer, 1][tables].reshape(b, -1, self.kv_cache.shape[4], head_dim)
+        kv_heads = k.shape[2]
+        qg = q.reshape(b, kv_heads, heads // kv_heads, head_dim).float()
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * self.scale
+        positions = torch.arange(k.shape[1], device=q.device)
+        invalid = positions[None, :] >= meta.decode_context_lens[:, None]
+        scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        o = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
+        return o.reshape(b, heads, head_dim).to(q.dtype)

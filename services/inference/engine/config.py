@@ -1,0 +1,74 @@
+"""Engine configuration: what the scheduler, KV cache and runner need, resolved from ServerArgs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.inference.server_args import ServerArgs
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int
+    max_num_batched_tokens: int  # all tokens of one step
+    chunked_prefill_size: int  # prefill tokens of one step; <= 0 means no chunking
+    max_running_requests: int
+    context_length: int
+
+    @property
+    def prefill_budget(self) -> int:
+        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_num_batched_tokens
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    device: torch.device
+    dtype_name: str  # as requested: auto | float32 | ...
+    page_size: int = 16
+    max_num_batched_tokens: int = 8192
+    chunked_prefill_size: int = 2048
+    max_running_requests: int = 256
+    context_length: int | None = None  # None = the model's max_position_embeddings
+    max_total_tokens: int | None = None  # None = sized from memory
+    mem_fraction_static: float = 0.88
+    max_new_tokens_limit: int = 4096
+    max_queued_requests: int = 4096
+    seed: int = 0
+
+    @classmethod
+    def from_args(cls, args: ServerArgs) -> EngineConfig:
+        return cls(
+            model_path=args.model_path,
+            device=resolve_device(args.device),
+            dtype_name=args.dtype,
+            page_size=args.page_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_running_requests=args.max_running_requests,
+            context_length=args.context_length,
+            max_total_tokens=args.max_total_tokens,
+            mem_fraction_static=args.mem_fraction_static,
+            max_new_tokens_limit=args.max_new_tokens_limit,
+            max_queued_requests=args.max_queued_requests,
+            seed=args.seed,
+        )
+
+    def scheduler_config(self, context_length: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            page_size=self.page_size,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            chunked_prefill_size=self.chunked_prefill_size,
+            max_running_requests=self.max_running_requests,
+            context_length=context_length,
+        )
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but no CUDA device is available")
+    return torch.device(requested)

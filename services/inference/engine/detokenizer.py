@@ -1,0 +1,49 @@
+"""Incremental detokenization that never emits half a UTF-8 character.
+
+Each step decodes a short window of recent tokens twice, with and without the new token(s);
+the difference is the new text, held back while it ends in U+FFFD (an incomplete byte
+sequence). `finish()` reconciles with one full decode, so the concatenated deltas always
+equal `tokenizer.decode(all_ids, skip_special_tokens=True)`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""  # everything emitted so far
+        self._prefix_offset = 0  # window start: context so the tokenizer spaces/merges correctly
+        self._read_offset = 0  # tokens before this are already in `text`
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Add one token; return the text it completes (maybe "")."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd") or not full.startswith(prefix):
+            return ""
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        """The text not yet emitted, reconciled with a full decode."""
+        full = self._decode(self.ids)
+        if not full.startswith(self.text):
+            log.warning("incremental detokenization diverged from the full decode; keeping streamed text")
+            return ""
+        delta = full[len(self.text) :]
+        self.text = full
+        return delta

@@ -1,0 +1,290 @@
+"""LLMEngine: one synchronous `step()` = schedule, forward, sample, update, emit outputs.
+
+Not thread-safe: AsyncEngine drives it from a single engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from services.inference.engine.adapter_slots import AdapterSlots, NoAdapters
+from services.inference.engine.block_manager import BlockManager
+from services.inference.engine.config import EngineConfig
+from services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
+from services.inference.engine.model_runner import ModelRunner
+from services.inference.engine.output import TextStream
+from services.inference.engine.request import Request
+from services.inference.engine.sampler import SamplingInputs, sample
+from services.inference.engine.scheduler import Scheduler
+from services.inference.engine.types import EngineStats, RequestOutput, SamplingParams
+from services.inference.errors import CapacityExceeded, InvalidRequest
+from services.inference.lora.backend import LoRABackend
+from services.inference.models.config import ModelConfig, check_context_length
+from services.inference.models.llama import LlamaForCausalLM
+from services.inference.models.loader import load_model, resolve_dtype, resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+
+class LoadedModel(NamedTuple):
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: object  # a transformers tokenizer
+    model_dir: Path
+    device: torch.device
+    dtype: torch.dtype
+    context_length: int
+
+
+def load(config: EngineConfig) -> LoadedModel:
+    """Resolve, check and load the model and tokenizer named by the config."""
+    from transformers import AutoTokenizer
+
+    from services.inference.models.config import load_config
+
+    model_dir = resolve_model_dir(config.model_path)
+    model_config = load_config(model_dir)  # refuses before weights are touched
+    context_length = min(
+        config.context_length or model_config.max_position_embeddings, model_config.max_position_embeddings
+    )
+    check_context_length(model_config, context_length)
+    dtype = resolve_dtype(config.dtype_name, model_config.torch_dtype, config.device)
+    model, model_config = load_model(model_dir, config.device, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return LoadedModel(model, model_config, tokenizer, model_dir, config.device, dtype, context_length)
+
+
+class Completion(NamedTuple):
+    """A finished request, for the synchronous `generate` helper."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        *,
+        adapter_slots: AdapterSlots | None = None,
+        lora_backend: LoRABackend | None = None,
+        kv_reserved_bytes: int = 0,
+    ):
+        self.config = config
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.context_length = loaded.context_length
+        self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
+        num_blocks = plan_num_blocks(
+            loaded.config,
+            loaded.dtype,
+            loaded.device,
+            page_size=config.page_size,
+            context_length=self.context_length,
+            max_running_requests=config.max_running_requests,
+            max_total_tokens=config.max_total_tokens,
+            mem_fraction_static=config.mem_fraction_static,
+            reserved_bytes=kv_reserved_bytes,
+        )
+        kv_cache = allocate_kv_cache(loaded.config, num_blocks, config.page_size, loaded.dtype, loaded.device)
+        self.block_manager = BlockManager(num_blocks, config.page_size)
+        self.adapter_slots = adapter_slots or NoAdapters()
+        self.scheduler = Scheduler(
+            config.scheduler_config(self.context_length), self.block_manager, self.adapter_slots
+        )
+        self.runner = ModelRunner(
+            loaded.model,
+            loaded.config,
+            kv_cache,
+            max_num_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_running_requests,
+            context_length=self.context_length,
+            lora_backend=lora_backend,
+        )
+        self.requests: dict[str, Request] = {}
+        self._streams: dict[str, TextStream] = {}
+        self.errors: dict[str, Exception] = {}  # why a request ended with "abort", when not a client abort
+        self._seed_rng = random.Random(config.seed)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs) -> LLMEngine:
+        return cls(load(config), config, **kwargs)
+
+    # -- requests -------------------------------------------------------------------------
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest / CapacityExceeded for a request that can never run here."""
+        params.validate(self.config.max_new_tokens_limit)
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", field="text")
+        vocab = self.loaded.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", field="text")
+        if len(prompt_ids) >= self.context_length:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.context_length} "
+                "tokens including at least one new token",
+                field="text",
+            )
+        capacity = self.block_manager.capacity_tokens
+        if len(prompt_ids) >= capacity:
+            raise CapacityExceeded(
+                f"the prompt has {len(prompt_ids)} tokens but the whole KV cache holds {capacity}; "
+                "raise --max-total-tokens or --mem-fraction-static",
+                field="text",
+            )
+
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
+    ) -> None:
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in flight")
+        self.check_request(prompt_ids, params)
+        if len(self.scheduler.waiting) >= self.config.max_queued_requests:
+            raise CapacityExceeded(f"{len(self.scheduler.waiting)} requests are queued; retry later")
+        req = Request(request_id, list(prompt_ids), params, adapter=adapter or None)
+        req.max_new_tokens = min(params.max_new_tokens, self.context_length - len(prompt_ids))
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            req.generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
+        self.requests[request_id] = req
+        self._streams[request_id] = TextStream(self.tokenizer, params.stop)
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self._final_output(req, [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        outputs = [self._final_output(req, []) for req in batch.finished]
+        if not batch.entries:
+            return outputs
+        logits = self.runner.forward(batch.chunks())
+        sampled = [e.request for e in batch.entries if e.sample]
+        tokens = sample(logits, self._sampling_inputs(sampled)) if sampled else []
+        for req, n in batch.entries:
+            req.num_computed_tokens += n
+        for req, token in zip(sampled, tokens, strict=True):
+            outputs.append(self._append_token(req, token))
+        return outputs
+
+    def _sampling_inputs(self, reqs: list[Request]) -> SamplingInputs:
+        ps = [r.params for r in reqs]
+        needs_history = any(
+            p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in ps
+        )
+        return SamplingInputs(
+            temperature=[p.temperature for p in ps],
+            top_k=[p.top_k for p in ps],
+            top_p=[p.top_p for p in ps],
+            min_p=[p.min_p for p in ps],
+            repetition_penalty=[p.repetition_penalty for p in ps],
+            frequency_penalty=[p.frequency_penalty for p in ps],
+            presence_penalty=[p.presence_penalty for p in ps],
+            generators=[r.generator for r in reqs],
+            prompt_ids=[r.prompt_ids for r in reqs] if needs_history else [[] for _ in reqs],
+            output_ids=[r.output_ids for r in reqs] if needs_history else [[] for _ in reqs],
+        )
+
+    def _append_token(self, req: Request, token: int) -> RequestOutput:
+        req.token_ids.append(token)
+        stream = self._streams[req.request_id]
+        params = req.params
+        reason = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"  # the stop token's id is returned, its text is not
+        elif stream.add_token(token):
+            reason = "stop"
+        if reason is None and req.num_output_tokens >= req.max_new_tokens:
+            reason = "length"
+        if reason is None:
+            return RequestOutput(
+                req.request_id,
+                stream.take(False),
+                [token],
+                False,
+                None,
+                req.num_prompt_tokens,
+                req.num_output_tokens,
+            )
+        self.scheduler.finish(req, reason)
+        return self._final_output(req, [token])
+
+    def _final_output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        stream = self._streams.pop(req.request_id)
+        self.requests.pop(req.request_id, None)
+        if req.error is not None:
+            self.errors[req.request_id] = req.error
+        if req.finish_reason != "abort":
+            stream.finish()
+        text = stream.take(True) if req.finish_reason != "abort" else ""
+        return RequestOutput(
+            req.request_id,
+            text,
+            new_tokens,
+            True,
+            req.finish_reason,
+            req.num_prompt_tokens,
+            req.num_output_tokens,
+        )
+
+    # -- info -----------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running),
+            kv_blocks_total=self.block_manager.num_blocks,
+            kv_blocks_free=self.block_manager.num_free_blocks,
+            lora_slots_total=self.adapter_slots.slots_total(),
+            lora_slots_used=self.adapter_slots.slots_used(),
+        )
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        adapters: list[str | None] | None = None,
+    ) -> list[Completion]:
+        """Run prompts to completion in one continuous batch (tests, benchmarks)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        adapters = adapters or [None] * len(prompts)
+        ids = [f"gen-{i}-{random.getrandbits(32):08x}" for i in range(len(prompts))]
+        for rid, prompt, p, a in zip(ids, prompts, params_list, adapters, strict=True):
+            self.add_request(rid, prompt, p, a)
+        texts = {rid: [] for rid in ids}
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                texts[out.request_id].append(out.new_text)
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    done[out.request_id] = out
+        for rid in ids:
+            if rid in self.errors:
+                raise self.errors.pop(rid)
+        return [
+            Completion(
+                rid, "".join(texts[rid]), tokens[rid], done[rid].finish_reason or "", done[rid].prompt_tokens
+            )
+            for rid in ids
+        ]

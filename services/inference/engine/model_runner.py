@@ -1,0 +1,118 @@
+"""Turns a step's sequence chunks into tensors, runs one forward, returns the sampled rows' logits.
+
+Knows nothing of requests. Per-step metadata is written into buffers allocated once (sized by
+the token budget and the request cap) so a later CUDA-graph capture can replay decode steps;
+the forward itself does no host syncs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.inference.engine.attention import AttentionMetadata, PrefillSegment, TorchPagedAttention
+from services.inference.engine.scheduler import SeqChunk
+from services.inference.lora.backend import LoRABackend
+from services.inference.models.config import ModelConfig
+from services.inference.models.context import ForwardContext
+from services.inference.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        model_config: ModelConfig,
+        kv_cache: torch.Tensor,
+        *,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        context_length: int,
+        lora_backend: LoRABackend | None = None,
+    ):
+        self.model = model
+        self.config = model_config
+        self.kv_cache = kv_cache
+        self.device = kv_cache.device
+        self.page_size = kv_cache.shape[3]
+        self.lora_backend = lora_backend
+        self.attention = TorchPagedAttention(kv_cache, scale=model_config.head_dim**-0.5)
+        self.max_blocks_per_seq = -(-context_length // self.page_size)
+        dev = self.device
+        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
+        self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=dev)
+        self.decode_block_tables = torch.zeros(
+            max_num_seqs, self.max_blocks_per_seq, dtype=torch.int64, device=dev
+        )
+        self.decode_context_lens = torch.zeros(max_num_seqs, dtype=torch.int64, device=dev)
+        self.sample_indices = torch.zeros(max_num_seqs, dtype=torch.int64, device=dev)
+        self._pin = dev.type == "cuda"
+
+    def _upload(self, buffer: torch.Tensor, values: list[int]) -> torch.Tensor:
+        host = torch.tensor(values, dtype=buffer.dtype, pin_memory=self._pin)
+        view = buffer[: len(values)]
+        view.copy_(host, non_blocking=True)
+        return view
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Chunks must come decodes (single token) first. Returns [num sampled, vocab] float32."""
+        page = self.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        token_slots: list[int] = []
+        sample_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        segments: list[PrefillSegment] = []
+        ctx_slots: list[int] = []
+        max_decode_blocks = 1
+        for chunk in chunks:
+            n, start, table = len(chunk.token_ids), chunk.start_pos, chunk.block_table
+            q_start = len(ids)
+            ids.extend(chunk.token_ids)
+            pos = range(start, start + n)
+            positions.extend(pos)
+            slots.extend(table[p // page] * page + p % page for p in pos)
+            token_slots.extend([chunk.lora_slot] * n)
+            if chunk.sample:
+                sample_rows.append(q_start + n - 1)
+            if n == 1 and not segments:
+                nblocks = -(-(start + 1) // page)
+                decode_tables.append(table[:nblocks])
+                decode_lens.append(start + 1)
+                max_decode_blocks = max(max_decode_blocks, nblocks)
+            else:
+                ctx_len = start + n
+                segments.append(PrefillSegment(q_start, n, len(ctx_slots), ctx_len))
+                ctx_slots.extend(table[p // page] * page + p % page for p in range(ctx_len))
+
+        num_tokens = len(ids)
+        input_ids = self._upload(self.input_ids, ids)
+        pos_t = self._upload(self.positions, positions)
+        slot_t = self._upload(self.slot_mapping, slots)
+        nd = len(decode_lens)
+        tables_t = self.decode_block_tables[:nd, :max_decode_blocks]
+        if nd:
+            padded = [t + [0] * (max_decode_blocks - len(t)) for t in decode_tables]
+            host = torch.tensor(padded, dtype=torch.int64, pin_memory=self._pin)
+            tables_t.copy_(host, non_blocking=True)
+        lens_t = self._upload(self.decode_context_lens, decode_lens)
+        ctx_t = torch.tensor(ctx_slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.attention.begin(AttentionMetadata(slot_t, nd, tables_t, lens_t, segments, ctx_t))
+
+        lora = None
+        if self.lora_backend is not None and any(s >= 0 for s in token_slots):
+            self.lora_backend.prepare(self._upload(self.token_slots, token_slots))
+            lora = self.lora_backend
+        ctx = ForwardContext(self.attention, lora)
+        hidden = self.model(input_ids, pos_t, ctx)
+        assert hidden.shape[0] == num_tokens
+        rows = self._upload(self.sample_indices, sample_rows)
+        return self.model.compute_logits(hidden[rows])

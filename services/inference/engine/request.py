@@ -1,0 +1,69 @@
+"""One generation request as the scheduler and engine track it (host-side state only)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.inference.engine.types import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """`token_ids` is prompt + output so far; `num_computed_tokens` of them are in the KV cache.
+
+    Prefill and decode are the same thing here: each step computes some of the tokens not yet
+    in the cache, and when it reaches the end the next token is sampled. A preempted request
+    keeps its output and recomputes everything on readmission.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None
+    lora_slot: int = -1  # adapter slot while running; -1 = base model / not acquired
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    error: Exception | None = None
+    generator: torch.Generator | None = None
+    max_new_tokens: int = 0  # params.max_new_tokens capped by the context length
+    arrival_time: float = field(default_factory=time.monotonic)
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+        if not self.max_new_tokens:
+            self.max_new_tokens = self.params.max_new_tokens
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,100 @@
+"""One batched sampling call per step: penalties, temperature, top-k, top-p, min-p, seeded draws.
+
+Each request draws its randomness from its own torch.Generator (seeded from the request's
+`seed`), one vocabulary-sized draw per step, so a seeded request produces the same tokens
+whatever else shares its batch. The draw is the exponential-race (Gumbel-max) form of
+multinomial sampling: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class SamplingInputs(NamedTuple):
+    """Per row of the logits, in the same order (plain data; built by the engine)."""
+
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+    repetition_penalty: list[float]
+    frequency_penalty: list[float]
+    presence_penalty: list[float]
+    generators: list[torch.Generator | None]  # None only for greedy rows
+    prompt_ids: list[list[int]]  # read only when a repetition penalty is set
+    output_ids: list[list[int]]  # read only when any penalty is set
+
+
+def _pad(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+        valid[i, : len(r)] = True
+    return ids.to(device), valid.to(device)
+
+
+def apply_penalties(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
+    """Repetition (prompt + output, divides positive logits / multiplies negative ones, as in
+    transformers), then frequency (per occurrence) and presence (once) over the output, as in OpenAI."""
+    device = logits.device
+    rep = torch.tensor(inp.repetition_penalty, dtype=logits.dtype, device=device)
+    if (rep != 1).any():
+        ids, valid = _pad([p + o for p, o in zip(inp.prompt_ids, inp.output_ids, strict=True)], device)
+        seen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids, valid)
+        penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
+        logits = torch.where(seen, penalised, logits)
+    freq = torch.tensor(inp.frequency_penalty, dtype=logits.dtype, device=device)
+    pres = torch.tensor(inp.presence_penalty, dtype=logits.dtype, device=device)
+    if (freq != 0).any() or (pres != 0).any():
+        ids, valid = _pad(inp.output_ids, device)
+        counts = torch.zeros_like(logits).scatter_add_(1, ids, valid.to(logits.dtype))
+        logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _filter(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
+    device, vocab = logits.device, logits.shape[1]
+    top_k = torch.tensor([k if 0 < k < vocab else vocab for k in inp.top_k], device=device)
+    top_p = torch.tensor(inp.top_p, dtype=logits.dtype, device=device)
+    if (top_k < vocab).any() or (top_p < 1).any():
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=device)[None, :]
+        drop = ranks >= top_k[:, None]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the more likely ones already reach top_p (the first always stays).
+        drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        drop[:, 0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
+    min_p = torch.tensor(inp.min_p, dtype=logits.dtype, device=device)
+    if (min_p > 0).any():
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(
+            probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf")
+        )
+    return logits
+
+
+def sample(logits: torch.Tensor, inp: SamplingInputs) -> list[int]:
+    """logits: [B, vocab] float32 -> one token id per row."""
+    logits = apply_penalties(logits, inp)
+    greedy_tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, t in enumerate(inp.temperature) if t > 0]
+    if not random_rows:
+        return greedy_tokens.tolist()
+    temps = torch.tensor(
+        [t if t > 0 else 1.0 for t in inp.temperature], dtype=logits.dtype, device=logits.device
+    )
+    probs = _filter(logits / temps[:, None], inp).softmax(dim=-1)
+    races = torch.ones_like(probs)
+    for i in random_rows:
+        races[i].exponential_(generator=inp.generators[i])
+    sampled = (probs / races).argmax(dim=-1)
+    is_random = torch.zeros(len(inp.temperature), dtype=torch.bool)
+    is_random[random_rows] = True
+    return torch.where(is_random.to(logits.device), sampled, greedy_tokens).tolist()

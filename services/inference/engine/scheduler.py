@@ -1,0 +1,197 @@
+"""Continuous batching: decides which requests compute how many tokens this step. No tensors.
+
+Every step: running requests first (decodes and unfinished chunked prefills, in admission
+order), then waiting requests (FCFS, skipping those whose adapter is not resident yet) while
+the token budget, the prefill budget, the request cap and the free KV blocks allow. When a
+running request needs a block and none is free, the most recently admitted request is
+preempted (its KV freed; it is recomputed when readmitted).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import NamedTuple
+
+from services.inference.engine.adapter_slots import AdapterSlots
+from services.inference.engine.block_manager import BlockManager
+from services.inference.engine.config import SchedulerConfig
+from services.inference.engine.request import Request, RequestStatus
+from services.inference.errors import LoraplexError
+
+log = logging.getLogger(__name__)
+
+
+class SeqChunk(NamedTuple):
+    """What the model runner needs of one scheduled request (plain data, no request object)."""
+
+    token_ids: list[int]  # the tokens to compute this step
+    start_pos: int  # position of token_ids[0]; tokens before it are already in the KV cache
+    block_table: list[int]
+    lora_slot: int
+    sample: bool  # the chunk reaches the end of the sequence: sample the next token
+
+
+class ScheduledEntry(NamedTuple):
+    request: Request
+    num_tokens: int
+
+    @property
+    def sample(self) -> bool:
+        return self.request.num_computed_tokens + self.num_tokens == len(self.request.token_ids)
+
+
+class ScheduledBatch(NamedTuple):
+    entries: list[ScheduledEntry]  # single-token entries (decodes) first
+    finished: list[Request]  # requests that ended while scheduling (errors, cache too small)
+
+    def chunks(self) -> list[SeqChunk]:
+        out = []
+        for req, n in self.entries:
+            start = req.num_computed_tokens
+            sample = start + n == len(req.token_ids)
+            out.append(
+                SeqChunk(req.token_ids[start : start + n], start, req.block_table, req.lora_slot, sample)
+            )
+        return out
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_tokens for e in self.entries)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, adapter_slots: AdapterSlots):
+        self.config = config
+        self.blocks = block_manager
+        self.adapter_slots = adapter_slots
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, reason: str, error: Exception | None = None) -> None:
+        """End a request wherever it is, freeing its KV blocks and adapter reference."""
+        if request.finished:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.error = error
+
+    def schedule(self) -> ScheduledBatch:
+        token_budget = self.config.max_num_batched_tokens
+        prefill_budget = self.config.prefill_budget
+        entries: list[ScheduledEntry] = []
+        finished: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            req = self.running[i]
+            want = req.num_uncomputed_tokens
+            if want > 1:
+                want = min(want, prefill_budget)
+            want = min(want, token_budget)
+            if want <= 0:
+                i += 1
+                continue
+            n = self._make_room(req, want)
+            if n == 0:
+                if req.status is RequestStatus.RUNNING:  # alone and the cache is full
+                    self.finish(req, "length")
+                    finished.append(req)
+                continue  # req left `running`: the same index now holds the next one
+            self.blocks.allocate(req.block_table, req.num_computed_tokens + n)
+            entries.append(ScheduledEntry(req, n))
+            token_budget -= n
+            if n > 1:
+                prefill_budget -= n
+            i += 1
+
+        self._admit(entries, finished, token_budget, prefill_budget)
+        entries.sort(key=lambda e: e.num_tokens != 1)  # stable: decodes first
+        return ScheduledBatch(entries, finished)
+
+    def _make_room(self, req: Request, want: int) -> int:
+        """Tokens (<= want) of `req` that fit, preempting later-admitted requests if needed.
+
+        Returns 0 when `req` itself was preempted, or when it is the only running request and
+        the whole cache cannot hold even one more of its tokens.
+        """
+        while True:
+            room = self.blocks.max_tokens(req.block_table) - req.num_computed_tokens
+            if room >= 1:
+                return min(want, room)
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:
+                log.warning("request %s outgrew the whole KV cache; finishing it", req.request_id)
+                return 0
+            self._preempt(victim)
+            if victim is req:
+                return 0
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        log.debug("preempted %s (KV full)", req.request_id)
+
+    def _release(self, req: Request) -> None:
+        self.blocks.free(req.block_table)
+        req.num_computed_tokens = 0
+        if req.lora_slot >= 0 and req.adapter is not None:
+            self.adapter_slots.release(req.adapter)
+        req.lora_slot = -1
+
+    def _admit(
+        self, entries: list[ScheduledEntry], finished: list[Request], token_budget: int, prefill_budget: int
+    ) -> None:
+        skipped: list[Request] = []
+        while self.waiting and len(self.running) < self.config.max_running_requests:
+            want = min(self.waiting[0].num_uncomputed_tokens, token_budget)
+            if want > 1:
+                want = min(want, prefill_budget)
+            if want <= 0:
+                break
+            req = self.waiting.popleft()
+            room = self.blocks.max_tokens(req.block_table) - req.num_computed_tokens
+            if room < want:
+                if self.running or room < 1:
+                    # Admit only when the chunk fits whole: a partial admission would
+                    # preempt running requests next step.
+                    self.waiting.appendleft(req)
+                    break
+                want = room  # alone with the whole cache: take what there is
+            if req.adapter is not None:
+                try:
+                    slot = self.adapter_slots.acquire(req.adapter)
+                except LoraplexError as exc:
+                    self.finish(req, "abort", exc)
+                    finished.append(req)
+                    continue
+                if slot is None:
+                    skipped.append(req)  # not resident yet: let others go first
+                    continue
+                req.lora_slot = slot
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self.blocks.allocate(req.block_table, req.num_computed_tokens + want)
+            entries.append(ScheduledEntry(req, want))
+            token_budget -= want
+            if want > 1:
+                prefill_budget -= want
+        for req in reversed(skipped):
+            self.waiting.appendleft(req)

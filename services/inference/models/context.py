@@ -1,0 +1,28 @@
+"""What a forward pass needs besides token ids and positions: attention over the KV cache and LoRA."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+import torch
+
+from services.inference.lora.backend import LoRABackend
+
+
+class Attention(ABC):
+    """Attention for one step over the paged KV cache (per-step metadata bound beforehand).
+
+    Contract: `forward(layer, q, k, v)` gets the step's tokens in forward order (`q`: [T, heads,
+    head_dim], `k`/`v`: [T, kv_heads, head_dim], already rotated), writes `k`/`v` into that
+    layer's cache at the step's slots, and returns causal attention over each sequence's whole
+    context (earlier pages included) as [T, heads * head_dim]. No host syncs.
+    """
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class ForwardContext(NamedTuple):
+    attention: Attention
+    lora: LoRABackend | None  # None when no token of the batch has an adapter

@@ -1,0 +1,184 @@
+"""Llama-family decoder (Llama 2/3.x, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+
+Linears are fused per LoRA group (`qkv`, `o`, `gate_up`, `down`, see lora/backend.py GROUPS);
+after each group's base matmul the LoRA backend, when the batch has adapters, adds its delta
+in place. Checkpoint tensors are copied straight into the fused parameters by `load_weights`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.inference.models.config import ModelConfig
+from services.inference.models.context import ForwardContext
+from services.inference.models.rope import RotaryEmbedding, apply_rotary
+
+
+def _empty_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class FusedLinear(nn.Module):
+    """One matmul for several stacked output blocks (e.g. q, k, v) that share an input."""
+
+    def __init__(self, in_features: int, out_sizes: tuple[int, ...], bias: bool):
+        super().__init__()
+        self.out_sizes = out_sizes
+        self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+        self.weight = _empty_param(sum(out_sizes), in_features)
+        self.bias = _empty_param(sum(out_sizes)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def load_shard(self, index: int, kind: str, tensor: torch.Tensor) -> None:
+        target = self.weight if kind == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"checkpoint has a {kind} this layer was not built with")
+        start, size = self.offsets[index], self.out_sizes[index]
+        dest = target.data[start : start + size]
+        if dest.shape != tensor.shape:
+            raise ValueError(f"shape {tuple(tensor.shape)} does not fit {tuple(dest.shape)}")
+        dest.copy_(tensor)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty_param(size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as transformers does.
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.qkv_proj = FusedLinear(cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.qkv_bias)
+        self.o_proj = FusedLinear(cfg.q_size, (cfg.hidden_size,), cfg.o_bias)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, (inter, inter), cfg.mlp_bias)
+        self.down_proj = FusedLinear(inter, (cfg.hidden_size,), cfg.mlp_bias)
+        self.q_size, self.kv_size, self.inter = cfg.q_size, cfg.kv_size, inter
+
+    def _linear(self, group: str, module: FusedLinear, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        out = module(x)
+        if ctx.lora is not None:
+            ctx.lora.apply(self.index, group, x, out)
+        return out
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        qkv = self._linear("qkv", self.qkv_proj, x, ctx)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        t = x.shape[0]
+        q = apply_rotary(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        attn = ctx.attention.forward(self.index, q, k, v)
+        h = h + self._linear("o", self.o_proj, attn, ctx)
+        x = self.post_attention_layernorm(h)
+        gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx)
+        gate, up = gate_up.split((self.inter, self.inter), dim=-1)
+        return h + self._linear("down", self.down_proj, F.silu(gate) * up, ctx)
+
+
+# checkpoint name -> (our module attribute, stack index) for the fused linears.
+_LAYER_WEIGHTS = {
+    "self_attn.q_proj": ("qkv_proj", 0),
+    "self_attn.k_proj": ("qkv_proj", 1),
+    "self_attn.v_proj": ("qkv_proj", 2),
+    "self_attn.o_proj": ("o_proj", 0),
+    "mlp.gate_proj": ("gate_up_proj", 0),
+    "mlp.up_proj": ("gate_up_proj", 1),
+    "mlp.down_proj": ("down_proj", 0),
+}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+class LlamaForCausalLM(nn.Module):
+    """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else _empty_param(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, ctx)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into our (fused) parameters; refuse gaps and strangers."""
+        expected = {name for name, _ in self.named_parameters()}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints still ship the copy
+            target = self._load_one(name, tensor)
+            loaded.add(target)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> str:
+        match = _LAYER_RE.match(name)
+        if match:
+            layer_idx, module_name, kind = int(match[1]), match[2], match[3]
+            layer = self.layers[layer_idx]
+            if module_name in _LAYER_WEIGHTS:
+                attr, index = _LAYER_WEIGHTS[module_name]
+                getattr(layer, attr).load_shard(index, kind, tensor)
+                return f"layers.{layer_idx}.{attr}.{kind}"
+            if module_name in ("input_layernorm", "post_attention_layernorm") and kind == "weight":
+                _copy(getattr(layer, module_name).weight, tensor, name)
+                return f"layers.{layer_idx}.{module_name}.weight"
+        simple = {
+            "model.embed_tokens.weight": ("embed_tokens.weight", self.embed_tokens.weight),
+            "model.norm.weight": ("norm.weight", self.norm.weight),
+        }
+        if self.lm_head is not None:
+            simple["lm_head.weight"] = ("lm_head", self.lm_head)
+        if name in simple:
+            target_name, param = simple[name]
+            _copy(param, tensor, name)
+            return target_name
+        raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
+    param.data.copy_(tensor)
