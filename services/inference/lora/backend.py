@@ -31,7 +31,11 @@ class LoRABackend(ABC):
     - `apply(layer, group, x, out)` adds the delta in place: `x` is `[T, in]`, `out` is
       `[T, sum(stack widths)]`, the stacked output of that group's fused linear. Tokens
       with slot -1, and slots whose adapter does not target a module, cost nothing.
+    - `cuda_graph_safe` is False for a backend whose `prepare` reads the slots on the host;
+      the model runner must not capture CUDA graphs around it.
     """
+
+    cuda_graph_safe: bool = True
 
     @abstractmethod
     def prepare(self, token_slots: torch.Tensor) -> None: ...

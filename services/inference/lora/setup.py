@@ -1,0 +1,130 @@
+"""Turn the LoRA flags into a pool, a backend and a manager, with the startup adapters loaded.
+
+Defaults (docs/architecture.md, "LoRA defaults"):
+- `--max-lora-rank` / `--lora-target-modules` not given: inferred from `--lora-paths` (the
+  largest rank, the union of targeted modules); with no `--lora-paths` either, rank 64 and all
+  seven projections, so any common adapter can be loaded later without a restart.
+- `--lora-backend`: triton on CUDA, torch on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from services.inference.lora.adapter import read_config
+from services.inference.lora.backend import LoRABackend
+from services.inference.lora.config import resolve_targets
+from services.inference.lora.manager import LoRAManager
+from services.inference.lora.pool import AdapterPool
+from services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from services.inference.server_args import ServerArgs
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_LORA_RANK = 64
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    max_loras_per_batch: int
+    max_lora_rank: int
+    target_modules: tuple[str, ...]
+    max_loaded_loras: int | None
+    backend: str  # "torch" | "triton"
+
+
+class LoRAStack(NamedTuple):
+    settings: LoRASettings
+    pool: AdapterPool
+    backend: LoRABackend
+    manager: LoRAManager
+
+
+def parse_target_modules(names: Iterable[str]) -> tuple[str, ...]:
+    """`--lora-target-modules` values ('all' or projection names) in canonical order."""
+    wanted = set(names)
+    if "all" in wanted:
+        return ALL_MODULES
+    unknown = sorted(wanted - set(ALL_MODULES))
+    if unknown:
+        raise ValueError(f"--lora-target-modules: unknown {', '.join(unknown)}; use names from "
+                         f"{' '.join(ALL_MODULES)} or 'all'")
+    if not wanted:
+        raise ValueError("--lora-target-modules needs at least one module name, or 'all'")
+    return tuple(m for m in ALL_MODULES if m in wanted)
+
+
+def local_source(name: str, source: str) -> str:
+    """The default source resolver: `--lora-paths` sources must be local adapter directories."""
+    if not Path(source).is_dir():
+        raise ValueError(f"--lora-paths {name}={source}: not a local directory (remote sources need the "
+                         "adapter store to resolve them)")
+    return source
+
+
+def resolve_lora_settings(
+    args: ServerArgs,
+    shapes: ModelShapes,
+    device: torch.device,
+    resolve_source: Callable[[str, str], str] = local_source,
+) -> LoRASettings:
+    """Apply the defaults and inference rules above; raise ValueError for unusable flags."""
+    if args.max_loras_per_batch < 1:
+        raise ValueError(f"--max-loras-per-batch must be >= 1 (got {args.max_loras_per_batch})")
+    if args.max_loaded_loras is not None and args.max_loaded_loras < 1:
+        raise ValueError(f"--max-loaded-loras must be >= 1 (got {args.max_loaded_loras})")
+    ranks: list[int] = []
+    modules: set[str] = set()
+    for name, source in args.lora_path_map.items():
+        spec, _ = read_config(resolve_source(name, source))
+        targets = resolve_targets(spec, shapes.num_layers)
+        ranks.append(max(t.rank for t in targets.values()))
+        modules |= {m for _, m in targets}
+    max_rank = args.max_lora_rank or max(ranks, default=DEFAULT_MAX_LORA_RANK)
+    if max_rank < 1:
+        raise ValueError(f"--max-lora-rank must be >= 1 (got {max_rank})")
+    if args.lora_target_modules is not None:
+        target_modules = parse_target_modules(args.lora_target_modules)
+    else:
+        target_modules = parse_target_modules(modules) if modules else ALL_MODULES
+    backend = args.lora_backend or ("triton" if device.type == "cuda" else "torch")
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--lora-backend triton needs a CUDA device (or TRITON_INTERPRET=1); use torch on CPU")
+    return LoRASettings(args.max_loras_per_batch, max_rank, target_modules, args.max_loaded_loras, backend)
+
+
+def build_lora(
+    args: ServerArgs,
+    shapes: ModelShapes,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_tokens: int,
+    resolve_source: Callable[[str, str], str] = local_source,
+) -> LoRAStack:
+    """Allocate the pool (call before sizing the KV cache), pick the backend, load `--lora-paths`."""
+    settings = resolve_lora_settings(args, shapes, device, resolve_source)
+    pool = AdapterPool(shapes, slots=settings.max_loras_per_batch, max_rank=settings.max_lora_rank,
+                       target_modules=settings.target_modules, dtype=dtype, device=device)
+    if settings.backend == "triton":
+        from services.inference.lora.triton_backend import TritonLoRABackend
+
+        backend: LoRABackend = TritonLoRABackend(pool, max_tokens)
+    else:
+        from services.inference.lora.torch_backend import TorchLoRABackend
+
+        backend = TorchLoRABackend(pool)
+    manager = LoRAManager(pool, max_loaded_loras=settings.max_loaded_loras)
+    for name, source in args.lora_path_map.items():
+        manager.load_adapter(name, resolve_source(name, source))
+    log.info("LoRA adapter pool: %d bytes (%.1f MiB) = %d slots x rank %d over %s, %s, backend %s",
+             pool.nbytes, pool.nbytes / 2**20, pool.slots, pool.max_rank, ",".join(settings.target_modules),
+             dtype, settings.backend)
+    return LoRAStack(settings, pool, backend, manager)

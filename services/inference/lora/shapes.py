@@ -1,0 +1,85 @@
+"""The base model's dimensions as LoRA sees them: per-module input/output widths and paths.
+
+Derived from the HF `config.json` alone, so adapter validation needs no model weights.
+Llama, Mistral and Qwen2 share the module tree `model.layers.N.{self_attn,mlp}.X_proj`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.inference.lora.backend import GROUPS
+
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+ALL_MODULES = ATTN_MODULES + MLP_MODULES
+MODULE_GROUP: dict[str, str] = {m: g for g, mods in GROUPS.items() for m in mods}
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """Widths of the seven LoRA-targetable projections, identical in every layer."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    q_size: int  # num_heads * head_dim
+    kv_size: int  # num_kv_heads * head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any] | Any) -> ModelShapes:
+        get = cfg.get if isinstance(cfg, dict) else lambda k, d=None: getattr(cfg, k, d)
+        hidden = int(get("hidden_size"))
+        heads = int(get("num_attention_heads"))
+        kv_heads = int(get("num_key_value_heads") or heads)
+        head_dim = int(get("head_dim") or hidden // heads)
+        return cls(
+            num_layers=int(get("num_hidden_layers")),
+            hidden_size=hidden,
+            intermediate_size=int(get("intermediate_size")),
+            q_size=heads * head_dim,
+            kv_size=kv_heads * head_dim,
+        )
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> ModelShapes:
+        return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+
+    def module_dims(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of a projection, as in `nn.Linear(in, out)`."""
+        h, i = self.hidden_size, self.intermediate_size
+        return {
+            "q_proj": (h, self.q_size),
+            "k_proj": (h, self.kv_size),
+            "v_proj": (h, self.kv_size),
+            "o_proj": (self.q_size, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }[module]
+
+    def group_in(self, group: str) -> int:
+        return self.module_dims(GROUPS[group][0])[0]
+
+    def group_widths(self, group: str) -> tuple[int, ...]:
+        return tuple(self.module_dims(m)[1] for m in GROUPS[group])
+
+
+def module_path(layer: int, module: str) -> str:
+    """The module's name in the HF model (`named_modules()` of *ForCausalLM), as PEFT keys it."""
+    block = "self_attn" if module in ATTN_MODULES else "mlp"
+    return f"model.layers.{layer}.{block}.{module}"
+
+
+def all_module_paths(num_layers: int) -> list[str]:
+    """Every module name of the HF model tree, so PEFT's target matching can be replayed."""
+    names = ["", "model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"]
+    for n in range(num_layers):
+        p = f"model.layers.{n}"
+        names += [p, f"{p}.self_attn", f"{p}.mlp", f"{p}.mlp.act_fn", f"{p}.input_layernorm",
+                  f"{p}.post_attention_layernorm"]
+        names += [module_path(n, m) for m in ALL_MODULES]
+    return names
