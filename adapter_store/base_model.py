@@ -1,0 +1,55 @@
+"""What the base model's config says each target linear's (in, out) must be."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+
+class BaseModelShapes(NamedTuple):
+    name: str
+    num_layers: int
+    # module suffix (q_proj, ...) -> (in_features, out_features)
+    linears: dict[str, tuple[int, int]]
+
+    def expected(self, module_suffix: str) -> tuple[int, int] | None:
+        return self.linears.get(module_suffix)
+
+
+def shapes_from_config(name: str, config: dict) -> BaseModelShapes:
+    """Llama/Mistral/Qwen2-style decoder shapes from a transformers `config.json` dict."""
+    cfg = config.get("text_config", config)
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    inter = int(cfg["intermediate_size"])
+    linears = {
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv_heads * head_dim),
+        "v_proj": (hidden, kv_heads * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    if "vocab_size" in cfg:
+        linears["lm_head"] = (hidden, int(cfg["vocab_size"]))
+    return BaseModelShapes(name, int(cfg["num_hidden_layers"]), linears)
+
+
+def load_base_model_shapes(
+    path_or_id: str, *, endpoint: str | None = None, token: str | None = None, cache_dir: Path | None = None
+) -> BaseModelShapes:
+    """Read `config.json` from a local model directory, or fetch just that file from the Hub."""
+    local = Path(path_or_id).expanduser()
+    if local.is_dir():
+        config_path = local / "config.json"
+    else:
+        from huggingface_hub import hf_hub_download
+
+        config_path = Path(
+            hf_hub_download(path_or_id, "config.json", endpoint=endpoint, token=token, cache_dir=cache_dir)
+        )
+    return shapes_from_config(path_or_id, json.loads(config_path.read_text()))

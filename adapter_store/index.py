@@ -1,0 +1,205 @@
+"""The Redis index: records, name -> digest, last-use order, per-name locks, the event stream.
+
+Keys (all under the configured prefix P):
+  P adapter:<name>   hash   the record's fields plus `generation`
+  P names            zset   every name at score 0, so ZRANGEBYLEX pages in name order
+  P digests          hash   name -> digest
+  P generations      hash   name -> generation (survives delete, so generations never repeat)
+  P lru              zset   digest -> last use (unix seconds)
+  P lock:<name>      string redis-py Lock held while one registration of <name> fetches
+  P events           stream registered / deleted events (XADD MAXLEN ~)
+Writes that must agree (record + names + digests + generation + event) run in one Lua script,
+and a commit names the generation it started from, so a registration whose lock expired
+cannot overwrite a newer one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import NamedTuple
+
+import redis.asyncio as aioredis
+from redis.asyncio.lock import Lock
+from redis.exceptions import LockError
+
+from adapter_store.records import StoreRecord
+
+log = logging.getLogger(__name__)
+EVENTS_MAXLEN = 10_000
+
+_COMMIT = """
+local gen = tonumber(redis.call('HGET', KEYS[6], ARGV[2]) or '0')
+if gen ~= tonumber(ARGV[1]) then return -1 end
+gen = gen + 1
+redis.call('HSET', KEYS[6], ARGV[2], gen)
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'generation', gen, unpack(ARGV, 6))
+redis.call('ZADD', KEYS[2], 0, ARGV[2])
+redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
+redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
+redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'registered', 'name', ARGV[2],
+           'digest', ARGV[3], 'generation', gen, 'time', ARGV[4])
+return gen
+"""
+
+_DELETE = """
+local digest = redis.call('HGET', KEYS[3], ARGV[1])
+if not digest then return false end
+local gen = redis.call('HINCRBY', KEYS[6], ARGV[1], 1)
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[3], '*', 'type', 'deleted', 'name', ARGV[1],
+           'digest', digest, 'generation', gen, 'time', ARGV[2])
+return {digest, gen}
+"""
+
+_RESTORE = """
+local have = tonumber(redis.call('HGET', KEYS[6], ARGV[1]) or '0')
+local gen = tonumber(ARGV[3])
+if have >= gen and redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[6], ARGV[1], math.max(have, gen))
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('HSET', KEYS[1], 'generation', math.max(have, gen))
+redis.call('ZADD', KEYS[2], 0, ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[4], ARGV[4], ARGV[2])
+return 1
+"""
+
+
+class Event(NamedTuple):
+    id: str
+    type: str
+    name: str
+    digest: str
+    generation: int
+    time: float
+
+
+class AdapterIndex:
+    def __init__(self, client: aioredis.Redis, prefix: str = "loraplex:", lock_timeout_s: float = 30.0):
+        self.r = client
+        self.p = prefix
+        self.lock_timeout_s = lock_timeout_s
+        self._commit = client.register_script(_COMMIT)
+        self._delete = client.register_script(_DELETE)
+        self._restore = client.register_script(_RESTORE)
+
+    def _keys(self, name: str) -> list[str]:
+        p = self.p
+        return [f"{p}adapter:{name}", f"{p}names", f"{p}digests", f"{p}lru", f"{p}events", f"{p}generations"]
+
+    async def ping(self) -> None:
+        await self.r.ping()
+
+    async def get(self, name: str) -> StoreRecord | None:
+        data = await self.r.hgetall(f"{self.p}adapter:{name}")
+        return StoreRecord.from_redis(data) if data else None
+
+    async def generation(self, name: str) -> int:
+        return int(await self.r.hget(f"{self.p}generations", name) or 0)
+
+    async def commit(self, record: StoreRecord, expected_generation: int) -> int:
+        """Write `record` if the name is still at `expected_generation`; return the new one, or -1."""
+        fields = record.to_redis()
+        fields.pop("generation")
+        flat = [x for kv in fields.items() for x in kv]
+        args = [expected_generation, record.name, record.digest, record.last_used_at, EVENTS_MAXLEN, *flat]
+        return int(await self._commit(keys=self._keys(record.name), args=args))
+
+    async def delete(self, name: str) -> tuple[str, int] | None:
+        """Remove the name; return (digest it pointed at, new generation), or None if absent."""
+        out = await self._delete(keys=self._keys(name), args=[name, time.time(), EVENTS_MAXLEN])
+        return (out[0], int(out[1])) if out else None
+
+    async def restore(self, record: StoreRecord) -> bool:
+        """Put back a record from a sidecar unless the index already has it at that generation or newer."""
+        fields = record.to_redis()
+        fields.pop("generation")
+        flat = [x for kv in fields.items() for x in kv]
+        args = [record.name, record.digest, record.generation, record.last_used_at, *flat]
+        return bool(await self._restore(keys=self._keys(record.name), args=args))
+
+    async def touch(self, name: str, digest: str) -> float:
+        now = time.time()
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(f"{self.p}adapter:{name}", "last_used_at", now)
+            pipe.zadd(f"{self.p}lru", {digest: now})
+            await pipe.execute()
+        return now
+
+    async def list_page(self, page_size: int, after: str) -> tuple[list[StoreRecord], str]:
+        start = f"({after}" if after else "-"
+        names = await self.r.zrangebylex(f"{self.p}names", start, "+", start=0, num=page_size + 1)
+        more = len(names) > page_size
+        names = names[:page_size]
+        async with self.r.pipeline(transaction=False) as pipe:
+            for n in names:
+                pipe.hgetall(f"{self.p}adapter:{n}")
+            rows = await pipe.execute()
+        records = [StoreRecord.from_redis(d) for d in rows if d]
+        return records, (names[-1] if more and names else "")
+
+    async def names_by_digest(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for name, digest in (await self.r.hgetall(f"{self.p}digests")).items():
+            out.setdefault(digest, []).append(name)
+        return out
+
+    async def lru_digests(self) -> list[str]:
+        """Digests, least recently used first."""
+        return await self.r.zrange(f"{self.p}lru", 0, -1)
+
+    async def forget_digest(self, digest: str) -> None:
+        await self.r.zrem(f"{self.p}lru", digest)
+
+    async def count(self) -> int:
+        return int(await self.r.zcard(f"{self.p}names"))
+
+    # -- locks -------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def name_lock(self, name: str, wait_s: float = 600.0) -> AsyncIterator[None]:
+        """Hold `lock:<name>`; a background task extends it so long downloads keep it."""
+        lock = Lock(self.r, f"{self.p}lock:{name}", timeout=self.lock_timeout_s, sleep=0.05, blocking_timeout=wait_s)
+        if not await lock.acquire():
+            raise TimeoutError(f"waited {wait_s}s for the registration lock of {name!r}")
+        keeper = asyncio.create_task(self._keep(lock))
+        try:
+            yield
+        finally:
+            keeper.cancel()
+            try:
+                await lock.release()
+            except LockError:
+                log.warning("registration lock of %r expired before release", name)
+            except Exception as e:  # Redis gone: the lock times out by itself
+                log.warning("could not release the lock of %r: %s", name, e)
+
+    async def _keep(self, lock: Lock) -> None:
+        while True:
+            await asyncio.sleep(self.lock_timeout_s / 3)
+            try:
+                await lock.reacquire()
+            except Exception as e:
+                log.warning("could not extend lock %s: %s", lock.name, e)
+
+    # -- events ------------------------------------------------------------------------------
+    async def last_event_id(self) -> str:
+        last = await self.r.xrevrange(f"{self.p}events", count=1)
+        return last[0][0] if last else "0-0"
+
+    async def read_events(self, after: str, block_ms: int = 5000) -> list[Event]:
+        got = await self.r.xread({f"{self.p}events": after}, count=100, block=block_ms)
+        events = []
+        for _stream, entries in got or []:
+            for event_id, f in entries:
+                events.append(
+                    Event(event_id, f["type"], f["name"], f.get("digest", ""), int(f["generation"]), float(f["time"]))
+                )
+        return events

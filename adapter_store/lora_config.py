@@ -1,0 +1,122 @@
+"""Parse and check `adapter_config.json` as a PEFT LoRA config."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import NamedTuple
+
+from adapter_store.errors import InvalidArgument
+
+CONFIG_FILE = "adapter_config.json"
+MAX_CONFIG_BYTES = 1 * 2**20
+
+
+class LoraConfig(NamedTuple):
+    r: int
+    lora_alpha: float
+    # A list of module-name suffixes, or one regex matched against the full module name (PEFT's rules).
+    target_modules: tuple[str, ...] | str
+    use_rslora: bool
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    base_model: str
+    text: str
+    digest: str
+
+    def rank_for(self, module: str) -> int:
+        """The rank PEFT gives `module` (e.g. `model.layers.0.self_attn.q_proj`)."""
+        key = _pattern_key(self.rank_pattern, module)
+        return self.rank_pattern[key] if key is not None else self.r
+
+    def targets(self, module: str) -> bool:
+        """Whether PEFT would have put a LoRA on `module`."""
+        if isinstance(self.target_modules, str):
+            return re.fullmatch(self.target_modules, module) is not None
+        return any(module == t or module.endswith("." + t) for t in self.target_modules)
+
+    def target_module_names(self) -> list[str]:
+        if isinstance(self.target_modules, str):
+            return [self.target_modules]
+        return list(self.target_modules)
+
+
+def _pattern_key(pattern: dict, module: str) -> str | None:
+    # PEFT's get_pattern_key: the first key whose regex matches a dotted suffix of the name.
+    for key in pattern:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return None
+
+
+def _bad(field: str, message: str) -> InvalidArgument:
+    return InvalidArgument(f"{CONFIG_FILE}: {message}", field=f"{CONFIG_FILE}:{field}")
+
+
+def parse_lora_config(raw: bytes) -> LoraConfig:
+    """Check `raw` (the file's bytes) is a LoRA config this project can serve; raise InvalidArgument if not."""
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise _bad("size", f"{len(raw)} bytes exceeds the {MAX_CONFIG_BYTES}-byte cap")
+    try:
+        text = raw.decode("utf-8")
+        data = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _bad("json", f"not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise _bad("json", "not a JSON object")
+    peft_type = str(data.get("peft_type", "")).upper()
+    if peft_type != "LORA":
+        raise _bad("peft_type", f"peft_type is {data.get('peft_type')!r}, not 'LORA'")
+    r = data.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise _bad("r", f"r must be a positive integer, got {r!r}")
+    alpha = data.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+        raise _bad("lora_alpha", f"lora_alpha must be a positive number, got {alpha!r}")
+    targets = data.get("target_modules")
+    if isinstance(targets, str) and targets:
+        try:
+            re.compile(targets)
+        except re.error as e:
+            raise _bad("target_modules", f"target_modules regex {targets!r} does not compile: {e}") from None
+    elif isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets):
+        targets = tuple(targets)
+    else:
+        raise _bad("target_modules", f"target_modules must be a non-empty list of names or a regex, got {targets!r}")
+    if data.get("use_dora"):
+        raise _bad("use_dora", "DoRA adapters are not supported (only plain LoRA A/B weights)")
+    if data.get("lora_bias"):
+        raise _bad("lora_bias", "LoRA bias terms are not supported (only plain LoRA A/B weights)")
+    if data.get("modules_to_save"):
+        raise _bad("modules_to_save", "modules_to_save (full module copies) are not supported")
+    use_rslora = data.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise _bad("use_rslora", f"use_rslora must be true or false, got {use_rslora!r}")
+    rank_pattern = _positive_map(data.get("rank_pattern") or {}, "rank_pattern", integer=True)
+    alpha_pattern = _positive_map(data.get("alpha_pattern") or {}, "alpha_pattern", integer=False)
+    return LoraConfig(
+        r=r,
+        lora_alpha=float(alpha),
+        target_modules=targets,
+        use_rslora=use_rslora,
+        rank_pattern=rank_pattern,
+        alpha_pattern=alpha_pattern,
+        base_model=str(data.get("base_model_name_or_path") or ""),
+        text=text,
+        digest="sha256:" + hashlib.sha256(raw).hexdigest(),
+    )
+
+
+def _positive_map(value: object, field: str, *, integer: bool) -> dict:
+    if not isinstance(value, dict):
+        raise _bad(field, f"{field} must be an object, got {value!r}")
+    for key, v in value.items():
+        ok = isinstance(v, int) if integer else isinstance(v, int | float)
+        if isinstance(v, bool) or not ok or not v > 0:
+            raise _bad(f"{field}.{key}", f"{field}[{key!r}] must be a positive {'integer' if integer else 'number'}")
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise _bad(f"{field}.{key}", f"{field} key {key!r} is not a valid pattern: {e}") from None
+    return dict(value)

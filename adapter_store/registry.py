@@ -1,0 +1,227 @@
+"""The store's core: register, get, list, delete, pull, evict, reindex (no gRPC here).
+
+Blocking work (fetching, hashing, file moves) runs in worker threads; Redis calls are async.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import NamedTuple
+
+from adapter_store.base_model import BaseModelShapes
+from adapter_store.blobs import BlobCache
+from adapter_store.cli.args import StoreConfig
+from adapter_store.errors import FailedPrecondition, NotFound, Unavailable
+from adapter_store.index import AdapterIndex
+from adapter_store.lora_config import parse_lora_config
+from adapter_store.names import check_name
+from adapter_store.records import StoreRecord
+from adapter_store.sources import ResolvedSource, SourceFetcher, parse_source
+from adapter_store.validate import validate_adapter
+
+log = logging.getLogger(__name__)
+
+
+class PullHandle(NamedTuple):
+    record: StoreRecord
+    path: Path
+
+
+class AdapterRegistry:
+    def __init__(
+        self,
+        config: StoreConfig,
+        index: AdapterIndex,
+        blobs: BlobCache,
+        fetcher: SourceFetcher,
+        base: BaseModelShapes | None = None,
+    ):
+        self.config = config
+        self.index = index
+        self.blobs = blobs
+        self.fetcher = fetcher
+        self.base = base
+        self.fetch_count = 0  # fetches actually run (not answered from the index)
+        self._evict_lock = asyncio.Lock()
+
+    # -- register ----------------------------------------------------------------------------
+    async def register(self, name: str, source: str, revision: str = "") -> StoreRecord:
+        check_name(name)
+        spec = parse_source(source, revision, self.config.allowed_local_dirs)
+        resolved = await asyncio.to_thread(self.fetcher.resolve, spec)
+        async with self.index.name_lock(name):
+            existing = await self.index.get(name)
+            if (
+                existing is not None
+                and existing.source == spec.canonical
+                and existing.fingerprint == resolved.fingerprint
+                and self.blobs.has(existing.digest)
+            ):
+                # Same content as registered (the usual case for concurrent registrations of one name).
+                return existing
+            start_generation = await self.index.generation(name)
+            record = await asyncio.to_thread(self._fetch_validate_store, name, resolved)
+            record = record.with_(generation=start_generation + 1)
+            if existing is not None:
+                record = record.with_(created_at=existing.created_at) if existing.digest == record.digest else record
+            await asyncio.to_thread(self._sidecar_add, record)
+            generation = await self.index.commit(record, start_generation)
+            if generation < 0:
+                # Our lock expired and another registration committed first: theirs stands.
+                await asyncio.to_thread(self._sidecar_drop, record.digest, name, record.generation)
+                current = await self.index.get(name)
+                if current is None:
+                    raise Unavailable(f"registration of {name!r} raced with a delete; retry")
+                return current
+            if existing is not None and existing.digest != record.digest:
+                await asyncio.to_thread(self._sidecar_drop, existing.digest, name, None)
+        log.info("registered %s -> %s (%s, %d bytes, generation %d)", name, record.digest[:19], record.source,
+                 record.size_bytes, generation)
+        await self.evict_if_needed(keep=record.digest)
+        return record
+
+    def _fetch_validate_store(self, name: str, resolved: ResolvedSource) -> StoreRecord:
+        self.fetch_count += 1
+        spec = resolved.spec
+        log.info("fetching %s for %s", spec.canonical + (f"@{resolved.revision[:12]}" if resolved.revision else ""),
+                 name)
+        with self.blobs.staging_dir() as staging:
+            fetched = self.fetcher.fetch(resolved, staging)
+            config = parse_lora_config(fetched.config_raw)
+            summary = validate_adapter(config, fetched.weights, self.base)
+            self.blobs.put(fetched.weights, summary.digest)
+        now = time.time()
+        return StoreRecord(
+            name=name,
+            source=spec.canonical,
+            revision=fetched.revision,
+            digest=summary.digest,
+            base_model=config.base_model,
+            rank=summary.rank,
+            alpha=config.lora_alpha,
+            target_modules=tuple(config.target_module_names()),
+            use_rslora=config.use_rslora,
+            dtype=summary.dtype,
+            size_bytes=summary.size_bytes,
+            created_at=now,
+            last_used_at=now,
+            config_digest=config.digest,
+            config_json=config.text,
+            requested_revision=spec.revision,
+            fingerprint=resolved.fingerprint,
+        )
+
+    def _sidecar_add(self, record: StoreRecord) -> None:
+        def change(data: dict) -> None:
+            data["size_bytes"] = record.size_bytes
+            data["dtype"] = record.dtype
+            data["records"][record.name] = record.to_json()
+
+        self.blobs.update_sidecar(record.digest, change)
+
+    def _sidecar_drop(self, digest: str, name: str, only_generation: int | None) -> None:
+        def change(data: dict) -> None:
+            entry = data["records"].get(name)
+            if entry is not None and (only_generation is None or entry.get("generation") == only_generation):
+                del data["records"][name]
+
+        self.blobs.update_sidecar(digest, change)
+
+    # -- read --------------------------------------------------------------------------------
+    async def get(self, name: str) -> StoreRecord:
+        check_name(name)
+        record = await self.index.get(name)
+        if record is None:
+            raise NotFound(f"no adapter named {name!r} in the store; RegisterAdapter it first", name=name, field="name")
+        return record
+
+    async def list(self, page_size: int, page_token: str) -> tuple[list[StoreRecord], str]:
+        page_size = min(max(page_size or 100, 1), 1000)
+        if page_token:
+            check_name(page_token)
+        return await self.index.list_page(page_size, page_token)
+
+    # -- delete ------------------------------------------------------------------------------
+    async def delete(self, name: str) -> bool:
+        check_name(name)
+        async with self.index.name_lock(name):
+            out = await self.index.delete(name)
+            if out is None:
+                return False
+            digest, _generation = out
+            await asyncio.to_thread(self._sidecar_drop, digest, name, None)
+            if not (await self.index.names_by_digest()).get(digest):
+                await self.index.forget_digest(digest)
+        log.info("deleted %s (%s)", name, digest[:19])
+        return True
+
+    # -- pull --------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def open_pull(self, name: str) -> AsyncIterator[PullHandle]:
+        """The record and its blob path, pinned against eviction until the context exits."""
+        record = await self.get(name)
+        with self.blobs.pinned(record.digest):
+            if not self.blobs.has(record.digest):
+                record = await self._refetch(record)
+            record = record.with_(last_used_at=await self.index.touch(name, record.digest))
+            yield PullHandle(record, self.blobs.path(record.digest))
+
+    async def _refetch(self, record: StoreRecord) -> StoreRecord:
+        """The blob was evicted: fetch the same source at the recorded revision, same digest required."""
+        async with self.index.name_lock(record.name):
+            if self.blobs.has(record.digest):
+                return record
+            spec = parse_source(record.source, record.revision, self.config.allowed_local_dirs)
+            resolved = await asyncio.to_thread(self.fetcher.resolve, spec)
+            again = await asyncio.to_thread(self._fetch_validate_store, record.name, resolved)
+            if again.digest != record.digest:
+                await asyncio.to_thread(self.blobs.remove_blob, again.digest)
+                raise FailedPrecondition(
+                    f"{record.name!r} was evicted from the cache and its source {record.source} now has different "
+                    f"content ({again.digest[:19]} != {record.digest[:19]}); RegisterAdapter it again",
+                    name=record.name,
+                )
+            log.info("re-fetched evicted %s", record.name)
+        await self.evict_if_needed(keep=record.digest)
+        return record
+
+    # -- eviction ----------------------------------------------------------------------------
+    async def evict_if_needed(self, keep: str | None = None) -> list[str]:
+        """Drop least-recently-used blobs (never pinned ones, never `keep`) until under budget."""
+        evicted = []
+        async with self._evict_lock:
+            total = await asyncio.to_thread(self.blobs.total_bytes)
+            if total <= self.config.cache_max_bytes:
+                return evicted
+            for digest in await self.index.lru_digests():
+                if total <= self.config.cache_max_bytes:
+                    break
+                if digest == keep or self.blobs.is_pinned(digest) or not self.blobs.has(digest):
+                    continue
+                freed = await asyncio.to_thread(self.blobs.remove_blob, digest)
+                total -= freed
+                evicted.append(digest)
+                log.info("evicted blob %s (%d bytes) to stay under --cache-max-bytes", digest[:19], freed)
+        return evicted
+
+    # -- reindex -----------------------------------------------------------------------------
+    async def reindex(self) -> int:
+        """Rebuild the index from the blobs' sidecars; return how many records were restored."""
+        restored = 0
+        for sidecar in await asyncio.to_thread(lambda: list(self.blobs.iter_sidecars())):
+            for entry in sidecar.get("records", {}).values():
+                record = StoreRecord.from_json(entry)
+                if await self.index.restore(record):
+                    restored += 1
+        log.info("reindex: restored %d records from sidecars", restored)
+        return restored
+
+    async def count_unindexed_sidecars(self) -> int:
+        indexed = await self.index.names_by_digest()
+        sidecars = await asyncio.to_thread(lambda: list(self.blobs.iter_sidecars()))
+        return sum(1 for s in sidecars if s.get("records") and s.get("digest") not in indexed)

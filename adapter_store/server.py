@@ -1,0 +1,80 @@
+"""Build the store (Redis, blobs, registry) and serve it over grpc.aio until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+from loraplex.v1 import adapter_store_pb2 as pb
+from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
+
+from adapter_store.base_model import load_base_model_shapes
+from adapter_store.blobs import BlobCache
+from adapter_store.cli.args import StoreConfig
+from adapter_store.index import AdapterIndex
+from adapter_store.redis_embedded import EmbeddedRedis, connect, describe
+from adapter_store.registry import AdapterRegistry
+from adapter_store.servicer import AdapterStoreServicer
+from adapter_store.sources import SourceFetcher
+
+log = logging.getLogger("adapter_store")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name
+
+
+async def serve(config: StoreConfig) -> None:
+    config.cache_dir.mkdir(parents=True, exist_ok=True)
+    blobs = BlobCache(config.cache_dir)
+    blobs.clean_staging()
+    embedded = EmbeddedRedis(config.cache_dir / "redis") if not config.redis_url else None
+    client = embedded.client() if embedded else connect(config.redis_url)
+    index = AdapterIndex(client, config.key_prefix, config.lock_timeout_s)
+    base = None
+    if config.base_model:
+        base = await asyncio.to_thread(
+            load_base_model_shapes, config.base_model, endpoint=config.hf_endpoint, token=config.hf_token
+        )
+        log.info("checking adapters against base model %s (%d layers)", base.name, base.num_layers)
+    registry = AdapterRegistry(config, index, blobs, SourceFetcher(config), base)
+    try:
+        await index.ping()
+        if config.reindex:
+            await registry.reindex()
+        elif missing := await registry.count_unindexed_sidecars():
+            log.warning("%d cached blobs are not in the Redis index; restart with --reindex to restore them", missing)
+    except Exception as e:
+        if config.reindex:
+            raise
+        log.warning("Redis (%s) is not reachable at start (%s); calls answer UNAVAILABLE until it is",
+                    describe(config.redis_url), e)
+
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", 8 << 20)])
+    pb_grpc.add_AdapterStoreServicer_to_server(AdapterStoreServicer(registry), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+    log.info("listening on %s:%d (cache %s, %s)", config.host, port, config.cache_dir, describe(config.redis_url))
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining RPCs for up to %.0fs", config.grace_s)
+    for service in ("", SERVICE_NAME):
+        await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(config.grace_s)
+    await client.aclose()
+    if embedded:
+        embedded.stop()
+    log.info("stopped")

@@ -1,0 +1,186 @@
+"""loraplex.v1.AdapterStore over gRPC: proto <-> registry calls, errors -> status codes.
+
+Errors carry google.rpc rich details: BadRequest field violations for INVALID_ARGUMENT /
+FAILED_PRECONDITION (the field names the file, tensor and attribute at fault) and
+ResourceInfo naming the adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import re
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+from loraplex.v1 import adapter_store_pb2 as pb
+from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from adapter_store import errors
+from adapter_store.records import StoreRecord
+from adapter_store.registry import AdapterRegistry
+
+log = logging.getLogger(__name__)
+CHUNK_BYTES = 1 << 20
+EVENT_ID_RE = re.compile(r"^\d+(-\d+)?$")
+
+_CODES = {
+    errors.InvalidArgument: code_pb2.INVALID_ARGUMENT,
+    errors.NotFound: code_pb2.NOT_FOUND,
+    errors.PermissionDenied: code_pb2.PERMISSION_DENIED,
+    errors.FailedPrecondition: code_pb2.FAILED_PRECONDITION,
+    errors.ResourceExhausted: code_pb2.RESOURCE_EXHAUSTED,
+    errors.Unavailable: code_pb2.UNAVAILABLE,
+}
+
+
+def record_to_proto(r: StoreRecord) -> pb.AdapterRecord:
+    return pb.AdapterRecord(
+        name=r.name,
+        source=r.source,
+        revision=r.revision,
+        digest=r.digest,
+        base_model=r.base_model,
+        rank=r.rank,
+        alpha=r.alpha,
+        target_modules=list(r.target_modules),
+        use_rslora=r.use_rslora,
+        dtype=r.dtype,
+        size_bytes=r.size_bytes,
+        created_at=r.created_at,
+        last_used_at=r.last_used_at,
+        generation=r.generation,
+        config_digest=r.config_digest,
+    )
+
+
+def rich_status(error: errors.StoreError, resource: str = "") -> grpc.Status:
+    code = next(c for cls, c in _CODES.items() if isinstance(error, cls))
+    details = []
+    if error.field and code in (code_pb2.INVALID_ARGUMENT, code_pb2.FAILED_PRECONDITION):
+        violation = error_details_pb2.BadRequest.FieldViolation(field=error.field, description=error.message)
+        details.append(error_details_pb2.BadRequest(field_violations=[violation]))
+    if error.name or resource:
+        details.append(
+            error_details_pb2.ResourceInfo(
+                resource_type="loraplex.v1.Adapter", resource_name=error.name or resource, description=error.message
+            )
+        )
+    packed = []
+    for d in details:
+        a = any_pb2.Any()
+        a.Pack(d)
+        packed.append(a)
+    return rpc_status.to_status(status_pb2.Status(code=code, message=error.message, details=packed))
+
+
+def _to_store_error(e: Exception) -> errors.StoreError | None:
+    if isinstance(e, errors.StoreError):
+        return e
+    if isinstance(e, RedisConnectionError | RedisTimeoutError | ConnectionError | OSError) and not isinstance(
+        e, FileNotFoundError
+    ):
+        return errors.Unavailable(f"the store's Redis index is unreachable ({e}); retry shortly")
+    if isinstance(e, RedisError):
+        return errors.Unavailable(f"the store's Redis index failed ({e}); retry shortly")
+    if isinstance(e, TimeoutError):
+        return errors.Unavailable(str(e) or "timed out waiting for another registration of this adapter")
+    return None
+
+
+def _handle_errors(method):
+    """Turn store and Redis errors into status codes; anything else is a bug (INTERNAL, logged)."""
+
+    @functools.wraps(method)
+    async def unary(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except Exception as e:  # noqa: BLE001 - mapped or re-raised as INTERNAL below
+            await _abort(e, request, context)
+
+    return unary
+
+
+async def _abort(e: Exception, request, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(e, asyncio.CancelledError):
+        raise e
+    store_error = _to_store_error(e)
+    if store_error is None:
+        log.exception("internal error in %s", type(request).__name__)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+    status = rich_status(store_error, getattr(request, "name", ""))
+    if status.code == grpc.StatusCode.UNAVAILABLE:
+        log.warning("%s: %s", type(request).__name__, store_error.message)
+    await context.abort_with_status(status)
+
+
+class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
+    def __init__(self, registry: AdapterRegistry):
+        self.registry = registry
+
+    @_handle_errors
+    async def RegisterAdapter(self, request: pb.RegisterAdapterRequest, context) -> pb.AdapterRecord:
+        record = await self.registry.register(request.name, request.source, request.revision)
+        return record_to_proto(record)
+
+    @_handle_errors
+    async def GetAdapter(self, request: pb.GetAdapterRequest, context) -> pb.AdapterRecord:
+        return record_to_proto(await self.registry.get(request.name))
+
+    @_handle_errors
+    async def ListAdapters(self, request: pb.ListStoreAdaptersRequest, context) -> pb.ListStoreAdaptersResponse:
+        records, next_token = await self.registry.list(request.page_size, request.page_token)
+        return pb.ListStoreAdaptersResponse(adapters=[record_to_proto(r) for r in records], next_page_token=next_token)
+
+    @_handle_errors
+    async def DeleteAdapter(self, request: pb.DeleteAdapterRequest, context) -> pb.DeleteAdapterResponse:
+        deleted = await self.registry.delete(request.name)
+        if not deleted:
+            raise errors.NotFound(f"no adapter named {request.name!r} to delete", name=request.name, field="name")
+        return pb.DeleteAdapterResponse(name=request.name, deleted=True)
+
+    async def PullAdapter(self, request: pb.PullAdapterRequest, context) -> AsyncIterator[pb.AdapterChunk]:
+        try:
+            async with self.registry.open_pull(request.name) as handle:
+                header = pb.AdapterHeader(
+                    record=record_to_proto(handle.record), adapter_config_json=handle.record.config_json
+                )
+                if request.shared_cache:
+                    header.local_safetensors_path = str(handle.path)
+                    yield pb.AdapterChunk(header=header)
+                    return
+                # Opened before the header goes out: an open file stays readable even if unlinked later.
+                with open(handle.path, "rb") as f:
+                    yield pb.AdapterChunk(header=header)
+                    while data := await asyncio.to_thread(f.read, CHUNK_BYTES):
+                        yield pb.AdapterChunk(data=data)
+        except Exception as e:  # noqa: BLE001
+            await _abort(e, request, context)
+
+    async def WatchAdapters(self, request: pb.WatchAdaptersRequest, context) -> AsyncIterator[pb.AdapterEvent]:
+        try:
+            if request.last_event_id and not EVENT_ID_RE.fullmatch(request.last_event_id):
+                raise errors.InvalidArgument(
+                    f"last_event_id {request.last_event_id!r} is not a Redis stream id (like 1700000000000-0)",
+                    field="last_event_id",
+                )
+            last = request.last_event_id or await self.registry.index.last_event_id()
+            if last == "0":
+                last = "0-0"
+            while True:
+                for ev in await self.registry.index.read_events(last):
+                    last = ev.id
+                    yield pb.AdapterEvent(
+                        id=ev.id, type=ev.type, name=ev.name, digest=ev.digest, generation=ev.generation, time=ev.time
+                    )
+        except Exception as e:  # noqa: BLE001
+            with contextlib.suppress(asyncio.CancelledError):
+                await _abort(e, request, context)

@@ -1,0 +1,245 @@
+"""Adapter sources: parse what a caller names, resolve it cheaply, fetch it into a staging dir.
+
+Accepted sources:
+- `hf://org/repo`, `hf://org/repo@rev`, `org/repo` — a Hugging Face Hub model repo
+  (revision = branch, tag or commit; HF_TOKEN / HF_ENDPOINT honoured);
+- `file:///abs/dir`, `/abs/dir`, `./dir`, `~/dir` — a local PEFT adapter directory.
+Only `adapter_config.json` and `adapter_model.safetensors` (or, with --allow-pickle,
+`adapter_model.bin`) are read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import NamedTuple
+from urllib.parse import unquote, urlparse
+
+from adapter_store.cli.args import StoreConfig
+from adapter_store.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
+from adapter_store.lora_config import CONFIG_FILE
+from adapter_store.pickle_convert import PICKLE_FILE, convert_pickle_to_safetensors
+from adapter_store.progress import LogProgress
+from adapter_store.validate import WEIGHTS_FILE
+
+log = logging.getLogger(__name__)
+REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+class SourceSpec(NamedTuple):
+    kind: str  # "hub" or "local"
+    location: str  # repo id, or the absolute real path of the directory
+    revision: str  # requested revision ("" = default branch; always "" for local)
+    canonical: str  # what the record stores: hf://org/repo or file:///abs/dir
+
+
+class ResolvedSource(NamedTuple):
+    spec: SourceSpec
+    revision: str  # Hub commit sha, "" for local
+    # Changes whenever the content may have changed: the commit for the Hub, sizes+mtimes locally.
+    fingerprint: str
+    weights_file: str  # WEIGHTS_FILE or PICKLE_FILE
+
+
+class FetchedAdapter(NamedTuple):
+    config_raw: bytes
+    weights: Path  # a safetensors file inside the staging dir
+    revision: str
+
+
+def parse_source(source: str, revision: str, allowed_dirs: tuple[Path, ...] = ()) -> SourceSpec:
+    source = source.strip()
+    if not source:
+        raise InvalidArgument("source is empty: give hf://org/repo[@rev], org/repo or a local directory", field="source")
+    if source.startswith("hf://"):
+        repo, _, at_rev = source[len("hf://") :].partition("@")
+        if at_rev and revision and at_rev != revision:
+            raise InvalidArgument(
+                f"source names revision {at_rev!r} but the request's revision is {revision!r}", field="revision"
+            )
+        return _hub_spec(repo, at_rev or revision)
+    if source.startswith("file://"):
+        parsed = urlparse(source)
+        if parsed.netloc not in ("", "localhost"):
+            raise InvalidArgument(f"file:// URI with a remote host {parsed.netloc!r} is not supported", field="source")
+        return _local_spec(Path(unquote(parsed.path)), revision, allowed_dirs)
+    if source.startswith(("/", "./", "../", "~")):
+        return _local_spec(Path(source).expanduser(), revision, allowed_dirs)
+    if REPO_ID_RE.fullmatch(source):
+        return _hub_spec(source, revision)
+    raise InvalidArgument(
+        f"source {source!r} is neither a Hub repo id (org/repo, hf://org/repo[@rev]) nor a local path "
+        "(absolute, ./relative or file://)",
+        field="source",
+    )
+
+
+def _hub_spec(repo: str, revision: str) -> SourceSpec:
+    if not REPO_ID_RE.fullmatch(repo) or ".." in repo:
+        raise InvalidArgument(f"Hub repo id {repo!r} is not of the form org/repo", field="source")
+    return SourceSpec("hub", repo, revision, f"hf://{repo}")
+
+
+def _local_spec(path: Path, revision: str, allowed_dirs: tuple[Path, ...]) -> SourceSpec:
+    if revision:
+        raise InvalidArgument("revision applies to Hub sources only, not to a local directory", field="revision")
+    if not path.is_absolute():
+        path = Path.cwd() / path
+    real = Path(os.path.realpath(path))
+    _check_allowed(real, allowed_dirs)
+    return SourceSpec("local", str(real), "", real.as_uri())
+
+
+def _check_allowed(real: Path, allowed_dirs: tuple[Path, ...]) -> None:
+    if allowed_dirs and not any(real == d or d in real.parents for d in allowed_dirs):
+        raise InvalidArgument(
+            f"local path {real} is outside --allowed-local-dirs ({', '.join(map(str, allowed_dirs))})",
+            field="source",
+        )
+
+
+class SourceFetcher:
+    """Resolves and fetches sources; blocking (call from a worker thread)."""
+
+    def __init__(self, config: StoreConfig):
+        self.config = config
+
+    # -- resolve: cheap, decides whether a fetch is needed at all --------------------------------
+    def resolve(self, spec: SourceSpec) -> ResolvedSource:
+        return self._resolve_hub(spec) if spec.kind == "hub" else self._resolve_local(spec)
+
+    def _resolve_local(self, spec: SourceSpec) -> ResolvedSource:
+        directory = Path(spec.location)
+        if not directory.is_dir():
+            raise NotFound(f"local adapter directory {directory} does not exist", field="source")
+        config_path = directory / CONFIG_FILE
+        if not config_path.is_file():
+            raise InvalidArgument(f"{directory} has no {CONFIG_FILE}: not a PEFT adapter directory", field="source")
+        weights_file = self._pick_weights_file({p.name for p in directory.iterdir()}, str(directory))
+        parts, total = [], 0
+        for name in (CONFIG_FILE, weights_file):
+            real = Path(os.path.realpath(directory / name))
+            _check_allowed(real, self.config.allowed_local_dirs)
+            st = real.stat()
+            total += st.st_size
+            parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}")
+        self._check_size(total, str(directory))
+        return ResolvedSource(spec, "", "|".join(parts), weights_file)
+
+    def _resolve_hub(self, spec: SourceSpec) -> ResolvedSource:
+        from huggingface_hub import HfApi
+
+        api = HfApi(endpoint=self.config.hf_endpoint, token=self.config.hf_token)
+        info = self._hub_call(spec, lambda: api.model_info(spec.location, revision=spec.revision or None))
+        if not info.sha or not COMMIT_RE.fullmatch(info.sha):
+            raise Unavailable(f"the Hub answered no commit sha for {spec.location}@{spec.revision or 'main'}")
+        files = {s.rfilename for s in (info.siblings or [])}
+        if CONFIG_FILE not in files:
+            raise InvalidArgument(
+                f"Hub repo {spec.location}@{info.sha[:12]} has no {CONFIG_FILE}: not a PEFT adapter repo",
+                field="source",
+            )
+        weights_file = self._pick_weights_file(files, f"Hub repo {spec.location}")
+        return ResolvedSource(spec, info.sha, info.sha, weights_file)
+
+    def _pick_weights_file(self, files: set[str], where: str) -> str:
+        if WEIGHTS_FILE in files:
+            return WEIGHTS_FILE
+        if PICKLE_FILE in files:
+            if not self.config.allow_pickle:
+                raise InvalidArgument(
+                    f"{where} has only {PICKLE_FILE} (a pickle); the store refuses pickles unless started with "
+                    "--allow-pickle. Convert it to adapter_model.safetensors instead.",
+                    field=PICKLE_FILE,
+                )
+            return PICKLE_FILE
+        raise InvalidArgument(f"{where} has no {WEIGHTS_FILE}", field="source")
+
+    def _check_size(self, total: int, where: str) -> None:
+        if total > self.config.max_adapter_bytes:
+            raise InvalidArgument(
+                f"{where}: adapter files total {total} bytes, over --max-adapter-bytes {self.config.max_adapter_bytes}",
+                field="size_bytes",
+            )
+
+    # -- fetch: copy or download into `staging` ------------------------------------------------
+    def fetch(self, resolved: ResolvedSource, staging: Path) -> FetchedAdapter:
+        staging.mkdir(parents=True, exist_ok=True)
+        if resolved.spec.kind == "hub":
+            self._download_hub(resolved, staging)
+        else:
+            for name in (CONFIG_FILE, resolved.weights_file):
+                shutil.copyfile(Path(resolved.spec.location) / name, staging / name)
+        weights = staging / WEIGHTS_FILE
+        if resolved.weights_file == PICKLE_FILE:
+            convert_pickle_to_safetensors(staging / PICKLE_FILE, weights)
+            (staging / PICKLE_FILE).unlink()
+        # Sizes again: a local file may have grown since resolve, a Hub file may be bigger than listed.
+        self._check_size(
+            (staging / CONFIG_FILE).stat().st_size + weights.stat().st_size, resolved.spec.canonical
+        )
+        return FetchedAdapter((staging / CONFIG_FILE).read_bytes(), weights, resolved.revision)
+
+    def _download_hub(self, resolved: ResolvedSource, staging: Path) -> None:
+        from huggingface_hub import hf_hub_download
+
+        spec, sha = resolved.spec, resolved.revision
+
+        def download(name: str, dry_run: bool = False):
+            return hf_hub_download(
+                spec.location,
+                name,
+                revision=sha,  # pinned: every file comes from the one resolved commit
+                local_dir=staging,
+                endpoint=self.config.hf_endpoint,
+                token=self.config.hf_token,
+                tqdm_class=LogProgress,
+                dry_run=dry_run,
+            )
+
+        names = (CONFIG_FILE, resolved.weights_file)
+        total = sum(self._hub_call(spec, lambda n=n: download(n, dry_run=True)).file_size or 0 for n in names)
+        self._check_size(total, f"hf://{spec.location}@{sha[:12]}")
+        for name in names:
+            log.info("fetching hf://%s@%s/%s", spec.location, sha[:12], name)
+            path = Path(self._hub_call(spec, lambda n=name: download(n)))
+            if path != staging / name:
+                shutil.move(path, staging / name)
+
+    def _hub_call(self, spec: SourceSpec, call):
+        import httpx2
+        from huggingface_hub import errors as hf
+
+        where = f"hf://{spec.location}" + (f"@{spec.revision}" if spec.revision else "")
+        try:
+            return call()
+        except hf.GatedRepoError as e:
+            raise PermissionDenied(f"{where} is gated: the store's HF_TOKEN lacks access ({_short(e)})") from None
+        except hf.RepositoryNotFoundError:
+            raise NotFound(f"{where}: repository not found (or private and HF_TOKEN missing)", field="source") from None
+        except hf.RevisionNotFoundError:
+            raise NotFound(f"{where}: revision {spec.revision!r} not found", field="revision") from None
+        except hf.RemoteEntryNotFoundError as e:
+            raise InvalidArgument(f"{where}: file missing: {_short(e)}", field="source") from None
+        except hf.HFValidationError as e:
+            raise InvalidArgument(f"{where}: {e}", field="source") from None
+        except hf.HfHubHTTPError as e:
+            status = e.response.status_code if e.response is not None else 0
+            if status in (401, 403):
+                raise PermissionDenied(
+                    f"{where}: the Hub refused access (HTTP {status}); set HF_TOKEN for the store to a token "
+                    "that can read this repo"
+                ) from None
+            if status == 413:
+                raise ResourceExhausted(f"{where}: {_short(e)}") from None
+            raise Unavailable(f"{where}: the Hub answered HTTP {status}: {_short(e)}") from None
+        except (OSError, httpx2.HTTPError) as e:  # refused/reset, timeouts, size mismatch after retries
+            raise Unavailable(f"{where}: could not reach or read from the Hub: {_short(e)}") from None
+
+
+def _short(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300]

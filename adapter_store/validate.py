@@ -1,0 +1,156 @@
+"""Validate an adapter (config + safetensors) before anything is cached or indexed.
+
+The header is checked first (no data loaded), then the tensors against the LoRA config and
+the base model's shapes, then one sequential pass hashes the file and checks every value is
+finite. Each failure is InvalidArgument naming the file, tensor and field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from adapter_store.base_model import BaseModelShapes
+from adapter_store.errors import FailedPrecondition, InvalidArgument
+from adapter_store.lora_config import LoraConfig
+from adapter_store.safetensors_header import SafetensorsHeader, TensorInfo, read_header
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+TENSOR_NAME_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+HASH_CHUNK = 8 * 2**20
+# Exponent-all-ones masks: a value is NaN or Inf exactly when (bits & mask) == mask.
+_NONFINITE = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}
+
+
+class AdapterSummary(NamedTuple):
+    digest: str
+    size_bytes: int
+    dtype: str
+    rank: int
+    num_tensors: int
+
+
+def validate_adapter(
+    config: LoraConfig, weights: Path, base: BaseModelShapes | None = None
+) -> AdapterSummary:
+    """Check `weights` against `config` (and `base`); return its digest and summary."""
+    header = read_header(weights, WEIGHTS_FILE)
+    dtype, rank = check_tensors(header, config, base)
+    digest = hash_and_check_finite(weights, header)
+    return AdapterSummary(digest, header.file_size, dtype, rank, len(header.tensors))
+
+
+def check_tensors(header: SafetensorsHeader, config: LoraConfig, base: BaseModelShapes | None) -> tuple[str, int]:
+    """Return (dtype, max rank) after checking names, pairing, shapes, ranks and base dims."""
+    if not header.tensors:
+        raise InvalidArgument(f"{WEIGHTS_FILE}: contains no tensors", field=WEIGHTS_FILE)
+    pairs: dict[str, dict[str, TensorInfo]] = {}
+    dtypes = set()
+    for t in header.tensors:
+        where = f"{WEIGHTS_FILE}:{t.name}"
+        m = TENSOR_NAME_RE.match(t.name)
+        if m is None:
+            raise InvalidArgument(
+                f"{where}: not a PEFT LoRA tensor name (expected base_model.model.<module>.lora_A.weight "
+                "or .lora_B.weight)",
+                field=where,
+            )
+        if len(t.shape) != 2 or 0 in t.shape:
+            raise InvalidArgument(f"{where}: shape {list(t.shape)} is not a non-empty matrix", field=f"{where}.shape")
+        pairs.setdefault(m["module"], {})[m["ab"]] = t
+        dtypes.add(t.dtype)
+    if len(dtypes) > 1:
+        raise InvalidArgument(f"{WEIGHTS_FILE}: mixed dtypes {sorted(dtypes)}; use one", field=f"{WEIGHTS_FILE}:dtype")
+    max_rank = 0
+    for module, ab in sorted(pairs.items()):
+        max_rank = max(max_rank, _check_module(module, ab, config, base))
+    return dtypes.pop(), max_rank
+
+
+def _check_module(module: str, ab: dict[str, TensorInfo], config: LoraConfig, base: BaseModelShapes | None) -> int:
+    for side in "AB":
+        if side not in ab:
+            other = ab["B" if side == "A" else "A"]
+            raise InvalidArgument(
+                f"{WEIGHTS_FILE}:{other.name}: has no matching lora_{side} tensor", field=f"{WEIGHTS_FILE}:{other.name}"
+            )
+    a, b = ab["A"], ab["B"]
+    if not config.targets(module):
+        raise InvalidArgument(
+            f"{WEIGHTS_FILE}:{a.name}: module {module} is not in target_modules {config.target_modules!r}",
+            field=f"{WEIGHTS_FILE}:{a.name}",
+        )
+    rank = config.rank_for(module)
+    (a_rank, in_features), (out_features, b_rank) = a.shape, b.shape
+    if a_rank != rank:
+        raise InvalidArgument(
+            f"{WEIGHTS_FILE}:{a.name}: shape {list(a.shape)} has rank {a_rank}, but adapter_config.json gives "
+            f"{module} rank {rank} (r / rank_pattern)",
+            field=f"{WEIGHTS_FILE}:{a.name}.shape",
+        )
+    if b_rank != rank:
+        raise InvalidArgument(
+            f"{WEIGHTS_FILE}:{b.name}: shape {list(b.shape)} has rank {b_rank}, but adapter_config.json gives "
+            f"{module} rank {rank} (r / rank_pattern)",
+            field=f"{WEIGHTS_FILE}:{b.name}.shape",
+        )
+    if base is not None:
+        _check_against_base(module, a, b, in_features, out_features, base)
+    return rank
+
+
+def _check_against_base(
+    module: str, a: TensorInfo, b: TensorInfo, in_features: int, out_features: int, base: BaseModelShapes
+) -> None:
+    layer = LAYER_RE.search(module)
+    if layer is not None and int(layer.group(1)) >= base.num_layers:
+        raise FailedPrecondition(
+            f"{WEIGHTS_FILE}:{a.name}: layer {layer.group(1)} does not exist in base model {base.name} "
+            f"({base.num_layers} layers)",
+            field=f"{WEIGHTS_FILE}:{a.name}",
+        )
+    expected = base.expected(module.rsplit(".", 1)[-1])
+    if expected is None:
+        return
+    if in_features != expected[0]:
+        raise FailedPrecondition(
+            f"{WEIGHTS_FILE}:{a.name}: in_features {in_features} != {expected[0]} of {module} in base model "
+            f"{base.name}",
+            field=f"{WEIGHTS_FILE}:{a.name}.shape",
+        )
+    if out_features != expected[1]:
+        raise FailedPrecondition(
+            f"{WEIGHTS_FILE}:{b.name}: out_features {out_features} != {expected[1]} of {module} in base model "
+            f"{base.name}",
+            field=f"{WEIGHTS_FILE}:{b.name}.shape",
+        )
+
+
+def hash_and_check_finite(path: Path, header: SafetensorsHeader) -> str:
+    """One sequential read: sha256 of the whole file, and NaN/Inf refused tensor by tensor."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(header.data_start))
+        for t in header.tensors:
+            uint, mask = _NONFINITE[t.dtype]
+            item = np.dtype(uint).itemsize
+            remaining = t.end - t.begin
+            chunk = HASH_CHUNK - HASH_CHUNK % item
+            while remaining:
+                data = f.read(min(chunk, remaining))
+                if not data:
+                    raise InvalidArgument(f"{WEIGHTS_FILE}: file shrank while reading", field=WEIGHTS_FILE)
+                remaining -= len(data)
+                h.update(data)
+                bits = np.frombuffer(data, dtype=uint)
+                if np.any((bits & mask) == mask):
+                    raise InvalidArgument(
+                        f"{WEIGHTS_FILE}:{t.name}: contains NaN or Inf values",
+                        field=f"{WEIGHTS_FILE}:{t.name}.values",
+                    )
+    return "sha256:" + h.hexdigest()
