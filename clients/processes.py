@@ -22,6 +22,15 @@ log = logging.getLogger(__name__)
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this child when the parent dies (even by SIGKILL)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class ServerProcess:
     """A `python -m MODULE ARGS...` child whose output is echoed with a prefix (and kept)."""
 
@@ -36,6 +45,9 @@ class ServerProcess:
             [sys.executable, "-u", "-m", module, *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             env={**os.environ, **(env or {})},
+            # Own process group: a terminal's Ctrl-C reaches only the parent, which stops
+            # the children in order with one SIGTERM each; they die with the parent regardless.
+            start_new_session=True, preexec_fn=_die_with_parent,
         )
         self._reader = threading.Thread(target=self._read, name=f"{name}-log", daemon=True)
         self._reader.start()

@@ -1,0 +1,93 @@
+"""Server lifecycle over real gRPC: health, SIGTERM drain within the grace period, exit 0.
+
+Uses the tiny random Llama so each server starts in seconds; every test starts its own
+server because each one ends it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
+
+from clients.processes import ServerProcess
+from tests.service_stack import STARTUP_S
+
+
+def start(model, *extra: str) -> ServerProcess:
+    proc = ServerProcess("inference", "services.inference",
+                         ["--model-path", str(model), "--port", "0", "--device", "cpu",
+                          "--max-total-tokens", "4096", *extra], echo=False)
+    proc.wait_serving(STARTUP_S)
+    return proc
+
+
+def health(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+class Background(threading.Thread):
+    """One long streaming call on its own thread; keeps every message and the final error."""
+
+    def __init__(self, address: str, max_new_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.address, self.max_new_tokens = address, max_new_tokens
+        self.messages: list[pb.GenerateStreamResponse] = []
+        self.error: grpc.RpcError | None = None
+        self.started_streaming = threading.Event()
+
+    def run(self) -> None:
+        with grpc.insecure_channel(self.address) as ch:
+            params = pb.SamplingParams(max_new_tokens=self.max_new_tokens, ignore_eos=True)
+            try:
+                for msg in pb_grpc.InferenceStub(ch).GenerateStream(pb.GenerateRequest(text=["Hello"], sampling_params=params)):
+                    self.messages.append(msg)
+                    self.started_streaming.set()
+            except grpc.RpcError as err:
+                self.error = err
+            self.started_streaming.set()
+
+
+def test_sigterm_drains_running_requests_then_exits_0(tiny_llama_path):
+    server = start(tiny_llama_path, "--grace-period", "60")
+    try:
+        assert health(server.address) == health_pb2.HealthCheckResponse.SERVING
+        assert server.output().index("listening on") < server.output().index("SERVING")
+        call = Background(server.address, 600)
+        call.start()
+        assert call.started_streaming.wait(30)
+        server.proc.terminate()
+        time.sleep(0.3)
+        assert call.is_alive(), "the request finished before the drain could be observed; make it longer"
+        assert health(server.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with grpc.insecure_channel(server.address) as ch, pytest.raises(grpc.RpcError) as err:
+            pb_grpc.InferenceStub(ch).Generate(pb.GenerateRequest(text=["x"]), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        call.join(60)
+        assert call.error is None
+        assert call.messages[-1].finish_reason == "length" and call.messages[-1].completion_tokens == 600
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+
+
+def test_grace_period_bounds_the_drain(tiny_llama_path):
+    server = start(tiny_llama_path, "--grace-period", "1")
+    try:
+        call = Background(server.address, 3000)
+        call.start()
+        assert call.started_streaming.wait(30)
+        t0 = time.monotonic()
+        server.proc.terminate()
+        assert server.proc.wait(30) == 0
+        assert time.monotonic() - t0 < 10
+        call.join(10)
+        assert call.error is not None and call.messages[-1].finish_reason == ""
+    finally:
+        server.stop()
