@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
-from services.inference.engine.async_engine import AsyncEngine
+from services.inference.engine.async_engine import AsyncEngine, default_model_info
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import LLMEngine, load
+from services.inference.lora.setup import build_lora
+from services.inference.lora.shapes import ModelShapes
 from services.inference.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
@@ -25,8 +28,15 @@ def build_engine(args: ServerArgs) -> AsyncEngine:
         )
     config = EngineConfig.from_args(args)
     loaded = load(config)
-    # LoRA hook: build the adapter pool, LoRABackend and manager (an AdapterSlots) here from
-    # loaded.config / loaded.device / loaded.dtype, and pass them on below.
-    engine = LLMEngine(loaded, config, adapter_slots=None, lora_backend=None, kv_reserved_bytes=0)
+    c = loaded.config
+    shapes = ModelShapes(c.num_layers, c.hidden_size, c.intermediate_size, c.q_size, c.kv_size)
+    # The pool is allocated before the KV cache is sized, so the KV cache gets what is left.
+    lora = build_lora(args, shapes, dtype=loaded.dtype, device=loaded.device,
+                      max_tokens=config.max_num_batched_tokens)
+    engine = LLMEngine(loaded, config, adapter_slots=lora.manager, lora_backend=lora.backend, kv_reserved_bytes=0)
     log.info("engine ready: %s on %s (%s)", args.model_path, loaded.device, loaded.dtype)
-    return AsyncEngine(engine, lora_manager=None)
+    s = lora.settings
+    info = dataclasses.replace(
+        default_model_info(engine), max_loras_per_batch=s.max_loras_per_batch, max_lora_rank=s.max_lora_rank,
+        lora_target_modules=list(s.target_modules), lora_backend=s.backend)
+    return AsyncEngine(engine, lora_manager=lora.manager, model_info=info)

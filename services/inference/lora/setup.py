@@ -61,19 +61,29 @@ def parse_target_modules(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(m for m in ALL_MODULES if m in wanted)
 
 
-def local_source(name: str, source: str) -> str:
-    """The default source resolver: `--lora-paths` sources must be local adapter directories."""
-    if not Path(source).is_dir():
-        raise ValueError(f"--lora-paths {name}={source}: not a local directory (remote sources need the "
-                         "adapter store to resolve them)")
-    return source
+def local_source(name: str, source: str) -> str | None:
+    """The default source resolver: a local adapter directory, or None (left to the adapter store)."""
+    return source if Path(source).is_dir() else None
+
+
+def _local_paths(args: ServerArgs, resolve_source: Callable[[str, str], str | None]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, source in args.lora_path_map.items():
+        path = resolve_source(name, source)
+        if path is None:
+            log.warning("--lora-paths %s=%s is not a local directory: the server loads it through the adapter "
+                        "store, and it does not count toward the inferred --max-lora-rank/--lora-target-modules",
+                        name, source)
+        else:
+            out[name] = path
+    return out
 
 
 def resolve_lora_settings(
     args: ServerArgs,
     shapes: ModelShapes,
     device: torch.device,
-    resolve_source: Callable[[str, str], str] = local_source,
+    resolve_source: Callable[[str, str], str | None] = local_source,
 ) -> LoRASettings:
     """Apply the defaults and inference rules above; raise ValueError for unusable flags."""
     if args.max_loras_per_batch < 1:
@@ -82,8 +92,8 @@ def resolve_lora_settings(
         raise ValueError(f"--max-loaded-loras must be >= 1 (got {args.max_loaded_loras})")
     ranks: list[int] = []
     modules: set[str] = set()
-    for name, source in args.lora_path_map.items():
-        spec, _ = read_config(resolve_source(name, source))
+    for path in _local_paths(args, resolve_source).values():
+        spec, _ = read_config(path)
         targets = resolve_targets(spec, shapes.num_layers)
         ranks.append(max(t.rank for t in targets.values()))
         modules |= {m for _, m in targets}
@@ -107,7 +117,7 @@ def build_lora(
     dtype: torch.dtype,
     device: torch.device,
     max_tokens: int,
-    resolve_source: Callable[[str, str], str] = local_source,
+    resolve_source: Callable[[str, str], str | None] = local_source,
 ) -> LoRAStack:
     """Allocate the pool (call before sizing the KV cache), pick the backend, load `--lora-paths`."""
     settings = resolve_lora_settings(args, shapes, device, resolve_source)
@@ -122,8 +132,8 @@ def build_lora(
 
         backend = TorchLoRABackend(pool)
     manager = LoRAManager(pool, max_loaded_loras=settings.max_loaded_loras)
-    for name, source in args.lora_path_map.items():
-        manager.load_adapter(name, resolve_source(name, source))
+    for name, path in _local_paths(args, resolve_source).items():
+        manager.load_adapter(name, path)
     log.info("LoRA adapter pool: %d bytes (%.1f MiB) = %d slots x rank %d over %s, %s, backend %s",
              pool.nbytes, pool.nbytes / 2**20, pool.slots, pool.max_rank, ",".join(settings.target_modules),
              dtype, settings.backend)
