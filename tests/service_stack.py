@@ -118,3 +118,16 @@ class PeftReference:
                 out = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False)
             self._cache[key] = out[0, ids.shape[1]:].tolist()
         return self._cache[key]
+
+
+STORE_STACK_SHAPE = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+def store_stack(config, tmp_path_factory, model: Path) -> tuple[ServerProcess, ServerProcess]:
+    """The session's adapter store (embedded Redis) and an inference server that pulls from it."""
+    store = shared(config, "store", lambda: start_store(tmp_path_factory.mktemp("store"), model))
+    inference = shared(config, "smollm2-store", lambda: start_inference(
+        model, "--max-lora-rank", str(STORE_STACK_SHAPE["r"]),
+        "--lora-target-modules", *STORE_STACK_SHAPE["target_modules"],
+        store=store, cache=tmp_path_factory.mktemp("inference-adapters")))
+    return store, inference

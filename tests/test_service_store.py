@@ -15,11 +15,11 @@ import pytest
 from loraplex.v1 import inference_pb2 as pb
 
 from clients import AsyncClient, Client, NotFound
-from tests.service_stack import PeftReference, scrape, shared, start_inference, start_store
+from tests.service_stack import STORE_STACK_SHAPE, PeftReference, scrape, store_stack
 
 MAX_NEW = 10
 PROMPT = "List 3 countries and their capitals."
-SHAPE = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+SHAPE = STORE_STACK_SHAPE
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +30,7 @@ def adapters(smollm2_path, adapter_factory):
 
 @pytest.fixture(scope="module")
 def stack(request, tmp_path_factory, smollm2_path, adapters):
-    store = shared(request.config, "store", lambda: start_store(tmp_path_factory.mktemp("store"), smollm2_path))
-    inference = shared(request.config, "smollm2-store", lambda: start_inference(
-        smollm2_path, "--max-lora-rank", "8", "--lora-target-modules", *SHAPE["target_modules"],
-        store=store, cache=tmp_path_factory.mktemp("inference-adapters")))
-    return store, inference
+    return store_stack(request.config, tmp_path_factory, smollm2_path)
 
 
 @pytest.fixture(scope="module")

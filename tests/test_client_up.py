@@ -1,0 +1,51 @@
+"""`loraplex up`: store + inference as one process tree, health SERVING, clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LORAPLEX = Path(sys.executable).parent / "loraplex"
+
+
+def test_up_starts_the_stack_and_stops_it(tmp_path, tiny_llama_path):
+    proc = subprocess.Popen(
+        [str(LORAPLEX), "up", "--port", "0", "--store-port", "0", "--cache-dir", str(tmp_path),
+         "--model-path", str(tiny_llama_path), "--", "--max-total-tokens", "2048"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("Ctrl-C stops everything" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        text = "".join(lines)
+        inference = re.search(r"inference\s+(\S+:\d+)", text).group(1)
+        store = re.search(r"store\s+(\S+:\d+)", text).group(1)
+        child_pids = [int(p) for p in re.findall(r"embedded Redis \(pid (\d+)\)", text)]
+        # the printed CLI line works as printed (with our venv's loraplex)
+        line = next(x for x in lines if "loraplex --target" in x).strip()
+        argv = shlex.split(line)
+        argv[0] = str(LORAPLEX)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        grpcurl_line = next(x for x in lines if "grpcurl -plaintext" in x)
+        assert inference in grpcurl_line
+        health = subprocess.run([str(LORAPLEX), "--target", store, "health"], capture_output=True, text=True)
+        assert health.stdout.strip() == "SERVING"
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, rest
+        assert "inference stopped (exit 0)" in rest and "store stopped (exit 0)" in rest
+        for pid in child_pids:
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
