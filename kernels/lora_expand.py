@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_configs import expand_config
+from kernels.lora_configs import ExpandConfig, expand_config
 from kernels.lora_meta import LoRASegments, num_blocks_bound
 
 MAX_STACK = 3
@@ -89,11 +89,13 @@ def lora_expand(
     segs: LoRASegments,
     out: torch.Tensor,
     widths: tuple[int, ...],
+    config: ExpandConfig | None = None,
 ) -> torch.Tensor:
     """Triton expand (in place on `out`); see the module docstring. Returns `out`.
 
     y: float32 `[T, n*R]` or `[S, T, n*R]` from `lora_shrink`; B: `[slots, sum(widths), R]`;
     ranks: int32 `[slots, n]`; scalings: float32 `[slots, n]`; out: `[T, sum(widths)]`.
+    config: block sizes; default from the table in `kernels.lora_configs` (benchmarks override).
     """
     _check_widths(widths, ranks, B, out)
     num_tokens = out.shape[0]
@@ -102,7 +104,7 @@ def lora_expand(
     num_slots, total_width, max_rank = B.shape
     y3 = y.unsqueeze(0) if y.dim() == 2 else y
     w = tuple(widths) + (0,) * (MAX_STACK - len(widths))
-    cfg = expand_config(total_width, max_rank, num_tokens)
+    cfg = config or expand_config(total_width, max_rank, num_tokens)
     bslot, bstart, bend = segs.blocks_for(cfg.block_m)
     n_blocks = sum(triton.cdiv(wi, cfg.block_n) for wi in widths)
     grid = (n_blocks, num_blocks_bound(num_tokens, num_slots, cfg.block_m))

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 # Token-block sizes the kernels may use; a block map is built for each.
-BLOCK_MS: tuple[int, ...] = (16, 64)
+BLOCK_MS: tuple[int, ...] = (16, 32, 64, 128)
 
 
 class LoRASegments(NamedTuple):
@@ -109,18 +109,20 @@ def build_segments(token_slots: torch.Tensor, out: LoRASegments) -> LoRASegments
     out.slot_count.copy_(counts)
     out.slot_start.copy_(starts)
 
+    # All block sizes at once ([len(BLOCK_MS), ...] broadcasts) to keep the op count per step low.
     max_blocks = out.block_slot.shape[1]
-    block_ids = torch.arange(max_blocks, dtype=torch.int64, device=device)
-    for i, block_m in enumerate(BLOCK_MS):
-        nblk = (counts + block_m - 1) // block_m
-        cum = torch.cumsum(nblk, 0)
-        # Block b belongs to the first slot whose cumulative block count exceeds b.
-        slot_of = torch.searchsorted(cum, block_ids, right=True)
-        valid = slot_of < num_slots
-        s = slot_of.clamp(max=num_slots - 1)
-        first = starts[s] + (block_ids - (cum[s] - nblk[s])) * block_m
-        last = torch.minimum(first + block_m, starts[s] + counts[s])
-        out.block_slot[i].copy_(torch.where(valid, s, -1))
-        out.block_start[i].copy_(torch.where(valid, first, 0))
-        out.block_end[i].copy_(torch.where(valid, last, 0))
+    block_m = torch.tensor(BLOCK_MS, dtype=torch.int64, device=device)[:, None]
+    nblk = (counts[None, :] + block_m - 1) // block_m  # [nb, slots]
+    cum = torch.cumsum(nblk, 1)
+    block_ids = torch.arange(max_blocks, dtype=torch.int64, device=device).expand(len(BLOCK_MS), -1)
+    # Block b belongs to the first slot whose cumulative block count exceeds b.
+    slot_of = torch.searchsorted(cum, block_ids.contiguous(), right=True)
+    valid = slot_of < num_slots
+    s = slot_of.clamp(max=num_slots - 1)
+    first_block = torch.gather(cum - nblk, 1, s)
+    first = starts[s] + (block_ids - first_block) * block_m
+    last = torch.minimum(first + block_m, starts[s] + counts[s])
+    out.block_slot.copy_(torch.where(valid, s, -1))
+    out.block_start.copy_(torch.where(valid, first, 0))
+    out.block_end.copy_(torch.where(valid, last, 0))
     return out

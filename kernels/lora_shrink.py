@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_configs import shrink_config, shrink_splits
+from kernels.lora_configs import ShrinkConfig, shrink_config, shrink_splits
 from kernels.lora_meta import LoRASegments, num_blocks_bound
 
 
@@ -84,12 +84,14 @@ def lora_shrink(
     ranks: torch.Tensor,
     segs: LoRASegments,
     y: torch.Tensor,
+    config: ShrinkConfig | None = None,
 ) -> torch.Tensor:
     """Triton shrink; see the module docstring. Returns `y`.
 
     x: `[T, d]`; A: `[slots, n*R, d]` (one layer's view of the pool, same dtype as x);
     ranks: int32 `[slots, n]`; segs: built by `build_segments` for these T tokens;
     y: float32 `[T, n*R]` or `[S, T, n*R]` (S K-splits, see `shrink_out_view`).
+    config: block sizes; default from the table in `kernels.lora_configs` (benchmarks override).
     """
     num_tokens, d = x.shape
     num_slots, n_rows, _ = A.shape
@@ -99,7 +101,7 @@ def lora_shrink(
     splits = y3.shape[0]
     if num_tokens == 0:
         return y
-    cfg = shrink_config(d, max_rank, num_tokens)
+    cfg = config or shrink_config(d, max_rank, num_tokens)
     bslot, bstart, bend = segs.blocks_for(cfg.block_m)
     r_blocks = triton.cdiv(max_rank, cfg.block_r)
     k_per_split = triton.cdiv(triton.cdiv(d, splits), cfg.block_k) * cfg.block_k

@@ -1,0 +1,337 @@
+"""GPU benchmark: Triton LoRA shrink/expand on Llama-3.1-8B shapes against their floor.
+
+    PYTHONPATH=. python3 bench/lora_kernels.py [--sweep] [--quick]
+
+Per scenario (decode batches 1/16/64/256 over 1/8/64 distinct adapters, prefill 8x512
+over 8 adapters; ranks 16 and 64) and per kernel and one decoder layer's LoRA work
+(qkv, o, gate_up, down; shrink + expand): the floor = max(bytes that must move / copy
+bandwidth, FLOPs / bf16 matmul rate), both ceilings measured in this run; the median time
+through `triton.testing.do_bench` and as replays of one captured CUDA graph that runs
+the work over C copies of all inputs and adapter weights (C*bytes > 4x the 50 MB L2), time
+per copy; and a plain torch loop over segments. bf16 kernel output is checked against the
+torch reference before timing. Prints a table, writes JSON to $OUT (or /tmp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels.lora_check import CASES, run_case  # noqa: E402
+from kernels.lora_configs import ExpandConfig, ShrinkConfig, shrink_config, shrink_splits  # noqa: E402
+from kernels.lora_expand import lora_expand, lora_expand_ref  # noqa: E402
+from kernels.lora_meta import alloc_segments, build_segments  # noqa: E402
+from kernels.lora_shrink import lora_shrink, lora_shrink_ref  # noqa: E402
+
+# group -> (input width d, stacked output widths): Llama-3.1-8B, GQA k/v = 8 heads x 128.
+GROUPS: dict[str, tuple[int, tuple[int, ...]]] = {
+    "qkv": (4096, (4096, 1024, 1024)),
+    "o": (4096, (4096,)),
+    "gate_up": (4096, (14336, 14336)),
+    "down": (14336, (4096,)),
+}
+L2_BYTES = 50 * 2**20
+DT = torch.bfloat16
+DEVICE = "cuda"
+
+
+def ceilings() -> tuple[float, float]:
+    """(copy bandwidth bytes/s counting read + write, bf16 matmul FLOP/s), measured now."""
+    src = torch.randn(2**29, device=DEVICE, dtype=DT)  # 1 GiB
+    dst = torch.empty_like(src)
+    t = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    bw = 2 * src.numel() * 2 / (t * 1e-3)
+    a = torch.randn(8192, 8192, device=DEVICE, dtype=DT)
+    b = torch.randn(8192, 8192, device=DEVICE, dtype=DT)
+    t = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return bw, 2 * 8192**3 / (t * 1e-3)
+
+
+def scenarios(quick: bool) -> list[dict]:
+    out = []
+    for rank in (16, 64):
+        for T in (1, 16, 64, 256):
+            for adapters in (1, 8, 64):
+                a = min(adapters, T)
+                if adapters > T and a != T:
+                    continue
+                name = f"decode T={T} adapters={adapters} r={rank}"
+                if any(s["tokens"] == T and s["distinct"] == a and s["rank"] == rank for s in out):
+                    continue
+                out.append(dict(name=name, tokens=T, distinct=a, rank=rank, prefill=False))
+        out.append(dict(name=f"prefill 8x512 adapters=8 r={rank}", tokens=4096, distinct=8, rank=rank, prefill=True))
+    if quick:
+        out = [s for s in out if (s["tokens"], s["distinct"]) in ((64, 64), (4096, 8))]
+    return out
+
+
+def token_slots(sc: dict) -> torch.Tensor:
+    T, a = sc["tokens"], sc["distinct"]
+    if sc["prefill"]:  # 8 contiguous segments of 512 tokens
+        return torch.arange(T, dtype=torch.int32).div(T // a, rounding_mode="floor").to(DEVICE)
+    slots = torch.arange(T, dtype=torch.int32) % a  # decode: requests in arbitrary order
+    return slots[torch.randperm(T)].to(DEVICE)
+
+
+def floor_of(sc: dict, group: str, kernel: str, bw: float, rate: float) -> tuple[float, float, float]:
+    """(floor seconds, bytes, flops) for one kernel of one group."""
+    T, a, r = sc["tokens"], sc["distinct"], sc["rank"]
+    d, widths = GROUPS[group]
+    n, w = len(widths), sum(widths)
+    if kernel == "shrink":
+        nbytes = 2 * (a * n * r * d + T * d + T * n * r)
+        flops = 2 * T * n * r * d
+    else:
+        nbytes = 2 * (a * w * r + T * n * r + 2 * T * w)
+        flops = 2 * T * r * w
+    return max(nbytes / bw, flops / rate), nbytes, flops
+
+
+def make_copies(sc: dict, bytes_per_copy: float) -> list[dict]:
+    copies = max(2, min(64, int(4 * L2_BYTES / bytes_per_copy) + 1))
+    a, r, T = sc["distinct"], sc["rank"], sc["tokens"]
+    out = []
+    for _ in range(copies):
+        c = {}
+        for g, (d, widths) in GROUPS.items():
+            n = len(widths)
+            c[g] = dict(
+                x=torch.randn(T, d, device=DEVICE, dtype=DT),
+                A=(torch.randn(a, n * r, d, device=DEVICE) * d**-0.5).to(DT),
+                B=(torch.randn(a, sum(widths), r, device=DEVICE) * r**-0.5).to(DT),
+                ranks=torch.full((a, n), r, dtype=torch.int32, device=DEVICE),
+                scal=torch.full((a, n), 2.0, dtype=torch.float32, device=DEVICE),
+                out=torch.randn(T, sum(widths), device=DEVICE, dtype=DT),
+            )
+        out.append(c)
+    return out
+
+
+def triton_fns(copies: list[dict], segs, sc: dict, overrides: dict) -> dict[str, list]:
+    """name -> one zero-arg callable per copy: 'g.shrink', 'g.expand' for each group."""
+    T = sc["tokens"]
+    fns: dict[str, list] = {}
+    for g, (d, widths) in GROUPS.items():
+        s_cfg, splits, e_cfg = overrides.get(g, (None, shrink_splits(d, T), None))
+        y = torch.zeros(splits, T, len(widths) * sc["rank"], device=DEVICE, dtype=torch.float32)
+        fns[f"{g}.shrink"] = [
+            (lambda c=c[g], y=y, s_cfg=s_cfg: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, config=s_cfg))
+            for c in copies
+        ]
+        fns[f"{g}.expand"] = [
+            (lambda c=c[g], y=y, w=widths, e_cfg=e_cfg:
+             lora_expand(y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, config=e_cfg))
+            for c in copies
+        ]
+    return fns
+
+
+def torch_layer_fns(copies: list[dict], slots: torch.Tensor, sc: dict) -> list:
+    """A plain torch loop over segments (host-known), one callable per copy."""
+    r = sc["rank"]
+    segments = [(s, (slots == s).nonzero().flatten()) for s in range(sc["distinct"])]
+
+    def layer(c: dict) -> None:
+        for g, (_, widths) in GROUPS.items():
+            p = c[g]
+            for s, idx in segments:
+                h = p["x"].index_select(0, idx) @ p["A"][s].t()
+                parts, off = [], 0
+                for i, w in enumerate(widths):
+                    parts.append((h[:, i * r : (i + 1) * r] @ p["B"][s, off : off + w].t()) * p["scal"][s, i])
+                    off += w
+                p["out"].index_add_(0, idx, torch.cat(parts, 1))
+
+    return [(lambda c=c: layer(c)) for c in copies]
+
+
+def graph_time_us(fns: list, replays: int = 20) -> float:
+    """Median time per call of replaying one CUDA graph that runs every callable once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def bench_us(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
+
+
+def check_bf16(copy: dict, segs, sc: dict, overrides: dict) -> float:
+    """Worst relative error of the layer's deltas, Triton vs torch reference, in bf16."""
+    worst = 0.0
+    T = sc["tokens"]
+    for g, (d, widths) in GROUPS.items():
+        p = copy[g]
+        s_cfg, splits, e_cfg = overrides.get(g, (None, shrink_splits(d, T), None))
+        y = torch.full((splits, T, len(widths) * sc["rank"]), float("nan"), device=DEVICE)
+        y_ref = torch.full_like(y, float("nan"))
+        lora_shrink(p["x"], p["A"], p["ranks"], segs, y, config=s_cfg)
+        lora_shrink_ref(p["x"], p["A"], p["ranks"], segs, y_ref)
+        out, out_ref = p["out"].clone(), p["out"].clone()
+        lora_expand(y, p["B"], p["ranks"], p["scal"], segs, out, widths, config=e_cfg)
+        lora_expand_ref(y_ref, p["B"], p["ranks"], p["scal"], segs, out_ref, widths)
+        delta, delta_ref = (out.float() - p["out"].float()), (out_ref.float() - p["out"].float())
+        err = ((delta - delta_ref).norm() / delta_ref.norm()).item()
+        worst = max(worst, err if err == err else float("inf"))
+    return worst
+
+
+def sweep(copies: list[dict], segs, sc: dict) -> tuple[dict, list[dict]]:
+    """Try block-size variants per group (graph timing); returns the best overrides and all rows."""
+    T, r = sc["tokens"], sc["rank"]
+    best: dict = {}
+    rows = []
+    for g, (d, widths) in GROUPS.items():
+        base = shrink_config(d, r, T)
+        if T <= 256:
+            s_vars = [(ShrinkConfig(16, br, bk, nw, ns), S)
+                      for br in sorted({16, min(r, 32)}) for (bk, nw, ns) in ((256, 4, 3), (128, 4, 4), (512, 8, 3))
+                      for S in sorted({max(1, d // 2048), max(1, d // 1024), max(1, d // 512)})]
+            e_vars = [ExpandConfig(16, bn, 16, nw, ns) for bn in (128, 256, 512, 1024) for (nw, ns) in ((4, 2), (8, 2))]
+        else:
+            s_vars = [(ShrinkConfig(bm, br, bk, nw, ns), S)
+                      for bm in (64, 128) for br in sorted({min(r, 32), r}) for (bk, nw, ns) in ((64, 4, 3), (128, 8, 3))
+                      for S in (1, 2)]
+            e_vars = [ExpandConfig(bm, bn, min(r, 32), nw, ns)
+                      for bm in (64, 128) for bn in (64, 128, 256) for (nw, ns) in ((4, 2), (8, 3))]
+        s_vars = [(base, shrink_splits(d, T))] + s_vars
+        e_vars = [e for e in e_vars if e.block_m * e.block_n <= 128 * 256]
+        timed_s = []
+        for cfg, S in s_vars:
+            y = torch.zeros(S, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
+            fns = [(lambda c=c[g], y=y, cfg=cfg: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, config=cfg))
+                   for c in copies]
+            us = graph_time_us(fns, replays=10)
+            timed_s.append((us, cfg, S))
+            rows.append(dict(scenario=sc["name"], group=g, kernel="shrink", config=cfg.__dict__, splits=S, graph_us=us))
+        us_s, cfg_s, S_best = min(timed_s, key=lambda t: t[0])
+        y = torch.zeros(S_best, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
+        lora_shrink(copies[0][g]["x"], copies[0][g]["A"], copies[0][g]["ranks"], segs, y, config=cfg_s)
+        timed_e = []
+        for cfg in e_vars:
+            fns = [(lambda c=c[g], cfg=cfg, w=widths, y=y:
+                    lora_expand(y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, config=cfg)) for c in copies]
+            us = graph_time_us(fns, replays=10)
+            timed_e.append((us, cfg))
+            rows.append(dict(scenario=sc["name"], group=g, kernel="expand", config=cfg.__dict__, graph_us=us))
+        us_e, cfg_e = min(timed_e, key=lambda t: t[0])
+        best[g] = (cfg_s, S_best, cfg_e)
+        print(f"  sweep {g}: shrink {cfg_s} S={S_best} {us_s:.1f}us | expand {cfg_e} {us_e:.1f}us", flush=True)
+    return best, rows
+
+
+def run_scenario(sc: dict, bw: float, rate: float, do_sweep: bool) -> tuple[dict, list[dict]]:
+    T = sc["tokens"]
+    per_copy = sum(floor_of(sc, g, k, bw, rate)[1] for g in GROUPS for k in ("shrink", "expand"))
+    copies = make_copies(sc, per_copy)
+    slots = token_slots(sc)
+    segs = build_segments(slots, alloc_segments(T, sc["distinct"], DEVICE))
+    overrides, sweep_rows = ({}, [])
+    if do_sweep:
+        overrides, sweep_rows = sweep(copies, segs, sc)
+    err = check_bf16(copies[0], segs, sc, overrides)
+    if not err < 2e-2:
+        raise SystemExit(f"{sc['name']}: bf16 kernel vs reference rel err {err:.3g}")
+    res = dict(sc, copies=len(copies), bf16_rel_err=err, kernels={},
+               overrides={g: [v[0].__dict__, v[1], v[2].__dict__] for g, v in overrides.items()})
+    fns = triton_fns(copies, segs, sc, overrides)
+    tot_bytes = tot_flops = 0.0
+    for name, per in fns.items():
+        g, k = name.split(".")
+        fl, nbytes, flops = floor_of(sc, g, k, bw, rate)
+        tot_bytes, tot_flops = tot_bytes + nbytes, tot_flops + flops
+        res["kernels"][name] = dict(floor_us=fl * 1e6, bench_us=bench_us(per[0]), graph_us=graph_time_us(per))
+    layer = [(lambda i=i: [fns[n][i]() for n in fns]) for i in range(len(copies))]
+    floor = max(tot_bytes / bw, tot_flops / rate) * 1e6
+    res["layer"] = dict(floor_us=floor, bytes=tot_bytes, flops=tot_flops,
+                        bench_us=bench_us(layer[0]), graph_us=graph_time_us(layer))
+    torch_fns = torch_layer_fns(copies, slots, sc)[: max(1, 64 // sc["distinct"])]
+    res["torch_layer"] = dict(bench_us=bench_us(torch_fns[0]), graph_us=graph_time_us(torch_fns, replays=5))
+    res["build_segments_us"] = bench_us(lambda: build_segments(slots, segs))
+    del copies
+    torch.cuda.empty_cache()
+    return res, sweep_rows
+
+
+def print_table(results: list[dict]) -> None:
+    print(f"\n{'scenario':34} {'kernel':15} {'floor':>7} {'bench':>8} {'x':>5} {'graph':>8} {'x':>5}")
+    for r in results:
+        rows = list(r["kernels"].items()) + [("LAYER", r["layer"])]
+        for name, k in rows:
+            # Per-kernel rows for the goal scenarios; the layer sum for every scenario.
+            if name != "LAYER" and (r["tokens"], r["distinct"]) not in ((64, 64), (4096, 8)):
+                continue
+            f = k["floor_us"]
+            print(f"{r['name']:34} {name:15} {f:7.1f} {k['bench_us']:8.1f} {k['bench_us'] / f:5.2f}"
+                  f" {k['graph_us']:8.1f} {k['graph_us'] / f:5.2f}")
+        t = r["torch_layer"]
+        print(f"{r['name']:34} {'torch loop':15} {r['layer']['floor_us']:7.1f} {t['bench_us']:8.1f}"
+              f" {t['bench_us'] / r['layer']['floor_us']:5.2f} {t['graph_us']:8.1f}"
+              f" {t['graph_us'] / r['layer']['floor_us']:5.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="tune block sizes on the goal scenarios first")
+    parser.add_argument("--quick", action="store_true", help="only the goal scenarios")
+    args = parser.parse_args()
+    t0 = time.time()
+    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
+    small = [run_case(c._replace(dtype="bfloat16"), DEVICE) for c in CASES]
+    bad = [c for c in small if not (c.shrink_rel_err < 2e-2 and c.expand_rel_err < 2e-2 and c.y_written_exactly
+                                    and c.untouched_rows_equal)]
+    print(f"bf16 small cases: worst shrink {max(c.shrink_rel_err for c in small):.2e}"
+          f" expand {max(c.expand_rel_err for c in small):.2e}; failing: {[c.name for c in bad]}", flush=True)
+    if bad:
+        raise SystemExit(1)
+    bw, rate = ceilings()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
+    results, sweep_rows = [], []
+    for sc in scenarios(args.quick):
+        goal = (sc["tokens"], sc["distinct"]) in ((64, 64), (4096, 8))
+        res, rows = run_scenario(sc, bw, rate, args.sweep and goal)
+        results.append(res)
+        sweep_rows += rows
+        lay = res["layer"]
+        print(f"{sc['name']:36} layer floor {lay['floor_us']:7.1f}us graph {lay['graph_us']:7.1f}us"
+              f" ({lay['graph_us'] / lay['floor_us']:.2f}x) bench {lay['bench_us']:7.1f}us"
+              f" torch {res['torch_layer']['graph_us']:8.1f}us  [{time.time() - t0:.0f}s]", flush=True)
+    print_table(results)
+    out_dir = Path(os.environ.get("OUT", "/tmp"))
+    payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   copy_bw=bw, bf16_rate=rate, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   small_bf16_cases=[c._asdict() for c in small], results=results, sweep=sweep_rows)
+    (out_dir / "lora_kernels.json").write_text(json.dumps(payload, indent=1))
+    print(f"wrote {out_dir / 'lora_kernels.json'} in {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
