@@ -219,8 +219,14 @@ class SourceFetcher:
             return call()
         except hf.GatedRepoError as e:
             raise PermissionDenied(f"{where} is gated: the store's HF_TOKEN lacks access ({_short(e)})") from None
-        except hf.RepositoryNotFoundError:
-            raise NotFound(f"{where}: repository not found (or private and HF_TOKEN missing)", field="source") from None
+        except hf.RepositoryNotFoundError as e:
+            if e.response is not None and e.response.status_code == 401:
+                # The Hub answers 401 for private repos without valid credentials.
+                raise PermissionDenied(
+                    f"{where}: the Hub refused access (HTTP 401): the repo is private or missing and the store's "
+                    "HF_TOKEN is unset or lacks access"
+                ) from None
+            raise NotFound(f"{where}: repository not found", field="source") from None
         except hf.RevisionNotFoundError:
             raise NotFound(f"{where}: revision {spec.revision!r} not found", field="revision") from None
         except hf.RemoteEntryNotFoundError as e:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from adapter_store.base_model import BaseModelShapes
-from adapter_store.errors import FailedPrecondition, InvalidArgument
+from adapter_store.errors import InvalidArgument
 from adapter_store.lora_config import LoraConfig
 from adapter_store.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
@@ -109,7 +109,7 @@ def _check_against_base(
 ) -> None:
     layer = LAYER_RE.search(module)
     if layer is not None and int(layer.group(1)) >= base.num_layers:
-        raise FailedPrecondition(
+        raise InvalidArgument(
             f"{WEIGHTS_FILE}:{a.name}: layer {layer.group(1)} does not exist in base model {base.name} "
             f"({base.num_layers} layers)",
             field=f"{WEIGHTS_FILE}:{a.name}",
@@ -118,13 +118,13 @@ def _check_against_base(
     if expected is None:
         return
     if in_features != expected[0]:
-        raise FailedPrecondition(
+        raise InvalidArgument(
             f"{WEIGHTS_FILE}:{a.name}: in_features {in_features} != {expected[0]} of {module} in base model "
             f"{base.name}",
             field=f"{WEIGHTS_FILE}:{a.name}.shape",
         )
     if out_features != expected[1]:
-        raise FailedPrecondition(
+        raise InvalidArgument(
             f"{WEIGHTS_FILE}:{b.name}: out_features {out_features} != {expected[1]} of {module} in base model "
             f"{base.name}",
             field=f"{WEIGHTS_FILE}:{b.name}.shape",
