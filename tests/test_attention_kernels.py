@@ -162,8 +162,65 @@ def _interpreter_checks() -> int:
             ok = bool(torch.isfinite(out).all()) and err < TOL[dtype]
             failures += not ok
             print(f"prefill {dtype} case {i}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
-    print(f"checked {2 * (len(DECODE_CASES) + len(PREFILL_CASES))} cases, {failures} failed")
+        failures += _check_store(dtype) + _check_engine_backend(dtype)
+    print(f"checked {2 * (len(DECODE_CASES) + len(PREFILL_CASES) + 2)} cases, {failures} failed")
     return failures
+
+
+def _check_store(dtype: torch.dtype) -> int:
+    from kernels.attention_kv_store import store_kv, store_kv_ref
+
+    base_k, base_v = torch.randn(6, 4, 2, 24).to(dtype), torch.randn(6, 4, 2, 24).to(dtype)
+    caches = [base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()]
+    k, v = torch.randn(5, 2, 24).to(dtype), torch.randn(5, 2, 24).to(dtype)
+    slots = torch.tensor([3, -1, 17, 0, 23])
+    store_kv(k, v, caches[0], caches[1], slots)
+    store_kv_ref(k, v, caches[2], caches[3], slots)
+    ok = torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]) and not torch.equal(caches[0], base_k)
+    print(f"store   {dtype}: {'ok' if ok else 'FAIL'}")
+    return int(not ok)
+
+
+def _check_engine_backend(dtype: torch.dtype) -> int:
+    """The engine's Triton attention against its torch attention on one mixed step: two decodes,
+    a fresh prompt and a chunk after 21 cached tokens, with the same metadata."""
+    from services.inference.engine.attention import AttentionMetadata, PrefillSegment, TorchPagedAttention
+    from services.inference.engine.attention_triton import TritonPagedAttention
+
+    page, kvh, heads, dim = 4, 2, 4, 16
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn((1, 2, 40, page, kvh, dim), generator=gen).to(dtype)
+    tables = [[7, 3, 12], [5, 0], [9, 2, 30, 31], [1, 4, 6, 8, 10, 11, 13, 14]]
+    starts, lens = [9, 5, 0, 21], [1, 1, 13, 9]  # tokens already cached, tokens this step
+
+    def slot(seq: int, p: int) -> int:
+        return tables[seq][p // page] * page + p % page
+
+    slot_mapping = [slot(b, p) for b in range(4) for p in range(starts[b], starts[b] + lens[b])]
+    segments, ctx_slots, q_start = [], [], 2
+    for b in (2, 3):
+        ctx = starts[b] + lens[b]
+        segments.append(PrefillSegment(q_start, lens[b], len(ctx_slots), ctx))
+        ctx_slots += [slot(b, p) for p in range(ctx)]
+        q_start += lens[b]
+    width = max(len(t) for t in tables[:2])
+    meta = AttentionMetadata(
+        torch.tensor(slot_mapping), 2, torch.tensor([t + [0] * (width - len(t)) for t in tables[:2]]),
+        torch.tensor([starts[0] + 1, starts[1] + 1]), segments, torch.tensor(ctx_slots),
+    )
+    t = sum(lens)
+    q = torch.randn((t, heads, dim), generator=gen).to(dtype)
+    k = torch.randn((t, kvh, dim), generator=gen).to(dtype)
+    v = torch.randn((t, kvh, dim), generator=gen).to(dtype)
+    outs = []
+    for cls in (TritonPagedAttention, TorchPagedAttention):
+        attn = cls(cache.clone(), dim**-0.5)
+        attn.begin(meta)
+        outs.append((attn.forward(0, q, k, v).float(), attn.kv_cache))
+    err = rel_err(outs[0][0], outs[1][0])
+    ok = err < TOL[dtype] and torch.equal(outs[0][1], outs[1][1])
+    print(f"engine  {dtype}: triton vs torch attention rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+    return int(not ok)
 
 
 if __name__ == "__main__":

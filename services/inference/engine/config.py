@@ -37,6 +37,8 @@ class EngineConfig:
     max_new_tokens_limit: int = 4096
     max_queued_requests: int = 4096
     seed: int = 0
+    cuda_graph_max_bs: int = 256  # decode CUDA graphs up to this batch (CUDA only)
+    disable_cuda_graph: bool = False
 
     @classmethod
     def from_args(cls, args: ServerArgs) -> EngineConfig:
@@ -54,6 +56,8 @@ class EngineConfig:
             max_new_tokens_limit=args.max_new_tokens_limit,
             max_queued_requests=args.max_queued_requests,
             seed=args.seed,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            disable_cuda_graph=args.disable_cuda_graph,
         )
 
     def scheduler_config(self, context_length: int) -> SchedulerConfig:

@@ -110,6 +110,8 @@ class LLMEngine:
             context_length=self.context_length,
             lora_backend=lora_backend,
         )
+        if loaded.device.type == "cuda" and not config.disable_cuda_graph:
+            self.runner.capture_cuda_graphs(min(config.cuda_graph_max_bs, config.max_running_requests))
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, TextStream] = {}
         self.errors: dict[str, Exception] = {}  # why a request ended with "abort", when not a client abort

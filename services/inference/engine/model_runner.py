@@ -39,7 +39,14 @@ class ModelRunner:
         self.device = kv_cache.device
         self.page_size = kv_cache.shape[3]
         self.lora_backend = lora_backend
-        self.attention = TorchPagedAttention(kv_cache, scale=model_config.head_dim**-0.5)
+        scale = model_config.head_dim**-0.5
+        if self.device.type == "cuda":  # Triton kernels (kernels/attention_*.py); torch reference on CPU
+            from services.inference.engine.attention_triton import TritonPagedAttention
+
+            self.attention = TritonPagedAttention(kv_cache, scale)
+        else:
+            self.attention = TorchPagedAttention(kv_cache, scale=scale)
+        self.cuda_graphs = None  # DecodeGraphs (engine/cuda_graph.py), set by capture_cuda_graphs
         self.max_blocks_per_seq = -(-context_length // self.page_size)
         dev = self.device
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
@@ -58,6 +65,15 @@ class ModelRunner:
         view = buffer[: len(values)]
         view.copy_(host, non_blocking=True)
         return view
+
+    def capture_cuda_graphs(self, max_bs: int) -> None:
+        """Capture decode CUDA graphs for batch sizes up to `max_bs` (see engine/cuda_graph.py)."""
+        from services.inference.engine.cuda_graph import DecodeGraphs
+
+        graphs = DecodeGraphs(self.model, self.kv_cache, self.config.head_dim**-0.5, self.lora_backend,
+                              max_bs=max_bs, max_blocks_per_seq=self.max_blocks_per_seq)
+        graphs.capture()
+        self.cuda_graphs = graphs
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
@@ -93,6 +109,10 @@ class ModelRunner:
                 segments.append(PrefillSegment(q_start, n, len(ctx_slots), ctx_len))
                 ctx_slots.extend(table[p // page] * page + p % page for p in range(ctx_len))
 
+        if self.cuda_graphs is not None and not segments:
+            logits = self.cuda_graphs.run(ids, positions, slots, token_slots, decode_tables, decode_lens, sample_rows)
+            if logits is not None:
+                return logits
         num_tokens = len(ids)
         input_ids = self._upload(self.input_ids, ids)
         pos_t = self._upload(self.positions, positions)

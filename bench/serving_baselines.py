@@ -1,0 +1,128 @@
+"""The alternatives users have without a server, measured on the same model, prompts and adapters.
+
+1. transformers + PEFT, mixed batch: one `generate` over a batch whose rows name different
+   adapters (`adapter_names=`), eager, dynamic cache.
+2. transformers alone (base model): `generate` with its static cache, which transformers compiles
+   with torch.compile (mode reduce-overhead, CUDA graphs) for the decode steps.
+
+Decode throughput is timed per step: a streamer records a synchronized timestamp at every new
+token, and decode tokens/s = batch * (steps after the first) / (time from the first new token to
+the last). Prefill and the first token stay out of it, as in the engine's decode numbers.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class GenerateTiming(NamedTuple):
+    batch: int
+    new_tokens: int
+    decode_tokens_per_s: float
+    ms_per_step: float
+    first_token_s: float  # prompt in to first new token (prefill + one step)
+    total_s: float
+
+
+class _StepClock:
+    """A generate() streamer that only timestamps each new token (after a device sync)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # the first put is the prompt
+            self._prompt_seen = True
+            return
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _timed_generate(model, input_ids: torch.Tensor, new_tokens: int, **kwargs) -> GenerateTiming:
+    clock = _StepClock()
+    attention_mask = torch.ones_like(input_ids)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, streamer=clock, **kwargs)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - start
+    steps = len(clock.times) - 1
+    decode_s = clock.times[-1] - clock.times[0]
+    batch = input_ids.shape[0]
+    return GenerateTiming(batch, len(clock.times), batch * steps / decode_s, 1e3 * decode_s / steps,
+                          clock.times[0] - start, total)
+
+
+def load_hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda")
+    model.generation_config.pad_token_id = model.config.eos_token_id
+    return model.eval()
+
+
+def peft_mixed_batch(model, adapter_dirs: list[Path], input_ids: torch.Tensor, new_tokens: int) -> tuple:
+    """transformers + PEFT with `adapter_names`: row i uses adapter i % len(adapter_dirs).
+
+    Returns (timing, the PEFT model) so the caller can unload it afterwards.
+    """
+    from peft import PeftModel
+
+    names = [f"a{i}" for i in range(len(adapter_dirs))]
+    peft_model = PeftModel.from_pretrained(model, str(adapter_dirs[0]), adapter_name=names[0])
+    for name, d in zip(names[1:], adapter_dirs[1:], strict=True):
+        peft_model.load_adapter(str(d), adapter_name=name)
+    peft_model.eval()
+    rows = [names[i % len(names)] for i in range(input_ids.shape[0])]
+    _timed_generate(peft_model, input_ids[:, :64], 2, adapter_names=rows)  # warm-up: kernels, allocator
+    timing = _timed_generate(peft_model, input_ids, new_tokens, adapter_names=rows)
+    log.info("transformers+PEFT mixed batch: %s", timing)
+    return timing, peft_model
+
+
+def static_cache_compiled(model, input_ids: torch.Tensor, new_tokens: int) -> tuple[GenerateTiming, float]:
+    """Base model, `cache_implementation="static"` (auto torch.compile). Returns (timing, warm-up s)."""
+    start = time.perf_counter()
+    _timed_generate(model, input_ids, new_tokens, cache_implementation="static")  # compiles
+    warmup_s = time.perf_counter() - start
+    timing = _timed_generate(model, input_ids, new_tokens, cache_implementation="static")
+    log.info("transformers static cache + compile: %s (warm-up %.1f s)", timing, warmup_s)
+    return timing, warmup_s
+
+
+def run_baselines(model_dir: Path, adapter_dirs: list[Path], input_ids: torch.Tensor, new_tokens: int,
+                  skip_compile: bool = False) -> dict:
+    """Both baselines at the batch of `input_ids`; frees the model before returning."""
+    results: dict = {}
+    model = load_hf_model(model_dir)
+    timing, peft_model = peft_mixed_batch(model, adapter_dirs, input_ids, new_tokens)
+    results["hf_peft_mixed"] = timing._asdict() | {"adapters": len(adapter_dirs)}
+    model = peft_model.unload()  # the plain base modules back, LoRA layers removed
+    del peft_model
+    gc.collect()
+    torch.cuda.empty_cache()
+    if not skip_compile:
+        try:
+            timing, warmup_s = static_cache_compiled(model, input_ids, new_tokens)
+            results["hf_static_compile"] = timing._asdict() | {"warmup_s": warmup_s}
+        except Exception as exc:  # report, do not lose the rest of the run
+            log.exception("static cache + compile baseline failed")
+            results["hf_static_compile"] = {"error": f"{type(exc).__name__}: {exc}"}
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return results

@@ -1,0 +1,76 @@
+"""Attention over the paged KV cache with the Triton kernels of kernels/attention_*.py (CUDA).
+
+Same metadata and contract as `TorchPagedAttention` (engine/attention.py): decodes first, then
+prefill chunks. Decodes go through the split-K paged decode kernel, all prefill chunks of the
+step through one paged prefill launch (chunked prefill over earlier pages included), and the
+new K/V through one store launch per layer that skips slot -1 (CUDA-graph padding rows).
+Per-step work (the prefill chunks' page tables) happens once in `begin`, never per layer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kernels.attention_decode import paged_decode_attention
+from kernels.attention_kv_store import store_kv
+from kernels.attention_prefill import paged_prefill_attention
+from services.inference.engine.attention import AttentionMetadata
+from services.inference.models.context import Attention
+
+
+class _PrefillBatch(NamedTuple):
+    block_tables: torch.Tensor  # [segments, max pages] int32
+    cu_q: torch.Tensor  # [segments + 1] int32, relative to the first prefill token
+    kv_lens: torch.Tensor  # [segments] int32
+    max_q_len: int
+
+
+class TritonPagedAttention(Attention):
+    def __init__(self, kv_cache: torch.Tensor, scale: float):
+        self.kv_cache = kv_cache
+        self.page_size = kv_cache.shape[3]
+        self.scale = scale
+        self.meta: AttentionMetadata | None = None
+        self.prefill: _PrefillBatch | None = None
+
+    def begin(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+        self.prefill = self._prefill_batch(meta) if meta.prefill_segments else None
+
+    def _prefill_batch(self, meta: AttentionMetadata) -> _PrefillBatch:
+        page, nd = self.page_size, meta.num_decode_tokens
+        segs = meta.prefill_segments
+        max_pages = max(-(-s.ctx_len // page) for s in segs)
+        # A segment's context slots are its pages in order, so every page-th slot names a page.
+        pages = torch.zeros(len(segs), max_pages, dtype=torch.int64, device=self.kv_cache.device)
+        for i, s in enumerate(segs):
+            firsts = meta.prefill_ctx_slots[s.ctx_start : s.ctx_start + s.ctx_len : page]
+            pages[i, : firsts.shape[0]] = firsts // page
+        cu = [segs[0].q_start - nd]
+        for s in segs:
+            cu.append(cu[-1] + s.q_len)
+        dev = self.kv_cache.device
+        return _PrefillBatch(
+            pages.to(torch.int32),
+            torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
+            torch.tensor([s.ctx_len for s in segs], dtype=torch.int32).to(dev, non_blocking=True),
+            max(s.q_len for s in segs),
+        )
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        assert meta is not None, "begin() must bind the step's metadata first"
+        k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                   self.scale, out=out[:nd])
+        if self.prefill is not None:
+            p = self.prefill
+            paged_prefill_attention(q[nd:], k_cache, v_cache, p.block_tables, p.cu_q, p.kv_lens, self.scale,
+                                    p.max_q_len, out=out[nd:])
+        return out.reshape(q.shape[0], -1)

@@ -1,0 +1,145 @@
+"""CUDA graphs for decode steps at a ladder of batch sizes, with LoRA inside the graph.
+
+A decode step (one new token per sequence) at batch `n` replays the graph captured for the
+smallest ladder size `bs >= n`; rows `n..bs` are padding (slot -1: no KV write; context 0:
+zero attention; adapter slot -1: no LoRA work). Every per-step input lives in static device
+buffers that the graph reads: token ids, positions, KV slots, block tables, context lengths
+and the per-token adapter slots. The LoRA backend's `prepare` (grouping tokens by adapter) is
+captured too, so one graph serves any mix of adapters; a step where no token has an adapter
+replays the graph captured without LoRA and does no LoRA work at all.
+
+Host work per step: fill two pinned buffers (numpy views), two host-to-device copies, one
+replay. Capture time and the memory the graphs took are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from services.inference.engine.attention import AttentionMetadata
+from services.inference.engine.attention_triton import TritonPagedAttention
+from services.inference.lora.backend import LoRABackend
+from services.inference.models.context import ForwardContext
+from services.inference.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+def batch_ladder(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to `max_bs` (which is always included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: torch.Tensor,
+        scale: float,
+        lora: LoRABackend | None,
+        *,
+        max_bs: int,
+        max_blocks_per_seq: int,
+    ):
+        self.model = model
+        self.attention = TritonPagedAttention(kv_cache, scale)
+        # A backend whose prepare reads slots on the host cannot be captured: such batches run eagerly.
+        self.lora = lora if lora is not None and lora.cuda_graph_safe else None
+        self.ladder = batch_ladder(max_bs)
+        self.max_bs = self.ladder[-1]
+        self.max_blocks = max_blocks_per_seq
+        dev = kv_cache.device
+        n, mb = self.max_bs, max_blocks_per_seq
+        # int64 inputs: ids, positions, KV slots. int32: context lengths, adapter slots, tables.
+        self._host64 = torch.zeros(3 * n, dtype=torch.int64, pin_memory=True)
+        self._host32 = torch.zeros(2 * n + n * mb, dtype=torch.int32, pin_memory=True)
+        self._np64, self._np32 = self._host64.numpy(), self._host32.numpy()
+        self._dev64 = torch.zeros(3 * n, dtype=torch.int64, device=dev)
+        self._dev32 = torch.zeros(2 * n + n * mb, dtype=torch.int32, device=dev)
+        self.input_ids, self.positions, self.slot_mapping = self._dev64.view(3, n)
+        self.context_lens, self.token_slots = self._dev32[:n], self._dev32[n : 2 * n]
+        self.block_tables = self._dev32[2 * n :].view(n, mb)
+        self.slot_mapping.fill_(-1)
+        self.token_slots.fill_(-1)
+        self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=dev)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+
+    def _forward(self, bs: int, use_lora: bool) -> None:
+        self.attention.begin(AttentionMetadata(
+            self.slot_mapping[:bs], bs, self.block_tables[:bs], self.context_lens[:bs], [], self.slot_mapping[:0],
+        ))
+        lora = None
+        if use_lora:
+            self.lora.prepare(self.token_slots[:bs])
+            lora = self.lora
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], ForwardContext(self.attention, lora))
+        self.logits[:bs] = self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every (batch size, LoRA on/off) graph, largest first, in one memory pool."""
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        variants = [False, True] if self.lora is not None else [False]
+        stream = torch.cuda.Stream()
+        for bs in reversed(self.ladder):
+            for use_lora in variants:
+                # Eager warm-up on a side stream (Triton compiles, cuBLAS picks kernels) before capture.
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self._forward(bs, use_lora)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(bs, use_lora)
+                self.graphs[(bs, use_lora)] = graph
+        torch.cuda.synchronize()
+        taken = free_before - torch.cuda.mem_get_info()[0]
+        log.info("captured %d decode CUDA graphs (batch sizes %s, LoRA %s) in %.1f s, %.0f MiB",
+                 len(self.graphs), self.ladder, "on/off" if self.lora is not None else "off",
+                 time.perf_counter() - start, taken / 2**20)
+        self.capture_seconds = time.perf_counter() - start
+        self.capture_bytes = taken
+
+    def bucket(self, n: int) -> int | None:
+        return next((bs for bs in self.ladder if bs >= n), None)
+
+    def run(
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        token_slots: list[int],
+        tables: list[list[int]],
+        context_lens: list[int],
+        sample_rows: list[int],
+    ) -> torch.Tensor | None:
+        """Logits `[len(sample_rows), vocab]` of one decode step, or None when no graph fits."""
+        n = len(ids)
+        bs = self.bucket(n)
+        use_lora = any(s >= 0 for s in token_slots)
+        if bs is None or (use_lora and self.lora is None) or max(map(len, tables)) > self.max_blocks:
+            return None
+        big, small, max_bs = self._np64, self._np32, self.max_bs
+        big[:n], big[max_bs : max_bs + n], big[2 * max_bs : 2 * max_bs + n] = ids, positions, slots
+        big[n:bs] = 0
+        big[max_bs + n : max_bs + bs] = 0
+        big[2 * max_bs + n : 2 * max_bs + bs] = -1
+        small[:n], small[n:bs] = context_lens, 0
+        small[max_bs : max_bs + n], small[max_bs + n : max_bs + bs] = token_slots, -1
+        table_rows = small[2 * max_bs : 2 * max_bs + bs * self.max_blocks].reshape(bs, self.max_blocks)
+        for row, table in zip(table_rows, tables, strict=False):
+            row[: len(table)] = table
+        self._dev64.copy_(self._host64, non_blocking=True)
+        end32 = 2 * max_bs + bs * self.max_blocks
+        self._dev32[:end32].copy_(self._host32[:end32], non_blocking=True)
+        self.graphs[(bs, use_lora)].replay()
+        if len(sample_rows) == n:
+            return self.logits[:n]
+        return self.logits[torch.tensor(sample_rows, device=self.logits.device)]
