@@ -39,7 +39,7 @@ class FakeRepo:
 class LoggedRequest(NamedTuple):
     method: str
     path: str
-    headers: dict[str, str]
+    headers: dict[str, str]  # lower-cased names
 
 
 class FakeHub:
@@ -99,7 +99,7 @@ class FakeHub:
     def _handle(self, h: BaseHTTPRequestHandler, method: str) -> None:
         path = unquote(h.path.split("?", 1)[0])
         with self._lock:
-            self.requests.append(LoggedRequest(method, path, dict(h.headers)))
+            self.requests.append(LoggedRequest(method, path, {k.lower(): v for k, v in h.headers.items()}))
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+?)(?:/revision/(.+))?", path)
         if m and method == "GET":
             return self._model_info(h, m.group(1), m.group(2) or "main")
