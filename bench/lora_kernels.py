@@ -27,7 +27,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.lora_check import CASES, run_case  # noqa: E402
-from kernels.lora_configs import ExpandConfig, ShrinkConfig, shrink_config, shrink_splits  # noqa: E402
+from kernels.lora_configs import ExpandConfig, ShrinkConfig, expand_config, family, shrink_config  # noqa: E402
 from kernels.lora_expand import lora_expand, lora_expand_ref  # noqa: E402
 from kernels.lora_meta import alloc_segments, build_segments  # noqa: E402
 from kernels.lora_shrink import lora_shrink, lora_shrink_ref  # noqa: E402
@@ -116,13 +116,22 @@ def make_copies(sc: dict, bytes_per_copy: float) -> list[dict]:
     return out
 
 
+def configs_for(sc: dict, group: str, overrides: dict) -> tuple[ShrinkConfig, ExpandConfig]:
+    """The sweep's choice for this group if there is one, else the repo's table."""
+    if group in overrides:
+        return overrides[group]
+    d, widths = GROUPS[group]
+    n, r, T = len(widths), sc["rank"], sc["tokens"]
+    return shrink_config(d, n, r, T), expand_config(sum(widths), n, r, T)
+
+
 def triton_fns(copies: list[dict], segs, sc: dict, overrides: dict) -> dict[str, list]:
     """name -> one zero-arg callable per copy: 'g.shrink', 'g.expand' for each group."""
     T = sc["tokens"]
     fns: dict[str, list] = {}
-    for g, (d, widths) in GROUPS.items():
-        s_cfg, splits, e_cfg = overrides.get(g, (None, shrink_splits(d, T), None))
-        y = torch.zeros(splits, T, len(widths) * sc["rank"], device=DEVICE, dtype=torch.float32)
+    for g, (_, widths) in GROUPS.items():
+        s_cfg, e_cfg = configs_for(sc, g, overrides)
+        y = torch.zeros(s_cfg.splits, T, len(widths) * sc["rank"], device=DEVICE, dtype=torch.float32)
         fns[f"{g}.shrink"] = [
             (lambda c=c[g], y=y, s_cfg=s_cfg: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, config=s_cfg))
             for c in copies
@@ -188,10 +197,10 @@ def check_bf16(copy: dict, segs, sc: dict, overrides: dict) -> float:
     """Worst relative error of the layer's deltas, Triton vs torch reference, in bf16."""
     worst = 0.0
     T = sc["tokens"]
-    for g, (d, widths) in GROUPS.items():
+    for g, (_, widths) in GROUPS.items():
         p = copy[g]
-        s_cfg, splits, e_cfg = overrides.get(g, (None, shrink_splits(d, T), None))
-        y = torch.full((splits, T, len(widths) * sc["rank"]), float("nan"), device=DEVICE)
+        s_cfg, e_cfg = configs_for(sc, g, overrides)
+        y = torch.full((s_cfg.splits, T, len(widths) * sc["rank"]), float("nan"), device=DEVICE)
         y_ref = torch.full_like(y, float("nan"))
         lora_shrink(p["x"], p["A"], p["ranks"], segs, y, config=s_cfg)
         lora_shrink_ref(p["x"], p["A"], p["ranks"], segs, y_ref)
@@ -204,64 +213,82 @@ def check_bf16(copy: dict, segs, sc: dict, overrides: dict) -> float:
     return worst
 
 
-def sweep(copies: list[dict], segs, sc: dict) -> tuple[dict, list[dict]]:
-    """Try block-size variants per group (graph timing); returns the best overrides and all rows."""
+def sweep_variants(sc: dict, group: str) -> tuple[list[ShrinkConfig], list[ExpandConfig]]:
+    d, widths = GROUPS[group]
+    n, r, T = len(widths), sc["rank"], sc["tokens"]
+    base_s, base_e = shrink_config(d, n, r, T), expand_config(sum(widths), n, r, T)
+    bk_e = 16 if r <= 16 else 32
+    if family(T) == "decode":
+        s_vars = [ShrinkConfig(16, br, bk, nw, ns, S)
+                  for br in sorted({16, min(r, 32)}) for (bk, nw, ns) in ((256, 4, 3), (128, 4, 4), (512, 4, 3))
+                  for S in sorted({max(1, d // 2048), max(1, d // 1024), max(1, d // 512)})]
+        e_vars = [ExpandConfig(16, bn, bk_e, nw, 2) for bn in (128, 256, 512, 1024) for nw in (4, 8)]
+    else:
+        s_vars = [ShrinkConfig(bm, br, bk, nw, ns, S)
+                  for (bm, bk, nw, ns) in ((32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3))
+                  for br in sorted({16, min(r, 64)}) for S in (1, 2, 4)]
+        e_vars = [ExpandConfig(bm, bn, bk_e, nw, ns)
+                  for (bm, bn, nw, ns) in ((32, 256, 4, 2), (64, 128, 4, 2), (64, 256, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3))]
+    return [base_s] + [v for v in s_vars if v != base_s], [base_e] + [v for v in e_vars if v != base_e]
+
+
+def sweep(sc: dict) -> tuple[dict, list[dict]]:
+    """Time block-size variants per group (graph replays); returns the best per group and all rows."""
     T, r = sc["tokens"], sc["rank"]
+    per_copy = sum(floor_of(sc, g, k, 1.0, 1.0)[1] for g in GROUPS for k in ("shrink", "expand"))
+    copies = make_copies(sc, per_copy)
+    segs = build_segments(token_slots(sc), alloc_segments(T, sc["distinct"], DEVICE))
     best: dict = {}
     rows = []
-    for g, (d, widths) in GROUPS.items():
-        base = shrink_config(d, r, T)
-        if T <= 256:
-            s_vars = [(ShrinkConfig(16, br, bk, nw, ns), S)
-                      for br in sorted({16, min(r, 32)}) for (bk, nw, ns) in ((256, 4, 3), (128, 4, 4), (512, 8, 3))
-                      for S in sorted({max(1, d // 2048), max(1, d // 1024), max(1, d // 512)})]
-            e_vars = [ExpandConfig(16, bn, 16, nw, ns) for bn in (128, 256, 512, 1024) for (nw, ns) in ((4, 2), (8, 2))]
-        else:
-            s_vars = [(ShrinkConfig(bm, br, bk, nw, ns), S)
-                      for bm in (64, 128) for br in sorted({min(r, 32), r}) for (bk, nw, ns) in ((64, 4, 3), (128, 8, 3))
-                      for S in (1, 2)]
-            e_vars = [ExpandConfig(bm, bn, min(r, 32), nw, ns)
-                      for bm in (64, 128) for bn in (64, 128, 256) for (nw, ns) in ((4, 2), (8, 3))]
-        s_vars = [(base, shrink_splits(d, T))] + s_vars
-        e_vars = [e for e in e_vars if e.block_m * e.block_n <= 128 * 256]
+    for g, (_, widths) in GROUPS.items():
+        s_vars, e_vars = sweep_variants(sc, g)
         timed_s = []
-        for cfg, S in s_vars:
-            y = torch.zeros(S, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
+        for cfg in s_vars:
+            y = torch.zeros(cfg.splits, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
             fns = [(lambda c=c[g], y=y, cfg=cfg: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, config=cfg))
                    for c in copies]
-            us = graph_time_us(fns, replays=10)
-            timed_s.append((us, cfg, S))
-            rows.append(dict(scenario=sc["name"], group=g, kernel="shrink", config=cfg.__dict__, splits=S, graph_us=us))
-        us_s, cfg_s, S_best = min(timed_s, key=lambda t: t[0])
-        y = torch.zeros(S_best, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
+            timed_s.append((graph_time_us(fns, replays=10), cfg))
+            rows.append(dict(scenario=sc["name"], group=g, kernel="shrink", config=cfg.__dict__, graph_us=timed_s[-1][0]))
+        us_s, cfg_s = min(timed_s, key=lambda t: t[0])
+        y = torch.zeros(cfg_s.splits, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
         lora_shrink(copies[0][g]["x"], copies[0][g]["A"], copies[0][g]["ranks"], segs, y, config=cfg_s)
         timed_e = []
         for cfg in e_vars:
             fns = [(lambda c=c[g], cfg=cfg, w=widths, y=y:
                     lora_expand(y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, config=cfg)) for c in copies]
-            us = graph_time_us(fns, replays=10)
-            timed_e.append((us, cfg))
-            rows.append(dict(scenario=sc["name"], group=g, kernel="expand", config=cfg.__dict__, graph_us=us))
+            timed_e.append((graph_time_us(fns, replays=10), cfg))
+            rows.append(dict(scenario=sc["name"], group=g, kernel="expand", config=cfg.__dict__, graph_us=timed_e[-1][0]))
         us_e, cfg_e = min(timed_e, key=lambda t: t[0])
-        best[g] = (cfg_s, S_best, cfg_e)
-        print(f"  sweep {g}: shrink {cfg_s} S={S_best} {us_s:.1f}us | expand {cfg_e} {us_e:.1f}us", flush=True)
+        best[g] = (cfg_s, cfg_e)
+        print(f"  sweep {sc['name']} {g}: shrink {cfg_s} {us_s:.1f}us (table {timed_s[0][0]:.1f})"
+              f" | expand {cfg_e} {us_e:.1f}us (table {timed_e[0][0]:.1f})", flush=True)
+    del copies
+    torch.cuda.empty_cache()
     return best, rows
 
 
-def run_scenario(sc: dict, bw: float, rate: float, do_sweep: bool) -> tuple[dict, list[dict]]:
+def table_entries(sc: dict, best: dict) -> list[str]:
+    """Lines to paste into kernels/lora_configs.py for this (family, rank)."""
+    fam, r = family(sc["tokens"]), sc["rank"]
+    lines = []
+    for g, (s_cfg, e_cfg) in best.items():
+        d, widths = GROUPS[g]
+        lines.append(f"    ({fam!r}, {d}, {len(widths)}, {r}): {s_cfg!r},  # {g}")
+        lines.append(f"E   ({fam!r}, {sum(widths)}, {len(widths)}, {r}): {e_cfg!r},  # {g}")
+    return lines
+
+
+def run_scenario(sc: dict, bw: float, rate: float, overrides: dict) -> dict:
     T = sc["tokens"]
     per_copy = sum(floor_of(sc, g, k, bw, rate)[1] for g in GROUPS for k in ("shrink", "expand"))
     copies = make_copies(sc, per_copy)
     slots = token_slots(sc)
     segs = build_segments(slots, alloc_segments(T, sc["distinct"], DEVICE))
-    overrides, sweep_rows = ({}, [])
-    if do_sweep:
-        overrides, sweep_rows = sweep(copies, segs, sc)
     err = check_bf16(copies[0], segs, sc, overrides)
     if not err < 2e-2:
         raise SystemExit(f"{sc['name']}: bf16 kernel vs reference rel err {err:.3g}")
     res = dict(sc, copies=len(copies), bf16_rel_err=err, kernels={},
-               overrides={g: [v[0].__dict__, v[1], v[2].__dict__] for g, v in overrides.items()})
+               configs={g: [c.__dict__ for c in configs_for(sc, g, overrides)] for g in GROUPS})
     fns = triton_fns(copies, segs, sc, overrides)
     tot_bytes = tot_flops = 0.0
     for name, per in fns.items():
@@ -269,16 +296,16 @@ def run_scenario(sc: dict, bw: float, rate: float, do_sweep: bool) -> tuple[dict
         fl, nbytes, flops = floor_of(sc, g, k, bw, rate)
         tot_bytes, tot_flops = tot_bytes + nbytes, tot_flops + flops
         res["kernels"][name] = dict(floor_us=fl * 1e6, bench_us=bench_us(per[0]), graph_us=graph_time_us(per))
-    layer = [(lambda i=i: [fns[n][i]() for n in fns]) for i in range(len(copies))]
+    layer = [(lambda i=i, fns=fns: [f[i]() for f in fns.values()]) for i in range(len(copies))]
     floor = max(tot_bytes / bw, tot_flops / rate) * 1e6
     res["layer"] = dict(floor_us=floor, bytes=tot_bytes, flops=tot_flops,
                         bench_us=bench_us(layer[0]), graph_us=graph_time_us(layer))
     torch_fns = torch_layer_fns(copies, slots, sc)[: max(1, 64 // sc["distinct"])]
     res["torch_layer"] = dict(bench_us=bench_us(torch_fns[0]), graph_us=graph_time_us(torch_fns, replays=5))
     res["build_segments_us"] = bench_us(lambda: build_segments(slots, segs))
-    del copies
+    del copies, layer, torch_fns
     torch.cuda.empty_cache()
-    return res, sweep_rows
+    return res
 
 
 def print_table(results: list[dict]) -> None:
@@ -287,7 +314,7 @@ def print_table(results: list[dict]) -> None:
         rows = list(r["kernels"].items()) + [("LAYER", r["layer"])]
         for name, k in rows:
             # Per-kernel rows for the goal scenarios; the layer sum for every scenario.
-            if name != "LAYER" and (r["tokens"], r["distinct"]) not in ((64, 64), (4096, 8)):
+            if name != "LAYER" and not is_goal(r):
                 continue
             f = k["floor_us"]
             print(f"{r['name']:34} {name:15} {f:7.1f} {k['bench_us']:8.1f} {k['bench_us'] / f:5.2f}"
@@ -298,39 +325,51 @@ def print_table(results: list[dict]) -> None:
               f" {t['graph_us'] / r['layer']['floor_us']:5.2f}")
 
 
+def is_goal(sc: dict) -> bool:
+    return (sc["tokens"], sc["distinct"]) in ((64, 64), (4096, 8))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="tune block sizes on the goal scenarios first")
     parser.add_argument("--quick", action="store_true", help="only the goal scenarios")
     args = parser.parse_args()
     t0 = time.time()
+    out_path = Path(os.environ.get("OUT", "/tmp")) / "lora_kernels.json"
     print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
     small = [run_case(c._replace(dtype="bfloat16"), DEVICE) for c in CASES]
-    bad = [c for c in small if not (c.shrink_rel_err < 2e-2 and c.expand_rel_err < 2e-2 and c.y_written_exactly
-                                    and c.untouched_rows_equal)]
+    bad = [c.name for c in small if not (c.shrink_rel_err < 2e-2 and c.expand_rel_err < 2e-2
+                                         and c.y_written_exactly and c.untouched_rows_equal)]
     print(f"bf16 small cases: worst shrink {max(c.shrink_rel_err for c in small):.2e}"
-          f" expand {max(c.expand_rel_err for c in small):.2e}; failing: {[c.name for c in bad]}", flush=True)
+          f" expand {max(c.expand_rel_err for c in small):.2e}; failing: {bad}", flush=True)
     if bad:
         raise SystemExit(1)
     bw, rate = ceilings()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
-    results, sweep_rows = [], []
-    for sc in scenarios(args.quick):
-        goal = (sc["tokens"], sc["distinct"]) in ((64, 64), (4096, 8))
-        res, rows = run_scenario(sc, bw, rate, args.sweep and goal)
-        results.append(res)
-        sweep_rows += rows
+    payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   command="PYTHONPATH=. python3 bench/lora_kernels.py " + " ".join(sys.argv[1:]),
+                   copy_bw=bw, bf16_rate=rate, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   small_bf16_cases=[c._asdict() for c in small], results=[], sweep=[], table=[])
+    overrides: dict[tuple[str, int], dict] = {}
+    all_scenarios = scenarios(args.quick)
+    if args.sweep:
+        for sc in filter(is_goal, all_scenarios):
+            best, rows = sweep(sc)
+            overrides[(family(sc["tokens"]), sc["rank"])] = best
+            payload["sweep"] += rows
+            payload["table"] += table_entries(sc, best)
+            print(f"[{time.time() - t0:.0f}s]", flush=True)
+        print("\n".join(payload["table"]), flush=True)
+    for sc in all_scenarios:
+        res = run_scenario(sc, bw, rate, overrides.get((family(sc["tokens"]), sc["rank"]), {}))
+        payload["results"].append(res)
+        out_path.write_text(json.dumps(payload, indent=1))
         lay = res["layer"]
         print(f"{sc['name']:36} layer floor {lay['floor_us']:7.1f}us graph {lay['graph_us']:7.1f}us"
               f" ({lay['graph_us'] / lay['floor_us']:.2f}x) bench {lay['bench_us']:7.1f}us"
               f" torch {res['torch_layer']['graph_us']:8.1f}us  [{time.time() - t0:.0f}s]", flush=True)
-    print_table(results)
-    out_dir = Path(os.environ.get("OUT", "/tmp"))
-    payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   copy_bw=bw, bf16_rate=rate, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                   small_bf16_cases=[c._asdict() for c in small], results=results, sweep=sweep_rows)
-    (out_dir / "lora_kernels.json").write_text(json.dumps(payload, indent=1))
-    print(f"wrote {out_dir / 'lora_kernels.json'} in {time.time() - t0:.0f}s")
+    print_table(payload["results"])
+    print(f"wrote {out_path} in {time.time() - t0:.0f}s")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
 
     if case.splits is None:
         buf = torch.empty(16, case.num_tokens, n * R, dtype=torch.float32, device=device)
-        y = shrink_out_view(buf, case.d, case.num_tokens)
+        y = shrink_out_view(buf, case.d, case.num_tokens, n)
     else:
         y = torch.empty(case.splits, case.num_tokens, n * R, dtype=torch.float32, device=device)
     y.fill_(float("nan"))  # poison: unwritten entries stay NaN

@@ -1,16 +1,17 @@
 """Block sizes for the LoRA kernels, per shape family, so no tuning happens at first request.
 
-Keys are the hidden size (input `d` of shrink, total output width of expand), the pool's
-max rank and the step's token count. Entries were picked on an H200 with
-`bench/lora_kernels.py` (see docs/benchmarks.md); the interpreter ignores warps/stages.
+A step is `decode` (at most DECODE_MAX_TOKENS tokens: small token blocks, split-K shrink
+so each adapter's A is streamed by many programs) or `prefill`. Tables are keyed on
+(family, hidden size, stacked modules, pool max rank): `d` for shrink, the total output
+width for expand. Entries for Llama-3.1-8B shapes come from `bench/lora_kernels.py --sweep`
+on an H200 (docs/benchmarks.md); other shapes fall back to rules below. The interpreter
+ignores warps and stages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Steps with at most this many tokens are treated as decode-like (small token blocks,
-# split-K shrink); larger ones as prefill-like (large token blocks, tensor-core tiles).
 DECODE_MAX_TOKENS = 256
 
 
@@ -21,6 +22,7 @@ class ShrinkConfig:
     block_k: int  # step over d
     num_warps: int
     num_stages: int
+    splits: int  # K-splits over d: partial sums in y[S, T, n*R], added by expand
 
 
 @dataclass(frozen=True)
@@ -32,28 +34,44 @@ class ExpandConfig:
     num_stages: int
 
 
-def shrink_splits(d: int, num_tokens: int) -> int:
-    """How many K-splits (over `d`) shrink uses; its output buffer has this many partials.
-
-    Decode reads each adapter's A once: split-K spreads those bytes over many programs so
-    the whole chip streams them. Prefill has enough token blocks to fill the chip alone.
-    """
-    if num_tokens <= DECODE_MAX_TOKENS:
-        return max(1, min(16, d // 1024))
-    if num_tokens <= 1024:
-        return max(1, min(4, d // 2048))
-    return 1
+def family(num_tokens: int) -> str:
+    return "decode" if num_tokens <= DECODE_MAX_TOKENS else "prefill"
 
 
-def shrink_config(d: int, max_rank: int, num_tokens: int) -> ShrinkConfig:
+# (family, d, n_stack, max_rank) -> ShrinkConfig
+SHRINK_TABLE: dict[tuple[str, int, int, int], ShrinkConfig] = {}
+
+# (family, total output width, n_stack, max_rank) -> ExpandConfig
+EXPAND_TABLE: dict[tuple[str, int, int, int], ExpandConfig] = {}
+
+
+def _rank_bucket(max_rank: int) -> int:
+    return 16 if max_rank <= 16 else 64
+
+
+def shrink_config(d: int, n_stack: int, max_rank: int, num_tokens: int) -> ShrinkConfig:
+    fam = family(num_tokens)
+    hit = SHRINK_TABLE.get((fam, d, n_stack, max_rank)) or SHRINK_TABLE.get((fam, d, n_stack, _rank_bucket(max_rank)))
+    if hit is not None:
+        return hit
     block_r = 16 if max_rank <= 16 else 32
-    if num_tokens <= DECODE_MAX_TOKENS:
-        return ShrinkConfig(block_m=16, block_r=block_r, block_k=256, num_warps=4, num_stages=3)
-    return ShrinkConfig(block_m=64, block_r=max(16, min(64, max_rank)), block_k=64, num_warps=4, num_stages=3)
+    if fam == "decode":
+        return ShrinkConfig(16, block_r, 256, 4, 3, splits=max(1, min(16, d // 1024)))
+    return ShrinkConfig(64, block_r, 64, 4, 3, splits=max(1, min(8, d // 2048)))
 
 
-def expand_config(width: int, max_rank: int, num_tokens: int) -> ExpandConfig:
+def expand_config(width: int, n_stack: int, max_rank: int, num_tokens: int) -> ExpandConfig:
+    fam = family(num_tokens)
+    key = (fam, width, n_stack, max_rank)
+    hit = EXPAND_TABLE.get(key) or EXPAND_TABLE.get((fam, width, n_stack, _rank_bucket(max_rank)))
+    if hit is not None:
+        return hit
     block_k = 16 if max_rank <= 16 else 32
-    if num_tokens <= DECODE_MAX_TOKENS:
-        return ExpandConfig(block_m=16, block_n=256, block_k=block_k, num_warps=4, num_stages=2)
-    return ExpandConfig(block_m=64, block_n=128, block_k=block_k, num_warps=4, num_stages=2)
+    if fam == "decode":
+        return ExpandConfig(16, 256, block_k, 4, 2)
+    return ExpandConfig(64, 128, block_k, 4, 2)
+
+
+def shrink_splits(d: int, n_stack: int, max_rank: int, num_tokens: int) -> int:
+    """How many partial sums `lora_shrink` writes for this shape (the first dim of its `y`)."""
+    return shrink_config(d, n_stack, max_rank, num_tokens).splits

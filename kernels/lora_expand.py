@@ -28,7 +28,7 @@ def _expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scal_ptr, sorted_ptr, bslot_ptr, bstart_ptr, bend_ptr,
     max_rank, n_splits,
     sy_s, sy_t, sy_c, sb_s, sb_n, sb_r, so_t, so_n, sr_s, sr_i, ss_s, ss_i,
-    W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
+    W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, NB0: tl.constexpr, NB1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -36,9 +36,7 @@ def _expand_kernel(
     slot = tl.load(bslot_ptr + pid_b)
     if slot < 0:
         return
-    # Column blocks never straddle two stacks: each stack's blocks start at its own offset.
-    NB0: tl.constexpr = (W0 + BLOCK_N - 1) // BLOCK_N
-    NB1: tl.constexpr = (W1 + BLOCK_N - 1) // BLOCK_N
+    # Column blocks never straddle two stacks: stack i owns NB_i = cdiv(W_i, BLOCK_N) blocks.
     stack = (pid_n >= NB0).to(tl.int32) + (pid_n >= NB0 + NB1).to(tl.int32)
     nb = pid_n - tl.where(stack == 0, 0, tl.where(stack == 1, NB0, NB0 + NB1))
     width = tl.where(stack == 0, W0, tl.where(stack == 1, W1, W2))
@@ -104,7 +102,7 @@ def lora_expand(
     num_slots, total_width, max_rank = B.shape
     y3 = y.unsqueeze(0) if y.dim() == 2 else y
     w = tuple(widths) + (0,) * (MAX_STACK - len(widths))
-    cfg = config or expand_config(total_width, max_rank, num_tokens)
+    cfg = config or expand_config(total_width, len(widths), max_rank, num_tokens)
     bslot, bstart, bend = segs.blocks_for(cfg.block_m)
     n_blocks = sum(triton.cdiv(wi, cfg.block_n) for wi in widths)
     grid = (n_blocks, num_blocks_bound(num_tokens, num_slots, cfg.block_m))
@@ -114,7 +112,7 @@ def lora_expand(
         y3.stride(0), y3.stride(1), y3.stride(2), B.stride(0), B.stride(1), B.stride(2),
         out.stride(0), out.stride(1), ranks.stride(0), ranks.stride(1),
         scalings.stride(0), scalings.stride(1),
-        W0=w[0], W1=w[1], W2=w[2],
+        W0=w[0], W1=w[1], W2=w[2], NB0=triton.cdiv(w[0], cfg.block_n), NB1=triton.cdiv(w[1], cfg.block_n),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

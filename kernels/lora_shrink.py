@@ -66,16 +66,17 @@ def _shrink_kernel(
 
 
 def alloc_shrink_out(
-    max_tokens: int, n_stack: int, max_rank: int, max_d: int, device: torch.device | str
+    max_tokens: int, d: int, n_stack: int, max_rank: int, device: torch.device | str
 ) -> torch.Tensor:
-    """Float32 buffer `[S_max, max_tokens, n_stack*max_rank]` for any step up to `max_tokens`."""
-    splits = max(shrink_splits(max_d, t) for t in (1, max_tokens))
+    """Float32 buffer `[S_max, max_tokens, n_stack*max_rank]` for any step up to `max_tokens` tokens."""
+    splits = max(shrink_splits(d, n_stack, max_rank, t) for t in (1, max_tokens))
     return torch.empty((splits, max_tokens, n_stack * max_rank), dtype=torch.float32, device=device)
 
 
-def shrink_out_view(buf: torch.Tensor, d: int, num_tokens: int) -> torch.Tensor:
-    """The `[S, T, n*R]` slice of `buf` that `lora_shrink` fills for this `d` and token count."""
-    return buf[: shrink_splits(d, num_tokens), :num_tokens]
+def shrink_out_view(buf: torch.Tensor, d: int, num_tokens: int, n_stack: int) -> torch.Tensor:
+    """The `[S, T, n*R]` slice of `alloc_shrink_out`'s buffer to pass as `y` for this step."""
+    max_rank = buf.shape[2] // n_stack
+    return buf[: shrink_splits(d, n_stack, max_rank, num_tokens), :num_tokens]
 
 
 def lora_shrink(
@@ -92,6 +93,7 @@ def lora_shrink(
     ranks: int32 `[slots, n]`; segs: built by `build_segments` for these T tokens;
     y: float32 `[T, n*R]` or `[S, T, n*R]` (S K-splits, see `shrink_out_view`).
     config: block sizes; default from the table in `kernels.lora_configs` (benchmarks override).
+    The number of K-splits is `y.shape[0]`, whatever `config.splits` says.
     """
     num_tokens, d = x.shape
     num_slots, n_rows, _ = A.shape
@@ -101,7 +103,7 @@ def lora_shrink(
     splits = y3.shape[0]
     if num_tokens == 0:
         return y
-    cfg = config or shrink_config(d, max_rank, num_tokens)
+    cfg = config or shrink_config(d, n_stack, max_rank, num_tokens)
     bslot, bstart, bend = segs.blocks_for(cfg.block_m)
     r_blocks = triton.cdiv(max_rank, cfg.block_r)
     k_per_split = triton.cdiv(triton.cdiv(d, splits), cfg.block_k) * cfg.block_k
