@@ -85,14 +85,14 @@ def rich_status(error: errors.StoreError, resource: str = "") -> grpc.Status:
 def _to_store_error(e: Exception) -> errors.StoreError | None:
     if isinstance(e, errors.StoreError):
         return e
-    if isinstance(e, RedisConnectionError | RedisTimeoutError | ConnectionError | OSError) and not isinstance(
-        e, FileNotFoundError
-    ):
+    if isinstance(e, RedisConnectionError | RedisTimeoutError):
         return errors.Unavailable(f"the store's Redis index is unreachable ({e}); retry shortly")
     if isinstance(e, RedisError):
         return errors.Unavailable(f"the store's Redis index failed ({e}); retry shortly")
     if isinstance(e, TimeoutError):
         return errors.Unavailable(str(e) or "timed out waiting for another registration of this adapter")
+    if isinstance(e, OSError):  # the store's own disk (cache dir full, unwritable, ...)
+        return errors.Unavailable(f"the store's cache directory failed: {e}")
     return None
 
 

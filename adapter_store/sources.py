@@ -28,6 +28,8 @@ from adapter_store.validate import WEIGHTS_FILE
 log = logging.getLogger(__name__)
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+REVISION_RE = re.compile(r"^[A-Za-z0-9._/-]{1,256}$")
+MAX_SOURCE_CHARS = 4096
 
 
 class SourceSpec(NamedTuple):
@@ -52,6 +54,10 @@ class FetchedAdapter(NamedTuple):
 
 
 def parse_source(source: str, revision: str, allowed_dirs: tuple[Path, ...] = ()) -> SourceSpec:
+    if len(source) > MAX_SOURCE_CHARS or "\0" in source:
+        raise InvalidArgument(f"source is longer than {MAX_SOURCE_CHARS} characters or has a NUL", field="source")
+    if len(revision) > 256:
+        raise InvalidArgument("revision is longer than 256 characters", field="revision")
     source = source.strip()
     if not source:
         raise InvalidArgument("source is empty: give hf://org/repo[@rev], org/repo or a local directory", field="source")
@@ -81,6 +87,8 @@ def parse_source(source: str, revision: str, allowed_dirs: tuple[Path, ...] = ()
 def _hub_spec(repo: str, revision: str) -> SourceSpec:
     if not REPO_ID_RE.fullmatch(repo) or ".." in repo:
         raise InvalidArgument(f"Hub repo id {repo!r} is not of the form org/repo", field="source")
+    if revision and (not REVISION_RE.fullmatch(revision) or ".." in revision):
+        raise InvalidArgument(f"revision {revision[:80]!r} is not a branch, tag or commit name", field="revision")
     return SourceSpec("hub", repo, revision, f"hf://{repo}")
 
 
@@ -110,7 +118,12 @@ class SourceFetcher:
 
     # -- resolve: cheap, decides whether a fetch is needed at all --------------------------------
     def resolve(self, spec: SourceSpec) -> ResolvedSource:
-        return self._resolve_hub(spec) if spec.kind == "hub" else self._resolve_local(spec)
+        if spec.kind == "hub":
+            return self._resolve_hub(spec)
+        try:
+            return self._resolve_local(spec)
+        except PermissionError as e:
+            raise PermissionDenied(f"the store cannot read {e.filename or spec.location}: {e.strerror}") from None
 
     def _resolve_local(self, spec: SourceSpec) -> ResolvedSource:
         directory = Path(spec.location)
@@ -173,7 +186,13 @@ class SourceFetcher:
             self._download_hub(resolved, staging)
         else:
             for name in (CONFIG_FILE, resolved.weights_file):
-                shutil.copyfile(Path(resolved.spec.location) / name, staging / name)
+                src = Path(resolved.spec.location) / name
+                try:
+                    shutil.copyfile(src, staging / name)
+                except FileNotFoundError:
+                    raise NotFound(f"{src} disappeared while registering", field="source") from None
+                except PermissionError as e:
+                    raise PermissionDenied(f"the store cannot read {src}: {e.strerror}") from None
         weights = staging / WEIGHTS_FILE
         if resolved.weights_file == PICKLE_FILE:
             convert_pickle_to_safetensors(staging / PICKLE_FILE, weights)
