@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from loraplex.v1 import adapter_store_pb2 as pb
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
+from adapter_store.auth import AdminTokenInterceptor
 from adapter_store.base_model import load_base_model_shapes
 from adapter_store.blobs import BlobCache
 from adapter_store.cli.args import StoreConfig
@@ -52,18 +53,29 @@ async def serve(config: StoreConfig) -> None:
         log.warning("Redis (%s) is not reachable at start (%s); calls answer UNAVAILABLE until it is",
                     describe(config.redis_url), e)
 
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", 8 << 20)])
+    interceptors = [AdminTokenInterceptor(config.admin_token)] if config.admin_token else []
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_send_message_length", 8 << 20)])
     pb_grpc.add_AdapterStoreServicer_to_server(AdapterStoreServicer(registry), server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if config.tls_cert:
+        credentials = grpc.ssl_server_credentials(
+            [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
+            root_certificates=config.tls_ca.read_bytes() if config.tls_ca else None,
+            require_client_auth=config.tls_ca is not None,
+        )
+        port = server.add_secure_port(f"{config.host}:{config.port}", credentials)
+    else:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("listening on %s:%d (cache %s, %s)", config.host, port, config.cache_dir, describe(config.redis_url))
+    log.info("listening on %s:%d (cache %s, %s%s%s)", config.host, port, config.cache_dir, describe(config.redis_url),
+             ", TLS" + (" with client certificates" if config.tls_ca else "") if config.tls_cert else "",
+             ", admin token required" if config.admin_token else "")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

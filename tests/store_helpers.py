@@ -35,9 +35,12 @@ STARTUP_S = 60.0
 
 @contextlib.contextmanager
 def start_store(cache_dir: Path, *flags: str, env: dict[str, str] | None = None,
-                expect_exit: int | None = 0) -> Iterator[ServerProcess]:
-    """Run the store on an ephemeral loopback port; yields the ServerProcess."""
-    proc = start_store_process(cache_dir, *flags, env=env)
+                expect_exit: int | None = 0,
+                credentials: grpc.ChannelCredentials | None = None) -> Iterator[ServerProcess]:
+    """Run the store on an ephemeral loopback port; yields the ServerProcess.
+
+    With `credentials` (a TLS store), health is checked over a secure channel made with them."""
+    proc = start_store_process(cache_dir, *flags, env=env, credentials=credentials)
     try:
         yield proc
     finally:
@@ -46,17 +49,37 @@ def start_store(cache_dir: Path, *flags: str, env: dict[str, str] | None = None,
             assert rc == expect_exit, f"store exited {rc}:\n{proc.output()[-3000:]}"
 
 
-def start_store_process(cache_dir: Path, *flags: str, env: dict[str, str] | None = None) -> ServerProcess:
+def start_store_process(cache_dir: Path, *flags: str, env: dict[str, str] | None = None,
+                        credentials: grpc.ChannelCredentials | None = None) -> ServerProcess:
     """Like `start_store`, for callers that manage the stop themselves (`proc.stop()`)."""
     env = {"NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost", **(env or {})}
     proc = ServerProcess("store", "adapter_store", ["--port", "0", "--cache-dir", str(cache_dir), *flags],
                          env=env, echo=False)
     try:
-        proc.wait_serving(STARTUP_S)
+        if credentials is None:
+            proc.wait_serving(STARTUP_S)
+        else:
+            _wait_serving_secure(proc, credentials)
     except Exception:
         proc.stop()
         raise
     return proc
+
+
+def _wait_serving_secure(proc: ServerProcess, credentials: grpc.ChannelCredentials) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    address = proc.wait_bound(STARTUP_S)
+    deadline = time.monotonic() + STARTUP_S
+    with grpc.secure_channel(address, credentials) as channel:
+        while time.monotonic() < deadline and proc.proc.poll() is None:
+            try:
+                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.2)
+    raise RuntimeError(f"TLS store not SERVING:\n{proc.output()[-3000:]}")
 
 
 @contextlib.contextmanager

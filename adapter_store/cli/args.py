@@ -29,6 +29,10 @@ class StoreConfig:
     hf_token: str | None = field(default=None, repr=False)
     lock_timeout_s: float = 30.0
     grace_s: float = 10.0
+    admin_token: str | None = field(default=None, repr=False)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None  # given: clients must present a certificate it signed (mutual TLS)
 
 
 def _size(text: str) -> int:
@@ -57,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-local-dirs", nargs="*", type=Path, default=[], help="local sources only under these")
     p.add_argument("--lock-timeout", type=float, default=30.0, help="per-name Redis lock timeout (extended)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to drain RPCs on SIGTERM")
+    p.add_argument("--admin-token", default=None,
+                   help="RegisterAdapter/DeleteAdapter need 'authorization: Bearer <token>' "
+                   "(default: $LORAPLEX_ADMIN_TOKEN)")
+    p.add_argument("--tls-cert", type=Path, default=None, help="PEM server certificate (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, default=None, help="PEM server private key")
+    p.add_argument("--tls-ca", type=Path, default=None, help="PEM CA bundle: require client certificates (mTLS)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -80,5 +90,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[StoreConfig, str]:
         hf_token=os.environ.get("HF_TOKEN") or None,
         lock_timeout_s=a.lock_timeout,
         grace_s=a.grace,
+        admin_token=a.admin_token or os.environ.get("LORAPLEX_ADMIN_TOKEN") or None,
+        tls_cert=a.tls_cert,
+        tls_key=a.tls_key,
+        tls_ca=a.tls_ca,
     )
+    if bool(config.tls_cert) != bool(config.tls_key) or (config.tls_ca and not config.tls_cert):
+        build_parser().error("--tls-cert and --tls-key go together; --tls-ca needs both")
     return config, a.log_level
