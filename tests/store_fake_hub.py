@@ -8,7 +8,7 @@ It answers what `HfApi.model_info` and `hf_hub_download` call, the way the Hub d
   X-Repo-Commit, Content-Length; 404 + EntryNotFound for a missing file.
 - GET  same -> the bytes, honouring `Range: bytes=N-` (206 + Content-Range) so an interrupted
   download can resume. `cut_next_get(file)` makes the next full GET of that file send half of
-  its bytes and drop the connection.
+  its bytes and drop the connection; `get_delay_s[file]` stalls every GET of it.
 Every request is logged in `requests` for the tests to count.
 """
 
@@ -18,6 +18,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import NamedTuple
@@ -48,6 +49,7 @@ class FakeHub:
         self.repos: dict[str, FakeRepo] = {}
         self.requests: list[LoggedRequest] = []
         self._cuts: set[str] = set()
+        self.get_delay_s: dict[str, float] = {}  # filename -> seconds to stall before sending its bytes
         self._lock = threading.Lock()
         hub = self
 
@@ -163,6 +165,7 @@ class FakeHub:
         h.end_headers()
         if method == "HEAD":
             return
+        time.sleep(self.get_delay_s.get(filename, 0.0))
         with self._lock:
             cut = filename in self._cuts and not start
             self._cuts.discard(filename)

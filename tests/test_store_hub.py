@@ -149,3 +149,18 @@ def test_fifty_concurrent_hub_registrations_download_once(stub, hub, adapters):
         records = list(pool.map(lambda _: register(stub, "hub-popular", "org/popular"), range(50)))
     assert len({(r.digest, r.revision, r.generation, r.created_at) for r in records}) == 1
     assert hub.count("GET", f"org/popular/resolve/{records[0].revision}/{WEIGHTS}") == 1
+
+
+def test_lock_is_extended_during_a_long_download(hub, adapters, tmp_path):
+    # The per-name lock times out after 0.6 s, the download takes 2 s: only extension keeps
+    # the waiting registrations from starting a second download.
+    hub.add_commit("org/slow", adapter_files(adapters["v1"]))
+    hub.get_delay_s[WEIGHTS] = 2.0
+    try:
+        with start_store(tmp_path / "cache", "--lock-timeout", "0.6", env={"HF_ENDPOINT": hub.endpoint}) as proc, \
+                store_stub(proc.address) as stub, ThreadPoolExecutor(8) as pool:
+            records = list(pool.map(lambda _: register(stub, "hub-slow", "org/slow"), range(8)))
+    finally:
+        hub.get_delay_s.clear()
+    assert len({(r.digest, r.generation) for r in records}) == 1
+    assert hub.count("GET", f"org/slow/resolve/{records[0].revision}/{WEIGHTS}") == 1
