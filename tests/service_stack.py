@@ -104,20 +104,29 @@ class PeftReference:
         self._peft.set_adapter(self._names[key])
         return self._peft
 
-    @torch.inference_mode()
     def greedy(self, prompt: str, adapter: Path | None, max_new_tokens: int) -> list[int]:
         key = (prompt, str(adapter), max_new_tokens)
         if key not in self._cache:
-            ids = torch.tensor([self.tokenizer(prompt).input_ids])
-            peft = self._model_for(adapter)
-            if peft is None and self._peft is not None:
-                with self._peft.disable_adapter():
-                    out = self._peft.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False)
-            else:
-                model = peft if peft is not None else self.base
-                out = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False)
-            self._cache[key] = out[0, ids.shape[1]:].tolist()
+            # One thread: beside a server process on 2 shared cores, two threads run 5-10x slower.
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                self._cache[key] = self._greedy(prompt, adapter, max_new_tokens)
+            finally:
+                torch.set_num_threads(threads)
         return self._cache[key]
+
+    @torch.inference_mode()
+    def _greedy(self, prompt: str, adapter: Path | None, max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([self.tokenizer(prompt).input_ids])
+        peft = self._model_for(adapter)
+        if peft is None and self._peft is not None:
+            with self._peft.disable_adapter():
+                out = self._peft.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False)
+        else:
+            model = peft if peft is not None else self.base
+            out = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False)
+        return out[0, ids.shape[1]:].tolist()
 
 
 STORE_STACK_SHAPE = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])

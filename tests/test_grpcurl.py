@@ -68,13 +68,13 @@ def test_generate_stream_and_load_adapter_with_json(stack, smollm2_path, adapter
                "sampling_params": {"max_new_tokens": 8}}
     unary = json.loads(grpcurl(inference.address, "loraplex.v1.Inference/Generate", data=request))
     assert [c.get("adapter", "") for c in unary["completions"]] == ["curl", ""]
-    assert all(c["finishReason"] in ("stop", "length") for c in unary["completions"])
+    assert all(c["finish_reason"] in ("stop", "length") for c in unary["completions"])
     messages = json_stream(grpcurl(inference.address, "loraplex.v1.Inference/GenerateStream", data=request))
     for i, c in enumerate(unary["completions"]):
         mine = [m for m in messages if m.get("index", 0) == i]
         assert "".join(m.get("text", "") for m in mine) == c.get("text", "")
-        assert [t for m in mine for t in m.get("tokenIds", [])] == c["tokenIds"]
-        assert mine[-1]["finishReason"] == c["finishReason"]
+        assert [t for m in mine for t in m.get("token_ids", [])] == c["token_ids"]
+        assert mine[-1]["finish_reason"] == c["finish_reason"]
 
 
 def test_example_scripts_run(stack):
