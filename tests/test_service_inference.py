@@ -224,20 +224,39 @@ def test_cancel_frees_kv_and_server_keeps_serving(stub, server, adapters, refere
     got = [next(call) for _ in range(3)]
     assert all(m.index == 0 for m in got)
     busy_kv(server)
+    listed = {a.name: a for a in stub.ListAdapters(pb.ListAdaptersRequest()).adapters}
+    assert listed["alpha"].requests_in_flight == 1
     call.cancel()
     m = wait_kv_free(server)
     assert m['loraplex_aborted_requests_total{reason="cancelled"}'] == aborted + 1
+    listed = {a.name: a for a in stub.ListAdapters(pb.ListAdaptersRequest()).adapters}
+    assert listed["alpha"].requests_in_flight == 0
     resp = stub.Generate(pb.GenerateRequest(text=[PROMPTS[2]], adapter=["alpha"], sampling_params=greedy()))
     check_against_peft(resp, [PROMPTS[2]], ["alpha"], adapters, reference)
 
 
 def test_deadline_frees_kv_and_server_keeps_serving(stub, server, adapters, reference):
     wait_kv_free(server)
-    aborted = scrape(server).get('loraplex_aborted_requests_total{reason="cancelled"}', 0.0)
+    aborted = scrape(server).get('loraplex_aborted_requests_total{reason="deadline"}', 0.0)
     err = code_of(stub.Generate, pb.GenerateRequest(text=[PROMPTS[1]] * 2, adapter=["beta", ""],
                                                     sampling_params=pb.SamplingParams(**LONG)), timeout=2.0)
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     m = wait_kv_free(server)
-    assert m['loraplex_aborted_requests_total{reason="cancelled"}'] == aborted + 2
+    assert m['loraplex_aborted_requests_total{reason="deadline"}'] == aborted + 2
     resp = stub.Generate(pb.GenerateRequest(text=[PROMPTS[1]], adapter=["beta"], sampling_params=greedy()))
     check_against_peft(resp, [PROMPTS[1]], ["beta"], adapters, reference)
+
+
+def test_metrics_cover_requests_latency_kv_and_adapters(stub, server):
+    stub.Generate(pb.GenerateRequest(text=[PROMPTS[0]], adapter=["alpha"], sampling_params=greedy(4)))
+    time.sleep(1.5)  # engine gauges refresh once a second
+    m = scrape(server)
+    assert m['loraplex_requests_total{adapter="alpha",code="OK"}'] >= 1
+    assert m['loraplex_completion_tokens_total{adapter="alpha"}'] >= 4
+    assert m["loraplex_time_to_first_token_seconds_count"] >= 1
+    assert m["loraplex_inter_token_latency_seconds_count"] >= 3
+    assert m["loraplex_kv_blocks_total"] > 0 and "loraplex_queue_waiting" in m
+    assert m["loraplex_lora_slots_total"] >= 1 and "loraplex_lora_slots_used" in m
+    assert m['loraplex_adapter_requests_total{adapter="alpha"}'] >= 1
+    assert sum(m[f'loraplex_adapter_resident{{adapter="alpha",location="{loc}"}}'] for loc in ("gpu", "host")) == 1
+    assert m['loraplex_rpcs_total{code="OK",method="Generate"}'] >= 1

@@ -138,7 +138,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         await resolver.ensure(set(adapters))
         return prompts, adapters, params
 
-    async def _run(self, engine, resolver, prompts, adapters, params) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _run(self, context, engine, resolver, prompts, adapters,
+                   params) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every input as one engine request; yield (index, output) as they arrive."""
         rpc_id = uuid.uuid4().hex[:12]
         queue: asyncio.Queue = asyncio.Queue()
@@ -177,13 +178,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             for task in tasks:
                 task.cancel()
             if unfinished:
-                self.metrics.aborted.labels("cancelled").inc(len(unfinished))
+                remaining = context.time_remaining()
+                reason = "deadline" if remaining is not None and remaining <= 0 else "cancelled"
+                self.metrics.aborted.labels(reason).inc(len(unfinished))
                 for rid in unfinished:
                     try:
                         await call(engine.abort, rid)
                     except Exception:  # noqa: BLE001 - aborting is best effort, the KV is the engine's
                         log.exception("abort %s failed", rid)
-                log.info("aborted %d unfinished engine requests of rpc %s", len(unfinished), rpc_id)
+                log.info("aborted %d unfinished engine requests of rpc %s (%s)", len(unfinished), rpc_id, reason)
             for name in adapters:
                 if name:
                     resolver.release(name)
@@ -202,7 +205,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             texts = [[] for _ in prompts]
             ids = [[] for _ in prompts]
             final: list[RequestOutput | None] = [None] * len(prompts)
-            async with aclosing(self._run(engine, resolver, prompts, adapters, params)) as stream:
+            async with aclosing(self._run(context, engine, resolver, prompts, adapters, params)) as stream:
                 async for i, out in stream:
                     texts[i].append(out.new_text)
                     ids[i].extend(out.new_token_ids)
@@ -226,7 +229,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         engine, resolver = await self._begin(context, "GenerateStream")
         try:
             prompts, adapters, params = await self._prepare(engine, resolver, request)
-            async with aclosing(self._run(engine, resolver, prompts, adapters, params)) as stream:
+            async with aclosing(self._run(context, engine, resolver, prompts, adapters, params)) as stream:
                 async for i, out in stream:
                     if not out.finished and not out.new_token_ids and not out.new_text:
                         continue
