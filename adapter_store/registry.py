@@ -70,7 +70,12 @@ class AdapterRegistry:
             if existing is not None:
                 record = record.with_(created_at=existing.created_at) if existing.digest == record.digest else record
             await asyncio.to_thread(self._sidecar_add, record)
-            generation = await self.index.commit(record, start_generation)
+            try:
+                generation = await self.index.commit(record, start_generation)
+            except Exception:
+                # Not indexed (Redis failed): do not let a later --reindex resurrect it.
+                await asyncio.to_thread(self._sidecar_drop, record.digest, name, record.generation)
+                raise
             if generation < 0:
                 # Our lock expired and another registration committed first: theirs stands.
                 await asyncio.to_thread(self._sidecar_drop, record.digest, name, record.generation)

@@ -55,7 +55,8 @@ async def serve(config: StoreConfig) -> None:
 
     interceptors = [AdminTokenInterceptor(config.admin_token)] if config.admin_token else []
     server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_send_message_length", 8 << 20)])
-    pb_grpc.add_AdapterStoreServicer_to_server(AdapterStoreServicer(registry), server)
+    servicer = AdapterStoreServicer(registry)
+    pb_grpc.add_AdapterStoreServicer_to_server(servicer, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -85,6 +86,7 @@ async def serve(config: StoreConfig) -> None:
     log.info("shutting down: draining RPCs for up to %.0fs", config.grace_s)
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    servicer.begin_shutdown()
     await server.stop(config.grace_s)
     await client.aclose()
     if embedded:

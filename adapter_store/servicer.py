@@ -30,6 +30,8 @@ from adapter_store.registry import AdapterRegistry
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
+# How long one XREAD waits: also the longest a shutdown waits for open watch streams.
+WATCH_BLOCK_MS = 1000
 EVENT_ID_RE = re.compile(r"^\d+(-\d+)?$")
 
 _CODES = {
@@ -125,6 +127,11 @@ async def _abort(e: Exception, request, context: grpc.aio.ServicerContext) -> No
 class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
     def __init__(self, registry: AdapterRegistry):
         self.registry = registry
+        self._stopping = asyncio.Event()
+
+    def begin_shutdown(self) -> None:
+        """Watch streams end (UNAVAILABLE, so clients reconnect elsewhere) instead of holding the drain."""
+        self._stopping.set()
 
     @_handle_errors
     async def RegisterAdapter(self, request: pb.RegisterAdapterRequest, context) -> pb.AdapterRecord:
@@ -175,12 +182,13 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
             last = request.last_event_id or await self.registry.index.last_event_id()
             if last == "0":
                 last = "0-0"
-            while True:
-                for ev in await self.registry.index.read_events(last):
+            while not self._stopping.is_set():
+                for ev in await self.registry.index.read_events(last, block_ms=WATCH_BLOCK_MS):
                     last = ev.id
                     yield pb.AdapterEvent(
                         id=ev.id, type=ev.type, name=ev.name, digest=ev.digest, generation=ev.generation, time=ev.time
                     )
+            raise errors.Unavailable(f"the adapter store is shutting down; reconnect with last_event_id={last}")
         except Exception as e:  # noqa: BLE001
             with contextlib.suppress(asyncio.CancelledError):
                 await _abort(e, request, context)

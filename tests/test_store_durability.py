@@ -188,3 +188,15 @@ def test_sigterm_drains_an_open_pull_then_exits_zero(tmp_path):
         assert sha256_file(src / WEIGHTS) == header.record.digest
         assert data == (src / WEIGHTS).read_bytes()
         assert proc.proc.wait(30) == 0
+
+
+def test_sigterm_ends_open_watch_streams_promptly(tmp_path):
+    with start_store(tmp_path / "cache", "--grace", "30") as proc, store_stub(proc.address) as stub:
+        stream = stub.WatchAdapters(pb.WatchAdaptersRequest(last_event_id="0"), timeout=60)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        proc.proc.terminate()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "last_event_id" in e.value.details()
+        assert proc.proc.wait(30) == 0 and time.monotonic() - t0 < 10  # not the 30 s grace
