@@ -27,7 +27,14 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.lora_check import CASES, run_case  # noqa: E402
-from kernels.lora_configs import ExpandConfig, ShrinkConfig, expand_config, family, shrink_config  # noqa: E402
+from kernels.lora_configs import (  # noqa: E402
+    ExpandConfig,
+    ShrinkConfig,
+    expand_config,
+    family,
+    shrink_config,
+    shrink_splits,
+)
 from kernels.lora_expand import lora_expand, lora_expand_ref  # noqa: E402
 from kernels.lora_meta import alloc_segments, build_segments  # noqa: E402
 from kernels.lora_shrink import lora_shrink, lora_shrink_ref  # noqa: E402
@@ -116,13 +123,13 @@ def make_copies(sc: dict, bytes_per_copy: float) -> list[dict]:
     return out
 
 
-def configs_for(sc: dict, group: str, overrides: dict) -> tuple[ShrinkConfig, ExpandConfig]:
-    """The sweep's choice for this group if there is one, else the repo's table."""
+def configs_for(sc: dict, group: str, overrides: dict) -> tuple[ShrinkConfig, int, ExpandConfig]:
+    """(shrink config, K-splits, expand config): the sweep's choice if any, else the repo's table."""
     if group in overrides:
         return overrides[group]
     d, widths = GROUPS[group]
     n, r, T = len(widths), sc["rank"], sc["tokens"]
-    return shrink_config(d, n, r, T), expand_config(sum(widths), n, r, T)
+    return shrink_config(d, n, r, T), shrink_splits(d, T), expand_config(sum(widths), n, r, T)
 
 
 def triton_fns(copies: list[dict], segs, sc: dict, overrides: dict) -> dict[str, list]:
@@ -130,8 +137,8 @@ def triton_fns(copies: list[dict], segs, sc: dict, overrides: dict) -> dict[str,
     T = sc["tokens"]
     fns: dict[str, list] = {}
     for g, (_, widths) in GROUPS.items():
-        s_cfg, e_cfg = configs_for(sc, g, overrides)
-        y = torch.zeros(s_cfg.splits, T, len(widths) * sc["rank"], device=DEVICE, dtype=torch.float32)
+        s_cfg, splits, e_cfg = configs_for(sc, g, overrides)
+        y = torch.zeros(splits, T, len(widths) * sc["rank"], device=DEVICE, dtype=torch.float32)
         fns[f"{g}.shrink"] = [
             (lambda c=c[g], y=y, s_cfg=s_cfg: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, config=s_cfg))
             for c in copies
@@ -199,8 +206,8 @@ def check_bf16(copy: dict, segs, sc: dict, overrides: dict) -> float:
     T = sc["tokens"]
     for g, (_, widths) in GROUPS.items():
         p = copy[g]
-        s_cfg, e_cfg = configs_for(sc, g, overrides)
-        y = torch.full((s_cfg.splits, T, len(widths) * sc["rank"]), float("nan"), device=DEVICE)
+        s_cfg, splits, e_cfg = configs_for(sc, g, overrides)
+        y = torch.full((splits, T, len(widths) * sc["rank"]), float("nan"), device=DEVICE)
         y_ref = torch.full_like(y, float("nan"))
         lora_shrink(p["x"], p["A"], p["ranks"], segs, y, config=s_cfg)
         lora_shrink_ref(p["x"], p["A"], p["ranks"], segs, y_ref)
@@ -213,22 +220,26 @@ def check_bf16(copy: dict, segs, sc: dict, overrides: dict) -> float:
     return worst
 
 
-def sweep_variants(sc: dict, group: str) -> tuple[list[ShrinkConfig], list[ExpandConfig]]:
+def sweep_variants(sc: dict, group: str) -> tuple[list[tuple[ShrinkConfig, int]], list[ExpandConfig]]:
     d, widths = GROUPS[group]
     n, r, T = len(widths), sc["rank"], sc["tokens"]
-    base_s, base_e = shrink_config(d, n, r, T), expand_config(sum(widths), n, r, T)
-    bk_e = 16 if r <= 16 else 32
+    base_s = (shrink_config(d, n, r, T), shrink_splits(d, T))
+    base_e = expand_config(sum(widths), n, r, T)
     if family(T) == "decode":
-        s_vars = [ShrinkConfig(16, br, bk, nw, ns, S)
-                  for br in sorted({16, min(r, 32)}) for (bk, nw, ns) in ((256, 4, 3), (128, 4, 4), (512, 4, 3))
-                  for S in sorted({max(1, d // 2048), max(1, d // 1024), max(1, d // 512)})]
-        e_vars = [ExpandConfig(16, bn, bk_e, nw, 2) for bn in (128, 256, 512, 1024) for nw in (4, 8)]
+        s_vars = [(ShrinkConfig(16, br, bk, nw, ns), S)
+                  for br in sorted({16, min(r, 32)})
+                  for (bk, nw, ns) in ((256, 4, 3), (128, 4, 4), (512, 4, 3), (256, 8, 3))
+                  for S in sorted({max(1, d // 4096), max(1, d // 2048), max(1, d // 1024)})]
+        e_vars = [ExpandConfig(16, bn, ch, nw, ns)
+                  for bn in (128, 256, 512) for ch in (1024, 2048, 4096) for (nw, ns) in ((4, 2), (4, 3), (8, 3))]
     else:
-        s_vars = [ShrinkConfig(bm, br, bk, nw, ns, S)
+        s_vars = [(ShrinkConfig(bm, br, bk, nw, ns), S)
                   for (bm, bk, nw, ns) in ((32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3))
                   for br in sorted({16, min(r, 64)}) for S in (1, 2, 4)]
-        e_vars = [ExpandConfig(bm, bn, bk_e, nw, ns)
-                  for (bm, bn, nw, ns) in ((32, 256, 4, 2), (64, 128, 4, 2), (64, 256, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3))]
+        e_vars = [ExpandConfig(bm, bn, ch, nw, ns)
+                  for (bm, bn, nw, ns) in ((32, 256, 4, 3), (64, 128, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3),
+                                           (64, 64, 4, 3))
+                  for ch in (512, 1024, 2048)]
     return [base_s] + [v for v in s_vars if v != base_s], [base_e] + [v for v in e_vars if v != base_e]
 
 
@@ -243,24 +254,26 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
     for g, (_, widths) in GROUPS.items():
         s_vars, e_vars = sweep_variants(sc, g)
         timed_s = []
-        for cfg in s_vars:
-            y = torch.zeros(cfg.splits, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
+        for cfg, S in s_vars:
+            y = torch.zeros(S, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
             fns = [(lambda c=c[g], y=y, cfg=cfg: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, config=cfg))
                    for c in copies]
-            timed_s.append((graph_time_us(fns, replays=10), cfg))
-            rows.append(dict(scenario=sc["name"], group=g, kernel="shrink", config=cfg.__dict__, graph_us=timed_s[-1][0]))
-        us_s, cfg_s = min(timed_s, key=lambda t: t[0])
-        y = torch.zeros(cfg_s.splits, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
+            timed_s.append((graph_time_us(fns, replays=10), cfg, S))
+            rows.append(dict(scenario=sc["name"], group=g, kernel="shrink", config=cfg.__dict__, splits=S,
+                             graph_us=timed_s[-1][0]))
+        us_s, cfg_s, S_best = min(timed_s, key=lambda t: t[0])
+        y = torch.zeros(S_best, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
         lora_shrink(copies[0][g]["x"], copies[0][g]["A"], copies[0][g]["ranks"], segs, y, config=cfg_s)
         timed_e = []
         for cfg in e_vars:
             fns = [(lambda c=c[g], cfg=cfg, w=widths, y=y:
                     lora_expand(y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, config=cfg)) for c in copies]
             timed_e.append((graph_time_us(fns, replays=10), cfg))
-            rows.append(dict(scenario=sc["name"], group=g, kernel="expand", config=cfg.__dict__, graph_us=timed_e[-1][0]))
+            rows.append(dict(scenario=sc["name"], group=g, kernel="expand", config=cfg.__dict__, splits=S_best,
+                             graph_us=timed_e[-1][0]))
         us_e, cfg_e = min(timed_e, key=lambda t: t[0])
-        best[g] = (cfg_s, cfg_e)
-        print(f"  sweep {sc['name']} {g}: shrink {cfg_s} {us_s:.1f}us (table {timed_s[0][0]:.1f})"
+        best[g] = (cfg_s, S_best, cfg_e)
+        print(f"  sweep {sc['name']} {g}: shrink {cfg_s} S={S_best} {us_s:.1f}us (table {timed_s[0][0]:.1f})"
               f" | expand {cfg_e} {us_e:.1f}us (table {timed_e[0][0]:.1f})", flush=True)
     del copies
     torch.cuda.empty_cache()
@@ -271,9 +284,9 @@ def table_entries(sc: dict, best: dict) -> list[str]:
     """Lines to paste into kernels/lora_configs.py for this (family, rank)."""
     fam, r = family(sc["tokens"]), sc["rank"]
     lines = []
-    for g, (s_cfg, e_cfg) in best.items():
+    for g, (s_cfg, splits, e_cfg) in best.items():
         d, widths = GROUPS[g]
-        lines.append(f"    ({fam!r}, {d}, {len(widths)}, {r}): {s_cfg!r},  # {g}")
+        lines.append(f"S   ({fam!r}, {d}, {len(widths)}, {r}): {s_cfg!r},  # {g} splits={splits}")
         lines.append(f"E   ({fam!r}, {sum(widths)}, {len(widths)}, {r}): {e_cfg!r},  # {g}")
     return lines
 
@@ -288,7 +301,8 @@ def run_scenario(sc: dict, bw: float, rate: float, overrides: dict) -> dict:
     if not err < 2e-2:
         raise SystemExit(f"{sc['name']}: bf16 kernel vs reference rel err {err:.3g}")
     res = dict(sc, copies=len(copies), bf16_rel_err=err, kernels={},
-               configs={g: [c.__dict__ for c in configs_for(sc, g, overrides)] for g in GROUPS})
+               configs={g: [c if isinstance(c, int) else c.__dict__ for c in configs_for(sc, g, overrides)]
+                        for g in GROUPS})
     fns = triton_fns(copies, segs, sc, overrides)
     tot_bytes = tot_flops = 0.0
     for name, per in fns.items():

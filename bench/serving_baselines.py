@@ -32,6 +32,11 @@ class GenerateTiming(NamedTuple):
     total_s: float
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class _StepClock:
     """A generate() streamer that only timestamps each new token (after a device sync)."""
 
@@ -43,7 +48,7 @@ class _StepClock:
         if not self._prompt_seen:  # the first put is the prompt
             self._prompt_seen = True
             return
-        torch.cuda.synchronize()
+        _sync()
         self.times.append(time.perf_counter())
 
     def end(self) -> None:
@@ -53,12 +58,12 @@ class _StepClock:
 def _timed_generate(model, input_ids: torch.Tensor, new_tokens: int, **kwargs) -> GenerateTiming:
     clock = _StepClock()
     attention_mask = torch.ones_like(input_ids)
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, do_sample=False, streamer=clock, **kwargs)
-    torch.cuda.synchronize()
+    _sync()
     total = time.perf_counter() - start
     steps = len(clock.times) - 1
     decode_s = clock.times[-1] - clock.times[0]
@@ -70,7 +75,7 @@ def _timed_generate(model, input_ids: torch.Tensor, new_tokens: int, **kwargs) -
 def load_hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda" if torch.cuda.is_available() else "cpu")
     model.generation_config.pad_token_id = model.config.eos_token_id
     return model.eval()
 
@@ -114,7 +119,8 @@ def run_baselines(model_dir: Path, adapter_dirs: list[Path], input_ids: torch.Te
     model = peft_model.unload()  # the plain base modules back, LoRA layers removed
     del peft_model
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     if not skip_compile:
         try:
             timing, warmup_s = static_cache_compiled(model, input_ids, new_tokens)
@@ -124,5 +130,6 @@ def run_baselines(model_dir: Path, adapter_dirs: list[Path], input_ids: torch.Te
             results["hf_static_compile"] = {"error": f"{type(exc).__name__}: {exc}"}
     del model
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return results

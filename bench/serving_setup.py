@@ -58,11 +58,12 @@ def write_tokenizer(path: Path, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
-def write_model_dir(path: Path, shape: dict = LLAMA_8B, seed: int = 0, shard_bytes: int = 4 << 30) -> Path:
+def write_model_dir(path: Path, shape: dict = LLAMA_8B, seed: int = 0, shard_bytes: int = 4 << 30,
+                    device: str = "cuda") -> Path:
     """Random bf16 weights (std 0.02, norms 1) in safetensors shards + index, config and tokenizer."""
     path.mkdir(parents=True, exist_ok=True)
     dims = _dims(shape)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     names: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (shape["vocab_size"], dims["h"]))]
     for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}"
@@ -85,7 +86,7 @@ def write_model_dir(path: Path, shape: dict = LLAMA_8B, seed: int = 0, shard_byt
         if len(dims_) == 1:
             t = torch.ones(dims_, dtype=torch.bfloat16)
         else:
-            t = torch.empty(dims_, dtype=torch.bfloat16, device="cuda").normal_(0, 0.02, generator=gen).cpu()
+            t = torch.empty(dims_, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=gen).cpu()
         shard[name] = t
         shard_size += t.numel() * 2
         if shard_size >= shard_bytes:
@@ -101,10 +102,10 @@ def write_model_dir(path: Path, shape: dict = LLAMA_8B, seed: int = 0, shard_byt
 
 
 def write_adapters(root: Path, base: Path, count: int, shape: dict = LLAMA_8B, rank: int = 16,
-                   seed: int = 1) -> list[Path]:
+                   seed: int = 1, device: str = "cuda") -> list[Path]:
     """`count` PEFT LoRA adapters of rank `rank` on all seven projections, nonzero A and B."""
     dims = _dims(shape)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     out = []
     for a in range(count):
         d = root / f"adapter{a:02d}"
@@ -113,8 +114,8 @@ def write_adapters(root: Path, base: Path, count: int, shape: dict = LLAMA_8B, r
         for i in range(shape["num_hidden_layers"]):
             for m, (parent, n, o) in PROJECTIONS.items():
                 key = f"base_model.model.model.layers.{i}.{parent}.{m}"
-                a_t = torch.empty(rank, dims[n], dtype=torch.bfloat16, device="cuda").normal_(0, dims[n] ** -0.5, generator=gen)
-                b_t = torch.empty(dims[o], rank, dtype=torch.bfloat16, device="cuda").normal_(0, 0.01, generator=gen)
+                a_t = torch.empty(rank, dims[n], dtype=torch.bfloat16, device=device).normal_(0, dims[n] ** -0.5, generator=gen)
+                b_t = torch.empty(dims[o], rank, dtype=torch.bfloat16, device=device).normal_(0, 0.01, generator=gen)
                 tensors[f"{key}.lora_A.weight"] = a_t.cpu()
                 tensors[f"{key}.lora_B.weight"] = b_t.cpu()
         save_file(tensors, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,215 @@
+"""Serving benchmark on one GPU, one process, one run (issue 8).
+
+    PYTHONPATH=.:protos python3 bench/serving.py [--adapters 64] [--skip-compile] [--tiny]
+
+1. measures the copy bandwidth and bf16 matmul rate of this GPU;
+2. writes a Llama-3.1-8B-shaped HF directory (random bf16 weights) and N random rank-16 PEFT
+   adapters on all seven projections (bench/serving_setup.py);
+3. builds the engine with the server's `build_engine` and measures decode ms/step and tokens/s at
+   batch 1/16/32/64/256 over 1024-token contexts, batch 32 and 64 over 8 adapters, batch 64 over
+   64 distinct adapters, prefill of 8x1024 with and without adapters; each decode step against its
+   memory floor (weights + KV read + distinct adapters' bytes, over the measured copy bandwidth);
+4. frees the engine and runs the baselines at batch 32 on the same prompts and adapters
+   (bench/serving_baselines.py): transformers + PEFT mixed batch, transformers static cache +
+   torch.compile.
+Prints a table; writes JSON to $OUT/serving.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench import serving_setup as setup
+from bench.serving_engine import ForwardClock, graph_replay_ms, measure_decode, measure_prefill
+
+log = logging.getLogger("bench.serving")
+TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=512, vocab_size=1024)
+
+
+def ceilings() -> tuple[float, float]:
+    """(copy bytes/s counting read + write, bf16 matmul FLOP/s), medians of do_bench."""
+    import triton
+
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    bw = 2 * src.numel() * 2 / (ms * 1e-3)
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return bw, 2 * 8192**3 / (ms * 1e-3)
+
+
+def build(model_dir: Path, opts: argparse.Namespace, num_adapters: int):
+    from services.inference.engine.build import build_engine
+    from services.inference.server_args import ServerArgs
+
+    args = ServerArgs(
+        model_path=str(model_dir), dtype="bfloat16", device="cuda" if torch.cuda.is_available() else "cpu",
+        max_loras_per_batch=max(8, num_adapters), max_lora_rank=16, lora_target_modules=("all",),
+        max_running_requests=opts.max_bs, cuda_graph_max_bs=opts.max_bs, context_length=opts.context_length,
+        chunked_prefill_size=8192, max_num_batched_tokens=8192 + opts.max_bs,
+        mem_fraction_static=opts.mem_fraction, disable_cuda_graph=opts.disable_cuda_graph,
+    )
+    start = time.perf_counter()
+    async_engine = build_engine(args)
+    async_engine.shutdown()  # we drive LLMEngine.step() ourselves, on this thread
+    return async_engine, time.perf_counter() - start
+
+
+def engine_section(model_dir: Path, adapter_dirs: list[Path], prompts: list[list[int]], opts, res: dict) -> None:
+    async_engine, build_s = build(model_dir, opts, len(adapter_dirs))
+    engine, manager = async_engine.engine, async_engine.lora_manager
+    graphs = getattr(engine.runner, "cuda_graphs", None)
+    res["engine_build_s"] = build_s
+    res["cuda_graphs"] = None if graphs is None else dict(
+        batch_sizes=graphs.ladder, capture_s=graphs.capture_seconds, capture_mib=graphs.capture_bytes / 2**20)
+    names = [f"a{i:02d}" for i in range(len(adapter_dirs))]
+    start = time.perf_counter()
+    for name, path in zip(names, adapter_dirs, strict=True):
+        manager.load_adapter(name, str(path))
+    res["adapters_load_s"] = time.perf_counter() - start
+    clock = ForwardClock(engine)
+    decode = res["decode"] = []
+
+    def run(batch: int, distinct: int) -> None:
+        adapters = [None] * batch if distinct == 0 else [names[i % distinct] for i in range(batch)]
+        try:
+            t = measure_decode(engine, clock, prompts[:batch], adapters, steps=opts.decode_steps)
+        except Exception as exc:  # keep the rest of the run; the table says what failed
+            log.exception("decode batch %d, %d adapters failed", batch, distinct)
+            res.setdefault("errors", []).append(f"decode {batch}/{distinct}: {type(exc).__name__}: {exc}")
+            for rid in list(engine.requests):
+                engine.abort_request(rid)
+            return
+        row = t._asdict() | dict(distinct_adapters=distinct)
+        row["graph_gpu_ms"] = graph_replay_ms(engine, batch, distinct > 0) if graphs is not None else None
+        decode.append(row)
+        log.info("decode %s", row)
+
+    for batch in opts.batches:
+        run(batch, 0)
+    for batch, distinct in sorted({(32, 8), (64, 8), (64, min(64, len(names)))}):
+        if batch <= opts.max_bs and distinct <= len(names):
+            run(batch, distinct)
+    n_pre = min(8, len(prompts))
+    res["prefill"] = [
+        measure_prefill(engine, prompts[:n_pre], [None] * n_pre) | dict(distinct_adapters=0),
+        measure_prefill(engine, prompts[:n_pre], names[:n_pre]) | dict(distinct_adapters=min(8, len(names))),
+    ]
+    # The engine, its KV cache and graphs are freed when this function returns (main collects).
+
+
+def add_floors(res: dict, shape: dict, bw: float, ctx: int, opts) -> None:
+    ctx_mid = ctx + 1 + 3 + opts.decode_steps / 2  # prompt, first token, warm-up steps, half the timed ones
+    for row in res["decode"]:
+        if not any(r["batch"] == row["batch"] and r["distinct_adapters"] == 0 for r in res["decode"]):
+            continue
+        byts = (setup.weight_bytes(shape) + row["batch"] * ctx_mid * setup.kv_bytes_per_token(shape)
+                + row["distinct_adapters"] * setup.adapter_bytes(shape))
+        row["floor_ms"] = 1e3 * byts / bw
+        row["x_floor"] = row["ms_per_step"] / row["floor_ms"]
+        base = next(r for r in res["decode"] if r["batch"] == row["batch"] and r["distinct_adapters"] == 0)
+        row["ratio_to_base"] = row["tokens_per_s"] / base["tokens_per_s"]
+    pre = res["prefill"]
+    if len(pre) == 2:
+        pre[1]["ratio_to_base"] = pre[1]["tokens_per_s"] / pre[0]["tokens_per_s"]
+
+
+def print_table(res: dict) -> None:
+    print(f"\ncopy bandwidth {res['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {res['matmul_rate'] / 1e12:.0f} TFLOP/s")
+    print(f"{'measurement':<36}{'batch':>6}{'ms/step':>9}{'tok/s':>10}{'floor ms':>10}{'x floor':>9}"
+          f"{'ratio':>8}{'gpu ms':>8}{'host %':>8}")
+    for r in res["decode"]:
+        if "floor_ms" not in r:
+            continue
+        what = "decode base" if not r["distinct_adapters"] else f"decode {r['distinct_adapters']} adapters"
+        gpu = f"{r['graph_gpu_ms']:.2f}" if r.get("graph_gpu_ms") else "-"
+        print(f"{what:<36}{r['batch']:>6}{r['ms_per_step']:>9.2f}{r['tokens_per_s']:>10.0f}{r['floor_ms']:>10.2f}"
+              f"{r['x_floor']:>9.2f}{r['ratio_to_base']:>8.3f}{gpu:>8}{100 * r['other_ms'] / r['ms_per_step']:>7.1f}%")
+    for p in res["prefill"]:
+        what = f"prefill {p['prompts']}x{p['tokens'] // p['prompts']}" + (
+            f" {p['distinct_adapters']} adapters" if p["distinct_adapters"] else " base")
+        ratio = f"{p['ratio_to_base']:.3f}" if "ratio_to_base" in p else "-"
+        print(f"{what:<36}{p['prompts']:>6}{1e3 * p['seconds']:>9.1f}{p['tokens_per_s']:>10.0f}{'':>10}{'':>9}{ratio:>8}")
+    for key, ours in (("hf_peft_mixed", (32, 8)), ("hf_static_compile", (32, 0))):
+        b = res.get("baselines", {}).get(key)
+        if not b or "error" in b:
+            print(f"{key:<36} {b.get('error') if b else 'not run'}")
+            continue
+        mine = next((r for r in res["decode"] if (r["batch"], r["distinct_adapters"]) == ours), None)
+        ratio = mine["tokens_per_s"] / b["decode_tokens_per_s"] if mine else float("nan")
+        b["ours_over_it"] = ratio
+        print(f"{key:<36}{b['batch']:>6}{b['ms_per_step']:>9.2f}{b['decode_tokens_per_s']:>10.0f}{'':>10}{'':>9}"
+              f"{'':>8}   ours/it = {ratio:.1f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--adapters", type=int, default=64)
+    p.add_argument("--work", default="/tmp/loraplex-bench")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--baseline-new-tokens", type=int, default=33)
+    p.add_argument("--skip-baselines", action="store_true")
+    p.add_argument("--skip-compile", action="store_true")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--mem-fraction", type=float, default=0.7)
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test of this script)")
+    opts = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    shape = TINY if opts.tiny else setup.LLAMA_8B
+    ctx = 64 if opts.tiny else 1024
+    opts.batches = [1, 4, 8, 32, 64] if opts.tiny else [1, 16, 32, 64, 256]
+    opts.max_bs = max(opts.batches)
+    opts.context_length = 2048 if not opts.tiny else 256
+    res: dict = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                     torch=torch.__version__, shape=shape, context=ctx, argv=sys.argv[1:])
+    res["copy_bw"], res["matmul_rate"] = ceilings() if torch.cuda.is_available() else (1e11, 1e12)
+    work = Path(opts.work)
+    start = time.perf_counter()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model_dir = setup.write_model_dir(work / "model", shape, device=dev)
+    adapter_dirs = setup.write_adapters(work / "adapters", model_dir, opts.adapters, shape, device=dev)
+    res["setup_s"] = time.perf_counter() - start
+    rng = random.Random(0)
+    prompts = [[rng.randrange(shape["vocab_size"]) for _ in range(ctx)] for _ in range(opts.max_bs)]
+    try:
+        engine_section(model_dir, adapter_dirs, prompts, opts, res)
+    except Exception as exc:
+        log.exception("engine section failed")
+        res.setdefault("errors", []).append(f"engine: {type(exc).__name__}: {exc}")
+        res.setdefault("decode", [])
+        res.setdefault("prefill", [])
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        log.info("after the engine: %.1f GiB allocated", torch.cuda.memory_allocated() / 2**30)
+    add_floors(res, shape, res["copy_bw"], ctx, opts)
+    if not opts.skip_baselines:
+        from bench.serving_baselines import run_baselines
+
+        ids = torch.tensor(prompts[:32], device=dev)
+        res["baselines"] = run_baselines(model_dir, adapter_dirs[:8], ids, opts.baseline_new_tokens,
+                                         skip_compile=opts.skip_compile)
+    print_table(res)
+    out = Path(opts.out) / "serving.json"
+    out.write_text(json.dumps(res, indent=1, default=str))
+    print(f"wrote {out}")
+    for err in res.get("errors", []):
+        print("ERROR", err)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Engine measurements for bench/serving.py: decode steps at a batch over fixed contexts, prefill.
+
+The engine is built with the server's own `build_engine(args)` (loader, LoRA pool and manager,
+KV cache, CUDA graphs); its engine thread is stopped and `LLMEngine.step()` is driven from here
+so each step can be timed. A step's wall time is split into the model runner's forward (input
+preparation + GPU, synchronized) and the rest (scheduling, sampling, stop checks, detokenization).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from typing import NamedTuple
+
+import torch
+
+from services.inference.engine.types import SamplingParams
+
+_ids = itertools.count()
+
+
+class StepTiming(NamedTuple):
+    batch: int
+    steps: int
+    ms_per_step: float
+    tokens_per_s: float
+    forward_ms: float  # model runner forward: input prep + GPU (synchronized)
+    other_ms: float  # schedule + sample + stop checks + detokenize
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ForwardClock:
+    """Wraps the runner's forward to time it (the step syncs right after it anyway, to sample)."""
+
+    def __init__(self, engine) -> None:
+        self.runner = engine.runner
+        self.inner = engine.runner.forward
+        self.device = engine.runner.device
+        self.total = 0.0
+        engine.runner.forward = self._timed
+
+    def _timed(self, chunks):
+        start = time.perf_counter()
+        out = self.inner(chunks)
+        _sync(self.device)
+        self.total += time.perf_counter() - start
+        return out
+
+
+def add_batch(engine, prompts: list[list[int]], adapters: list[str | None], max_new_tokens: int) -> list[str]:
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    ids = []
+    for prompt, adapter in zip(prompts, adapters, strict=True):
+        rid = f"bench-{next(_ids)}"
+        engine.add_request(rid, prompt, params, adapter)
+        ids.append(rid)
+    return ids
+
+
+def run_until_decoding(engine, ids: list[str], timeout_s: float = 600.0) -> None:
+    """Step until every request has produced its first token (all prompts prefilled)."""
+    pending = set(ids)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(pending)} requests still prefilling after {timeout_s} s")
+        for out in engine.step():
+            if out.finished and out.request_id in pending and out.finish_reason == "abort":
+                raise RuntimeError(f"request {out.request_id} aborted: {engine.errors.get(out.request_id)}")
+            pending.discard(out.request_id)
+
+
+def abort_all(engine, ids: list[str]) -> None:
+    for rid in ids:
+        engine.abort_request(rid)
+
+
+def measure_decode(engine, clock: ForwardClock, prompts: list[list[int]], adapters: list[str | None],
+                   steps: int, warmup: int = 3) -> StepTiming:
+    """Decode steps with every request of the batch running (contexts = prompt length + a few)."""
+    ids = add_batch(engine, prompts, adapters, max_new_tokens=steps + warmup + 8)
+    run_until_decoding(engine, ids)
+    running = len(engine.scheduler.running)
+    if running != len(ids):
+        raise RuntimeError(f"only {running} of {len(ids)} requests are running (KV cache or slots too small?)")
+    for _ in range(warmup):
+        engine.step()
+    _sync(clock.device)
+    times, forward = [], []
+    for _ in range(steps):
+        clock.total = 0.0
+        start = time.perf_counter()
+        outs = engine.step()
+        times.append(time.perf_counter() - start)
+        forward.append(clock.total)
+        if len(outs) != len(ids):
+            raise RuntimeError(f"a decode step returned {len(outs)} outputs for {len(ids)} requests")
+    abort_all(engine, ids)
+    ms = 1e3 * statistics.median(times)
+    fwd = 1e3 * statistics.median(forward)
+    return StepTiming(len(ids), steps, ms, len(ids) / (ms / 1e3), fwd, ms - fwd)
+
+
+def measure_prefill(engine, prompts: list[list[int]], adapters: list[str | None], repeats: int = 2) -> dict:
+    """Wall time from adding the prompts to every first token (max_new_tokens=1); best of `repeats`."""
+    best = float("inf")
+    for i in range(repeats + 1):  # the first run warms up (kernel compiles, adapter uploads)
+        _sync(engine.runner.device)
+        start = time.perf_counter()
+        ids = add_batch(engine, prompts, adapters, max_new_tokens=1)
+        run_until_decoding(engine, ids)
+        _sync(engine.runner.device)
+        elapsed = time.perf_counter() - start
+        if i > 0:
+            best = min(best, elapsed)
+    tokens = sum(len(p) for p in prompts)
+    return dict(prompts=len(prompts), tokens=tokens, seconds=best, tokens_per_s=tokens / best)
+
+
+def graph_replay_ms(engine, batch: int, use_lora: bool, reps: int = 20) -> float | None:
+    """GPU time of one captured decode step (the static inputs of the last step still bound)."""
+    graphs = getattr(engine.runner, "cuda_graphs", None)
+    if graphs is None or (batch, use_lora) not in graphs.graphs:
+        return None
+    graph = graphs.graphs[(batch, use_lora)]
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
