@@ -3,14 +3,16 @@
 A step is `decode` (at most DECODE_MAX_TOKENS tokens: small token blocks, split-K shrink
 so each adapter's A is streamed by many programs) or `prefill`. Tables are keyed on
 (family, hidden size, stacked modules, pool max rank): `d` for shrink, the total output
-width for expand. Entries for Llama-3.1-8B shapes come from `bench/lora_kernels.py --sweep`
-on an H200 (docs/benchmarks.md); other shapes fall back to rules below. The interpreter
+width for expand; the K-split count on (family, d) alone, so one shrink buffer can serve
+every group. Entries for Llama-3.1-8B shapes come from `bench/lora_kernels.py --sweep` on
+an H200 (docs/benchmarks.md); other shapes fall back to the rules below. The interpreter
 ignores warps and stages.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 DECODE_MAX_TOKENS = 256
 
@@ -22,14 +24,13 @@ class ShrinkConfig:
     block_k: int  # step over d
     num_warps: int
     num_stages: int
-    splits: int  # K-splits over d: partial sums in y[S, T, n*R], added by expand
 
 
 @dataclass(frozen=True)
 class ExpandConfig:
     block_m: int  # tokens per program (one of lora_meta.BLOCK_MS)
-    block_n: int  # output columns per program
-    block_k: int  # step over the rank (runtime bound: a slot's real rank)
+    block_n: int  # output columns per loop step
+    chunk_n: int  # output columns per program (a multiple of block_n)
     num_warps: int
     num_stages: int
 
@@ -37,6 +38,9 @@ class ExpandConfig:
 def family(num_tokens: int) -> str:
     return "decode" if num_tokens <= DECODE_MAX_TOKENS else "prefill"
 
+
+# (family, d) -> K-splits of shrink (partial sums y[S, T, n*R] that expand adds up)
+SPLITS_TABLE: dict[tuple[str, int], int] = {}
 
 # (family, d, n_stack, max_rank) -> ShrinkConfig
 SHRINK_TABLE: dict[tuple[str, int, int, int], ShrinkConfig] = {}
@@ -49,6 +53,16 @@ def _rank_bucket(max_rank: int) -> int:
     return 16 if max_rank <= 16 else 64
 
 
+@lru_cache(maxsize=1024)
+def shrink_splits(d: int, num_tokens: int) -> int:
+    """How many partial sums `lora_shrink` writes for this `d` (the first dim of its `y`)."""
+    fam = family(num_tokens)
+    if (fam, d) in SPLITS_TABLE:
+        return SPLITS_TABLE[(fam, d)]
+    return max(1, min(8, d // 2048)) if fam == "decode" else max(1, min(4, d // 2048))
+
+
+@lru_cache(maxsize=1024)
 def shrink_config(d: int, n_stack: int, max_rank: int, num_tokens: int) -> ShrinkConfig:
     fam = family(num_tokens)
     hit = SHRINK_TABLE.get((fam, d, n_stack, max_rank)) or SHRINK_TABLE.get((fam, d, n_stack, _rank_bucket(max_rank)))
@@ -56,22 +70,18 @@ def shrink_config(d: int, n_stack: int, max_rank: int, num_tokens: int) -> Shrin
         return hit
     block_r = 16 if max_rank <= 16 else 32
     if fam == "decode":
-        return ShrinkConfig(16, block_r, 256, 4, 3, splits=max(1, min(16, d // 1024)))
-    return ShrinkConfig(64, block_r, 64, 4, 3, splits=max(1, min(8, d // 2048)))
+        return ShrinkConfig(16, block_r, 256, 4, 3)
+    return ShrinkConfig(64, max(16, min(64, max_rank)), 64, 4, 3)
 
 
+@lru_cache(maxsize=1024)
 def expand_config(width: int, n_stack: int, max_rank: int, num_tokens: int) -> ExpandConfig:
     fam = family(num_tokens)
-    key = (fam, width, n_stack, max_rank)
-    hit = EXPAND_TABLE.get(key) or EXPAND_TABLE.get((fam, width, n_stack, _rank_bucket(max_rank)))
+    hit = EXPAND_TABLE.get((fam, width, n_stack, max_rank)) or EXPAND_TABLE.get(
+        (fam, width, n_stack, _rank_bucket(max_rank))
+    )
     if hit is not None:
         return hit
-    block_k = 16 if max_rank <= 16 else 32
     if fam == "decode":
-        return ExpandConfig(16, 256, block_k, 4, 2)
-    return ExpandConfig(64, 128, block_k, 4, 2)
-
-
-def shrink_splits(d: int, n_stack: int, max_rank: int, num_tokens: int) -> int:
-    """How many partial sums `lora_shrink` writes for this shape (the first dim of its `y`)."""
-    return shrink_config(d, n_stack, max_rank, num_tokens).splits
+        return ExpandConfig(16, 256, 1024, 4, 2)
+    return ExpandConfig(64, 128, 512, 4, 2)

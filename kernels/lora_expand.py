@@ -2,10 +2,13 @@
 
 One launch covers a whole mixed batch and all `n` stacked modules of a group; the stacks
 may have different widths (q/k/v with GQA: q wider than k and v). Programs are (output
-column block, token block); each steps over K = the slot's real rank for that stack
-(a runtime loop bound), so a rank-4 slot next to a rank-64 one costs rank 4, and a rank-0
-module or a token without adapter costs nothing. Each adapter's B is read by one token
-block per column block, i.e. once per step for decode.
+column chunk, token block); each loads its tokens' `y` once and then streams its chunk
+of B and of `out` in `block_n` steps (software-pipelined). Loads of `y` and B are masked
+to the slot's real rank, so a rank-4 slot next to a rank-64 one moves rank-4 bytes (the
+tile math is padded to the pool's max rank, which only matters where compute does:
+never for decode, and under the `out` stream for prefill); a rank-0 module or a token
+without adapter exits before any load. Each adapter's B is read once per token block,
+i.e. once per step for decode.
 
 `y` is shrink's float32 output, `[T, n*R]` or `[S, T, n*R]` (K-split partials, summed
 here). It is rounded to B's dtype before the product, as a bf16 PEFT layer does.
@@ -25,51 +28,55 @@ MAX_STACK = 3
 
 @triton.jit
 def _expand_kernel(
-    y_ptr, b_ptr, out_ptr, ranks_ptr, scal_ptr, sorted_ptr, bslot_ptr, bstart_ptr, bend_ptr,
-    max_rank, n_splits,
+    y_ptr, b_ptr, out_ptr, ranks_ptr, scal_ptr, bslot_ptr, btok_ptr,
+    max_rank, w0, w1, w2, nc0, nc1, chunk_n,
     sy_s, sy_t, sy_c, sb_s, sb_n, sb_r, so_t, so_n, sr_s, sr_i, ss_s, ss_i,
-    W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, NB0: tl.constexpr, NB1: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    N_SPLITS: tl.constexpr, TOK_STRIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
+    # Slot and tokens are independent loads: one memory round trip for the metadata.
     slot = tl.load(bslot_ptr + pid_b)
+    tok = tl.load(btok_ptr + pid_b * TOK_STRIDE + tl.arange(0, BLOCK_M))
     if slot < 0:
         return
-    # Column blocks never straddle two stacks: stack i owns NB_i = cdiv(W_i, BLOCK_N) blocks.
-    stack = (pid_n >= NB0).to(tl.int32) + (pid_n >= NB0 + NB1).to(tl.int32)
-    nb = pid_n - tl.where(stack == 0, 0, tl.where(stack == 1, NB0, NB0 + NB1))
-    width = tl.where(stack == 0, W0, tl.where(stack == 1, W1, W2))
-    col0 = tl.where(stack == 0, 0, tl.where(stack == 1, W0, W0 + W1))
+    # Chunks never straddle two stacks: stack i owns nc_i = cdiv(w_i, chunk_n) chunks.
+    stack = (pid_n >= nc0).to(tl.int32) + (pid_n >= nc0 + nc1).to(tl.int32)
+    chunk = pid_n - tl.where(stack == 0, 0, tl.where(stack == 1, nc0, nc0 + nc1))
+    width = tl.where(stack == 0, w0, tl.where(stack == 1, w1, w2))
+    col0 = tl.where(stack == 0, 0, tl.where(stack == 1, w0, w0 + w1))
     rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
+    scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i)
     if rank == 0:
         return
-    scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i)
-    start = tl.load(bstart_ptr + pid_b)
-    end = tl.load(bend_ptr + pid_b)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
-    tok = tl.load(sorted_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < width
-    cols = (col0 + offs_n).to(tl.int64)
+    m_mask = tok >= 0
+    tok = tl.where(m_mask, tok, 0).to(tl.int64)
+    # y (the K-split partials summed) is loaded once per program; columns past the slot's
+    # rank are masked, so the bytes read (y here, B below) scale with the real rank.
+    offs_k = tl.arange(0, BLOCK_R)
+    k_mask = offs_k < rank
+    y_ptrs = y_ptr + tok[:, None] * sy_t + (stack * max_rank + offs_k)[None, :] * sy_c
+    y_mask = m_mask[:, None] & k_mask[None, :]
+    yt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for p in tl.static_range(N_SPLITS):
+        yt += tl.load(y_ptrs + p * sy_s, mask=y_mask, other=0.0)
+    yt = yt.to(b_ptr.dtype.element_ty)
 
-    y_rows = y_ptr + tok[:, None] * sy_t + stack * max_rank * sy_c
-    b_cols = b_ptr + slot.to(tl.int64) * sb_s + cols[None, :] * sb_n
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, rank, BLOCK_K):
-        offs_k = k + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < rank
-        y_mask = m_mask[:, None] & k_mask[None, :]
-        yt = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-        for p in range(0, n_splits):
-            yt += tl.load(y_rows + p * sy_s + offs_k[None, :] * sy_c, mask=y_mask, other=0.0)
-        bt = tl.load(b_cols + offs_k[:, None] * sb_r, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(yt.to(bt.dtype), bt, acc)
-    out_ptrs = out_ptr + tok[:, None] * so_t + cols[None, :] * so_n
-    o_mask = m_mask[:, None] & n_mask[None, :]
-    prev = tl.load(out_ptrs, mask=o_mask, other=0.0)
-    tl.store(out_ptrs, (prev.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
+    n_begin = chunk * chunk_n
+    n_end = tl.minimum(n_begin + chunk_n, width)
+    b_base = b_ptr + slot.to(tl.int64) * sb_s + offs_k[:, None] * sb_r
+    o_rows = out_ptr + tok[:, None] * so_t
+    for n0 in range(n_begin, n_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_end
+        cols = (col0 + offs_n).to(tl.int64)
+        bt = tl.load(b_base + cols[None, :] * sb_n, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(yt, bt)
+        o_ptrs = o_rows + cols[None, :] * so_n
+        o_mask = m_mask[:, None] & n_mask[None, :]
+        prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
+        tl.store(o_ptrs, (prev.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def _check_widths(widths: tuple[int, ...], ranks: torch.Tensor, B: torch.Tensor, out: torch.Tensor) -> None:
@@ -103,17 +110,19 @@ def lora_expand(
     y3 = y.unsqueeze(0) if y.dim() == 2 else y
     w = tuple(widths) + (0,) * (MAX_STACK - len(widths))
     cfg = config or expand_config(total_width, len(widths), max_rank, num_tokens)
-    bslot, bstart, bend = segs.blocks_for(cfg.block_m)
-    n_blocks = sum(triton.cdiv(wi, cfg.block_n) for wi in widths)
-    grid = (n_blocks, num_blocks_bound(num_tokens, num_slots, cfg.block_m))
+    bslot, btok = segs.blocks_for(cfg.block_m)
+    chunk_n = max(cfg.chunk_n // cfg.block_n, 1) * cfg.block_n
+    n_chunks = [triton.cdiv(wi, chunk_n) for wi in w]
+    grid = (sum(n_chunks), num_blocks_bound(num_tokens, num_slots, cfg.block_m))
     _expand_kernel[grid](
-        y3, B, out, ranks, scalings, segs.sorted_tokens, bslot, bstart, bend,
-        max_rank, y3.shape[0],
+        y3, B, out, ranks, scalings, bslot, btok,
+        max_rank, w[0], w[1], w[2], n_chunks[0], n_chunks[1], chunk_n,
         y3.stride(0), y3.stride(1), y3.stride(2), B.stride(0), B.stride(1), B.stride(2),
         out.stride(0), out.stride(1), ranks.stride(0), ranks.stride(1),
         scalings.stride(0), scalings.stride(1),
-        W0=w[0], W1=w[1], W2=w[2], NB0=triton.cdiv(w[0], cfg.block_n), NB1=triton.cdiv(w[1], cfg.block_n),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        N_SPLITS=y3.shape[0], TOK_STRIDE=btok.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

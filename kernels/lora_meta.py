@@ -5,9 +5,10 @@ can sit inside a captured CUDA graph: no `.item()`, no data-dependent shapes, no
 
 Grouping: a stable sort of the batch's tokens by slot gives `sorted_tokens` (tokens with
 slot -1 last, never touched by a kernel). The slot-sorted list is cut into *token blocks*
-of `block_m` tokens that never straddle two slots; block `b` covers
-`sorted_tokens[block_start[b]:block_end[b]]`, all of slot `block_slot[b]` (-1: unused
-block, the kernel program exits at once). The kernels launch a fixed grid of
+of `block_m` tokens that never straddle two slots; block `b` holds the token indices
+`block_tokens[b, :block_m]` (-1 padding), all of slot `block_slot[b]` (-1: unused block,
+the kernel program exits at once). A kernel program reads its slot and its tokens with
+one independent load each, so the metadata costs one memory round trip, not a chain. The kernels launch a fixed grid of
 `num_blocks_bound(T, ...)` blocks on axis 0, which is an upper bound on the real number,
 so the grid never depends on the batch's contents. One map is kept per block size in
 `BLOCK_MS` (small blocks for decode, large for prefill).
@@ -15,12 +16,14 @@ so the grid never depends on the batch's contents. One map is kept per block siz
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
 
 # Token-block sizes the kernels may use; a block map is built for each.
 BLOCK_MS: tuple[int, ...] = (16, 32, 64, 128)
+MAX_BLOCK_M = max(BLOCK_MS)
 
 
 class LoRASegments(NamedTuple):
@@ -31,8 +34,7 @@ class LoRASegments(NamedTuple):
     slot_start:    [num_slots]            first position of each slot in `sorted_tokens`
     slot_count:    [num_slots]            number of tokens of each slot
     block_slot:    [len(BLOCK_MS), max_blocks]  slot of each token block, -1 = unused
-    block_start:   [len(BLOCK_MS), max_blocks]  first position (in `sorted_tokens`)
-    block_end:     [len(BLOCK_MS), max_blocks]  one past the last position
+    block_tokens:  [len(BLOCK_MS), max_blocks, MAX_BLOCK_M]  the block's tokens, -1 padding
     """
 
     token_slots: torch.Tensor
@@ -40,8 +42,7 @@ class LoRASegments(NamedTuple):
     slot_start: torch.Tensor
     slot_count: torch.Tensor
     block_slot: torch.Tensor
-    block_start: torch.Tensor
-    block_end: torch.Tensor
+    block_tokens: torch.Tensor
 
     @property
     def max_tokens(self) -> int:
@@ -51,10 +52,22 @@ class LoRASegments(NamedTuple):
     def num_slots(self) -> int:
         return self.slot_start.shape[0]
 
-    def blocks_for(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(block_slot, block_start, block_end) rows of the map built for `block_m`."""
-        i = BLOCK_MS.index(block_m)
-        return self.block_slot[i], self.block_start[i], self.block_end[i]
+    def blocks_for(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block_slot `[max_blocks]`, block_tokens `[max_blocks, MAX_BLOCK_M]`) built for `block_m`."""
+        # Views are cached per buffer: slicing tensors costs microseconds of host time per launch.
+        key = id(self.block_tokens)
+        hit = _BLOCK_VIEWS.get(key)
+        if hit is None or hit[0]() is not self.block_tokens:
+            views = {bm: (self.block_slot[i], self.block_tokens[i]) for i, bm in enumerate(BLOCK_MS)}
+            hit = (weakref.ref(self.block_tokens), views)
+            if len(_BLOCK_VIEWS) >= 64:  # the views keep their buffers alive: bound the cache
+                _BLOCK_VIEWS.clear()
+            _BLOCK_VIEWS[key] = hit
+        return hit[1][block_m]
+
+
+# id(block_tokens) -> (weak ref to it, views per block size). Engines allocate segments once.
+_BLOCK_VIEWS: dict[int, tuple[weakref.ref, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
 
 
 def num_blocks_bound(num_tokens: int, num_slots: int, block_m: int) -> int:
@@ -72,15 +85,13 @@ def alloc_segments(max_tokens: int, num_slots: int, device: torch.device | str) 
         return torch.zeros(shape, dtype=torch.int32, device=device)
 
     nb = len(BLOCK_MS)
-    block_slot = torch.full((nb, max_blocks), -1, dtype=torch.int32, device=device)
     return LoRASegments(
         token_slots=torch.full((max_tokens,), -1, dtype=torch.int32, device=device),
         sorted_tokens=i32(max_tokens),
         slot_start=i32(num_slots),
         slot_count=i32(num_slots),
-        block_slot=block_slot,
-        block_start=i32(nb, max_blocks),
-        block_end=i32(nb, max_blocks),
+        block_slot=torch.full((nb, max_blocks), -1, dtype=torch.int32, device=device),
+        block_tokens=torch.full((nb, max_blocks, MAX_BLOCK_M), -1, dtype=torch.int32, device=device),
     )
 
 
@@ -123,6 +134,8 @@ def build_segments(token_slots: torch.Tensor, out: LoRASegments) -> LoRASegments
     first = starts[s] + (block_ids - first_block) * block_m
     last = torch.minimum(first + block_m, starts[s] + counts[s])
     out.block_slot.copy_(torch.where(valid, s, -1))
-    out.block_start.copy_(torch.where(valid, first, 0))
-    out.block_end.copy_(torch.where(valid, last, 0))
+    pos = first[..., None] + torch.arange(MAX_BLOCK_M, dtype=torch.int64, device=device)
+    in_block = valid[..., None] & (pos < last[..., None])
+    tokens = order[pos.clamp(0, max(num_tokens - 1, 0))] if num_tokens else pos
+    out.block_tokens.copy_(torch.where(in_block, tokens, -1))
     return out

@@ -19,21 +19,24 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_configs import ShrinkConfig, shrink_config, shrink_splits
+from kernels.lora_configs import SPLITS_TABLE, ShrinkConfig, shrink_config, shrink_splits
 from kernels.lora_meta import LoRASegments, num_blocks_bound
 
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, y_ptr, ranks_ptr, sorted_ptr, bslot_ptr, bstart_ptr, bend_ptr,
+    x_ptr, a_ptr, y_ptr, ranks_ptr, bslot_ptr, btok_ptr,
     d, max_rank, k_per_split,
     sx_t, sx_d, sa_s, sa_r, sa_d, sy_s, sy_t, sy_c, sr_s, sr_i,
-    R_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    R_BLOCKS: tl.constexpr, TOK_STRIDE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_sr = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_k = tl.program_id(2)
+    # Slot and tokens are independent loads: one memory round trip for the metadata.
     slot = tl.load(bslot_ptr + pid_b)
+    tok = tl.load(btok_ptr + pid_b * TOK_STRIDE + tl.arange(0, BLOCK_M))
     if slot < 0:
         return
     stack = pid_sr // R_BLOCKS
@@ -41,11 +44,8 @@ def _shrink_kernel(
     rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
     if r0 >= rank:
         return
-    start = tl.load(bstart_ptr + pid_b)
-    end = tl.load(bend_ptr + pid_b)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < end
-    tok = tl.load(sorted_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+    m_mask = tok >= 0
+    tok = tl.where(m_mask, tok, 0).to(tl.int64)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     rows = stack * max_rank + offs_r
@@ -66,17 +66,21 @@ def _shrink_kernel(
 
 
 def alloc_shrink_out(
-    max_tokens: int, d: int, n_stack: int, max_rank: int, device: torch.device | str
+    max_tokens: int, n_stack: int, max_rank: int, max_d: int, device: torch.device | str
 ) -> torch.Tensor:
-    """Float32 buffer `[S_max, max_tokens, n_stack*max_rank]` for any step up to `max_tokens` tokens."""
-    splits = max(shrink_splits(d, n_stack, max_rank, t) for t in (1, max_tokens))
+    """Float32 buffer `[S_max, max_tokens, n_stack*max_rank]` for any step up to `max_tokens`.
+
+    One buffer can serve every group (they run one after another): pass
+    `shrink_out_view(buf, d, T)[..., :n*R]` as a group's `y`.
+    """
+    tabled = [v for (_, dd), v in SPLITS_TABLE.items() if dd <= max_d]
+    splits = max([shrink_splits(max_d, t) for t in (1, max_tokens)] + tabled)
     return torch.empty((splits, max_tokens, n_stack * max_rank), dtype=torch.float32, device=device)
 
 
-def shrink_out_view(buf: torch.Tensor, d: int, num_tokens: int, n_stack: int) -> torch.Tensor:
-    """The `[S, T, n*R]` slice of `alloc_shrink_out`'s buffer to pass as `y` for this step."""
-    max_rank = buf.shape[2] // n_stack
-    return buf[: shrink_splits(d, n_stack, max_rank, num_tokens), :num_tokens]
+def shrink_out_view(buf: torch.Tensor, d: int, num_tokens: int) -> torch.Tensor:
+    """The `[S, T, :]` slice of `alloc_shrink_out`'s buffer that `lora_shrink` fills for this step."""
+    return buf[: min(buf.shape[0], shrink_splits(d, num_tokens)), :num_tokens]
 
 
 def lora_shrink(
@@ -91,9 +95,8 @@ def lora_shrink(
 
     x: `[T, d]`; A: `[slots, n*R, d]` (one layer's view of the pool, same dtype as x);
     ranks: int32 `[slots, n]`; segs: built by `build_segments` for these T tokens;
-    y: float32 `[T, n*R]` or `[S, T, n*R]` (S K-splits, see `shrink_out_view`).
+    y: float32 `[T, n*R]` or `[S, T, n*R]` (S K-splits = `y.shape[0]`, see `shrink_out_view`).
     config: block sizes; default from the table in `kernels.lora_configs` (benchmarks override).
-    The number of K-splits is `y.shape[0]`, whatever `config.splits` says.
     """
     num_tokens, d = x.shape
     num_slots, n_rows, _ = A.shape
@@ -104,16 +107,17 @@ def lora_shrink(
     if num_tokens == 0:
         return y
     cfg = config or shrink_config(d, n_stack, max_rank, num_tokens)
-    bslot, bstart, bend = segs.blocks_for(cfg.block_m)
+    bslot, btok = segs.blocks_for(cfg.block_m)
     r_blocks = triton.cdiv(max_rank, cfg.block_r)
     k_per_split = triton.cdiv(triton.cdiv(d, splits), cfg.block_k) * cfg.block_k
     grid = (n_stack * r_blocks, num_blocks_bound(num_tokens, num_slots, cfg.block_m), splits)
     _shrink_kernel[grid](
-        x, A, y3, ranks, segs.sorted_tokens, bslot, bstart, bend,
+        x, A, y3, ranks, bslot, btok,
         d, max_rank, k_per_split,
         x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
         y3.stride(0), y3.stride(1), y3.stride(2), ranks.stride(0), ranks.stride(1),
-        R_BLOCKS=r_blocks, BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+        R_BLOCKS=r_blocks, TOK_STRIDE=btok.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y

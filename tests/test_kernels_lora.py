@@ -52,5 +52,5 @@ def test_kernel_matches_reference(results, case):
 
 
 def test_decode_uses_split_k_for_wide_inputs(results):
-    # d=2100 at 6 tokens: the table splits K, and expand must add the partials back up.
+    # d=4200 at 6 tokens: the table splits K, and expand must add the partials back up.
     assert results["down_decode_split_table_fp32"]["splits"] > 1

@@ -24,17 +24,20 @@ def check_invariants(slots: torch.Tensor, num_slots: int, max_tokens: int) -> No
     starts = segs.slot_start.tolist()
     assert starts == [sum(counts[:s]) for s in range(num_slots)]
     for block_m in BLOCK_MS:
-        bslot, bstart, bend = (t.tolist() for t in segs.blocks_for(block_m))
+        bslot, btok = (t.tolist() for t in segs.blocks_for(block_m))
         covered = []
         used = [b for b, s in enumerate(bslot) if s >= 0]
         assert len(used) <= num_blocks_bound(T, num_slots, block_m), "grid bound too small"
         assert used == list(range(len(used))), "used blocks must come first"
+        assert all(t == -1 for b in range(len(bslot)) if b not in used for t in btok[b]), "unused block has tokens"
         for b in used:
-            s = bslot[b]
-            assert 0 < bend[b] - bstart[b] <= block_m
-            assert starts[s] <= bstart[b] and bend[b] <= starts[s] + counts[s], "block straddles slots"
-            covered.extend(range(bstart[b], bend[b]))
-        assert covered == list(range(sum(counts))), "blocks must cover every adapter token exactly once"
+            tokens = [t for t in btok[b][:block_m] if t >= 0]
+            assert 0 < len(tokens) and btok[b][: len(tokens)] == tokens, "tokens must be packed first"
+            assert all(t == -1 for t in btok[b][len(tokens) :]), "padding must be -1"
+            assert all(key[t] == bslot[b] for t in tokens), "block holds another slot's token"
+            covered.extend(tokens)
+        # Blocks in order cover the slot-sorted token list exactly once.
+        assert covered == sorted_tokens[: sum(counts)], "blocks must cover every adapter token exactly once"
 
 
 @pytest.mark.parametrize(
@@ -64,9 +67,10 @@ def test_rebuild_reuses_buffers_and_overwrites_stale_blocks():
     build_segments(torch.arange(100, dtype=torch.int32) % 4, segs)
     build_segments(torch.tensor([2, -1], dtype=torch.int32), segs)
     assert [t.data_ptr() for t in segs] == pointers, "CUDA graphs need fixed addresses"
-    bslot, bstart, bend = segs.blocks_for(BLOCK_MS[0])
+    bslot, btok = segs.blocks_for(BLOCK_MS[0])
     assert bslot.tolist().count(-1) == len(bslot) - 1 and bslot[0].item() == 2
-    assert (bstart[0].item(), bend[0].item()) == (0, 1)
+    assert btok[0].tolist() == [0] + [-1] * (btok.shape[1] - 1)
+    assert (btok[1:] == -1).all(), "stale tokens from the previous step survived"
 
 
 def test_too_many_tokens_is_rejected():
