@@ -104,6 +104,7 @@ def test_dynamic_load_and_unload(stub, adapters, reference):
     listed = {a.name: a for a in stub.ListAdapters(pb.ListAdaptersRequest()).adapters}
     assert {"alpha", "beta", "gamma"} <= set(listed)
     assert listed["gamma"].location in (pb.ADAPTER_LOCATION_GPU, pb.ADAPTER_LOCATION_HOST)
+    assert listed["gamma"].source == str(adapters["gamma"])
     texts, names = [PROMPTS[1], PROMPTS[1], PROMPTS[1]], ["gamma", "alpha", ""]
     resp = stub.Generate(pb.GenerateRequest(text=texts, adapter=names, sampling_params=greedy()))
     check_against_peft(resp, texts, names, adapters, reference)

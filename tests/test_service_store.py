@@ -84,6 +84,7 @@ def test_load_adapter_registers_in_store(client, adapters, reference):
     assert info.location in (pb.ADAPTER_LOCATION_GPU, pb.ADAPTER_LOCATION_HOST)
     record = client.get_adapter("s-load")  # LoadAdapter registered it in the store first
     assert record.name == "s-load" and record.rank == 8 and record.digest.startswith("sha256:")
+    assert (info.source, info.digest) == (record.source, record.digest)  # not the local cache path
     [out] = client.generate(PROMPT, "s-load", max_new_tokens=MAX_NEW, temperature=0)
     assert list(out.token_ids) == reference.greedy(PROMPT, adapters["s-load"], MAX_NEW)
 

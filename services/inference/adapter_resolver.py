@@ -57,6 +57,8 @@ class AdapterResolver:
         self._idle: dict[str, asyncio.Event] = {}
         self._loading: dict[str, asyncio.Task] = {}
         self._deleting: dict[str, asyncio.Task] = {}
+        # name -> (source, digest) as the user and the store know them, not the local cache path
+        self._origin: dict[str, tuple[str, str]] = {}
 
     # -- requests in flight ---------------------------------------------------------------
     def acquire(self, name: str) -> None:
@@ -104,7 +106,13 @@ class AdapterResolver:
     async def _pull_and_load(self, name: str, *, pin: bool) -> AdapterInfo:
         assert self.store is not None
         pulled = await self.store.fetch(name)
-        return await self._engine_load(name, pulled.path, pin)
+        self._origin[name] = (pulled.record.source, pulled.record.digest)
+        return self._with_origin(await self._engine_load(name, pulled.path, pin))
+
+    def _with_origin(self, info: AdapterInfo) -> AdapterInfo:
+        if info.name in self._origin:
+            info.source, info.digest = self._origin[info.name][0], self._origin[info.name][1] or info.digest
+        return info
 
     async def _engine_load(self, name: str, path: Path, pin: bool) -> AdapterInfo:
         info = await call(self.engine.load_adapter, name, str(path), pin)
@@ -122,7 +130,8 @@ class AdapterResolver:
             await self.wait_idle(name)
             await call(self.engine.unload_adapter, name)
         if self.store is None:
-            return await self._engine_load(name, local_path(source, self.allowed_dirs), pin)
+            self._origin[name] = (source, "")
+            return self._with_origin(await self._engine_load(name, local_path(source, self.allowed_dirs), pin))
         if not source.startswith("hf://") and "://" not in source and Path(source).expanduser().exists():
             local_path(source, self.allowed_dirs)  # the store reads it; still honour the allow-list
         await self.store.register(name, source, revision)
@@ -155,6 +164,7 @@ class AdapterResolver:
     async def list(self) -> list[AdapterInfo]:
         adapters = list(await call(self.engine.list_adapters))
         for info in adapters:
+            self._with_origin(info)
             info.requests_in_flight = max(info.requests_in_flight, self.in_flight.get(info.name, 0))
         if self.store is not None:
             here = {a.name for a in adapters}
