@@ -36,6 +36,7 @@ from kernels.lora_configs import (  # noqa: E402
     shrink_splits,
 )
 from kernels.lora_expand import lora_expand, lora_expand_ref  # noqa: E402
+from kernels.lora_launch import pdl_enabled, set_pdl  # noqa: E402
 from kernels.lora_meta import alloc_segments, build_segments  # noqa: E402
 from kernels.lora_shrink import lora_shrink, lora_shrink_ref  # noqa: E402
 
@@ -314,6 +315,10 @@ def run_scenario(sc: dict, bw: float, rate: float, overrides: dict) -> dict:
     floor = max(tot_bytes / bw, tot_flops / rate) * 1e6
     res["layer"] = dict(floor_us=floor, bytes=tot_bytes, flops=tot_flops,
                         bench_us=bench_us(layer[0]), graph_us=graph_time_us(layer))
+    if pdl_enabled() and is_goal(sc):  # what programmatic dependent launch buys
+        set_pdl(False)
+        res["layer"]["graph_us_without_pdl"] = graph_time_us(layer)
+        set_pdl(True)
     torch_fns = torch_layer_fns(copies, slots, sc)[: max(1, 64 // sc["distinct"])]
     res["torch_layer"] = dict(bench_us=bench_us(torch_fns[0]), graph_us=graph_time_us(torch_fns, replays=5))
     res["build_segments_us"] = bench_us(lambda: build_segments(slots, segs))
@@ -339,6 +344,25 @@ def print_table(results: list[dict]) -> None:
               f" {t['graph_us'] / r['layer']['floor_us']:5.2f}")
 
 
+def probe_pdl() -> None:
+    """Turn PDL off if this Triton/driver cannot launch or graph-capture it (checked, not assumed)."""
+    if not pdl_enabled():
+        print("PDL: off", flush=True)
+        return
+    try:
+        sc = dict(name="probe", tokens=16, distinct=4, rank=16, prefill=False)
+        copies = make_copies(sc, 1e12)[:1]
+        segs = build_segments(token_slots(sc), alloc_segments(16, 4, DEVICE))
+        fns = triton_fns(copies, segs, sc, {})
+        graph_time_us([lambda: [f[0]() for f in fns.values()]], replays=2)
+        err = check_bf16(copies[0], segs, sc, {})
+        assert err < 2e-2, f"rel err {err}"
+        print(f"PDL: on (probe ok, rel err {err:.1e})", flush=True)
+    except Exception as exc:  # noqa: BLE001 - any failure means: run without PDL
+        print(f"PDL: probe failed ({type(exc).__name__}: {exc}); running without PDL", flush=True)
+        set_pdl(False)
+
+
 def is_goal(sc: dict) -> bool:
     return (sc["tokens"], sc["distinct"]) in ((64, 64), (4096, 8))
 
@@ -358,9 +382,10 @@ def main() -> None:
           f" expand {max(c.expand_rel_err for c in small):.2e}; failing: {bad}", flush=True)
     if bad:
         raise SystemExit(1)
+    probe_pdl()
     bw, rate = ceilings()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
-    payload = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    payload = dict(device=torch.cuda.get_device_name(), pdl=pdl_enabled(), torch=torch.__version__, triton=triton.__version__,
                    command="PYTHONPATH=. python3 bench/lora_kernels.py " + " ".join(sys.argv[1:]),
                    copy_bw=bw, bf16_rate=rate, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    small_bf16_cases=[c._asdict() for c in small], results=[], sweep=[], table=[])
@@ -379,7 +404,8 @@ def main() -> None:
         payload["results"].append(res)
         out_path.write_text(json.dumps(payload, indent=1))
         lay = res["layer"]
-        print(f"{sc['name']:36} layer floor {lay['floor_us']:7.1f}us graph {lay['graph_us']:7.1f}us"
+        nopdl = f" (no PDL {lay['graph_us_without_pdl']:.1f})" if "graph_us_without_pdl" in lay else ""
+        print(f"{sc['name']:36} layer floor {lay['floor_us']:7.1f}us graph {lay['graph_us']:7.1f}us{nopdl}"
               f" ({lay['graph_us'] / lay['floor_us']:.2f}x) bench {lay['bench_us']:7.1f}us"
               f" torch {res['torch_layer']['graph_us']:8.1f}us  [{time.time() - t0:.0f}s]", flush=True)
     print_table(payload["results"])

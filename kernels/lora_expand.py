@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_configs import ExpandConfig, expand_config
+from kernels.lora_launch import launch_kwargs
 from kernels.lora_meta import LoRASegments, num_blocks_bound
 
 MAX_STACK = 3
@@ -32,10 +33,12 @@ def _expand_kernel(
     max_rank, w0, w1, w2, nc0, nc1, chunk_n,
     sy_s, sy_t, sy_c, sb_s, sb_n, sb_r, so_t, so_n, sr_s, sr_i, ss_s, ss_i,
     N_SPLITS: tl.constexpr, TOK_STRIDE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     # Slot and tokens are independent loads: one memory round trip for the metadata.
     slot = tl.load(bslot_ptr + pid_b)
     tok = tl.load(btok_ptr + pid_b * TOK_STRIDE + tl.arange(0, BLOCK_M))
@@ -50,6 +53,8 @@ def _expand_kernel(
     scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i)
     if rank == 0:
         return
+    if USE_PDL:  # everything above may overlap the previous kernel; nothing below may
+        tl.extra.cuda.gdc_wait()
     m_mask = tok >= 0
     tok = tl.where(m_mask, tok, 0).to(tl.int64)
     # y (the K-split partials summed) is loaded once per program; columns past the slot's
@@ -123,7 +128,7 @@ def lora_expand(
         N_SPLITS=y3.shape[0], TOK_STRIDE=btok.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(),
     )
     return out
 

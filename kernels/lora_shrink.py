@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_configs import SPLITS_TABLE, ShrinkConfig, shrink_config, shrink_splits
+from kernels.lora_launch import launch_kwargs
 from kernels.lora_meta import LoRASegments, num_blocks_bound
 
 
@@ -29,11 +30,13 @@ def _shrink_kernel(
     d, max_rank, k_per_split,
     sx_t, sx_d, sa_s, sa_r, sa_d, sy_s, sy_t, sy_c, sr_s, sr_i,
     R_BLOCKS: tl.constexpr, TOK_STRIDE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_sr = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_k = tl.program_id(2)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     # Slot and tokens are independent loads: one memory round trip for the metadata.
     slot = tl.load(bslot_ptr + pid_b)
     tok = tl.load(btok_ptr + pid_b * TOK_STRIDE + tl.arange(0, BLOCK_M))
@@ -44,6 +47,8 @@ def _shrink_kernel(
     rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
     if r0 >= rank:
         return
+    if USE_PDL:  # everything above may overlap the previous kernel; nothing below may
+        tl.extra.cuda.gdc_wait()
     m_mask = tok >= 0
     tok = tl.where(m_mask, tok, 0).to(tl.int64)
     offs_r = r0 + tl.arange(0, BLOCK_R)
@@ -118,7 +123,7 @@ def lora_shrink(
         y3.stride(0), y3.stride(1), y3.stride(2), ranks.stride(0), ranks.stride(1),
         R_BLOCKS=r_blocks, TOK_STRIDE=btok.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(),
     )
     return y
 
