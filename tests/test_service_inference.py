@@ -152,6 +152,7 @@ def test_tokenize_matches_tokenizer(stub, reference):
     for text in [PROMPTS[0], "héllo wörld 🙂", "  two  spaces\nnewline"]:
         resp = stub.Tokenize(pb.TokenizeRequest(text=text))
         assert list(resp.token_ids) == reference.tokenizer(text).input_ids
+        assert list(resp.tokens) == reference.tokenizer.convert_ids_to_tokens(list(resp.token_ids))
 
 
 def test_model_info(stub):

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
+from clients.errors import from_rpc_error
 from clients.processes import ServerProcess
 from tests.service_stack import STARTUP_S
 
@@ -89,5 +90,22 @@ def test_grace_period_bounds_the_drain(tiny_llama_path):
         assert time.monotonic() - t0 < 10
         call.join(10)
         assert call.error is not None and call.messages[-1].finish_reason == ""
+    finally:
+        server.stop()
+
+
+def test_store_down_is_unavailable_with_retry_and_base_still_serves(tiny_llama_path):
+    server = start(tiny_llama_path, "--adapter-store", "127.0.0.1:1")  # nothing listens on port 1
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(pb.GenerateRequest(text=["a"], adapter=["somewhere"]), timeout=30)
+            typed = from_rpc_error(err.value)
+            assert typed.code == grpc.StatusCode.UNAVAILABLE and typed.retry_after_s and typed.resource == "somewhere"
+            assert "adapter store" in typed.message
+            out = stub.Generate(pb.GenerateRequest(text=["a"], sampling_params=pb.SamplingParams(max_new_tokens=3)))
+            assert out.completions[0].completion_tokens >= 1
+            assert list(stub.ListAdapters(pb.ListAdaptersRequest()).adapters) == []
     finally:
         server.stop()

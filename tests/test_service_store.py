@@ -25,7 +25,7 @@ SHAPE = STORE_STACK_SHAPE
 @pytest.fixture(scope="module")
 def adapters(smollm2_path, adapter_factory):
     return {name: adapter_factory(smollm2_path, name, seed=10 + i, **SHAPE)
-            for i, name in enumerate(["s-one", "s-many", "s-load", "s-idle", "s-gone"])}
+            for i, name in enumerate(["s-one", "s-many", "s-load", "s-idle", "s-gone", "s-new"])}
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +121,20 @@ def test_health_of_both(stack):
         with grpc.insecure_channel(proc.address) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
             assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_store_reregister_with_new_content_is_picked_up(client, adapters, reference):
+    client.register_adapter("s-swap", str(adapters["s-one"]))
+    [before] = client.generate(PROMPT, "s-swap", max_new_tokens=MAX_NEW, temperature=0)
+    assert list(before.token_ids) == reference.greedy(PROMPT, adapters["s-one"], MAX_NEW)
+    assert reference.greedy(PROMPT, adapters["s-new"], MAX_NEW) != list(before.token_ids)
+    new = client.register_adapter("s-swap", str(adapters["s-new"]))
+    deadline = time.monotonic() + 15
+    while True:  # the WatchAdapters event drops the old copy; the next request pulls the new one
+        [after] = client.generate(PROMPT, "s-swap", max_new_tokens=MAX_NEW, temperature=0)
+        if list(after.token_ids) == reference.greedy(PROMPT, adapters["s-new"], MAX_NEW):
+            break
+        assert time.monotonic() < deadline, "still serving the old content"
+        time.sleep(0.3)
+    listed = {a.name: a for a in client.list_adapters()}
+    assert listed["s-swap"].digest == new.digest

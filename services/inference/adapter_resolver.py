@@ -144,20 +144,30 @@ class AdapterResolver:
             raise AdapterNotFound(f"adapter {name!r} is not loaded on this server", adapter=name)
         await call(self.engine.unload_adapter, name)
 
-    async def on_store_deleted(self, name: str, digest: str) -> None:
-        """Store delete event: drop the adapter here once its running requests finish."""
+    async def on_store_event(self, kind: str, name: str, digest: str) -> None:
+        """A store delete, or a re-register with new content, drops the adapter here once its
+        running requests finish; the next request then pulls what the store has now."""
+        if kind == "registered":
+            known = self._origin.get(name)
+            if known is None or not known[1] or known[1] == digest:
+                return
+        elif kind != "deleted":
+            return
         if name in self._deleting:
             return
-        task = asyncio.create_task(self._drop_when_idle(name))
+        task = asyncio.create_task(self._drop_when_idle(name, digest if kind == "registered" else None))
         self._deleting[name] = task
         task.add_done_callback(lambda _t: self._deleting.pop(name, None))
 
-    async def _drop_when_idle(self, name: str) -> None:
+    async def _drop_when_idle(self, name: str, new_digest: str | None) -> None:
         await self.wait_idle(name)
+        if new_digest is not None and self._origin.get(name, ("", ""))[1] == new_digest:
+            return  # meanwhile this server loaded the new content itself
         try:
             if await call(self.engine.has_adapter, name):
                 await call(self.engine.unload_adapter, name)
-                log.info("adapter %s deleted in the store; unloaded here", name)
+                self._origin.pop(name, None)
+                log.info("adapter %s deleted or replaced in the store; unloaded here", name)
         except LoraplexError as exc:
             log.warning("could not unload deleted adapter %s: %s", name, exc)
 

@@ -128,7 +128,7 @@ class InferenceServer:
             return
         self.state.engine, self.state.resolver = engine, resolver
         if self.store is not None:
-            self._tasks.append(asyncio.create_task(self.store.watch(resolver.on_store_deleted)))
+            self._tasks.append(asyncio.create_task(self.store.watch(resolver.on_store_event)))
         self._tasks.append(asyncio.create_task(self._refresh_metrics()))
         if not self.state.draining:
             await self._set_health(True)

@@ -19,15 +19,14 @@ from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 from services.inference.adapter_resolver import AdapterResolver, call
-from services.inference.engine.types import RequestOutput, SamplingParams
+from services.inference.engine.types import RequestOutput
 from services.inference.errors import InvalidRequest, LoraplexError
 from services.inference.metrics import Metrics, adapter_label
+from services.inference.proto_convert import adapter_proto, adapters_per_input, to_engine_params
 from services.inference.server_args import ServerArgs
 from services.inference.status import abort_with, build_status, status_for
 
 log = logging.getLogger(__name__)
-
-LOCATION = {"gpu": pb.ADAPTER_LOCATION_GPU, "host": pb.ADAPTER_LOCATION_HOST, "store": pb.ADAPTER_LOCATION_STORE}
 
 
 class ServerState:
@@ -43,45 +42,12 @@ class ServerState:
         self.idle.set()
 
 
-def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
-    """Proto → engine; proto zeros mean 'server default' / 'off'."""
-    params = SamplingParams(
-        max_new_tokens=p.max_new_tokens or args.default_max_new_tokens,
-        temperature=p.temperature,
-        top_p=p.top_p or 1.0,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        seed=p.seed if p.HasField("seed") else None,
-        stop=tuple(p.stop),
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        repetition_penalty=p.repetition_penalty or 1.0,
-        frequency_penalty=p.frequency_penalty,
-        presence_penalty=p.presence_penalty,
-    )
-    params.validate(args.max_new_tokens_limit)
-    return params
-
-
-def adapters_per_input(request: pb.GenerateRequest) -> list[str]:
-    n, adapters = len(request.text), list(request.adapter)
-    if not adapters:
-        return [""] * n
-    if len(adapters) == 1:
-        return adapters * n
-    if len(adapters) != n:
-        raise InvalidRequest(
-            f"adapter has {len(adapters)} entries for {n} texts; give one per text, one for all, or none",
-            field="adapter",
-        )
-    return adapters
-
-
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, args: ServerArgs, state: ServerState, metrics: Metrics) -> None:
         self.args = args
         self.state = state
         self.metrics = metrics
+        self._tokenizer = None  # for Tokenize's `tokens`, loaded on first use
 
     # -- plumbing ---------------------------------------------------------------------------
     async def _begin(self, context: grpc.aio.ServicerContext, method: str):
@@ -295,17 +261,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Tokenize(self, request, context):
         async def work(engine, resolver):
             ids = list(await call(engine.tokenize, request.text))
-            tokenizer = getattr(engine, "tokenizer", None)
-            tokens = tokenizer.convert_ids_to_tokens(ids) if tokenizer is not None else []
-            return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
+            if self._tokenizer is None:
+                from transformers import AutoTokenizer
+
+                # Our own copy: the engine's tokenizers belong to its threads.
+                self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.args.model_path)
+            return pb.TokenizeResponse(token_ids=ids, tokens=self._tokenizer.convert_ids_to_tokens(ids))
 
         return await self._simple(context, "Tokenize", work)
-
-
-def adapter_proto(info) -> pb.AdapterInfo:
-    return pb.AdapterInfo(
-        name=info.name, rank=info.rank, alpha=info.alpha, target_modules=list(info.target_modules),
-        location=LOCATION.get(info.location, pb.ADAPTER_LOCATION_UNSPECIFIED), pinned=info.pinned,
-        requests_in_flight=info.requests_in_flight, source=info.source, digest=info.digest,
-        slot=info.slot if info.location == "gpu" else -1,
-    )

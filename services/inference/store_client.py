@@ -4,7 +4,7 @@
 cache (`<cache>/<hex digest>/`), streams `PullAdapter`, checks the sha256 of both files
 against the record and renames a finished temp dir into place, so a reader never sees a
 half-written adapter. Concurrent fetches of one name share one pull (single flight).
-`watch(on_deleted)` follows `WatchAdapters`, reconnecting with backoff.
+`watch(on_event)` follows `WatchAdapters`, reconnecting with backoff.
 """
 
 from __future__ import annotations
@@ -178,8 +178,8 @@ class StoreClient:
             )
         return record, nbytes
 
-    async def watch(self, on_deleted: Callable[[str, str], Awaitable[None]]) -> None:
-        """Follow store events forever; call `on_deleted(name, digest)` per delete. Reconnects."""
+    async def watch(self, on_event: Callable[[str, str, str], Awaitable[None]]) -> None:
+        """Follow store events forever; `on_event(type, name, digest)` per event. Reconnects."""
         last_id = ""
         backoff = 0.5
         while True:
@@ -188,8 +188,7 @@ class StoreClient:
                 async for event in stream:
                     backoff = 0.5
                     last_id = event.id or last_id
-                    if event.type == "deleted":
-                        await on_deleted(event.name, event.digest)
+                    await on_event(event.type, event.name, event.digest)
             except asyncio.CancelledError:
                 raise
             except grpc.RpcError as err:
