@@ -122,7 +122,8 @@ def build_segments(token_slots: torch.Tensor, out: LoRASegments) -> LoRASegments
 
     # All block sizes at once ([len(BLOCK_MS), ...] broadcasts) to keep the op count per step low.
     max_blocks = out.block_slot.shape[1]
-    block_m = torch.tensor(BLOCK_MS, dtype=torch.int64, device=device)[:, None]
+    # torch.full, not torch.tensor: no host-to-device copy, which CUDA-graph capture refuses.
+    block_m = torch.stack([torch.full((1,), m, dtype=torch.int64, device=device) for m in BLOCK_MS])
     nblk = (counts[None, :] + block_m - 1) // block_m  # [nb, slots]
     cum = torch.cumsum(nblk, 1)
     block_ids = torch.arange(max_blocks, dtype=torch.int64, device=device).expand(len(BLOCK_MS), -1)
