@@ -5,9 +5,10 @@
 2. transformers alone (base model): `generate` with its static cache, which transformers compiles
    with torch.compile (mode reduce-overhead, CUDA graphs) for the decode steps.
 
-Decode throughput is timed per step: a streamer records a synchronized timestamp at every new
-token, and decode tokens/s = batch * (steps after the first) / (time from the first new token to
-the last). Prefill and the first token stay out of it, as in the engine's decode numbers.
+Decode throughput: a streamer syncs and timestamps the first new token (prefill done), and
+decode tokens/s = batch * (new tokens - 1) / (time from the first new token to generate()'s
+return). Prefill and the first token stay out of it, as in the engine's decode numbers; no
+per-step sync is added, so transformers' host may run ahead of the GPU as it normally does.
 """
 
 from __future__ import annotations
@@ -38,18 +39,25 @@ def _sync() -> None:
 
 
 class _StepClock:
-    """A generate() streamer that only timestamps each new token (after a device sync)."""
+    """A generate() streamer that syncs and timestamps the first new token, then only counts.
+
+    Later tokens are not synced, so the host may run ahead of the GPU as generate() lets it;
+    the decode time is from the first token to generate()'s return (synced by the caller).
+    """
 
     def __init__(self) -> None:
-        self.times: list[float] = []
+        self.first: float | None = None
+        self.tokens = 0
         self._prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
         if not self._prompt_seen:  # the first put is the prompt
             self._prompt_seen = True
             return
-        _sync()
-        self.times.append(time.perf_counter())
+        if self.first is None:
+            _sync()
+            self.first = time.perf_counter()
+        self.tokens += 1
 
     def end(self) -> None:
         pass
@@ -64,12 +72,12 @@ def _timed_generate(model, input_ids: torch.Tensor, new_tokens: int, **kwargs) -
         model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, do_sample=False, streamer=clock, **kwargs)
     _sync()
-    total = time.perf_counter() - start
-    steps = len(clock.times) - 1
-    decode_s = clock.times[-1] - clock.times[0]
+    end = time.perf_counter()
+    steps = clock.tokens - 1
+    decode_s = end - clock.first
     batch = input_ids.shape[0]
-    return GenerateTiming(batch, len(clock.times), batch * steps / decode_s, 1e3 * decode_s / steps,
-                          clock.times[0] - start, total)
+    return GenerateTiming(batch, clock.tokens, batch * steps / decode_s, 1e3 * decode_s / steps,
+                          clock.first - start, end - start)
 
 
 def load_hf_model(model_dir: Path):
