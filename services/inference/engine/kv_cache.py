@@ -11,7 +11,7 @@ from services.inference.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-CPU_KV_BYTES_CAP = 1 << 30  # the CPU default never takes more than 1 GiB (or 10% of RAM)
+CPU_KV_BYTES_CAP = 512 << 20  # the CPU default never takes more than 512 MiB (or 10% of RAM)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -36,7 +36,7 @@ def plan_num_blocks(
     `mem_fraction_static` of the total; what weights and anything already allocated use is
     measured, and `reserved_bytes` covers allocations still to come (the LoRA pool when it
     is created after the cache). On CPU: enough for every running request at full context,
-    capped at 1 GiB / 10% of RAM.
+    capped at 512 MiB / 10% of RAM.
     """
     per_token = kv_bytes_per_token(cfg, dtype)
     if max_total_tokens is not None:
