@@ -109,3 +109,19 @@ def test_store_down_is_unavailable_with_retry_and_base_still_serves(tiny_llama_p
             assert list(stub.ListAdapters(pb.ListAdaptersRequest()).adapters) == []
     finally:
         server.stop()
+
+
+def test_full_queue_is_resource_exhausted_with_retry(tiny_llama_path):
+    server = start(tiny_llama_path, "--max-queued-requests", "2")
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(pb.GenerateRequest(text=["a", "b", "c"]), timeout=30)
+            typed = from_rpc_error(err.value)
+            assert typed.code == grpc.StatusCode.RESOURCE_EXHAUSTED and typed.retry_after_s
+            assert "--max-queued-requests" in typed.message
+            ok = stub.Generate(pb.GenerateRequest(text=["a", "b"], sampling_params=pb.SamplingParams(max_new_tokens=2)))
+            assert len(ok.completions) == 2
+    finally:
+        server.stop()

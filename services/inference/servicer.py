@@ -20,7 +20,7 @@ from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 from services.inference.adapter_resolver import AdapterResolver, call
 from services.inference.engine.types import RequestOutput
-from services.inference.errors import InvalidRequest, LoraplexError
+from services.inference.errors import CapacityExceeded, InvalidRequest, LoraplexError
 from services.inference.metrics import Metrics, adapter_label
 from services.inference.proto_convert import adapter_proto, adapters_per_input, to_engine_params
 from services.inference.server_args import ServerArgs
@@ -92,6 +92,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 " (--max-inputs-per-request)", field="text")
         adapters = adapters_per_input(request)
         params = to_engine_params(request.sampling_params, self.args)
+        waiting = (await call(engine.stats)).waiting
+        if waiting + n > self.args.max_queued_requests:
+            raise CapacityExceeded(
+                f"{waiting} requests are queued and this call adds {n}; the queue holds "
+                f"{self.args.max_queued_requests} (--max-queued-requests): retry later")
         context_length = (await call(engine.model_info)).context_length
         prompts = []
         for i, text in enumerate(request.text):
