@@ -78,12 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
     a("--tp-size", type=int, default=d.tp_size)
     a("--seed", type=int, default=d.seed)
-    a("--lora-paths", nargs="*", default=[], metavar="NAME=SOURCE")
-    a("--max-loras-per-batch", type=int, default=d.max_loras_per_batch)
-    a("--lora-backend", default=None, choices=["triton", "torch"])
-    a("--max-lora-rank", type=int, default=None)
-    a("--lora-target-modules", nargs="*", default=None, help="module names, or 'all'")
-    a("--max-loaded-loras", type=int, default=None)
+    a("--lora-paths", nargs="*", default=[], metavar="NAME=SOURCE",
+      help="adapters to load at start (local PEFT directories; other sources via the adapter store)")
+    a("--max-loras-per-batch", type=int, default=d.max_loras_per_batch,
+      help="GPU adapter slots = most distinct adapters in one batch; the base model takes none (default 8)")
+    a("--lora-backend", default=None, choices=["triton", "torch"], help="default: triton on CUDA, torch on CPU")
+    a("--max-lora-rank", type=int, default=None,
+      help="largest adapter rank the pool holds; default: the largest rank in --lora-paths, else 64")
+    a("--lora-target-modules", nargs="*", default=None,
+      help="q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or 'all'; default: the union of "
+      "--lora-paths' targets, else all")
+    a("--max-loaded-loras", type=int, default=None,
+      help="adapters kept in host memory (LRU beyond it, re-read from source); default unbounded")
     a("--adapter-store", default=d.adapter_store, help="HOST:PORT of the adapter store, or 'none'")
     a("--adapter-cache-dir", default=None, help="where adapters pulled from the store are kept")
     a("--mem-fraction-static", type=float, default=d.mem_fraction_static)
