@@ -60,7 +60,7 @@ def peft_greedy(base: Path, adapters: dict[str, Path], jobs: list[tuple[list[int
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     eos = model.generation_config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos or ())
-    names = sorted({a for _, a in jobs if a is not None})
+    names = sorted({a for _, a in jobs if a is not None}) or sorted(adapters)[:1]
     peft = PeftModel.from_pretrained(model, adapters[names[0]], adapter_name=names[0])
     for name in names[1:]:
         peft.load_adapter(adapters[name], adapter_name=name)
