@@ -77,6 +77,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         log.info("%s failed: %s %s", method, status.code.name, exc.message)
         await abort_with(context, status)
 
+    async def _internal(self, context, method: str, exc: Exception) -> None:
+        log.exception("%s failed with an internal error", method)
+        self.metrics.rpcs.labels(method, "INTERNAL").inc()
+        await abort_with(context, build_status(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
+
     async def _prepare(self, engine, resolver: AdapterResolver, request: pb.GenerateRequest):
         """Validate everything and resolve every adapter before any engine work starts."""
         if request.ByteSize() > self.args.max_message_bytes:
@@ -197,6 +202,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return pb.GenerateResponse(completions=completions)
         except LoraplexError as exc:
             await self._fail(context, "Generate", exc)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # a bug: say so plainly instead of grpc's bare UNKNOWN
+            await self._internal(context, "Generate", exc)
         finally:
             self._end()
 
@@ -217,6 +226,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self.metrics.rpcs.labels("GenerateStream", "OK").inc()
         except LoraplexError as exc:
             await self._fail(context, "GenerateStream", exc)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # a bug: say so plainly instead of grpc's bare UNKNOWN
+            await self._internal(context, "GenerateStream", exc)
         finally:
             self._end()
 
@@ -229,6 +242,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return result
         except LoraplexError as exc:
             await self._fail(context, method, exc)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # a bug: say so plainly instead of grpc's bare UNKNOWN
+            await self._internal(context, method, exc)
         finally:
             self._end()
 
