@@ -123,6 +123,7 @@ def test_adapter_that_does_not_fit_is_failed_precondition(stub, adapters):
     err = code_of(stub.LoadAdapter, pb.LoadAdapterRequest(name="wide", source=str(adapters["wide"])))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
     assert "--max-lora-rank" in err.details() or "--lora-target-modules" in err.details()
+    assert "'wide'" in err.details() and from_rpc_error(err).resource == "wide"
 
 
 def test_stream_deltas_concatenate_to_unary(stub, adapters, reference):

@@ -115,7 +115,14 @@ class AdapterResolver:
         return info
 
     async def _engine_load(self, name: str, path: Path, pin: bool) -> AdapterInfo:
-        info = await call(self.engine.load_adapter, name, str(path), pin)
+        try:
+            info = await call(self.engine.load_adapter, name, str(path), pin)
+        except LoraplexError as exc:
+            # Name the adapter in the message and in the ResourceInfo detail.
+            exc.adapter = exc.adapter or name
+            if repr(name) not in exc.message:
+                exc.message = f"adapter {name!r}: {exc.message}"
+            raise
         self.metrics.adapter_loads.labels(name).inc()
         log.info("adapter %s loaded from %s (pin=%s)", name, path, pin)
         return info
