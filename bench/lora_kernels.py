@@ -126,10 +126,11 @@ def make_copies(sc: dict, bytes_per_copy: float) -> list[dict]:
 
 def configs_for(sc: dict, group: str, overrides: dict) -> tuple[ShrinkConfig, int, ExpandConfig]:
     """(shrink config, K-splits, expand config): the sweep's choice if any, else the repo's table."""
-    if group in overrides:
-        return overrides[group]
     d, widths = GROUPS[group]
     n, r, T = len(widths), sc["rank"], sc["tokens"]
+    if group in overrides:  # block sizes from the sweep; K-splits always the table's
+        s_cfg, _, e_cfg = overrides[group]
+        return s_cfg, shrink_splits(d, T), e_cfg
     return shrink_config(d, n, r, T), shrink_splits(d, T), expand_config(sum(widths), n, r, T)
 
 
@@ -222,26 +223,22 @@ def check_bf16(copy: dict, segs, sc: dict, overrides: dict) -> float:
 
 
 def sweep_variants(sc: dict, group: str) -> tuple[list[tuple[ShrinkConfig, int]], list[ExpandConfig]]:
+    """The table's entry first, then a few alternatives; K-splits stay the table's (keyed on d only)."""
     d, widths = GROUPS[group]
     n, r, T = len(widths), sc["rank"], sc["tokens"]
-    base_s = (shrink_config(d, n, r, T), shrink_splits(d, T))
-    base_e = expand_config(sum(widths), n, r, T)
+    S = shrink_splits(d, T)
+    base_s, base_e = shrink_config(d, n, r, T), expand_config(sum(widths), n, r, T)
+    br = base_s.block_r
     if family(T) == "decode":
-        s_vars = [(ShrinkConfig(16, br, bk, nw, ns), S)
-                  for br in sorted({16, min(r, 32)})
-                  for (bk, nw, ns) in ((256, 4, 3), (128, 4, 4), (512, 4, 3), (256, 8, 3))
-                  for S in sorted({max(1, d // 4096), max(1, d // 2048), max(1, d // 1024)})]
-        e_vars = [ExpandConfig(16, bn, ch, nw, ns)
-                  for bn in (128, 256, 512) for ch in (1024, 2048, 4096) for (nw, ns) in ((4, 2), (4, 3), (8, 3))]
+        s_vars = [ShrinkConfig(16, br, 512, 4, 3), ShrinkConfig(16, br, 256, 8, 3), ShrinkConfig(16, br, 128, 4, 4)]
+        e_vars = [ExpandConfig(16, bn, ch, nw, 3)
+                  for bn in (256, 512, 1024) for ch in (1024, 2048, 4096) for nw in (4, 8) if ch >= bn]
     else:
-        s_vars = [(ShrinkConfig(bm, br, bk, nw, ns), S)
-                  for (bm, bk, nw, ns) in ((32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3), (128, 64, 8, 3))
-                  for br in sorted({16, min(r, 64)}) for S in (1, 2, 4)]
-        e_vars = [ExpandConfig(bm, bn, ch, nw, ns)
-                  for (bm, bn, nw, ns) in ((32, 256, 4, 3), (64, 128, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3),
-                                           (64, 64, 4, 3))
-                  for ch in (512, 1024, 2048)]
-    return [base_s] + [v for v in s_vars if v != base_s], [base_e] + [v for v in e_vars if v != base_e]
+        s_vars = [ShrinkConfig(64, br, 128, 8, 3), ShrinkConfig(32, br, 128, 4, 3), ShrinkConfig(64, br, 64, 4, 3)]
+        e_vars = [ExpandConfig(bm, bn, ch, nw, 3)
+                  for (bm, bn, nw) in ((32, 256, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8)) for ch in (512, 1024, 2048)]
+    s_all = [base_s] + [v for v in s_vars if v != base_s]
+    return [(v, S) for v in s_all], [base_e] + [v for v in e_vars if v != base_e]
 
 
 def sweep(sc: dict) -> tuple[dict, list[dict]]:
@@ -251,6 +248,7 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
     copies = make_copies(sc, per_copy)
     segs = build_segments(token_slots(sc), alloc_segments(T, sc["distinct"], DEVICE))
     best: dict = {}
+    swept_e: dict = {}
     rows = []
     for g, (_, widths) in GROUPS.items():
         s_vars, e_vars = sweep_variants(sc, g)
@@ -266,6 +264,9 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
         y = torch.zeros(S_best, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
         lora_shrink(copies[0][g]["x"], copies[0][g]["A"], copies[0][g]["ranks"], segs, y, config=cfg_s)
         timed_e = []
+        e_key = (sum(widths), len(widths))  # o and down share one EXPAND_TABLE entry: sweep it once
+        if e_key in swept_e:
+            e_vars = [swept_e[e_key]]
         for cfg in e_vars:
             fns = [(lambda c=c[g], cfg=cfg, w=widths, y=y:
                     lora_expand(y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, config=cfg)) for c in copies]
@@ -273,6 +274,7 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
             rows.append(dict(scenario=sc["name"], group=g, kernel="expand", config=cfg.__dict__, splits=S_best,
                              graph_us=timed_e[-1][0]))
         us_e, cfg_e = min(timed_e, key=lambda t: t[0])
+        swept_e[e_key] = cfg_e
         best[g] = (cfg_s, S_best, cfg_e)
         print(f"  sweep {sc['name']} {g}: shrink {cfg_s} S={S_best} {us_s:.1f}us (table {timed_s[0][0]:.1f})"
               f" | expand {cfg_e} {us_e:.1f}us (table {timed_e[0][0]:.1f})", flush=True)
@@ -282,13 +284,17 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
 
 
 def table_entries(sc: dict, best: dict) -> list[str]:
-    """Lines to paste into kernels/lora_configs.py for this (family, rank)."""
+    """Lines to paste into kernels/lora_configs.py (SHRINK_TABLE / EXPAND_TABLE) for this (family, rank)."""
     fam, r = family(sc["tokens"]), sc["rank"]
     lines = []
-    for g, (s_cfg, splits, e_cfg) in best.items():
+    for g, (s_cfg, _, e_cfg) in best.items():
         d, widths = GROUPS[g]
-        lines.append(f"S   ({fam!r}, {d}, {len(widths)}, {r}): {s_cfg!r},  # {g} splits={splits}")
-        lines.append(f"E   ({fam!r}, {sum(widths)}, {len(widths)}, {r}): {e_cfg!r},  # {g}")
+        c = s_cfg
+        lines.append(f"SHRINK ({fam!r}, {d}, {len(widths)}, {r}): "
+                     f"S({c.block_m}, {c.block_r}, {c.block_k}, {c.num_warps}, {c.num_stages}),  # {g}")
+        c = e_cfg
+        lines.append(f"EXPAND ({fam!r}, {sum(widths)}, {len(widths)}, {r}): "
+                     f"E({c.block_m}, {c.block_n}, {c.chunk_n}, {c.num_warps}, {c.num_stages}),  # {g}")
     return lines
 
 
@@ -315,10 +321,10 @@ def run_scenario(sc: dict, bw: float, rate: float, overrides: dict) -> dict:
     floor = max(tot_bytes / bw, tot_flops / rate) * 1e6
     res["layer"] = dict(floor_us=floor, bytes=tot_bytes, flops=tot_flops,
                         bench_us=bench_us(layer[0]), graph_us=graph_time_us(layer))
-    if pdl_enabled() and is_goal(sc):  # what programmatic dependent launch buys
-        set_pdl(False)
-        res["layer"]["graph_us_without_pdl"] = graph_time_us(layer)
+    if PDL_OK and is_goal(sc):  # what programmatic dependent launch would buy (off by default)
         set_pdl(True)
+        res["layer"]["graph_us_with_pdl"] = graph_time_us(layer)
+        set_pdl(False)
     torch_fns = torch_layer_fns(copies, slots, sc)[: max(1, 64 // sc["distinct"])]
     res["torch_layer"] = dict(bench_us=bench_us(torch_fns[0]), graph_us=graph_time_us(torch_fns, replays=5))
     res["build_segments_us"] = bench_us(lambda: build_segments(slots, segs))
@@ -344,10 +350,16 @@ def print_table(results: list[dict]) -> None:
               f" {t['graph_us'] / r['layer']['floor_us']:5.2f}")
 
 
+PDL_OK = False
+
+
 def probe_pdl() -> None:
-    """Turn PDL off if this Triton/driver cannot launch or graph-capture it (checked, not assumed)."""
+    """Whether PDL launches and graph-captures here (checked, not assumed); the run itself uses the default."""
+    global PDL_OK
+    default = pdl_enabled()
+    set_pdl(True)
     if not pdl_enabled():
-        print("PDL: off", flush=True)
+        print("PDL: not available", flush=True)
         return
     try:
         sc = dict(name="probe", tokens=16, distinct=4, rank=16, prefill=False)
@@ -357,10 +369,11 @@ def probe_pdl() -> None:
         graph_time_us([lambda: [f[0]() for f in fns.values()]], replays=2)
         err = check_bf16(copies[0], segs, sc, {})
         assert err < 2e-2, f"rel err {err}"
-        print(f"PDL: on (probe ok, rel err {err:.1e})", flush=True)
-    except Exception as exc:  # noqa: BLE001 - any failure means: run without PDL
-        print(f"PDL: probe failed ({type(exc).__name__}: {exc}); running without PDL", flush=True)
-        set_pdl(False)
+        PDL_OK = True
+        print(f"PDL: works (probe rel err {err:.1e}); default {'on' if default else 'off'}", flush=True)
+    except Exception as exc:  # noqa: BLE001 - any failure means: no PDL comparison
+        print(f"PDL: probe failed ({type(exc).__name__}: {exc})", flush=True)
+    set_pdl(default)
 
 
 def is_goal(sc: dict) -> bool:
@@ -404,7 +417,7 @@ def main() -> None:
         payload["results"].append(res)
         out_path.write_text(json.dumps(payload, indent=1))
         lay = res["layer"]
-        nopdl = f" (no PDL {lay['graph_us_without_pdl']:.1f})" if "graph_us_without_pdl" in lay else ""
+        nopdl = f" (with PDL {lay['graph_us_with_pdl']:.1f})" if "graph_us_with_pdl" in lay else ""
         print(f"{sc['name']:36} layer floor {lay['floor_us']:7.1f}us graph {lay['graph_us']:7.1f}us{nopdl}"
               f" ({lay['graph_us'] / lay['floor_us']:.2f}x) bench {lay['bench_us']:7.1f}us"
               f" torch {res['torch_layer']['graph_us']:8.1f}us  [{time.time() - t0:.0f}s]", flush=True)

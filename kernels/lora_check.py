@@ -110,6 +110,8 @@ CASES: tuple[Case, ...] = (
     Case("mixed_prefill_decode_fp16", 300, 40, (32, 24), 16, ((16, 4), (1, 8), (16, 16)), "float16",
          slot_pattern="one_big"),
     Case("thousands_tokens_fp32", 2048, 24, (20,), 8, ((8,), (1,), (4,)), "float32"),
+    Case("even_tiles_fp16", 9, 512, (256, 256), 16, ((16, 3), (0, 9), (12, 16)), "float16"),
+    Case("rank_not_multiple_of_8_pool_fp32", 7, 48, (24, 40), 12, ((12, 5), (3, 12)), "float32"),
     Case("no_adapter_tokens_fp32", 12, 40, (16, 8), 8, ((8, 8),), "float32", slot_pattern="none"),
 )
 

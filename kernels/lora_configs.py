@@ -39,14 +39,58 @@ def family(num_tokens: int) -> str:
     return "decode" if num_tokens <= DECODE_MAX_TOKENS else "prefill"
 
 
-# (family, d) -> K-splits of shrink (partial sums y[S, T, n*R] that expand adds up)
-SPLITS_TABLE: dict[tuple[str, int], int] = {}
+def splits_bucket(num_tokens: int) -> str:
+    """Split-K bucket: few tokens need more splits to spread a few adapters over the chip."""
+    return "decode_small" if num_tokens <= 16 else family(num_tokens)
 
+
+# (splits bucket, d) -> K-splits of shrink (partial sums y[S, T, n*R] that expand adds up)
+SPLITS_TABLE: dict[tuple[str, int], int] = {
+    ("decode_small", 4096): 8,
+    ("decode_small", 14336): 14,
+    ("decode", 4096): 2,
+    ("decode", 14336): 7,
+    ("prefill", 4096): 2,
+    ("prefill", 14336): 4,
+}
+
+S, E = ShrinkConfig, ExpandConfig
 # (family, d, n_stack, max_rank) -> ShrinkConfig
-SHRINK_TABLE: dict[tuple[str, int, int, int], ShrinkConfig] = {}
+SHRINK_TABLE: dict[tuple[str, int, int, int], ShrinkConfig] = {
+    ("decode", 4096, 3, 16): S(16, 16, 128, 4, 4),  # qkv
+    ("decode", 4096, 1, 16): S(16, 16, 128, 4, 4),  # o
+    ("decode", 4096, 2, 16): S(16, 16, 256, 4, 3),  # gate_up
+    ("decode", 14336, 1, 16): S(16, 16, 256, 4, 3),  # down
+    ("decode", 4096, 3, 64): S(16, 32, 128, 4, 4),
+    ("decode", 4096, 1, 64): S(16, 32, 128, 4, 4),
+    ("decode", 4096, 2, 64): S(16, 32, 128, 4, 4),
+    ("decode", 14336, 1, 64): S(16, 32, 128, 4, 4),
+    ("prefill", 4096, 3, 16): S(64, 16, 128, 8, 3),
+    ("prefill", 4096, 1, 16): S(32, 16, 128, 4, 3),
+    ("prefill", 4096, 2, 16): S(32, 16, 128, 4, 3),
+    ("prefill", 14336, 1, 16): S(32, 16, 128, 4, 3),
+    ("prefill", 4096, 3, 64): S(64, 64, 64, 4, 3),
+    ("prefill", 4096, 1, 64): S(64, 64, 128, 8, 3),
+    ("prefill", 4096, 2, 64): S(64, 64, 128, 8, 3),
+    ("prefill", 14336, 1, 64): S(64, 64, 128, 8, 3),
+}
 
 # (family, total output width, n_stack, max_rank) -> ExpandConfig
-EXPAND_TABLE: dict[tuple[str, int, int, int], ExpandConfig] = {}
+EXPAND_TABLE: dict[tuple[str, int, int, int], ExpandConfig] = {
+    ("decode", 6144, 3, 16): E(16, 512, 1024, 4, 3),  # qkv
+    ("decode", 4096, 1, 16): E(16, 512, 1024, 8, 3),  # o, down
+    ("decode", 28672, 2, 16): E(16, 256, 1024, 4, 2),  # gate_up
+    ("decode", 6144, 3, 64): E(16, 128, 1024, 8, 3),
+    ("decode", 4096, 1, 64): E(16, 256, 1024, 8, 3),
+    ("decode", 28672, 2, 64): E(16, 128, 1024, 4, 3),
+    ("prefill", 6144, 3, 16): E(64, 128, 1024, 4, 3),
+    ("prefill", 4096, 1, 16): E(32, 256, 512, 4, 3),
+    ("prefill", 28672, 2, 16): E(64, 128, 512, 4, 3),
+    ("prefill", 6144, 3, 64): E(64, 128, 512, 4, 2),
+    ("prefill", 4096, 1, 64): E(64, 128, 1024, 4, 3),
+    ("prefill", 28672, 2, 64): E(64, 128, 1024, 4, 3),
+}
+del S, E
 
 
 def _rank_bucket(max_rank: int) -> int:
@@ -56,10 +100,12 @@ def _rank_bucket(max_rank: int) -> int:
 @lru_cache(maxsize=1024)
 def shrink_splits(d: int, num_tokens: int) -> int:
     """How many partial sums `lora_shrink` writes for this `d` (the first dim of its `y`)."""
-    fam = family(num_tokens)
-    if (fam, d) in SPLITS_TABLE:
-        return SPLITS_TABLE[(fam, d)]
-    return max(1, min(8, d // 2048)) if fam == "decode" else max(1, min(4, d // 2048))
+    bucket = splits_bucket(num_tokens)
+    if (bucket, d) in SPLITS_TABLE:
+        return SPLITS_TABLE[(bucket, d)]
+    if bucket == "decode_small":
+        return max(1, min(16, d // 512))
+    return max(1, min(8 if bucket == "decode" else 4, d // 2048))
 
 
 @lru_cache(maxsize=1024)

@@ -4,7 +4,7 @@ One launch covers a whole mixed batch and all `n` stacked modules of a group; th
 may have different widths (q/k/v with GQA: q wider than k and v). Programs are (output
 column chunk, token block); each loads its tokens' `y` once and then streams its chunk
 of B and of `out` in `block_n` steps (software-pipelined). Loads of `y` and B are masked
-to the slot's real rank, so a rank-4 slot next to a rank-64 one moves rank-4 bytes (the
+to the slot's real rank (rounded up to 8), so a rank-4 slot next to a rank-64 one moves rank-4 bytes (the
 tile math is padded to the pool's max rank, which only matters where compute does:
 never for decode, and under the `out` stream for prefill); a rank-0 module or a token
 without adapter exits before any load. Each adapter's B is read once per token block,
@@ -33,7 +33,8 @@ def _expand_kernel(
     max_rank, w0, w1, w2, nc0, nc1, chunk_n,
     sy_s, sy_t, sy_c, sb_s, sb_n, sb_r, so_t, so_n, sr_s, sr_i, ss_s, ss_i,
     N_SPLITS: tl.constexpr, TOK_STRIDE: tl.constexpr,
-    USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    USE_PDL: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -60,13 +61,18 @@ def _expand_kernel(
     # y (the K-split partials summed) is loaded once per program; columns past the slot's
     # rank are masked, so the bytes read (y here, B below) scale with the real rank.
     offs_k = tl.arange(0, BLOCK_R)
-    k_mask = offs_k < rank
+    # Loads are masked to the rank rounded up to 8 so the mask is constant over 16-byte
+    # vectors (a mask at the exact rank forces 2-byte loads); the extra columns, which
+    # nobody wrote, are then zeroed in registers.
+    rank8 = tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), max_rank)
+    k_load = offs_k < rank8
+    k_real = offs_k < rank
     y_ptrs = y_ptr + tok[:, None] * sy_t + (stack * max_rank + offs_k)[None, :] * sy_c
-    y_mask = m_mask[:, None] & k_mask[None, :]
+    y_mask = m_mask[:, None] & k_load[None, :]
     yt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for p in tl.static_range(N_SPLITS):
         yt += tl.load(y_ptrs + p * sy_s, mask=y_mask, other=0.0)
-    yt = yt.to(b_ptr.dtype.element_ty)
+    yt = tl.where(k_real[None, :], yt, 0.0).to(b_ptr.dtype.element_ty)
 
     n_begin = chunk * chunk_n
     n_end = tl.minimum(n_begin + chunk_n, width)
@@ -74,12 +80,17 @@ def _expand_kernel(
     o_rows = out_ptr + tok[:, None] * so_t
     for n0 in range(n_begin, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_end
         cols = (col0 + offs_n).to(tl.int64)
-        bt = tl.load(b_base + cols[None, :] * sb_n, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if EVEN_N:  # every stack width is a multiple of BLOCK_N: no column mask
+            bt = tl.load(b_base + cols[None, :] * sb_n, mask=k_load[:, None], other=0.0)
+            o_mask = m_mask[:, None]
+        else:
+            n_mask = offs_n < n_end
+            bt = tl.load(b_base + cols[None, :] * sb_n, mask=k_load[:, None] & n_mask[None, :], other=0.0)
+            o_mask = m_mask[:, None] & n_mask[None, :]
+        bt = tl.where(k_real[:, None], bt, 0.0)
         acc = tl.dot(yt, bt)
         o_ptrs = o_rows + cols[None, :] * so_n
-        o_mask = m_mask[:, None] & n_mask[None, :]
         prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
         tl.store(o_ptrs, (prev.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
 
@@ -126,6 +137,7 @@ def lora_expand(
         out.stride(0), out.stride(1), ranks.stride(0), ranks.stride(1),
         scalings.stride(0), scalings.stride(1),
         N_SPLITS=y3.shape[0], TOK_STRIDE=btok.stride(0),
+        EVEN_N=all(wi % cfg.block_n == 0 for wi in widths),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(),

@@ -8,7 +8,8 @@ the metadata round trips behind the previous kernel's tail, which is most of wha
 small kernels per layer cost in decode. Contract: `build_segments` and pool uploads are
 never the launch directly before a LoRA kernel (a model runs other work in between).
 
-Off under the Triton interpreter, on GPUs before sm_90, or with LORAPLEX_LORA_PDL=0.
+Off by default: measured on an H200 (docs/benchmarks.md) it made a decoder layer's LoRA work
+slower, not faster. LORAPLEX_LORA_PDL=1 turns it on (sm_90+, compiled Triton only).
 """
 
 from __future__ import annotations
@@ -22,17 +23,17 @@ _state: dict[str, bool] = {}
 
 def pdl_enabled() -> bool:
     if "on" not in _state:
-        _state["on"] = _detect()
+        _state["on"] = os.environ.get("LORAPLEX_LORA_PDL", "0") == "1" and pdl_capable()
     return _state["on"]
 
 
 def set_pdl(on: bool) -> None:
-    """Force PDL on or off (benchmarks compare both; a failed capture probe turns it off)."""
-    _state["on"] = bool(on) and _detect()
+    """Force PDL on (where capable) or off; benchmarks compare both."""
+    _state["on"] = bool(on) and pdl_capable()
 
 
-def _detect() -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1" or os.environ.get("LORAPLEX_LORA_PDL", "1") == "0":
+def pdl_capable() -> bool:
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         return False

@@ -30,7 +30,8 @@ def _shrink_kernel(
     d, max_rank, k_per_split,
     sx_t, sx_d, sa_s, sa_r, sa_d, sy_s, sy_t, sy_c, sr_s, sr_i,
     R_BLOCKS: tl.constexpr, TOK_STRIDE: tl.constexpr,
-    USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_sr = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -62,9 +63,13 @@ def _shrink_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
         offs_k = k + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k_end
-        xt = tl.load(x_rows + offs_k[None, :] * sx_d, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        at = tl.load(a_rows + offs_k[:, None] * sa_d, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        if EVEN_K:  # d is a multiple of BLOCK_K: a K mask would only cost vector width
+            xt = tl.load(x_rows + offs_k[None, :] * sx_d, mask=m_mask[:, None], other=0.0)
+            at = tl.load(a_rows + offs_k[:, None] * sa_d, mask=r_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k < k_end
+            xt = tl.load(x_rows + offs_k[None, :] * sx_d, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_rows + offs_k[:, None] * sa_d, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         acc = tl.dot(xt, at, acc)
     y_ptrs = y_ptr + pid_k * sy_s + tok[:, None] * sy_t + rows[None, :] * sy_c
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
@@ -79,7 +84,7 @@ def alloc_shrink_out(
     `shrink_out_view(buf, d, T)[..., :n*R]` as a group's `y`.
     """
     tabled = [v for (_, dd), v in SPLITS_TABLE.items() if dd <= max_d]
-    splits = max([shrink_splits(max_d, t) for t in (1, max_tokens)] + tabled)
+    splits = max([shrink_splits(max_d, t) for t in (1, 17, 257, max_tokens)] + tabled)
     return torch.empty((splits, max_tokens, n_stack * max_rank), dtype=torch.float32, device=device)
 
 
@@ -121,7 +126,7 @@ def lora_shrink(
         d, max_rank, k_per_split,
         x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
         y3.stride(0), y3.stride(1), y3.stride(2), ranks.stride(0), ranks.stride(1),
-        R_BLOCKS=r_blocks, TOK_STRIDE=btok.stride(0),
+        R_BLOCKS=r_blocks, TOK_STRIDE=btok.stride(0), EVEN_K=d % cfg.block_k == 0,
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(),
     )
