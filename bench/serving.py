@@ -110,12 +110,11 @@ def engine_section(model_dir: Path, adapter_dirs: list[Path], prompts: list[list
     # The engine, its KV cache and graphs are freed when this function returns (main collects).
 
 
-def add_floors(res: dict, shape: dict, bw: float, ctx: int, opts) -> None:
-    ctx_mid = ctx + 1 + 3 + opts.decode_steps / 2  # prompt, first token, warm-up steps, half the timed ones
+def add_floors(res: dict, shape: dict, bw: float) -> None:
     for row in res["decode"]:
         if not any(r["batch"] == row["batch"] and r["distinct_adapters"] == 0 for r in res["decode"]):
             continue
-        byts = (setup.weight_bytes(shape) + row["batch"] * ctx_mid * setup.kv_bytes_per_token(shape)
+        byts = (setup.weight_bytes(shape) + row["batch"] * row["mean_context"] * setup.kv_bytes_per_token(shape)
                 + row["distinct_adapters"] * setup.adapter_bytes(shape))
         row["floor_ms"] = 1e3 * byts / bw
         row["x_floor"] = row["ms_per_step"] / row["floor_ms"]
@@ -128,15 +127,19 @@ def add_floors(res: dict, shape: dict, bw: float, ctx: int, opts) -> None:
 
 def print_table(res: dict) -> None:
     print(f"\ncopy bandwidth {res['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {res['matmul_rate'] / 1e12:.0f} TFLOP/s")
+    print("decode: ratio = tokens/s over the base model's at the same batch; gpu ms = one replay of the "
+          "step's CUDA graph; host = step - gpu (schedule / sample / append+detok ms)")
     print(f"{'measurement':<36}{'batch':>6}{'ms/step':>9}{'tok/s':>10}{'floor ms':>10}{'x floor':>9}"
-          f"{'ratio':>8}{'gpu ms':>8}{'host %':>8}")
+          f"{'ratio':>8}{'gpu ms':>8}{'host %':>8}  host split")
     for r in res["decode"]:
         if "floor_ms" not in r:
             continue
         what = "decode base" if not r["distinct_adapters"] else f"decode {r['distinct_adapters']} adapters"
         gpu = f"{r['graph_gpu_ms']:.2f}" if r.get("graph_gpu_ms") else "-"
+        host = r["ms_per_step"] - (r.get("graph_gpu_ms") or r["forward_ms"])
+        split = f"{r['schedule_ms']:.2f}/{r['sample_ms']:.2f}/{r['append_ms']:.2f}"
         print(f"{what:<36}{r['batch']:>6}{r['ms_per_step']:>9.2f}{r['tokens_per_s']:>10.0f}{r['floor_ms']:>10.2f}"
-              f"{r['x_floor']:>9.2f}{r['ratio_to_base']:>8.3f}{gpu:>8}{100 * r['other_ms'] / r['ms_per_step']:>7.1f}%")
+              f"{r['x_floor']:>9.2f}{r['ratio_to_base']:>8.3f}{gpu:>8}{100 * host / r['ms_per_step']:>7.1f}%  {split}")
     for p in res["prefill"]:
         what = f"prefill {p['prompts']}x{p['tokens'] // p['prompts']}" + (
             f" {p['distinct_adapters']} adapters" if p["distinct_adapters"] else " base")
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         log.info("after the engine: %.1f GiB allocated", torch.cuda.memory_allocated() / 2**30)
-    add_floors(res, shape, res["copy_bw"], ctx, opts)
+    add_floors(res, shape, res["copy_bw"])
     if not opts.skip_baselines:
         from bench.serving_baselines import run_baselines
 

@@ -23,10 +23,14 @@ _ids = itertools.count()
 class StepTiming(NamedTuple):
     batch: int
     steps: int
+    mean_context: float  # tokens per sequence at the middle of the timed steps
     ms_per_step: float
     tokens_per_s: float
     forward_ms: float  # model runner forward: input prep + GPU (synchronized)
     other_ms: float  # schedule + sample + stop checks + detokenize
+    schedule_ms: float
+    sample_ms: float
+    append_ms: float  # stop checks + incremental detokenization of every request's token
 
 
 def _sync(device: torch.device) -> None:
@@ -35,21 +39,41 @@ def _sync(device: torch.device) -> None:
 
 
 class ForwardClock:
-    """Wraps the runner's forward to time it (the step syncs right after it anyway, to sample)."""
+    """Times the parts of a step: the runner's forward (synced; the step syncs right after it
+    anyway, to sample), scheduling, sampling, and appending tokens (stop checks + detokenize)."""
 
     def __init__(self, engine) -> None:
-        self.runner = engine.runner
-        self.inner = engine.runner.forward
+        from services.inference.engine import engine as engine_module
+
         self.device = engine.runner.device
         self.total = 0.0
-        engine.runner.forward = self._timed
+        self.parts: dict[str, float] = {"schedule": 0.0, "sample": 0.0, "append": 0.0}
+        inner = engine.runner.forward
 
-    def _timed(self, chunks):
-        start = time.perf_counter()
-        out = self.inner(chunks)
-        _sync(self.device)
-        self.total += time.perf_counter() - start
-        return out
+        def forward(chunks):
+            start = time.perf_counter()
+            out = inner(chunks)
+            _sync(self.device)
+            self.total += time.perf_counter() - start
+            return out
+
+        engine.runner.forward = forward
+        engine.scheduler.schedule = self._wrap("schedule", engine.scheduler.schedule)
+        engine._append_token = self._wrap("append", engine._append_token)
+        engine_module.sample = self._wrap("sample", engine_module.sample)
+
+    def _wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.parts[name] += time.perf_counter() - start
+        return timed
+
+    def reset(self) -> None:
+        self.total = 0.0
+        self.parts = dict.fromkeys(self.parts, 0.0)
 
 
 def add_batch(engine, prompts: list[list[int]], adapters: list[str | None], max_new_tokens: int) -> list[str]:
@@ -83,7 +107,9 @@ def abort_all(engine, ids: list[str]) -> None:
 def measure_decode(engine, clock: ForwardClock, prompts: list[list[int]], adapters: list[str | None],
                    steps: int, warmup: int = 3) -> StepTiming:
     """Decode steps with every request of the batch running (contexts = prompt length + a few)."""
-    ids = add_batch(engine, prompts, adapters, max_new_tokens=steps + warmup + 8)
+    # Generous max_new_tokens: the first requests decode while the last ones still prefill, and
+    # none may finish before the timed steps (all are aborted at the end).
+    ids = add_batch(engine, prompts, adapters, max_new_tokens=1024)
     run_until_decoding(engine, ids)
     running = len(engine.scheduler.running)
     if running != len(ids):
@@ -91,19 +117,24 @@ def measure_decode(engine, clock: ForwardClock, prompts: list[list[int]], adapte
     for _ in range(warmup):
         engine.step()
     _sync(clock.device)
-    times, forward = [], []
+    running_reqs = engine.scheduler.running
+    mean_context = sum(len(r.token_ids) for r in running_reqs) / len(running_reqs) + steps / 2
+    times, forward, parts = [], [], []
     for _ in range(steps):
-        clock.total = 0.0
+        clock.reset()
         start = time.perf_counter()
         outs = engine.step()
         times.append(time.perf_counter() - start)
         forward.append(clock.total)
+        parts.append(dict(clock.parts))
         if len(outs) != len(ids):
             raise RuntimeError(f"a decode step returned {len(outs)} outputs for {len(ids)} requests")
     abort_all(engine, ids)
     ms = 1e3 * statistics.median(times)
     fwd = 1e3 * statistics.median(forward)
-    return StepTiming(len(ids), steps, ms, len(ids) / (ms / 1e3), fwd, ms - fwd)
+    part_ms = {k: 1e3 * statistics.median(p[k] for p in parts) for k in ("schedule", "sample", "append")}
+    return StepTiming(len(ids), steps, mean_context, ms, len(ids) / (ms / 1e3), fwd, ms - fwd,
+                      part_ms["schedule"], part_ms["sample"], part_ms["append"])
 
 
 def measure_prefill(engine, prompts: list[list[int]], adapters: list[str | None], repeats: int = 2) -> dict:

@@ -162,8 +162,34 @@ def _interpreter_checks() -> int:
             ok = bool(torch.isfinite(out).all()) and err < TOL[dtype]
             failures += not ok
             print(f"prefill {dtype} case {i}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
-        failures += _check_store(dtype) + _check_engine_backend(dtype)
-    print(f"checked {2 * (len(DECODE_CASES) + len(PREFILL_CASES) + 2)} cases, {failures} failed")
+        failures += _check_store(dtype) + _check_engine_backend(dtype) + _check_fused_ops(dtype)
+    print(f"checked {2 * (len(DECODE_CASES) + len(PREFILL_CASES) + 5)} cases, {failures} failed")
+    return failures
+
+
+def _check_fused_ops(dtype: torch.dtype) -> int:
+    """RMSNorm, rotary and SiLU-and-mul against the torch code they replace (odd sizes, strided q/k)."""
+    from kernels.fused_ops import rms_norm, rms_norm_ref, rotary, rotary_ref, silu_and_mul, silu_and_mul_ref
+
+    gen = torch.Generator().manual_seed(7)
+    x, w = torch.randn((5, 100), generator=gen).to(dtype), torch.randn(100, generator=gen).to(dtype)
+    qkv = torch.randn((3, 6 * 24), generator=gen).to(dtype)
+    q, k = qkv[:, : 4 * 24].view(3, 4, 24), qkv[:, 4 * 24 : 5 * 24].view(3, 1, 24)
+    freqs = torch.randn((3, 12), generator=gen)
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    gate_up = torch.randn((3, 2 * 1500), generator=gen).to(dtype)
+    pairs = [
+        ("rms_norm", rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5)),
+        ("rotary q", rotary(q, cos, sin), rotary_ref(q, cos, sin)),
+        ("rotary k", rotary(k, cos, sin), rotary_ref(k, cos, sin)),
+        ("silu_mul", silu_and_mul(gate_up), silu_and_mul_ref(gate_up)),
+    ]
+    failures = 0
+    for name, out, ref in pairs:
+        err = rel_err(out, ref)
+        ok = out.shape == ref.shape and err < TOL[dtype] / 5
+        failures += not ok
+        print(f"fused   {dtype} {name}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     return failures
 
 

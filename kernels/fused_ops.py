@@ -1,0 +1,114 @@
+"""Fused element-wise kernels for the decoder layer on CUDA: RMSNorm, rotary embedding, SiLU-and-mul.
+
+Why: in a CUDA-graph decode step every kernel costs a few microseconds however little it does,
+and torch's eager RMSNorm (7 kernels), rotary (6 per tensor) and `silu(gate) * up` (3) made
+about 30 of a layer's ~40 kernels. Each function here is one launch and rounds exactly where
+the torch code it replaces rounds (services/inference/models/llama.py, rope.py), so results
+agree with the torch path to about one unit in the last place of the dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
+    h = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)  # torch casts back before the weight
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * (x / rms(x)).to(x.dtype)` over the last dim of a 2-D `x`, as transformers computes it."""
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    if rows:
+        block = triton.next_power_of_2(n)
+        _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), out.stride(0), eps, N=n, BLOCK=block,
+                                  num_warps=min(16, max(1, block // 256)))
+    return out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
+                   HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < HEADS) & (offs_d[None, :] < HALF)
+    base = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    c = tl.load(cos_ptr + t * stride_ct + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
+    s = tl.load(sin_ptr + t * stride_ct + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
+    dt = out_ptr.dtype.element_ty
+    # torch rounds each product and each sum to the tensor dtype: do the same.
+    a = (x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)
+    b = (x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)
+    obase = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(obase, a.to(dt), mask=mask)
+    tl.store(obase + HALF, b.to(dt), mask=mask)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split rotary of `x` `[T, heads, head_dim]` (any strides, last dim contiguous) with
+    `cos`/`sin` `[T, head_dim/2]` in x's dtype; returns a new contiguous tensor."""
+    tokens, heads, dim = x.shape
+    half = dim // 2
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    if tokens:
+        cos, sin = cos.contiguous(), sin.contiguous()
+        _rotary_kernel[(tokens,)](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), out.stride(0),
+                                  out.stride(1), HEADS=heads, HALF=half, BLOCK_H=triton.next_power_of_2(heads),
+                                  BLOCK_D=triton.next_power_of_2(half), num_warps=4)
+    return out
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + N + offs, mask=mask, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # torch's silu rounds before the mul
+    tl.store(out_ptr + row * stride_o + offs, (act * u).to(dt), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for `gate_up` = `[T, 2 * inter]` (gate first, as the fused linear stacks them)."""
+    rows, width = gate_up.shape
+    n = width // 2
+    out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        block = 1024
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), N=n,
+                                                       BLOCK=block, num_warps=4)
+    return out
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
