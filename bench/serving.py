@@ -50,6 +50,25 @@ def ceilings() -> tuple[float, float]:
     return bw, 2 * 8192**3 / (ms * 1e-3)
 
 
+def kernel_check(shape: dict) -> dict[str, float]:
+    """bf16 fused kernels against the torch code they replace, at this model's shapes (GPU only)."""
+    from kernels.fused_ops import rms_norm, rms_norm_ref, rotary, rotary_ref, silu_and_mul, silu_and_mul_ref
+
+    def err(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    h, heads = shape["hidden_size"], shape["num_attention_heads"]
+    d = h // heads
+    x, w = torch.randn(64, h, device="cuda", dtype=torch.bfloat16), torch.rand(h, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(64, heads, d, device="cuda", dtype=torch.bfloat16)
+    f = torch.rand(64, d // 2, device="cuda") * 100
+    cos, sin = f.cos().bfloat16(), f.sin().bfloat16()
+    gu = torch.randn(64, 2 * shape["intermediate_size"], device="cuda", dtype=torch.bfloat16)
+    return dict(rms_norm=err(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5)),
+                rotary=err(rotary(q, cos, sin), rotary_ref(q, cos, sin)),
+                silu_mul=err(silu_and_mul(gu), silu_and_mul_ref(gu)))
+
+
 def build(model_dir: Path, opts: argparse.Namespace, num_adapters: int):
     from services.inference.engine.build import build_engine
     from services.inference.server_args import ServerArgs
@@ -79,6 +98,14 @@ def engine_section(model_dir: Path, adapter_dirs: list[Path], prompts: list[list
     for name, path in zip(names, adapter_dirs, strict=True):
         manager.load_adapter(name, str(path))
     res["adapters_load_s"] = time.perf_counter() - start
+    # Greedy tokens for a correctness comparison with transformers + PEFT (done in the baselines).
+    from services.inference.engine.types import SamplingParams
+
+    check_prompts, check_adapters = [p[:48] for p in prompts[:4]], [None, None, 0, 1]
+    done = engine.generate(check_prompts, SamplingParams(max_new_tokens=8, ignore_eos=True),
+                           [None if a is None else names[a] for a in check_adapters])
+    res["greedy_engine"] = [c.token_ids for c in done]
+    res["check"] = (check_prompts, check_adapters, 8)
     clock = ForwardClock(engine)
     decode = res["decode"] = []
 
@@ -179,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                      torch=torch.__version__, shape=shape, context=ctx, argv=sys.argv[1:])
     res["copy_bw"], res["matmul_rate"] = ceilings() if torch.cuda.is_available() else (1e11, 1e12)
+    if torch.cuda.is_available():
+        res["kernel_check"] = kernel_check(shape)
     work = Path(opts.work)
     start = time.perf_counter()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -204,8 +233,20 @@ def main(argv: list[str] | None = None) -> int:
 
         ids = torch.tensor(prompts[:32], device=dev)
         res["baselines"] = run_baselines(model_dir, adapter_dirs[:8], ids, opts.baseline_new_tokens,
-                                         skip_compile=opts.skip_compile)
+                                         skip_compile=opts.skip_compile, check=res.get("check"))
+        ref = res["baselines"].pop("greedy_reference", None)
+        if ref is not None and "greedy_engine" in res:
+            ours = res["greedy_engine"]
+            res["greedy_agreement"] = dict(
+                first_token=sum(a[0] == b[0] for a, b in zip(ours, ref, strict=True)) / len(ref),
+                all_tokens=sum(x == y for a, b in zip(ours, ref, strict=True) for x, y in zip(a, b, strict=True))
+                / sum(len(b) for b in ref),
+                rows_identical=[a == b for a, b in zip(ours, ref, strict=True)])
     print_table(res)
+    if "greedy_agreement" in res:
+        print("greedy tokens vs transformers+PEFT (2 base rows, 2 adapter rows, 8 tokens):", res["greedy_agreement"])
+    if "kernel_check" in res:
+        print("bf16 kernels vs torch:", {k: f"{v:.1e}" for k, v in res["kernel_check"].items()})
     out = Path(opts.out) / "serving.json"
     out.write_text(json.dumps(res, indent=1, default=str))
     print(f"wrote {out}")

@@ -117,13 +117,28 @@ def static_cache_compiled(model, input_ids: torch.Tensor, new_tokens: int) -> tu
     return timing, warmup_s
 
 
+def greedy_reference(peft_model, prompts: list[list[int]], adapters: list[int | None], new_tokens: int) -> list:
+    """transformers + PEFT greedy tokens for a correctness comparison (adapter index or None = base)."""
+    ids = torch.tensor(prompts, device=peft_model.device)
+    names = ["__base__" if a is None else f"a{a}" for a in adapters]
+    with torch.inference_mode():
+        out = peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                  min_new_tokens=new_tokens, do_sample=False, adapter_names=names)
+    return out[:, ids.shape[1]:].tolist()
+
+
 def run_baselines(model_dir: Path, adapter_dirs: list[Path], input_ids: torch.Tensor, new_tokens: int,
-                  skip_compile: bool = False) -> dict:
-    """Both baselines at the batch of `input_ids`; frees the model before returning."""
+                  skip_compile: bool = False, check: tuple | None = None) -> dict:
+    """Both baselines at the batch of `input_ids`; frees the model before returning.
+
+    `check` = (prompts, adapter indices, new tokens): also returns PEFT's greedy tokens for them.
+    """
     results: dict = {}
     model = load_hf_model(model_dir)
     timing, peft_model = peft_mixed_batch(model, adapter_dirs, input_ids, new_tokens)
     results["hf_peft_mixed"] = timing._asdict() | {"adapters": len(adapter_dirs)}
+    if check is not None:
+        results["greedy_reference"] = greedy_reference(peft_model, *check)
     model = peft_model.unload()  # the plain base modules back, LoRA layers removed
     del peft_model
     gc.collect()
