@@ -133,18 +133,3 @@ class AdapterPool:
             del self._pending[slot]
             return True
         return False
-
-    def wait(self, slot: int) -> None:
-        """Make the compute stream wait for the slot's upload (for callers that cannot poll)."""
-        pending = self._pending.pop(slot, None)
-        if pending is not None:
-            torch.cuda.current_stream(self.device).wait_event(pending[0])
-
-    def clear(self, slot: int) -> None:
-        """Mark the slot empty: every module rank 0 (a stray token then adds nothing)."""
-        for g in self.groups:
-            self.host_rank[g][:, slot] = 0
-            self.host_scaling[g][:, slot] = 0
-            self.rank[g][:, slot] = 0
-            self.scaling[g][:, slot] = 0
-
