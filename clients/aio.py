@@ -18,17 +18,22 @@ from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 from clients.errors import from_rpc_error
-from clients.requests import CHANNEL_OPTIONS, generate_request
+from clients.requests import bearer, generate_request, make_channel
 
 
 class AsyncClient:
     def __init__(self, target: str = "127.0.0.1:50051", *, store: str | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, token: str | None = None, store_token: str | None = None,
+                 tls_ca: str | None = None) -> None:
+        """`token`: the server's --api-token (or --admin-token for LoadAdapter/UnloadAdapter);
+        `store_token`: the store's admin token; `tls_ca`: PEM to verify TLS servers with."""
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._md = bearer(token)
+        self._store_md = bearer(store_token)
+        self._channel = make_channel(target, tls_ca=tls_ca, aio=True)
         self._stub = pb_grpc.InferenceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._store_channel = grpc.aio.insecure_channel(store, options=CHANNEL_OPTIONS) if store else None
+        self._store_channel = make_channel(store, tls_ca=tls_ca, aio=True) if store else None
         self._store = spb_grpc.AdapterStoreStub(self._store_channel) if self._store_channel else None
 
     async def __aenter__(self) -> AsyncClient:
@@ -42,9 +47,10 @@ class AsyncClient:
         if self._store_channel is not None:
             await self._store_channel.close()
 
-    async def _call(self, method, request, timeout: float | None):
+    async def _call(self, method, request, timeout: float | None, metadata=None):
         try:
-            return await method(request, timeout=timeout if timeout is not None else self.timeout)
+            timeout = timeout if timeout is not None else self.timeout
+            return await method(request, timeout=timeout, metadata=self._md if metadata is None else metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
@@ -57,7 +63,8 @@ class AsyncClient:
                               timeout: float | None = None,
                               **sampling: Any) -> AsyncIterator[pb.GenerateStreamResponse]:
         request = generate_request(texts, adapter, **sampling)
-        call = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout)
+        call = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout,
+                                         metadata=self._md)
         try:
             async for message in call:
                 yield message
@@ -95,16 +102,17 @@ class AsyncClient:
     async def register_adapter(self, name: str, source: str, revision: str = "", *,
                                timeout: float | None = None) -> spb.AdapterRecord:
         req = spb.RegisterAdapterRequest(name=name, source=source, revision=revision)
-        return await self._call(self._store_stub().RegisterAdapter, req, timeout)
+        return await self._call(self._store_stub().RegisterAdapter, req, timeout, self._store_md or ())
 
     async def get_adapter(self, name: str, *, timeout: float | None = None) -> spb.AdapterRecord:
-        return await self._call(self._store_stub().GetAdapter, spb.GetAdapterRequest(name=name), timeout)
+        req = spb.GetAdapterRequest(name=name)
+        return await self._call(self._store_stub().GetAdapter, req, timeout, self._store_md or ())
 
     async def list_store_adapters(self, *, timeout: float | None = None) -> list[spb.AdapterRecord]:
         out, token = [], ""
         while True:
             req = spb.ListStoreAdaptersRequest(page_token=token)
-            resp = await self._call(self._store_stub().ListAdapters, req, timeout)
+            resp = await self._call(self._store_stub().ListAdapters, req, timeout, self._store_md or ())
             out.extend(resp.adapters)
             token = resp.next_page_token
             if not token:
@@ -112,4 +120,4 @@ class AsyncClient:
 
     async def delete_adapter(self, name: str, *, timeout: float | None = None) -> bool:
         req = spb.DeleteAdapterRequest(name=name)
-        return (await self._call(self._store_stub().DeleteAdapter, req, timeout)).deleted
+        return (await self._call(self._store_stub().DeleteAdapter, req, timeout, self._store_md or ())).deleted

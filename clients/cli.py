@@ -27,6 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inference service HOST:PORT (env LORAPLEX_TARGET)")
     p.add_argument("--store", default=os.environ.get("LORAPLEX_STORE"), help="adapter store HOST:PORT (env LORAPLEX_STORE)")
     p.add_argument("--timeout", type=float, default=None, help="per-call deadline in seconds")
+    p.add_argument("--token", default=os.environ.get("LORAPLEX_TOKEN"),
+                   help="the server's --api-token, or --admin-token for load/unload (env LORAPLEX_TOKEN)")
+    p.add_argument("--store-token", default=os.environ.get("LORAPLEX_STORE_TOKEN"),
+                   help="the store's admin token (env LORAPLEX_STORE_TOKEN)")
+    p.add_argument("--tls-ca", default=os.environ.get("LORAPLEX_TLS_CA"),
+                   help="PEM file to verify TLS servers with; plaintext without it (env LORAPLEX_TLS_CA)")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate from one or more prompts")
@@ -119,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     from clients.client import Client
 
     try:
-        with Client(ns.target, store=ns.store, timeout=ns.timeout) as client:
+        with Client(ns.target, store=ns.store, timeout=ns.timeout, token=ns.token, store_token=ns.store_token,
+                    tls_ca=ns.tls_ca) as client:
             if ns.command == "generate":
                 _generate(client, ns)
             elif ns.command == "load":

@@ -20,17 +20,22 @@ from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 from clients.errors import from_rpc_error
-from clients.requests import CHANNEL_OPTIONS, generate_request
+from clients.requests import bearer, generate_request, make_channel
 
 
 class Client:
     def __init__(self, target: str = "127.0.0.1:50051", *, store: str | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, token: str | None = None, store_token: str | None = None,
+                 tls_ca: str | None = None) -> None:
+        """`token`: the server's --api-token (or --admin-token for LoadAdapter/UnloadAdapter);
+        `store_token`: the store's admin token; `tls_ca`: PEM to verify TLS servers with."""
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._md = bearer(token)
+        self._store_md = bearer(store_token)
+        self._channel = make_channel(target, tls_ca=tls_ca, aio=False)
         self._stub = pb_grpc.InferenceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._store_channel = grpc.insecure_channel(store, options=CHANNEL_OPTIONS) if store else None
+        self._store_channel = make_channel(store, tls_ca=tls_ca, aio=False) if store else None
         self._store = spb_grpc.AdapterStoreStub(self._store_channel) if self._store_channel else None
 
     def __enter__(self) -> Client:
@@ -44,9 +49,10 @@ class Client:
         if self._store_channel is not None:
             self._store_channel.close()
 
-    def _call(self, method, request, timeout: float | None):
+    def _call(self, method, request, timeout: float | None, metadata=None):
         try:
-            return method(request, timeout=timeout if timeout is not None else self.timeout)
+            timeout = timeout if timeout is not None else self.timeout
+            return method(request, timeout=timeout, metadata=self._md if metadata is None else metadata)
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
@@ -59,7 +65,8 @@ class Client:
     def generate_stream(self, texts: str | Sequence[str], adapter: str | Sequence[str] | None = None, *,
                         timeout: float | None = None, **sampling: Any) -> Iterator[pb.GenerateStreamResponse]:
         request = generate_request(texts, adapter, **sampling)
-        stream = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout)
+        stream = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout,
+                                           metadata=self._md)
         try:
             yield from stream
         except grpc.RpcError as err:
@@ -98,19 +105,22 @@ class Client:
     def register_adapter(self, name: str, source: str, revision: str = "", *,
                          timeout: float | None = None) -> spb.AdapterRecord:
         req = spb.RegisterAdapterRequest(name=name, source=source, revision=revision)
-        return self._call(self._store_stub().RegisterAdapter, req, timeout)
+        return self._call(self._store_stub().RegisterAdapter, req, timeout, self._store_md or ())
 
     def get_adapter(self, name: str, *, timeout: float | None = None) -> spb.AdapterRecord:
-        return self._call(self._store_stub().GetAdapter, spb.GetAdapterRequest(name=name), timeout)
+        req = spb.GetAdapterRequest(name=name)
+        return self._call(self._store_stub().GetAdapter, req, timeout, self._store_md or ())
 
     def list_store_adapters(self, *, timeout: float | None = None) -> list[spb.AdapterRecord]:
         out, token = [], ""
         while True:
-            resp = self._call(self._store_stub().ListAdapters, spb.ListStoreAdaptersRequest(page_token=token), timeout)
+            req = spb.ListStoreAdaptersRequest(page_token=token)
+            resp = self._call(self._store_stub().ListAdapters, req, timeout, self._store_md or ())
             out.extend(resp.adapters)
             token = resp.next_page_token
             if not token:
                 return out
 
     def delete_adapter(self, name: str, *, timeout: float | None = None) -> bool:
-        return self._call(self._store_stub().DeleteAdapter, spb.DeleteAdapterRequest(name=name), timeout).deleted
+        req = spb.DeleteAdapterRequest(name=name)
+        return self._call(self._store_stub().DeleteAdapter, req, timeout, self._store_md or ()).deleted

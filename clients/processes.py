@@ -77,11 +77,13 @@ class ServerProcess:
             raise RuntimeError(f"{self.name} did not start listening within {timeout:.0f}s:\n{self.output()[-4000:]}")
         return self.address
 
-    def wait_serving(self, timeout: float, service: str = "") -> None:
+    def wait_serving(self, timeout: float, service: str = "", tls_ca: str | None = None) -> None:
         """Block until grpc.health.v1 says SERVING (the process exiting first is an error)."""
+        from clients.requests import make_channel
+
         address = self.wait_bound(timeout)
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(address) as channel:
+        with make_channel(address, tls_ca=tls_ca) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:

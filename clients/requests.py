@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+import grpc
 from loraplex.v1 import inference_pb2 as pb
 
 # A long unary Generate sends nothing for its whole run; keepalive pings keep idle-killing
@@ -39,3 +41,17 @@ def generate_request(texts: str | Sequence[str], adapters: str | Sequence[str] |
         adapter_list = ["" if a is None else a for a in adapters]
     params = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in sampling.items() if v is not None}
     return pb.GenerateRequest(text=text_list, adapter=adapter_list, sampling_params=pb.SamplingParams(**params))
+
+
+def make_channel(target: str, *, tls_ca: str | None = None, aio: bool = False):
+    """A channel with CHANNEL_OPTIONS; TLS (verified against `tls_ca`, a PEM file) when given."""
+    module = grpc.aio if aio else grpc
+    if tls_ca is None:
+        return module.insecure_channel(target, options=CHANNEL_OPTIONS)
+    credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+    return module.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+
+
+def bearer(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """Call metadata for a server started with --api-token / --admin-token."""
+    return (("authorization", f"Bearer {token}"),) if token else None

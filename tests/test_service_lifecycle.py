@@ -6,6 +6,7 @@ server because each one ends it.
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 
@@ -123,5 +124,43 @@ def test_full_queue_is_resource_exhausted_with_retry(tiny_llama_path):
             assert "--max-queued-requests" in typed.message
             ok = stub.Generate(pb.GenerateRequest(text=["a", "b"], sampling_params=pb.SamplingParams(max_new_tokens=2)))
             assert len(ok.completions) == 2
+    finally:
+        server.stop()
+
+
+def test_tls_and_tokens(tiny_llama_path, tmp_path):
+    from clients import Client
+    from clients.errors import LoraplexError
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    server = ServerProcess("inference", "services.inference",
+                           ["--model-path", str(tiny_llama_path), "--port", "0", "--device", "cpu",
+                            "--max-total-tokens", "2048", "--tls-cert", str(cert), "--tls-key", str(key),
+                            "--api-token", "user-secret", "--admin-token", "admin-secret"], echo=False)
+    try:
+        server.wait_serving(STARTUP_S, tls_ca=str(cert))  # health needs no token
+        assert "(TLS), tokens required" in server.output()
+        with Client(server.address, tls_ca=str(cert), timeout=30) as anonymous:
+            with pytest.raises(LoraplexError) as err:
+                anonymous.generate("a", max_new_tokens=2)
+            assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(LoraplexError) as err:
+                list(anonymous.generate_stream("a", max_new_tokens=2))
+            assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with Client(server.address, tls_ca=str(cert), timeout=30, token="user-secret") as user:
+            assert user.generate("a", max_new_tokens=2)[0].completion_tokens >= 1
+            with pytest.raises(LoraplexError) as err:
+                user.unload_adapter("x")
+            assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+        with Client(server.address, tls_ca=str(cert), timeout=30, token="admin-secret") as admin:
+            with pytest.raises(LoraplexError) as err:
+                admin.unload_adapter("x")
+            assert err.value.code == grpc.StatusCode.NOT_FOUND  # authorised; the adapter just is not there
+            assert admin.generate("a", max_new_tokens=2)[0].completion_tokens >= 1
+        with grpc.insecure_channel(server.address) as plain, pytest.raises(grpc.RpcError):
+            health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=3)
     finally:
         server.stop()

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from loraplex.v1 import inference_pb2, inference_pb2_grpc
 
+from services.inference import auth
 from services.inference.adapter_resolver import AdapterResolver, call
 from services.inference.default_model import default_cache_dir
 from services.inference.engine.types import SamplingParams
@@ -72,7 +73,7 @@ class InferenceServer:
         self.state = ServerState()
         self.metrics = Metrics()
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=grpc_options(args))
+        self.server = grpc.aio.server(options=grpc_options(args), interceptors=auth.interceptors(args))
         self.store: StoreClient | None = None
         self.port = 0
         self._tasks: list[asyncio.Task] = []
@@ -91,17 +92,24 @@ class InferenceServer:
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
         await self._set_health(False)
-        self.port = self.server.add_insecure_port(f"{self.args.host}:{self.args.port}")
+        address = f"{self.args.host}:{self.args.port}"
+        credentials = auth.server_credentials(self.args)
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
         if self.port == 0:
-            raise SystemExit(f"could not bind {self.args.host}:{self.args.port}")
+            raise SystemExit(f"could not bind {address}")
         await self.server.start()
-        log.info("listening on %s:%d", self.args.host, self.port)
+        log.info("listening on %s:%d%s%s", self.args.host, self.port, " (TLS)" if credentials else "",
+                 ", tokens required" if self.args.api_token or self.args.admin_token else "")
         if self.args.metrics_port is not None:
             mport = self.metrics.serve(self.args.host, self.args.metrics_port)
             log.info("metrics on http://%s:%d/metrics", self.args.host, mport)
         if self.args.adapter_store and self.args.adapter_store != "none":
             cache = Path(self.args.adapter_cache_dir or default_cache_dir() / "inference")
-            self.store = StoreClient(self.args.adapter_store, cache, on_pull=self._on_pull)
+            self.store = StoreClient(self.args.adapter_store, cache, on_pull=self._on_pull,
+                                     token=self.args.admin_token)
         self._tasks.append(asyncio.create_task(self._bring_up()))
         return self.port
 

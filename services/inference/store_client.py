@@ -61,7 +61,8 @@ def _map_rpc_error(err: grpc.RpcError, name: str, what: str) -> LoraplexError:
 class StoreClient:
     """Talks to one adapter store at `target` (HOST:PORT); all methods are coroutines."""
 
-    def __init__(self, target: str, cache_dir: Path, *, on_pull: Callable[[int], None] | None = None) -> None:
+    def __init__(self, target: str, cache_dir: Path, *, on_pull: Callable[[int], None] | None = None,
+                 token: str | None = None) -> None:
         self.target = target
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -72,20 +73,23 @@ class StoreClient:
         self._inflight: dict[str, asyncio.Future[PulledAdapter]] = {}
         self._on_pull = on_pull
         self.pulls = 0  # completed PullAdapter streams, for metrics and tests
+        # The store's admin token (its RegisterAdapter/DeleteAdapter need it), sent on every call.
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
     async def close(self) -> None:
         await self._channel.close()
 
     async def get(self, name: str, timeout: float = 10.0) -> pb.AdapterRecord:
         try:
-            return await self._stub.GetAdapter(pb.GetAdapterRequest(name=name), timeout=timeout)
+            req = pb.GetAdapterRequest(name=name)
+            return await self._stub.GetAdapter(req, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             raise _map_rpc_error(err, name, "GetAdapter") from None
 
     async def register(self, name: str, source: str, revision: str = "", timeout: float = 600.0) -> pb.AdapterRecord:
         try:
             req = pb.RegisterAdapterRequest(name=name, source=source, revision=revision)
-            return await self._stub.RegisterAdapter(req, timeout=timeout)
+            return await self._stub.RegisterAdapter(req, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.NOT_FOUND:
                 raise AdapterNotFound(f"adapter source {source!r} not found: {err.details()}", adapter=name) from None
@@ -96,7 +100,8 @@ class StoreClient:
         token = ""
         while True:
             try:
-                resp = await self._stub.ListAdapters(pb.ListStoreAdaptersRequest(page_token=token), timeout=10.0)
+                req = pb.ListStoreAdaptersRequest(page_token=token)
+                resp = await self._stub.ListAdapters(req, timeout=10.0, metadata=self._metadata)
             except grpc.RpcError as err:
                 raise _map_rpc_error(err, "*", "ListAdapters") from None
             out.extend(resp.adapters)
@@ -154,7 +159,8 @@ class StoreClient:
         nbytes = 0
         try:
             with open(tmp / WEIGHTS_FILE, "wb") as out:
-                async for chunk in self._stub.PullAdapter(pb.PullAdapterRequest(name=name), timeout=600.0):
+                async for chunk in self._stub.PullAdapter(pb.PullAdapterRequest(name=name), timeout=600.0,
+                                                          metadata=self._metadata):
                     if chunk.WhichOneof("payload") == "header":
                         record = chunk.header.record
                         config = chunk.header.adapter_config_json.encode()
@@ -184,7 +190,8 @@ class StoreClient:
         backoff = 0.5
         while True:
             try:
-                stream = self._stub.WatchAdapters(pb.WatchAdaptersRequest(last_event_id=last_id))
+                req = pb.WatchAdaptersRequest(last_event_id=last_id)
+                stream = self._stub.WatchAdapters(req, metadata=self._metadata)
                 async for event in stream:
                     backoff = 0.5
                     last_id = event.id or last_id
