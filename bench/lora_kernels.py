@@ -241,6 +241,13 @@ def sweep_variants(sc: dict, group: str) -> tuple[list[tuple[ShrinkConfig, int]]
     return [(v, S) for v in s_all], [base_e] + [v for v in e_vars if v != base_e]
 
 
+def _time_or_inf(fns: list) -> float:
+    try:
+        return graph_time_us(fns, replays=10)
+    except triton.runtime.errors.OutOfResources:  # a variant too big for shared memory: skip it
+        return float("inf")
+
+
 def sweep(sc: dict) -> tuple[dict, list[dict]]:
     """Time block-size variants per group (graph replays); returns the best per group and all rows."""
     T, r = sc["tokens"], sc["rank"]
@@ -257,7 +264,7 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
             y = torch.zeros(S, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
             fns = [(lambda c=c[g], y=y, cfg=cfg: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, config=cfg))
                    for c in copies]
-            timed_s.append((graph_time_us(fns, replays=10), cfg, S))
+            timed_s.append((_time_or_inf(fns), cfg, S))
             rows.append(dict(scenario=sc["name"], group=g, kernel="shrink", config=cfg.__dict__, splits=S,
                              graph_us=timed_s[-1][0]))
         us_s, cfg_s, S_best = min(timed_s, key=lambda t: t[0])
@@ -270,7 +277,7 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
         for cfg in e_vars:
             fns = [(lambda c=c[g], cfg=cfg, w=widths, y=y:
                     lora_expand(y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, config=cfg)) for c in copies]
-            timed_e.append((graph_time_us(fns, replays=10), cfg))
+            timed_e.append((_time_or_inf(fns), cfg))
             rows.append(dict(scenario=sc["name"], group=g, kernel="expand", config=cfg.__dict__, splits=S_best,
                              graph_us=timed_e[-1][0]))
         us_e, cfg_e = min(timed_e, key=lambda t: t[0])

@@ -5,7 +5,7 @@ so each adapter's A is streamed by many programs) or `prefill`. Tables are keyed
 (family, hidden size, stacked modules, pool max rank): `d` for shrink, the total output
 width for expand; the K-split count on (family, d) alone, so one shrink buffer can serve
 every group. Entries for Llama-3.1-8B shapes come from `bench/lora_kernels.py --sweep` on
-an H200 (docs/benchmarks.md); other shapes fall back to the rules below. The interpreter
+an H200, 2026-12-02, triton 3.6 (docs/benchmarks.md); other shapes fall back to the rules below. The interpreter
 ignores warps and stages.
 """
 
@@ -57,38 +57,38 @@ SPLITS_TABLE: dict[tuple[str, int], int] = {
 S, E = ShrinkConfig, ExpandConfig
 # (family, d, n_stack, max_rank) -> ShrinkConfig
 SHRINK_TABLE: dict[tuple[str, int, int, int], ShrinkConfig] = {
-    ("decode", 4096, 3, 16): S(16, 16, 128, 4, 4),  # qkv
-    ("decode", 4096, 1, 16): S(16, 16, 128, 4, 4),  # o
-    ("decode", 4096, 2, 16): S(16, 16, 256, 4, 3),  # gate_up
-    ("decode", 14336, 1, 16): S(16, 16, 256, 4, 3),  # down
-    ("decode", 4096, 3, 64): S(16, 32, 128, 4, 4),
-    ("decode", 4096, 1, 64): S(16, 32, 128, 4, 4),
-    ("decode", 4096, 2, 64): S(16, 32, 128, 4, 4),
-    ("decode", 14336, 1, 64): S(16, 32, 128, 4, 4),
-    ("prefill", 4096, 3, 16): S(64, 16, 128, 8, 3),
-    ("prefill", 4096, 1, 16): S(32, 16, 128, 4, 3),
-    ("prefill", 4096, 2, 16): S(32, 16, 128, 4, 3),
-    ("prefill", 14336, 1, 16): S(32, 16, 128, 4, 3),
-    ("prefill", 4096, 3, 64): S(64, 64, 64, 4, 3),
-    ("prefill", 4096, 1, 64): S(64, 64, 128, 8, 3),
-    ("prefill", 4096, 2, 64): S(64, 64, 128, 8, 3),
-    ("prefill", 14336, 1, 64): S(64, 64, 128, 8, 3),
+    ('decode', 4096, 3, 16): S(16, 16, 512, 4, 3),  # qkv
+    ('decode', 4096, 1, 16): S(16, 16, 128, 4, 4),  # o
+    ('decode', 4096, 2, 16): S(16, 16, 512, 4, 3),  # gate_up
+    ('decode', 14336, 1, 16): S(16, 16, 256, 4, 3),  # down
+    ('prefill', 4096, 3, 16): S(64, 16, 128, 8, 3),  # qkv
+    ('prefill', 4096, 1, 16): S(32, 16, 128, 4, 3),  # o
+    ('prefill', 4096, 2, 16): S(32, 16, 128, 4, 3),  # gate_up
+    ('prefill', 14336, 1, 16): S(32, 16, 128, 4, 3),  # down
+    ('decode', 4096, 3, 64): S(16, 32, 128, 4, 4),  # qkv
+    ('decode', 4096, 1, 64): S(16, 32, 128, 4, 4),  # o
+    ('decode', 4096, 2, 64): S(16, 32, 128, 4, 4),  # gate_up
+    ('decode', 14336, 1, 64): S(16, 32, 512, 4, 3),  # down
+    ('prefill', 4096, 3, 64): S(64, 64, 64, 4, 3),  # qkv
+    ('prefill', 4096, 1, 64): S(64, 64, 128, 8, 3),  # o
+    ('prefill', 4096, 2, 64): S(64, 64, 128, 8, 3),  # gate_up
+    ('prefill', 14336, 1, 64): S(64, 64, 128, 8, 3),  # down
 }
 
 # (family, total output width, n_stack, max_rank) -> ExpandConfig
 EXPAND_TABLE: dict[tuple[str, int, int, int], ExpandConfig] = {
-    ("decode", 6144, 3, 16): E(16, 512, 1024, 4, 3),  # qkv
-    ("decode", 4096, 1, 16): E(16, 512, 1024, 8, 3),  # o, down
-    ("decode", 28672, 2, 16): E(16, 256, 1024, 4, 2),  # gate_up
-    ("decode", 6144, 3, 64): E(16, 128, 1024, 8, 3),
-    ("decode", 4096, 1, 64): E(16, 256, 1024, 8, 3),
-    ("decode", 28672, 2, 64): E(16, 128, 1024, 4, 3),
-    ("prefill", 6144, 3, 16): E(64, 128, 1024, 4, 3),
-    ("prefill", 4096, 1, 16): E(32, 256, 512, 4, 3),
-    ("prefill", 28672, 2, 16): E(64, 128, 512, 4, 3),
-    ("prefill", 6144, 3, 64): E(64, 128, 512, 4, 2),
-    ("prefill", 4096, 1, 64): E(64, 128, 1024, 4, 3),
-    ("prefill", 28672, 2, 64): E(64, 128, 1024, 4, 3),
+    ('decode', 6144, 3, 16): E(16, 256, 1024, 4, 3),  # qkv
+    ('decode', 4096, 1, 16): E(16, 512, 1024, 8, 3),  # o, down
+    ('decode', 28672, 2, 16): E(16, 256, 4096, 4, 3),  # gate_up
+    ('prefill', 6144, 3, 16): E(64, 128, 1024, 4, 3),  # qkv
+    ('prefill', 4096, 1, 16): E(32, 256, 512, 4, 3),  # o, down
+    ('prefill', 28672, 2, 16): E(64, 128, 512, 4, 3),  # gate_up
+    ('decode', 6144, 3, 64): E(16, 128, 1024, 8, 3),  # qkv
+    ('decode', 4096, 1, 64): E(16, 256, 1024, 8, 3),  # o, down
+    ('decode', 28672, 2, 64): E(16, 128, 1024, 4, 3),  # gate_up
+    ('prefill', 6144, 3, 64): E(64, 128, 512, 4, 3),  # qkv
+    ('prefill', 4096, 1, 64): E(64, 128, 1024, 4, 3),  # o, down
+    ('prefill', 28672, 2, 64): E(64, 128, 1024, 4, 3),  # gate_up
 }
 del S, E
 
