@@ -15,7 +15,7 @@ import torch
 
 from kernels.lora_expand import lora_expand, lora_expand_ref
 from kernels.lora_meta import alloc_segments, build_segments
-from kernels.lora_shrink import lora_shrink, lora_shrink_ref, shrink_out_view
+from kernels.lora_shrink import alloc_shrink_out, lora_shrink, lora_shrink_ref, shrink_out_view
 
 
 class Case(NamedTuple):
@@ -74,7 +74,7 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     segs = build_segments(slots, alloc_segments(case.num_tokens + 3, num_slots, device))
 
     if case.splits is None:
-        buf = torch.empty(16, case.num_tokens, n * R, dtype=torch.float32, device=device)
+        buf = alloc_shrink_out(case.num_tokens, n, R, case.d, device)
         y = shrink_out_view(buf, case.d, case.num_tokens)
     else:
         y = torch.empty(case.splits, case.num_tokens, n * R, dtype=torch.float32, device=device)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_configs import SPLITS_TABLE, ShrinkConfig, shrink_config, shrink_splits
+from kernels.lora_configs import DECODE_MAX_TOKENS, SPLITS_TABLE, ShrinkConfig, shrink_config, shrink_splits
 from kernels.lora_launch import launch_kwargs
 from kernels.lora_meta import LoRASegments, num_blocks_bound
 
@@ -78,19 +78,30 @@ def _shrink_kernel(
 def alloc_shrink_out(
     max_tokens: int, n_stack: int, max_rank: int, max_d: int, device: torch.device | str
 ) -> torch.Tensor:
-    """Float32 buffer `[S_max, max_tokens, n_stack*max_rank]` for any step up to `max_tokens`.
+    """Float32 buffer for `lora_shrink`'s output at any step up to `max_tokens` tokens.
 
-    One buffer can serve every group (they run one after another): pass
+    Flat `[rows, n_stack*max_rank]`: a step with S splits and T tokens uses the first S*T
+    rows (`shrink_out_view`), so the size is the largest S*T over the table's buckets, not
+    S_max * max_tokens. One buffer can serve every group (they run one after another): pass
     `shrink_out_view(buf, d, T)[..., :n*R]` as a group's `y`.
     """
-    tabled = [v for (_, dd), v in SPLITS_TABLE.items() if dd <= max_d]
-    splits = max([shrink_splits(max_d, t) for t in (1, 17, 257, max_tokens)] + tabled)
-    return torch.empty((splits, max_tokens, n_stack * max_rank), dtype=torch.float32, device=device)
+    ds = {max_d} | {dd for (_, dd) in SPLITS_TABLE if dd <= max_d}
+    ts = {min(16, max_tokens), min(DECODE_MAX_TOKENS, max_tokens), max_tokens}
+    rows = max(shrink_splits(dd, t) * t for dd in ds for t in ts)
+    return torch.empty((rows, n_stack * max_rank), dtype=torch.float32, device=device)
 
 
 def shrink_out_view(buf: torch.Tensor, d: int, num_tokens: int) -> torch.Tensor:
-    """The `[S, T, :]` slice of `alloc_shrink_out`'s buffer that `lora_shrink` fills for this step."""
-    return buf[: min(buf.shape[0], shrink_splits(d, num_tokens)), :num_tokens]
+    """The `[S, T, cols]` view of `alloc_shrink_out`'s buffer that `lora_shrink` fills this step.
+
+    Also accepts a `[S_max, max_tokens, cols]` buffer (then it is sliced, not reshaped).
+    """
+    splits = shrink_splits(d, num_tokens)
+    if buf.dim() == 3:
+        return buf[: min(buf.shape[0], splits), :num_tokens]
+    if splits * num_tokens > buf.shape[0]:
+        raise ValueError(f"shrink buffer has {buf.shape[0]} rows; {splits} splits x {num_tokens} tokens need more")
+    return buf[: splits * num_tokens].view(splits, num_tokens, buf.shape[1])
 
 
 def lora_shrink(

@@ -76,3 +76,19 @@ def test_rebuild_reuses_buffers_and_overwrites_stale_blocks():
 def test_too_many_tokens_is_rejected():
     with pytest.raises(ValueError, match="max_tokens"):
         build_segments(torch.zeros(9, dtype=torch.int32), alloc_segments(8, 2, "cpu"))
+
+
+@pytest.mark.parametrize("max_tokens", [1, 16, 40, 256, 300, 2048])
+def test_shrink_buffer_fits_every_step_size(max_tokens):
+    from kernels.lora_configs import shrink_splits
+    from kernels.lora_shrink import alloc_shrink_out, shrink_out_view
+
+    buf = alloc_shrink_out(max_tokens, 3, 16, 14336, "cpu")
+    assert buf.shape[1] == 48
+    for d in (576, 4096, 14336):
+        for T in sorted({1, 16, 17, 256, 257, max_tokens}):
+            if T > max_tokens:
+                continue
+            y = shrink_out_view(buf, d, T)[..., :32]  # a group with fewer stacked modules
+            assert y.shape == (shrink_splits(d, T), T, 32)
+            assert y.data_ptr() == buf.data_ptr() and y.stride() == (T * 48, 48, 1)
