@@ -112,3 +112,25 @@ def test_request_cap_and_budget_hold_back_new_requests():
     batch = scheduler.schedule()  # r0 decodes, r1 continues; r2 waits for the cap of 2
     assert [(r.request_id, n) for r, n in batch.entries] == [("r0", 1), ("r1", 6)]
     assert [r.request_id for r in scheduler.waiting] == ["r2"]
+
+
+def test_kv_cache_sizing():
+    import torch
+
+    from services.inference.engine.kv_cache import CPU_KV_BYTES_CAP, kv_bytes_per_token, plan_num_blocks
+    from services.inference.models.config import parse_config
+
+    cfg = parse_config(
+        {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536, "vocab_size": 100,
+         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192}
+    )  # fmt: skip
+    per_token = kv_bytes_per_token(cfg, torch.float32)
+    assert per_token == 30 * 2 * 3 * 64 * 4
+    cpu = torch.device("cpu")
+    common = dict(page_size=16, context_length=8192, mem_fraction_static=0.9)
+    forced = plan_num_blocks(cfg, torch.float32, cpu, max_running_requests=8, max_total_tokens=1000, **common)
+    assert forced == 1000 // 16
+    one = plan_num_blocks(cfg, torch.float32, cpu, max_running_requests=1, max_total_tokens=None, **common)
+    assert one * 16 == 8192  # one request at full context
+    big = plan_num_blocks(cfg, torch.float32, cpu, max_running_requests=256, max_total_tokens=None, **common)
+    assert big * 16 * per_token <= CPU_KV_BYTES_CAP and big * 16 >= 8192
