@@ -42,6 +42,12 @@ def apply_penalties(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
     """Repetition (prompt + output, divides positive logits / multiplies negative ones, as in
     transformers), then frequency (per occurrence) and presence (once) over the output, as in OpenAI."""
     device = logits.device
+    # Decide on the host lists: building device tensors and reading `.any()` back costs a
+    # host-to-device copy and a sync each, every step, for batches that use no penalty.
+    if all(r == 1 for r in inp.repetition_penalty) and not any(inp.frequency_penalty) and not any(
+        inp.presence_penalty
+    ):
+        return logits
     rep = torch.tensor(inp.repetition_penalty, dtype=logits.dtype, device=device)
     if (rep != 1).any():
         ids, valid = _pad([p + o for p, o in zip(inp.prompt_ids, inp.output_ids, strict=True)], device)
