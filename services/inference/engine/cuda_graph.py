@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 def batch_ladder(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to `max_bs` (which is always included)."""
+    if max_bs < 1:
+        raise ValueError(f"--cuda-graph-max-bs must be >= 1 to capture graphs (got {max_bs})")
     sizes = [s for s in (1, 2, 4, 8) if s < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
     return sorted(set(sizes))
 

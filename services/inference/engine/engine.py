@@ -110,7 +110,7 @@ class LLMEngine:
             context_length=self.context_length,
             lora_backend=lora_backend,
         )
-        if loaded.device.type == "cuda" and not config.disable_cuda_graph:
+        if loaded.device.type == "cuda" and not config.disable_cuda_graph and config.cuda_graph_max_bs > 0:
             self.runner.capture_cuda_graphs(min(config.cuda_graph_max_bs, config.max_running_requests))
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, TextStream] = {}
