@@ -102,6 +102,15 @@ def test_prefill_reference_matches_sdpa() -> None:
         assert rel_err(out[cu[b] : cu[b + 1]], ref) < 1e-5
 
 
+def test_cuda_graph_batch_ladder() -> None:
+    from services.inference.engine.cuda_graph import batch_ladder
+
+    assert batch_ladder(1) == [1]
+    assert batch_ladder(20) == [1, 2, 4, 8, 16, 20]
+    ladder = batch_ladder(256)
+    assert ladder[:5] == [1, 2, 4, 8, 16] and ladder[-1] == 256 and all(b % 16 == 0 for b in ladder[4:])
+
+
 def test_kernels_under_triton_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
     proc = subprocess.run(
