@@ -6,7 +6,7 @@ output widths `w_i` and input width `d`, `R = max_lora_rank`:
 - `lora_b[g]`: `[L, slots, sum(w), R]`; stack `i` uses rows `[off_i, off_i + w_i)`, cols `[0, r)`
 - `rank[g]`: `[L, slots, n]` int32 (0 = not targeted), `scaling[g]`: `[L, slots, n]` float32
 Groups with no module in `--lora-target-modules` are not allocated. Padding beyond a slot's
-rank holds stale values: readers must honour `rank`.
+rank is uninitialised or stale: readers must honour `rank`.
 
 On CUDA an upload is a copy from pinned host memory on a side stream, ordered after the work
 already queued on the compute stream (which may still read the slot's previous adapter); its
@@ -75,8 +75,10 @@ class AdapterPool:
         self.offsets: dict[str, tuple[int, ...]] = {}
         for g in self.groups:
             n, d, widths = len(GROUPS[g]), shapes.group_in(g), shapes.group_widths(g)
-            self.lora_a[g] = torch.zeros(L, slots, n * R, d, dtype=dtype, device=self.device)
-            self.lora_b[g] = torch.zeros(L, slots, sum(widths), R, dtype=dtype, device=self.device)
+            # Uninitialised on purpose: nothing reads past a slot's rank, and on CPU the pages of
+            # slots never loaded are then never touched (the default rank-64 pool costs nothing idle).
+            self.lora_a[g] = torch.empty(L, slots, n * R, d, dtype=dtype, device=self.device)
+            self.lora_b[g] = torch.empty(L, slots, sum(widths), R, dtype=dtype, device=self.device)
             self.rank[g] = torch.zeros(L, slots, n, dtype=torch.int32, device=self.device)
             self.scaling[g] = torch.zeros(L, slots, n, dtype=torch.float32, device=self.device)
             self.host_rank[g] = torch.zeros(L, slots, n, dtype=torch.int32)
