@@ -18,6 +18,10 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # find a restarted server within a second (grpc's default backoff grows to 2 minutes)
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 SAMPLING_FIELDS = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}

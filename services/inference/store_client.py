@@ -37,6 +37,17 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 
+# A restarted store is found again within a second (grpc's default backoff grows to 2 min).
+STORE_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+# How long a cold lookup waits for the store's connection before answering UNAVAILABLE.
+CONNECT_WAIT_S = 3.0
+
+
 class PulledAdapter(NamedTuple):
     name: str
     path: Path
@@ -66,9 +77,7 @@ class StoreClient:
         self.target = target
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        self._channel = grpc.aio.insecure_channel(
-            target, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-        )
+        self._channel = grpc.aio.insecure_channel(target, options=STORE_CHANNEL_OPTIONS)
         self._stub = pb_grpc.AdapterStoreStub(self._channel)
         self._inflight: dict[str, asyncio.Future[PulledAdapter]] = {}
         self._on_pull = on_pull
@@ -79,10 +88,11 @@ class StoreClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def get(self, name: str, timeout: float = 10.0) -> pb.AdapterRecord:
+    async def get(self, name: str, timeout: float = CONNECT_WAIT_S) -> pb.AdapterRecord:
         try:
             req = pb.GetAdapterRequest(name=name)
-            return await self._stub.GetAdapter(req, timeout=timeout, metadata=self._metadata)
+            # wait_for_ready rides out a reconnect instead of failing at once while it backs off
+            return await self._stub.GetAdapter(req, timeout=timeout, metadata=self._metadata, wait_for_ready=True)
         except grpc.RpcError as err:
             raise _map_rpc_error(err, name, "GetAdapter") from None
 
