@@ -266,7 +266,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def ListAdapters(self, request, context):
         async def work(engine, resolver):
             adapters = await resolver.list()
-            self.metrics.observe_adapters(adapters)
             return pb.ListAdaptersResponse(adapters=[adapter_proto(a) for a in adapters])
 
         return await self._simple(context, "ListAdapters", work)
