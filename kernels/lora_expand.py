@@ -33,7 +33,7 @@ def _expand_kernel(
     max_rank, w0, w1, w2, nc0, nc1, chunk_n,
     sy_s, sy_t, sy_c, sb_s, sb_n, sb_r, so_t, so_n, sr_s, sr_i, ss_s, ss_i,
     N_SPLITS: tl.constexpr, TOK_STRIDE: tl.constexpr,
-    USE_PDL: tl.constexpr, EVEN_N: tl.constexpr,
+    PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -89,7 +89,7 @@ def _expand_kernel(
             bt = tl.load(b_base + cols[None, :] * sb_n, mask=k_load[:, None] & n_mask[None, :], other=0.0)
             o_mask = m_mask[:, None] & n_mask[None, :]
         bt = tl.where(k_real[:, None], bt, 0.0)
-        acc = tl.dot(yt, bt)
+        acc = tl.dot(yt, bt, input_precision=PRECISION)
         o_ptrs = o_rows + cols[None, :] * so_n
         prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
         tl.store(o_ptrs, (prev.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -138,6 +138,8 @@ def lora_expand(
         scalings.stride(0), scalings.stride(1),
         N_SPLITS=y3.shape[0], TOK_STRIDE=btok.stride(0),
         EVEN_N=all(wi % cfg.block_n == 0 for wi in widths),
+        # fp32 must stay fp32 (tl.dot defaults to TF32 on GPU); 16-bit inputs ignore it.
+        PRECISION="ieee" if B.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(),

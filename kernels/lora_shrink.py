@@ -30,7 +30,7 @@ def _shrink_kernel(
     d, max_rank, k_per_split,
     sx_t, sx_d, sa_s, sa_r, sa_d, sy_s, sy_t, sy_c, sr_s, sr_i,
     R_BLOCKS: tl.constexpr, TOK_STRIDE: tl.constexpr,
-    USE_PDL: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_sr = tl.program_id(0)
@@ -70,7 +70,7 @@ def _shrink_kernel(
             k_mask = offs_k < k_end
             xt = tl.load(x_rows + offs_k[None, :] * sx_d, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             at = tl.load(a_rows + offs_k[:, None] * sa_d, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-        acc = tl.dot(xt, at, acc)
+        acc = tl.dot(xt, at, acc, input_precision=PRECISION)
     y_ptrs = y_ptr + pid_k * sy_s + tok[:, None] * sy_t + rows[None, :] * sy_c
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
 
@@ -138,6 +138,8 @@ def lora_shrink(
         x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
         y3.stride(0), y3.stride(1), y3.stride(2), ranks.stride(0), ranks.stride(1),
         R_BLOCKS=r_blocks, TOK_STRIDE=btok.stride(0), EVEN_K=d % cfg.block_k == 0,
+        # fp32 must stay fp32 (tl.dot defaults to TF32 on GPU); 16-bit inputs ignore it.
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(),
     )
