@@ -1,0 +1,142 @@
+"""LoRA under tensor parallelism, as S-LoRA shards it.
+
+- Column-parallel modules (q, k, v, gate, up): A whole on every rank, B split by output rows;
+  each rank adds its slice of the delta to its slice of the output.
+- Row-parallel modules (o, down): A split by input columns, B whole; the shrink outputs
+  `A_r x_r` ([T, rank], small) are all-reduced, then every rank expands with the whole B
+  and adds the delta to the (already all-reduced) base output.
+
+Rank 0's LoRA manager decides what goes in which slot; `ShardedAdapterPool.upload` sends each
+worker its shard of the adapter (the tensors rank 0 validated, so every rank holds the same
+version) and uploads rank 0's shard locally. Pool writes are the only state, so loads,
+reloads and unloads stay in step on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from services.inference.lora.adapter import AdapterWeights
+from services.inference.lora.backend import GROUPS, LoRABackend
+from services.inference.lora.pool import AdapterPool
+from services.inference.lora.shapes import ModelShapes
+from services.inference.parallel.partition import COLUMN_MODULES, ShardPlan
+
+log = logging.getLogger(__name__)
+
+ROW_GROUPS = ("o", "down")
+
+
+def shard_adapter(weights: AdapterWeights, plan: ShardPlan) -> AdapterWeights:
+    """This rank's slices: B rows of column modules, A columns of row modules."""
+    lora_a, lora_b = {}, {}
+    for key, a in weights.lora_a.items():
+        module = key[1]
+        lo, hi = plan.module_range(module)
+        b = weights.lora_b[key]
+        if module in COLUMN_MODULES:
+            lora_a[key], lora_b[key] = a, b[lo:hi].contiguous()
+        else:
+            lora_a[key], lora_b[key] = a[:, lo:hi].contiguous(), b
+    return dataclasses.replace(weights, lora_a=lora_a, lora_b=lora_b)
+
+
+class ShardedAdapterPool:
+    """What the LoRA manager sees as its pool on rank 0: whole-model shapes for validation,
+    uploads fanned out to every rank. `local` is rank 0's own pool (read by its backend)."""
+
+    def __init__(self, shapes: ModelShapes, plans: list[ShardPlan], local: AdapterPool,
+                 send_upload: Callable[[int, int, AdapterWeights], None]):
+        self.shapes = shapes
+        self.plans = plans
+        self.local = local
+        self._send_upload = send_upload  # (rank, slot, shard) to a worker, in step order
+        self.slots, self.max_rank, self.target_modules = local.slots, local.max_rank, local.target_modules
+        self.dtype, self.device, self.groups = local.dtype, local.device, local.groups
+
+    @property
+    def nbytes(self) -> int:
+        """Rank 0's pool bytes (every rank's is about this size)."""
+        return self.local.nbytes
+
+    def upload(self, slot: int, weights: AdapterWeights) -> None:
+        for plan in self.plans[1:]:
+            self._send_upload(plan.rank, slot, shard_adapter(weights, plan))
+        self.local.upload(slot, shard_adapter(weights, self.plans[0]))
+
+    def ready(self, slot: int) -> bool:
+        # Workers apply uploads before the next step message (the pipe is ordered) and wait for them.
+        return self.local.ready(slot)
+
+
+class TPLoRABackend(LoRABackend):
+    """The torch LoRA path over one rank's pool shard, with the row-parallel shrink all-reduce.
+
+    Reads the step's slots on the host (like the torch backend), so not CUDA-graph safe. Every
+    rank sees the same slots and the same rank tables, so all ranks make the same collectives.
+    """
+
+    cuda_graph_safe = False
+
+    def __init__(self, pool: AdapterPool):
+        self.pool = pool
+        self._segments: list[tuple[int, slice | torch.Tensor]] = []
+        self._num_tokens = 0
+        self._ranks: dict[str, list[list[list[int]]]] = {}
+        self._scales: dict[str, list[list[list[float]]]] = {}
+
+    def prepare(self, token_slots: torch.Tensor) -> None:
+        host = token_slots.to("cpu", torch.int64)
+        segments: list[tuple[int, slice | torch.Tensor]] = []
+        for slot in torch.unique(host).tolist():
+            if slot < 0:
+                continue
+            idx = torch.nonzero(host == slot).flatten()
+            lo, hi = int(idx[0]), int(idx[-1]) + 1
+            segments.append((slot, slice(lo, hi) if hi - lo == idx.numel() else idx.to(token_slots.device)))
+        self._segments, self._num_tokens = segments, host.numel()
+        used = [s for s, _ in segments]
+        self._ranks = {g: self.pool.host_rank[g][:, used].tolist() for g in self.pool.groups}
+        self._scales = {g: self.pool.host_scaling[g][:, used].tolist() for g in self.pool.groups}
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        if group not in self._ranks or not self._segments:
+            return
+        if group in ROW_GROUPS:
+            self._apply_row(layer, group, x, out)
+            return
+        pool, R = self.pool, self.pool.max_rank
+        lora_a, lora_b, offsets = pool.lora_a[group][layer], pool.lora_b[group][layer], pool.offsets[group]
+        ranks, scales = self._ranks[group][layer], self._scales[group][layer]
+        for k, (slot, sel) in enumerate(self._segments):
+            xs = x[sel]
+            for i in range(len(GROUPS[group])):
+                r = ranks[k][i]
+                if r == 0:
+                    continue
+                delta = F.linear(F.linear(xs, lora_a[slot, i * R: i * R + r]), lora_b[slot, offsets[i]: offsets[i + 1], :r])
+                out[sel, offsets[i]: offsets[i + 1]] += (delta * scales[k][i]).to(out.dtype)
+
+    def _apply_row(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        ranks, scales = self._ranks[group][layer], self._scales[group][layer]
+        if not any(rk[0] for rk in ranks):
+            return  # no adapter of the batch targets this module here (the same on every rank)
+        lora_a, lora_b = self.pool.lora_a[group][layer], self.pool.lora_b[group][layer]
+        # One [T, R] buffer for every segment's shrink: one all-reduce per layer, not per adapter.
+        shrunk = torch.zeros(self._num_tokens, self.pool.max_rank, dtype=x.dtype, device=x.device)
+        for k, (slot, sel) in enumerate(self._segments):
+            r = ranks[k][0]
+            if r:
+                shrunk[sel, :r] = F.linear(x[sel], lora_a[slot, :r])
+        dist.all_reduce(shrunk)
+        for k, (slot, sel) in enumerate(self._segments):
+            r = ranks[k][0]
+            if r:
+                delta = F.linear(shrunk[sel, :r], lora_b[slot, :, :r])
+                out[sel] += (delta * scales[k][0]).to(out.dtype)

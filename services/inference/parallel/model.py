@@ -1,0 +1,132 @@
+"""The Llama-family model split over tensor-parallel ranks, and loading one rank's shard.
+
+The model is `models/llama.py` built from the rank's local config (its heads, KV heads and
+MLP columns), so q/k/v and gate/up are column-parallel as built; `o_proj` and `down_proj`
+become row-parallel (partial matmul, all-reduce, then bias), and the embedding and lm_head
+hold a slice of the vocabulary. Collectives use the default process group: the same code
+runs over gloo (CPU) and NCCL (CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
+from services.inference.models.llama import FusedLinear, LlamaForCausalLM
+from services.inference.models.loader import safetensors_files
+from services.inference.parallel.partition import ShardPlan
+
+log = logging.getLogger(__name__)
+
+
+class RowParallelLinear(FusedLinear):
+    """Input-split linear: each rank multiplies its input slice; the sum is all-reduced."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        dist.all_reduce(out)
+        if self.bias is not None:  # whole on every rank: added once, after the sum
+            out += self.bias
+        return out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows `[start, start + rows)` of the (zero-padded) table; other ranks' ids give zeros."""
+
+    def __init__(self, rows: int, hidden: int, start: int):
+        super().__init__()
+        self.start, self.rows = start, rows
+        self.weight = nn.Parameter(torch.empty(rows, hidden), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0)
+        dist.all_reduce(out)  # exactly one rank contributes each row: the sum is exact
+        return out
+
+
+class TPLlamaForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan):
+        super().__init__(plan.local_config(cfg))
+        self.config = cfg  # whole vocab: the runner and graphs size logits by it
+        self.plan = plan
+        for layer in self.layers:
+            for attr in ("o_proj", "down_proj"):
+                fused: FusedLinear = getattr(layer, attr)
+                row = RowParallelLinear(fused.weight.shape[1], fused.out_sizes, fused.bias is not None)
+                setattr(layer, attr, row)
+        self.embed_tokens = VocabParallelEmbedding(plan.vocab_per_rank, cfg.hidden_size, plan.vocab_start)
+        if self.lm_head is not None:
+            self.lm_head = nn.Parameter(torch.empty(plan.vocab_per_rank, cfg.hidden_size), requires_grad=False)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """All ranks get the whole `[rows, vocab]` float32 logits (every rank sees the same rows)."""
+        if hidden.shape[0] == 0:
+            return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
+        local = super().compute_logits(hidden).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.plan.tp_size)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts, dim=-1)[:, : self.config.vocab_size]
+
+
+def _shard(name: str, f, plan: ShardPlan) -> torch.Tensor:
+    """Read only this rank's slice of checkpoint tensor `name`."""
+    sl = f.get_slice(name)
+    parts = name.split(".")
+    module = parts[-2] if len(parts) >= 2 else ""
+    kind = parts[-1]
+    if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        a, b = plan.module_range(module)
+        return sl[a:b]  # weight rows or bias entries
+    if module in ("o_proj", "down_proj") and kind == "weight":
+        a, b = plan.module_range(module)
+        return sl[:, a:b]
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        a, b = plan.vocab
+        rows = sl[a:b]
+        pad = plan.vocab_per_rank - rows.shape[0]
+        return F.pad(rows, (0, 0, 0, pad)) if pad else rows
+    return sl[:]
+
+
+def _iter_shards(files: list[Path], plan: ShardPlan) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, _shard(name, f, plan)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_tp_model(model_dir: Path, plan: ShardPlan, device: torch.device, dtype: torch.dtype) -> TPLlamaForCausalLM:
+    """Build this rank's model on `device` and copy its slices of the checkpoint into it."""
+    cfg = load_config(model_dir)
+    with torch.device(device), _default_dtype(dtype):
+        model = TPLlamaForCausalLM(cfg, plan)
+    try:
+        model.load_weights(_iter_shards(safetensors_files(model_dir), plan))
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{model_dir}: {exc}") from exc
+    model.eval()
+    log.info("TP rank %d/%d: heads %s, KV heads %s, MLP columns %s, vocab rows %s on %s", plan.rank, plan.tp_size,
+             plan.heads, plan.kv_heads, plan.inter, plan.vocab, device)
+    return model

@@ -1,0 +1,177 @@
+"""`build_tp_engine(args)`: the engine for `--tp-size N > 1`.
+
+Rank 0 is the server process: it loads its own shard, schedules, and before each forward
+sends the step's chunks to ranks 1..N-1 (spawned workers, one per device); every rank then
+runs the same `ModelRunner.forward` over its shard and the collectives inside the model
+line the ranks up. Rank 0 samples from the gathered logits. CUDA graphs are off under TP,
+and LoRA runs the torch path (`parallel/lora.py`) whatever `--lora-backend` says.
+
+Health: `TPAsyncEngine.healthy()` is False once any worker has died (the server should poll
+it and report NOT_SERVING); from then on every request fails with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+
+from services.inference.engine.async_engine import AsyncEngine, default_model_info
+from services.inference.engine.config import EngineConfig
+from services.inference.engine.engine import LLMEngine, LoadedModel
+from services.inference.engine.kv_cache import plan_num_blocks
+from services.inference.errors import BackendUnavailable
+from services.inference.lora.manager import LoRAManager
+from services.inference.lora.pool import AdapterPool
+from services.inference.lora.setup import local_source, resolve_lora_settings
+from services.inference.lora.shapes import ModelShapes
+from services.inference.models.config import check_context_length, load_config
+from services.inference.models.loader import resolve_dtype, resolve_model_dir
+from services.inference.parallel.group import WorkerGroup
+from services.inference.parallel.lora import ShardedAdapterPool, TPLoRABackend
+from services.inference.parallel.model import load_tp_model
+from services.inference.parallel.partition import plan_shards
+from services.inference.parallel.worker import WorkerSpec, init_group
+from services.inference.server_args import ServerArgs
+
+log = logging.getLogger(__name__)
+
+TP_TIMEOUT_S = 300.0  # start-up and any one collective; a dead peer is noticed far sooner
+
+
+class _StepBroadcast:
+    """Wraps rank 0's runner: every forward is first sent to the workers."""
+
+    def __init__(self, runner, workers: WorkerGroup):
+        self._runner, self._workers = runner, workers
+
+    def forward(self, chunks):
+        self._workers.broadcast(("step", chunks))
+        return self._runner.forward(chunks)
+
+    def __getattr__(self, name: str):
+        return getattr(self._runner, name)
+
+
+class TPEngine(LLMEngine):
+    """LLMEngine on rank 0 of a tensor-parallel group."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, workers: WorkerGroup, **kwargs):
+        super().__init__(loaded, config, **kwargs)
+        self.workers = workers
+        self.runner = _StepBroadcast(self.runner, workers)
+
+
+class TPAsyncEngine(AsyncEngine):
+    """AsyncEngine over a TPEngine, plus the health the server must poll."""
+
+    def __init__(self, engine: TPEngine, **kwargs):
+        super().__init__(engine, **kwargs)
+        self.workers = engine.workers
+        self.workers.on_death = self._on_worker_death
+
+    def healthy(self) -> bool:
+        """False once a worker died or the engine shut down: report NOT_SERVING."""
+        return self.workers.healthy and not self._stopped.is_set()
+
+    def unhealthy_reason(self) -> str | None:
+        return self.workers.reason
+
+    async def generate(self, request_id, prompt, adapter, params):
+        if not self.workers.healthy:
+            raise BackendUnavailable(f"{self.workers.reason or 'the engine is shut down'}; the server must be "
+                                     "restarted")
+        async for out in super().generate(request_id, prompt, adapter, params):
+            yield out
+
+    def _on_worker_death(self, reason: str) -> None:
+        self._wake.set()  # the engine loop's next step fails the running requests with the reason
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        super().shutdown(timeout)
+        self.workers.stop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build_tp_engine(args: ServerArgs) -> TPAsyncEngine:
+    """Spawn the workers, load rank 0's shard, agree on the KV cache size, start the engine."""
+    tp = args.tp_size
+    config = dataclasses.replace(EngineConfig.from_args(args), disable_cuda_graph=True)
+    device = config.device
+    if device.type == "cuda":
+        if torch.cuda.device_count() < tp:
+            raise ValueError(f"--tp-size {tp} needs {tp} GPUs; {torch.cuda.device_count()} are visible")
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+        config = dataclasses.replace(config, device=device)
+    if dist.is_initialized():
+        raise ValueError("a tensor-parallel engine is already running in this process")
+    model_dir = resolve_model_dir(config.model_path)
+    cfg = load_config(model_dir)
+    context_length = min(config.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    check_context_length(cfg, context_length)
+    plans = plan_shards(cfg, tp)
+    dtype = resolve_dtype(config.dtype_name, cfg.torch_dtype, device)
+    shapes = ModelShapes(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size)
+    lora = resolve_lora_settings(args, shapes, device)
+    if lora.backend != "torch":
+        log.warning("--tp-size %d: LoRA runs the torch path on every rank (--lora-backend %s is single-GPU only)",
+                    tp, lora.backend)
+    store = dist.TCPStore("127.0.0.1", 0, tp, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=TP_TIMEOUT_S))
+    specs = [WorkerSpec(rank=r, tp_size=tp, model_dir=str(model_dir), device_type=device.type, dtype=dtype,
+                        store_port=store.port, timeout_s=TP_TIMEOUT_S, page_size=config.page_size,
+                        context_length=context_length, max_num_batched_tokens=config.max_num_batched_tokens,
+                        max_running_requests=config.max_running_requests, max_total_tokens=config.max_total_tokens,
+                        mem_fraction_static=config.mem_fraction_static, lora=lora,
+                        log_level=logging.getLogger().getEffectiveLevel())
+             for r in range(1, tp)]
+    workers = WorkerGroup(specs)
+    workers.start()
+    try:
+        return _build_rank0(args, config, model_dir, cfg, plans, dtype, shapes, lora, context_length, store, workers)
+    except BaseException:
+        workers.stop(timeout_s=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+
+
+def _build_rank0(args, config, model_dir, cfg, plans, dtype, shapes, lora, context_length, store,
+                 workers: WorkerGroup) -> TPAsyncEngine:
+    from transformers import AutoTokenizer
+
+    device, plan = config.device, plans[0]
+    local_cfg = plan.local_config(cfg)
+    model = load_tp_model(model_dir, plan, device, dtype)
+    local_pool = AdapterPool(plan.local_shapes(shapes), slots=lora.max_loras_per_batch, max_rank=lora.max_lora_rank,
+                             target_modules=lora.target_modules, dtype=dtype, device=device)
+    own_blocks = plan_num_blocks(local_cfg, dtype, device, page_size=config.page_size, context_length=context_length,
+                                 max_running_requests=config.max_running_requests,
+                                 max_total_tokens=config.max_total_tokens,
+                                 mem_fraction_static=config.mem_fraction_static)
+    blocks = min([own_blocks, *workers.wait_loaded(TP_TIMEOUT_S)])
+    init_group(0, plan.tp_size, store, device.type, TP_TIMEOUT_S)
+    workers.broadcast(("start", blocks))
+    workers.start_monitor()
+    # Every rank's cache has the same block count, so rank 0's block tables are valid everywhere.
+    config = dataclasses.replace(config, max_total_tokens=blocks * config.page_size)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    loaded = LoadedModel(model, local_cfg, tokenizer, model_dir, device, dtype, context_length)
+    pool = ShardedAdapterPool(shapes, plans, local_pool, workers.send_upload)
+    manager = LoRAManager(pool, max_loaded_loras=lora.max_loaded_loras)  # type: ignore[arg-type]
+    for name, source in args.lora_path_map.items():
+        path = local_source(name, source)
+        if path is not None:  # the server loads the others through the adapter store
+            manager.load_adapter(name, path)
+    engine = TPEngine(loaded, config, workers, adapter_slots=manager, lora_backend=TPLoRABackend(local_pool))
+    log.info("tensor-parallel engine ready: %s over %d ranks (%s, %s), %d KV blocks per rank, LoRA pool %d bytes "
+             "on rank 0", args.model_path, plan.tp_size, device.type, dtype, blocks, pool.nbytes)
+    info = dataclasses.replace(
+        default_model_info(engine), max_loras_per_batch=lora.max_loras_per_batch, max_lora_rank=lora.max_lora_rank,
+        lora_target_modules=list(lora.target_modules), lora_backend="torch", tp_size=plan.tp_size)
+    return TPAsyncEngine(engine, lora_manager=manager, model_info=info)
