@@ -129,7 +129,7 @@ def test_dead_worker_makes_engine_unhealthy_without_hanging(tiny_llama_path):
             first = await anext(stream)
             assert first.new_token_ids
             os.kill(worker.pid, signal.SIGKILL)
-            with pytest.raises(BackendUnavailable):
+            with pytest.raises(BackendUnavailable, match="rank 1 .* died"):
                 async for _ in stream:
                     pass
 
@@ -152,3 +152,10 @@ def test_dead_worker_makes_engine_unhealthy_without_hanging(tiny_llama_path):
         start = time.monotonic()
         engine.shutdown()
         assert time.monotonic() - start < 15
+
+
+def test_unrunnable_tp_sizes_are_refused_before_any_worker_starts(tiny_llama_path):
+    with pytest.raises(ValueError, match="--tp-size must be >= 1"):
+        build_engine(tp_args(tiny_llama_path, 0, {}))
+    with pytest.raises(ValueError, match=r"--tp-size 3: the model has 4 attention heads in 2 KV groups"):
+        build_engine(tp_args(tiny_llama_path, 3, {}))

@@ -121,6 +121,21 @@ class WorkerGroup:
         if self.on_death is not None:
             self.on_death(reason)
 
+    def fail(self, reason: str) -> None:
+        """Rank 0 left lockstep (its part of a step failed): mark the group dead, end the workers.
+
+        A collective usually fails because a peer died: name that worker when it has exited."""
+        by_sentinel = {p.sentinel: (s, p) for s, p in zip(self.specs, self.procs, strict=True)}
+        for sentinel in wait(list(by_sentinel), timeout=1.0):
+            spec, proc = by_sentinel[sentinel]
+            proc.join(1)
+            reason = f"tensor-parallel worker rank {spec.rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
+            break
+        self._mark_dead(reason)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+
     def check(self) -> None:
         if self._reason is not None:
             raise BackendUnavailable(f"{self._reason}; the server must be restarted")
@@ -143,5 +158,5 @@ class WorkerGroup:
             with self._send_lock:
                 send(conn, message)
         except OSError as exc:
-            self._mark_dead(f"tensor-parallel worker rank {rank} is unreachable ({exc})")
+            self.fail(f"tensor-parallel worker rank {rank} is unreachable ({exc})")
             raise BackendUnavailable(f"{self._reason}; the server must be restarted") from exc

@@ -39,7 +39,8 @@ from services.inference.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
 
-TP_TIMEOUT_S = 300.0  # start-up and any one collective; a dead peer is noticed far sooner
+TP_TIMEOUT_S = 300.0  # any one collective; a dead peer is noticed far sooner (process monitor)
+LOAD_TIMEOUT_S = 3600.0  # a worker loading its shard of a large checkpoint
 
 
 class _StepBroadcast:
@@ -50,7 +51,12 @@ class _StepBroadcast:
 
     def forward(self, chunks):
         self._workers.broadcast(("step", chunks))
-        return self._runner.forward(chunks)
+        try:
+            return self._runner.forward(chunks)
+        except Exception as exc:
+            # The ranks may now wait in different collectives: no later step could line them up.
+            self._workers.fail(f"rank 0's forward failed ({exc}); tensor-parallel ranks are out of step")
+            raise BackendUnavailable(f"{self._workers.reason}; the server must be restarted") from exc
 
     def __getattr__(self, name: str):
         return getattr(self._runner, name)
@@ -88,6 +94,13 @@ class TPAsyncEngine(AsyncEngine):
             yield out
 
     def _on_worker_death(self, reason: str) -> None:
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            # NCCL waits forever on a dead peer: abort the communicators so rank 0's pending
+            # collective raises (gloo notices the closed socket by itself).
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception:  # noqa: BLE001 - best effort; the health flag is already down
+                log.exception("could not abort the NCCL process group")
         self._wake.set()  # the engine loop's next step fails the running requests with the reason
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -154,7 +167,7 @@ def _build_rank0(args, config, model_dir, cfg, plans, dtype, shapes, lora, conte
                                  max_running_requests=config.max_running_requests,
                                  max_total_tokens=config.max_total_tokens,
                                  mem_fraction_static=config.mem_fraction_static)
-    blocks = min([own_blocks, *workers.wait_loaded(TP_TIMEOUT_S)])
+    blocks = min([own_blocks, *workers.wait_loaded(LOAD_TIMEOUT_S)])
     init_group(0, plan.tp_size, store, device.type, TP_TIMEOUT_S)
     workers.broadcast(("start", blocks))
     workers.start_monitor()
