@@ -17,6 +17,7 @@ from typing import Any
 from services.inference.engine.types import AdapterInfo
 from services.inference.errors import AdapterNotFound, InvalidRequest, LoraplexError
 from services.inference.metrics import Metrics
+from services.inference.proto_convert import check_adapter_name, check_source
 from services.inference.store_client import StoreClient
 
 log = logging.getLogger(__name__)
@@ -30,19 +31,43 @@ async def call(fn, *args: Any, **kwargs: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
+def looks_local(source: str) -> bool:
+    """A filesystem path or file:// URI rather than a Hub reference (`org/repo`, `hf://...`)."""
+    if source.startswith("file://"):
+        return True
+    if "://" in source:
+        return False
+    if source.startswith(("/", ".", "~")):
+        return True
+    try:
+        return Path(source).expanduser().exists()
+    except OSError:  # too long to be a path here
+        return False
+
+
+def check_allowed(source: str, allowed_dirs: tuple[str, ...]) -> Path:
+    """The resolved path of a local source; InvalidRequest if it escapes --allowed-local-dirs
+    (symlinks and '..' are resolved first, so neither can lead out)."""
+    path = Path(source.removeprefix("file://")).expanduser().resolve()
+    if allowed_dirs and not any(path.is_relative_to(Path(d).expanduser().resolve()) for d in allowed_dirs):
+        raise InvalidRequest(f"source {source!r} is outside --allowed-local-dirs", field="source")
+    return path
+
+
 def local_path(source: str, allowed_dirs: tuple[str, ...]) -> Path:
     """A local source (path or file:// URI) as a directory, checked against --allowed-local-dirs."""
-    raw = source.removeprefix("file://")
     if source.startswith("hf://"):
         raise InvalidRequest(
             f"source {source!r} is a Hub reference; this server has no adapter store (--adapter-store none) "
             "to fetch it, so give a local directory",
             field="source",
         )
-    path = Path(raw).expanduser().resolve()
-    if allowed_dirs and not any(path.is_relative_to(Path(d).expanduser().resolve()) for d in allowed_dirs):
-        raise InvalidRequest(f"source {source!r} is outside --allowed-local-dirs", field="source")
-    if not path.is_dir():
+    path = check_allowed(source, allowed_dirs)
+    try:
+        is_dir = path.is_dir()
+    except OSError as exc:  # e.g. a name longer than the filesystem allows
+        raise InvalidRequest(f"source {source[:200]!r} is not a usable path: {exc.strerror}", field="source") from None
+    if not is_dir:
         raise AdapterNotFound(f"adapter source {source!r} is not a directory on the server", field="source")
     return path
 
@@ -129,24 +154,21 @@ class AdapterResolver:
 
     # -- explicit management ----------------------------------------------------------------
     async def load(self, name: str, source: str, revision: str, pin: bool) -> AdapterInfo:
-        if not name:
-            raise InvalidRequest("name must not be empty", field="name")
-        if not source:
-            raise InvalidRequest("source must not be empty", field="source")
+        check_adapter_name(name)
+        check_source(source, revision)
         if await call(self.engine.has_adapter, name):
             await self.wait_idle(name)
             await call(self.engine.unload_adapter, name)
         if self.store is None:
             self._origin[name] = (source, "")
             return self._with_origin(await self._engine_load(name, local_path(source, self.allowed_dirs), pin))
-        if not source.startswith("hf://") and "://" not in source and Path(source).expanduser().exists():
-            local_path(source, self.allowed_dirs)  # the store reads it; still honour the allow-list
+        if looks_local(source):
+            check_allowed(source, self.allowed_dirs)  # the store reads it; still honour the allow-list
         await self.store.register(name, source, revision)
         return await self._pull_and_load(name, pin=pin)
 
     async def unload(self, name: str) -> None:
-        if not name:
-            raise InvalidRequest("name must not be empty", field="name")
+        check_adapter_name(name)
         if not await call(self.engine.has_adapter, name):
             raise AdapterNotFound(f"adapter {name!r} is not loaded on this server", adapter=name)
         await call(self.engine.unload_adapter, name)

@@ -1,6 +1,13 @@
-"""Proto ⇄ engine types for the Inference servicer (proto zeros mean "server default" / "off")."""
+"""Proto ⇄ engine types for the Inference servicer (proto zeros mean "server default" / "off").
+
+Also the bounds of every request field the engine does not check itself: counts and lengths
+of stop strings / stop ids, adapter names (the store's rule: no path can hide in one), and
+the length of LoadAdapter's source and revision.
+"""
 
 from __future__ import annotations
+
+import re
 
 from loraplex.v1 import inference_pb2 as pb
 
@@ -8,11 +15,57 @@ from services.inference.engine.types import AdapterInfo, SamplingParams
 from services.inference.errors import InvalidRequest
 from services.inference.server_args import ServerArgs
 
+# Same rule as the adapter store's (adapter_store/names.py): no '/', no '..' start, no control chars.
+ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_SOURCE_CHARS = 4096
+MAX_REVISION_CHARS = 256
+# No token of a real vocabulary is this long: a longer text cannot fit the context, so it is
+# refused before the tokenizer spends seconds on megabytes.
+MAX_CHARS_PER_TOKEN = 64
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
 LOCATION = {"gpu": pb.ADAPTER_LOCATION_GPU, "host": pb.ADAPTER_LOCATION_HOST, "store": pb.ADAPTER_LOCATION_STORE}
+
+
+def check_adapter_name(name: str, field: str = "name") -> str:
+    if not ADAPTER_NAME_RE.fullmatch(name):
+        raise InvalidRequest(
+            f"adapter name {name[:160]!r} is invalid: use 1-128 characters from [A-Za-z0-9._-], "
+            "starting with a letter or digit", field=field)
+    return name
+
+
+def check_source(source: str, revision: str) -> None:
+    """LoadAdapter's source and revision: bounded, printable (the resolver checks where a path points)."""
+    if not source:
+        raise InvalidRequest("source must not be empty", field="source")
+    for field, value, limit in (("source", source, MAX_SOURCE_CHARS), ("revision", revision, MAX_REVISION_CHARS)):
+        if len(value) > limit:
+            raise InvalidRequest(f"{field} is {len(value)} characters; at most {limit} are accepted", field=field)
+        if _CONTROL.search(value):
+            raise InvalidRequest(f"{field} contains control characters", field=field)
+
+
+def _check_stops(p: pb.SamplingParams) -> None:
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"sampling_params.stop has {len(p.stop)} entries; at most {MAX_STOP_STRINGS}",
+                             field="sampling_params.stop")
+    for i, stop in enumerate(p.stop):
+        if not stop or len(stop) > MAX_STOP_CHARS:
+            raise InvalidRequest(f"sampling_params.stop[{i}] must be 1-{MAX_STOP_CHARS} characters (got {len(stop)})",
+                                 field=f"sampling_params.stop[{i}]")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            f"sampling_params.stop_token_ids has {len(p.stop_token_ids)} entries; at most {MAX_STOP_TOKEN_IDS}",
+            field="sampling_params.stop_token_ids")
 
 
 def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
     """Proto → engine; proto zeros mean 'server default' / 'off'."""
+    _check_stops(p)
     params = SamplingParams(
         max_new_tokens=p.max_new_tokens or args.default_max_new_tokens,
         temperature=p.temperature,
@@ -42,6 +95,9 @@ def adapters_per_input(request: pb.GenerateRequest) -> list[str]:
             f"adapter has {len(adapters)} entries for {n} texts; give one per text, one for all, or none",
             field="adapter",
         )
+    for i, name in enumerate(adapters):
+        if name:
+            check_adapter_name(name, field=f"adapter[{i}]")
     return adapters
 
 

@@ -27,7 +27,7 @@ from services.inference.engine.types import SamplingParams
 from services.inference.metrics import Metrics
 from services.inference.server_args import ServerArgs
 from services.inference.servicer import InferenceServicer, ServerState
-from services.inference.store_client import StoreClient
+from services.inference.store_client import StoreClient, channel_credentials
 
 log = logging.getLogger("services.inference")
 
@@ -108,8 +108,9 @@ class InferenceServer:
             log.info("metrics on http://%s:%d/metrics", self.args.host, mport)
         if self.args.adapter_store and self.args.adapter_store != "none":
             cache = Path(self.args.adapter_cache_dir or default_cache_dir() / "inference")
+            credentials = channel_credentials(self.args.adapter_store_tls_ca, self.args.tls_cert, self.args.tls_key)
             self.store = StoreClient(self.args.adapter_store, cache, on_pull=self._on_pull,
-                                     token=self.args.admin_token)
+                                     token=self.args.admin_token, credentials=credentials)
         self._tasks.append(asyncio.create_task(self._bring_up()))
         return self.port
 

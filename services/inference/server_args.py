@@ -29,6 +29,7 @@ class ServerArgs:
     max_loaded_loras: int | None = None  # host cache size; None = unbounded
     adapter_store: str = "none"  # HOST:PORT | none
     adapter_cache_dir: str | None = None  # adapters pulled from the store; None = ~/.cache/loraplex/inference
+    adapter_store_tls_ca: str | None = None  # PEM: talk TLS to the store, verified with it
     # Memory and batching
     mem_fraction_static: float = 0.88
     max_total_tokens: int | None = None
@@ -92,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="adapters kept in host memory (LRU beyond it, re-read from source); default unbounded")
     a("--adapter-store", default=d.adapter_store, help="HOST:PORT of the adapter store, or 'none'")
     a("--adapter-cache-dir", default=None, help="where adapters pulled from the store are kept")
+    a("--adapter-store-tls-ca", default=None,
+      help="PEM CA to verify a TLS adapter store with (the channel is plaintext without it); "
+      "--tls-cert/--tls-key, when given, are presented to it as the client certificate (mutual TLS)")
     a("--mem-fraction-static", type=float, default=d.mem_fraction_static)
     a("--max-total-tokens", type=int, default=None)
     a("--page-size", type=int, default=d.page_size)

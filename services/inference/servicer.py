@@ -22,7 +22,12 @@ from services.inference.adapter_resolver import AdapterResolver, call
 from services.inference.engine.types import RequestOutput
 from services.inference.errors import CapacityExceeded, InvalidRequest, LoraplexError
 from services.inference.metrics import Metrics, adapter_label
-from services.inference.proto_convert import adapter_proto, adapters_per_input, to_engine_params
+from services.inference.proto_convert import (
+    MAX_CHARS_PER_TOKEN,
+    adapter_proto,
+    adapters_per_input,
+    to_engine_params,
+)
 from services.inference.server_args import ServerArgs
 from services.inference.status import abort_with, build_status, status_for
 
@@ -107,6 +112,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         for i, text in enumerate(request.text):
             if not text:
                 raise InvalidRequest(f"text[{i}] is empty", field=f"text[{i}]")
+            if context_length and len(text) > context_length * MAX_CHARS_PER_TOKEN:
+                raise InvalidRequest(
+                    f"text[{i}] has {len(text)} characters, more than a {context_length}-token context can hold",
+                    field=f"text[{i}]")
             ids = list(await call(engine.tokenize, text))
             if context_length and len(ids) + 1 > context_length:
                 raise InvalidRequest(
@@ -285,6 +294,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Tokenize(self, request, context):
         async def work(engine, resolver):
+            limit = (await call(engine.model_info)).context_length * MAX_CHARS_PER_TOKEN
+            if limit and len(request.text) > limit:
+                raise InvalidRequest(f"text has {len(request.text)} characters; Tokenize accepts at most {limit}",
+                                     field="text")
             ids = list(await call(engine.tokenize, request.text))
             if self._tokenizer is None:
                 from transformers import AutoTokenizer

@@ -44,6 +44,8 @@ STORE_CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+PULL_ATTEMPTS = 3
+PULL_RETRY_S = 0.5
 # How long a cold lookup waits for the store's connection before answering UNAVAILABLE.
 CONNECT_WAIT_S = 3.0
 
@@ -52,6 +54,16 @@ class PulledAdapter(NamedTuple):
     name: str
     path: Path
     record: pb.AdapterRecord
+
+
+def channel_credentials(ca: str | None, cert: str | None = None,
+                        key: str | None = None) -> grpc.ChannelCredentials | None:
+    """TLS to the store when `ca` is given; `cert`/`key` are the client certificate for mutual TLS."""
+    if not ca:
+        return None
+    pair = (Path(key).read_bytes(), Path(cert).read_bytes()) if cert and key else (None, None)
+    return grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes(),
+                                        private_key=pair[0], certificate_chain=pair[1])
 
 
 def _hex(digest: str) -> str:
@@ -73,11 +85,14 @@ class StoreClient:
     """Talks to one adapter store at `target` (HOST:PORT); all methods are coroutines."""
 
     def __init__(self, target: str, cache_dir: Path, *, on_pull: Callable[[int], None] | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, credentials: grpc.ChannelCredentials | None = None) -> None:
         self.target = target
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
-        self._channel = grpc.aio.insecure_channel(target, options=STORE_CHANNEL_OPTIONS)
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=STORE_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=STORE_CHANNEL_OPTIONS)
         self._stub = pb_grpc.AdapterStoreStub(self._channel)
         self._inflight: dict[str, asyncio.Future[PulledAdapter]] = {}
         self._on_pull = on_pull
@@ -142,7 +157,18 @@ class StoreClient:
         local = self.cache_dir / _hex(record.digest)
         if (local / WEIGHTS_FILE).exists() and (local / CONFIG_FILE).exists():
             return PulledAdapter(name, local, record)
-        return await self._pull(name, local)
+        # A stream cut halfway or bytes that do not hash to the record are retried from the
+        # start; the partial copy is never renamed into the cache, so no half adapter is loaded.
+        for attempt in range(1, PULL_ATTEMPTS + 1):
+            try:
+                return await self._pull(name, local)
+            except BackendUnavailable as exc:
+                if attempt == PULL_ATTEMPTS:
+                    raise
+                log.warning("pull of %s failed (attempt %d/%d): %s; retrying", name, attempt, PULL_ATTEMPTS,
+                            exc.message)
+                await asyncio.sleep(PULL_RETRY_S * attempt)
+        raise AssertionError("unreachable")
 
     async def _pull(self, name: str, local: Path) -> PulledAdapter:
         tmp = Path(tempfile.mkdtemp(prefix=".pull-", dir=self.cache_dir))

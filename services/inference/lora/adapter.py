@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,9 @@ log = logging.getLogger(__name__)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+MAX_HEADER_BYTES = 16 * 2**20  # same cap as the adapter store's
+MAX_CONFIG_BYTES = 1 * 2**20
 _KEY = re.compile(r"^base_model\.model\.(?P<path>.+)\.lora_(?P<ab>[AB])\.weight$")
 
 
@@ -47,6 +51,19 @@ class AdapterWeights:
         return sum(t.numel() * t.element_size() for d in (self.lora_a, self.lora_b) for t in d.values())
 
 
+def _check_header_size(path: Path) -> None:
+    """Refuse a safetensors header longer than MAX_HEADER_BYTES (or the file) before it is parsed."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8:
+        raise AdapterInvalid(f"{WEIGHTS_FILE} is {size} bytes, too short for a safetensors header", field=WEIGHTS_FILE)
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise AdapterInvalid(f"{WEIGHTS_FILE}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap or the "
+                             f"{size}-byte file (truncated?)", field=WEIGHTS_FILE)
+
+
 def _digest(directory: Path) -> str:
     h = hashlib.sha256()
     for name in (CONFIG_FILE, WEIGHTS_FILE):
@@ -65,6 +82,9 @@ def read_config(directory: str | Path) -> tuple[AdapterSpec, Path]:
     config_path = directory / CONFIG_FILE
     if not config_path.is_file():
         raise AdapterInvalid(f"{directory} has no {CONFIG_FILE}", field=CONFIG_FILE)
+    if config_path.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdapterInvalid(f"{CONFIG_FILE} is {config_path.stat().st_size} bytes; at most {MAX_CONFIG_BYTES} "
+                             "are read", field=CONFIG_FILE)
     try:
         cfg = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -88,7 +108,12 @@ def load_adapter_weights(
     targets = resolve_targets(spec, shapes.num_layers)
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
+        if any((directory / n).exists() for n in PICKLE_FILES):
+            raise AdapterInvalid(f"{directory} has only pickle weights ({', '.join(PICKLE_FILES)}), which are never "
+                                 "loaded here (unpickling can run code); convert them to safetensors, or register "
+                                 "the adapter with a store started with --allow-pickle", field=WEIGHTS_FILE)
         raise AdapterInvalid(f"{directory} has no {WEIGHTS_FILE}", field=WEIGHTS_FILE)
+    _check_header_size(weights_path)
     by_path = {module_path(n, m): (n, m) for (n, m) in targets}
     lora_a: dict[tuple[int, str], torch.Tensor] = {}
     lora_b: dict[tuple[int, str], torch.Tensor] = {}
