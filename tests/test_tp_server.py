@@ -1,0 +1,44 @@
+"""`python -m services.inference --tp-size 2`: the real server spawns its worker, serves a mixed
+adapter batch equal to `--tp-size 1`, and takes its worker down with it on SIGTERM."""
+
+from __future__ import annotations
+
+import grpc
+import psutil
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
+
+from clients.processes import ServerProcess
+from tests.service_stack import STARTUP_S
+from tests.test_tp import PROMPTS, outputs, tp_args
+
+
+def test_server_tp2_generate_matches_tp1_and_stops_its_worker(tiny_llama_path, adapter_factory):
+    adapters = {
+        "qv": adapter_factory(tiny_llama_path, "qv", r=8, target_modules=["q_proj", "v_proj"], seed=7),
+        "down": adapter_factory(tiny_llama_path, "down", r=4, target_modules=["down_proj", "gate_proj"], seed=8),
+    }
+    names = ["", "qv", "down", "qv"]
+    want = outputs(tp_args(tiny_llama_path, 1, adapters), list(zip(PROMPTS, [n or None for n in names], strict=True)),
+                   6)
+    server = ServerProcess("inference-tp2", "services.inference", [
+        "--model-path", str(tiny_llama_path), "--port", "0", "--device", "cpu", "--tp-size", "2",
+        "--max-total-tokens", "2048", "--context-length", "512", "--max-lora-rank", "16",
+        "--lora-target-modules", "all", "--max-loras-per-batch", "4", "--grace-period", "2",
+        "--lora-paths", *(f"{n}={p}" for n, p in adapters.items())], echo=False)
+    try:
+        server.wait_serving(STARTUP_S)
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        assert len(workers) == 1, [c.cmdline() for c in children]  # rank 1; rank 0 is the server
+        with grpc.insecure_channel(server.address) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).tp_size == 2
+            params = pb.SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+            resp = stub.Generate(pb.GenerateRequest(text=PROMPTS, adapter=names, sampling_params=params), timeout=60)
+        assert [list(c.token_ids) for c in resp.completions] == want
+    finally:
+        code = server.stop()
+    assert code == 0, server.output()[-3000:]
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, f"worker processes left behind: {alive}"
