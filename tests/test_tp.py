@@ -120,7 +120,10 @@ def test_smollm2_tp2_matches_tp1(smollm2_path, adapter_factory):
     assert len({tuple(t) for t in want}) == len(jobs)
 
 
-def test_dead_worker_makes_engine_unhealthy_without_hanging(tiny_llama_path):
+@pytest.mark.parametrize("when", ["mid_stream", "idle"])
+def test_dead_worker_makes_engine_unhealthy_without_hanging(tiny_llama_path, when, caplog):
+    """Killed while a request streams (the collective fails) or while idle (only the monitor
+    can tell): unhealthy within seconds, a log line naming the rank, UNAVAILABLE after."""
     engine = build_engine(tp_args(tiny_llama_path, 2, {}))
     try:
         assert engine.healthy()
@@ -137,13 +140,19 @@ def test_dead_worker_makes_engine_unhealthy_without_hanging(tiny_llama_path):
                     pass
 
         start = time.monotonic()
-        asyncio.run(asyncio.wait_for(kill_mid_stream(), timeout=30))
+        if when == "mid_stream":
+            asyncio.run(asyncio.wait_for(kill_mid_stream(), timeout=30))
+        else:
+            os.kill(worker.pid, signal.SIGKILL)
         deadline = time.monotonic() + 5
         while engine.healthy() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not engine.healthy()
-        assert f"rank 1 (pid {worker.pid}) died" in engine.unhealthy_reason()
+        reason = f"rank 1 (pid {worker.pid}) died"
+        assert reason in engine.unhealthy_reason()
         assert time.monotonic() - start < 15
+        assert any(reason in r.getMessage() and "NOT_SERVING" in r.getMessage() for r in caplog.records
+                   if r.levelname == "ERROR")
 
         async def new_request():
             async for _ in engine.generate("after", PROMPTS[1], None, params):

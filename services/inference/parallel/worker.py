@@ -15,6 +15,7 @@ import datetime
 import logging
 import os
 import pickle
+import signal
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -63,6 +64,8 @@ def init_group(rank: int, tp_size: int, store: dist.Store, device_type: str, tim
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
+    # A terminal's Ctrl-C reaches the whole process group; rank 0 decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s tp{spec.rank} %(levelname)s %(name)s: %(message)s")
     try:
         _serve(spec, conn)
