@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+from collections.abc import AsyncIterator
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from services.inference.engine.async_engine import AsyncEngine, default_model_in
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import LLMEngine, LoadedModel
 from services.inference.engine.kv_cache import plan_num_blocks
+from services.inference.engine.types import RequestOutput, SamplingParams
 from services.inference.errors import BackendUnavailable
 from services.inference.lora.manager import LoRAManager
 from services.inference.lora.pool import AdapterPool
@@ -86,7 +88,9 @@ class TPAsyncEngine(AsyncEngine):
     def unhealthy_reason(self) -> str | None:
         return self.workers.reason
 
-    async def generate(self, request_id, prompt, adapter, params):
+    async def generate(
+        self, request_id: str, prompt: str | list[int], adapter: str | None, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
         if not self.workers.healthy:
             raise BackendUnavailable(f"{self.workers.reason or 'the engine is shut down'}; the server must be "
                                      "restarted")
@@ -107,7 +111,10 @@ class TPAsyncEngine(AsyncEngine):
         super().shutdown(timeout)
         self.workers.stop()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - an aborted (NCCL) group may refuse; the process moves on
+                log.warning("could not destroy the tensor-parallel process group", exc_info=True)
 
 
 def build_tp_engine(args: ServerArgs) -> TPAsyncEngine:
