@@ -27,6 +27,7 @@ from services.inference.engine.types import SamplingParams
 from services.inference.metrics import Metrics
 from services.inference.server_args import ServerArgs
 from services.inference.servicer import InferenceServicer, ServerState
+from services.inference.status import MalformedRequestInterceptor
 from services.inference.store_client import StoreClient, channel_credentials
 
 log = logging.getLogger("services.inference")
@@ -73,7 +74,9 @@ class InferenceServer:
         self.state = ServerState()
         self.metrics = Metrics()
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=grpc_options(args), interceptors=auth.interceptors(args))
+        self.server = grpc.aio.server(
+            options=grpc_options(args),
+            interceptors=[*auth.interceptors(args), MalformedRequestInterceptor(f"/{SERVICE_NAME}/")])
         self.store: StoreClient | None = None
         self.port = 0
         self._tasks: list[asyncio.Task] = []
