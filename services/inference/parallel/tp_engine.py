@@ -16,6 +16,8 @@ import dataclasses
 import datetime
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,14 +30,14 @@ from services.inference.engine.types import RequestOutput, SamplingParams
 from services.inference.errors import BackendUnavailable
 from services.inference.lora.manager import LoRAManager
 from services.inference.lora.pool import AdapterPool
-from services.inference.lora.setup import local_source, resolve_lora_settings
+from services.inference.lora.setup import LoRASettings, local_source, resolve_lora_settings
 from services.inference.lora.shapes import ModelShapes
-from services.inference.models.config import check_context_length, load_config
+from services.inference.models.config import ModelConfig, check_context_length, load_config
 from services.inference.models.loader import resolve_dtype, resolve_model_dir
 from services.inference.parallel.group import WorkerGroup
 from services.inference.parallel.lora import ShardedAdapterPool, TPLoRABackend
 from services.inference.parallel.model import load_tp_model
-from services.inference.parallel.partition import plan_shards
+from services.inference.parallel.partition import ShardPlan, plan_shards
 from services.inference.parallel.worker import WorkerSpec, init_group
 from services.inference.server_args import ServerArgs
 
@@ -117,6 +119,18 @@ class TPAsyncEngine(AsyncEngine):
                 log.warning("could not destroy the tensor-parallel process group", exc_info=True)
 
 
+class _Resolved(NamedTuple):
+    """What every rank is built from, resolved once on rank 0 before any process starts."""
+
+    model_dir: Path
+    cfg: ModelConfig
+    plans: list[ShardPlan]
+    dtype: torch.dtype
+    shapes: ModelShapes
+    lora: LoRASettings
+    context_length: int
+
+
 def build_tp_engine(args: ServerArgs) -> TPAsyncEngine:
     """Spawn the workers, load rank 0's shard, agree on the KV cache size, start the engine."""
     tp = args.tp_size
@@ -141,6 +155,7 @@ def build_tp_engine(args: ServerArgs) -> TPAsyncEngine:
     if lora.backend != "torch":
         log.warning("--tp-size %d: LoRA runs the torch path on every rank (--lora-backend %s is single-GPU only)",
                     tp, lora.backend)
+    setup = _Resolved(model_dir, cfg, plans, dtype, shapes, lora, context_length)
     store = dist.TCPStore("127.0.0.1", 0, tp, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=TP_TIMEOUT_S))
     specs = [WorkerSpec(rank=r, tp_size=tp, model_dir=str(model_dir), device_type=device.type, dtype=dtype,
@@ -153,7 +168,7 @@ def build_tp_engine(args: ServerArgs) -> TPAsyncEngine:
     workers = WorkerGroup(specs)
     workers.start()
     try:
-        return _build_rank0(args, config, model_dir, cfg, plans, dtype, shapes, lora, context_length, store, workers)
+        return _build_rank0(args, config, setup, store, workers)
     except BaseException:
         workers.stop(timeout_s=5)
         if dist.is_initialized():
@@ -161,10 +176,11 @@ def build_tp_engine(args: ServerArgs) -> TPAsyncEngine:
         raise
 
 
-def _build_rank0(args, config, model_dir, cfg, plans, dtype, shapes, lora, context_length, store,
+def _build_rank0(args: ServerArgs, config: EngineConfig, setup: _Resolved, store: dist.Store,
                  workers: WorkerGroup) -> TPAsyncEngine:
     from transformers import AutoTokenizer
 
+    model_dir, cfg, plans, dtype, shapes, lora, context_length = setup
     device, plan = config.device, plans[0]
     local_cfg = plan.local_config(cfg)
     model = load_tp_model(model_dir, plan, device, dtype)
