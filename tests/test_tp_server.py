@@ -42,3 +42,20 @@ def test_server_tp2_generate_matches_tp1_and_stops_its_worker(tiny_llama_path, a
     assert code == 0, server.output()[-3000:]
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert not alive, f"worker processes left behind: {alive}"
+
+
+def test_worker_exits_when_the_server_is_killed(tiny_llama_path):
+    """SIGKILL gives rank 0 no chance to stop its worker: the worker sees its pipe close and exits."""
+    server = ServerProcess("inference-tp2-kill", "services.inference", [
+        "--model-path", str(tiny_llama_path), "--port", "0", "--device", "cpu", "--tp-size", "2",
+        "--max-total-tokens", "1024", "--context-length", "256", "--max-lora-rank", "4"], echo=False)
+    try:
+        server.wait_serving(STARTUP_S)
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        assert len(workers) == 1
+        server.proc.kill()
+        _, alive = psutil.wait_procs(workers, timeout=15)
+        assert not alive, "the worker outlived its server"
+    finally:
+        server.stop()
