@@ -7,9 +7,13 @@ adapters, the engine built through `build_engine` (the server's path).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +23,7 @@ from services.inference.errors import BackendUnavailable
 from services.inference.server_args import ServerArgs
 from tests.factories import make_tiny_model
 
+REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,"]
 
 
@@ -172,3 +177,16 @@ def test_unrunnable_tp_sizes_are_refused_before_any_worker_starts(tiny_llama_pat
         build_engine(tp_args(tiny_llama_path, 0, {}))
     with pytest.raises(ValueError, match=r"--tp-size 3: the model has 4 attention heads in 2 KV groups"):
         build_engine(tp_args(tiny_llama_path, 3, {}))
+
+
+def test_triton_lora_kernels_under_tp2_match_torch_tp1(tiny_llama_path, adapter_factory):
+    """The Triton LoRA path with the row-parallel shrink all-reduce, on Triton's CPU interpreter."""
+    adapters = mixed_adapters(adapter_factory, tiny_llama_path)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
+    proc = subprocess.run([sys.executable, "-m", "tests.tp_triton_check", str(tiny_llama_path),
+                           *(f"{n}={p}" for n, p in adapters.items())],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["tp2_triton"] == result["tp1_torch"]
+    assert len({tuple(t) for t in result["tp1_torch"]}) > 3

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels.lora_expand import lora_expand
+from kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
 from services.inference.lora.adapter import AdapterWeights
 from services.inference.lora.backend import GROUPS, LoRABackend
 from services.inference.lora.pool import AdapterPool
@@ -31,6 +33,13 @@ from services.inference.parallel.partition import COLUMN_MODULES, ShardPlan
 log = logging.getLogger(__name__)
 
 ROW_GROUPS = ("o", "down")
+
+
+def make_tp_backend(pool: AdapterPool, backend: str, max_tokens: int) -> LoRABackend:
+    """`--lora-backend` under TP: `triton` (the kernels, GPU or TRITON_INTERPRET=1) or `torch`."""
+    if backend == "triton":
+        return TPTritonLoRABackend(pool, max_tokens)
+    return TPLoRABackend(pool)
 
 
 def shard_adapter(weights: AdapterWeights, plan: ShardPlan) -> AdapterWeights:
@@ -140,3 +149,39 @@ class TPLoRABackend(LoRABackend):
             if r:
                 delta = F.linear(shrunk[sel, :r], lora_b[slot, :, :r])
                 out[sel] += (delta * scales[k][0]).to(out.dtype)
+
+
+class TPTritonLoRABackend(LoRABackend):
+    """The Triton kernels under TP: column groups exactly as `TritonLoRABackend`; row groups
+    shrink into their own `[splits, T, R]` float32 buffer, all-reduce it (the K-split partials
+    add up either way), then expand. No host reads, so CUDA-graph safe."""
+
+    cuda_graph_safe = True
+
+    def __init__(self, pool: AdapterPool, max_tokens: int):
+        from services.inference.lora.triton_backend import TritonLoRABackend
+
+        self.pool = pool
+        self.inner = TritonLoRABackend(pool, max_tokens)
+        row_in = [pool.shapes.group_in(g) for g in ROW_GROUPS if g in pool.groups]
+        # One stacked module per row group: the buffer's columns are exactly R, so views stay contiguous.
+        self._row_buf = alloc_shrink_out(max_tokens, 1, pool.max_rank, max(row_in, default=1), pool.device)
+        self._num_tokens = 0
+
+    def prepare(self, token_slots: torch.Tensor) -> None:
+        self.inner.prepare(token_slots)
+        self._num_tokens = token_slots.shape[0]
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        if group not in ROW_GROUPS:
+            self.inner.apply(layer, group, x, out)
+            return
+        if group not in self.pool.groups:
+            return
+        pool = self.pool
+        y = shrink_out_view(self._row_buf, x.shape[1], self._num_tokens)
+        ranks = pool.rank[group][layer]
+        lora_shrink(x, pool.lora_a[group][layer], ranks, self.inner.segments, y)
+        dist.all_reduce(y)
+        lora_expand(y, pool.lora_b[group][layer], ranks, pool.scaling[group][layer], self.inner.segments, out,
+                    pool.shapes.group_widths(group))

@@ -3,8 +3,9 @@
 Rank 0 is the server process: it loads its own shard, schedules, and before each forward
 sends the step's chunks to ranks 1..N-1 (spawned workers, one per device); every rank then
 runs the same `ModelRunner.forward` over its shard and the collectives inside the model
-line the ranks up. Rank 0 samples from the gathered logits. CUDA graphs are off under TP,
-and LoRA runs the torch path (`parallel/lora.py`) whatever `--lora-backend` says.
+line the ranks up. Rank 0 samples from the gathered logits. CUDA graphs are off under TP
+(capturing collectives is left to the multi-GPU work). LoRA follows `--lora-backend`:
+the Triton kernels or the torch path, both with S-LoRA's sharding (`parallel/lora.py`).
 
 Health: `TPAsyncEngine.healthy()` is False once any worker has died (the server should poll
 it and report NOT_SERVING); from then on every request fails with UNAVAILABLE.
@@ -35,7 +36,7 @@ from services.inference.lora.shapes import ModelShapes
 from services.inference.models.config import ModelConfig, check_context_length, load_config
 from services.inference.models.loader import resolve_dtype, resolve_model_dir
 from services.inference.parallel.group import WorkerGroup
-from services.inference.parallel.lora import ShardedAdapterPool, TPLoRABackend
+from services.inference.parallel.lora import ShardedAdapterPool, make_tp_backend
 from services.inference.parallel.model import load_tp_model
 from services.inference.parallel.partition import ShardPlan, plan_shards
 from services.inference.parallel.worker import WorkerSpec, init_group
@@ -152,9 +153,6 @@ def build_tp_engine(args: ServerArgs) -> TPAsyncEngine:
     dtype = resolve_dtype(config.dtype_name, cfg.torch_dtype, device)
     shapes = ModelShapes(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size)
     lora = resolve_lora_settings(args, shapes, device)
-    if lora.backend != "torch":
-        log.warning("--tp-size %d: LoRA runs the torch path on every rank (--lora-backend %s is single-GPU only)",
-                    tp, lora.backend)
     setup = _Resolved(model_dir, cfg, plans, dtype, shapes, lora, context_length)
     store = dist.TCPStore("127.0.0.1", 0, tp, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=TP_TIMEOUT_S))
@@ -204,10 +202,11 @@ def _build_rank0(args: ServerArgs, config: EngineConfig, setup: _Resolved, store
         path = local_source(name, source)
         if path is not None:  # the server loads the others through the adapter store
             manager.load_adapter(name, path)
-    engine = TPEngine(loaded, config, workers, adapter_slots=manager, lora_backend=TPLoRABackend(local_pool))
+    backend = make_tp_backend(local_pool, lora.backend, config.max_num_batched_tokens)
+    engine = TPEngine(loaded, config, workers, adapter_slots=manager, lora_backend=backend)
     log.info("tensor-parallel engine ready: %s over %d ranks (%s, %s), %d KV blocks per rank, LoRA pool %d bytes "
              "on rank 0", args.model_path, plan.tp_size, device.type, dtype, blocks, pool.nbytes)
     info = dataclasses.replace(
         default_model_info(engine), max_loras_per_batch=lora.max_loras_per_batch, max_lora_rank=lora.max_lora_rank,
-        lora_target_modules=list(lora.target_modules), lora_backend="torch", tp_size=plan.tp_size)
+        lora_target_modules=list(lora.target_modules), lora_backend=lora.backend, tp_size=plan.tp_size)
     return TPAsyncEngine(engine, lora_manager=manager, model_info=info)

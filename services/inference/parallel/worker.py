@@ -90,7 +90,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     from services.inference.lora.pool import AdapterPool
     from services.inference.lora.shapes import ModelShapes
     from services.inference.models.config import load_config
-    from services.inference.parallel.lora import TPLoRABackend
+    from services.inference.parallel.lora import make_tp_backend
     from services.inference.parallel.model import load_tp_model
     from services.inference.parallel.partition import plan_shards
 
@@ -112,7 +112,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
                                                cfg.q_size, cfg.kv_size))
         pool = AdapterPool(shapes, slots=s.max_loras_per_batch, max_rank=s.max_lora_rank,
                            target_modules=s.target_modules, dtype=spec.dtype, device=device)
-        backend = TPLoRABackend(pool)
+        backend = make_tp_backend(pool, s.backend, spec.max_num_batched_tokens)
     blocks = plan_num_blocks(local_cfg, spec.dtype, device, page_size=spec.page_size,
                              context_length=spec.context_length, max_running_requests=spec.max_running_requests,
                              max_total_tokens=spec.max_total_tokens, mem_fraction_static=spec.mem_fraction_static)
