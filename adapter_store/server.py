@@ -22,6 +22,7 @@ from adapter_store.redis_embedded import EmbeddedRedis, connect, describe
 from adapter_store.registry import AdapterRegistry
 from adapter_store.servicer import AdapterStoreServicer
 from adapter_store.sources import SourceFetcher
+from services.inference.status import MalformedRequestInterceptor
 
 log = logging.getLogger("adapter_store")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name
@@ -54,6 +55,8 @@ async def serve(config: StoreConfig) -> None:
                     describe(config.redis_url), e)
 
     interceptors = [AdminTokenInterceptor(config.admin_token)] if config.admin_token else []
+    # Undecodable request bytes: INVALID_ARGUMENT rather than grpc's bare UNKNOWN.
+    interceptors.append(MalformedRequestInterceptor(f"/{SERVICE_NAME}/"))
     server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_send_message_length", 8 << 20)])
     servicer = AdapterStoreServicer(registry)
     pb_grpc.add_AdapterStoreServicer_to_server(servicer, server)

@@ -7,6 +7,7 @@ language's stubs can read them (grpcio-status in Python).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -148,7 +149,11 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         async def stream(request, context):
             if isinstance(request, _Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed(method, request))
-            async for item in behavior(request, context):
-                yield item
+            result = behavior(request, context)
+            if inspect.isasyncgen(result):
+                async for item in result:
+                    yield item
+            else:  # a handler that writes with context.write() and returns
+                await result
 
         return grpc.unary_stream_rpc_method_handler(stream, parse, handler.response_serializer)
