@@ -22,10 +22,10 @@ def build_engine(args: ServerArgs) -> AsyncEngine:
     `--mem-fraction-static` leaves (or pass the pool's bytes as `kv_reserved_bytes` when it
     is allocated after the cache).
     """
-    if args.tp_size != 1:
-        raise ValueError(
-            f"--tp-size {args.tp_size}: tensor parallelism is not implemented yet; use --tp-size 1"
-        )
+    if args.tp_size != 1:  # one worker process per device (services/inference/parallel/)
+        from services.inference.parallel.tp_engine import build_tp_engine
+
+        return build_tp_engine(args)
     config = EngineConfig.from_args(args)
     loaded = load(config)
     c = loaded.config
