@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 ALL_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -114,12 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     a("--port", type=int, default=d.port)
     a("--metrics-port", type=int, default=None)
     a("--grace-period", type=float, default=d.grace_period)
-    a("--admin-token", default=None)
-    a("--api-token", default=None)
-    a("--tls-cert", default=None)
-    a("--tls-key", default=None)
-    a("--tls-ca", default=None)
-    a("--allowed-local-dirs", nargs="*", default=[])
+    a("--admin-token", default=None,
+      help="LoadAdapter/UnloadAdapter need 'authorization: Bearer <token>'; also sent to the store "
+      "(default: $LORAPLEX_ADMIN_TOKEN; the environment keeps it out of `ps`)")
+    a("--api-token", default=None,
+      help="every Inference call needs 'authorization: Bearer <token>' (default: $LORAPLEX_API_TOKEN)")
+    a("--tls-cert", default=None, help="PEM server certificate (with --tls-key): serve TLS")
+    a("--tls-key", default=None, help="PEM private key of --tls-cert")
+    a("--tls-ca", default=None, help="PEM CA: clients must present a certificate it signed (mutual TLS)")
+    a("--allowed-local-dirs", nargs="*", default=[],
+      help="LoadAdapter local-path sources only under these directories (default: anywhere)")
     a("--log-level", default=d.log_level)
     return p
 
@@ -127,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ns = build_parser().parse_args(argv)
     values = vars(ns)
+    values["admin_token"] = values["admin_token"] or os.environ.get("LORAPLEX_ADMIN_TOKEN") or None
+    values["api_token"] = values["api_token"] or os.environ.get("LORAPLEX_API_TOKEN") or None
     for key in ("lora_paths", "allowed_local_dirs"):
         values[key] = tuple(values[key])
     if values["lora_target_modules"] is not None:
