@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     g.add_argument("--json", action="store_true", help="print the full response as JSON")
+    g.add_argument("--chat", action="store_true",
+                   help="wrap each prompt as one ChatML user turn (the embedded SmolLM2's chat format); "
+                        "the server itself tokenizes text as given")
 
     ld = sub.add_parser("load", help="load an adapter (registers it in the store when the server has one)")
     ld.add_argument("name")
@@ -76,8 +79,13 @@ def _sampling(ns: argparse.Namespace) -> dict:
     return out
 
 
+CHATML = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+
+
 def _generate(client, ns: argparse.Namespace) -> None:
     adapters = ns.adapter if ns.adapter else None
+    if ns.chat:
+        ns.text = [CHATML.format(t) for t in ns.text]
     if ns.stream:
         finals = {}
         for delta in client.generate_stream(ns.text, adapters, **_sampling(ns)):

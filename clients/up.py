@@ -37,8 +37,8 @@ loraplex is up.
   store      {store}   (loraplex.v1.AdapterStore)
 
 Try:
-  .venv/bin/grpcurl -plaintext -d '{{"text": ["List 3 countries and their capitals."], "sampling_params": {{"max_new_tokens": 48}}}}' {inference} loraplex.v1.Inference/Generate
-  .venv/bin/loraplex --target {inference} generate --max-new-tokens 48 "List 3 countries and their capitals."
+  .venv/bin/grpcurl -plaintext -d '{{"text": ["<|im_start|>user\\nList 3 countries and their capitals.<|im_end|>\\n<|im_start|>assistant\\n"], "sampling_params": {{"max_new_tokens": 64}}}}' {inference} loraplex.v1.Inference/Generate
+  .venv/bin/loraplex --target {inference} generate --chat --max-new-tokens 64 "List 3 countries and their capitals."
 
 Ctrl-C stops everything.
 """

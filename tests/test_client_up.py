@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import signal
@@ -37,6 +38,14 @@ def test_up_starts_the_stack_and_stops_it(tmp_path, tiny_llama_path):
         assert out.returncode == 0, out.stderr
         grpcurl_line = next(x for x in lines if "grpcurl -plaintext" in x)
         assert inference in grpcurl_line
+        # ... and so does the printed grpcurl line (reflection, JSON with a chat-formatted prompt)
+        argv = shlex.split(grpcurl_line.strip())
+        argv[0] = str(LORAPLEX.parent / "grpcurl")
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        [completion] = json.loads(out.stdout)["completions"]
+        assert int(completion["prompt_tokens"]) == 17, completion  # ChatML special tokens parsed as such
+        assert completion["finish_reason"] in ("stop", "length")
         health = subprocess.run([str(LORAPLEX), "--target", store, "health"], capture_output=True, text=True)
         assert health.stdout.strip() == "SERVING"
         proc.send_signal(signal.SIGTERM)
