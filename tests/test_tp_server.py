@@ -59,3 +59,39 @@ def test_worker_exits_when_the_server_is_killed(tiny_llama_path):
         assert not alive, "the worker outlived its server"
     finally:
         server.stop()
+
+
+def test_dead_worker_takes_the_server_to_not_serving(tiny_llama_path):
+    """A worker that dies: health reports NOT_SERVING with a log line naming it, and no RPC hangs."""
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    server = ServerProcess("inference-tp2-dead", "services.inference", [
+        "--model-path", str(tiny_llama_path), "--port", "0", "--device", "cpu", "--tp-size", "2",
+        "--max-total-tokens", "1024", "--context-length", "256", "--max-lora-rank", "4"], echo=False)
+    try:
+        server.wait_serving(STARTUP_S)
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        [worker] = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+        worker.kill()
+        with grpc.insecure_channel(server.address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            deadline = time.monotonic() + 15
+            status = None
+            while time.monotonic() < deadline:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                time.sleep(0.2)
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            stub = pb_grpc.InferenceStub(ch)
+            params = pb.SamplingParams(max_new_tokens=2)
+            try:
+                stub.Generate(pb.GenerateRequest(text=["hi"], sampling_params=params), timeout=20)
+                raise AssertionError("Generate succeeded on a server whose worker is dead")
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+        assert "engine unhealthy" in server.output()
+    finally:
+        server.stop()

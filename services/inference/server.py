@@ -158,12 +158,20 @@ class InferenceServer:
             pass
 
     async def _refresh_metrics(self) -> None:
+        """Every second: engine metrics, and health (a dead engine or TP worker -> NOT_SERVING)."""
+        engine_down = False
         while True:
             try:
                 self.metrics.observe_engine(await call(self.state.engine.stats))
                 self.metrics.observe_adapters(list(await call(self.state.engine.list_adapters)))
             except Exception:  # noqa: BLE001 - metrics never take the server down
                 log.debug("metrics refresh failed", exc_info=True)
+            if not engine_down and not self.state.engine.healthy():
+                engine_down = True
+                reason = self.state.engine.unhealthy_reason()
+                log.error("engine unhealthy: %s; health is NOT_SERVING until the server is restarted", reason)
+                self.state.not_ready_reason = f"engine unhealthy: {reason}"
+                await self._set_health(False)
             await asyncio.sleep(METRICS_REFRESH_S)
 
     async def drain(self) -> None:

@@ -131,6 +131,13 @@ class AsyncEngine:
 
     # -- lifecycle ------------------------------------------------------------------------
 
+    def healthy(self) -> bool:
+        """False once the engine thread has stopped: the server then reports NOT_SERVING."""
+        return self._thread.is_alive() and not self._stopped.is_set()
+
+    def unhealthy_reason(self) -> str | None:
+        return None if self.healthy() else "the engine loop has stopped"
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; requests still running end with an error."""
         self._stopped.set()
