@@ -88,7 +88,7 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -103,7 +103,7 @@ def load_model(
     """Build the model on `device` in `dtype` (uninitialised) and copy the checkpoint into it."""
     config = load_config(model_dir)
     files = safetensors_files(model_dir)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         model = LlamaForCausalLM(config)
     try:
         model.load_weights(iter_weights(files))

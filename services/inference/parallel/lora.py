@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from kernels.lora_expand import lora_expand
 from kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
 from services.inference.lora.adapter import AdapterWeights
-from services.inference.lora.backend import GROUPS, LoRABackend
+from services.inference.lora.backend import LoRABackend
 from services.inference.lora.pool import AdapterPool
 from services.inference.lora.shapes import ModelShapes
+from services.inference.lora.torch_backend import TorchLoRABackend
 from services.inference.parallel.partition import COLUMN_MODULES, ShardPlan
 
 log = logging.getLogger(__name__)
@@ -84,53 +85,27 @@ class ShardedAdapterPool:
         return self.local.ready(slot)
 
 
-class TPLoRABackend(LoRABackend):
+class TPLoRABackend(TorchLoRABackend):
     """The torch LoRA path over one rank's pool shard, with the row-parallel shrink all-reduce.
 
-    Reads the step's slots on the host (like the torch backend), so not CUDA-graph safe. Every
-    rank sees the same slots and the same rank tables, so all ranks make the same collectives.
+    Column groups are the torch backend's own path (A whole, B this rank's output rows). Reads
+    the step's slots on the host, so not CUDA-graph safe. Every rank sees the same slots and
+    the same rank tables, so all ranks make the same collectives.
     """
 
-    cuda_graph_safe = False
-
     def __init__(self, pool: AdapterPool):
-        self.pool = pool
-        self._segments: list[tuple[int, slice | torch.Tensor]] = []
+        super().__init__(pool)
         self._num_tokens = 0
-        self._ranks: dict[str, list[list[list[int]]]] = {}
-        self._scales: dict[str, list[list[list[float]]]] = {}
 
     def prepare(self, token_slots: torch.Tensor) -> None:
-        host = token_slots.to("cpu", torch.int64)
-        segments: list[tuple[int, slice | torch.Tensor]] = []
-        for slot in torch.unique(host).tolist():
-            if slot < 0:
-                continue
-            idx = torch.nonzero(host == slot).flatten()
-            lo, hi = int(idx[0]), int(idx[-1]) + 1
-            segments.append((slot, slice(lo, hi) if hi - lo == idx.numel() else idx.to(token_slots.device)))
-        self._segments, self._num_tokens = segments, host.numel()
-        used = [s for s, _ in segments]
-        self._ranks = {g: self.pool.host_rank[g][:, used].tolist() for g in self.pool.groups}
-        self._scales = {g: self.pool.host_scaling[g][:, used].tolist() for g in self.pool.groups}
+        super().prepare(token_slots)
+        self._num_tokens = token_slots.numel()
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        if group not in self._ranks or not self._segments:
-            return
-        if group in ROW_GROUPS:
+        if group in ROW_GROUPS and group in self._ranks and self._segments:
             self._apply_row(layer, group, x, out)
-            return
-        pool, R = self.pool, self.pool.max_rank
-        lora_a, lora_b, offsets = pool.lora_a[group][layer], pool.lora_b[group][layer], pool.offsets[group]
-        ranks, scales = self._ranks[group][layer], self._scales[group][layer]
-        for k, (slot, sel) in enumerate(self._segments):
-            xs = x[sel]
-            for i in range(len(GROUPS[group])):
-                r = ranks[k][i]
-                if r == 0:
-                    continue
-                delta = F.linear(F.linear(xs, lora_a[slot, i * R: i * R + r]), lora_b[slot, offsets[i]: offsets[i + 1], :r])
-                out[sel, offsets[i]: offsets[i + 1]] += (delta * scales[k][i]).to(out.dtype)
+        else:
+            super().apply(layer, group, x, out)
 
     def _apply_row(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         ranks, scales = self._ranks[group][layer], self._scales[group][layer]

@@ -9,7 +9,6 @@ runs over gloo (CPU) and NCCL (CUDA).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +21,7 @@ from torch import nn
 
 from services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
 from services.inference.models.llama import FusedLinear, LlamaForCausalLM
-from services.inference.models.loader import safetensors_files
+from services.inference.models.loader import default_dtype, safetensors_files
 from services.inference.parallel.partition import ShardPlan
 
 log = logging.getLogger(__name__)
@@ -107,20 +106,10 @@ def _iter_shards(files: list[Path], plan: ShardPlan) -> Iterator[tuple[str, torc
                 yield name, _shard(name, f, plan)
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def load_tp_model(model_dir: Path, plan: ShardPlan, device: torch.device, dtype: torch.dtype) -> TPLlamaForCausalLM:
     """Build this rank's model on `device` and copy its slices of the checkpoint into it."""
     cfg = load_config(model_dir)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         model = TPLlamaForCausalLM(cfg, plan)
     try:
         model.load_weights(_iter_shards(safetensors_files(model_dir), plan))
