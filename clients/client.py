@@ -13,30 +13,17 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from loraplex.v1 import adapter_store_pb2 as spb
 from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraplex.v1 import inference_pb2 as pb
-from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 from clients.errors import from_rpc_error
-from clients.requests import bearer, generate_request, make_channel
+from clients.requests import ClientBase, generate_request
 
 
-class Client:
-    def __init__(self, target: str = "127.0.0.1:50051", *, store: str | None = None,
-                 timeout: float | None = None, token: str | None = None, store_token: str | None = None,
-                 tls_ca: str | None = None) -> None:
-        """`token`: the server's --api-token (or --admin-token for LoadAdapter/UnloadAdapter);
-        `store_token`: the store's admin token; `tls_ca`: PEM to verify TLS servers with."""
-        self.timeout = timeout
-        self._md = bearer(token)
-        self._store_md = bearer(store_token)
-        self._channel = make_channel(target, tls_ca=tls_ca, aio=False)
-        self._stub = pb_grpc.InferenceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._store_channel = make_channel(store, tls_ca=tls_ca, aio=False) if store else None
-        self._store = spb_grpc.AdapterStoreStub(self._store_channel) if self._store_channel else None
+class Client(ClientBase):
+    _aio = False
 
     def __enter__(self) -> Client:
         return self

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2_grpc
+from loraplex.v1 import adapter_store_pb2_grpc, inference_pb2_grpc
 from loraplex.v1 import inference_pb2 as pb
 
 # A long unary Generate sends nothing for its whole run; keepalive pings keep idle-killing
@@ -59,3 +61,23 @@ def make_channel(target: str, *, tls_ca: str | None = None, aio: bool = False):
 def bearer(token: str | None) -> tuple[tuple[str, str], ...] | None:
     """Call metadata for a server started with --api-token / --admin-token."""
     return (("authorization", f"Bearer {token}"),) if token else None
+
+
+class ClientBase:
+    """Channels and stubs shared by the sync `Client` and the asyncio `AsyncClient`."""
+
+    _aio = False
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, store: str | None = None,
+                 timeout: float | None = None, token: str | None = None, store_token: str | None = None,
+                 tls_ca: str | None = None) -> None:
+        """`token`: the server's --api-token (or --admin-token for LoadAdapter/UnloadAdapter);
+        `store_token`: the store's admin token; `tls_ca`: PEM to verify TLS servers with."""
+        self.timeout = timeout
+        self._md = bearer(token)
+        self._store_md = bearer(store_token)
+        self._channel = make_channel(target, tls_ca=tls_ca, aio=self._aio)
+        self._stub = inference_pb2_grpc.InferenceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._store_channel = make_channel(store, tls_ca=tls_ca, aio=self._aio) if store else None
+        self._store = adapter_store_pb2_grpc.AdapterStoreStub(self._store_channel) if self._store_channel else None
