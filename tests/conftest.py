@@ -30,6 +30,18 @@ def tiny_qwen2_path(tmp_path_factory, smollm2_path) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), arch="qwen2", tokenizer_from=smollm2_path)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module: on a shared 2-core machine one thread is ~10x faster
+    than two fighting for the cores. Restored afterwards."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def adapter_factory(tmp_path_factory) -> Callable[..., Path]:
     """`adapter_factory(base_path, name, r=8, lora_alpha=16, target_modules=[...], ...)` -> dir.

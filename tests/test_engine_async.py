@@ -20,11 +20,8 @@ from services.inference.server_args import ServerArgs
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+def _one_thread(one_torch_thread):
+    """Module-wide: see conftest.one_torch_thread."""
 
 
 @pytest.fixture(scope="module")

@@ -66,12 +66,8 @@ def hf_greedy(path: Path, prompts: list[list[int]], new_tokens: int = NEW_TOKENS
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """On this shared 2-core machine one thread is ~10x faster than two fighting for cores."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+def _one_thread(one_torch_thread):
+    """Module-wide: see conftest.one_torch_thread."""
 
 
 @pytest.fixture(scope="module")

@@ -17,11 +17,8 @@ from services.inference.models.loader import resolve_model_dir, safetensors_file
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+def _one_thread(one_torch_thread):
+    """Module-wide: see conftest.one_torch_thread."""
 
 
 def copy_model(src: Path, dst: Path, **config_changes) -> Path:

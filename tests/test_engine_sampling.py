@@ -19,11 +19,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time th
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+def _one_thread(one_torch_thread):
+    """Module-wide: see conftest.one_torch_thread."""
 
 
 @pytest.fixture(scope="module")
