@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the store's admin token (env LORAPLEX_STORE_TOKEN)")
     p.add_argument("--tls-ca", default=os.environ.get("LORAPLEX_TLS_CA"),
                    help="PEM file to verify TLS servers with; plaintext without it (env LORAPLEX_TLS_CA)")
+    p.add_argument("--tls-cert", default=os.environ.get("LORAPLEX_TLS_CERT"),
+                   help="client certificate (PEM) for servers that require one (env LORAPLEX_TLS_CERT)")
+    p.add_argument("--tls-key", default=os.environ.get("LORAPLEX_TLS_KEY"),
+                   help="private key of --tls-cert (env LORAPLEX_TLS_KEY)")
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate from one or more prompts")
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with Client(ns.target, store=ns.store, timeout=ns.timeout, token=ns.token, store_token=ns.store_token,
-                    tls_ca=ns.tls_ca) as client:
+                    tls_ca=ns.tls_ca, tls_cert=ns.tls_cert, tls_key=ns.tls_key) as client:
             if ns.command == "generate":
                 _generate(client, ns)
             elif ns.command == "load":

@@ -22,13 +22,23 @@ log = logging.getLogger(__name__)
 LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGTERM this child when the parent dies (even by SIGKILL)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+# Linux: the child asks for SIGTERM when its parent dies (even by SIGKILL), then becomes the
+# server by exec (same pid). Done in the child's own interpreter, not in a preexec_fn: a
+# preexec_fn forces fork() instead of vfork(), and fork() deadlocks in grpc's pre-fork handler
+# once the parent has live gRPC channels (seen: a test hung in Popen for minutes).
+_BOOTSTRAP = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)  # the parent died before the prctl\n"
+    "os.execv(sys.executable, [sys.executable, '-u', '-m', *sys.argv[2:]])\n"
+)
 
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+def _command(module: str, args: Sequence[str]) -> list[str]:
+    if sys.platform.startswith("linux"):
+        return [sys.executable, "-u", "-c", _BOOTSTRAP, str(os.getpid()), module, *args]
+    return [sys.executable, "-u", "-m", module, *args]
 
 
 class ServerProcess:
@@ -42,12 +52,12 @@ class ServerProcess:
         self._bound = threading.Event()
         self._echo = echo
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", module, *args],
+            _command(module, args),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             env={**os.environ, **(env or {})},
             # Own process group: a terminal's Ctrl-C reaches only the parent, which stops
             # the children in order with one SIGTERM each; they die with the parent regardless.
-            start_new_session=True, preexec_fn=_die_with_parent,
+            start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, name=f"{name}-log", daemon=True)
         self._reader.start()

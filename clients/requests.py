@@ -49,12 +49,16 @@ def generate_request(texts: str | Sequence[str], adapters: str | Sequence[str] |
     return pb.GenerateRequest(text=text_list, adapter=adapter_list, sampling_params=pb.SamplingParams(**params))
 
 
-def make_channel(target: str, *, tls_ca: str | None = None, aio: bool = False):
-    """A channel with CHANNEL_OPTIONS; TLS (verified against `tls_ca`, a PEM file) when given."""
+def make_channel(target: str, *, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, aio: bool = False):
+    """A channel with CHANNEL_OPTIONS; TLS (verified against `tls_ca`, a PEM file) when given,
+    presenting `tls_cert`/`tls_key` as the client certificate to a server that requires one."""
     module = grpc.aio if aio else grpc
     if tls_ca is None:
         return module.insecure_channel(target, options=CHANNEL_OPTIONS)
-    credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+    key, chain = (Path(tls_key).read_bytes(), Path(tls_cert).read_bytes()) if tls_cert and tls_key else (None, None)
+    credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes(), private_key=key,
+                                               certificate_chain=chain)
     return module.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
 
 
@@ -70,14 +74,16 @@ class ClientBase:
 
     def __init__(self, target: str = "127.0.0.1:50051", *, store: str | None = None,
                  timeout: float | None = None, token: str | None = None, store_token: str | None = None,
-                 tls_ca: str | None = None) -> None:
+                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None) -> None:
         """`token`: the server's --api-token (or --admin-token for LoadAdapter/UnloadAdapter);
-        `store_token`: the store's admin token; `tls_ca`: PEM to verify TLS servers with."""
+        `store_token`: the store's admin token; `tls_ca`: PEM to verify TLS servers with;
+        `tls_cert`/`tls_key`: this client's certificate for servers started with --tls-ca."""
+        tls = dict(tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self.timeout = timeout
         self._md = bearer(token)
         self._store_md = bearer(store_token)
-        self._channel = make_channel(target, tls_ca=tls_ca, aio=self._aio)
+        self._channel = make_channel(target, **tls, aio=self._aio)
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._store_channel = make_channel(store, tls_ca=tls_ca, aio=self._aio) if store else None
+        self._store_channel = make_channel(store, **tls, aio=self._aio) if store else None
         self._store = adapter_store_pb2_grpc.AdapterStoreStub(self._store_channel) if self._store_channel else None

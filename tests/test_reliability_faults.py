@@ -25,6 +25,7 @@ from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
+from clients import Client
 from clients.processes import ServerProcess
 from tests.reliability_proxy import CuttingProxy
 from tests.service_stack import STARTUP_S, scrape
@@ -140,6 +141,11 @@ def test_store_channel_is_mutual_tls(stack):
         spb_grpc.AdapterStoreStub(channel).ListAdapters(spb.ListStoreAdaptersRequest(), timeout=5)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "client certificates" in stack.store.output()
+    pki = stack.pki
+    with Client(stack.inference.address, store=stack.store.address, tls_ca=str(pki / "ca.pem"),
+                tls_cert=str(pki / "node.pem"), tls_key=str(pki / "node.key"), timeout=30) as client:
+        assert client.health() == "SERVING"
+        client.list_store_adapters()  # the Python client presents its certificate too
 
 
 def test_pull_cut_halfway_is_retried_and_digest_checked(stack, adapters):
