@@ -62,11 +62,17 @@ class ServerArgs:
 
     @property
     def lora_path_map(self) -> dict[str, str]:
+        # Imported here: proto_convert imports this module.
+        from services.inference.proto_convert import ADAPTER_NAME_RE
+
         out: dict[str, str] = {}
         for item in self.lora_paths:
             name, sep, source = item.partition("=")
             if not sep or not name or not source:
                 raise ValueError(f"--lora-paths expects NAME=SOURCE, got {item!r}")
+            if not ADAPTER_NAME_RE.fullmatch(name):
+                raise ValueError(f"--lora-paths name {name!r} is invalid: use 1-128 characters from "
+                                 "[A-Za-z0-9._-], starting with a letter or digit (requests could not name it)")
             out[name] = source
         return out
 
