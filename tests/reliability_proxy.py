@@ -3,7 +3,9 @@
 It forwards bytes both ways between loopback sockets (TLS and HTTP/2 pass through
 untouched). `arm(nbytes, times)` cuts whichever connection next carries `nbytes`
 server→client bytes after arming, `times` times over, so a long PullAdapter stream
-breaks halfway; `refuse = True` drops every new connection and `cut_all()` the open ones.
+breaks halfway; `refuse = True` drops every new connection and `cut_all()` the open ones;
+`throttle_s` slows the server→client direction (a sleep per chunk) so a test can act while a
+stream is under way, watching `downstream_bytes`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,9 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
+
+UPSTREAM_RCVBUF = 16384
 
 
 class CuttingProxy:
@@ -25,6 +30,8 @@ class CuttingProxy:
         self._left = 0
         self.cuts = 0
         self.refuse = False
+        self.throttle_s = 0.0
+        self.downstream_bytes = 0
         self._open: set[socket.socket] = set()
         self._closed = False
         threading.Thread(target=self._accept, name="proxy-accept", daemon=True).start()
@@ -58,7 +65,12 @@ class CuttingProxy:
                 _close(client)
                 continue
             try:
-                server = socket.create_connection(self.upstream, timeout=5)
+                # A small receive window toward the server: with throttling, most of a long stream
+                # then waits inside the server process (lost if it dies), not in kernel buffers.
+                server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UPSTREAM_RCVBUF)
+                server.settimeout(5)
+                server.connect(self.upstream)
                 server.settimeout(None)
             except OSError:
                 _close(client)
@@ -71,11 +83,14 @@ class CuttingProxy:
     def _pump(self, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
         try:
             while True:
-                data = src.recv(65536)
+                data = src.recv(UPSTREAM_RCVBUF if downstream and self.throttle_s else 65536)
                 if not data:
                     break
-                if downstream and self._spend(len(data)):
-                    break
+                if downstream:
+                    if self._spend(len(data)):
+                        break
+                    if self.throttle_s:
+                        time.sleep(self.throttle_s)
                 dst.sendall(data)
         except OSError:
             pass
@@ -89,6 +104,7 @@ class CuttingProxy:
     def _spend(self, n: int) -> bool:
         """Count `n` downstream bytes against an armed budget; True = cut this connection now."""
         with self._lock:
+            self.downstream_bytes += n
             if self._budget is None or self._left <= 0:
                 return False
             self._budget -= n

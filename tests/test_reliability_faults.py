@@ -53,14 +53,26 @@ def make_pki(d: Path) -> Path:
     return d
 
 
+def start_tls_store(pki: Path, cache: Path, redis: RedisServer, base_model: Path, port: int = 0) -> ServerProcess:
+    return start_store_process(
+        cache, "--redis-url", redis.url, "--base-model", str(base_model), "--port", str(port),
+        "--tls-cert", str(pki / "node.pem"), "--tls-key", str(pki / "node.key"), "--tls-ca", str(pki / "ca.pem"),
+        credentials=node_credentials(pki))
+
+
+def node_credentials(pki: Path) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=(pki / "ca.pem").read_bytes(), private_key=(pki / "node.key").read_bytes(),
+        certificate_chain=(pki / "node.pem").read_bytes())
+
+
 class Stack:
     def __init__(self, pki: Path, redis: RedisServer, store: ServerProcess, proxy: CuttingProxy,
-                 inference: ServerProcess, cache: Path) -> None:
+                 inference: ServerProcess, cache: Path, store_cache: Path, base_model: Path) -> None:
         self.pki, self.redis, self.store, self.proxy, self.inference, self.cache = (
             pki, redis, store, proxy, inference, cache)
-        self.creds = grpc.ssl_channel_credentials(
-            root_certificates=(pki / "ca.pem").read_bytes(), private_key=(pki / "node.key").read_bytes(),
-            certificate_chain=(pki / "node.pem").read_bytes())
+        self.store_cache, self.base_model = store_cache, base_model
+        self.creds = node_credentials(pki)
         self.channel = grpc.secure_channel(inference.address, self.creds)
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.store_channel = grpc.secure_channel(store.address, self.creds)
@@ -91,14 +103,10 @@ def stack(tmp_path_factory, tiny_llama_path):
     redis = RedisServer()
     redis.start()
     procs: list[ServerProcess] = []
-    proxy = None
+    proxy = stack = None
     try:
-        store = start_store_process(
-            tmp_path_factory.mktemp("store"), "--redis-url", redis.url, "--base-model", str(tiny_llama_path),
-            "--tls-cert", str(pki / "node.pem"), "--tls-key", str(pki / "node.key"), "--tls-ca", str(pki / "ca.pem"),
-            credentials=grpc.ssl_channel_credentials(
-                root_certificates=(pki / "ca.pem").read_bytes(), private_key=(pki / "node.key").read_bytes(),
-                certificate_chain=(pki / "node.pem").read_bytes()))
+        store_cache = tmp_path_factory.mktemp("store")
+        store = start_tls_store(pki, store_cache, redis, tiny_llama_path)
         procs.append(store)
         proxy = CuttingProxy(store.address)
         cache = tmp_path_factory.mktemp("inference-adapters")
@@ -111,10 +119,13 @@ def stack(tmp_path_factory, tiny_llama_path):
         ], echo=False)
         procs.append(inference)
         inference.wait_serving(STARTUP_S, tls_ca=str(pki / "ca.pem"))
-        yield Stack(pki, redis, store, proxy, inference, cache)
+        stack = Stack(pki, redis, store, proxy, inference, cache, store_cache, tiny_llama_path)
+        yield stack
     finally:
         for proc in reversed(procs):
             proc.stop()
+        if procs and stack.store is not procs[0]:  # restarted by a test
+            stack.store.stop()
         if proxy is not None:
             proxy.close()
         redis.close()
@@ -180,6 +191,46 @@ def test_pull_that_keeps_breaking_is_unavailable_and_leaves_no_half_adapter(stac
     _no_partial_pulls(stack.cache)
     assert stack.generate("big-cut-always").completion_tokens == 8  # the network is back: it pulls
     assert stack.serving()
+
+
+def test_store_killed_mid_pull_leaves_no_half_adapter_and_recovers(stack, adapters):
+    record = stack.register("big-crash", adapters("big-crash", r=BIG_RANK, seed=6))
+    outcome: dict = {}
+
+    def request() -> None:
+        try:
+            outcome["tokens"] = stack.generate("big-crash", timeout=120).completion_tokens
+        except grpc.RpcError as err:
+            outcome["code"], outcome["details"] = err.code(), err.details()
+
+    stack.proxy.throttle_s = 0.02  # ~3 MB/s: the pull takes about a second
+    start = stack.proxy.downstream_bytes
+    worker = threading.Thread(target=request)
+    worker.start()
+    try:
+        _wait(lambda: stack.proxy.downstream_bytes - start > record.size_bytes // 3, 60, "the pull to get going")
+        stack.store.proc.kill()  # SIGKILL: no drain, the stream just dies
+        stack.store.proc.wait(10)
+        worker.join(120)
+    finally:
+        stack.proxy.throttle_s = 0.0
+    assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE, outcome
+    assert not (stack.cache / record.digest.removeprefix("sha256:")).exists()
+    _no_partial_pulls(stack.cache)
+    assert stack.location("big-crash") is None  # neither loaded nor (store down) listed
+    assert stack.generate("").completion_tokens == 8  # the base model is unaffected
+    port = stack.store.port
+    stack.store = start_tls_store(stack.pki, stack.store_cache, stack.redis, stack.base_model, port)
+
+    def pulled() -> bool:
+        try:
+            return stack.generate("big-crash").completion_tokens == 8
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.UNAVAILABLE, (err.code(), err.details())
+            return False
+
+    _wait(pulled, 30, "the pull to succeed once the store is back")
+    _no_partial_pulls(stack.cache)
 
 
 def _wait(predicate, timeout: float, what: str) -> None:
