@@ -356,3 +356,43 @@ def test_undecodable_request_bytes_get_clean_status(server, call):
 
 def test_server_healthy_after_fuzzing(server):
     server.assert_healthy()
+
+
+def test_load_unload_churn_while_generating(server):
+    """An adapter loaded and unloaded over and over while requests name it: every request either
+    runs or gets NOT_FOUND, never a bare error, and every management call succeeds."""
+    import collections
+    import time
+
+    stop = threading.Event()
+    gen_codes: collections.Counter = collections.Counter()
+    admin_codes: collections.Counter = collections.Counter()
+    load = pb.LoadAdapterRequest(name="churn", source=str(server.allowed / "good"))
+    params = pb.SamplingParams(max_new_tokens=3, ignore_eos=True)
+
+    def churn() -> None:
+        while not stop.is_set():
+            admin_codes[server.code_of(server.stub.LoadAdapter, load)[0]] += 1
+            time.sleep(0.05)
+            admin_codes[server.code_of(server.stub.UnloadAdapter, pb.UnloadAdapterRequest(name="churn"))[0]] += 1
+
+    def generate(stream: bool) -> None:
+        method = server.stub.GenerateStream if stream else server.stub.Generate
+        while not stop.is_set():
+            request = pb.GenerateRequest(text=["x", "y"], adapter=["churn", ""], sampling_params=params)
+            code, detail = server.code_of(method, request)
+            gen_codes[code] += 1
+            assert code in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND), (code, detail)
+
+    threads = [threading.Thread(target=churn), threading.Thread(target=generate, args=(False,)),
+               threading.Thread(target=generate, args=(True,))]
+    for t in threads:
+        t.start()
+    time.sleep(4)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert set(admin_codes) == {grpc.StatusCode.OK}, admin_codes
+    assert set(gen_codes) <= {grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND}, gen_codes
+    assert gen_codes[grpc.StatusCode.OK] > 0 and admin_codes[grpc.StatusCode.OK] > 4, (gen_codes, admin_codes)
+    server.assert_healthy()
