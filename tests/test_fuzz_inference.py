@@ -3,7 +3,8 @@
 Every answer must be a clean status (OK or one of the codes of design brief §4, never
 UNKNOWN or INTERNAL) and the server must stay healthy and keep generating. One inference
 server on the tiny Llama for the module, no store, `--allowed-local-dirs` set; also the
-local-path rules (traversal, symlinks, pickle) and an unload while requests run.
+local-path rules (traversal, symlinks, pickle), an unload while requests run, and load/unload
+churn while requests name the adapter.
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 One stack for the module: redis-server (stopped and restarted by a test) ← adapter store
 (mutual TLS, --redis-url) ← a cutting TCP proxy ← inference server on the tiny Llama, which
 talks TLS to the store through the proxy (--adapter-store-tls-ca, its own --tls-cert/--tls-key as
-the client certificate) and has a KV cache of only 256 tokens. The SIGTERM test ends the
-inference server, so it runs last.
+the client certificate) and has a KV cache of only 256 tokens. Faults: pulls cut by the proxy
+(once, always), the store SIGKILLed mid-pull and restarted, a client gone mid-stream, KV
+exhaustion, a store delete under running requests, Redis stopped and restarted, SIGTERM under
+load. The SIGTERM test ends the inference server, so it runs last.
 """
 
 from __future__ import annotations
