@@ -181,12 +181,18 @@ class LLMEngine:
             return outputs
         logits = self.runner.forward(batch.chunks())
         sampled = [e.request for e in batch.entries if e.sample]
-        tokens = sample(logits, self._sampling_inputs(sampled)) if sampled else []
+        tokens = self._sample(logits, sampled) if sampled else []
         for req, n in batch.entries:
             req.num_computed_tokens += n
-        for req, token in zip(sampled, tokens, strict=True):
-            outputs.append(self._append_token(req, token))
+        outputs.extend(self._process_outputs(sampled, tokens))
         return outputs
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+        return sample(logits, self._sampling_inputs(reqs))
+
+    def _process_outputs(self, reqs: list[Request], tokens: list[int]) -> list[RequestOutput]:
+        """Stop checks, detokenization and finishing for one step's sampled tokens."""
+        return [self._append_token(req, token) for req, token in zip(reqs, tokens, strict=True)]
 
     def _sampling_inputs(self, reqs: list[Request]) -> SamplingInputs:
         ps = [r.params for r in reqs]
