@@ -64,10 +64,13 @@ def apply_penalties(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
 
 
 def _filter(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
+    # The on/off decisions read host copies: `.any()` on a device tensor would sync every step.
     device, vocab = logits.device, logits.shape[1]
-    top_k = torch.tensor([k if 0 < k < vocab else vocab for k in inp.top_k], device=device)
-    top_p = torch.tensor(inp.top_p, dtype=logits.dtype, device=device)
-    if (top_k < vocab).any() or (top_p < 1).any():
+    top_k_host = torch.tensor([k if 0 < k < vocab else vocab for k in inp.top_k])
+    top_p_host = torch.tensor(inp.top_p, dtype=logits.dtype)
+    min_p_host = torch.tensor(inp.min_p, dtype=logits.dtype)
+    if (top_k_host < vocab).any() or (top_p_host < 1).any():
+        top_k, top_p = top_k_host.to(device, non_blocking=True), top_p_host.to(device, non_blocking=True)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=device)[None, :]
         drop = ranks >= top_k[:, None]
@@ -77,8 +80,8 @@ def _filter(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
         drop |= (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
         drop[:, 0] = False
         logits = logits.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
-    min_p = torch.tensor(inp.min_p, dtype=logits.dtype, device=device)
-    if (min_p > 0).any():
+    if (min_p_host > 0).any():
+        min_p = min_p_host.to(device, non_blocking=True)
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(
             probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf")
@@ -92,14 +95,22 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, inp: SamplingInputs) -> list[int]:
-    """logits: [B, vocab] float32 -> one token id per row."""
+    """logits: [B, vocab] float32 -> one token id per row (waits for the device)."""
+    return sample_on_device(logits, inp).tolist()
+
+
+def sample_on_device(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
+    """logits: [B, vocab] float32 -> int64 token ids `[B]` on the logits' device, without a host sync
+    (penalty history is the one host input read here, and only when a penalty is set)."""
     logits = apply_penalties(logits, inp)
     greedy_tokens = _argmax(logits)
     random_rows = [i for i, t in enumerate(inp.temperature) if t > 0]
     if not random_rows:
-        return greedy_tokens.tolist()
-    temps = torch.tensor(
-        [t if t > 0 else 1.0 for t in inp.temperature], dtype=logits.dtype, device=logits.device
+        return greedy_tokens
+    # Host tensors moved with non_blocking: a blocking copy (or torch.tensor(..., device=cuda)) waits
+    # for the whole stream, i.e. for the step queued after this one under overlap scheduling.
+    temps = torch.tensor([t if t > 0 else 1.0 for t in inp.temperature], dtype=logits.dtype).to(
+        logits.device, non_blocking=True
     )
     probs = _filter(logits / temps[:, None], inp).softmax(dim=-1)
     races = torch.ones_like(probs)
@@ -108,4 +119,4 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> list[int]:
     sampled = _argmax(probs / races)
     is_random = torch.zeros(len(inp.temperature), dtype=torch.bool)
     is_random[random_rows] = True
-    return torch.where(is_random.to(logits.device), sampled, greedy_tokens).tolist()
+    return torch.where(is_random.to(logits.device, non_blocking=True), sampled, greedy_tokens)

@@ -93,11 +93,18 @@ class Scheduler:
         prefill_budget = self.config.prefill_budget
         entries: list[ScheduledEntry] = []
         finished: list[Request] = []
+        page = self.blocks.page_size
 
         i = 0
         while i < len(self.running) and token_budget > 0:
             req = self.running[i]
             want = req.num_uncomputed_tokens
+            if want == 1 and req.num_computed_tokens < len(req.block_table) * page:
+                # The common decode step: its token fits the last block, nothing to allocate.
+                entries.append(ScheduledEntry(req, 1))
+                token_budget -= 1
+                i += 1
+                continue
             if want > 1:
                 want = min(want, prefill_budget)
             want = min(want, token_budget)
