@@ -43,16 +43,14 @@ class ForwardClock:
     anyway, to sample), scheduling, sampling, and appending tokens (stop checks + detokenize)."""
 
     def __init__(self, engine) -> None:
-        from services.inference.engine import engine as engine_module
-
         self.device = engine.runner.device
         self.total = 0.0
         self.parts: dict[str, float] = {"schedule": 0.0, "sample": 0.0, "append": 0.0}
         inner = engine.runner.forward
 
-        def forward(chunks):
+        def forward(chunks, *args):
             start = time.perf_counter()
-            out = inner(chunks)
+            out = inner(chunks, *args)
             _sync(self.device)
             self.total += time.perf_counter() - start
             return out
@@ -60,7 +58,7 @@ class ForwardClock:
         engine.runner.forward = forward
         engine.scheduler.schedule = self._wrap("schedule", engine.scheduler.schedule)
         engine._append_token = self._wrap("append", engine._append_token)
-        engine_module.sample = self._wrap("sample", engine_module.sample)
+        engine._sample = self._wrap("sample", engine._sample)
 
     def _wrap(self, name: str, fn):
         def timed(*args, **kwargs):

@@ -41,6 +41,7 @@ class ServerArgs:
     context_length: int | None = None
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
+    disable_overlap_schedule: bool = False  # overlap is on by default on CUDA (off on CPU)
     # Request limits
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 128
@@ -112,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--context-length", type=int, default=None)
     a("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
     a("--disable-cuda-graph", action="store_true")
+    a("--disable-overlap-schedule", action="store_true",
+      help="run each step's output processing before launching the next step (overlap is on by default on CUDA)")
     a("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
     a("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
     a("--max-inputs-per-request", type=int, default=d.max_inputs_per_request)

@@ -39,6 +39,13 @@ class EngineConfig:
     seed: int = 0
     cuda_graph_max_bs: int = 256  # decode CUDA graphs up to this batch (CUDA only)
     disable_cuda_graph: bool = False
+    # Launch step N+1 before processing step N's outputs (engine.py). None = on for CUDA, off
+    # elsewhere (on the CPU the forward is synchronous, so nothing overlaps); True forces it on (tests).
+    overlap_schedule: bool | None = None
+
+    @property
+    def overlap_enabled(self) -> bool:
+        return self.device.type == "cuda" if self.overlap_schedule is None else self.overlap_schedule
 
     @classmethod
     def from_args(cls, args: ServerArgs) -> EngineConfig:
@@ -58,6 +65,7 @@ class EngineConfig:
             seed=args.seed,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             disable_cuda_graph=args.disable_cuda_graph,
+            overlap_schedule=False if args.disable_overlap_schedule else None,
         )
 
     def scheduler_config(self, context_length: int) -> SchedulerConfig:

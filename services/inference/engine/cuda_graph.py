@@ -21,6 +21,7 @@ import torch
 
 from services.inference.engine.attention import AttentionMetadata
 from services.inference.engine.attention_triton import TritonPagedAttention
+from services.inference.engine.model_runner import fill_placeholders
 from services.inference.lora.backend import LoRABackend
 from services.inference.models.context import ForwardContext
 from services.inference.models.llama import LlamaForCausalLM
@@ -69,6 +70,7 @@ class DecodeGraphs:
         self.token_slots.fill_(-1)
         self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._inputs_copied: torch.cuda.Event | None = None
 
     def _forward(self, bs: int, use_lora: bool) -> None:
         self.attention.begin(AttentionMetadata(
@@ -121,13 +123,21 @@ class DecodeGraphs:
         tables: list[list[int]],
         context_lens: list[int],
         sample_rows: list[int],
+        prev_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """Logits `[len(sample_rows), vocab]` of one decode step, or None when no graph fits."""
+        """Logits `[len(sample_rows), vocab]` of one decode step, or None when no graph fits.
+
+        `prev_tokens`: as in ModelRunner.forward (placeholder ids filled in on the device before the replay).
+        """
         n = len(ids)
         bs = self.bucket(n)
         use_lora = any(s >= 0 for s in token_slots)
         if bs is None or (use_lora and self.lora is None) or max(map(len, tables)) > self.max_blocks:
             return None
+        if self._inputs_copied is not None:
+            # Overlap scheduling can get here before the previous step's host-to-device copy
+            # ran: do not overwrite the pinned buffers under it.
+            self._inputs_copied.synchronize()
         big, small, max_bs = self._np64, self._np32, self.max_bs
         big[:n], big[max_bs : max_bs + n], big[2 * max_bs : 2 * max_bs + n] = ids, positions, slots
         big[n:bs] = 0
@@ -141,6 +151,10 @@ class DecodeGraphs:
         self._dev64.copy_(self._host64, non_blocking=True)
         end32 = 2 * max_bs + bs * self.max_blocks
         self._dev32[:end32].copy_(self._host32[:end32], non_blocking=True)
+        self._inputs_copied = torch.cuda.Event()
+        self._inputs_copied.record()
+        if prev_tokens is not None:
+            fill_placeholders(self.input_ids[:n], prev_tokens)
         self.graphs[(bs, use_lora)].replay()
         if len(sample_rows) == n:
             return self.logits[:n]

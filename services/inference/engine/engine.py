@@ -1,4 +1,8 @@
-"""LLMEngine: one synchronous `step()` = schedule, forward, sample, update, emit outputs.
+"""LLMEngine: one `step()` = schedule, forward, sample, update, emit outputs.
+
+With overlap scheduling (EngineConfig.overlap_schedule; on by default on CUDA) a step launches
+its forward and sampling first and then processes the previous step's tokens (stop checks,
+detokenization, outputs) while the device works: outputs come one step later (engine/overlap.py).
 
 Not thread-safe: AsyncEngine drives it from a single engine thread.
 """
@@ -7,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import random
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -16,47 +19,22 @@ from services.inference.engine.adapter_slots import AdapterSlots, NoAdapters
 from services.inference.engine.block_manager import BlockManager
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
+from services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
 from services.inference.engine.model_runner import ModelRunner
 from services.inference.engine.output import TextStream
+from services.inference.engine.overlap import InFlightStep, kv_fits_without_preemption, strip_placeholders
 from services.inference.engine.request import Request
-from services.inference.engine.sampler import SamplingInputs, sample
+from services.inference.engine.sampler import SamplingInputs, sample_on_device
 from services.inference.engine.scheduler import Scheduler
 from services.inference.engine.types import EngineStats, RequestOutput, SamplingParams
 from services.inference.errors import CapacityExceeded, InvalidRequest
 from services.inference.lora.backend import LoRABackend
-from services.inference.models.config import ModelConfig, check_context_length
-from services.inference.models.llama import LlamaForCausalLM
-from services.inference.models.loader import load_model, resolve_dtype, resolve_model_dir
 
 log = logging.getLogger(__name__)
 
 
-class LoadedModel(NamedTuple):
-    model: LlamaForCausalLM
-    config: ModelConfig
-    tokenizer: object  # a transformers tokenizer
-    model_dir: Path
-    device: torch.device
-    dtype: torch.dtype
-    context_length: int
-
-
-def load(config: EngineConfig) -> LoadedModel:
-    """Resolve, check and load the model and tokenizer named by the config."""
-    from transformers import AutoTokenizer
-
-    from services.inference.models.config import load_config
-
-    model_dir = resolve_model_dir(config.model_path)
-    model_config = load_config(model_dir)  # refuses before weights are touched
-    context_length = min(
-        config.context_length or model_config.max_position_embeddings, model_config.max_position_embeddings
-    )
-    check_context_length(model_config, context_length)
-    dtype = resolve_dtype(config.dtype_name, model_config.torch_dtype, config.device)
-    model, model_config = load_model(model_dir, config.device, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return LoadedModel(model, model_config, tokenizer, model_dir, config.device, dtype, context_length)
+def _needs_history(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1 or bool(params.frequency_penalty) or bool(params.presence_penalty)
 
 
 class Completion(NamedTuple):
@@ -116,6 +94,8 @@ class LLMEngine:
         self._streams: dict[str, TextStream] = {}
         self.errors: dict[str, Exception] = {}  # why a request ended with "abort", when not a client abort
         self._seed_rng = random.Random(config.seed)
+        self._in_flight: InFlightStep | None = None  # overlap: the launched step not yet processed
+        self._num_penalized = 0  # requests whose sampling reads their history (no overlap then)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> LLMEngine:
@@ -160,6 +140,8 @@ class LLMEngine:
             req.generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
         self.requests[request_id] = req
         self._streams[request_id] = TextStream(self.tokenizer, params.stop)
+        if _needs_history(params):
+            self._num_penalized += 1
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -174,31 +156,73 @@ class LLMEngine:
 
     # -- the step -------------------------------------------------------------------------
 
+    @property
+    def _overlap(self) -> bool:
+        # A runner wrapper (tensor parallelism's step broadcast) sends the chunks to worker ranks,
+        # which cannot fill placeholders from this rank's sampled ids: overlap only with the plain runner.
+        return self.config.overlap_enabled and isinstance(self.runner, ModelRunner)
+
     def step(self) -> list[RequestOutput]:
+        if self._overlap:
+            return self._step_overlapped()
         batch = self.scheduler.schedule()
         outputs = [self._final_output(req, []) for req in batch.finished]
         if not batch.entries:
             return outputs
         logits = self.runner.forward(batch.chunks())
         sampled = [e.request for e in batch.entries if e.sample]
-        tokens = self._sample(logits, sampled) if sampled else []
+        tokens = self._sample(logits, sampled).tolist() if sampled else []
         for req, n in batch.entries:
             req.num_computed_tokens += n
         outputs.extend(self._process_outputs(sampled, tokens))
         return outputs
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-        return sample(logits, self._sampling_inputs(reqs))
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Launch this step, then process the previous one's outputs (engine/overlap.py)."""
+        outputs: list[RequestOutput] = []
+        pending, self._in_flight = self._in_flight, None
+        if pending is not None and (
+            self._num_penalized or not kv_fits_without_preemption(self.scheduler.running, self.block_manager)
+        ):
+            outputs.extend(self._resolve(pending))
+            pending = None
+        batch = self.scheduler.schedule()
+        outputs.extend(self._final_output(req, []) for req in batch.finished)
+        if batch.entries:
+            logits = self.runner.forward(batch.chunks(), pending.device_tokens if pending else None)
+            sampled = [e.request for e in batch.entries if e.sample]
+            for req, n in batch.entries:
+                req.num_computed_tokens += n
+            if sampled:
+                self._in_flight = InFlightStep(sampled, self._sample(logits, sampled))
+        if pending is not None:
+            outputs.extend(self._resolve(pending))
+        return outputs
 
-    def _process_outputs(self, reqs: list[Request], tokens: list[int]) -> list[RequestOutput]:
-        """Stop checks, detokenization and finishing for one step's sampled tokens."""
-        return [self._append_token(req, token) for req, token in zip(reqs, tokens, strict=True)]
+    def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
+        """An in-flight step's outputs; rows of requests that ended since (finished, aborted) are dropped."""
+        tokens = step.host_tokens()
+        live = [i for i, req in enumerate(step.requests) if self.requests.get(req.request_id) is req]
+        return self._process_outputs(
+            [step.requests[i] for i in live], [tokens[i] for i in live], [step.positions[i] for i in live]
+        )
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Token ids on the logits' device (no host sync for batches without penalties)."""
+        return sample_on_device(logits, self._sampling_inputs(reqs))
+
+    def _process_outputs(
+        self, reqs: list[Request], tokens: list[int], positions: list[int] | None = None
+    ) -> list[RequestOutput]:
+        """Stop checks, detokenization and finishing for one step's sampled tokens. `positions`:
+        where each token goes in its request's token_ids (overlap: over a placeholder); default: appended."""
+        if positions is None:
+            return [self._append_token(req, token) for req, token in zip(reqs, tokens, strict=True)]
+        return [self._append_token(r, t, p) for r, t, p in zip(reqs, tokens, positions, strict=True)]
 
     def _sampling_inputs(self, reqs: list[Request]) -> SamplingInputs:
         ps = [r.params for r in reqs]
-        needs_history = any(
-            p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty for p in ps
-        )
+        needs_history = self._num_penalized > 0 and any(_needs_history(p) for p in ps)
         return SamplingInputs(
             temperature=[p.temperature for p in ps],
             top_k=[p.top_k for p in ps],
@@ -212,8 +236,13 @@ class LLMEngine:
             output_ids=[r.output_ids for r in reqs] if needs_history else [[] for _ in reqs],
         )
 
-    def _append_token(self, req: Request, token: int) -> RequestOutput:
-        req.token_ids.append(token)
+    def _append_token(self, req: Request, token: int, position: int | None = None) -> RequestOutput:
+        if position is None:
+            position = len(req.token_ids)
+            req.token_ids.append(token)
+        else:
+            req.token_ids[position] = token
+        num_output_tokens = position + 1 - req.num_prompt_tokens
         stream = self._streams[req.request_id]
         params = req.params
         reason = None
@@ -221,7 +250,7 @@ class LLMEngine:
             reason = "stop"  # the stop token's id is returned, its text is not
         elif stream.add_token(token):
             reason = "stop"
-        if reason is None and req.num_output_tokens >= req.max_new_tokens:
+        if reason is None and num_output_tokens >= req.max_new_tokens:
             reason = "length"
         if reason is None:
             return RequestOutput(
@@ -231,7 +260,7 @@ class LLMEngine:
                 False,
                 None,
                 req.num_prompt_tokens,
-                req.num_output_tokens,
+                num_output_tokens,
             )
         self.scheduler.finish(req, reason)
         return self._final_output(req, [token])
@@ -239,6 +268,9 @@ class LLMEngine:
     def _final_output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
         stream = self._streams.pop(req.request_id)
         self.requests.pop(req.request_id, None)
+        strip_placeholders(req)  # overlap: the next step's token, sampled before the request ended
+        if _needs_history(req.params):
+            self._num_penalized -= 1
         if req.error is not None:
             self.errors[req.request_id] = req.error
         if req.finish_reason != "abort":

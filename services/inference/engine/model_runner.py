@@ -21,6 +21,12 @@ from services.inference.models.llama import LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 
+def fill_placeholders(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> None:
+    """Replace, in place and on the device, each id `-1 - i` with `prev_tokens[i]` (no host sync)."""
+    rows = (-1 - input_ids).clamp_(min=0)  # real ids map to row 0, then are kept by the where
+    input_ids.copy_(torch.where(input_ids < 0, prev_tokens[rows], input_ids))
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -76,8 +82,12 @@ class ModelRunner:
         self.cuda_graphs = graphs
 
     @torch.inference_mode()
-    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Chunks must come decodes (single token) first. Returns [num sampled, vocab] float32."""
+    def forward(self, chunks: list[SeqChunk], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Chunks must come decodes (single token) first. Returns [num sampled, vocab] float32.
+
+        `prev_tokens` (overlap scheduling): the previous step's sampled ids, still on the device;
+        a token id `-1 - i` in a chunk stands for `prev_tokens[i]` and is filled in on the device.
+        """
         page = self.page_size
         ids: list[int] = []
         positions: list[int] = []
@@ -92,6 +102,18 @@ class ModelRunner:
         for chunk in chunks:
             n, start, table = len(chunk.token_ids), chunk.start_pos, chunk.block_table
             q_start = len(ids)
+            if n == 1 and not segments:  # decode: one token, no per-token ranges (the hot case)
+                ids.append(chunk.token_ids[0])
+                positions.append(start)
+                slots.append(table[start // page] * page + start % page)
+                token_slots.append(chunk.lora_slot)
+                if chunk.sample:
+                    sample_rows.append(q_start)
+                nblocks = start // page + 1
+                decode_tables.append(table[:nblocks])
+                decode_lens.append(start + 1)
+                max_decode_blocks = max(max_decode_blocks, nblocks)
+                continue
             ids.extend(chunk.token_ids)
             pos = range(start, start + n)
             positions.extend(pos)
@@ -110,11 +132,15 @@ class ModelRunner:
                 ctx_slots.extend(table[p // page] * page + p % page for p in range(ctx_len))
 
         if self.cuda_graphs is not None and not segments:
-            logits = self.cuda_graphs.run(ids, positions, slots, token_slots, decode_tables, decode_lens, sample_rows)
+            logits = self.cuda_graphs.run(
+                ids, positions, slots, token_slots, decode_tables, decode_lens, sample_rows, prev_tokens
+            )
             if logits is not None:
                 return logits
         num_tokens = len(ids)
         input_ids = self._upload(self.input_ids, ids)
+        if prev_tokens is not None:
+            fill_placeholders(input_ids, prev_tokens)
         pos_t = self._upload(self.positions, positions)
         slot_t = self._upload(self.slot_mapping, slots)
         nd = len(decode_lens)
