@@ -12,6 +12,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from loraplex.v1 import adapter_store_pb2 as pb
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
+from loraplex.wire import MalformedRequestInterceptor
 
 from adapter_store.auth import AdminTokenInterceptor
 from adapter_store.base_model import load_base_model_shapes
@@ -22,7 +23,6 @@ from adapter_store.redis_embedded import EmbeddedRedis, connect, describe
 from adapter_store.registry import AdapterRegistry
 from adapter_store.servicer import AdapterStoreServicer
 from adapter_store.sources import SourceFetcher
-from services.inference.status import MalformedRequestInterceptor
 
 log = logging.getLogger("adapter_store")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from loraplex.v1 import inference_pb2, inference_pb2_grpc
+from loraplex.wire import MalformedRequestInterceptor
 
 from services.inference import auth
 from services.inference.adapter_resolver import AdapterResolver, call
@@ -27,7 +28,6 @@ from services.inference.engine.types import SamplingParams
 from services.inference.metrics import Metrics
 from services.inference.server_args import ServerArgs
 from services.inference.servicer import InferenceServicer, ServerState
-from services.inference.status import MalformedRequestInterceptor
 from services.inference.store_client import StoreClient, channel_credentials
 
 log = logging.getLogger("services.inference")
