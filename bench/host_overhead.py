@@ -12,7 +12,7 @@ so what is left of a step is the host work the GPU would otherwise wait for. Per
 
 Medians over the measured steps; best of `--repeats` runs (the dev machine is shared).
 
-    .venv/bin/python bench/host_overhead.py [--batch 64] [--new-tokens 64] [--stop-strings]
+    .venv/bin/python bench/host_overhead.py [--batch 64] [--new-tokens 64] [--vocab N] [--stop-strings]
         [--temperature 0] [--overlap on|off|default] [--out FILE]
 """
 
@@ -115,6 +115,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--vocab", type=int, default=0,
+                        help="model vocab (ids 0..N-1 of the tokenizer); 0 = the tokenizer's whole 49,152. "
+                             "A small one shrinks the lm_head and argmax, which are device work on a GPU")
     parser.add_argument("--stop-strings", action="store_true", help="give every request two stop strings")
     parser.add_argument("--overlap", choices=("default", "on", "off"), default="default")
     parser.add_argument("--repeats", type=int, default=3)
@@ -125,7 +128,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "tiny", tokenizer_from=ensure_model())
+        model_dir = make_tiny_model(Path(tmp) / "tiny", tokenizer_from=ensure_model(), vocab_size=args.vocab or None)
         options = dict(model_path=str(model_dir), device=torch.device("cpu"), dtype_name="float32",
                        max_running_requests=max(args.batch, 1), max_total_tokens=args.batch * 256,
                        context_length=1024)
@@ -134,8 +137,8 @@ def main() -> None:
             options["overlap_schedule"] = args.overlap == "on"
         config = EngineConfig(**options)
         gen = torch.Generator().manual_seed(0)
-        vocab = 49152
-        prompts = [torch.randint(100, vocab, (args.prompt_tokens,), generator=gen).tolist()
+        vocab = args.vocab or 49152
+        prompts = [torch.randint(min(100, vocab // 2), vocab, (args.prompt_tokens,), generator=gen).tolist()
                    for _ in range(args.batch)]
         stop = ("\n\nUser:", "<|stop|>") if args.stop_strings else ()
         params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, seed=1,

@@ -79,6 +79,7 @@ def build(model_dir: Path, opts: argparse.Namespace, num_adapters: int):
         max_running_requests=opts.max_bs, cuda_graph_max_bs=opts.max_bs, context_length=opts.context_length,
         chunked_prefill_size=8192, max_num_batched_tokens=8192 + opts.max_bs,
         mem_fraction_static=opts.mem_fraction, disable_cuda_graph=opts.disable_cuda_graph,
+        disable_overlap_schedule=opts.disable_overlap_schedule,
     )
     start = time.perf_counter()
     async_engine = build_engine(args)
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-baselines", action="store_true")
     p.add_argument("--skip-compile", action="store_true")
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--disable-overlap-schedule", action="store_true", help="the step split needs it off")
     p.add_argument("--mem-fraction", type=float, default=0.7)
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test of this script)")
     opts = p.parse_args(argv)
