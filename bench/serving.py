@@ -1,6 +1,6 @@
 """Serving benchmark on one GPU, one process, one run (issue 8).
 
-    PYTHONPATH=.:protos python3 bench/serving.py [--adapters 64] [--skip-compile] [--tiny]
+    PYTHONPATH=.:protos python3 bench/serving.py [--adapters 64] [--skip-compile] [--tiny] [--tp-size N]
 
 1. measures the copy bandwidth and bf16 matmul rate of this GPU;
 2. writes a Llama-3.1-8B-shaped HF directory (random bf16 weights) and N random rank-16 PEFT
@@ -70,6 +70,7 @@ def kernel_check(shape: dict) -> dict[str, float]:
 
 
 def build(model_dir: Path, opts: argparse.Namespace, num_adapters: int):
+    from services.inference.engine.async_engine import AsyncEngine
     from services.inference.engine.build import build_engine
     from services.inference.server_args import ServerArgs
 
@@ -79,16 +80,26 @@ def build(model_dir: Path, opts: argparse.Namespace, num_adapters: int):
         max_running_requests=opts.max_bs, cuda_graph_max_bs=opts.max_bs, context_length=opts.context_length,
         chunked_prefill_size=8192, max_num_batched_tokens=8192 + opts.max_bs,
         mem_fraction_static=opts.mem_fraction, disable_cuda_graph=opts.disable_cuda_graph,
-        disable_overlap_schedule=opts.disable_overlap_schedule,
+        disable_overlap_schedule=opts.disable_overlap_schedule, tp_size=opts.tp_size,
     )
     start = time.perf_counter()
     async_engine = build_engine(args)
-    async_engine.shutdown()  # we drive LLMEngine.step() ourselves, on this thread
+    # We drive LLMEngine.step() ourselves, on this thread: stop only the engine thread (the
+    # base class's shutdown), so tensor-parallel workers stay up until engine_section ends.
+    AsyncEngine.shutdown(async_engine)
     return async_engine, time.perf_counter() - start
 
 
 def engine_section(model_dir: Path, adapter_dirs: list[Path], prompts: list[list[int]], opts, res: dict) -> None:
     async_engine, build_s = build(model_dir, opts, len(adapter_dirs))
+    try:
+        _measure_engine(async_engine, build_s, adapter_dirs, prompts, opts, res)
+    finally:
+        async_engine.shutdown()  # TP: stops the workers and the process group
+
+
+def _measure_engine(async_engine, build_s: float, adapter_dirs: list[Path], prompts: list[list[int]], opts,
+                    res: dict) -> None:
     engine, manager = async_engine.engine, async_engine.lora_manager
     graphs = getattr(engine.runner, "cuda_graphs", None)
     res["engine_build_s"] = build_s
@@ -133,7 +144,8 @@ def engine_section(model_dir: Path, adapter_dirs: list[Path], prompts: list[list
     n_pre = min(8, len(prompts))
     res["prefill"] = [
         measure_prefill(engine, prompts[:n_pre], [None] * n_pre) | dict(distinct_adapters=0),
-        measure_prefill(engine, prompts[:n_pre], names[:n_pre]) | dict(distinct_adapters=min(8, len(names))),
+        measure_prefill(engine, prompts[:n_pre], [names[i % len(names)] for i in range(n_pre)])
+        | dict(distinct_adapters=min(n_pre, len(names))),
     ]
     # The engine, its KV cache and graphs are freed when this function returns (main collects).
 
@@ -198,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disable-overlap-schedule", action="store_true", help="the step split needs it off")
     p.add_argument("--mem-fraction", type=float, default=0.7)
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test of this script)")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one GPU each; gloo on CPU)")
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     shape = TINY if opts.tiny else setup.LLAMA_8B
