@@ -17,7 +17,8 @@ class AdapterSlots(ABC):
       and tries again later. It raises AdapterNotFound (or another LoraplexError) when the
       adapter can never be served; the scheduler fails that request with the error.
     - `release(name)` drops one reference taken by `acquire`; a slot with no references may
-      be reused for another adapter.
+      be reused for another adapter. The scheduler holds a request's reference from admission
+      to finish or abort, across preemptions, so a request never changes adapter version.
     - Both are called only from the engine thread, between forward passes.
     """
 

@@ -148,7 +148,9 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._release(req)
+        # KV goes, the adapter reference stays: the request resumes on the version it started
+        # with even if its adapter is reloaded meanwhile (no request mixes two versions).
+        self.blocks.free(req.block_table)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -182,7 +184,7 @@ class Scheduler:
                     self.waiting.appendleft(req)
                     break
                 want = room  # alone with the whole cache: take what there is
-            if req.adapter is not None:
+            if req.adapter is not None and req.lora_slot < 0:  # a preempted request keeps its slot
                 try:
                     slot = self.adapter_slots.acquire(req.adapter)
                 except LoraplexError as exc:
