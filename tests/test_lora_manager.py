@@ -60,6 +60,7 @@ def test_refcount_lru_and_list(shapes, adapters):
     s2 = m.acquire("a2")
     assert s2 == s0, "LRU slot (a0's) is evicted"
     assert {i.name: i.location for i in m.list_adapters()} == {"a0": "host", "a1": "gpu", "a2": "gpu"}
+    assert {i.name: i.evictions for i in m.list_adapters()} == {"a0": 1, "a1": 0, "a2": 0}
     w2 = load_adapter_weights(adapters["a2"], shapes)
     assert torch.equal(slot_q_rows(m, s2, 4), w2.lora_a[(0, "q_proj")])
     assert m.slots_total() == 2 and m.slots_used() == 2

@@ -57,7 +57,7 @@ class Metrics:
         self.adapter_loads = Counter("loraplex_adapter_loads", "Adapter loads into the engine", ["adapter"], registry=r)
         self.adapter_evictions = Counter(
             "loraplex_adapter_evictions",
-            "Adapters seen leaving the GPU pool between refreshes (sampled once a second)",
+            "Times the adapter's GPU slot was given to another adapter",
             ["adapter"],
             registry=r,
         )
@@ -67,6 +67,7 @@ class Metrics:
         self.store_pulls = Counter("loraplex_store_pulls", "Adapters pulled from the adapter store", registry=r)
         self.store_pull_bytes = Counter("loraplex_store_pull_bytes", "Bytes pulled from the adapter store", registry=r)
         self._last_location: dict[str, str] = {}
+        self._last_evictions: dict[str, int] = {}
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP exporter on a daemon thread; returns the bound port."""
@@ -89,9 +90,12 @@ class Metrics:
             seen[info.name] = info.location
             for loc in LOCATIONS:
                 self.residency.labels(info.name, loc).set(1 if info.location == loc else 0)
-        for name, loc in self._last_location.items():
-            if loc == "gpu" and seen.get(name) != "gpu":
-                self.adapter_evictions.labels(name).inc()
+        for info in adapters:  # the manager counts evictions; the counter follows its total
+            delta = info.evictions - self._last_evictions.get(info.name, 0)
+            if delta > 0:
+                self.adapter_evictions.labels(info.name).inc(delta)
+            self._last_evictions[info.name] = info.evictions
+        for name in self._last_location:
             if name not in seen:
                 for gone in LOCATIONS:
                     self.residency.labels(name, gone).set(0)

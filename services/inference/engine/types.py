@@ -77,6 +77,7 @@ class AdapterInfo:
     source: str = ""
     digest: str = ""
     slot: int = -1
+    evictions: int = 0  # times this adapter's GPU slot was given to another adapter
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ class LoRAManager(AdapterSlots):
         self._slots: list[_Version | None] = [None] * pool.slots
         self._waiting: OrderedDict[str, None] = OrderedDict()
         self._draining: set[int] = set()
+        self._evictions: dict[str, int] = {}  # per name, cumulative (for metrics)
 
     # ----- registry (any thread) -----
 
@@ -234,6 +235,7 @@ class LoRAManager(AdapterSlots):
         occupant = self._slots[slot]
         if occupant is not None:
             occupant.slot = -1
+            self._evictions[occupant.name] = self._evictions.get(occupant.name, 0) + 1
         self.pool.upload(slot, weights)
         self._slots[slot] = version
         version.slot = slot
@@ -280,5 +282,5 @@ class LoRAManager(AdapterSlots):
         location = "gpu" if v.slot >= 0 else ("host" if v.weights is not None else "store")
         return AdapterInfo(name=v.name, rank=v.rank, alpha=v.alpha, target_modules=list(v.modules),
                            location=location, pinned=v.pinned, requests_in_flight=v.refs, source=v.source,
-                           digest=v.digest, slot=v.slot)
+                           digest=v.digest, slot=v.slot, evictions=self._evictions.get(v.name, 0))
 
