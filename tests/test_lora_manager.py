@@ -237,3 +237,27 @@ def test_waiting_adapter_gets_a_slot_within_bounded_steps(shapes, adapters):
     assert got_slot_at is not None and got_slot_at <= 8, got_slot_at
     # and the adapters it displaced were not starved in turn: all keep starting requests
     assert all(max(steps) >= 30 for steps in (started["a0"], started["a1"])), started
+
+
+def test_prefetch_uploads_into_idle_slots_only(shapes, adapters):
+    """The scheduler's hint: a queued request's adapter goes into an idle slot ahead of time,
+    never over a slot with running requests, and never ahead of adapters already waiting."""
+    m = make_manager(shapes, slots=2)
+    for n in ("a0", "a1", "a2", "a3"):
+        m.load_adapter(n, adapters[n])
+    m.prefetch("a0")
+    info = {i.name: i for i in m.list_adapters()}
+    assert info["a0"].location == "gpu" and info["a0"].requests_in_flight == 0
+    s0 = info["a0"].slot
+    assert m.acquire("a0") == s0  # ready at once: no wait step
+    m.prefetch("a1")  # the other, empty slot
+    s1 = {i.name: i.slot for i in m.list_adapters()}["a1"]
+    assert s1 not in (-1, s0)
+    assert m.acquire("a1") == s1
+    m.prefetch("a2")  # both slots busy: nothing moves
+    assert {i.name: i.location for i in m.list_adapters()}["a2"] == "host"
+    assert m.acquire("a3") is None  # a3 now waits for a slot ...
+    m.release("a1")
+    m.prefetch("a2")  # ... so a2's hint does not jump ahead of it
+    assert {i.name: i.location for i in m.list_adapters()}["a2"] == "host"
+    m.release("a0")

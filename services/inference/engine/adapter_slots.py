@@ -28,6 +28,11 @@ class AdapterSlots(ABC):
     @abstractmethod
     def release(self, adapter_name: str) -> None: ...
 
+    def prefetch(self, adapter_name: str) -> None:  # noqa: B027 - an optional hint, a no-op by default
+        """A hint: a queued request will need `adapter_name` soon; start its upload if a slot is idle.
+
+        Never raises and never takes a reference; `acquire` stays the only way in."""
+
     def slots_total(self) -> int:
         return 0
 

@@ -9,6 +9,7 @@ preempted (its KV freed; it is recomputed when readmitted).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from typing import NamedTuple
@@ -20,6 +21,9 @@ from services.inference.engine.request import Request, RequestStatus
 from services.inference.errors import LoraplexError
 
 log = logging.getLogger(__name__)
+
+# How far down the waiting queue the scheduler looks for adapters to upload ahead of time.
+PREFETCH_WINDOW = 64
 
 
 class SeqChunk(NamedTuple):
@@ -125,8 +129,21 @@ class Scheduler:
             i += 1
 
         self._admit(entries, finished, token_budget, prefill_budget)
+        self._prefetch_upcoming()
         entries.sort(key=lambda e: e.num_tokens != 1)  # stable: decodes first
         return ScheduledBatch(entries, finished)
+
+    def _prefetch_upcoming(self) -> None:
+        """Start uploading the adapters of the next queued requests, so they are resident by the
+        time those requests are admitted (the copy overlaps this step's forward)."""
+        limit = self.adapter_slots.slots_total()
+        seen: set[str] = set()
+        for req in itertools.islice(self.waiting, PREFETCH_WINDOW):
+            if len(seen) >= limit:
+                break
+            if req.adapter is not None and req.lora_slot < 0 and req.adapter not in seen:
+                seen.add(req.adapter)
+                self.adapter_slots.prefetch(req.adapter)
 
     def _make_room(self, req: Request, want: int) -> int:
         """Tokens (<= want) of `req` that fit, preempting later-admitted requests if needed.

@@ -163,6 +163,19 @@ class LoRAManager(AdapterSlots):
             version.reserved_until = 0.0
             return version.slot
 
+    def prefetch(self, name: str) -> None:
+        """Upload `name` into an idle slot ahead of its requests (the scheduler's hint).
+
+        Adapters already waiting for a slot go first (fairness), and only slots `acquire` itself
+        could take are used; the placed adapter is then reserved for RESERVE_S like any other."""
+        with self._lock:
+            version = self._active.get(name)
+            if version is None or version.slot >= 0 or name in self._retiring or self._waiting:
+                return
+            slot = self._evictable_slot()
+            if slot is not None:
+                self._place(version, slot)  # False (source gone) is reported by the next acquire
+
     def release(self, name: str) -> None:
         """One request that acquired `name` finished, aborted or was preempted."""
         with self._lock:
