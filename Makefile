@@ -44,13 +44,16 @@ check-protos: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# docker-compose (Debian's v1 package) validates docker-compose.yml in the tests; no engine is needed.
+# System tools the tests need: docker-compose (Debian's v1 package) validates docker-compose.yml
+# (no engine needed) and openssl makes the TLS tests' certificates. Missing and not installable: fail.
+SYSTEM_TOOLS := docker-compose openssl
 tools:
-	@command -v docker-compose >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    (apt-get install -y -q docker-compose >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q docker-compose >/dev/null 2>&1)) \
-	      || echo "warning: could not install docker-compose; the compose test will skip"; \
-	  else echo "warning: docker-compose missing and not root; the compose test will skip"; fi; }
+	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing"; \
+	  apt-get install -y -q $$missing >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null; } \
+	    || { echo "error: could not install$$missing (run as root on Debian, or install them yourself)"; exit 1; }; \
+	fi
 
 bench-cpu: $(STAMP) model
 	$(PY) bench/cpu_engine.py

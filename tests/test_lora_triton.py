@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -12,7 +12,6 @@ load. The SIGTERM test ends the inference server, so it runs last.
 from __future__ import annotations
 
 import re
-import shutil
 import signal
 import subprocess
 import threading
@@ -32,8 +31,6 @@ from clients.processes import ServerProcess
 from tests.reliability_proxy import CuttingProxy
 from tests.service_stack import STARTUP_S, scrape
 from tests.store_helpers import RedisServer, start_store_process
-
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make certificates")
 
 KV_TOKENS = 256
 BIG_RANK = 256  # ~2 MB of fp32 weights on the tiny model: a pull spans many HTTP/2 frames

@@ -6,7 +6,6 @@ server because each one ends it.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import threading
 import time
@@ -129,7 +128,6 @@ def test_full_queue_is_resource_exhausted_with_retry(tiny_llama_path):
         server.stop()
 
 
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl binary to make a certificate")
 def test_tls_and_tokens(tiny_llama_path, tmp_path):
     from clients import Client
     from clients.errors import LoraplexError

