@@ -19,6 +19,7 @@ import sys
 import torch
 import triton
 
+from bench.graph_timing import capture, replay_ms
 from kernels.attention_decode import paged_decode_attention
 from kernels.attention_prefill import paged_prefill_attention
 from kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref
@@ -58,27 +59,8 @@ def paged_kv(batch: int, ctx: int, layers: int, gen: torch.Generator):
 
 def graph_time_per_call(fn_per_layer, layers: int, reps: int = 20) -> float:
     """Median ms of one call, timed as replays of a graph holding `layers` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(layers):
-            fn_per_layer(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(layers):
-            fn_per_layer(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / layers)
-    return statistics.median(times)
+    graph = capture(lambda: [fn_per_layer(i) for i in range(layers)])
+    return statistics.median(t / layers for t in replay_ms(graph, reps))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

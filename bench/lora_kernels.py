@@ -26,6 +26,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.graph_timing import capture, replay_ms  # noqa: E402
 from kernels.lora_check import CASES, run_case  # noqa: E402
 from kernels.lora_configs import (  # noqa: E402
     ExpandConfig,
@@ -174,26 +175,8 @@ def torch_layer_fns(copies: list[dict], slots: torch.Tensor, sc: dict) -> list:
 
 def graph_time_us(fns: list, replays: int = 20) -> float:
     """Median time per call of replaying one CUDA graph that runs every callable once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    graph = capture(lambda: [f() for f in fns])
+    times = [t * 1e3 / len(fns) for t in replay_ms(graph, replays)]
     del graph
     return sorted(times)[len(times) // 2]
 

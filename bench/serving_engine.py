@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from bench.graph_timing import replay_ms
 from services.inference.engine.types import SamplingParams
 
 _ids = itertools.count()
@@ -160,13 +161,4 @@ def graph_replay_ms(engine, batch: int, use_lora: bool, reps: int = 20) -> float
     graphs = getattr(engine.runner, "cuda_graphs", None)
     if graphs is None or (batch, use_lora) not in graphs.graphs:
         return None
-    graph = graphs.graphs[(batch, use_lora)]
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(replay_ms(graphs.graphs[(batch, use_lora)], reps))
