@@ -216,9 +216,8 @@ class LLMEngine:
     ) -> list[RequestOutput]:
         """Stop checks, detokenization and finishing for one step's sampled tokens. `positions`:
         where each token goes in its request's token_ids (overlap: over a placeholder); default: appended."""
-        if positions is None:
-            return [self._append_token(req, token) for req, token in zip(reqs, tokens, strict=True)]
-        return [self._append_token(r, t, p) for r, t, p in zip(reqs, tokens, positions, strict=True)]
+        where = positions if positions is not None else [None] * len(reqs)
+        return [self._append_token(r, t, p) for r, t, p in zip(reqs, tokens, where, strict=True)]
 
     def _sampling_inputs(self, reqs: list[Request]) -> SamplingInputs:
         ps = [r.params for r in reqs]

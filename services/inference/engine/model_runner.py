@@ -121,15 +121,9 @@ class ModelRunner:
             token_slots.extend([chunk.lora_slot] * n)
             if chunk.sample:
                 sample_rows.append(q_start + n - 1)
-            if n == 1 and not segments:
-                nblocks = -(-(start + 1) // page)
-                decode_tables.append(table[:nblocks])
-                decode_lens.append(start + 1)
-                max_decode_blocks = max(max_decode_blocks, nblocks)
-            else:
-                ctx_len = start + n
-                segments.append(PrefillSegment(q_start, n, len(ctx_slots), ctx_len))
-                ctx_slots.extend(table[p // page] * page + p % page for p in range(ctx_len))
+            ctx_len = start + n
+            segments.append(PrefillSegment(q_start, n, len(ctx_slots), ctx_len))
+            ctx_slots.extend(table[p // page] * page + p % page for p in range(ctx_len))
 
         if self.cuda_graphs is not None and not segments:
             logits = self.cuda_graphs.run(
