@@ -38,6 +38,10 @@ class CaseResult(NamedTuple):
     untouched_rows_equal: bool  # tokens without adapter keep their output bit for bit
     splits: int
     delta_norm: float  # norm of the reference's added delta (0 only when no token has work)
+    delta_mode_rel_err: float  # expand(accumulate=False) into float32 vs its reference
+    delta_mode_adds_up: bool  # dtype(float(base) + delta) == the accumulating kernel's output, bit for bit
+    #   (on the CPU interpreter; a GPU may contract the in-place add into an FMA)
+    delta_mode_untouched: bool  # tokens without adapter: delta rows never written
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -96,7 +100,19 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     # Compare the deltas: the base output would otherwise dwarf the error.
     expand_err = _rel(out.float() - out0.float(), out_ref.float() - out0.float())
     delta_norm = (out_ref.float() - out0.float()).norm().item()
-    return CaseResult(case.name, shrink_err, expand_err, written, untouched, y.shape[0], delta_norm)
+
+    # Delta mode (the LoRA side stream): poisoned float32 buffer, adapter rows written in full.
+    delta = torch.full((case.num_tokens, sum(case.widths)), float("nan"), device=device)
+    delta_ref = delta.clone()
+    lora_expand(y, B, ranks, scalings, segs, delta, case.widths, accumulate=False)
+    lora_expand_ref(y_ref, B, ranks, scalings, segs, delta_ref, case.widths, accumulate=False)
+    has = ~no_adapter
+    delta_err = _rel(delta[has], delta_ref[has]) if bool(has.any()) else 0.0
+    adds_up = bool(torch.equal((out0[has].float() + delta[has]).to(dtype), out[has]))
+    delta_untouched = bool(delta[no_adapter].isnan().all())
+
+    return CaseResult(case.name, shrink_err, expand_err, written, untouched, y.shape[0], delta_norm,
+                      delta_err, adds_up, delta_untouched)
 
 
 R4 = ((1, 4, 0), (16, 8, 16), (0, 0, 0), (8, 16, 4))

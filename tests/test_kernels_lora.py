@@ -43,6 +43,10 @@ def test_kernel_matches_reference(results, case):
     assert row["expand_rel_err"] <= tol, row
     assert row["y_written_exactly"], "shrink wrote outside (or missed part of) the valid region"
     assert row["untouched_rows_equal"], "expand changed tokens that have no adapter"
+    # Delta mode: same numbers, written (not added) for every adapter token, nothing else.
+    assert row["delta_mode_rel_err"] <= tol, row
+    assert row["delta_mode_adds_up"], "base + delta rounds differently from the in-place expand"
+    assert row["delta_mode_untouched"], "delta mode wrote rows of tokens without an adapter"
     if case.splits is not None:
         assert row["splits"] == case.splits
     if case.slot_pattern == "none":
