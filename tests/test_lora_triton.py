@@ -23,3 +23,4 @@ def test_triton_backend_matches_torch_backend(dtype, tol):
     assert len(results) == 2
     for r in results:
         assert r["rel_err"] < tol, r
+        assert r["side_stream_equal"], r

@@ -189,4 +189,5 @@ def test_triton_lora_kernels_under_tp2_match_torch_tp1(tiny_llama_path, adapter_
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tp2_triton"] == result["tp1_torch"]
+    assert result["tp1_triton"] == result["tp1_torch"]
     assert len({tuple(t) for t in result["tp1_torch"]}) > 3

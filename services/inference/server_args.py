@@ -25,6 +25,7 @@ class ServerArgs:
     lora_paths: tuple[str, ...] = ()  # NAME=SOURCE
     max_loras_per_batch: int = 8
     lora_backend: str | None = None  # triton | torch; None = triton on CUDA, torch on CPU
+    disable_lora_side_stream: bool = False  # triton on CUDA: decode deltas beside the base matmul
     max_lora_rank: int | None = None  # None = inferred from lora_paths, else 64
     lora_target_modules: tuple[str, ...] | None = None  # None = inferred, else all
     max_loaded_loras: int | None = None  # host cache size; None = unbounded
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lora-target-modules", nargs="*", default=None,
       help="q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or 'all'; default: the union of "
       "--lora-paths' targets, else all")
+    a("--disable-lora-side-stream", action="store_true",
+      help="triton backend: run decode steps' LoRA kernels after each base matmul on one stream, "
+      "instead of beside it on a second stream (the default on CUDA)")
     a("--max-loaded-loras", type=int, default=None,
       help="adapters kept in host memory (LRU beyond it, re-read from source); default unbounded")
     a("--adapter-store", default=d.adapter_store, help="HOST:PORT of the adapter store, or 'none'")

@@ -1,7 +1,7 @@
 """The seam between the model and LoRA: a backend applies resident adapters' deltas.
 
-The model calls `apply` after each target linear; the model runner calls `prepare` once
-per step. Module groups and the pool layout are fixed here so kernels, the pool and the
+The model calls `begin` before each target linear and `finish` after it (by default `apply`
+after it); the model runner calls `prepare` once per step. Module groups and the pool layout are fixed here so kernels, the pool and the
 model agree (see docs/architecture.md, "LoRA pool layout").
 """
 
@@ -42,3 +42,16 @@ class LoRABackend(ABC):
 
     @abstractmethod
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None: ...
+
+    def begin(self, layer: int, group: str, x: torch.Tensor) -> object:
+        """Start the group's LoRA work before its base matmul is issued; returns a token for `finish`.
+
+        The model calls `begin`, then the base matmul, then `finish` with the matmul's output, so a
+        backend may compute the delta beside the matmul (e.g. on a second CUDA stream). It must not
+        change `x`. Default: nothing starts early and `finish` runs `apply`.
+        """
+        return None
+
+    def finish(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, started: object) -> None:
+        """Add the group's delta to `out` in place (what `apply` does), given `begin`'s token."""
+        self.apply(layer, group, x, out)

@@ -54,8 +54,11 @@ def run(shapes: ModelShapes, num_tokens: int, slots: int, max_rank: int, dtype: 
     token_slots = torch.tensor([rnd.randint(-1, slots - 1) for _ in range(num_tokens)], dtype=torch.int32,
                                device=device)
     ref, tri = TorchLoRABackend(pool), TritonLoRABackend(pool, max_tokens=num_tokens)
+    side = TritonLoRABackend(pool, max_tokens=num_tokens, side_stream=True)
     ref.prepare(token_slots)
     tri.prepare(token_slots)
+    side.prepare(token_slots)
+    side_equal = True
     gen = torch.Generator().manual_seed(seed)
     worst = 0.0
     for layer in range(shapes.num_layers):
@@ -65,9 +68,14 @@ def run(shapes: ModelShapes, num_tokens: int, slots: int, max_rank: int, dtype: 
             a, b = base.clone(), base.clone()
             ref.apply(layer, group, x, a)
             tri.apply(layer, group, x, b)
+            # begin/finish (the side-stream path: delta buffer, then one add) must round as apply does.
+            c = base.clone()
+            side.finish(layer, group, x, c, side.begin(layer, group, x))
+            side_equal = side_equal and torch.equal(b, c)
             delta = (a.float() - base.float()).norm().item()
             worst = max(worst, (a.float() - b.float()).norm().item() / max(delta, 1e-12))
-    return {"num_tokens": num_tokens, "slots": slots, "max_rank": max_rank, "dtype": str(dtype), "rel_err": worst}
+    return {"num_tokens": num_tokens, "slots": slots, "max_rank": max_rank, "dtype": str(dtype), "rel_err": worst,
+            "side_stream_equal": side_equal}
 
 
 def main() -> None:

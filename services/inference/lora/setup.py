@@ -126,7 +126,7 @@ def build_lora(
     if settings.backend == "triton":
         from services.inference.lora.triton_backend import TritonLoRABackend
 
-        backend: LoRABackend = TritonLoRABackend(pool, max_tokens)
+        backend: LoRABackend = TritonLoRABackend(pool, max_tokens, side_stream=not args.disable_lora_side_stream)
     else:
         from services.inference.lora.torch_backend import TorchLoRABackend
 

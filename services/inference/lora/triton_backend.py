@@ -3,12 +3,21 @@
 `prepare` builds the slot-sorted segments into preallocated device buffers with device ops
 only (CUDA-graph safe); `apply` reads the pool's per-slot rank and scaling tables on the
 device, so a slot's real rank bounds the work and untargeted modules cost nothing.
+
+Side stream (decode-sized steps on CUDA, on by default): a decode step's LoRA kernels are
+small and latency-bound while the base matmul beside them streams weights, so `begin` runs
+shrink and expand on a second stream into a float32 delta buffer while the base matmul runs,
+and `finish` joins the streams and adds the delta (`out = dtype(float(out) + delta)`, rounded
+as the in-place expand rounds).
+The fork and join are captured into the step's CUDA graph as parallel branches. Prefill
+steps run in place on the current stream: there both sides are compute-bound.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.lora_configs import DECODE_MAX_TOKENS
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import alloc_segments, build_segments
 from kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
@@ -19,7 +28,9 @@ from services.inference.lora.pool import AdapterPool
 class TritonLoRABackend(LoRABackend):
     cuda_graph_safe = True
 
-    def __init__(self, pool: AdapterPool, max_tokens: int):
+    def __init__(self, pool: AdapterPool, max_tokens: int, side_stream: bool = False):
+        """`side_stream`: compute decode steps' deltas beside the base matmul (see the module
+        docstring). On a CPU device the same delta path runs on the one stream (for tests)."""
         self.pool = pool
         self.max_tokens = max_tokens
         self.segments = alloc_segments(max_tokens, pool.slots, pool.device)
@@ -29,23 +40,73 @@ class TritonLoRABackend(LoRABackend):
         self._shrink_buf = alloc_shrink_out(max_tokens, max_stack, pool.max_rank, max_d, pool.device)
         self._widths = {g: pool.shapes.group_widths(g) for g in pool.groups}
         self._num_tokens = 0
+        self._delta: torch.Tensor | None = None
+        self._stream: torch.cuda.Stream | None = None
+        self.set_side_stream(side_stream)
+
+    @property
+    def side_stream(self) -> bool:
+        return self._delta is not None
+
+    def set_side_stream(self, on: bool) -> None:
+        """Switch the side stream on or off (benchmarks compare both; captured graphs keep the
+        mode they were captured with, so recapture after switching)."""
+        if on == self.side_stream:
+            return
+        if not on:
+            self._delta, self._stream = None, None
+            return
+        rows = min(self.max_tokens, DECODE_MAX_TOKENS)
+        cols = max((sum(w) for w in self._widths.values()), default=1)
+        # One buffer serves every group: a group's delta is added before the next group begins.
+        self._delta = torch.zeros(rows, cols, dtype=torch.float32, device=self.pool.device)
+        self._stream = torch.cuda.Stream(self.pool.device) if self.pool.device.type == "cuda" else None
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the per-step buffers (metadata and the shrink output)."""
-        return self._shrink_buf.numel() * 4 + sum(t.numel() * t.element_size() for t in self.segments)
+        """Device bytes of the per-step buffers (metadata, the shrink output, the delta buffer)."""
+        delta = 0 if self._delta is None else self._delta.numel() * 4
+        return self._shrink_buf.numel() * 4 + delta + sum(t.numel() * t.element_size() for t in self.segments)
 
     def prepare(self, token_slots: torch.Tensor) -> None:
         build_segments(token_slots, self.segments)
         self._num_tokens = token_slots.shape[0]
+        if self._uses_delta():
+            # Rows of tokens without an adapter are never written by expand: they must read as 0.
+            self._delta[: self._num_tokens].zero_()
 
-    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        if group not in self._widths:
-            return
+    def _uses_delta(self) -> bool:
+        return self._delta is not None and self._num_tokens <= self._delta.shape[0]
+
+    def _run(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
         pool = self.pool
         n_cols = len(GROUPS[group]) * pool.max_rank
         y = shrink_out_view(self._shrink_buf, x.shape[1], self._num_tokens)[..., :n_cols]
-        ranks = pool.rank[group][layer]
-        lora_shrink(x, pool.lora_a[group][layer], ranks, self.segments, y)
-        lora_expand(y, pool.lora_b[group][layer], ranks, pool.scaling[group][layer], self.segments, out,
-                    self._widths[group])
+        ranks, widths = pool.rank[group][layer], self._widths[group]
+        a, b, scaling = pool.lora_a[group][layer], pool.lora_b[group][layer], pool.scaling[group][layer]
+        lora_shrink(x, a, ranks, self.segments, y)
+        lora_expand(y, b, ranks, scaling, self.segments, out, widths, accumulate=accumulate)
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        if group in self._widths:
+            self._run(layer, group, x, out, accumulate=True)
+
+    def begin(self, layer: int, group: str, x: torch.Tensor) -> object:
+        if group not in self._widths or not self._uses_delta():
+            return None
+        delta = self._delta[: self._num_tokens, : sum(self._widths[group])]
+        if self._stream is None:
+            self._run(layer, group, x, delta, accumulate=False)
+            return delta
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            self._run(layer, group, x, delta, accumulate=False)
+        return delta
+
+    def finish(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, started: object) -> None:
+        if started is None:
+            self.apply(layer, group, x, out)
+            return
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)
+        out.add_(started)  # float32 delta: out = dtype(float(out) + delta), one rounding

@@ -78,9 +78,13 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size, self.inter = cfg.q_size, cfg.kv_size, inter
 
     def _linear(self, group: str, module: FusedLinear, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        lora = ctx.lora
+        if lora is None:
+            return module(x)
+        # The backend may compute the delta while the base matmul runs (lora/triton_backend.py).
+        started = lora.begin(self.index, group, x)
         out = module(x)
-        if ctx.lora is not None:
-            ctx.lora.apply(self.index, group, x, out)
+        lora.finish(self.index, group, x, out, started)
         return out
 
     def forward(
