@@ -1,4 +1,4 @@
-"""Compile the LoRA Triton kernels for an sm_90 GPU on a machine without one.
+"""Compile the LoRA and fused element-wise Triton kernels for an sm_90 GPU on a machine without one.
 
 Triton's CPU interpreter runs the kernels' Python, not the compiler, so it misses what only
 the compiler refuses (a value retyped inside an if-block, say). `python -m kernels.compile_check`
@@ -13,12 +13,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kernels.fused_ops import _add_rms_norm_kernel, _silu_mul_kernel
 from kernels.lora_expand import _expand_kernel
 from kernels.lora_shrink import _shrink_kernel
 
 # Pointer arguments by name; other pointers are int32 metadata, other scalars int32.
 POINTERS = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "y_ptr": "*fp32",
-            "scal_ptr": "*fp32"}
+            "scal_ptr": "*fp32", "h_ptr": "*bf16", "h_out_ptr": "*bf16", "w_ptr": "*bf16", "d_ptr": "*fp32"}
+SCALARS = {"eps": "fp32"}
 COMMON = dict(PRECISION="tf32", BLOCK_M=16)
 KERNELS = {
     "shrink": (_shrink_kernel, dict(COMMON, USE_PDL=False, R_BLOCKS=1, TOK_STRIDE=128, EVEN_K=True, BLOCK_R=16,
@@ -27,13 +29,15 @@ KERNELS = {
                                                ACCUMULATE=True, BLOCK_N=256, BLOCK_R=16)),
     "expand_delta": (_expand_kernel, dict(COMMON, USE_PDL=False, N_SPLITS=1, TOK_STRIDE=128, EVEN_N=False,
                                           ACCUMULATE=False, BLOCK_N=128, BLOCK_R=64)),
+    "add_rms_norm_delta": (_add_rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_DELTA=True)),
+    "silu_mul_delta": (_silu_mul_kernel, dict(N=14336, BLOCK=1024, HAS_DELTA=True)),
 }
 
 
 def compile_kernel(fn, constexprs: dict, arch: int = 90):
     names = fn.arg_names
-    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "*i32") if n.endswith("_ptr") else "i32"
-                 for n in names}
+    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "*i32") if n.endswith("_ptr")
+                 else SCALARS.get(n, "i32") for n in names}
     src = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32))
 

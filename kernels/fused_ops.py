@@ -1,4 +1,5 @@
-"""Fused element-wise kernels for the decoder layer on CUDA: RMSNorm, rotary embedding, SiLU-and-mul.
+"""Fused element-wise kernels for the decoder layer on CUDA: RMSNorm (alone, or after the residual
+add), rotary embedding, SiLU-and-mul.
 
 Why: in a CUDA-graph decode step every kernel costs a few microseconds however little it does,
 and torch's eager RMSNorm (7 kernels), rotary (6 per tensor) and `silu(gate) * up` (3) made
@@ -35,6 +36,50 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), out.stride(0), eps, N=n, BLOCK=block,
                                   num_warps=min(16, max(1, block // 256)))
     return out
+
+
+@triton.jit
+def _add_rms_norm_kernel(h_ptr, y_ptr, d_ptr, w_ptr, h_out_ptr, out_ptr, stride_h, stride_y, stride_d, stride_ho,
+                         stride_o, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    dt = h_out_ptr.dtype.element_ty
+    y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:  # the linear's LoRA delta, rounded into its output as the in-place add does
+        y = (y + tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)).to(dt).to(tl.float32)
+    h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+    s = (h + y).to(dt)  # the residual add rounds to the dtype
+    tl.store(h_out_ptr + row * stride_ho + offs, s, mask=mask)
+    x = s.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + offs, (w * (x * rstd).to(dt).to(tl.float32)).to(dt), mask=mask)
+
+
+def add_rms_norm(
+    h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`h + y` (y plus its float32 LoRA `delta` first, when given) and `rms_norm` of that, in one
+    launch: the residual add before each RMSNorm of a decoder layer. Returns (new h, normed)."""
+    rows, n = h.shape
+    h_out, out = torch.empty_like(h), torch.empty_like(h)
+    if rows:
+        block = triton.next_power_of_2(n)
+        d = delta if delta is not None else y
+        _add_rms_norm_kernel[(rows,)](h, y, d, weight, h_out, out, h.stride(0), y.stride(0), d.stride(0),
+                                      h_out.stride(0), out.stride(0), eps, N=n, BLOCK=block,
+                                      HAS_DELTA=delta is not None, num_warps=min(16, max(1, block // 256)))
+    return h_out, out
+
+
+def add_rms_norm_ref(
+    h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if delta is not None:
+        y = (y.float() + delta).to(y.dtype)
+    h = h + y
+    return h, rms_norm_ref(h, weight, eps)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,29 +131,38 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, N: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, d_ptr, out_ptr, stride_x, stride_d, stride_o, N: tl.constexpr, BLOCK: tl.constexpr,
+                     HAS_DELTA: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     g = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + N + offs, mask=mask, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
+    if HAS_DELTA:  # gate_up's LoRA delta, rounded in as the in-place add does
+        g = (g + tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)).to(dt).to(tl.float32)
+        u = (u + tl.load(d_ptr + row * stride_d + N + offs, mask=mask, other=0.0)).to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # torch's silu rounds before the mul
     tl.store(out_ptr + row * stride_o + offs, (act * u).to(dt), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate) * up` for `gate_up` = `[T, 2 * inter]` (gate first, as the fused linear stacks them)."""
+def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu(gate) * up` for `gate_up` = `[T, 2 * inter]` (gate first, as the fused linear stacks them),
+    plus its float32 LoRA `delta` (same shape) first, when given."""
     rows, width = gate_up.shape
     n = width // 2
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
     if rows:
         block = 1024
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), N=n,
-                                                       BLOCK=block, num_warps=4)
+        d = delta if delta is not None else gate_up
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, d, out, gate_up.stride(0), d.stride(0),
+                                                       out.stride(0), N=n, BLOCK=block, HAS_DELTA=delta is not None,
+                                                       num_warps=4)
     return out
 
 
-def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_ref(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    if delta is not None:
+        gate_up = (gate_up.float() + delta).to(gate_up.dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

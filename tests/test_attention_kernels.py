@@ -178,7 +178,16 @@ def _interpreter_checks() -> int:
 
 def _check_fused_ops(dtype: torch.dtype) -> int:
     """RMSNorm, rotary and SiLU-and-mul against the torch code they replace (odd sizes, strided q/k)."""
-    from kernels.fused_ops import rms_norm, rms_norm_ref, rotary, rotary_ref, silu_and_mul, silu_and_mul_ref
+    from kernels.fused_ops import (
+        add_rms_norm,
+        add_rms_norm_ref,
+        rms_norm,
+        rms_norm_ref,
+        rotary,
+        rotary_ref,
+        silu_and_mul,
+        silu_and_mul_ref,
+    )
 
     gen = torch.Generator().manual_seed(7)
     x, w = torch.randn((5, 100), generator=gen).to(dtype), torch.randn(100, generator=gen).to(dtype)
@@ -187,7 +196,18 @@ def _check_fused_ops(dtype: torch.dtype) -> int:
     freqs = torch.randn((3, 12), generator=gen)
     cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
     gate_up = torch.randn((3, 2 * 1500), generator=gen).to(dtype)
+    h, y = torch.randn((5, 100), generator=gen).to(dtype), torch.randn((5, 100), generator=gen).to(dtype)
+    # LoRA deltas are float32 views with a wider row stride (the backend's shared delta buffer).
+    delta = torch.randn((5, 3200), generator=gen)[:, :100]
+    gu_delta = torch.randn((3, 4000), generator=gen)[:, : 2 * 1500]
+    added = [add_rms_norm(h, y, w, 1e-5, d) for d in (None, delta)]
+    added_ref = [add_rms_norm_ref(h, y, w, 1e-5, d) for d in (None, delta)]
     pairs = [
+        ("add_rms_norm h", added[0][0], added_ref[0][0]),
+        ("add_rms_norm out", added[0][1], added_ref[0][1]),
+        ("add_rms_norm+delta h", added[1][0], added_ref[1][0]),
+        ("add_rms_norm+delta out", added[1][1], added_ref[1][1]),
+        ("silu_mul+delta", silu_and_mul(gate_up, gu_delta), silu_and_mul_ref(gate_up, gu_delta)),
         ("rms_norm", rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5)),
         ("rotary q", rotary(q, cos, sin), rotary_ref(q, cos, sin)),
         ("rotary k", rotary(k, cos, sin), rotary_ref(k, cos, sin)),

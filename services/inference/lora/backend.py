@@ -1,7 +1,8 @@
 """The seam between the model and LoRA: a backend applies resident adapters' deltas.
 
 The model calls `begin` before each target linear and `finish` after it (by default `apply`
-after it); the model runner calls `prepare` once per step. Module groups and the pool layout are fixed here so kernels, the pool and the
+after it; `finish` may hand the delta back for the model to fuse into its next kernel); the
+model runner calls `prepare` once per step. Module groups and the pool layout are fixed here so kernels, the pool and the
 model agree (see docs/architecture.md, "LoRA pool layout").
 """
 
@@ -52,6 +53,11 @@ class LoRABackend(ABC):
         """
         return None
 
-    def finish(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, started: object) -> None:
-        """Add the group's delta to `out` in place (what `apply` does), given `begin`'s token."""
+    def finish(
+        self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, started: object
+    ) -> torch.Tensor | None:
+        """Complete the group's delta, given `begin`'s token: add it to `out` in place (what `apply`
+        does) and return None, or return it as a float32 `[T, width]` tensor that the caller adds
+        (`dtype(float(out) + delta)`) before anything reads `out` and before the next `begin`."""
         self.apply(layer, group, x, out)
+        return None

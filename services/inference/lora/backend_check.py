@@ -70,7 +70,9 @@ def run(shapes: ModelShapes, num_tokens: int, slots: int, max_rank: int, dtype: 
             tri.apply(layer, group, x, b)
             # begin/finish (the side-stream path: delta buffer, then one add) must round as apply does.
             c = base.clone()
-            side.finish(layer, group, x, c, side.begin(layer, group, x))
+            pending = side.finish(layer, group, x, c, side.begin(layer, group, x))
+            if pending is not None:
+                c.add_(pending)
             side_equal = side_equal and torch.equal(b, c)
             delta = (a.float() - base.float()).norm().item()
             worst = max(worst, (a.float() - b.float()).norm().item() / max(delta, 1e-12))

@@ -7,8 +7,8 @@ device, so a slot's real rank bounds the work and untargeted modules cost nothin
 Side stream (decode-sized steps on CUDA, on by default): a decode step's LoRA kernels are
 small and latency-bound while the base matmul beside them streams weights, so `begin` runs
 shrink and expand on a second stream into a float32 delta buffer while the base matmul runs,
-and `finish` joins the streams and adds the delta (`out = dtype(float(out) + delta)`, rounded
-as the in-place expand rounds).
+and `finish` joins the streams and hands the delta back; the model adds it inside the kernel
+that reads the output next (`dtype(float(out) + delta)`, rounded as the in-place expand rounds).
 The fork and join are captured into the step's CUDA graph as parallel branches. Prefill
 steps run in place on the current stream: there both sides are compute-bound.
 """
@@ -103,10 +103,12 @@ class TritonLoRABackend(LoRABackend):
             self._run(layer, group, x, delta, accumulate=False)
         return delta
 
-    def finish(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, started: object) -> None:
+    def finish(
+        self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, started: object
+    ) -> torch.Tensor | None:
         if started is None:
             self.apply(layer, group, x, out)
-            return
+            return None
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
-        out.add_(started)  # float32 delta: out = dtype(float(out) + delta), one rounding
+        return started  # the float32 delta: the model adds it inside its next fused kernel

@@ -1,20 +1,24 @@
 """Llama-family decoder (Llama 2/3.x, SmolLM2, Mistral, Qwen2) over a paged KV cache.
 
 Linears are fused per LoRA group (`qkv`, `o`, `gate_up`, `down`, see lora/backend.py GROUPS);
-after each group's base matmul the LoRA backend, when the batch has adapters, adds its delta
-in place. Checkpoint tensors are copied straight into the fused parameters by `load_weights`.
+around each group's base matmul the LoRA backend, when the batch has adapters, computes its
+delta: added in place, or (the side-stream backend) handed back as a float32 `Addend.delta`
+that the next fused kernel adds (the RMSNorm after the residual add, SiLU-and-mul). A layer
+returns its down projection unadded, so the residual add fuses with the next layer's norm.
+Checkpoint tensors are copied straight into the fused parameters by `load_weights`.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fused_ops import rms_norm, silu_and_mul
+from kernels.fused_ops import add_rms_norm, rms_norm, silu_and_mul
 from services.inference.models.config import ModelConfig
 from services.inference.models.context import ForwardContext
 from services.inference.models.rope import RotaryEmbedding, apply_rotary
@@ -48,6 +52,18 @@ class FusedLinear(nn.Module):
         dest.copy_(tensor)
 
 
+class Addend(NamedTuple):
+    """A linear's output and the float32 LoRA delta still to be added to it (None: nothing pending)."""
+
+    out: torch.Tensor
+    delta: torch.Tensor | None = None
+
+    def materialize(self) -> torch.Tensor:
+        if self.delta is not None:
+            self.out.add_(self.delta)  # dtype(float(out) + delta), as the in-place expand rounds
+        return self.out
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -61,6 +77,15 @@ class RMSNorm(nn.Module):
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+    def add_forward(self, h: torch.Tensor, addend: Addend | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + addend, norm of it); one launch on CUDA (kernels/fused_ops.py `add_rms_norm`)."""
+        if addend is None:
+            return h, self(h)
+        if h.is_cuda and h.dim() == 2:
+            return add_rms_norm(h, addend.out, self.weight, self.eps, addend.delta)
+        h = h + addend.materialize()
+        return h, self(h)
 
 
 class DecoderLayer(nn.Module):
@@ -77,36 +102,36 @@ class DecoderLayer(nn.Module):
         self.down_proj = FusedLinear(inter, (cfg.hidden_size,), cfg.mlp_bias)
         self.q_size, self.kv_size, self.inter = cfg.q_size, cfg.kv_size, inter
 
-    def _linear(self, group: str, module: FusedLinear, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _linear(self, group: str, module: FusedLinear, x: torch.Tensor, ctx: ForwardContext) -> Addend:
         lora = ctx.lora
         if lora is None:
-            return module(x)
+            return Addend(module(x))
         # The backend may compute the delta while the base matmul runs (lora/triton_backend.py).
         started = lora.begin(self.index, group, x)
         out = module(x)
-        lora.finish(self.index, group, x, out, started)
-        return out
+        return Addend(out, lora.finish(self.index, group, x, out, started))
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = self.input_layernorm(h)
-        qkv = self._linear("qkv", self.qkv_proj, x, ctx)
+        self, h: torch.Tensor, addend: Addend | None, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, Addend]:
+        """`addend`: the previous layer's down projection, added to `h` here (None for the first
+        layer). Returns the residual stream and this layer's own down projection, not yet added."""
+        h, x = self.input_layernorm.add_forward(h, addend)
+        qkv = self._linear("qkv", self.qkv_proj, x, ctx).materialize()
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         t = x.shape[0]
         q = apply_rotary(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         attn = ctx.attention.forward(self.index, q, k, v)
-        h = h + self._linear("o", self.o_proj, attn, ctx)
-        x = self.post_attention_layernorm(h)
+        h, x = self.post_attention_layernorm.add_forward(h, self._linear("o", self.o_proj, attn, ctx))
         gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx)
-        if gate_up.is_cuda:
-            act = silu_and_mul(gate_up)
+        if gate_up.out.is_cuda:
+            act = silu_and_mul(gate_up.out, gate_up.delta)
         else:
-            gate, up = gate_up.split((self.inter, self.inter), dim=-1)
+            gate, up = gate_up.materialize().split((self.inter, self.inter), dim=-1)
             act = F.silu(gate) * up
-        return h + self._linear("down", self.down_proj, act, ctx)
+        return h, self._linear("down", self.down_proj, act, ctx)
 
 
 # checkpoint name -> (our module attribute, stack index) for the fused linears.
@@ -141,9 +166,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
         h = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        addend = None
         for layer in self.layers:
-            h = layer(h, cos, sin, ctx)
-        return self.norm(h)
+            h, addend = layer(h, addend, cos, sin, ctx)
+        return self.norm.add_forward(h, addend)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
