@@ -52,7 +52,16 @@ def ceilings() -> tuple[float, float]:
 
 def kernel_check(shape: dict) -> dict[str, float]:
     """bf16 fused kernels against the torch code they replace, at this model's shapes (GPU only)."""
-    from kernels.fused_ops import rms_norm, rms_norm_ref, rotary, rotary_ref, silu_and_mul, silu_and_mul_ref
+    from kernels.fused_ops import (
+        add_rms_norm,
+        add_rms_norm_ref,
+        rms_norm,
+        rms_norm_ref,
+        rotary,
+        rotary_ref,
+        silu_and_mul,
+        silu_and_mul_ref,
+    )
 
     def err(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.double() - b.double()).norm() / b.double().norm())
@@ -64,7 +73,12 @@ def kernel_check(shape: dict) -> dict[str, float]:
     f = torch.rand(64, d // 2, device="cuda") * 100
     cos, sin = f.cos().bfloat16(), f.sin().bfloat16()
     gu = torch.randn(64, 2 * shape["intermediate_size"], device="cuda", dtype=torch.bfloat16)
+    y, delta = torch.randn_like(x), torch.randn(64, h, device="cuda") * 0.1
+    gu_delta = torch.randn(64, 2 * shape["intermediate_size"], device="cuda") * 0.1
+    added, added_ref = add_rms_norm(x, y, w, 1e-5, delta), add_rms_norm_ref(x, y, w, 1e-5, delta)
     return dict(rms_norm=err(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5)),
+                add_rms_norm_h=err(added[0], added_ref[0]), add_rms_norm=err(added[1], added_ref[1]),
+                silu_mul_delta=err(silu_and_mul(gu, gu_delta), silu_and_mul_ref(gu, gu_delta)),
                 rotary=err(rotary(q, cos, sin), rotary_ref(q, cos, sin)),
                 silu_mul=err(silu_and_mul(gu), silu_and_mul_ref(gu)))
 
@@ -80,7 +94,7 @@ def build(model_dir: Path, opts: argparse.Namespace, num_adapters: int):
         max_running_requests=opts.max_bs, cuda_graph_max_bs=opts.max_bs, context_length=opts.context_length,
         chunked_prefill_size=8192, max_num_batched_tokens=8192 + opts.max_bs,
         mem_fraction_static=opts.mem_fraction, disable_cuda_graph=opts.disable_cuda_graph,
-        disable_overlap_schedule=opts.disable_overlap_schedule, tp_size=opts.tp_size,
+        disable_overlap_schedule=opts.disable_overlap_schedule, tp_size=opts.tp_size, lora_backend=opts.lora_backend,
     )
     start = time.perf_counter()
     async_engine = build_engine(args)
@@ -121,44 +135,87 @@ def _measure_engine(async_engine, build_s: float, adapter_dirs: list[Path], prom
     clock = ForwardClock(engine)
     decode = res["decode"] = []
 
-    def run(batch: int, distinct: int) -> None:
+    def run(batch: int, distinct: int, variant: str = "") -> None:
         adapters = [None] * batch if distinct == 0 else [names[i % distinct] for i in range(batch)]
         try:
             t = measure_decode(engine, clock, prompts[:batch], adapters, steps=opts.decode_steps)
         except Exception as exc:  # keep the rest of the run; the table says what failed
-            log.exception("decode batch %d, %d adapters failed", batch, distinct)
-            res.setdefault("errors", []).append(f"decode {batch}/{distinct}: {type(exc).__name__}: {exc}")
+            log.exception("decode batch %d, %d adapters (%s) failed", batch, distinct, variant or "default")
+            res.setdefault("errors", []).append(f"decode {batch}/{distinct} {variant}: {type(exc).__name__}: {exc}")
             for rid in list(engine.requests):
                 engine.abort_request(rid)
             return
-        row = t._asdict() | dict(distinct_adapters=distinct)
+        row = t._asdict() | dict(distinct_adapters=distinct, variant=variant)
         row["graph_gpu_ms"] = graph_replay_ms(engine, batch, distinct > 0) if graphs is not None else None
         decode.append(row)
         log.info("decode %s", row)
 
+    mixed = [(b, d) for b, d in sorted({(32, 8), (64, 8), (64, min(64, len(names)))})
+             if b <= opts.max_bs and d <= len(names)]
     for batch in opts.batches:
         run(batch, 0)
-    for batch, distinct in sorted({(32, 8), (64, 8), (64, min(64, len(names)))}):
-        if batch <= opts.max_bs and distinct <= len(names):
-            run(batch, distinct)
+    for batch, distinct in mixed:
+        run(batch, distinct)
     n_pre = min(8, len(prompts))
     res["prefill"] = [
         measure_prefill(engine, prompts[:n_pre], [None] * n_pre) | dict(distinct_adapters=0),
         measure_prefill(engine, prompts[:n_pre], [names[i % len(names)] for i in range(n_pre)])
         | dict(distinct_adapters=min(n_pre, len(names))),
     ]
-    # The engine, its KV cache and graphs are freed when this function returns (main collects).
+    if opts.variants:
+        _variants(engine, run, mixed, check_prompts, check_adapters, names, res)
+
+
+def _variants(engine, run, mixed, check_prompts, check_adapters, names, res) -> None:
+    """The same rows with one feature switched, in this process: overlap scheduling off; the LoRA
+    side stream the other way. Greedy outputs must not change."""
+    import dataclasses
+
+    from services.inference.engine.types import SamplingParams
+
+    def greedy() -> list[list[int]]:
+        done = engine.generate(check_prompts, SamplingParams(max_new_tokens=8, ignore_eos=True),
+                               [None if a is None else names[a] for a in check_adapters])
+        return [c.token_ids for c in done]
+
+    on = engine.config
+    if on.overlap_enabled:
+        engine.step()  # resolve the in-flight step before switching overlap off
+        engine.config = dataclasses.replace(on, overlap_schedule=False)
+        res["greedy_no_overlap_equal"] = greedy() == res["greedy_engine"]
+        for batch, distinct in [(64, 0), *(m for m in mixed if m == (64, 8))]:
+            run(batch, distinct, "no overlap")
+        engine.config = on
+    backend = engine.runner.lora_backend
+    graphs = getattr(engine.runner, "cuda_graphs", None)
+    if not hasattr(backend, "set_side_stream"):
+        return
+    keys = sorted({(graphs.bucket(b), True) for b, _ in mixed} | {(graphs.bucket(4), True)}) if graphs else []
+    default = backend.side_stream
+    backend.set_side_stream(not default)
+    if graphs is not None:
+        graphs.recapture(keys)
+    label = "LoRA side stream" if not default else "LoRA serial"
+    res["greedy_variants_equal"] = {label: greedy() == res["greedy_engine"]}
+    for batch, distinct in mixed:
+        run(batch, distinct, label)
+    backend.set_side_stream(default)
+    if graphs is not None:
+        graphs.recapture(keys)
 
 
 def add_floors(res: dict, shape: dict, bw: float) -> None:
+    def is_base(r: dict, batch: int) -> bool:
+        return r["batch"] == batch and r["distinct_adapters"] == 0 and not r.get("variant")
+
     for row in res["decode"]:
-        if not any(r["batch"] == row["batch"] and r["distinct_adapters"] == 0 for r in res["decode"]):
+        if not any(is_base(r, row["batch"]) for r in res["decode"]):
             continue
         byts = (setup.weight_bytes(shape) + row["batch"] * row["mean_context"] * setup.kv_bytes_per_token(shape)
                 + row["distinct_adapters"] * setup.adapter_bytes(shape))
         row["floor_ms"] = 1e3 * byts / bw
         row["x_floor"] = row["ms_per_step"] / row["floor_ms"]
-        base = next(r for r in res["decode"] if r["batch"] == row["batch"] and r["distinct_adapters"] == 0)
+        base = next(r for r in res["decode"] if is_base(r, row["batch"]))
         row["ratio_to_base"] = row["tokens_per_s"] / base["tokens_per_s"]
     pre = res["prefill"]
     if len(pre) == 2:
@@ -169,31 +226,33 @@ def print_table(res: dict) -> None:
     print(f"\ncopy bandwidth {res['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {res['matmul_rate'] / 1e12:.0f} TFLOP/s")
     print("decode: ratio = tokens/s over the base model's at the same batch; gpu ms = one replay of the "
           "step's CUDA graph; host = step - gpu (schedule / sample / append+detok ms)")
-    print(f"{'measurement':<36}{'batch':>6}{'ms/step':>9}{'tok/s':>10}{'floor ms':>10}{'x floor':>9}"
+    print(f"{'measurement':<44}{'batch':>6}{'ms/step':>9}{'tok/s':>10}{'floor ms':>10}{'x floor':>9}"
           f"{'ratio':>8}{'gpu ms':>8}{'host %':>8}  host split")
     for r in res["decode"]:
         if "floor_ms" not in r:
             continue
         what = "decode base" if not r["distinct_adapters"] else f"decode {r['distinct_adapters']} adapters"
+        what += f" ({r['variant']})" if r.get("variant") else ""
         gpu = f"{r['graph_gpu_ms']:.2f}" if r.get("graph_gpu_ms") else "-"
         host = r["ms_per_step"] - (r.get("graph_gpu_ms") or r["forward_ms"])
         split = f"{r['schedule_ms']:.2f}/{r['sample_ms']:.2f}/{r['append_ms']:.2f}"
-        print(f"{what:<36}{r['batch']:>6}{r['ms_per_step']:>9.2f}{r['tokens_per_s']:>10.0f}{r['floor_ms']:>10.2f}"
+        print(f"{what:<44}{r['batch']:>6}{r['ms_per_step']:>9.2f}{r['tokens_per_s']:>10.0f}{r['floor_ms']:>10.2f}"
               f"{r['x_floor']:>9.2f}{r['ratio_to_base']:>8.3f}{gpu:>8}{100 * host / r['ms_per_step']:>7.1f}%  {split}")
     for p in res["prefill"]:
         what = f"prefill {p['prompts']}x{p['tokens'] // p['prompts']}" + (
             f" {p['distinct_adapters']} adapters" if p["distinct_adapters"] else " base")
         ratio = f"{p['ratio_to_base']:.3f}" if "ratio_to_base" in p else "-"
-        print(f"{what:<36}{p['prompts']:>6}{1e3 * p['seconds']:>9.1f}{p['tokens_per_s']:>10.0f}{'':>10}{'':>9}{ratio:>8}")
+        print(f"{what:<44}{p['prompts']:>6}{1e3 * p['seconds']:>9.1f}{p['tokens_per_s']:>10.0f}{'':>10}{'':>9}{ratio:>8}")
     for key, ours in (("hf_peft_mixed", (32, 8)), ("hf_static_compile", (32, 0))):
         b = res.get("baselines", {}).get(key)
         if not b or "error" in b:
-            print(f"{key:<36} {b.get('error') if b else 'not run'}")
+            print(f"{key:<44} {b.get('error') if b else 'not run'}")
             continue
-        mine = next((r for r in res["decode"] if (r["batch"], r["distinct_adapters"]) == ours), None)
+        mine = next((r for r in res["decode"]
+                     if (r["batch"], r["distinct_adapters"]) == ours and not r.get("variant")), None)
         ratio = mine["tokens_per_s"] / b["decode_tokens_per_s"] if mine else float("nan")
         b["ours_over_it"] = ratio
-        print(f"{key:<36}{b['batch']:>6}{b['ms_per_step']:>9.2f}{b['decode_tokens_per_s']:>10.0f}{'':>10}{'':>9}"
+        print(f"{key:<44}{b['batch']:>6}{b['ms_per_step']:>9.2f}{b['decode_tokens_per_s']:>10.0f}{'':>10}{'':>9}"
               f"{'':>8}   ours/it = {ratio:.1f}x")
 
 
@@ -209,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-overlap-schedule", action="store_true", help="the step split needs it off")
     p.add_argument("--mem-fraction", type=float, default=0.7)
+    p.add_argument("--lora-backend", default=None, choices=["triton", "torch"], help="default: the server's")
+    p.add_argument("--no-variants", dest="variants", action="store_false",
+                   help="skip the rows with overlap scheduling off and with the LoRA side stream off")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test of this script)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one GPU each; gloo on CPU)")
     opts = p.parse_args(argv)
@@ -260,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(res)
     if "greedy_agreement" in res:
         print("greedy tokens vs transformers+PEFT (2 base rows, 2 adapter rows, 8 tokens):", res["greedy_agreement"])
+    for key in ("greedy_no_overlap_equal", "greedy_variants_equal"):
+        if key in res:
+            print(f"{key}: {res[key]}")
     if "kernel_check" in res:
         print("bf16 kernels vs torch:", {k: f"{v:.1e}" for k, v in res["kernel_check"].items()})
     out = Path(opts.out) / "serving.json"

@@ -50,12 +50,10 @@ class ForwardClock:
         inner = engine.runner.forward
         # With overlap scheduling a sync here would wait for the step the host should run beside:
         # then forward_ms is launch time only and the step's GPU time comes from graph_replay_ms.
-        sync = not getattr(engine, "_overlap", False)
-
         def forward(chunks, *args):
             start = time.perf_counter()
             out = inner(chunks, *args)
-            if sync:
+            if not getattr(engine, "_overlap", False):
                 _sync(self.device)
             self.total += time.perf_counter() - start
             return out

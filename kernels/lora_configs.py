@@ -5,14 +5,24 @@ so each adapter's A is streamed by many programs) or `prefill`. Tables are keyed
 (family, hidden size, stacked modules, pool max rank): `d` for shrink, the total output
 width for expand; the K-split count on (family, d) alone, so one shrink buffer can serve
 every group. Entries for Llama-3.1-8B shapes come from `bench/lora_kernels.py --sweep` on
-an H200, 2026-12-02, triton 3.6 (docs/benchmarks.md); other shapes fall back to the rules below. The interpreter
+an H200, 2026-12-02, triton 3.6 (docs/benchmarks.md); the rank-16 decode entries and the decode
+K-splits from its `--joint-sweep` (one choice for batch 64 over 8 and over 64 adapters, since a
+captured graph serves every mix). Other shapes fall back to the rules below. The interpreter
 ignores warps and stages.
+
+`LORAPLEX_LORA_CONFIGS=path.json` replaces entries at import (what `bench/lora_kernels.py
+--joint-sweep` writes for another GPU or model shape): `{"splits": {"decode|4096": 8},
+"shrink": {"decode|4096|3|16": [block_m, block_r, block_k, warps, stages]}, "expand":
+{"decode|6144|3|16": [block_m, block_n, chunk_n, warps, stages]}}`.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 DECODE_MAX_TOKENS = 256
 
@@ -48,8 +58,8 @@ def splits_bucket(num_tokens: int) -> str:
 SPLITS_TABLE: dict[tuple[str, int], int] = {
     ("decode_small", 4096): 8,
     ("decode_small", 14336): 14,
-    ("decode", 4096): 2,
-    ("decode", 14336): 7,
+    ("decode", 4096): 8,
+    ("decode", 14336): 14,
     ("prefill", 4096): 2,
     ("prefill", 14336): 4,
 }
@@ -57,10 +67,10 @@ SPLITS_TABLE: dict[tuple[str, int], int] = {
 S, E = ShrinkConfig, ExpandConfig
 # (family, d, n_stack, max_rank) -> ShrinkConfig
 SHRINK_TABLE: dict[tuple[str, int, int, int], ShrinkConfig] = {
-    ('decode', 4096, 3, 16): S(16, 16, 512, 4, 3),  # qkv
-    ('decode', 4096, 1, 16): S(16, 16, 128, 4, 4),  # o
-    ('decode', 4096, 2, 16): S(16, 16, 512, 4, 3),  # gate_up
-    ('decode', 14336, 1, 16): S(16, 16, 256, 4, 3),  # down
+    ('decode', 4096, 3, 16): S(16, 16, 128, 4, 3),  # qkv
+    ('decode', 4096, 1, 16): S(16, 16, 128, 4, 3),  # o
+    ('decode', 4096, 2, 16): S(16, 16, 256, 4, 3),  # gate_up
+    ('decode', 14336, 1, 16): S(16, 16, 128, 4, 3),  # down
     ('prefill', 4096, 3, 16): S(64, 16, 128, 8, 3),  # qkv
     ('prefill', 4096, 1, 16): S(32, 16, 128, 4, 3),  # o
     ('prefill', 4096, 2, 16): S(32, 16, 128, 4, 3),  # gate_up
@@ -77,9 +87,9 @@ SHRINK_TABLE: dict[tuple[str, int, int, int], ShrinkConfig] = {
 
 # (family, total output width, n_stack, max_rank) -> ExpandConfig
 EXPAND_TABLE: dict[tuple[str, int, int, int], ExpandConfig] = {
-    ('decode', 6144, 3, 16): E(16, 256, 1024, 4, 3),  # qkv
-    ('decode', 4096, 1, 16): E(16, 512, 1024, 8, 3),  # o, down
-    ('decode', 28672, 2, 16): E(16, 256, 4096, 4, 3),  # gate_up
+    ('decode', 6144, 3, 16): E(16, 128, 256, 4, 3),  # qkv
+    ('decode', 4096, 1, 16): E(16, 128, 256, 4, 3),  # o, down
+    ('decode', 28672, 2, 16): E(16, 128, 512, 4, 3),  # gate_up
     ('prefill', 6144, 3, 16): E(64, 128, 1024, 4, 3),  # qkv
     ('prefill', 4096, 1, 16): E(32, 256, 512, 4, 3),  # o, down
     ('prefill', 28672, 2, 16): E(64, 128, 512, 4, 3),  # gate_up
@@ -91,6 +101,20 @@ EXPAND_TABLE: dict[tuple[str, int, int, int], ExpandConfig] = {
     ('prefill', 28672, 2, 64): E(64, 128, 1024, 4, 3),  # gate_up
 }
 del S, E
+
+
+def _key(text: str) -> tuple:
+    return tuple(part if not part.isdigit() else int(part) for part in text.split("|"))
+
+
+def load_overrides(path: str) -> None:
+    """Merge a JSON file of table entries (format in the module docstring) into the tables."""
+    data = json.loads(Path(path).read_text())
+    SPLITS_TABLE.update({_key(k): int(v) for k, v in data.get("splits", {}).items()})
+    SHRINK_TABLE.update({_key(k): ShrinkConfig(*v) for k, v in data.get("shrink", {}).items()})
+    EXPAND_TABLE.update({_key(k): ExpandConfig(*v) for k, v in data.get("expand", {}).items()})
+    for fn in (shrink_splits, shrink_config, expand_config):
+        fn.cache_clear()
 
 
 def _rank_bucket(max_rank: int) -> int:
@@ -131,3 +155,7 @@ def expand_config(width: int, n_stack: int, max_rank: int, num_tokens: int) -> E
     if fam == "decode":
         return ExpandConfig(16, 256, 1024, 4, 2)
     return ExpandConfig(64, 128, 512, 4, 2)
+
+
+if os.environ.get("LORAPLEX_LORA_CONFIGS"):
+    load_overrides(os.environ["LORAPLEX_LORA_CONFIGS"])

@@ -89,20 +89,9 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        self._pool = torch.cuda.graph_pool_handle()
         variants = [False, True] if self.lora is not None else [False]
-        stream = torch.cuda.Stream()
-        for bs in reversed(self.ladder):
-            for use_lora in variants:
-                # Eager warm-up on a side stream (Triton compiles, cuBLAS picks kernels) before capture.
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    self._forward(bs, use_lora)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._forward(bs, use_lora)
-                self.graphs[(bs, use_lora)] = graph
+        self.recapture([(bs, use_lora) for bs in reversed(self.ladder) for use_lora in variants])
         torch.cuda.synchronize()
         taken = free_before - torch.cuda.mem_get_info()[0]
         log.info("captured %d decode CUDA graphs (batch sizes %s, LoRA %s) in %.1f s, %.0f MiB",
@@ -110,6 +99,22 @@ class DecodeGraphs:
                  time.perf_counter() - start, taken / 2**20)
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = taken
+
+    @torch.inference_mode()
+    def recapture(self, keys: list[tuple[int, bool]]) -> None:
+        """(Re)capture the graphs for these (batch size, LoRA on/off) keys into the pool of
+        `capture` (benchmarks use it after switching a backend option)."""
+        stream = torch.cuda.Stream()
+        for bs, use_lora in keys:
+            # Eager warm-up on a side stream (Triton compiles, cuBLAS picks kernels) before capture.
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward(bs, use_lora)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._forward(bs, use_lora)
+            self.graphs[(bs, use_lora)] = graph
 
     def bucket(self, n: int) -> int | None:
         return next((bs for bs in self.ladder if bs >= n), None)
