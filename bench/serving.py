@@ -9,6 +9,8 @@
    batch 1/16/32/64/256 over 1024-token contexts, batch 32 and 64 over 8 adapters, batch 64 over
    64 distinct adapters, prefill of 8x1024 with and without adapters; each decode step against its
    memory floor (weights + KV read + distinct adapters' bytes, over the measured copy bandwidth);
+   then (unless --no-variants) the batch-64 rows again with overlap scheduling off and with the LoRA
+   side stream switched, in the same process, checking that greedy outputs do not change;
 4. frees the engine and runs the baselines at batch 32 on the same prompts and adapters
    (bench/serving_baselines.py): transformers + PEFT mixed batch, transformers static cache +
    torch.compile.

@@ -59,7 +59,7 @@ SPLITS_TABLE: dict[tuple[str, int], int] = {
     ("decode_small", 4096): 8,
     ("decode_small", 14336): 14,
     ("decode", 4096): 8,
-    ("decode", 14336): 14,
+    ("decode", 14336): 28,
     ("prefill", 4096): 2,
     ("prefill", 14336): 4,
 }
@@ -67,10 +67,10 @@ SPLITS_TABLE: dict[tuple[str, int], int] = {
 S, E = ShrinkConfig, ExpandConfig
 # (family, d, n_stack, max_rank) -> ShrinkConfig
 SHRINK_TABLE: dict[tuple[str, int, int, int], ShrinkConfig] = {
-    ('decode', 4096, 3, 16): S(16, 16, 128, 4, 3),  # qkv
-    ('decode', 4096, 1, 16): S(16, 16, 128, 4, 3),  # o
-    ('decode', 4096, 2, 16): S(16, 16, 256, 4, 3),  # gate_up
-    ('decode', 14336, 1, 16): S(16, 16, 128, 4, 3),  # down
+    ('decode', 4096, 3, 16): S(16, 16, 64, 2, 3),  # qkv
+    ('decode', 4096, 1, 16): S(16, 16, 128, 2, 3),  # o
+    ('decode', 4096, 2, 16): S(16, 16, 64, 2, 3),  # gate_up
+    ('decode', 14336, 1, 16): S(16, 16, 128, 2, 3),  # down
     ('prefill', 4096, 3, 16): S(64, 16, 128, 8, 3),  # qkv
     ('prefill', 4096, 1, 16): S(32, 16, 128, 4, 3),  # o
     ('prefill', 4096, 2, 16): S(32, 16, 128, 4, 3),  # gate_up
@@ -88,8 +88,8 @@ SHRINK_TABLE: dict[tuple[str, int, int, int], ShrinkConfig] = {
 # (family, total output width, n_stack, max_rank) -> ExpandConfig
 EXPAND_TABLE: dict[tuple[str, int, int, int], ExpandConfig] = {
     ('decode', 6144, 3, 16): E(16, 128, 256, 4, 3),  # qkv
-    ('decode', 4096, 1, 16): E(16, 128, 256, 4, 3),  # o, down
-    ('decode', 28672, 2, 16): E(16, 128, 512, 4, 3),  # gate_up
+    ('decode', 4096, 1, 16): E(16, 128, 256, 2, 3),  # o, down
+    ('decode', 28672, 2, 16): E(16, 64, 256, 2, 3),  # gate_up
     ('prefill', 6144, 3, 16): E(64, 128, 1024, 4, 3),  # qkv
     ('prefill', 4096, 1, 16): E(32, 256, 512, 4, 3),  # o, down
     ('prefill', 28672, 2, 16): E(64, 128, 512, 4, 3),  # gate_up
