@@ -120,7 +120,8 @@ def _measure_engine(async_engine, build_s: float, adapter_dirs: list[Path], prom
     graphs = getattr(engine.runner, "cuda_graphs", None)
     res["engine_build_s"] = build_s
     res["cuda_graphs"] = None if graphs is None else dict(
-        batch_sizes=graphs.ladder, capture_s=graphs.capture_seconds, capture_mib=graphs.capture_bytes / 2**20)
+        batch_sizes=graphs.ladder, lora_tiers=graphs.lora_tiers, capture_s=graphs.capture_seconds,
+        capture_mib=graphs.capture_bytes / 2**20)
     names = [f"a{i:02d}" for i in range(len(adapter_dirs))]
     start = time.perf_counter()
     for name, path in zip(names, adapter_dirs, strict=True):
@@ -148,7 +149,7 @@ def _measure_engine(async_engine, build_s: float, adapter_dirs: list[Path], prom
                 engine.abort_request(rid)
             return
         row = t._asdict() | dict(distinct_adapters=distinct, variant=variant)
-        row["graph_gpu_ms"] = graph_replay_ms(engine, batch, distinct > 0) if graphs is not None else None
+        row["graph_gpu_ms"] = graph_replay_ms(engine, batch, distinct) if graphs is not None else None
         decode.append(row)
         log.info("decode %s", row)
 
@@ -192,7 +193,7 @@ def _variants(engine, run, mixed, check_prompts, check_adapters, names, res) -> 
     graphs = getattr(engine.runner, "cuda_graphs", None)
     if not hasattr(backend, "set_side_stream"):
         return
-    keys = sorted({(graphs.bucket(b), True) for b, _ in mixed} | {(graphs.bucket(4), True)}) if graphs else []
+    keys = sorted({(graphs.bucket(b), t) for b in [*(b for b, _ in mixed), 4] for t in graphs.lora_tiers}) if graphs else []
     default = backend.side_stream
     backend.set_side_stream(not default)
     if graphs is not None:

@@ -154,9 +154,10 @@ def measure_prefill(engine, prompts: list[list[int]], adapters: list[str | None]
     return dict(prompts=len(prompts), tokens=tokens, seconds=best, tokens_per_s=tokens / best)
 
 
-def graph_replay_ms(engine, batch: int, use_lora: bool, reps: int = 20) -> float | None:
+def graph_replay_ms(engine, batch: int, distinct: int, reps: int = 20) -> float | None:
     """GPU time of one captured decode step (the static inputs of the last step still bound)."""
     graphs = getattr(engine.runner, "cuda_graphs", None)
-    if graphs is None or (batch, use_lora) not in graphs.graphs:
+    key = None if graphs is None else (graphs.bucket(batch), graphs.tier(distinct))
+    if key is None or key not in graphs.graphs:
         return None
-    return statistics.median(replay_ms(graphs.graphs[(batch, use_lora)], reps))
+    return statistics.median(replay_ms(graphs.graphs[key], reps))

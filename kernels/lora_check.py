@@ -27,7 +27,7 @@ class Case(NamedTuple):
     ranks: tuple[tuple[int, ...], ...]  # per slot, per stacked module
     dtype: str
     splits: int | None = None  # None: the table's choice (shrink_out_view)
-    slot_pattern: str = "random"  # random | one_big | none
+    slot_pattern: str = "random"  # random | one_big | none | distinct (one token per slot)
 
 
 class CaseResult(NamedTuple):
@@ -42,6 +42,7 @@ class CaseResult(NamedTuple):
     delta_mode_adds_up: bool  # dtype(float(base) + delta) == the accumulating kernel's output, bit for bit
     #   (on the CPU interpreter; a GPU may contract the in-place add into an FMA)
     delta_mode_untouched: bool  # tokens without adapter: delta rows never written
+    tight_grid_equal: bool  # max_distinct = the step's distinct slots gives the same bits
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -53,6 +54,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _token_slots(case: Case, num_slots: int, gen: torch.Generator) -> torch.Tensor:
     if case.slot_pattern == "none":
         return torch.full((case.num_tokens,), -1, dtype=torch.int32)
+    if case.slot_pattern == "distinct":  # every token its own adapter: as many blocks as tokens
+        return torch.randperm(num_slots, generator=gen)[: case.num_tokens].to(torch.int32)
     slots = torch.randint(-1, num_slots, (case.num_tokens,), generator=gen, dtype=torch.int32)
     if case.slot_pattern == "one_big":  # a long prefill segment beside single decode tokens
         slots[: max(1, case.num_tokens * 3 // 4)] = 0
@@ -111,8 +114,14 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     adds_up = bool(torch.equal((out0[has].float() + delta[has]).to(dtype), out[has]))
     delta_untouched = bool(delta[no_adapter].isnan().all())
 
+    # A grid sized for the step's real number of distinct slots: same output, bit for bit.
+    distinct = len({int(v) for v in slots.tolist() if v >= 0})
+    y_t, out_t = torch.full_like(y, float("nan")), out0.clone()
+    lora_shrink(x, A, ranks, segs, y_t, max_distinct=distinct)
+    lora_expand(y_t, B, ranks, scalings, segs, out_t, case.widths, max_distinct=distinct)
+    tight = bool(torch.equal(out_t, out))
     return CaseResult(case.name, shrink_err, expand_err, written, untouched, y.shape[0], delta_norm,
-                      delta_err, adds_up, delta_untouched)
+                      delta_err, adds_up, delta_untouched, tight)
 
 
 R4 = ((1, 4, 0), (16, 8, 16), (0, 0, 0), (8, 16, 4))
@@ -129,6 +138,8 @@ CASES: tuple[Case, ...] = (
     Case("even_tiles_fp16", 9, 512, (256, 256), 16, ((16, 3), (0, 9), (12, 16)), "float16"),
     Case("rank_not_multiple_of_8_pool_fp32", 7, 48, (24, 40), 12, ((12, 5), (3, 12)), "float32"),
     Case("no_adapter_tokens_fp32", 12, 40, (16, 8), 8, ((8, 8),), "float32", slot_pattern="none"),
+    Case("token_per_adapter_fp32", 8, 64, (32,), 8, tuple((8,) for _ in range(10)), "float32",
+         slot_pattern="distinct"),
 )
 
 

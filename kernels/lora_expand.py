@@ -139,6 +139,7 @@ def lora_expand(
     widths: tuple[int, ...],
     config: ExpandConfig | None = None,
     accumulate: bool = True,
+    max_distinct: int | None = None,
 ) -> torch.Tensor:
     """Triton expand (in place on `out`); see the module docstring. Returns `out`.
 
@@ -146,6 +147,7 @@ def lora_expand(
     ranks: int32 `[slots, n]`; scalings: float32 `[slots, n]`; out: `[T, sum(widths)]`
     (float32 when `accumulate=False`: it receives the delta instead of having it added).
     config: block sizes; default from the table in `kernels.lora_configs` (benchmarks override).
+    max_distinct: as for `lora_shrink`.
     """
     _check_widths(widths, ranks, B, out)
     num_tokens = out.shape[0]
@@ -158,7 +160,8 @@ def lora_expand(
     bslot, btok = segs.blocks_for(cfg.block_m)
     chunk_n = max(cfg.chunk_n // cfg.block_n, 1) * cfg.block_n
     n_chunks = [triton.cdiv(wi, chunk_n) for wi in w]
-    grid = (sum(n_chunks), num_blocks_bound(num_tokens, num_slots, cfg.block_m))
+    slots_bound = num_slots if max_distinct is None else min(num_slots, max_distinct)
+    grid = (sum(n_chunks), num_blocks_bound(num_tokens, slots_bound, cfg.block_m))
     _expand_kernel[grid](
         y3, B, out, ranks, scalings, bslot, btok,
         max_rank, w[0], w[1], w[2], n_chunks[0], n_chunks[1], chunk_n,

@@ -10,7 +10,10 @@ of `block_m` tokens that never straddle two slots; block `b` holds the token ind
 the kernel program exits at once). A kernel program reads its slot and its tokens with
 one independent load each, so the metadata costs one memory round trip, not a chain. The kernels launch a fixed grid of
 `num_blocks_bound(T, ...)` blocks on axis 0, which is an upper bound on the real number,
-so the grid never depends on the batch's contents. One map is kept per block size in
+so the grid never depends on the batch's contents. Blocks are packed: the real ones come first.
+With a host-known bound k on the distinct slots of a step, `num_blocks_bound(T, k, block_m)`
+blocks suffice (each slot adds at most one partial block), which cuts the programs that
+would only find an unused block and exit: `max_distinct` of the kernels. One map is kept per block size in
 `BLOCK_MS` (small blocks for decode, large for prefill).
 """
 

@@ -126,6 +126,7 @@ def lora_shrink(
     segs: LoRASegments,
     y: torch.Tensor,
     config: ShrinkConfig | None = None,
+    max_distinct: int | None = None,
 ) -> torch.Tensor:
     """Triton shrink; see the module docstring. Returns `y`.
 
@@ -133,6 +134,8 @@ def lora_shrink(
     ranks: int32 `[slots, n]`; segs: built by `build_segments` for these T tokens;
     y: float32 `[T, n*R]` or `[S, T, n*R]` (S K-splits = `y.shape[0]`, see `shrink_out_view`).
     config: block sizes; default from the table in `kernels.lora_configs` (benchmarks override).
+    max_distinct: at most this many distinct slots among the tokens (None: any): the grid then
+    covers only the token blocks such a batch can have, not one per slot.
     """
     num_tokens, d = x.shape
     num_slots, n_rows, _ = A.shape
@@ -146,7 +149,8 @@ def lora_shrink(
     bslot, btok = segs.blocks_for(cfg.block_m)
     r_blocks = triton.cdiv(max_rank, cfg.block_r)
     k_per_split = triton.cdiv(triton.cdiv(d, splits), cfg.block_k) * cfg.block_k
-    grid = (n_stack * r_blocks, num_blocks_bound(num_tokens, num_slots, cfg.block_m), splits)
+    slots_bound = num_slots if max_distinct is None else min(num_slots, max_distinct)
+    grid = (n_stack * r_blocks, num_blocks_bound(num_tokens, slots_bound, cfg.block_m), splits)
     _shrink_kernel[grid](
         x, A, y3, ranks, bslot, btok,
         d, max_rank, k_per_split,

@@ -175,7 +175,7 @@ class RecordingBackend(LoRABackend):
         self.prepared: list[torch.Tensor] = []
         self.applied: list[tuple[int, str, tuple, tuple]] = []
 
-    def prepare(self, token_slots: torch.Tensor) -> None:
+    def prepare(self, token_slots: torch.Tensor, max_distinct: int | None = None) -> None:
         self.prepared.append(token_slots.clone())
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:

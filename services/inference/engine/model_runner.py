@@ -149,7 +149,8 @@ class ModelRunner:
 
         lora = None
         if self.lora_backend is not None and any(s >= 0 for s in token_slots):
-            self.lora_backend.prepare(self._upload(self.token_slots, token_slots))
+            distinct = len({s for s in token_slots if s >= 0})
+            self.lora_backend.prepare(self._upload(self.token_slots, token_slots), distinct)
             lora = self.lora_backend
         ctx = ForwardContext(self.attention, lora)
         hidden = self.model(input_ids, pos_t, ctx)

@@ -25,10 +25,12 @@ class LoRABackend(ABC):
     """Adds `scale_s * (x @ A_s^T) @ B_s^T` to a target linear's output, per token's slot.
 
     Contract:
-    - `prepare(token_slots)` is called once per forward with an int32 device tensor of the
-      batch's tokens in forward order (-1 = no adapter). Everything per-step (sorting,
-      segments) happens here, never per layer. It must not sync the host when the tensor
-      lives in a CUDA graph's static buffer.
+    - `prepare(token_slots, max_distinct)` is called once per forward with an int32 device
+      tensor of the batch's tokens in forward order (-1 = no adapter) and, when the caller
+      knows it, an upper bound on the distinct slots among them (a backend may size its
+      launches by it; a graph captured with a bound is only replayed for steps within it).
+      Everything per-step (sorting, segments) happens here, never per layer. It must not
+      sync the host when the tensor lives in a CUDA graph's static buffer.
     - `apply(layer, group, x, out)` adds the delta in place: `x` is `[T, in]`, `out` is
       `[T, sum(stack widths)]`, the stacked output of that group's fused linear. Tokens
       with slot -1, and slots whose adapter does not target a module, cost nothing.
@@ -39,7 +41,7 @@ class LoRABackend(ABC):
     cuda_graph_safe: bool = True
 
     @abstractmethod
-    def prepare(self, token_slots: torch.Tensor) -> None: ...
+    def prepare(self, token_slots: torch.Tensor, max_distinct: int | None = None) -> None: ...
 
     @abstractmethod
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None: ...

@@ -27,7 +27,7 @@ class TorchLoRABackend(LoRABackend):
         self._ranks: dict[str, list[list[list[int]]]] = {}
         self._scales: dict[str, list[list[list[float]]]] = {}
 
-    def prepare(self, token_slots: torch.Tensor) -> None:
+    def prepare(self, token_slots: torch.Tensor, max_distinct: int | None = None) -> None:
         slots_host = token_slots.to("cpu", torch.int64)
         segments: list[tuple[int, slice | torch.Tensor]] = []
         for slot in torch.unique(slots_host).tolist():

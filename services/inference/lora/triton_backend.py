@@ -40,6 +40,7 @@ class TritonLoRABackend(LoRABackend):
         self._shrink_buf = alloc_shrink_out(max_tokens, max_stack, pool.max_rank, max_d, pool.device)
         self._widths = {g: pool.shapes.group_widths(g) for g in pool.groups}
         self._num_tokens = 0
+        self._max_distinct: int | None = None
         self._delta: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
         self.set_side_stream(side_stream)
@@ -68,9 +69,10 @@ class TritonLoRABackend(LoRABackend):
         delta = 0 if self._delta is None else self._delta.numel() * 4
         return self._shrink_buf.numel() * 4 + delta + sum(t.numel() * t.element_size() for t in self.segments)
 
-    def prepare(self, token_slots: torch.Tensor) -> None:
+    def prepare(self, token_slots: torch.Tensor, max_distinct: int | None = None) -> None:
         build_segments(token_slots, self.segments)
         self._num_tokens = token_slots.shape[0]
+        self._max_distinct = max_distinct
         if self._uses_delta():
             # Rows of tokens without an adapter are never written by expand: they must read as 0.
             self._delta[: self._num_tokens].zero_()
@@ -84,8 +86,9 @@ class TritonLoRABackend(LoRABackend):
         y = shrink_out_view(self._shrink_buf, x.shape[1], self._num_tokens)[..., :n_cols]
         ranks, widths = pool.rank[group][layer], self._widths[group]
         a, b, scaling = pool.lora_a[group][layer], pool.lora_b[group][layer], pool.scaling[group][layer]
-        lora_shrink(x, a, ranks, self.segments, y)
-        lora_expand(y, b, ranks, scaling, self.segments, out, widths, accumulate=accumulate)
+        k = self._max_distinct
+        lora_shrink(x, a, ranks, self.segments, y, max_distinct=k)
+        lora_expand(y, b, ranks, scaling, self.segments, out, widths, accumulate=accumulate, max_distinct=k)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         if group in self._widths:

@@ -97,8 +97,8 @@ class TPLoRABackend(TorchLoRABackend):
         super().__init__(pool)
         self._num_tokens = 0
 
-    def prepare(self, token_slots: torch.Tensor) -> None:
-        super().prepare(token_slots)
+    def prepare(self, token_slots: torch.Tensor, max_distinct: int | None = None) -> None:
+        super().prepare(token_slots, max_distinct)
         self._num_tokens = token_slots.numel()
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -143,8 +143,8 @@ class TPTritonLoRABackend(LoRABackend):
         self._row_buf = alloc_shrink_out(max_tokens, 1, pool.max_rank, max(row_in, default=1), pool.device)
         self._num_tokens = 0
 
-    def prepare(self, token_slots: torch.Tensor) -> None:
-        self.inner.prepare(token_slots)
+    def prepare(self, token_slots: torch.Tensor, max_distinct: int | None = None) -> None:
+        self.inner.prepare(token_slots, max_distinct)
         self._num_tokens = token_slots.shape[0]
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
