@@ -271,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-overlap-schedule", action="store_true", help="the step split needs it off")
     p.add_argument("--mem-fraction", type=float, default=0.7)
+    p.add_argument("--batches", default="", help="base-model decode batch sizes, comma-separated (default: "
+                   "1,16,32,64,256)")
     p.add_argument("--lora-backend", default=None, choices=["triton", "torch"], help="default: the server's")
     p.add_argument("--no-variants", dest="variants", action="store_false",
                    help="skip the rows with overlap scheduling off and with the LoRA side stream off")
@@ -280,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     shape = TINY if opts.tiny else setup.LLAMA_8B
     ctx = 64 if opts.tiny else 1024
-    opts.batches = [1, 4, 8, 32, 64] if opts.tiny else [1, 16, 32, 64, 256]
+    if opts.batches:
+        opts.batches = [int(b) for b in opts.batches.split(",")]
+    else:
+        opts.batches = [1, 4, 8, 32, 64] if opts.tiny else [1, 16, 32, 64, 256]
     opts.max_bs = max(opts.batches)
     opts.context_length = 2048 if not opts.tiny else 256
     res: dict = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
