@@ -35,6 +35,19 @@ log = logging.getLogger(__name__)
 LORA_TIERS = (8,)
 
 
+def lora_tiers(slots: int) -> list[int]:
+    """The distinct-adapter tiers LoRA graphs are captured for: `LORA_TIERS` below `slots`, then `slots`."""
+    return sorted({t for t in LORA_TIERS if t < slots} | {slots}) if slots > 0 else []
+
+
+def pick_tier(tiers: list[int], distinct: int) -> int | None:
+    """The graph tier for a step with `distinct` adapters: 0 without any, else the smallest tier that
+    holds them; None when no LoRA graph does (the step then runs eagerly)."""
+    if distinct == 0:
+        return 0
+    return next((t for t in tiers if t >= distinct), None)
+
+
 def batch_ladder(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to `max_bs` (which is always included)."""
     if max_bs < 1:
@@ -61,7 +74,7 @@ class DecodeGraphs:
         self.ladder = batch_ladder(max_bs)
         slots = self.lora.pool.slots if self.lora is not None else 0
         # Graph keys are (batch size, tier): tier 0 = no LoRA, else at most `tier` distinct adapters.
-        self.lora_tiers = sorted({t for t in LORA_TIERS if t < slots} | {slots}) if slots else []
+        self.lora_tiers = lora_tiers(slots)
         self.max_bs = self.ladder[-1]
         self.max_blocks = max_blocks_per_seq
         dev = kv_cache.device
@@ -128,10 +141,7 @@ class DecodeGraphs:
         return next((bs for bs in self.ladder if bs >= n), None)
 
     def tier(self, distinct: int) -> int | None:
-        """The LoRA tier for a step with `distinct` adapters (0: none; None: no LoRA graphs)."""
-        if distinct == 0:
-            return 0
-        return next((t for t in self.lora_tiers if t >= distinct), None)
+        return pick_tier(self.lora_tiers, distinct)
 
     def run(
         self,
