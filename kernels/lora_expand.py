@@ -35,69 +35,6 @@ MAX_STACK = 3
 
 
 @triton.jit
-def expand_tile(
-    y_ptr, b_ptr, out_ptr, ranks_ptr, scal_ptr, slot, tok, pid_n,
-    max_rank, w0, w1, w2, nc0, nc1, chunk_n,
-    sy_s, sy_t, sy_c, sb_s, sb_n, sb_r, so_t, so_n, sr_s, sr_i, ss_s, ss_i,
-    N_SPLITS: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EVEN_N: tl.constexpr,
-    ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """One program's work: tokens `tok` (-1 padding) of slot `slot` >= 0, output column chunk `pid_n`."""
-    # Chunks never straddle two stacks: stack i owns nc_i = cdiv(w_i, chunk_n) chunks.
-    stack = (pid_n >= nc0).to(tl.int32) + (pid_n >= nc0 + nc1).to(tl.int32)
-    chunk = pid_n - tl.where(stack == 0, 0, tl.where(stack == 1, nc0, nc0 + nc1))
-    width = tl.where(stack == 0, w0, tl.where(stack == 1, w1, w2))
-    col0 = tl.where(stack == 0, 0, tl.where(stack == 1, w0, w0 + w1))
-    rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
-    scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i)
-    # Accumulate: a rank-0 stack has nothing to add. Delta mode goes on and writes its zeros.
-    if (not ACCUMULATE) or rank > 0:
-        scale = tl.where(rank > 0, scale, 0.0)
-        if USE_PDL:  # everything above may overlap the previous kernel; nothing below may
-            tl.extra.cuda.gdc_wait()
-        m_mask = tok >= 0
-        rows64 = tl.where(m_mask, tok, 0).to(tl.int64)  # (a new name: an if-block cannot retype `tok`)
-        # y (the K-split partials summed) is loaded once per program; columns past the slot's
-        # rank are masked, so the bytes read (y here, B below) scale with the real rank.
-        offs_k = tl.arange(0, BLOCK_R)
-        # Loads are masked to the rank rounded up to 8 so the mask is constant over 16-byte
-        # vectors (a mask at the exact rank forces 2-byte loads); the extra columns, which
-        # nobody wrote, are then zeroed in registers.
-        rank8 = tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), max_rank)
-        k_load = offs_k < rank8
-        k_real = offs_k < rank
-        y_ptrs = y_ptr + rows64[:, None] * sy_t + (stack * max_rank + offs_k)[None, :] * sy_c
-        y_mask = m_mask[:, None] & k_load[None, :]
-        yt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for p in tl.static_range(N_SPLITS):
-            yt += tl.load(y_ptrs + p * sy_s, mask=y_mask, other=0.0)
-        yt = tl.where(k_real[None, :], yt, 0.0).to(b_ptr.dtype.element_ty)
-
-        n_begin = chunk * chunk_n
-        n_end = tl.minimum(n_begin + chunk_n, width)
-        b_base = b_ptr + slot.to(tl.int64) * sb_s + offs_k[:, None] * sb_r
-        o_rows = out_ptr + rows64[:, None] * so_t
-        for n0 in range(n_begin, n_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            cols = (col0 + offs_n).to(tl.int64)
-            if EVEN_N:  # every stack width is a multiple of BLOCK_N: no column mask
-                bt = tl.load(b_base + cols[None, :] * sb_n, mask=k_load[:, None], other=0.0)
-                o_mask = m_mask[:, None]
-            else:
-                n_mask = offs_n < n_end
-                bt = tl.load(b_base + cols[None, :] * sb_n, mask=k_load[:, None] & n_mask[None, :], other=0.0)
-                o_mask = m_mask[:, None] & n_mask[None, :]
-            bt = tl.where(k_real[:, None], bt, 0.0)
-            acc = tl.dot(yt, bt, input_precision=PRECISION)
-            o_ptrs = o_rows + cols[None, :] * so_n
-            if ACCUMULATE:
-                prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
-                tl.store(o_ptrs, (prev.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
-            else:
-                tl.store(o_ptrs, (scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
-
-
-@triton.jit
 def _expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scal_ptr, bslot_ptr, btok_ptr,
     max_rank, w0, w1, w2, nc0, nc1, chunk_n,
@@ -113,13 +50,60 @@ def _expand_kernel(
     # Slot and tokens are independent loads: one memory round trip for the metadata.
     slot = tl.load(bslot_ptr + pid_b)
     tok = tl.load(btok_ptr + pid_b * TOK_STRIDE + tl.arange(0, BLOCK_M))
-    if slot >= 0:
-        expand_tile(
-            y_ptr, b_ptr, out_ptr, ranks_ptr, scal_ptr, slot, tok, pid_n,
-            max_rank, w0, w1, w2, nc0, nc1, chunk_n,
-            sy_s, sy_t, sy_c, sb_s, sb_n, sb_r, so_t, so_n, sr_s, sr_i, ss_s, ss_i,
-            N_SPLITS, PRECISION, USE_PDL, EVEN_N, ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_R,
-        )
+    if slot < 0:
+        return
+    # Chunks never straddle two stacks: stack i owns nc_i = cdiv(w_i, chunk_n) chunks.
+    stack = (pid_n >= nc0).to(tl.int32) + (pid_n >= nc0 + nc1).to(tl.int32)
+    chunk = pid_n - tl.where(stack == 0, 0, tl.where(stack == 1, nc0, nc0 + nc1))
+    width = tl.where(stack == 0, w0, tl.where(stack == 1, w1, w2))
+    col0 = tl.where(stack == 0, 0, tl.where(stack == 1, w0, w0 + w1))
+    rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
+    scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i)
+    if ACCUMULATE and rank == 0:
+        return  # nothing to add (delta mode goes on and writes the stack's zeros)
+    scale = tl.where(rank > 0, scale, 0.0)
+    if USE_PDL:  # everything above may overlap the previous kernel; nothing below may
+        tl.extra.cuda.gdc_wait()
+    m_mask = tok >= 0
+    tok = tl.where(m_mask, tok, 0).to(tl.int64)
+    # y (the K-split partials summed) is loaded once per program; columns past the slot's
+    # rank are masked, so the bytes read (y here, B below) scale with the real rank.
+    offs_k = tl.arange(0, BLOCK_R)
+    # Loads are masked to the rank rounded up to 8 so the mask is constant over 16-byte
+    # vectors (a mask at the exact rank forces 2-byte loads); the extra columns, which
+    # nobody wrote, are then zeroed in registers.
+    rank8 = tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), max_rank)
+    k_load = offs_k < rank8
+    k_real = offs_k < rank
+    y_ptrs = y_ptr + tok[:, None] * sy_t + (stack * max_rank + offs_k)[None, :] * sy_c
+    y_mask = m_mask[:, None] & k_load[None, :]
+    yt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for p in tl.static_range(N_SPLITS):
+        yt += tl.load(y_ptrs + p * sy_s, mask=y_mask, other=0.0)
+    yt = tl.where(k_real[None, :], yt, 0.0).to(b_ptr.dtype.element_ty)
+
+    n_begin = chunk * chunk_n
+    n_end = tl.minimum(n_begin + chunk_n, width)
+    b_base = b_ptr + slot.to(tl.int64) * sb_s + offs_k[:, None] * sb_r
+    o_rows = out_ptr + tok[:, None] * so_t
+    for n0 in range(n_begin, n_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        cols = (col0 + offs_n).to(tl.int64)
+        if EVEN_N:  # every stack width is a multiple of BLOCK_N: no column mask
+            bt = tl.load(b_base + cols[None, :] * sb_n, mask=k_load[:, None], other=0.0)
+            o_mask = m_mask[:, None]
+        else:
+            n_mask = offs_n < n_end
+            bt = tl.load(b_base + cols[None, :] * sb_n, mask=k_load[:, None] & n_mask[None, :], other=0.0)
+            o_mask = m_mask[:, None] & n_mask[None, :]
+        bt = tl.where(k_real[:, None], bt, 0.0)
+        acc = tl.dot(yt, bt, input_precision=PRECISION)
+        o_ptrs = o_rows + cols[None, :] * so_n
+        if ACCUMULATE:
+            prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
+            tl.store(o_ptrs, (prev.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            tl.store(o_ptrs, (scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def _check_widths(widths: tuple[int, ...], ranks: torch.Tensor, B: torch.Tensor, out: torch.Tensor) -> None:

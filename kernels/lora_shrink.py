@@ -25,47 +25,6 @@ from kernels.lora_meta import LoRASegments, num_blocks_bound
 
 
 @triton.jit
-def shrink_tile(
-    x_ptr, a_ptr, y_ptr, ranks_ptr, slot, tok, pid_sr, pid_k,
-    d, max_rank, k_per_split,
-    sx_t, sx_d, sa_s, sa_r, sa_d, sy_s, sy_t, sy_c, sr_s, sr_i,
-    R_BLOCKS: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """One program's work: tokens `tok` (-1 padding) of slot `slot` >= 0, rank block `pid_sr`,
-    K-split `pid_k`. Does nothing when the rank block lies past the slot's rank."""
-    stack = pid_sr // R_BLOCKS
-    r0 = (pid_sr % R_BLOCKS) * BLOCK_R
-    rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
-    if r0 < rank:
-        if USE_PDL:  # everything above may overlap the previous kernel; nothing below may
-            tl.extra.cuda.gdc_wait()
-        m_mask = tok >= 0
-        rows64 = tl.where(m_mask, tok, 0).to(tl.int64)  # (a new name: an if-block cannot retype `tok`)
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < rank
-        rows = stack * max_rank + offs_r
-
-        k_begin = pid_k * k_per_split
-        k_end = tl.minimum(k_begin + k_per_split, d)
-        x_rows = x_ptr + rows64[:, None] * sx_t
-        a_rows = a_ptr + slot.to(tl.int64) * sa_s + rows[None, :].to(tl.int64) * sa_r
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k in range(k_begin, k_end, BLOCK_K):
-            offs_k = k + tl.arange(0, BLOCK_K)
-            if EVEN_K:  # d is a multiple of BLOCK_K: a K mask would only cost vector width
-                xt = tl.load(x_rows + offs_k[None, :] * sx_d, mask=m_mask[:, None], other=0.0)
-                at = tl.load(a_rows + offs_k[:, None] * sa_d, mask=r_mask[None, :], other=0.0)
-            else:
-                k_mask = offs_k < k_end
-                xt = tl.load(x_rows + offs_k[None, :] * sx_d, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                at = tl.load(a_rows + offs_k[:, None] * sa_d, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-            acc = tl.dot(xt, at, acc, input_precision=PRECISION)
-        y_ptrs = y_ptr + pid_k * sy_s + rows64[:, None] * sy_t + rows[None, :] * sy_c
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
-
-
-@triton.jit
 def _shrink_kernel(
     x_ptr, a_ptr, y_ptr, ranks_ptr, bslot_ptr, btok_ptr,
     d, max_rank, k_per_split,
@@ -82,12 +41,38 @@ def _shrink_kernel(
     # Slot and tokens are independent loads: one memory round trip for the metadata.
     slot = tl.load(bslot_ptr + pid_b)
     tok = tl.load(btok_ptr + pid_b * TOK_STRIDE + tl.arange(0, BLOCK_M))
-    if slot >= 0:
-        shrink_tile(
-            x_ptr, a_ptr, y_ptr, ranks_ptr, slot, tok, pid_sr, pid_k, d, max_rank, k_per_split,
-            sx_t, sx_d, sa_s, sa_r, sa_d, sy_s, sy_t, sy_c, sr_s, sr_i,
-            R_BLOCKS, PRECISION, USE_PDL, EVEN_K, BLOCK_M, BLOCK_R, BLOCK_K,
-        )
+    if slot < 0:
+        return
+    stack = pid_sr // R_BLOCKS
+    r0 = (pid_sr % R_BLOCKS) * BLOCK_R
+    rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
+    if r0 >= rank:
+        return
+    if USE_PDL:  # everything above may overlap the previous kernel; nothing below may
+        tl.extra.cuda.gdc_wait()
+    m_mask = tok >= 0
+    tok = tl.where(m_mask, tok, 0).to(tl.int64)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    rows = stack * max_rank + offs_r
+
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, d)
+    x_rows = x_ptr + tok[:, None] * sx_t
+    a_rows = a_ptr + slot.to(tl.int64) * sa_s + rows[None, :].to(tl.int64) * sa_r
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(k_begin, k_end, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        if EVEN_K:  # d is a multiple of BLOCK_K: a K mask would only cost vector width
+            xt = tl.load(x_rows + offs_k[None, :] * sx_d, mask=m_mask[:, None], other=0.0)
+            at = tl.load(a_rows + offs_k[:, None] * sa_d, mask=r_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k < k_end
+            xt = tl.load(x_rows + offs_k[None, :] * sx_d, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_rows + offs_k[:, None] * sa_d, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        acc = tl.dot(xt, at, acc, input_precision=PRECISION)
+    y_ptrs = y_ptr + pid_k * sy_s + tok[:, None] * sy_t + rows[None, :] * sy_c
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
 
 
 def alloc_shrink_out(
