@@ -148,8 +148,8 @@ class ModelRunner:
         self.attention.begin(AttentionMetadata(slot_t, nd, tables_t, lens_t, segments, ctx_t))
 
         lora = None
-        if self.lora_backend is not None and any(s >= 0 for s in token_slots):
-            distinct = len({s for s in token_slots if s >= 0})
+        distinct = len({s for s in token_slots if s >= 0})
+        if self.lora_backend is not None and distinct:
             self.lora_backend.prepare(self._upload(self.token_slots, token_slots), distinct)
             lora = self.lora_backend
         ctx = ForwardContext(self.attention, lora)

@@ -15,6 +15,8 @@ steps run in place on the current stream: there both sides are compute-bound.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from kernels.lora_configs import DECODE_MAX_TOKENS
@@ -98,11 +100,10 @@ class TritonLoRABackend(LoRABackend):
         if group not in self._widths or not self._uses_delta():
             return None
         delta = self._delta[: self._num_tokens, : sum(self._widths[group])]
-        if self._stream is None:
-            self._run(layer, group, x, delta, accumulate=False)
-            return delta
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
+        side = nullcontext() if self._stream is None else torch.cuda.stream(self._stream)
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream())
+        with side:
             self._run(layer, group, x, delta, accumulate=False)
         return delta
 
