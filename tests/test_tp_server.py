@@ -13,6 +13,13 @@ from tests.service_stack import STARTUP_S
 from tests.test_tp import PROMPTS, outputs, tp_args
 
 
+def tp2_server(name: str, model_path) -> ServerProcess:
+    """A small `--tp-size 2` CPU server (not started) for the worker-lifecycle tests."""
+    return ServerProcess(name, "services.inference", [
+        "--model-path", str(model_path), "--port", "0", "--device", "cpu", "--tp-size", "2",
+        "--max-total-tokens", "1024", "--context-length", "256", "--max-lora-rank", "4"], echo=False)
+
+
 def test_server_tp2_generate_matches_tp1_and_stops_its_worker(tiny_llama_path, adapter_factory):
     adapters = {
         "qv": adapter_factory(tiny_llama_path, "qv", r=8, target_modules=["q_proj", "v_proj"], seed=7),
@@ -46,9 +53,7 @@ def test_server_tp2_generate_matches_tp1_and_stops_its_worker(tiny_llama_path, a
 
 def test_worker_exits_when_the_server_is_killed(tiny_llama_path):
     """SIGKILL gives rank 0 no chance to stop its worker: the worker sees its pipe close and exits."""
-    server = ServerProcess("inference-tp2-kill", "services.inference", [
-        "--model-path", str(tiny_llama_path), "--port", "0", "--device", "cpu", "--tp-size", "2",
-        "--max-total-tokens", "1024", "--context-length", "256", "--max-lora-rank", "4"], echo=False)
+    server = tp2_server("inference-tp2-kill", tiny_llama_path)
     try:
         server.wait_serving(STARTUP_S)
         children = psutil.Process(server.proc.pid).children(recursive=True)
@@ -67,9 +72,7 @@ def test_dead_worker_takes_the_server_to_not_serving(tiny_llama_path):
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    server = ServerProcess("inference-tp2-dead", "services.inference", [
-        "--model-path", str(tiny_llama_path), "--port", "0", "--device", "cpu", "--tp-size", "2",
-        "--max-total-tokens", "1024", "--context-length", "256", "--max-lora-rank", "4"], echo=False)
+    server = tp2_server("inference-tp2-dead", tiny_llama_path)
     try:
         server.wait_serving(STARTUP_S)
         children = psutil.Process(server.proc.pid).children(recursive=True)
