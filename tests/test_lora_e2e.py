@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine.build import build_engine
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import LLMEngine, load
+from services.inference.engine.build import build_engine, build_llm_engine
+from services.inference.engine.engine import LLMEngine
 from services.inference.engine.types import SamplingParams
 from services.inference.errors import AdapterIncompatible, AdapterNotFound
-from services.inference.lora.setup import DEFAULT_MAX_LORA_RANK, build_lora, resolve_lora_settings
+from services.inference.lora.setup import DEFAULT_MAX_LORA_RANK, resolve_lora_settings
 from services.inference.lora.shapes import ALL_MODULES, ModelShapes
 from services.inference.server_args import ServerArgs
 
@@ -89,14 +88,8 @@ def server_args(base: Path, adapters: dict[str, Path] | None = None, **kw) -> Se
 
 
 def sync_engine(args: ServerArgs) -> LLMEngine:
-    """The same parts build_engine wires, driven synchronously so all prompts share one batch."""
-    config = EngineConfig.from_args(args)
-    loaded = load(config)
-    c = loaded.config
-    shapes = ModelShapes(c.num_layers, c.hidden_size, c.intermediate_size, c.q_size, c.kv_size)
-    lora = build_lora(args, shapes, dtype=loaded.dtype, device=loaded.device,
-                      max_tokens=config.max_num_batched_tokens)
-    return LLMEngine(loaded, config, adapter_slots=lora.manager, lora_backend=lora.backend)
+    """The engine build_engine wires, driven synchronously so all prompts share one batch."""
+    return build_llm_engine(args)[0]
 
 
 def check_mixed_batch(base: Path, adapters: dict[str, Path], batch: list[str | None], slots: int, **kw) -> None:

@@ -8,24 +8,21 @@ import logging
 from services.inference.engine.async_engine import AsyncEngine, default_model_info
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import LLMEngine, load
-from services.inference.lora.setup import build_lora
+from services.inference.lora.setup import LoRAStack, build_lora
 from services.inference.lora.shapes import ModelShapes
 from services.inference.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
 
 
-def build_engine(args: ServerArgs) -> AsyncEngine:
-    """Load the model, size and allocate the KV cache, start the engine thread.
+def build_llm_engine(args: ServerArgs) -> tuple[LLMEngine, LoRAStack]:
+    """The single-device engine and its LoRA parts, not yet running (`build_engine` starts it;
+    tests drive it synchronously).
 
     Order matters on GPU: weights, then the LoRA pool, then the KV cache, which takes what
     `--mem-fraction-static` leaves (or pass the pool's bytes as `kv_reserved_bytes` when it
     is allocated after the cache).
     """
-    if args.tp_size != 1:  # one worker process per device (services/inference/parallel/)
-        from services.inference.parallel.tp_engine import build_tp_engine
-
-        return build_tp_engine(args)
     config = EngineConfig.from_args(args)
     loaded = load(config)
     c = loaded.config
@@ -35,6 +32,16 @@ def build_engine(args: ServerArgs) -> AsyncEngine:
                       max_tokens=config.max_num_batched_tokens)
     engine = LLMEngine(loaded, config, adapter_slots=lora.manager, lora_backend=lora.backend, kv_reserved_bytes=0)
     log.info("engine ready: %s on %s (%s)", args.model_path, loaded.device, loaded.dtype)
+    return engine, lora
+
+
+def build_engine(args: ServerArgs) -> AsyncEngine:
+    """Load the model, size and allocate the KV cache, start the engine thread."""
+    if args.tp_size != 1:  # one worker process per device (services/inference/parallel/)
+        from services.inference.parallel.tp_engine import build_tp_engine
+
+        return build_tp_engine(args)
+    engine, lora = build_llm_engine(args)
     s = lora.settings
     info = dataclasses.replace(
         default_model_info(engine), max_loras_per_batch=s.max_loras_per_batch, max_lora_rank=s.max_lora_rank,
