@@ -124,13 +124,22 @@ class FakeHub:
             return None
         return repo
 
-    def _model_info(self, h: BaseHTTPRequestHandler, repo_id: str, revision: str) -> None:
+    def _revision_or_error(self, h: BaseHTTPRequestHandler, repo_id: str, revision: str):
+        """(repo, commit sha), or None after answering the Hub's 401/404 for a missing repo or revision."""
         repo = self._repo_or_error(h, repo_id)
         if repo is None:
-            return
+            return None
         sha = repo.resolve(revision)
         if sha is None:
-            return self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {revision}")
+            return None
+        return repo, sha
+
+    def _model_info(self, h: BaseHTTPRequestHandler, repo_id: str, revision: str) -> None:
+        found = self._revision_or_error(h, repo_id, revision)
+        if found is None:
+            return
+        repo, sha = found
         body = json.dumps({
             "id": repo_id, "modelId": repo_id, "sha": sha, "private": repo.private,
             "siblings": [{"rfilename": f} for f in sorted(repo.commits[sha])],
@@ -142,12 +151,10 @@ class FakeHub:
         h.wfile.write(body)
 
     def _resolve(self, h: BaseHTTPRequestHandler, method: str, repo_id: str, revision: str, filename: str) -> None:
-        repo = self._repo_or_error(h, repo_id)
-        if repo is None:
+        found = self._revision_or_error(h, repo_id, revision)
+        if found is None:
             return
-        sha = repo.resolve(revision)
-        if sha is None:
-            return self._error(h, 404, "RevisionNotFound", f"Invalid rev id: {revision}")
+        repo, sha = found
         data = repo.commits[sha].get(filename)
         if data is None:
             return self._error(h, 404, "EntryNotFound", f"{filename} does not exist", commit=sha)
