@@ -166,45 +166,9 @@ def _measure_engine(async_engine, build_s: float, adapter_dirs: list[Path], prom
         | dict(distinct_adapters=min(n_pre, len(names))),
     ]
     if opts.variants:
-        _variants(engine, run, mixed, check_prompts, check_adapters, names, res)
+        from bench.serving_variants import run_variants
 
-
-def _variants(engine, run, mixed, check_prompts, check_adapters, names, res) -> None:
-    """The same rows with one feature switched, in this process: overlap scheduling off; the LoRA
-    side stream the other way. Greedy outputs must not change."""
-    import dataclasses
-
-    from services.inference.engine.types import SamplingParams
-
-    def greedy() -> list[list[int]]:
-        done = engine.generate(check_prompts, SamplingParams(max_new_tokens=8, ignore_eos=True),
-                               [None if a is None else names[a] for a in check_adapters])
-        return [c.token_ids for c in done]
-
-    on = engine.config
-    if on.overlap_enabled:
-        engine.step()  # resolve the in-flight step before switching overlap off
-        engine.config = dataclasses.replace(on, overlap_schedule=False)
-        res["greedy_no_overlap_equal"] = greedy() == res["greedy_engine"]
-        for batch, distinct in [(64, 0), *(m for m in mixed if m == (64, 8))]:
-            run(batch, distinct, "no overlap")
-        engine.config = on
-    backend = engine.runner.lora_backend
-    graphs = getattr(engine.runner, "cuda_graphs", None)
-    if not hasattr(backend, "set_side_stream"):
-        return
-    keys = sorted({(graphs.bucket(b), t) for b in [*(b for b, _ in mixed), 4] for t in graphs.lora_tiers}) if graphs else []
-    default = backend.side_stream
-    backend.set_side_stream(not default)
-    if graphs is not None:
-        graphs.recapture(keys)
-    label = "LoRA side stream" if not default else "LoRA serial"
-    res["greedy_variants_equal"] = {label: greedy() == res["greedy_engine"]}
-    for batch, distinct in mixed:
-        run(batch, distinct, label)
-    backend.set_side_stream(default)
-    if graphs is not None:
-        graphs.recapture(keys)
+        run_variants(engine, run, mixed, check_prompts, check_adapters, names, res)
 
 
 def add_floors(res: dict, shape: dict, bw: float) -> None:
