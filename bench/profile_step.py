@@ -1,0 +1,171 @@
+"""Where a decode step's GPU time goes: one replay of the batch-64 decode graph (base, 8 and 64
+adapters) under the torch profiler, kernel by kernel and stream by stream.
+
+    PYTHONPATH=.:protos python3 bench/profile_step.py [--adapters 64]
+
+Same model and engine as bench/serving.py (Llama-3.1-8B shape, random weights, rank-16 adapters on
+all seven projections). Per graph it prints: the replay's span; each stream's busy time and the
+main stream's idle time (waiting for the LoRA side stream or for launches); time per kernel kind;
+and one middle layer's kernels in start order (stream, start, duration). Also times the decode
+linears' matmuls through cuBLAS and cuBLASLt, and the base graph recaptured under cuBLASLt. Writes
+the chrome traces and $OUT/profile_step.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import serving_setup as setup  # noqa: E402
+from bench.graph_timing import replay_ms  # noqa: E402
+from bench.serving import build  # noqa: E402
+from bench.serving_engine import abort_all, add_batch, run_until_decoding  # noqa: E402
+
+KINDS = (("gemm", ("gemm", "cutlass", "sm90", "nvjet", "gemv")), ("shrink", ("_shrink",)), ("expand", ("_expand",)),
+         ("attention", ("_decode_split", "_decode_merge", "attn")), ("norm", ("rms",)), ("rotary", ("rotary",)), ("silu", ("silu",)),
+         ("kv store", ("kv_store", "store_kv")))
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    return next((k for k, keys in KINDS if any(s in low for s in keys)), "other")
+
+
+def trace_replay(graph: torch.cuda.CUDAGraph, path: Path) -> list[dict]:
+    """Kernel events (name, stream, ts, dur in us) of one replay (the third of three)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    # Replays are separated by a sync: split at the two largest gaps.
+    gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i]["ts"] - kernels[i - 1]["ts"] - kernels[i - 1]["dur"])
+    cut = sorted(gaps[-2:])
+    last = kernels[cut[1]:]
+    return [dict(name=e["name"], stream=e["args"].get("stream"), ts=e["ts"], dur=e["dur"]) for e in last]
+
+
+def summarize(kernels: list[dict], layers: int) -> dict:
+    t0 = kernels[0]["ts"]
+    span = max(e["ts"] + e["dur"] for e in kernels) - t0
+    streams = defaultdict(float)
+    by_kind = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        streams[e["stream"]] += e["dur"]
+        by_kind[kind(e["name"])][0] += 1
+        by_kind[kind(e["name"])][1] += e["dur"]
+    main = max(streams, key=lambda s: sum(1 for e in kernels if e["stream"] == s and kind(e["name"]) == "gemm"))
+    attn = [i for i, e in enumerate(kernels) if "_decode_split" in e["name"]]  # one per layer
+    mid = min(layers // 2, len(attn) - 2)
+    lo, hi = attn[mid], attn[mid + 1]
+    layer = [dict(stream=e["stream"], kind=kind(e["name"]), name=e["name"][:60],
+                  start_us=round(e["ts"] - kernels[lo]["ts"], 1), dur_us=round(e["dur"], 1)) for e in kernels[lo:hi]]
+    return dict(span_us=span, main_stream=main, busy_us=dict(streams), main_idle_us=span - streams[main],
+                kinds={k: dict(count=c, us=round(t, 1)) for k, (c, t) in sorted(by_kind.items())}, layer=layer)
+
+
+def print_summary(label: str, s: dict) -> None:
+    print(f"\n== {label}: replay span {s['span_us']:.0f} us; main stream {s['main_stream']} idle "
+          f"{s['main_idle_us']:.0f} us; busy per stream {({k: round(v) for k, v in s['busy_us'].items()})}")
+    print("   per kind (count, us): " + ", ".join(f"{k} {v['count']}/{v['us']:.0f}" for k, v in s["kinds"].items()))
+    print(f"   one layer ({len(s['layer'])} kernels): stream kind start dur name")
+    for e in s["layer"]:
+        print(f"     {e['stream']!s:>4} {e['kind']:<9}{e['start_us']:8.1f}{e['dur_us']:7.1f}  {e['name']}")
+
+
+def matmul_libs() -> dict[str, dict[str, float]]:
+    """us per decode-shaped matmul (64 tokens) of the model's linears, cuBLAS vs cuBLASLt."""
+    import triton
+
+    shapes = dict(qkv=(6144, 4096), o=(4096, 4096), gate_up=(28672, 4096), down=(4096, 14336), lm_head=(128256, 4096))
+    out: dict[str, dict[str, float]] = {}
+    lib = torch.backends.cuda.preferred_blas_library()
+    for name, (n, k) in shapes.items():
+        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for b in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(b)
+            ms = triton.testing.do_bench(lambda x=x, w=w: torch.nn.functional.linear(x, w), warmup=20, rep=200,
+                                         return_mode="median")
+            out.setdefault(name, {})[b] = ms * 1e3
+    torch.backends.cuda.preferred_blas_library(lib)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--adapters", type=int, default=64)
+    p.add_argument("--work", default="/tmp/loraplex-bench")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    opts = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    out = Path(opts.out)
+    shape = setup.LLAMA_8B
+    work = Path(opts.work)
+    model_dir = setup.write_model_dir(work / "model", shape, device="cuda")
+    adapter_dirs = setup.write_adapters(work / "adapters", model_dir, opts.adapters, shape, device="cuda")
+    opts.max_bs, opts.context_length = 64, 2048
+    opts.disable_cuda_graph = opts.disable_overlap_schedule = False
+    opts.mem_fraction, opts.tp_size, opts.lora_backend = 0.7, 1, None
+    async_engine, _ = build(model_dir, opts, len(adapter_dirs))
+    engine, manager = async_engine.engine, async_engine.lora_manager
+    graphs = engine.runner.cuda_graphs
+    names = [f"a{i:02d}" for i in range(len(adapter_dirs))]
+    for name, path in zip(names, adapter_dirs, strict=True):
+        manager.load_adapter(name, str(path))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(shape["vocab_size"]) for _ in range(1024)] for _ in range(64)]
+    res: dict = dict(device=torch.cuda.get_device_name(), matmul_us=matmul_libs(), graphs={})
+    print("decode matmul us (64 tokens), cuBLAS / cuBLASLt:",
+          {k: f"{v['cublas']:.1f}/{v['cublaslt']:.1f}" for k, v in res["matmul_us"].items()})
+    for distinct in (0, 8, min(64, len(names))):
+        adapters = [None] * 64 if distinct == 0 else [names[i % distinct] for i in range(64)]
+        ids = add_batch(engine, prompts, adapters, max_new_tokens=1024)
+        run_until_decoding(engine, ids)
+        for _ in range(3):
+            engine.step()  # the graph's static inputs now hold a real step of this batch
+        torch.cuda.synchronize()
+        key = (64, graphs.tier(distinct))
+        label = f"batch 64, {distinct} adapters"
+        replay = statistics.median(replay_ms(graphs.graphs[key], 20))
+        s = summarize(trace_replay(graphs.graphs[key], out / f"trace_{distinct}.json"), shape["num_hidden_layers"])
+        s["replay_ms"] = replay
+        res["graphs"][label] = s
+        print_summary(f"{label} (replay {replay:.3f} ms)", s)
+        if distinct == 0:
+            lib = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+            graphs.recapture([key])
+            res["base_replay_ms_cublaslt"] = statistics.median(replay_ms(graphs.graphs[key], 20))
+            torch.backends.cuda.preferred_blas_library(lib)
+            graphs.recapture([key])
+            res["base_replay_ms_cublas_again"] = statistics.median(replay_ms(graphs.graphs[key], 20))
+            print(f"base graph replay: cuBLAS {replay:.3f} ms, cuBLASLt {res['base_replay_ms_cublaslt']:.3f} ms, "
+                  f"cuBLAS recaptured {res['base_replay_ms_cublas_again']:.3f} ms")
+        abort_all(engine, ids)
+        for _ in range(2):
+            engine.step()
+    (out / "profile_step.json").write_text(json.dumps(res, indent=1))
+    async_engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
