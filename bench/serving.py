@@ -57,10 +57,10 @@ def kernel_check(shape: dict) -> dict[str, float]:
     from kernels.fused_ops import (
         add_rms_norm,
         add_rms_norm_ref,
+        qkv_rotary,
+        qkv_rotary_ref,
         rms_norm,
         rms_norm_ref,
-        rotary,
-        rotary_ref,
         silu_and_mul,
         silu_and_mul_ref,
     )
@@ -71,7 +71,9 @@ def kernel_check(shape: dict) -> dict[str, float]:
     h, heads = shape["hidden_size"], shape["num_attention_heads"]
     d = h // heads
     x, w = torch.randn(64, h, device="cuda", dtype=torch.bfloat16), torch.rand(h, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(64, heads, d, device="cuda", dtype=torch.bfloat16)
+    kv_heads = shape["num_key_value_heads"]
+    qkv = torch.randn(64, (heads + 2 * kv_heads) * d, device="cuda", dtype=torch.bfloat16)
+    qkv_delta = torch.randn(64, (heads + 2 * kv_heads) * d, device="cuda") * 0.1
     f = torch.rand(64, d // 2, device="cuda") * 100
     cos, sin = f.cos().bfloat16(), f.sin().bfloat16()
     gu = torch.randn(64, 2 * shape["intermediate_size"], device="cuda", dtype=torch.bfloat16)
@@ -81,7 +83,9 @@ def kernel_check(shape: dict) -> dict[str, float]:
     return dict(rms_norm=err(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5)),
                 add_rms_norm_h=err(added[0], added_ref[0]), add_rms_norm=err(added[1], added_ref[1]),
                 silu_mul_delta=err(silu_and_mul(gu, gu_delta), silu_and_mul_ref(gu, gu_delta)),
-                rotary=err(rotary(q, cos, sin), rotary_ref(q, cos, sin)),
+                **{f"qkv_rotary{tag}_{part}": err(a, b) for tag, dd in (("", None), ("_delta", qkv_delta))
+                   for part, a, b in zip("qkv", qkv_rotary(qkv, cos, sin, heads, kv_heads, dd),
+                                         qkv_rotary_ref(qkv, cos, sin, heads, kv_heads, dd), strict=True)},
                 silu_mul=err(silu_and_mul(gu), silu_and_mul_ref(gu)))
 
 

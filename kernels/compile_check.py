@@ -13,13 +13,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.fused_ops import _add_rms_norm_kernel, _silu_mul_kernel
+from kernels.fused_ops import _add_rms_norm_kernel, _qkv_rotary_kernel, _silu_mul_kernel
 from kernels.lora_expand import _expand_kernel
 from kernels.lora_shrink import _shrink_kernel
 
 # Pointer arguments by name; other pointers are int32 metadata, other scalars int32.
 POINTERS = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "y_ptr": "*fp32",
-            "scal_ptr": "*fp32", "h_ptr": "*bf16", "h_out_ptr": "*bf16", "w_ptr": "*bf16", "d_ptr": "*fp32"}
+            "scal_ptr": "*fp32", "h_ptr": "*bf16", "h_out_ptr": "*bf16", "w_ptr": "*bf16", "d_ptr": "*fp32",
+            "qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16",
+            "v_ptr": "*bf16"}
 SCALARS = {"eps": "fp32"}
 COMMON = dict(PRECISION="tf32", BLOCK_M=16)
 KERNELS = {
@@ -31,6 +33,10 @@ KERNELS = {
                                           ACCUMULATE=False, BLOCK_N=128, BLOCK_R=64)),
     "add_rms_norm_delta": (_add_rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_DELTA=True)),
     "silu_mul_delta": (_silu_mul_kernel, dict(N=14336, BLOCK=1024, HAS_DELTA=True)),
+    "qkv_rotary_delta": (_qkv_rotary_kernel, dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64,
+                                                  HAS_DELTA=True)),
+    "qkv_rotary": (_qkv_rotary_kernel, dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64,
+                                            HAS_DELTA=False)),
 }
 
 

@@ -1,5 +1,5 @@
 """Fused element-wise kernels for the decoder layer on CUDA: RMSNorm (alone, or after the residual
-add), rotary embedding, SiLU-and-mul.
+add), the q/k/v split with rotary embedding (and the LoRA delta), SiLU-and-mul.
 
 Why: in a CUDA-graph decode step every kernel costs a few microseconds however little it does,
 and torch's eager RMSNorm (7 kernels), rotary (6 per tensor) and `silu(gate) * up` (3) made
@@ -89,38 +89,68 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
-                   HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _qkv_rotary_kernel(qkv_ptr, d_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_t, stride_dt, stride_ct,
+                       stride_qt, stride_kt, stride_vt, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DELTA: tl.constexpr):
     t = tl.program_id(0)
+    part = tl.program_id(1)  # 0: q, 1: k (both rotated), 2: v (only its LoRA delta added)
+    dim = 2 * HALF
+    heads = tl.where(part == 0, Q_HEADS, KV_HEADS)
+    col0 = tl.where(part == 0, 0, tl.where(part == 1, Q_HEADS * dim, (Q_HEADS + KV_HEADS) * dim))
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h[:, None] < HEADS) & (offs_d[None, :] < HALF)
-    base = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
-    x1 = tl.load(base, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    c = tl.load(cos_ptr + t * stride_ct + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
-    s = tl.load(sin_ptr + t * stride_ct + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
-    dt = out_ptr.dtype.element_ty
-    # torch rounds each product and each sum to the tensor dtype: do the same.
-    a = (x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)
-    b = (x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)
-    obase = out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
-    tl.store(obase, a.to(dt), mask=mask)
-    tl.store(obase + HALF, b.to(dt), mask=mask)
+    mask = (offs_h[:, None] < heads) & (offs_d[None, :] < HALF)
+    cols = col0 + offs_h[:, None] * dim + offs_d[None, :]
+    x1 = tl.load(qkv_ptr + t * stride_t + cols, mask=mask, other=0.0)
+    x2 = tl.load(qkv_ptr + t * stride_t + cols + HALF, mask=mask, other=0.0)
+    dt = q_ptr.dtype.element_ty
+    if HAS_DELTA:  # the projection's LoRA delta, rounded in as the in-place add does
+        x1 = (x1.to(tl.float32) + tl.load(d_ptr + t * stride_dt + cols, mask=mask, other=0.0)).to(dt)
+        x2 = (x2.to(tl.float32) + tl.load(d_ptr + t * stride_dt + cols + HALF, mask=mask, other=0.0)).to(dt)
+    heads_d = offs_h[:, None] * dim + offs_d[None, :]
+    if part == 2:
+        tl.store(v_ptr + t * stride_vt + heads_d, x1, mask=mask)
+        tl.store(v_ptr + t * stride_vt + heads_d + HALF, x2, mask=mask)
+    else:
+        c = tl.load(cos_ptr + t * stride_ct + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
+        s = tl.load(sin_ptr + t * stride_ct + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
+        # torch rounds each product and each sum to the tensor dtype: do the same.
+        a = ((x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)).to(dt)
+        b = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+        if part == 0:
+            tl.store(q_ptr + t * stride_qt + heads_d, a, mask=mask)
+            tl.store(q_ptr + t * stride_qt + heads_d + HALF, b, mask=mask)
+        else:
+            tl.store(k_ptr + t * stride_kt + heads_d, a, mask=mask)
+            tl.store(k_ptr + t * stride_kt + heads_d + HALF, b, mask=mask)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split rotary of `x` `[T, heads, head_dim]` (any strides, last dim contiguous) with
-    `cos`/`sin` `[T, head_dim/2]` in x's dtype; returns a new contiguous tensor."""
-    tokens, heads, dim = x.shape
+def qkv_rotary(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
+    delta: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split the fused q/k/v projection `[T, (q_heads + 2 kv_heads) * head_dim]` (last dim contiguous)
+    into q, k, v `[T, heads, head_dim]` with the half-split rotary applied to q and k (`cos`/`sin`
+    `[T, head_dim/2]` in qkv's dtype), after adding the projection's float32 LoRA `delta` (same
+    width, any row stride) when given. One launch. q and k are new tensors; v is a view of `qkv`
+    without a delta, else a new tensor."""
+    tokens, width = qkv.shape
+    dim = width // (q_heads + 2 * kv_heads)
     half = dim // 2
-    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    q = torch.empty((tokens, q_heads, dim), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((tokens, kv_heads, dim), dtype=qkv.dtype, device=qkv.device)
+    if delta is None:
+        v = qkv[:, (q_heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    else:
+        v = torch.empty((tokens, kv_heads, dim), dtype=qkv.dtype, device=qkv.device)
     if tokens:
         cos, sin = cos.contiguous(), sin.contiguous()
-        _rotary_kernel[(tokens,)](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), out.stride(0),
-                                  out.stride(1), HEADS=heads, HALF=half, BLOCK_H=triton.next_power_of_2(heads),
-                                  BLOCK_D=triton.next_power_of_2(half), num_warps=4)
-    return out
+        d = qkv if delta is None else delta
+        _qkv_rotary_kernel[(tokens, 2 if delta is None else 3)](
+            qkv, d, cos, sin, q, k, v, qkv.stride(0), d.stride(0), cos.stride(0), q.stride(0), k.stride(0),
+            v.stride(0), Q_HEADS=q_heads, KV_HEADS=kv_heads, HALF=half, BLOCK_H=triton.next_power_of_2(q_heads),
+            BLOCK_D=triton.next_power_of_2(half), HAS_DELTA=delta is not None, num_warps=4)
+    return q, k, v
 
 
 def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -128,6 +158,20 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def qkv_rotary_ref(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
+    delta: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch code `qkv_rotary` replaces: in-place delta add, split, rotary of q and k."""
+    if delta is not None:
+        qkv = qkv.clone().add_(delta)
+    tokens, width = qkv.shape
+    dim = width // (q_heads + 2 * kv_heads)
+    q, k, v = qkv.split((q_heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    return (rotary_ref(q.reshape(tokens, q_heads, dim), cos, sin),
+            rotary_ref(k.reshape(tokens, kv_heads, dim), cos, sin), v.reshape(tokens, kv_heads, dim))
 
 
 @triton.jit

@@ -187,22 +187,22 @@ def _interpreter_checks() -> int:
 
 
 def _check_fused_ops(dtype: torch.dtype) -> int:
-    """RMSNorm, rotary and SiLU-and-mul against the torch code they replace (odd sizes, strided q/k)."""
+    """RMSNorm, q/k/v rotary and SiLU-and-mul against the torch code they replace (odd sizes, strided rows)."""
     from kernels.fused_ops import (
         add_rms_norm,
         add_rms_norm_ref,
+        qkv_rotary,
+        qkv_rotary_ref,
         rms_norm,
         rms_norm_ref,
-        rotary,
-        rotary_ref,
         silu_and_mul,
         silu_and_mul_ref,
     )
 
     gen = torch.Generator().manual_seed(7)
     x, w = torch.randn((5, 100), generator=gen).to(dtype), torch.randn(100, generator=gen).to(dtype)
-    qkv = torch.randn((3, 6 * 24), generator=gen).to(dtype)
-    q, k = qkv[:, : 4 * 24].view(3, 4, 24), qkv[:, 4 * 24 : 5 * 24].view(3, 1, 24)
+    qkv = torch.randn((3, 4, 6 * 24), generator=gen).to(dtype)[:, 1]  # rows strided, as a view
+    qkv_delta = torch.randn((3, 1000), generator=gen)[:, : 6 * 24]
     freqs = torch.randn((3, 12), generator=gen)
     cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
     gate_up = torch.randn((3, 2 * 1500), generator=gen).to(dtype)
@@ -219,8 +219,9 @@ def _check_fused_ops(dtype: torch.dtype) -> int:
         ("add_rms_norm+delta out", added[1][1], added_ref[1][1]),
         ("silu_mul+delta", silu_and_mul(gate_up, gu_delta), silu_and_mul_ref(gate_up, gu_delta)),
         ("rms_norm", rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5)),
-        ("rotary q", rotary(q, cos, sin), rotary_ref(q, cos, sin)),
-        ("rotary k", rotary(k, cos, sin), rotary_ref(k, cos, sin)),
+        *((f"qkv_rotary{tag} {part}", out, ref) for tag, d in (("", None), ("+delta", qkv_delta))
+          for part, out, ref in zip("qkv", qkv_rotary(qkv, cos, sin, 4, 1, d), qkv_rotary_ref(qkv, cos, sin, 4, 1, d),
+                                    strict=True)),
         ("silu_mul", silu_and_mul(gate_up), silu_and_mul_ref(gate_up)),
     ]
     failures = 0

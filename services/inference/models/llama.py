@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fused_ops import add_rms_norm, rms_norm, silu_and_mul
+from kernels.fused_ops import add_rms_norm, qkv_rotary, rms_norm, silu_and_mul
 from services.inference.models.config import ModelConfig
 from services.inference.models.context import ForwardContext
 from services.inference.models.rope import RotaryEmbedding, apply_rotary
@@ -117,12 +117,15 @@ class DecoderLayer(nn.Module):
         """`addend`: the previous layer's down projection, added to `h` here (None for the first
         layer). Returns the residual stream and this layer's own down projection, not yet added."""
         h, x = self.input_layernorm.add_forward(h, addend)
-        qkv = self._linear("qkv", self.qkv_proj, x, ctx).materialize()
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        t = x.shape[0]
-        q = apply_rotary(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        qkv = self._linear("qkv", self.qkv_proj, x, ctx)
+        if qkv.out.is_cuda:  # split, delta and rotary in one launch (kernels/fused_ops.py)
+            q, k, v = qkv_rotary(qkv.out, cos, sin, self.num_heads, self.num_kv_heads, qkv.delta)
+        else:
+            q, k, v = qkv.materialize().split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+            t = x.shape[0]
+            q = apply_rotary(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rotary(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
+            v = v.reshape(t, self.num_kv_heads, self.head_dim)
         attn = ctx.attention.forward(self.index, q, k, v)
         h, x = self.post_attention_layernorm.add_forward(h, self._linear("o", self.o_proj, attn, ctx))
         gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx)

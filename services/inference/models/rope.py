@@ -9,7 +9,6 @@ import math
 
 import torch
 
-from kernels.fused_ops import rotary
 from services.inference.models.config import RopeConfig
 
 
@@ -49,9 +48,8 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] in the half-split (rotate_half) layout transformers uses."""
-    if x.is_cuda:  # one fused launch instead of six (kernels/fused_ops.py)
-        return rotary(x, cos, sin)
+    """x: [T, heads, head_dim] in the half-split (rotate_half) layout transformers uses. (On CUDA
+    the model calls `kernels.fused_ops.qkv_rotary` instead: one launch for q, k and v.)"""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
