@@ -103,7 +103,7 @@ class DecodeGraphs:
             self.lora.prepare(self.token_slots[:bs], tier)
             lora = self.lora
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], ForwardContext(self.attention, lora))
-        self.logits[:bs] = self.model.compute_logits(hidden)
+        self.model.compute_logits(hidden, out=self.logits[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -174,9 +174,11 @@ class LlamaForCausalLM(nn.Module):
             h, addend = layer(h, addend, cos, sin, ctx)
         return self.norm.add_forward(h, addend)[1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits; `out`: write them there (one conversion kernel instead of a convert and a copy)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        return logits.float() if out is None else out.copy_(logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into our (fused) parameters; refuse gaps and strangers."""
