@@ -1,4 +1,4 @@
-"""Compile the LoRA and fused element-wise Triton kernels for an sm_90 GPU on a machine without one.
+"""Compile the LoRA (and their metadata) and fused element-wise Triton kernels for an sm_90 GPU on a machine without one.
 
 Triton's CPU interpreter runs the kernels' Python, not the compiler, so it misses what only
 the compiler refuses (a value retyped inside an if-block, say). `python -m kernels.compile_check`
@@ -15,6 +15,7 @@ from triton.compiler import ASTSource
 
 from kernels.fused_ops import _add_rms_norm_kernel, _qkv_rotary_kernel, _silu_mul_kernel
 from kernels.lora_expand import _expand_kernel
+from kernels.lora_meta import _segments_kernel
 from kernels.lora_shrink import _shrink_kernel
 
 # Pointer arguments by name; other pointers are int32 metadata, other scalars int32.
@@ -35,6 +36,7 @@ KERNELS = {
     "silu_mul_delta": (_silu_mul_kernel, dict(N=14336, BLOCK=1024, HAS_DELTA=True)),
     "qkv_rotary_delta": (_qkv_rotary_kernel, dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64,
                                                   HAS_DELTA=True)),
+    "segments": (_segments_kernel, dict(S=64, BLOCK_S=128, BLOCK_T=256, BLOCK_B=32, M0=16, M1=32, M2=64, M3=128)),
     "qkv_rotary": (_qkv_rotary_kernel, dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64,
                                             HAS_DELTA=False)),
 }

@@ -14,7 +14,16 @@ from typing import NamedTuple
 import torch
 
 from kernels.lora_expand import lora_expand, lora_expand_ref
-from kernels.lora_meta import alloc_segments, build_segments
+from kernels.lora_meta import (
+    BLOCK_MS,
+    TRITON_MAX_ENTRIES,
+    LoRASegments,
+    alloc_segments,
+    build_segments,
+    build_segments_ref,
+    build_segments_triton,
+    num_blocks_bound,
+)
 from kernels.lora_shrink import alloc_shrink_out, lora_shrink, lora_shrink_ref, shrink_out_view
 
 
@@ -63,6 +72,46 @@ def _token_slots(case: Case, num_slots: int, gen: torch.Generator) -> torch.Tens
     return slots
 
 
+def _segments(slots: torch.Tensor, max_tokens: int, num_slots: int, device: str) -> LoRASegments:
+    """The maps the engine builds, by Triton wherever it would be on a GPU, over buffers poisoned
+    with 0 (a real slot and token): a kernel reading what the Triton build leaves unwritten would
+    compute wrong numbers, not merely skip work."""
+    segs = alloc_segments(max_tokens, num_slots, device)
+    entries = 2 ** (num_slots + 1).bit_length() * 2 ** (slots.shape[0] - 1).bit_length()
+    if device == "cpu" and entries <= TRITON_MAX_ENTRIES and slots.shape[0] > 0:
+        segs.block_slot.zero_()
+        segs.block_tokens.zero_()
+        return build_segments_triton(slots, segs)
+    return build_segments(slots, segs)
+
+
+def segments_match(slots: torch.Tensor, num_slots: int, device: str = "cpu") -> bool:
+    """The Triton build equals the torch one everywhere a kernel can read for this step."""
+    T = slots.shape[0]
+    tri, ref = alloc_segments(T + 5, num_slots, device), alloc_segments(T + 5, num_slots, device)
+    for t in tri:
+        t.fill_(12345)  # stale garbage from an earlier, bigger step
+    build_segments_triton(slots, tri)
+    build_segments_ref(slots, ref)
+    same = all(torch.equal(a[:T], b[:T]) for a, b in zip(tri[:2], ref[:2], strict=True))
+    same &= torch.equal(tri.slot_start, ref.slot_start) and torch.equal(tri.slot_count, ref.slot_count)
+    for m in BLOCK_MS:
+        n = num_blocks_bound(T, num_slots, m)
+        (bs_t, bt_t), (bs_r, bt_r) = tri.blocks_for(m), ref.blocks_for(m)
+        same &= torch.equal(bs_t[:n], bs_r[:n]) and torch.equal(bt_t[:n, :m], bt_r[:n, :m])
+    return bool(same)
+
+
+SEGMENT_CASES: dict[str, tuple[list[int], int]] = {
+    "no adapters": ([-1, -1, -1], 4),
+    "one token": ([0], 1),
+    "mixed": ([3, 3, 3, 0, -1, 3, 0, 2], 4),
+    "long segment": ([1] * 130 + [0] * 17 + [-1] * 5, 2),
+    "64 distinct, decode": (list(range(63, -1, -1)), 64),
+    "256 tokens over 64 slots": ([(7 * i) % 65 - 1 for i in range(256)], 64),
+}
+
+
 def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, case.dtype)
@@ -78,7 +127,7 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     ranks = torch.tensor(case.ranks, dtype=torch.int32, device=device)
     scalings = (torch.rand(num_slots, n, generator=gen) + 0.5).to(device)
     slots = _token_slots(case, num_slots, gen).to(device)
-    segs = build_segments(slots, alloc_segments(case.num_tokens + 3, num_slots, device))
+    segs = _segments(slots, case.num_tokens + 3, num_slots, device)
 
     if case.splits is None:
         buf = alloc_shrink_out(case.num_tokens, n, R, case.d, device)
@@ -146,6 +195,12 @@ CASES: tuple[Case, ...] = (
 def main() -> None:
     for case in CASES:
         print(json.dumps(run_case(case)._asdict()), flush=True)
+    gen = torch.Generator().manual_seed(1)
+    random_cases = {f"random {i}": (torch.randint(-1, s, (t,), generator=gen).tolist(), s)
+                    for i, (t, s) in enumerate([(5, 3), (64, 8), (100, 9), (200, 1), (256, 64)])}
+    for name, (slots, num_slots) in {**SEGMENT_CASES, **random_cases}.items():
+        ok = segments_match(torch.tensor(slots, dtype=torch.int32), num_slots)
+        print(json.dumps(dict(segments=name, match=ok)), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ With a host-known bound k on the distinct slots of a step, `num_blocks_bound(T, 
 blocks suffice (each slot adds at most one partial block), which cuts the programs that
 would only find an unused block and exit: `max_distinct` of the kernels. One map is kept per block size in
 `BLOCK_MS` (small blocks for decode, large for prefill).
+
+On CUDA, decode-sized steps build the maps with one Triton launch (`_segments_kernel`, four
+programs, one per block size); the torch version (`build_segments_ref`, ~60 small kernels, about
+0.1 ms of a decode step's graph) serves larger steps, the CPU, and as the reference. The Triton
+version writes only what a kernel can read for this step (blocks below
+`num_blocks_bound(T, num_slots, m)`, their first `m` entries); the torch one rewrites the buffers.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import weakref
 from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
 
 # Token-block sizes the kernels may use; a block map is built for each.
 BLOCK_MS: tuple[int, ...] = (16, 32, 64, 128)
@@ -98,6 +106,10 @@ def alloc_segments(max_tokens: int, num_slots: int, device: torch.device | str) 
     )
 
 
+# The Triton build holds a [slots+1, T] matrix in one program: above this many entries, torch.
+TRITON_MAX_ENTRIES = 32768
+
+
 def build_segments(token_slots: torch.Tensor, out: LoRASegments) -> LoRASegments:
     """Group the step's tokens by slot into `out` (in place, device ops only); returns `out`.
 
@@ -105,9 +117,90 @@ def build_segments(token_slots: torch.Tensor, out: LoRASegments) -> LoRASegments
     `T` in `out`'s token arrays are left as they were; kernels only look at the first `T`.
     """
     num_tokens = token_slots.shape[0]
-    num_slots = out.num_slots
     if num_tokens > out.max_tokens:
         raise ValueError(f"{num_tokens} tokens exceed the metadata's max_tokens={out.max_tokens}")
+    entries = triton.next_power_of_2(out.num_slots + 1) * triton.next_power_of_2(max(num_tokens, 1))
+    if out.token_slots.is_cuda and 0 < num_tokens and entries <= TRITON_MAX_ENTRIES:
+        return build_segments_triton(token_slots, out)
+    return build_segments_ref(token_slots, out)
+
+
+@triton.jit
+def _fill_blocks(counts, key, rank, offs_t, t_mask, T, bslot_ptr, btok_ptr, stride_bt,
+                 S: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr, M: tl.constexpr):
+    offs_s = tl.arange(0, BLOCK_S)
+    nblk = tl.where(offs_s < S, (counts + M - 1) // M, 0)
+    cum = tl.cumsum(nblk, axis=0)
+    n_bound = (T + M - 1) // M + tl.minimum(T, S)  # num_blocks_bound: all a kernel's grid can read
+    for b0 in range(0, n_bound, BLOCK_B):
+        bb = b0 + tl.arange(0, BLOCK_B)
+        b_mask = bb < n_bound
+        # Block b belongs to the first slot whose cumulative block count exceeds b.
+        slot_of = tl.sum((cum[:, None] <= bb[None, :]).to(tl.int32), axis=0)
+        tl.store(bslot_ptr + bb, tl.where(slot_of < S, slot_of, -1), mask=b_mask)
+        pad = tl.full((BLOCK_B, M), -1, tl.int32)
+        tl.store(btok_ptr + bb[:, None] * stride_bt + tl.arange(0, M)[None, :], pad, mask=b_mask[:, None])
+    tl.debug_barrier()  # the padding is down before any token goes over it
+    eq = offs_s[:, None] == key[None, :]
+    first = tl.sum(tl.where(eq, (cum - nblk)[:, None], 0), axis=0)
+    tl.store(btok_ptr + (first + rank // M) * stride_bt + rank % M, offs_t, mask=t_mask & (key < S))
+
+
+@triton.jit
+def _segments_kernel(slots_ptr, tok_slots_ptr, sorted_ptr, start_ptr, count_ptr, bslot_ptr, btok_ptr, T,
+                     stride_bs, stride_bti, stride_bt, S: tl.constexpr, BLOCK_S: tl.constexpr,
+                     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, M0: tl.constexpr, M1: tl.constexpr,
+                     M2: tl.constexpr, M3: tl.constexpr):
+    pid = tl.program_id(0)  # which block size this program maps (program 0 also writes the sort)
+    offs_t = tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    slots = tl.load(slots_ptr + offs_t, mask=t_mask, other=-1)
+    # Key S: no adapter (sorts last); lanes past T get a key no slot row matches.
+    key = tl.where(t_mask, tl.where(slots >= 0, slots, S), BLOCK_S)
+    offs_s = tl.arange(0, BLOCK_S)
+    eq = (offs_s[:, None] == key[None, :]).to(tl.int32)
+    counts = tl.sum(eq, axis=1)
+    # A token's rank among its slot's tokens, in token order: what a stable sort keeps.
+    rank = tl.sum(tl.where(eq > 0, tl.cumsum(eq, axis=1), 0), axis=0) - 1
+    if pid == 0:
+        starts = tl.cumsum(counts, axis=0) - counts
+        pos = tl.sum(eq * starts[:, None], axis=0) + rank
+        tl.store(tok_slots_ptr + offs_t, slots, mask=t_mask)
+        tl.store(sorted_ptr + pos, offs_t, mask=t_mask)
+        tl.store(start_ptr + offs_s, starts, mask=offs_s < S)
+        tl.store(count_ptr + offs_s, counts, mask=offs_s < S)
+        _fill_blocks(counts, key, rank, offs_t, t_mask, T, bslot_ptr, btok_ptr, stride_bt, S, BLOCK_S, BLOCK_B,
+                     M0)
+    elif pid == 1:
+        _fill_blocks(counts, key, rank, offs_t, t_mask, T, bslot_ptr + stride_bs, btok_ptr + stride_bti, stride_bt,
+                     S, BLOCK_S, BLOCK_B, M1)
+    elif pid == 2:
+        _fill_blocks(counts, key, rank, offs_t, t_mask, T, bslot_ptr + 2 * stride_bs, btok_ptr + 2 * stride_bti,
+                     stride_bt, S, BLOCK_S, BLOCK_B, M2)
+    else:
+        _fill_blocks(counts, key, rank, offs_t, t_mask, T, bslot_ptr + 3 * stride_bs, btok_ptr + 3 * stride_bti,
+                     stride_bt, S, BLOCK_S, BLOCK_B, M3)
+
+
+def build_segments_triton(token_slots: torch.Tensor, out: LoRASegments) -> LoRASegments:
+    """`build_segments` in one launch (see the module docstring for what it leaves unwritten)."""
+    assert len(BLOCK_MS) == 4 and list(BLOCK_MS) == sorted(BLOCK_MS)
+    num_tokens, num_slots = token_slots.shape[0], out.num_slots
+    slots = token_slots.to(device=out.token_slots.device, dtype=torch.int32)
+    bslot, btok = out.block_slot, out.block_tokens
+    _segments_kernel[(len(BLOCK_MS),)](
+        slots, out.token_slots, out.sorted_tokens, out.slot_start, out.slot_count, bslot, btok, num_tokens,
+        bslot.stride(0), btok.stride(0), btok.stride(1), S=num_slots,
+        BLOCK_S=triton.next_power_of_2(num_slots + 1), BLOCK_T=triton.next_power_of_2(num_tokens), BLOCK_B=32,
+        M0=BLOCK_MS[0], M1=BLOCK_MS[1], M2=BLOCK_MS[2], M3=BLOCK_MS[3], num_warps=8,
+    )
+    return out
+
+
+def build_segments_ref(token_slots: torch.Tensor, out: LoRASegments) -> LoRASegments:
+    """`build_segments` in torch ops (any size, any device): rewrites every entry of the buffers."""
+    num_tokens = token_slots.shape[0]
+    num_slots = out.num_slots
     device = out.token_slots.device
     slots = token_slots.to(device=device, dtype=torch.int32)
     out.token_slots[:num_tokens].copy_(slots)

@@ -32,7 +32,7 @@ def results() -> dict[str, dict]:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {row["name"]: row for row in rows}
+    return {row.get("name") or "segments: " + row["segments"]: row for row in rows}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -59,3 +59,10 @@ def test_kernel_matches_reference(results, case):
 def test_decode_uses_split_k_for_wide_inputs(results):
     # d=4200 at 6 tokens: the table splits K, and expand must add the partials back up.
     assert results["down_decode_split_table_fp32"]["splits"] > 1
+
+
+def test_segments_built_by_triton_match_torch(results):
+    """`build_segments` on CUDA (one Triton launch) against the torch build, on the entries the kernels
+    read; the kernel cases above also run over Triton-built maps."""
+    seg = {k: v["match"] for k, v in results.items() if k.startswith("segments: ")}
+    assert len(seg) == 11 and all(seg.values()), seg
