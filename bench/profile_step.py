@@ -142,7 +142,7 @@ def main() -> int:
         for _ in range(3):
             engine.step()  # the graph's static inputs now hold a real step of this batch
         torch.cuda.synchronize()
-        key = (64, graphs.tier(distinct))
+        key = graphs.key(64, distinct)
         label = f"batch 64, {distinct} adapters"
         replay = statistics.median(replay_ms(graphs.graphs[key], 20))
         s = summarize(trace_replay(graphs.graphs[key], out / f"trace_{distinct}.json"), shape["num_hidden_layers"])

@@ -124,7 +124,7 @@ def _measure_engine(async_engine, build_s: float, adapter_dirs: list[Path], prom
     graphs = getattr(engine.runner, "cuda_graphs", None)
     res["engine_build_s"] = build_s
     res["cuda_graphs"] = None if graphs is None else dict(
-        batch_sizes=graphs.ladder, lora_tiers=graphs.lora_tiers, capture_s=graphs.capture_seconds,
+        batch_sizes=graphs.ladder, capture_s=graphs.capture_seconds,
         capture_mib=graphs.capture_bytes / 2**20)
     names = [f"a{i:02d}" for i in range(len(adapter_dirs))]
     start = time.perf_counter()

@@ -157,7 +157,7 @@ def measure_prefill(engine, prompts: list[list[int]], adapters: list[str | None]
 def graph_replay_ms(engine, batch: int, distinct: int, reps: int = 20) -> float | None:
     """GPU time of one captured decode step (the static inputs of the last step still bound)."""
     graphs = getattr(engine.runner, "cuda_graphs", None)
-    key = None if graphs is None else (graphs.bucket(batch), graphs.tier(distinct))
+    key = None if graphs is None else graphs.key(batch, distinct)
     if key is None or key not in graphs.graphs:
         return None
     return statistics.median(replay_ms(graphs.graphs[key], reps))

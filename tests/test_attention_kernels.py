@@ -111,16 +111,6 @@ def test_cuda_graph_batch_ladder() -> None:
     assert ladder[:5] == [1, 2, 4, 8, 16] and ladder[-1] == 256 and all(b % 16 == 0 for b in ladder[4:])
 
 
-def test_lora_graph_tiers() -> None:
-    from services.inference.engine.cuda_graph import lora_tiers, pick_tier
-
-    assert lora_tiers(0) == [] and lora_tiers(4) == [4] and lora_tiers(8) == [8] and lora_tiers(64) == [8, 64]
-    tiers = lora_tiers(64)
-    # No adapter: the graph without LoRA; up to 8: the tight grid; more: all slots.
-    assert [pick_tier(tiers, d) for d in (0, 1, 8, 9, 64)] == [0, 8, 8, 64, 64]
-    assert pick_tier(tiers, 65) is None and pick_tier([], 1) is None and pick_tier([], 0) == 0
-
-
 def test_kernels_under_triton_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
     proc = subprocess.run(

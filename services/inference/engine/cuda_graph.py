@@ -6,9 +6,9 @@ zero attention; adapter slot -1: no LoRA work). Every per-step input lives in st
 buffers that the graph reads: token ids, positions, KV slots, block tables, context lengths
 and the per-token adapter slots. The LoRA backend's `prepare` (grouping tokens by adapter) is
 captured too, so one graph serves any mix of adapters; a step where no token has an adapter
-replays the graph captured without LoRA and does no LoRA work at all. LoRA graphs are captured
-per tier of distinct adapters (`LORA_TIERS`, then all slots): the kernels' grids are sized by
-the tier, so a step with few adapters does not launch a program per slot only to exit.
+replays the graph captured without LoRA and does no LoRA work at all. (LoRA graphs per number of
+distinct adapters, with grids sized for it, were measured on an H200 and bought nothing: the
+programs that find an empty token block exit in nanoseconds. One LoRA graph per batch size.)
 
 Host work per step: fill two pinned buffers (numpy views), two host-to-device copies, one
 replay. Capture time and the memory the graphs took are logged.
@@ -29,24 +29,6 @@ from services.inference.models.context import ForwardContext
 from services.inference.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
-
-# A step with at most this many distinct adapters replays graphs whose LoRA launches are sized
-# for it (fewer programs that find no work); more distinct adapters use the all-slots graph.
-LORA_TIERS = (8,)
-
-
-def lora_tiers(slots: int) -> list[int]:
-    """The distinct-adapter tiers LoRA graphs are captured for: `LORA_TIERS` below `slots`, then `slots`."""
-    return sorted({t for t in LORA_TIERS if t < slots} | {slots}) if slots > 0 else []
-
-
-def pick_tier(tiers: list[int], distinct: int) -> int | None:
-    """The graph tier for a step with `distinct` adapters: 0 without any, else the smallest tier that
-    holds them; None when no LoRA graph does (the step then runs eagerly)."""
-    if distinct == 0:
-        return 0
-    return next((t for t in tiers if t >= distinct), None)
-
 
 def batch_ladder(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to `max_bs` (which is always included)."""
@@ -72,9 +54,6 @@ class DecodeGraphs:
         # A backend whose prepare reads slots on the host cannot be captured: such batches run eagerly.
         self.lora = lora if lora is not None and lora.cuda_graph_safe else None
         self.ladder = batch_ladder(max_bs)
-        slots = self.lora.pool.slots if self.lora is not None else 0
-        # Graph keys are (batch size, tier): tier 0 = no LoRA, else at most `tier` distinct adapters.
-        self.lora_tiers = lora_tiers(slots)
         self.max_bs = self.ladder[-1]
         self.max_blocks = max_blocks_per_seq
         dev = kv_cache.device
@@ -91,57 +70,62 @@ class DecodeGraphs:
         self.slot_mapping.fill_(-1)
         self.token_slots.fill_(-1)
         self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=dev)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, with LoRA)
         self._inputs_copied: torch.cuda.Event | None = None
 
-    def _forward(self, bs: int, tier: int) -> None:
+    def _forward(self, bs: int, with_lora: bool) -> None:
         self.attention.begin(AttentionMetadata(
             self.slot_mapping[:bs], bs, self.block_tables[:bs], self.context_lens[:bs], [], self.slot_mapping[:0],
         ))
         lora = None
-        if tier:
-            self.lora.prepare(self.token_slots[:bs], tier)
+        if with_lora:
+            self.lora.prepare(self.token_slots[:bs])
             lora = self.lora
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], ForwardContext(self.attention, lora))
         self.model.compute_logits(hidden, out=self.logits[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (batch size, LoRA tier) graph, largest first, in one memory pool."""
+        """Capture every (batch size, LoRA off/on) graph, largest first, in one memory pool."""
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
         self._pool = torch.cuda.graph_pool_handle()
-        self.recapture([(bs, tier) for bs in reversed(self.ladder) for tier in [0, *self.lora_tiers]])
+        modes = (False, True) if self.lora is not None else (False,)
+        self.recapture([(bs, on) for bs in reversed(self.ladder) for on in modes])
         torch.cuda.synchronize()
         taken = free_before - torch.cuda.mem_get_info()[0]
-        log.info("captured %d decode CUDA graphs (batch sizes %s, LoRA off + distinct-adapter tiers %s) in %.1f s, "
-                 "%.0f MiB", len(self.graphs), self.ladder, self.lora_tiers,
+        log.info("captured %d decode CUDA graphs (batch sizes %s, LoRA %s) in %.1f s, %.0f MiB",
+                 len(self.graphs), self.ladder, "off and on" if self.lora is not None else "off",
                  time.perf_counter() - start, taken / 2**20)
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = taken
 
     @torch.inference_mode()
     def recapture(self, keys: list[tuple[int, int]]) -> None:
-        """(Re)capture the graphs for these (batch size, LoRA tier) keys into the pool of
+        """(Re)capture the graphs for these (batch size, with LoRA) keys into the pool of
         `capture` (benchmarks use it after switching a backend option)."""
         stream = torch.cuda.Stream()
-        for bs, tier in keys:
+        for bs, with_lora in keys:
             # Eager warm-up on a side stream (Triton compiles, cuBLAS picks kernels) before capture.
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._forward(bs, tier)
+                self._forward(bs, with_lora)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._forward(bs, tier)
-            self.graphs[(bs, tier)] = graph
+                self._forward(bs, with_lora)
+            self.graphs[(bs, with_lora)] = graph
 
     def bucket(self, n: int) -> int | None:
         return next((bs for bs in self.ladder if bs >= n), None)
 
-    def tier(self, distinct: int) -> int | None:
-        return pick_tier(self.lora_tiers, distinct)
+    def key(self, n: int, distinct_adapters: int) -> tuple[int, bool] | None:
+        """The graph a decode step of `n` tokens over that many distinct adapters replays (None: eager)."""
+        bs = self.bucket(n)
+        if bs is None or (distinct_adapters and self.lora is None):
+            return None
+        return bs, distinct_adapters > 0
 
     def run(
         self,
@@ -159,10 +143,10 @@ class DecodeGraphs:
         `prev_tokens`: as in ModelRunner.forward (placeholder ids filled in on the device before the replay).
         """
         n = len(ids)
-        bs = self.bucket(n)
-        tier = self.tier(len({s for s in token_slots if s >= 0}))
-        if bs is None or tier is None or max(map(len, tables)) > self.max_blocks:
+        key = self.key(n, any(s >= 0 for s in token_slots))
+        if key is None or max(map(len, tables)) > self.max_blocks:
             return None
+        bs = key[0]
         if self._inputs_copied is not None:
             # Overlap scheduling can get here before the previous step's host-to-device copy
             # ran: do not overwrite the pinned buffers under it.
@@ -184,7 +168,7 @@ class DecodeGraphs:
         self._inputs_copied.record()
         if prev_tokens is not None:
             fill_placeholders(self.input_ids[:n], prev_tokens)
-        self.graphs[(bs, tier)].replay()
+        self.graphs[key].replay()
         if len(sample_rows) == n:
             return self.logits[:n]
         return self.logits[torch.tensor(sample_rows, device=self.logits.device)]

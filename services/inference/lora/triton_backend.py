@@ -30,11 +30,9 @@ from services.inference.lora.pool import AdapterPool
 class TritonLoRABackend(LoRABackend):
     cuda_graph_safe = True
 
-    def __init__(self, pool: AdapterPool, max_tokens: int, side_stream: bool = False, side_priority: int = 0):
+    def __init__(self, pool: AdapterPool, max_tokens: int, side_stream: bool = False):
         """`side_stream`: compute decode steps' deltas beside the base matmul (see the module
-        docstring). On a CPU device the same delta path runs on the one stream (for tests).
-        `side_priority`: the side stream's CUDA priority (negative = higher): the LoRA chain is
-        the one the join waits for, so its programs may go first when an SM frees up."""
+        docstring). On a CPU device the same delta path runs on the one stream (for tests)."""
         self.pool = pool
         self.max_tokens = max_tokens
         self.segments = alloc_segments(max_tokens, pool.slots, pool.device)
@@ -47,19 +45,17 @@ class TritonLoRABackend(LoRABackend):
         self._max_distinct: int | None = None
         self._delta: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
-        self.side_priority = 0
-        self.set_side_stream(side_stream, side_priority)
+        self.set_side_stream(side_stream)
 
     @property
     def side_stream(self) -> bool:
         return self._delta is not None
 
-    def set_side_stream(self, on: bool, priority: int = 0) -> None:
-        """Switch the side stream on or off, or change its priority (benchmarks compare them;
-        captured graphs keep the mode they were captured with, so recapture after switching)."""
-        if on == self.side_stream and priority == self.side_priority:
+    def set_side_stream(self, on: bool) -> None:
+        """Switch the side stream on or off (benchmarks compare both; captured graphs keep the
+        mode they were captured with, so recapture after switching)."""
+        if on == self.side_stream:
             return
-        self.side_priority = priority
         if not on:
             self._delta, self._stream = None, None
             return
@@ -67,8 +63,7 @@ class TritonLoRABackend(LoRABackend):
         cols = max((sum(w) for w in self._widths.values()), default=1)
         # One buffer serves every group: a group's delta is added before the next group begins.
         self._delta = torch.zeros(rows, cols, dtype=torch.float32, device=self.pool.device)
-        cuda = self.pool.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.pool.device, priority=priority) if cuda else None
+        self._stream = torch.cuda.Stream(self.pool.device) if self.pool.device.type == "cuda" else None
 
     @property
     def nbytes(self) -> int:
