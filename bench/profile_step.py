@@ -7,7 +7,7 @@ Same model and engine as bench/serving.py (Llama-3.1-8B shape, random weights, r
 all seven projections). Per graph it prints: the replay's span; each stream's busy time and the
 main stream's idle time (waiting for the LoRA side stream or for launches); time per kernel kind;
 and one middle layer's kernels in start order (stream, start, duration). Also times the decode
-linears' matmuls through cuBLAS and cuBLASLt, and the base graph recaptured under cuBLASLt. Writes
+linears' matmuls through cuBLAS and cuBLASLt. Writes
 the chrome traces and $OUT/profile_step.json.
 """
 
@@ -109,6 +109,34 @@ def matmul_libs() -> dict[str, dict[str, float]]:
     return out
 
 
+def bench_engine(adapters: int, work: Path):
+    """The bench/serving.py engine at batch 64 with `adapters` rank-16 adapters loaded (a00, a01, ...)
+    and 64 random 1024-token prompts: (async engine, adapter names, prompts)."""
+    shape = setup.LLAMA_8B
+    model_dir = setup.write_model_dir(work / "model", shape, device="cuda")
+    adapter_dirs = setup.write_adapters(work / "adapters", model_dir, adapters, shape, device="cuda")
+    opts = argparse.Namespace(max_bs=64, context_length=2048, disable_cuda_graph=False,
+                              disable_overlap_schedule=False, mem_fraction=0.7, tp_size=1, lora_backend=None)
+    async_engine, _ = build(model_dir, opts, len(adapter_dirs))
+    names = [f"a{i:02d}" for i in range(len(adapter_dirs))]
+    for name, path in zip(names, adapter_dirs, strict=True):
+        async_engine.lora_manager.load_adapter(name, str(path))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(shape["vocab_size"]) for _ in range(1024)] for _ in range(64)]
+    return async_engine, names, prompts
+
+
+def start_batch(engine, prompts: list[list[int]], names: list[str], distinct: int) -> list[str]:
+    """Batch 64 over `distinct` adapters, decoding: the graph's static inputs hold a real step of it."""
+    adapters = [None] * 64 if distinct == 0 else [names[i % distinct] for i in range(64)]
+    ids = add_batch(engine, prompts, adapters, max_new_tokens=1024)
+    run_until_decoding(engine, ids)
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    return ids
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--adapters", type=int, default=64)
@@ -117,48 +145,22 @@ def main() -> int:
     opts = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = Path(opts.out)
-    shape = setup.LLAMA_8B
-    work = Path(opts.work)
-    model_dir = setup.write_model_dir(work / "model", shape, device="cuda")
-    adapter_dirs = setup.write_adapters(work / "adapters", model_dir, opts.adapters, shape, device="cuda")
-    opts.max_bs, opts.context_length = 64, 2048
-    opts.disable_cuda_graph = opts.disable_overlap_schedule = False
-    opts.mem_fraction, opts.tp_size, opts.lora_backend = 0.7, 1, None
-    async_engine, _ = build(model_dir, opts, len(adapter_dirs))
-    engine, manager = async_engine.engine, async_engine.lora_manager
+    layers = setup.LLAMA_8B["num_hidden_layers"]
+    async_engine, names, prompts = bench_engine(opts.adapters, Path(opts.work))
+    engine = async_engine.engine
     graphs = engine.runner.cuda_graphs
-    names = [f"a{i:02d}" for i in range(len(adapter_dirs))]
-    for name, path in zip(names, adapter_dirs, strict=True):
-        manager.load_adapter(name, str(path))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(shape["vocab_size"]) for _ in range(1024)] for _ in range(64)]
     res: dict = dict(device=torch.cuda.get_device_name(), matmul_us=matmul_libs(), graphs={})
     print("decode matmul us (64 tokens), cuBLAS / cuBLASLt:",
           {k: f"{v['cublas']:.1f}/{v['cublaslt']:.1f}" for k, v in res["matmul_us"].items()})
     for distinct in (0, 8, min(64, len(names))):
-        adapters = [None] * 64 if distinct == 0 else [names[i % distinct] for i in range(64)]
-        ids = add_batch(engine, prompts, adapters, max_new_tokens=1024)
-        run_until_decoding(engine, ids)
-        for _ in range(3):
-            engine.step()  # the graph's static inputs now hold a real step of this batch
-        torch.cuda.synchronize()
+        ids = start_batch(engine, prompts, names, distinct)
         key = graphs.key(64, distinct)
         label = f"batch 64, {distinct} adapters"
         replay = statistics.median(replay_ms(graphs.graphs[key], 20))
-        s = summarize(trace_replay(graphs.graphs[key], out / f"trace_{distinct}.json"), shape["num_hidden_layers"])
+        s = summarize(trace_replay(graphs.graphs[key], out / f"trace_{distinct}.json"), layers)
         s["replay_ms"] = replay
         res["graphs"][label] = s
         print_summary(f"{label} (replay {replay:.3f} ms)", s)
-        if distinct == 0:
-            lib = torch.backends.cuda.preferred_blas_library()
-            torch.backends.cuda.preferred_blas_library("cublaslt")
-            graphs.recapture([key])
-            res["base_replay_ms_cublaslt"] = statistics.median(replay_ms(graphs.graphs[key], 20))
-            torch.backends.cuda.preferred_blas_library(lib)
-            graphs.recapture([key])
-            res["base_replay_ms_cublas_again"] = statistics.median(replay_ms(graphs.graphs[key], 20))
-            print(f"base graph replay: cuBLAS {replay:.3f} ms, cuBLASLt {res['base_replay_ms_cublaslt']:.3f} ms, "
-                  f"cuBLAS recaptured {res['base_replay_ms_cublas_again']:.3f} ms")
         abort_all(engine, ids)
         for _ in range(2):
             engine.step()

@@ -1,0 +1,192 @@
+"""Decode LoRA launch configurations timed inside the engine's batch-64 decode graph, where the LoRA
+kernels share the GPU with the base matmuls (bench/lora_kernels.py times them alone).
+
+    PYTHONPATH=.:protos python3 bench/decode_sweep.py [--adapters 64]
+
+Each candidate replaces entries of the tables in kernels/lora_configs.py (`load_overrides`); the
+batch-64 LoRA graph is recaptured and timed with the step's token slots over 8 and over 64 adapters
+(GPU ms per replay: 20 back-to-back replays, median of 5), beside the base graph. Single changes
+first, then the best of each kind together. Prints a table; writes $OUT/decode_sweep.json and the
+best candidate's entries as $OUT/lora_configs.json (loadable with LORAPLEX_LORA_CONFIGS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.profile_step import bench_engine, start_batch  # noqa: E402
+from kernels import lora_configs as cfg  # noqa: E402
+
+R16 = {"qkv": "decode|6144|3|16", "o_down": "decode|4096|1|16", "gate_up": "decode|28672|2|16"}
+SHRINK16 = {"qkv": "decode|4096|3|16", "o": "decode|4096|1|16", "gate_up": "decode|4096|2|16",
+            "down": "decode|14336|1|16"}
+
+
+def gpu_ms(graph: torch.cuda.CUDAGraph, n: int = 20, reps: int = 5) -> float:
+    """Median GPU ms per replay over back-to-back replays (the launch of the next overlaps the GPU)."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / n)
+    return statistics.median(times)
+
+
+def entries(kind: str, key: str) -> list[int]:
+    table = cfg.EXPAND_TABLE if kind == "expand" else cfg.SHRINK_TABLE
+    c = table[cfg._key(key)]
+    return list(c.__dict__.values())
+
+
+def expand_with(**changes: int) -> dict:
+    names = ["block_m", "block_n", "chunk_n", "num_warps", "num_stages"]
+    out = {}
+    for key in R16.values():
+        row = entries("expand", key)
+        for name, value in changes.items():
+            row[names.index(name)] = value
+        row[2] = max(row[2], row[1])  # chunk_n is a multiple of block_n
+        out[key] = row
+    return {"expand": out}
+
+
+def shrink_with(groups: tuple[str, ...], **changes: int) -> dict:
+    names = ["block_m", "block_r", "block_k", "num_warps", "num_stages"]
+    out = {}
+    for g in groups:
+        row = entries("shrink", SHRINK16[g])
+        for name, value in changes.items():
+            row[names.index(name)] = value
+        out[SHRINK16[g]] = row
+    return {"shrink": out}
+
+
+def candidates() -> dict[str, dict]:
+    return {
+        "current table": {},
+        "expand chunk 512": expand_with(chunk_n=512),
+        "expand chunk 1024": expand_with(chunk_n=1024),
+        "expand chunk 2048": expand_with(chunk_n=2048),
+        "expand 4 warps": expand_with(num_warps=4),
+        "expand block_n 256, chunk 1024": expand_with(block_n=256, chunk_n=1024),
+        "splits 4 / 14": {"splits": {"decode|4096": 4, "decode|14336": 14}},
+        "splits 2 / 7": {"splits": {"decode|4096": 2, "decode|14336": 7}},
+        "shrink block_k 128": shrink_with(("qkv", "gate_up"), block_k=128),
+        "shrink block_k 256": shrink_with(("qkv", "o", "gate_up", "down"), block_k=256),
+        "shrink 4 warps": shrink_with(("qkv", "o", "gate_up", "down"), num_warps=4),
+    }
+
+
+def merge(*parts: dict) -> dict:
+    out: dict = {}
+    for part in parts:
+        for kind, rows in part.items():
+            out.setdefault(kind, {}).update(rows)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--adapters", type=int, default=64)
+    p.add_argument("--work", default="/tmp/loraplex-bench")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    opts = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    out = Path(opts.out)
+    async_engine, names, prompts = bench_engine(opts.adapters, Path(opts.work))
+    engine = async_engine.engine
+    graphs, backend = engine.runner.cuda_graphs, engine.runner.lora_backend
+    start_batch(engine, prompts, names, min(64, len(names)))
+    slots64 = graphs.token_slots[:64].clone()
+    slots8 = slots64[torch.arange(64, device=slots64.device) % 8]
+    lora_key, base_key = graphs.key(64, 1), graphs.key(64, 0)
+    tables = (dict(cfg.SPLITS_TABLE), dict(cfg.SHRINK_TABLE), dict(cfg.EXPAND_TABLE))
+
+    def apply(overrides: dict) -> None:
+        for table, saved in zip((cfg.SPLITS_TABLE, cfg.SHRINK_TABLE, cfg.EXPAND_TABLE), tables, strict=True):
+            table.clear()
+            table.update(saved)
+        path = out / "candidate.json"
+        path.write_text(json.dumps(overrides))
+        cfg.load_overrides(str(path))
+
+    def time_lora() -> tuple[float, float]:
+        graphs.recapture([lora_key])
+        result = []
+        for slots in (slots8, slots64):
+            graphs.token_slots[:64].copy_(slots)
+            result.append(gpu_ms(graphs.graphs[lora_key]))
+        return result[0], result[1]
+
+    base = gpu_ms(graphs.graphs[base_key])
+    rows: dict[str, dict] = {}
+
+    def run(name: str, overrides: dict) -> None:
+        apply(overrides)
+        try:
+            t8, t64 = time_lora()
+        except Exception as exc:  # a candidate that does not fit the buffers: report, go on
+            rows[name] = dict(error=f"{type(exc).__name__}: {exc}")
+            print(f"{name:<40} failed: {exc}", flush=True)
+            return
+        rows[name] = dict(overrides=overrides, ms_8=t8, ms_64=t64, ratio_8=base / t8)
+        print(f"{name:<40} 8 adapters {t8:7.3f} ms ({base / t8:.3f} of base)  64 adapters {t64:7.3f} ms",
+              flush=True)
+
+    print(f"base graph {base:.3f} ms", flush=True)
+    cands = candidates()
+    for name, overrides in cands.items():
+        run(name, overrides)
+    cur = rows["current table"]
+
+    def better(r: dict) -> bool:
+        return "ms_8" in r and r["ms_8"] < cur["ms_8"] and r["ms_64"] <= cur["ms_64"] * 1.005
+
+    kinds = ("expand", "splits", "shrink")
+    best = {k: min((n for n in rows if n.startswith(k) and better(rows[n])), key=lambda n: rows[n]["ms_8"], default=None)
+            for k in kinds}
+    picked = [b for b in best.values() if b]
+    if len(picked) > 1:
+        run(" + ".join(picked), merge(*(cands[b] for b in picked)))
+    winner = min((n for n in rows if "ms_8" in rows[n] and (n == "current table" or better(rows[n]))),
+                 key=lambda n: rows[n]["ms_8"])
+    apply({})  # back to the committed table, then the tight-grid and cuBLASLt checks on it
+    prepare = backend.prepare
+    backend.prepare = lambda token_slots, max_distinct=None: prepare(token_slots, 8)
+    graphs.recapture([lora_key])
+    graphs.token_slots[:64].copy_(slots8)
+    tight8 = gpu_ms(graphs.graphs[lora_key])
+    backend.prepare = prepare
+    print(f"{'grids sized for 8 adapters':<40} 8 adapters {tight8:7.3f} ms ({base / tight8:.3f} of base)", flush=True)
+    lib = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    graphs.recapture([base_key])
+    base_lt = gpu_ms(graphs.graphs[base_key])
+    lt8, lt64 = time_lora()
+    torch.backends.cuda.preferred_blas_library(lib)
+    print(f"{'cuBLASLt (base graph too)':<40} 8 adapters {lt8:7.3f} ms ({base_lt / lt8:.3f} of its base "
+          f"{base_lt:.3f})  64 adapters {lt64:7.3f} ms", flush=True)
+    res = dict(device=torch.cuda.get_device_name(), base_ms=base, rows=rows, winner=winner, tight_grid_8_ms=tight8,
+               cublaslt=dict(base_ms=base_lt, ms_8=lt8, ms_64=lt64))
+    (out / "decode_sweep.json").write_text(json.dumps(res, indent=1))
+    (out / "lora_configs.json").write_text(json.dumps(rows[winner]["overrides"], indent=1))
+    print(f"winner: {winner}: {json.dumps(rows[winner]['overrides'])}")
+    async_engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
