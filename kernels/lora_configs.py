@@ -7,7 +7,9 @@ width for expand; the K-split count on (family, d) alone, so one shrink buffer c
 every group. Entries for Llama-3.1-8B shapes come from `bench/lora_kernels.py --sweep` on
 an H200, 2026-12-02, triton 3.6 (docs/benchmarks.md); the rank-16 decode entries and the decode
 K-splits from its `--joint-sweep` (one choice for batch 64 over 8 and over 64 adapters, since a
-captured graph serves every mix). Other shapes fall back to the rules below. The interpreter
+captured graph serves every mix), then adjusted by `bench/decode_sweep.py`, which times candidates
+inside the engine's decode graph beside the base matmuls (4 warps for the expands, K step 128 for
+the qkv and gate_up shrinks). Other shapes fall back to the rules below. The interpreter
 ignores warps and stages.
 
 `LORAPLEX_LORA_CONFIGS=path.json` replaces entries at import (what `bench/lora_kernels.py
@@ -67,9 +69,9 @@ SPLITS_TABLE: dict[tuple[str, int], int] = {
 S, E = ShrinkConfig, ExpandConfig
 # (family, d, n_stack, max_rank) -> ShrinkConfig
 SHRINK_TABLE: dict[tuple[str, int, int, int], ShrinkConfig] = {
-    ('decode', 4096, 3, 16): S(16, 16, 64, 2, 3),  # qkv
+    ('decode', 4096, 3, 16): S(16, 16, 128, 2, 3),  # qkv
     ('decode', 4096, 1, 16): S(16, 16, 128, 2, 3),  # o
-    ('decode', 4096, 2, 16): S(16, 16, 64, 2, 3),  # gate_up
+    ('decode', 4096, 2, 16): S(16, 16, 128, 2, 3),  # gate_up
     ('decode', 14336, 1, 16): S(16, 16, 128, 2, 3),  # down
     ('prefill', 4096, 3, 16): S(64, 16, 128, 8, 3),  # qkv
     ('prefill', 4096, 1, 16): S(32, 16, 128, 4, 3),  # o
@@ -88,8 +90,8 @@ SHRINK_TABLE: dict[tuple[str, int, int, int], ShrinkConfig] = {
 # (family, total output width, n_stack, max_rank) -> ExpandConfig
 EXPAND_TABLE: dict[tuple[str, int, int, int], ExpandConfig] = {
     ('decode', 6144, 3, 16): E(16, 128, 256, 4, 3),  # qkv
-    ('decode', 4096, 1, 16): E(16, 128, 256, 2, 3),  # o, down
-    ('decode', 28672, 2, 16): E(16, 64, 256, 2, 3),  # gate_up
+    ('decode', 4096, 1, 16): E(16, 128, 256, 4, 3),  # o, down
+    ('decode', 28672, 2, 16): E(16, 64, 256, 4, 3),  # gate_up
     ('prefill', 6144, 3, 16): E(64, 128, 1024, 4, 3),  # qkv
     ('prefill', 4096, 1, 16): E(32, 256, 512, 4, 3),  # o, down
     ('prefill', 28672, 2, 16): E(64, 128, 512, 4, 3),  # gate_up
