@@ -12,10 +12,7 @@ best candidate's entries as $OUT/lora_configs.json (loadable with LORAPLEX_LORA_
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -23,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.profile_step import bench_engine, start_batch  # noqa: E402
+from bench.profile_step import bench_args, bench_engine, start_batch  # noqa: E402
 from kernels import lora_configs as cfg  # noqa: E402
 
 R16 = {"qkv": "decode|6144|3|16", "o_down": "decode|4096|1|16", "gate_up": "decode|28672|2|16"}
@@ -99,12 +96,7 @@ def merge(*parts: dict) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--adapters", type=int, default=64)
-    p.add_argument("--work", default="/tmp/loraplex-bench")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
-    opts = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    opts = bench_args(__doc__)
     out = Path(opts.out)
     async_engine, names, prompts = bench_engine(opts.adapters, Path(opts.work))
     engine = async_engine.engine

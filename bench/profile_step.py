@@ -137,13 +137,18 @@ def start_batch(engine, prompts: list[list[int]], names: list[str], distinct: in
     return ids
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def bench_args(doc: str) -> argparse.Namespace:
+    """--adapters, --work, --out (default $OUT) for the scripts built on `bench_engine`; logging on."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--adapters", type=int, default=64)
     p.add_argument("--work", default="/tmp/loraplex-bench")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    opts = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return p.parse_args()
+
+
+def main() -> int:
+    opts = bench_args(__doc__)
     out = Path(opts.out)
     layers = setup.LLAMA_8B["num_hidden_layers"]
     async_engine, names, prompts = bench_engine(opts.adapters, Path(opts.work))
