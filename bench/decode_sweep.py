@@ -72,18 +72,20 @@ def shrink_with(groups: tuple[str, ...], **changes: int) -> dict:
 
 
 def candidates() -> dict[str, dict]:
+    """Single changes around the current table (the first round's list, and what it found, is in
+    docs/benchmarks.md: 4 warps for the expands and K step 128 for the qkv/gate_up shrinks won)."""
     return {
         "current table": {},
         "expand chunk 512": expand_with(chunk_n=512),
-        "expand chunk 1024": expand_with(chunk_n=1024),
-        "expand chunk 2048": expand_with(chunk_n=2048),
-        "expand 4 warps": expand_with(num_warps=4),
-        "expand block_n 256, chunk 1024": expand_with(block_n=256, chunk_n=1024),
+        "expand 8 warps": expand_with(num_warps=8),
+        "expand 2 stages": expand_with(num_stages=2),
+        "expand 4 stages": expand_with(num_stages=4),
+        "expand block_n 64": expand_with(block_n=64),
+        "expand block_n 128": expand_with(block_n=128),
         "splits 4 / 14": {"splits": {"decode|4096": 4, "decode|14336": 14}},
-        "splits 2 / 7": {"splits": {"decode|4096": 2, "decode|14336": 7}},
-        "shrink block_k 128": shrink_with(("qkv", "gate_up"), block_k=128),
-        "shrink block_k 256": shrink_with(("qkv", "o", "gate_up", "down"), block_k=256),
-        "shrink 4 warps": shrink_with(("qkv", "o", "gate_up", "down"), num_warps=4),
+        "shrink K step 256 (qkv, gate_up)": shrink_with(("qkv", "gate_up"), block_k=256),
+        "shrink K step 256 (o, down)": shrink_with(("o", "down"), block_k=256),
+        "shrink 4 stages": shrink_with(("qkv", "o", "gate_up", "down"), num_stages=4),
     }
 
 
