@@ -16,13 +16,13 @@ import torch
 from kernels.lora_expand import lora_expand, lora_expand_ref
 from kernels.lora_meta import (
     BLOCK_MS,
-    TRITON_MAX_ENTRIES,
     LoRASegments,
     alloc_segments,
     build_segments,
     build_segments_ref,
     build_segments_triton,
     num_blocks_bound,
+    triton_build_fits,
 )
 from kernels.lora_shrink import alloc_shrink_out, lora_shrink, lora_shrink_ref, shrink_out_view
 
@@ -77,8 +77,7 @@ def _segments(slots: torch.Tensor, max_tokens: int, num_slots: int, device: str)
     with 0 (a real slot and token): a kernel reading what the Triton build leaves unwritten would
     compute wrong numbers, not merely skip work."""
     segs = alloc_segments(max_tokens, num_slots, device)
-    entries = 2 ** (num_slots + 1).bit_length() * 2 ** (slots.shape[0] - 1).bit_length()
-    if device == "cpu" and entries <= TRITON_MAX_ENTRIES and slots.shape[0] > 0:
+    if device == "cpu" and triton_build_fits(slots.shape[0], num_slots):
         segs.block_slot.zero_()
         segs.block_tokens.zero_()
         return build_segments_triton(slots, segs)

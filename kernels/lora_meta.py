@@ -119,10 +119,15 @@ def build_segments(token_slots: torch.Tensor, out: LoRASegments) -> LoRASegments
     num_tokens = token_slots.shape[0]
     if num_tokens > out.max_tokens:
         raise ValueError(f"{num_tokens} tokens exceed the metadata's max_tokens={out.max_tokens}")
-    entries = triton.next_power_of_2(out.num_slots + 1) * triton.next_power_of_2(max(num_tokens, 1))
-    if out.token_slots.is_cuda and 0 < num_tokens and entries <= TRITON_MAX_ENTRIES:
+    if out.token_slots.is_cuda and triton_build_fits(num_tokens, out.num_slots):
         return build_segments_triton(token_slots, out)
     return build_segments_ref(token_slots, out)
+
+
+def triton_build_fits(num_tokens: int, num_slots: int) -> bool:
+    """Whether `build_segments_triton` takes a step of this size (else the torch build does)."""
+    entries = triton.next_power_of_2(num_slots + 1) * triton.next_power_of_2(max(num_tokens, 1))
+    return 0 < num_tokens and entries <= TRITON_MAX_ENTRIES
 
 
 @triton.jit
