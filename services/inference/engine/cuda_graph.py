@@ -30,6 +30,7 @@ from services.inference.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
+
 def batch_ladder(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to `max_bs` (which is always included)."""
     if max_bs < 1:
@@ -102,7 +103,7 @@ class DecodeGraphs:
         self.capture_bytes = taken
 
     @torch.inference_mode()
-    def recapture(self, keys: list[tuple[int, int]]) -> None:
+    def recapture(self, keys: list[tuple[int, bool]]) -> None:
         """(Re)capture the graphs for these (batch size, with LoRA) keys into the pool of
         `capture` (benchmarks use it after switching a backend option)."""
         stream = torch.cuda.Stream()

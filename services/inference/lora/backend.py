@@ -28,7 +28,7 @@ class LoRABackend(ABC):
     - `prepare(token_slots, max_distinct)` is called once per forward with an int32 device
       tensor of the batch's tokens in forward order (-1 = no adapter) and, when the caller
       knows it, an upper bound on the distinct slots among them (a backend may size its
-      launches by it; a graph captured with a bound is only replayed for steps within it).
+      launches by it; decode CUDA graphs pass none, since one graph serves every mix).
       Everything per-step (sorting, segments) happens here, never per layer. It must not
       sync the host when the tensor lives in a CUDA graph's static buffer.
     - `apply(layer, group, x, out)` adds the delta in place: `x` is `[T, in]`, `out` is

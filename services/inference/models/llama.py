@@ -3,7 +3,8 @@
 Linears are fused per LoRA group (`qkv`, `o`, `gate_up`, `down`, see lora/backend.py GROUPS);
 around each group's base matmul the LoRA backend, when the batch has adapters, computes its
 delta: added in place, or (the side-stream backend) handed back as a float32 `Addend.delta`
-that the next fused kernel adds (the RMSNorm after the residual add, SiLU-and-mul). A layer
+that the next fused kernel adds (the q/k/v split with rotary, the RMSNorm after the residual
+add, SiLU-and-mul). A layer
 returns its down projection unadded, so the residual add fuses with the next layer's norm.
 Checkpoint tensors are copied straight into the fused parameters by `load_weights`.
 """
@@ -18,10 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fused_ops import add_rms_norm, qkv_rotary, rms_norm, silu_and_mul
+from kernels.fused_ops import add_rms_norm, qkv_rotary, qkv_rotary_ref, rms_norm, silu_and_mul
 from services.inference.models.config import ModelConfig
 from services.inference.models.context import ForwardContext
-from services.inference.models.rope import RotaryEmbedding, apply_rotary
+from services.inference.models.rope import RotaryEmbedding
 
 
 def _empty_param(*shape: int) -> nn.Parameter:
@@ -100,7 +101,7 @@ class DecoderLayer(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, (inter, inter), cfg.mlp_bias)
         self.down_proj = FusedLinear(inter, (cfg.hidden_size,), cfg.mlp_bias)
-        self.q_size, self.kv_size, self.inter = cfg.q_size, cfg.kv_size, inter
+        self.inter = inter
 
     def _linear(self, group: str, module: FusedLinear, x: torch.Tensor, ctx: ForwardContext) -> Addend:
         lora = ctx.lora
@@ -118,14 +119,9 @@ class DecoderLayer(nn.Module):
         layer). Returns the residual stream and this layer's own down projection, not yet added."""
         h, x = self.input_layernorm.add_forward(h, addend)
         qkv = self._linear("qkv", self.qkv_proj, x, ctx)
-        if qkv.out.is_cuda:  # split, delta and rotary in one launch (kernels/fused_ops.py)
-            q, k, v = qkv_rotary(qkv.out, cos, sin, self.num_heads, self.num_kv_heads, qkv.delta)
-        else:
-            q, k, v = qkv.materialize().split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-            t = x.shape[0]
-            q = apply_rotary(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
-            k = apply_rotary(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
-            v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        # Split, delta and rotary: one launch on CUDA, the torch code it replaces elsewhere.
+        split_rotary = qkv_rotary if qkv.out.is_cuda else qkv_rotary_ref
+        q, k, v = split_rotary(qkv.out, cos, sin, self.num_heads, self.num_kv_heads, qkv.delta)
         attn = ctx.attention.forward(self.index, q, k, v)
         h, x = self.post_attention_layernorm.add_forward(h, self._linear("o", self.o_proj, attn, ctx))
         gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx)

@@ -46,11 +46,3 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] in the half-split (rotate_half) layout transformers uses. (On CUDA
-    the model calls `kernels.fused_ops.qkv_rotary` instead: one launch for q, k and v.)"""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
