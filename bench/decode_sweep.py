@@ -49,7 +49,7 @@ def entries(kind: str, key: str) -> list[int]:
 
 
 def expand_with(**changes: int) -> dict:
-    names = ["block_m", "block_n", "chunk_n", "num_warps", "num_stages"]
+    names = ["block_m", "block_n", "chunk_n", "num_warps", "num_stages", "gemv"]
     out = {}
     for key in R16.values():
         row = entries("expand", key)
@@ -72,20 +72,20 @@ def shrink_with(groups: tuple[str, ...], **changes: int) -> dict:
 
 
 def candidates() -> dict[str, dict]:
-    """Single changes around the current table (the first round's list, and what it found, is in
-    docs/benchmarks.md: 4 warps for the expands and K step 128 for the qkv/gate_up shrinks won)."""
+    """Single changes around the current table. Rounds 1 and 2 (block sizes of the tensor-core
+    kernels; docs/benchmarks.md) left them at a local optimum; round 3 tries the one-token-at-a-time
+    expand (`ExpandConfig.gemv`) and, since more and smaller expand programs won every time, chunks
+    of 128 columns."""
     return {
         "current table": {},
-        "expand chunk 512": expand_with(chunk_n=512),
-        "expand 8 warps": expand_with(num_warps=8),
-        "expand 2 stages": expand_with(num_stages=2),
-        "expand 4 stages": expand_with(num_stages=4),
-        "expand block_n 64": expand_with(block_n=64),
-        "expand block_n 128": expand_with(block_n=128),
-        "splits 4 / 14": {"splits": {"decode|4096": 4, "decode|14336": 14}},
-        "shrink K step 256 (qkv, gate_up)": shrink_with(("qkv", "gate_up"), block_k=256),
-        "shrink K step 256 (o, down)": shrink_with(("o", "down"), block_k=256),
-        "shrink 4 stages": shrink_with(("qkv", "o", "gate_up", "down"), num_stages=4),
+        "expand chunk 128": expand_with(chunk_n=128),
+        "expand gemv, block_n 128, chunk 128": expand_with(gemv=1, block_n=128, chunk_n=128),
+        "expand gemv, block_n 64, chunk 64": expand_with(gemv=1, block_n=64, chunk_n=64),
+        "expand gemv, block_n 256, chunk 256": expand_with(gemv=1, block_n=256, chunk_n=256),
+        "expand gemv, block_n 128, chunk 256": expand_with(gemv=1, block_n=128, chunk_n=256),
+        "expand gemv, block_n 128, chunk 128, 2 warps": expand_with(gemv=1, block_n=128, chunk_n=128, num_warps=2),
+        "expand gemv, block_n 256, chunk 256, 8 warps": expand_with(gemv=1, block_n=256, chunk_n=256, num_warps=8),
+        "shrink 1 stage": shrink_with(("qkv", "o", "gate_up", "down"), num_stages=1),
     }
 
 
@@ -117,13 +117,20 @@ def main() -> int:
         path.write_text(json.dumps(overrides))
         cfg.load_overrides(str(path))
 
-    def time_lora() -> tuple[float, float]:
+    logits_ref: dict[str, torch.Tensor] = {}
+
+    def time_lora() -> tuple[float, float, float]:
+        """(ms over 8 adapters, ms over 64, the 64-adapter logits' relative error against the
+        committed table's, so a kernel variant that computes something else cannot win)."""
         graphs.recapture([lora_key])
         result = []
         for slots in (slots8, slots64):
             graphs.token_slots[:64].copy_(slots)
             result.append(gpu_ms(graphs.graphs[lora_key]))
-        return result[0], result[1]
+        logits = graphs.logits[:64].clone()
+        ref = logits_ref.setdefault("ref", logits)
+        err = ((logits - ref).norm() / ref.norm()).item()
+        return result[0], result[1], err
 
     base = gpu_ms(graphs.graphs[base_key])
     rows: dict[str, dict] = {}
@@ -131,14 +138,18 @@ def main() -> int:
     def run(name: str, overrides: dict) -> None:
         apply(overrides)
         try:
-            t8, t64 = time_lora()
+            t8, t64, err = time_lora()
         except Exception as exc:  # a candidate that does not fit the buffers: report, go on
             rows[name] = dict(error=f"{type(exc).__name__}: {exc}")
             print(f"{name:<40} failed: {exc}", flush=True)
             return
-        rows[name] = dict(overrides=overrides, ms_8=t8, ms_64=t64, ratio_8=base / t8)
-        print(f"{name:<40} 8 adapters {t8:7.3f} ms ({base / t8:.3f} of base)  64 adapters {t64:7.3f} ms",
-              flush=True)
+        if err > 1e-2:
+            rows[name] = dict(error=f"logits differ from the committed table's: relative error {err:.2e}")
+            print(f"{name:<40} WRONG: logits relative error {err:.2e}", flush=True)
+            return
+        rows[name] = dict(overrides=overrides, ms_8=t8, ms_64=t64, ratio_8=base / t8, logits_rel_err=err)
+        print(f"{name:<48} 8 adapters {t8:7.3f} ms ({base / t8:.3f} of base)  64 adapters {t64:7.3f} ms"
+              f"  logits err {err:.1e}", flush=True)
 
     print(f"base graph {base:.3f} ms", flush=True)
     cands = candidates()
@@ -146,18 +157,21 @@ def main() -> int:
         run(name, overrides)
     cur = rows["current table"]
 
-    def better(r: dict) -> bool:
-        return "ms_8" in r and r["ms_8"] < cur["ms_8"] and r["ms_64"] <= cur["ms_64"] * 1.005
+    def better(r: dict) -> bool:  # faster over both mixes together, and neither mix slower by > 0.5%
+        return ("ms_8" in r and r["ms_8"] + r["ms_64"] < cur["ms_8"] + cur["ms_64"]
+                and r["ms_8"] <= cur["ms_8"] * 1.005 and r["ms_64"] <= cur["ms_64"] * 1.005)
+
+    def total(n: str) -> float:
+        return rows[n]["ms_8"] + rows[n]["ms_64"]
 
     kinds = ("expand", "splits", "shrink")
-    best = {k: min((n for n in rows if n.startswith(k) and better(rows[n])), key=lambda n: rows[n]["ms_8"], default=None)
+    best = {k: min((n for n in rows if n.startswith(k) and better(rows[n])), key=total, default=None)
             for k in kinds}
     picked = [b for b in best.values() if b]
     if len(picked) > 1:
         run(" + ".join(picked), merge(*(cands[b] for b in picked)))
-    winner = min((n for n in rows if "ms_8" in rows[n] and (n == "current table" or better(rows[n]))),
-                 key=lambda n: rows[n]["ms_8"])
-    apply({})  # back to the committed table, then the tight-grid and cuBLASLt checks on it
+    winner = min((n for n in rows if "ms_8" in rows[n] and (n == "current table" or better(rows[n]))), key=total)
+    apply(rows[winner]["overrides"])  # the tight-grid and cuBLASLt checks run on the winner
     prepare = backend.prepare
     backend.prepare = lambda token_slots, max_distinct=None: prepare(token_slots, 8)
     graphs.recapture([lora_key])
@@ -169,7 +183,7 @@ def main() -> int:
     torch.backends.cuda.preferred_blas_library("cublaslt")
     graphs.recapture([base_key])
     base_lt = gpu_ms(graphs.graphs[base_key])
-    lt8, lt64 = time_lora()
+    lt8, lt64, _ = time_lora()
     torch.backends.cuda.preferred_blas_library(lib)
     print(f"{'cuBLASLt (base graph too)':<40} 8 adapters {lt8:7.3f} ms ({base_lt / lt8:.3f} of its base "
           f"{base_lt:.3f})  64 adapters {lt64:7.3f} ms", flush=True)
