@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora_expand import PendingExpand
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, eps, N: tl.constexpr, BLOCK: tl.constexpr):
@@ -125,15 +127,75 @@ def _qkv_rotary_kernel(qkv_ptr, d_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, st
             tl.store(k_ptr + t * stride_kt + heads_d + HALF, b, mask=mask)
 
 
+@triton.jit
+def _qkv_rotary_lora_kernel(qkv_ptr, y_ptr, b_ptr, ranks_ptr, scal_ptr, slots_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr,
+                            v_ptr, stride_t, sy_s, sy_t, sy_c, sb_s, sb_n, sb_r, sr_s, sr_i, ss_s, ss_i,
+                            stride_ct, stride_qt, stride_kt, stride_vt, max_rank,
+                            Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, N_SPLITS: tl.constexpr):
+    """`_qkv_rotary_kernel` with the q/k/v LoRA expand done here, one program per (token, head):
+    the head's columns of B times the token's shrink output, rounded into q/k/v as the in-place
+    expand rounds (fp32 products of B-dtype inputs, fp32 sum, `dtype(float(x) + scale * sum)`)."""
+    t = tl.program_id(0)
+    head = tl.program_id(1)  # q heads, then k heads, then v heads: the fused projection's order
+    part = (head >= Q_HEADS).to(tl.int32) + (head >= Q_HEADS + KV_HEADS).to(tl.int32)
+    in_part = head - tl.where(part == 0, 0, tl.where(part == 1, Q_HEADS, Q_HEADS + KV_HEADS))
+    dim = 2 * HALF
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HALF
+    cols = head * dim + offs_d
+    x1 = tl.load(qkv_ptr + t * stride_t + cols, mask=d_mask, other=0.0)
+    x2 = tl.load(qkv_ptr + t * stride_t + cols + HALF, mask=d_mask, other=0.0)
+    dt = q_ptr.dtype.element_ty
+    # The token's adapter (slot -1: none) and that adapter's rank for this stack (0: untargeted);
+    # loads past the rank (rounded up to 8, as lora_expand) are masked, so no rank costs padding bytes.
+    slot = tl.load(slots_ptr + t)
+    on = slot >= 0
+    slot = tl.where(on, slot, 0).to(tl.int64)
+    rank = tl.load(ranks_ptr + slot * sr_s + part * sr_i, mask=on, other=0)
+    scale = tl.load(scal_ptr + slot * ss_s + part * ss_i, mask=on, other=0.0)
+    scale = tl.where(rank > 0, scale, 0.0)
+    offs_r = tl.arange(0, BLOCK_R)
+    rank8 = tl.minimum((rank + 7) // 8 * 8, max_rank)
+    k_load = offs_r < rank8
+    k_real = offs_r < rank
+    y_row = y_ptr + t * sy_t + (part * max_rank + offs_r) * sy_c
+    yv = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for p in tl.static_range(N_SPLITS):
+        yv += tl.load(y_row + p * sy_s, mask=k_load, other=0.0)
+    yv = tl.where(k_real, yv, 0.0).to(b_ptr.dtype.element_ty).to(tl.float32)[None, :]
+    b_rows = b_ptr + slot * sb_s + cols[:, None].to(tl.int64) * sb_n + offs_r[None, :] * sb_r
+    b_mask = d_mask[:, None] & k_load[None, :]
+    b1 = tl.where(k_real[None, :], tl.load(b_rows, mask=b_mask, other=0.0).to(tl.float32), 0.0)
+    b2 = tl.where(k_real[None, :], tl.load(b_rows + HALF * sb_n, mask=b_mask, other=0.0).to(tl.float32), 0.0)
+    x1 = (x1.to(tl.float32) + scale * tl.sum(b1 * yv, axis=1)).to(dt)
+    x2 = (x2.to(tl.float32) + scale * tl.sum(b2 * yv, axis=1)).to(dt)
+    head_d = in_part * dim + offs_d
+    if part == 2:
+        tl.store(v_ptr + t * stride_vt + head_d, x1, mask=d_mask)
+        tl.store(v_ptr + t * stride_vt + head_d + HALF, x2, mask=d_mask)
+    else:
+        c = tl.load(cos_ptr + t * stride_ct + offs_d, mask=d_mask, other=0.0)
+        s = tl.load(sin_ptr + t * stride_ct + offs_d, mask=d_mask, other=0.0)
+        a = ((x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)).to(dt)
+        b = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+        if part == 0:
+            tl.store(q_ptr + t * stride_qt + head_d, a, mask=d_mask)
+            tl.store(q_ptr + t * stride_qt + head_d + HALF, b, mask=d_mask)
+        else:
+            tl.store(k_ptr + t * stride_kt + head_d, a, mask=d_mask)
+            tl.store(k_ptr + t * stride_kt + head_d + HALF, b, mask=d_mask)
+
+
 def qkv_rotary(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
-    delta: torch.Tensor | None = None,
+    delta: torch.Tensor | PendingExpand | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the fused q/k/v projection `[T, (q_heads + 2 kv_heads) * head_dim]` (last dim contiguous)
     into q, k, v `[T, heads, head_dim]` with the half-split rotary applied to q and k (`cos`/`sin`
-    `[T, head_dim/2]` in qkv's dtype), after adding the projection's float32 LoRA `delta` (same
-    width, any row stride) when given. One launch. q and k are new tensors; v is a view of `qkv`
-    without a delta, else a new tensor."""
+    `[T, head_dim/2]` in qkv's dtype), after adding the projection's LoRA delta when given: a float32
+    tensor of qkv's width (any row stride), or a `PendingExpand` whose expand then runs here. One
+    launch. q and k are new tensors; v is a view of `qkv` without a delta, else a new tensor."""
     tokens, width = qkv.shape
     dim = width // (q_heads + 2 * kv_heads)
     half = dim // 2
@@ -143,13 +205,25 @@ def qkv_rotary(
         v = qkv[:, (q_heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
     else:
         v = torch.empty((tokens, kv_heads, dim), dtype=qkv.dtype, device=qkv.device)
-    if tokens:
-        cos, sin = cos.contiguous(), sin.contiguous()
-        d = qkv if delta is None else delta
-        _qkv_rotary_kernel[(tokens, 2 if delta is None else 3)](
-            qkv, d, cos, sin, q, k, v, qkv.stride(0), d.stride(0), cos.stride(0), q.stride(0), k.stride(0),
-            v.stride(0), Q_HEADS=q_heads, KV_HEADS=kv_heads, HALF=half, BLOCK_H=triton.next_power_of_2(q_heads),
-            BLOCK_D=triton.next_power_of_2(half), HAS_DELTA=delta is not None, num_warps=4)
+    if not tokens:
+        return q, k, v
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if isinstance(delta, PendingExpand):
+        y = delta.y if delta.y.dim() == 3 else delta.y.unsqueeze(0)
+        b, ranks, scal, max_rank = delta.b, delta.ranks, delta.scalings, delta.b.shape[2]
+        _qkv_rotary_lora_kernel[(tokens, q_heads + 2 * kv_heads)](
+            qkv, y, b, ranks, scal, delta.segs.token_slots, cos, sin, q, k, v, qkv.stride(0),
+            y.stride(0), y.stride(1), y.stride(2), b.stride(0), b.stride(1), b.stride(2),
+            ranks.stride(0), ranks.stride(1), scal.stride(0), scal.stride(1),
+            cos.stride(0), q.stride(0), k.stride(0), v.stride(0), max_rank,
+            Q_HEADS=q_heads, KV_HEADS=kv_heads, HALF=half, BLOCK_D=triton.next_power_of_2(half),
+            BLOCK_R=max(16, triton.next_power_of_2(max_rank)), N_SPLITS=y.shape[0], num_warps=2)
+        return q, k, v
+    d = qkv if delta is None else delta
+    _qkv_rotary_kernel[(tokens, 2 if delta is None else 3)](
+        qkv, d, cos, sin, q, k, v, qkv.stride(0), d.stride(0), cos.stride(0), q.stride(0), k.stride(0),
+        v.stride(0), Q_HEADS=q_heads, KV_HEADS=kv_heads, HALF=half, BLOCK_H=triton.next_power_of_2(q_heads),
+        BLOCK_D=triton.next_power_of_2(half), HAS_DELTA=delta is not None, num_warps=4)
     return q, k, v
 
 
@@ -162,9 +236,11 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def qkv_rotary_ref(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
-    delta: torch.Tensor | None = None,
+    delta: torch.Tensor | PendingExpand | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch code `qkv_rotary` replaces: in-place delta add, split, rotary of q and k."""
+    if isinstance(delta, PendingExpand):
+        delta = delta.delta()
     if delta is not None:
         qkv = qkv.clone().add_(delta)
     tokens, width = qkv.shape

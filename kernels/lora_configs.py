@@ -45,9 +45,6 @@ class ExpandConfig:
     chunk_n: int  # output columns per program (a multiple of block_n)
     num_warps: int
     num_stages: int
-    # 1: the one-token-at-a-time kernel (no tensor-core tile, B held in registers and reused by
-    # the block's tokens): for decode, where a block often holds a single token.
-    gemv: int = 0
 
 
 def family(num_tokens: int) -> str:

@@ -23,6 +23,8 @@ Rows of tokens without an adapter are not written in either mode.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -34,16 +36,30 @@ from kernels.lora_meta import LoRASegments, num_blocks_bound
 MAX_STACK = 3
 
 
-@triton.jit
-def _chunk_place(pid_n, w0, w1, w2, nc0, nc1):
-    """(stack, chunk within it, stack width, stack's first column) of column chunk `pid_n`.
+class PendingExpand(NamedTuple):
+    """A group's expand left to the kernel that reads the group's output next (its shrink has run).
 
-    Chunks never straddle two stacks: stack i owns nc_i = cdiv(w_i, chunk_n) chunks."""
-    stack = (pid_n >= nc0).to(tl.int32) + (pid_n >= nc0 + nc1).to(tl.int32)
-    chunk = pid_n - tl.where(stack == 0, 0, tl.where(stack == 1, nc0, nc0 + nc1))
-    width = tl.where(stack == 0, w0, tl.where(stack == 1, w1, w2))
-    col0 = tl.where(stack == 0, 0, tl.where(stack == 1, w0, w0 + w1))
-    return stack, chunk, width, col0
+    A decode step's q/k/v expand is small and latency-bound; the q/k/v split + rotary kernel
+    (`kernels.fused_ops.qkv_rotary`) already visits every output column once per token, so it
+    computes the delta there instead of a separate launch writing and re-reading it. `delta()`
+    computes it with `lora_expand` for any other reader (the torch code paths, checks).
+    """
+
+    y: torch.Tensor  # float32 `[S, T, n*R]` shrink partials
+    b: torch.Tensor  # `[slots, sum(widths), R]`
+    ranks: torch.Tensor  # int32 `[slots, n]`
+    scalings: torch.Tensor  # float32 `[slots, n]`
+    segs: LoRASegments
+    widths: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.y.shape[-2]
+
+    def delta(self) -> torch.Tensor:
+        """The float32 `[T, sum(widths)]` delta (zeros for tokens without adapter)."""
+        out = torch.zeros(self.num_tokens, sum(self.widths), dtype=torch.float32, device=self.y.device)
+        return lora_expand(self.y, self.b, self.ranks, self.scalings, self.segs, out, self.widths, accumulate=False)
 
 
 @triton.jit
@@ -64,7 +80,11 @@ def _expand_kernel(
     tok = tl.load(btok_ptr + pid_b * TOK_STRIDE + tl.arange(0, BLOCK_M))
     if slot < 0:
         return
-    stack, chunk, width, col0 = _chunk_place(pid_n, w0, w1, w2, nc0, nc1)
+    # Chunks never straddle two stacks: stack i owns nc_i = cdiv(w_i, chunk_n) chunks.
+    stack = (pid_n >= nc0).to(tl.int32) + (pid_n >= nc0 + nc1).to(tl.int32)
+    chunk = pid_n - tl.where(stack == 0, 0, tl.where(stack == 1, nc0, nc0 + nc1))
+    width = tl.where(stack == 0, w0, tl.where(stack == 1, w1, w2))
+    col0 = tl.where(stack == 0, 0, tl.where(stack == 1, w0, w0 + w1))
     rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
     scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i)
     if ACCUMULATE and rank == 0:
@@ -114,68 +134,6 @@ def _expand_kernel(
             tl.store(o_ptrs, (scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
-def _expand_gemv_kernel(
-    y_ptr, b_ptr, out_ptr, ranks_ptr, scal_ptr, bslot_ptr, btok_ptr,
-    max_rank, w0, w1, w2, nc0, nc1, chunk_n,
-    sy_s, sy_t, sy_c, sb_s, sb_n, sb_r, so_t, so_n, sr_s, sr_i, ss_s, ss_i,
-    N_SPLITS: tl.constexpr, TOK_STRIDE: tl.constexpr,
-    PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EVEN_N: tl.constexpr, ACCUMULATE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """The expand of `_expand_kernel` one token at a time: a decode block often holds one token,
-    and a tensor-core tile then computes 16 rows for one and needs shared memory, which the base
-    matmul running beside it has taken. Here a `[BLOCK_N, R]` tile of B stays in registers and
-    each of the block's tokens reduces it against its own `y` row (same products, fp32 sums)."""
-    pid_n = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    slot = tl.load(bslot_ptr + pid_b)
-    if slot < 0:
-        return
-    stack, chunk, width, col0 = _chunk_place(pid_n, w0, w1, w2, nc0, nc1)
-    rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
-    scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i)
-    if ACCUMULATE and rank == 0:
-        return
-    scale = tl.where(rank > 0, scale, 0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    offs_k = tl.arange(0, BLOCK_R)
-    rank8 = tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), max_rank)
-    k_load = offs_k < rank8
-    k_real = offs_k < rank
-    n_begin = chunk * chunk_n
-    n_end = tl.minimum(n_begin + chunk_n, width)
-    b_base = b_ptr + slot.to(tl.int64) * sb_s + offs_k[None, :] * sb_r
-    y_cols = y_ptr + (stack * max_rank + offs_k) * sy_c
-    for n0 in range(n_begin, n_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        cols = (col0 + offs_n).to(tl.int64)
-        n_mask = offs_n < n_end
-        if EVEN_N:
-            bt = tl.load(b_base + cols[:, None] * sb_n, mask=k_load[None, :], other=0.0)
-        else:
-            bt = tl.load(b_base + cols[:, None] * sb_n, mask=n_mask[:, None] & k_load[None, :], other=0.0)
-        bt = tl.where(k_real[None, :], bt.to(tl.float32), 0.0)
-        for m in tl.static_range(BLOCK_M):
-            tok = tl.load(btok_ptr + pid_b * TOK_STRIDE + m)
-            if tok >= 0:
-                yv = tl.zeros((BLOCK_R,), dtype=tl.float32)
-                for p in tl.static_range(N_SPLITS):
-                    yv += tl.load(y_cols + p * sy_s + tok * sy_t, mask=k_load, other=0.0)
-                # Rounded to B's dtype, as the tensor-core kernel and a bf16 PEFT layer do.
-                yv = tl.where(k_real, yv, 0.0).to(b_ptr.dtype.element_ty).to(tl.float32)
-                acc = tl.sum(bt * yv[None, :], axis=1)
-                o_ptrs = out_ptr + tok.to(tl.int64) * so_t + cols * so_n
-                if ACCUMULATE:
-                    prev = tl.load(o_ptrs, mask=n_mask, other=0.0)
-                    tl.store(o_ptrs, (prev.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=n_mask)
-                else:
-                    tl.store(o_ptrs, (scale * acc).to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
 def _check_widths(widths: tuple[int, ...], ranks: torch.Tensor, B: torch.Tensor, out: torch.Tensor) -> None:
     if not 1 <= len(widths) <= MAX_STACK or len(widths) != ranks.shape[1]:
         raise ValueError(f"widths {widths} must have 1..{MAX_STACK} entries, one per stacked module")
@@ -216,8 +174,7 @@ def lora_expand(
     n_chunks = [triton.cdiv(wi, chunk_n) for wi in w]
     slots_bound = num_slots if max_distinct is None else min(num_slots, max_distinct)
     grid = (sum(n_chunks), num_blocks_bound(num_tokens, slots_bound, cfg.block_m))
-    kernel = _expand_gemv_kernel if cfg.gemv else _expand_kernel
-    kernel[grid](
+    _expand_kernel[grid](
         y3, B, out, ranks, scalings, bslot, btok,
         max_rank, w[0], w[1], w[2], n_chunks[0], n_chunks[1], chunk_n,
         y3.stride(0), y3.stride(1), y3.stride(2), B.stride(0), B.stride(1), B.stride(2),

@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from kernels.lora_expand import PendingExpand
+
 # group -> the PEFT module names stacked in it, in output order.
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -57,9 +59,12 @@ class LoRABackend(ABC):
 
     def finish(
         self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, started: object
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | PendingExpand | None:
         """Complete the group's delta, given `begin`'s token: add it to `out` in place (what `apply`
         does) and return None, or return it as a float32 `[T, width]` tensor that the caller adds
-        (`dtype(float(out) + delta)`) before anything reads `out` and before the next `begin`."""
+        (`dtype(float(out) + delta)`) before anything reads `out` and before the next `begin`. For
+        the `qkv` group only, it may instead return a `kernels.lora_expand.PendingExpand` (shrink
+        done): the caller then runs the expand, fused into its q/k/v split (or calls `delta()`),
+        before the next `begin`."""
         self.apply(layer, group, x, out)
         return None
