@@ -15,6 +15,7 @@ from triton.compiler import ASTSource
 
 from kernels.fused_ops import (
     _add_rms_norm_kernel,
+    _add_rms_norm_lora_kernel,
     _qkv_rotary_kernel,
     _qkv_rotary_lora_kernel,
     _silu_mul_kernel,
@@ -38,6 +39,7 @@ KERNELS = {
     "expand_delta": (_expand_kernel, dict(COMMON, USE_PDL=False, N_SPLITS=1, TOK_STRIDE=128, EVEN_N=False,
                                           ACCUMULATE=False, BLOCK_N=128, BLOCK_R=64)),
     "add_rms_norm_delta": (_add_rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_DELTA=True)),
+    "add_rms_norm_lora": (_add_rms_norm_lora_kernel, dict(N=4096, BLOCK=4096, CHUNK=512, BLOCK_R=16, N_SPLITS=28)),
     "silu_mul_delta": (_silu_mul_kernel, dict(N=14336, BLOCK=1024, HAS_DELTA=True)),
     "qkv_rotary_delta": (_qkv_rotary_kernel, dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64,
                                                   HAS_DELTA=True)),

@@ -50,6 +50,15 @@ def _add_rms_norm_kernel(h_ptr, y_ptr, d_ptr, w_ptr, h_out_ptr, out_ptr, stride_
     y = tl.load(y_ptr + row * stride_y + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_DELTA:  # the linear's LoRA delta, rounded into its output as the in-place add does
         y = (y + tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)).to(dt).to(tl.float32)
+    _add_rms_norm_row(h_ptr, w_ptr, h_out_ptr, out_ptr, row, y, stride_h, stride_ho, stride_o, eps, N, BLOCK)
+
+
+@triton.jit
+def _add_rms_norm_row(h_ptr, w_ptr, h_out_ptr, out_ptr, row, y, stride_h, stride_ho, stride_o, eps,
+                      N: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    dt = h_out_ptr.dtype.element_ty
     h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
     s = (h + y).to(dt)  # the residual add rounds to the dtype
     tl.store(h_out_ptr + row * stride_ho + offs, s, mask=mask)
@@ -59,25 +68,102 @@ def _add_rms_norm_kernel(h_ptr, y_ptr, d_ptr, w_ptr, h_out_ptr, out_ptr, stride_
     tl.store(out_ptr + row * stride_o + offs, (w * (x * rstd).to(dt).to(tl.float32)).to(dt), mask=mask)
 
 
+@triton.jit
+def _lora_row(y_ptr, ranks_ptr, scal_ptr, slots_ptr, row, stack, sy_s, sy_t, sy_c, sr_s, sr_i, ss_s, ss_i, max_rank,
+              DT: tl.constexpr, BLOCK_R: tl.constexpr, N_SPLITS: tl.constexpr):
+    """One token's side of a fused LoRA expand for stacked module `stack`: (its slot, the scaling,
+    the rank lanes to load, the rank lanes that count, its shrink output rounded to B's dtype `DT`).
+    A token without adapter, or a module its adapter does not target, gets rank 0 and scale 0: no
+    B bytes are loaded and the delta is 0. Loads past the rank are masked at the rank rounded up to
+    8, as in `lora_expand`."""
+    slot = tl.load(slots_ptr + row)
+    on = slot >= 0
+    slot = tl.where(on, slot, 0).to(tl.int64)
+    rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i, mask=on, other=0)
+    scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i, mask=on, other=0.0)
+    scale = tl.where(rank > 0, scale, 0.0)
+    offs_r = tl.arange(0, BLOCK_R)
+    k_load = offs_r < tl.minimum((rank + 7) // 8 * 8, max_rank)
+    k_real = offs_r < rank
+    yv = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    y_row = y_ptr + row * sy_t + (stack * max_rank + offs_r) * sy_c
+    for p in tl.static_range(N_SPLITS):
+        yv += tl.load(y_row + p * sy_s, mask=k_load, other=0.0)
+    yv = tl.where(k_real, yv, 0.0).to(DT).to(tl.float32)
+    return slot, scale, k_load, k_real, yv
+
+
+@triton.jit
+def _lora_cols(b_ptr, slot, scale, k_load, k_real, yv, cols, mask, sb_s, sb_n, sb_r, BLOCK_R: tl.constexpr):
+    """float32 delta over output columns `cols` (B's row index): the slot's B rows times the token's
+    `yv` as `lora_expand` computes it (products of B-dtype inputs, fp32 sum, then the scaling)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    b_rows = b_ptr + slot * sb_s + cols[:, None].to(tl.int64) * sb_n + offs_r[None, :] * sb_r
+    bt = tl.load(b_rows, mask=mask[:, None] & k_load[None, :], other=0.0).to(tl.float32)
+    return scale * tl.sum(tl.where(k_real[None, :], bt, 0.0) * yv[None, :], axis=1)
+
+
+@triton.jit
+def _add_rms_norm_lora_kernel(h_ptr, y_ptr, ly_ptr, b_ptr, ranks_ptr, scal_ptr, slots_ptr, w_ptr, h_out_ptr,
+                              out_ptr, stride_h, stride_y, stride_ho, stride_o, sy_s, sy_t, sy_c, sb_s, sb_n, sb_r,
+                              sr_s, ss_s, max_rank, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                              CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, N_SPLITS: tl.constexpr):
+    """`_add_rms_norm_kernel` with the group's LoRA expand done here: the delta is computed in
+    column chunks (a whole row of B would not fit in registers) and rounded into `y` in place,
+    then the row is added and normed as without LoRA, so the result rounds as the unfused path."""
+    row = tl.program_id(0)
+    dt = h_out_ptr.dtype.element_ty
+    slot, scale, k_load, k_real, yv = _lora_row(ly_ptr, ranks_ptr, scal_ptr, slots_ptr, row, 0, sy_s, sy_t, sy_c,
+                                                sr_s, 0, ss_s, 0, max_rank, b_ptr.dtype.element_ty, BLOCK_R, N_SPLITS)
+    for c in tl.static_range(0, N, CHUNK):  # unrolled: every chunk's B loads can be in flight at once
+        offs = c + tl.arange(0, CHUNK)
+        mask = offs < N
+        d = _lora_cols(b_ptr, slot, scale, k_load, k_real, yv, offs, mask, sb_s, sb_n, sb_r, BLOCK_R)
+        y_ptrs = y_ptr + row * stride_y + offs
+        tl.store(y_ptrs, (tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32) + d).to(dt), mask=mask)
+    tl.debug_barrier()  # the row's threads read back what the others just wrote
+    offs = tl.arange(0, BLOCK)
+    y = tl.load(y_ptr + row * stride_y + offs, mask=offs < N, other=0.0).to(tl.float32)
+    _add_rms_norm_row(h_ptr, w_ptr, h_out_ptr, out_ptr, row, y, stride_h, stride_ho, stride_o, eps, N, BLOCK)
+
+
 def add_rms_norm(
-    h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+    h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float,
+    delta: torch.Tensor | PendingExpand | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`h + y` (y plus its float32 LoRA `delta` first, when given) and `rms_norm` of that, in one
-    launch: the residual add before each RMSNorm of a decoder layer. Returns (new h, normed)."""
+    """`h + y` (y plus its LoRA `delta` first, when given) and `rms_norm` of that, in one launch: the
+    residual add before each RMSNorm of a decoder layer. `delta`: a float32 tensor of y's shape, or
+    the `PendingExpand` of a one-module group, whose expand then runs here and is added to `y` in
+    place (last dim contiguous). Returns (new h, normed)."""
     rows, n = h.shape
     h_out, out = torch.empty_like(h), torch.empty_like(h)
-    if rows:
-        block = triton.next_power_of_2(n)
-        d = delta if delta is not None else y
-        _add_rms_norm_kernel[(rows,)](h, y, d, weight, h_out, out, h.stride(0), y.stride(0), d.stride(0),
-                                      h_out.stride(0), out.stride(0), eps, N=n, BLOCK=block,
-                                      HAS_DELTA=delta is not None, num_warps=min(16, max(1, block // 256)))
+    if not rows:
+        return h_out, out
+    block = triton.next_power_of_2(n)
+    warps = min(16, max(1, block // 256))
+    if isinstance(delta, PendingExpand):
+        ly = delta.y if delta.y.dim() == 3 else delta.y.unsqueeze(0)
+        b, ranks, scal = delta.b, delta.ranks, delta.scalings
+        _add_rms_norm_lora_kernel[(rows,)](
+            h, y, ly, b, ranks, scal, delta.segs.token_slots, weight, h_out, out, h.stride(0), y.stride(0),
+            h_out.stride(0), out.stride(0), ly.stride(0), ly.stride(1), ly.stride(2), b.stride(0), b.stride(1),
+            b.stride(2), ranks.stride(0), scal.stride(0), b.shape[2], eps, N=n, BLOCK=block,
+            CHUNK=min(block, 512), BLOCK_R=max(16, triton.next_power_of_2(b.shape[2])), N_SPLITS=ly.shape[0],
+            num_warps=warps)
+        return h_out, out
+    d = delta if delta is not None else y
+    _add_rms_norm_kernel[(rows,)](h, y, d, weight, h_out, out, h.stride(0), y.stride(0), d.stride(0),
+                                  h_out.stride(0), out.stride(0), eps, N=n, BLOCK=block,
+                                  HAS_DELTA=delta is not None, num_warps=warps)
     return h_out, out
 
 
 def add_rms_norm_ref(
-    h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+    h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float,
+    delta: torch.Tensor | PendingExpand | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(delta, PendingExpand):
+        delta = delta.delta()
     if delta is not None:
         y = (y.float() + delta).to(y.dtype)
     h = h + y
@@ -147,29 +233,13 @@ def _qkv_rotary_lora_kernel(qkv_ptr, y_ptr, b_ptr, ranks_ptr, scal_ptr, slots_pt
     x1 = tl.load(qkv_ptr + t * stride_t + cols, mask=d_mask, other=0.0)
     x2 = tl.load(qkv_ptr + t * stride_t + cols + HALF, mask=d_mask, other=0.0)
     dt = q_ptr.dtype.element_ty
-    # The token's adapter (slot -1: none) and that adapter's rank for this stack (0: untargeted);
-    # loads past the rank (rounded up to 8, as lora_expand) are masked, so no rank costs padding bytes.
-    slot = tl.load(slots_ptr + t)
-    on = slot >= 0
-    slot = tl.where(on, slot, 0).to(tl.int64)
-    rank = tl.load(ranks_ptr + slot * sr_s + part * sr_i, mask=on, other=0)
-    scale = tl.load(scal_ptr + slot * ss_s + part * ss_i, mask=on, other=0.0)
-    scale = tl.where(rank > 0, scale, 0.0)
-    offs_r = tl.arange(0, BLOCK_R)
-    rank8 = tl.minimum((rank + 7) // 8 * 8, max_rank)
-    k_load = offs_r < rank8
-    k_real = offs_r < rank
-    y_row = y_ptr + t * sy_t + (part * max_rank + offs_r) * sy_c
-    yv = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for p in tl.static_range(N_SPLITS):
-        yv += tl.load(y_row + p * sy_s, mask=k_load, other=0.0)
-    yv = tl.where(k_real, yv, 0.0).to(b_ptr.dtype.element_ty).to(tl.float32)[None, :]
-    b_rows = b_ptr + slot * sb_s + cols[:, None].to(tl.int64) * sb_n + offs_r[None, :] * sb_r
-    b_mask = d_mask[:, None] & k_load[None, :]
-    b1 = tl.where(k_real[None, :], tl.load(b_rows, mask=b_mask, other=0.0).to(tl.float32), 0.0)
-    b2 = tl.where(k_real[None, :], tl.load(b_rows + HALF * sb_n, mask=b_mask, other=0.0).to(tl.float32), 0.0)
-    x1 = (x1.to(tl.float32) + scale * tl.sum(b1 * yv, axis=1)).to(dt)
-    x2 = (x2.to(tl.float32) + scale * tl.sum(b2 * yv, axis=1)).to(dt)
+    slot, scale, k_load, k_real, yv = _lora_row(y_ptr, ranks_ptr, scal_ptr, slots_ptr, t, part, sy_s, sy_t, sy_c,
+                                                sr_s, sr_i, ss_s, ss_i, max_rank, b_ptr.dtype.element_ty,
+                                                BLOCK_R, N_SPLITS)
+    x1 = (x1.to(tl.float32) + _lora_cols(b_ptr, slot, scale, k_load, k_real, yv, cols, d_mask, sb_s, sb_n, sb_r,
+                                         BLOCK_R)).to(dt)
+    x2 = (x2.to(tl.float32) + _lora_cols(b_ptr, slot, scale, k_load, k_real, yv, cols + HALF, d_mask, sb_s, sb_n,
+                                         sb_r, BLOCK_R)).to(dt)
     head_d = in_part * dim + offs_d
     if part == 2:
         tl.store(v_ptr + t * stride_vt + head_d, x1, mask=d_mask)

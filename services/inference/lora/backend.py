@@ -21,6 +21,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
+# Groups whose expand the model can run inside its next fused kernel (`finish` may defer it).
+DEFERRABLE: tuple[str, ...] = ("qkv", "o", "down")
 
 
 class LoRABackend(ABC):
@@ -63,8 +65,8 @@ class LoRABackend(ABC):
         """Complete the group's delta, given `begin`'s token: add it to `out` in place (what `apply`
         does) and return None, or return it as a float32 `[T, width]` tensor that the caller adds
         (`dtype(float(out) + delta)`) before anything reads `out` and before the next `begin`. For
-        the `qkv` group only, it may instead return a `kernels.lora_expand.PendingExpand` (shrink
-        done): the caller then runs the expand, fused into its q/k/v split (or calls `delta()`),
-        before the next `begin`."""
+        a group in `DEFERRABLE` it may instead return a `kernels.lora_expand.PendingExpand` (shrink
+        done): the caller then runs the expand inside the kernel that reads `out` next (q/k/v split
+        + rotary, residual add + RMSNorm) or calls its `delta()`, before the next `begin`."""
         self.apply(layer, group, x, out)
         return None

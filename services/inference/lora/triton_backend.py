@@ -12,9 +12,10 @@ that reads the output next (`dtype(float(out) + delta)`, rounded as the in-place
 The fork and join are captured into the step's CUDA graph as parallel branches. Prefill
 steps run in place on the current stream: there both sides are compute-bound.
 
-In that mode the groups in `defer_expand` (q/k/v by default) run only their shrink beside the
-matmul and hand back a `PendingExpand`: the model's q/k/v split + rotary kernel computes the delta
-as it reads the output (one small latency-bound launch less on the critical path of a layer).
+In that mode the groups in `defer_expand` run only their shrink beside the matmul and hand back
+a `PendingExpand`: the model's next fused kernel (q/k/v split + rotary, residual add + RMSNorm)
+computes the delta as it reads the output, one small latency-bound launch less on a layer's
+critical path and no float32 delta written and read back.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from kernels.lora_configs import DECODE_MAX_TOKENS
 from kernels.lora_expand import PendingExpand, lora_expand
 from kernels.lora_meta import alloc_segments, build_segments
 from kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
-from services.inference.lora.backend import GROUPS, LoRABackend
+from services.inference.lora.backend import DEFERRABLE, GROUPS, LoRABackend
 from services.inference.lora.pool import AdapterPool
 
 
@@ -49,8 +50,8 @@ class TritonLoRABackend(LoRABackend):
         self._max_distinct: int | None = None
         self._delta: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
-        # Groups whose delta-mode expand is left to the model's next kernel (backend.py contract).
-        self.defer_expand: tuple[str, ...] = ("qkv",)
+        # Groups whose delta-mode expand is left to the model's next kernel (a subset of DEFERRABLE).
+        self.defer_expand: tuple[str, ...] = DEFERRABLE
         self.set_side_stream(side_stream)
 
     @property
