@@ -147,16 +147,6 @@ def main() -> int:
     for name, overrides in cands.items():
         run(name, overrides)
     cur = rows["current table"]
-    # Which groups' expands run inside the model's next fused kernel (TritonLoRABackend.defer_expand).
-    apply({})
-    deferred, fused = backend.defer_expand, {}
-    for groups in ((), ("qkv",), ("qkv", "o"), ("qkv", "down"), ("qkv", "o", "down")):
-        backend.defer_expand = groups
-        t8, t64, err = time_lora()
-        fused[",".join(groups) or "none"] = dict(ms_8=t8, ms_64=t64, logits_rel_err=err)
-        print(f"{'expands fused: ' + (', '.join(groups) or 'none'):<48} 8 adapters {t8:7.3f} ms "
-              f"({base / t8:.3f} of base)  64 adapters {t64:7.3f} ms  logits err {err:.1e}", flush=True)
-    backend.defer_expand = deferred
 
     def better(r: dict) -> bool:  # faster over both mixes together, and neither mix slower by > 0.5%
         return ("ms_8" in r and r["ms_8"] + r["ms_64"] < cur["ms_8"] + cur["ms_64"]
@@ -189,7 +179,6 @@ def main() -> int:
     print(f"{'cuBLASLt (base graph too)':<40} 8 adapters {lt8:7.3f} ms ({base_lt / lt8:.3f} of its base "
           f"{base_lt:.3f})  64 adapters {lt64:7.3f} ms", flush=True)
     res = dict(device=torch.cuda.get_device_name(), base_ms=base, rows=rows, winner=winner, tight_grid_8_ms=tight8,
-               fused_expands=fused,
                cublaslt=dict(base_ms=base_lt, ms_8=lt8, ms_64=lt64))
     (out / "decode_sweep.json").write_text(json.dumps(res, indent=1))
     (out / "lora_configs.json").write_text(json.dumps(rows[winner]["overrides"], indent=1))

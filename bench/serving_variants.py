@@ -1,6 +1,6 @@
 """The batch-64 rows of bench/serving.py again with one feature switched, in the same process:
-overlap scheduling off, the LoRA side stream the other way, and the q/k/v expand as its own launch
-instead of inside the q/k/v split + rotary kernel. Each variant checks that greedy outputs do not change.
+overlap scheduling off, and the LoRA side stream the other way. Each variant checks that greedy
+outputs do not change.
 
 Measured once on the H200 (docs/benchmarks.md) and dropped from here since: a high-priority side
 stream, and an SM carve-out for cuBLAS/cuBLASLt in the LoRA graphs (torch's
@@ -36,26 +36,16 @@ def run_variants(engine, run: Callable, mixed: list[tuple[int, int]], check_prom
     if not hasattr(backend, "set_side_stream"):
         return
     keys = sorted({(graphs.bucket(b), True) for b in [*(b for b, _ in mixed), 4]}) if graphs else []
-    res["greedy_variants_equal"] = {}
-
-    def variant(label: str, switch: Callable[[], None], restore: Callable[[], None],
-                rows: list[tuple[int, int]]) -> None:
-        switch()
-        try:
-            if graphs is not None:
-                graphs.recapture(keys)
-            res["greedy_variants_equal"][label] = greedy() == res["greedy_engine"]
-            for batch, distinct in rows:
-                run(batch, distinct, label)
-        finally:
-            restore()
-            if graphs is not None:
-                graphs.recapture(keys)
-
     side = backend.side_stream
-    variant("LoRA side stream" if not side else "LoRA serial", lambda: backend.set_side_stream(not side),
-            lambda: backend.set_side_stream(side), mixed)
-    deferred = backend.defer_expand
-    if side and deferred:
-        variant("q/k/v expand own launch", lambda: setattr(backend, "defer_expand", ()),
-                lambda: setattr(backend, "defer_expand", deferred), [m for m in mixed if m[0] == 64])
+    label = "LoRA side stream" if not side else "LoRA serial"
+    backend.set_side_stream(not side)
+    try:
+        if graphs is not None:
+            graphs.recapture(keys)
+        res["greedy_variants_equal"] = {label: greedy() == res["greedy_engine"]}
+        for batch, distinct in mixed:
+            run(batch, distinct, label)
+    finally:
+        backend.set_side_stream(side)
+        if graphs is not None:
+            graphs.recapture(keys)

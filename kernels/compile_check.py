@@ -13,13 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.fused_ops import (
-    _add_rms_norm_kernel,
-    _add_rms_norm_lora_kernel,
-    _qkv_rotary_kernel,
-    _qkv_rotary_lora_kernel,
-    _silu_mul_kernel,
-)
+from kernels.fused_ops import _add_rms_norm_kernel, _qkv_rotary_kernel, _silu_mul_kernel
 from kernels.lora_expand import _expand_kernel
 from kernels.lora_meta import _segments_kernel
 from kernels.lora_shrink import _shrink_kernel
@@ -39,12 +33,9 @@ KERNELS = {
     "expand_delta": (_expand_kernel, dict(COMMON, USE_PDL=False, N_SPLITS=1, TOK_STRIDE=128, EVEN_N=False,
                                           ACCUMULATE=False, BLOCK_N=128, BLOCK_R=64)),
     "add_rms_norm_delta": (_add_rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_DELTA=True)),
-    "add_rms_norm_lora": (_add_rms_norm_lora_kernel, dict(N=4096, BLOCK=4096, CHUNK=512, BLOCK_R=16, N_SPLITS=28)),
     "silu_mul_delta": (_silu_mul_kernel, dict(N=14336, BLOCK=1024, HAS_DELTA=True)),
     "qkv_rotary_delta": (_qkv_rotary_kernel, dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64,
                                                   HAS_DELTA=True)),
-    "qkv_rotary_lora": (_qkv_rotary_lora_kernel, dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_D=64, BLOCK_R=16,
-                                                      N_SPLITS=8)),
     "segments": (_segments_kernel, dict(S=64, BLOCK_S=128, BLOCK_T=256, BLOCK_B=32, M0=16, M1=32, M2=64, M3=128)),
     "qkv_rotary": (_qkv_rotary_kernel, dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64,
                                             HAS_DELTA=False)),

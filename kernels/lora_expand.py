@@ -23,8 +23,6 @@ Rows of tokens without an adapter are not written in either mode.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -34,32 +32,6 @@ from kernels.lora_launch import launch_kwargs
 from kernels.lora_meta import LoRASegments, num_blocks_bound
 
 MAX_STACK = 3
-
-
-class PendingExpand(NamedTuple):
-    """A group's expand left to the kernel that reads the group's output next (its shrink has run).
-
-    A decode step's q/k/v expand is small and latency-bound; the q/k/v split + rotary kernel
-    (`kernels.fused_ops.qkv_rotary`) already visits every output column once per token, so it
-    computes the delta there instead of a separate launch writing and re-reading it. `delta()`
-    computes it with `lora_expand` for any other reader (the torch code paths, checks).
-    """
-
-    y: torch.Tensor  # float32 `[S, T, n*R]` shrink partials
-    b: torch.Tensor  # `[slots, sum(widths), R]`
-    ranks: torch.Tensor  # int32 `[slots, n]`
-    scalings: torch.Tensor  # float32 `[slots, n]`
-    segs: LoRASegments
-    widths: tuple[int, ...]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.y.shape[-2]
-
-    def delta(self) -> torch.Tensor:
-        """The float32 `[T, sum(widths)]` delta (zeros for tokens without adapter)."""
-        out = torch.zeros(self.num_tokens, sum(self.widths), dtype=torch.float32, device=self.y.device)
-        return lora_expand(self.y, self.b, self.ranks, self.scalings, self.segs, out, self.widths, accumulate=False)
 
 
 @triton.jit

@@ -12,8 +12,6 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from kernels.lora_expand import PendingExpand
-
 # group -> the PEFT module names stacked in it, in output order.
 GROUPS: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),
@@ -21,8 +19,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "gate_up": ("gate_proj", "up_proj"),
     "down": ("down_proj",),
 }
-# Groups whose expand the model can run inside its next fused kernel (`finish` may defer it).
-DEFERRABLE: tuple[str, ...] = ("qkv", "o", "down")
 
 
 class LoRABackend(ABC):
@@ -61,12 +57,9 @@ class LoRABackend(ABC):
 
     def finish(
         self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, started: object
-    ) -> torch.Tensor | PendingExpand | None:
+    ) -> torch.Tensor | None:
         """Complete the group's delta, given `begin`'s token: add it to `out` in place (what `apply`
         does) and return None, or return it as a float32 `[T, width]` tensor that the caller adds
-        (`dtype(float(out) + delta)`) before anything reads `out` and before the next `begin`. For
-        a group in `DEFERRABLE` it may instead return a `kernels.lora_expand.PendingExpand` (shrink
-        done): the caller then runs the expand inside the kernel that reads `out` next (q/k/v split
-        + rotary, residual add + RMSNorm) or calls its `delta()`, before the next `begin`."""
+        (`dtype(float(out) + delta)`) before anything reads `out` and before the next `begin`."""
         self.apply(layer, group, x, out)
         return None

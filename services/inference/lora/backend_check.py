@@ -13,7 +13,6 @@ import random
 
 import torch
 
-from kernels.lora_expand import PendingExpand
 from services.inference.lora.adapter import AdapterWeights
 from services.inference.lora.backend import GROUPS
 from services.inference.lora.config import AdapterSpec, ModuleLoRA
@@ -72,8 +71,6 @@ def run(shapes: ModelShapes, num_tokens: int, slots: int, max_rank: int, dtype: 
             # begin/finish (the side-stream path: delta buffer, then one add) must round as apply does.
             c = base.clone()
             pending = side.finish(layer, group, x, c, side.begin(layer, group, x))
-            if isinstance(pending, PendingExpand):  # q/k/v: expand left to the model's split kernel
-                pending = pending.delta()
             if pending is not None:
                 c.add_(pending)
             side_equal = side_equal and torch.equal(b, c)

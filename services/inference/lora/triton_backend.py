@@ -11,11 +11,6 @@ and `finish` joins the streams and hands the delta back; the model adds it insid
 that reads the output next (`dtype(float(out) + delta)`, rounded as the in-place expand rounds).
 The fork and join are captured into the step's CUDA graph as parallel branches. Prefill
 steps run in place on the current stream: there both sides are compute-bound.
-
-In that mode the groups in `defer_expand` run only their shrink beside the matmul and hand back
-a `PendingExpand`: the model's next fused kernel (q/k/v split + rotary, residual add + RMSNorm)
-computes the delta as it reads the output, one small latency-bound launch less on a layer's
-critical path and no float32 delta written and read back.
 """
 
 from __future__ import annotations
@@ -25,10 +20,10 @@ from contextlib import nullcontext
 import torch
 
 from kernels.lora_configs import DECODE_MAX_TOKENS
-from kernels.lora_expand import PendingExpand, lora_expand
+from kernels.lora_expand import lora_expand
 from kernels.lora_meta import alloc_segments, build_segments
 from kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
-from services.inference.lora.backend import DEFERRABLE, GROUPS, LoRABackend
+from services.inference.lora.backend import GROUPS, LoRABackend
 from services.inference.lora.pool import AdapterPool
 
 
@@ -50,8 +45,6 @@ class TritonLoRABackend(LoRABackend):
         self._max_distinct: int | None = None
         self._delta: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
-        # Groups whose delta-mode expand is left to the model's next kernel (a subset of DEFERRABLE).
-        self.defer_expand: tuple[str, ...] = DEFERRABLE
         self.set_side_stream(side_stream)
 
     @property
@@ -89,18 +82,15 @@ class TritonLoRABackend(LoRABackend):
     def _uses_delta(self) -> bool:
         return self._delta is not None and self._num_tokens <= self._delta.shape[0]
 
-    def _shrink(self, layer: int, group: str, x: torch.Tensor) -> PendingExpand:
+    def _run(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
         pool = self.pool
         n_cols = len(GROUPS[group]) * pool.max_rank
         y = shrink_out_view(self._shrink_buf, x.shape[1], self._num_tokens)[..., :n_cols]
-        lora_shrink(x, pool.lora_a[group][layer], pool.rank[group][layer], self.segments, y,
-                    max_distinct=self._max_distinct)
-        return PendingExpand(y, pool.lora_b[group][layer], pool.rank[group][layer], pool.scaling[group][layer],
-                             self.segments, self._widths[group])
-
-    def _run(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
-        y, b, ranks, scaling, segs, widths = self._shrink(layer, group, x)
-        lora_expand(y, b, ranks, scaling, segs, out, widths, accumulate=accumulate, max_distinct=self._max_distinct)
+        ranks, widths = pool.rank[group][layer], self._widths[group]
+        a, b, scaling = pool.lora_a[group][layer], pool.lora_b[group][layer], pool.scaling[group][layer]
+        k = self._max_distinct
+        lora_shrink(x, a, ranks, self.segments, y, max_distinct=k)
+        lora_expand(y, b, ranks, scaling, self.segments, out, widths, accumulate=accumulate, max_distinct=k)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         if group in self._widths:
@@ -114,17 +104,15 @@ class TritonLoRABackend(LoRABackend):
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())
         with side:
-            if group in self.defer_expand:
-                return self._shrink(layer, group, x)  # read once the streams join (`finish`)
             self._run(layer, group, x, delta, accumulate=False)
         return delta
 
     def finish(
         self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, started: object
-    ) -> torch.Tensor | PendingExpand | None:
+    ) -> torch.Tensor | None:
         if started is None:
             self.apply(layer, group, x, out)
             return None
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
-        return started  # the float32 delta (or the pending expand) for the model's next fused kernel
+        return started  # the float32 delta: the model adds it inside its next fused kernel

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fused_ops import add_rms_norm, qkv_rotary, qkv_rotary_ref, rms_norm, silu_and_mul
-from kernels.lora_expand import PendingExpand
 from services.inference.models.config import ModelConfig
 from services.inference.models.context import ForwardContext
 from services.inference.models.rope import RotaryEmbedding
@@ -58,12 +57,11 @@ class Addend(NamedTuple):
     """A linear's output and the float32 LoRA delta still to be added to it (None: nothing pending)."""
 
     out: torch.Tensor
-    delta: torch.Tensor | PendingExpand | None = None  # PendingExpand: q/k/v only (lora/backend.py)
+    delta: torch.Tensor | None = None
 
     def materialize(self) -> torch.Tensor:
-        delta = self.delta.delta() if isinstance(self.delta, PendingExpand) else self.delta
-        if delta is not None:
-            self.out.add_(delta)  # dtype(float(out) + delta), as the in-place expand rounds
+        if self.delta is not None:
+            self.out.add_(self.delta)  # dtype(float(out) + delta), as the in-place expand rounds
         return self.out
 
 
