@@ -48,10 +48,10 @@ def entries(kind: str, key: str) -> list[int]:
     return list(c.__dict__.values())
 
 
-def expand_with(**changes: int) -> dict:
-    names = ["block_m", "block_n", "chunk_n", "num_warps", "num_stages"]
+def expand_with(groups: tuple[str, ...] = tuple(R16), **changes: int) -> dict:
+    names = ["block_m", "block_n", "chunk_n", "num_warps", "num_stages", "rows"]
     out = {}
-    for key in R16.values():
+    for key in (R16[g] for g in groups):
         row = entries("expand", key)
         for name, value in changes.items():
             row[names.index(name)] = value
@@ -72,11 +72,19 @@ def shrink_with(groups: tuple[str, ...], **changes: int) -> dict:
 
 
 def candidates() -> dict[str, dict]:
-    """Single changes around the current table. Rounds 1-3 (docs/benchmarks.md) left the block sizes
-    at a local optimum (round 3: a one-token-at-a-time expand kernel lost by 9-70%)."""
+    """Single changes around the current table. Rounds 1-4 (docs/benchmarks.md) left the block sizes
+    at a local optimum and lost with one-token-at-a-time and fused expands; round 5 tries the expand
+    over blocks of consecutive tokens whatever their slots (`ExpandConfig.rows`)."""
+    rows = dict(rows=1, num_stages=2)
     return {
         "current table": {},
-        "expand chunk 128": expand_with(chunk_n=128),
+        "expand rows, block_n 64": expand_with(block_n=64, chunk_n=64, **rows),
+        "expand rows, block_n 32": expand_with(block_n=32, chunk_n=32, **rows),
+        "expand rows, block_n 16": expand_with(block_n=16, chunk_n=16, **rows),
+        "expand rows, block_n 32, chunk 64": expand_with(block_n=32, chunk_n=64, **rows),
+        "expand rows, block_n 32, 2 warps": expand_with(block_n=32, chunk_n=32, num_warps=2, **rows),
+        "expand rows, block_n 64, 8 warps": expand_with(block_n=64, chunk_n=64, num_warps=8, **rows),
+        "expand rows, block_n 32, not gate_up": expand_with(("qkv", "o_down"), block_n=32, chunk_n=32, **rows),
     }
 
 
