@@ -49,7 +49,7 @@ def entries(kind: str, key: str) -> list[int]:
 
 
 def expand_with(groups: tuple[str, ...] = tuple(R16), **changes: int) -> dict:
-    names = ["block_m", "block_n", "chunk_n", "num_warps", "num_stages", "rows"]
+    names = ["block_m", "block_n", "chunk_n", "num_warps", "num_stages"]
     out = {}
     for key in (R16[g] for g in groups):
         row = entries("expand", key)
@@ -72,19 +72,15 @@ def shrink_with(groups: tuple[str, ...], **changes: int) -> dict:
 
 
 def candidates() -> dict[str, dict]:
-    """Single changes around the current table. Rounds 1-4 (docs/benchmarks.md) left the block sizes
-    at a local optimum and lost with one-token-at-a-time and fused expands; round 5 tries the expand
-    over blocks of consecutive tokens whatever their slots (`ExpandConfig.rows`)."""
-    rows = dict(rows=1, num_stages=2)
+    """Single changes around the current table. Rounds 1-5 (docs/benchmarks.md) left the block sizes
+    at a local optimum; other kernel shapes (one token at a time, expands fused into the next kernel,
+    blocks of consecutive tokens with a block-diagonal product) lost."""
     return {
         "current table": {},
-        "expand rows, block_n 64": expand_with(block_n=64, chunk_n=64, **rows),
-        "expand rows, block_n 32": expand_with(block_n=32, chunk_n=32, **rows),
-        "expand rows, block_n 16": expand_with(block_n=16, chunk_n=16, **rows),
-        "expand rows, block_n 32, chunk 64": expand_with(block_n=32, chunk_n=64, **rows),
-        "expand rows, block_n 32, 2 warps": expand_with(block_n=32, chunk_n=32, num_warps=2, **rows),
-        "expand rows, block_n 64, 8 warps": expand_with(block_n=64, chunk_n=64, num_warps=8, **rows),
-        "expand rows, block_n 32, not gate_up": expand_with(("qkv", "o_down"), block_n=32, chunk_n=32, **rows),
+        "expand chunk 512": expand_with(chunk_n=512),
+        "expand block_n 128": expand_with(block_n=128),
+        "splits 4 / 14": {"splits": {"decode|4096": 4, "decode|14336": 14}},
+        "shrink K step 256 (qkv, gate_up)": shrink_with(("qkv", "gate_up"), block_k=256),
     }
 
 

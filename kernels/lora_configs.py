@@ -45,9 +45,6 @@ class ExpandConfig:
     chunk_n: int  # output columns per program (a multiple of block_n)
     num_warps: int
     num_stages: int
-    # 1: blocks of `block_m` consecutive tokens whatever their slots (`_expand_rows_kernel`), for
-    # decode steps where most tokens have their own adapter; pool ranks <= 16 only.
-    rows: int = 0
 
 
 def family(num_tokens: int) -> str:

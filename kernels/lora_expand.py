@@ -35,17 +35,6 @@ MAX_STACK = 3
 
 
 @triton.jit
-def _chunk_place(pid_n, w0, w1, w2, nc0, nc1):
-    """(stack, chunk within it, stack width, stack's first column) of column chunk `pid_n`: chunks
-    never straddle two stacks, stack i owns nc_i = cdiv(w_i, chunk_n) chunks."""
-    stack = (pid_n >= nc0).to(tl.int32) + (pid_n >= nc0 + nc1).to(tl.int32)
-    chunk = pid_n - tl.where(stack == 0, 0, tl.where(stack == 1, nc0, nc0 + nc1))
-    width = tl.where(stack == 0, w0, tl.where(stack == 1, w1, w2))
-    col0 = tl.where(stack == 0, 0, tl.where(stack == 1, w0, w0 + w1))
-    return stack, chunk, width, col0
-
-
-@triton.jit
 def _expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scal_ptr, bslot_ptr, btok_ptr,
     max_rank, w0, w1, w2, nc0, nc1, chunk_n,
@@ -63,7 +52,11 @@ def _expand_kernel(
     tok = tl.load(btok_ptr + pid_b * TOK_STRIDE + tl.arange(0, BLOCK_M))
     if slot < 0:
         return
-    stack, chunk, width, col0 = _chunk_place(pid_n, w0, w1, w2, nc0, nc1)
+    # Chunks never straddle two stacks: stack i owns nc_i = cdiv(w_i, chunk_n) chunks.
+    stack = (pid_n >= nc0).to(tl.int32) + (pid_n >= nc0 + nc1).to(tl.int32)
+    chunk = pid_n - tl.where(stack == 0, 0, tl.where(stack == 1, nc0, nc0 + nc1))
+    width = tl.where(stack == 0, w0, tl.where(stack == 1, w1, w2))
+    col0 = tl.where(stack == 0, 0, tl.where(stack == 1, w0, w0 + w1))
     rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
     scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i)
     if ACCUMULATE and rank == 0:
@@ -113,68 +106,6 @@ def _expand_kernel(
             tl.store(o_ptrs, (scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
-def _expand_rows_kernel(
-    y_ptr, b_ptr, out_ptr, ranks_ptr, scal_ptr, slots_ptr, num_tokens,
-    max_rank, w0, w1, w2, nc0, nc1, chunk_n,
-    sy_s, sy_t, sy_c, sb_s, sb_n, sb_r, so_t, so_n, sr_s, sr_i, ss_s, ss_i,
-    N_SPLITS: tl.constexpr, PRECISION: tl.constexpr, EVEN_N: tl.constexpr, ACCUMULATE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """`_expand_kernel` over blocks of BLOCK_M consecutive tokens, each with its own slot: when most
-    tokens of a decode step have their own adapter, a slot-grouped block holds one token, and each
-    program pays its metadata and `y` round trips for one token's B tile. Here one tensor-core
-    product serves the block: the tokens' `y` rows laid out block-diagonally, `[M, M*R]`, times their
-    slots' B tiles stacked along the rank, `[M*R, N]` (the off-diagonal zeros cost FLOPs, not bytes)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    stack, chunk, width, col0 = _chunk_place(pid_n, w0, w1, w2, nc0, nc1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(slots_ptr + offs_m, mask=offs_m < num_tokens, other=-1)
-    on = slot >= 0
-    if tl.max(on.to(tl.int32), 0) == 0:
-        return  # no token of the block has an adapter
-    slot = tl.where(on, slot, 0).to(tl.int64)
-    rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i, mask=on, other=0)
-    scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i, mask=on, other=0.0)
-    scale = tl.where(rank > 0, scale, 0.0)
-    offs_r = tl.arange(0, BLOCK_R)
-    # Loads masked at each token's rank rounded up to 8 (whole 16-byte vectors), as _expand_kernel.
-    rank8 = tl.minimum((rank + 7) // 8 * 8, max_rank)
-    k_load = offs_r[None, :] < rank8[:, None]
-    k_real = offs_r[None, :] < rank[:, None]
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * sy_t + (stack * max_rank + offs_r)[None, :] * sy_c
-    yt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for p in tl.static_range(N_SPLITS):
-        yt += tl.load(y_ptrs + p * sy_s, mask=k_load, other=0.0)
-    yt = tl.where(k_real, yt, 0.0).to(b_ptr.dtype.element_ty)
-    diag = tl.arange(0, BLOCK_M)[:, None, None] == tl.arange(0, BLOCK_M)[None, :, None]
-    y_bd = tl.reshape(tl.where(diag, yt[None, :, :], 0.0).to(b_ptr.dtype.element_ty), (BLOCK_M, BLOCK_M * BLOCK_R))
-    b_rows = b_ptr + slot[:, None, None] * sb_s + offs_r[None, :, None] * sb_r
-    b_mask = k_load[:, :, None]
-    n_begin = chunk * chunk_n
-    n_end = tl.minimum(n_begin + chunk_n, width)
-    o_rows = out_ptr + offs_m[:, None].to(tl.int64) * so_t
-    for n0 in range(n_begin, n_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        cols = (col0 + offs_n).to(tl.int64)
-        if EVEN_N:
-            bt = tl.load(b_rows + cols[None, None, :] * sb_n, mask=b_mask, other=0.0)
-            o_mask = on[:, None]
-        else:
-            n_mask = offs_n < n_end
-            bt = tl.load(b_rows + cols[None, None, :] * sb_n, mask=b_mask & n_mask[None, None, :], other=0.0)
-            o_mask = on[:, None] & n_mask[None, :]
-        bt = tl.reshape(tl.where(k_real[:, :, None], bt, 0.0), (BLOCK_M * BLOCK_R, BLOCK_N))
-        acc = scale[:, None] * tl.dot(y_bd, bt, input_precision=PRECISION)
-        o_ptrs = o_rows + cols[None, :] * so_n
-        if ACCUMULATE:
-            prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
-            tl.store(o_ptrs, (prev.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=o_mask)
-        else:
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
-
-
 def _check_widths(widths: tuple[int, ...], ranks: torch.Tensor, B: torch.Tensor, out: torch.Tensor) -> None:
     if not 1 <= len(widths) <= MAX_STACK or len(widths) != ranks.shape[1]:
         raise ValueError(f"widths {widths} must have 1..{MAX_STACK} entries, one per stacked module")
@@ -210,22 +141,9 @@ def lora_expand(
     y3 = y.unsqueeze(0) if y.dim() == 2 else y
     w = tuple(widths) + (0,) * (MAX_STACK - len(widths))
     cfg = config or expand_config(total_width, len(widths), max_rank, num_tokens)
+    bslot, btok = segs.blocks_for(cfg.block_m)
     chunk_n = max(cfg.chunk_n // cfg.block_n, 1) * cfg.block_n
     n_chunks = [triton.cdiv(wi, chunk_n) for wi in w]
-    if cfg.rows and max_rank <= 16:
-        _expand_rows_kernel[(sum(n_chunks), triton.cdiv(num_tokens, cfg.block_m))](
-            y3, B, out, ranks, scalings, segs.token_slots, num_tokens,
-            max_rank, w[0], w[1], w[2], n_chunks[0], n_chunks[1], chunk_n,
-            y3.stride(0), y3.stride(1), y3.stride(2), B.stride(0), B.stride(1), B.stride(2),
-            out.stride(0), out.stride(1), ranks.stride(0), ranks.stride(1),
-            scalings.stride(0), scalings.stride(1),
-            N_SPLITS=y3.shape[0], EVEN_N=all(wi % cfg.block_n == 0 for wi in widths), ACCUMULATE=accumulate,
-            PRECISION="ieee" if B.dtype == torch.float32 else "tf32",
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=16,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        return out
-    bslot, btok = segs.blocks_for(cfg.block_m)
     slots_bound = num_slots if max_distinct is None else min(num_slots, max_distinct)
     grid = (sum(n_chunks), num_blocks_bound(num_tokens, slots_bound, cfg.block_m))
     _expand_kernel[grid](
