@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from services.inference.engine.attention import AttentionMetadata, PrefillSegment, TorchPagedAttention
@@ -97,7 +98,8 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         segments: list[PrefillSegment] = []
-        ctx_slots: list[int] = []
+        ctx_parts: list[np.ndarray] = []  # per prefill chunk: the KV slots of its whole context
+        num_ctx = 0
         max_decode_blocks = 1
         for chunk in chunks:
             n, start, table = len(chunk.token_ids), chunk.start_pos, chunk.block_table
@@ -115,15 +117,19 @@ class ModelRunner:
                 max_decode_blocks = max(max_decode_blocks, nblocks)
                 continue
             ids.extend(chunk.token_ids)
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(table[p // page] * page + p % page for p in pos)
+            positions.extend(range(start, start + n))
+            ctx_len = start + n
+            # Slots of positions 0..ctx_len-1: each page's block id times the page size plus the offset
+            # (vectorized: a long context would otherwise cost a Python loop per position per chunk).
+            blocks = np.asarray(table[: -(-ctx_len // page)], dtype=np.int64)
+            ctx = (blocks[:, None] * page + np.arange(page)).reshape(-1)[:ctx_len]
+            slots.extend(ctx[start:].tolist())
             token_slots.extend([chunk.lora_slot] * n)
             if chunk.sample:
                 sample_rows.append(q_start + n - 1)
-            ctx_len = start + n
-            segments.append(PrefillSegment(q_start, n, len(ctx_slots), ctx_len))
-            ctx_slots.extend(table[p // page] * page + p % page for p in range(ctx_len))
+            segments.append(PrefillSegment(q_start, n, num_ctx, ctx_len))
+            ctx_parts.append(ctx)
+            num_ctx += ctx_len
 
         if self.cuda_graphs is not None and not segments:
             logits = self.cuda_graphs.run(
@@ -144,7 +150,8 @@ class ModelRunner:
             host = torch.tensor(padded, dtype=torch.int64, pin_memory=self._pin)
             tables_t.copy_(host, non_blocking=True)
         lens_t = self._upload(self.decode_context_lens, decode_lens)
-        ctx_t = torch.tensor(ctx_slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        ctx_host = torch.from_numpy(np.concatenate(ctx_parts)) if ctx_parts else torch.empty(0, dtype=torch.int64)
+        ctx_t = ctx_host.to(self.device, non_blocking=True)
         self.attention.begin(AttentionMetadata(slot_t, nd, tables_t, lens_t, segments, ctx_t))
 
         lora = None
