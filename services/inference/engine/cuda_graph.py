@@ -72,6 +72,7 @@ class DecodeGraphs:
         self.token_slots.fill_(-1)
         self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, with LoRA)
+        self._pool = None  # one memory pool for every graph, made by the first capture
         self._inputs_copied: torch.cuda.Event | None = None
 
     def _forward(self, bs: int, with_lora: bool) -> None:
@@ -91,7 +92,6 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
-        self._pool = torch.cuda.graph_pool_handle()
         modes = (False, True) if self.lora is not None else (False,)
         self.recapture([(bs, on) for bs in reversed(self.ladder) for on in modes])
         torch.cuda.synchronize()
@@ -104,8 +104,10 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def recapture(self, keys: list[tuple[int, bool]]) -> None:
-        """(Re)capture the graphs for these (batch size, with LoRA) keys into the pool of
-        `capture` (benchmarks use it after switching a backend option)."""
+        """(Re)capture the graphs for these (batch size, with LoRA) keys into the graphs' memory
+        pool (benchmarks use it after switching a backend option)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for bs, with_lora in keys:
             # Eager warm-up on a side stream (Triton compiles, cuBLAS picks kernels) before capture.
