@@ -48,10 +48,10 @@ def entries(kind: str, key: str) -> list[int]:
     return list(c.__dict__.values())
 
 
-def expand_with(groups: tuple[str, ...] = tuple(R16), **changes: int) -> dict:
+def expand_with(**changes: int) -> dict:
     names = ["block_m", "block_n", "chunk_n", "num_warps", "num_stages"]
     out = {}
-    for key in (R16[g] for g in groups):
+    for key in R16.values():
         row = entries("expand", key)
         for name, value in changes.items():
             row[names.index(name)] = value
