@@ -49,7 +49,7 @@ def entries(kind: str, key: str) -> list[int]:
 
 
 def expand_with(**changes: int) -> dict:
-    names = ["block_m", "block_n", "chunk_n", "num_warps", "num_stages"]
+    names = ["block_m", "block_n", "chunk_n", "num_warps", "num_stages", "per_token"]
     out = {}
     for key in R16.values():
         row = entries("expand", key)
@@ -73,14 +73,18 @@ def shrink_with(groups: tuple[str, ...], **changes: int) -> dict:
 
 def candidates() -> dict[str, dict]:
     """Single changes around the current table. Rounds 1-5 (docs/benchmarks.md) left the block sizes
-    at a local optimum; other kernel shapes (one token at a time, expands fused into the next kernel,
-    blocks of consecutive tokens with a block-diagonal product) lost."""
+    at a local optimum, and three other expand shapes lost; round 6 tries one program per token
+    (`ExpandConfig.per_token`: no segment map, no tensor-core tile, small code)."""
     return {
         "current table": {},
-        "expand chunk 512": expand_with(chunk_n=512),
-        "expand block_n 128": expand_with(block_n=128),
-        "splits 4 / 14": {"splits": {"decode|4096": 4, "decode|14336": 14}},
-        "shrink K step 256 (qkv, gate_up)": shrink_with(("qkv", "gate_up"), block_k=256),
+        "expand per token, block_n 128": expand_with(per_token=1, block_n=128, chunk_n=128),
+        "expand per token, block_n 256": expand_with(per_token=1, block_n=256, chunk_n=256),
+        "expand per token, block_n 512": expand_with(per_token=1, block_n=512, chunk_n=512),
+        "expand per token, block_n 128, chunk 512": expand_with(per_token=1, block_n=128, chunk_n=512),
+        "expand per token, block_n 256, 2 warps": expand_with(per_token=1, block_n=256, chunk_n=256, num_warps=2),
+        "expand per token, block_n 512, 8 warps": expand_with(per_token=1, block_n=512, chunk_n=512, num_warps=8),
+        "expand per token, block_n 1024, 8 warps": expand_with(per_token=1, block_n=1024, chunk_n=1024,
+                                                             num_warps=8),
     }
 
 

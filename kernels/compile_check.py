@@ -14,7 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels.fused_ops import _add_rms_norm_kernel, _qkv_rotary_kernel, _silu_mul_kernel
-from kernels.lora_expand import _expand_kernel
+from kernels.lora_expand import _expand_kernel, _expand_token_kernel
 from kernels.lora_meta import _segments_kernel
 from kernels.lora_shrink import _shrink_kernel
 
@@ -32,6 +32,10 @@ KERNELS = {
                                                ACCUMULATE=True, BLOCK_N=256, BLOCK_R=16)),
     "expand_delta": (_expand_kernel, dict(COMMON, USE_PDL=False, N_SPLITS=1, TOK_STRIDE=128, EVEN_N=False,
                                           ACCUMULATE=False, BLOCK_N=128, BLOCK_R=64)),
+    "expand_token_delta": (_expand_token_kernel, dict(N_SPLITS=8, EVEN_N=True, ACCUMULATE=False, BLOCK_N=128,
+                                                      BLOCK_R=16)),
+    "expand_token_accumulate": (_expand_token_kernel, dict(N_SPLITS=1, EVEN_N=False, ACCUMULATE=True, BLOCK_N=64,
+                                                           BLOCK_R=64)),
     "add_rms_norm_delta": (_add_rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_DELTA=True)),
     "silu_mul_delta": (_silu_mul_kernel, dict(N=14336, BLOCK=1024, HAS_DELTA=True)),
     "qkv_rotary_delta": (_qkv_rotary_kernel, dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64,

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 
+from kernels.lora_configs import expand_config
 from kernels.lora_expand import lora_expand, lora_expand_ref
 from kernels.lora_meta import (
     BLOCK_MS,
@@ -37,6 +39,7 @@ class Case(NamedTuple):
     dtype: str
     splits: int | None = None  # None: the table's choice (shrink_out_view)
     slot_pattern: str = "random"  # random | one_big | none | distinct (one token per slot)
+    per_token: bool = False  # expand with one program per token (ExpandConfig.per_token)
 
 
 class CaseResult(NamedTuple):
@@ -142,9 +145,10 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     valid = ~ys_ref.isnan()
     shrink_err = _rel(ys[valid], ys_ref[valid]) if bool(valid.any()) else 0.0
 
+    cfg = replace(expand_config(sum(case.widths), n, R, case.num_tokens), per_token=int(case.per_token))
     out0 = rand(case.num_tokens, sum(case.widths))
     out, out_ref = out0.clone(), out0.clone()
-    lora_expand(y, B, ranks, scalings, segs, out, case.widths)
+    lora_expand(y, B, ranks, scalings, segs, out, case.widths, config=cfg)
     lora_expand_ref(y_ref, B, ranks, scalings, segs, out_ref, case.widths)
     no_adapter = slots < 0
     untouched = bool(torch.equal(out[no_adapter], out0[no_adapter]))
@@ -155,7 +159,7 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     # Delta mode (the LoRA side stream): poisoned float32 buffer, adapter rows written in full.
     delta = torch.full((case.num_tokens, sum(case.widths)), float("nan"), device=device)
     delta_ref = delta.clone()
-    lora_expand(y, B, ranks, scalings, segs, delta, case.widths, accumulate=False)
+    lora_expand(y, B, ranks, scalings, segs, delta, case.widths, config=cfg, accumulate=False)
     lora_expand_ref(y_ref, B, ranks, scalings, segs, delta_ref, case.widths, accumulate=False)
     has = ~no_adapter
     delta_err = _rel(delta[has], delta_ref[has]) if bool(has.any()) else 0.0
@@ -166,7 +170,7 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     distinct = len({int(v) for v in slots.tolist() if v >= 0})
     y_t, out_t = torch.full_like(y, float("nan")), out0.clone()
     lora_shrink(x, A, ranks, segs, y_t, max_distinct=distinct)
-    lora_expand(y_t, B, ranks, scalings, segs, out_t, case.widths, max_distinct=distinct)
+    lora_expand(y_t, B, ranks, scalings, segs, out_t, case.widths, config=cfg, max_distinct=distinct)
     tight = bool(torch.equal(out_t, out))
     return CaseResult(case.name, shrink_err, expand_err, written, untouched, y.shape[0], delta_norm,
                       delta_err, adds_up, delta_untouched, tight)
@@ -188,6 +192,17 @@ CASES: tuple[Case, ...] = (
     Case("no_adapter_tokens_fp32", 12, 40, (16, 8), 8, ((8, 8),), "float32", slot_pattern="none"),
     Case("token_per_adapter_fp32", 8, 64, (32,), 8, tuple((8,) for _ in range(10)), "float32",
          slot_pattern="distinct"),
+    # One program per token: GQA stacks of uneven widths, K-split partials, mixed ranks (a rank-64
+    # pool too), a pool rank that is not a power of 2, no adapters, one token per slot, a long segment.
+    Case("per_token_qkv_gqa_fp32_split3", 37, 200, (48, 16, 16), 16, R4, "float32", splits=3, per_token=True),
+    Case("per_token_qkv_gqa_fp16", 37, 200, (48, 16, 16), 16, R4, "float16", splits=2, per_token=True),
+    Case("per_token_gate_up_rank64_fp16", 20, 72, (96, 96), 64, ((64, 64), (4, 0), (0, 16), (1, 64)), "float16",
+         per_token=True),
+    Case("per_token_rank_not_multiple_of_8_fp32", 7, 48, (24, 40), 12, ((12, 5), (3, 12)), "float32", per_token=True),
+    Case("per_token_distinct_fp32", 10, 64, (32,), 8, tuple((8,) for _ in range(10)), "float32",
+         slot_pattern="distinct", per_token=True),
+    Case("per_token_one_big_fp16", 40, 24, (20,), 8, ((8,), (4,)), "float16", slot_pattern="one_big", per_token=True),
+    Case("per_token_no_adapter_fp32", 12, 40, (16, 8), 8, ((8, 8),), "float32", slot_pattern="none", per_token=True),
 )
 
 

@@ -45,6 +45,9 @@ class ExpandConfig:
     chunk_n: int  # output columns per program (a multiple of block_n)
     num_warps: int
     num_stages: int
+    # 1: one program per token and column chunk (`_expand_token_kernel`, no tensor-core tile),
+    # for decode steps where most tokens have their own adapter.
+    per_token: int = 0
 
 
 def family(num_tokens: int) -> str:

@@ -35,6 +35,17 @@ MAX_STACK = 3
 
 
 @triton.jit
+def _chunk_place(pid_n, w0, w1, w2, nc0, nc1):
+    """(stack, chunk within it, stack width, stack's first column) of column chunk `pid_n`: chunks
+    never straddle two stacks, stack i owns nc_i = cdiv(w_i, chunk_n) chunks."""
+    stack = (pid_n >= nc0).to(tl.int32) + (pid_n >= nc0 + nc1).to(tl.int32)
+    chunk = pid_n - tl.where(stack == 0, 0, tl.where(stack == 1, nc0, nc0 + nc1))
+    width = tl.where(stack == 0, w0, tl.where(stack == 1, w1, w2))
+    col0 = tl.where(stack == 0, 0, tl.where(stack == 1, w0, w0 + w1))
+    return stack, chunk, width, col0
+
+
+@triton.jit
 def _expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scal_ptr, bslot_ptr, btok_ptr,
     max_rank, w0, w1, w2, nc0, nc1, chunk_n,
@@ -52,11 +63,7 @@ def _expand_kernel(
     tok = tl.load(btok_ptr + pid_b * TOK_STRIDE + tl.arange(0, BLOCK_M))
     if slot < 0:
         return
-    # Chunks never straddle two stacks: stack i owns nc_i = cdiv(w_i, chunk_n) chunks.
-    stack = (pid_n >= nc0).to(tl.int32) + (pid_n >= nc0 + nc1).to(tl.int32)
-    chunk = pid_n - tl.where(stack == 0, 0, tl.where(stack == 1, nc0, nc0 + nc1))
-    width = tl.where(stack == 0, w0, tl.where(stack == 1, w1, w2))
-    col0 = tl.where(stack == 0, 0, tl.where(stack == 1, w0, w0 + w1))
+    stack, chunk, width, col0 = _chunk_place(pid_n, w0, w1, w2, nc0, nc1)
     rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
     scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i)
     if ACCUMULATE and rank == 0:
@@ -106,6 +113,58 @@ def _expand_kernel(
             tl.store(o_ptrs, (scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
+@triton.jit
+def _expand_token_kernel(
+    y_ptr, b_ptr, out_ptr, ranks_ptr, scal_ptr, slots_ptr,
+    max_rank, w0, w1, w2, nc0, nc1, chunk_n,
+    sy_s, sy_t, sy_c, sb_s, sb_n, sb_r, so_t, so_n, sr_s, sr_i, ss_s, ss_i,
+    N_SPLITS: tl.constexpr, EVEN_N: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """`_expand_kernel` with one program per (column chunk, token): the token's slot straight from
+    the step's slots (no segment map), its `y` row, and `[BLOCK_N, R]` tiles of its slot's B reduced
+    over the rank in registers (fp32 sums of B-dtype products), no tensor-core tile or shared memory."""
+    pid_n = tl.program_id(0)
+    tok = tl.program_id(1)
+    slot = tl.load(slots_ptr + tok)
+    if slot < 0:
+        return
+    stack, chunk, width, col0 = _chunk_place(pid_n, w0, w1, w2, nc0, nc1)
+    rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
+    scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i)
+    if ACCUMULATE and rank == 0:
+        return
+    scale = tl.where(rank > 0, scale, 0.0)
+    offs_k = tl.arange(0, BLOCK_R)
+    rank8 = tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), max_rank)
+    k_load = offs_k < rank8
+    k_real = offs_k < rank
+    y_row = y_ptr + tok.to(tl.int64) * sy_t + (stack * max_rank + offs_k) * sy_c
+    yv = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for p in tl.static_range(N_SPLITS):
+        yv += tl.load(y_row + p * sy_s, mask=k_load, other=0.0)
+    yv = tl.where(k_real, yv, 0.0).to(b_ptr.dtype.element_ty).to(tl.float32)
+    n_begin = chunk * chunk_n
+    n_end = tl.minimum(n_begin + chunk_n, width)
+    b_base = b_ptr + slot.to(tl.int64) * sb_s + offs_k[None, :] * sb_r
+    o_row = out_ptr + tok.to(tl.int64) * so_t
+    for n0 in range(n_begin, n_end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        cols = (col0 + offs_n).to(tl.int64)
+        n_mask = offs_n < n_end
+        if EVEN_N:
+            bt = tl.load(b_base + cols[:, None] * sb_n, mask=k_load[None, :], other=0.0)
+        else:
+            bt = tl.load(b_base + cols[:, None] * sb_n, mask=n_mask[:, None] & k_load[None, :], other=0.0)
+        acc = scale * tl.sum(tl.where(k_real[None, :], bt.to(tl.float32), 0.0) * yv[None, :], axis=1)
+        o_ptrs = o_row + cols * so_n
+        if ACCUMULATE:
+            prev = tl.load(o_ptrs, mask=n_mask, other=0.0)
+            tl.store(o_ptrs, (prev.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=n_mask)
+        else:
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
 def _check_widths(widths: tuple[int, ...], ranks: torch.Tensor, B: torch.Tensor, out: torch.Tensor) -> None:
     if not 1 <= len(widths) <= MAX_STACK or len(widths) != ranks.shape[1]:
         raise ValueError(f"widths {widths} must have 1..{MAX_STACK} entries, one per stacked module")
@@ -141,9 +200,21 @@ def lora_expand(
     y3 = y.unsqueeze(0) if y.dim() == 2 else y
     w = tuple(widths) + (0,) * (MAX_STACK - len(widths))
     cfg = config or expand_config(total_width, len(widths), max_rank, num_tokens)
-    bslot, btok = segs.blocks_for(cfg.block_m)
     chunk_n = max(cfg.chunk_n // cfg.block_n, 1) * cfg.block_n
     n_chunks = [triton.cdiv(wi, chunk_n) for wi in w]
+    if cfg.per_token:
+        _expand_token_kernel[(sum(n_chunks), num_tokens)](
+            y3, B, out, ranks, scalings, segs.token_slots,
+            max_rank, w[0], w[1], w[2], n_chunks[0], n_chunks[1], chunk_n,
+            y3.stride(0), y3.stride(1), y3.stride(2), B.stride(0), B.stride(1), B.stride(2),
+            out.stride(0), out.stride(1), ranks.stride(0), ranks.stride(1),
+            scalings.stride(0), scalings.stride(1),
+            N_SPLITS=y3.shape[0], EVEN_N=all(wi % cfg.block_n == 0 for wi in widths), ACCUMULATE=accumulate,
+            BLOCK_N=cfg.block_n, BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out
+    bslot, btok = segs.blocks_for(cfg.block_m)
     slots_bound = num_slots if max_distinct is None else min(num_slots, max_distinct)
     grid = (sum(n_chunks), num_blocks_bound(num_tokens, slots_bound, cfg.block_m))
     _expand_kernel[grid](
