@@ -35,14 +35,17 @@ MAX_STACK = 3
 
 
 @triton.jit
-def _chunk_place(pid_n, w0, w1, w2, nc0, nc1):
-    """(stack, chunk within it, stack width, stack's first column) of column chunk `pid_n`: chunks
-    never straddle two stacks, stack i owns nc_i = cdiv(w_i, chunk_n) chunks."""
+def _chunk_lora(pid_n, slot, w0, w1, w2, nc0, nc1, ranks_ptr, scal_ptr, sr_s, sr_i, ss_s, ss_i):
+    """For column chunk `pid_n` of a token (block) of `slot`: (stack, chunk within it, stack width,
+    stack's first column, the slot's rank for that stack, its scaling, 0 where the rank is 0).
+    Chunks never straddle two stacks: stack i owns nc_i = cdiv(w_i, chunk_n) chunks."""
     stack = (pid_n >= nc0).to(tl.int32) + (pid_n >= nc0 + nc1).to(tl.int32)
     chunk = pid_n - tl.where(stack == 0, 0, tl.where(stack == 1, nc0, nc0 + nc1))
     width = tl.where(stack == 0, w0, tl.where(stack == 1, w1, w2))
     col0 = tl.where(stack == 0, 0, tl.where(stack == 1, w0, w0 + w1))
-    return stack, chunk, width, col0
+    rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
+    scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i)
+    return stack, chunk, width, col0, rank, tl.where(rank > 0, scale, 0.0)
 
 
 @triton.jit
@@ -63,12 +66,10 @@ def _expand_kernel(
     tok = tl.load(btok_ptr + pid_b * TOK_STRIDE + tl.arange(0, BLOCK_M))
     if slot < 0:
         return
-    stack, chunk, width, col0 = _chunk_place(pid_n, w0, w1, w2, nc0, nc1)
-    rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
-    scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i)
+    stack, chunk, width, col0, rank, scale = _chunk_lora(pid_n, slot, w0, w1, w2, nc0, nc1, ranks_ptr, scal_ptr,
+                                                         sr_s, sr_i, ss_s, ss_i)
     if ACCUMULATE and rank == 0:
         return  # nothing to add (delta mode goes on and writes the stack's zeros)
-    scale = tl.where(rank > 0, scale, 0.0)
     if USE_PDL:  # everything above may overlap the previous kernel; nothing below may
         tl.extra.cuda.gdc_wait()
     m_mask = tok >= 0
@@ -129,12 +130,10 @@ def _expand_token_kernel(
     slot = tl.load(slots_ptr + tok)
     if slot < 0:
         return
-    stack, chunk, width, col0 = _chunk_place(pid_n, w0, w1, w2, nc0, nc1)
-    rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
-    scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i)
+    stack, chunk, width, col0, rank, scale = _chunk_lora(pid_n, slot, w0, w1, w2, nc0, nc1, ranks_ptr, scal_ptr,
+                                                         sr_s, sr_i, ss_s, ss_i)
     if ACCUMULATE and rank == 0:
         return
-    scale = tl.where(rank > 0, scale, 0.0)
     offs_k = tl.arange(0, BLOCK_R)
     rank8 = tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), max_rank)
     k_load = offs_k < rank8
