@@ -35,7 +35,7 @@ def run_variants(engine, run: Callable, mixed: list[tuple[int, int]], check_prom
     graphs = getattr(engine.runner, "cuda_graphs", None)
     if not hasattr(backend, "set_side_stream"):
         return
-    keys = sorted({(graphs.bucket(b), True) for b in [*(b for b, _ in mixed), 4]}) if graphs else []
+    keys = sorted({graphs.key(b, d) for b, d in [*mixed, (4, 1)]}) if graphs else []
     side = backend.side_stream
     label = "LoRA side stream" if not side else "LoRA serial"
     backend.set_side_stream(not side)

@@ -29,6 +29,10 @@ from functools import lru_cache
 from pathlib import Path
 
 DECODE_MAX_TOKENS = 256
+# A decode step over more distinct adapters than this uses the `decode_many` expand entries (the
+# per-token kernel: round 6 in docs/benchmarks.md measured it faster over 64 adapters in a batch of
+# 64, slower over 8; the crossover between them was not measured).
+MANY_ADAPTERS = 16
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,9 @@ EXPAND_TABLE: dict[tuple[str, int, int, int], ExpandConfig] = {
     ('decode', 6144, 3, 16): E(16, 128, 256, 4, 3),  # qkv
     ('decode', 4096, 1, 16): E(16, 128, 256, 4, 3),  # o, down
     ('decode', 28672, 2, 16): E(16, 64, 256, 4, 3),  # gate_up
+    ('decode_many', 6144, 3, 16): E(16, 512, 512, 4, 3, 1),  # qkv, per-token kernel
+    ('decode_many', 4096, 1, 16): E(16, 512, 512, 4, 3, 1),  # o, down
+    ('decode_many', 28672, 2, 16): E(16, 512, 512, 4, 3, 1),  # gate_up
     ('prefill', 6144, 3, 16): E(64, 128, 1024, 4, 3),  # qkv
     ('prefill', 4096, 1, 16): E(32, 256, 512, 4, 3),  # o, down
     ('prefill', 28672, 2, 16): E(64, 128, 512, 4, 3),  # gate_up
@@ -152,8 +159,14 @@ def shrink_config(d: int, n_stack: int, max_rank: int, num_tokens: int) -> Shrin
 
 
 @lru_cache(maxsize=1024)
-def expand_config(width: int, n_stack: int, max_rank: int, num_tokens: int) -> ExpandConfig:
+def expand_config(width: int, n_stack: int, max_rank: int, num_tokens: int, many: bool = False) -> ExpandConfig:
+    """`many`: the step has more than MANY_ADAPTERS distinct adapters (decode_many entries, where
+    the table has them)."""
     fam = family(num_tokens)
+    if many and fam == "decode":
+        hit = EXPAND_TABLE.get(("decode_many", width, n_stack, max_rank))
+        if hit is not None:
+            return hit
     hit = EXPAND_TABLE.get((fam, width, n_stack, max_rank)) or EXPAND_TABLE.get(
         (fam, width, n_stack, _rank_bucket(max_rank))
     )

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_configs import ExpandConfig, expand_config
+from kernels.lora_configs import MANY_ADAPTERS, ExpandConfig, expand_config
 from kernels.lora_launch import launch_kwargs
 from kernels.lora_meta import LoRASegments, num_blocks_bound
 
@@ -189,7 +189,7 @@ def lora_expand(
     ranks: int32 `[slots, n]`; scalings: float32 `[slots, n]`; out: `[T, sum(widths)]`
     (float32 when `accumulate=False`: it receives the delta instead of having it added).
     config: block sizes; default from the table in `kernels.lora_configs` (benchmarks override).
-    max_distinct: as for `lora_shrink`.
+    max_distinct: as for `lora_shrink`; above MANY_ADAPTERS the table's `decode_many` entries apply.
     """
     _check_widths(widths, ranks, B, out)
     num_tokens = out.shape[0]
@@ -198,7 +198,8 @@ def lora_expand(
     num_slots, total_width, max_rank = B.shape
     y3 = y.unsqueeze(0) if y.dim() == 2 else y
     w = tuple(widths) + (0,) * (MAX_STACK - len(widths))
-    cfg = config or expand_config(total_width, len(widths), max_rank, num_tokens)
+    many = max_distinct is not None and max_distinct > MANY_ADAPTERS
+    cfg = config or expand_config(total_width, len(widths), max_rank, num_tokens, many)
     chunk_n = max(cfg.chunk_n // cfg.block_n, 1) * cfg.block_n
     n_chunks = [triton.cdiv(wi, chunk_n) for wi in w]
     if cfg.per_token:

@@ -6,9 +6,10 @@ zero attention; adapter slot -1: no LoRA work). Every per-step input lives in st
 buffers that the graph reads: token ids, positions, KV slots, block tables, context lengths
 and the per-token adapter slots. The LoRA backend's `prepare` (grouping tokens by adapter) is
 captured too, so one graph serves any mix of adapters; a step where no token has an adapter
-replays the graph captured without LoRA and does no LoRA work at all. (LoRA graphs per number of
-distinct adapters, with grids sized for it, were measured on an H200 and bought nothing: the
-programs that find an empty token block exit in nanoseconds. One LoRA graph per batch size.)
+replays the graph captured without LoRA and does no LoRA work at all. LoRA graphs come in two
+tiers: up to MANY_ADAPTERS distinct adapters, and (batch sizes above it) more, which the LoRA
+expand serves with another kernel (kernels/lora_configs.py `decode_many`: one program per token,
+faster when tokens do not share adapters, slower when they do; docs/benchmarks.md round 6).
 
 Host work per step: fill two pinned buffers (numpy views), two host-to-device copies, one
 replay. Capture time and the memory the graphs took are logged.
@@ -21,6 +22,7 @@ import time
 
 import torch
 
+from kernels.lora_configs import MANY_ADAPTERS
 from services.inference.engine.attention import AttentionMetadata
 from services.inference.engine.attention_triton import TritonPagedAttention
 from services.inference.engine.model_runner import fill_placeholders
@@ -71,64 +73,65 @@ class DecodeGraphs:
         self.slot_mapping.fill_(-1)
         self.token_slots.fill_(-1)
         self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=dev)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, with LoRA)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch size, LoRA tier)
         self._pool = None  # one memory pool for every graph, made by the first capture
         self._inputs_copied: torch.cuda.Event | None = None
 
-    def _forward(self, bs: int, with_lora: bool) -> None:
+    def _forward(self, bs: int, tier: int) -> None:
         self.attention.begin(AttentionMetadata(
             self.slot_mapping[:bs], bs, self.block_tables[:bs], self.context_lens[:bs], [], self.slot_mapping[:0],
         ))
         lora = None
-        if with_lora:
-            self.lora.prepare(self.token_slots[:bs])
+        if tier:  # the tier's bound on distinct adapters picks the LoRA kernels (and sizes their grids)
+            self.lora.prepare(self.token_slots[:bs], MANY_ADAPTERS if tier == 1 else bs)
             lora = self.lora
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], ForwardContext(self.attention, lora))
         self.model.compute_logits(hidden, out=self.logits[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (batch size, LoRA off/on) graph, largest first, in one memory pool."""
+        """Capture every (batch size, LoRA tier) graph, largest first, in one memory pool."""
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
-        modes = (False, True) if self.lora is not None else (False,)
-        self.recapture([(bs, on) for bs in reversed(self.ladder) for on in modes])
+        tiers = (0, 1, 2) if self.lora is not None else (0,)
+        self.recapture([(bs, t) for bs in reversed(self.ladder) for t in tiers if t < 2 or bs > MANY_ADAPTERS])
         torch.cuda.synchronize()
         taken = free_before - torch.cuda.mem_get_info()[0]
         log.info("captured %d decode CUDA graphs (batch sizes %s, LoRA %s) in %.1f s, %.0f MiB",
-                 len(self.graphs), self.ladder, "off and on" if self.lora is not None else "off",
+                 len(self.graphs), self.ladder, "off and on, 2 tiers" if self.lora is not None else "off",
                  time.perf_counter() - start, taken / 2**20)
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = taken
 
     @torch.inference_mode()
-    def recapture(self, keys: list[tuple[int, bool]]) -> None:
-        """(Re)capture the graphs for these (batch size, with LoRA) keys into the graphs' memory
+    def recapture(self, keys: list[tuple[int, int]]) -> None:
+        """(Re)capture the graphs for these (batch size, LoRA tier) keys into the graphs' memory
         pool (benchmarks use it after switching a backend option)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        for bs, with_lora in keys:
+        for bs, tier in keys:
             # Eager warm-up on a side stream (Triton compiles, cuBLAS picks kernels) before capture.
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._forward(bs, with_lora)
+                self._forward(bs, tier)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._forward(bs, with_lora)
-            self.graphs[(bs, with_lora)] = graph
+                self._forward(bs, tier)
+            self.graphs[(bs, tier)] = graph
 
     def bucket(self, n: int) -> int | None:
         return next((bs for bs in self.ladder if bs >= n), None)
 
-    def key(self, n: int, distinct_adapters: int) -> tuple[int, bool] | None:
-        """The graph a decode step of `n` tokens over that many distinct adapters replays (None: eager)."""
+    def key(self, n: int, distinct_adapters: int) -> tuple[int, int] | None:
+        """The graph a decode step of `n` tokens over that many distinct adapters replays (None: eager):
+        (batch size, tier) with tier 0 without LoRA, 1 up to MANY_ADAPTERS distinct adapters, 2 above."""
         bs = self.bucket(n)
         if bs is None or (distinct_adapters and self.lora is None):
             return None
-        return bs, distinct_adapters > 0
+        return bs, 0 if not distinct_adapters else 1 if distinct_adapters <= MANY_ADAPTERS else 2
 
     def run(
         self,
@@ -146,7 +149,7 @@ class DecodeGraphs:
         `prev_tokens`: as in ModelRunner.forward (placeholder ids filled in on the device before the replay).
         """
         n = len(ids)
-        key = self.key(n, any(s >= 0 for s in token_slots))
+        key = self.key(n, len(set(token_slots).difference((-1,))))
         if key is None or max(map(len, tables)) > self.max_blocks:
             return None
         bs = key[0]
