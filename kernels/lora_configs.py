@@ -16,8 +16,9 @@ ignores warps and stages.
 --joint-sweep` writes for another GPU or model shape): `{"splits": {"decode|4096": 8},
 "shrink": {"decode|4096|3|16": [block_m, block_r, block_k, warps, stages]}, "expand":
 {"decode|6144|3|16": [block_m, block_n, chunk_n, warps, stages(, per_token)]}}`. `per_token` 1 picks the
-one-program-per-token expand: faster when most decode tokens have their own adapter, slower when
-they share (docs/benchmarks.md, round 6: e.g. `[16, 512, 512, 4, 3, 1]` for all three decode groups).
+one-program-per-token expand, faster when most decode tokens have their own adapter and slower when
+they share (docs/benchmarks.md, rounds 6-7): the `decode_many` expand entries use it, and apply to
+decode steps known to carry more than MANY_ADAPTERS distinct adapters (the decode graphs' upper tier).
 """
 
 from __future__ import annotations
