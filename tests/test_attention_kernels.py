@@ -111,6 +111,23 @@ def test_cuda_graph_batch_ladder() -> None:
     assert ladder[:5] == [1, 2, 4, 8, 16] and ladder[-1] == 256 and all(b % 16 == 0 for b in ladder[4:])
 
 
+def test_cuda_graph_lora_tiers() -> None:
+    """A decode step replays (its batch bucket, LoRA tier): 0 without adapters, 1 up to MANY_ADAPTERS
+    distinct adapters (segment expand), 2 above (per-token expand); no LoRA backend: only tier 0."""
+    from kernels.lora_configs import MANY_ADAPTERS
+    from services.inference.engine.cuda_graph import DecodeGraphs, batch_ladder
+
+    graphs = DecodeGraphs.__new__(DecodeGraphs)  # key() needs only the ladder and the backend (no GPU)
+    graphs.ladder, graphs.lora = batch_ladder(64), object()
+    assert graphs.key(64, 0) == (64, 0)
+    assert graphs.key(3, 2) == (4, 1)
+    assert graphs.key(64, MANY_ADAPTERS) == (64, 1)
+    assert graphs.key(20, MANY_ADAPTERS + 1) == (32, 2)  # tier 2 exists only above MANY_ADAPTERS tokens
+    assert graphs.key(65, 1) is None
+    graphs.lora = None
+    assert graphs.key(8, 0) == (8, 0) and graphs.key(8, 1) is None
+
+
 def test_kernels_under_triton_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
     proc = subprocess.run(
