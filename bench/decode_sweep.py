@@ -76,12 +76,11 @@ def candidates() -> dict[str, dict]:
     at a local optimum; of the other expand shapes only the per-token kernel won, at 64 adapters, and
     now serves the graphs of more than MANY_ADAPTERS distinct adapters (`decode_many` entries). The
     second candidate puts the segment kernel back there: same logits, and the time it cost."""
-    many_as_segment = {key.replace("decode|", "decode_many|"): entries("expand", key) for key in R16.values()}
+    many = {key: key.replace("decode|", "decode_many|") for key in R16.values()}  # decode key -> upper tier's
     return {
         "current table": {},
-        "segment kernel for > 16 adapters": {"expand": many_as_segment},
-        "per-token block_n 256, 2 warps": {"expand": {key.replace("decode|", "decode_many|"): [16, 256, 256, 2, 3, 1]
-                                                      for key in R16.values()}},
+        "segment kernel for > 16 adapters": {"expand": {m: entries("expand", k) for k, m in many.items()}},
+        "per-token block_n 256, 2 warps": {"expand": {m: [16, 256, 256, 2, 3, 1] for m in many.values()}},
     }
 
 

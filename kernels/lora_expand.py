@@ -202,34 +202,30 @@ def lora_expand(
     cfg = config or expand_config(total_width, len(widths), max_rank, num_tokens, many)
     chunk_n = max(cfg.chunk_n // cfg.block_n, 1) * cfg.block_n
     n_chunks = [triton.cdiv(wi, chunk_n) for wi in w]
+    # Arguments after the slot metadata, the same for both kernels.
+    shape_args = (
+        max_rank, w[0], w[1], w[2], n_chunks[0], n_chunks[1], chunk_n,
+        y3.stride(0), y3.stride(1), y3.stride(2), B.stride(0), B.stride(1), B.stride(2),
+        out.stride(0), out.stride(1), ranks.stride(0), ranks.stride(1),
+        scalings.stride(0), scalings.stride(1),
+    )
+    common = dict(
+        N_SPLITS=y3.shape[0], EVEN_N=all(wi % cfg.block_n == 0 for wi in widths), ACCUMULATE=accumulate,
+        BLOCK_N=cfg.block_n, BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
     if cfg.per_token:
         _expand_token_kernel[(sum(n_chunks), num_tokens)](
-            y3, B, out, ranks, scalings, segs.token_slots,
-            max_rank, w[0], w[1], w[2], n_chunks[0], n_chunks[1], chunk_n,
-            y3.stride(0), y3.stride(1), y3.stride(2), B.stride(0), B.stride(1), B.stride(2),
-            out.stride(0), out.stride(1), ranks.stride(0), ranks.stride(1),
-            scalings.stride(0), scalings.stride(1),
-            N_SPLITS=y3.shape[0], EVEN_N=all(wi % cfg.block_n == 0 for wi in widths), ACCUMULATE=accumulate,
-            BLOCK_N=cfg.block_n, BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+            y3, B, out, ranks, scalings, segs.token_slots, *shape_args, **common)
         return out
     bslot, btok = segs.blocks_for(cfg.block_m)
     slots_bound = num_slots if max_distinct is None else min(num_slots, max_distinct)
     grid = (sum(n_chunks), num_blocks_bound(num_tokens, slots_bound, cfg.block_m))
     _expand_kernel[grid](
-        y3, B, out, ranks, scalings, bslot, btok,
-        max_rank, w[0], w[1], w[2], n_chunks[0], n_chunks[1], chunk_n,
-        y3.stride(0), y3.stride(1), y3.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        out.stride(0), out.stride(1), ranks.stride(0), ranks.stride(1),
-        scalings.stride(0), scalings.stride(1),
-        N_SPLITS=y3.shape[0], TOK_STRIDE=btok.stride(0),
-        EVEN_N=all(wi % cfg.block_n == 0 for wi in widths), ACCUMULATE=accumulate,
+        y3, B, out, ranks, scalings, bslot, btok, *shape_args, TOK_STRIDE=btok.stride(0),
         # fp32 must stay fp32 (tl.dot defaults to TF32 on GPU); 16-bit inputs ignore it.
         PRECISION="ieee" if B.dtype == torch.float32 else "tf32",
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(),
+        BLOCK_M=cfg.block_m, **common, **launch_kwargs(),
     )
     return out
 

@@ -139,6 +139,7 @@ class DecodeGraphs:
         positions: list[int],
         slots: list[int],
         token_slots: list[int],
+        distinct_adapters: int,
         tables: list[list[int]],
         context_lens: list[int],
         sample_rows: list[int],
@@ -146,10 +147,11 @@ class DecodeGraphs:
     ) -> torch.Tensor | None:
         """Logits `[len(sample_rows), vocab]` of one decode step, or None when no graph fits.
 
+        `distinct_adapters`: how many different slots >= 0 `token_slots` holds (picks the LoRA tier).
         `prev_tokens`: as in ModelRunner.forward (placeholder ids filled in on the device before the replay).
         """
         n = len(ids)
-        key = self.key(n, len(set(token_slots).difference((-1,))))
+        key = self.key(n, distinct_adapters)
         if key is None or max(map(len, tables)) > self.max_blocks:
             return None
         bs = key[0]

@@ -131,9 +131,10 @@ class ModelRunner:
             ctx_parts.append(ctx)
             num_ctx += ctx_len
 
+        distinct = len({s for s in token_slots if s >= 0})  # picks the LoRA graph tier and kernels
         if self.cuda_graphs is not None and not segments:
             logits = self.cuda_graphs.run(
-                ids, positions, slots, token_slots, decode_tables, decode_lens, sample_rows, prev_tokens
+                ids, positions, slots, token_slots, distinct, decode_tables, decode_lens, sample_rows, prev_tokens
             )
             if logits is not None:
                 return logits
@@ -155,7 +156,6 @@ class ModelRunner:
         self.attention.begin(AttentionMetadata(slot_t, nd, tables_t, lens_t, segments, ctx_t))
 
         lora = None
-        distinct = len({s for s in token_slots if s >= 0})
         if self.lora_backend is not None and distinct:
             self.lora_backend.prepare(self._upload(self.token_slots, token_slots), distinct)
             lora = self.lora_backend
