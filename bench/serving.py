@@ -246,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="skip the rows with overlap scheduling off and with the LoRA side stream off")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test of this script)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one GPU each; gloo on CPU)")
+    p.add_argument("--blas", default="default", choices=["default", "cublas", "cublaslt"],
+                   help="torch's preferred BLAS library for every matmul (decode_sweep measured cuBLASLt faster)")
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     shape = TINY if opts.tiny else setup.LLAMA_8B
@@ -256,8 +258,11 @@ def main(argv: list[str] | None = None) -> int:
         opts.batches = [1, 4, 8, 32, 64] if opts.tiny else [1, 16, 32, 64, 256]
     opts.max_bs = max(opts.batches)
     opts.context_length = 2048 if not opts.tiny else 256
+    if opts.blas != "default" and torch.cuda.is_available():
+        torch.backends.cuda.preferred_blas_library(opts.blas)
     res: dict = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                     torch=torch.__version__, shape=shape, context=ctx, argv=sys.argv[1:])
+                     torch=torch.__version__, shape=shape, context=ctx, argv=sys.argv[1:],
+                     blas=str(torch.backends.cuda.preferred_blas_library()))
     res["copy_bw"], res["matmul_rate"] = ceilings() if torch.cuda.is_available() else (1e11, 1e12)
     if torch.cuda.is_available():
         res["kernel_check"] = kernel_check(shape)
