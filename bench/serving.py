@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if "kernel_check" in res:
         print("bf16 kernels vs torch:", {k: f"{v:.1e}" for k, v in res["kernel_check"].items()})
     out = Path(opts.out) / "serving.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, default=str))
     print(f"wrote {out}")
     for err in res.get("errors", []):
