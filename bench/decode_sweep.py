@@ -81,6 +81,11 @@ def candidates() -> dict[str, dict]:
         "current table": {},
         "segment kernel for > 16 adapters": {"expand": {m: entries("expand", k) for k, m in many.items()}},
         "per-token block_n 256, 2 warps": {"expand": {m: [16, 256, 256, 2, 3, 1] for m in many.values()}},
+        "per-token block_n 1024": {"expand": {m: [16, 1024, 1024, 4, 3, 1] for m in many.values()}},
+        "per-token chunk 1024 (2 tiles of 512)": {"expand": {m: [16, 512, 1024, 4, 3, 1] for m in many.values()}},
+        "per-token 8 warps": {"expand": {m: [16, 512, 512, 8, 3, 1] for m in many.values()}},
+        "per-token chunk 512 (2 tiles of 256), 4 warps": {"expand": {m: [16, 256, 512, 4, 3, 1]
+                                                                    for m in many.values()}},
     }
 
 
