@@ -45,9 +45,6 @@ class TritonLoRABackend(LoRABackend):
         self._max_distinct: int | None = None
         self._delta: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
-        # Issue the side stream's LoRA kernels after the base matmul rather than before it (same
-        # dependencies): a graph replay then hands the SMs to the matmul first (bench/decode_sweep.py).
-        self.base_first = True
         self.set_side_stream(side_stream)
 
     @property
@@ -67,7 +64,6 @@ class TritonLoRABackend(LoRABackend):
         # One buffer serves every group: a group's delta is added before the next group begins.
         self._delta = torch.zeros(rows, cols, dtype=torch.float32, device=self.pool.device)
         self._stream = torch.cuda.Stream(self.pool.device) if self.pool.device.type == "cuda" else None
-        self._x_ready = torch.cuda.Event() if self._stream is not None else None
 
     @property
     def nbytes(self) -> int:
@@ -101,26 +97,15 @@ class TritonLoRABackend(LoRABackend):
             self._run(layer, group, x, out, accumulate=True)
 
     def begin(self, layer: int, group: str, x: torch.Tensor) -> object:
-        """Returns whether the LoRA kernels were launched (None: not this backend's delta path)."""
         if group not in self._widths or not self._uses_delta():
             return None
+        delta = self._delta[: self._num_tokens, : sum(self._widths[group])]
+        side = nullcontext() if self._stream is None else torch.cuda.stream(self._stream)
         if self._stream is not None:
-            self._x_ready.record()  # the side stream starts from here, not after the base matmul
-        if self.base_first:
-            return False
-        self._launch(layer, group, x)
-        return True
-
-    def _launch(self, layer: int, group: str, x: torch.Tensor) -> None:
-        side = nullcontext()
-        if self._stream is not None:
-            self._stream.wait_event(self._x_ready)
-            side = torch.cuda.stream(self._stream)
+            self._stream.wait_stream(torch.cuda.current_stream())
         with side:
-            self._run(layer, group, x, self._delta_view(group), accumulate=False)
-
-    def _delta_view(self, group: str) -> torch.Tensor:
-        return self._delta[: self._num_tokens, : sum(self._widths[group])]
+            self._run(layer, group, x, delta, accumulate=False)
+        return delta
 
     def finish(
         self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, started: object
@@ -128,8 +113,6 @@ class TritonLoRABackend(LoRABackend):
         if started is None:
             self.apply(layer, group, x, out)
             return None
-        if not started:
-            self._launch(layer, group, x)
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
-        return self._delta_view(group)  # the float32 delta: the model adds it inside its next fused kernel
+        return started  # the float32 delta: the model adds it inside its next fused kernel
