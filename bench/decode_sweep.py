@@ -82,10 +82,12 @@ def candidates() -> dict[str, dict]:
         "segment kernel for > 16 adapters": {"expand": {m: entries("expand", k) for k, m in many.items()}},
         "per-token block_n 256, 2 warps": {"expand": {m: [16, 256, 256, 2, 3, 1] for m in many.values()}},
         "per-token block_n 1024": {"expand": {m: [16, 1024, 1024, 4, 3, 1] for m in many.values()}},
-        "per-token chunk 1024 (2 tiles of 512)": {"expand": {m: [16, 512, 1024, 4, 3, 1] for m in many.values()}},
-        "per-token 8 warps": {"expand": {m: [16, 512, 512, 8, 3, 1] for m in many.values()}},
-        "per-token chunk 512 (2 tiles of 256), 4 warps": {"expand": {m: [16, 256, 512, 4, 3, 1]
-                                                                    for m in many.values()}},
+        # Upper-tier K-splits of shrink (the decode tier's: 8 for d 4096, 28 for 14336): with an
+        # adapter per token the grid is wide enough with fewer, and fewer leave SMs to the matmul.
+        **{f"splits >16 adapters d14336 {n}": {"splits": {"decode_many|14336": n}} for n in (7, 14)},
+        **{f"splits >16 adapters d4096 {n}": {"splits": {"decode_many|4096": n}} for n in (2, 4)},
+        **{f"splits >16 adapters d14336 {a}, d4096 {b}": {"splits": {"decode_many|14336": a, "decode_many|4096": b}}
+           for a, b in ((14, 4), (7, 2))},
     }
 
 

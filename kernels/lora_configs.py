@@ -137,9 +137,13 @@ def _rank_bucket(max_rank: int) -> int:
 
 
 @lru_cache(maxsize=1024)
-def shrink_splits(d: int, num_tokens: int) -> int:
-    """How many partial sums `lora_shrink` writes for this `d` (the first dim of its `y`)."""
+def shrink_splits(d: int, num_tokens: int, many: bool = False) -> int:
+    """How many partial sums `lora_shrink` writes for this `d` (the first dim of its `y`).
+    `many`: more than MANY_ADAPTERS distinct adapters (`decode_many` entries, where the table has
+    them: with an adapter per token the grid is wide without splitting K as far)."""
     bucket = splits_bucket(num_tokens)
+    if many and bucket == "decode" and ("decode_many", d) in SPLITS_TABLE:
+        return SPLITS_TABLE[("decode_many", d)]
     if (bucket, d) in SPLITS_TABLE:
         return SPLITS_TABLE[(bucket, d)]
     if bucket == "decode_small":

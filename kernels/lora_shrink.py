@@ -87,16 +87,17 @@ def alloc_shrink_out(
     """
     ds = {max_d} | {dd for (_, dd) in SPLITS_TABLE if dd <= max_d}
     ts = {min(16, max_tokens), min(DECODE_MAX_TOKENS, max_tokens), max_tokens}
-    rows = max(shrink_splits(dd, t) * t for dd in ds for t in ts)
+    rows = max(shrink_splits(dd, t, many) * t for dd in ds for t in ts for many in (False, True))
     return torch.empty((rows, n_stack * max_rank), dtype=torch.float32, device=device)
 
 
-def shrink_out_view(buf: torch.Tensor, d: int, num_tokens: int) -> torch.Tensor:
-    """The `[S, T, cols]` view of `alloc_shrink_out`'s buffer that `lora_shrink` fills this step.
+def shrink_out_view(buf: torch.Tensor, d: int, num_tokens: int, many: bool = False) -> torch.Tensor:
+    """The `[S, T, cols]` view of `alloc_shrink_out`'s buffer that `lora_shrink` fills this step
+    (`many`: as for `shrink_splits`).
 
     Also accepts a `[S_max, max_tokens, cols]` buffer (then it is sliced, not reshaped).
     """
-    splits = shrink_splits(d, num_tokens)
+    splits = shrink_splits(d, num_tokens, many)
     if buf.dim() == 3:
         return buf[: min(buf.shape[0], splits), :num_tokens]
     if splits * num_tokens > buf.shape[0]:

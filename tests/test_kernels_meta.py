@@ -92,3 +92,20 @@ def test_shrink_buffer_fits_every_step_size(max_tokens):
             y = shrink_out_view(buf, d, T)[..., :32]  # a group with fewer stacked modules
             assert y.shape == (shrink_splits(d, T), T, 32)
             assert y.data_ptr() == buf.data_ptr() and y.stride() == (T * 48, 48, 1)
+
+
+def test_upper_tier_splits_apply_only_above_many_adapters(monkeypatch):
+    from kernels import lora_configs as cfg
+    from kernels.lora_shrink import alloc_shrink_out, shrink_out_view
+
+    monkeypatch.setitem(cfg.SPLITS_TABLE, ("decode_many", 14336), 7)
+    cfg.shrink_splits.cache_clear()
+    try:
+        assert cfg.shrink_splits(14336, 64, many=True) == 7
+        assert cfg.shrink_splits(14336, 64) == cfg.SPLITS_TABLE[("decode", 14336)]
+        assert cfg.shrink_splits(14336, 8, many=True) == cfg.SPLITS_TABLE[("decode_small", 14336)]
+        assert cfg.shrink_splits(14336, 2048, many=True) == cfg.SPLITS_TABLE[("prefill", 14336)]
+        buf = alloc_shrink_out(256, 3, 16, 14336, "cpu")
+        assert shrink_out_view(buf, 14336, 64, many=True).shape == (7, 64, 48)
+    finally:
+        cfg.shrink_splits.cache_clear()

@@ -55,9 +55,11 @@ def run(shapes: ModelShapes, num_tokens: int, slots: int, max_rank: int, dtype: 
                                device=device)
     ref, tri = TorchLoRABackend(pool), TritonLoRABackend(pool, max_tokens=num_tokens)
     side = TritonLoRABackend(pool, max_tokens=num_tokens, side_stream=True)
+    # As the runner does: the distinct count picks the tier (above MANY_ADAPTERS the per-token expand).
+    distinct = len(set(token_slots.tolist()) - {-1})
     ref.prepare(token_slots)
-    tri.prepare(token_slots)
-    side.prepare(token_slots)
+    tri.prepare(token_slots, distinct)
+    side.prepare(token_slots, distinct)
     side_equal = True
     gen = torch.Generator().manual_seed(seed)
     worst = 0.0
@@ -92,7 +94,7 @@ def main() -> None:
         cases = [(1, 8, 16), (37, 8, 64), (700, 4, 64)]
     else:
         shapes = ModelShapes(num_layers=2, hidden_size=64, intermediate_size=96, q_size=64, kv_size=32)
-        cases = [(5, 3, 16), (40, 4, 32)]
+        cases = [(5, 3, 16), (40, 4, 32), (48, 24, 16)]  # the last: more than MANY_ADAPTERS distinct
     for num_tokens, slots, rank in cases:
         print(json.dumps(run(shapes, num_tokens, slots, rank, dtype, a.device)), flush=True)
 
