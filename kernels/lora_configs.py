@@ -18,7 +18,8 @@ ignores warps and stages.
 {"decode|6144|3|16": [block_m, block_n, chunk_n, warps, stages(, per_token)]}}`. `per_token` 1 picks the
 one-program-per-token expand, faster when most decode tokens have their own adapter and slower when
 they share (docs/benchmarks.md, rounds 6-7): the `decode_many` expand entries use it, and apply to
-decode steps known to carry more than MANY_ADAPTERS distinct adapters (the decode graphs' upper tier).
+decode steps known to carry more than MANY_ADAPTERS distinct adapters (the decode graphs' upper tier),
+as do the `decode_many` K-splits (round 8).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 
 DECODE_MAX_TOKENS = 256
-# A decode step over more distinct adapters than this uses the `decode_many` expand entries (the
+# A decode step over more distinct adapters than this uses the `decode_many` entries (the
 # per-token kernel: round 6 in docs/benchmarks.md measured it faster over 64 adapters in a batch of
 # 64, slower over 8; the crossover between them was not measured).
 MANY_ADAPTERS = 16
@@ -72,6 +73,9 @@ SPLITS_TABLE: dict[tuple[str, int], int] = {
     ("decode_small", 14336): 14,
     ("decode", 4096): 8,
     ("decode", 14336): 28,
+    # More than MANY_ADAPTERS distinct adapters: an adapter per token fills the grid with half the
+    # splits (docs/benchmarks.md round 8: 64 adapters 9.025 -> 8.957 ms in-graph; d 4096 kept at 8).
+    ("decode_many", 14336): 14,
     ("prefill", 4096): 2,
     ("prefill", 14336): 4,
 }
