@@ -1,6 +1,7 @@
 """Serving benchmark on one GPU, one process, one run (issue 8).
 
     PYTHONPATH=.:protos python3 bench/serving.py [--adapters 64] [--skip-compile] [--tiny] [--tp-size N]
+        [--blas cublaslt]
 
 1. measures the copy bandwidth and bf16 matmul rate of this GPU;
 2. writes a Llama-3.1-8B-shaped HF directory (random bf16 weights) and N random rank-16 PEFT
