@@ -3,9 +3,9 @@
 A step is `decode` (at most DECODE_MAX_TOKENS tokens: small token blocks, split-K shrink
 so each adapter's A is streamed by many programs) or `prefill`. Tables are keyed on
 (family, hidden size, stacked modules, pool max rank): `d` for shrink, the total output
-width for expand; the K-split count on (family, d) alone, so one shrink buffer can serve
-every group. Entries for Llama-3.1-8B shapes come from `bench/lora_kernels.py --sweep` on
-an H200, 2026-12-02, triton 3.6 (docs/benchmarks.md); the rank-16 decode entries and the decode
+width for expand; the K-split count on (family, d) alone (plus the upper tier's `decode_many`
+rows), so one shrink buffer can serve every group. Entries for Llama-3.1-8B shapes come from
+`bench/lora_kernels.py --sweep` on an H200, 2026-12-02, triton 3.6 (docs/benchmarks.md); the rank-16 decode entries and the decode
 K-splits from its `--joint-sweep` (one choice for batch 64 over 8 and over 64 adapters, since a
 captured graph serves every mix), then adjusted by `bench/decode_sweep.py`, which times candidates
 inside the engine's decode graph beside the base matmuls (4 warps for the expands, K step 128 for
@@ -35,6 +35,12 @@ DECODE_MAX_TOKENS = 256
 # per-token kernel: round 6 in docs/benchmarks.md measured it faster over 64 adapters in a batch of
 # 64, slower over 8; the crossover between them was not measured).
 MANY_ADAPTERS = 16
+
+
+def many_adapters(max_distinct: int | None) -> bool:
+    """Whether a step bounded by `max_distinct` distinct adapters takes the `decode_many` entries
+    (None: unknown, so not)."""
+    return max_distinct is not None and max_distinct > MANY_ADAPTERS
 
 
 @dataclass(frozen=True)

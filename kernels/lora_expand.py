@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_configs import MANY_ADAPTERS, ExpandConfig, expand_config
+from kernels.lora_configs import ExpandConfig, expand_config, many_adapters
 from kernels.lora_launch import launch_kwargs
 from kernels.lora_meta import LoRASegments, num_blocks_bound
 
@@ -198,8 +198,7 @@ def lora_expand(
     num_slots, total_width, max_rank = B.shape
     y3 = y.unsqueeze(0) if y.dim() == 2 else y
     w = tuple(widths) + (0,) * (MAX_STACK - len(widths))
-    many = max_distinct is not None and max_distinct > MANY_ADAPTERS
-    cfg = config or expand_config(total_width, len(widths), max_rank, num_tokens, many)
+    cfg = config or expand_config(total_width, len(widths), max_rank, num_tokens, many_adapters(max_distinct))
     chunk_n = max(cfg.chunk_n // cfg.block_n, 1) * cfg.block_n
     n_chunks = [triton.cdiv(wi, chunk_n) for wi in w]
     # Arguments after the slot metadata, the same for both kernels.

@@ -19,7 +19,7 @@ from contextlib import nullcontext
 
 import torch
 
-from kernels.lora_configs import DECODE_MAX_TOKENS, MANY_ADAPTERS
+from kernels.lora_configs import DECODE_MAX_TOKENS, many_adapters
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import alloc_segments, build_segments
 from kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
@@ -86,8 +86,7 @@ class TritonLoRABackend(LoRABackend):
         pool = self.pool
         n_cols = len(GROUPS[group]) * pool.max_rank
         k = self._max_distinct
-        many = k is not None and k > MANY_ADAPTERS  # the upper tier's table entries (kernels/lora_configs.py)
-        y = shrink_out_view(self._shrink_buf, x.shape[1], self._num_tokens, many)[..., :n_cols]
+        y = shrink_out_view(self._shrink_buf, x.shape[1], self._num_tokens, many_adapters(k))[..., :n_cols]
         ranks, widths = pool.rank[group][layer], self._widths[group]
         a, b, scaling = pool.lora_a[group][layer], pool.lora_b[group][layer], pool.scaling[group][layer]
         lora_shrink(x, a, ranks, self.segments, y, max_distinct=k)
