@@ -12,6 +12,7 @@ import logging
 import numpy as np
 import torch
 
+from kernels.placement import triton_runs_on
 from services.inference.engine.attention import AttentionMetadata, PrefillSegment, TorchPagedAttention
 from services.inference.engine.scheduler import SeqChunk
 from services.inference.lora.backend import LoRABackend
@@ -47,7 +48,7 @@ class ModelRunner:
         self.page_size = kv_cache.shape[3]
         self.lora_backend = lora_backend
         scale = model_config.head_dim**-0.5
-        if self.device.type == "cuda":  # Triton kernels (kernels/attention_*.py); torch reference on CPU
+        if triton_runs_on(self.device):  # Triton kernels (kernels/attention_*.py); torch reference on CPU
             from services.inference.engine.attention_triton import TritonPagedAttention
 
             self.attention = TritonPagedAttention(kv_cache, scale)

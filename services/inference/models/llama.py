@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fused_ops import add_rms_norm, qkv_rotary, qkv_rotary_ref, rms_norm, silu_and_mul
+from kernels.placement import triton_runs_on
 from services.inference.models.config import ModelConfig
 from services.inference.models.context import ForwardContext
 from services.inference.models.rope import RotaryEmbedding
@@ -72,7 +73,7 @@ class RMSNorm(nn.Module):
         self.weight = _empty_param(size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2:  # one fused launch instead of seven (kernels/fused_ops.py)
+        if triton_runs_on(x) and x.dim() == 2:  # one fused launch instead of seven (kernels/fused_ops.py)
             return rms_norm(x, self.weight, self.eps)
         # Normalise in float32 and cast back before the weight, as transformers does.
         h = x.to(torch.float32)
@@ -83,7 +84,7 @@ class RMSNorm(nn.Module):
         """(h + addend, norm of it); one launch on CUDA (kernels/fused_ops.py `add_rms_norm`)."""
         if addend is None:
             return h, self(h)
-        if h.is_cuda and h.dim() == 2:
+        if triton_runs_on(h) and h.dim() == 2:
             return add_rms_norm(h, addend.out, self.weight, self.eps, addend.delta)
         h = h + addend.materialize()
         return h, self(h)
@@ -120,12 +121,12 @@ class DecoderLayer(nn.Module):
         h, x = self.input_layernorm.add_forward(h, addend)
         qkv = self._linear("qkv", self.qkv_proj, x, ctx)
         # Split, delta and rotary: one launch on CUDA, the torch code it replaces elsewhere.
-        split_rotary = qkv_rotary if qkv.out.is_cuda else qkv_rotary_ref
+        split_rotary = qkv_rotary if triton_runs_on(qkv.out) else qkv_rotary_ref
         q, k, v = split_rotary(qkv.out, cos, sin, self.num_heads, self.num_kv_heads, qkv.delta)
         attn = ctx.attention.forward(self.index, q, k, v)
         h, x = self.post_attention_layernorm.add_forward(h, self._linear("o", self.o_proj, attn, ctx))
         gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx)
-        if gate_up.out.is_cuda:
+        if triton_runs_on(gate_up.out):
             act = silu_and_mul(gate_up.out, gate_up.delta)
         else:
             gate, up = gate_up.materialize().split((self.inter, self.inter), dim=-1)
