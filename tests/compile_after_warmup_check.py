@@ -30,15 +30,18 @@ def varied_steps(seed: int, max_tokens: int) -> list[list[SeqChunk]]:
     for _ in range(10):
         nd = rnd.randint(0, MAX_SEQS)
         distinct = rnd.choice([0, 1, 3, SLOTS])
-        slot = (lambda i: -1) if not distinct else (lambda i: rnd.randrange(distinct))
-        chunks = [SeqChunk([rnd.randrange(100)], p, list(range(1, 2 + p // PAGE)), slot(0), True)
+
+        def slot(k: int = distinct) -> int:
+            return rnd.randrange(k) if k else -1
+
+        chunks = [SeqChunk([rnd.randrange(100)], p, list(range(1, 2 + p // PAGE)), slot(), True)
                   for p in (rnd.randrange(60) for _ in range(nd))]
         room = max_tokens - nd
         while room >= 2 and rnd.random() < 0.7:
             n = rnd.randint(2, room)
             start = rnd.choice([0, 5, 16, 33])
             chunks.append(SeqChunk([rnd.randrange(100) for _ in range(n)], start,
-                                   list(range(1, 2 + (start + n) // PAGE)), slot(0), rnd.random() < 0.5))
+                                   list(range(1, 2 + (start + n) // PAGE)), slot(), rnd.random() < 0.5))
             room -= n
         if chunks:
             steps.append(chunks)
