@@ -13,6 +13,7 @@ from services.inference.engine.model_runner import ModelRunner
 from services.inference.lora.backend_check import MODULE_SETS, random_adapter
 from services.inference.lora.pool import AdapterPool
 from services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from services.inference.lora.torch_backend import TorchLoRABackend
 from services.inference.lora.triton_backend import TritonLoRABackend
 from services.inference.models.config import ModelConfig, parse_config
 from services.inference.models.llama import LlamaForCausalLM
@@ -45,9 +46,10 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, see
 def build_runner(
     shape: dict, *, dtype: torch.dtype, device: torch.device, slots: int, rank: int, max_num_tokens: int,
     max_num_seqs: int, context_length: int = 2048, page_size: int = 16, num_blocks: int | None = None,
-    side_stream: bool | None = None, seed: int = 0,
+    side_stream: bool | None = None, seed: int = 0, lora_backend: str = "triton",
 ) -> ModelRunner:
-    """A runner with `slots` random adapters of rank <= `rank` resident (slots 0: no LoRA backend)."""
+    """A runner with `slots` random adapters of rank <= `rank` resident (slots 0: no LoRA backend).
+    `lora_backend` "torch": the CPU backend (no Triton interpreter needed)."""
     cfg = model_config(shape, context_length)
     model = random_model(cfg, dtype, device, seed)
     blocks = num_blocks or (max_num_seqs + 4) * (-(-context_length // page_size))
@@ -61,6 +63,9 @@ def build_runner(
         for s in range(slots):
             pool.upload(s, random_adapter(shapes, MODULE_SETS[s % len(MODULE_SETS)], rank, seed + s, dtype))
         side = device.type == "cuda" if side_stream is None else side_stream
-        backend = TritonLoRABackend(pool, max_tokens=max_num_tokens, side_stream=side)
+        if lora_backend == "torch":
+            backend = TorchLoRABackend(pool)
+        else:
+            backend = TritonLoRABackend(pool, max_tokens=max_num_tokens, side_stream=side)
     return ModelRunner(model, cfg, kv_cache, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
                        context_length=context_length, lora_backend=backend)
