@@ -94,7 +94,11 @@ class LLMEngine:
         )
         if loaded.device.type == "cuda" and not config.disable_cuda_graph and config.cuda_graph_max_bs > 0:
             self.runner.capture_cuda_graphs(min(config.cuda_graph_max_bs, config.max_running_requests))
-        if triton_runs_on(loaded.device):
+        if config.mixed_graphs_enabled:
+            # On CUDA with captured graphs; elsewhere the same pieces run eagerly (tests).
+            self.runner.capture_mixed_graphs(min(config.mixed_cuda_graph_max_tokens, config.max_num_batched_tokens),
+                                             use_graphs=loaded.device.type == "cuda" and not config.disable_cuda_graph)
+        if triton_runs_on(loaded.device) and config.startup_warm_up:
             # Compile every kernel variant a step can need now, not on the engine thread while serving.
             warm_up(self.runner, max_num_tokens=config.max_num_batched_tokens,
                     max_num_seqs=config.max_running_requests, context_length=self.context_length)
