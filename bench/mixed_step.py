@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from bench.mixed_graph_check import blocks_needed, run_all
 from bench.random_runner import LLAMA_8B, TINY, build_runner
 from kernels.compile_watch import compile_counter
 from services.inference.engine.scheduler import SeqChunk
@@ -85,6 +86,15 @@ def time_step(runner, chunks: list[SeqChunk], repeats: int) -> dict:
         return inner(*args, **kwargs)
 
     model.forward = timed_forward
+    pieces = runner.mixed_graphs
+    if pieces is not None:
+        inner_run = pieces.run
+
+        def timed_run(*args, **kwargs):  # the piecewise path: its uploads and replays begin here
+            marks["model_start"] = time.perf_counter()
+            return inner_run(*args, **kwargs)
+
+        pieces.run = timed_run
     host, prep, gpu, wall = [], [], [], []
     try:
         for _ in range(repeats):
@@ -93,6 +103,7 @@ def time_step(runner, chunks: list[SeqChunk], repeats: int) -> dict:
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
             t0 = time.perf_counter()
+            marks.clear()
             runner.forward(chunks)
             t1 = time.perf_counter()
             if cuda:
@@ -105,6 +116,8 @@ def time_step(runner, chunks: list[SeqChunk], repeats: int) -> dict:
             wall.append((t2 - t0) * 1e3)
     finally:
         del model.forward
+        if pieces is not None:
+            del pieces.run
     med = statistics.median
     return {"host_ms": med(host), "prep_ms": med(prep), "gpu_ms": med(gpu) if gpu else None, "step_ms": med(wall)}
 
@@ -123,8 +136,9 @@ def profile_step(runner, chunks: list[SeqChunk], repeats: int = 3) -> dict:
     launch_names = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
                     "cudaGraphLaunch")
     launches = sum(e.count for e in events if e.key in launch_names) / repeats
+    kernels = sum(e.count for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")) / repeats
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
-    return {"launches_per_step": launches,
+    return {"launches_per_step": launches, "gpu_kernels_per_step": kernels,
             "host_top": [(e.key, round(e.self_cpu_time_total / repeats / 1e3, 3), e.count // repeats) for e in top]}
 
 
@@ -147,12 +161,16 @@ def main() -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--decodes", default="1,16,64", help="decode batch sizes")
-    p.add_argument("--chunks", default="0,64,256,512,1024,2048", help="prefill chunk sizes (0: decode only)")
+    p.add_argument("--chunks", default="0,64,256,512,1024,1536", help="prefill chunk sizes (0: decode only)")
     p.add_argument("--adapters", default="0,8,64", help="distinct adapters in the step (0: base model)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--context", type=int, default=512, help="decode sequences' context length")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--no-graphs", action="store_true", help="do not capture decode CUDA graphs")
+    p.add_argument("--no-graphs", action="store_true", help="capture no CUDA graphs (decode or mixed)")
+    p.add_argument("--mixed-graph-max-tokens", type=int, default=2048,
+                   help="largest bucket of the piecewise mixed-step graphs (0: none)")
+    p.add_argument("--modes", default="pieces,eager",
+                   help="time mixed steps through the piecewise graphs (pieces) and/or eagerly (eager)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -166,34 +184,62 @@ def main() -> int:
     max_tokens = max(decodes) + max(chunks)
     context = max(a.context + 1, max(chunks) + 1)
     layout = Layout(context + 16, max_seqs)
+    # The graph check's requests reach positions cap + 96 and 3 * 128 + 12, in blocks of their own.
+    runner_context = max(context + 16, a.mixed_graph_max_tokens + 128, 448)
+    num_blocks = max(layout.num_blocks, blocks_needed(a.mixed_graph_max_tokens, max(adapters)))
     compile_counter.install()
     backend = "triton" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
     start = time.perf_counter()
     runner = build_runner(TINY if a.tiny else LLAMA_8B, dtype=dtype, device=device, slots=slots, rank=a.rank,
                           max_num_tokens=max(max_tokens, 2048), max_num_seqs=max_seqs,
-                          context_length=context + 16, page_size=PAGE, num_blocks=layout.num_blocks,
+                          context_length=runner_context, page_size=PAGE, num_blocks=num_blocks,
                           lora_backend=backend)
     VOCAB[0] = runner.config.vocab_size
     log.info("runner built in %.1f s (LoRA backend %s, %d slots)", time.perf_counter() - start, backend, slots)
-    if device.type == "cuda" and not a.no_graphs:
+    graphs = device.type == "cuda" and not a.no_graphs
+    if graphs:
         runner.capture_cuda_graphs(max(decodes))
+    if a.mixed_graph_max_tokens > 0:  # on the CPU the pieces run eagerly (checks the path, times nothing real)
+        runner.capture_mixed_graphs(a.mixed_graph_max_tokens, use_graphs=graphs)
     if device.type == "cuda":
-        warm_up(runner, max_num_tokens=max(max_tokens, 2048), max_num_seqs=max_seqs, context_length=context + 16)
+        warm_up(runner, max_num_tokens=max(max_tokens, 2048), max_num_seqs=max_seqs, context_length=runner_context)
     compile_counter.mark_serving()
+    mixed = runner.mixed_graphs
 
     results: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                      "shape": "tiny" if a.tiny else "llama-3.1-8b", "dtype": str(dtype), "rank": a.rank,
                      "context": a.context, "checks": [], "rows": []}
+    if mixed is not None:
+        results["mixed_graphs"] = {"buckets": mixed.buckets, "tiers": list(mixed.tiers()),
+                                   "graphs": sum(map(len, mixed.graphs.values())),
+                                   "capture_s": mixed.capture_seconds, "capture_mib": mixed.capture_bytes / 2**20,
+                                   "buffer_mib": mixed.buffer_bytes / 2**20}
+        print(f"mixed graphs: {results['mixed_graphs']}", flush=True)
+        graph_check = run_all(runner, 0, slots)
+        results["graph_check"] = graph_check
+        lock = graph_check["lockstep"]
+        print(f"check pieces == eager (lockstep, {len(lock['cases'])} steps): worst rel_err {lock['worst_rel_err']:.2e}, "
+              f"argmax {lock['argmax_agree']}/{lock['rows']}: {'ok' if lock['ok'] else 'FAILED'}", flush=True)
+        for g in graph_check["greedy"]:
+            print(f"check greedy pieces on/off, {g['requests']} requests, {g['adapters']} adapters: "
+                  f"{'identical' if g['identical'] else 'diverged ' + json.dumps(g['diverged'])}: "
+                  f"{'ok' if g['ok'] else 'FAILED'}", flush=True)
+    saved, runner.mixed_graphs = runner.mixed_graphs, None
     for distinct in sorted({min(d, 8) for d in adapters}):
         check = check_mixed_equals_separate(runner, layout, distinct, dtype)
         results["checks"].append(check)
-        print(f"check mixed == separate steps, {distinct} adapters: rel_err {check['rel_err']:.2e}, "
+        print(f"check mixed == separate steps (eager), {distinct} adapters: rel_err {check['rel_err']:.2e}, "
               f"greedy equal {check['greedy_equal']}: {'ok' if check['ok'] else 'FAILED'}", flush=True)
-    if not all(c["ok"] for c in results["checks"]):
+    runner.mixed_graphs = saved
+    if not all(c["ok"] for c in results["checks"]) or not results.get("graph_check", {"ok": True})["ok"]:
         print("correctness check failed: not timing", file=sys.stderr)
+        out = Path(a.out or Path(os.environ.get("OUT", ".")) / "mixed_step.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1))
         return 1
 
     compiles_before = compile_counter.after_start
+    modes = [m for m in a.modes.split(",") if m == "eager" or (m == "pieces" and saved is not None)]
     for distinct in adapters:
         fill_contexts(runner, layout, max(decodes), a.context, distinct)
         for nd in decodes:
@@ -201,10 +247,13 @@ def main() -> int:
                 if distinct > nd + (1 if chunk else 0):
                     continue
                 step = make_step(layout, nd, chunk, distinct, a.context, 0)
-                row = {"decodes": nd, "chunk": chunk, "adapters": distinct, "tokens": nd + chunk,
-                       **time_step(runner, step, a.repeats), **profile_step(runner, step)}
-                results["rows"].append(row)
-                log.info("%s", row)
+                for mode in modes if chunk else modes[:1]:
+                    runner.mixed_graphs = saved if mode == "pieces" else None
+                    row = {"mode": mode, "decodes": nd, "chunk": chunk, "adapters": distinct, "tokens": nd + chunk,
+                           **time_step(runner, step, a.repeats), **profile_step(runner, step)}
+                    results["rows"].append(row)
+                    log.info("%s", row)
+    runner.mixed_graphs = saved
     results["compiles_while_timing"] = compile_counter.after_start - compiles_before
     print_tables(results)
     out = Path(a.out or Path(os.environ.get("OUT", ".")) / "mixed_step.json")
@@ -218,22 +267,29 @@ def print_tables(results: dict) -> None:
     rows = results["rows"]
     print(f"\nmixed steps on {results['device']} ({results['shape']}, {results['dtype']}, rank {results['rank']}, "
           f"decode context {results['context']}); Triton compiles while timing: {results['compiles_while_timing']}")
-    print("| decodes | chunk | adapters | host ms (prep) | GPU ms | step ms | launches | top host entry |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| mode | decodes | chunk | adapters | host ms (prep) | GPU ms | step ms | launches | GPU kernels "
+          "| top host entry |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f}"
         top = r["host_top"][0] if r["host_top"] else ("", 0, 0)
-        print(f"| {r['decodes']} | {r['chunk']} | {r['adapters']} | {r['host_ms']:.2f} ({r['prep_ms']:.2f}) | {gpu} "
-              f"| {r['step_ms']:.2f} | {r['launches_per_step']:.0f} | {top[0]} {top[1]} ms x{top[2]} |")
+        mode = r["mode"] if r["chunk"] else "decode only"
+        print(f"| {mode} | {r['decodes']} | {r['chunk']} | {r['adapters']} | {r['host_ms']:.2f} ({r['prep_ms']:.2f}) "
+              f"| {gpu} | {r['step_ms']:.2f} | {r['launches_per_step']:.0f} | {r['gpu_kernels_per_step']:.0f} "
+              f"| {top[0]} {top[1]} ms x{top[2]} |")
     # Step time against chunk size at the largest decode batch: what each chunk costs every running decode.
     nd = max(r["decodes"] for r in rows)
-    print(f"\nstep time vs prefill chunk at {nd} decodes (+ms over the decode-only step)")
-    print("| adapters | " + " | ".join(str(c) for c in sorted({r['chunk'] for r in rows})) + " |")
-    for distinct in sorted({r["adapters"] for r in rows}):
-        sel = {r["chunk"]: r["step_ms"] for r in rows if r["decodes"] == nd and r["adapters"] == distinct}
-        base = sel.get(0)
-        cells = [f"{v:.2f}" + (f" (+{v - base:.2f})" if base is not None and c else "") for c, v in sorted(sel.items())]
-        print(f"| {distinct} | " + " | ".join(cells) + " |")
+    print(f"\nstep ms vs prefill chunk at {nd} decodes (+ms over the decode-only step)")
+    print("| mode | adapters | " + " | ".join(str(c) for c in sorted({r['chunk'] for r in rows})) + " |")
+    print("| --- | ---: |" + " ---: |" * len({r['chunk'] for r in rows}))
+    for mode in sorted({r["mode"] for r in rows if r["chunk"]}):
+        for distinct in sorted({r["adapters"] for r in rows}):
+            sel = {r["chunk"]: r["step_ms"] for r in rows
+                   if r["decodes"] == nd and r["adapters"] == distinct and (r["mode"] == mode or not r["chunk"])}
+            base = sel.get(0)
+            cells = [f"{v:.2f}" + (f" (+{v - base:.2f})" if base is not None and c else "")
+                     for c, v in sorted(sel.items())]
+            print(f"| {mode} | {distinct} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
