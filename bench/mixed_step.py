@@ -122,7 +122,7 @@ def time_step(runner, chunks: list[SeqChunk], repeats: int) -> dict:
     return {"host_ms": med(host), "prep_ms": med(prep), "gpu_ms": med(gpu) if gpu else None, "step_ms": med(wall)}
 
 
-def profile_step(runner, chunks: list[SeqChunk], repeats: int = 3) -> dict:
+def profile_step(runner, chunks: list[SeqChunk], repeats: int = 2) -> dict:
     """Kernel launches per step and the host-side entries that take the most self time."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -165,7 +165,7 @@ def main() -> int:
     p.add_argument("--adapters", default="0,8,64", help="distinct adapters in the step (0: base model)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--context", type=int, default=512, help="decode sequences' context length")
-    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--no-graphs", action="store_true", help="capture no CUDA graphs (decode or mixed)")
     p.add_argument("--mixed-graph-max-tokens", type=int, default=2048,
                    help="largest bucket of the piecewise mixed-step graphs (0: none)")
@@ -252,7 +252,7 @@ def main() -> int:
                     row = {"mode": mode, "decodes": nd, "chunk": chunk, "adapters": distinct, "tokens": nd + chunk,
                            **time_step(runner, step, a.repeats), **profile_step(runner, step)}
                     results["rows"].append(row)
-                    log.info("%s", row)
+                    log.debug("%s", row)
     runner.mixed_graphs = saved
     results["compiles_while_timing"] = compile_counter.after_start - compiles_before
     print_tables(results)
