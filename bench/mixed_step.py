@@ -204,6 +204,9 @@ def main() -> int:
     if device.type == "cuda":
         warm_up(runner, max_num_tokens=max(max_tokens, 2048), max_num_seqs=max_seqs, context_length=runner_context)
     compile_counter.mark_serving()
+    # Non-zero on the GPU shows Triton's compile hook fires (so the zero after start-up means something).
+    print(f"Triton compilations during start-up (hook {'installed' if compile_counter.installed else 'missing'}): "
+          f"{compile_counter.total}", flush=True)
     mixed = runner.mixed_graphs
 
     results: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -255,6 +258,7 @@ def main() -> int:
                     log.debug("%s", row)
     runner.mixed_graphs = saved
     results["compiles_while_timing"] = compile_counter.after_start - compiles_before
+    results["compiles_at_startup"] = compile_counter.total - compile_counter.after_start
     print_tables(results)
     out = Path(a.out or Path(os.environ.get("OUT", ".")) / "mixed_step.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -121,6 +121,9 @@ class CompileCounter:
         if runtime is not None and hasattr(runtime, "jit_post_compile_hook"):
             self._previous = runtime.jit_post_compile_hook
             runtime.jit_post_compile_hook = self._hook
+        elif runtime is not None and hasattr(runtime, "jit_cache_hook"):  # called before each compile
+            self._previous = runtime.jit_cache_hook
+            runtime.jit_cache_hook = self._hook
         else:  # triton < 3.4: one class-level hook, called before each compile
             self._previous = JITFunction.cache_hook
             JITFunction.cache_hook = self._hook
