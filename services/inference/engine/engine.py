@@ -96,8 +96,15 @@ class LLMEngine:
             self.runner.capture_cuda_graphs(min(config.cuda_graph_max_bs, config.max_running_requests))
         if config.mixed_graphs_enabled:
             # On CUDA with captured graphs; elsewhere the same pieces run eagerly (tests).
-            self.runner.capture_mixed_graphs(min(config.mixed_cuda_graph_max_tokens, config.max_num_batched_tokens),
-                                             use_graphs=loaded.device.type == "cuda" and not config.disable_cuda_graph)
+            try:
+                self.runner.capture_mixed_graphs(
+                    min(config.mixed_cuda_graph_max_tokens, config.max_num_batched_tokens),
+                    use_graphs=loaded.device.type == "cuda" and not config.disable_cuda_graph)
+            except (RuntimeError, torch.OutOfMemoryError):
+                # Serving without them is slower, not wrong: say so loudly and go on eagerly.
+                log.exception("could not capture the mixed-step CUDA graphs; steps with prefill chunks run "
+                              "eagerly (set --mixed-cuda-graph-max-tokens lower, or 0)")
+                self.runner.mixed_graphs = None
         if triton_runs_on(loaded.device) and config.startup_warm_up:
             # Compile every kernel variant a step can need now, not on the engine thread while serving.
             warm_up(self.runner, max_num_tokens=config.max_num_batched_tokens,
