@@ -184,10 +184,12 @@ def paged_decode_attention(
     if block_n is None:
         block_n = decode_block_n(batch, num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
-    # Partials sized for the most splits, so their strides (kernel arguments whose value class
-    # Triton specialises on) do not change with the batch's split count.
-    mid_o = torch.empty((batch, num_heads, MAX_SPLITS, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, num_heads, MAX_SPLITS), dtype=torch.float32, device=q.device)
+    # Partials sized for the padded split count: their strides (kernel arguments whose value class
+    # Triton specialises on) then follow the padded count, as the merge's compiled width does, so the
+    # warm-up's one batch per (block_n, padded count) covers them (`decode_variants`).
+    pad = triton.next_power_of_2(splits)
+    mid_o = torch.empty((batch, num_heads, pad, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, num_heads, pad), dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty_like(q)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
@@ -210,7 +212,7 @@ def paged_decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
-        SPLITS_PAD=triton.next_power_of_2(splits),
+        SPLITS_PAD=pad,
         num_warps=4 if block_d >= 128 else 2,
     )
     return out
