@@ -62,6 +62,8 @@ def build_runner(
                            device=device)
         for s in range(slots):
             pool.upload(s, random_adapter(shapes, MODULE_SETS[s % len(MODULE_SETS)], rank, seed + s, dtype))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # uploads run on a side stream
         side = device.type == "cuda" if side_stream is None else side_stream
         if lora_backend == "torch":
             backend = TorchLoRABackend(pool)
