@@ -84,10 +84,17 @@ class MixedGraphs:
         cfg = model.config
         n = max(self.max_tokens, 1)
         self.num_layers = cfg.num_layers
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        # Per-step inputs: ids, positions, KV slots (int64, one device tensor so one copy fills them)
+        # and adapter slots (int32), staged in pinned host buffers written through numpy views.
+        self._pin = device.type == "cuda"
+        self._dev64 = torch.zeros(3 * n, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._dev64.view(3, n)
+        self.slot_mapping.fill_(-1)
         self.token_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
+        self._host64 = torch.zeros(3 * n, dtype=torch.int64, pin_memory=self._pin)
+        self._host32 = torch.zeros(n, dtype=torch.int32, pin_memory=self._pin)
+        self._np64, self._np32 = self._host64.numpy(), self._host32.numpy()
+        self._inputs_copied: torch.cuda.Event | None = None
         # Zero-filled: padding rows read them and must stay finite.
         self.h = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
         self.q = torch.zeros(n, cfg.num_heads, cfg.head_dim, dtype=dtype, device=device)
@@ -95,7 +102,6 @@ class MixedGraphs:
         self.v = torch.zeros(n, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
         self.attn = torch.zeros(n, cfg.num_heads * cfg.head_dim, dtype=dtype, device=device)
         self.hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
-        self._pin = device.type == "cuda"
         self.graphs: dict[tuple[int, int], list[torch.cuda.CUDAGraph]] = {}
         self._rotary: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # cos/sin each set reads
         self._pool = None
@@ -210,13 +216,20 @@ class MixedGraphs:
         valid until the next step."""
         b, tier = key
         n = len(ids)
-        pad = b - n
-        host64 = torch.tensor([*ids, *[0] * pad, *positions, *[0] * pad, *slots, *[-1] * pad], dtype=torch.int64,
-                              pin_memory=self._pin)
-        host32 = torch.tensor([*token_slots, *[-1] * pad], dtype=torch.int32, pin_memory=self._pin)
-        for i, buf in enumerate((self.input_ids, self.positions, self.slot_mapping)):
-            buf[:b].copy_(host64[i * b : (i + 1) * b], non_blocking=True)
-        self.token_slots[:b].copy_(host32, non_blocking=True)
+        if self._inputs_copied is not None:
+            # Overlap scheduling can get here before the previous step's copy ran: do not
+            # overwrite the pinned buffers under it.
+            self._inputs_copied.synchronize()
+        big, small, cap = self._np64, self._np32, self.input_ids.shape[0]
+        big[:n], big[n:b] = ids, 0
+        big[cap : cap + n], big[cap + n : cap + b] = positions, 0
+        big[2 * cap : 2 * cap + n], big[2 * cap + n : 2 * cap + b] = slots, -1
+        small[:n], small[n:b] = token_slots, -1
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self.token_slots[:b].copy_(self._host32[:b], non_blocking=True)
+        if self._pin:
+            self._inputs_copied = torch.cuda.Event()
+            self._inputs_copied.record()
         if prev_tokens is not None:
             fill_placeholders(self.input_ids[:n], prev_tokens)
         self._run_pieces(b, tier, self.graphs[key] if self.use_graphs else None)
