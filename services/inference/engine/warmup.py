@@ -75,7 +75,8 @@ def warm_up_steps(
                 steps.append(step(max(distinct - 1, 0), n - max(distinct - 1, 0), distinct))
     for b in decode_variants(min(max_num_seqs, max_num_tokens - 2), num_kv_heads, device).values():
         for distinct in tiers[:2]:
-            steps.append(step(b, 2, distinct))
+            # b decodes beside a 2-token prefill, unless that would be one sequence too many
+            steps.append(step(b, 2 if b < max_num_seqs else 0, distinct))
     return steps
 
 
