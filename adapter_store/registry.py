@@ -68,7 +68,7 @@ class AdapterRegistry:
             record = await asyncio.to_thread(self._fetch_validate_store, name, resolved)
             record = record.with_(generation=start_generation + 1)
             if existing is not None:
-                record = record.with_(created_at=existing.created_at) if existing.digest == record.digest else record
+                record = record.with_(created_at=existing.created_at) if existing.content == record.content else record
             await asyncio.to_thread(self._sidecar_add, record)
             try:
                 generation = await self.index.commit(record, start_generation)

@@ -186,7 +186,8 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
                 for ev in await self.registry.index.read_events(last, block_ms=WATCH_BLOCK_MS):
                     last = ev.id
                     yield pb.AdapterEvent(
-                        id=ev.id, type=ev.type, name=ev.name, digest=ev.digest, generation=ev.generation, time=ev.time
+                        id=ev.id, type=ev.type, name=ev.name, digest=ev.digest, generation=ev.generation, time=ev.time,
+                        config_digest=ev.config_digest,
                     )
             raise errors.Unavailable(f"the adapter store is shutting down; reconnect with last_event_id={last}")
         except Exception as e:  # noqa: BLE001

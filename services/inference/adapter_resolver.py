@@ -82,8 +82,9 @@ class AdapterResolver:
         self._idle: dict[str, asyncio.Event] = {}
         self._loading: dict[str, asyncio.Task] = {}
         self._deleting: dict[str, asyncio.Task] = {}
-        # name -> (source, digest) as the user and the store know them, not the local cache path
-        self._origin: dict[str, tuple[str, str]] = {}
+        # name -> (source, weights digest, config digest) as the user and the store know them, not
+        # the local cache path; the two digests together are the adapter's content
+        self._origin: dict[str, tuple[str, str, str]] = {}
 
     # -- requests in flight ---------------------------------------------------------------
     def acquire(self, name: str) -> None:
@@ -131,7 +132,7 @@ class AdapterResolver:
     async def _pull_and_load(self, name: str, *, pin: bool) -> AdapterInfo:
         assert self.store is not None
         pulled = await self.store.fetch(name)
-        self._origin[name] = (pulled.record.source, pulled.record.digest)
+        self._origin[name] = (pulled.record.source, pulled.record.digest, pulled.record.config_digest)
         return self._with_origin(await self._engine_load(name, pulled.path, pin))
 
     def _with_origin(self, info: AdapterInfo) -> AdapterInfo:
@@ -160,7 +161,7 @@ class AdapterResolver:
             await self.wait_idle(name)
             await call(self.engine.unload_adapter, name)
         if self.store is None:
-            self._origin[name] = (source, "")
+            self._origin[name] = (source, "", "")
             return self._with_origin(await self._engine_load(name, local_path(source, self.allowed_dirs), pin))
         if looks_local(source):
             check_allowed(source, self.allowed_dirs)  # the store reads it; still honour the allow-list
@@ -173,24 +174,26 @@ class AdapterResolver:
             raise AdapterNotFound(f"adapter {name!r} is not loaded on this server", adapter=name)
         await call(self.engine.unload_adapter, name)
 
-    async def on_store_event(self, kind: str, name: str, digest: str) -> None:
-        """A store delete, or a re-register with new content, drops the adapter here once its
-        running requests finish; the next request then pulls what the store has now."""
+    async def on_store_event(self, kind: str, name: str, digest: str, config_digest: str = "") -> None:
+        """A store delete, or a re-register with new content (weights or config), drops the adapter
+        here once its running requests finish; the next request then pulls what the store has now."""
+        content = (digest, config_digest)
         if kind == "registered":
             known = self._origin.get(name)
-            if known is None or not known[1] or known[1] == digest:
+            # An event without a config digest (an older store) cannot prove the content unchanged.
+            if known is None or not known[1] or (config_digest and known[1:] == content):
                 return
         elif kind != "deleted":
             return
         if name in self._deleting:
             return
-        task = asyncio.create_task(self._drop_when_idle(name, digest if kind == "registered" else None))
+        task = asyncio.create_task(self._drop_when_idle(name, content if kind == "registered" else None))
         self._deleting[name] = task
         task.add_done_callback(lambda _t: self._deleting.pop(name, None))
 
-    async def _drop_when_idle(self, name: str, new_digest: str | None) -> None:
+    async def _drop_when_idle(self, name: str, new_content: tuple[str, str] | None) -> None:
         await self.wait_idle(name)
-        if new_digest is not None and self._origin.get(name, ("", ""))[1] == new_digest:
+        if new_content is not None and new_content[1] and self._origin.get(name, ("", "", ""))[1:] == new_content:
             return  # meanwhile this server loaded the new content itself
         try:
             if await call(self.engine.has_adapter, name):

@@ -1,9 +1,9 @@
 """The inference side of the adapter store: resolve a name, pull it once, watch for deletes.
 
-`fetch(name)` asks the store (`GetAdapter`), and unless the digest is already in the local
-cache (`<cache>/<hex digest>/`), streams `PullAdapter`, checks the sha256 of both files
-against the record and renames a finished temp dir into place, so a reader never sees a
-half-written adapter. Concurrent fetches of one name share one pull (single flight).
+`fetch(name)` asks the store (`GetAdapter`), and unless the content is already in the local
+cache (`<cache>/<weights hex>-<config hex>/`: an adapter is its weights *and* its config),
+streams `PullAdapter`, checks the sha256 of both files against the record and renames a
+finished temp dir into place, so a reader never sees a half-written adapter. Concurrent fetches of one name share one pull (single flight).
 `watch(on_event)` follows `WatchAdapters`, reconnecting with backoff.
 """
 
@@ -68,6 +68,12 @@ def channel_credentials(ca: str | None, cert: str | None = None,
 
 def _hex(digest: str) -> str:
     return digest.split(":", 1)[1] if ":" in digest else digest
+
+
+def content_dir_name(weights_digest: str, config_digest: str) -> str:
+    """The cache directory of one adapter content: both digests, so the same weights under
+    another adapter_config.json (another lora_alpha, rank_pattern, ...) never share a copy."""
+    return f"{_hex(weights_digest)}-{_hex(config_digest)}"
 
 
 def _map_rpc_error(err: grpc.RpcError, name: str, what: str) -> LoraplexError:
@@ -154,14 +160,15 @@ class StoreClient:
 
     async def _fetch(self, name: str) -> PulledAdapter:
         record = await self.get(name)
-        local = self.cache_dir / _hex(record.digest)
-        if (local / WEIGHTS_FILE).exists() and (local / CONFIG_FILE).exists():
+        # A record without a config digest (an older store) cannot name its content: always pull.
+        local = self.cache_dir / content_dir_name(record.digest, record.config_digest) if record.config_digest else None
+        if local is not None and (local / WEIGHTS_FILE).exists() and (local / CONFIG_FILE).exists():
             return PulledAdapter(name, local, record)
         # A stream cut halfway or bytes that do not hash to the record are retried from the
         # start; the partial copy is never renamed into the cache, so no half adapter is loaded.
         for attempt in range(1, PULL_ATTEMPTS + 1):
             try:
-                return await self._pull(name, local)
+                return await self._pull(name)
             except BackendUnavailable as exc:
                 if attempt == PULL_ATTEMPTS:
                     raise
@@ -170,11 +177,12 @@ class StoreClient:
                 await asyncio.sleep(PULL_RETRY_S * attempt)
         raise AssertionError("unreachable")
 
-    async def _pull(self, name: str, local: Path) -> PulledAdapter:
+    async def _pull(self, name: str) -> PulledAdapter:
         tmp = Path(tempfile.mkdtemp(prefix=".pull-", dir=self.cache_dir))
         try:
             record, nbytes = await self._stream_into(name, tmp)
-            target = self.cache_dir / _hex(record.digest)
+            config_digest = "sha256:" + hashlib.sha256((tmp / CONFIG_FILE).read_bytes()).hexdigest()
+            target = self.cache_dir / content_dir_name(record.digest, config_digest)
             try:
                 os.rename(tmp, target)
             except OSError:
@@ -220,8 +228,8 @@ class StoreClient:
             )
         return record, nbytes
 
-    async def watch(self, on_event: Callable[[str, str, str], Awaitable[None]]) -> None:
-        """Follow store events forever; `on_event(type, name, digest)` per event. Reconnects."""
+    async def watch(self, on_event: Callable[[str, str, str, str], Awaitable[None]]) -> None:
+        """Follow store events forever; `on_event(type, name, digest, config_digest)` per event. Reconnects."""
         last_id = ""
         backoff = 0.5
         while True:
@@ -231,7 +239,7 @@ class StoreClient:
                 async for event in stream:
                     backoff = 0.5
                     last_id = event.id or last_id
-                    await on_event(event.type, event.name, event.digest)
+                    await on_event(event.type, event.name, event.digest, event.config_digest)
             except asyncio.CancelledError:
                 raise
             except grpc.RpcError as err:
