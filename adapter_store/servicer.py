@@ -132,6 +132,7 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
     def begin_shutdown(self) -> None:
         """Watch streams end (UNAVAILABLE, so clients reconnect elsewhere) instead of holding the drain."""
         self._stopping.set()
+        self.registry.begin_shutdown()
 
     @_handle_errors
     async def RegisterAdapter(self, request: pb.RegisterAdapterRequest, context) -> pb.AdapterRecord:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from services.inference.engine.types import AdapterInfo
 from services.inference.errors import AdapterNotFound, InvalidRequest, LoraplexError
@@ -31,8 +33,27 @@ async def call(fn, *args: Any, **kwargs: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
+# The files a loader may open in an adapter directory: each is confined on its own, since a
+# symlinked file inside an allowed directory could point anywhere.
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+def _local_text(source: str) -> str:
+    """A local source the way the adapter store reads it: stripped, a file:// URI percent-decoded.
+    Checks read this, never the raw string, so " /dir" or "file:///ok/%2E%2E/x" cannot slip by."""
+    text = source.strip()
+    if text.startswith("file://"):
+        parsed = urlparse(text)
+        if parsed.netloc not in ("", "localhost"):
+            raise InvalidRequest(f"file:// URI with a remote host {parsed.netloc[:100]!r} is not supported",
+                                 field="source")
+        text = unquote(parsed.path)
+    return text
+
+
 def looks_local(source: str) -> bool:
     """A filesystem path or file:// URI rather than a Hub reference (`org/repo`, `hf://...`)."""
+    source = source.strip()
     if source.startswith("file://"):
         return True
     if "://" in source:
@@ -45,12 +66,28 @@ def looks_local(source: str) -> bool:
         return False
 
 
+def _resolve(path: Path, shown: str) -> Path:
+    try:
+        return path.expanduser().resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before Python 3.13), a name too long
+        reason = "a symlink loop" if isinstance(exc, RuntimeError) else exc.strerror
+        raise InvalidRequest(f"source {shown[:200]!r} cannot be resolved: {reason}", field="source") from None
+
+
 def check_allowed(source: str, allowed_dirs: tuple[str, ...]) -> Path:
-    """The resolved path of a local source; InvalidRequest if it escapes --allowed-local-dirs
-    (symlinks and '..' are resolved first, so neither can lead out)."""
-    path = Path(source.removeprefix("file://")).expanduser().resolve()
-    if allowed_dirs and not any(path.is_relative_to(Path(d).expanduser().resolve()) for d in allowed_dirs):
-        raise InvalidRequest(f"source {source!r} is outside --allowed-local-dirs", field="source")
+    """The resolved path of a local source; InvalidRequest if it, or any adapter file in it, escapes
+    --allowed-local-dirs (symlinks and '..' are resolved first, so neither can lead out)."""
+    path = _resolve(Path(_local_text(source)), source)
+    if not allowed_dirs:
+        return path
+    roots = [Path(d).expanduser().resolve() for d in allowed_dirs]
+    for candidate in (path, *(path / name for name in ADAPTER_FILES)):
+        if candidate is not path and not os.path.lexists(candidate):
+            continue
+        real = _resolve(candidate, source) if candidate is not path else path
+        if not any(real.is_relative_to(root) for root in roots):
+            what = "source" if candidate is path else f"{candidate.name} of source"
+            raise InvalidRequest(f"{what} {source[:200]!r} is outside --allowed-local-dirs", field="source")
     return path
 
 
@@ -163,8 +200,9 @@ class AdapterResolver:
         if self.store is None:
             self._origin[name] = (source, "", "")
             return self._with_origin(await self._engine_load(name, local_path(source, self.allowed_dirs), pin))
-        if looks_local(source):
-            check_allowed(source, self.allowed_dirs)  # the store reads it; still honour the allow-list
+        if looks_local(source) and self.allowed_dirs:
+            # The store reads it; honour the allow-list by sending the very path that was checked.
+            source = str(check_allowed(source, self.allowed_dirs))
         await self.store.register(name, source, revision)
         return await self._pull_and_load(name, pin=pin)
 
