@@ -197,7 +197,8 @@ class AdapterIndex:
         last = await self.r.xrevrange(f"{self.p}events", count=1)
         return last[0][0] if last else "0-0"
 
-    async def read_events(self, after: str, block_ms: int = 5000) -> list[Event]:
+    async def read_events(self, after: str, block_ms: int | None = 5000) -> list[Event]:
+        """Up to 100 events after `after`; `block_ms` None returns at once."""
         got = await self.r.xread({f"{self.p}events": after}, count=100, block=block_ms)
         events = []
         for _stream, entries in got or []:

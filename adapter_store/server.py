@@ -58,7 +58,7 @@ async def serve(config: StoreConfig) -> None:
     # Undecodable request bytes: INVALID_ARGUMENT rather than grpc's bare UNKNOWN.
     interceptors.append(MalformedRequestInterceptor(f"/{SERVICE_NAME}/"))
     server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_send_message_length", 8 << 20)])
-    servicer = AdapterStoreServicer(registry)
+    servicer = AdapterStoreServicer(registry, config.max_watchers)
     pb_grpc.add_AdapterStoreServicer_to_server(servicer, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -27,6 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from adapter_store import errors
 from adapter_store.records import StoreRecord
 from adapter_store.registry import AdapterRegistry
+from adapter_store.watch_hub import WatchHub, stream_id
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
@@ -125,13 +126,14 @@ async def _abort(e: Exception, request, context: grpc.aio.ServicerContext) -> No
 
 
 class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
-    def __init__(self, registry: AdapterRegistry):
+    def __init__(self, registry: AdapterRegistry, max_watchers: int = 1024):
         self.registry = registry
-        self._stopping = asyncio.Event()
+        self.hub = WatchHub(registry.index, max_watchers, WATCH_BLOCK_MS)
 
     def begin_shutdown(self) -> None:
-        """Watch streams end (UNAVAILABLE, so clients reconnect elsewhere) instead of holding the drain."""
-        self._stopping.set()
+        """Watch streams end (UNAVAILABLE, so clients reconnect elsewhere) instead of holding the drain;
+        fetches in worker threads stop."""
+        self.hub.stop()
         self.registry.begin_shutdown()
 
     @_handle_errors
@@ -180,17 +182,32 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
                     f"last_event_id {request.last_event_id!r} is not a Redis stream id (like 1700000000000-0)",
                     field="last_event_id",
                 )
-            last = request.last_event_id or await self.registry.index.last_event_id()
-            if last == "0":
-                last = "0-0"
-            while not self._stopping.is_set():
-                for ev in await self.registry.index.read_events(last, block_ms=WATCH_BLOCK_MS):
-                    last = ev.id
-                    yield pb.AdapterEvent(
-                        id=ev.id, type=ev.type, name=ev.name, digest=ev.digest, generation=ev.generation, time=ev.time,
-                        config_digest=ev.config_digest,
-                    )
-            raise errors.Unavailable(f"the adapter store is shutting down; reconnect with last_event_id={last}")
+            async with self.hub.subscribe() as feed:
+                # Headers go out once subscribed: a client can tell it is watching before any event.
+                await context.send_initial_metadata(())
+                index = self.registry.index
+                last = request.last_event_id or await index.last_event_id()
+                if last == "0":
+                    last = "0-0"
+                # The backlog, in short non-blocking reads; then the shared reader's live feed,
+                # which starts no later than where the backlog ends (duplicates are skipped).
+                while batch := await index.read_events(last, block_ms=None):
+                    for ev in batch:
+                        last = ev.id
+                        yield _event_proto(ev)
+                while True:
+                    try:
+                        ev = await feed.next()
+                    except errors.Unavailable as e:
+                        raise errors.Unavailable(f"{e.message}; reconnect with last_event_id={last}") from None
+                    if stream_id(ev.id) > stream_id(last):
+                        last = ev.id
+                        yield _event_proto(ev)
         except Exception as e:  # noqa: BLE001
             with contextlib.suppress(asyncio.CancelledError):
                 await _abort(e, request, context)
+
+
+def _event_proto(ev) -> pb.AdapterEvent:
+    return pb.AdapterEvent(id=ev.id, type=ev.type, name=ev.name, digest=ev.digest, generation=ev.generation,
+                           time=ev.time, config_digest=ev.config_digest)

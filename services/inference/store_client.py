@@ -87,6 +87,36 @@ def _map_rpc_error(err: grpc.RpcError, name: str, what: str) -> LoraplexError:
     return BackendUnavailable(f"adapter store {what} for {name!r} failed ({code.name}): {detail}", adapter=name)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale_pulls(cache_dir: Path) -> list[str]:
+    """Drop what a killed server left: `.pull-<pid>-*` temp dirs of processes that are gone, and
+    directories named by the weights digest alone (an older layout that ignored the config).
+    Pulls of live servers sharing the directory are left alone."""
+    removed = []
+    for entry in cache_dir.iterdir():
+        name = entry.name
+        if name.startswith(".pull-"):
+            pid = name.split("-")[1]
+            if pid.isdecimal() and (int(pid) == os.getpid() or _alive(int(pid))):
+                continue
+        elif not (len(name) == 64 and all(c in "0123456789abcdef" for c in name)):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(name)
+    if removed:
+        log.info("removed %d leftover pulls from %s", len(removed), cache_dir)
+    return removed
+
+
 class StoreClient:
     """Talks to one adapter store at `target` (HOST:PORT); all methods are coroutines."""
 
@@ -95,6 +125,7 @@ class StoreClient:
         self.target = target
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_pulls(self.cache_dir)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=STORE_CHANNEL_OPTIONS)
         else:
@@ -178,7 +209,7 @@ class StoreClient:
         raise AssertionError("unreachable")
 
     async def _pull(self, name: str) -> PulledAdapter:
-        tmp = Path(tempfile.mkdtemp(prefix=".pull-", dir=self.cache_dir))
+        tmp = Path(tempfile.mkdtemp(prefix=f".pull-{os.getpid()}-", dir=self.cache_dir))
         try:
             record, nbytes = await self._stream_into(name, tmp)
             config_digest = "sha256:" + hashlib.sha256((tmp / CONFIG_FILE).read_bytes()).hexdigest()
