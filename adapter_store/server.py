@@ -81,12 +81,23 @@ async def serve(config: StoreConfig) -> None:
              ", TLS" + (" with client certificates" if config.tls_ca else "") if config.tls_cert else "",
              ", admin token required" if config.admin_token else "")
 
+    async def set_health(status) -> None:
+        for service in ("", SERVICE_NAME):
+            await health.set(service, status)
+
+    supervisor = None
+    if embedded:
+        supervisor = asyncio.create_task(embedded.supervise(
+            lambda: set_health(health_pb2.HealthCheckResponse.NOT_SERVING),
+            lambda: set_health(health_pb2.HealthCheckResponse.SERVING)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down: draining RPCs for up to %.0fs", config.grace_s)
+    if supervisor is not None:
+        supervisor.cancel()
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer.begin_shutdown()
