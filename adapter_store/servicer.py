@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc._cython import cygrpc
 from grpc_status import rpc_status
 from loraplex.v1 import adapter_store_pb2 as pb
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
@@ -112,9 +113,18 @@ def _handle_errors(method):
     return unary
 
 
+def _caller_gone(request, how: str) -> None:
+    """A killed client or a passed deadline is routine: one INFO line, no traceback."""
+    log.info("%s of %r ended: the caller went away (%s)", type(request).__name__, getattr(request, "name", "")[:128],
+             how)
+
+
 async def _abort(e: Exception, request, context: grpc.aio.ServicerContext) -> None:
     if isinstance(e, asyncio.CancelledError):
         raise e
+    if isinstance(e, cygrpc.ExecuteBatchError) or context.cancelled():
+        _caller_gone(request, type(e).__name__)  # nobody to answer
+        return
     store_error = _to_store_error(e)
     if store_error is None:
         log.exception("internal error in %s", type(request).__name__)
@@ -157,7 +167,9 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
             raise errors.NotFound(f"no adapter named {request.name!r} to delete", name=request.name, field="name")
         return pb.DeleteAdapterResponse(name=request.name, deleted=True)
 
-    async def PullAdapter(self, request: pb.PullAdapterRequest, context) -> AsyncIterator[pb.AdapterChunk]:
+    async def PullAdapter(self, request: pb.PullAdapterRequest, context) -> None:
+        # context.write rather than yield: a write to a caller that went away then fails here,
+        # where it is logged as routine, not inside grpc (which logs an ERROR traceback).
         try:
             async with self.registry.open_pull(request.name) as handle:
                 header = pb.AdapterHeader(
@@ -165,13 +177,16 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
                 )
                 if request.shared_cache:
                     header.local_safetensors_path = str(handle.path)
-                    yield pb.AdapterChunk(header=header)
+                    await context.write(pb.AdapterChunk(header=header))
                     return
                 # Opened before the header goes out: an open file stays readable even if unlinked later.
                 with open(handle.path, "rb") as f:
-                    yield pb.AdapterChunk(header=header)
+                    await context.write(pb.AdapterChunk(header=header))
                     while data := await asyncio.to_thread(f.read, CHUNK_BYTES):
-                        yield pb.AdapterChunk(data=data)
+                        await context.write(pb.AdapterChunk(data=data))
+        except asyncio.CancelledError:
+            _caller_gone(request, "cancelled")
+            raise
         except Exception as e:  # noqa: BLE001
             await _abort(e, request, context)
 

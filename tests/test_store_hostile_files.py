@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,9 +24,11 @@ from tests.store_helpers import (
     WEIGHTS,
     copy_adapter,
     edit_config,
+    pull,
     read_safetensors,
     start_store,
     store_stub,
+    write_random_adapter,
     write_safetensors,
 )
 
@@ -155,3 +159,30 @@ def test_copy_stops_at_the_byte_limit_and_when_told(tmp_path):
     with pytest.raises(Stopped):
         copy_regular_file(src, tmp_path / "out", 8 << 20, stop.is_set)
     assert copy_regular_file(src, tmp_path / "out", 8 << 20) == 3 << 20
+
+
+_STALLED_PULL = """
+import sys, time, grpc
+from loraplex.v1 import adapter_store_pb2 as pb, adapter_store_pb2_grpc as pb_grpc
+stream = pb_grpc.AdapterStoreStub(grpc.insecure_channel(sys.argv[1])).PullAdapter(pb.PullAdapterRequest(name="big"))
+next(stream)
+print("pulling", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_client_killed_mid_pull_is_one_info_line(tmp_path):
+    big = write_random_adapter(tmp_path / "big", hidden=2048, r=64)  # ~16 MiB: many chunks
+    with start_store(tmp_path / "cache") as proc, store_stub(proc.address) as stub:
+        stub.RegisterAdapter(pb.RegisterAdapterRequest(name="big", source=str(big)), timeout=60)
+        client = subprocess.Popen([sys.executable, "-c", _STALLED_PULL, proc.address], stdout=subprocess.PIPE,
+                                  text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert client.stdout.readline().strip() == "pulling"
+        client.kill()
+        client.wait()
+        deadline = time.monotonic() + 20
+        while "the caller went away" not in proc.output():
+            assert time.monotonic() < deadline, proc.output()[-2000:]
+            time.sleep(0.2)
+        assert pull(stub, "big")[1] == (big / WEIGHTS).read_bytes()  # the store serves on
+    assert "Traceback" not in proc.output() and "ERROR" not in proc.output(), proc.output()[-3000:]
