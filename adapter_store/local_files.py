@@ -15,7 +15,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from adapter_store.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from adapter_store.errors import InvalidArgument, PermissionDenied, Unavailable
 
 COPY_CHUNK = 1 << 20
 
@@ -49,7 +49,7 @@ def resolve_file(path: Path, allowed_dirs: tuple[Path, ...]) -> tuple[Path, os.s
     try:
         real = Path(os.path.realpath(path, strict=True))
     except FileNotFoundError:
-        raise NotFound(f"{path} does not exist (or is a dangling symlink)", field=path.name) from None
+        raise InvalidArgument(f"{path} is missing or a dangling symlink", field=path.name) from None
     except PermissionError as e:
         raise PermissionDenied(f"the store cannot read {path}: {e.strerror}") from None
     except OSError as e:

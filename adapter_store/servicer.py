@@ -72,6 +72,7 @@ def rich_status(error: errors.StoreError, resource: str = "") -> grpc.Status:
     if error.field and code in (code_pb2.INVALID_ARGUMENT, code_pb2.FAILED_PRECONDITION):
         violation = error_details_pb2.BadRequest.FieldViolation(field=error.field, description=error.message)
         details.append(error_details_pb2.BadRequest(field_violations=[violation]))
+    resource = resource if len(resource) <= 128 else ""  # longer is no adapter name; keep the trailer small
     if error.name or resource:
         details.append(
             error_details_pb2.ResourceInfo(
@@ -192,9 +193,10 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
 
     async def WatchAdapters(self, request: pb.WatchAdaptersRequest, context) -> AsyncIterator[pb.AdapterEvent]:
         try:
-            if request.last_event_id and not EVENT_ID_RE.fullmatch(request.last_event_id):
+            if request.last_event_id and (not EVENT_ID_RE.fullmatch(request.last_event_id)
+                                          or max(stream_id(request.last_event_id)) >= 2**64):
                 raise errors.InvalidArgument(
-                    f"last_event_id {request.last_event_id!r} is not a Redis stream id (like 1700000000000-0)",
+                    f"last_event_id {request.last_event_id[:64]!r} is not a Redis stream id (like 1700000000000-0)",
                     field="last_event_id",
                 )
             async with self.hub.subscribe() as feed:
