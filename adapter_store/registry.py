@@ -59,12 +59,26 @@ class AdapterRegistry:
         """Fetch and validate off the event loop; a caller that goes away (its RPC cancelled)
         stops the copy too, rather than leaving a thread writing for nobody."""
         gone = threading.Event()
+        work = asyncio.ensure_future(asyncio.to_thread(self._fetch_validate_store, name, resolved,
+                                                       lambda: gone.is_set() or self._stopping.is_set()))
         try:
-            return await asyncio.to_thread(self._fetch_validate_store, name, resolved,
-                                           lambda: gone.is_set() or self._stopping.is_set())
+            return await asyncio.shield(work)
         except asyncio.CancelledError:
             gone.set()
+            work.add_done_callback(lambda w, n=name: self._abandoned(w, n))
             raise
+
+    def _abandoned(self, work: asyncio.Future, name: str) -> None:
+        error = None if work.cancelled() else work.exception()
+        if error is not None:
+            log.info("fetch for %s abandoned by its caller: %s", name, error)
+            return
+        if not work.cancelled():
+            # It finished first: a blob no record points at would never be evicted.
+            digest = work.result().digest
+            if not self.blobs.read_sidecar(digest)["records"]:
+                self.blobs.remove_blob(digest)
+        log.info("fetch for %s abandoned by its caller after it finished", name)
 
     # -- register ----------------------------------------------------------------------------
     async def register(self, name: str, source: str, revision: str = "") -> StoreRecord:

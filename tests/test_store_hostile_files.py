@@ -186,3 +186,19 @@ def test_a_client_killed_mid_pull_is_one_info_line(tmp_path):
             time.sleep(0.2)
         assert pull(stub, "big")[1] == (big / WEIGHTS).read_bytes()  # the store serves on
     assert "Traceback" not in proc.output() and "ERROR" not in proc.output(), proc.output()[-3000:]
+
+
+def test_a_copy_stops_when_its_caller_goes_away(tmp_path, good):
+    d = copy_adapter(good, tmp_path / "huge")
+    with open(d / WEIGHTS, "r+b") as f:
+        f.truncate(1 << 30)  # sparse: nothing to write here, a gigabyte to copy there
+    with start_store(tmp_path / "cache") as proc, store_stub(proc.address) as stub:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.RegisterAdapter(pb.RegisterAdapterRequest(name="huge", source=str(d)), timeout=0.3)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 20
+        while "fetch for huge abandoned by its caller" not in proc.output():
+            assert time.monotonic() < deadline, proc.output()[-2000:]
+            time.sleep(0.1)
+        assert "abandoned (caller gone or store shutting down)" in proc.output()  # stopped mid-copy
+        assert not list((tmp_path / "cache" / "staging").iterdir())
