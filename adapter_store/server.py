@@ -21,7 +21,7 @@ from adapter_store.cli.args import StoreConfig
 from adapter_store.index import AdapterIndex
 from adapter_store.redis_embedded import EmbeddedRedis, connect, describe
 from adapter_store.registry import AdapterRegistry
-from adapter_store.servicer import AdapterStoreServicer
+from adapter_store.servicer import AdapterStoreServicer, CallerGoneFilter
 from adapter_store.sources import SourceFetcher
 
 log = logging.getLogger("adapter_store")
@@ -54,6 +54,7 @@ async def serve(config: StoreConfig) -> None:
         log.warning("Redis (%s) is not reachable at start (%s); calls answer UNAVAILABLE until it is",
                     describe(config.redis_url), e)
 
+    logging.getLogger("grpc._cython.cygrpc").addFilter(CallerGoneFilter())
     interceptors = [AdminTokenInterceptor(config.admin_token)] if config.admin_token else []
     # Undecodable request bytes: INVALID_ARGUMENT rather than grpc's bare UNKNOWN.
     interceptors.append(MalformedRequestInterceptor(f"/{SERVICE_NAME}/"))

@@ -114,6 +114,19 @@ def _handle_errors(method):
     return unary
 
 
+class CallerGoneFilter(logging.Filter):
+    """grpc logs a write to a stream whose caller went away (a killed client mid-pull) as an ERROR
+    with a traceback, from inside grpc where the servicer cannot catch it; it is routine."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, cygrpc.ExecuteBatchError):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "a stream ended: the caller went away (%s)", (type(error).__name__,), None, None)
+        return True
+
+
 def _caller_gone(request, how: str) -> None:
     """A killed client or a passed deadline is routine: one INFO line, no traceback."""
     log.info("%s of %r ended: the caller went away (%s)", type(request).__name__, getattr(request, "name", "")[:128],
@@ -168,9 +181,7 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
             raise errors.NotFound(f"no adapter named {request.name!r} to delete", name=request.name, field="name")
         return pb.DeleteAdapterResponse(name=request.name, deleted=True)
 
-    async def PullAdapter(self, request: pb.PullAdapterRequest, context) -> None:
-        # context.write rather than yield: a write to a caller that went away then fails here,
-        # where it is logged as routine, not inside grpc (which logs an ERROR traceback).
+    async def PullAdapter(self, request: pb.PullAdapterRequest, context) -> AsyncIterator[pb.AdapterChunk]:
         try:
             async with self.registry.open_pull(request.name) as handle:
                 header = pb.AdapterHeader(
@@ -178,15 +189,15 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
                 )
                 if request.shared_cache:
                     header.local_safetensors_path = str(handle.path)
-                    await context.write(pb.AdapterChunk(header=header))
+                    yield pb.AdapterChunk(header=header)
                     return
                 # Opened before the header goes out: an open file stays readable even if unlinked later.
                 with open(handle.path, "rb") as f:
-                    await context.write(pb.AdapterChunk(header=header))
+                    yield pb.AdapterChunk(header=header)
                     while data := await asyncio.to_thread(f.read, CHUNK_BYTES):
-                        await context.write(pb.AdapterChunk(data=data))
-        except asyncio.CancelledError:
-            _caller_gone(request, "cancelled")
+                        yield pb.AdapterChunk(data=data)
+        except (asyncio.CancelledError, GeneratorExit) as e:  # the stream was closed under us
+            _caller_gone(request, type(e).__name__)
             raise
         except Exception as e:  # noqa: BLE001
             await _abort(e, request, context)

@@ -181,7 +181,7 @@ def test_a_client_killed_mid_pull_is_one_info_line(tmp_path):
         client.kill()
         client.wait()
         deadline = time.monotonic() + 20
-        while "the caller went away" not in proc.output():
+        while "the caller went away" not in proc.output():  # one INFO line, from grpc or from the servicer
             assert time.monotonic() < deadline, proc.output()[-2000:]
             time.sleep(0.2)
         assert pull(stub, "big")[1] == (big / WEIGHTS).read_bytes()  # the store serves on
