@@ -85,7 +85,7 @@ event_ids = st.one_of(st.just(""), st.just("0"), st.sampled_from(["9999999999999
                       st.text(max_size=30))
 
 
-@settings(max_examples=8, deadline=None, database=None,
+@settings(max_examples=6, deadline=None, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ids=st.lists(event_ids, min_size=1, max_size=MAX_WATCHERS + 8))
 def test_many_watchers_from_any_event_id_get_clean_status(store, ids):
@@ -95,7 +95,7 @@ def test_many_watchers_from_any_event_id_get_clean_status(store, ids):
     async def watch_all() -> list[grpc.StatusCode]:
         async with grpc.aio.insecure_channel(proc.address) as channel:
             stub = spb_grpc.AdapterStoreStub(channel)
-            calls = [stub.WatchAdapters(spb.WatchAdaptersRequest(last_event_id=i), timeout=1.5) for i in ids]
+            calls = [stub.WatchAdapters(spb.WatchAdaptersRequest(last_event_id=i), timeout=1.0) for i in ids]
             codes = []
             for call in calls:
                 try:

@@ -27,6 +27,7 @@ from tests.store_helpers import (
     pull,
     read_safetensors,
     start_store,
+    start_store_process,
     store_stub,
     write_random_adapter,
     write_safetensors,
@@ -202,3 +203,34 @@ def test_a_copy_stops_when_its_caller_goes_away(tmp_path, good):
             time.sleep(0.1)
         assert "abandoned (caller gone or store shutting down)" in proc.output()  # stopped mid-copy
         assert not list((tmp_path / "cache" / "staging").iterdir())
+
+
+def test_shutdown_stops_a_copy_in_progress(tmp_path, good):
+    d = copy_adapter(good, tmp_path / "huge")
+    with open(d / WEIGHTS, "r+b") as f:
+        f.truncate(1 << 30)
+    proc = start_store_process(tmp_path / "cache", "--grace", "30")
+    outcome: dict = {}
+
+    def register() -> None:
+        with store_stub(proc.address) as stub:
+            try:
+                stub.RegisterAdapter(pb.RegisterAdapterRequest(name="huge", source=str(d)), timeout=60)
+            except grpc.RpcError as e:
+                outcome["code"], outcome["details"] = e.code(), e.details()
+
+    worker = threading.Thread(target=register)
+    try:
+        worker.start()
+        deadline = time.monotonic() + 20
+        while "fetching file://" not in proc.output():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        start = time.monotonic()
+        assert proc.stop() == 0
+        worker.join(30)
+    finally:
+        proc.stop()
+    # Without the stop the whole gigabyte is copied, then refused as INVALID_ARGUMENT (no header).
+    assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE and "abandoned" in outcome["details"], outcome
+    assert time.monotonic() - start < 20
