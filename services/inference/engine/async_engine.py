@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
@@ -26,6 +27,7 @@ class _Add(NamedTuple):
     prompt_ids: list[int]
     adapter: str | None
     params: SamplingParams
+    arrival_time: float
 
 
 class _Abort(NamedTuple):
@@ -66,6 +68,7 @@ class AsyncEngine:
         self, request_id: str, prompt: str | list[int], adapter: str | None, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last has finished=True. Closing the iterator aborts."""
+        arrival = time.monotonic()
         if self._stopped.is_set():
             raise BackendUnavailable("the engine is shut down")
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -78,7 +81,7 @@ class AsyncEngine:
             if request_id in self._sinks:
                 raise InvalidRequest(f"request id {request_id!r} is already in flight")
             self._sinks[request_id] = sink
-        self._send(_Add(request_id, prompt_ids, adapter, params))
+        self._send(_Add(request_id, prompt_ids, adapter, params, arrival))
         finished = False
         try:
             while True:
@@ -165,7 +168,8 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 try:
                     self.engine.add_request(
-                        command.request_id, command.prompt_ids, command.params, command.adapter
+                        command.request_id, command.prompt_ids, command.params, command.adapter,
+                        arrival_time=command.arrival_time,
                     )
                 except LoraplexError as exc:
                     self._deliver(command.request_id, exc)
