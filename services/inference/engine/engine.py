@@ -47,6 +47,14 @@ def _rows_logprobs(step: StepLogprobs | None, tokens: list[int]) -> list[TokenLo
     return [by_row.get(i) for i in range(len(tokens))]
 
 
+def _admitted(entries) -> None:
+    """Stamp the requests scheduled for the first time (the end of their queue time)."""
+    now = time.monotonic()
+    for req, _ in entries:
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+
+
 def _timing(req: Request) -> tuple[float, float, int]:
     """RequestOutput's queue_time, time_to_first_token and cached_prompt_tokens for `req`."""
     queued = req.first_scheduled_time - req.arrival_time if req.first_scheduled_time is not None else 0.0
@@ -193,6 +201,7 @@ class LLMEngine:
         outputs = [self._final_output(req, []) for req in batch.finished]
         if not batch.entries:
             return outputs
+        _admitted(batch.entries)
         logits = self.runner.forward(batch.chunks())
         sampled = [e.request for e in batch.entries if e.sample]
         tokens, logprobs = [], None
@@ -200,17 +209,10 @@ class LLMEngine:
             device_tokens, step_logprobs = self._sample(logits, sampled)
             tokens = device_tokens.tolist()
             logprobs = _rows_logprobs(step_logprobs, tokens)
-        self._computed(batch.entries)
+        for req, n in batch.entries:
+            req.num_computed_tokens += n
         outputs.extend(self._process_outputs(sampled, tokens, logprobs=logprobs))
         return outputs
-
-    @staticmethod
-    def _computed(entries) -> None:
-        now = time.monotonic()
-        for req, n in entries:
-            req.num_computed_tokens += n
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = now
 
     def _step_overlapped(self) -> list[RequestOutput]:
         """Launch this step, then process the previous one's outputs (engine/overlap.py)."""
@@ -224,9 +226,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         outputs.extend(self._final_output(req, []) for req in batch.finished)
         if batch.entries:
+            _admitted(batch.entries)
             logits = self.runner.forward(batch.chunks(), pending.device_tokens if pending else None)
             sampled = [e.request for e in batch.entries if e.sample]
-            self._computed(batch.entries)
+            for req, n in batch.entries:
+                req.num_computed_tokens += n
             if sampled:
                 self._in_flight = InFlightStep(sampled, *self._sample(logits, sampled))
         if pending is not None:
