@@ -25,6 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None,
                    help="the base model's name in `model` (default: the last part of the server's model path)")
     p.add_argument("--timeout", type=float, default=None, help="gRPC deadline per call, seconds (default none)")
+    p.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
+                   help="uvicorn's HTTP parser (auto: httptools when installed)")
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -34,7 +36,9 @@ async def serve(args: argparse.Namespace) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     app = create_app(Backend(args.target, args.served_model_name, args.timeout))
-    config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, lifespan="on")
+    # The asyncio loop: grpc.aio runs on it (uvloop is not a loop grpc.aio supports).
+    config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, lifespan="on",
+                            loop="asyncio", http=args.http)
     server = _Server(config)
     host, port = sock.getsockname()[:2]
     # the line clients/processes.py (and `loraplex up`) read the port from
