@@ -26,6 +26,11 @@ JOBS = [  # (prompt, adapter, params)
     ("Once upon a time", "a", SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=7, logprobs=0)),
     ("1, 2, 3, 4,", None, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.8, top_k=20, seed=3,
                                          logprobs=MAX_TOP_LOGPROBS)),
+    # prompt log probabilities over several prefill chunks (the engine's chunk is 8 tokens)
+    ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again and", "a",
+     SamplingParams(max_new_tokens=2, prompt_logprobs=3)),
+    ("Translate to French: I would like a cup of coffee, please.", None,
+     SamplingParams(max_new_tokens=3, prompt_logprobs=0, logprobs=1)),
 ]
 
 
@@ -50,6 +55,7 @@ def reference(tiny_llama_path, adapter):
 
     @torch.no_grad()
     def logprobs(ids: list[int], prompt_len: int, name: str | None) -> torch.Tensor:
+        """log_softmax at the positions predicting ids[prompt_len:] (prompt_len 1: every token after the first)."""
         x = torch.tensor([ids])
         if name is None:
             with peft.disable_adapter():
@@ -65,13 +71,16 @@ def run(engine, jobs):
     prompts = [engine.tokenizer(p).input_ids for p, _, _ in jobs]
     for i, (prompt, (_, name, params)) in enumerate(zip(prompts, jobs, strict=True)):
         engine.add_request(f"r{i}", prompt, params, name)
-    got = {f"r{i}": {"ids": [], "lps": [], "final": None} for i in range(len(jobs))}
+    got = {f"r{i}": {"ids": [], "lps": [], "prompt": [], "final": None} for i in range(len(jobs))}
     while any(g["final"] is None for g in got.values()):
         for out in engine.step():
             g = got[out.request_id]
             g["ids"].extend(out.new_token_ids)
             if out.logprobs is not None:
                 g["lps"].extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                assert not g["prompt"] and len(g["ids"]) == len(out.new_token_ids) == 1, "once, with the first token"
+                g["prompt"] = out.prompt_logprobs
             if out.finished:
                 g["final"] = out
     return prompts, [got[f"r{i}"] for i in range(len(jobs))]
@@ -84,6 +93,18 @@ def test_logprobs_match_transformers_and_peft(tiny_llama_path, adapter, referenc
     assert engine._overlap is overlap
     prompts, results = run(engine, JOBS)
     for prompt, (_, name, params), got in zip(prompts, JOBS, results, strict=True):
+        if params.prompt_logprobs is not None:
+            assert [lp.token_id for lp in got["prompt"]] == prompt[1:] and len(prompt) > 8  # two or more chunks
+            ref = reference(prompt, 1, name)
+            for pos, lp in enumerate(got["prompt"]):
+                assert abs(lp.logprob - ref[pos, lp.token_id].item()) < TOL, (name, "prompt", pos)
+                assert len(lp.top) == params.prompt_logprobs
+                for token, value in lp.top:
+                    assert abs(ref[pos, token].item() - value) < TOL
+                if lp.top:
+                    assert lp.top[0][0] == ref[pos].argmax().item()
+        else:
+            assert got["prompt"] == []
         if params.logprobs is None:
             assert got["lps"] == [] and got["final"].logprobs is None
             continue
@@ -107,3 +128,21 @@ def test_logprobs_match_transformers_and_peft(tiny_llama_path, adapter, referenc
 def test_top_logprobs_bound(tiny_llama_path):
     with pytest.raises(InvalidRequest, match="top_logprobs"):
         SamplingParams(logprobs=MAX_TOP_LOGPROBS + 1).validate()
+
+
+def test_prompt_logprobs_survive_preemption(tiny_llama_path):
+    """A preempted request recomputes its prompt: its prompt log probabilities are not repeated."""
+    from tests.test_engine_correctness import PROMPTS
+    from tests.test_engine_overlap import make_engine
+
+    probe = make_engine(tiny_llama_path, False)
+    prompts = [probe.tokenizer(p).input_ids for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, prompt_logprobs=1)
+    want = run(probe, [(p, None, params) for p in PROMPTS])[1]
+    need = max(len(p) for p in prompts) + 16
+    engine = make_engine(tiny_llama_path, False, max_total_tokens=3 * need)
+    got = run(engine, [(p, None, params) for p in PROMPTS])[1]
+    assert engine.scheduler.num_preemptions > 0
+    for prompt, g, w in zip(prompts, got, want, strict=True):
+        assert [lp.token_id for lp in g["prompt"]] == prompt[1:]
+        assert [lp.logprob for lp in g["prompt"]] == pytest.approx([lp.logprob for lp in w["prompt"]], abs=TOL)

@@ -143,6 +143,20 @@ def test_logprobs_match_peft_unary_and_stream(stub, adapters, reference):  # noq
     assert not plain.logprobs
 
 
+def test_prompt_logprobs_unary_and_stream(stub, adapters, reference):  # noqa: F811
+    params = greedy(2, prompt_logprobs=True, top_logprobs=2)
+    request = pb.GenerateRequest(inputs=[pb.Input(text=PROMPTS[2], adapter="beta")], sampling_params=params)
+    c = stub.Generate(request).completions[0]
+    prompt = reference.tokenizer(PROMPTS[2]).input_ids
+    assert [lp.token_id for lp in c.prompt_logprobs] == prompt[1:] and not c.logprobs
+    ref = peft_logprobs(reference, adapters["beta"], prompt[:1], prompt[1:])
+    for pos, lp in enumerate(c.prompt_logprobs):
+        assert abs(lp.logprob - ref[pos, lp.token_id].item()) < 1e-3 and len(lp.top) == 2
+    messages = list(stub.GenerateStream(request))
+    assert list(messages[0].prompt_logprobs) == list(c.prompt_logprobs)
+    assert not any(m.prompt_logprobs for m in messages[1:])
+
+
 def test_timing_fields(stub):  # noqa: F811
     c = generate(stub, [pb.Input(text=PROMPTS[0])], params=greedy(3)).completions[0]
     assert 0 <= c.queue_time_s <= c.time_to_first_token_s < 60 and c.time_to_first_token_s > 0

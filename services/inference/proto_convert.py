@@ -80,9 +80,10 @@ def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
         frequency_penalty=p.frequency_penalty,
         presence_penalty=p.presence_penalty,
         logprobs=p.top_logprobs if p.logprobs else None,
+        prompt_logprobs=p.top_logprobs if p.prompt_logprobs else None,
     )
-    if p.top_logprobs and not p.logprobs:
-        raise InvalidRequest("sampling_params.top_logprobs needs sampling_params.logprobs",
+    if p.top_logprobs and not (p.logprobs or p.prompt_logprobs):
+        raise InvalidRequest("sampling_params.top_logprobs needs sampling_params.logprobs or prompt_logprobs",
                              field="sampling_params.top_logprobs")
     params.validate(args.max_new_tokens_limit)
     return params

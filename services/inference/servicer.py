@@ -158,6 +158,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             texts = [[] for _ in work]
             ids = [[] for _ in work]
             logprobs = [[] for _ in work]
+            prompt_logprobs = [[] for _ in work]
             final: list[RequestOutput | None] = [None] * len(work)
             async with aclosing(self._run(context, engine, resolver, work)) as stream:
                 async for k, out in stream:
@@ -165,6 +166,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     ids[k].extend(out.new_token_ids)
                     if out.logprobs:
                         logprobs[k].extend(out.logprobs)
+                    if out.prompt_logprobs:
+                        prompt_logprobs[k] = out.prompt_logprobs
                     if out.finished:
                         final[k] = out
             completions = [
@@ -172,7 +175,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     text="".join(texts[k]), token_ids=ids[k], finish_reason=f.finish_reason or "",
                     prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens, adapter=w.adapter,
                     index=w.index, sample=w.sample, logprobs=logprobs_proto(engine, logprobs[k]),
-                    **timing_fields(f),
+                    prompt_logprobs=logprobs_proto(engine, prompt_logprobs[k]), **timing_fields(f),
                 )
                 for k, (w, f) in enumerate(zip(work, final, strict=True))
             ]
@@ -197,7 +200,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         continue
                     msg = pb.GenerateStreamResponse(
                         index=work[k].index, sample=work[k].sample, text=out.new_text, token_ids=out.new_token_ids,
-                        logprobs=logprobs_proto(engine, out.logprobs or []))
+                        logprobs=logprobs_proto(engine, out.logprobs or []),
+                        prompt_logprobs=logprobs_proto(engine, out.prompt_logprobs or []))
                     if out.finished:
                         msg.finish_reason = out.finish_reason or ""
                         msg.prompt_tokens = out.prompt_tokens

@@ -47,6 +47,28 @@ def _rows_logprobs(step: StepLogprobs | None, tokens: list[int]) -> list[TokenLo
     return [by_row.get(i) for i in range(len(tokens))]
 
 
+def _record_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> None:
+    """Append to `req.prompt_logprobs` the prompt tokens these rows predict (row i, at position
+    start + i, predicts token start + i + 1) that it does not have yet (a recompute after
+    preemption predicts them again)."""
+    first = max(start, len(req.prompt_logprobs))  # the position predicting the next missing token
+    last = min(start + logits.shape[0], req.num_prompt_tokens - 1)
+    if first >= last:
+        return
+    lp = logits[first - start : last - start].float().log_softmax(dim=-1)
+    targets = req.prompt_ids[first + 1 : last + 1]
+    chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+    k = req.params.prompt_logprobs
+    top_ids, top_values = [[]] * len(targets), [[]] * len(targets)
+    if k:
+        top = lp.topk(k, dim=-1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    req.prompt_logprobs.extend(
+        TokenLogprob(t, c, list(zip(i, v, strict=True)))
+        for t, c, i, v in zip(targets, chosen, top_ids, top_values, strict=True)
+    )
+
+
 def _admitted(entries) -> None:
     """Stamp the requests scheduled for the first time (the end of their queue time)."""
     now = time.monotonic()
@@ -202,8 +224,10 @@ class LLMEngine:
         if not batch.entries:
             return outputs
         _admitted(batch.entries)
-        logits = self.runner.forward(batch.chunks())
+        chunks = batch.chunks()
+        logits = self.runner.forward(chunks)
         sampled = [e.request for e in batch.entries if e.sample]
+        logits = self._take_prompt_logprobs(batch.entries, chunks, logits, len(sampled))
         tokens, logprobs = [], None
         if sampled:
             device_tokens, step_logprobs = self._sample(logits, sampled)
@@ -227,8 +251,10 @@ class LLMEngine:
         outputs.extend(self._final_output(req, []) for req in batch.finished)
         if batch.entries:
             _admitted(batch.entries)
-            logits = self.runner.forward(batch.chunks(), pending.device_tokens if pending else None)
+            chunks = batch.chunks()
+            logits = self.runner.forward(chunks, pending.device_tokens if pending else None)
             sampled = [e.request for e in batch.entries if e.sample]
+            logits = self._take_prompt_logprobs(batch.entries, chunks, logits, len(sampled))
             for req, n in batch.entries:
                 req.num_computed_tokens += n
             if sampled:
@@ -246,6 +272,19 @@ class LLMEngine:
             [step.requests[i] for i in live], [tokens[i] for i in live], [step.positions[i] for i in live],
             [logprobs[i] for i in live] if logprobs else None,
         )
+
+    def _take_prompt_logprobs(self, entries, chunks, logits: torch.Tensor, num_sampled: int) -> torch.Tensor:
+        """The sampled rows of `logits`; the rows after them (chunks with `all_logits`) become their
+        requests' prompt log probabilities. Reads them on the host at once: only steps that prefill a
+        prompt asking for them pay that sync."""
+        if logits.shape[0] == num_sampled:
+            return logits
+        at = num_sampled
+        for (req, n), chunk in zip(entries, chunks, strict=True):
+            if chunk.all_logits:
+                _record_prompt_logprobs(req, chunk.start_pos, logits[at : at + n])
+                at += n
+        return logits[:num_sampled]
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, StepLogprobs | None]:
         """Token ids on the logits' device (no host sync for batches without penalties), and the
@@ -296,6 +335,9 @@ class LLMEngine:
             req.first_token_time = time.monotonic()
         num_output_tokens = position + 1 - req.num_prompt_tokens
         logprobs = [logprob] if logprob is not None else None
+        prompt_logprobs = None
+        if num_output_tokens == 1 and req.params.prompt_logprobs is not None:
+            prompt_logprobs = req.prompt_logprobs
         stream = self._streams[req.request_id]
         params = req.params
         reason = None
@@ -316,12 +358,14 @@ class LLMEngine:
                 num_output_tokens,
                 logprobs,
                 *_timing(req),
+                prompt_logprobs=prompt_logprobs,
             )
         self.scheduler.finish(req, reason)
-        return self._final_output(req, [token], logprobs)
+        return self._final_output(req, [token], logprobs, prompt_logprobs)
 
     def _final_output(
-        self, req: Request, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None
+        self, req: Request, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None,
+        prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         stream = self._streams.pop(req.request_id)
         self.requests.pop(req.request_id, None)
@@ -346,6 +390,7 @@ class LLMEngine:
             req.num_output_tokens,
             logprobs,
             *_timing(req),
+            prompt_logprobs=prompt_logprobs,
         )
 
     # -- info -----------------------------------------------------------------------------

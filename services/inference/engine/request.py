@@ -43,6 +43,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_cached_prompt_tokens: int = 0  # prompt tokens whose KV a cache supplied
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of prompt tokens 1.. so far
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:

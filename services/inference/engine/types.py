@@ -30,6 +30,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     # None = no log probabilities; k >= 0 = the sampled token's and the k most likely tokens'.
     logprobs: int | None = None
+    # The same for each prompt token after the first.
+    prompt_logprobs: int | None = None
 
     def validate(self, max_new_tokens_limit: int | None = None) -> None:
         """Raise InvalidRequest naming the field when a value is out of range."""
@@ -45,12 +47,12 @@ class SamplingParams:
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0 (1 = off)"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
-            ("top_logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+            ("top_logprobs", all(k is None or 0 <= k <= MAX_TOP_LOGPROBS for k in (self.logprobs, self.prompt_logprobs)),
              f"must be in [0, {MAX_TOP_LOGPROBS}]"),
         ]
         for name, ok, why in checks:
             if not ok:
-                got = getattr(self, "logprobs" if name == "top_logprobs" else name)
+                got = (self.logprobs, self.prompt_logprobs) if name == "top_logprobs" else getattr(self, name)
                 raise InvalidRequest(f"sampling_params.{name} {why} (got {got})", field=f"sampling_params.{name}")
         if max_new_tokens_limit is not None and self.max_new_tokens > max_new_tokens_limit:
             raise InvalidRequest(
@@ -84,6 +86,9 @@ class RequestOutput(NamedTuple):
     time_to_first_token: float = 0.0
     # Prompt tokens whose KV came from a cache rather than a forward (0 without a prefix cache).
     cached_prompt_tokens: int = 0
+    # With params.prompt_logprobs: one per prompt token after the first, on the output that
+    # carries the first generated token.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
