@@ -24,6 +24,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (logged)")
     p.add_argument("--served-model-name", default=None,
                    help="the base model's name in `model` (default: the last part of the server's model path)")
+    p.add_argument("--tls-ca", default=None, help="PEM to verify a TLS --target with (plaintext without it)")
     p.add_argument("--timeout", type=float, default=None, help="gRPC deadline per call, seconds (default none)")
     p.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
                    help="uvicorn's HTTP parser (auto: httptools when installed)")
@@ -35,7 +36,7 @@ async def serve(args: argparse.Namespace) -> None:
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
-    app = create_app(Backend(args.target, args.served_model_name, args.timeout))
+    app = create_app(Backend(args.target, args.served_model_name, args.timeout, args.tls_ca))
     # The asyncio loop: grpc.aio runs on it (uvloop is not a loop grpc.aio supports).
     config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, lifespan="on",
                             loop="asyncio", http=args.http)

@@ -11,7 +11,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 import grpc
 from fastapi import FastAPI, Request
@@ -20,20 +20,32 @@ from loraplex.v1 import inference_pb2_grpc as pb_grpc
 from sse_starlette.sse import EventSourceResponse
 from starlette.responses import JSONResponse, Response
 
-from clients.requests import make_channel
 from services.openai import responses, schema
 from services.openai.errors import OpenAIError, bad_request, from_grpc
 
 log = logging.getLogger(__name__)
 
 ADAPTER_HEADER = "x-loraplex-adapter"
+# As the Python client's: keepalive within the server's ping policy, large messages, a quick reconnect.
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 class Backend:
     """The gRPC side: one channel, opened on the serving loop; the base model's names, learnt once."""
 
-    def __init__(self, target: str, served_model_name: str | None, timeout_s: float | None):
-        self.target, self.timeout_s = target, timeout_s
+    def __init__(self, target: str, served_model_name: str | None, timeout_s: float | None,
+                 tls_ca: str | None = None):
+        self.target, self.timeout_s, self.tls_ca = target, timeout_s, tls_ca
         self.served_model_name = served_model_name
         self._stub: pb_grpc.InferenceStub | None = None
         self._channel = None
@@ -42,7 +54,11 @@ class Backend:
     @property
     def stub(self) -> pb_grpc.InferenceStub:
         if self._stub is None:
-            self._channel = make_channel(self.target, aio=True)
+            if self.tls_ca:
+                credentials = grpc.ssl_channel_credentials(root_certificates=Path(self.tls_ca).read_bytes())
+                self._channel = grpc.aio.secure_channel(self.target, credentials, options=CHANNEL_OPTIONS)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
             self._stub = pb_grpc.InferenceStub(self._channel)
         return self._stub
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from starlette.responses import JSONResponse
-
-from clients.errors import from_rpc_error
 
 HTTP_OF: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -44,14 +44,33 @@ def model_not_found(model: str) -> OpenAIError:
                             "(GET /v1/models lists them)", param="model", code="model_not_found")
 
 
+def _details(error: grpc.RpcError) -> tuple[list[str], float | None]:
+    """The fields a BadRequest detail names and a RetryInfo delay, when the server sent them."""
+    fields: list[str] = []
+    retry = None
+    try:
+        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    except (ValueError, AttributeError, TypeError):
+        status = None
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            msg = error_details_pb2.BadRequest()
+            detail.Unpack(msg)
+            fields.extend(v.field for v in msg.field_violations)
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            msg = error_details_pb2.RetryInfo()
+            detail.Unpack(msg)
+            retry = msg.retry_delay.seconds + msg.retry_delay.nanos / 1e9
+    return fields, retry
+
+
 def from_grpc(error: grpc.RpcError, model: str) -> OpenAIError:
     """The OpenAI error for a failed gRPC call made for `model`."""
     code = error.code()
-    typed = from_rpc_error(error)
-    fields = list(typed.field_violations)
+    fields, retry_after = _details(error)
     if code == grpc.StatusCode.NOT_FOUND or (code == grpc.StatusCode.INVALID_ARGUMENT
                                              and any(f.endswith("adapter") for f in fields)):
         return model_not_found(model)
     status, type_ = HTTP_OF.get(code, (500, "server_error"))
     return OpenAIError(status, error.details() or code.name, type_=type_, param=fields[0] if fields else None,
-                       code=code.name.lower(), retry_after=typed.retry_after_s)
+                       code=code.name.lower(), retry_after=retry_after)
