@@ -21,7 +21,7 @@ from services.inference.engine.block_manager import BlockManager
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
 from services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
-from services.inference.engine.logprobs import StepLogprobs
+from services.inference.engine.logprobs import StepLogprobs, record_prompt_logprobs, rows_logprobs
 from services.inference.engine.model_runner import ModelRunner
 from services.inference.engine.output import TextStream
 from services.inference.engine.overlap import InFlightStep, kv_fits_without_preemption, strip_placeholders
@@ -37,36 +37,6 @@ log = logging.getLogger(__name__)
 
 def _needs_history(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1 or bool(params.frequency_penalty) or bool(params.presence_penalty)
-
-
-def _rows_logprobs(step: StepLogprobs | None, tokens: list[int]) -> list[TokenLogprob | None] | None:
-    """Per sampled row: its token's log probabilities, or None where the request did not ask."""
-    if step is None:
-        return None
-    by_row = step.per_row(tokens)
-    return [by_row.get(i) for i in range(len(tokens))]
-
-
-def _record_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> None:
-    """Append to `req.prompt_logprobs` the prompt tokens these rows predict (row i, at position
-    start + i, predicts token start + i + 1) that it does not have yet (a recompute after
-    preemption predicts them again)."""
-    first = max(start, len(req.prompt_logprobs))  # the position predicting the next missing token
-    last = min(start + logits.shape[0], req.num_prompt_tokens - 1)
-    if first >= last:
-        return
-    lp = logits[first - start : last - start].float().log_softmax(dim=-1)
-    targets = req.prompt_ids[first + 1 : last + 1]
-    chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
-    k = req.params.prompt_logprobs
-    top_ids, top_values = [[]] * len(targets), [[]] * len(targets)
-    if k:
-        top = lp.topk(k, dim=-1)
-        top_ids, top_values = top.indices.tolist(), top.values.tolist()
-    req.prompt_logprobs.extend(
-        TokenLogprob(t, c, list(zip(i, v, strict=True)))
-        for t, c, i, v in zip(targets, chosen, top_ids, top_values, strict=True)
-    )
 
 
 def _admitted(entries) -> None:
@@ -232,7 +202,7 @@ class LLMEngine:
         if sampled:
             device_tokens, step_logprobs = self._sample(logits, sampled)
             tokens = device_tokens.tolist()
-            logprobs = _rows_logprobs(step_logprobs, tokens)
+            logprobs = rows_logprobs(step_logprobs, tokens)
         for req, n in batch.entries:
             req.num_computed_tokens += n
         outputs.extend(self._process_outputs(sampled, tokens, logprobs=logprobs))
@@ -266,7 +236,7 @@ class LLMEngine:
     def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
         """An in-flight step's outputs; rows of requests that ended since (finished, aborted) are dropped."""
         tokens = step.host_tokens()
-        logprobs = _rows_logprobs(step.logprobs, tokens)
+        logprobs = rows_logprobs(step.logprobs, tokens)
         live = [i for i, req in enumerate(step.requests) if self.requests.get(req.request_id) is req]
         return self._process_outputs(
             [step.requests[i] for i in live], [tokens[i] for i in live], [step.positions[i] for i in live],
@@ -282,7 +252,7 @@ class LLMEngine:
         at = num_sampled
         for (req, n), chunk in zip(entries, chunks, strict=True):
             if chunk.all_logits:
-                _record_prompt_logprobs(req, chunk.start_pos, logits[at : at + n])
+                record_prompt_logprobs(req, chunk.start_pos, logits[at : at + n])
                 at += n
         return logits[:num_sampled]
 
