@@ -17,7 +17,7 @@ from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraplex.v1 import inference_pb2 as pb
 
 from clients.errors import from_rpc_error
-from clients.requests import ClientBase, generate_request
+from clients.requests import ClientBase, chat_request, generate_request, inputs_request
 
 
 class AsyncClient(ClientBase):
@@ -46,10 +46,22 @@ class AsyncClient(ClientBase):
         request = generate_request(texts, adapter, **sampling)
         return list((await self._call(self._stub.Generate, request, timeout)).completions)
 
-    async def generate_stream(self, texts: str | Sequence[str], adapter: str | Sequence[str] | None = None, *,
+    async def generate_inputs(self, inputs: Sequence[pb.Input | dict[str, Any]], adapter: str | None = None, *,
+                              timeout: float | None = None, **sampling: Any) -> list[pb.Completion]:
+        request = inputs_request(inputs, adapter, **sampling)
+        return list((await self._call(self._stub.Generate, request, timeout)).completions)
+
+    async def chat(self, messages: Sequence[dict[str, str]], adapter: str | None = None, *,
+                   add_generation_prompt: bool = True, timeout: float | None = None,
+                   **sampling: Any) -> list[pb.Completion]:
+        request = chat_request(messages, adapter, add_generation_prompt=add_generation_prompt, **sampling)
+        return list((await self._call(self._stub.Generate, request, timeout)).completions)
+
+    async def generate_stream(self, texts: str | Sequence[str] | pb.GenerateRequest,
+                              adapter: str | Sequence[str] | None = None, *,
                               timeout: float | None = None,
                               **sampling: Any) -> AsyncIterator[pb.GenerateStreamResponse]:
-        request = generate_request(texts, adapter, **sampling)
+        request = texts if isinstance(texts, pb.GenerateRequest) else generate_request(texts, adapter, **sampling)
         call = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout,
                                          metadata=self._md)
         try:

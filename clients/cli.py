@@ -54,8 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     g.add_argument("--json", action="store_true", help="print the full response as JSON")
     g.add_argument("--chat", action="store_true",
-                   help="wrap each prompt as one ChatML user turn (the embedded SmolLM2's chat format); "
-                        "the server itself tokenizes text as given")
+                   help="send each prompt as one user message, rendered by the server with the model's chat "
+                        "template (the adapter's own when it ships one)")
+    g.add_argument("--system", default=None, help="with --chat: a system message before each prompt")
+    g.add_argument("--ids", action="store_true", help="the prompts are token ids, comma-separated (e.g. 1,2,3)")
+    g.add_argument("-n", type=int, default=None, help="completions per prompt (seeded: seed + j for sample j)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="log probabilities of the generated tokens and K alternatives (shown with --json)")
 
     ld = sub.add_parser("load", help="load an adapter (registers it in the store when the server has one)")
     ld.add_argument("name")
@@ -76,44 +81,69 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sampling(ns: argparse.Namespace) -> dict:
-    keys = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
+    keys = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "n")
     out = {k: getattr(ns, k) for k in keys if getattr(ns, k) is not None}
     if ns.ignore_eos:
         out["ignore_eos"] = True
+    if ns.logprobs is not None:
+        out.update(logprobs=True, top_logprobs=ns.logprobs)
     return out
 
 
-CHATML = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+def _request(ns: argparse.Namespace):
+    """The GenerateRequest for `generate`: one input per prompt (text, token ids or a chat)."""
+    from clients.requests import generate_request, inputs_request
+
+    adapters = ns.adapter or []
+    if not (ns.ids or ns.chat):  # plain texts: the server checks the adapter list
+        return generate_request(ns.text, adapters or None, **_sampling(ns))
+    if len(adapters) not in (0, 1, len(ns.text)):
+        print(f"error: --adapter given {len(adapters)} times for {len(ns.text)} prompts", file=sys.stderr)
+        raise SystemExit(2)
+    inputs = []
+    for i, text in enumerate(ns.text):
+        if ns.ids:
+            item = {"token_ids": [int(t) for t in text.replace(",", " ").split()]}
+        elif ns.chat:
+            system = [{"role": "system", "content": ns.system}] if ns.system else []
+            item = {"messages": [*system, {"role": "user", "content": text}]}
+        else:
+            item = {"text": text}
+        if len(adapters) == len(ns.text) > 1:
+            item["adapter"] = adapters[i]
+        inputs.append(item)
+    default = adapters[0] if len(adapters) == 1 else None
+    return inputs_request(inputs, default, **_sampling(ns))
 
 
 def _generate(client, ns: argparse.Namespace) -> None:
-    adapters = ns.adapter if ns.adapter else None
-    if ns.chat:
-        ns.text = [CHATML.format(t) for t in ns.text]
+    request = _request(ns)
+    many = len(ns.text) > 1 or (ns.n or 1) > 1
     if ns.stream:
         finals = {}
-        for delta in client.generate_stream(ns.text, adapters, **_sampling(ns)):
+        for delta in client.generate_stream(request):
             if ns.json:
                 print(json.dumps(MessageToDict(delta)), flush=True)
                 continue
-            prefix = f"[{delta.index}] " if len(ns.text) > 1 else ""
+            prefix = f"[{delta.index}.{delta.sample}] " if many else ""
             if delta.text:
                 sys.stdout.write(prefix + delta.text if prefix else delta.text)
                 sys.stdout.flush()
             if delta.finish_reason:
-                finals[delta.index] = delta
+                finals[(delta.index, delta.sample)] = delta
                 if prefix:
                     sys.stdout.write("\n")
         if not ns.json:
             sys.stdout.write("\n")
         return
-    completions = client.generate(ns.text, adapters, **_sampling(ns))
+    completions = client.generate_request(request)
     if ns.json:
         print(json.dumps([MessageToDict(c) for c in completions], indent=2))
         return
-    for i, c in enumerate(completions):
-        if len(completions) > 1:
-            print(f"--- [{i}] adapter={c.adapter or 'base'} finish={c.finish_reason} tokens={c.completion_tokens}")
+    for c in completions:
+        if many:
+            print(f"--- [{c.index}.{c.sample}] adapter={c.adapter or 'base'} finish={c.finish_reason} "
+                  f"tokens={c.completion_tokens} ttft={c.time_to_first_token_s * 1000:.0f}ms")
         print(c.text)
 
 

@@ -19,7 +19,7 @@ from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraplex.v1 import inference_pb2 as pb
 
 from clients.errors import from_rpc_error
-from clients.requests import ClientBase, generate_request
+from clients.requests import ClientBase, chat_request, generate_request, inputs_request
 
 
 class Client(ClientBase):
@@ -49,9 +49,28 @@ class Client(ClientBase):
         request = generate_request(texts, adapter, **sampling)
         return list(self._call(self._stub.Generate, request, timeout).completions)
 
-    def generate_stream(self, texts: str | Sequence[str], adapter: str | Sequence[str] | None = None, *,
+    def generate_request(self, request: pb.GenerateRequest, *, timeout: float | None = None) -> list[pb.Completion]:
+        """A ready GenerateRequest (e.g. from clients/requests.py)."""
+        return list(self._call(self._stub.Generate, request, timeout).completions)
+
+    def generate_inputs(self, inputs: Sequence[pb.Input | dict[str, Any]], adapter: str | None = None, *,
+                        timeout: float | None = None, **sampling: Any) -> list[pb.Completion]:
+        """Inputs as text, token ids or chat messages, each with its own adapter and sampling params
+        (clients/requests.inputs_request); completions in input order, then sample order."""
+        request = inputs_request(inputs, adapter, **sampling)
+        return list(self._call(self._stub.Generate, request, timeout).completions)
+
+    def chat(self, messages: Sequence[dict[str, str]], adapter: str | None = None, *,
+             add_generation_prompt: bool = True, timeout: float | None = None, **sampling: Any) -> list[pb.Completion]:
+        """One chat (`[{"role": ..., "content": ...}, ...]`); `n` > 1 gives several answers."""
+        request = chat_request(messages, adapter, add_generation_prompt=add_generation_prompt, **sampling)
+        return list(self._call(self._stub.Generate, request, timeout).completions)
+
+    def generate_stream(self, texts: str | Sequence[str] | pb.GenerateRequest,
+                        adapter: str | Sequence[str] | None = None, *,
                         timeout: float | None = None, **sampling: Any) -> Iterator[pb.GenerateStreamResponse]:
-        request = generate_request(texts, adapter, **sampling)
+        """`texts` may also be a ready GenerateRequest (e.g. from requests.inputs_request / chat_request)."""
+        request = texts if isinstance(texts, pb.GenerateRequest) else generate_request(texts, adapter, **sampling)
         stream = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout,
                                            metadata=self._md)
         try:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf import json_format
 from grpc_health.v1 import health_pb2_grpc
 from loraplex.v1 import adapter_store_pb2_grpc, inference_pb2_grpc
 from loraplex.v1 import inference_pb2 as pb
@@ -47,6 +48,24 @@ def generate_request(texts: str | Sequence[str], adapters: str | Sequence[str] |
         adapter_list = ["" if a is None else a for a in adapters]
     params = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in sampling.items() if v is not None}
     return pb.GenerateRequest(text=text_list, adapter=adapter_list, sampling_params=pb.SamplingParams(**params))
+
+
+def inputs_request(inputs: Sequence[pb.Input | dict[str, Any]], adapter: str | None = None,
+                   **sampling: Any) -> pb.GenerateRequest:
+    """Inputs of any form: `pb.Input`s or dicts with Input's field names, e.g.
+    `{"token_ids": [...]}`, `{"messages": [{"role": "user", "content": "hi"}], "adapter": "sql",
+    "sampling_params": {"temperature": 0.7}}`. `adapter`: the default for inputs that name none."""
+    base = generate_request([], adapter, **sampling)
+    for item in inputs:
+        base.inputs.append(item if isinstance(item, pb.Input) else json_format.ParseDict(item, pb.Input()))
+    return base
+
+
+def chat_request(messages: Sequence[dict[str, str]], adapter: str | None = None, *,
+                 add_generation_prompt: bool = True, **sampling: Any) -> pb.GenerateRequest:
+    """One chat, rendered by the server with the model's (or the adapter's) chat template."""
+    item = {"messages": list(messages), "add_generation_prompt": add_generation_prompt}
+    return inputs_request([item], adapter, **sampling)
 
 
 def make_channel(target: str, *, tls_ca: str | None = None, tls_cert: str | None = None,

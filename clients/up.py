@@ -1,7 +1,7 @@
 """`loraplex up`: the whole local stack as one process tree.
 
-Embedded Redis (inside the store), the adapter store and the inference service on the
-embedded SmolLM2; waits for both to report SERVING, prints how to call them, and stops
+Embedded Redis (inside the store), the adapter store, the inference service on the
+embedded SmolLM2 and the OpenAI-compatible door over it (`--openai-port`); waits for both to report SERVING, prints how to call them, and stops
 everything on Ctrl-C / SIGTERM (or when either child dies). Flags after `--` go to
 `python -m services.inference` unchanged (e.g. `-- --max-lora-rank 64`).
 """
@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="inference port (0 = any free port)")
     p.add_argument("--store-port", type=int, default=50052, help="adapter store port (0 = any free port)")
+    p.add_argument("--openai-port", type=int, default=8000,
+                   help="the OpenAI-compatible HTTP door's port (0 = any free port, -1 = do not start it)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port of the inference service")
     p.add_argument("--cache-dir", type=Path, default=Path("~/.cache/loraplex"), help="store blobs, Redis, adapters")
     p.add_argument("--model-path", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
@@ -30,16 +32,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inference_args", nargs=argparse.REMAINDER, help="-- then extra flags for the inference service")
 
 
-def banner(inference: str, store: str) -> str:
+def banner(inference: str, store: str, openai: str | None = None, model: str = "SmolLM2-135M-Instruct") -> str:
+    door = f"  openai     http://{openai}/v1   (OpenAI-compatible HTTP)\n" if openai else ""
+    try_door = (f"  curl -s http://{openai}/v1/chat/completions -H 'content-type: application/json' -d "
+                f"'{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
+                f"\"content\": \"List 3 countries and their capitals.\"}}], \"max_tokens\": 64}}'\n") if openai else ""
     return f"""
 loraplex is up.
   inference  {inference}   (loraplex.v1.Inference)
   store      {store}   (loraplex.v1.AdapterStore)
-
+{door}
 Try:
   .venv/bin/grpcurl -plaintext -d '{{"text": ["<|im_start|>user\\nList 3 countries and their capitals.<|im_end|>\\n<|im_start|>assistant\\n"], "sampling_params": {{"max_new_tokens": 64}}}}' {inference} loraplex.v1.Inference/Generate
   .venv/bin/loraplex --target {inference} generate --chat --max-new-tokens 64 "List 3 countries and their capitals."
-
+{try_door}
 Ctrl-C stops everything.
 """
 
@@ -68,7 +74,14 @@ def run(ns: argparse.Namespace) -> int:
         inference = ServerProcess("inference", "services.inference", args + extra)
         children.append(inference)
         inference.wait_serving(ns.startup_timeout)
-        print(banner(inference.address, store.address), flush=True)
+        door = None
+        if ns.openai_port >= 0:
+            door = ServerProcess("openai", "services.openai", [
+                "--target", inference.address, "--host", ns.host, "--port", str(ns.openai_port)])
+            children.append(door)
+            door.wait_bound(ns.startup_timeout)
+        print(banner(inference.address, store.address, door.address if door else None,
+                     Path(model).name), flush=True)
         while not stop.wait(0.5):
             dead = [c for c in children if c.proc.poll() is not None]
             if dead:

@@ -70,6 +70,21 @@ def test_sync_client_typed_errors(client, smollm2_path, adapter_factory):
         client.generate("a", temprature=0.5)
 
 
+def test_sync_client_inputs_chat_logprobs(client, smollm2_path):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(smollm2_path)(PROMPT).input_ids
+    by_text, by_ids, sampled = client.generate_inputs(
+        [{"text": PROMPT}, {"token_ids": ids}, {"text": PROMPT, "sampling_params": {"temperature": 1.0, "seed": 1}}],
+        max_new_tokens=4, temperature=0)
+    assert by_text.token_ids == by_ids.token_ids and [c.index for c in (by_text, by_ids, sampled)] == [0, 1, 2]
+    answers = client.chat([{"role": "user", "content": PROMPT}], max_new_tokens=4, n=2, temperature=1.0, seed=9,
+                          logprobs=True, top_logprobs=2)
+    assert [a.sample for a in answers] == [0, 1]
+    assert all(len(a.logprobs) == len(a.token_ids) and len(a.logprobs[0].top) == 2 for a in answers)
+    assert answers[0].time_to_first_token_s > 0
+
+
 def test_async_client(stack, adapter_path):
     store, inference = stack
 
@@ -78,6 +93,9 @@ def test_async_client(stack, adapter_path):
             await c.load_adapter("aio-a", str(adapter_path))
             outs = await c.generate([PROMPT, PROMPT], ["aio-a", ""], max_new_tokens=6)
             deltas = [d async for d in c.generate_stream([PROMPT, PROMPT], ["aio-a", ""], max_new_tokens=6)]
+            chat = await c.chat([{"role": "user", "content": PROMPT}], "aio-a", max_new_tokens=3)
+            by_ids = await c.generate_inputs([{"token_ids": [1, 2, 3]}], max_new_tokens=3)
+            assert chat[0].adapter == "aio-a" and by_ids[0].prompt_tokens == 3
             with pytest.raises(NotFound):
                 await c.generate("a", "nope-aio")
             names = {a.name for a in await c.list_adapters()}
@@ -114,5 +132,12 @@ def test_cli(stack, adapter_path):
     assert cli(stack, "unload", "cli-a").returncode == 0
     missing = cli(stack, "generate", "--adapter", "never-there", "x")
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+    chat = cli(stack, "generate", "--chat", "--system", "Be brief.", "-n", "2", "--temperature", "1", "--seed", "4",
+               "--logprobs", "1", "--max-new-tokens", "3", "--json", PROMPT)
+    assert chat.returncode == 0, chat.stderr
+    answers = json.loads(chat.stdout)
+    assert [a.get("sample", 0) for a in answers] == [0, 1] and len(answers[0]["logprobs"]) == 3
+    ids = cli(stack, "generate", "--ids", "--max-new-tokens", "2", "--json", "1,2,3")
+    assert ids.returncode == 0 and json.loads(ids.stdout)[0]["promptTokens"] == 3
     bad = cli(stack, "generate", "--adapter", "a", "--adapter", "b", "x", "y", "z")
     assert bad.returncode == 2 and "INVALID_ARGUMENT" in bad.stderr

@@ -16,7 +16,7 @@ LORAPLEX = Path(sys.executable).parent / "loraplex"
 
 def test_up_starts_the_stack_and_stops_it(tmp_path, tiny_llama_path):
     proc = subprocess.Popen(
-        [str(LORAPLEX), "up", "--port", "0", "--store-port", "0", "--cache-dir", str(tmp_path),
+        [str(LORAPLEX), "up", "--port", "0", "--store-port", "0", "--openai-port", "0", "--cache-dir", str(tmp_path),
          "--model-path", str(tiny_llama_path), "--", "--max-total-tokens", "2048"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -46,12 +46,19 @@ def test_up_starts_the_stack_and_stops_it(tmp_path, tiny_llama_path):
         [completion] = json.loads(out.stdout)["completions"]
         assert int(completion["prompt_tokens"]) == 17, completion  # ChatML special tokens parsed as such
         assert completion["finish_reason"] in ("stop", "length")
+        # ... and the OpenAI door's curl line
+        curl_line = next(x for x in lines if "curl -s http://" in x)
+        out = subprocess.run(shlex.split(curl_line.strip()), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        answer = json.loads(out.stdout)
+        assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] > 0, answer
         health = subprocess.run([str(LORAPLEX), "--target", store, "health"], capture_output=True, text=True)
         assert health.stdout.strip() == "SERVING"
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, rest
         assert "inference stopped (exit 0)" in rest and "store stopped (exit 0)" in rest
+        assert "openai stopped (exit 0)" in rest, rest[-3000:]
         for pid in child_pids:
             assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
     finally:

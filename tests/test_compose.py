@@ -30,7 +30,8 @@ def test_compose_file_is_valid():
 def test_compose_services_and_gpu_reservation():
     config = _config("--profile", "cpu")
     services = config["services"]
-    assert {"redis", "adapter-store", "inference", "inference-cpu"} <= set(services)
+    assert {"redis", "adapter-store", "inference", "inference-cpu", "openai", "openai-cpu"} <= set(services)
+    assert "inference:50051" in services["openai"]["command"] and "inference-cpu:50051" in services["openai-cpu"]["command"]
     assert services["redis"]["image"].startswith("redis")
     devices = services["inference"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]

@@ -110,6 +110,8 @@ valid_fields = {
     "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3), "stop_token_ids": st.lists(u32, max_size=4),
     "ignore_eos": st.booleans(), "repetition_penalty": st.floats(0.5, 2, width=32),
     "frequency_penalty": st.floats(-2, 2, width=32), "presence_penalty": st.floats(-2, 2, width=32),
+    "n": st.integers(0, 2), "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20),
+    "prompt_logprobs": st.booleans(),
 }
 # ...and for the few fields a request spoils, anything the wire can carry.
 bad_fields = {
@@ -118,7 +120,8 @@ bad_fields = {
     "stop": st.one_of(st.lists(st.text(max_size=8), max_size=4), st.just(["x" * 2000]), st.just(["s"] * 40)),
     "stop_token_ids": st.one_of(st.lists(u32, max_size=6), st.just(list(range(1500)))),
     "ignore_eos": st.booleans(), "repetition_penalty": small_f, "frequency_penalty": small_f,
-    "presence_penalty": small_f,
+    "presence_penalty": small_f, "n": u32, "logprobs": st.booleans(), "top_logprobs": u32,
+    "prompt_logprobs": st.booleans(),
 }
 
 
@@ -148,6 +151,38 @@ def test_random_generate_requests_get_clean_status(server, text, adapter, params
     assert code in CLEAN, (code, detail)
     if code == grpc.StatusCode.OK and not stream:
         assert len(detail.completions) == len(text)
+
+
+@st.composite
+def one_input(draw):
+    form = draw(st.sampled_from(["text", "token_ids", "messages", "none", "two"]))
+    item = pb.Input()
+    if form in ("text", "two"):
+        item.text = draw(st.one_of(good_texts, texts))
+    if form in ("token_ids", "two"):
+        item.token_ids.extend(draw(st.lists(st.one_of(st.integers(0, 200), u32), max_size=6)))
+    if form == "messages":
+        roles = st.one_of(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=80))
+        item.messages.extend(pb.ChatMessage(role=draw(roles), content=draw(st.text(max_size=30)))
+                             for _ in range(draw(st.integers(0, 3))))
+    if draw(st.booleans()):
+        item.add_generation_prompt = draw(st.booleans())
+    item.adapter = draw(st.one_of(good_names, names))
+    if draw(st.booleans()):
+        item.sampling_params.CopyFrom(draw(sampling()))
+    return item
+
+
+@settings(max_examples=40, **FUZZ)
+@given(inputs=st.lists(one_input(), max_size=4), adapter=st.one_of(good_adapter_lists, st.lists(names, max_size=2)),
+       params=sampling(), stream=st.booleans(), with_text=st.booleans())
+def test_random_input_messages_get_clean_status(server, inputs, adapter, params, stream, with_text):
+    request = pb.GenerateRequest(inputs=inputs, adapter=adapter, sampling_params=params,
+                                 text=["also text"] if with_text else [])
+    method = server.stub.GenerateStream if stream else server.stub.Generate
+    code, detail = server.code_of(method, request)
+    event(code.name)
+    assert code in CLEAN, (code, detail)
 
 
 @settings(max_examples=40, **FUZZ)

@@ -78,8 +78,16 @@ def test_example_scripts_run(stack):
     env = {**os.environ, "INFERENCE": inference.address, "STORE": store.address, "GRPCURL": str(GRPCURL)}
     for script, args in [("list.sh", []), ("health.sh", []), ("get_model_info.sh", []), ("tokenize.sh", ["hi"]),
                          ("list_adapters.sh", []), ("generate.sh", ["", "Hello"]),
-                         ("generate_stream.sh", ["", "Hello"]), ("store_list_adapters.sh", [])]:
+                         ("generate_stream.sh", ["", "Hello"]), ("store_list_adapters.sh", []),
+                         ("generate_inputs.sh", []), ("chat_stream.sh", ["", "Hi"])]:
         out = subprocess.run(["bash", str(EXAMPLES / script), *args], env=env, capture_output=True, text=True,
                              timeout=120)
         assert out.returncode == 0, (script, out.stderr)
         assert out.stdout.strip(), script
+        if script == "generate_inputs.sh":
+            completions = json.loads(out.stdout)["completions"]
+            assert [(c.get("index", 0), c.get("sample", 0)) for c in completions] == [(0, 0), (1, 0), (1, 1), (2, 0)]
+            assert len(completions[3]["logprobs"]) == len(completions[3]["token_ids"])
+        if script == "chat_stream.sh":
+            final = json_stream(out.stdout)[-1]
+            assert final["finish_reason"] and final["time_to_first_token_s"] > 0

@@ -39,5 +39,11 @@ def test_contract_names():
     assert list(req.text) == ["a", "b"] and list(req.adapter) == ["x", ""]
     fields = set(inference_pb2.Completion.DESCRIPTOR.fields_by_name)
     assert {"text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "adapter"} <= fields
+    assert {"index", "sample", "logprobs", "queue_time_s", "time_to_first_token_s", "cached_prompt_tokens"} <= fields
+    inp = inference_pb2.Input(messages=[inference_pb2.ChatMessage(role="user", content="hi")], adapter="x")
+    assert not inp.HasField("add_generation_prompt") and not inp.HasField("sampling_params")
+    params = set(inference_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
+    assert {"n", "logprobs", "top_logprobs"} <= params
+    assert {"token_id", "logprob", "token", "top"} <= set(inference_pb2.TokenLogprob.DESCRIPTOR.fields_by_name)
     chunk = adapter_store_pb2.AdapterChunk(data=b"x")
     assert chunk.WhichOneof("payload") == "data"

@@ -11,7 +11,7 @@ import re
 
 from loraplex.v1 import inference_pb2 as pb
 
-from services.inference.engine.types import AdapterInfo, SamplingParams
+from services.inference.engine.types import AdapterInfo, RequestOutput, SamplingParams, TokenLogprob
 from services.inference.errors import InvalidRequest
 from services.inference.server_args import ServerArgs
 
@@ -79,7 +79,12 @@ def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
         repetition_penalty=p.repetition_penalty or 1.0,
         frequency_penalty=p.frequency_penalty,
         presence_penalty=p.presence_penalty,
+        logprobs=p.top_logprobs if p.logprobs else None,
+        prompt_logprobs=p.top_logprobs if p.prompt_logprobs else None,
     )
+    if p.top_logprobs and not (p.logprobs or p.prompt_logprobs):
+        raise InvalidRequest("sampling_params.top_logprobs needs sampling_params.logprobs or prompt_logprobs",
+                             field="sampling_params.top_logprobs")
     params.validate(args.max_new_tokens_limit)
     return params
 
@@ -110,3 +115,22 @@ def adapter_proto(info: AdapterInfo) -> pb.AdapterInfo:
         requests_in_flight=info.requests_in_flight, source=info.source, digest=info.digest,
         slot=info.slot if info.location == "gpu" else -1,
     )
+
+
+def logprobs_proto(engine, logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+    """Engine log probabilities -> proto, each token with its text (`engine.detokenize_each`)."""
+    if not logprobs:
+        return []
+    ids = sorted({lp.token_id for lp in logprobs} | {t for lp in logprobs for t, _ in lp.top})
+    text = dict(zip(ids, engine.detokenize_each(ids), strict=True))
+    return [
+        pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, token=text[lp.token_id],
+                        top=[pb.TopLogprob(token_id=t, logprob=v, token=text[t]) for t, v in lp.top])
+        for lp in logprobs
+    ]
+
+
+def timing_fields(out: RequestOutput) -> dict[str, float | int]:
+    """A finished output's timing, as Completion / GenerateStreamResponse fields."""
+    return {"queue_time_s": out.queue_time, "time_to_first_token_s": out.time_to_first_token,
+            "cached_prompt_tokens": out.cached_prompt_tokens}

@@ -1,7 +1,8 @@
 """`loraplex.v1.Inference` over the engine: proto ⇄ engine types, limits, status codes.
 
-Thin on purpose: the engine schedules, the resolver finds adapters, this file validates
-the request, fans a batch out into engine requests and gathers (or streams) the results.
+Thin on purpose: the engine schedules, the resolver finds adapters, generate_inputs.py checks
+a request and turns it into engine requests (inputs x samples); this file runs them and
+gathers (or streams) the results.
 A cancelled or expired RPC aborts every unfinished engine request it started.
 """
 
@@ -20,14 +21,10 @@ from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 from services.inference.adapter_resolver import AdapterResolver, call
 from services.inference.engine.types import RequestOutput
-from services.inference.errors import CapacityExceeded, InvalidRequest, LoraplexError
+from services.inference.errors import InvalidRequest, LoraplexError
+from services.inference.generate_inputs import EngineWork, engine_work
 from services.inference.metrics import Metrics, adapter_label
-from services.inference.proto_convert import (
-    MAX_CHARS_PER_TOKEN,
-    adapter_proto,
-    adapters_per_input,
-    to_engine_params,
-)
+from services.inference.proto_convert import MAX_CHARS_PER_TOKEN, adapter_proto, logprobs_proto, timing_fields
 from services.inference.server_args import ServerArgs
 from services.inference.status import abort_with, build_status, status_for
 
@@ -87,80 +84,47 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.metrics.rpcs.labels(method, "INTERNAL").inc()
         await abort_with(context, build_status(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
 
-    async def _prepare(self, engine, resolver: AdapterResolver, request: pb.GenerateRequest):
+    async def _prepare(self, engine, resolver: AdapterResolver, request: pb.GenerateRequest) -> list[EngineWork]:
         """Validate everything and resolve every adapter before any engine work starts."""
-        if request.ByteSize() > self.args.max_message_bytes:
-            raise InvalidRequest(
-                f"request is {request.ByteSize()} bytes; this server accepts at most {self.args.max_message_bytes}"
-                " (--max-message-bytes)", field="text")
-        n = len(request.text)
-        if n == 0:
-            raise InvalidRequest("text must have at least one entry", field="text")
-        if n > self.args.max_inputs_per_request:
-            raise InvalidRequest(
-                f"{n} texts in one request; this server accepts at most {self.args.max_inputs_per_request}"
-                " (--max-inputs-per-request)", field="text")
-        adapters = adapters_per_input(request)
-        params = to_engine_params(request.sampling_params, self.args)
-        waiting = (await call(engine.stats)).waiting
-        if waiting + n > self.args.max_queued_requests:
-            raise CapacityExceeded(
-                f"{waiting} requests are queued and this call adds {n}; the queue holds "
-                f"{self.args.max_queued_requests} (--max-queued-requests): retry later")
-        context_length = (await call(engine.model_info)).context_length
-        prompts = []
-        for i, text in enumerate(request.text):
-            if not text:
-                raise InvalidRequest(f"text[{i}] is empty", field=f"text[{i}]")
-            if context_length and len(text) > context_length * MAX_CHARS_PER_TOKEN:
-                raise InvalidRequest(
-                    f"text[{i}] has {len(text)} characters, more than a {context_length}-token context can hold",
-                    field=f"text[{i}]")
-            ids = list(await call(engine.tokenize, text))
-            if context_length and len(ids) + 1 > context_length:
-                raise InvalidRequest(
-                    f"text[{i}] has {len(ids)} tokens; the model's context length is {context_length}",
-                    field=f"text[{i}]")
-            prompts.append(ids)
-        await resolver.ensure(set(adapters))
-        return prompts, adapters, params
+        work = await engine_work(engine, request, self.args)
+        await resolver.ensure({w.adapter for w in work})
+        return work
 
-    async def _run(self, context, engine, resolver, prompts, adapters,
-                   params) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every input as one engine request; yield (index, output) as they arrive."""
+    async def _run(self, context, engine, resolver, work: list[EngineWork]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run every work item as one engine request; yield (item index, output) as they arrive."""
         rpc_id = uuid.uuid4().hex[:12]
         queue: asyncio.Queue = asyncio.Queue()
-        unfinished = {f"{rpc_id}-{i}" for i in range(len(prompts))}
+        unfinished = {f"{rpc_id}-{k}" for k in range(len(work))}
 
-        async def pump(i: int) -> None:
-            rid, adapter = f"{rpc_id}-{i}", adapters[i] or None
+        async def pump(k: int) -> None:
+            rid, item = f"{rpc_id}-{k}", work[k]
             last, first = time.monotonic(), True
             try:
-                async for out in engine.generate(rid, prompts[i], adapter, params):
+                async for out in engine.generate(rid, item.prompt_ids, item.adapter or None, item.params):
                     if out.new_token_ids:
                         now = time.monotonic()
                         (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
                         last, first = now, False
                     if out.finished:
                         unfinished.discard(rid)
-                    await queue.put((i, out))
+                    await queue.put((k, out))
             except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
-                await queue.put((i, exc))
+                await queue.put((k, exc))
 
-        for name in adapters:
-            if name:
-                resolver.acquire(name)
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+        for item in work:
+            if item.adapter:
+                resolver.acquire(item.adapter)
+        tasks = [asyncio.create_task(pump(k)) for k in range(len(work))]
         done = 0
         try:
             while done < len(tasks):
-                i, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
+                k, out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                if out.finished:
                     done += 1
-                    self._count(adapters[i], item)
-                yield i, item
+                    self._count(work[k].adapter, out)
+                yield k, out
         finally:
             for task in tasks:
                 task.cancel()
@@ -176,9 +140,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     except Exception:  # noqa: BLE001 - aborting is best effort, the KV is the engine's
                         log.exception("abort %s failed", rid)
                 log.info("aborted %d unfinished engine requests of rpc %s (%s)", len(unfinished), rpc_id, reason)
-            for name in adapters:
-                if name:
-                    resolver.release(name)
+            for item in work:
+                if item.adapter:
+                    resolver.release(item.adapter)
 
     def _count(self, adapter: str, out: RequestOutput) -> None:
         label = adapter_label(adapter)
@@ -190,22 +154,30 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(self, request, context):
         engine, resolver = await self._begin(context, "Generate")
         try:
-            prompts, adapters, params = await self._prepare(engine, resolver, request)
-            texts = [[] for _ in prompts]
-            ids = [[] for _ in prompts]
-            final: list[RequestOutput | None] = [None] * len(prompts)
-            async with aclosing(self._run(context, engine, resolver, prompts, adapters, params)) as stream:
-                async for i, out in stream:
-                    texts[i].append(out.new_text)
-                    ids[i].extend(out.new_token_ids)
+            work = await self._prepare(engine, resolver, request)
+            texts = [[] for _ in work]
+            ids = [[] for _ in work]
+            logprobs = [[] for _ in work]
+            prompt_logprobs = [[] for _ in work]
+            final: list[RequestOutput | None] = [None] * len(work)
+            async with aclosing(self._run(context, engine, resolver, work)) as stream:
+                async for k, out in stream:
+                    texts[k].append(out.new_text)
+                    ids[k].extend(out.new_token_ids)
+                    if out.logprobs:
+                        logprobs[k].extend(out.logprobs)
+                    if out.prompt_logprobs:
+                        prompt_logprobs[k] = out.prompt_logprobs
                     if out.finished:
-                        final[i] = out
+                        final[k] = out
             completions = [
                 pb.Completion(
-                    text="".join(texts[i]), token_ids=ids[i], finish_reason=f.finish_reason or "",
-                    prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens, adapter=adapters[i],
+                    text="".join(texts[k]), token_ids=ids[k], finish_reason=f.finish_reason or "",
+                    prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens, adapter=w.adapter,
+                    index=w.index, sample=w.sample, logprobs=logprobs_proto(engine, logprobs[k]),
+                    prompt_logprobs=logprobs_proto(engine, prompt_logprobs[k]), **timing_fields(f),
                 )
-                for i, f in enumerate(final)
+                for k, (w, f) in enumerate(zip(work, final, strict=True))
             ]
             self.metrics.rpcs.labels("Generate", "OK").inc()
             return pb.GenerateResponse(completions=completions)
@@ -221,16 +193,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def GenerateStream(self, request, context):
         engine, resolver = await self._begin(context, "GenerateStream")
         try:
-            prompts, adapters, params = await self._prepare(engine, resolver, request)
-            async with aclosing(self._run(context, engine, resolver, prompts, adapters, params)) as stream:
-                async for i, out in stream:
+            work = await self._prepare(engine, resolver, request)
+            async with aclosing(self._run(context, engine, resolver, work)) as stream:
+                async for k, out in stream:
                     if not out.finished and not out.new_token_ids and not out.new_text:
                         continue
-                    msg = pb.GenerateStreamResponse(index=i, text=out.new_text, token_ids=out.new_token_ids)
+                    msg = pb.GenerateStreamResponse(
+                        index=work[k].index, sample=work[k].sample, text=out.new_text, token_ids=out.new_token_ids,
+                        logprobs=logprobs_proto(engine, out.logprobs or []),
+                        prompt_logprobs=logprobs_proto(engine, out.prompt_logprobs or []))
                     if out.finished:
                         msg.finish_reason = out.finish_reason or ""
                         msg.prompt_tokens = out.prompt_tokens
                         msg.completion_tokens = out.completion_tokens
+                        for name, value in timing_fields(out).items():
+                            setattr(msg, name, value)
                     yield msg
             self.metrics.rpcs.labels("GenerateStream", "OK").inc()
         except LoraplexError as exc:

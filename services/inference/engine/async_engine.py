@@ -11,9 +11,11 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
+from services.inference.engine.chat import adapter_chat_template, render_chat
 from services.inference.engine.engine import LLMEngine
 from services.inference.engine.types import AdapterInfo, EngineStats, ModelInfo, RequestOutput, SamplingParams
 from services.inference.errors import AdapterNotFound, BackendUnavailable, InvalidRequest, LoraplexError
@@ -26,6 +28,7 @@ class _Add(NamedTuple):
     prompt_ids: list[int]
     adapter: str | None
     params: SamplingParams
+    arrival_time: float
 
 
 class _Abort(NamedTuple):
@@ -52,6 +55,7 @@ class AsyncEngine:
         # because a fast tokenizer must not be used from two threads at once.
         self._tokenizer = _clone_tokenizer(engine)
         self._tokenizer_lock = threading.Lock()
+        self._chat_templates: dict[tuple[str, str], str | None] = {}  # (adapter dir, digest) -> template
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}
@@ -66,6 +70,7 @@ class AsyncEngine:
         self, request_id: str, prompt: str | list[int], adapter: str | None, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; the last has finished=True. Closing the iterator aborts."""
+        arrival = time.monotonic()
         if self._stopped.is_set():
             raise BackendUnavailable("the engine is shut down")
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -78,7 +83,7 @@ class AsyncEngine:
             if request_id in self._sinks:
                 raise InvalidRequest(f"request id {request_id!r} is already in flight")
             self._sinks[request_id] = sink
-        self._send(_Add(request_id, prompt_ids, adapter, params))
+        self._send(_Add(request_id, prompt_ids, adapter, params, arrival))
         finished = False
         try:
             while True:
@@ -103,6 +108,25 @@ class AsyncEngine:
     def tokenize(self, text: str) -> list[int]:
         with self._tokenizer_lock:
             return list(self._tokenizer(text).input_ids)
+
+    def render_chat(self, messages: list[dict[str, str]], adapter: str | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """Prompt ids of chat `messages` (engine/chat.py); an adapter's own template when it ships one."""
+        template = None
+        if adapter:
+            info = next((a for a in self.list_adapters() if a.name == adapter), None)
+            if info is not None:
+                key = (info.source, info.digest)
+                if key not in self._chat_templates:
+                    self._chat_templates[key] = adapter_chat_template(info.source)
+                template = self._chat_templates[key]
+        with self._tokenizer_lock:
+            return render_chat(self._tokenizer, messages, add_generation_prompt, template)
+
+    def detokenize_each(self, token_ids: list[int]) -> list[str]:
+        """Each token's text alone (for log probabilities' `token`)."""
+        with self._tokenizer_lock:
+            return [self._tokenizer.decode([t]) for t in token_ids]
 
     def model_info(self) -> ModelInfo:
         return self._model_info
@@ -165,7 +189,8 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 try:
                     self.engine.add_request(
-                        command.request_id, command.prompt_ids, command.params, command.adapter
+                        command.request_id, command.prompt_ids, command.params, command.adapter,
+                        arrival_time=command.arrival_time,
                     )
                 except LoraplexError as exc:
                     self._deliver(command.request_id, exc)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import NamedTuple
 
 import torch
@@ -22,13 +23,14 @@ from services.inference.engine.block_manager import BlockManager
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
 from services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
+from services.inference.engine.logprobs import StepLogprobs, record_prompt_logprobs, rows_logprobs
 from services.inference.engine.model_runner import ModelRunner
 from services.inference.engine.output import TextStream
 from services.inference.engine.overlap import InFlightStep, kv_fits_without_preemption, strip_placeholders
 from services.inference.engine.request import Request
 from services.inference.engine.sampler import SamplingInputs, sample_on_device
 from services.inference.engine.scheduler import Scheduler
-from services.inference.engine.types import EngineStats, RequestOutput, SamplingParams
+from services.inference.engine.types import EngineStats, RequestOutput, SamplingParams, TokenLogprob
 from services.inference.engine.warmup import warm_up
 from services.inference.errors import CapacityExceeded, InvalidRequest
 from services.inference.lora.backend import LoRABackend
@@ -38,6 +40,21 @@ log = logging.getLogger(__name__)
 
 def _needs_history(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1 or bool(params.frequency_penalty) or bool(params.presence_penalty)
+
+
+def _admitted(entries) -> None:
+    """Stamp the requests scheduled for the first time (the end of their queue time)."""
+    now = time.monotonic()
+    for req, _ in entries:
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+
+
+def _timing(req: Request) -> tuple[float, float, int]:
+    """RequestOutput's queue_time, time_to_first_token and cached_prompt_tokens for `req`."""
+    queued = req.first_scheduled_time - req.arrival_time if req.first_scheduled_time is not None else 0.0
+    first = req.first_token_time - req.arrival_time if req.first_token_time is not None else 0.0
+    return queued, first, req.num_cached_prompt_tokens
 
 
 class Completion(NamedTuple):
@@ -116,6 +133,7 @@ class LLMEngine:
         self._seed_rng = random.Random(config.seed)
         self._in_flight: InFlightStep | None = None  # overlap: the launched step not yet processed
         self._num_penalized = 0  # requests whose sampling reads their history (no overlap then)
+        self._num_logprobs = 0  # requests that asked for log probabilities (none: the step skips them)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> LLMEngine:
@@ -146,14 +164,18 @@ class LLMEngine:
             )
 
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None,
+        arrival_time: float | None = None,
     ) -> None:
+        """`arrival_time` (time.monotonic()): when the caller received the request; default now."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
         self.check_request(prompt_ids, params)
         if len(self.scheduler.waiting) >= self.config.max_queued_requests:
             raise CapacityExceeded(f"{len(self.scheduler.waiting)} requests are queued; retry later")
         req = Request(request_id, list(prompt_ids), params, adapter=adapter or None)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
         req.max_new_tokens = min(params.max_new_tokens, self.context_length - len(prompt_ids))
         if params.temperature > 0:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
@@ -162,6 +184,8 @@ class LLMEngine:
         self._streams[request_id] = TextStream(self.tokenizer, params.stop)
         if _needs_history(params):
             self._num_penalized += 1
+        if params.logprobs is not None:
+            self._num_logprobs += 1
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -189,12 +213,19 @@ class LLMEngine:
         outputs = [self._final_output(req, []) for req in batch.finished]
         if not batch.entries:
             return outputs
-        logits = self.runner.forward(batch.chunks())
+        _admitted(batch.entries)
+        chunks = batch.chunks()
+        logits = self.runner.forward(chunks)
         sampled = [e.request for e in batch.entries if e.sample]
-        tokens = self._sample(logits, sampled).tolist() if sampled else []
+        logits = self._take_prompt_logprobs(batch.entries, chunks, logits, len(sampled))
+        tokens, logprobs = [], None
+        if sampled:
+            device_tokens, step_logprobs = self._sample(logits, sampled)
+            tokens = device_tokens.tolist()
+            logprobs = rows_logprobs(step_logprobs, tokens)
         for req, n in batch.entries:
             req.num_computed_tokens += n
-        outputs.extend(self._process_outputs(sampled, tokens))
+        outputs.extend(self._process_outputs(sampled, tokens, logprobs=logprobs))
         return outputs
 
     def _step_overlapped(self) -> list[RequestOutput]:
@@ -209,12 +240,15 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         outputs.extend(self._final_output(req, []) for req in batch.finished)
         if batch.entries:
-            logits = self.runner.forward(batch.chunks(), pending.device_tokens if pending else None)
+            _admitted(batch.entries)
+            chunks = batch.chunks()
+            logits = self.runner.forward(chunks, pending.device_tokens if pending else None)
             sampled = [e.request for e in batch.entries if e.sample]
+            logits = self._take_prompt_logprobs(batch.entries, chunks, logits, len(sampled))
             for req, n in batch.entries:
                 req.num_computed_tokens += n
             if sampled:
-                self._in_flight = InFlightStep(sampled, self._sample(logits, sampled))
+                self._in_flight = InFlightStep(sampled, *self._sample(logits, sampled))
         if pending is not None:
             outputs.extend(self._resolve(pending))
         return outputs
@@ -222,22 +256,46 @@ class LLMEngine:
     def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
         """An in-flight step's outputs; rows of requests that ended since (finished, aborted) are dropped."""
         tokens = step.host_tokens()
+        logprobs = rows_logprobs(step.logprobs, tokens)
         live = [i for i, req in enumerate(step.requests) if self.requests.get(req.request_id) is req]
         return self._process_outputs(
-            [step.requests[i] for i in live], [tokens[i] for i in live], [step.positions[i] for i in live]
+            [step.requests[i] for i in live], [tokens[i] for i in live], [step.positions[i] for i in live],
+            [logprobs[i] for i in live] if logprobs else None,
         )
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Token ids on the logits' device (no host sync for batches without penalties)."""
-        return sample_on_device(logits, self._sampling_inputs(reqs))
+    def _take_prompt_logprobs(self, entries, chunks, logits: torch.Tensor, num_sampled: int) -> torch.Tensor:
+        """The sampled rows of `logits`; the rows after them (chunks with `all_logits`) become their
+        requests' prompt log probabilities. Reads them on the host at once: only steps that prefill a
+        prompt asking for them pay that sync."""
+        if logits.shape[0] == num_sampled:
+            return logits
+        at = num_sampled
+        for (req, n), chunk in zip(entries, chunks, strict=True):
+            if chunk.all_logits:
+                record_prompt_logprobs(req, chunk.start_pos, logits[at : at + n])
+                at += n
+        return logits[:num_sampled]
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, StepLogprobs | None]:
+        """Token ids on the logits' device (no host sync for batches without penalties), and the
+        log probabilities of the rows that asked for them (None when none did)."""
+        tokens = sample_on_device(logits, self._sampling_inputs(reqs))
+        if not self._num_logprobs:
+            return tokens, None
+        rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not rows:
+            return tokens, None
+        return tokens, StepLogprobs(logits, tokens, rows, [reqs[i].params.logprobs for i in rows])
 
     def _process_outputs(
-        self, reqs: list[Request], tokens: list[int], positions: list[int] | None = None
+        self, reqs: list[Request], tokens: list[int], positions: list[int] | None = None,
+        logprobs: list[TokenLogprob | None] | None = None,
     ) -> list[RequestOutput]:
         """Stop checks, detokenization and finishing for one step's sampled tokens. `positions`:
         where each token goes in its request's token_ids (overlap: over a placeholder); default: appended."""
         where = positions if positions is not None else [None] * len(reqs)
-        return [self._append_token(r, t, p) for r, t, p in zip(reqs, tokens, where, strict=True)]
+        lps = logprobs if logprobs is not None else [None] * len(reqs)
+        return [self._append_token(r, t, p, lp) for r, t, p, lp in zip(reqs, tokens, where, lps, strict=True)]
 
     def _sampling_inputs(self, reqs: list[Request]) -> SamplingInputs:
         ps = [r.params for r in reqs]
@@ -255,13 +313,21 @@ class LLMEngine:
             output_ids=[r.output_ids for r in reqs] if needs_history else [[] for _ in reqs],
         )
 
-    def _append_token(self, req: Request, token: int, position: int | None = None) -> RequestOutput:
+    def _append_token(
+        self, req: Request, token: int, position: int | None = None, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
         if position is None:
             position = len(req.token_ids)
             req.token_ids.append(token)
         else:
             req.token_ids[position] = token
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
         num_output_tokens = position + 1 - req.num_prompt_tokens
+        logprobs = [logprob] if logprob is not None else None
+        prompt_logprobs = None
+        if num_output_tokens == 1 and req.params.prompt_logprobs is not None:
+            prompt_logprobs = req.prompt_logprobs
         stream = self._streams[req.request_id]
         params = req.params
         reason = None
@@ -280,16 +346,25 @@ class LLMEngine:
                 None,
                 req.num_prompt_tokens,
                 num_output_tokens,
+                logprobs,
+                *_timing(req),
+                prompt_logprobs=prompt_logprobs,
             )
         self.scheduler.finish(req, reason)
-        return self._final_output(req, [token])
+        return self._final_output(req, [token], logprobs, prompt_logprobs)
 
-    def _final_output(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+    def _final_output(
+        self, req: Request, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None,
+        prompt_logprobs: list[TokenLogprob] | None = None,
+    ) -> RequestOutput:
         stream = self._streams.pop(req.request_id)
         self.requests.pop(req.request_id, None)
         strip_placeholders(req)  # overlap: the next step's token, sampled before the request ended
         if _needs_history(req.params):
             self._num_penalized -= 1
+        if req.params.logprobs is not None:
+            self._num_logprobs -= 1
+            logprobs = logprobs or []
         if req.error is not None:
             self.errors[req.request_id] = req.error
         if req.finish_reason != "abort":
@@ -303,6 +378,9 @@ class LLMEngine:
             req.finish_reason,
             req.num_prompt_tokens,
             req.num_output_tokens,
+            logprobs,
+            *_timing(req),
+            prompt_logprobs=prompt_logprobs,
         )
 
     # -- info -----------------------------------------------------------------------------

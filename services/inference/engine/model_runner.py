@@ -96,7 +96,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Chunks must come decodes (single token) first. Returns [num sampled, vocab] float32.
+        """Chunks must come decodes (single token) first. Returns [num sampled, vocab] float32, then,
+        for the chunks with `all_logits`, one row per token of each (in chunk order).
 
         `prev_tokens` (overlap scheduling): the previous step's sampled ids, still on the device;
         a token id `-1 - i` in a chunk stands for `prev_tokens[i]` and is filled in on the device.
@@ -107,6 +108,7 @@ class ModelRunner:
         slots: list[int] = []
         token_slots: list[int] = []
         sample_rows: list[int] = []
+        all_rows: list[int] = []  # chunks that want every token's logits
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         segments: list[PrefillSegment] = []
@@ -116,6 +118,8 @@ class ModelRunner:
         for chunk in chunks:
             n, start, table = len(chunk.token_ids), chunk.start_pos, chunk.block_table
             q_start = len(ids)
+            if chunk.all_logits:
+                all_rows.extend(range(q_start, q_start + n))
             if n == 1 and not segments:  # decode: one token, no per-token ranges (the hot case)
                 ids.append(chunk.token_ids[0])
                 positions.append(start)
@@ -144,7 +148,7 @@ class ModelRunner:
             num_ctx += ctx_len
 
         distinct = len({s for s in token_slots if s >= 0})  # picks the LoRA graph tier and kernels
-        if self.cuda_graphs is not None and not segments:
+        if self.cuda_graphs is not None and not segments and not all_rows:
             logits = self.cuda_graphs.run(
                 ids, positions, slots, token_slots, distinct, decode_tables, decode_lens, sample_rows, prev_tokens
             )
@@ -183,5 +187,8 @@ class ModelRunner:
         ctx = ForwardContext(self.attention, lora)
         hidden = self.model(input_ids, pos_t, ctx)
         assert hidden.shape[0] == num_tokens
-        rows = self._upload(self.sample_indices, sample_rows)
+        if all_rows:  # rare (prompt log probabilities): a fresh index tensor, past the sized buffer
+            rows = torch.tensor(sample_rows + all_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        else:
+            rows = self._upload(self.sample_indices, sample_rows)
         return self.model.compute_logits(hidden[rows])

@@ -18,14 +18,17 @@ from __future__ import annotations
 import torch
 
 from services.inference.engine.block_manager import BlockManager
+from services.inference.engine.logprobs import StepLogprobs
 from services.inference.engine.request import Request
 
 
 class InFlightStep:
-    """A launched step's sampled tokens, still on the device, and where they go."""
+    """A launched step's sampled tokens (and log probabilities, when asked), still on the device,
+    and where they go."""
 
-    def __init__(self, requests: list[Request], tokens: torch.Tensor):
+    def __init__(self, requests: list[Request], tokens: torch.Tensor, logprobs: StepLogprobs | None = None):
         self.requests = requests
+        self.logprobs = logprobs
         self.positions = [len(req.token_ids) for req in requests]  # each placeholder's index
         for row, req in enumerate(requests):
             req.token_ids.append(-1 - row)

@@ -40,6 +40,10 @@ class Request:
     generator: torch.Generator | None = None
     max_new_tokens: int = 0  # params.max_new_tokens capped by the context length
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_cached_prompt_tokens: int = 0  # prompt tokens whose KV a cache supplied
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of prompt tokens 1.. so far
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:

@@ -34,6 +34,7 @@ class SeqChunk(NamedTuple):
     block_table: list[int]
     lora_slot: int
     sample: bool  # the chunk reaches the end of the sequence: sample the next token
+    all_logits: bool = False  # also return every token's logits (prompt log probabilities)
 
 
 class ScheduledEntry(NamedTuple):
@@ -54,8 +55,9 @@ class ScheduledBatch(NamedTuple):
         for req, n in self.entries:
             start = req.num_computed_tokens
             sample = start + n == len(req.token_ids)
+            all_logits = req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1
             out.append(
-                SeqChunk(req.token_ids[start : start + n], start, req.block_table, req.lora_slot, sample)
+                SeqChunk(req.token_ids[start : start + n], start, req.block_table, req.lora_slot, sample, all_logits)
             )
         return out
 

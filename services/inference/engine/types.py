@@ -8,6 +8,9 @@ from typing import NamedTuple
 
 from services.inference.errors import InvalidRequest
 
+# Alternatives per position a request may ask for (OpenAI's bound for top_logprobs).
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,6 +28,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # None = no log probabilities; k >= 0 = the sampled token's and the k most likely tokens'.
+    logprobs: int | None = None
+    # The same for each prompt token after the first.
+    prompt_logprobs: int | None = None
 
     def validate(self, max_new_tokens_limit: int | None = None) -> None:
         """Raise InvalidRequest naming the field when a value is out of range."""
@@ -40,15 +47,26 @@ class SamplingParams:
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0 (1 = off)"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("top_logprobs", all(k is None or 0 <= k <= MAX_TOP_LOGPROBS for k in (self.logprobs, self.prompt_logprobs)),
+             f"must be in [0, {MAX_TOP_LOGPROBS}]"),
         ]
         for name, ok, why in checks:
             if not ok:
-                raise InvalidRequest(f"sampling_params.{name} {why} (got {getattr(self, name)})", field=f"sampling_params.{name}")
+                got = (self.logprobs, self.prompt_logprobs) if name == "top_logprobs" else getattr(self, name)
+                raise InvalidRequest(f"sampling_params.{name} {why} (got {got})", field=f"sampling_params.{name}")
         if max_new_tokens_limit is not None and self.max_new_tokens > max_new_tokens_limit:
             raise InvalidRequest(
                 f"sampling_params.max_new_tokens {self.max_new_tokens} exceeds this server's limit {max_new_tokens_limit}",
                 field="sampling_params.max_new_tokens",
             )
+
+
+class TokenLogprob(NamedTuple):
+    """A chosen token's log probability and the most likely alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 class RequestOutput(NamedTuple):
@@ -61,6 +79,16 @@ class RequestOutput(NamedTuple):
     finish_reason: str | None  # "stop" | "length" | "abort" when finished
     prompt_tokens: int
     completion_tokens: int
+    # One per new token id when the request asked for log probabilities, else None.
+    logprobs: list[TokenLogprob] | None = None
+    # Seconds from arrival to first admission, and from arrival to the first token (0 = not yet).
+    queue_time: float = 0.0
+    time_to_first_token: float = 0.0
+    # Prompt tokens whose KV came from a cache rather than a forward (0 without a prefix cache).
+    cached_prompt_tokens: int = 0
+    # With params.prompt_logprobs: one per prompt token after the first, on the output that
+    # carries the first generated token.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

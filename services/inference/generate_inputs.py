@@ -1,0 +1,153 @@
+"""A GenerateRequest -> the engine requests it stands for, checked: the one place Generate's
+inputs are validated (the engine re-checks what it must, e.g. ids against the vocabulary).
+
+A request gives either `text` (with `adapter` per text, one for all, or none) or `inputs`:
+each a text, prompt token ids or chat messages, with its own adapter and optionally its own
+`SamplingParams`. Every input runs `n` times (its params' `n`); sample j > 0 of a seeded input
+uses seed + j, so sample 0 is exactly what the same input with n = 1 gives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from loraplex.v1 import inference_pb2 as pb
+
+from services.inference.adapter_resolver import call
+from services.inference.engine.types import SamplingParams
+from services.inference.errors import CapacityExceeded, InvalidRequest
+from services.inference.proto_convert import (
+    MAX_CHARS_PER_TOKEN,
+    adapters_per_input,
+    check_adapter_name,
+    to_engine_params,
+)
+from services.inference.server_args import ServerArgs
+
+MAX_CHAT_MESSAGES = 1024
+MAX_ROLE_CHARS = 64
+SEED_MASK = (1 << 64) - 1
+
+
+class EngineWork(NamedTuple):
+    """One engine request: sample `sample` of input `index`."""
+
+    index: int
+    sample: int
+    prompt_ids: list[int]
+    adapter: str  # "" = base model
+    params: SamplingParams
+
+
+def _prefixed(exc: InvalidRequest, prefix: str) -> InvalidRequest:
+    return InvalidRequest(f"{prefix}{exc.message}", field=f"{prefix}{exc.field}" if exc.field else prefix.rstrip("."))
+
+
+def _params(p: pb.SamplingParams, args: ServerArgs, prefix: str = "") -> tuple[SamplingParams, int]:
+    """Engine params and n for one input."""
+    try:
+        params = to_engine_params(p, args)
+    except InvalidRequest as exc:
+        raise _prefixed(exc, prefix) if prefix else exc from None
+    return params, max(1, p.n)
+
+
+def _samples(params: SamplingParams, n: int) -> list[SamplingParams]:
+    if n == 1 or params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=(params.seed + j) & SEED_MASK) for j in range(n)]
+
+
+async def _prompt_of_input(engine, inp: pb.Input, adapter: str, i: int) -> list[int]:
+    where = f"inputs[{i}]"
+    given = [name for name, present in (("text", bool(inp.text)), ("token_ids", len(inp.token_ids) > 0),
+                                         ("messages", len(inp.messages) > 0)) if present]
+    if len(given) != 1:
+        raise InvalidRequest(f"{where} must give exactly one of text, token_ids or messages (got "
+                             f"{', '.join(given) or 'none'})", field=where)
+    if inp.HasField("add_generation_prompt") and not inp.messages:
+        raise InvalidRequest(f"{where}.add_generation_prompt applies to messages only", field=f"{where}.add_generation_prompt")
+    if inp.token_ids:
+        return list(inp.token_ids)
+    if inp.text:
+        return list(await call(engine.tokenize, inp.text))
+    if len(inp.messages) > MAX_CHAT_MESSAGES:
+        raise InvalidRequest(f"{where}.messages has {len(inp.messages)} entries; at most {MAX_CHAT_MESSAGES}",
+                             field=f"{where}.messages")
+    messages = []
+    for j, m in enumerate(inp.messages):
+        if not m.role or len(m.role) > MAX_ROLE_CHARS:
+            raise InvalidRequest(f"{where}.messages[{j}].role must be 1-{MAX_ROLE_CHARS} characters",
+                                 field=f"{where}.messages[{j}].role")
+        messages.append({"role": m.role, "content": m.content})
+    add = inp.add_generation_prompt if inp.HasField("add_generation_prompt") else True
+    return list(await call(engine.render_chat, messages, adapter or None, add))
+
+
+def _check_length(text_chars: int, where: str, context_length: int) -> None:
+    if context_length and text_chars > context_length * MAX_CHARS_PER_TOKEN:
+        raise InvalidRequest(f"{where} has {text_chars} characters, more than a {context_length}-token context can hold",
+                             field=where)
+
+
+async def engine_work(engine, request: pb.GenerateRequest, args: ServerArgs) -> list[EngineWork]:
+    """Every engine request of `request`, in input order then sample order; raises LoraplexError."""
+    if request.ByteSize() > args.max_message_bytes:
+        raise InvalidRequest(
+            f"request is {request.ByteSize()} bytes; this server accepts at most {args.max_message_bytes}"
+            " (--max-message-bytes)", field="text")
+    if request.text and request.inputs:
+        raise InvalidRequest("give text or inputs, not both", field="inputs")
+    field = "inputs" if request.inputs else "text"
+    n_inputs = len(request.inputs) or len(request.text)
+    if n_inputs == 0:
+        raise InvalidRequest("text (or inputs) must have at least one entry", field="text")
+    shared, shared_n = _params(request.sampling_params, args)
+    per_input: list[tuple[SamplingParams, int]] = [
+        _params(inp.sampling_params, args, f"inputs[{i}].") if inp.HasField("sampling_params") else (shared, shared_n)
+        for i, inp in enumerate(request.inputs)
+    ] or [(shared, shared_n)] * n_inputs
+    total = sum(n for _, n in per_input)
+    if total > args.max_inputs_per_request:
+        raise InvalidRequest(
+            f"{n_inputs} inputs and {total} completions in one request; this server accepts at most "
+            f"{args.max_inputs_per_request} (--max-inputs-per-request)", field=field)
+    if request.inputs:
+        if len(request.adapter) > 1:
+            raise InvalidRequest("with inputs, adapter may have at most one entry (the default for inputs that "
+                                 "name none)", field="adapter")
+        default = request.adapter[0] if request.adapter else ""
+        adapters = [inp.adapter or default for inp in request.inputs]
+        for i, name in enumerate(adapters):
+            if name:
+                check_adapter_name(name, field=f"inputs[{i}].adapter")
+    else:
+        adapters = adapters_per_input(request)
+    waiting = (await call(engine.stats)).waiting
+    if waiting + total > args.max_queued_requests:
+        raise CapacityExceeded(
+            f"{waiting} requests are queued and this call adds {total}; the queue holds "
+            f"{args.max_queued_requests} (--max-queued-requests): retry later")
+    context_length = (await call(engine.model_info)).context_length
+    work: list[EngineWork] = []
+    for i in range(n_inputs):
+        if request.inputs:
+            inp = request.inputs[i]
+            where = f"inputs[{i}]"
+            _check_length(len(inp.text) + sum(len(m.content) for m in inp.messages), where, context_length)
+            ids = await _prompt_of_input(engine, inp, adapters[i], i)
+        else:
+            where = f"text[{i}]"
+            if not request.text[i]:
+                raise InvalidRequest(f"text[{i}] is empty", field=where)
+            _check_length(len(request.text[i]), where, context_length)
+            ids = list(await call(engine.tokenize, request.text[i]))
+        if not ids:
+            raise InvalidRequest(f"{where} has no tokens", field=where)
+        if context_length and len(ids) + 1 > context_length:
+            raise InvalidRequest(f"{where} has {len(ids)} tokens; the model's context length is {context_length}",
+                                 field=where)
+        params, n = per_input[i]
+        work.extend(EngineWork(i, j, ids, adapters[i], p) for j, p in enumerate(_samples(params, n)))
+    return work

@@ -1,0 +1,190 @@
+"""The FastAPI app: each HTTP call is one gRPC call to `--target`; streams are server-sent events.
+
+The gRPC call carries `x-loraplex-adapter` (the adapter, "" for the base model) so a router in
+front of several servers can send an adapter's calls where it is resident, and the caller's
+`Authorization` header so a server started with --api-token checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path, PurePosixPath
+
+import grpc
+from fastapi import FastAPI, Request
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
+from sse_starlette.sse import EventSourceResponse
+from starlette.responses import JSONResponse, Response
+
+from services.openai import responses, schema
+from services.openai.errors import OpenAIError, bad_request, from_grpc
+
+log = logging.getLogger(__name__)
+
+ADAPTER_HEADER = "x-loraplex-adapter"
+# As the Python client's: keepalive within the server's ping policy, large messages, a quick reconnect.
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class Backend:
+    """The gRPC side: one channel, opened on the serving loop; the base model's names, learnt once."""
+
+    def __init__(self, target: str, served_model_name: str | None, timeout_s: float | None,
+                 tls_ca: str | None = None):
+        self.target, self.timeout_s, self.tls_ca = target, timeout_s, tls_ca
+        self.served_model_name = served_model_name
+        self._stub: pb_grpc.InferenceStub | None = None
+        self._channel = None
+        self._base_names: tuple[str, ...] | None = None
+
+    @property
+    def stub(self) -> pb_grpc.InferenceStub:
+        if self._stub is None:
+            if self.tls_ca:
+                credentials = grpc.ssl_channel_credentials(root_certificates=Path(self.tls_ca).read_bytes())
+                self._channel = grpc.aio.secure_channel(self.target, credentials, options=CHANNEL_OPTIONS)
+            else:
+                self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+            self._stub = pb_grpc.InferenceStub(self._channel)
+        return self._stub
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def base_names(self, metadata) -> tuple[str, ...]:
+        """The names that mean the base model: --served-model-name (default: the model path's last
+        part) first, then the server's own model string."""
+        if self._base_names is None:
+            info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30)
+            first = self.served_model_name or PurePosixPath(info.model.rstrip("/")).name or info.model
+            self._base_names = (first, info.model)
+        return self._base_names
+
+    async def adapter_for(self, model: str, metadata) -> str:
+        if not model:
+            raise bad_request("model must name the base model or an adapter", "model")
+        return "" if model in await self.base_names(metadata) else model
+
+
+def _metadata(request: Request, adapter: str | None = None) -> tuple[tuple[str, str], ...]:
+    md = []
+    if adapter is not None:
+        md.append((ADAPTER_HEADER, adapter))
+    auth = request.headers.get("authorization")
+    if auth and auth.lower().startswith("bearer ") and auth[7:].strip() not in ("", "EMPTY"):
+        md.append(("authorization", auth))
+    return tuple(md)
+
+
+async def _body(request: Request):
+    try:
+        return json.loads(await request.body())
+    except ValueError as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}") from None
+
+
+def create_app(backend: Backend) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await backend.close()
+
+    app = FastAPI(title="loraplex OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    app.state.backend = backend
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> Response:
+        return exc.response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        md = _metadata(request)
+        try:
+            base = (await backend.base_names(md))[0]
+            adapters = await backend.stub.ListAdapters(pb.ListAdaptersRequest(), metadata=md, timeout=30)
+        except grpc.RpcError as exc:
+            raise from_grpc(exc, "") from None
+        data = [{"id": base, "object": "model", "created": 0, "owned_by": "loraplex", "root": base, "parent": None}]
+        data += [{"id": a.name, "object": "model", "created": 0, "owned_by": "loraplex", "root": a.source or a.name,
+                  "parent": base} for a in adapters.adapters]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def generate(request: Request, parsed, grpc_request: pb.GenerateRequest, adapter: str, chat: bool,
+                       want_logprobs: bool) -> Response:
+        md = _metadata(request, adapter)
+        if not parsed.stream:
+            try:
+                resp = await backend.stub.Generate(grpc_request, metadata=md, timeout=backend.timeout_s)
+            except grpc.RpcError as exc:
+                raise from_grpc(exc, parsed.model) from None
+            build = responses.chat_body if chat else responses.completion_body
+            return JSONResponse(build(resp, parsed.model, want_logprobs))
+        call = backend.stub.GenerateStream(grpc_request, metadata=md, timeout=backend.timeout_s)
+        try:  # the first message (or the error) before the 200: a refused call gets its status
+            first = await call.read()
+        except grpc.RpcError as exc:
+            raise from_grpc(exc, parsed.model) from None
+        state = responses.StreamState(parsed.model, parsed.n, chat, want_logprobs)
+        include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
+        return EventSourceResponse(_events(call, first, state, include_usage, parsed.model), ping=15)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        parsed = schema.parse(schema.CompletionRequest, await _body(request))
+        adapter = await _resolve(backend, request, parsed.model)
+        grpc_request = schema.completion_request(parsed, adapter)
+        return await generate(request, parsed, grpc_request, adapter, False, parsed.logprobs is not None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        parsed = schema.parse(schema.ChatRequest, await _body(request))
+        adapter = await _resolve(backend, request, parsed.model)
+        grpc_request = schema.chat_request(parsed, adapter)
+        return await generate(request, parsed, grpc_request, adapter, True, parsed.logprobs)
+
+    return app
+
+
+async def _resolve(backend: Backend, request: Request, model: str) -> str:
+    try:
+        return await backend.adapter_for(model, _metadata(request))
+    except grpc.RpcError as exc:
+        raise from_grpc(exc, model) from None
+
+
+async def _events(call, first, state: responses.StreamState, include_usage: bool,
+                  model: str) -> AsyncIterator[str]:
+    msg = first
+    try:
+        while msg is not grpc.aio.EOF:
+            for chunk in state.chunks(msg):
+                yield json.dumps(chunk)
+            msg = await call.read()
+        if include_usage:
+            yield json.dumps(state.usage_chunk())
+    except grpc.RpcError as exc:  # after the 200: the error travels as an event, as OpenAI's streams do
+        err = from_grpc(exc, model)
+        yield json.dumps({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+    finally:
+        call.cancel()  # a client that went away cancels the gRPC call (and frees the server's KV)
+    yield "[DONE]"

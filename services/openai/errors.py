@@ -1,0 +1,76 @@
+"""Errors in OpenAI's JSON shape, with the HTTP status that matches the gRPC status behind them."""
+
+from __future__ import annotations
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from starlette.responses import JSONResponse
+
+HTTP_OF: dict[grpc.StatusCode, tuple[int, str]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "server_error"),
+    grpc.StatusCode.CANCELLED: (499, "server_error"),
+}
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after = retry_after
+
+    def response(self) -> JSONResponse:
+        headers = {"retry-after": str(max(1, round(self.retry_after)))} if self.retry_after else None
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    return OpenAIError(404, f"The model `{model}` does not exist: name the base model or an adapter "
+                            "(GET /v1/models lists them)", param="model", code="model_not_found")
+
+
+def _details(error: grpc.RpcError) -> tuple[list[str], float | None]:
+    """The fields a BadRequest detail names and a RetryInfo delay, when the server sent them."""
+    fields: list[str] = []
+    retry = None
+    try:
+        status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    except (ValueError, AttributeError, TypeError):
+        status = None
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            msg = error_details_pb2.BadRequest()
+            detail.Unpack(msg)
+            fields.extend(v.field for v in msg.field_violations)
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            msg = error_details_pb2.RetryInfo()
+            detail.Unpack(msg)
+            retry = msg.retry_delay.seconds + msg.retry_delay.nanos / 1e9
+    return fields, retry
+
+
+def from_grpc(error: grpc.RpcError, model: str) -> OpenAIError:
+    """The OpenAI error for a failed gRPC call made for `model`."""
+    code = error.code()
+    fields, retry_after = _details(error)
+    if code == grpc.StatusCode.NOT_FOUND or (code == grpc.StatusCode.INVALID_ARGUMENT
+                                             and any(f.endswith("adapter") for f in fields)):
+        return model_not_found(model)
+    status, type_ = HTTP_OF.get(code, (500, "server_error"))
+    return OpenAIError(status, error.details() or code.name, type_=type_, param=fields[0] if fields else None,
+                       code=code.name.lower(), retry_after=retry_after)

@@ -1,0 +1,121 @@
+"""GenerateResponse / GenerateStreamResponse -> OpenAI response bodies and stream chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from loraplex.v1 import inference_pb2 as pb
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _token_bytes(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def finish_reason(reason: str) -> str | None:
+    return reason or None  # "stop" | "length" as OpenAI's; "abort" passes through
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(lps, offset: int = 0) -> dict[str, Any]:
+    """The legacy completions `logprobs` object for `lps` (TokenLogprob messages)."""
+    tokens = [lp.token for lp in lps]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in lps], "text_offset": offsets}
+
+
+def chat_logprobs(lps) -> dict[str, Any]:
+    return {"content": [
+        {"token": lp.token, "logprob": lp.logprob, "bytes": _token_bytes(lp.token),
+         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t.token)} for t in lp.top]}
+        for lp in lps
+    ]}
+
+
+def _usage_of(completions) -> dict[str, int]:
+    # Each input's prompt counts once, however many samples it has (as OpenAI counts n).
+    prompts = {c.index: c.prompt_tokens for c in completions}
+    return usage(sum(prompts.values()), sum(c.completion_tokens for c in completions))
+
+
+def completion_body(resp: pb.GenerateResponse, model: str, want_logprobs: bool) -> dict[str, Any]:
+    return {
+        "id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": k, "text": c.text, "finish_reason": finish_reason(c.finish_reason),
+                     "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None}
+                    for k, c in enumerate(resp.completions)],
+        "usage": _usage_of(resp.completions),
+    }
+
+
+def chat_body(resp: pb.GenerateResponse, model: str, want_logprobs: bool) -> dict[str, Any]:
+    return {
+        "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": k, "message": {"role": "assistant", "content": c.text},
+                     "finish_reason": finish_reason(c.finish_reason),
+                     "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None}
+                    for k, c in enumerate(resp.completions)],
+        "usage": _usage_of(resp.completions),
+    }
+
+
+class StreamState:
+    """Builds the chunks of one streamed call: choice index = input * n + sample, as OpenAI numbers them."""
+
+    def __init__(self, model: str, n: int, chat: bool, want_logprobs: bool):
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+        self.model, self.n, self.chat, self.want_logprobs = model, n, chat, want_logprobs
+        self.started: set[int] = set()
+        self.text_offset: dict[int, int] = {}
+        self.prompt_tokens: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices}
+
+    def chunks(self, msg: pb.GenerateStreamResponse) -> list[dict[str, Any]]:
+        k = msg.index * self.n + msg.sample
+        out = []
+        if msg.finish_reason:
+            self.prompt_tokens[msg.index] = msg.prompt_tokens
+            self.completion_tokens += msg.completion_tokens
+        if self.chat:
+            if k not in self.started:
+                self.started.add(k)
+                out.append(self._chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}]))
+            if msg.text or msg.logprobs:
+                lps = chat_logprobs(msg.logprobs) if self.want_logprobs else None
+                out.append(self._chunk([{"index": k, "delta": {"content": msg.text}, "logprobs": lps,
+                                         "finish_reason": None}]))
+            if msg.finish_reason:
+                out.append(self._chunk([{"index": k, "delta": {}, "logprobs": None,
+                                         "finish_reason": finish_reason(msg.finish_reason)}]))
+            return out
+        offset = self.text_offset.get(k, 0)
+        self.text_offset[k] = offset + len(msg.text)
+        if msg.text or msg.logprobs or msg.finish_reason:
+            lps = completion_logprobs(msg.logprobs, offset) if self.want_logprobs else None
+            out.append(self._chunk([{"index": k, "text": msg.text, "logprobs": lps,
+                                     "finish_reason": finish_reason(msg.finish_reason)}]))
+        return out
+
+    def usage_chunk(self) -> dict[str, Any]:
+        chunk = self._chunk([])
+        chunk["usage"] = usage(sum(self.prompt_tokens.values()), self.completion_tokens)
+        return chunk

@@ -1,0 +1,145 @@
+"""OpenAI request bodies -> GenerateRequest. Fields we cannot honour are refused with 400,
+never silently ignored; fields that only label the call (`user`) are accepted."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from loraplex.v1 import inference_pb2 as pb
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.openai.errors import OpenAIError, bad_request
+
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+UNSUPPORTED_EXTRAS = ("functions", "function_call", "tool_choice", "parallel_tool_calls", "audio", "modalities",
+                      "prediction", "web_search_options")
+
+
+def parse(model: type[BaseModel], body: Any):
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise bad_request(f"{param}: {first['msg']}" if param else first["msg"], param) from None
+
+
+def _sampling(req: _Common, max_tokens: int | None) -> pb.SamplingParams:
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server", "logit_bias")
+    for name in UNSUPPORTED_EXTRAS:
+        if (req.model_extra or {}).get(name) not in (None, [], {}):
+            raise bad_request(f"{name} is not supported by this server", name)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    params = pb.SamplingParams(
+        max_new_tokens=max_tokens or 0,
+        temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default is 1
+        top_p=req.top_p or 0.0, n=req.n, stop=stop,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+    )
+    if req.seed is not None:
+        params.seed = req.seed & ((1 << 64) - 1)
+    return params
+
+
+def completion_request(req: CompletionRequest, adapter: str) -> pb.GenerateRequest:
+    if req.echo:
+        raise bad_request("echo is not supported by this server", "echo")
+    if req.suffix:
+        raise bad_request("suffix is not supported by this server", "suffix")
+    if req.best_of not in (None, req.n):
+        raise bad_request("best_of is not supported by this server (only best_of = n)", "best_of")
+    params = _sampling(req, req.max_tokens)
+    if req.logprobs is not None:
+        params.logprobs, params.top_logprobs = True, req.logprobs
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        inputs = [pb.Input(text=prompt)]
+    elif not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    elif all(isinstance(p, int) for p in prompt):
+        inputs = [pb.Input(token_ids=_ids(prompt))]
+    elif all(isinstance(p, str) for p in prompt):
+        inputs = [pb.Input(text=p) for p in prompt]
+    else:
+        inputs = [pb.Input(token_ids=_ids(p)) for p in prompt]
+    return pb.GenerateRequest(inputs=inputs, adapter=[adapter], sampling_params=params)
+
+
+def _ids(ids: list[int]) -> list[int]:
+    if any(i < 0 or i >= 1 << 32 for i in ids):
+        raise bad_request("prompt token ids must be non-negative", "prompt")
+    return ids
+
+
+def chat_request(req: ChatRequest, adapter: str) -> pb.GenerateRequest:
+    if req.tools:
+        raise bad_request("tools are not supported by this server", "tools")
+    if req.response_format and req.response_format.get("type") not in (None, "text"):
+        raise bad_request("response_format other than text is not supported by this server", "response_format")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    params = _sampling(req, req.max_completion_tokens or req.max_tokens)
+    if req.logprobs:
+        params.logprobs, params.top_logprobs = True, req.top_logprobs or 0
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+        if not m.role:
+            raise OpenAIError(400, f"messages[{i}].role must not be empty", param=f"messages.{i}.role")
+        messages.append(pb.ChatMessage(role=m.role, content=content))
+    return pb.GenerateRequest(inputs=[pb.Input(messages=messages)], adapter=[adapter], sampling_params=params)
