@@ -69,6 +69,7 @@ class LoRAManager(AdapterSlots):
         self._waiting: OrderedDict[str, None] = OrderedDict()
         self._draining: set[int] = set()
         self._evictions: dict[str, int] = {}  # per name, cumulative (for metrics)
+        self.num_uploads = 0  # adapters copied into a slot, cumulative (for metrics)
 
     # ----- registry (any thread) -----
 
@@ -250,6 +251,7 @@ class LoRAManager(AdapterSlots):
             occupant.slot = -1
             self._evictions[occupant.name] = self._evictions.get(occupant.name, 0) + 1
         self.pool.upload(slot, weights)
+        self.num_uploads += 1
         self._slots[slot] = version
         version.slot = slot
         version.placed_at = time.monotonic()
