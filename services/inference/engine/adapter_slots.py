@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 
 from services.inference.errors import AdapterNotFound
 
@@ -20,6 +21,8 @@ class AdapterSlots(ABC):
       be reused for another adapter. The scheduler holds a request's reference from admission
       to finish or abort, across preemptions, so a request never changes adapter version.
     - Both are called only from the engine thread, between forward passes.
+    - `None` holds back only requests of that adapter: the scheduler keeps admitting other
+      adapters' and base requests behind them (a slot is a scheduling resource, not a request limit).
     """
 
     @abstractmethod
@@ -32,6 +35,9 @@ class AdapterSlots(ABC):
         """A hint: a queued request will need `adapter_name` soon; start its upload if a slot is idle.
 
         Never raises and never takes a reference; `acquire` stays the only way in."""
+
+    def note_queued(self, queued: Mapping[str, int]) -> None:  # noqa: B027 - optional, a no-op by default
+        """Once a step: how many requests wait in the scheduler's queue per adapter (prices evictions)."""
 
     def slots_total(self) -> int:
         return 0

@@ -78,6 +78,9 @@ class AdapterInfo:
     digest: str = ""
     slot: int = -1
     evictions: int = 0  # times this adapter's GPU slot was given to another adapter
+    uploads: int = 0  # times this adapter was copied into a GPU slot
+    queued_requests: int = 0  # its requests waiting in the scheduler (as of the last step)
+    slot_wait_s: float = 0.0  # how long it has been waiting for a GPU slot (0: not waiting)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,127 @@
+"""Admission with many adapters on few slots: the scheduler and the real LoRA manager together.
+
+The scheduler keeps the batch full of resident adapters' and base requests while other adapters
+wait for a slot; a waiting adapter gets one within the manager's stated bound; base requests are
+never held back; and greedy outputs (engine on the tiny model) equal PEFT's whether slots rotate
+at every step or never drain.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.inference.engine.block_manager import BlockManager
+from services.inference.engine.config import SchedulerConfig
+from services.inference.engine.request import Request, RequestStatus
+from services.inference.engine.scheduler import Scheduler
+from services.inference.engine.types import SamplingParams
+from services.inference.lora.manager import LoRAManager
+from services.inference.lora.pool import AdapterPool
+from services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from tests.test_engine_scheduler import advance
+from tests.test_lora_e2e import make_adapters, peft_greedy, server_args, sync_engine
+from tests.test_lora_manager import StepClock
+
+COLD = [f"c{i}" for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_path, adapter_factory):
+    names = ["h0", "h1", *COLD]
+    return {n: adapter_factory(tiny_llama_path, f"adm-{n}", r=4, target_modules=["q_proj"], seed=i)
+            for i, n in enumerate(names)}
+
+
+def make(tiny_llama_path, adapters, *, slots=2, slot_wait_s=1.0, max_running=64):
+    clock = StepClock()
+    pool = AdapterPool(ModelShapes.from_model_dir(tiny_llama_path), slots=slots, max_rank=4,
+                       target_modules=ALL_MODULES, dtype=torch.float32, device="cpu")
+    manager = LoRAManager(pool, slot_wait_s=slot_wait_s, clock=clock)
+    for name, path in adapters.items():
+        manager.load_adapter(name, path)
+    config = SchedulerConfig(page_size=4, max_num_batched_tokens=256, chunked_prefill_size=256,
+                             max_running_requests=max_running, context_length=1024)
+    return Scheduler(config, BlockManager(512, 4), manager), manager, clock
+
+
+def req(rid: str, adapter: str | None, new_tokens: int = 4) -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams(max_new_tokens=new_tokens), adapter)
+
+
+def test_resident_adapters_and_base_keep_being_admitted_behind_waiting_ones(tiny_llama_path, adapters):
+    scheduler, manager, clock = make(tiny_llama_path, adapters)
+    for r in (req("h0-first", "h0", 50), req("h1-first", "h1", 50)):
+        scheduler.add(r)
+    advance(scheduler, scheduler.schedule())  # h0 and h1 take both slots and keep running
+    # the queue's head: six cold adapters with no slot, then hot adapters' and base requests
+    for name in COLD:
+        scheduler.add(req(f"{name}-0", name))
+    later = [req(f"h{i % 2}-{i}", f"h{i % 2}") for i in range(10)] + [req(f"base-{i}", None) for i in range(4)]
+    for r in later:
+        scheduler.add(r)
+    batch = scheduler.schedule()
+    admitted = {r.request_id for r, n in batch.entries if n > 1}
+    assert admitted == {r.request_id for r in later}
+    assert len(scheduler.running) == 2 + len(later) > manager.slots_total()
+    assert [r.adapter for r in scheduler.waiting] == COLD  # in their order, still first in line
+    assert set(manager.slot_queue()) == set(COLD)
+
+
+def test_base_requests_are_never_held_back_by_slots(tiny_llama_path, adapters):
+    scheduler, manager, clock = make(tiny_llama_path, adapters, slot_wait_s=0.0)
+    for name in ("h0", "h1"):
+        scheduler.add(req(f"{name}-long", name, 40))
+    advance(scheduler, scheduler.schedule())
+    for step in range(20):
+        clock.now = step * 0.1
+        for name in COLD:  # every slot is busy or draining for these the whole time
+            scheduler.add(req(f"{name}-{step}", name))
+        base = req(f"base-{step}", None)
+        scheduler.add(base)
+        batch = scheduler.schedule()
+        assert base in [r for r, _ in batch.entries], f"step {step}: a base request waited"
+        advance(scheduler, batch)
+
+
+def test_waiting_adapter_gets_a_slot_within_the_bound(tiny_llama_path, adapters):
+    """Two hot adapters get a new request every step; a cold one arriving at step 5 is admitted
+    within slot_wait_s (3 steps) + one step + the drained slot's longest running request."""
+    step_s, wait_s, new_tokens = 0.1, 0.3, 6
+    scheduler, manager, clock = make(tiny_llama_path, adapters, slot_wait_s=wait_s)
+    admitted_at = None
+    started = {"h0": 0, "h1": 0}
+    for step in range(60):
+        clock.now = step * step_s
+        for name in ("h0", "h1"):
+            scheduler.add(req(f"{name}-{step}", name, new_tokens))
+        if step == 5:
+            cold = req("cold", "c0", new_tokens)
+            scheduler.add(cold)
+        batch = scheduler.schedule()
+        for r, n in batch.entries:
+            if n > 1 and r.adapter in started:
+                started[r.adapter] += 1
+        if step >= 5 and admitted_at is None and cold.status is RequestStatus.RUNNING:
+            admitted_at = step
+        advance(scheduler, batch)
+    # each request runs 1 prefill step + new_tokens - 1 decode steps
+    assert admitted_at is not None and admitted_at - 5 <= round(wait_s / step_s) + 1 + new_tokens, admitted_at
+    assert min(started.values()) >= 40, started  # the hot adapters kept admitting meanwhile
+    assert admitted_at - 5 > round(wait_s / step_s), "the hot slots were busy: the cold one had to wait"
+
+
+@pytest.mark.parametrize("slot_wait_s", [0.0, 1e9], ids=["rotate-every-step", "never-drain"])
+def test_greedy_outputs_match_peft_under_slot_rotation(tiny_llama_path, adapter_factory, slot_wait_s,
+                                                        one_torch_thread):
+    adapters = make_adapters(adapter_factory, tiny_llama_path, "e2e-tiny")
+    engine = sync_engine(server_args(tiny_llama_path, adapters, max_loras_per_batch=2))
+    engine.adapter_slots.slot_wait_s = slot_wait_s
+    names = [None, "r4", "r8rs", "r16", "r64", "r4", "r16", None, "r64", "r8rs"]
+    prompts = [engine.tokenizer(p).input_ids for p in ["The capital of France is", "def f(n):", "1, 2, 3,"]]
+    jobs = [(prompts[i % len(prompts)], a) for i, a in enumerate(names)]
+    outs = engine.generate([p for p, _ in jobs], SamplingParams(max_new_tokens=12), [a for _, a in jobs])
+    expected = peft_greedy(tiny_llama_path, adapters, jobs, new_tokens=12)
+    for out, exp, (_, name) in zip(outs, expected, jobs, strict=True):
+        assert out.token_ids == exp, f"adapter {name}: engine {out.token_ids} != PEFT {exp}"
+    assert engine.adapter_slots.num_uploads >= 4  # four adapters rotated through two slots
