@@ -125,3 +125,66 @@ def test_greedy_outputs_match_peft_under_slot_rotation(tiny_llama_path, adapter_
     for out, exp, (_, name) in zip(outs, expected, jobs, strict=True):
         assert out.token_ids == exp, f"adapter {name}: engine {out.token_ids} != PEFT {exp}"
     assert engine.adapter_slots.num_uploads >= 4  # four adapters rotated through two slots
+
+
+# ----- residency: a pool sized from memory unless --max-loras-per-batch is given -----
+
+def test_pool_sized_from_memory_unless_max_loras_per_batch_given(tiny_llama_path):
+    from services.inference.lora.setup import DEFAULT_MAX_GPU_LORAS, resolve_lora_settings
+
+    shapes, cpu = ModelShapes.from_model_dir(tiny_llama_path), torch.device("cpu")
+    default = resolve_lora_settings(server_args(tiny_llama_path, max_loras_per_batch=None), shapes, cpu)
+    assert default.pool_sized_from_memory and default.max_loras_per_batch == DEFAULT_MAX_GPU_LORAS["cpu"]
+    bounded = resolve_lora_settings(server_args(tiny_llama_path, max_loras_per_batch=None, max_gpu_loras=5),
+                                    shapes, cpu)
+    assert bounded.pool_sized_from_memory and bounded.max_loras_per_batch == 5
+    capped = resolve_lora_settings(server_args(tiny_llama_path, max_loras_per_batch=3, max_gpu_loras=5), shapes, cpu)
+    assert not capped.pool_sized_from_memory and capped.max_loras_per_batch == 3
+    with pytest.raises(ValueError, match="--max-gpu-loras"):
+        resolve_lora_settings(server_args(tiny_llama_path, max_loras_per_batch=None, max_gpu_loras=0), shapes, cpu)
+
+
+def test_default_flags_put_every_adapter_in_one_batch(tiny_llama_path, adapter_factory, one_torch_thread, caplog):
+    """20 adapters, default flags: all resident at once, one continuous batch, outputs equal PEFT's."""
+    adapters = {f"m{i}": adapter_factory(tiny_llama_path, f"adm-many-{i}", r=4, target_modules=["q_proj", "v_proj"],
+                                         seed=100 + i) for i in range(20)}
+    with caplog.at_level("INFO", logger="services.inference.lora.setup"):
+        engine = sync_engine(server_args(tiny_llama_path, adapters, max_loras_per_batch=None))
+    assert "sized from memory" in caplog.text
+    names = [None, *adapters]
+    prompt = engine.tokenizer("The capital of France is").input_ids
+    outs = engine.generate([prompt] * len(names), SamplingParams(max_new_tokens=6), names)
+    assert engine.adapter_slots.num_uploads == len(adapters) and engine.stats().lora_slots_used == len(adapters)
+    expected = peft_greedy(tiny_llama_path, adapters, [(prompt, n) for n in names], new_tokens=6)
+    assert [o.token_ids for o in outs] == expected
+
+
+def test_metrics_show_queues_waits_and_uploads(tiny_llama_path, adapters):
+    from services.inference.metrics import Metrics
+
+    scheduler, manager, clock = make(tiny_llama_path, adapters, slot_wait_s=0.5)
+    for r in (req("h0-a", "h0", 50), req("h1-a", "h1", 50)):
+        scheduler.add(r)
+    advance(scheduler, scheduler.schedule())
+    for i in range(3):
+        scheduler.add(req(f"c0-{i}", "c0"))
+    clock.now = 0.1
+    scheduler.schedule()  # c0 queues for a slot
+    clock.now = 2.0
+    scheduler.schedule()  # aged: one busy slot drains for it
+    metrics = Metrics()
+    metrics.observe_engine(scheduler_stats := _stats(scheduler, manager))
+    metrics.observe_adapters(manager.list_adapters())
+    value = metrics.registry.get_sample_value
+    assert value("loraplex_adapter_queued_requests", {"adapter": "c0"}) == 3
+    assert value("loraplex_adapter_slot_wait_seconds", {"adapter": "c0"}) == pytest.approx(1.9)
+    assert value("loraplex_adapter_uploads_total", {"adapter": "h0"}) == 1
+    assert value("loraplex_lora_slots_draining") == 1 == scheduler_stats.lora_slots_draining
+    assert value("loraplex_lora_adapters_waiting") == 1
+
+
+def _stats(scheduler, manager):
+    from services.inference.engine.types import EngineStats
+
+    return EngineStats(len(scheduler.waiting), len(scheduler.running), 0, 0, manager.slots_total(),
+                       manager.slots_used(), manager.slots_draining(), len(manager.slot_queue()))

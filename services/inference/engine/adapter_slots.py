@@ -45,6 +45,13 @@ class AdapterSlots(ABC):
     def slots_used(self) -> int:
         return 0
 
+    def slots_draining(self) -> int:
+        return 0
+
+    def slot_queue(self) -> dict[str, float]:
+        """Adapters waiting for a slot -> seconds waited so far."""
+        return {}
+
 
 class NoAdapters(AdapterSlots):
     """Base model only: every adapter name is unknown."""

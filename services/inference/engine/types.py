@@ -105,3 +105,5 @@ class EngineStats(NamedTuple):
     kv_blocks_free: int
     lora_slots_total: int
     lora_slots_used: int
+    lora_slots_draining: int = 0  # busy slots taking no new requests until they empty for a waiting adapter
+    lora_adapters_waiting: int = 0  # adapters waiting for a slot
