@@ -287,7 +287,9 @@ async def run(opts: argparse.Namespace) -> dict:
         arrivals = make_arrivals(opts.rate, opts.window, opts.cv, opts.prompt_len, opts.output_len,
                                  factory.vocab_range, opts.seed)
         for sc in scenarios:
+            built = time.perf_counter()
             async with factory.scenario(sc.num_adapters, sc.max_loras_per_batch) as target:
+                build_s = time.perf_counter() - built
                 adapters = [None if (i := sc.adapter_index(a.draw, opts.zipf_exponent)) is None
                             else target.adapter_names[i] for a in arrivals]
                 before = target.counters()
@@ -295,10 +297,12 @@ async def run(opts: argparse.Namespace) -> dict:
                 after = target.counters()
                 counters = {k: (after[k] - before[k] if after[k] is not None else None) for k in after}
                 res = summarize(records, samples, opts.window, counters)
-                res.update(scenario=asdict(sc), elapsed_s=round(elapsed, 1), setup=target.describe())
+                res.update(scenario=asdict(sc), build_s=round(build_s, 1), elapsed_s=round(elapsed, 1),
+                           setup=target.describe())
                 results[sc.name] = res
                 print(f"{sc.name}: {res['completed']}/{res['requests']} done, {res['cut']} cut, "
-                      f"{res['errors']} errors, {res['output_tok_s']} tok/s", flush=True)
+                      f"{res['errors']} errors, {res['output_tok_s']} tok/s (built in {build_s:.0f} s, "
+                      f"{res['setup']})", flush=True)
     add_ratios(results)
     return results
 

@@ -152,10 +152,14 @@ class EngineFactory:
             kw["max_loras_per_batch"] = max_loras_per_batch
         llm, lora = build_llm_engine(ServerArgs(**kw), loaded=self.loaded)
         engine = AsyncEngine(llm, lora_manager=lora.manager)
+        target = EngineTarget(engine, lora, names)
         try:
-            yield EngineTarget(engine, lora, names)
+            yield target
         finally:
             engine.shutdown()
+            # The caller may still hold `target`: drop its engine so the KV cache, pool and graphs
+            # are freed before the next scenario sizes its own from free memory.
+            target.engine = target.lora = None
             del engine, llm, lora
             gc.collect()
             if not self.cpu:
