@@ -284,6 +284,7 @@ async def run(opts: argparse.Namespace) -> dict:
         if names is None:
             names = ("base", f"zipf:{factory.num_adapters}")
         scenarios = [Scenario.parse(n) for n in names]
+        factory.prepare(max(sc.num_adapters for sc in scenarios))
         arrivals = make_arrivals(opts.rate, opts.window, opts.cv, opts.prompt_len, opts.output_len,
                                  factory.vocab_range, opts.seed)
         for sc in scenarios:

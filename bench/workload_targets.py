@@ -139,6 +139,10 @@ class EngineFactory:
 
         self.loaded = load(EngineConfig.from_args(ServerArgs(**base)))
 
+    def prepare(self, max_adapters: int) -> None:
+        """Write every adapter the run needs at once (not the first N again for each larger N)."""
+        _ensure_files(self.root, self.shape, max_adapters, self.rank, self.device)
+
     @asynccontextmanager
     async def scenario(self, n: int, max_loras_per_batch: int | None):
         from services.inference.engine.async_engine import AsyncEngine
@@ -195,13 +199,15 @@ class GrpcFactory:
         self.num_adapters = len(names)
         self.vocab_range = (1, 32000)
 
+    def prepare(self, max_adapters: int) -> None:
+        if max_adapters > len(self.names):
+            raise SystemExit(f"the server has {len(self.names)} adapters; a scenario wants {max_adapters}")
+
     @asynccontextmanager
     async def scenario(self, n: int, max_loras_per_batch: int | None):
         if max_loras_per_batch is not None:
             raise SystemExit("grpc mode cannot change --max-loras-per-batch: start the server with it "
                              "and name the scenario zipf:N")
-        if n > len(self.names):
-            raise SystemExit(f"the server has {len(self.names)} adapters; scenario wants {n}")
         t = GrpcTarget(self.client, self.names[:n])
         t.client_target = self.target
         yield t
