@@ -47,6 +47,7 @@ from bench.workload_targets import Target, open_target  # noqa: E402
 
 GPU_SCENARIOS = ("base", "zipf:8:8", "zipf:64:64", "zipf:64", "zipf:256", "zipf:64:8")
 CPU_SCENARIOS = ("base", "zipf:64", "zipf:64:8")
+HOT_ADAPTERS = 8  # the report's "hot" TTFT: requests of this many most popular Zipf adapters
 
 
 @dataclass(frozen=True)
@@ -165,11 +166,14 @@ def _pcts(values: list[float]) -> dict[str, float | None]:
     return {"p50": round(float(p[0]), 1), "p90": round(float(p[1]), 1), "p99": round(float(p[2]), 1)}
 
 
-def summarize(records: list[Record], samples: list[tuple[int, int]], window: float, counters: dict) -> dict:
-    ttft, itl, e2e, tokens_in_window = [], [], [], 0
+def summarize(records: list[Record], samples: list[tuple[int, int]], window: float, counters: dict,
+              hot: frozenset[str] = frozenset()) -> dict:
+    ttft, hot_ttft, itl, e2e, tokens_in_window = [], [], [], [], 0
     for r in records:
         if r.token_times:
             ttft.append(r.token_times[0] - r.start)
+            if r.adapter in hot:
+                hot_ttft.append(ttft[-1])
         last = None
         for t, n in zip(r.token_times, r.token_counts, strict=True):
             if t <= window:
@@ -188,6 +192,7 @@ def summarize(records: list[Record], samples: list[tuple[int, int]], window: flo
         error_examples=sorted({r.error for r in records if r.error})[:3],
         output_tok_s=round(tokens_in_window / window, 1),
         ttft_ms=_pcts(ttft), itl_ms=_pcts(itl), e2e_ms=_pcts(e2e),
+        hot_ttft_ms=_pcts(hot_ttft),  # requests of the HOT_ADAPTERS most popular adapters
         mean_running=round(float(np.mean(running)), 1) if running else None,
         mean_waiting=round(float(np.mean(waiting)), 1) if waiting else None,
         **counters,
@@ -201,6 +206,7 @@ def add_ratios(results: dict[str, dict]) -> None:
     for res in results.values():
         ratios = {"output_tok_s": _ratio(res["output_tok_s"], base["output_tok_s"]),
                   "mean_running": _ratio(res["mean_running"], base["mean_running"])}
+        ratios["hot_ttft_ms_p99"] = _ratio(res["hot_ttft_ms"]["p99"], base["ttft_ms"]["p99"])
         for key in ("ttft_ms", "itl_ms", "e2e_ms"):
             for q in ("p50", "p90", "p99"):
                 ratios[f"{key}_{q}"] = _ratio(res[key][q], base[key][q])
@@ -220,13 +226,15 @@ def _fmt(v, ratio=None) -> str:
 
 def print_table(results: dict[str, dict]) -> None:
     print("| scenario | done / sent | errors | cut | output tok/s (vs base) | TTFT p50 / p99 ms | "
-          "inter-token p50 / p99 ms | e2e p50 / p99 ms | mean running / waiting | uploads / evictions |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          f"{HOT_ADAPTERS} hottest TTFT p99 ms | inter-token p50 / p99 ms | e2e p50 / p99 ms | "
+          "mean running / waiting | uploads / evictions |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in results.items():
         vs = r.get("vs_base", {})
         print(f"| {name} | {r['completed']}/{r['requests']} | {r['errors']} | {r['cut']} "
               f"| {_fmt(r['output_tok_s'], vs.get('output_tok_s'))} "
               f"| {_fmt(r['ttft_ms']['p50'])} / {_fmt(r['ttft_ms']['p99'], vs.get('ttft_ms_p99'))} "
+              f"| {_fmt(r['hot_ttft_ms']['p99'], vs.get('hot_ttft_ms_p99'))} "
               f"| {_fmt(r['itl_ms']['p50'])} / {_fmt(r['itl_ms']['p99'])} "
               f"| {_fmt(r['e2e_ms']['p50'])} / {_fmt(r['e2e_ms']['p99'])} "
               f"| {_fmt(r['mean_running'])} / {_fmt(r['mean_waiting'])} | {_fmt(r['uploads'])} / {_fmt(r['evictions'])} |")
@@ -297,7 +305,8 @@ async def run(opts: argparse.Namespace) -> dict:
                 records, samples, elapsed = await drive(target, arrivals, adapters, opts.window, opts.drain)
                 after = target.counters()
                 counters = {k: (after[k] - before[k] if after[k] is not None else None) for k in after}
-                res = summarize(records, samples, opts.window, counters)
+                hot = frozenset(target.adapter_names[:HOT_ADAPTERS]) if sc.popularity == "zipf" else frozenset()
+                res = summarize(records, samples, opts.window, counters, hot)
                 res.update(scenario=asdict(sc), build_s=round(build_s, 1), elapsed_s=round(elapsed, 1),
                            setup=target.describe())
                 results[sc.name] = res
