@@ -12,7 +12,7 @@ class AdapterSlots(ABC):
     """Hands out GPU adapter slots to requests (implemented by the LoRA manager).
 
     Contract:
-    - `acquire(name)` returns the slot index (0 <= slot < max_loras_per_batch) holding
+    - `acquire(name)` returns the slot index (0 <= slot < the pool's slots) holding
       `name` and takes one reference on it, or `None` when the adapter is not resident yet
       (an upload may have been started); the scheduler then skips the request for this step
       and tries again later. It raises AdapterNotFound (or another LoraplexError) when the

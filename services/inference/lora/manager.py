@@ -132,7 +132,7 @@ class LoRAManager(AdapterSlots):
                 if others >= self.pool.slots - 1:
                     raise CapacityExceeded(
                         f"cannot pin {name!r}: at most {self.pool.slots - 1} of {self.pool.slots} slots "
-                        "(--max-loras-per-batch - 1) may hold pinned adapters", adapter=name)
+                        "(the pool's slots - 1) may hold pinned adapters", adapter=name)
                 if version.slot < 0:
                     self._waiting.setdefault(name, self._clock())  # becomes resident on the engine thread
             version.pinned = pinned
