@@ -114,15 +114,13 @@ class EngineFactory:
     def __init__(self, opts, *, cpu: bool):
         import torch
 
+        from bench.serving_setup import LLAMA_8B
         from services.inference.engine.config import EngineConfig
         from services.inference.engine.loading import load
 
-        self.cpu = cpu
-        self.shape = TINY if cpu else None
         if not cpu and not torch.cuda.is_available():
             raise SystemExit("--mode engine needs a CUDA device (use --mode cpu on the CPU)")
-        from bench.serving_setup import LLAMA_8B
-
+        self.cpu = cpu
         self.shape = TINY if cpu else LLAMA_8B
         self.device = "cpu" if cpu else "cuda"
         self.root = _workdir(opts)
