@@ -102,6 +102,26 @@ def test_busy_slots_are_never_evicted_and_aged_waiters_drain_the_cheapest(shapes
     assert info["a2"].uploads == 1 and m.num_uploads == 3
 
 
+def test_slot_queue_favours_demand_but_every_waiter_ages_to_the_front(shapes, adapters):
+    clock = StepClock()
+    m = make_manager(shapes, slot_wait_s=1.0, clock=clock)
+    for n in ("a0", "a1", "a2", "a3", "a4"):
+        m.load_adapter(n, adapters[n])
+    s0, s1 = m.acquire("a0"), m.acquire("a1")
+    assert m.acquire("a2") is None  # waits from t=0 with one queued request
+    clock.now = 0.5
+    assert m.acquire("a3") is None  # waits from t=0.5 with three: counts as waiting since t=-2.5
+    m.note_queued({"a2": 1, "a3": 3})
+    m.release("a0")
+    assert {i.name: i.slot for i in m.list_adapters()}["a3"] == s0  # the popular one goes first
+    assert m.acquire("a3") == s0
+    clock.now = 10.0
+    assert m.acquire("a4") is None  # arrives 10 s after a2: five queued do not overtake it
+    m.note_queued({"a2": 1, "a4": 5})
+    m.release("a1")
+    assert {i.name: i.slot for i in m.list_adapters()}["a2"] == s1
+
+
 def test_eviction_takes_the_idle_slot_with_least_queued_demand(shapes, adapters):
     clock = StepClock()
     m = make_manager(shapes, clock=clock)

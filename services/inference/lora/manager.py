@@ -10,14 +10,16 @@ Invariants
   fewest queued requests (as the scheduler last reported them), least recently used among ties.
 - Admission without a cliff: a slot is a scheduling resource, not a request limit. Resident
   adapters keep taking new requests while others wait for a slot. An adapter refused a slot
-  joins a FIFO; once the FIFO's head has waited `slot_wait_s` (aged), the busy slot whose loss
-  costs least (fewest queued requests, then fewest running) stops taking new requests
-  (*draining*) and goes to the head when its running requests finish. At most
-  `max_draining` slots drain at once (a quarter of the slots, at least one), so the batch
-  stays mostly full while adapters rotate. Bound: the FIFO's head gets a slot within
-  `slot_wait_s` plus the remaining output of the requests running on the slot drained for it
-  (at most their `max_new_tokens` steps); the k-th waiter within ceil(k / max_draining) such
-  rotations. At most `slots - 1` adapters may be pinned so one slot always rotates.
+  joins the slot queue, served longest-waiting first where each of its queued requests counts
+  as `slot_wait_s` of waiting (a popular adapter overtakes cold ones; a later arrival overtakes
+  only with more queued requests than seconds since, so every waiter ages to the front). Once a
+  waiter has waited `slot_wait_s` (aged), the busy slot whose loss costs least (fewest queued
+  requests, then fewest running) stops taking new requests (*draining*) and goes to the queue's
+  front when its running requests finish. At most `max_draining` slots drain at once (a quarter
+  of the slots, at least one), so the batch stays mostly full while adapters rotate. Bound: the
+  front of the queue gets a slot within `slot_wait_s` plus the remaining output of the requests
+  running on the slot drained for it (at most their `max_new_tokens` steps). At most
+  `slots - 1` adapters may be pinned so one slot always rotates.
 
 Threads: `acquire`/`release` run on the engine thread (they write the pool, ordered on its
 compute stream). `load`/`unload`/`pin`/`list` may run on any thread; they only change the
@@ -163,7 +165,7 @@ class LoRAManager(AdapterSlots):
             if name in self._retiring:
                 return None
             if version.slot < 0 and name in self._waiting:
-                if next(iter(self._waiting)) == name:
+                if self._next_waiter() == name:
                     self._rebalance()  # the head checks for a slot freed by time (reservations)
                 if version.slot < 0:
                     return None  # still queued: release and note_queued move the queue
@@ -303,7 +305,7 @@ class LoRAManager(AdapterSlots):
     def _rebalance(self) -> None:
         """Serve waiting adapters from evictable slots, then drain busy slots for aged waiters."""
         while self._waiting:
-            name = next(iter(self._waiting))
+            name = self._next_waiter()
             version = self._active.get(name)
             if version is None or version.slot >= 0 or name in self._retiring:
                 self._waiting.pop(name)
@@ -319,6 +321,12 @@ class LoRAManager(AdapterSlots):
         if need > 0:
             for slot in self._cheapest_busy_slots(need):
                 self._draining.add(slot)
+
+    def _next_waiter(self) -> str:
+        """The waiting adapter served next: the longest waiting, where each queued request counts
+        as `slot_wait_s` of waiting (a popular adapter overtakes cold ones; a cold one still ages
+        to the front, as a later arrival must have more queued requests than seconds since)."""
+        return min(self._waiting, key=lambda n: self._waiting[n] - self.slot_wait_s * self._queued.get(n, 0))
 
     def _cheapest_busy_slots(self, count: int) -> list[int]:
         """Busy unpinned slots whose loss costs least: fewest queued requests, then fewest running."""
