@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 # A slot handed to a waiting adapter is kept for it this long even before its request takes it.
 RESERVE_S = 2.0
-# How long the head of the slot FIFO waits for a slot to free by itself before one is drained for it.
+# How long a waiter in the slot queue waits for a slot to free by itself before one is drained for it;
+# also what one queued request is worth in the queue's order (see _next_waiter).
 SLOT_WAIT_S = 1.0
 
 
