@@ -102,8 +102,8 @@ def write_model_dir(path: Path, shape: dict = LLAMA_8B, seed: int = 0, shard_byt
 
 
 def write_adapters(root: Path, base: Path, count: int, shape: dict = LLAMA_8B, rank: int = 16,
-                   seed: int = 1, device: str = "cuda") -> list[Path]:
-    """`count` PEFT LoRA adapters of rank `rank` on all seven projections, nonzero A and B."""
+                   seed: int = 1, device: str = "cuda", modules: tuple[str, ...] = tuple(PROJECTIONS)) -> list[Path]:
+    """`count` PEFT LoRA adapters of rank `rank` on `modules` (all seven projections), nonzero A and B."""
     dims = _dims(shape)
     gen = torch.Generator(device=device).manual_seed(seed)
     out = []
@@ -112,7 +112,8 @@ def write_adapters(root: Path, base: Path, count: int, shape: dict = LLAMA_8B, r
         d.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for i in range(shape["num_hidden_layers"]):
-            for m, (parent, n, o) in PROJECTIONS.items():
+            for m in modules:
+                parent, n, o = PROJECTIONS[m]
                 key = f"base_model.model.model.layers.{i}.{parent}.{m}"
                 a_t = torch.empty(rank, dims[n], dtype=torch.bfloat16, device=device).normal_(0, dims[n] ** -0.5, generator=gen)
                 b_t = torch.empty(dims[o], rank, dtype=torch.bfloat16, device=device).normal_(0, 0.01, generator=gen)
@@ -121,7 +122,7 @@ def write_adapters(root: Path, base: Path, count: int, shape: dict = LLAMA_8B, r
         save_file(tensors, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
         config = dict(
             peft_type="LORA", task_type="CAUSAL_LM", r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
-            target_modules=list(PROJECTIONS), bias="none", base_model_name_or_path=str(base),
+            target_modules=list(modules), bias="none", base_model_name_or_path=str(base),
             fan_in_fan_out=False, inference_mode=True, use_rslora=False, modules_to_save=None,
         )
         (d / "adapter_config.json").write_text(json.dumps(config, indent=1))

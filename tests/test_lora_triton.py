@@ -20,7 +20,7 @@ def test_triton_backend_matches_torch_backend(dtype, tol):
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(results) == 3
+    assert len(results) == 4
     for r in results:
         assert r["rel_err"] < tol, r
         assert r["side_stream_equal"], r

@@ -51,6 +51,17 @@ class Metrics:
         self.kv_usage = Gauge("loraplex_kv_usage_ratio", "Fraction of KV blocks in use", registry=r)
         self.slots_total = Gauge("loraplex_lora_slots_total", "GPU adapter slots", registry=r)
         self.slots_used = Gauge("loraplex_lora_slots_used", "GPU adapter slots in use", registry=r)
+        self.slots_draining = Gauge(
+            "loraplex_lora_slots_draining", "Busy slots taking no new requests until they empty for a waiting adapter",
+            registry=r)
+        self.adapters_waiting = Gauge("loraplex_lora_adapters_waiting", "Adapters waiting for a GPU slot", registry=r)
+        self.adapter_queued = Gauge(
+            "loraplex_adapter_queued_requests", "The adapter's requests waiting in the scheduler", ["adapter"], registry=r)
+        self.adapter_slot_wait = Gauge(
+            "loraplex_adapter_slot_wait_seconds", "How long the adapter has been waiting for a GPU slot (0: not waiting)",
+            ["adapter"], registry=r)
+        self.adapter_uploads = Counter(
+            "loraplex_adapter_uploads", "Times the adapter was copied into a GPU slot", ["adapter"], registry=r)
         self.residency = Gauge(
             "loraplex_adapter_resident", "1 where the adapter lives (gpu/host/store)", ["adapter", "location"], registry=r
         )
@@ -74,6 +85,7 @@ class Metrics:
         self._compiles_seen = 0
         self._last_location: dict[str, str] = {}
         self._last_evictions: dict[str, int] = {}
+        self._last_uploads: dict[str, int] = {}
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP exporter on a daemon thread; returns the bound port."""
@@ -95,6 +107,8 @@ class Metrics:
         self.kv_usage.set(used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)
         self.slots_total.set(stats.lora_slots_total)
         self.slots_used.set(stats.lora_slots_used)
+        self.slots_draining.set(stats.lora_slots_draining)
+        self.adapters_waiting.set(stats.lora_adapters_waiting)
 
     def observe_adapters(self, adapters: list[AdapterInfo]) -> None:
         seen: dict[str, str] = {}
@@ -102,13 +116,21 @@ class Metrics:
             seen[info.name] = info.location
             for loc in LOCATIONS:
                 self.residency.labels(info.name, loc).set(1 if info.location == loc else 0)
-        for info in adapters:  # the manager counts evictions; the counter follows its total
+            self.adapter_queued.labels(info.name).set(info.queued_requests)
+            self.adapter_slot_wait.labels(info.name).set(info.slot_wait_s)
+        for info in adapters:  # the manager counts evictions and uploads; the counters follow its totals
             delta = info.evictions - self._last_evictions.get(info.name, 0)
             if delta > 0:
                 self.adapter_evictions.labels(info.name).inc(delta)
             self._last_evictions[info.name] = info.evictions
+            delta = info.uploads - self._last_uploads.get(info.name, 0)
+            if delta > 0:
+                self.adapter_uploads.labels(info.name).inc(delta)
+            self._last_uploads[info.name] = info.uploads
         for name in self._last_location:
             if name not in seen:
                 for gone in LOCATIONS:
                     self.residency.labels(name, gone).set(0)
+                self.adapter_queued.labels(name).set(0)
+                self.adapter_slot_wait.labels(name).set(0)
         self._last_location = seen

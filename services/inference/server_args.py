@@ -23,7 +23,8 @@ class ServerArgs:
     seed: int = 0
     # LoRA
     lora_paths: tuple[str, ...] = ()  # NAME=SOURCE
-    max_loras_per_batch: int = 8
+    max_loras_per_batch: int | None = None  # None: pool sized from memory, every resident adapter per batch
+    max_gpu_loras: int | None = None  # bound on a pool sized from memory; None = 256 on CUDA, 64 on CPU
     lora_backend: str | None = None  # triton | torch; None = triton on CUDA, torch on CPU
     disable_lora_side_stream: bool = False  # triton on CUDA: decode deltas beside the base matmul
     max_lora_rank: int | None = None  # None = inferred from lora_paths, else 64
@@ -92,8 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=d.seed)
     a("--lora-paths", nargs="*", default=[], metavar="NAME=SOURCE",
       help="adapters to load at start (local PEFT directories; other sources via the adapter store)")
-    a("--max-loras-per-batch", type=int, default=d.max_loras_per_batch,
-      help="GPU adapter slots = most distinct adapters in one batch; the base model takes none (default 8)")
+    a("--max-loras-per-batch", type=int, default=None,
+      help="at most this many distinct adapters in one batch (the GPU pool then has this many slots); "
+      "default: the pool is sized from free memory (see --max-gpu-loras) and every resident adapter may "
+      "share a batch. The base model takes no slot")
+    a("--max-gpu-loras", type=int, default=None,
+      help="upper bound on the adapter slots of a pool sized from memory (without --max-loras-per-batch); "
+      "default 256 on CUDA, 64 on CPU")
     a("--lora-backend", default=None, choices=["triton", "torch"], help="default: triton on CUDA, torch on CPU")
     a("--max-lora-rank", type=int, default=None,
       help="largest adapter rank the pool holds; default: the largest rank in --lora-paths, else 64")

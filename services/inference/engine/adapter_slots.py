@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 
 from services.inference.errors import AdapterNotFound
 
@@ -11,7 +12,7 @@ class AdapterSlots(ABC):
     """Hands out GPU adapter slots to requests (implemented by the LoRA manager).
 
     Contract:
-    - `acquire(name)` returns the slot index (0 <= slot < max_loras_per_batch) holding
+    - `acquire(name)` returns the slot index (0 <= slot < the pool's slots) holding
       `name` and takes one reference on it, or `None` when the adapter is not resident yet
       (an upload may have been started); the scheduler then skips the request for this step
       and tries again later. It raises AdapterNotFound (or another LoraplexError) when the
@@ -20,6 +21,8 @@ class AdapterSlots(ABC):
       be reused for another adapter. The scheduler holds a request's reference from admission
       to finish or abort, across preemptions, so a request never changes adapter version.
     - Both are called only from the engine thread, between forward passes.
+    - `None` holds back only requests of that adapter: the scheduler keeps admitting other
+      adapters' and base requests behind them (a slot is a scheduling resource, not a request limit).
     """
 
     @abstractmethod
@@ -33,11 +36,21 @@ class AdapterSlots(ABC):
 
         Never raises and never takes a reference; `acquire` stays the only way in."""
 
+    def note_queued(self, queued: Mapping[str, int]) -> None:  # noqa: B027 - optional, a no-op by default
+        """Once a step: how many requests wait in the scheduler's queue per adapter (prices evictions)."""
+
     def slots_total(self) -> int:
         return 0
 
     def slots_used(self) -> int:
         return 0
+
+    def slots_draining(self) -> int:
+        return 0
+
+    def slot_queue(self) -> dict[str, float]:
+        """Adapters waiting for a slot -> seconds waited so far."""
+        return {}
 
 
 class NoAdapters(AdapterSlots):

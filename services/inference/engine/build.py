@@ -8,6 +8,7 @@ import logging
 from services.inference.engine.async_engine import AsyncEngine, default_model_info
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import LLMEngine, load
+from services.inference.engine.loading import LoadedModel
 from services.inference.lora.setup import LoRAStack, build_lora
 from services.inference.lora.shapes import ModelShapes
 from services.inference.server_args import ServerArgs
@@ -15,16 +16,17 @@ from services.inference.server_args import ServerArgs
 log = logging.getLogger(__name__)
 
 
-def build_llm_engine(args: ServerArgs) -> tuple[LLMEngine, LoRAStack]:
+def build_llm_engine(args: ServerArgs, loaded: LoadedModel | None = None) -> tuple[LLMEngine, LoRAStack]:
     """The single-device engine and its LoRA parts, not yet running (`build_engine` starts it;
     tests drive it synchronously).
 
     Order matters on GPU: weights, then the LoRA pool, then the KV cache, which takes what
     `--mem-fraction-static` leaves (or pass the pool's bytes as `kv_reserved_bytes` when it
-    is allocated after the cache).
+    is allocated after the cache). `loaded`: weights already loaded for `args` (benchmarks that
+    rebuild the engine per scenario load them once).
     """
     config = EngineConfig.from_args(args)
-    loaded = load(config)
+    loaded = loaded or load(config)
     c = loaded.config
     shapes = ModelShapes(c.num_layers, c.hidden_size, c.intermediate_size, c.q_size, c.kv_size)
     # The pool is allocated before the KV cache is sized, so the KV cache gets what is left.

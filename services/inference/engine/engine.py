@@ -393,6 +393,8 @@ class LLMEngine:
             kv_blocks_free=self.block_manager.num_free_blocks,
             lora_slots_total=self.adapter_slots.slots_total(),
             lora_slots_used=self.adapter_slots.slots_used(),
+            lora_slots_draining=self.adapter_slots.slots_draining(),
+            lora_adapters_waiting=len(self.adapter_slots.slot_queue()),
         )
 
     def generate(

@@ -1,7 +1,8 @@
 """Continuous batching: decides which requests compute how many tokens this step. No tensors.
 
 Every step: running requests first (decodes and unfinished chunked prefills, in admission
-order), then waiting requests (FCFS, skipping those whose adapter is not resident yet) while
+order), then waiting requests (FCFS, skipping those whose adapter has no slot for them yet:
+requests of other adapters and of the base model behind them are still admitted) while
 the token budget, the prefill budget, the request cap and the free KV blocks allow. When a
 running request needs a block and none is free, the most recently admitted request is
 preempted (its KV freed; it is recomputed when readmitted).
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import deque
+from collections import Counter, deque
 from typing import NamedTuple
 
 from services.inference.engine.adapter_slots import AdapterSlots
@@ -131,9 +132,14 @@ class Scheduler:
             i += 1
 
         self._admit(entries, finished, token_budget, prefill_budget)
+        self._report_queued()
         self._prefetch_upcoming()
         entries.sort(key=lambda e: e.num_tokens != 1)  # stable: decodes first
         return ScheduledBatch(entries, finished)
+
+    def _report_queued(self) -> None:
+        """Tell the adapter slots how many requests wait per adapter (it prices evictions and drains)."""
+        self.adapter_slots.note_queued(Counter(r.adapter for r in self.waiting if r.adapter is not None))
 
     def _prefetch_upcoming(self) -> None:
         """Start uploading the adapters of the next queued requests, so they are resident by the
@@ -188,6 +194,7 @@ class Scheduler:
         self, entries: list[ScheduledEntry], finished: list[Request], token_budget: int, prefill_budget: int
     ) -> None:
         skipped: list[Request] = []
+        refused: set[str] = set()  # adapters with no slot for a new request this step
         while self.waiting and len(self.running) < self.config.max_running_requests:
             want = min(self.waiting[0].num_uncomputed_tokens, token_budget)
             if want > 1:
@@ -195,6 +202,9 @@ class Scheduler:
             if want <= 0:
                 break
             req = self.waiting.popleft()
+            if req.adapter in refused and req.lora_slot < 0:
+                skipped.append(req)  # asked once this step already: others go first
+                continue
             room = self.blocks.max_tokens(req.block_table) - req.num_computed_tokens
             if room < want:
                 if self.running or room < 1:
@@ -211,6 +221,7 @@ class Scheduler:
                     finished.append(req)
                     continue
                 if slot is None:
+                    refused.add(req.adapter)
                     skipped.append(req)  # not resident yet: let others go first
                     continue
                 req.lora_slot = slot

@@ -106,6 +106,9 @@ class AdapterInfo:
     digest: str = ""
     slot: int = -1
     evictions: int = 0  # times this adapter's GPU slot was given to another adapter
+    uploads: int = 0  # times this adapter was copied into a GPU slot
+    queued_requests: int = 0  # its requests waiting in the scheduler (as of the last step)
+    slot_wait_s: float = 0.0  # how long it has been waiting for a GPU slot (0: not waiting)
 
 
 @dataclass(frozen=True)
@@ -130,3 +133,5 @@ class EngineStats(NamedTuple):
     kv_blocks_free: int
     lora_slots_total: int
     lora_slots_used: int
+    lora_slots_draining: int = 0  # busy slots taking no new requests until they empty for a waiting adapter
+    lora_adapters_waiting: int = 0  # adapters waiting for a slot

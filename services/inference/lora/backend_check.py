@@ -94,7 +94,9 @@ def main() -> None:
         cases = [(1, 8, 16), (37, 8, 64), (700, 4, 64)]
     else:
         shapes = ModelShapes(num_layers=2, hidden_size=64, intermediate_size=96, q_size=64, kv_size=32)
-        cases = [(5, 3, 16), (40, 4, 32), (48, 24, 16)]  # the last: more than MANY_ADAPTERS distinct
+        # (48, 24): more than MANY_ADAPTERS distinct; (24, 300): a pool sized from memory, far
+        # larger than any batch's distinct adapters (slot ids up to 299 in one step)
+        cases = [(5, 3, 16), (40, 4, 32), (48, 24, 16), (24, 300, 8)]
     for num_tokens, slots, rank in cases:
         print(json.dumps(run(shapes, num_tokens, slots, rank, dtype, a.device)), flush=True)
 

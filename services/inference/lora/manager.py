@@ -6,11 +6,20 @@ Invariants
   until the retiring version's running requests finish, so no request mixes two versions and
   `release(name)` is never ambiguous (at most one version of a name holds references).
 - A slot is freed or re-used only when its version has no running request (refcount 0).
-  Eviction is LRU among such unpinned slots.
-- Fairness: an adapter refused a slot joins a FIFO; as many busy unpinned slots as there are
-  waiting adapters stop taking new requests (*draining*) and, once empty, go to the FIFO's
-  head. A waiting adapter thus gets a slot once the requests already running in a draining
-  slot finish. At most `slots - 1` adapters may be pinned so one slot always rotates.
+  Eviction takes the idle slot whose loss costs least: an empty one, else the adapter with the
+  fewest queued requests (as the scheduler last reported them), least recently used among ties.
+- Admission without a cliff: a slot is a scheduling resource, not a request limit. Resident
+  adapters keep taking new requests while others wait for a slot. An adapter refused a slot
+  joins the slot queue, served longest-waiting first where each of its queued requests counts
+  as `slot_wait_s` of waiting (a popular adapter overtakes cold ones; a later arrival overtakes
+  only with more queued requests than seconds since, so every waiter ages to the front). Once a
+  waiter has waited `slot_wait_s` (aged), the busy slot whose loss costs least (fewest queued
+  requests, then fewest running) stops taking new requests (*draining*) and goes to the queue's
+  front when its running requests finish. At most `max_draining` slots drain at once (a quarter
+  of the slots, at least one), so the batch stays mostly full while adapters rotate. Bound: the
+  front of the queue gets a slot within `slot_wait_s` plus the remaining output of the requests
+  running on the slot drained for it (at most their `max_new_tokens` steps). At most
+  `slots - 1` adapters may be pinned so one slot always rotates.
 
 Threads: `acquire`/`release` run on the engine thread (they write the pool, ordered on its
 compute stream). `load`/`unload`/`pin`/`list` may run on any thread; they only change the
@@ -23,7 +32,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.inference.engine.adapter_slots import AdapterSlots
@@ -37,6 +47,9 @@ log = logging.getLogger(__name__)
 
 # A slot handed to a waiting adapter is kept for it this long even before its request takes it.
 RESERVE_S = 2.0
+# How long a waiter in the slot queue waits for a slot to free by itself before one is drained for it;
+# also what one queued request is worth in the queue's order (see _next_waiter).
+SLOT_WAIT_S = 1.0
 
 
 @dataclass(eq=False)
@@ -51,24 +64,31 @@ class _Version:
     pinned: bool = False
     refs: int = 0
     slot: int = -1
-    last_used: float = field(default_factory=time.monotonic)
+    last_used: float = 0.0
     placed_at: float = 0.0
     reserved_until: float = 0.0
+    uploads: int = 0
 
 
 class LoRAManager(AdapterSlots):
     """Registry by name + host LRU cache + refcounted slots of one `AdapterPool`."""
 
-    def __init__(self, pool: AdapterPool, *, max_loaded_loras: int | None = None):
+    def __init__(self, pool: AdapterPool, *, max_loaded_loras: int | None = None, slot_wait_s: float = SLOT_WAIT_S,
+                 max_draining: int | None = None, clock: Callable[[], float] = time.monotonic):
         self.pool = pool
         self.max_loaded_loras = max_loaded_loras
+        self.slot_wait_s = slot_wait_s
+        self.max_draining = max_draining or max(1, pool.slots // 4)
+        self._clock = clock
         self._lock = threading.RLock()
         self._active: dict[str, _Version] = {}
         self._retiring: dict[str, _Version] = {}
         self._slots: list[_Version | None] = [None] * pool.slots
-        self._waiting: OrderedDict[str, None] = OrderedDict()
+        self._waiting: OrderedDict[str, float] = OrderedDict()  # name -> when it started waiting for a slot
         self._draining: set[int] = set()
+        self._queued: Mapping[str, int] = {}  # name -> requests in the scheduler's queue (last report)
         self._evictions: dict[str, int] = {}  # per name, cumulative (for metrics)
+        self.num_uploads = 0  # adapters copied into a slot, cumulative (for metrics)
 
     # ----- registry (any thread) -----
 
@@ -86,7 +106,7 @@ class LoRAManager(AdapterSlots):
             else:
                 version = _Version(name=name, source=str(path), digest=weights.digest, rank=weights.max_rank,
                                    alpha=weights.spec.lora_alpha, modules=modules_of(weights.targets),
-                                   weights=weights)
+                                   weights=weights, last_used=self._clock())
                 self._active[name] = version
                 if old is not None:
                     pin = pin or old.pinned
@@ -115,9 +135,9 @@ class LoRAManager(AdapterSlots):
                 if others >= self.pool.slots - 1:
                     raise CapacityExceeded(
                         f"cannot pin {name!r}: at most {self.pool.slots - 1} of {self.pool.slots} slots "
-                        "(--max-loras-per-batch - 1) may hold pinned adapters", adapter=name)
+                        "(the pool's slots - 1) may hold pinned adapters", adapter=name)
                 if version.slot < 0:
-                    self._waiting.setdefault(name)  # becomes resident on the engine thread
+                    self._waiting.setdefault(name, self._clock())  # becomes resident on the engine thread
             version.pinned = pinned
 
     def has_adapter(self, name: str) -> bool:
@@ -142,21 +162,24 @@ class LoRAManager(AdapterSlots):
         """A slot holding `name` for one more running request, or None (wait; upload started)."""
         with self._lock:
             version = self._get(name)
-            version.last_used = time.monotonic()
+            version.last_used = self._clock()
             if name in self._retiring:
                 return None
+            if version.slot < 0 and name in self._waiting:
+                if self._next_waiter() == name:
+                    self._rebalance()  # the head checks for a slot freed by time (reservations)
+                if version.slot < 0:
+                    return None  # still queued: release and note_queued move the queue
             if version.slot < 0:
-                self._rebalance()  # earlier waiters first
-            if version.slot < 0:
-                slot = self._evictable_slot()
+                slot = None if self._waiting else self._evictable_slot()  # earlier waiters first
                 if slot is None:
-                    self._waiting.setdefault(name)
+                    self._waiting[name] = self._clock()
                     self._rebalance()
-                    return None
-                if not self._place(version, slot):
+                    if version.slot < 0:
+                        return None
+                elif not self._place(version, slot):
                     raise AdapterNotFound(f"adapter {name!r} could not be re-read from {version.source}",
                                           adapter=name)
-                self._waiting.pop(name, None)
             if version.slot in self._draining or not self.pool.ready(version.slot):
                 return None
             version.refs += 1
@@ -176,6 +199,14 @@ class LoRAManager(AdapterSlots):
             if slot is not None:
                 self._place(version, slot)  # False (source gone) is reported by the next acquire
 
+    def note_queued(self, queued: Mapping[str, int]) -> None:
+        """The scheduler's queued requests per adapter, once a step: it prices evictions and
+        drains, and the aging of waiting adapters is checked here."""
+        with self._lock:
+            self._queued = queued
+            if self._waiting:
+                self._rebalance()
+
     def release(self, name: str) -> None:
         """One request that acquired `name` finished, aborted or was preempted."""
         with self._lock:
@@ -191,6 +222,16 @@ class LoRAManager(AdapterSlots):
                 del self._retiring[name]
                 self._drop(version)
             self._rebalance()
+
+    def slot_queue(self) -> dict[str, float]:
+        """Adapters waiting for a slot -> seconds waited so far (for metrics)."""
+        with self._lock:
+            now = self._clock()
+            return {name: now - since for name, since in self._waiting.items()}
+
+    def slots_draining(self) -> int:
+        with self._lock:
+            return len(self._draining)
 
     # ----- internals (lock held) -----
 
@@ -217,15 +258,18 @@ class LoRAManager(AdapterSlots):
         version.weights = None
 
     def _evictable_slot(self) -> int | None:
-        now = time.monotonic()
-        best, best_used = None, None
+        """An empty slot, else the idle (refcount 0, unpinned, unreserved) slot whose adapter has
+        the fewest queued requests, least recently used among ties; None when every slot is busy."""
+        now = self._clock()
+        best, best_key = None, None
         for slot, v in enumerate(self._slots):
             if v is None:
                 return slot
             if v.refs or v.pinned or slot in self._draining or v.reserved_until > now:
                 continue
-            if best_used is None or v.last_used < best_used:
-                best, best_used = slot, v.last_used
+            key = (self._queued.get(v.name, 0), v.last_used)
+            if best_key is None or key < best_key:
+                best, best_key = slot, key
         return best
 
     def _place(self, version: _Version, slot: int) -> bool:
@@ -250,17 +294,19 @@ class LoRAManager(AdapterSlots):
             occupant.slot = -1
             self._evictions[occupant.name] = self._evictions.get(occupant.name, 0) + 1
         self.pool.upload(slot, weights)
+        self.num_uploads += 1
+        version.uploads += 1
         self._slots[slot] = version
         version.slot = slot
-        version.placed_at = time.monotonic()
+        version.placed_at = self._clock()
         version.reserved_until = version.placed_at + RESERVE_S
         self._trim_host_cache()
         return True
 
     def _rebalance(self) -> None:
-        """Serve waiting adapters from evictable slots, then drain enough busy slots for the rest."""
+        """Serve waiting adapters from evictable slots, then drain busy slots for aged waiters."""
         while self._waiting:
-            name = next(iter(self._waiting))
+            name = self._next_waiter()
             version = self._active.get(name)
             if version is None or version.slot >= 0 or name in self._retiring:
                 self._waiting.pop(name)
@@ -270,13 +316,24 @@ class LoRAManager(AdapterSlots):
                 break
             self._waiting.pop(name)
             self._place(version, slot)
-        need = len(self._waiting) - len(self._draining)
-        if need <= 0:
-            return
-        busy = [(v.placed_at, s) for s, v in enumerate(self._slots)
+        deadline = self._clock() - self.slot_wait_s
+        aged = sum(1 for since in self._waiting.values() if since <= deadline)
+        need = min(aged, self.max_draining) - len(self._draining)
+        if need > 0:
+            for slot in self._cheapest_busy_slots(need):
+                self._draining.add(slot)
+
+    def _next_waiter(self) -> str:
+        """The waiting adapter served next: the longest waiting, where each queued request counts
+        as `slot_wait_s` of waiting (a popular adapter overtakes cold ones; a cold one still ages
+        to the front, as a later arrival must have more queued requests than seconds since)."""
+        return min(self._waiting, key=lambda n: self._waiting[n] - self.slot_wait_s * self._queued.get(n, 0))
+
+    def _cheapest_busy_slots(self, count: int) -> list[int]:
+        """Busy unpinned slots whose loss costs least: fewest queued requests, then fewest running."""
+        busy = [((self._queued.get(v.name, 0), v.refs, v.last_used), s) for s, v in enumerate(self._slots)
                 if v is not None and v.refs and not v.pinned and s not in self._draining]
-        for _, slot in sorted(busy)[:need]:
-            self._draining.add(slot)
+        return [s for _, s in sorted(busy)[:count]]
 
     def _trim_host_cache(self) -> None:
         """Keep at most `max_loaded_loras` host copies: drop LRU ones no request or pin needs."""
@@ -295,5 +352,7 @@ class LoRAManager(AdapterSlots):
         location = "gpu" if v.slot >= 0 else ("host" if v.weights is not None else "store")
         return AdapterInfo(name=v.name, rank=v.rank, alpha=v.alpha, target_modules=list(v.modules),
                            location=location, pinned=v.pinned, requests_in_flight=v.refs, source=v.source,
-                           digest=v.digest, slot=v.slot, evictions=self._evictions.get(v.name, 0))
+                           digest=v.digest, slot=v.slot, evictions=self._evictions.get(v.name, 0),
+                           uploads=v.uploads, queued_requests=self._queued.get(v.name, 0),
+                           slot_wait_s=self._clock() - self._waiting[v.name] if v.name in self._waiting else 0.0)
 
