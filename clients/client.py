@@ -19,7 +19,7 @@ from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraplex.v1 import inference_pb2 as pb
 
 from clients.errors import from_rpc_error
-from clients.requests import ClientBase, generate_request
+from clients.requests import ClientBase, generate_request, routing_metadata
 
 
 class Client(ClientBase):
@@ -47,13 +47,14 @@ class Client(ClientBase):
     def generate(self, texts: str | Sequence[str], adapter: str | Sequence[str] | None = None, *,
                  timeout: float | None = None, **sampling: Any) -> list[pb.Completion]:
         request = generate_request(texts, adapter, **sampling)
-        return list(self._call(self._stub.Generate, request, timeout).completions)
+        md = routing_metadata(self._md, request.adapter)
+        return list(self._call(self._stub.Generate, request, timeout, md).completions)
 
     def generate_stream(self, texts: str | Sequence[str], adapter: str | Sequence[str] | None = None, *,
                         timeout: float | None = None, **sampling: Any) -> Iterator[pb.GenerateStreamResponse]:
         request = generate_request(texts, adapter, **sampling)
         stream = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout,
-                                           metadata=self._md)
+                                           metadata=routing_metadata(self._md, request.adapter))
         try:
             yield from stream
         except grpc.RpcError as err:
@@ -64,10 +65,11 @@ class Client(ClientBase):
     def load_adapter(self, name: str, source: str, revision: str = "", pin: bool = False, *,
                      timeout: float | None = None) -> pb.AdapterInfo:
         req = pb.LoadAdapterRequest(name=name, source=source, revision=revision, pin=pin)
-        return self._call(self._stub.LoadAdapter, req, timeout).adapter
+        return self._call(self._stub.LoadAdapter, req, timeout, routing_metadata(self._md, [name])).adapter
 
     def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
-        self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name), timeout)
+        self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name), timeout,
+                   routing_metadata(self._md, [name]))
 
     def list_adapters(self, *, timeout: float | None = None) -> list[pb.AdapterInfo]:
         return list(self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(), timeout).adapters)

@@ -49,6 +49,19 @@ def generate_request(texts: str | Sequence[str], adapters: str | Sequence[str] |
     return pb.GenerateRequest(text=text_list, adapter=adapter_list, sampling_params=pb.SamplingParams(**params))
 
 
+ADAPTER_HEADER = "x-loraplex-adapter"
+
+
+def routing_metadata(metadata: tuple[tuple[str, str], ...] | None,
+                     adapters: Sequence[str]) -> tuple[tuple[str, str], ...] | None:
+    """`metadata` plus `x-loraplex-adapter: NAME`, the first adapter the call names, which a router
+    (deploy/nginx) hashes to keep each adapter on one replica; base-model calls send none."""
+    name = next((a for a in adapters if a), "")
+    if not name:
+        return metadata
+    return (*(metadata or ()), (ADAPTER_HEADER, name))
+
+
 def make_channel(target: str, *, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, aio: bool = False):
     """A channel with CHANNEL_OPTIONS; TLS (verified against `tls_ca`, a PEM file) when given,

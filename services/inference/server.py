@@ -26,6 +26,7 @@ from services.inference.adapter_resolver import AdapterResolver, call
 from services.inference.default_model import default_cache_dir
 from services.inference.engine.types import SamplingParams
 from services.inference.metrics import Metrics
+from services.inference.replica import ReplicaInterceptor, replica_id
 from services.inference.server_args import ServerArgs
 from services.inference.servicer import InferenceServicer, ServerState
 from services.inference.store_client import StoreClient, channel_credentials
@@ -76,7 +77,8 @@ class InferenceServer:
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
             options=grpc_options(args),
-            interceptors=[*auth.interceptors(args), MalformedRequestInterceptor(f"/{SERVICE_NAME}/")])
+            interceptors=[ReplicaInterceptor(replica_id(args.replica_id)), *auth.interceptors(args),
+                          MalformedRequestInterceptor(f"/{SERVICE_NAME}/")])
         self.store: StoreClient | None = None
         self.port = 0
         self._tasks: list[asyncio.Task] = []
