@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,16 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+# A call answered UNAVAILABLE before any response (a router whose replica died under it, a
+# draining server) is repeated, up to 3 attempts: gRPC's own retry, which never repeats a call
+# once a response message has arrived, so a stream that has sent tokens is not replayed.
+RETRY_SERVICE_CONFIG = json.dumps({"methodConfig": [{
+    "name": [{"service": "loraplex.v1.Inference"}],
+    "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"]},
+}]})
+CHANNEL_OPTIONS.append(("grpc.service_config", RETRY_SERVICE_CONFIG))
 
 SAMPLING_FIELDS = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
 
