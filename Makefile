@@ -47,7 +47,7 @@ lint: $(STAMP)
 # System tools the tests need: docker-compose (Debian's v1 package) validates docker-compose.yml
 # (no engine needed), openssl makes the TLS tests' certificates and nginx is the router in front of
 # several inference replicas (tests/test_router.py, `loraplex up --replicas N`). Missing and not
-# installable: fail. Installing nginx this way starts no service (the tests run their own, unprivileged).
+# installable: fail. The tests run their own nginx, unprivileged, on free ports.
 SYSTEM_TOOLS := docker-compose openssl nginx
 tools:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
