@@ -128,6 +128,29 @@ def test_each_adapter_sticks_to_one_replica(stack):
         assert {n for n in ADAPTERS if stack.owner[n] == replica} == local & set(ADAPTERS)
 
 
+def test_residency_metrics_per_replica(stack):
+    """Each replica reports where every adapter lives on it, and the vllm:lora_requests_info shape."""
+    name = ADAPTERS[0]
+    owner = stack.owner[name]
+    other = next(r for r in stack.replicas if r != owner)
+
+    def location(replica: str) -> str:
+        samples = scrape(stack.replicas[replica])
+        found = [loc for loc in ("gpu", "host", "store")
+                 if samples.get(f'loraplex_adapter_location{{adapter="{name}",location="{loc}",replica="{replica}"}}')]
+        return found[0] if found else ""
+
+    deadline = time.monotonic() + 15  # the store is listed every 10 s
+    while location(other) != "store":
+        assert time.monotonic() < deadline, [k for k in scrape(stack.replicas[other]) if name in k]
+        time.sleep(0.5)
+    assert location(owner) in ("gpu", "host")
+    samples = scrape(stack.replicas[owner])
+    assert samples[f'loraplex_adapter_queued_requests{{adapter="{name}",replica="{owner}"}}'] == 0
+    [info] = [k for k in samples if k.startswith("loraplex_lora_requests_info{")]
+    assert 'max_lora="8"' in info and "running_lora_adapters=" in info and "waiting_lora_adapters=" in info
+
+
 def test_python_client_sends_the_routing_header(stack):
     """A batch naming several adapters is routed by its first; the client API sets the header."""
     name = ADAPTERS[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import itertools
 import logging
 import signal
 from pathlib import Path
@@ -35,6 +36,7 @@ log = logging.getLogger("services.inference")
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 METRICS_REFRESH_S = 1.0
+STORE_LIST_EVERY = 10  # refreshes between two store listings (adapters that live only there)
 
 
 def grpc_options(args: ServerArgs) -> list[tuple[str, int]]:
@@ -73,7 +75,7 @@ class InferenceServer:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.state = ServerState()
-        self.metrics = Metrics()
+        self.metrics = Metrics(replica_id(args.replica_id))
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
             options=grpc_options(args),
@@ -162,10 +164,18 @@ class InferenceServer:
     async def _refresh_metrics(self) -> None:
         """Every second: engine metrics, and health (a dead engine or TP worker -> NOT_SERVING)."""
         engine_down = False
-        while True:
+        store_names: list[str] = []
+        for tick in itertools.count():
             try:
-                self.metrics.observe_engine(await call(self.state.engine.stats))
-                self.metrics.observe_adapters(list(await call(self.state.engine.list_adapters)))
+                stats = await call(self.state.engine.stats)
+                self.metrics.observe_engine(stats)
+                adapters = list(await call(self.state.engine.list_adapters))
+                self.metrics.observe_adapters(adapters)
+                if self.store is not None and tick % STORE_LIST_EVERY == 0:
+                    with contextlib.suppress(Exception):
+                        store_names = [r.name for r in await asyncio.wait_for(self.store.list(), 2.0)]
+                self.metrics.observe_residency(adapters, store_names, self.state.resolver.in_flight,
+                                               stats.lora_slots_total)
             except Exception:  # noqa: BLE001 - metrics never take the server down
                 log.debug("metrics refresh failed", exc_info=True)
             if not engine_down and not self.state.engine.healthy():
