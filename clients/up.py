@@ -85,7 +85,8 @@ def run(ns: argparse.Namespace) -> int:
                 name = f"replica-{i}"
                 metrics = [] if ns.metrics_port is None else ["--metrics-port", str(ns.metrics_port + i)]
                 replicas.append(ServerProcess(name, "services.inference",
-                                              args + ["--port", "0", "--replica-id", name] + metrics + extra))
+                                              args + ["--port", "0", "--replica-id", name, "--listen-when-ready"]
+                                              + metrics + extra))
             children.extend(replicas)
             for replica in replicas:  # they load at the same time
                 replica.wait_serving(ns.startup_timeout)

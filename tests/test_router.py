@@ -27,7 +27,7 @@ from tests.service_stack import STARTUP_S, STORE_STACK_SHAPE, scrape, shared, st
 
 PROMPT = "List 3 countries and their capitals."
 ADAPTERS = [f"route-{i}" for i in range(12)]
-REPLICA_FLAGS = ["--device", "cpu", "--metrics-port", "0", "--max-total-tokens", "4096", "--grace-period", "2",
+REPLICA_FLAGS = ["--listen-when-ready", "--device", "cpu", "--metrics-port", "0", "--max-total-tokens", "4096", "--grace-period", "2",
                  "--max-lora-rank", str(STORE_STACK_SHAPE["r"]),
                  "--lora-target-modules", *STORE_STACK_SHAPE["target_modules"]]
 

@@ -83,6 +83,7 @@ class InferenceServer:
                           MalformedRequestInterceptor(f"/{SERVICE_NAME}/")])
         self.store: StoreClient | None = None
         self.port = 0
+        self._listening = False
         self._tasks: list[asyncio.Task] = []
         self._stop = asyncio.Event()
 
@@ -99,17 +100,8 @@ class InferenceServer:
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
         await self._set_health(False)
-        address = f"{self.args.host}:{self.args.port}"
-        credentials = auth.server_credentials(self.args)
-        if credentials is None:
-            self.port = self.server.add_insecure_port(address)
-        else:
-            self.port = self.server.add_secure_port(address, credentials)
-        if self.port == 0:
-            raise SystemExit(f"could not bind {address}")
-        await self.server.start()
-        log.info("listening on %s:%d%s%s", self.args.host, self.port, " (TLS)" if credentials else "",
-                 ", tokens required" if self.args.api_token or self.args.admin_token else "")
+        if not self.args.listen_when_ready:
+            await self._listen()
         if self.args.metrics_port is not None:
             mport = self.metrics.serve(self.args.host, self.args.metrics_port)
             log.info("metrics on http://%s:%d/metrics", self.args.host, mport)
@@ -120,6 +112,20 @@ class InferenceServer:
                                      token=self.args.admin_token, credentials=credentials)
         self._tasks.append(asyncio.create_task(self._bring_up()))
         return self.port
+
+    async def _listen(self) -> None:
+        address = f"{self.args.host}:{self.args.port}"
+        credentials = auth.server_credentials(self.args)
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
+        if self.port == 0:
+            raise SystemExit(f"could not bind {address}")
+        await self.server.start()
+        self._listening = True
+        log.info("listening on %s:%d%s%s", self.args.host, self.port, " (TLS)" if credentials else "",
+                 ", tokens required" if self.args.api_token or self.args.admin_token else "")
 
     def _on_pull(self, nbytes: int) -> None:
         self.metrics.store_pulls.inc()
@@ -143,6 +149,14 @@ class InferenceServer:
             self.exit_code = 1
             return
         self.state.engine, self.state.resolver = engine, resolver
+        if self.args.listen_when_ready:
+            try:
+                await self._listen()
+            except SystemExit as exc:
+                log.error("%s", exc)
+                self.exit_code = 1
+                self._stop.set()
+                return
         if self.store is not None:
             self._tasks.append(asyncio.create_task(self.store.watch(resolver.on_store_event)))
         self._tasks.append(asyncio.create_task(self._refresh_metrics()))
@@ -195,7 +209,8 @@ class InferenceServer:
             await asyncio.wait_for(self.state.idle.wait(), timeout=self.args.grace_period)
         except TimeoutError:
             log.warning("grace period over with %d RPCs running; cancelling them", self.state.active_rpcs)
-        await self.server.stop(grace=1.0)
+        if self._listening:
+            await self.server.stop(grace=1.0)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
