@@ -1,9 +1,9 @@
 """The inference gRPC server: Inference + Health + reflection, engine start-up, SIGTERM drain.
 
 Lifecycle: bind and answer Health (NOT_SERVING) at once → build and warm the engine in
-the background → SERVING (with --listen-when-ready, the port is bound only at that point). On SIGTERM/SIGINT: NOT_SERVING, new work is refused with
-UNAVAILABLE, running RPCs get up to --grace-period to finish, then the server stops and
-the process exits 0.
+the background → SERVING (with --listen-when-ready, the port is bound only at that point).
+On SIGTERM/SIGINT: NOT_SERVING, new work is refused with UNAVAILABLE, running RPCs get up
+to --grace-period to finish, then the server stops and the process exits 0.
 """
 
 from __future__ import annotations
