@@ -168,11 +168,20 @@ def overhead(fleet: Fleet, n: int, max_new_tokens: int) -> dict:
         if i >= 4 and d["ttft"] and r["ttft"]:  # the first few warm connections and caches
             direct.append(d["ttft"])
             routed.append(r["ttft"])
+    # The hop alone, without generation's noise: a unary call the server answers at once.
+    unary_direct, unary_routed = [], []
+    for i in range(5 * n):
+        for stub, out in ((stubs["r1" if i % 2 else "r2"], unary_direct), (stubs["router"], unary_routed)):
+            start = time.perf_counter()
+            stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+            out.append(time.perf_counter() - start)
     for c in channels.values():
         c.close()
     p50d, p50r = statistics.median(direct), statistics.median(routed)
+    u50d, u50r = statistics.median(unary_direct[20:]), statistics.median(unary_routed[20:])
     return dict(samples=len(direct), direct_ttft_p50_ms=1e3 * p50d, router_ttft_p50_ms=1e3 * p50r,
-                hop_ms=1e3 * (p50r - p50d))
+                hop_ms=1e3 * (p50r - p50d), unary_samples=len(unary_direct) - 20,
+                direct_unary_p50_ms=1e3 * u50d, router_unary_p50_ms=1e3 * u50r, unary_hop_ms=1e3 * (u50r - u50d))
 
 
 def failover(fleet: Fleet, names: list[str], owner: dict, ns: argparse.Namespace) -> dict:
@@ -248,6 +257,8 @@ def main() -> int:
     print(f"| affinity | traffic per replica | {', '.join(f'{k} {v:.2f}' for k, v in a['replica_share'].items())} |")
     print(f"| overhead | TTFT p50 direct / through nginx ({o['samples']} each) | {o['direct_ttft_p50_ms']:.2f} / "
           f"{o['router_ttft_p50_ms']:.2f} ms (hop {o['hop_ms']:+.2f} ms) |")
+    print(f"| overhead | GetModelInfo p50 direct / through nginx ({o['unary_samples']} each) | "
+          f"{o['direct_unary_p50_ms']:.2f} / {o['router_unary_p50_ms']:.2f} ms (hop {o['unary_hop_ms']:+.2f} ms) |")
     print(f"| failover | requests; errors before any token / after tokens | {f['requests']}; "
           f"{f['errors_before_tokens']} / {f['errors_after_tokens']} |")
     print(f"| failover | served while r2 was down (by r1) | {f['served_while_down']} "
