@@ -102,6 +102,8 @@ class InferenceServer:
         await self._set_health(False)
         if not self.args.listen_when_ready:
             await self._listen()
+        else:
+            auth.server_credentials(self.args)  # bad TLS flags fail now, not after the model loads
         if self.args.metrics_port is not None:
             mport = self.metrics.serve(self.args.host, self.args.metrics_port)
             log.info("metrics on http://%s:%d/metrics", self.args.host, mport)
