@@ -45,8 +45,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # System tools the tests need: docker-compose (Debian's v1 package) validates docker-compose.yml
-# (no engine needed) and openssl makes the TLS tests' certificates. Missing and not installable: fail.
-SYSTEM_TOOLS := docker-compose openssl
+# (no engine needed), openssl makes the TLS tests' certificates and nginx is the router in front of
+# several inference replicas (tests/test_router.py, `loraplex up --replicas N`). Missing and not
+# installable: fail. The tests run their own nginx, unprivileged, on free ports.
+SYSTEM_TOOLS := docker-compose openssl nginx
 tools:
 	@missing=""; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \

@@ -17,7 +17,7 @@ from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraplex.v1 import inference_pb2 as pb
 
 from clients.errors import from_rpc_error
-from clients.requests import ClientBase, chat_request, generate_request, inputs_request
+from clients.requests import ClientBase, chat_request, generate_request, inputs_request, routing_metadata
 
 
 class AsyncClient(ClientBase):
@@ -44,7 +44,8 @@ class AsyncClient(ClientBase):
     async def generate(self, texts: str | Sequence[str], adapter: str | Sequence[str] | None = None, *,
                        timeout: float | None = None, **sampling: Any) -> list[pb.Completion]:
         request = generate_request(texts, adapter, **sampling)
-        return list((await self._call(self._stub.Generate, request, timeout)).completions)
+        md = routing_metadata(self._md, request.adapter)
+        return list((await self._call(self._stub.Generate, request, timeout, md)).completions)
 
     async def generate_inputs(self, inputs: Sequence[pb.Input | dict[str, Any]], adapter: str | None = None, *,
                               timeout: float | None = None, **sampling: Any) -> list[pb.Completion]:
@@ -63,7 +64,7 @@ class AsyncClient(ClientBase):
                               **sampling: Any) -> AsyncIterator[pb.GenerateStreamResponse]:
         request = texts if isinstance(texts, pb.GenerateRequest) else generate_request(texts, adapter, **sampling)
         call = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout,
-                                         metadata=self._md)
+                                         metadata=routing_metadata(self._md, request.adapter))
         try:
             async for message in call:
                 yield message
@@ -75,10 +76,11 @@ class AsyncClient(ClientBase):
     async def load_adapter(self, name: str, source: str, revision: str = "", pin: bool = False, *,
                            timeout: float | None = None) -> pb.AdapterInfo:
         req = pb.LoadAdapterRequest(name=name, source=source, revision=revision, pin=pin)
-        return (await self._call(self._stub.LoadAdapter, req, timeout)).adapter
+        return (await self._call(self._stub.LoadAdapter, req, timeout, routing_metadata(self._md, [name]))).adapter
 
     async def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
-        await self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name), timeout)
+        await self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name), timeout,
+                         routing_metadata(self._md, [name]))
 
     async def list_adapters(self, *, timeout: float | None = None) -> list[pb.AdapterInfo]:
         return list((await self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(), timeout)).adapters)

@@ -19,7 +19,7 @@ from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraplex.v1 import inference_pb2 as pb
 
 from clients.errors import from_rpc_error
-from clients.requests import ClientBase, chat_request, generate_request, inputs_request
+from clients.requests import ClientBase, chat_request, generate_request, inputs_request, routing_metadata
 
 
 class Client(ClientBase):
@@ -47,7 +47,8 @@ class Client(ClientBase):
     def generate(self, texts: str | Sequence[str], adapter: str | Sequence[str] | None = None, *,
                  timeout: float | None = None, **sampling: Any) -> list[pb.Completion]:
         request = generate_request(texts, adapter, **sampling)
-        return list(self._call(self._stub.Generate, request, timeout).completions)
+        md = routing_metadata(self._md, request.adapter)
+        return list(self._call(self._stub.Generate, request, timeout, md).completions)
 
     def generate_request(self, request: pb.GenerateRequest, *, timeout: float | None = None) -> list[pb.Completion]:
         """A ready GenerateRequest (e.g. from clients/requests.py)."""
@@ -72,7 +73,7 @@ class Client(ClientBase):
         """`texts` may also be a ready GenerateRequest (e.g. from requests.inputs_request / chat_request)."""
         request = texts if isinstance(texts, pb.GenerateRequest) else generate_request(texts, adapter, **sampling)
         stream = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout,
-                                           metadata=self._md)
+                                           metadata=routing_metadata(self._md, request.adapter))
         try:
             yield from stream
         except grpc.RpcError as err:
@@ -83,10 +84,11 @@ class Client(ClientBase):
     def load_adapter(self, name: str, source: str, revision: str = "", pin: bool = False, *,
                      timeout: float | None = None) -> pb.AdapterInfo:
         req = pb.LoadAdapterRequest(name=name, source=source, revision=revision, pin=pin)
-        return self._call(self._stub.LoadAdapter, req, timeout).adapter
+        return self._call(self._stub.LoadAdapter, req, timeout, routing_metadata(self._md, [name])).adapter
 
     def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
-        self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name), timeout)
+        self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name), timeout,
+                   routing_metadata(self._md, [name]))
 
     def list_adapters(self, *, timeout: float | None = None) -> list[pb.AdapterInfo]:
         return list(self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(), timeout).adapters)

@@ -31,6 +31,8 @@ _BOOTSTRAP = (
     "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit(1)  # the parent died before the prctl\n"
+    "if sys.argv[2] == '--exec':\n"
+    "    os.execvp(sys.argv[3], sys.argv[3:])  # another program (the nginx router)\n"
     "os.execv(sys.executable, [sys.executable, '-u', '-m', *sys.argv[2:]])\n"
 )
 
@@ -45,14 +47,24 @@ class ServerProcess:
     """A `python -m MODULE ARGS...` child whose output is echoed with a prefix (and kept)."""
 
     def __init__(self, name: str, module: str, args: Sequence[str], *, env: dict[str, str] | None = None,
-                 echo: bool = True) -> None:
+                 echo: bool = True, program: str | None = None, address: str | None = None) -> None:
+        """`program`: run that executable with `args` instead of `python -m module` (it then
+        prints no "listening on" line, so give its `address`)."""
         self.name = name
         self.lines: list[str] = []
-        self.address: str | None = None
+        self.address: str | None = address
         self._bound = threading.Event()
+        if address is not None:
+            self._bound.set()
         self._echo = echo
+        if program is None:
+            command = _command(module, args)
+        elif sys.platform.startswith("linux"):
+            command = [sys.executable, "-u", "-c", _BOOTSTRAP, str(os.getpid()), "--exec", program, *args]
+        else:
+            command = [program, *args]
         self.proc = subprocess.Popen(
-            _command(module, args),
+            command,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             env={**os.environ, **(env or {})},
             # Own process group: a terminal's Ctrl-C reaches only the parent, which stops

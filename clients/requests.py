@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,16 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+
+# A call answered UNAVAILABLE before any response (a router whose replica died under it, a
+# draining server) is repeated, up to 3 attempts: gRPC's own retry, which never repeats a call
+# once a response message has arrived, so a stream that has sent tokens is not replayed.
+RETRY_SERVICE_CONFIG = json.dumps({"methodConfig": [{
+    "name": [{"service": "loraplex.v1.Inference"}],
+    "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"]},
+}]})
+CHANNEL_OPTIONS.append(("grpc.service_config", RETRY_SERVICE_CONFIG))
 
 SAMPLING_FIELDS = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
 
@@ -66,6 +77,19 @@ def chat_request(messages: Sequence[dict[str, str]], adapter: str | None = None,
     """One chat, rendered by the server with the model's (or the adapter's) chat template."""
     item = {"messages": list(messages), "add_generation_prompt": add_generation_prompt}
     return inputs_request([item], adapter, **sampling)
+
+
+ADAPTER_HEADER = "x-loraplex-adapter"
+
+
+def routing_metadata(metadata: tuple[tuple[str, str], ...] | None,
+                     adapters: Sequence[str]) -> tuple[tuple[str, str], ...] | None:
+    """`metadata` plus `x-loraplex-adapter: NAME`, the first adapter the call names, which a router
+    (deploy/nginx) hashes to keep each adapter on one replica; base-model calls send none."""
+    name = next((a for a in adapters if a), "")
+    if not name:
+        return metadata
+    return (*(metadata or ()), (ADAPTER_HEADER, name))
 
 
 def make_channel(target: str, *, tls_ca: str | None = None, tls_cert: str | None = None,

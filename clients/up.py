@@ -4,6 +4,10 @@ Embedded Redis (inside the store), the adapter store, the inference service on t
 embedded SmolLM2 and the OpenAI-compatible door over it (`--openai-port`); waits for both to report SERVING, prints how to call them, and stops
 everything on Ctrl-C / SIGTERM (or when either child dies). Flags after `--` go to
 `python -m services.inference` unchanged (e.g. `-- --max-lora-rank 64`).
+
+`--replicas N` (N > 1) starts N inference replicas on free ports, all pulling from the one
+store, with the nginx router (deploy/nginx/loraplex.conf) in front on `--port`: what the
+docker-compose `router` service does, on one machine and without Docker.
 """
 
 from __future__ import annotations
@@ -25,21 +29,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-port", type=int, default=50052, help="adapter store port (0 = any free port)")
     p.add_argument("--openai-port", type=int, default=8000,
                    help="the OpenAI-compatible HTTP door's port (0 = any free port, -1 = do not start it)")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port of the inference service")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="Prometheus port of the inference service (replica i of --replicas: this + i)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="inference replicas; more than 1 puts the nginx router on --port in front of them")
     p.add_argument("--cache-dir", type=Path, default=Path("~/.cache/loraplex"), help="store blobs, Redis, adapters")
     p.add_argument("--model-path", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("inference_args", nargs=argparse.REMAINDER, help="-- then extra flags for the inference service")
 
 
-def banner(inference: str, store: str, openai: str | None = None, model: str = "SmolLM2-135M-Instruct") -> str:
+def banner(inference: str, store: str, openai: str | None = None, model: str = "SmolLM2-135M-Instruct",
+           replicas: list[str] | None = None) -> str:
     door = f"  openai     http://{openai}/v1   (OpenAI-compatible HTTP)\n" if openai else ""
     try_door = (f"  curl -s http://{openai}/v1/chat/completions -H 'content-type: application/json' -d "
                 f"'{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
                 f"\"content\": \"List 3 countries and their capitals.\"}}], \"max_tokens\": 64}}'\n") if openai else ""
+    routed = "".join(f"\n    replica  {r}" for r in replicas or [])
+    via = "   (nginx router, by x-loraplex-adapter)" if replicas else ""
     return f"""
 loraplex is up.
-  inference  {inference}   (loraplex.v1.Inference)
+  inference  {inference}   (loraplex.v1.Inference){via}{routed}
   store      {store}   (loraplex.v1.AdapterStore)
 {door}
 Try:
@@ -67,21 +77,40 @@ def run(ns: argparse.Namespace) -> int:
         ])
         children.append(store)
         store.wait_serving(ns.startup_timeout)
-        args = ["--model-path", model, "--host", ns.host, "--port", str(ns.port),
-                "--adapter-store", store.address, "--adapter-cache-dir", str(cache / "inference")]
-        if ns.metrics_port is not None:
-            args += ["--metrics-port", str(ns.metrics_port)]
-        inference = ServerProcess("inference", "services.inference", args + extra)
-        children.append(inference)
-        inference.wait_serving(ns.startup_timeout)
+        args = ["--model-path", model, "--host", ns.host, "--adapter-store", store.address,
+                "--adapter-cache-dir", str(cache / "inference")]
+        if ns.replicas <= 1:
+            metrics = [] if ns.metrics_port is None else ["--metrics-port", str(ns.metrics_port)]
+            inference = ServerProcess("inference", "services.inference",
+                                      args + ["--port", str(ns.port)] + metrics + extra)
+            children.append(inference)
+            inference.wait_serving(ns.startup_timeout)
+            target, replica_addresses = inference.address, None
+        else:
+            replicas = []
+            for i in range(ns.replicas):
+                name = f"replica-{i}"
+                metrics = [] if ns.metrics_port is None else ["--metrics-port", str(ns.metrics_port + i)]
+                replicas.append(ServerProcess(name, "services.inference",
+                                              args + ["--port", "0", "--replica-id", name, "--listen-when-ready"]
+                                              + metrics + extra))
+            children.extend(replicas)
+            for replica in replicas:  # they load at the same time
+                replica.wait_serving(ns.startup_timeout)
+            from clients.router import start_router
+
+            router = start_router(cache / "router", [r.address for r in replicas], host=ns.host, port=ns.port)
+            children.append(router)
+            router.wait_serving(ns.startup_timeout)
+            target, replica_addresses = router.address, [r.address for r in replicas]
         door = None
         if ns.openai_port >= 0:
             door = ServerProcess("openai", "services.openai", [
-                "--target", inference.address, "--host", ns.host, "--port", str(ns.openai_port)])
+                "--target", target, "--host", ns.host, "--port", str(ns.openai_port)])
             children.append(door)
             door.wait_bound(ns.startup_timeout)
-        print(banner(inference.address, store.address, door.address if door else None,
-                     Path(model).name), flush=True)
+        print(banner(target, store.address, door.address if door else None, Path(model).name,
+                     replica_addresses), flush=True)
         while not stop.wait(0.5):
             dead = [c for c in children if c.proc.poll() is not None]
             if dead:

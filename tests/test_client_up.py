@@ -65,3 +65,40 @@ def test_up_starts_the_stack_and_stops_it(tmp_path, tiny_llama_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_up_with_replicas_puts_the_router_in_front(tmp_path, tiny_llama_path):
+    import grpc
+    from loraplex.v1 import inference_pb2 as pb
+    from loraplex.v1 import inference_pb2_grpc as pb_grpc
+
+    proc = subprocess.Popen(
+        [str(LORAPLEX), "up", "--replicas", "2", "--port", "0", "--store-port", "0", "--cache-dir", str(tmp_path),
+         "--model-path", str(tiny_llama_path), "--", "--max-total-tokens", "1024"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("Ctrl-C stops everything" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        text = "".join(lines)
+        router = re.search(r"inference\s+(\S+:\d+)\s+\(loraplex.v1.Inference\)\s+\(nginx router", text).group(1)
+        assert len(re.findall(r"replica\s+\S+:\d+", text)) == 2
+        seen = set()
+        with grpc.insecure_channel(router) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            for _ in range(4):  # base calls go round robin; each names its replica
+                request = pb.GenerateRequest(text=["Hi"], sampling_params=pb.SamplingParams(max_new_tokens=2))
+                _, call = stub.Generate.with_call(request, timeout=60)
+                seen.add(dict(call.trailing_metadata())["x-loraplex-replica"])
+        assert seen == {"replica-0", "replica-1"}
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, rest
+        assert "router stopped (exit 0)" in rest and "replica-1 stopped (exit 0)" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -25,6 +25,7 @@ def _config(*args: str) -> dict:
 def test_compose_file_is_valid():
     subprocess.run([COMPOSE, "config", "-q"], cwd=ROOT, check=True)
     subprocess.run([COMPOSE, "--profile", "cpu", "config", "-q"], cwd=ROOT, check=True)
+    subprocess.run([COMPOSE, "--profile", "fleet", "config", "-q"], cwd=ROOT, check=True)
 
 
 def test_compose_services_and_gpu_reservation():
@@ -41,3 +42,23 @@ def test_compose_services_and_gpu_reservation():
         assert "grpc_health" in " ".join(services[name]["healthcheck"]["test"])
         assert any("loraplex-cache" in str(v) for v in services[name]["volumes"])
     assert "--adapter-store" in services["inference"]["command"]
+
+
+def test_compose_router_in_front_of_two_replicas():
+    services = _config("--profile", "fleet")["services"]
+    router = services["router"]
+    assert router["image"].startswith("nginx")
+    mounts = " ".join(str(v) for v in router["volumes"])
+    assert "deploy/nginx/loraplex.conf" in mounts and "/etc/nginx/templates/" in mounts
+    assert "deploy/nginx/compose-replicas.conf" in mounts
+    replicas_conf = (ROOT / "deploy/nginx/compose-replicas.conf").read_text()
+    ids = []
+    for name in ("inference-a", "inference-b"):
+        assert name in router["depends_on"] and f"{name}:50051" in replicas_conf
+        command = services[name]["command"]
+        assert "adapter-store:50052" in command  # one store (and its Redis) for the fleet
+        ids.append(command[command.index("--replica-id") + 1])
+        assert services[name]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert ids == ["inference-a", "inference-b"]
+    assert [services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+            for n in ("inference-a", "inference-b")] == [["0"], ["1"]]

@@ -7,4 +7,5 @@ fi
 INFERENCE="${INFERENCE:-127.0.0.1:50051}"
 STORE="${STORE:-127.0.0.1:50052}"
 # Reflection gives grpcurl the schema: no .proto files needed.
-call() { local target="$1" method="$2" body="$3"; "$GRPCURL" -plaintext -d "$body" "$target" "$method"; }
+# Extra grpcurl flags after the body, e.g. the routing header a router (deploy/nginx) hashes.
+call() { local target="$1" method="$2" body="$3"; shift 3; "$GRPCURL" -plaintext "$@" -d "$body" "$target" "$method"; }

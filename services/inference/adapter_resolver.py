@@ -191,10 +191,26 @@ class AdapterResolver:
             await call(self.engine.unload_adapter, name)
 
     async def unload(self, name: str) -> None:
+        """Without a store: unload here. With one: delete it there, which unloads it on every
+        replica that shares the store (each drops it through WatchAdapters once its requests
+        finish) - unloading on this replica alone would only last until the next request
+        pulled it back, and behind a router that replica is whichever one the call reached."""
         check_adapter_name(name)
-        if not await call(self.engine.has_adapter, name):
+        here = await call(self.engine.has_adapter, name)
+        if self.store is not None:
+            deleted = await self.store.delete(name)
+            if not deleted and not here:
+                raise AdapterNotFound(f"adapter {name!r} is neither in the adapter store nor loaded here",
+                                      adapter=name)
+            self._origin.pop(name, None)
+        elif not here:
             raise AdapterNotFound(f"adapter {name!r} is not loaded on this server", adapter=name)
-        await call(self.engine.unload_adapter, name)
+        if here:
+            try:
+                await call(self.engine.unload_adapter, name)
+            except AdapterNotFound:
+                if self.store is None:
+                    raise  # with a store, the delete's watch event may have unloaded it first
 
     async def on_store_event(self, kind: str, name: str, digest: str, config_digest: str = "") -> None:
         """A store delete, or a re-register with new content (weights or config), drops the adapter

@@ -8,6 +8,8 @@ once a second by `Metrics.refresh`, so a scrape never touches the engine thread.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -26,7 +28,8 @@ def adapter_label(adapter: str | None) -> str:
 class Metrics:
     """One registry per server; names are prefixed `loraplex_`."""
 
-    def __init__(self) -> None:
+    def __init__(self, replica: str = "") -> None:
+        self.replica = replica
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -75,6 +78,19 @@ class Metrics:
         self.adapter_requests = Counter(
             "loraplex_adapter_requests", "Requests naming the adapter", ["adapter"], registry=r
         )
+        # For routers that score replicas by adapter residency (docs/operations.md, "Residency").
+        self.adapter_location = Gauge(
+            "loraplex_adapter_location",
+            "1 for where the adapter lives on this replica: gpu (a slot), host (memory) or store (only there)",
+            ["replica", "adapter", "location"], registry=r)
+        self.adapter_queued = Gauge(
+            "loraplex_adapter_queued_requests", "Requests for the adapter on this replica waiting for a GPU slot",
+            ["replica", "adapter"], registry=r)
+        self.lora_info = Gauge(
+            "loraplex_lora_requests_info",
+            "vllm:lora_requests_info's shape: adapters with running / waiting requests (comma-separated) and "
+            "the GPU slots; the value is the refresh time (unix seconds)",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self.store_pulls = Counter("loraplex_store_pulls", "Adapters pulled from the adapter store", registry=r)
         self.store_pull_bytes = Counter("loraplex_store_pull_bytes", "Bytes pulled from the adapter store", registry=r)
         self.triton_compiles = Counter(
@@ -84,6 +100,7 @@ class Metrics:
         )
         self._compiles_seen = 0
         self._last_location: dict[str, str] = {}
+        self._fleet_names: set[str] = set()
         self._last_evictions: dict[str, int] = {}
         self._last_uploads: dict[str, int] = {}
 
@@ -134,3 +151,33 @@ class Metrics:
                 self.adapter_queued.labels(name).set(0)
                 self.adapter_slot_wait.labels(name).set(0)
         self._last_location = seen
+
+    def observe_residency(self, adapters: list[AdapterInfo], store_only: Iterable[str],
+                          in_flight: Mapping[str, int], max_lora: int) -> None:
+        """Per adapter on this replica: where it lives and how many of its requests wait for a slot
+        (requests the server holds minus those running on a slot), and the vLLM-shaped summary."""
+        rows: dict[str, tuple[str, int]] = {}
+        running, waiting = [], []
+        for info in adapters:
+            queued = max(0, in_flight.get(info.name, 0) - info.requests_in_flight)
+            rows[info.name] = (info.location, queued)
+            if info.requests_in_flight > 0:
+                running.append(info.name)
+            if queued > 0:
+                waiting.append(info.name)
+        for name in store_only:
+            if name not in rows:
+                rows[name] = ("store", in_flight.get(name, 0))
+                if in_flight.get(name, 0) > 0:
+                    waiting.append(name)
+        for name in self._fleet_names - rows.keys():
+            for loc in LOCATIONS:
+                self.adapter_location.remove(self.replica, name, loc)
+            self.adapter_queued.remove(self.replica, name)
+        for name, (location, queued) in rows.items():
+            for loc in LOCATIONS:
+                self.adapter_location.labels(self.replica, name, loc).set(1 if loc == location else 0)
+            self.adapter_queued.labels(self.replica, name).set(queued)
+        self._fleet_names = set(rows)
+        self.lora_info.clear()
+        self.lora_info.labels(str(max_lora), ",".join(sorted(running)), ",".join(sorted(waiting))).set(time.time())

@@ -1,9 +1,9 @@
 """The inference gRPC server: Inference + Health + reflection, engine start-up, SIGTERM drain.
 
 Lifecycle: bind and answer Health (NOT_SERVING) at once → build and warm the engine in
-the background → SERVING. On SIGTERM/SIGINT: NOT_SERVING, new work is refused with
-UNAVAILABLE, running RPCs get up to --grace-period to finish, then the server stops and
-the process exits 0.
+the background → SERVING (with --listen-when-ready, the port is bound only at that point).
+On SIGTERM/SIGINT: NOT_SERVING, new work is refused with UNAVAILABLE, running RPCs get up
+to --grace-period to finish, then the server stops and the process exits 0.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
+import itertools
 import logging
 import signal
 from pathlib import Path
@@ -27,6 +28,7 @@ from services.inference.adapter_resolver import AdapterResolver, call
 from services.inference.default_model import default_cache_dir
 from services.inference.engine.types import SamplingParams
 from services.inference.metrics import Metrics
+from services.inference.replica import ReplicaInterceptor, replica_id
 from services.inference.server_args import ServerArgs
 from services.inference.servicer import InferenceServicer, ServerState
 from services.inference.store_client import StoreClient, channel_credentials
@@ -35,6 +37,7 @@ log = logging.getLogger("services.inference")
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 METRICS_REFRESH_S = 1.0
+STORE_LIST_EVERY = 10  # refreshes between two store listings (adapters that live only there)
 
 
 def grpc_options(args: ServerArgs) -> list[tuple[str, int]]:
@@ -73,13 +76,15 @@ class InferenceServer:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
         self.state = ServerState()
-        self.metrics = Metrics()
+        self.metrics = Metrics(replica_id(args.replica_id))
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
             options=grpc_options(args),
-            interceptors=[*auth.interceptors(args), MalformedRequestInterceptor(f"/{SERVICE_NAME}/")])
+            interceptors=[ReplicaInterceptor(replica_id(args.replica_id)), *auth.interceptors(args),
+                          MalformedRequestInterceptor(f"/{SERVICE_NAME}/")])
         self.store: StoreClient | None = None
         self.port = 0
+        self._listening = False
         self._tasks: list[asyncio.Task] = []
         self._stop = asyncio.Event()
 
@@ -96,17 +101,10 @@ class InferenceServer:
         names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
         await self._set_health(False)
-        address = f"{self.args.host}:{self.args.port}"
-        credentials = auth.server_credentials(self.args)
-        if credentials is None:
-            self.port = self.server.add_insecure_port(address)
+        if not self.args.listen_when_ready:
+            await self._listen()
         else:
-            self.port = self.server.add_secure_port(address, credentials)
-        if self.port == 0:
-            raise SystemExit(f"could not bind {address}")
-        await self.server.start()
-        log.info("listening on %s:%d%s%s", self.args.host, self.port, " (TLS)" if credentials else "",
-                 ", tokens required" if self.args.api_token or self.args.admin_token else "")
+            auth.server_credentials(self.args)  # bad TLS flags fail now, not after the model loads
         if self.args.metrics_port is not None:
             mport = self.metrics.serve(self.args.host, self.args.metrics_port)
             log.info("metrics on http://%s:%d/metrics", self.args.host, mport)
@@ -117,6 +115,20 @@ class InferenceServer:
                                      token=self.args.admin_token, credentials=credentials)
         self._tasks.append(asyncio.create_task(self._bring_up()))
         return self.port
+
+    async def _listen(self) -> None:
+        address = f"{self.args.host}:{self.args.port}"
+        credentials = auth.server_credentials(self.args)
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
+        if self.port == 0:
+            raise SystemExit(f"could not bind {address}")
+        await self.server.start()
+        self._listening = True
+        log.info("listening on %s:%d%s%s", self.args.host, self.port, " (TLS)" if credentials else "",
+                 ", tokens required" if self.args.api_token or self.args.admin_token else "")
 
     def _on_pull(self, nbytes: int) -> None:
         self.metrics.store_pulls.inc()
@@ -140,6 +152,14 @@ class InferenceServer:
             self.exit_code = 1
             return
         self.state.engine, self.state.resolver = engine, resolver
+        if self.args.listen_when_ready:
+            try:
+                await self._listen()
+            except SystemExit as exc:
+                log.error("%s", exc)
+                self.exit_code = 1
+                self._stop.set()
+                return
         if self.store is not None:
             self._tasks.append(asyncio.create_task(self.store.watch(resolver.on_store_event)))
         self._tasks.append(asyncio.create_task(self._refresh_metrics()))
@@ -161,11 +181,19 @@ class InferenceServer:
     async def _refresh_metrics(self) -> None:
         """Every second: engine metrics, and health (a dead engine or TP worker -> NOT_SERVING)."""
         engine_down = False
-        while True:
+        store_names: list[str] = []
+        for tick in itertools.count():
             try:
-                self.metrics.observe_engine(await call(self.state.engine.stats))
+                stats = await call(self.state.engine.stats)
+                self.metrics.observe_engine(stats)
+                adapters = list(await call(self.state.engine.list_adapters))
                 self.metrics.observe_compiles(compile_counter.after_start)
-                self.metrics.observe_adapters(list(await call(self.state.engine.list_adapters)))
+                self.metrics.observe_adapters(adapters)
+                if self.store is not None and tick % STORE_LIST_EVERY == 0:
+                    with contextlib.suppress(Exception):
+                        store_names = [r.name for r in await asyncio.wait_for(self.store.list(), 2.0)]
+                self.metrics.observe_residency(adapters, store_names, self.state.resolver.in_flight,
+                                               stats.lora_slots_total)
             except Exception:  # noqa: BLE001 - metrics never take the server down
                 log.debug("metrics refresh failed", exc_info=True)
             if not engine_down and not self.state.engine.healthy():
@@ -185,7 +213,8 @@ class InferenceServer:
             await asyncio.wait_for(self.state.idle.wait(), timeout=self.args.grace_period)
         except TimeoutError:
             log.warning("grace period over with %d RPCs running; cancelling them", self.state.active_rpcs)
-        await self.server.stop(grace=1.0)
+        if self._listening:
+            await self.server.stop(grace=1.0)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -57,6 +57,8 @@ class ServerArgs:
     port: int = 50051
     metrics_port: int | None = None
     grace_period: float = 30.0
+    listen_when_ready: bool = False
+    replica_id: str = ""  # sent as trailing metadata x-loraplex-replica; "" = the hostname
     admin_token: str | None = field(default=None, repr=False)
     api_token: str | None = field(default=None, repr=False)
     tls_cert: str | None = None
@@ -142,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     a("--port", type=int, default=d.port)
     a("--metrics-port", type=int, default=None)
     a("--grace-period", type=float, default=d.grace_period)
+    a("--listen-when-ready", action="store_true",
+      help="bind the port only once the model is loaded and warmed up (replicas behind nginx, which has "
+      "no active health checks: a loading replica then refuses connections and is routed around)")
+    a("--replica-id", default="",
+      help="this replica's name, sent on every response as trailing metadata x-loraplex-replica "
+      "(default: the hostname)")
     a("--admin-token", default=None,
       help="LoadAdapter/UnloadAdapter need 'authorization: Bearer <token>'; also sent to the store "
       "(default: $LORAPLEX_ADMIN_TOKEN; the environment keeps it out of `ps`)")

@@ -157,6 +157,17 @@ class StoreClient:
                 raise AdapterNotFound(f"adapter source {source!r} not found: {err.details()}", adapter=name) from None
             raise _map_rpc_error(err, name, "RegisterAdapter") from None
 
+    async def delete(self, name: str, timeout: float = 30.0) -> bool:
+        """Delete the adapter from the store (every replica drops it via WatchAdapters); False if
+        the store had no such adapter."""
+        try:
+            req = pb.DeleteAdapterRequest(name=name)
+            return (await self._stub.DeleteAdapter(req, timeout=timeout, metadata=self._metadata)).deleted
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:
+                return False
+            raise _map_rpc_error(err, name, "DeleteAdapter") from None
+
     async def list(self) -> list[pb.AdapterRecord]:
         out: list[pb.AdapterRecord] = []
         token = ""
