@@ -129,6 +129,11 @@ class CompileCounter:
             JITFunction.cache_hook = self._hook
         self.installed = True
 
+    def mark_starting(self) -> None:
+        """An engine is being built (capture, warm-up): its compilations are start-up, not stalls.
+        A process that builds engines one after another (the benchmarks) calls this for each."""
+        self.serving = False
+
     def mark_serving(self) -> None:
         """Start-up is over: from now on every compilation is a stall, counted and logged."""
         self.serving = True

@@ -78,6 +78,7 @@ class LLMEngine:
         kv_reserved_bytes: int = 0,
     ):
         compile_counter.install()
+        compile_counter.mark_starting()
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
