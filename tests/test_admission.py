@@ -175,8 +175,9 @@ def test_metrics_show_queues_waits_and_uploads(tiny_llama_path, adapters):
     metrics = Metrics()
     metrics.observe_engine(scheduler_stats := _stats(scheduler, manager))
     metrics.observe_adapters(manager.list_adapters())
+    metrics.observe_residency(manager.list_adapters(), [], {}, scheduler_stats.lora_slots_total)
     value = metrics.registry.get_sample_value
-    assert value("loraplex_adapter_queued_requests", {"adapter": "c0"}) == 3
+    assert value("loraplex_adapter_queued_requests", {"replica": metrics.replica, "adapter": "c0"}) == 3
     assert value("loraplex_adapter_slot_wait_seconds", {"adapter": "c0"}) == pytest.approx(1.9)
     assert value("loraplex_adapter_uploads_total", {"adapter": "h0"}) == 1
     assert value("loraplex_lora_slots_draining") == 1 == scheduler_stats.lora_slots_draining

@@ -58,8 +58,6 @@ class Metrics:
             "loraplex_lora_slots_draining", "Busy slots taking no new requests until they empty for a waiting adapter",
             registry=r)
         self.adapters_waiting = Gauge("loraplex_lora_adapters_waiting", "Adapters waiting for a GPU slot", registry=r)
-        self.adapter_queued = Gauge(
-            "loraplex_adapter_queued_requests", "The adapter's requests waiting in the scheduler", ["adapter"], registry=r)
         self.adapter_slot_wait = Gauge(
             "loraplex_adapter_slot_wait_seconds", "How long the adapter has been waiting for a GPU slot (0: not waiting)",
             ["adapter"], registry=r)
@@ -133,7 +131,6 @@ class Metrics:
             seen[info.name] = info.location
             for loc in LOCATIONS:
                 self.residency.labels(info.name, loc).set(1 if info.location == loc else 0)
-            self.adapter_queued.labels(info.name).set(info.queued_requests)
             self.adapter_slot_wait.labels(info.name).set(info.slot_wait_s)
         for info in adapters:  # the manager counts evictions and uploads; the counters follow its totals
             delta = info.evictions - self._last_evictions.get(info.name, 0)
@@ -148,7 +145,6 @@ class Metrics:
             if name not in seen:
                 for gone in LOCATIONS:
                     self.residency.labels(name, gone).set(0)
-                self.adapter_queued.labels(name).set(0)
                 self.adapter_slot_wait.labels(name).set(0)
         self._last_location = seen
 
@@ -159,7 +155,8 @@ class Metrics:
         rows: dict[str, tuple[str, int]] = {}
         running, waiting = [], []
         for info in adapters:
-            queued = max(0, in_flight.get(info.name, 0) - info.requests_in_flight)
+            # the scheduler's queue, or more while the server still resolves or pulls the adapter
+            queued = max(info.queued_requests, in_flight.get(info.name, 0) - info.requests_in_flight, 0)
             rows[info.name] = (info.location, queued)
             if info.requests_in_flight > 0:
                 running.append(info.name)
