@@ -43,6 +43,7 @@ class ServerArgs:
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = False  # overlap is on by default on CUDA (off on CPU)
+    disable_prefix_cache: bool = False
     # Request limits
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 128
@@ -119,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--disable-cuda-graph", action="store_true")
     a("--disable-overlap-schedule", action="store_true",
       help="run each step's output processing before launching the next step (overlap is on by default on CUDA)")
+    a("--disable-prefix-cache", action="store_true",
+      help="prefill every request from its first token instead of reusing the cached KV of a prefix "
+      "that the same base model or adapter content computed before (on by default)")
     a("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
     a("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
     a("--max-inputs-per-request", type=int, default=d.max_inputs_per_request)

@@ -42,6 +42,7 @@ class EngineConfig:
     # Launch step N+1 before processing step N's outputs (engine.py). None = on for CUDA, off
     # elsewhere (on the CPU the forward is synchronous, so nothing overlaps); True forces it on (tests).
     overlap_schedule: bool | None = None
+    disable_prefix_cache: bool = False  # reuse cached KV of shared prompt prefixes (engine/prefix_cache.py)
 
     @property
     def overlap_enabled(self) -> bool:
@@ -66,6 +67,7 @@ class EngineConfig:
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             disable_cuda_graph=args.disable_cuda_graph,
             overlap_schedule=False if args.disable_overlap_schedule else None,
+            disable_prefix_cache=args.disable_prefix_cache,
         )
 
     def scheduler_config(self, context_length: int) -> SchedulerConfig:

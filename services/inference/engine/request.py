@@ -41,6 +41,12 @@ class Request:
     max_new_tokens: int = 0  # params.max_new_tokens capped by the context length
     arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
+    # Prefix cache (engine/prefix_cache.py): the root key of what computes this request's KV, the
+    # chained keys of its full blocks as far as known, and how many leading blocks of block_table
+    # were already offered to the cache.
+    kv_root: bytes | None = None
+    block_keys: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -102,3 +102,11 @@ class EngineStats(NamedTuple):
     kv_blocks_free: int
     lora_slots_total: int
     lora_slots_used: int
+    # Prefix cache: registered blocks (held or evictable; evictable ones also count as free),
+    # cached blocks evicted for room so far, and per adapter ("" = base) the prompt tokens of
+    # first admissions and how many of them were reused from the cache.
+    prefix_cache_enabled: bool = False
+    prefix_cache_blocks: int = 0
+    prefix_cache_evictions: int = 0
+    prefix_cache_prompt_tokens: dict[str, int] = {}  # noqa: RUF012 - never mutated; each snapshot has its own
+    prefix_cache_hit_tokens: dict[str, int] = {}  # noqa: RUF012

@@ -1,0 +1,161 @@
+"""Prefix cache: KV reused only when the same content (base model or adapter digest) computed the
+same tokens, and greedy outputs with the cache on equal those with it off, token for token.
+
+The engines are the server's own (`build_llm_engine`) on CPU in float32; the cache-off engine is
+the reference (tests/test_engine_correctness.py and tests/test_lora_e2e.py check it against
+transformers and PEFT), and one test here checks the cached path against PEFT directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import shutil
+
+import pytest
+
+from services.inference.engine.types import SamplingParams
+from tests.test_lora_e2e import peft_greedy, server_args, sync_engine
+
+NEW = 8
+PAGE = 4
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_torch_thread):
+    yield
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_path, adapter_factory, tmp_path_factory):
+    a = adapter_factory(tiny_llama_path, "pc-a", r=8, target_modules=TARGETS, seed=21)
+    b = adapter_factory(tiny_llama_path, "pc-b", r=8, target_modules=TARGETS, seed=22)
+    same_as_a = tmp_path_factory.mktemp("pc-a-copy") / "adapter"
+    shutil.copytree(a, same_as_a)  # another directory, the same bytes: the same content digest
+    return {"a": a, "b": b, "a2": same_as_a}
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+SYSTEM = tokens(0, 37)  # 9 full blocks of 4 and one token over
+PROMPTS = [SYSTEM + tokens(i + 1, 5 + i) for i in range(4)]
+
+
+def engine_for(base, adapters=None, cache=True, **kw):
+    options = dict(page_size=PAGE, max_loras_per_batch=3, disable_prefix_cache=not cache)
+    options.update(kw)
+    return sync_engine(server_args(base, adapters, **options))
+
+
+def one_by_one(engine, jobs, new=NEW):
+    """Each (prompt, adapter) to completion before the next; returns tokens and per-request hits."""
+    outs, hits = [], []
+    for ids, adapter in jobs:
+        before = engine.stats().prefix_cache_hit_tokens.get(adapter or "", 0)
+        [done] = engine.generate([ids], SamplingParams(max_new_tokens=new, ignore_eos=True), [adapter])
+        outs.append(done.token_ids)
+        hits.append(engine.stats().prefix_cache_hit_tokens.get(adapter or "", 0) - before)
+    return outs, hits
+
+
+def staggered(engine, jobs, new=NEW, every=2):
+    """Requests join a running batch one every `every` steps (later ones reuse earlier ones' blocks
+    while those still run); returns tokens per job."""
+    outs = {i: [] for i in range(len(jobs))}
+    pending = list(enumerate(jobs))
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % every == 0:
+            i, (ids, adapter) = pending.pop(0)
+            engine.add_request(f"s{i}", ids, params, adapter)
+        for out in engine.step():
+            outs[int(out.request_id[1:])].extend(out.new_token_ids)
+        step += 1
+    return [outs[i] for i in range(len(jobs))]
+
+
+def test_reuse_within_one_adapter_and_base(tiny_llama_path, adapters):
+    jobs = [(PROMPTS[0], "a"), (PROMPTS[1], "a"), (PROMPTS[2], None), (PROMPTS[3], None)]
+    on = engine_for(tiny_llama_path, adapters)
+    outs, hits = one_by_one(on, jobs)
+    # the second request of each kind reuses the 9 full blocks of the system prompt
+    assert hits == [0, 36, 0, 36]
+    off_outs, off_hits = one_by_one(engine_for(tiny_llama_path, adapters, cache=False), jobs)
+    assert outs == off_outs and off_hits == [0, 0, 0, 0]
+    stats = on.stats()
+    assert stats.prefix_cache_enabled and stats.prefix_cache_blocks > 0
+    assert stats.prefix_cache_prompt_tokens["a"] == len(PROMPTS[0]) + len(PROMPTS[1])
+    assert stats.kv_blocks_free == stats.kv_blocks_total  # cached blocks with no request are free
+
+
+def test_no_reuse_across_adapters_or_base(tiny_llama_path, adapters):
+    engine = engine_for(tiny_llama_path, adapters)
+    jobs = [(PROMPTS[0], None), (PROMPTS[0], "a"), (PROMPTS[0], "b"), (PROMPTS[0], None), (PROMPTS[0], "b")]
+    outs, hits = one_by_one(engine, jobs)
+    assert hits == [0, 0, 0, 40, 40]  # the whole prompt but its last token (in its 11th block)
+    assert len({tuple(o) for o in outs[:3]}) == 3, "base, a and b must differ for the check to mean anything"
+    assert outs == one_by_one(engine_for(tiny_llama_path, adapters, cache=False), jobs)[0]
+
+
+def test_equal_content_under_two_names_shares_kv(tiny_llama_path, adapters):
+    engine = engine_for(tiny_llama_path, adapters)
+    outs, hits = one_by_one(engine, [(PROMPTS[0], "a"), (PROMPTS[1], "a2")])
+    assert hits == [0, 36]
+    assert outs == one_by_one(engine_for(tiny_llama_path, adapters, cache=False),
+                              [(PROMPTS[0], "a"), (PROMPTS[1], "a2")])[0]
+
+
+def test_reload_with_new_content_never_reuses_old_kv(tiny_llama_path, adapters):
+    engine = engine_for(tiny_llama_path, {"x": adapters["a"]})
+    first, hits = one_by_one(engine, [(PROMPTS[0], "x")])
+    engine.adapter_slots.load_adapter("x", adapters["b"])  # same name, other weights
+    second, hits2 = one_by_one(engine, [(PROMPTS[1], "x"), (PROMPTS[2], "x")])
+    assert hits + hits2 == [0, 0, 36]  # the new version reuses only its own blocks
+    engine.adapter_slots.load_adapter("x", adapters["a2"])  # back to the first content (another path)
+    third, hits3 = one_by_one(engine, [(PROMPTS[3], "x")])
+    assert hits3 == [36]  # the first version's blocks, evicted by nothing, are its content's
+    expected = peft_greedy(tiny_llama_path, {"a": adapters["a"], "b": adapters["b"]},
+                           [(PROMPTS[0], "a"), (PROMPTS[1], "b"), (PROMPTS[2], "b"), (PROMPTS[3], "a")],
+                           new_tokens=NEW)
+    assert first + second + third == expected
+
+
+def test_reload_between_staggered_requests(tiny_llama_path, adapters):
+    """Requests of one name share a prefix while its adapter is reloaded in the middle: those that
+    started on v1 finish on v1, later ones run v2, and no one reads the other version's KV."""
+    engine = engine_for(tiny_llama_path, {"x": adapters["a"]})
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    outs = {i: [] for i in range(4)}
+    engine.add_request("r0", PROMPTS[0], params, "x")
+    engine.add_request("r1", PROMPTS[1], params, "x")
+    for _ in range(8):  # r0 and r1 have computed the system prompt and are decoding on v1
+        for out in engine.step():
+            outs[int(out.request_id[1:])].extend(out.new_token_ids)
+    engine.adapter_slots.load_adapter("x", adapters["b"])
+    engine.add_request("r2", PROMPTS[2], params, "x")
+    engine.add_request("r3", PROMPTS[3], params, "x")
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[int(out.request_id[1:])].extend(out.new_token_ids)
+    expected = peft_greedy(tiny_llama_path, {"a": adapters["a"], "b": adapters["b"]},
+                           [(PROMPTS[0], "a"), (PROMPTS[1], "a"), (PROMPTS[2], "b"), (PROMPTS[3], "b")],
+                           new_tokens=NEW)
+    assert [outs[i] for i in range(4)] == expected
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_staggered_mixed_batch_matches_cache_off(tiny_llama_path, adapters, overlap):
+    """Later requests reuse blocks that running ones computed, in batches of base and adapters,
+    with chunked prefill (8 tokens a step) and, when `overlap`, overlap scheduling."""
+    jobs = [(PROMPTS[i % 4], [None, "a", "b", "a2"][i % 4]) for i in range(8)]
+    jobs += [(PROMPTS[i] + tokens(50 + i, 9), a) for i, a in enumerate([None, "a", "b"])]
+    on = engine_for(tiny_llama_path, adapters)
+    on.config = dataclasses.replace(on.config, overlap_schedule=overlap)
+    outs = staggered(on, jobs)
+    assert sum(on.stats().prefix_cache_hit_tokens.values()) > 0
+    assert outs == staggered(engine_for(tiny_llama_path, adapters, cache=False), jobs)
