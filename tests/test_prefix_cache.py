@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import random
 import shutil
+from collections import Counter
 
 import pytest
 
+from services.inference.engine.block_manager import BlockManager
 from services.inference.engine.types import SamplingParams
 from tests.test_lora_e2e import peft_greedy, server_args, sync_engine
 
@@ -159,3 +161,80 @@ def test_staggered_mixed_batch_matches_cache_off(tiny_llama_path, adapters, over
     outs = staggered(on, jobs)
     assert sum(on.stats().prefix_cache_hit_tokens.values()) > 0
     assert outs == staggered(engine_for(tiny_llama_path, adapters, cache=False), jobs)
+
+
+# ----- eviction and preemption under KV pressure -----
+
+def staggered_checked(engine, jobs, new, every):
+    """`staggered`, checking after every step that each block's refcount is exactly the number of
+    running requests whose table holds it: a running request's block is never free or evictable."""
+    outs = {i: [] for i in range(len(jobs))}
+    pending = list(enumerate(jobs))
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    shared_seen = False
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % every == 0:
+            i, (ids, adapter) = pending.pop(0)
+            engine.add_request(f"s{i}", ids, params, adapter)
+        for out in engine.step():
+            outs[int(out.request_id[1:])].extend(out.new_token_ids)
+        holders = Counter(b for req in engine.scheduler.running for b in req.block_table)
+        for block, n in holders.items():
+            assert engine.block_manager.refcount(block) == n, f"block {block}"
+        shared_seen |= any(n > 1 for n in holders.values())
+        step += 1
+    return [outs[i] for i in range(len(jobs))], shared_seen
+
+
+def test_eviction_and_preemption_with_shared_prefixes(tiny_llama_path, adapters):
+    """A KV cache of 20 blocks for requests of ~14 blocks that share 9: cached blocks are evicted
+    for room, requests sharing a prefix are preempted and readmitted, outputs equal cache-off."""
+    jobs = [(PROMPTS[i], None) for i in range(4)] + [(tokens(70 + i, 30), "a") for i in range(3)]
+    jobs += [(PROMPTS[i], "a") for i in range(3)] + [(PROMPTS[i], None) for i in range(2)]
+    on = engine_for(tiny_llama_path, adapters, max_total_tokens=80)
+    outs, shared = staggered_checked(on, jobs, new=16, every=3)
+    stats = on.stats()
+    assert shared, "no two running requests held one block; the test proves nothing"
+    assert on.scheduler.num_preemptions > 0 and stats.prefix_cache_evictions > 0
+    assert sum(stats.prefix_cache_hit_tokens.values()) > 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total
+    off = engine_for(tiny_llama_path, adapters, max_total_tokens=80, cache=False)
+    assert outs == staggered(off, jobs, new=16, every=3)
+
+
+def test_block_manager_lru_eviction_and_refcounts():
+    bm = BlockManager(6, 4, prefix_cache=True)
+    a, b = [], []
+    bm.allocate(a, 12)  # 3 blocks
+    for i, block in enumerate(a):
+        bm.register(bytes([i]), block)
+    hit = bm.match([bytes([0]), bytes([1]), bytes([9])])
+    assert hit == a[:2]
+    bm.reuse(b, hit)  # b shares a's first two blocks
+    assert [bm.refcount(x) for x in a] == [2, 2, 1]
+    bm.free(a)
+    assert [bm.refcount(x) for x in b] == [1, 1] and bm.num_free_blocks == 4  # a's tail: evictable
+    # three never-cached blocks go first, then the evictable one; b's blocks are never taken
+    c = []
+    bm.allocate(c, 16)
+    assert bm.num_evictions == 1 and set(c).isdisjoint(b)
+    assert bm.match([bytes([0]), bytes([1]), bytes([2])]) == b  # the evicted third block is gone
+    with pytest.raises(RuntimeError):
+        bm.allocate(c, 20)
+    bm.free(b)
+    d = []
+    bm.allocate(d, 4)  # LRU among evictable: b's tail block (freed first) before its head
+    assert d == [hit[1]] and bm.match([bytes([0]), bytes([1])]) == [hit[0]]
+
+
+@pytest.mark.slow
+def test_smollm2_cache_on_equals_off(smollm2_path, adapter_factory):
+    adapters = {"s": adapter_factory(smollm2_path, "pc-smol", r=8, target_modules=TARGETS, seed=5)}
+    tok_system = tokens(3, 70)
+    jobs = [(tok_system + tokens(80 + i, 6), [None, "s"][i % 2]) for i in range(4)]
+    kw = dict(chunked_prefill_size=32, max_num_batched_tokens=64, page_size=16)
+    on = engine_for(smollm2_path, adapters, **kw)
+    outs = staggered(on, jobs, every=6)
+    assert on.stats().prefix_cache_hit_tokens == {"": 64, "s": 64}
+    assert outs == staggered(engine_for(smollm2_path, adapters, cache=False, **kw), jobs, every=6)

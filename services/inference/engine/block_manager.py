@@ -43,6 +43,10 @@ class BlockManager:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.page_size
 
+    def refcount(self, block: int) -> int:
+        """Requests holding `block` (0: free, or cached and evictable)."""
+        return self._refs[block]
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
