@@ -238,3 +238,34 @@ def test_smollm2_cache_on_equals_off(smollm2_path, adapter_factory):
     outs = staggered(on, jobs, every=6)
     assert on.stats().prefix_cache_hit_tokens == {"": 64, "s": 64}
     assert outs == staggered(engine_for(smollm2_path, adapters, cache=False, **kw), jobs, every=6)
+
+
+def test_prometheus_series_follow_the_engine(tiny_llama_path, adapters):
+    from services.inference.metrics import Metrics
+
+    engine = engine_for(tiny_llama_path, adapters, max_total_tokens=64)
+    metrics = Metrics()
+    jobs = [(PROMPTS[0], "a"), (PROMPTS[1], "a"), (PROMPTS[2], None), (PROMPTS[3], None)]
+    one_by_one(engine, jobs[:2])
+    metrics.observe_engine(engine.stats())
+    one_by_one(engine, jobs[2:])
+    metrics.observe_engine(engine.stats())
+    value = metrics.registry.get_sample_value
+    assert value("loraplex_prefix_cache_enabled") == 1
+    assert value("loraplex_prefix_cache_hit_tokens_total", {"adapter": "a"}) == 36
+    assert value("loraplex_prefix_cache_hit_tokens_total", {"adapter": "base"}) == 36
+    assert value("loraplex_prefix_cache_prompt_tokens_total", {"adapter": "a"}) == len(PROMPTS[0]) + len(PROMPTS[1])
+    assert value("loraplex_prefix_cache_evictions_total") == engine.stats().prefix_cache_evictions > 0
+    assert value("loraplex_prefix_cache_blocks") == engine.stats().prefix_cache_blocks > 0
+    off = Metrics()
+    off.observe_engine(engine_for(tiny_llama_path, None, cache=False).stats())
+    assert off.registry.get_sample_value("loraplex_prefix_cache_enabled") == 0
+
+
+def test_disable_prefix_cache_flag():
+    from services.inference.engine.config import EngineConfig
+    from services.inference.server_args import parse_args
+
+    assert not EngineConfig.from_args(parse_args(["--model-path", "m", "--device", "cpu"])).disable_prefix_cache
+    args = parse_args(["--model-path", "m", "--device", "cpu", "--disable-prefix-cache"])
+    assert args.disable_prefix_cache and EngineConfig.from_args(args).disable_prefix_cache
