@@ -226,6 +226,8 @@ def test_block_manager_lru_eviction_and_refcounts():
     d = []
     bm.allocate(d, 4)  # LRU among evictable: b's tail block (freed first) before its head
     assert d == [hit[1]] and bm.match([bytes([0]), bytes([1])]) == [hit[0]]
+    bm.reset_prefix_cache(False)
+    assert bm.match([bytes([0])]) == [] and bm.num_cached_blocks == 0 and bm.num_free_blocks == 5 - len(c)
 
 
 @pytest.mark.slow

@@ -110,6 +110,15 @@ class BlockManager:
             self._index[key] = block
             self._key_of[block] = key
 
+    def reset_prefix_cache(self, enabled: bool) -> None:
+        """Forget every cached block and turn caching on or off (benchmarks compare both on one
+        engine). Evictable blocks become plain free blocks; blocks requests hold stay theirs."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._index.clear()
+        self._key_of.clear()
+        self.prefix_cache = enabled
+
     def _take_free(self) -> int:
         if self._free:
             block = self._free.pop()

@@ -1,0 +1,230 @@
+"""Prefix cache on vs off under an open-loop workload (issue 20).
+
+    PYTHONPATH=.:protos python3 bench/prefix_cache.py --mode gpu [--requests 256] [--load 1.6 | --rate R]
+    PYTHONPATH=.:protos python3 bench/prefix_cache.py --mode cpu
+
+Two workloads over the same adapters and the same Poisson arrivals, each run with the prefix cache
+on and off on one engine (`BlockManager.reset_prefix_cache` between runs, so nothing cached leaks
+from one run into the next):
+- shared: each adapter's requests start with that adapter's system prompt (`--system-tokens`,
+  1,024 on GPU) followed by `--unique-tokens` (128) tokens of their own;
+- unique: the same lengths, no prefix shared by any two requests (the cache cannot help; it
+  must cost nothing).
+Requests name the adapters round robin and generate `--new-tokens` tokens (EOS ignored). The
+engine is the server's (`build_llm_engine`), driven on this thread: each loop adds the requests
+whose arrival time has passed, then runs one step. TTFT = first output token time - arrival;
+output tokens/s = all output tokens / (last finish - first arrival).
+
+The arrival rate: `--rate`, or `--load` times the cache-off prefill capacity measured first
+(closed batches of cold requests, one token each): an open loop shows what a cache buys only when
+the uncached server is loaded. GPU mode writes a Llama-3.1-8B-shaped random bf16 model and rank-16
+adapters (bench/serving_setup.py, under `--work`); CPU mode runs the embedded SmolLM2-135M with
+small random adapters. Prints a table; writes JSON to $OUT/prefix_cache.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench import serving_setup as setup
+
+log = logging.getLogger("bench.prefix_cache")
+SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+               intermediate_size=1536, vocab_size=49152)
+DEFAULTS = {  # mode -> option defaults
+    "gpu": dict(requests=256, system_tokens=1024, unique_tokens=128, new_tokens=64, adapters=8, rank=16),
+    "cpu": dict(requests=24, system_tokens=256, unique_tokens=32, new_tokens=8, adapters=4, rank=8),
+}
+
+
+def build(opts: argparse.Namespace):
+    """The engine, its adapter names and the token id range prompts draw from."""
+    from services.inference.engine.build import build_llm_engine
+    from services.inference.server_args import ServerArgs
+
+    work = Path(opts.work)
+    if opts.mode == "gpu":
+        model_dir = setup.write_model_dir(work / "model", setup.LLAMA_8B, device="cuda")
+        adapter_dirs = setup.write_adapters(work / "adapters", model_dir, opts.adapters, setup.LLAMA_8B,
+                                            rank=opts.rank, device="cuda")
+        extra = dict(device="cuda", dtype="bfloat16", context_length=4096)
+        vocab = (1000, 100000)
+    else:
+        from services.inference.default_model import ensure_model
+
+        model_dir = ensure_model()
+        adapter_dirs = setup.write_adapters(work / "adapters-smollm2", model_dir, opts.adapters, SMOLLM2,
+                                            rank=opts.rank, device="cpu")
+        extra = dict(device="cpu", dtype="float32", context_length=2048, max_total_tokens=65536)
+        vocab = (1000, 48000)
+    names = [f"a{i}" for i in range(opts.adapters)]
+    args = ServerArgs(
+        model_path=str(model_dir), lora_paths=tuple(f"{n}={d}" for n, d in zip(names, adapter_dirs, strict=True)),
+        max_loras_per_batch=opts.adapters, max_lora_rank=opts.rank, lora_target_modules=("all",),
+        max_running_requests=opts.max_running, cuda_graph_max_bs=opts.max_running, **extra,
+    )
+    engine, _ = build_llm_engine(args)
+    return engine, names, vocab
+
+
+def workloads(opts, names: list[str], vocab: tuple[int, int]) -> dict[str, list[tuple[list[int], str]]]:
+    rng = random.Random(opts.seed)
+
+    def draw(n: int) -> list[int]:
+        return [rng.randrange(*vocab) for _ in range(n)]
+
+    systems = {name: draw(opts.system_tokens) for name in names}
+    length = opts.system_tokens + opts.unique_tokens
+    shared = [(systems[names[i % len(names)]] + draw(opts.unique_tokens), names[i % len(names)])
+              for i in range(opts.requests)]
+    unique = [(draw(length), names[i % len(names)]) for i in range(opts.requests)]
+    return {"shared": shared, "unique": unique}
+
+
+def run_open_loop(engine, jobs, arrivals: list[float], new_tokens: int, tag: str) -> dict:
+    from services.inference.engine.types import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    n = len(jobs)
+    first: list[float | None] = [None] * n
+    finish: list[float | None] = [None] * n
+    out_tokens = [0] * n
+    steps = 0
+    start = time.perf_counter()
+    nxt = 0
+    while nxt < n or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while nxt < n and arrivals[nxt] <= now:
+            engine.add_request(f"{tag}-{nxt}", jobs[nxt][0], params, jobs[nxt][1])
+            nxt += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, arrivals[nxt] - now))
+            continue
+        outputs = engine.step()
+        steps += 1
+        t = time.perf_counter() - start
+        for out in outputs:
+            k = int(out.request_id.rsplit("-", 1)[1])
+            if out.new_token_ids and first[k] is None:
+                first[k] = t
+            out_tokens[k] += len(out.new_token_ids)
+            if out.finished:
+                finish[k] = t
+    if engine.errors:
+        raise RuntimeError(f"requests failed: {dict(list(engine.errors.items())[:3])}")
+    ttft = sorted(f - a for f, a in zip(first, arrivals, strict=True))
+    span = max(finish) - arrivals[0]
+    stats = engine.stats()
+    return dict(
+        ttft_p50_ms=1e3 * statistics.median(ttft), ttft_p90_ms=1e3 * ttft[int(0.9 * (n - 1))],
+        output_tok_s=sum(out_tokens) / span, span_s=span, steps=steps,
+        hit_tokens=sum(stats.prefix_cache_hit_tokens.values()), prompt_tokens=sum(len(j[0]) for j in jobs),
+        evictions=stats.prefix_cache_evictions, preemptions=engine.scheduler.num_preemptions,
+    )
+
+
+def closed_batch_s(engine, jobs, new_tokens: int) -> float:
+    from services.inference.engine.types import SamplingParams
+
+    start = time.perf_counter()
+    engine.generate([j[0] for j in jobs], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True),
+                    [j[1] for j in jobs])
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["gpu", "cpu"], default="gpu" if torch.cuda.is_available() else "cpu")
+    for key in DEFAULTS["gpu"]:
+        p.add_argument("--" + key.replace("_", "-"), type=int, default=None)
+    p.add_argument("--rate", type=float, default=None, help="requests/s (default: --load x cache-off capacity)")
+    p.add_argument("--load", type=float, default=1.6, help="offered prefill work over the cache-off capacity")
+    p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="CPU: torch threads")
+    p.add_argument("--work", default="/tmp/loraplex-bench-prefix")
+    p.add_argument("--out", default=None)
+    opts = p.parse_args()
+    for key, value in DEFAULTS[opts.mode].items():
+        if getattr(opts, key) is None:
+            setattr(opts, key, value)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    t0 = time.perf_counter()
+    engine, names, vocab = build(opts)
+    setup_s = time.perf_counter() - t0
+    loads = workloads(opts, names, vocab)
+    blocks = engine.block_manager
+
+    # Warm up (kernels, autotuning) and measure the cache-off prefill capacity on cold prompts.
+    rng = random.Random(opts.seed + 1)
+    cold = [([rng.randrange(*vocab) for _ in range(opts.system_tokens + opts.unique_tokens)], names[i % len(names)])
+            for i in range(2 * len(names))]
+    blocks.reset_prefix_cache(False)
+    closed_batch_s(engine, cold[: len(names)], 2)
+    prefill_s = closed_batch_s(engine, cold[len(names):], 1) / len(names)
+    rate = opts.rate or opts.load / prefill_s
+    gaps = random.Random(opts.seed + 2)
+    arrivals, t = [], 0.0
+    for _ in range(opts.requests):
+        arrivals.append(t)
+        t += gaps.expovariate(rate)
+    log.info("cache-off prefill %.1f ms/request -> %.1f requests/s offered", 1e3 * prefill_s, rate)
+
+    results: dict = dict(
+        mode=opts.mode, device=torch.cuda.get_device_name() if opts.mode == "gpu" else "cpu", argv=sys.argv[1:],
+        options={k: getattr(opts, k) for k in (*DEFAULTS["gpu"], "load", "seed", "max_running")},
+        setup_s=setup_s, cold_prefill_ms=1e3 * prefill_s, rate=rate, runs={},
+    )
+    for workload, jobs in loads.items():
+        for cache in ("off", "on"):
+            blocks.reset_prefix_cache(cache == "on")
+            before = dict(hit=engine.stats().prefix_cache_hit_tokens, ev=blocks.num_evictions,
+                          pre=engine.scheduler.num_preemptions)
+            r = run_open_loop(engine, jobs, arrivals, opts.new_tokens, f"{workload}-{cache}")
+            r["hit_tokens"] -= sum(before["hit"].values())
+            r["evictions"] -= before["ev"]
+            r["preemptions"] -= before["pre"]
+            results["runs"][f"{workload}/{cache}"] = r
+            log.info("%s cache %s: %s", workload, cache, r)
+    blocks.reset_prefix_cache(True)
+    runs = results["runs"]
+    results["shared_ttft_p50_ratio"] = runs["shared/off"]["ttft_p50_ms"] / runs["shared/on"]["ttft_p50_ms"]
+    results["shared_tok_s_ratio"] = runs["shared/on"]["output_tok_s"] / runs["shared/off"]["output_tok_s"]
+    results["unique_tok_s_ratio"] = runs["unique/on"]["output_tok_s"] / runs["unique/off"]["output_tok_s"]
+    print_table(results)
+    out = Path(opts.out) if opts.out else Path(os.environ.get("OUT", ".")) / "prefix_cache.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {out}")
+
+
+def print_table(res: dict) -> None:
+    o = res["options"]
+    print(f"\n{res['device']}: {o['requests']} requests over {o['adapters']} adapters at {res['rate']:.1f}/s "
+          f"(Poisson), prompts {o['system_tokens']} shared + {o['unique_tokens']} own tokens, "
+          f"{o['new_tokens']} new; cold prefill {res['cold_prefill_ms']:.1f} ms/request")
+    print(f"{'workload':<8} {'cache':<5} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'out tok/s':>10} "
+          f"{'hit/prompt':>11} {'evict':>6} {'preempt':>7}")
+    for key, r in res["runs"].items():
+        workload, cache = key.split("/")
+        print(f"{workload:<8} {cache:<5} {r['ttft_p50_ms']:>12.1f} {r['ttft_p90_ms']:>12.1f} {r['output_tok_s']:>10.1f} "
+              f"{r['hit_tokens'] / r['prompt_tokens']:>11.2f} {r['evictions']:>6} {r['preemptions']:>7}")
+    print(f"shared: TTFT p50 {res['shared_ttft_p50_ratio']:.2f}x lower (goal >= 4x), output tok/s "
+          f"{res['shared_tok_s_ratio']:.2f}x (goal >= 1.3x); unique: output tok/s on/off "
+          f"{res['unique_tok_s_ratio']:.3f} (goal >= 0.98)")
+
+
+if __name__ == "__main__":
+    main()
