@@ -10,7 +10,8 @@ from one run into the next):
   1,024 on GPU) followed by `--unique-tokens` (128) tokens of their own;
 - unique: the same lengths, no prefix shared by any two requests (the cache cannot help; it
   must cost nothing).
-Requests name the adapters round robin and generate `--new-tokens` tokens (EOS ignored). The
+`--repeats N` runs each (workload, setting) N times, alternating which setting goes first, and
+reports medians. Requests name the adapters round robin and generate `--new-tokens` tokens (EOS ignored). The
 engine is the server's (`build_llm_engine`), driven on this thread: each loop adds the requests
 whose arrival time has passed, then runs one step. TTFT = first output token time - arrival;
 output tokens/s = all output tokens / (last finish - first arrival).
@@ -150,6 +151,7 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=None, help="requests/s (default: --load x cache-off capacity)")
     p.add_argument("--load", type=float, default=1.6, help="offered prefill work over the cache-off capacity")
     p.add_argument("--max-running", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=1, help="runs of each workload and setting (medians reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="CPU: torch threads")
     p.add_argument("--work", default="/tmp/loraplex-bench-prefix")
@@ -187,20 +189,25 @@ def main() -> None:
 
     results: dict = dict(
         mode=opts.mode, device=torch.cuda.get_device_name() if opts.mode == "gpu" else "cpu", argv=sys.argv[1:],
-        options={k: getattr(opts, k) for k in (*DEFAULTS["gpu"], "load", "seed", "max_running")},
+        options={k: getattr(opts, k) for k in (*DEFAULTS["gpu"], "load", "seed", "max_running", "repeats")},
         setup_s=setup_s, cold_prefill_ms=1e3 * prefill_s, rate=rate, runs={},
     )
-    for workload, jobs in loads.items():
-        for cache in ("off", "on"):
-            blocks.reset_prefix_cache(cache == "on")
-            before = dict(hit=engine.stats().prefix_cache_hit_tokens, ev=blocks.num_evictions,
-                          pre=engine.scheduler.num_preemptions)
-            r = run_open_loop(engine, jobs, arrivals, opts.new_tokens, f"{workload}-{cache}")
-            r["hit_tokens"] -= sum(before["hit"].values())
-            r["evictions"] -= before["ev"]
-            r["preemptions"] -= before["pre"]
-            results["runs"][f"{workload}/{cache}"] = r
-            log.info("%s cache %s: %s", workload, cache, r)
+    repeats: dict[str, list[dict]] = {}
+    for rep in range(opts.repeats):
+        for workload, jobs in loads.items():
+            # Alternate which setting runs first: a shared machine's load drifts between runs.
+            for cache in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+                blocks.reset_prefix_cache(cache == "on")
+                before = dict(hit=engine.stats().prefix_cache_hit_tokens, ev=blocks.num_evictions,
+                              pre=engine.scheduler.num_preemptions)
+                r = run_open_loop(engine, jobs, arrivals, opts.new_tokens, f"{workload}-{cache}-{rep}")
+                r["hit_tokens"] -= sum(before["hit"].values())
+                r["evictions"] -= before["ev"]
+                r["preemptions"] -= before["pre"]
+                repeats.setdefault(f"{workload}/{cache}", []).append(r)
+                log.info("%s cache %s: %s", workload, cache, r)
+    results["repeats"] = repeats
+    results["runs"] = {key: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for key, rs in repeats.items()}
     blocks.reset_prefix_cache(True)
     runs = results["runs"]
     results["shared_ttft_p50_ratio"] = runs["shared/off"]["ttft_p50_ms"] / runs["shared/on"]["ttft_p50_ms"]
