@@ -271,3 +271,12 @@ def test_disable_prefix_cache_flag():
     assert not EngineConfig.from_args(parse_args(["--model-path", "m", "--device", "cpu"])).disable_prefix_cache
     args = parse_args(["--model-path", "m", "--device", "cpu", "--disable-prefix-cache"])
     assert args.disable_prefix_cache and EngineConfig.from_args(args).disable_prefix_cache
+
+
+def test_base_model_digest_names_the_checkpoint_and_dtype(tiny_llama_path, tiny_qwen2_path):
+    from services.inference.engine.prefix_cache import base_model_digest
+
+    d = base_model_digest(tiny_llama_path, "torch.float32")
+    assert d.startswith("base:") and d == base_model_digest(tiny_llama_path, "torch.float32")
+    assert d != base_model_digest(tiny_llama_path, "torch.bfloat16")
+    assert d != base_model_digest(tiny_qwen2_path, "torch.float32")
