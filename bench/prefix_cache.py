@@ -42,6 +42,8 @@ from bench import serving_setup as setup
 log = logging.getLogger("bench.prefix_cache")
 SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                intermediate_size=1536, vocab_size=49152)
+TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=512, vocab_size=4096)
 DEFAULTS = {  # mode -> option defaults
     "gpu": dict(requests=256, system_tokens=1024, unique_tokens=128, new_tokens=64, adapters=8, rank=16),
     "cpu": dict(requests=24, system_tokens=256, unique_tokens=32, new_tokens=8, adapters=4, rank=8),
@@ -54,12 +56,14 @@ def build(opts: argparse.Namespace):
     from services.inference.server_args import ServerArgs
 
     work = Path(opts.work)
-    if opts.mode == "gpu":
-        model_dir = setup.write_model_dir(work / "model", setup.LLAMA_8B, device="cuda")
-        adapter_dirs = setup.write_adapters(work / "adapters", model_dir, opts.adapters, setup.LLAMA_8B,
-                                            rank=opts.rank, device="cuda")
-        extra = dict(device="cuda", dtype="bfloat16", context_length=4096)
-        vocab = (1000, 100000)
+    if opts.mode == "gpu":  # --tiny: the same path with a small shape (checks the script on a CPU)
+        shape = TINY if opts.tiny else setup.LLAMA_8B
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        model_dir = setup.write_model_dir(work / "model", shape, device=dev)
+        adapter_dirs = setup.write_adapters(work / "adapters", model_dir, opts.adapters, shape, rank=opts.rank,
+                                            device=dev)
+        extra = dict(device=dev, dtype="bfloat16", context_length=4096)
+        vocab = (1000, shape["vocab_size"] - 1000) if opts.tiny else (1000, 100000)
     else:
         from services.inference.default_model import ensure_model
 
@@ -153,7 +157,8 @@ def main() -> None:
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--repeats", type=int, default=1, help="runs of each workload and setting (medians reported)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="CPU: torch threads")
+    p.add_argument("--tiny", action="store_true", help="gpu mode with a 2-layer random model (a quick check)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default on a CPU: 1)")
     p.add_argument("--work", default="/tmp/loraplex-bench-prefix")
     p.add_argument("--out", default=None)
     opts = p.parse_args()
@@ -161,8 +166,8 @@ def main() -> None:
         if getattr(opts, key) is None:
             setattr(opts, key, value)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if opts.threads:
-        torch.set_num_threads(opts.threads)
+    if opts.threads or not torch.cuda.is_available():
+        torch.set_num_threads(opts.threads or 1)  # on a shared CPU, two threads fighting are ~10x slower
     t0 = time.perf_counter()
     engine, names, vocab = build(opts)
     setup_s = time.perf_counter() - t0
@@ -183,12 +188,17 @@ def main() -> None:
         arrivals.append(t)
         t += gaps.expovariate(rate)
     log.info("cache-off prefill %.1f ms/request -> %.1f requests/s offered", 1e3 * prefill_s, rate)
-    # One short open-loop run first, so kernels meet mixed prefill + decode steps before any timed run.
-    warm = [([rng.randrange(*vocab) for _ in range(len(j[0]))], j[1]) for j in loads["unique"][: 4 * len(names)]]
-    run_open_loop(engine, warm, arrivals[: len(warm)], opts.new_tokens, "warmup")
+    # Short untimed open-loop runs of both workloads (on other tokens), cache on and off, so every
+    # kind of step (short prefills after a hit, mixed prefill + decode) has run before timing.
+    for workload in loads:
+        for cache in (True, False):
+            blocks.reset_prefix_cache(cache)
+            warm = workloads(argparse.Namespace(**{**vars(opts), "requests": 2 * len(names), "seed": opts.seed + 3}),
+                             names, vocab)[workload]
+            run_open_loop(engine, warm, arrivals[: len(warm)], opts.new_tokens, f"warmup-{workload}-{cache}")
 
     results: dict = dict(
-        mode=opts.mode, device=torch.cuda.get_device_name() if opts.mode == "gpu" else "cpu", argv=sys.argv[1:],
+        mode=opts.mode, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", argv=sys.argv[1:],
         options={k: getattr(opts, k) for k in (*DEFAULTS["gpu"], "load", "seed", "max_running", "repeats")},
         setup_s=setup_s, cold_prefill_ms=1e3 * prefill_s, rate=rate, runs={},
     )
