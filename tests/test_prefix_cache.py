@@ -280,3 +280,24 @@ def test_base_model_digest_names_the_checkpoint_and_dtype(tiny_llama_path, tiny_
     assert d.startswith("base:") and d == base_model_digest(tiny_llama_path, "torch.float32")
     assert d != base_model_digest(tiny_llama_path, "torch.bfloat16")
     assert d != base_model_digest(tiny_qwen2_path, "torch.float32")
+
+
+def test_tensor_parallel_reuses_cached_prefixes(tiny_llama_path, adapters):
+    """`--tp-size 2` (gloo, a spawned worker): the cache decisions are rank 0's and travel in the
+    block tables; outputs equal one device without the cache."""
+    from services.inference.engine.build import build_engine
+    from tests.test_tp import run_batch, tp_args
+
+    def run(tp: int, cache: bool):
+        engine = build_engine(tp_args(tiny_llama_path, tp, {"a": adapters["a"]}, page_size=PAGE,
+                                      disable_prefix_cache=not cache))
+        try:
+            outs = run_batch(engine, [(PROMPTS[0], None), (PROMPTS[1], "a")], NEW)
+            outs += run_batch(engine, [(PROMPTS[2], None), (PROMPTS[3], "a")], NEW)
+            return outs, engine.stats().prefix_cache_hit_tokens
+        finally:
+            engine.shutdown()
+
+    got, hits = run(2, True)
+    assert hits == {"": 36, "a": 36}
+    assert got == run(1, False)[0]
