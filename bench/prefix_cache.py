@@ -197,7 +197,7 @@ def main() -> None:
         for cache in (True, False):
             blocks.reset_prefix_cache(cache)
             warm = workloads(argparse.Namespace(**{**vars(opts), "requests": 2 * len(names), "seed": opts.seed + 3}),
-                             names, vocab)[workload]
+                             names, vocab)[workload][: len(arrivals)]
             run_open_loop(engine, warm, arrivals[: len(warm)], opts.new_tokens, f"warmup-{workload}-{cache}")
 
     results: dict = dict(
