@@ -37,24 +37,25 @@ if gen ~= tonumber(ARGV[1]) then return -1 end
 gen = gen + 1
 redis.call('HSET', KEYS[6], ARGV[2], gen)
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'generation', gen, unpack(ARGV, 6))
+redis.call('HSET', KEYS[1], 'generation', gen, unpack(ARGV, 7))
 redis.call('ZADD', KEYS[2], 0, ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
 redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'registered', 'name', ARGV[2],
-           'digest', ARGV[3], 'generation', gen, 'time', ARGV[4])
+           'digest', ARGV[3], 'config_digest', ARGV[6], 'generation', gen, 'time', ARGV[4])
 return gen
 """
 
 _DELETE = """
 local digest = redis.call('HGET', KEYS[3], ARGV[1])
 if not digest then return false end
+local config_digest = redis.call('HGET', KEYS[1], 'config_digest') or ''
 local gen = redis.call('HINCRBY', KEYS[6], ARGV[1], 1)
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[3], '*', 'type', 'deleted', 'name', ARGV[1],
-           'digest', digest, 'generation', gen, 'time', ARGV[2])
+           'digest', digest, 'config_digest', config_digest, 'generation', gen, 'time', ARGV[2])
 return {digest, gen}
 """
 
@@ -80,6 +81,7 @@ class Event(NamedTuple):
     digest: str
     generation: int
     time: float
+    config_digest: str = ""
 
 
 class AdapterIndex:
@@ -110,7 +112,8 @@ class AdapterIndex:
         fields = record.to_redis()
         fields.pop("generation")
         flat = [x for kv in fields.items() for x in kv]
-        args = [expected_generation, record.name, record.digest, record.last_used_at, EVENTS_MAXLEN, *flat]
+        args = [expected_generation, record.name, record.digest, record.last_used_at, EVENTS_MAXLEN,
+                record.config_digest, *flat]
         return int(await self._commit(keys=self._keys(record.name), args=args))
 
     async def delete(self, name: str) -> tuple[str, int] | None:
@@ -194,12 +197,14 @@ class AdapterIndex:
         last = await self.r.xrevrange(f"{self.p}events", count=1)
         return last[0][0] if last else "0-0"
 
-    async def read_events(self, after: str, block_ms: int = 5000) -> list[Event]:
+    async def read_events(self, after: str, block_ms: int | None = 5000) -> list[Event]:
+        """Up to 100 events after `after`; `block_ms` None returns at once."""
         got = await self.r.xread({f"{self.p}events": after}, count=100, block=block_ms)
         events = []
         for _stream, entries in got or []:
             for event_id, f in entries:
                 events.append(
-                    Event(event_id, f["type"], f["name"], f.get("digest", ""), int(f["generation"]), float(f["time"]))
+                    Event(event_id, f["type"], f["name"], f.get("digest", ""), int(f["generation"]), float(f["time"]),
+                          f.get("config_digest", ""))
                 )
         return events

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from typing import NamedTuple
 
@@ -11,6 +12,24 @@ from adapter_store.errors import InvalidArgument
 
 CONFIG_FILE = "adapter_config.json"
 MAX_CONFIG_BYTES = 1 * 2**20
+# PEFT features that change the forward beyond B(A(x)) * scaling. The inference server refuses
+# the same list (services/inference/lora/config.py); the store must not record what it refuses.
+UNSUPPORTED = {
+    "use_dora": "DoRA adapters are not supported (only plain LoRA A/B weights)",
+    "lora_bias": "LoRA bias terms are not supported (only plain LoRA A/B weights)",
+    "modules_to_save": "modules_to_save (full module copies) are not supported",
+    "fan_in_fan_out": "fan_in_fan_out is for Conv1D (GPT-2 style) layers; these models use nn.Linear",
+    "layer_replication": "layer_replication is not supported",
+    "target_parameters": "target_parameters (LoRA on raw parameters) is not supported",
+    "trainable_token_indices": "trainable token embeddings are not supported",
+    "use_qalora": "QALoRA is not supported",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
+    "use_bdlora": "BD-LoRA is not supported",
+    "arrow_config": "Arrow routing is not supported",
+    "kasa_config": "KaSA is not supported",
+    "velora_config": "VeLoRA is not supported",
+    "monteclora_config": "MonteCLoRA is not supported",
+}
 
 
 class LoraConfig(NamedTuple):
@@ -61,8 +80,12 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
     try:
         text = raw.decode("utf-8")
         data = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except UnicodeDecodeError as e:  # its message would echo the file's bytes
+        raise _bad("json", f"not valid JSON: not UTF-8 at byte {e.start}") from None
+    except json.JSONDecodeError as e:
         raise _bad("json", f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise _bad("json", "JSON nested too deeply") from None
     if not isinstance(data, dict):
         raise _bad("json", "not a JSON object")
     peft_type = str(data.get("peft_type", "")).upper()
@@ -72,8 +95,8 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise _bad("r", f"r must be a positive integer, got {r!r}")
     alpha = data.get("lora_alpha")
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
-        raise _bad("lora_alpha", f"lora_alpha must be a positive number, got {alpha!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha < math.inf:
+        raise _bad("lora_alpha", f"lora_alpha must be a positive finite number, got {alpha!r}")
     targets = data.get("target_modules")
     if isinstance(targets, str) and targets:
         try:
@@ -84,12 +107,13 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
         targets = tuple(targets)
     else:
         raise _bad("target_modules", f"target_modules must be a non-empty list of names or a regex, got {targets!r}")
-    if data.get("use_dora"):
-        raise _bad("use_dora", "DoRA adapters are not supported (only plain LoRA A/B weights)")
-    if data.get("lora_bias"):
-        raise _bad("lora_bias", "LoRA bias terms are not supported (only plain LoRA A/B weights)")
-    if data.get("modules_to_save"):
-        raise _bad("modules_to_save", "modules_to_save (full module copies) are not supported")
+    for key, why in UNSUPPORTED.items():
+        if data.get(key):
+            raise _bad(key, why)
+    if data.get("bias", "none") != "none":
+        raise _bad("bias", f"only bias 'none' is supported, got {data.get('bias')!r}")
+    if data.get("init_lora_weights") == "mica":
+        raise _bad("init_lora_weights", "the MiCA variant is not supported")
     use_rslora = data.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise _bad("use_rslora", f"use_rslora must be true or false, got {use_rslora!r}")
@@ -113,7 +137,7 @@ def _positive_map(value: object, field: str, *, integer: bool) -> dict:
         raise _bad(field, f"{field} must be an object, got {value!r}")
     for key, v in value.items():
         ok = isinstance(v, int) if integer else isinstance(v, int | float)
-        if isinstance(v, bool) or not ok or not v > 0:
+        if isinstance(v, bool) or not ok or not 0 < v < math.inf:
             raise _bad(f"{field}.{key}", f"{field}[{key!r}] must be a positive {'integer' if integer else 'number'}")
         try:
             re.compile(key)

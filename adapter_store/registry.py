@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -48,6 +49,36 @@ class AdapterRegistry:
         self.base = base
         self.fetch_count = 0  # fetches actually run (not answered from the index)
         self._evict_lock = asyncio.Lock()
+        self._stopping = threading.Event()
+
+    def begin_shutdown(self) -> None:
+        """Fetches in worker threads stop at their next chunk instead of holding the exit."""
+        self._stopping.set()
+
+    async def _fetch_in_thread(self, name: str, resolved: ResolvedSource) -> StoreRecord:
+        """Fetch and validate off the event loop; a caller that goes away (its RPC cancelled)
+        stops the copy too, rather than leaving a thread writing for nobody."""
+        gone = threading.Event()
+        work = asyncio.ensure_future(asyncio.to_thread(self._fetch_validate_store, name, resolved,
+                                                       lambda: gone.is_set() or self._stopping.is_set()))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            gone.set()
+            work.add_done_callback(lambda w, n=name: self._abandoned(w, n))
+            raise
+
+    def _abandoned(self, work: asyncio.Future, name: str) -> None:
+        error = None if work.cancelled() else work.exception()
+        if error is not None:
+            log.info("fetch for %s abandoned by its caller: %s", name, error)
+            return
+        if not work.cancelled():
+            # It finished first: a blob no record points at would never be evicted.
+            digest = work.result().digest
+            if not self.blobs.read_sidecar(digest)["records"]:
+                self.blobs.remove_blob(digest)
+        log.info("fetch for %s abandoned by its caller after it finished", name)
 
     # -- register ----------------------------------------------------------------------------
     async def register(self, name: str, source: str, revision: str = "") -> StoreRecord:
@@ -65,10 +96,10 @@ class AdapterRegistry:
                 # Same content as registered (the usual case for concurrent registrations of one name).
                 return existing
             start_generation = await self.index.generation(name)
-            record = await asyncio.to_thread(self._fetch_validate_store, name, resolved)
+            record = await self._fetch_in_thread(name, resolved)
             record = record.with_(generation=start_generation + 1)
             if existing is not None:
-                record = record.with_(created_at=existing.created_at) if existing.digest == record.digest else record
+                record = record.with_(created_at=existing.created_at) if existing.content == record.content else record
             await asyncio.to_thread(self._sidecar_add, record)
             try:
                 generation = await self.index.commit(record, start_generation)
@@ -90,13 +121,14 @@ class AdapterRegistry:
         await self.evict_if_needed(keep=record.digest)
         return record
 
-    def _fetch_validate_store(self, name: str, resolved: ResolvedSource) -> StoreRecord:
+    def _fetch_validate_store(self, name: str, resolved: ResolvedSource,
+                              stop: Callable[[], bool] | None = None) -> StoreRecord:
         self.fetch_count += 1
         spec = resolved.spec
         log.info("fetching %s for %s", spec.canonical + (f"@{resolved.revision[:12]}" if resolved.revision else ""),
                  name)
         with self.blobs.staging_dir() as staging:
-            fetched = self.fetcher.fetch(resolved, staging)
+            fetched = self.fetcher.fetch(resolved, staging, stop)
             config = parse_lora_config(fetched.config_raw)
             summary = validate_adapter(config, fetched.weights, self.base)
             self.blobs.put(fetched.weights, summary.digest)
@@ -183,7 +215,7 @@ class AdapterRegistry:
                 return record
             spec = parse_source(record.source, record.revision, self.config.allowed_local_dirs)
             resolved = await asyncio.to_thread(self.fetcher.resolve, spec)
-            again = await asyncio.to_thread(self._fetch_validate_store, record.name, resolved)
+            again = await self._fetch_in_thread(record.name, resolved)
             if again.digest != record.digest:
                 await asyncio.to_thread(self.blobs.remove_blob, again.digest)
                 raise FailedPrecondition(

@@ -43,23 +43,29 @@ def read_header(path: Path, label: str = "adapter_model.safetensors") -> Safeten
     if file_size < 8:
         raise InvalidArgument(f"{label}: file is {file_size} bytes, too short for a safetensors header", field=label)
     with open(path, "rb") as f:
+        # The length field is never echoed: in a file that is not safetensors it is the file's
+        # first 8 bytes (a symlink to /etc/passwd would print "root:x:0").
         (header_len,) = struct.unpack("<Q", f.read(8))
         if header_len > MAX_HEADER_BYTES:
             raise InvalidArgument(
-                f"{label}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte cap",
+                f"{label}: the header length field exceeds the {MAX_HEADER_BYTES}-byte cap (not a safetensors file?)",
                 field=f"{label}:header",
             )
         if 8 + header_len > file_size:
             raise InvalidArgument(
-                f"{label}: header length {header_len} runs past the end of the {file_size}-byte file "
+                f"{label}: the header length field runs past the end of the {file_size}-byte file "
                 "(truncated file?)",
                 field=f"{label}:header",
             )
         raw = f.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except UnicodeDecodeError as e:
+        raise InvalidArgument(f"{label}: header is not valid JSON: not UTF-8 at byte {e.start}", field=f"{label}:header") from None
+    except json.JSONDecodeError as e:
         raise InvalidArgument(f"{label}: header is not valid JSON: {e}", field=f"{label}:header") from None
+    except RecursionError:
+        raise InvalidArgument(f"{label}: header JSON is nested too deeply", field=f"{label}:header") from None
     if not isinstance(header, dict):
         raise InvalidArgument(f"{label}: header is not a JSON object", field=f"{label}:header")
     metadata = header.pop("__metadata__", None) or {}

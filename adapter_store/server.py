@@ -21,7 +21,7 @@ from adapter_store.cli.args import StoreConfig
 from adapter_store.index import AdapterIndex
 from adapter_store.redis_embedded import EmbeddedRedis, connect, describe
 from adapter_store.registry import AdapterRegistry
-from adapter_store.servicer import AdapterStoreServicer
+from adapter_store.servicer import AdapterStoreServicer, CallerGoneFilter
 from adapter_store.sources import SourceFetcher
 
 log = logging.getLogger("adapter_store")
@@ -54,11 +54,12 @@ async def serve(config: StoreConfig) -> None:
         log.warning("Redis (%s) is not reachable at start (%s); calls answer UNAVAILABLE until it is",
                     describe(config.redis_url), e)
 
+    logging.getLogger("grpc._cython.cygrpc").addFilter(CallerGoneFilter())
     interceptors = [AdminTokenInterceptor(config.admin_token)] if config.admin_token else []
     # Undecodable request bytes: INVALID_ARGUMENT rather than grpc's bare UNKNOWN.
     interceptors.append(MalformedRequestInterceptor(f"/{SERVICE_NAME}/"))
     server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_send_message_length", 8 << 20)])
-    servicer = AdapterStoreServicer(registry)
+    servicer = AdapterStoreServicer(registry, config.max_watchers)
     pb_grpc.add_AdapterStoreServicer_to_server(servicer, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -81,12 +82,23 @@ async def serve(config: StoreConfig) -> None:
              ", TLS" + (" with client certificates" if config.tls_ca else "") if config.tls_cert else "",
              ", admin token required" if config.admin_token else "")
 
+    async def set_health(status) -> None:
+        for service in ("", SERVICE_NAME):
+            await health.set(service, status)
+
+    supervisor = None
+    if embedded:
+        supervisor = asyncio.create_task(embedded.supervise(
+            lambda: set_health(health_pb2.HealthCheckResponse.NOT_SERVING),
+            lambda: set_health(health_pb2.HealthCheckResponse.SERVING)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down: draining RPCs for up to %.0fs", config.grace_s)
+    if supervisor is not None:
+        supervisor.cancel()
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer.begin_shutdown()

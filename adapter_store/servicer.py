@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc._cython import cygrpc
 from grpc_status import rpc_status
 from loraplex.v1 import adapter_store_pb2 as pb
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
@@ -27,6 +28,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from adapter_store import errors
 from adapter_store.records import StoreRecord
 from adapter_store.registry import AdapterRegistry
+from adapter_store.watch_hub import WatchHub, stream_id
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
@@ -70,6 +72,7 @@ def rich_status(error: errors.StoreError, resource: str = "") -> grpc.Status:
     if error.field and code in (code_pb2.INVALID_ARGUMENT, code_pb2.FAILED_PRECONDITION):
         violation = error_details_pb2.BadRequest.FieldViolation(field=error.field, description=error.message)
         details.append(error_details_pb2.BadRequest(field_violations=[violation]))
+    resource = resource if len(resource) <= 128 else ""  # longer is no adapter name; keep the trailer small
     if error.name or resource:
         details.append(
             error_details_pb2.ResourceInfo(
@@ -111,9 +114,31 @@ def _handle_errors(method):
     return unary
 
 
+class CallerGoneFilter(logging.Filter):
+    """grpc logs a write to a stream whose caller went away (a killed client mid-pull) as an ERROR
+    with a traceback, from inside grpc where the servicer cannot catch it; it is routine."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, cygrpc.ExecuteBatchError):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args, record.exc_info, record.exc_text = (
+                "a stream ended: the caller went away (%s)", (type(error).__name__,), None, None)
+        return True
+
+
+def _caller_gone(request, how: str) -> None:
+    """A killed client or a passed deadline is routine: one INFO line, no traceback."""
+    log.info("%s of %r ended: the caller went away (%s)", type(request).__name__, getattr(request, "name", "")[:128],
+             how)
+
+
 async def _abort(e: Exception, request, context: grpc.aio.ServicerContext) -> None:
     if isinstance(e, asyncio.CancelledError):
         raise e
+    if isinstance(e, cygrpc.ExecuteBatchError) or context.cancelled():
+        _caller_gone(request, type(e).__name__)  # nobody to answer
+        return
     store_error = _to_store_error(e)
     if store_error is None:
         log.exception("internal error in %s", type(request).__name__)
@@ -125,13 +150,15 @@ async def _abort(e: Exception, request, context: grpc.aio.ServicerContext) -> No
 
 
 class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
-    def __init__(self, registry: AdapterRegistry):
+    def __init__(self, registry: AdapterRegistry, max_watchers: int = 1024):
         self.registry = registry
-        self._stopping = asyncio.Event()
+        self.hub = WatchHub(registry.index, max_watchers, WATCH_BLOCK_MS)
 
     def begin_shutdown(self) -> None:
-        """Watch streams end (UNAVAILABLE, so clients reconnect elsewhere) instead of holding the drain."""
-        self._stopping.set()
+        """Watch streams end (UNAVAILABLE, so clients reconnect elsewhere) instead of holding the drain;
+        fetches in worker threads stop."""
+        self.hub.stop()
+        self.registry.begin_shutdown()
 
     @_handle_errors
     async def RegisterAdapter(self, request: pb.RegisterAdapterRequest, context) -> pb.AdapterRecord:
@@ -169,26 +196,46 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
                     yield pb.AdapterChunk(header=header)
                     while data := await asyncio.to_thread(f.read, CHUNK_BYTES):
                         yield pb.AdapterChunk(data=data)
+        except (asyncio.CancelledError, GeneratorExit) as e:  # the stream was closed under us
+            _caller_gone(request, type(e).__name__)
+            raise
         except Exception as e:  # noqa: BLE001
             await _abort(e, request, context)
 
     async def WatchAdapters(self, request: pb.WatchAdaptersRequest, context) -> AsyncIterator[pb.AdapterEvent]:
         try:
-            if request.last_event_id and not EVENT_ID_RE.fullmatch(request.last_event_id):
+            if request.last_event_id and (not EVENT_ID_RE.fullmatch(request.last_event_id)
+                                          or max(stream_id(request.last_event_id)) >= 2**64):
                 raise errors.InvalidArgument(
-                    f"last_event_id {request.last_event_id!r} is not a Redis stream id (like 1700000000000-0)",
+                    f"last_event_id {request.last_event_id[:64]!r} is not a Redis stream id (like 1700000000000-0)",
                     field="last_event_id",
                 )
-            last = request.last_event_id or await self.registry.index.last_event_id()
-            if last == "0":
-                last = "0-0"
-            while not self._stopping.is_set():
-                for ev in await self.registry.index.read_events(last, block_ms=WATCH_BLOCK_MS):
-                    last = ev.id
-                    yield pb.AdapterEvent(
-                        id=ev.id, type=ev.type, name=ev.name, digest=ev.digest, generation=ev.generation, time=ev.time
-                    )
-            raise errors.Unavailable(f"the adapter store is shutting down; reconnect with last_event_id={last}")
+            async with self.hub.subscribe() as feed:
+                # Headers go out once subscribed: a client can tell it is watching before any event.
+                await context.send_initial_metadata(())
+                index = self.registry.index
+                last = request.last_event_id or await index.last_event_id()
+                if last == "0":
+                    last = "0-0"
+                # The backlog, in short non-blocking reads; then the shared reader's live feed,
+                # which starts no later than where the backlog ends (duplicates are skipped).
+                while batch := await index.read_events(last, block_ms=None):
+                    for ev in batch:
+                        last = ev.id
+                        yield _event_proto(ev)
+                while True:
+                    try:
+                        ev = await feed.next()
+                    except errors.Unavailable as e:
+                        raise errors.Unavailable(f"{e.message}; reconnect with last_event_id={last}") from None
+                    if stream_id(ev.id) > stream_id(last):
+                        last = ev.id
+                        yield _event_proto(ev)
         except Exception as e:  # noqa: BLE001
             with contextlib.suppress(asyncio.CancelledError):
                 await _abort(e, request, context)
+
+
+def _event_proto(ev) -> pb.AdapterEvent:
+    return pb.AdapterEvent(id=ev.id, type=ev.type, name=ev.name, digest=ev.digest, generation=ev.generation,
+                           time=ev.time, config_digest=ev.config_digest)

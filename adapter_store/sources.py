@@ -14,12 +14,14 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import unquote, urlparse
 
 from adapter_store.cli.args import StoreConfig
 from adapter_store.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
+from adapter_store.local_files import check_allowed, copy_regular_file, resolve_file
 from adapter_store.lora_config import CONFIG_FILE
 from adapter_store.pickle_convert import PICKLE_FILE, convert_pickle_to_safetensors
 from adapter_store.progress import LogProgress
@@ -97,17 +99,14 @@ def _local_spec(path: Path, revision: str, allowed_dirs: tuple[Path, ...]) -> So
         raise InvalidArgument("revision applies to Hub sources only, not to a local directory", field="revision")
     if not path.is_absolute():
         path = Path.cwd() / path
-    real = Path(os.path.realpath(path))
-    _check_allowed(real, allowed_dirs)
+    try:
+        real = Path(os.path.realpath(path, strict=True))
+    except FileNotFoundError:
+        real = Path(os.path.realpath(path))  # NotFound once resolved, unless outside the allowed dirs
+    except OSError as e:  # a symlink loop, a name too long: the caller's input, not the store's fault
+        raise InvalidArgument(f"local path {str(path)[:200]} cannot be resolved: {e.strerror}", field="source") from None
+    check_allowed(real, allowed_dirs)
     return SourceSpec("local", str(real), "", real.as_uri())
-
-
-def _check_allowed(real: Path, allowed_dirs: tuple[Path, ...]) -> None:
-    if allowed_dirs and not any(real == d or d in real.parents for d in allowed_dirs):
-        raise InvalidArgument(
-            f"local path {real} is outside --allowed-local-dirs ({', '.join(map(str, allowed_dirs))})",
-            field="source",
-        )
 
 
 class SourceFetcher:
@@ -130,14 +129,12 @@ class SourceFetcher:
         if not directory.is_dir():
             raise NotFound(f"local adapter directory {directory} does not exist", field="source")
         config_path = directory / CONFIG_FILE
-        if not config_path.is_file():
+        if not os.path.lexists(config_path):
             raise InvalidArgument(f"{directory} has no {CONFIG_FILE}: not a PEFT adapter directory", field="source")
         weights_file = self._pick_weights_file({p.name for p in directory.iterdir()}, str(directory))
         parts, total = [], 0
         for name in (CONFIG_FILE, weights_file):
-            real = Path(os.path.realpath(directory / name))
-            _check_allowed(real, self.config.allowed_local_dirs)
-            st = real.stat()
+            _real, st = resolve_file(directory / name, self.config.allowed_local_dirs)
             total += st.st_size
             parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}")
         self._check_size(total, str(directory))
@@ -180,15 +177,19 @@ class SourceFetcher:
             )
 
     # -- fetch: copy or download into `staging` ------------------------------------------------
-    def fetch(self, resolved: ResolvedSource, staging: Path) -> FetchedAdapter:
+    def fetch(self, resolved: ResolvedSource, staging: Path, stop: Callable[[], bool] | None = None) -> FetchedAdapter:
+        """`stop` set (the caller went away, the store shuts down) abandons a local copy."""
         staging.mkdir(parents=True, exist_ok=True)
         if resolved.spec.kind == "hub":
             self._download_hub(resolved, staging)
         else:
+            budget = self.config.max_adapter_bytes
             for name in (CONFIG_FILE, resolved.weights_file):
                 src = Path(resolved.spec.location) / name
                 try:
-                    shutil.copyfile(src, staging / name)
+                    # Resolved again: the directory may have changed since `resolve`.
+                    real, _st = resolve_file(src, self.config.allowed_local_dirs)
+                    budget -= copy_regular_file(real, staging / name, budget, stop)
                 except FileNotFoundError:
                     raise NotFound(f"{src} disappeared while registering", field="source") from None
                 except PermissionError as e:

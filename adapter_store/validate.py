@@ -22,6 +22,11 @@ from adapter_store.safetensors_header import SafetensorsHeader, TensorInfo, read
 WEIGHTS_FILE = "adapter_model.safetensors"
 TENSOR_NAME_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+ANY_LAYER_RE = re.compile(r"(?:^|\.)layers\.([^.]*)\.")
+# The module tree the inference server serves (Llama, Mistral, Qwen2); with --base-model every
+# LoRA tensor must sit on one of these paths, as the inference server requires.
+MODULE_GROUP = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 HASH_CHUNK = 8 * 2**20
 # Exponent-all-ones masks: a value is NaN or Inf exactly when (bits & mask) == mask.
 _NONFINITE = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}
@@ -85,6 +90,7 @@ def _check_module(module: str, ab: dict[str, TensorInfo], config: LoraConfig, ba
             f"{WEIGHTS_FILE}:{a.name}: module {module} is not in target_modules {config.target_modules!r}",
             field=f"{WEIGHTS_FILE}:{a.name}",
         )
+    _check_layer_index(module, a)
     rank = config.rank_for(module)
     (a_rank, in_features), (out_features, b_rank) = a.shape, b.shape
     if a_rank != rank:
@@ -104,10 +110,26 @@ def _check_module(module: str, ab: dict[str, TensorInfo], config: LoraConfig, ba
     return rank
 
 
+def _check_layer_index(module: str, a: TensorInfo) -> None:
+    for index in ANY_LAYER_RE.findall(module):
+        if not index.isdecimal() or str(int(index)) != index:
+            raise InvalidArgument(
+                f"{WEIGHTS_FILE}:{a.name}: layer index {index[:20]!r} is not a non-negative integer",
+                field=f"{WEIGHTS_FILE}:{a.name}",
+            )
+
+
 def _check_against_base(
     module: str, a: TensorInfo, b: TensorInfo, in_features: int, out_features: int, base: BaseModelShapes
 ) -> None:
+    suffix = module.rsplit(".", 1)[-1]
     layer = LAYER_RE.search(module)
+    if suffix not in MODULE_GROUP or layer is None or module != f"model.layers.{layer.group(1)}.{MODULE_GROUP[suffix]}.{suffix}":
+        raise InvalidArgument(
+            f"{WEIGHTS_FILE}:{a.name}: {module} is not a LoRA-targetable projection of base model {base.name} "
+            f"(model.layers.N.{{self_attn,mlp}}.{{{','.join(MODULE_GROUP)}}})",
+            field=f"{WEIGHTS_FILE}:{a.name}",
+        )
     if layer is not None and int(layer.group(1)) >= base.num_layers:
         raise InvalidArgument(
             f"{WEIGHTS_FILE}:{a.name}: layer {layer.group(1)} does not exist in base model {base.name} "

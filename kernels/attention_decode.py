@@ -22,10 +22,12 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# The split count is a runtime value (it follows the batch size, and a constexpr would compile a
+# variant per batch size while serving); only the padded width of the merge is compiled in.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
-    scale_log2,
+    scale_log2, num_splits,
     stride_qb, stride_qh,
     stride_kp, stride_kt, stride_kh,
     stride_vp, stride_vt, stride_vh,
@@ -34,13 +36,13 @@ def _decode_split_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, ctx)
 
@@ -89,20 +91,20 @@ def _decode_split_kernel(
     tl.store(mid_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr,
+    mid_o_ptr, mid_lse_ptr, out_ptr, num_splits,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
     stride_outb, stride_outh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     d_mask = offs_d < HEAD_DIM
     lse = tl.load(mid_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
@@ -123,11 +125,31 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+MAX_SPLITS = 32
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Splits per sequence so the grid covers the GPU about twice (a function of shape only)."""
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
     programs = max(1, batch * num_kv_heads)
-    return max(1, min(32, triton.cdiv(2 * sms, programs)))
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * sms, programs)))
+
+
+def decode_block_n(batch: int, num_kv_heads: int) -> int:
+    """Keys per tile. Measured on the H200 at Llama-3.1-8B shapes (bench/attention_kernels.py,
+    2026-12-02): with >= 1024 (sequence, kv head) programs, 32-token tiles beat 64 by ~9% (B=256:
+    262 vs 288 us)."""
+    return 32 if batch * num_kv_heads >= 1024 else 64
+
+
+def decode_variants(max_batch: int, num_kv_heads: int, device: torch.device) -> dict[tuple[int, int], int]:
+    """The compiled variants (block_n, padded split count) a decode batch of 1..`max_batch` can
+    launch, each with the smallest batch size that launches it: what a warm-up must run."""
+    out: dict[tuple[int, int], int] = {}
+    for b in range(1, max_batch + 1):
+        splits = decode_num_splits(b, num_kv_heads, device)
+        out.setdefault((decode_block_n(b, num_kv_heads), triton.next_power_of_2(splits)), b)
+    return out
 
 
 def paged_decode_attention(
@@ -157,18 +179,22 @@ def paged_decode_attention(
         raise ValueError("q, k_cache and v_cache need a contiguous last dimension")
     group = num_heads // num_kv_heads
     splits = num_splits or decode_num_splits(batch, num_kv_heads, q.device)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {splits}")
     if block_n is None:
-        # Measured on the H200 at Llama-3.1-8B shapes (bench/attention_kernels.py, 2026-12-02): with
-        # >= 1024 (sequence, kv head) programs, 32-token tiles beat 64 by ~9% (B=256: 262 vs 288 us).
-        block_n = 32 if batch * num_kv_heads >= 1024 else 64
+        block_n = decode_block_n(batch, num_kv_heads)
     block_d = triton.next_power_of_2(head_dim)
-    mid_o = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
+    # Partials sized for the padded split count: their strides (kernel arguments whose value class
+    # Triton specialises on) then follow the padded count, as the merge's compiled width does, so the
+    # warm-up's one batch per (block_n, padded count) covers them (`decode_variants`).
+    pad = triton.next_power_of_2(splits)
+    mid_o = torch.empty((batch, num_heads, pad, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, num_heads, pad), dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty_like(q)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_lse,
-        scale * LOG2E,
+        scale * LOG2E, splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -177,16 +203,16 @@ def paged_decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=splits,
+        PAGE_SIZE=page_size, BLOCK_N=block_n,
         num_warps=num_warps, num_stages=num_stages,
     )
     _decode_merge_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out,
+        mid_o, mid_lse, out, splits,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
-        NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+        SPLITS_PAD=pad,
         num_warps=4 if block_d >= 128 else 2,
     )
     return out

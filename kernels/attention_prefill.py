@@ -17,7 +17,9 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# The page tables' row stride is the step's longest chunk in pages: a runtime value, not a value
+# class to compile a variant for (1 page, a multiple of 16, other).
+@triton.jit(do_not_specialize=["stride_tb"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, cu_q_ptr, kv_lens_ptr,
     scale_log2,

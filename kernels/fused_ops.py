@@ -58,12 +58,15 @@ def _add_rms_norm_kernel(h_ptr, y_ptr, d_ptr, w_ptr, h_out_ptr, out_ptr, stride_
 
 
 def add_rms_norm(
-    h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+    h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
+    h_out: torch.Tensor | None = None, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`h + y` (y plus its float32 LoRA `delta` first, when given) and `rms_norm` of that, in one
-    launch: the residual add before each RMSNorm of a decoder layer. Returns (new h, normed)."""
+    launch: the residual add before each RMSNorm of a decoder layer. Returns (new h, normed).
+    `h_out` / `out`: write them there (`h_out` may be `h`: each row is read before it is written)."""
     rows, n = h.shape
-    h_out, out = torch.empty_like(h), torch.empty_like(h)
+    h_out = torch.empty_like(h) if h_out is None else h_out
+    out = torch.empty_like(h) if out is None else out
     if rows:
         block = triton.next_power_of_2(n)
         d = delta if delta is not None else y
@@ -127,26 +130,30 @@ def _qkv_rotary_kernel(qkv_ptr, d_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, st
 
 def qkv_rotary(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
-    delta: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the fused q/k/v projection `[T, (q_heads + 2 kv_heads) * head_dim]` (last dim contiguous)
     into q, k, v `[T, heads, head_dim]` with the half-split rotary applied to q and k (`cos`/`sin`
     `[T, head_dim/2]` in qkv's dtype), after adding the projection's float32 LoRA `delta` (same
     width, any row stride) when given. One launch. q and k are new tensors; v is a view of `qkv`
-    without a delta, else a new tensor."""
+    without a delta, else a new tensor. `out`: (q, k, v) to write instead (v is then always written)."""
     tokens, width = qkv.shape
     dim = width // (q_heads + 2 * kv_heads)
     half = dim // 2
-    q = torch.empty((tokens, q_heads, dim), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((tokens, kv_heads, dim), dtype=qkv.dtype, device=qkv.device)
-    if delta is None:
-        v = qkv[:, (q_heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    if out is not None:
+        q, k, v = out
     else:
-        v = torch.empty((tokens, kv_heads, dim), dtype=qkv.dtype, device=qkv.device)
+        q = torch.empty((tokens, q_heads, dim), dtype=qkv.dtype, device=qkv.device)
+        k = torch.empty((tokens, kv_heads, dim), dtype=qkv.dtype, device=qkv.device)
+        if delta is None:
+            v = qkv[:, (q_heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+        else:
+            v = torch.empty((tokens, kv_heads, dim), dtype=qkv.dtype, device=qkv.device)
     if tokens:
         cos, sin = cos.contiguous(), sin.contiguous()
         d = qkv if delta is None else delta
-        _qkv_rotary_kernel[(tokens, 2 if delta is None else 3)](
+        # Program 2 writes v (plus its delta): needed with a delta, or when v is not a view of qkv.
+        _qkv_rotary_kernel[(tokens, 2 if delta is None and out is None else 3)](
             qkv, d, cos, sin, q, k, v, qkv.stride(0), d.stride(0), cos.stride(0), q.stride(0), k.stride(0),
             v.stride(0), Q_HEADS=q_heads, KV_HEADS=kv_heads, HALF=half, BLOCK_H=triton.next_power_of_2(q_heads),
             BLOCK_D=triton.next_power_of_2(half), HAS_DELTA=delta is not None, num_warps=4)
@@ -162,7 +169,7 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def qkv_rotary_ref(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
-    delta: torch.Tensor | None = None,
+    delta: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch code `qkv_rotary` replaces: in-place delta add, split, rotary of q and k."""
     if delta is not None:
@@ -170,8 +177,13 @@ def qkv_rotary_ref(
     tokens, width = qkv.shape
     dim = width // (q_heads + 2 * kv_heads)
     q, k, v = qkv.split((q_heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
-    return (rotary_ref(q.reshape(tokens, q_heads, dim), cos, sin),
-            rotary_ref(k.reshape(tokens, kv_heads, dim), cos, sin), v.reshape(tokens, kv_heads, dim))
+    result = (rotary_ref(q.reshape(tokens, q_heads, dim), cos, sin),
+              rotary_ref(k.reshape(tokens, kv_heads, dim), cos, sin), v.reshape(tokens, kv_heads, dim))
+    if out is None:
+        return result
+    for dst, src in zip(out, result, strict=True):
+        dst.copy_(src)
+    return out
 
 
 @triton.jit

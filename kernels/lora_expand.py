@@ -48,7 +48,8 @@ def _chunk_lora(pid_n, slot, w0, w1, w2, nc0, nc1, ranks_ptr, scal_ptr, sr_s, sr
     return stack, chunk, width, col0, rank, tl.where(rank > 0, scale, 0.0)
 
 
-@triton.jit
+# sy_s (one K-split's rows: tokens x columns) follows the step's token count: runtime, not specialised.
+@triton.jit(do_not_specialize=["sy_s"])
 def _expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scal_ptr, bslot_ptr, btok_ptr,
     max_rank, w0, w1, w2, nc0, nc1, chunk_n,
@@ -114,7 +115,7 @@ def _expand_kernel(
             tl.store(o_ptrs, (scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sy_s"])
 def _expand_token_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scal_ptr, slots_ptr,
     max_rank, w0, w1, w2, nc0, nc1, chunk_n,

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.placement import triton_runs_on
+
 # Token-block sizes the kernels may use; a block map is built for each.
 BLOCK_MS: tuple[int, ...] = (16, 32, 64, 128)
 MAX_BLOCK_M = max(BLOCK_MS)
@@ -119,15 +121,35 @@ def build_segments(token_slots: torch.Tensor, out: LoRASegments) -> LoRASegments
     num_tokens = token_slots.shape[0]
     if num_tokens > out.max_tokens:
         raise ValueError(f"{num_tokens} tokens exceed the metadata's max_tokens={out.max_tokens}")
-    if out.token_slots.is_cuda and triton_build_fits(num_tokens, out.num_slots):
+    if triton_runs_on(out.token_slots) and triton_build_fits(num_tokens, out.num_slots):
         return build_segments_triton(token_slots, out)
     return build_segments_ref(token_slots, out)
 
 
+# Token tile of the Triton build: a power of two, at least this many, so a step's token count picks
+# one of a handful of compiled variants (every one of them compiled at start-up: `segments_block_ts`).
+MIN_BLOCK_T = 16
+
+
+def segments_block_t(num_tokens: int) -> int:
+    """The `BLOCK_T` the Triton build compiles for a step of `num_tokens` tokens."""
+    return max(MIN_BLOCK_T, triton.next_power_of_2(max(num_tokens, 1)))
+
+
 def triton_build_fits(num_tokens: int, num_slots: int) -> bool:
     """Whether `build_segments_triton` takes a step of this size (else the torch build does)."""
-    entries = triton.next_power_of_2(num_slots + 1) * triton.next_power_of_2(max(num_tokens, 1))
+    entries = triton.next_power_of_2(num_slots + 1) * segments_block_t(num_tokens)
     return 0 < num_tokens and entries <= TRITON_MAX_ENTRIES
+
+
+def segments_block_ts(max_tokens: int, num_slots: int) -> list[int]:
+    """Every `BLOCK_T` a step of up to `max_tokens` tokens can compile (what a warm-up must cover)."""
+    sizes = {segments_block_t(t) for t in (1, max_tokens)}
+    t = MIN_BLOCK_T
+    while t < max_tokens:
+        sizes.add(t)
+        t *= 2
+    return sorted(b for b in sizes if triton_build_fits(b if b <= max_tokens else max_tokens, num_slots))
 
 
 @triton.jit
@@ -151,7 +173,8 @@ def _fill_blocks(counts, key, rank, offs_t, t_mask, T, bslot_ptr, btok_ptr, stri
     tl.store(btok_ptr + (first + rank // M) * stride_bt + rank % M, offs_t, mask=t_mask & (key < S))
 
 
-@triton.jit
+# T is a runtime size: its value class (1, a multiple of 16, other) must not pick a compiled variant.
+@triton.jit(do_not_specialize=["T"])
 def _segments_kernel(slots_ptr, tok_slots_ptr, sorted_ptr, start_ptr, count_ptr, bslot_ptr, btok_ptr, T,
                      stride_bs, stride_bti, stride_bt, S: tl.constexpr, BLOCK_S: tl.constexpr,
                      BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, M0: tl.constexpr, M1: tl.constexpr,
@@ -196,7 +219,7 @@ def build_segments_triton(token_slots: torch.Tensor, out: LoRASegments) -> LoRAS
     _segments_kernel[(len(BLOCK_MS),)](
         slots, out.token_slots, out.sorted_tokens, out.slot_start, out.slot_count, bslot, btok, num_tokens,
         bslot.stride(0), btok.stride(0), btok.stride(1), S=num_slots,
-        BLOCK_S=triton.next_power_of_2(num_slots + 1), BLOCK_T=triton.next_power_of_2(num_tokens), BLOCK_B=32,
+        BLOCK_S=triton.next_power_of_2(num_slots + 1), BLOCK_T=segments_block_t(num_tokens), BLOCK_B=32,
         M0=BLOCK_MS[0], M1=BLOCK_MS[1], M2=BLOCK_MS[2], M3=BLOCK_MS[3], num_warps=8,
     )
     return out

@@ -24,7 +24,8 @@ from kernels.lora_launch import launch_kwargs
 from kernels.lora_meta import LoRASegments, num_blocks_bound
 
 
-@triton.jit
+# sy_s (one K-split's rows: tokens x columns) follows the step's token count: runtime, not specialised.
+@triton.jit(do_not_specialize=["sy_s"])
 def _shrink_kernel(
     x_ptr, a_ptr, y_ptr, ranks_ptr, bslot_ptr, btok_ptr,
     d, max_rank, k_per_split,

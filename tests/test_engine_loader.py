@@ -160,6 +160,16 @@ def test_unknown_architecture_and_rope_are_refused(tmp_path, tiny_llama_path):
         parse_config({**raw, "rope_scaling": {"type": "yarn", "factor": 4.0}})
 
 
+def test_model_type_names_the_family_when_architectures_is_null(tmp_path, tiny_llama_path):
+    # transformers loads such a checkpoint by model_type; so does the engine, with the same tokens.
+    path = copy_model(tiny_llama_path, tmp_path / "no-arch", architectures=None, model_type="llama")
+    assert greedy(engine_for(path), TEXTS) == hf_greedy(path, engine_for(path), TEXTS)
+    raw = json.loads((tiny_llama_path / "config.json").read_text())
+    assert parse_config({**raw, "architectures": [], "model_type": "qwen2"}).architecture == "Qwen2ForCausalLM"
+    with pytest.raises(UnsupportedModelError, match="unsupported architecture 'gpt2'"):
+        parse_config({**raw, "architectures": None, "model_type": "gpt2"})
+
+
 def test_both_rope_config_spellings_are_read(tiny_llama_path):
     raw = json.loads((tiny_llama_path / "config.json").read_text())
     raw.pop("rope_parameters", None)

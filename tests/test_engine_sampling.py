@@ -92,6 +92,18 @@ def test_greedy_and_degenerate_filters_take_the_argmax():
     assert sample(logits, inputs(6, top_p=[1e-6] * 6)) == argmax
 
 
+def test_tiny_temperatures_are_greedy_not_garbage():
+    # logits / 1e-40 overflowed to inf/NaN and argmax answered token 0 whatever the logits.
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1)) * 30
+    logits[:, 0] = -100.0
+    argmax = logits.argmax(-1).tolist()
+    for t in (1e-45, 1e-40, 1e-38, 1e-30, 1e-10, 1e-6, float(torch.finfo(torch.float32).tiny)):
+        for extra in ({}, {"top_k": [5] * 4}, {"top_p": [0.9] * 4}, {"min_p": [0.1] * 4}):
+            assert sample(logits, inputs(4, temperature=[t] * 4, **extra)) == argmax, (t, extra)
+    # Just above the threshold it still samples (and, this sharp, takes the argmax anyway).
+    assert sample(logits, inputs(4, temperature=[2e-5] * 4)) == argmax
+
+
 def test_penalties_move_logits_in_the_documented_direction():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
     rep = apply_penalties(logits, inputs(1, repetition_penalty=[2.0], prompt_ids=[[0]], output_ids=[[1]]))

@@ -88,10 +88,12 @@ def server(tmp_path_factory, tiny_llama_path, good_adapter):
 
 # -- random requests -----------------------------------------------------------------------
 f32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
-small_f = st.one_of(f32, st.sampled_from([0.0, 0.5, 1.0, -1.0, 2.5, float("nan"), float("inf"), 1e30, -1e30]))
+TINY = [1e-45, 1e-40, 1e-38, 1e-30, 1e-10, 1e-6, 2e-5]  # temperatures that once overflowed to NaN
+small_f = st.one_of(f32, st.sampled_from([0.0, 0.5, 1.0, -1.0, 2.5, float("nan"), float("inf"), 1e30, -1e30,
+                                          *TINY, 3.4e38, -3.4e38]))
 names = st.one_of(
     st.sampled_from(["", "good", "missing", "../good", "good/../../etc", "/etc/passwd", ".hidden", "a" * 129,
-                     "with space", "x\x00y", "good\n", "-dash", "ok.name_1-2"]),
+                     "with space", "x\x00y", "good\n", "-dash", "ok.name_1-2", "x" * 5000, "%2E%2E"]),
     st.text(max_size=20),
 )
 texts = st.one_of(
@@ -151,7 +153,8 @@ def test_random_generate_requests_get_clean_status(server, text, adapter, params
 @settings(max_examples=40, **FUZZ)
 @given(name=names, source=st.one_of(
     st.sampled_from(["", "/", "/etc", "../../..", "file:///etc", "hf://org/repo", "org/repo", "~", "x" * 5000,
-                     "a/" * 200, "/" + "n" * 300, "good\x00", "file://" + "../" * 10]),
+                     "a/" * 200, "/" + "n" * 300, "good\x00", "file://" + "../" * 10, " /etc", " file:///etc",
+                     "file:///%2E%2E/etc", "file:///tmp/%2e%2e/etc", "file://remote/etc", "file:///%00"]),
     st.text(max_size=40)), revision=st.one_of(st.text(max_size=10), st.just("r" * 300)))
 def test_random_adapter_management_gets_clean_status(server, name, source, revision):
     code, detail = server.code_of(server.stub.LoadAdapter, pb.LoadAdapterRequest(name=name, source=source,
@@ -164,6 +167,25 @@ def test_random_adapter_management_gets_clean_status(server, name, source, revis
         assert server.code_of(server.stub.LoadAdapter, load)[0] == grpc.StatusCode.OK
     code, detail = server.code_of(server.stub.Tokenize, pb.TokenizeRequest(text=source * 3))
     assert code in CLEAN, (code, detail)
+
+
+@settings(max_examples=12, **FUZZ)
+@given(temperature=st.sampled_from(TINY[:-1]), filters=st.sampled_from([{}, {"top_k": 5}, {"top_p": 0.9},
+                                                                       {"min_p": 0.1}]))
+def test_tiny_temperatures_are_greedy(server, temperature, filters):
+    def tokens(**params):
+        request = pb.GenerateRequest(text=["Once upon a time"], adapter=["good"], sampling_params=pb.SamplingParams(
+            max_new_tokens=LIMIT_NEW_TOKENS, ignore_eos=True, seed=7, **params))
+        return list(server.stub.Generate(request, timeout=60).completions[0].token_ids)
+
+    assert tokens(temperature=temperature, **filters) == tokens(temperature=0)
+
+
+def test_long_single_adapter_name_is_invalid_and_not_logged(server):
+    for n in (5000, 1 << 19):
+        code, detail = server.code_of(server.stub.Generate, pb.GenerateRequest(text=["a", "b"], adapter=["n" * n]))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and len(detail) < 1000, (code, detail[:200])
+    assert "n" * 300 not in server.proc.output()
 
 
 # -- random broken adapter files ------------------------------------------------------------
@@ -192,7 +214,9 @@ def _write_header(path: Path, header: dict, data: bytes) -> None:
 def damages(draw):
     kind = draw(st.sampled_from(["truncate", "header_len", "flip", "config_field", "config_bytes", "no_weights",
                                  "pickle_only", "no_config", "tensor_dtype", "tensor_shape", "tensor_offsets",
-                                 "extra_tensor", "huge_config"]))
+                                 "extra_tensor", "huge_config", "fifo_weights", "fifo_config", "devzero_weights",
+                                 "dir_weights", "loop_weights", "dangling_weights", "nested_config",
+                                 "nested_header", "extreme_alpha"]))
     return kind, draw(st.randoms(use_true_random=False)), draw(st.sampled_from(CONFIG_KEYS)), draw(json_values)
 
 
@@ -220,6 +244,31 @@ def damage(directory: Path, kind: str, rnd, key: str, value) -> None:
         weights.rename(directory / "adapter_model.bin")
     elif kind == "no_config":
         config.unlink()
+    elif kind in ("fifo_weights", "fifo_config"):
+        target = weights if kind == "fifo_weights" else config
+        target.unlink()
+        os.mkfifo(target)
+    elif kind == "devzero_weights":
+        weights.unlink()
+        weights.symlink_to("/dev/zero")
+    elif kind == "dir_weights":
+        weights.unlink()
+        weights.mkdir()
+    elif kind == "loop_weights":
+        weights.unlink()
+        weights.symlink_to(weights)
+    elif kind == "dangling_weights":
+        weights.unlink()
+        weights.symlink_to(directory / "nowhere")
+    elif kind == "nested_config":
+        config.write_text("[" * rnd.choice([1000, 100_000]) + "]" * rnd.choice([0, 1000]))
+    elif kind == "nested_header":
+        depth = rnd.choice([1000, 100_000])
+        weights.write_bytes(struct.pack("<Q", depth) + b"[" * depth)
+    elif kind == "extreme_alpha":
+        cfg = json.loads(config.read_text())
+        cfg[rnd.choice(["lora_alpha", "r"])] = rnd.choice([float("inf"), -float("inf"), 1e308, 5e-324, 2**63])
+        config.write_text(json.dumps(cfg))
     elif kind == "huge_config":
         cfg = json.loads(config.read_text())
         cfg["padding"] = "x" * (2 * 2**20)
@@ -258,8 +307,9 @@ def test_random_broken_adapter_files_get_clean_status(server, good_adapter, d):
             server.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=30)
         elif kind == "pickle_only":
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "pickle" in detail, detail
-        elif kind in ("header_len", "huge_config"):
-            assert code == grpc.StatusCode.INVALID_ARGUMENT, detail
+        elif kind in ("header_len", "huge_config", "fifo_weights", "fifo_config", "devzero_weights", "dir_weights",
+                      "loop_weights", "nested_config", "nested_header"):
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (kind, detail)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -271,8 +321,15 @@ def test_local_sources_stay_under_allowed_dirs(server, good_adapter, tmp_path):
     link = server.allowed / "sneaky-link"
     os.symlink(outside, link)
     try:
+        linked_file = server.allowed / "linked-file"
+        linked_file.mkdir()
+        shutil.copyfile(outside / "adapter_config.json", linked_file / "adapter_config.json")
+        (linked_file / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
+        rel = os.path.relpath(outside, server.allowed)
         for source in (str(outside), f"file://{outside}", str(server.allowed / ".." / outside.name), str(link),
-                       str(server.allowed / "good" / ".." / ".." / "etc")):
+                       str(server.allowed / "good" / ".." / ".." / "etc"), " " + str(outside), f"{outside} ",
+                       f"file://{server.allowed}/{rel.replace('..', '%2E%2E')}",
+                       f"file://localhost{server.allowed}/{rel.replace('.', '%2e')}", str(linked_file)):
             code, detail = server.code_of(server.stub.LoadAdapter, pb.LoadAdapterRequest(name="escape", source=source))
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "--allowed-local-dirs" in detail, (source, detail)
         for name in ("../good", "a/b", ".hidden", "x" * 129):

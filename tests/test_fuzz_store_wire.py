@@ -9,12 +9,15 @@ parse touches nothing outside the test.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from loraplex.v1 import adapter_store_pb2 as spb
+from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
 
 from tests.store_helpers import start_store
 
@@ -26,13 +29,15 @@ REQUESTS = {
     "PullAdapter": spb.PullAdapterRequest(name="wire"),
 }
 NOT_CLEAN = {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
+MAX_WATCHERS = 24
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     empty = tmp_path_factory.mktemp("allowed-empty")
     env = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
-    with start_store(tmp_path_factory.mktemp("wire-store"), "--allowed-local-dirs", str(empty), env=env) as proc, \
+    with start_store(tmp_path_factory.mktemp("wire-store"), "--allowed-local-dirs", str(empty),
+                     "--max-watchers", str(MAX_WATCHERS), env=env) as proc, \
             grpc.insecure_channel(proc.address) as channel:
         yield proc, channel
 
@@ -72,6 +77,39 @@ def test_undecodable_store_requests_get_clean_status(store, call):
         code = err.code()
         assert code not in NOT_CLEAN, (method, raw, code, err.details())
     event(f"{method}: {code.name}")
+
+
+event_ids = st.one_of(st.just(""), st.just("0"), st.sampled_from(["99999999999999999999999-0", "18446744073709551616",
+                                                                 "1-18446744073709551616", "-1", "1-2-3"]),
+                      st.from_regex(r"\A[0-9]{1,25}(-[0-9]{1,25})?\Z"),
+                      st.text(max_size=30))
+
+
+@settings(max_examples=6, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ids=st.lists(event_ids, min_size=1, max_size=MAX_WATCHERS + 8))
+def test_many_watchers_from_any_event_id_get_clean_status(store, ids):
+    proc, _ = store
+    allowed = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+    async def watch_all() -> list[grpc.StatusCode]:
+        async with grpc.aio.insecure_channel(proc.address) as channel:
+            stub = spb_grpc.AdapterStoreStub(channel)
+            calls = [stub.WatchAdapters(spb.WatchAdaptersRequest(last_event_id=i), timeout=1.0) for i in ids]
+            codes = []
+            for call in calls:
+                try:
+                    async for _ in call:
+                        pass
+                except grpc.aio.AioRpcError as err:
+                    assert err.code() in allowed, (err.code(), err.details())
+                    codes.append(err.code())
+            return codes
+
+    codes = asyncio.run(watch_all())
+    event(f"refused: {codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) > 0}")
+    if len(ids) <= MAX_WATCHERS:
+        assert grpc.StatusCode.RESOURCE_EXHAUSTED not in codes  # watchers of earlier examples were let go
 
 
 def test_store_healthy_after_wire_fuzzing(store):

@@ -28,6 +28,7 @@ from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 from clients import Client
 from clients.processes import ServerProcess
+from services.inference.store_client import content_dir_name
 from tests.reliability_proxy import CuttingProxy
 from tests.service_stack import STARTUP_S, scrape
 from tests.store_helpers import RedisServer, start_store_process
@@ -169,7 +170,7 @@ def test_pull_cut_halfway_is_retried_and_digest_checked(stack, adapters):
     [info] = [a for a in stack.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters
               if a.name == "big-cut-once"]
     assert info.digest == record.digest and info.location == pb.ADAPTER_LOCATION_GPU
-    local = stack.cache / record.digest.removeprefix("sha256:") / "adapter_model.safetensors"
+    local = stack.cache / content_dir_name(record.digest, record.config_digest) / "adapter_model.safetensors"
     import hashlib
     assert "sha256:" + hashlib.sha256(local.read_bytes()).hexdigest() == record.digest
     _no_partial_pulls(stack.cache)
@@ -186,7 +187,7 @@ def test_pull_that_keeps_breaking_is_unavailable_and_leaves_no_half_adapter(stac
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
     assert "big-cut-always" in e.value.details()
     assert stack.location("big-cut-always") == pb.ADAPTER_LOCATION_STORE  # known to the store only
-    assert not (stack.cache / record.digest.removeprefix("sha256:")).exists()
+    assert not (stack.cache / content_dir_name(record.digest, record.config_digest)).exists()
     _no_partial_pulls(stack.cache)
     assert stack.generate("big-cut-always").completion_tokens == 8  # the network is back: it pulls
     assert stack.serving()
@@ -214,7 +215,7 @@ def test_store_killed_mid_pull_leaves_no_half_adapter_and_recovers(stack, adapte
     finally:
         stack.proxy.throttle_s = 0.0
     assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE, outcome
-    assert not (stack.cache / record.digest.removeprefix("sha256:")).exists()
+    assert not (stack.cache / content_dir_name(record.digest, record.config_digest)).exists()
     _no_partial_pulls(stack.cache)
     assert stack.location("big-crash") is None  # neither loaded nor (store down) listed
     assert stack.generate("").completion_tokens == 8  # the base model is unaffected

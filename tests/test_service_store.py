@@ -15,7 +15,9 @@ import pytest
 from loraplex.v1 import inference_pb2 as pb
 
 from clients import AsyncClient, Client, NotFound
+from services.inference.store_client import content_dir_name
 from tests.service_stack import STORE_STACK_SHAPE, PeftReference, scrape, store_stack
+from tests.store_helpers import copy_adapter, edit_config
 
 MAX_NEW = 10
 PROMPT = "List 3 countries and their capitals."
@@ -53,10 +55,10 @@ def test_store_only_adapter_is_served_without_load(client, stack, adapters, refe
     assert list(out.token_ids) == reference.greedy(PROMPT, adapters["s-one"], MAX_NEW)
     here = {a.name: a for a in client.list_adapters()}
     assert here["s-one"].location in (pb.ADAPTER_LOCATION_GPU, pb.ADAPTER_LOCATION_HOST)
-    # the pulled copy is content-addressed and matches the record's digest
+    # the pulled copy is content-addressed (weights and config) and matches the record's digest
     _, inference = stack
     cache = inference.proc.args[inference.proc.args.index("--adapter-cache-dir") + 1]
-    local = f"{cache}/{record.digest.split(':', 1)[1]}/adapter_model.safetensors"
+    local = f"{cache}/{content_dir_name(record.digest, record.config_digest)}/adapter_model.safetensors"
     with open(local, "rb") as f:
         assert "sha256:" + hashlib.sha256(f.read()).hexdigest() == record.digest
 
@@ -138,3 +140,36 @@ def test_store_reregister_with_new_content_is_picked_up(client, adapters, refere
         time.sleep(0.3)
     listed = {a.name: a for a in client.list_adapters()}
     assert listed["s-swap"].digest == new.digest
+
+
+def _served(client, name: str) -> tuple[float, list[int]]:
+    [out] = client.generate(PROMPT, name, max_new_tokens=MAX_NEW, temperature=0)
+    alpha = {a.name: a.alpha for a in client.list_adapters()}[name]
+    return alpha, list(out.token_ids)
+
+
+def test_same_weights_with_another_config_are_another_adapter(client, adapters, reference, tmp_path):
+    """Identity is content: a copy of s-one's weights with lora_alpha 1 is served with alpha 1,
+    under a second name and when the first name is re-registered with it, though s-one's weights
+    (with alpha 16) are already in the inference server's cache."""
+    low = copy_adapter(adapters["s-one"], tmp_path / "s-one-alpha1")
+    edit_config(low, lora_alpha=1)
+    want_low = reference.greedy(PROMPT, low, MAX_NEW)
+    want_one = reference.greedy(PROMPT, adapters["s-one"], MAX_NEW)
+    assert want_low != want_one, "alpha 1 and 16 must give different tokens for this test to mean anything"
+
+    client.register_adapter("s-twin", str(adapters["s-one"]))
+    assert _served(client, "s-twin") == (16.0, want_one)
+    record = client.register_adapter("s-twin-low", str(low))
+    assert record.alpha == 1.0 and record.digest == client.get_adapter("s-twin").digest
+    assert record.config_digest != client.get_adapter("s-twin").config_digest
+    assert _served(client, "s-twin-low") == (1.0, want_low)
+    info = client.load_adapter("s-twin-load", str(low))
+    assert info.alpha == 1.0
+    assert _served(client, "s-twin-load") == (1.0, want_low)
+
+    client.register_adapter("s-twin", str(low))  # the same name, its alpha fixed
+    deadline = time.monotonic() + 15
+    while _served(client, "s-twin") != (1.0, want_low):  # the watch event drops the old version
+        assert time.monotonic() < deadline, "still serving the old config"
+        time.sleep(0.3)

@@ -5,6 +5,9 @@ takes a blob being pulled; --allow-pickle converts; --allowed-local-dirs confine
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import time
 from pathlib import Path
 
@@ -200,3 +203,28 @@ def test_sigterm_ends_open_watch_streams_promptly(tmp_path):
             list(stream)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "last_event_id" in e.value.details()
         assert proc.proc.wait(30) == 0 and time.monotonic() - t0 < 10  # not the 30 s grace
+
+
+def test_embedded_redis_killed_is_restarted_with_its_data(tmp_path, adapters):
+    with start_store(tmp_path / "cache") as proc, store_stub(proc.address) as stub:
+        record = register(stub, "survivor", adapters["a"])
+        time.sleep(1.2)  # appendfsync everysec: the registration is on disk
+        pid = int(re.search(r"embedded Redis \(pid (\d+)\)", proc.output()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while True:  # calls fail for a moment, then the restarted server answers from its files
+            try:
+                again = stub.GetAdapter(pb.GetAdapterRequest(name="survivor"), timeout=5)
+                if "restarted" in proc.output():
+                    break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, e.details()
+            assert time.monotonic() < deadline, "the store never recovered from losing its embedded Redis"
+            time.sleep(0.2)
+        assert again.digest == record.digest and again.generation == record.generation
+        register(stub, "after", adapters["b"])
+        assert sorted(names(stub)) == ["after", "survivor"]
+        with grpc.insecure_channel(proc.address) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        assert "embedded Redis died" in proc.output()

@@ -4,6 +4,7 @@ status (never INTERNAL/UNKNOWN) and the store stays healthy and keeps serving a 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import tempfile
@@ -47,8 +48,17 @@ def _register(stub, name, source, revision=""):
         return e.code()
 
 
+sources = st.one_of(
+    st.text(max_size=300),
+    st.sampled_from([" /etc", "\t/tmp", "file:///%2E%2E/etc", "file:///tmp/%2e%2e/%2e%2e/dev", "file://remote/x",
+                     "file:///dev/zero", "/dev/zero", "/proc/self/fd/0", "file:///%00", "file://" + "%2F" * 200,
+                     " " * 5000]),
+    st.text(max_size=60).map(lambda t: "file:///" + "".join(f"%{ord(c) & 0xFF:02X}" for c in t)),
+)
+
+
 @FUZZ
-@given(name=st.text(max_size=140), source=st.text(max_size=300), revision=st.text(max_size=40))
+@given(name=st.one_of(st.text(max_size=140), st.just("x" * 5000)), source=sources, revision=st.text(max_size=40))
 def test_random_requests_get_clean_errors(store, name, source, revision):
     _, stub = store
     _register(stub, name, source, revision)
@@ -66,6 +76,11 @@ mutation = st.one_of(
     st.tuples(st.just("flip"), st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1, max_size=8)),
     st.tuples(st.just("header_len"), st.integers(0, 2**64 - 1)),
     st.tuples(st.just("append"), st.binary(min_size=1, max_size=64)),
+    st.tuples(st.just("special"), st.sampled_from(["fifo", "devzero", "devnull", "dir", "loop", "dangling",
+                                                    "config_fifo", "config_loop"])),
+    st.tuples(st.just("nested"), st.sampled_from(["config", "header"]), st.sampled_from([100, 1000, 100_000])),
+    st.tuples(st.just("config"), st.sampled_from(["r", "lora_alpha", "alpha_pattern"]),
+              st.sampled_from([float("inf"), -float("inf"), float("nan"), 1e308, 5e-324, 2**63, {"q_proj": 1e999}])),
     st.tuples(st.just("config"), st.sampled_from(["r", "lora_alpha", "target_modules", "peft_type", "rank_pattern"]),
               st.one_of(st.none(), st.integers(-5, 100), st.floats(allow_nan=True), st.text(max_size=8),
                         st.lists(st.text(max_size=8), max_size=3), st.dictionaries(st.text(max_size=8),
@@ -92,6 +107,16 @@ def test_random_broken_adapters_are_refused_cleanly(store, good, mut, header_bia
             raw[:8] = struct.pack("<Q", mut[1])
         elif kind == "append":
             raw += mut[1]
+        elif kind == "nested":
+            depth = mut[2]
+            if mut[1] == "config":
+                (d / CONFIG).write_text("[" * depth)
+            else:
+                raw = bytearray(struct.pack("<Q", depth) + b"[" * depth)
+        elif kind == "special":
+            _special(d, mut[1])
+            assert _register(stub, "fuzzed", str(d)) == grpc.StatusCode.INVALID_ARGUMENT, mut
+            return
         else:
             cfg = json.loads((d / CONFIG).read_text())
             cfg[mut[1]] = mut[2]
@@ -101,6 +126,21 @@ def test_random_broken_adapters_are_refused_cleanly(store, good, mut, header_bia
         if code == grpc.StatusCode.OK:  # e.g. a flip inside the data that left every value finite
             stub.DeleteAdapter(pb.DeleteAdapterRequest(name="fuzzed"))
         shutil.rmtree(d)
+
+
+def _special(d: Path, kind: str) -> None:
+    target = d / (CONFIG if kind.startswith("config_") else WEIGHTS)
+    target.unlink()
+    if kind in ("fifo", "config_fifo"):
+        os.mkfifo(target)
+    elif kind in ("devzero", "devnull"):
+        target.symlink_to(f"/dev/{kind[3:]}")
+    elif kind == "dir":
+        target.mkdir()
+    elif kind in ("loop", "config_loop"):
+        target.symlink_to(target)
+    else:
+        target.symlink_to(d / "nowhere")
 
 
 def test_store_still_healthy_and_serving_after_fuzz(store, good):

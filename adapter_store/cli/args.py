@@ -33,6 +33,7 @@ class StoreConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None  # given: clients must present a certificate it signed (mutual TLS)
+    max_watchers: int = 1024  # open WatchAdapters streams; one Redis reader serves them all
 
 
 def _size(text: str) -> int:
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM server certificate (with --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None, help="PEM server private key")
     p.add_argument("--tls-ca", type=Path, default=None, help="PEM CA bundle: require client certificates (mTLS)")
+    p.add_argument("--max-watchers", type=int, default=StoreConfig.max_watchers,
+                   help="open WatchAdapters streams at most (more get RESOURCE_EXHAUSTED)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -94,7 +97,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[StoreConfig, str]:
         tls_cert=a.tls_cert,
         tls_key=a.tls_key,
         tls_ca=a.tls_ca,
+        max_watchers=a.max_watchers,
     )
     if bool(config.tls_cert) != bool(config.tls_key) or (config.tls_ca and not config.tls_cert):
         build_parser().error("--tls-cert and --tls-key go together; --tls-ca needs both")
+    if config.max_watchers < 1:
+        build_parser().error("--max-watchers must be at least 1")
     return config, a.log_level

@@ -8,17 +8,20 @@ adapter, so a store delete (WatchAdapters) unloads an adapter only once they fin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from services.inference.engine.types import AdapterInfo
-from services.inference.errors import AdapterNotFound, InvalidRequest, LoraplexError
+from services.inference.errors import AdapterNotFound, LoraplexError
+from services.inference.local_sources import check_allowed, local_path, looks_local
 from services.inference.metrics import Metrics
 from services.inference.proto_convert import check_adapter_name, check_source
-from services.inference.store_client import StoreClient
+from services.inference.store_client import PulledAdapter, StoreClient
 
 log = logging.getLogger(__name__)
 
@@ -31,47 +34,6 @@ async def call(fn, *args: Any, **kwargs: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
-def looks_local(source: str) -> bool:
-    """A filesystem path or file:// URI rather than a Hub reference (`org/repo`, `hf://...`)."""
-    if source.startswith("file://"):
-        return True
-    if "://" in source:
-        return False
-    if source.startswith(("/", ".", "~")):
-        return True
-    try:
-        return Path(source).expanduser().exists()
-    except OSError:  # too long to be a path here
-        return False
-
-
-def check_allowed(source: str, allowed_dirs: tuple[str, ...]) -> Path:
-    """The resolved path of a local source; InvalidRequest if it escapes --allowed-local-dirs
-    (symlinks and '..' are resolved first, so neither can lead out)."""
-    path = Path(source.removeprefix("file://")).expanduser().resolve()
-    if allowed_dirs and not any(path.is_relative_to(Path(d).expanduser().resolve()) for d in allowed_dirs):
-        raise InvalidRequest(f"source {source!r} is outside --allowed-local-dirs", field="source")
-    return path
-
-
-def local_path(source: str, allowed_dirs: tuple[str, ...]) -> Path:
-    """A local source (path or file:// URI) as a directory, checked against --allowed-local-dirs."""
-    if source.startswith("hf://"):
-        raise InvalidRequest(
-            f"source {source!r} is a Hub reference; this server has no adapter store (--adapter-store none) "
-            "to fetch it, so give a local directory",
-            field="source",
-        )
-    path = check_allowed(source, allowed_dirs)
-    try:
-        is_dir = path.is_dir()
-    except OSError as exc:  # e.g. a name longer than the filesystem allows
-        raise InvalidRequest(f"source {source[:200]!r} is not a usable path: {exc.strerror}", field="source") from None
-    if not is_dir:
-        raise AdapterNotFound(f"adapter source {source!r} is not a directory on the server", field="source")
-    return path
-
-
 class AdapterResolver:
     def __init__(self, engine, store: StoreClient | None, metrics: Metrics, allowed_dirs: tuple[str, ...] = ()):
         self.engine = engine
@@ -82,8 +44,14 @@ class AdapterResolver:
         self._idle: dict[str, asyncio.Event] = {}
         self._loading: dict[str, asyncio.Task] = {}
         self._deleting: dict[str, asyncio.Task] = {}
-        # name -> (source, digest) as the user and the store know them, not the local cache path
-        self._origin: dict[str, tuple[str, str]] = {}
+        # name -> (source, weights digest, config digest) as the user and the store know them, not
+        # the local cache path; the two digests together are the adapter's content
+        self._origin: dict[str, tuple[str, str, str]] = {}
+        # A name whose version is being replaced: calls naming it wait until the swap is done, and
+        # the swap waits for the calls already running, so one call sees one version per name.
+        self._swapping: dict[str, asyncio.Event] = {}
+        # LoadAdapter calls for one name run one at a time: each response reports what it loaded.
+        self._load_locks: dict[str, asyncio.Lock] = {}
 
     # -- requests in flight ---------------------------------------------------------------
     def acquire(self, name: str) -> None:
@@ -103,14 +71,47 @@ class AdapterResolver:
 
     # -- resolution -----------------------------------------------------------------------
     async def ensure(self, names: set[str]) -> None:
-        """Make every named adapter available, or raise for the first that cannot be."""
+        """Make every named adapter available, or raise for the first that cannot be. Returns with
+        no swap of any of them under way: the caller must `acquire` them before its next await."""
         names = {n for n in names if n}
-        results = await asyncio.gather(*(self._ensure_one(n) for n in sorted(names)), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        while True:
+            results = await asyncio.gather(*(self._ensure_one(n) for n in sorted(names)), return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            swaps = [self._swapping[n] for n in names if n in self._swapping]
+            if not swaps:
+                return
+            for swap in swaps:
+                await swap.wait()
+
+    @contextlib.asynccontextmanager
+    async def _swap(self, name: str) -> AsyncIterator[None]:
+        """Exclusive use of `name` while its version changes: new calls wait, running ones finish first."""
+        while (other := self._swapping.get(name)) is not None:
+            await other.wait()
+        done = asyncio.Event()
+        self._swapping[name] = done
+        try:
+            await self.wait_idle(name)
+            yield
+        finally:
+            del self._swapping[name]
+            done.set()
+
+    @contextlib.asynccontextmanager
+    async def _load_lock(self, name: str) -> AsyncIterator[None]:
+        lock = self._load_locks.setdefault(name, asyncio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and self._load_locks.get(name) is lock:
+                del self._load_locks[name]
 
     async def _ensure_one(self, name: str) -> None:
+        while (swap := self._swapping.get(name)) is not None:
+            await swap.wait()
         if name in self._deleting:
             await asyncio.shield(self._deleting[name])
         if await call(self.engine.has_adapter, name):
@@ -130,9 +131,13 @@ class AdapterResolver:
 
     async def _pull_and_load(self, name: str, *, pin: bool) -> AdapterInfo:
         assert self.store is not None
-        pulled = await self.store.fetch(name)
-        self._origin[name] = (pulled.record.source, pulled.record.digest)
-        return self._with_origin(await self._engine_load(name, pulled.path, pin))
+        return await self._load_pulled(await self.store.fetch(name), pin)
+
+    async def _load_pulled(self, pulled: PulledAdapter, pin: bool) -> AdapterInfo:
+        record = pulled.record
+        info = await self._engine_load(pulled.name, pulled.path, pin)
+        self._origin[pulled.name] = (record.source, record.digest, record.config_digest)
+        return self._with_origin(info)
 
     def _with_origin(self, info: AdapterInfo) -> AdapterInfo:
         if info.name in self._origin:
@@ -156,16 +161,34 @@ class AdapterResolver:
     async def load(self, name: str, source: str, revision: str, pin: bool) -> AdapterInfo:
         check_adapter_name(name)
         check_source(source, revision)
+        async with self._load_lock(name):
+            if self.store is None:
+                path = local_path(source, self.allowed_dirs)
+                async with self._swap(name):
+                    await self._unload_if_loaded(name)
+                    info = await self._engine_load(name, path, pin)
+                    self._origin[name] = (source, "", "")
+                    return self._with_origin(info)
+            if looks_local(source) and self.allowed_dirs:
+                # The store reads it; honour the allow-list by sending the very path that was checked.
+                source = str(check_allowed(source, self.allowed_dirs))
+            record = await self.store.register(name, source, revision)
+            pulled = await self.store.fetch(name)
+            if (pulled.record.digest, pulled.record.config_digest) != (record.digest, record.config_digest):
+                pulled = await self.store.fetch(name)  # joined a pull of the content it replaced
+            async with self._swap(name):
+                await self._unload_if_loaded(name)
+                try:
+                    return await self._load_pulled(pulled, pin)
+                except LoraplexError as exc:
+                    # Kept on purpose: the store is shared, and other servers' limits may admit it.
+                    exc.message += (f" (the adapter store keeps {name!r} registered for servers that can serve "
+                                    "it; DeleteAdapter there removes it)")
+                    raise
+
+    async def _unload_if_loaded(self, name: str) -> None:
         if await call(self.engine.has_adapter, name):
-            await self.wait_idle(name)
             await call(self.engine.unload_adapter, name)
-        if self.store is None:
-            self._origin[name] = (source, "")
-            return self._with_origin(await self._engine_load(name, local_path(source, self.allowed_dirs), pin))
-        if looks_local(source):
-            check_allowed(source, self.allowed_dirs)  # the store reads it; still honour the allow-list
-        await self.store.register(name, source, revision)
-        return await self._pull_and_load(name, pin=pin)
 
     async def unload(self, name: str) -> None:
         check_adapter_name(name)
@@ -173,32 +196,34 @@ class AdapterResolver:
             raise AdapterNotFound(f"adapter {name!r} is not loaded on this server", adapter=name)
         await call(self.engine.unload_adapter, name)
 
-    async def on_store_event(self, kind: str, name: str, digest: str) -> None:
-        """A store delete, or a re-register with new content, drops the adapter here once its
-        running requests finish; the next request then pulls what the store has now."""
+    async def on_store_event(self, kind: str, name: str, digest: str, config_digest: str = "") -> None:
+        """A store delete, or a re-register with new content (weights or config), drops the adapter
+        here once its running requests finish; the next request then pulls what the store has now."""
+        content = (digest, config_digest)
         if kind == "registered":
             known = self._origin.get(name)
-            if known is None or not known[1] or known[1] == digest:
+            # An event without a config digest (an older store) cannot prove the content unchanged.
+            if known is None or not known[1] or (config_digest and known[1:] == content):
                 return
         elif kind != "deleted":
             return
         if name in self._deleting:
             return
-        task = asyncio.create_task(self._drop_when_idle(name, digest if kind == "registered" else None))
+        task = asyncio.create_task(self._drop_when_idle(name, content if kind == "registered" else None))
         self._deleting[name] = task
         task.add_done_callback(lambda _t: self._deleting.pop(name, None))
 
-    async def _drop_when_idle(self, name: str, new_digest: str | None) -> None:
-        await self.wait_idle(name)
-        if new_digest is not None and self._origin.get(name, ("", ""))[1] == new_digest:
-            return  # meanwhile this server loaded the new content itself
-        try:
-            if await call(self.engine.has_adapter, name):
-                await call(self.engine.unload_adapter, name)
-                self._origin.pop(name, None)
-                log.info("adapter %s deleted or replaced in the store; unloaded here", name)
-        except LoraplexError as exc:
-            log.warning("could not unload deleted adapter %s: %s", name, exc)
+    async def _drop_when_idle(self, name: str, new_content: tuple[str, str] | None) -> None:
+        async with self._swap(name):
+            if new_content is not None and new_content[1] and self._origin.get(name, ("", "", ""))[1:] == new_content:
+                return  # meanwhile this server loaded the new content itself
+            try:
+                if await call(self.engine.has_adapter, name):
+                    await call(self.engine.unload_adapter, name)
+                    self._origin.pop(name, None)
+                    log.info("adapter %s deleted or replaced in the store; unloaded here", name)
+            except LoraplexError as exc:
+                log.warning("could not unload deleted adapter %s: %s", name, exc)
 
     async def list(self) -> list[AdapterInfo]:
         adapters = list(await call(self.engine.list_adapters))

@@ -84,6 +84,12 @@ class Metrics:
         )
         self.store_pulls = Counter("loraplex_store_pulls", "Adapters pulled from the adapter store", registry=r)
         self.store_pull_bytes = Counter("loraplex_store_pull_bytes", "Bytes pulled from the adapter store", registry=r)
+        self.triton_compiles = Counter(
+            "loraplex_triton_compiles_after_start",
+            "Triton kernel compilations after start-up (each stalls the engine thread; 0 in steady state)",
+            registry=r,
+        )
+        self._compiles_seen = 0
         self._last_location: dict[str, str] = {}
         self._last_evictions: dict[str, int] = {}
         self._last_engine_totals: dict[str, int] = {}
@@ -92,6 +98,12 @@ class Metrics:
         """Start the HTTP exporter on a daemon thread; returns the bound port."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
+
+    def observe_compiles(self, after_start: int) -> None:
+        """Export `kernels.compile_watch.compile_counter.after_start` (a running total)."""
+        if after_start > self._compiles_seen:
+            self.triton_compiles.inc(after_start - self._compiles_seen)
+            self._compiles_seen = after_start
 
     def observe_engine(self, stats: EngineStats) -> None:
         self.queue_waiting.set(stats.waiting)

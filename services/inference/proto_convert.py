@@ -89,6 +89,8 @@ def adapters_per_input(request: pb.GenerateRequest) -> list[str]:
     if not adapters:
         return [""] * n
     if len(adapters) == 1:
+        if adapters[0]:
+            check_adapter_name(adapters[0], field="adapter[0]")
         return adapters * n
     if len(adapters) != n:
         raise InvalidRequest(

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from loraplex.v1 import inference_pb2, inference_pb2_grpc
 from loraplex.wire import MalformedRequestInterceptor
 
+from kernels.compile_watch import compile_counter
 from services.inference import auth
 from services.inference.adapter_resolver import AdapterResolver, call
 from services.inference.default_model import default_cache_dir
@@ -163,6 +164,7 @@ class InferenceServer:
         while True:
             try:
                 self.metrics.observe_engine(await call(self.state.engine.stats))
+                self.metrics.observe_compiles(compile_counter.after_start)
                 self.metrics.observe_adapters(list(await call(self.state.engine.list_adapters)))
             except Exception:  # noqa: BLE001 - metrics never take the server down
                 log.debug("metrics refresh failed", exc_info=True)

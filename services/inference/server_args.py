@@ -37,11 +37,13 @@ class ServerArgs:
     max_total_tokens: int | None = None
     page_size: int = 16
     chunked_prefill_size: int = 2048
+    decode_prefill_budget: int = 0  # prefill tokens per step while decodes run; 0 = --chunked-prefill-size
     max_num_batched_tokens: int = 8192
     max_running_requests: int = 256
     context_length: int | None = None
     cuda_graph_max_bs: int = 256
     disable_cuda_graph: bool = False
+    mixed_cuda_graph_max_tokens: int = 2048  # piecewise graphs for steps with prefill chunks; 0 = off
     disable_overlap_schedule: bool = False  # overlap is on by default on CUDA (off on CPU)
     disable_prefix_cache: bool = False
     # Request limits
@@ -113,11 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-total-tokens", type=int, default=None)
     a("--page-size", type=int, default=d.page_size)
     a("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    a("--decode-prefill-budget", type=int, default=d.decode_prefill_budget,
+      help="prefill tokens per step while decodes are running (so they keep their cadence); "
+      "0 = --chunked-prefill-size. Pick it from bench/mixed_step.py's step time vs chunk size")
     a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     a("--max-running-requests", type=int, default=d.max_running_requests)
     a("--context-length", type=int, default=None)
     a("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
     a("--disable-cuda-graph", action="store_true")
+    a("--mixed-cuda-graph-max-tokens", type=int, default=d.mixed_cuda_graph_max_tokens,
+      help="steps with prefill chunks of up to this many tokens replay piecewise CUDA graphs (all but "
+      "attention; bounds their memory); 0 = run them eagerly")
     a("--disable-overlap-schedule", action="store_true",
       help="run each step's output processing before launching the next step (overlap is on by default on CUDA)")
     a("--disable-prefix-cache", action="store_true",

@@ -1,9 +1,9 @@
 """The inference side of the adapter store: resolve a name, pull it once, watch for deletes.
 
-`fetch(name)` asks the store (`GetAdapter`), and unless the digest is already in the local
-cache (`<cache>/<hex digest>/`), streams `PullAdapter`, checks the sha256 of both files
-against the record and renames a finished temp dir into place, so a reader never sees a
-half-written adapter. Concurrent fetches of one name share one pull (single flight).
+`fetch(name)` asks the store (`GetAdapter`), and unless the content is already in the local
+cache (`<cache>/<weights hex>-<config hex>/`: an adapter is its weights *and* its config),
+streams `PullAdapter`, checks the sha256 of both files against the record and renames a
+finished temp dir into place, so a reader never sees a half-written adapter. Concurrent fetches of one name share one pull (single flight).
 `watch(on_event)` follows `WatchAdapters`, reconnecting with backoff.
 """
 
@@ -70,6 +70,12 @@ def _hex(digest: str) -> str:
     return digest.split(":", 1)[1] if ":" in digest else digest
 
 
+def content_dir_name(weights_digest: str, config_digest: str) -> str:
+    """The cache directory of one adapter content: both digests, so the same weights under
+    another adapter_config.json (another lora_alpha, rank_pattern, ...) never share a copy."""
+    return f"{_hex(weights_digest)}-{_hex(config_digest)}"
+
+
 def _map_rpc_error(err: grpc.RpcError, name: str, what: str) -> LoraplexError:
     code = err.code()
     detail = err.details() or ""
@@ -81,6 +87,36 @@ def _map_rpc_error(err: grpc.RpcError, name: str, what: str) -> LoraplexError:
     return BackendUnavailable(f"adapter store {what} for {name!r} failed ({code.name}): {detail}", adapter=name)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale_pulls(cache_dir: Path) -> list[str]:
+    """Drop what a killed server left: `.pull-<pid>-*` temp dirs of processes that are gone, and
+    directories named by the weights digest alone (an older layout that ignored the config).
+    Pulls of live servers sharing the directory are left alone."""
+    removed = []
+    for entry in cache_dir.iterdir():
+        name = entry.name
+        if name.startswith(".pull-"):
+            pid = name.split("-")[1]
+            if pid.isdecimal() and (int(pid) == os.getpid() or _alive(int(pid))):
+                continue
+        elif not (len(name) == 64 and all(c in "0123456789abcdef" for c in name)):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(name)
+    if removed:
+        log.info("removed %d leftover pulls from %s", len(removed), cache_dir)
+    return removed
+
+
 class StoreClient:
     """Talks to one adapter store at `target` (HOST:PORT); all methods are coroutines."""
 
@@ -89,6 +125,7 @@ class StoreClient:
         self.target = target
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_pulls(self.cache_dir)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=STORE_CHANNEL_OPTIONS)
         else:
@@ -154,14 +191,15 @@ class StoreClient:
 
     async def _fetch(self, name: str) -> PulledAdapter:
         record = await self.get(name)
-        local = self.cache_dir / _hex(record.digest)
-        if (local / WEIGHTS_FILE).exists() and (local / CONFIG_FILE).exists():
+        # A record without a config digest (an older store) cannot name its content: always pull.
+        local = self.cache_dir / content_dir_name(record.digest, record.config_digest) if record.config_digest else None
+        if local is not None and (local / WEIGHTS_FILE).exists() and (local / CONFIG_FILE).exists():
             return PulledAdapter(name, local, record)
         # A stream cut halfway or bytes that do not hash to the record are retried from the
         # start; the partial copy is never renamed into the cache, so no half adapter is loaded.
         for attempt in range(1, PULL_ATTEMPTS + 1):
             try:
-                return await self._pull(name, local)
+                return await self._pull(name)
             except BackendUnavailable as exc:
                 if attempt == PULL_ATTEMPTS:
                     raise
@@ -170,11 +208,12 @@ class StoreClient:
                 await asyncio.sleep(PULL_RETRY_S * attempt)
         raise AssertionError("unreachable")
 
-    async def _pull(self, name: str, local: Path) -> PulledAdapter:
-        tmp = Path(tempfile.mkdtemp(prefix=".pull-", dir=self.cache_dir))
+    async def _pull(self, name: str) -> PulledAdapter:
+        tmp = Path(tempfile.mkdtemp(prefix=f".pull-{os.getpid()}-", dir=self.cache_dir))
         try:
             record, nbytes = await self._stream_into(name, tmp)
-            target = self.cache_dir / _hex(record.digest)
+            config_digest = "sha256:" + hashlib.sha256((tmp / CONFIG_FILE).read_bytes()).hexdigest()
+            target = self.cache_dir / content_dir_name(record.digest, config_digest)
             try:
                 os.rename(tmp, target)
             except OSError:
@@ -220,8 +259,8 @@ class StoreClient:
             )
         return record, nbytes
 
-    async def watch(self, on_event: Callable[[str, str, str], Awaitable[None]]) -> None:
-        """Follow store events forever; `on_event(type, name, digest)` per event. Reconnects."""
+    async def watch(self, on_event: Callable[[str, str, str, str], Awaitable[None]]) -> None:
+        """Follow store events forever; `on_event(type, name, digest, config_digest)` per event. Reconnects."""
         last_id = ""
         backoff = 0.5
         while True:
@@ -231,7 +270,7 @@ class StoreClient:
                 async for event in stream:
                     backoff = 0.5
                     last_id = event.id or last_id
-                    await on_event(event.type, event.name, event.digest)
+                    await on_event(event.type, event.name, event.digest, event.config_digest)
             except asyncio.CancelledError:
                 raise
             except grpc.RpcError as err:

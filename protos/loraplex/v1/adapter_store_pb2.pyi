@@ -119,17 +119,19 @@ class WatchAdaptersRequest(_message.Message):
     def __init__(self, last_event_id: _Optional[str] = ...) -> None: ...
 
 class AdapterEvent(_message.Message):
-    __slots__ = ("id", "type", "name", "digest", "generation", "time")
+    __slots__ = ("id", "type", "name", "digest", "generation", "time", "config_digest")
     ID_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
     id: str
     type: str
     name: str
     digest: str
     generation: int
     time: float
-    def __init__(self, id: _Optional[str] = ..., type: _Optional[str] = ..., name: _Optional[str] = ..., digest: _Optional[str] = ..., generation: _Optional[int] = ..., time: _Optional[float] = ...) -> None: ...
+    config_digest: str
+    def __init__(self, id: _Optional[str] = ..., type: _Optional[str] = ..., name: _Optional[str] = ..., digest: _Optional[str] = ..., generation: _Optional[int] = ..., time: _Optional[float] = ..., config_digest: _Optional[str] = ...) -> None: ...

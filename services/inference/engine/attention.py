@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kernels.attention_kv_store import store_kv_ref
 from services.inference.models.context import Attention
 
 
@@ -43,15 +44,20 @@ class TorchPagedAttention(Attention):
     def begin(self, meta: AttentionMetadata) -> None:
         self.meta = meta
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor | None = None) -> None:
+        """Write the step's new k/v rows into the cache (rows whose slot is < 0 are padding: skipped)."""
+        slots = self.meta.slot_mapping if slot_mapping is None else slot_mapping
+        store_kv_ref(k, v, self.kv_cache[layer, 0], self.kv_cache[layer, 1], slots[: k.shape[0]])
+
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of the step's queries over the cache (their own k/v already stored):
+        `[T, heads * head_dim]`; rows past the step's tokens (padding) are left as they were."""
         meta = self.meta
         assert meta is not None, "begin() must bind the step's metadata first"
-        kv_heads, head_dim = k.shape[1], k.shape[2]
+        kv_heads, head_dim = self.kv_cache.shape[4], self.kv_cache.shape[5]
         k_flat = self.kv_cache[layer, 0].view(-1, kv_heads, head_dim)
         v_flat = self.kv_cache[layer, 1].view(-1, kv_heads, head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out.view(q.shape)
         nd = meta.num_decode_tokens
         if nd:
             out[:nd] = self._decode(layer, q[:nd], meta)
@@ -62,6 +68,14 @@ class TorchPagedAttention(Attention):
                 q_seg, k_flat[slots], v_flat[slots], seg
             )
         return out.reshape(q.shape[0], -1)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = self.meta
+        assert meta is not None, "begin() must bind the step's metadata first"
+        kv_heads, head_dim = k.shape[1], k.shape[2]
+        self.kv_cache[layer, 0].view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        self.kv_cache[layer, 1].view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        return self.attend(layer, q)
 
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment

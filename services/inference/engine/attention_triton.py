@@ -59,12 +59,18 @@ class TritonPagedAttention(Attention):
             max(s.q_len for s in segs),
         )
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor | None = None) -> None:
+        """Write the step's new k/v rows into the cache (slot < 0: padding, skipped)."""
+        slots = self.meta.slot_mapping if slot_mapping is None else slot_mapping
+        store_kv(k, v, self.kv_cache[layer, 0], self.kv_cache[layer, 1], slots)
+
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of the step's queries over the cache (their own k/v already stored):
+        `[T, heads * head_dim]`; rows past the step's tokens (padding) are left as they were."""
         meta = self.meta
         assert meta is not None, "begin() must bind the step's metadata first"
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out.view(q.shape)
         nd = meta.num_decode_tokens
         if nd:
             paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
@@ -74,3 +80,7 @@ class TritonPagedAttention(Attention):
             paged_prefill_attention(q[nd:], k_cache, v_cache, p.block_tables, p.cu_q, p.kv_lens, self.scale,
                                     p.max_q_len, out=out[nd:])
         return out.reshape(q.shape[0], -1)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.store(layer, k, v)
+        return self.attend(layer, q)

@@ -16,10 +16,19 @@ class SchedulerConfig:
     chunked_prefill_size: int  # prefill tokens of one step; <= 0 means no chunking
     max_running_requests: int
     context_length: int
+    # Prefill tokens of a step while decodes are running (each chunk lengthens the step every
+    # running decode waits for); <= 0: the same as `prefill_budget`.
+    decode_prefill_budget: int = 0
 
     @property
     def prefill_budget(self) -> int:
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else self.max_num_batched_tokens
+
+    def prefill_budget_for(self, decodes_running: bool) -> int:
+        """Prefill tokens this step may take: `decode_prefill_budget` beside running decodes."""
+        if decodes_running and self.decode_prefill_budget > 0:
+            return min(self.decode_prefill_budget, self.prefill_budget)
+        return self.prefill_budget
 
 
 @dataclass(frozen=True)
@@ -39,10 +48,27 @@ class EngineConfig:
     seed: int = 0
     cuda_graph_max_bs: int = 256  # decode CUDA graphs up to this batch (CUDA only)
     disable_cuda_graph: bool = False
+    # Steps with prefill chunks of up to this many tokens replay piecewise graphs (engine/mixed_graphs.py).
+    mixed_cuda_graph_max_tokens: int = 2048
+    # None: the piecewise path on CUDA (with graphs) when CUDA graphs are on, off elsewhere; True forces
+    # it on (on the CPU its pieces then run eagerly over the same buffers: tests).
+    mixed_graphs: bool | None = None
+    decode_prefill_budget: int = 0  # see SchedulerConfig
+    # Run every step shape class once at start-up so no Triton kernel compiles while serving
+    # (engine/warmup.py; CUDA only). Off under tensor parallelism: a step there needs every rank.
+    startup_warm_up: bool = True
     # Launch step N+1 before processing step N's outputs (engine.py). None = on for CUDA, off
     # elsewhere (on the CPU the forward is synchronous, so nothing overlaps); True forces it on (tests).
     overlap_schedule: bool | None = None
     disable_prefix_cache: bool = False  # reuse cached KV of shared prompt prefixes (engine/prefix_cache.py)
+
+    @property
+    def mixed_graphs_enabled(self) -> bool:
+        if self.mixed_cuda_graph_max_tokens <= 0:
+            return False
+        if self.mixed_graphs is None:
+            return self.device.type == "cuda" and not self.disable_cuda_graph
+        return self.mixed_graphs
 
     @property
     def overlap_enabled(self) -> bool:
@@ -66,6 +92,8 @@ class EngineConfig:
             seed=args.seed,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             disable_cuda_graph=args.disable_cuda_graph,
+            mixed_cuda_graph_max_tokens=args.mixed_cuda_graph_max_tokens,
+            decode_prefill_budget=args.decode_prefill_budget,
             overlap_schedule=False if args.disable_overlap_schedule else None,
             disable_prefix_cache=args.disable_prefix_cache,
         )
@@ -77,6 +105,7 @@ class EngineConfig:
             chunked_prefill_size=self.chunked_prefill_size,
             max_running_requests=self.max_running_requests,
             context_length=context_length,
+            decode_prefill_budget=self.decode_prefill_budget,
         )
 
 

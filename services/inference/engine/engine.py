@@ -15,6 +15,8 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.compile_watch import compile_counter
+from kernels.placement import triton_runs_on
 from services.inference.engine.adapter_slots import AdapterSlots, NoAdapters
 from services.inference.engine.block_manager import BlockManager
 from services.inference.engine.config import EngineConfig
@@ -28,6 +30,7 @@ from services.inference.engine.request import Request
 from services.inference.engine.sampler import SamplingInputs, sample_on_device
 from services.inference.engine.scheduler import Scheduler
 from services.inference.engine.types import EngineStats, RequestOutput, SamplingParams
+from services.inference.engine.warmup import warm_up
 from services.inference.errors import CapacityExceeded, InvalidRequest
 from services.inference.lora.backend import LoRABackend
 
@@ -58,6 +61,7 @@ class LLMEngine:
         lora_backend: LoRABackend | None = None,
         kv_reserved_bytes: int = 0,
     ):
+        compile_counter.install()
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -95,6 +99,22 @@ class LLMEngine:
         )
         if loaded.device.type == "cuda" and not config.disable_cuda_graph and config.cuda_graph_max_bs > 0:
             self.runner.capture_cuda_graphs(min(config.cuda_graph_max_bs, config.max_running_requests))
+        if config.mixed_graphs_enabled:
+            # On CUDA with captured graphs; elsewhere the same pieces run eagerly (tests).
+            try:
+                self.runner.capture_mixed_graphs(
+                    min(config.mixed_cuda_graph_max_tokens, config.max_num_batched_tokens),
+                    use_graphs=loaded.device.type == "cuda" and not config.disable_cuda_graph)
+            except (RuntimeError, torch.OutOfMemoryError):
+                # Serving without them is slower, not wrong: say so loudly and go on eagerly.
+                log.exception("could not capture the mixed-step CUDA graphs; steps with prefill chunks run "
+                              "eagerly (set --mixed-cuda-graph-max-tokens lower, or 0)")
+                self.runner.mixed_graphs = None
+        if triton_runs_on(loaded.device) and config.startup_warm_up:
+            # Compile every kernel variant a step can need now, not on the engine thread while serving.
+            warm_up(self.runner, max_num_tokens=config.max_num_batched_tokens,
+                    max_num_seqs=config.max_running_requests, context_length=self.context_length)
+            compile_counter.mark_serving()
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, TextStream] = {}
         self.errors: dict[str, Exception] = {}  # why a request ended with "abort", when not a client abort

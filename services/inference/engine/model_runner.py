@@ -12,6 +12,7 @@ import logging
 import numpy as np
 import torch
 
+from kernels.placement import triton_runs_on
 from services.inference.engine.attention import AttentionMetadata, PrefillSegment, TorchPagedAttention
 from services.inference.engine.scheduler import SeqChunk
 from services.inference.lora.backend import LoRABackend
@@ -47,13 +48,14 @@ class ModelRunner:
         self.page_size = kv_cache.shape[3]
         self.lora_backend = lora_backend
         scale = model_config.head_dim**-0.5
-        if self.device.type == "cuda":  # Triton kernels (kernels/attention_*.py); torch reference on CPU
+        if triton_runs_on(self.device):  # Triton kernels (kernels/attention_*.py); torch reference on CPU
             from services.inference.engine.attention_triton import TritonPagedAttention
 
             self.attention = TritonPagedAttention(kv_cache, scale)
         else:
             self.attention = TorchPagedAttention(kv_cache, scale=scale)
         self.cuda_graphs = None  # DecodeGraphs (engine/cuda_graph.py), set by capture_cuda_graphs
+        self.mixed_graphs = None  # MixedGraphs (engine/mixed_graphs.py), set by capture_mixed_graphs
         self.max_blocks_per_seq = -(-context_length // self.page_size)
         dev = self.device
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
@@ -81,6 +83,16 @@ class ModelRunner:
                               max_bs=max_bs, max_blocks_per_seq=self.max_blocks_per_seq)
         graphs.capture()
         self.cuda_graphs = graphs
+
+    def capture_mixed_graphs(self, max_tokens: int, use_graphs: bool = True) -> None:
+        """Piecewise graphs for steps with prefill chunks of up to `max_tokens` tokens (see
+        engine/mixed_graphs.py); `use_graphs=False` runs the same pieces eagerly (CPU tests)."""
+        from services.inference.engine.mixed_graphs import MixedGraphs
+
+        graphs = MixedGraphs(self.model, self.attention, self.lora_backend, max_tokens=max_tokens,
+                             device=self.device, dtype=self.kv_cache.dtype, use_graphs=use_graphs)
+        graphs.capture()
+        self.mixed_graphs = graphs
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,11 +151,15 @@ class ModelRunner:
             if logits is not None:
                 return logits
         num_tokens = len(ids)
-        input_ids = self._upload(self.input_ids, ids)
-        if prev_tokens is not None:
-            fill_placeholders(input_ids, prev_tokens)
-        pos_t = self._upload(self.positions, positions)
-        slot_t = self._upload(self.slot_mapping, slots)
+        mixed_key = None if self.mixed_graphs is None or not segments else self.mixed_graphs.key(num_tokens, distinct)
+        if mixed_key is None:
+            input_ids = self._upload(self.input_ids, ids)
+            if prev_tokens is not None:
+                fill_placeholders(input_ids, prev_tokens)
+            pos_t = self._upload(self.positions, positions)
+            slot_t = self._upload(self.slot_mapping, slots)
+        else:  # the mixed graphs upload ids, positions and KV slots into their own static buffers
+            slot_t = self.mixed_graphs.slot_mapping[:num_tokens]
         nd = len(decode_lens)
         tables_t = self.decode_block_tables[:nd, :max_decode_blocks]
         if nd:
@@ -155,6 +171,11 @@ class ModelRunner:
         ctx_t = ctx_host.to(self.device, non_blocking=True)
         self.attention.begin(AttentionMetadata(slot_t, nd, tables_t, lens_t, segments, ctx_t))
 
+        if mixed_key is not None:
+            # Everything but attention replays from the bucket's graphs; attention runs between them.
+            hidden = self.mixed_graphs.run(mixed_key, ids, positions, slots, token_slots, prev_tokens)
+            rows = self._upload(self.sample_indices, sample_rows)
+            return self.model.compute_logits(hidden[rows])
         lora = None
         if self.lora_backend is not None and distinct:
             self.lora_backend.prepare(self._upload(self.token_slots, token_slots), distinct)

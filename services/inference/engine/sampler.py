@@ -12,6 +12,11 @@ from typing import NamedTuple
 
 import torch
 
+# Below this a temperature is greedy: logits / 1e-40 overflow float32 to inf (NaN after the
+# softmax) and argmax then picks token 0, while any temperature this small already puts all
+# the probability on the top token.
+MIN_TEMPERATURE = 1e-5
+
 
 class SamplingInputs(NamedTuple):
     """Per row of the logits, in the same order (plain data; built by the engine)."""
@@ -104,12 +109,12 @@ def sample_on_device(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
     (penalty history is the one host input read here, and only when a penalty is set)."""
     logits = apply_penalties(logits, inp)
     greedy_tokens = _argmax(logits)
-    random_rows = [i for i, t in enumerate(inp.temperature) if t > 0]
+    random_rows = [i for i, t in enumerate(inp.temperature) if t >= MIN_TEMPERATURE]
     if not random_rows:
         return greedy_tokens
     # Host tensors moved with non_blocking: a blocking copy (or torch.tensor(..., device=cuda)) waits
     # for the whole stream, i.e. for the step queued after this one under overlap scheduling.
-    temps = torch.tensor([t if t > 0 else 1.0 for t in inp.temperature], dtype=logits.dtype).to(
+    temps = torch.tensor([t if t >= MIN_TEMPERATURE else 1.0 for t in inp.temperature], dtype=logits.dtype).to(
         logits.device, non_blocking=True
     )
     probs = _filter(logits / temps[:, None], inp).softmax(dim=-1)

@@ -109,7 +109,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         token_budget = self.config.max_num_batched_tokens
-        prefill_budget = self.config.prefill_budget
+        prefill_budget = self.config.prefill_budget_for(any(r.num_uncomputed_tokens == 1 for r in self.running))
         entries: list[ScheduledEntry] = []
         finished: list[Request] = []
         page = self.blocks.page_size

@@ -60,8 +60,9 @@ def _check_header_size(path: Path) -> None:
         raise AdapterInvalid(f"{WEIGHTS_FILE} is {size} bytes, too short for a safetensors header", field=WEIGHTS_FILE)
     (n,) = struct.unpack("<Q", head)
     if n > MAX_HEADER_BYTES or 8 + n > size:
-        raise AdapterInvalid(f"{WEIGHTS_FILE}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap or the "
-                             f"{size}-byte file (truncated?)", field=WEIGHTS_FILE)
+        # n is not echoed: in a file that is not safetensors it is the file's first 8 bytes.
+        raise AdapterInvalid(f"{WEIGHTS_FILE}: the header length field exceeds the {MAX_HEADER_BYTES}-byte cap "
+                             f"or the {size}-byte file (truncated, or not safetensors?)", field=WEIGHTS_FILE)
 
 
 def _digest(directory: Path) -> str:
@@ -87,8 +88,12 @@ def read_config(directory: str | Path) -> tuple[AdapterSpec, Path]:
                              "are read", field=CONFIG_FILE)
     try:
         cfg = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except json.JSONDecodeError as e:
         raise AdapterInvalid(f"{CONFIG_FILE} is not valid JSON: {e}", field=CONFIG_FILE) from None
+    except UnicodeDecodeError as e:  # its message would echo the file's bytes
+        raise AdapterInvalid(f"{CONFIG_FILE} is not valid JSON: not UTF-8 at byte {e.start}", field=CONFIG_FILE) from None
+    except RecursionError:
+        raise AdapterInvalid(f"{CONFIG_FILE}: JSON nested too deeply", field=CONFIG_FILE) from None
     return parse_adapter_config(cfg), directory
 
 

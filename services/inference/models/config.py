@@ -15,6 +15,9 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# A config.json without `architectures` is loaded by transformers from `model_type`; so here.
+ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                              "qwen2": "Qwen2ForCausalLM"}
 
 
 class UnsupportedModelError(ValueError):
@@ -100,6 +103,8 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
             f"({', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     archs = raw.get("architectures") or []
+    if not archs and raw.get("model_type") in ARCHITECTURE_OF_MODEL_TYPE:
+        archs = [ARCHITECTURE_OF_MODEL_TYPE[raw["model_type"]]]
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise UnsupportedModelError(

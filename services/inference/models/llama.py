@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.fused_ops import add_rms_norm, qkv_rotary, qkv_rotary_ref, rms_norm, silu_and_mul
+from kernels.placement import triton_runs_on
 from services.inference.models.config import ModelConfig
 from services.inference.models.context import ForwardContext
 from services.inference.models.rope import RotaryEmbedding
@@ -72,21 +73,31 @@ class RMSNorm(nn.Module):
         self.weight = _empty_param(size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2:  # one fused launch instead of seven (kernels/fused_ops.py)
+        if triton_runs_on(x) and x.dim() == 2:  # one fused launch instead of seven (kernels/fused_ops.py)
             return rms_norm(x, self.weight, self.eps)
         # Normalise in float32 and cast back before the weight, as transformers does.
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
-    def add_forward(self, h: torch.Tensor, addend: Addend | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + addend, norm of it); one launch on CUDA (kernels/fused_ops.py `add_rms_norm`)."""
+    def add_forward(
+        self, h: torch.Tensor, addend: Addend | None, h_out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + addend, norm of it); one launch on CUDA (kernels/fused_ops.py `add_rms_norm`).
+        `h_out` / `out`: static buffers to write the two results into (`h_out` may be `h`)."""
         if addend is None:
-            return h, self(h)
-        if h.is_cuda and h.dim() == 2:
-            return add_rms_norm(h, addend.out, self.weight, self.eps, addend.delta)
+            if h_out is not None and h_out is not h:
+                h = h_out.copy_(h)
+            normed = self(h)
+            return h, normed if out is None else out.copy_(normed)
+        if triton_runs_on(h) and h.dim() == 2:
+            return add_rms_norm(h, addend.out, self.weight, self.eps, addend.delta, h_out=h_out, out=out)
         h = h + addend.materialize()
-        return h, self(h)
+        if h_out is not None:
+            h = h_out.copy_(h)
+        normed = self(h)
+        return h, normed if out is None else out.copy_(normed)
 
 
 class DecoderLayer(nn.Module):
@@ -117,20 +128,47 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, Addend]:
         """`addend`: the previous layer's down projection, added to `h` here (None for the first
         layer). Returns the residual stream and this layer's own down projection, not yet added."""
-        h, x = self.input_layernorm.add_forward(h, addend)
+        h, q, k, v = self.pre_attention(h, addend, cos, sin, ctx)
+        attn = ctx.attention.forward(self.index, q, k, v)
+        return self.post_attention(h, attn, ctx)
+
+    def pre_attention(
+        self, h: torch.Tensor, addend: Addend | None, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
+        bufs: StepBuffers | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Residual add + norm, q/k/v projection, split and rotary: (h, q, k, v). With `bufs`, h, q, k
+        and v are written into those static buffers (what a CUDA-graph piece leaves for the next)."""
+        h, x = self.input_layernorm.add_forward(h, addend, h_out=None if bufs is None else bufs.h)
         qkv = self._linear("qkv", self.qkv_proj, x, ctx)
         # Split, delta and rotary: one launch on CUDA, the torch code it replaces elsewhere.
-        split_rotary = qkv_rotary if qkv.out.is_cuda else qkv_rotary_ref
-        q, k, v = split_rotary(qkv.out, cos, sin, self.num_heads, self.num_kv_heads, qkv.delta)
-        attn = ctx.attention.forward(self.index, q, k, v)
-        h, x = self.post_attention_layernorm.add_forward(h, self._linear("o", self.o_proj, attn, ctx))
+        split_rotary = qkv_rotary if triton_runs_on(qkv.out) else qkv_rotary_ref
+        out = None if bufs is None else (bufs.q, bufs.k, bufs.v)
+        q, k, v = split_rotary(qkv.out, cos, sin, self.num_heads, self.num_kv_heads, qkv.delta, out=out)
+        return h, q, k, v
+
+    def post_attention(
+        self, h: torch.Tensor, attn: torch.Tensor, ctx: ForwardContext, bufs: StepBuffers | None = None
+    ) -> tuple[torch.Tensor, Addend]:
+        """o projection, residual add + norm, the MLP: (h, the down projection not yet added)."""
+        h, x = self.post_attention_layernorm.add_forward(
+            h, self._linear("o", self.o_proj, attn, ctx), h_out=None if bufs is None else bufs.h)
         gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx)
-        if gate_up.out.is_cuda:
+        if triton_runs_on(gate_up.out):
             act = silu_and_mul(gate_up.out, gate_up.delta)
         else:
             gate, up = gate_up.materialize().split((self.inter, self.inter), dim=-1)
             act = F.silu(gate) * up
         return h, self._linear("down", self.down_proj, act, ctx)
+
+
+class StepBuffers(NamedTuple):
+    """Static tensors a piecewise step passes between its CUDA-graph pieces and the eager attention
+    (views of the step's bucket: `[T, hidden]`, `[T, heads, head_dim]`, `[T, kv_heads, head_dim]` x2)."""
+
+    h: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 # checkpoint name -> (our module attribute, stack index) for the fused linears.
@@ -169,6 +207,28 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             h, addend = layer(h, addend, cos, sin, ctx)
         return self.norm.add_forward(h, addend)[1]
+
+    # The forward cut at attention: piece 0, attention 0, piece 1, ..., attention L-1, piece L
+    # (engine/mixed_graphs.py captures each piece as a CUDA graph and runs attention between them).
+    def first_piece(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, bufs: StepBuffers
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embedding, rotary tables and layer 0 up to attention (into `bufs`); returns (cos, sin)."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        self.layers[0].pre_attention(h, None, cos, sin, ctx, bufs)
+        return cos, sin
+
+    def middle_piece(self, index: int, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     ctx: ForwardContext, bufs: StepBuffers) -> None:
+        """Layer `index - 1` after its attention (`attn`), then layer `index` up to attention (into `bufs`)."""
+        h, addend = self.layers[index - 1].post_attention(bufs.h, attn, ctx, bufs)
+        self.layers[index].pre_attention(h, addend, cos, sin, ctx, bufs)
+
+    def last_piece(self, attn: torch.Tensor, ctx: ForwardContext, bufs: StepBuffers, out: torch.Tensor) -> None:
+        """The last layer after its attention and the final norm, into `out` `[T, hidden]`."""
+        h, addend = self.layers[-1].post_attention(bufs.h, attn, ctx, bufs)
+        self.norm.add_forward(h, addend, h_out=bufs.h, out=out)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits; `out`: write them there (one conversion kernel instead of a convert and a copy)."""

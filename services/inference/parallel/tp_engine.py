@@ -135,7 +135,7 @@ class _Resolved(NamedTuple):
 def build_tp_engine(args: ServerArgs) -> TPAsyncEngine:
     """Spawn the workers, load rank 0's shard, agree on the KV cache size, start the engine."""
     tp = args.tp_size
-    config = dataclasses.replace(EngineConfig.from_args(args), disable_cuda_graph=True)
+    config = dataclasses.replace(EngineConfig.from_args(args), disable_cuda_graph=True, startup_warm_up=False)
     device = config.device
     if device.type == "cuda":
         if torch.cuda.device_count() < tp:

@@ -1,0 +1,15 @@
+"""The start-up warm-up never builds a step with more sequences than the runner holds."""
+
+import pytest
+import torch
+
+from services.inference.engine.warmup import warm_up_steps
+
+
+@pytest.mark.parametrize("max_num_seqs", [2, 5, 17, 65])
+@pytest.mark.parametrize("num_slots", [0, 8, 24])
+def test_warm_up_steps_fit_max_num_seqs(max_num_seqs: int, num_slots: int) -> None:
+    steps = warm_up_steps(2048, max_num_seqs, num_slots, 8, 4096, 16, torch.device("cpu"))
+    assert steps
+    assert max(len(chunks) for chunks in steps) <= max_num_seqs
+    assert max(sum(len(c.token_ids) for c in chunks) for chunks in steps) <= 2048
