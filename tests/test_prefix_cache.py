@@ -163,6 +163,84 @@ def test_staggered_mixed_batch_matches_cache_off(tiny_llama_path, adapters, over
     assert outs == staggered(engine_for(tiny_llama_path, adapters, cache=False), jobs)
 
 
+# ----- the cache costs nothing when it cannot help -----
+
+def recorded_schedules(engine, jobs, new=NEW, every=2):
+    """`staggered`, recording each step's schedule as (request id, tokens) pairs."""
+    schedule = engine.scheduler.schedule
+    steps = []
+
+    def recording():
+        batch = schedule()
+        steps.append([(e.request.request_id, e.num_tokens) for e in batch.entries])
+        return batch
+
+    engine.scheduler.schedule = recording
+    return staggered(engine, jobs, new, every), steps
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_no_shared_prefix_schedules_like_cache_off(tiny_llama_path, adapters, overlap):
+    """Unique prompts (base and adapters, chunked prefill, overlap on and off): with the cache on
+    every step schedules the same requests for the same token counts as with it off."""
+    jobs = [(tokens(300 + i, 11 + 5 * i), [None, "a", "b"][i % 3]) for i in range(9)]
+    runs = []
+    for cache in (False, True):
+        engine = engine_for(tiny_llama_path, adapters, cache=cache)
+        engine.config = dataclasses.replace(engine.config, overlap_schedule=overlap)
+        runs.append(recorded_schedules(engine, jobs, every=1))
+        assert sum(engine.stats().prefix_cache_hit_tokens.values()) == 0
+    (off_outs, off_steps), (on_outs, on_steps) = runs
+    assert any(n > 1 for step in off_steps for _, n in step[1:]), "no step mixed prefill and decodes"
+    assert on_steps == off_steps and on_outs == off_outs
+
+
+def test_no_shared_prefix_schedules_like_cache_off_under_kv_pressure():
+    """Scheduler alone, a KV cache small enough to preempt: the same schedule as cache-off up to
+    the first reuse, and the only reuse is a preempted request readmitted onto its own blocks."""
+    from services.inference.engine.adapter_slots import NoAdapters
+    from services.inference.engine.config import SchedulerConfig
+    from services.inference.engine.request import Request
+    from services.inference.engine.scheduler import Scheduler
+
+    def run(cache: bool):
+        config = SchedulerConfig(PAGE, 24, 8, 6, context_length=4096)
+        scheduler = Scheduler(config, BlockManager(30, PAGE, prefix_cache=cache), NoAdapters())
+        steps, reuses = [], []
+        reuse = scheduler.prefix_cache.reuse
+
+        def recording_reuse(req, hit):
+            if hit:
+                reuses.append((len(steps), req.num_preemptions))
+            reuse(req, hit)
+
+        scheduler.prefix_cache.reuse = recording_reuse
+        reqs = [Request(f"r{i}", tokens(400 + i, 9 + 3 * i), SamplingParams(max_new_tokens=12)) for i in range(10)]
+        while len(steps) < len(reqs) or scheduler.has_work():
+            if len(steps) < len(reqs):
+                scheduler.add(reqs[len(steps)])
+            batch = scheduler.schedule()
+            steps.append([(e.request.request_id, e.num_tokens) for e in batch.entries])
+            for req, n in batch.entries:
+                sample = req.num_computed_tokens + n == len(req.token_ids)
+                req.num_computed_tokens += n
+                if sample:
+                    req.token_ids.append(7)
+                    if req.num_output_tokens >= req.max_new_tokens:
+                        scheduler.finish(req, "length")
+        return steps, reuses, scheduler.num_preemptions
+
+    off, _, preemptions = run(False)
+    on, reuses, _ = run(True)
+    assert preemptions > 0, "no KV pressure; the test proves nothing"
+    assert all(preempted for _, preempted in reuses)
+    first_reuse = reuses[0][0] if reuses else len(on)
+    assert first_reuse > len(off) // 4, "too little compared"
+    assert on[:first_reuse] == off[:first_reuse]
+    if not reuses:
+        assert on == off
+
+
 # ----- eviction and preemption under KV pressure -----
 
 def staggered_checked(engine, jobs, new, every):

@@ -31,13 +31,23 @@ def root_key(content_digest: str) -> bytes:
 def extend_block_keys(keys: list[bytes], root: bytes, token_ids: list[int], page_size: int, num_blocks: int) -> None:
     """Grow `keys` (the chain of `token_ids`' full blocks under `root`) to `num_blocks` entries.
 
-    Stops early at a block holding a placeholder (overlap scheduling's not-yet-known token)."""
+    Stops early at a block holding a placeholder (overlap scheduling's not-yet-known token). Each
+    block is hashed once in a request's life (the chain is kept), and the tokens of all new blocks
+    are packed to bytes in one go: this runs on the engine thread."""
+    first = len(keys)
+    num_blocks = min(num_blocks, len(token_ids) // page_size)
+    if num_blocks <= first:
+        return
+    tokens = token_ids[first * page_size : num_blocks * page_size]
+    if min(tokens) < 0:
+        num_blocks = first + next(i for i, t in enumerate(tokens) if t < 0) // page_size
+        tokens = tokens[: (num_blocks - first) * page_size]
+    packed = array("q", tokens)
+    step = page_size * packed.itemsize
+    packed = memoryview(packed.tobytes())
     parent = keys[-1] if keys else root
-    for i in range(len(keys), num_blocks):
-        tokens = token_ids[i * page_size : (i + 1) * page_size]
-        if len(tokens) < page_size or min(tokens) < 0:
-            return
-        parent = hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
+    for offset in range(0, len(packed), step):
+        parent = hashlib.sha256(parent + packed[offset : offset + step]).digest()
         keys.append(parent)
 
 

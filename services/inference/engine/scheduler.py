@@ -214,8 +214,7 @@ class Scheduler:
             if want <= 0:
                 break
             req = self.waiting.popleft()
-            hit = self.prefix_cache.lookup(req)
-            want = self._admissible_tokens(req, hit, token_budget, prefill_budget)
+            want, hit = self._admissible(req, self.prefix_cache.lookup(req), token_budget, prefill_budget)
             if want == 0:
                 self.waiting.appendleft(req)
                 break
@@ -231,8 +230,7 @@ class Scheduler:
                     continue
                 req.lora_slot = slot
                 if not self.prefix_cache.confirm_root(req):  # the adapter was reloaded since the lookup
-                    hit = self.prefix_cache.lookup(req)
-                    want = self._admissible_tokens(req, hit, token_budget, prefill_budget)
+                    want, hit = self._admissible(req, self.prefix_cache.lookup(req), token_budget, prefill_budget)
                     if want == 0:
                         self.adapter_slots.release(req.adapter)
                         req.lora_slot = -1
@@ -249,19 +247,28 @@ class Scheduler:
         for req in reversed(skipped):
             self.waiting.appendleft(req)
 
-    def _admissible_tokens(self, req: Request, hit: list[int], token_budget: int, prefill_budget: int) -> int:
-        """Tokens of `req` to compute now once the cached blocks `hit` are reused; 0: wait for room."""
-        computed = req.num_computed_tokens + len(hit) * self.blocks.page_size
-        want = min(len(req.token_ids) - computed, token_budget)
-        if want > 1:
-            want = min(want, prefill_budget)
-        if want <= 0:
-            return 0
-        room = self.blocks.max_tokens(req.block_table, hit) - computed
-        if room < want:
-            if self.running or room < 1:
-                # Admit only when the chunk fits whole: a partial admission would
-                # preempt running requests next step.
-                return 0
-            want = room  # alone with the whole cache: take what there is
-        return want
+    def _admissible(
+        self, req: Request, hit: list[int], token_budget: int, prefill_budget: int
+    ) -> tuple[int, list[int]]:
+        """Tokens of `req` to compute now, and the cached blocks (a prefix of `hit`) to start from;
+        0 tokens: wait for room.
+
+        A cached block nobody holds counts as free, so reusing it takes room. When the chunk does
+        not fit after the whole hit, the hit is shortened from its end, down to none: a request is
+        never kept waiting where the cache-off scheduler would admit it."""
+        page = self.blocks.page_size
+        for keep in range(len(hit), -1, -1):
+            computed = req.num_computed_tokens + keep * page
+            want = min(len(req.token_ids) - computed, token_budget)
+            if want > 1:
+                want = min(want, prefill_budget)
+            if want <= 0:
+                return 0, []
+            room = self.blocks.max_tokens(req.block_table, hit[:keep]) - computed
+            if room >= want:
+                return want, hit[:keep]
+            if not self.running and room >= 1:
+                return room, hit[:keep]  # alone with the whole cache: take what there is
+        # Admit only when the chunk fits whole: a partial admission would preempt running
+        # requests next step.
+        return 0, []
