@@ -1,6 +1,6 @@
 """Prefix cache on vs off under an open-loop workload (issue 20).
 
-    PYTHONPATH=.:protos python3 bench/prefix_cache.py --mode gpu [--requests 256] [--load 1.6 | --rate R]
+    PYTHONPATH=.:protos python3 bench/prefix_cache.py --mode gpu [--requests 256] [--load 2.0 | --rate R]
     PYTHONPATH=.:protos python3 bench/prefix_cache.py --mode cpu
 
 Two workloads over the same adapters and the same Poisson arrivals, each run with the prefix cache
@@ -14,15 +14,23 @@ from one run into the next):
 reports medians. Requests name the adapters round robin and generate `--new-tokens` tokens (EOS ignored). The
 engine is the server's (`build_llm_engine`), driven on this thread: each loop adds the requests
 whose arrival time has passed, then runs one step. TTFT = first output token time - arrival;
-output tokens/s = all output tokens / (last finish - first arrival); CPU s = the process's CPU
-time over the run (on a shared CPU, where wall times drift with other jobs, the steadier
-measure of the work done).
+output tokens/s = all output tokens / (last finish - first arrival), the span in which all
+requests complete; CPU s = the process's CPU time over the run (on a shared CPU, where wall times
+drift with other jobs, the steadier measure of the work done); sched us/step = host time in
+`Scheduler.schedule` per step (the prefix cache's lookups, the hashing of prompt blocks and the
+registration of running requests' blocks run inside it).
 
-The arrival rate: `--rate`, or `--load` times the cache-off prefill capacity measured first
-(closed batches of cold requests, one token each): an open loop shows what a cache buys only when
-the uncached server is loaded. GPU mode writes a Llama-3.1-8B-shaped random bf16 model and rank-16
-adapters (bench/serving_setup.py, under `--work`); CPU mode runs the embedded SmolLM2-135M with
-small random adapters. Prints a table; writes JSON to $OUT/prefix_cache.json (or --out).
+The arrival rate: `--rate`, or `--load` (2.0) times the cache-off capacity, measured first as a
+burst (`--burst` cold requests of the timed shape arriving at once, cache off, so steps mix
+prefill chunks and decodes as under the real load): requests over the burst's span, which the
+decode-only steps at its end make an underestimate. Offered above capacity, the
+cache-off server is saturated, its span outlasts the arrivals, and output tokens/s is what it can
+serve rather than the offered rate; a cache that raises capacity shows as more tokens/s. The
+table prints the arrival span beside each run's span to check this.
+
+GPU mode writes a Llama-3.1-8B-shaped random bf16 model and rank-16 adapters
+(bench/serving_setup.py, under `--work`; reused when already there); CPU mode runs the embedded
+SmolLM2-135M with small random adapters. Prints a table; writes JSON to $OUT/prefix_cache.json (or --out).
 """
 
 from __future__ import annotations
@@ -61,7 +69,9 @@ def build(opts: argparse.Namespace):
     if opts.mode == "gpu":  # --tiny: the same path with a small shape (checks the script on a CPU)
         shape = TINY if opts.tiny else setup.LLAMA_8B
         dev = "cuda" if torch.cuda.is_available() else "cpu"
-        model_dir = setup.write_model_dir(work / "model", shape, device=dev)
+        model_dir = work / "model"
+        if not _written(model_dir, shape):  # writing 16 GB of random weights takes a while: reuse them
+            setup.write_model_dir(model_dir, shape, device=dev)
         adapter_dirs = setup.write_adapters(work / "adapters", model_dir, opts.adapters, shape, rank=opts.rank,
                                             device=dev)
         extra = dict(device=dev, dtype="bfloat16", context_length=4096)
@@ -82,6 +92,15 @@ def build(opts: argparse.Namespace):
     )
     engine, _ = build_llm_engine(args)
     return engine, names, vocab
+
+
+def _written(model_dir: Path, shape: dict) -> bool:
+    """A model directory serving_setup finished (the tokenizer comes last) with this shape."""
+    config = model_dir / "config.json"
+    if not (config.is_file() and (model_dir / "tokenizer.json").is_file()):
+        return False
+    written = json.loads(config.read_text())
+    return all(written.get(k) == v for k, v in shape.items())
 
 
 def workloads(opts, names: list[str], vocab: tuple[int, int]) -> dict[str, list[tuple[list[int], str]]]:
@@ -107,6 +126,18 @@ def run_open_loop(engine, jobs, arrivals: list[float], new_tokens: int, tag: str
     finish: list[float | None] = [None] * n
     out_tokens = [0] * n
     steps = 0
+    scheduler = engine.scheduler
+    schedule = scheduler.schedule
+    sched = dict(s=0.0, tokens=0)
+
+    def timed_schedule():  # host time the scheduler (and the prefix cache inside it) takes per step
+        t0 = time.perf_counter()
+        batch = schedule()
+        sched["s"] += time.perf_counter() - t0
+        sched["tokens"] += batch.num_tokens
+        return batch
+
+    scheduler.schedule = timed_schedule
     cpu_start = time.process_time()
     start = time.perf_counter()
     nxt = 0
@@ -128,6 +159,7 @@ def run_open_loop(engine, jobs, arrivals: list[float], new_tokens: int, tag: str
             out_tokens[k] += len(out.new_token_ids)
             if out.finished:
                 finish[k] = t
+    del scheduler.schedule
     if engine.errors:
         raise RuntimeError(f"requests failed: {dict(list(engine.errors.items())[:3])}")
     ttft = sorted(f - a for f, a in zip(first, arrivals, strict=True))
@@ -135,7 +167,8 @@ def run_open_loop(engine, jobs, arrivals: list[float], new_tokens: int, tag: str
     stats = engine.stats()
     return dict(
         ttft_p50_ms=1e3 * statistics.median(ttft), ttft_p90_ms=1e3 * ttft[int(0.9 * (n - 1))],
-        output_tok_s=sum(out_tokens) / span, span_s=span, steps=steps, cpu_s=time.process_time() - cpu_start,
+        output_tok_s=sum(out_tokens) / span, span_s=span, last_first_token_s=max(first) - arrivals[0], steps=steps, cpu_s=time.process_time() - cpu_start,
+        tokens_per_step=sched["tokens"] / steps, schedule_us_per_step=1e6 * sched["s"] / steps,
         hit_tokens=sum(stats.prefix_cache_hit_tokens.values()), prompt_tokens=sum(len(j[0]) for j in jobs),
         evictions=stats.prefix_cache_evictions, preemptions=engine.scheduler.num_preemptions,
     )
@@ -156,7 +189,8 @@ def main() -> None:
     for key in DEFAULTS["gpu"]:
         p.add_argument("--" + key.replace("_", "-"), type=int, default=None)
     p.add_argument("--rate", type=float, default=None, help="requests/s (default: --load x cache-off capacity)")
-    p.add_argument("--load", type=float, default=1.6, help="offered prefill work over the cache-off capacity")
+    p.add_argument("--load", type=float, default=2.0, help="offered requests/s over the measured cache-off capacity")
+    p.add_argument("--burst", type=int, default=None, help="requests of the capacity burst (default: min(requests, 96))")
     p.add_argument("--max-running", type=int, default=256)
     p.add_argument("--repeats", type=int, default=1, help="runs of each workload and setting (medians reported)")
     p.add_argument("--seed", type=int, default=0)
@@ -177,20 +211,28 @@ def main() -> None:
     loads = workloads(opts, names, vocab)
     blocks = engine.block_manager
 
-    # Warm up (kernels, autotuning) and measure the cache-off prefill capacity on cold prompts.
+    # Warm up, then measure the cache-off capacity under the real load: a burst of cold requests of
+    # the timed shape, all arriving at once, cache off, its steps mixing prefill chunks and decodes.
+    # Requests over the burst's whole span understate a saturated server's rate (the burst ends in
+    # decode-only steps), hence an offered load of 2x it; requests admitted per second until the
+    # last first token overstate it (later steps carry more decodes), so it is only logged.
     rng = random.Random(opts.seed + 1)
+    burst = opts.burst or min(opts.requests, 96)
     cold = [([rng.randrange(*vocab) for _ in range(opts.system_tokens + opts.unique_tokens)], names[i % len(names)])
-            for i in range(2 * len(names))]
+            for i in range(len(names) + burst)]
     blocks.reset_prefix_cache(False)
     closed_batch_s(engine, cold[: len(names)], 2)
-    prefill_s = closed_batch_s(engine, cold[len(names):], 1) / len(names)
-    rate = opts.rate or opts.load / prefill_s
+    probe = run_open_loop(engine, cold[len(names):], [0.0] * burst, opts.new_tokens, "capacity")
+    capacity = burst / probe["span_s"]
+    rate = opts.rate or opts.load * capacity
     gaps = random.Random(opts.seed + 2)
     arrivals, t = [], 0.0
     for _ in range(opts.requests):
         arrivals.append(t)
         t += gaps.expovariate(rate)
-    log.info("cache-off prefill %.1f ms/request -> %.1f requests/s offered", 1e3 * prefill_s, rate)
+    log.info("cache-off capacity %.2f requests/s = %.0f output tok/s (%d-request burst; admitted %.2f/s until "
+             "its last first token) -> %.2f requests/s offered", capacity, probe["output_tok_s"], burst,
+             burst / probe["last_first_token_s"], rate)
     # Short untimed open-loop runs of both workloads (on other tokens), cache on and off, so every
     # kind of step (short prefills after a hit, mixed prefill + decode) has run before timing.
     for workload in loads:
@@ -202,8 +244,8 @@ def main() -> None:
 
     results: dict = dict(
         mode=opts.mode, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", argv=sys.argv[1:],
-        options={k: getattr(opts, k) for k in (*DEFAULTS["gpu"], "load", "seed", "max_running", "repeats")},
-        setup_s=setup_s, cold_prefill_ms=1e3 * prefill_s, rate=rate, runs={},
+        options={k: getattr(opts, k) for k in (*DEFAULTS["gpu"], "load", "burst", "seed", "max_running", "repeats")},
+        setup_s=setup_s, arrival_span_s=arrivals[-1], capacity_req_s=capacity, capacity_burst=burst, rate=rate, runs={},
     )
     repeats: dict[str, list[dict]] = {}
     for rep in range(opts.repeats):
@@ -235,18 +277,24 @@ def main() -> None:
 
 def print_table(res: dict) -> None:
     o = res["options"]
-    print(f"\n{res['device']}: {o['requests']} requests over {o['adapters']} adapters at {res['rate']:.1f}/s "
-          f"(Poisson), prompts {o['system_tokens']} shared + {o['unique_tokens']} own tokens, "
-          f"{o['new_tokens']} new; cold prefill {res['cold_prefill_ms']:.1f} ms/request")
-    print(f"{'workload':<8} {'cache':<5} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'out tok/s':>10} "
-          f"{'hit/prompt':>11} {'evict':>6} {'preempt':>7} {'CPU s':>7}")
+    print(f"\n{res['device']}: {o['requests']} requests over {o['adapters']} adapters at {res['rate']:.2f}/s "
+          f"(Poisson; {res['rate'] / res['capacity_req_s']:.2f}x the cache-off capacity of "
+          f"{res['capacity_req_s']:.2f}/s), prompts {o['system_tokens']} shared + {o['unique_tokens']} own tokens, "
+          f"{o['new_tokens']} new")
+    print(f"{'workload':<8} {'cache':<5} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'out tok/s':>10} {'span s':>7} "
+          f"{'hit/prompt':>11} {'evict':>6} {'preempt':>7} {'steps':>6} {'tok/step':>8} {'sched us/step':>13} "
+          f"{'CPU s':>7}")
     for key, r in res["runs"].items():
         workload, cache = key.split("/")
         print(f"{workload:<8} {cache:<5} {r['ttft_p50_ms']:>12.1f} {r['ttft_p90_ms']:>12.1f} {r['output_tok_s']:>10.1f} "
-              f"{r['hit_tokens'] / r['prompt_tokens']:>11.2f} {r['evictions']:>6} {r['preemptions']:>7} {r['cpu_s']:>7.1f}")
+              f"{r['span_s']:>7.1f} {r['hit_tokens'] / r['prompt_tokens']:>11.2f} {r['evictions']:>6} "
+              f"{r['preemptions']:>7} {r['steps']:>6.0f} {r['tokens_per_step']:>8.1f} "
+              f"{r['schedule_us_per_step']:>13.1f} {r['cpu_s']:>7.1f}")
     print(f"shared: TTFT p50 {res['shared_ttft_p50_ratio']:.2f}x lower (goal >= 4x), output tok/s "
           f"{res['shared_tok_s_ratio']:.2f}x (goal >= 1.3x); unique: output tok/s on/off "
           f"{res['unique_tok_s_ratio']:.3f} (goal >= 0.98)")
+    print(f"arrivals span {res['arrival_span_s']:.1f} s: a run whose span is longer was saturated "
+          f"(its tok/s is the server's, not the offered rate)")
 
 
 if __name__ == "__main__":
