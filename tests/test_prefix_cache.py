@@ -150,16 +150,21 @@ def test_reload_between_staggered_requests(tiny_llama_path, adapters):
     assert [outs[i] for i in range(4)] == expected
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_staggered_mixed_batch_matches_cache_off(tiny_llama_path, adapters, overlap):
+@pytest.mark.parametrize("overlap,pieces", [(False, False), (True, False), (False, True)])
+def test_staggered_mixed_batch_matches_cache_off(tiny_llama_path, adapters, overlap, pieces):
     """Later requests reuse blocks that running ones computed, in batches of base and adapters,
-    with chunked prefill (8 tokens a step) and, when `overlap`, overlap scheduling."""
+    with chunked prefill (8 tokens a step) and, when `overlap`, overlap scheduling; when `pieces`,
+    mixed steps (a chunk starting after the reused blocks) run the piecewise-graph path eagerly."""
     jobs = [(PROMPTS[i % 4], [None, "a", "b", "a2"][i % 4]) for i in range(8)]
     jobs += [(PROMPTS[i] + tokens(50 + i, 9), a) for i, a in enumerate([None, "a", "b"])]
     on = engine_for(tiny_llama_path, adapters)
     on.config = dataclasses.replace(on.config, overlap_schedule=overlap)
+    if pieces:
+        on.runner.capture_mixed_graphs(64, use_graphs=False)
     outs = staggered(on, jobs)
     assert sum(on.stats().prefix_cache_hit_tokens.values()) > 0
+    if pieces:
+        assert on.runner.mixed_graphs.steps_run > 0
     assert outs == staggered(engine_for(tiny_llama_path, adapters, cache=False), jobs)
 
 
