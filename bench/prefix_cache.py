@@ -167,7 +167,8 @@ def run_open_loop(engine, jobs, arrivals: list[float], new_tokens: int, tag: str
     stats = engine.stats()
     return dict(
         ttft_p50_ms=1e3 * statistics.median(ttft), ttft_p90_ms=1e3 * ttft[int(0.9 * (n - 1))],
-        output_tok_s=sum(out_tokens) / span, span_s=span, last_first_token_s=max(first) - arrivals[0], steps=steps, cpu_s=time.process_time() - cpu_start,
+        output_tok_s=sum(out_tokens) / span, span_s=span, last_first_token_s=max(first) - arrivals[0],
+        steps=steps, cpu_s=time.process_time() - cpu_start,
         tokens_per_step=sched["tokens"] / steps, schedule_us_per_step=1e6 * sched["s"] / steps,
         hit_tokens=sum(stats.prefix_cache_hit_tokens.values()), prompt_tokens=sum(len(j[0]) for j in jobs),
         evictions=stats.prefix_cache_evictions, preemptions=engine.scheduler.num_preemptions,
@@ -245,7 +246,8 @@ def main() -> None:
     results: dict = dict(
         mode=opts.mode, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", argv=sys.argv[1:],
         options={k: getattr(opts, k) for k in (*DEFAULTS["gpu"], "load", "burst", "seed", "max_running", "repeats")},
-        setup_s=setup_s, arrival_span_s=arrivals[-1], capacity_req_s=capacity, capacity_burst=burst, rate=rate, runs={},
+        setup_s=setup_s, arrival_span_s=arrivals[-1], capacity_req_s=capacity, capacity_burst=burst,
+        capacity_probe=probe, rate=rate, runs={},
     )
     repeats: dict[str, list[dict]] = {}
     for rep in range(opts.repeats):
