@@ -89,6 +89,24 @@ class Metrics:
             "vllm:lora_requests_info's shape: adapters with running / waiting requests (comma-separated) and "
             "the GPU slots; the value is the refresh time (unix seconds)",
             ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self.prefix_cache_enabled = Gauge(
+            "loraplex_prefix_cache_enabled", "1 when the prefix cache is on (off: --disable-prefix-cache)", registry=r
+        )
+        self.prefix_cache_blocks = Gauge(
+            "loraplex_prefix_cache_blocks", "KV blocks indexed by the prefix cache (held or evictable)", registry=r
+        )
+        self.prefix_cache_evictions = Counter(
+            "loraplex_prefix_cache_evictions", "Cached KV blocks evicted to make room", registry=r
+        )
+        self.prefix_cache_prompt_tokens = Counter(
+            "loraplex_prefix_cache_prompt_tokens", "Prompt tokens of admitted requests", ["adapter"], registry=r
+        )
+        self.prefix_cache_hit_tokens = Counter(
+            "loraplex_prefix_cache_hit_tokens",
+            "Prompt tokens whose KV was reused from the prefix cache (computed by the same content)",
+            ["adapter"],
+            registry=r,
+        )
         self.store_pulls = Counter("loraplex_store_pulls", "Adapters pulled from the adapter store", registry=r)
         self.store_pull_bytes = Counter("loraplex_store_pull_bytes", "Bytes pulled from the adapter store", registry=r)
         self.triton_compiles = Counter(
@@ -101,6 +119,7 @@ class Metrics:
         self._fleet_names: set[str] = set()
         self._last_evictions: dict[str, int] = {}
         self._last_uploads: dict[str, int] = {}
+        self._last_engine_totals: dict[str, int] = {}
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP exporter on a daemon thread; returns the bound port."""
@@ -124,6 +143,20 @@ class Metrics:
         self.slots_used.set(stats.lora_slots_used)
         self.slots_draining.set(stats.lora_slots_draining)
         self.adapters_waiting.set(stats.lora_adapters_waiting)
+        self.prefix_cache_enabled.set(1 if stats.prefix_cache_enabled else 0)
+        self.prefix_cache_blocks.set(stats.prefix_cache_blocks)
+        self._follow(self.prefix_cache_evictions, "evictions", stats.prefix_cache_evictions)
+        for name, total in stats.prefix_cache_prompt_tokens.items():
+            self._follow(self.prefix_cache_prompt_tokens.labels(adapter_label(name)), "prompt:" + name, total)
+        for name, total in stats.prefix_cache_hit_tokens.items():
+            self._follow(self.prefix_cache_hit_tokens.labels(adapter_label(name)), "hit:" + name, total)
+
+    def _follow(self, counter, key: str, total: int) -> None:
+        """Advance `counter` to the engine's running total named `key`."""
+        delta = total - self._last_engine_totals.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+        self._last_engine_totals[key] = total
 
     def observe_adapters(self, adapters: list[AdapterInfo]) -> None:
         seen: dict[str, str] = {}

@@ -46,6 +46,7 @@ class ServerArgs:
     disable_cuda_graph: bool = False
     mixed_cuda_graph_max_tokens: int = 2048  # piecewise graphs for steps with prefill chunks; 0 = off
     disable_overlap_schedule: bool = False  # overlap is on by default on CUDA (off on CPU)
+    disable_prefix_cache: bool = False
     # Request limits
     max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 128
@@ -135,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
       "attention; bounds their memory); 0 = run them eagerly")
     a("--disable-overlap-schedule", action="store_true",
       help="run each step's output processing before launching the next step (overlap is on by default on CUDA)")
+    a("--disable-prefix-cache", action="store_true",
+      help="prefill every request from its first token instead of reusing the cached KV of a prefix "
+      "that the same base model or adapter content computed before (on by default)")
     a("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
     a("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
     a("--max-inputs-per-request", type=int, default=d.max_inputs_per_request)

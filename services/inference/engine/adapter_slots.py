@@ -36,6 +36,18 @@ class AdapterSlots(ABC):
 
         Never raises and never takes a reference; `acquire` stays the only way in."""
 
+    def content_digest(self, adapter_name: str) -> str | None:
+        """The content digest of the version `acquire(adapter_name)` would hand out now (None: unknown).
+
+        A hint: the version may change before `acquire`; `slot_digest` is the authority."""
+        return None
+
+    def slot_digest(self, slot: int) -> str | None:
+        """The content digest of the adapter version in `slot` while a reference from `acquire` is
+        held on it (None: unknown). The prefix cache keys KV by it, never by a name; None means
+        that request's KV is neither cached nor reused."""
+        return None
+
     def note_queued(self, queued: Mapping[str, int]) -> None:  # noqa: B027 - optional, a no-op by default
         """Once a step: how many requests wait in the scheduler's queue per adapter (prices evictions)."""
 

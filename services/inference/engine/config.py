@@ -60,6 +60,7 @@ class EngineConfig:
     # Launch step N+1 before processing step N's outputs (engine.py). None = on for CUDA, off
     # elsewhere (on the CPU the forward is synchronous, so nothing overlaps); True forces it on (tests).
     overlap_schedule: bool | None = None
+    disable_prefix_cache: bool = False  # reuse cached KV of shared prompt prefixes (engine/prefix_cache.py)
 
     @property
     def mixed_graphs_enabled(self) -> bool:
@@ -94,6 +95,7 @@ class EngineConfig:
             mixed_cuda_graph_max_tokens=args.mixed_cuda_graph_max_tokens,
             decode_prefill_budget=args.decode_prefill_budget,
             overlap_schedule=False if args.disable_overlap_schedule else None,
+            disable_prefix_cache=args.disable_prefix_cache,
         )
 
     def scheduler_config(self, context_length: int) -> SchedulerConfig:

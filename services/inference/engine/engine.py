@@ -27,6 +27,7 @@ from services.inference.engine.logprobs import StepLogprobs, record_prompt_logpr
 from services.inference.engine.model_runner import ModelRunner
 from services.inference.engine.output import TextStream
 from services.inference.engine.overlap import InFlightStep, kv_fits_without_preemption, strip_placeholders
+from services.inference.engine.prefix_cache import base_model_digest
 from services.inference.engine.request import Request
 from services.inference.engine.sampler import SamplingInputs, sample_on_device
 from services.inference.engine.scheduler import Scheduler
@@ -96,11 +97,15 @@ class LLMEngine:
             reserved_bytes=kv_reserved_bytes,
         )
         kv_cache = allocate_kv_cache(loaded.config, num_blocks, config.page_size, loaded.dtype, loaded.device)
-        self.block_manager = BlockManager(num_blocks, config.page_size)
+        caching = not config.disable_prefix_cache
+        self.block_manager = BlockManager(num_blocks, config.page_size, prefix_cache=caching)
         self.adapter_slots = adapter_slots or NoAdapters()
+        base_digest = base_model_digest(loaded.model_dir, str(loaded.dtype)) if caching else "base:uncached"
         self.scheduler = Scheduler(
-            config.scheduler_config(self.context_length), self.block_manager, self.adapter_slots
+            config.scheduler_config(self.context_length), self.block_manager, self.adapter_slots,
+            base_digest=base_digest,
         )
+        log.info("prefix cache: %s", f"on (base model {base_digest[:21]})" if caching else "off (--disable-prefix-cache)")
         self.runner = ModelRunner(
             loaded.model,
             loaded.config,
@@ -396,6 +401,11 @@ class LLMEngine:
             lora_slots_used=self.adapter_slots.slots_used(),
             lora_slots_draining=self.adapter_slots.slots_draining(),
             lora_adapters_waiting=len(self.adapter_slots.slot_queue()),
+            prefix_cache_enabled=self.block_manager.prefix_cache,
+            prefix_cache_blocks=self.block_manager.num_cached_blocks,
+            prefix_cache_evictions=self.block_manager.num_evictions,
+            prefix_cache_prompt_tokens=dict(self.scheduler.prefix_cache.stats.prompt_tokens),
+            prefix_cache_hit_tokens=dict(self.scheduler.prefix_cache.stats.hit_tokens),
         )
 
     def generate(

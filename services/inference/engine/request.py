@@ -45,6 +45,12 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prompt tokens whose KV a cache supplied
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of prompt tokens 1.. so far
     num_preemptions: int = 0
+    # Prefix cache (engine/prefix_cache.py): the root key of what computes this request's KV, the
+    # chained keys of its full blocks as far as known, and how many leading blocks of block_table
+    # were already offered to the cache.
+    kv_root: bytes | None = None
+    block_keys: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -6,6 +6,12 @@ requests of other adapters and of the base model behind them are still admitted)
 the token budget, the prefill budget, the request cap and the free KV blocks allow. When a
 running request needs a block and none is free, the most recently admitted request is
 preempted (its KV freed; it is recomputed when readmitted).
+
+With the prefix cache on (engine/prefix_cache.py, engine/block_manager.py), a request admitted
+starts from the longest run of cached full blocks computed by the same content (its adapter
+version's digest, or the base model's) over the same tokens, and prefills only the rest; the
+full blocks each running request has computed are registered as it goes, and when it finishes,
+aborts or is preempted.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import NamedTuple
 from services.inference.engine.adapter_slots import AdapterSlots
 from services.inference.engine.block_manager import BlockManager
 from services.inference.engine.config import SchedulerConfig
+from services.inference.engine.prefix_cache import PrefixCache
 from services.inference.engine.request import Request, RequestStatus
 from services.inference.errors import LoraplexError
 
@@ -68,13 +75,21 @@ class ScheduledBatch(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, adapter_slots: AdapterSlots):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        adapter_slots: AdapterSlots,
+        *,
+        base_digest: str = "base:unidentified",
+    ):
         self.config = config
         self.blocks = block_manager
         self.adapter_slots = adapter_slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_cache = PrefixCache(block_manager, adapter_slots, base_digest)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -105,6 +120,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             req = self.running[i]
+            if req.kv_root is not None and req.num_computed_tokens >= (req.num_registered_blocks + 1) * page:
+                self.prefix_cache.register(req)
             want = req.num_uncomputed_tokens
             if want == 1 and req.num_computed_tokens < len(req.block_table) * page:
                 # The common decode step: its token fits the last block, nothing to allocate.
@@ -175,7 +192,9 @@ class Scheduler:
         self.running.remove(req)
         # KV goes, the adapter reference stays: the request resumes on the version it started
         # with even if its adapter is reloaded meanwhile (no request mixes two versions).
+        self.prefix_cache.register(req)
         self.blocks.free(req.block_table)
+        req.num_registered_blocks = 0
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -184,7 +203,9 @@ class Scheduler:
         log.debug("preempted %s (KV full)", req.request_id)
 
     def _release(self, req: Request) -> None:
+        self.prefix_cache.register(req)
         self.blocks.free(req.block_table)
+        req.num_registered_blocks = 0
         req.num_computed_tokens = 0
         if req.lora_slot >= 0 and req.adapter is not None:
             self.adapter_slots.release(req.adapter)
@@ -205,14 +226,10 @@ class Scheduler:
             if req.adapter in refused and req.lora_slot < 0:
                 skipped.append(req)  # asked once this step already: others go first
                 continue
-            room = self.blocks.max_tokens(req.block_table) - req.num_computed_tokens
-            if room < want:
-                if self.running or room < 1:
-                    # Admit only when the chunk fits whole: a partial admission would
-                    # preempt running requests next step.
-                    self.waiting.appendleft(req)
-                    break
-                want = room  # alone with the whole cache: take what there is
+            want, hit = self._admissible(req, self.prefix_cache.lookup(req), token_budget, prefill_budget)
+            if want == 0:
+                self.waiting.appendleft(req)
+                break
             if req.adapter is not None and req.lora_slot < 0:  # a preempted request keeps its slot
                 try:
                     slot = self.adapter_slots.acquire(req.adapter)
@@ -225,8 +242,16 @@ class Scheduler:
                     skipped.append(req)  # not resident yet: let others go first
                     continue
                 req.lora_slot = slot
+                if not self.prefix_cache.confirm_root(req):  # the adapter was reloaded since the lookup
+                    want, hit = self._admissible(req, self.prefix_cache.lookup(req), token_budget, prefill_budget)
+                    if want == 0:
+                        self.adapter_slots.release(req.adapter)
+                        req.lora_slot = -1
+                        self.waiting.appendleft(req)
+                        break
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self.prefix_cache.reuse(req, hit)
             self.blocks.allocate(req.block_table, req.num_computed_tokens + want)
             entries.append(ScheduledEntry(req, want))
             token_budget -= want
@@ -234,3 +259,29 @@ class Scheduler:
                 prefill_budget -= want
         for req in reversed(skipped):
             self.waiting.appendleft(req)
+
+    def _admissible(
+        self, req: Request, hit: list[int], token_budget: int, prefill_budget: int
+    ) -> tuple[int, list[int]]:
+        """Tokens of `req` to compute now, and the cached blocks (a prefix of `hit`) to start from;
+        0 tokens: wait for room.
+
+        A cached block nobody holds counts as free, so reusing it takes room. When the chunk does
+        not fit after the whole hit, the hit is shortened from its end, down to none: a request is
+        never kept waiting where the cache-off scheduler would admit it."""
+        page = self.blocks.page_size
+        for keep in range(len(hit), -1, -1):
+            computed = req.num_computed_tokens + keep * page
+            want = min(len(req.token_ids) - computed, token_budget)
+            if want > 1:
+                want = min(want, prefill_budget)
+            if want <= 0:
+                return 0, []
+            room = self.blocks.max_tokens(req.block_table, hit[:keep]) - computed
+            if room >= want:
+                return want, hit[:keep]
+            if not self.running and room >= 1:
+                return room, hit[:keep]  # alone with the whole cache: take what there is
+        # Admit only when the chunk fits whole: a partial admission would preempt running
+        # requests next step.
+        return 0, []

@@ -135,3 +135,11 @@ class EngineStats(NamedTuple):
     lora_slots_used: int
     lora_slots_draining: int = 0  # busy slots taking no new requests until they empty for a waiting adapter
     lora_adapters_waiting: int = 0  # adapters waiting for a slot
+    # Prefix cache: registered blocks (held or evictable; evictable ones also count as free),
+    # cached blocks evicted for room so far, and per adapter ("" = base) the prompt tokens of
+    # first admissions and how many of them were reused from the cache.
+    prefix_cache_enabled: bool = False
+    prefix_cache_blocks: int = 0
+    prefix_cache_evictions: int = 0
+    prefix_cache_prompt_tokens: dict[str, int] = {}  # noqa: RUF012 - never mutated; each snapshot has its own
+    prefix_cache_hit_tokens: dict[str, int] = {}  # noqa: RUF012

@@ -148,6 +148,16 @@ class LoRAManager(AdapterSlots):
         with self._lock:
             return [self._info(v) for v in self._active.values()]
 
+    def content_digest(self, name: str) -> str | None:
+        with self._lock:
+            version = self._active.get(name)
+            return version.digest if version is not None else None
+
+    def slot_digest(self, slot: int) -> str | None:
+        with self._lock:
+            version = self._slots[slot]
+            return version.digest if version is not None else None
+
     def slots_total(self) -> int:
         return self.pool.slots
 
