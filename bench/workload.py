@@ -311,8 +311,9 @@ async def run(opts: argparse.Namespace) -> dict:
                            setup=target.describe())
                 results[sc.name] = res
                 print(f"{sc.name}: {res['completed']}/{res['requests']} done, {res['cut']} cut, "
-                      f"{res['errors']} errors, {res['output_tok_s']} tok/s (built in {build_s:.0f} s, "
-                      f"{res['setup']})", flush=True)
+                      f"{res['errors']} errors, {res['output_tok_s']} tok/s, TTFT p50/p99 {res['ttft_ms']['p50']}/"
+                      f"{res['ttft_ms']['p99']} ms, inter-token p50/p99 {res['itl_ms']['p50']}/{res['itl_ms']['p99']} ms "
+                      f"(built in {build_s:.0f} s, {res['setup']})", flush=True)
     add_ratios(results)
     return results
 
