@@ -73,7 +73,7 @@ def test_completions_equal_grpc(client, stub, base_name, model):  # noqa: F811
     choice = resp.choices[0]
     assert choice.text == want.text and choice.finish_reason == want.finish_reason
     assert resp.usage.prompt_tokens == want.prompt_tokens and resp.usage.completion_tokens == want.completion_tokens
-    assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-6)
+    assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=LOGPROB_TOL)
     assert [len(t) for t in choice.logprobs.top_logprobs] == [2] * len(want.logprobs)
     assert resp.model == name
     streamed = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX, temperature=0,
@@ -99,6 +99,10 @@ def test_completions_batch_of_prompts_and_token_ids(client, stub, base_name):  #
 
 
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+# The door's call and the direct one are computed apart (the second may reuse the first's KV from the
+# prefix cache, or share a batch), so their fp32 logprobs agree to rounding, not bit for bit; 1e-4 is
+# the bound the engine's logprobs keep against transformers.
+LOGPROB_TOL = 1e-4
 
 
 @pytest.mark.parametrize("model", ["base", "beta"])
@@ -111,7 +115,7 @@ def test_chat_equals_grpc(client, stub, base_name, model):  # noqa: F811
                                           logprobs=True, top_logprobs=1)
     msg = resp.choices[0]
     assert msg.message.role == "assistant" and msg.message.content == want.text
-    assert [t.logprob for t in msg.logprobs.content] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-6)
+    assert [t.logprob for t in msg.logprobs.content] == pytest.approx([lp.logprob for lp in want.logprobs], abs=LOGPROB_TOL)
     assert [t.token for t in msg.logprobs.content] == [lp.token for lp in want.logprobs]
     assert resp.usage.prompt_tokens == want.prompt_tokens
     stream = client.chat.completions.create(model=name, messages=CHAT, max_tokens=MAX, temperature=0, stream=True)
