@@ -12,6 +12,8 @@ from adapter_store.errors import InvalidArgument
 
 CONFIG_FILE = "adapter_config.json"
 MAX_CONFIG_BYTES = 1 * 2**20
+# Scalings (alpha / r) live in float32 tables on the inference side: a larger alpha would crash its step.
+MAX_ALPHA = 3e38
 # PEFT features that change the forward beyond B(A(x)) * scaling. The inference server refuses
 # the same list (services/inference/lora/config.py); the store must not record what it refuses.
 UNSUPPORTED = {
@@ -95,8 +97,8 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise _bad("r", f"r must be a positive integer, got {r!r}")
     alpha = data.get("lora_alpha")
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha < math.inf:
-        raise _bad("lora_alpha", f"lora_alpha must be a positive finite number, got {alpha!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha <= MAX_ALPHA:
+        raise _bad("lora_alpha", f"lora_alpha must be a positive number of at most {MAX_ALPHA:g}, got {alpha!r}")
     targets = data.get("target_modules")
     if isinstance(targets, str) and targets:
         try:
@@ -137,7 +139,7 @@ def _positive_map(value: object, field: str, *, integer: bool) -> dict:
         raise _bad(field, f"{field} must be an object, got {value!r}")
     for key, v in value.items():
         ok = isinstance(v, int) if integer else isinstance(v, int | float)
-        if isinstance(v, bool) or not ok or not 0 < v < math.inf:
+        if isinstance(v, bool) or not ok or not 0 < v < math.inf or (not integer and v > MAX_ALPHA):
             raise _bad(f"{field}.{key}", f"{field}[{key!r}] must be a positive {'integer' if integer else 'number'}")
         try:
             re.compile(key)

@@ -50,6 +50,8 @@ BASE_CFG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q
         ({"r": 4.5}, "r"),
         ({"lora_alpha": -1}, "lora_alpha"),
         ({"lora_alpha": float("nan")}, "lora_alpha"),
+        ({"lora_alpha": 1e308}, "lora_alpha"),  # finite, but not as a float32 scaling
+        ({"alpha_pattern": {"q_proj": 1e300}}, "alpha_pattern['q_proj']"),
         ({"rank_pattern": {"q_proj": 0}}, "rank_pattern['q_proj']"),
         ({"alpha_pattern": {"q_proj": "x"}}, "alpha_pattern['q_proj']"),
         ({"target_modules": []}, "target_modules"),

@@ -132,6 +132,9 @@ def test_what_inference_refuses_the_store_refuses(stub, good, dirs):
     (d / CONFIG).write_text((d / CONFIG).read_text().replace("12345", "Infinity"))
     assert json.loads((d / CONFIG).read_text())["lora_alpha"] == float("inf")
     assert "lora_alpha" in _refused(stub, str(d))
+    d = copy_adapter(good, dirs[0] / "huge-alpha")  # finite, but past a float32 scaling
+    edit_config(d, lora_alpha=1e308)
+    assert "lora_alpha" in _refused(stub, str(d))
     d = copy_adapter(good, dirs[0] / "inf-pattern")
     edit_config(d, alpha_pattern={"q_proj": float("inf")})
     _refused(stub, str(d))

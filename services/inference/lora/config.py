@@ -79,9 +79,13 @@ def _positive_int(value: Any, field_name: str) -> int:
     return value
 
 
+# The scaling (alpha / r) lives in a float32 table: an alpha past float32's range would crash the step.
+MAX_ALPHA = 3e38
+
+
 def _positive_float(value: Any, field_name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise _invalid(field_name, f"must be a positive finite number (got {value!r})")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= MAX_ALPHA:
+        raise _invalid(field_name, f"must be a positive number of at most {MAX_ALPHA:g} (got {value!r})")
     return float(value)
 
 
