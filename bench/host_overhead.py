@@ -38,7 +38,7 @@ from services.inference.default_model import ensure_model  # noqa: E402
 from services.inference.engine.config import EngineConfig  # noqa: E402
 from services.inference.engine.engine import LLMEngine  # noqa: E402
 from services.inference.engine.types import SamplingParams  # noqa: E402
-from tests.factories import make_tiny_model  # noqa: E402
+from tests.support.factories import make_tiny_model  # noqa: E402
 
 PHASES = ("total", "forward", "sample", "output", "schedule_prep")
 

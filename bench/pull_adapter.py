@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loraplex.v1 import adapter_store_pb2 as pb  # noqa: E402
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc  # noqa: E402
 
-from tests.store_helpers import WEIGHTS, start_store, write_random_adapter  # noqa: E402
+from tests.support.store_helpers import WEIGHTS, start_store, write_random_adapter  # noqa: E402
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
 
