@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from services.inference.engine.types import AdapterInfo
 from services.inference.errors import AdapterNotFound, LoraplexError
 from services.inference.local_sources import check_allowed, local_path, looks_local
+from services.inference.lora.adapter_slots import AdapterInfo
 from services.inference.metrics import Metrics
 from services.inference.proto_convert import check_adapter_name, check_source
 from services.inference.store_client import PulledAdapter, StoreClient

@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from services.inference.engine.types import AdapterInfo, EngineStats
+from services.inference.engine.types import EngineStats
+from services.inference.lora.adapter_slots import AdapterInfo
 
 log = logging.getLogger(__name__)
 

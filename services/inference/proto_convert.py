@@ -11,8 +11,9 @@ import re
 
 from loraplex.v1 import inference_pb2 as pb
 
-from services.inference.engine.types import AdapterInfo, RequestOutput, SamplingParams, TokenLogprob
+from services.inference.engine.types import RequestOutput, SamplingParams, TokenLogprob
 from services.inference.errors import InvalidRequest
+from services.inference.lora.adapter_slots import AdapterInfo
 from services.inference.server_args import ServerArgs
 
 # Same rule as the adapter store's (adapter_store/names.py): no '/', no '..' start, no control chars.

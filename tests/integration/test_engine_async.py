@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from services.inference.engine import build_engine
-from services.inference.engine.adapter_slots import AdapterSlots
 from services.inference.engine.async_engine import AsyncEngine
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import LLMEngine, load
 from services.inference.engine.types import RequestOutput, SamplingParams
 from services.inference.errors import AdapterNotFound, CapacityExceeded, InvalidRequest
+from services.inference.lora.adapter_slots import AdapterSlots
 from services.inference.lora.backend import GROUPS, LoRABackend
 from services.inference.server_args import ServerArgs
 

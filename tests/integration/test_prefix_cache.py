@@ -203,10 +203,10 @@ def test_no_shared_prefix_schedules_like_cache_off(tiny_llama_path, adapters, ov
 def test_no_shared_prefix_schedules_like_cache_off_under_kv_pressure():
     """Scheduler alone, a KV cache small enough to preempt: the same schedule as cache-off up to
     the first reuse, and the only reuse is a preempted request readmitted onto its own blocks."""
-    from services.inference.engine.adapter_slots import NoAdapters
     from services.inference.engine.config import SchedulerConfig
     from services.inference.engine.request import Request
     from services.inference.engine.scheduler import Scheduler
+    from services.inference.lora.adapter_slots import NoAdapters
 
     def run(cache: bool):
         config = SchedulerConfig(PAGE, 24, 8, 6, context_length=4096)

@@ -9,12 +9,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.inference.engine.adapter_slots import NoAdapters
 from services.inference.engine.block_manager import BlockManager
 from services.inference.engine.config import SchedulerConfig
 from services.inference.engine.request import Request, RequestStatus
 from services.inference.engine.scheduler import ScheduledBatch, Scheduler
 from services.inference.engine.types import SamplingParams
+from services.inference.lora.adapter_slots import NoAdapters
 
 
 def make_scheduler(num_blocks: int, page: int = 4, budget: int = 32, chunk: int = 8, max_running: int = 4):

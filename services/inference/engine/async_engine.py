@@ -17,8 +17,9 @@ from typing import Any, NamedTuple
 
 from services.inference.engine.chat import adapter_chat_template, render_chat
 from services.inference.engine.engine import LLMEngine
-from services.inference.engine.types import AdapterInfo, EngineStats, ModelInfo, RequestOutput, SamplingParams
+from services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 from services.inference.errors import AdapterNotFound, BackendUnavailable, InvalidRequest, LoraplexError
+from services.inference.lora.adapter_slots import AdapterInfo
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,6 @@ import torch
 
 from kernels.compile_watch import compile_counter
 from kernels.placement import triton_runs_on
-from services.inference.engine.adapter_slots import AdapterSlots, NoAdapters
 from services.inference.engine.block_manager import BlockManager
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
@@ -34,6 +33,7 @@ from services.inference.engine.scheduler import Scheduler
 from services.inference.engine.types import EngineStats, RequestOutput, SamplingParams, TokenLogprob
 from services.inference.engine.warmup import warm_up
 from services.inference.errors import CapacityExceeded, InvalidRequest
+from services.inference.lora.adapter_slots import AdapterSlots, NoAdapters
 from services.inference.lora.backend import LoRABackend
 
 log = logging.getLogger(__name__)

@@ -21,12 +21,12 @@ import logging
 from collections import Counter, deque
 from typing import NamedTuple
 
-from services.inference.engine.adapter_slots import AdapterSlots
 from services.inference.engine.block_manager import BlockManager
 from services.inference.engine.config import SchedulerConfig
 from services.inference.engine.prefix_cache import PrefixCache
 from services.inference.engine.request import Request, RequestStatus
 from services.inference.errors import LoraplexError
+from services.inference.lora.adapter_slots import AdapterSlots
 
 log = logging.getLogger(__name__)
 

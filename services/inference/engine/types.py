@@ -91,26 +91,6 @@ class RequestOutput(NamedTuple):
     prompt_logprobs: list[TokenLogprob] | None = None
 
 
-@dataclass
-class AdapterInfo:
-    """What the engine knows about one adapter (for ListAdapters)."""
-
-    name: str
-    rank: int
-    alpha: float
-    target_modules: list[str]
-    location: str  # "gpu" | "host" | "store"
-    pinned: bool = False
-    requests_in_flight: int = 0
-    source: str = ""
-    digest: str = ""
-    slot: int = -1
-    evictions: int = 0  # times this adapter's GPU slot was given to another adapter
-    uploads: int = 0  # times this adapter was copied into a GPU slot
-    queued_requests: int = 0  # its requests waiting in the scheduler (as of the last step)
-    slot_wait_s: float = 0.0  # how long it has been waiting for a GPU slot (0: not waiting)
-
-
 @dataclass(frozen=True)
 class ModelInfo:
     model: str

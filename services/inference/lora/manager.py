@@ -36,10 +36,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.inference.engine.adapter_slots import AdapterSlots
-from services.inference.engine.types import AdapterInfo
 from services.inference.errors import AdapterNotFound, CapacityExceeded, LoraplexError
 from services.inference.lora.adapter import AdapterWeights, load_adapter_weights
+from services.inference.lora.adapter_slots import AdapterInfo, AdapterSlots
 from services.inference.lora.config import check_fits, modules_of
 from services.inference.lora.pool import AdapterPool
 
