@@ -15,6 +15,7 @@ run: $(STAMP) model
 
 test: $(STAMP) model tools
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The unit tier: in-process, no server or subprocess (under a minute).
@@ -47,6 +48,7 @@ check-protos: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # System tools the tests need: docker-compose (Debian's v1 package) validates docker-compose.yml
 # (no engine needed), openssl makes the TLS tests' certificates and nginx is the router in front of

@@ -106,7 +106,9 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
     elif isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets):
         targets = tuple(targets)
     else:
-        raise _bad("target_modules", f"target_modules must be a non-empty list of names or a regex, got {targets!r}")
+        raise _bad(
+            "target_modules", f"target_modules must be a non-empty list of names or a regex, got {targets!r}"
+        )
     for key, why in UNSUPPORTED.items():
         if data.get(key):
             raise _bad(key, why)
@@ -138,7 +140,9 @@ def _positive_map(value: object, field: str, *, integer: bool) -> dict:
     for key, v in value.items():
         ok = isinstance(v, int) if integer else isinstance(v, int | float)
         if isinstance(v, bool) or not ok or not 0 < v < math.inf:
-            raise _bad(f"{field}.{key}", f"{field}[{key!r}] must be a positive {'integer' if integer else 'number'}")
+            raise _bad(
+                f"{field}.{key}", f"{field}[{key!r}] must be a positive {'integer' if integer else 'number'}"
+            )
         try:
             re.compile(key)
         except re.error as e:

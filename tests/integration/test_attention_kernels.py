@@ -82,7 +82,9 @@ def test_decode_reference_matches_sdpa() -> None:
     lens = [1, 17, 40, 0]
     case = make_paged_case(lens, kv_heads=2, head_dim=32, page_size=8, dtype=torch.float32, seed=1)
     q = torch.randn(len(lens), 8, 32)
-    out = paged_decode_attention_ref(q, case.k_cache, case.v_cache, case.block_tables, torch.tensor(lens), 0.2)
+    out = paged_decode_attention_ref(
+        q, case.k_cache, case.v_cache, case.block_tables, torch.tensor(lens), 0.2
+    )
     for b, n in enumerate(lens):
         if n == 0:
             assert torch.equal(out[b], torch.zeros_like(out[b]))
@@ -96,7 +98,9 @@ def test_prefill_reference_matches_sdpa() -> None:
     case = make_paged_case(kv_lens, kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32, seed=2)
     cu = torch.tensor([0, 9, 21], dtype=torch.int32)
     q = torch.randn(sum(q_lens), 4, 16)
-    out = paged_prefill_attention_ref(q, case.k_cache, case.v_cache, case.block_tables, cu, torch.tensor(kv_lens), 0.25)
+    out = paged_prefill_attention_ref(
+        q, case.k_cache, case.v_cache, case.block_tables, cu, torch.tensor(kv_lens), 0.25
+    )
     for b in range(2):
         ref = _sdpa(q[cu[b] : cu[b + 1]], case.dense_k[b], case.dense_v[b], 0.25)
         assert rel_err(out[cu[b] : cu[b + 1]], ref) < 1e-5
@@ -132,7 +136,11 @@ def test_kernels_under_triton_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.integration.test_attention_kernels"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, f"interpreter checks failed:\n{proc.stdout}\n{proc.stderr}"
     assert "checked" in proc.stdout and "FAIL" not in proc.stdout, proc.stdout
@@ -167,8 +175,17 @@ def _interpreter_checks() -> int:
             ctx = torch.tensor(lens, dtype=torch.int32)
             scale = dim**-0.5
             out = torch.full_like(q, float("nan"))
-            paged_decode_attention(q, case.k_cache, case.v_cache, case.block_tables, ctx, scale,
-                                   out=out, num_splits=splits, block_n=bn)
+            paged_decode_attention(
+                q,
+                case.k_cache,
+                case.v_cache,
+                case.block_tables,
+                ctx,
+                scale,
+                out=out,
+                num_splits=splits,
+                block_n=bn,
+            )
             ref = paged_decode_attention_ref(q, case.k_cache, case.v_cache, case.block_tables, ctx, scale)
             err = rel_err(out, ref)
             ok = bool(torch.isfinite(out).all()) and err < TOL[dtype]
@@ -181,8 +198,19 @@ def _interpreter_checks() -> int:
             kv = torch.tensor(kv_lens, dtype=torch.int32)
             scale = dim**-0.5
             out = torch.full_like(q, float("nan"))
-            paged_prefill_attention(q, case.k_cache, case.v_cache, case.block_tables, cu, kv, scale,
-                                    max(q_lens), out=out, block_m=bm, block_n=bn)
+            paged_prefill_attention(
+                q,
+                case.k_cache,
+                case.v_cache,
+                case.block_tables,
+                cu,
+                kv,
+                scale,
+                max(q_lens),
+                out=out,
+                block_m=bm,
+                block_n=bn,
+            )
             ref = paged_prefill_attention_ref(q, case.k_cache, case.v_cache, case.block_tables, cu, kv, scale)
             err = rel_err(out, ref)
             ok = bool(torch.isfinite(out).all()) and err < TOL[dtype]
@@ -226,9 +254,13 @@ def _check_fused_ops(dtype: torch.dtype) -> int:
         ("add_rms_norm+delta out", added[1][1], added_ref[1][1]),
         ("silu_mul+delta", silu_and_mul(gate_up, gu_delta), silu_and_mul_ref(gate_up, gu_delta)),
         ("rms_norm", rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5)),
-        *((f"qkv_rotary{tag} {part}", out, ref) for tag, d in (("", None), ("+delta", qkv_delta))
-          for part, out, ref in zip("qkv", qkv_rotary(qkv, cos, sin, 4, 1, d), qkv_rotary_ref(qkv, cos, sin, 4, 1, d),
-                                    strict=True)),
+        *(
+            (f"qkv_rotary{tag} {part}", out, ref)
+            for tag, d in (("", None), ("+delta", qkv_delta))
+            for part, out, ref in zip(
+                "qkv", qkv_rotary(qkv, cos, sin, 4, 1, d), qkv_rotary_ref(qkv, cos, sin, 4, 1, d), strict=True
+            )
+        ),
         ("silu_mul", silu_and_mul(gate_up), silu_and_mul_ref(gate_up)),
     ]
     failures = 0
@@ -249,7 +281,11 @@ def _check_store(dtype: torch.dtype) -> int:
     slots = torch.tensor([3, -1, 17, 0, 23])
     store_kv(k, v, caches[0], caches[1], slots)
     store_kv_ref(k, v, caches[2], caches[3], slots)
-    ok = torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3]) and not torch.equal(caches[0], base_k)
+    ok = (
+        torch.equal(caches[0], caches[2])
+        and torch.equal(caches[1], caches[3])
+        and not torch.equal(caches[0], base_k)
+    )
     print(f"store   {dtype}: {'ok' if ok else 'FAIL'}")
     return int(not ok)
 
@@ -278,8 +314,12 @@ def _check_engine_backend(dtype: torch.dtype) -> int:
         q_start += lens[b]
     width = max(len(t) for t in tables[:2])
     meta = AttentionMetadata(
-        torch.tensor(slot_mapping), 2, torch.tensor([t + [0] * (width - len(t)) for t in tables[:2]]),
-        torch.tensor([starts[0] + 1, starts[1] + 1]), segments, torch.tensor(ctx_slots),
+        torch.tensor(slot_mapping),
+        2,
+        torch.tensor([t + [0] * (width - len(t)) for t in tables[:2]]),
+        torch.tensor([starts[0] + 1, starts[1] + 1]),
+        segments,
+        torch.tensor(ctx_slots),
     )
     t = sum(lens)
     q = torch.randn((t, heads, dim), generator=gen).to(dtype)

@@ -47,7 +47,9 @@ def test_sync_client_roundtrip(client, adapter_path, smollm2_path):
         assert "".join(d.text for d in deltas if d.index == i) == out.text
     assert "py-a" in {a.name for a in client.list_adapters()}
     assert client.model_info().max_lora_rank == 8
-    assert client.tokenize("Hello world") == AutoTokenizer.from_pretrained(smollm2_path)("Hello world").input_ids
+    assert (
+        client.tokenize("Hello world") == AutoTokenizer.from_pretrained(smollm2_path)("Hello world").input_ids
+    )
     assert client.health() == "SERVING"
     assert client.get_adapter("py-a").rank == 8
     client.unload_adapter("py-a")
@@ -75,11 +77,28 @@ def test_sync_client_inputs_chat_logprobs(client, smollm2_path):
 
     ids = AutoTokenizer.from_pretrained(smollm2_path)(PROMPT).input_ids
     by_text, by_ids, sampled = client.generate_inputs(
-        [{"text": PROMPT}, {"token_ids": ids}, {"text": PROMPT, "sampling_params": {"temperature": 1.0, "seed": 1}}],
-        max_new_tokens=4, temperature=0)
-    assert by_text.token_ids == by_ids.token_ids and [c.index for c in (by_text, by_ids, sampled)] == [0, 1, 2]
-    answers = client.chat([{"role": "user", "content": PROMPT}], max_new_tokens=4, n=2, temperature=1.0, seed=9,
-                          logprobs=True, top_logprobs=2)
+        [
+            {"text": PROMPT},
+            {"token_ids": ids},
+            {"text": PROMPT, "sampling_params": {"temperature": 1.0, "seed": 1}},
+        ],
+        max_new_tokens=4,
+        temperature=0,
+    )
+    assert by_text.token_ids == by_ids.token_ids and [c.index for c in (by_text, by_ids, sampled)] == [
+        0,
+        1,
+        2,
+    ]
+    answers = client.chat(
+        [{"role": "user", "content": PROMPT}],
+        max_new_tokens=4,
+        n=2,
+        temperature=1.0,
+        seed=9,
+        logprobs=True,
+        top_logprobs=2,
+    )
     assert [a.sample for a in answers] == [0, 1]
     assert all(len(a.logprobs) == len(a.token_ids) and len(a.logprobs[0].top) == 2 for a in answers)
     assert answers[0].time_to_first_token_s > 0
@@ -112,8 +131,12 @@ def test_async_client(stack, adapter_path):
 
 def cli(stack, *args: str) -> subprocess.CompletedProcess:
     store, inference = stack
-    return subprocess.run([str(LORAPLEX), "--target", inference.address, "--store", store.address, *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(LORAPLEX), "--target", inference.address, "--store", store.address, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli(stack, adapter_path):
@@ -125,15 +148,34 @@ def test_cli(stack, adapter_path):
     [completion] = json.loads(out.stdout)
     assert completion["adapter"] == "cli-a"
     streamed = cli(stack, "generate", "--adapter", "cli-a", "--max-new-tokens", "6", "--stream", PROMPT)
-    assert streamed.returncode == 0 and streamed.stdout.rstrip("\n") == completion.get("text", "").rstrip("\n")
+    assert streamed.returncode == 0 and streamed.stdout.rstrip("\n") == completion.get("text", "").rstrip(
+        "\n"
+    )
     listed = cli(stack, "list")
     assert listed.returncode == 0 and "cli-a" in listed.stdout
     assert json.loads(cli(stack, "info").stdout)["maxLoraRank"] == 8
     assert cli(stack, "unload", "cli-a").returncode == 0
     missing = cli(stack, "generate", "--adapter", "never-there", "x")
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
-    chat = cli(stack, "generate", "--chat", "--system", "Be brief.", "-n", "2", "--temperature", "1", "--seed", "4",
-               "--logprobs", "1", "--max-new-tokens", "3", "--json", PROMPT)
+    chat = cli(
+        stack,
+        "generate",
+        "--chat",
+        "--system",
+        "Be brief.",
+        "-n",
+        "2",
+        "--temperature",
+        "1",
+        "--seed",
+        "4",
+        "--logprobs",
+        "1",
+        "--max-new-tokens",
+        "3",
+        "--json",
+        PROMPT,
+    )
     assert chat.returncode == 0, chat.stderr
     answers = json.loads(chat.stdout)
     assert [a.get("sample", 0) for a in answers] == [0, 1] and len(answers[0]["logprobs"]) == 3

@@ -16,9 +16,26 @@ LORAPLEX = Path(sys.executable).parent / "loraplex"
 
 def test_up_starts_the_stack_and_stops_it(tmp_path, tiny_llama_path):
     proc = subprocess.Popen(
-        [str(LORAPLEX), "up", "--port", "0", "--store-port", "0", "--openai-port", "0", "--cache-dir", str(tmp_path),
-         "--model-path", str(tiny_llama_path), "--", "--max-total-tokens", "2048"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            str(LORAPLEX),
+            "up",
+            "--port",
+            "0",
+            "--store-port",
+            "0",
+            "--openai-port",
+            "0",
+            "--cache-dir",
+            str(tmp_path),
+            "--model-path",
+            str(tiny_llama_path),
+            "--",
+            "--max-total-tokens",
+            "2048",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     lines: list[str] = []
     try:
@@ -60,7 +77,10 @@ def test_up_starts_the_stack_and_stops_it(tmp_path, tiny_llama_path):
         assert "inference stopped (exit 0)" in rest and "store stopped (exit 0)" in rest
         assert "openai stopped (exit 0)" in rest, rest[-3000:]
         for pid in child_pids:
-            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+            assert (
+                not Path(f"/proc/{pid}").exists()
+                or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+            )
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -73,9 +93,26 @@ def test_up_with_replicas_puts_the_router_in_front(tmp_path, tiny_llama_path):
     from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
     proc = subprocess.Popen(
-        [str(LORAPLEX), "up", "--replicas", "2", "--port", "0", "--store-port", "0", "--cache-dir", str(tmp_path),
-         "--model-path", str(tiny_llama_path), "--", "--max-total-tokens", "1024"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            str(LORAPLEX),
+            "up",
+            "--replicas",
+            "2",
+            "--port",
+            "0",
+            "--store-port",
+            "0",
+            "--cache-dir",
+            str(tmp_path),
+            "--model-path",
+            str(tiny_llama_path),
+            "--",
+            "--max-total-tokens",
+            "1024",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     lines: list[str] = []
     try:
@@ -84,7 +121,9 @@ def test_up_with_replicas_puts_the_router_in_front(tmp_path, tiny_llama_path):
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
             lines.append(proc.stdout.readline())
         text = "".join(lines)
-        router = re.search(r"inference\s+(\S+:\d+)\s+\(loraplex.v1.Inference\)\s+\(nginx router", text).group(1)
+        router = re.search(r"inference\s+(\S+:\d+)\s+\(loraplex.v1.Inference\)\s+\(nginx router", text).group(
+            1
+        )
         assert len(re.findall(r"replica\s+\S+:\d+", text)) == 2
         seen = set()
         with grpc.insecure_channel(router) as channel:

@@ -18,8 +18,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_varied_steps_after_warm_up_compile_nothing():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "support" / "compile_after_warmup_check.py")], env=env,
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "support" / "compile_after_warmup_check.py")],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["served_keys"] > 10, result  # the steps did launch the step kernels

@@ -32,7 +32,10 @@ def test_compose_services_and_gpu_reservation():
     config = _config("--profile", "cpu")
     services = config["services"]
     assert {"redis", "adapter-store", "inference", "inference-cpu", "openai", "openai-cpu"} <= set(services)
-    assert "inference:50051" in services["openai"]["command"] and "inference-cpu:50051" in services["openai-cpu"]["command"]
+    assert (
+        "inference:50051" in services["openai"]["command"]
+        and "inference-cpu:50051" in services["openai-cpu"]["command"]
+    )
     assert services["redis"]["image"].startswith("redis")
     devices = services["inference"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]
@@ -60,5 +63,7 @@ def test_compose_router_in_front_of_two_replicas():
         ids.append(command[command.index("--replica-id") + 1])
         assert services[name]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     assert ids == ["inference-a", "inference-b"]
-    assert [services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
-            for n in ("inference-a", "inference-b")] == [["0"], ["1"]]
+    assert [
+        services[n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        for n in ("inference-a", "inference-b")
+    ] == [["0"], ["1"]]

@@ -165,7 +165,9 @@ def test_model_type_names_the_family_when_architectures_is_null(tmp_path, tiny_l
     path = copy_model(tiny_llama_path, tmp_path / "no-arch", architectures=None, model_type="llama")
     assert greedy(engine_for(path), TEXTS) == hf_greedy(path, engine_for(path), TEXTS)
     raw = json.loads((tiny_llama_path / "config.json").read_text())
-    assert parse_config({**raw, "architectures": [], "model_type": "qwen2"}).architecture == "Qwen2ForCausalLM"
+    assert (
+        parse_config({**raw, "architectures": [], "model_type": "qwen2"}).architecture == "Qwen2ForCausalLM"
+    )
     with pytest.raises(UnsupportedModelError, match="unsupported architecture 'gpt2'"):
         parse_config({**raw, "architectures": None, "model_type": "gpt2"})
 

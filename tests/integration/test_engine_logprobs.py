@@ -24,13 +24,24 @@ JOBS = [  # (prompt, adapter, params)
     ("def fibonacci(n):", "a", SamplingParams(max_new_tokens=NEW_TOKENS, logprobs=3)),
     ("Water boils at", None, SamplingParams(max_new_tokens=NEW_TOKENS)),
     ("Once upon a time", "a", SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=7, logprobs=0)),
-    ("1, 2, 3, 4,", None, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.8, top_k=20, seed=3,
-                                         logprobs=MAX_TOP_LOGPROBS)),
+    (
+        "1, 2, 3, 4,",
+        None,
+        SamplingParams(
+            max_new_tokens=NEW_TOKENS, temperature=0.8, top_k=20, seed=3, logprobs=MAX_TOP_LOGPROBS
+        ),
+    ),
     # prompt log probabilities over several prefill chunks (the engine's chunk is 8 tokens)
-    ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again and", "a",
-     SamplingParams(max_new_tokens=2, prompt_logprobs=3)),
-    ("Translate to French: I would like a cup of coffee, please.", None,
-     SamplingParams(max_new_tokens=3, prompt_logprobs=0, logprobs=1)),
+    (
+        "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog again and",
+        "a",
+        SamplingParams(max_new_tokens=2, prompt_logprobs=3),
+    ),
+    (
+        "Translate to French: I would like a cup of coffee, please.",
+        None,
+        SamplingParams(max_new_tokens=3, prompt_logprobs=0, logprobs=1),
+    ),
 ]
 
 
@@ -41,8 +52,14 @@ def _one_thread(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def adapter(tiny_llama_path, adapter_factory):
-    return adapter_factory(tiny_llama_path, "logprobs-a", r=8, lora_alpha=16,
-                           target_modules=["q_proj", "v_proj", "down_proj"], seed=5)
+    return adapter_factory(
+        tiny_llama_path,
+        "logprobs-a",
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        seed=5,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +96,9 @@ def run(engine, jobs):
             if out.logprobs is not None:
                 g["lps"].extend(out.logprobs)
             if out.prompt_logprobs is not None:
-                assert not g["prompt"] and len(g["ids"]) == len(out.new_token_ids) == 1, "once, with the first token"
+                assert not g["prompt"] and len(g["ids"]) == len(out.new_token_ids) == 1, (
+                    "once, with the first token"
+                )
                 g["prompt"] = out.prompt_logprobs
             if out.finished:
                 g["final"] = out
@@ -94,7 +113,9 @@ def test_logprobs_match_transformers_and_peft(tiny_llama_path, adapter, referenc
     prompts, results = run(engine, JOBS)
     for prompt, (_, name, params), got in zip(prompts, JOBS, results, strict=True):
         if params.prompt_logprobs is not None:
-            assert [lp.token_id for lp in got["prompt"]] == prompt[1:] and len(prompt) > 8  # two or more chunks
+            assert [lp.token_id for lp in got["prompt"]] == prompt[1:] and len(
+                prompt
+            ) > 8  # two or more chunks
             ref = reference(prompt, 1, name)
             for pos, lp in enumerate(got["prompt"]):
                 assert abs(lp.logprob - ref[pos, lp.token_id].item()) < TOL, (name, "prompt", pos)
@@ -145,4 +166,6 @@ def test_prompt_logprobs_survive_preemption(tiny_llama_path):
     assert engine.scheduler.num_preemptions > 0
     for prompt, g, w in zip(prompts, got, want, strict=True):
         assert [lp.token_id for lp in g["prompt"]] == prompt[1:]
-        assert [lp.logprob for lp in g["prompt"]] == pytest.approx([lp.logprob for lp in w["prompt"]], abs=TOL)
+        assert [lp.logprob for lp in g["prompt"]] == pytest.approx(
+            [lp.logprob for lp in w["prompt"]], abs=TOL
+        )

@@ -30,9 +30,17 @@ def _one_thread(one_torch_thread):
 
 
 def make_engine(path: Path, overlap: bool, **overrides) -> LLMEngine:
-    options = dict(model_path=str(path), device=torch.device("cpu"), dtype_name="float32", chunked_prefill_size=8,
-                   max_num_batched_tokens=64, max_total_tokens=4096, context_length=1024, page_size=4,
-                   overlap_schedule=overlap)
+    options = dict(
+        model_path=str(path),
+        device=torch.device("cpu"),
+        dtype_name="float32",
+        chunked_prefill_size=8,
+        max_num_batched_tokens=64,
+        max_total_tokens=4096,
+        context_length=1024,
+        page_size=4,
+        overlap_schedule=overlap,
+    )
     options.update(overrides)
     engine = LLMEngine.from_config(EngineConfig(**options))
     assert engine._overlap is overlap
@@ -52,8 +60,12 @@ def count_overlapped_steps(engine: LLMEngine) -> list[int]:
     return counter
 
 
-def run_streams(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams],
-                abort_after: dict[str, int] | None = None) -> dict[str, list[RequestOutput]]:
+def run_streams(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    abort_after: dict[str, int] | None = None,
+) -> dict[str, list[RequestOutput]]:
     """Every output of every request, in order; `abort_after` aborts a request after that many steps."""
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, prompt, p in zip(ids, prompts, params, strict=True):
@@ -100,8 +112,10 @@ def test_preemption_keeps_outputs(tiny_llama_path):
     engine = make_engine(tiny_llama_path, True, max_total_tokens=3 * need)
     results = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     assert engine.scheduler.num_preemptions > 0
-    assert [r.token_ids for r in results] == [r.token_ids for r in probe.generate(
-        prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))]
+    assert [r.token_ids for r in results] == [
+        r.token_ids
+        for r in probe.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    ]
     assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
 
 
@@ -109,7 +123,7 @@ def test_stops_lengths_and_seeded_sampling_stream_identically(tiny_llama_path):
     probe = make_engine(tiny_llama_path, False)
     prompts = [probe.tokenizer(p).input_ids for p in PROMPTS]
     (free_run,) = probe.generate(prompts[:1], SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
-    stop_text = free_run.text[len(free_run.text) // 2:][:3]
+    stop_text = free_run.text[len(free_run.text) // 2 :][:3]
     assert stop_text.strip()
     params = [
         SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, stop=(stop_text,)),  # stops mid-run
@@ -153,9 +167,11 @@ def test_abort_mid_flight_frees_kv_and_leaves_the_rest_alone(tiny_llama_path):
 
 def test_penalties_fall_back_to_the_plain_step(tiny_llama_path):
     prompts = [make_engine(tiny_llama_path, False).tokenizer(p).input_ids for p in PROMPTS[:3]]
-    params = [SamplingParams(max_new_tokens=16, repetition_penalty=1.3, ignore_eos=True),
-              SamplingParams(max_new_tokens=16, frequency_penalty=1.0, temperature=0.8, seed=3),
-              SamplingParams(max_new_tokens=16, ignore_eos=True)]
+    params = [
+        SamplingParams(max_new_tokens=16, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_new_tokens=16, frequency_penalty=1.0, temperature=0.8, seed=3),
+        SamplingParams(max_new_tokens=16, ignore_eos=True),
+    ]
     got = run_streams(make_engine(tiny_llama_path, True), prompts, params)
     want = run_streams(make_engine(tiny_llama_path, False), prompts, params)
     assert {k: summary(v) for k, v in got.items()} == {k: summary(v) for k, v in want.items()}
@@ -169,8 +185,12 @@ def test_mixed_lora_batch_equals_the_plain_step(tiny_llama_path, adapter_factory
         engine.config = dataclasses.replace(engine.config, overlap_schedule=overlap)
         assert engine._overlap is overlap
         prompts = [engine.tokenizer(p).input_ids for p in PROMPTS[: len(LORA_BATCH)]]
-        outs[overlap] = [c.token_ids for c in engine.generate(
-            prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True), list(LORA_BATCH))]
+        outs[overlap] = [
+            c.token_ids
+            for c in engine.generate(
+                prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True), list(LORA_BATCH)
+            )
+        ]
         assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
     assert outs[True] == outs[False]
     assert len({tuple(t) for t in outs[True][1:5]}) == 4, "the adapters change the output"

@@ -28,24 +28,36 @@ from loraplex.v1 import inference_pb2_grpc as pb_grpc
 from clients.processes import ServerProcess
 from tests.support.service_stack import STARTUP_S
 
-CLEAN = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-         grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED}
+CLEAN = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 LIMIT_NEW_TOKENS = 6
-FUZZ = dict(deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+FUZZ = dict(
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 class Server:
     def __init__(self, proc: ServerProcess, allowed: Path) -> None:
         self.proc, self.allowed = proc, allowed
-        self.channel = grpc.insecure_channel(proc.address, options=[("grpc.max_send_message_length", 1 << 26)])
+        self.channel = grpc.insecure_channel(
+            proc.address, options=[("grpc.max_send_message_length", 1 << 26)]
+        )
         self.stub = pb_grpc.InferenceStub(self.channel)
 
     def code_of(self, method, request, timeout: float = 60) -> tuple[grpc.StatusCode, object]:
         try:
             result = method(request, timeout=timeout)
-            if not isinstance(result, (pb.GenerateResponse, pb.LoadAdapterResponse, pb.UnloadAdapterResponse,
-                                       pb.TokenizeResponse)):
+            if not isinstance(
+                result,
+                (pb.GenerateResponse, pb.LoadAdapterResponse, pb.UnloadAdapterResponse, pb.TokenizeResponse),
+            ):
                 result = list(result)  # a stream: drain it
             return grpc.StatusCode.OK, result
         except grpc.RpcError as err:
@@ -53,30 +65,60 @@ class Server:
 
     def assert_healthy(self) -> None:
         assert self.proc.proc.poll() is None, self.proc.output()[-3000:]
-        status = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        status = (
+            health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        )
         assert status == health_pb2.HealthCheckResponse.SERVING
         params = pb.SamplingParams(max_new_tokens=2, ignore_eos=True)
-        out = self.stub.Generate(pb.GenerateRequest(text=["still there?"], sampling_params=params), timeout=30)
+        out = self.stub.Generate(
+            pb.GenerateRequest(text=["still there?"], sampling_params=params), timeout=30
+        )
         assert out.completions[0].completion_tokens == 2
         assert "internal error" not in self.proc.output(), self.proc.output()[-3000:]
 
 
 @pytest.fixture(scope="module")
 def good_adapter(tiny_llama_path, adapter_factory) -> Path:
-    return adapter_factory(tiny_llama_path, "fuzz-good", r=4, lora_alpha=8,
-                           target_modules=["q_proj", "v_proj", "down_proj"])
+    return adapter_factory(
+        tiny_llama_path, "fuzz-good", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]
+    )
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_llama_path, good_adapter):
     allowed = tmp_path_factory.mktemp("allowed")
     shutil.copytree(good_adapter, allowed / "good")
-    proc = ServerProcess("inference", "services.inference", [
-        "--model-path", str(tiny_llama_path), "--port", "0", "--device", "cpu", "--max-total-tokens", "2048",
-        "--max-lora-rank", "8", "--max-new-tokens-limit", str(LIMIT_NEW_TOKENS), "--default-max-new-tokens", "4",
-        "--max-inputs-per-request", "4", "--max-queued-requests", "64", "--max-message-bytes", str(1 << 20),
-        "--allowed-local-dirs", str(allowed), "--lora-paths", f"good={allowed / 'good'}",
-    ], echo=False)
+    proc = ServerProcess(
+        "inference",
+        "services.inference",
+        [
+            "--model-path",
+            str(tiny_llama_path),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--max-total-tokens",
+            "2048",
+            "--max-lora-rank",
+            "8",
+            "--max-new-tokens-limit",
+            str(LIMIT_NEW_TOKENS),
+            "--default-max-new-tokens",
+            "4",
+            "--max-inputs-per-request",
+            "4",
+            "--max-queued-requests",
+            "64",
+            "--max-message-bytes",
+            str(1 << 20),
+            "--allowed-local-dirs",
+            str(allowed),
+            "--lora-paths",
+            f"good={allowed / 'good'}",
+        ],
+        echo=False,
+    )
     try:
         proc.wait_serving(STARTUP_S)
         srv = Server(proc, allowed)
@@ -89,11 +131,32 @@ def server(tmp_path_factory, tiny_llama_path, good_adapter):
 # -- random requests -----------------------------------------------------------------------
 f32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
 TINY = [1e-45, 1e-40, 1e-38, 1e-30, 1e-10, 1e-6, 2e-5]  # temperatures that once overflowed to NaN
-small_f = st.one_of(f32, st.sampled_from([0.0, 0.5, 1.0, -1.0, 2.5, float("nan"), float("inf"), 1e30, -1e30,
-                                          *TINY, 3.4e38, -3.4e38]))
+small_f = st.one_of(
+    f32,
+    st.sampled_from(
+        [0.0, 0.5, 1.0, -1.0, 2.5, float("nan"), float("inf"), 1e30, -1e30, *TINY, 3.4e38, -3.4e38]
+    ),
+)
 names = st.one_of(
-    st.sampled_from(["", "good", "missing", "../good", "good/../../etc", "/etc/passwd", ".hidden", "a" * 129,
-                     "with space", "x\x00y", "good\n", "-dash", "ok.name_1-2", "x" * 5000, "%2E%2E"]),
+    st.sampled_from(
+        [
+            "",
+            "good",
+            "missing",
+            "../good",
+            "good/../../etc",
+            "/etc/passwd",
+            ".hidden",
+            "a" * 129,
+            "with space",
+            "x\x00y",
+            "good\n",
+            "-dash",
+            "ok.name_1-2",
+            "x" * 5000,
+            "%2E%2E",
+        ]
+    ),
     st.text(max_size=20),
 )
 texts = st.one_of(
@@ -105,22 +168,40 @@ u32 = st.integers(0, 2**32 - 1)
 unit = st.floats(0.0625, 1.0, width=32)
 # Valid values, so that most requests reach the engine...
 valid_fields = {
-    "max_new_tokens": st.integers(0, LIMIT_NEW_TOKENS), "temperature": st.floats(0, 2, width=32), "top_p": unit,
-    "top_k": st.integers(0, 100), "min_p": st.floats(0, 1, width=32), "seed": st.integers(0, 2**64 - 1),
-    "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3), "stop_token_ids": st.lists(u32, max_size=4),
-    "ignore_eos": st.booleans(), "repetition_penalty": st.floats(0.5, 2, width=32),
-    "frequency_penalty": st.floats(-2, 2, width=32), "presence_penalty": st.floats(-2, 2, width=32),
-    "n": st.integers(0, 2), "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20),
+    "max_new_tokens": st.integers(0, LIMIT_NEW_TOKENS),
+    "temperature": st.floats(0, 2, width=32),
+    "top_p": unit,
+    "top_k": st.integers(0, 100),
+    "min_p": st.floats(0, 1, width=32),
+    "seed": st.integers(0, 2**64 - 1),
+    "stop": st.lists(st.text(min_size=1, max_size=4), max_size=3),
+    "stop_token_ids": st.lists(u32, max_size=4),
+    "ignore_eos": st.booleans(),
+    "repetition_penalty": st.floats(0.5, 2, width=32),
+    "frequency_penalty": st.floats(-2, 2, width=32),
+    "presence_penalty": st.floats(-2, 2, width=32),
+    "n": st.integers(0, 2),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(0, 20),
     "prompt_logprobs": st.booleans(),
 }
 # ...and for the few fields a request spoils, anything the wire can carry.
 bad_fields = {
-    "max_new_tokens": u32, "temperature": small_f, "top_p": small_f, "top_k": st.integers(-(2**31), 2**31 - 1),
-    "min_p": small_f, "seed": st.integers(0, 2**64 - 1),
+    "max_new_tokens": u32,
+    "temperature": small_f,
+    "top_p": small_f,
+    "top_k": st.integers(-(2**31), 2**31 - 1),
+    "min_p": small_f,
+    "seed": st.integers(0, 2**64 - 1),
     "stop": st.one_of(st.lists(st.text(max_size=8), max_size=4), st.just(["x" * 2000]), st.just(["s"] * 40)),
     "stop_token_ids": st.one_of(st.lists(u32, max_size=6), st.just(list(range(1500)))),
-    "ignore_eos": st.booleans(), "repetition_penalty": small_f, "frequency_penalty": small_f,
-    "presence_penalty": small_f, "n": u32, "logprobs": st.booleans(), "top_logprobs": u32,
+    "ignore_eos": st.booleans(),
+    "repetition_penalty": small_f,
+    "frequency_penalty": small_f,
+    "presence_penalty": small_f,
+    "n": u32,
+    "logprobs": st.booleans(),
+    "top_logprobs": u32,
     "prompt_logprobs": st.booleans(),
 }
 
@@ -128,8 +209,10 @@ bad_fields = {
 @st.composite
 def sampling(draw):
     spoiled = draw(st.sets(st.sampled_from(sorted(bad_fields)), max_size=1))
-    values = {k: draw(bad_fields[k] if k in spoiled else st.one_of(st.none(), valid_fields[k]))
-              for k in valid_fields}
+    values = {
+        k: draw(bad_fields[k] if k in spoiled else st.one_of(st.none(), valid_fields[k]))
+        for k in valid_fields
+    }
     return pb.SamplingParams(**{k: v for k, v in values.items() if v is not None})
 
 
@@ -140,9 +223,12 @@ good_adapter_lists = st.lists(good_names, max_size=1)
 
 
 @settings(max_examples=80, **FUZZ)
-@given(text=st.one_of(good_text_lists, good_text_lists, st.lists(texts, max_size=6)),
-       adapter=st.one_of(good_adapter_lists, good_adapter_lists, st.lists(names, max_size=6)), params=sampling(),
-       stream=st.booleans())
+@given(
+    text=st.one_of(good_text_lists, good_text_lists, st.lists(texts, max_size=6)),
+    adapter=st.one_of(good_adapter_lists, good_adapter_lists, st.lists(names, max_size=6)),
+    params=sampling(),
+    stream=st.booleans(),
+)
 def test_random_generate_requests_get_clean_status(server, text, adapter, params, stream):
     request = pb.GenerateRequest(text=text, adapter=adapter, sampling_params=params)
     method = server.stub.GenerateStream if stream else server.stub.Generate
@@ -163,8 +249,10 @@ def one_input(draw):
         item.token_ids.extend(draw(st.lists(st.one_of(st.integers(0, 200), u32), max_size=6)))
     if form == "messages":
         roles = st.one_of(st.sampled_from(["system", "user", "assistant"]), st.text(max_size=80))
-        item.messages.extend(pb.ChatMessage(role=draw(roles), content=draw(st.text(max_size=30)))
-                             for _ in range(draw(st.integers(0, 3))))
+        item.messages.extend(
+            pb.ChatMessage(role=draw(roles), content=draw(st.text(max_size=30)))
+            for _ in range(draw(st.integers(0, 3)))
+        )
     if draw(st.booleans()):
         item.add_generation_prompt = draw(st.booleans())
     item.adapter = draw(st.one_of(good_names, names))
@@ -174,11 +262,17 @@ def one_input(draw):
 
 
 @settings(max_examples=40, **FUZZ)
-@given(inputs=st.lists(one_input(), max_size=4), adapter=st.one_of(good_adapter_lists, st.lists(names, max_size=2)),
-       params=sampling(), stream=st.booleans(), with_text=st.booleans())
+@given(
+    inputs=st.lists(one_input(), max_size=4),
+    adapter=st.one_of(good_adapter_lists, st.lists(names, max_size=2)),
+    params=sampling(),
+    stream=st.booleans(),
+    with_text=st.booleans(),
+)
 def test_random_input_messages_get_clean_status(server, inputs, adapter, params, stream, with_text):
-    request = pb.GenerateRequest(inputs=inputs, adapter=adapter, sampling_params=params,
-                                 text=["also text"] if with_text else [])
+    request = pb.GenerateRequest(
+        inputs=inputs, adapter=adapter, sampling_params=params, text=["also text"] if with_text else []
+    )
     method = server.stub.GenerateStream if stream else server.stub.Generate
     code, detail = server.code_of(method, request)
     event(code.name)
@@ -186,14 +280,40 @@ def test_random_input_messages_get_clean_status(server, inputs, adapter, params,
 
 
 @settings(max_examples=40, **FUZZ)
-@given(name=names, source=st.one_of(
-    st.sampled_from(["", "/", "/etc", "../../..", "file:///etc", "hf://org/repo", "org/repo", "~", "x" * 5000,
-                     "a/" * 200, "/" + "n" * 300, "good\x00", "file://" + "../" * 10, " /etc", " file:///etc",
-                     "file:///%2E%2E/etc", "file:///tmp/%2e%2e/etc", "file://remote/etc", "file:///%00"]),
-    st.text(max_size=40)), revision=st.one_of(st.text(max_size=10), st.just("r" * 300)))
+@given(
+    name=names,
+    source=st.one_of(
+        st.sampled_from(
+            [
+                "",
+                "/",
+                "/etc",
+                "../../..",
+                "file:///etc",
+                "hf://org/repo",
+                "org/repo",
+                "~",
+                "x" * 5000,
+                "a/" * 200,
+                "/" + "n" * 300,
+                "good\x00",
+                "file://" + "../" * 10,
+                " /etc",
+                " file:///etc",
+                "file:///%2E%2E/etc",
+                "file:///tmp/%2e%2e/etc",
+                "file://remote/etc",
+                "file:///%00",
+            ]
+        ),
+        st.text(max_size=40),
+    ),
+    revision=st.one_of(st.text(max_size=10), st.just("r" * 300)),
+)
 def test_random_adapter_management_gets_clean_status(server, name, source, revision):
-    code, detail = server.code_of(server.stub.LoadAdapter, pb.LoadAdapterRequest(name=name, source=source,
-                                                                                 revision=revision))
+    code, detail = server.code_of(
+        server.stub.LoadAdapter, pb.LoadAdapterRequest(name=name, source=source, revision=revision)
+    )
     assert code in CLEAN - {grpc.StatusCode.OK}, (code, detail)  # nothing here is a loadable adapter
     code, detail = server.code_of(server.stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name))
     assert code in CLEAN, (code, detail)
@@ -205,12 +325,19 @@ def test_random_adapter_management_gets_clean_status(server, name, source, revis
 
 
 @settings(max_examples=12, **FUZZ)
-@given(temperature=st.sampled_from(TINY[:-1]), filters=st.sampled_from([{}, {"top_k": 5}, {"top_p": 0.9},
-                                                                       {"min_p": 0.1}]))
+@given(
+    temperature=st.sampled_from(TINY[:-1]),
+    filters=st.sampled_from([{}, {"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}]),
+)
 def test_tiny_temperatures_are_greedy(server, temperature, filters):
     def tokens(**params):
-        request = pb.GenerateRequest(text=["Once upon a time"], adapter=["good"], sampling_params=pb.SamplingParams(
-            max_new_tokens=LIMIT_NEW_TOKENS, ignore_eos=True, seed=7, **params))
+        request = pb.GenerateRequest(
+            text=["Once upon a time"],
+            adapter=["good"],
+            sampling_params=pb.SamplingParams(
+                max_new_tokens=LIMIT_NEW_TOKENS, ignore_eos=True, seed=7, **params
+            ),
+        )
         return list(server.stub.Generate(request, timeout=60).completions[0].token_ids)
 
     assert tokens(temperature=temperature, **filters) == tokens(temperature=0)
@@ -218,7 +345,9 @@ def test_tiny_temperatures_are_greedy(server, temperature, filters):
 
 def test_long_single_adapter_name_is_invalid_and_not_logged(server):
     for n in (5000, 1 << 19):
-        code, detail = server.code_of(server.stub.Generate, pb.GenerateRequest(text=["a", "b"], adapter=["n" * n]))
+        code, detail = server.code_of(
+            server.stub.Generate, pb.GenerateRequest(text=["a", "b"], adapter=["n" * n])
+        )
         assert code == grpc.StatusCode.INVALID_ARGUMENT and len(detail) < 1000, (code, detail[:200])
     assert "n" * 300 not in server.proc.output()
 
@@ -226,18 +355,34 @@ def test_long_single_adapter_name_is_invalid_and_not_logged(server):
 # -- random broken adapter files ------------------------------------------------------------
 json_values = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=12)),
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=8,
 )
-CONFIG_KEYS = ["r", "lora_alpha", "target_modules", "peft_type", "use_rslora", "rank_pattern", "alpha_pattern",
-               "bias", "use_dora", "modules_to_save", "fan_in_fan_out", "layers_to_transform", "task_type",
-               "layers_pattern", "lora_dropout"]
+CONFIG_KEYS = [
+    "r",
+    "lora_alpha",
+    "target_modules",
+    "peft_type",
+    "use_rslora",
+    "rank_pattern",
+    "alpha_pattern",
+    "bias",
+    "use_dora",
+    "modules_to_save",
+    "fan_in_fan_out",
+    "layers_to_transform",
+    "task_type",
+    "layers_pattern",
+    "lora_dropout",
+]
 
 
 def _header(path: Path) -> tuple[dict, bytes]:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def _write_header(path: Path, header: dict, data: bytes) -> None:
@@ -247,21 +392,51 @@ def _write_header(path: Path, header: dict, data: bytes) -> None:
 
 @st.composite
 def damages(draw):
-    kind = draw(st.sampled_from(["truncate", "header_len", "flip", "config_field", "config_bytes", "no_weights",
-                                 "pickle_only", "no_config", "tensor_dtype", "tensor_shape", "tensor_offsets",
-                                 "extra_tensor", "huge_config", "fifo_weights", "fifo_config", "devzero_weights",
-                                 "dir_weights", "loop_weights", "dangling_weights", "nested_config",
-                                 "nested_header", "extreme_alpha"]))
-    return kind, draw(st.randoms(use_true_random=False)), draw(st.sampled_from(CONFIG_KEYS)), draw(json_values)
+    kind = draw(
+        st.sampled_from(
+            [
+                "truncate",
+                "header_len",
+                "flip",
+                "config_field",
+                "config_bytes",
+                "no_weights",
+                "pickle_only",
+                "no_config",
+                "tensor_dtype",
+                "tensor_shape",
+                "tensor_offsets",
+                "extra_tensor",
+                "huge_config",
+                "fifo_weights",
+                "fifo_config",
+                "devzero_weights",
+                "dir_weights",
+                "loop_weights",
+                "dangling_weights",
+                "nested_config",
+                "nested_header",
+                "extreme_alpha",
+            ]
+        )
+    )
+    return (
+        kind,
+        draw(st.randoms(use_true_random=False)),
+        draw(st.sampled_from(CONFIG_KEYS)),
+        draw(json_values),
+    )
 
 
 def damage(directory: Path, kind: str, rnd, key: str, value) -> None:
     weights, config = directory / "adapter_model.safetensors", directory / "adapter_config.json"
     raw = weights.read_bytes()
     if kind == "truncate":
-        weights.write_bytes(raw[:rnd.randrange(len(raw))])
+        weights.write_bytes(raw[: rnd.randrange(len(raw))])
     elif kind == "header_len":
-        weights.write_bytes(struct.pack("<Q", rnd.choice([0, 1, 7, 2**24 + 1, 2**63, rnd.randrange(2**64)])) + raw[8:])
+        weights.write_bytes(
+            struct.pack("<Q", rnd.choice([0, 1, 7, 2**24 + 1, 2**63, rnd.randrange(2**64)])) + raw[8:]
+        )
     elif kind == "flip":
         b = bytearray(raw)
         for _ in range(rnd.randint(1, 8)):
@@ -331,19 +506,31 @@ def test_random_broken_adapter_files_get_clean_status(server, good_adapter, d):
     shutil.copytree(good_adapter, directory)
     try:
         damage(directory, kind, rnd, key, value)
-        code, detail = server.code_of(server.stub.LoadAdapter, pb.LoadAdapterRequest(name=name, source=str(directory)))
+        code, detail = server.code_of(
+            server.stub.LoadAdapter, pb.LoadAdapterRequest(name=name, source=str(directory))
+        )
         event(f"{kind}: {code.name}")
         assert code in CLEAN, (kind, key, value, code, detail)
         if code == grpc.StatusCode.OK:  # the damage was harmless: the adapter must then work
             params = pb.SamplingParams(max_new_tokens=2, ignore_eos=True)
-            out = server.stub.Generate(pb.GenerateRequest(text=["Hi"], adapter=[name], sampling_params=params),
-                                       timeout=60)
+            out = server.stub.Generate(
+                pb.GenerateRequest(text=["Hi"], adapter=[name], sampling_params=params), timeout=60
+            )
             assert out.completions[0].completion_tokens == 2
             server.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=30)
         elif kind == "pickle_only":
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "pickle" in detail, detail
-        elif kind in ("header_len", "huge_config", "fifo_weights", "fifo_config", "devzero_weights", "dir_weights",
-                      "loop_weights", "nested_config", "nested_header"):
+        elif kind in (
+            "header_len",
+            "huge_config",
+            "fifo_weights",
+            "fifo_config",
+            "devzero_weights",
+            "dir_weights",
+            "loop_weights",
+            "nested_config",
+            "nested_header",
+        ):
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (kind, detail)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -361,15 +548,29 @@ def test_local_sources_stay_under_allowed_dirs(server, good_adapter, tmp_path):
         shutil.copyfile(outside / "adapter_config.json", linked_file / "adapter_config.json")
         (linked_file / "adapter_model.safetensors").symlink_to(outside / "adapter_model.safetensors")
         rel = os.path.relpath(outside, server.allowed)
-        for source in (str(outside), f"file://{outside}", str(server.allowed / ".." / outside.name), str(link),
-                       str(server.allowed / "good" / ".." / ".." / "etc"), " " + str(outside), f"{outside} ",
-                       f"file://{server.allowed}/{rel.replace('..', '%2E%2E')}",
-                       f"file://localhost{server.allowed}/{rel.replace('.', '%2e')}", str(linked_file)):
-            code, detail = server.code_of(server.stub.LoadAdapter, pb.LoadAdapterRequest(name="escape", source=source))
-            assert code == grpc.StatusCode.INVALID_ARGUMENT and "--allowed-local-dirs" in detail, (source, detail)
+        for source in (
+            str(outside),
+            f"file://{outside}",
+            str(server.allowed / ".." / outside.name),
+            str(link),
+            str(server.allowed / "good" / ".." / ".." / "etc"),
+            " " + str(outside),
+            f"{outside} ",
+            f"file://{server.allowed}/{rel.replace('..', '%2E%2E')}",
+            f"file://localhost{server.allowed}/{rel.replace('.', '%2e')}",
+            str(linked_file),
+        ):
+            code, detail = server.code_of(
+                server.stub.LoadAdapter, pb.LoadAdapterRequest(name="escape", source=source)
+            )
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "--allowed-local-dirs" in detail, (
+                source,
+                detail,
+            )
         for name in ("../good", "a/b", ".hidden", "x" * 129):
-            code, detail = server.code_of(server.stub.LoadAdapter,
-                                          pb.LoadAdapterRequest(name=name, source=str(server.allowed / "good")))
+            code, detail = server.code_of(
+                server.stub.LoadAdapter, pb.LoadAdapterRequest(name=name, source=str(server.allowed / "good"))
+            )
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "adapter name" in detail, (name, detail)
     finally:
         link.unlink()
@@ -379,8 +580,9 @@ def test_unload_while_requests_use_it(server, good_adapter):
     load = pb.LoadAdapterRequest(name="busy", source=str(server.allowed / "good"))
     assert server.code_of(server.stub.LoadAdapter, load)[0] == grpc.StatusCode.OK
     params = pb.SamplingParams(max_new_tokens=LIMIT_NEW_TOKENS, ignore_eos=True)
-    stream = server.stub.GenerateStream(pb.GenerateRequest(text=["a", "b", "c"], adapter=["busy"],
-                                                           sampling_params=params), timeout=60)
+    stream = server.stub.GenerateStream(
+        pb.GenerateRequest(text=["a", "b", "c"], adapter=["busy"], sampling_params=params), timeout=60
+    )
     first = next(stream)
     done = threading.Event()
     unload: list = []
@@ -402,8 +604,12 @@ def test_unload_while_requests_use_it(server, good_adapter):
 
 # -- bytes that are not a request message at all ---------------------------------------------
 RAW_METHODS = {
-    "Generate": pb.GenerateRequest(text=["Hi"], adapter=["good"], sampling_params=pb.SamplingParams(max_new_tokens=2)),
-    "GenerateStream": pb.GenerateRequest(text=["Hi", "there"], sampling_params=pb.SamplingParams(max_new_tokens=2)),
+    "Generate": pb.GenerateRequest(
+        text=["Hi"], adapter=["good"], sampling_params=pb.SamplingParams(max_new_tokens=2)
+    ),
+    "GenerateStream": pb.GenerateRequest(
+        text=["Hi", "there"], sampling_params=pb.SamplingParams(max_new_tokens=2)
+    ),
     "LoadAdapter": pb.LoadAdapterRequest(name="raw", source="/nonexistent"),
     "UnloadAdapter": pb.UnloadAdapterRequest(name="nope"),
     "Tokenize": pb.TokenizeRequest(text="Hello"),
@@ -423,7 +629,7 @@ def wire_bytes(draw):
         for _ in range(draw(st.integers(1, 4))):
             raw[draw(st.integers(0, len(raw) - 1))] = draw(st.integers(0, 255))
     elif how == "cut" and raw:
-        raw = raw[:draw(st.integers(0, len(raw) - 1))]
+        raw = raw[: draw(st.integers(0, len(raw) - 1))]
     else:
         raw += draw(st.binary(min_size=1, max_size=16))
     return method, bytes(raw)
@@ -467,7 +673,9 @@ def test_load_unload_churn_while_generating(server):
         while not stop.is_set():
             admin_codes[server.code_of(server.stub.LoadAdapter, load)[0]] += 1
             time.sleep(0.05)
-            admin_codes[server.code_of(server.stub.UnloadAdapter, pb.UnloadAdapterRequest(name="churn"))[0]] += 1
+            admin_codes[
+                server.code_of(server.stub.UnloadAdapter, pb.UnloadAdapterRequest(name="churn"))[0]
+            ] += 1
 
     def generate(stream: bool) -> None:
         method = server.stub.GenerateStream if stream else server.stub.Generate
@@ -477,8 +685,11 @@ def test_load_unload_churn_while_generating(server):
             gen_codes[code] += 1
             assert code in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND), (code, detail)
 
-    threads = [threading.Thread(target=churn), threading.Thread(target=generate, args=(False,)),
-               threading.Thread(target=generate, args=(True,))]
+    threads = [
+        threading.Thread(target=churn),
+        threading.Thread(target=generate, args=(False,)),
+        threading.Thread(target=generate, args=(True,)),
+    ]
     for t in threads:
         t.start()
     time.sleep(4)

@@ -36,9 +36,17 @@ MAX_WATCHERS = 24
 def store(tmp_path_factory):
     empty = tmp_path_factory.mktemp("allowed-empty")
     env = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"}
-    with start_store(tmp_path_factory.mktemp("wire-store"), "--allowed-local-dirs", str(empty),
-                     "--max-watchers", str(MAX_WATCHERS), env=env) as proc, \
-            grpc.insecure_channel(proc.address) as channel:
+    with (
+        start_store(
+            tmp_path_factory.mktemp("wire-store"),
+            "--allowed-local-dirs",
+            str(empty),
+            "--max-watchers",
+            str(MAX_WATCHERS),
+            env=env,
+        ) as proc,
+        grpc.insecure_channel(proc.address) as channel,
+    ):
         yield proc, channel
 
 
@@ -53,14 +61,18 @@ def wire_bytes(draw):
         for _ in range(draw(st.integers(1, 4))):
             raw[draw(st.integers(0, len(raw) - 1))] = draw(st.integers(0, 255))
     elif how == "cut":
-        raw = raw[:draw(st.integers(0, len(raw) - 1))]
+        raw = raw[: draw(st.integers(0, len(raw) - 1))]
     else:
         raw += draw(st.binary(min_size=1, max_size=16))
     return method, bytes(raw)
 
 
-@settings(max_examples=60, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=60,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(call=wire_bytes())
 def test_undecodable_store_requests_get_clean_status(store, call):
     _, channel = store
@@ -79,18 +91,31 @@ def test_undecodable_store_requests_get_clean_status(store, call):
     event(f"{method}: {code.name}")
 
 
-event_ids = st.one_of(st.just(""), st.just("0"), st.sampled_from(["99999999999999999999999-0", "18446744073709551616",
-                                                                 "1-18446744073709551616", "-1", "1-2-3"]),
-                      st.from_regex(r"\A[0-9]{1,25}(-[0-9]{1,25})?\Z"),
-                      st.text(max_size=30))
+event_ids = st.one_of(
+    st.just(""),
+    st.just("0"),
+    st.sampled_from(
+        ["99999999999999999999999-0", "18446744073709551616", "1-18446744073709551616", "-1", "1-2-3"]
+    ),
+    st.from_regex(r"\A[0-9]{1,25}(-[0-9]{1,25})?\Z"),
+    st.text(max_size=30),
+)
 
 
-@settings(max_examples=6, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=6,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(ids=st.lists(event_ids, min_size=1, max_size=MAX_WATCHERS + 8))
 def test_many_watchers_from_any_event_id_get_clean_status(store, ids):
     proc, _ = store
-    allowed = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    allowed = {
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
 
     async def watch_all() -> list[grpc.StatusCode]:
         async with grpc.aio.insecure_channel(proc.address) as channel:

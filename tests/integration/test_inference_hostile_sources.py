@@ -27,8 +27,9 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def good(tiny_llama_path, adapter_factory) -> Path:
-    return adapter_factory(tiny_llama_path, "hostile-inf", r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                           seed=5)
+    return adapter_factory(
+        tiny_llama_path, "hostile-inf", r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], seed=5
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +57,15 @@ def layout(tmp_path_factory, good) -> dict[str, Path]:
 def stack(tmp_path_factory, tiny_llama_path, layout):
     store = start_store(tmp_path_factory.mktemp("hostile-inf-store"), tiny_llama_path)
     try:
-        inference = start_inference(tiny_llama_path, "--allowed-local-dirs", str(layout["allowed"]),
-                                    "--max-lora-rank", "4", store=store, cache=layout["cache"])
+        inference = start_inference(
+            tiny_llama_path,
+            "--allowed-local-dirs",
+            str(layout["allowed"]),
+            "--max-lora-rank",
+            "4",
+            store=store,
+            cache=layout["cache"],
+        )
     except Exception:
         store.stop()
         raise
@@ -70,15 +78,20 @@ def stack(tmp_path_factory, tiny_llama_path, layout):
 
 def _load(stub, name: str, source: str, timeout: float = 60) -> tuple[grpc.StatusCode, str, object]:
     try:
-        return grpc.StatusCode.OK, "", stub.LoadAdapter(pb.LoadAdapterRequest(name=name, source=source),
-                                                       timeout=timeout).adapter
+        return (
+            grpc.StatusCode.OK,
+            "",
+            stub.LoadAdapter(pb.LoadAdapterRequest(name=name, source=source), timeout=timeout).adapter,
+        )
     except grpc.RpcError as e:
         return e.code(), e.details(), None
 
 
 def _tokens(stub, name: str, n: int = 1) -> list[list[int]]:
     params = pb.SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    out = stub.Generate(pb.GenerateRequest(text=[PROMPT] * n, adapter=[name], sampling_params=params), timeout=60)
+    out = stub.Generate(
+        pb.GenerateRequest(text=[PROMPT] * n, adapter=[name], sampling_params=params), timeout=60
+    )
     return [list(c.token_ids) for c in out.completions]
 
 
@@ -90,10 +103,18 @@ def test_leftover_pulls_are_removed_at_start(stack, layout):
 def test_sources_are_checked_as_the_store_reads_them(stack, layout):
     _, stub, store = stack
     allowed, outside = layout["allowed"], layout["outside"]
-    for source in (" " + str(outside), f" file://{outside}", f"file://{allowed}/%2E%2E/{outside.name}",
-                   f"file://localhost{allowed}/%2e%2e/{outside.name}", f"{allowed}/../{outside.name} "):
+    for source in (
+        " " + str(outside),
+        f" file://{outside}",
+        f"file://{allowed}/%2E%2E/{outside.name}",
+        f"file://localhost{allowed}/%2e%2e/{outside.name}",
+        f"{allowed}/../{outside.name} ",
+    ):
         code, details, _ = _load(stub, "escape", source)
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "--allowed-local-dirs" in details, (source, details)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "--allowed-local-dirs" in details, (
+            source,
+            details,
+        )
     with pytest.raises(grpc.RpcError) as e:
         store.GetAdapter(store_pb.GetAdapterRequest(name="escape"), timeout=10)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND  # nothing reached the store
@@ -150,16 +171,20 @@ def test_concurrent_loads_of_one_name_each_report_their_own(stack, layout, good)
         edit_config(d, lora_alpha=alpha)
         sources.append((alpha, str(d)))
     results: dict[int, tuple] = {}
-    threads = [threading.Thread(target=lambda a=a, s=s: results.__setitem__(a, _load(stub, "contested", s)))
-               for a, s in sources]
+    threads = [
+        threading.Thread(target=lambda a=a, s=s: results.__setitem__(a, _load(stub, "contested", s)))
+        for a, s in sources
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     for alpha, (code, details, info) in results.items():
         assert code == grpc.StatusCode.OK, details
-        assert info.alpha == alpha and info.digest == "sha256:" + hashlib.sha256(
-            (good / WEIGHTS).read_bytes()).hexdigest()
+        assert (
+            info.alpha == alpha
+            and info.digest == "sha256:" + hashlib.sha256((good / WEIGHTS).read_bytes()).hexdigest()
+        )
     assert len(results) == 9
 
 

@@ -32,7 +32,9 @@ from tests.support.lora_reference import (
 )
 
 
-def check_mixed_batch(base: Path, adapters: dict[str, Path], batch: list[str | None], slots: int, **kw) -> None:
+def check_mixed_batch(
+    base: Path, adapters: dict[str, Path], batch: list[str | None], slots: int, **kw
+) -> None:
     assert len({a for a in batch if a}) > slots
     engine = sync_engine(server_args(base, adapters, max_loras_per_batch=slots, **kw))
     prompts = [engine.tokenizer(p).input_ids for p in PROMPTS[: len(batch)]]
@@ -52,11 +54,18 @@ def test_mixed_batch_matches_peft_tiny(tiny_llama_path, adapter_factory):
 
 @pytest.mark.slow
 def test_mixed_batch_matches_peft_smollm2(smollm2_path, adapter_factory):
-    check_mixed_batch(smollm2_path, make_adapters(adapter_factory, smollm2_path, "e2e-smol"),
-                      [None, "r4", "r8rs", "r16", "r64"], 3, chunked_prefill_size=64, max_num_batched_tokens=256)
+    check_mixed_batch(
+        smollm2_path,
+        make_adapters(adapter_factory, smollm2_path, "e2e-smol"),
+        [None, "r4", "r8rs", "r16", "r64"],
+        3,
+        chunked_prefill_size=64,
+        max_num_batched_tokens=256,
+    )
 
 
 # ----- flows through build_engine (AsyncEngine on its own thread) -----
+
 
 async def run(engine, rid: str, ids: list[int], adapter: str | None, n: int = NEW_TOKENS) -> list[int]:
     tokens: list[int] = []
@@ -86,12 +95,19 @@ def test_one_adapter_and_base_then_two_adapters(tiny_llama_path, tiny_adapters, 
         info = engine.model_info()
         # inferred from --lora-paths: r4's rank and modules
         assert (info.max_lora_rank, info.lora_target_modules, info.lora_backend) == (
-            4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"], "torch")
+            4,
+            ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"],
+            "torch",
+        )
         printed = int(re.search(r"LoRA adapter pool: (\d+) bytes", caplog.text).group(1))
-        assert printed == documented_pool_bytes(tiny_llama_path, slots=2, rank=4, modules=info.lora_target_modules)
+        assert printed == documented_pool_bytes(
+            tiny_llama_path, slots=2, rank=4, modules=info.lora_target_modules
+        )
 
         async def flow():
-            return await asyncio.gather(run(engine, "base", tiny_ids[0], None), run(engine, "a", tiny_ids[1], "r4"))
+            return await asyncio.gather(
+                run(engine, "base", tiny_ids[0], None), run(engine, "a", tiny_ids[1], "r4")
+            )
 
         got = asyncio.run(flow())
         assert got == peft_greedy(tiny_llama_path, one, [(tiny_ids[0], None), (tiny_ids[1], "r4")])
@@ -104,24 +120,33 @@ def test_one_adapter_and_base_then_two_adapters(tiny_llama_path, tiny_adapters, 
         assert engine.model_info().max_lora_rank == 8
 
         async def flow2():
-            return await asyncio.gather(run(engine, "x", tiny_ids[2], "r4"), run(engine, "y", tiny_ids[3], "r8rs"),
-                                        run(engine, "z", tiny_ids[4], "r8rs"))
+            return await asyncio.gather(
+                run(engine, "x", tiny_ids[2], "r4"),
+                run(engine, "y", tiny_ids[3], "r8rs"),
+                run(engine, "z", tiny_ids[4], "r8rs"),
+            )
 
         got = asyncio.run(flow2())
-        assert got == peft_greedy(tiny_llama_path, two, [(tiny_ids[2], "r4"), (tiny_ids[3], "r8rs"),
-                                                         (tiny_ids[4], "r8rs")])
+        assert got == peft_greedy(
+            tiny_llama_path, two, [(tiny_ids[2], "r4"), (tiny_ids[3], "r8rs"), (tiny_ids[4], "r8rs")]
+        )
     finally:
         engine.shutdown()
 
 
 def test_load_unload_load_while_running(tiny_llama_path, tiny_adapters, tiny_ids):
     long_n = 300
-    engine = build_engine(server_args(tiny_llama_path, {"r4": tiny_adapters["r4"]}, max_lora_rank=64,
-                                      lora_target_modules=("all",)))
+    engine = build_engine(
+        server_args(
+            tiny_llama_path, {"r4": tiny_adapters["r4"]}, max_lora_rank=64, lora_target_modules=("all",)
+        )
+    )
     try:
+
         async def flow():
-            stream = engine.generate("long", tiny_ids[3], "r4", SamplingParams(max_new_tokens=long_n,
-                                                                             ignore_eos=True))
+            stream = engine.generate(
+                "long", tiny_ids[3], "r4", SamplingParams(max_new_tokens=long_n, ignore_eos=True)
+            )
             first = await stream.__anext__()  # it is running now
             running = asyncio.ensure_future(_drain(stream, list(first.new_token_ids)))
             await engine.load_adapter("r16", str(tiny_adapters["r16"]))
@@ -130,14 +155,18 @@ def test_load_unload_load_while_running(tiny_llama_path, tiny_adapters, tiny_ids
             with pytest.raises(AdapterNotFound):
                 await run(engine, "late", tiny_ids[0], "r4")
             await engine.load_adapter("r64", str(tiny_adapters["r64"]))
-            others = await asyncio.gather(run(engine, "b", tiny_ids[1], "r16"), run(engine, "c", tiny_ids[2], "r64"))
+            others = await asyncio.gather(
+                run(engine, "b", tiny_ids[1], "r16"), run(engine, "c", tiny_ids[2], "r64")
+            )
             return await running, others
 
         long_tokens, others = asyncio.run(flow())
         assert len(long_tokens) == long_n
         ref_long = peft_greedy(tiny_llama_path, tiny_adapters, [(tiny_ids[3], "r4")], new_tokens=long_n)[0]
         assert long_tokens[: len(ref_long)] == ref_long  # PEFT stops at EOS; we ignore it
-        assert others == peft_greedy(tiny_llama_path, tiny_adapters, [(tiny_ids[1], "r16"), (tiny_ids[2], "r64")])
+        assert others == peft_greedy(
+            tiny_llama_path, tiny_adapters, [(tiny_ids[1], "r16"), (tiny_ids[2], "r64")]
+        )
         names = {a.name: a for a in engine.list_adapters()}
         assert set(names) == {"r16", "r64"}
         assert engine.stats().lora_slots_used <= 2 and "r4" not in names
@@ -155,12 +184,18 @@ def test_rank4_and_rank64_side_by_side_and_refused_without_flags(tiny_llama_path
     pair = {"r4": tiny_adapters["r4"], "r64": tiny_adapters["r64"]}
     engine = build_engine(server_args(tiny_llama_path, pair, max_lora_rank=64, lora_target_modules=("all",)))
     try:
+
         async def flow():
-            return await asyncio.gather(run(engine, "p", tiny_ids[4], "r4"), run(engine, "q", tiny_ids[5], "r64"),
-                                        run(engine, "r", tiny_ids[6], None))
+            return await asyncio.gather(
+                run(engine, "p", tiny_ids[4], "r4"),
+                run(engine, "q", tiny_ids[5], "r64"),
+                run(engine, "r", tiny_ids[6], None),
+            )
+
         got = asyncio.run(flow())
-        assert got == peft_greedy(tiny_llama_path, pair, [(tiny_ids[4], "r4"), (tiny_ids[5], "r64"),
-                                                          (tiny_ids[6], None)])
+        assert got == peft_greedy(
+            tiny_llama_path, pair, [(tiny_ids[4], "r4"), (tiny_ids[5], "r64"), (tiny_ids[6], None)]
+        )
     finally:
         engine.shutdown()
     engine = build_engine(server_args(tiny_llama_path, {"r4": tiny_adapters["r4"]}))
@@ -177,10 +212,17 @@ def documented_pool_bytes(base: Path, slots: int, rank: int, modules: list[str],
     """docs/architecture.md: sum_g L*slots*(R*(n*d + sum(w))*dtype_bytes + n*8) over allocated groups."""
     s = ModelShapes.from_model_dir(base)
     h, i, q, kv = s.hidden_size, s.intermediate_size, s.q_size, s.kv_size
-    groups = {"qkv": (("q_proj", "k_proj", "v_proj"), h, q + 2 * kv), "o": (("o_proj",), q, h),
-              "gate_up": (("gate_proj", "up_proj"), h, 2 * i), "down": (("down_proj",), i, h)}
-    return sum(s.num_layers * slots * (rank * (len(mods) * d + w) * dtype_bytes + len(mods) * 8)
-               for mods, d, w in groups.values() if set(mods) & set(modules))
+    groups = {
+        "qkv": (("q_proj", "k_proj", "v_proj"), h, q + 2 * kv),
+        "o": (("o_proj",), q, h),
+        "gate_up": (("gate_proj", "up_proj"), h, 2 * i),
+        "down": (("down_proj",), i, h),
+    }
+    return sum(
+        s.num_layers * slots * (rank * (len(mods) * d + w) * dtype_bytes + len(mods) * 8)
+        for mods, d, w in groups.values()
+        if set(mods) & set(modules)
+    )
 
 
 def test_defaults_and_inference(tiny_llama_path, tiny_adapters):
@@ -188,13 +230,21 @@ def test_defaults_and_inference(tiny_llama_path, tiny_adapters):
     cpu = torch.device("cpu")
     d = resolve_lora_settings(server_args(tiny_llama_path), shapes, cpu)
     assert (d.max_lora_rank, d.target_modules, d.backend, d.max_loras_per_batch) == (
-        DEFAULT_MAX_LORA_RANK, ALL_MODULES, "torch", 2)
-    inferred = resolve_lora_settings(server_args(tiny_llama_path, {k: tiny_adapters[k] for k in ("r8rs", "r16")}),
-                                     shapes, cpu)
+        DEFAULT_MAX_LORA_RANK,
+        ALL_MODULES,
+        "torch",
+        2,
+    )
+    inferred = resolve_lora_settings(
+        server_args(tiny_llama_path, {k: tiny_adapters[k] for k in ("r8rs", "r16")}), shapes, cpu
+    )
     assert inferred.max_lora_rank == 16
     assert inferred.target_modules == ("q_proj", "v_proj", "up_proj", "down_proj")
-    explicit = resolve_lora_settings(server_args(tiny_llama_path, max_lora_rank=8,
-                                                 lora_target_modules=("q_proj", "down_proj")), shapes, cpu)
+    explicit = resolve_lora_settings(
+        server_args(tiny_llama_path, max_lora_rank=8, lora_target_modules=("q_proj", "down_proj")),
+        shapes,
+        cpu,
+    )
     assert (explicit.max_lora_rank, explicit.target_modules) == (8, ("q_proj", "down_proj"))
     with pytest.raises(ValueError, match="wq"):
         resolve_lora_settings(server_args(tiny_llama_path, lora_target_modules=("wq",)), shapes, cpu)

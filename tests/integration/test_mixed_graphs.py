@@ -61,8 +61,9 @@ def test_preemption_and_decode_budget_keep_outputs(tiny_llama_path):
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     want = [r.token_ids for r in plain.generate(prompts, params)]
     need = max(len(p) for p in prompts) + NEW_TOKENS
-    engine = make_engine(tiny_llama_path, mixed_graphs=True, max_total_tokens=3 * need, page_size=8,
-                         decode_prefill_budget=3)
+    engine = make_engine(
+        tiny_llama_path, mixed_graphs=True, max_total_tokens=3 * need, page_size=8, decode_prefill_budget=3
+    )
     assert [r.token_ids for r in engine.generate(prompts, params)] == want
     assert engine.scheduler.num_preemptions > 0
     assert engine.runner.mixed_graphs.steps_run > 0
@@ -79,13 +80,17 @@ def test_smollm2_with_pieces_matches_transformers(smollm2_path):
 
 def test_mixed_lora_batch_with_pieces_matches_peft(tiny_llama_path, adapter_factory):
     adapters = make_adapters(adapter_factory, tiny_llama_path, "mixed-pieces")
-    engine = sync_engine(server_args(tiny_llama_path, adapters, max_loras_per_batch=4, chunked_prefill_size=8))
+    engine = sync_engine(
+        server_args(tiny_llama_path, adapters, max_loras_per_batch=4, chunked_prefill_size=8)
+    )
     # Forced on after construction (ServerArgs has no CPU switch): pieces run eagerly, LoRA inside them.
     engine.runner.capture_mixed_graphs(64, use_graphs=False)
     assert engine.runner.mixed_graphs.tiers() == (0, 1)
     prompts = [engine.tokenizer(p).input_ids for p in PROMPTS[: len(LORA_BATCH)]]
-    got = [c.token_ids for c in engine.generate(
-        prompts, SamplingParams(max_new_tokens=NEW_TOKENS), list(LORA_BATCH))]
+    got = [
+        c.token_ids
+        for c in engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS), list(LORA_BATCH))
+    ]
     want = peft_greedy(tiny_llama_path, adapters, list(zip(prompts, LORA_BATCH, strict=True)), NEW_TOKENS)
     assert got == want
     assert engine.runner.mixed_graphs.steps_run > 0

@@ -68,16 +68,26 @@ def test_completions_equal_grpc(client, stub, base_name, model):  # noqa: F811
     name = base_name if model == "base" else model
     adapter = "" if model == "base" else model
     resp = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX, temperature=0, logprobs=2)
-    want = grpc_tokens(stub, pb.Input(text=PROMPTS[0]), adapter, max_new_tokens=MAX, logprobs=True,
-                       top_logprobs=2)[0]
+    want = grpc_tokens(
+        stub, pb.Input(text=PROMPTS[0]), adapter, max_new_tokens=MAX, logprobs=True, top_logprobs=2
+    )[0]
     choice = resp.choices[0]
     assert choice.text == want.text and choice.finish_reason == want.finish_reason
-    assert resp.usage.prompt_tokens == want.prompt_tokens and resp.usage.completion_tokens == want.completion_tokens
+    assert (
+        resp.usage.prompt_tokens == want.prompt_tokens
+        and resp.usage.completion_tokens == want.completion_tokens
+    )
     assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-6)
     assert [len(t) for t in choice.logprobs.top_logprobs] == [2] * len(want.logprobs)
     assert resp.model == name
-    streamed = client.completions.create(model=name, prompt=PROMPTS[0], max_tokens=MAX, temperature=0,
-                                         stream=True, stream_options={"include_usage": True})
+    streamed = client.completions.create(
+        model=name,
+        prompt=PROMPTS[0],
+        max_tokens=MAX,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     text, reasons, usage = "", [], None
     for chunk in streamed:
         if chunk.usage:
@@ -91,8 +101,9 @@ def test_completions_equal_grpc(client, stub, base_name, model):  # noqa: F811
 
 def test_completions_batch_of_prompts_and_token_ids(client, stub, base_name):  # noqa: F811
     ids = list(stub.Tokenize(pb.TokenizeRequest(text=PROMPTS[1])).token_ids)
-    resp = client.completions.create(model=base_name, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=MAX,
-                                     temperature=0, n=2)
+    resp = client.completions.create(
+        model=base_name, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=MAX, temperature=0, n=2
+    )
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]
     by_ids = client.completions.create(model=base_name, prompt=ids, max_tokens=MAX, temperature=0)
     assert by_ids.choices[0].text == resp.choices[0].text == resp.choices[1].text
@@ -105,16 +116,27 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 def test_chat_equals_grpc(client, stub, base_name, model):  # noqa: F811
     name = base_name if model == "base" else model
     adapter = "" if model == "base" else model
-    want = grpc_tokens(stub, pb.Input(messages=[pb.ChatMessage(**m) for m in CHAT]), adapter, max_new_tokens=MAX,
-                       logprobs=True, top_logprobs=1)[0]
-    resp = client.chat.completions.create(model=name, messages=CHAT, max_tokens=MAX, temperature=0,
-                                          logprobs=True, top_logprobs=1)
+    want = grpc_tokens(
+        stub,
+        pb.Input(messages=[pb.ChatMessage(**m) for m in CHAT]),
+        adapter,
+        max_new_tokens=MAX,
+        logprobs=True,
+        top_logprobs=1,
+    )[0]
+    resp = client.chat.completions.create(
+        model=name, messages=CHAT, max_tokens=MAX, temperature=0, logprobs=True, top_logprobs=1
+    )
     msg = resp.choices[0]
     assert msg.message.role == "assistant" and msg.message.content == want.text
-    assert [t.logprob for t in msg.logprobs.content] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-6)
+    assert [t.logprob for t in msg.logprobs.content] == pytest.approx(
+        [lp.logprob for lp in want.logprobs], abs=1e-6
+    )
     assert [t.token for t in msg.logprobs.content] == [lp.token for lp in want.logprobs]
     assert resp.usage.prompt_tokens == want.prompt_tokens
-    stream = client.chat.completions.create(model=name, messages=CHAT, max_tokens=MAX, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=name, messages=CHAT, max_tokens=MAX, temperature=0, stream=True
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
@@ -142,18 +164,31 @@ def test_errors_in_openai_shape(client, door, base_name):
         client.completions.create(model=base_name, prompt="hi", max_tokens=5000)
     assert "max_new_tokens" in info.value.message
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=base_name, messages=CHAT, tools=[{"type": "function", "function": {
-            "name": "f", "parameters": {}}}])
-    request = urllib.request.Request(f"http://{door.address}/v1/completions", data=b"{not json",
-                                     headers={"content-type": "application/json"})
+        client.chat.completions.create(
+            model=base_name,
+            messages=CHAT,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
+    request = urllib.request.Request(
+        f"http://{door.address}/v1/completions",
+        data=b"{not json",
+        headers={"content-type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as raw:
         urllib.request.urlopen(request, timeout=10)
     assert raw.value.code == 400 and "error" in json.loads(raw.value.read())
 
 
-@pytest.mark.parametrize("code, status", [
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
-    (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.NOT_FOUND, 404), (grpc.StatusCode.INTERNAL, 500)])
+@pytest.mark.parametrize(
+    "code, status",
+    [
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.NOT_FOUND, 404),
+        (grpc.StatusCode.INTERNAL, 500),
+    ],
+)
 def test_status_mapping(code, status):
     """gRPC statuses the door cannot easily provoke on the shared server (a full queue, a server
     going away) map to OpenAI's HTTP statuses; the JSON keeps OpenAI's error shape."""

@@ -108,8 +108,12 @@ def test_equal_content_under_two_names_shares_kv(tiny_llama_path, adapters):
     engine = engine_for(tiny_llama_path, adapters)
     outs, hits = one_by_one(engine, [(PROMPTS[0], "a"), (PROMPTS[1], "a2")])
     assert hits == [0, 36]
-    assert outs == one_by_one(engine_for(tiny_llama_path, adapters, cache=False),
-                              [(PROMPTS[0], "a"), (PROMPTS[1], "a2")])[0]
+    assert (
+        outs
+        == one_by_one(
+            engine_for(tiny_llama_path, adapters, cache=False), [(PROMPTS[0], "a"), (PROMPTS[1], "a2")]
+        )[0]
+    )
 
 
 def test_reload_with_new_content_never_reuses_old_kv(tiny_llama_path, adapters):
@@ -121,9 +125,12 @@ def test_reload_with_new_content_never_reuses_old_kv(tiny_llama_path, adapters):
     engine.adapter_slots.load_adapter("x", adapters["a2"])  # back to the first content (another path)
     third, hits3 = one_by_one(engine, [(PROMPTS[3], "x")])
     assert hits3 == [36]  # the first version's blocks, evicted by nothing, are its content's
-    expected = peft_greedy(tiny_llama_path, {"a": adapters["a"], "b": adapters["b"]},
-                           [(PROMPTS[0], "a"), (PROMPTS[1], "b"), (PROMPTS[2], "b"), (PROMPTS[3], "a")],
-                           new_tokens=NEW)
+    expected = peft_greedy(
+        tiny_llama_path,
+        {"a": adapters["a"], "b": adapters["b"]},
+        [(PROMPTS[0], "a"), (PROMPTS[1], "b"), (PROMPTS[2], "b"), (PROMPTS[3], "a")],
+        new_tokens=NEW,
+    )
     assert first + second + third == expected
 
 
@@ -144,9 +151,12 @@ def test_reload_between_staggered_requests(tiny_llama_path, adapters):
     while engine.has_unfinished():
         for out in engine.step():
             outs[int(out.request_id[1:])].extend(out.new_token_ids)
-    expected = peft_greedy(tiny_llama_path, {"a": adapters["a"], "b": adapters["b"]},
-                           [(PROMPTS[0], "a"), (PROMPTS[1], "a"), (PROMPTS[2], "b"), (PROMPTS[3], "b")],
-                           new_tokens=NEW)
+    expected = peft_greedy(
+        tiny_llama_path,
+        {"a": adapters["a"], "b": adapters["b"]},
+        [(PROMPTS[0], "a"), (PROMPTS[1], "a"), (PROMPTS[2], "b"), (PROMPTS[3], "b")],
+        new_tokens=NEW,
+    )
     assert [outs[i] for i in range(4)] == expected
 
 
@@ -169,6 +179,7 @@ def test_staggered_mixed_batch_matches_cache_off(tiny_llama_path, adapters, over
 
 
 # ----- the cache costs nothing when it cannot help -----
+
 
 def recorded_schedules(engine, jobs, new=NEW, every=2):
     """`staggered`, recording each step's schedule as (request id, tokens) pairs."""
@@ -220,7 +231,9 @@ def test_no_shared_prefix_schedules_like_cache_off_under_kv_pressure():
             reuse(req, hit)
 
         scheduler.prefix_cache.reuse = recording_reuse
-        reqs = [Request(f"r{i}", tokens(400 + i, 9 + 3 * i), SamplingParams(max_new_tokens=12)) for i in range(10)]
+        reqs = [
+            Request(f"r{i}", tokens(400 + i, 9 + 3 * i), SamplingParams(max_new_tokens=12)) for i in range(10)
+        ]
         while len(steps) < len(reqs) or scheduler.has_work():
             if len(steps) < len(reqs):
                 scheduler.add(reqs[len(steps)])
@@ -247,6 +260,7 @@ def test_no_shared_prefix_schedules_like_cache_off_under_kv_pressure():
 
 
 # ----- eviction and preemption under KV pressure -----
+
 
 def staggered_checked(engine, jobs, new, every):
     """`staggered`, checking after every step that each block's refcount is exactly the number of
@@ -339,7 +353,9 @@ def test_prometheus_series_follow_the_engine(tiny_llama_path, adapters):
     assert value("loraplex_prefix_cache_enabled") == 1
     assert value("loraplex_prefix_cache_hit_tokens_total", {"adapter": "a"}) == 36
     assert value("loraplex_prefix_cache_hit_tokens_total", {"adapter": "base"}) == 36
-    assert value("loraplex_prefix_cache_prompt_tokens_total", {"adapter": "a"}) == len(PROMPTS[0]) + len(PROMPTS[1])
+    assert value("loraplex_prefix_cache_prompt_tokens_total", {"adapter": "a"}) == len(PROMPTS[0]) + len(
+        PROMPTS[1]
+    )
     assert value("loraplex_prefix_cache_evictions_total") == engine.stats().prefix_cache_evictions > 0
     assert value("loraplex_prefix_cache_blocks") == engine.stats().prefix_cache_blocks > 0
     off = Metrics()
@@ -351,7 +367,9 @@ def test_disable_prefix_cache_flag():
     from services.inference.engine.config import EngineConfig
     from services.inference.server_args import parse_args
 
-    assert not EngineConfig.from_args(parse_args(["--model-path", "m", "--device", "cpu"])).disable_prefix_cache
+    assert not EngineConfig.from_args(
+        parse_args(["--model-path", "m", "--device", "cpu"])
+    ).disable_prefix_cache
     args = parse_args(["--model-path", "m", "--device", "cpu", "--disable-prefix-cache"])
     assert args.disable_prefix_cache and EngineConfig.from_args(args).disable_prefix_cache
 
@@ -372,8 +390,9 @@ def test_tensor_parallel_reuses_cached_prefixes(tiny_llama_path, adapters):
     from tests.integration.test_tp import run_batch, tp_args
 
     def run(tp: int, cache: bool):
-        engine = build_engine(tp_args(tiny_llama_path, tp, {"a": adapters["a"]}, page_size=PAGE,
-                                      disable_prefix_cache=not cache))
+        engine = build_engine(
+            tp_args(tiny_llama_path, tp, {"a": adapters["a"]}, page_size=PAGE, disable_prefix_cache=not cache)
+        )
         try:
             outs = run_batch(engine, [(PROMPTS[0], None), (PROMPTS[1], "a")], NEW)
             outs += run_batch(engine, [(PROMPTS[2], None), (PROMPTS[3], "a")], NEW)

@@ -21,10 +21,28 @@ ADMIN = "admin-5a8e4f0c6b"
 @pytest.fixture(scope="module")
 def server(tiny_llama_path, adapter_factory):
     adapter = adapter_factory(tiny_llama_path, "auth-adapter", r=4)
-    proc = ServerProcess("inference", "services.inference", [
-        "--model-path", str(tiny_llama_path), "--port", "0", "--device", "cpu", "--max-total-tokens", "1024",
-        "--max-lora-rank", "8", "--log-level", "debug", "--allowed-local-dirs", str(adapter.parent),
-    ], env={"LORAPLEX_API_TOKEN": API, "LORAPLEX_ADMIN_TOKEN": ADMIN}, echo=False)
+    proc = ServerProcess(
+        "inference",
+        "services.inference",
+        [
+            "--model-path",
+            str(tiny_llama_path),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--max-total-tokens",
+            "1024",
+            "--max-lora-rank",
+            "8",
+            "--log-level",
+            "debug",
+            "--allowed-local-dirs",
+            str(adapter.parent),
+        ],
+        env={"LORAPLEX_API_TOKEN": API, "LORAPLEX_ADMIN_TOKEN": ADMIN},
+        echo=False,
+    )
     try:
         proc.wait_serving(STARTUP_S)
         with grpc.insecure_channel(proc.address) as channel:
@@ -50,7 +68,9 @@ def test_env_tokens_guard_methods_and_are_never_logged(server):
     assert _code(stub.Generate, gen, API[:-1]) == grpc.StatusCode.PERMISSION_DENIED
     assert _code(stub.Generate, gen, API + "x") == grpc.StatusCode.PERMISSION_DENIED
     assert _code(stub.Generate, gen, API) == grpc.StatusCode.OK
-    assert _code(stub.LoadAdapter, load, API) == grpc.StatusCode.PERMISSION_DENIED  # the API token is not admin
+    assert (
+        _code(stub.LoadAdapter, load, API) == grpc.StatusCode.PERMISSION_DENIED
+    )  # the API token is not admin
     assert _code(stub.LoadAdapter, load, ADMIN) == grpc.StatusCode.OK
     assert _code(stub.UnloadAdapter, pb.UnloadAdapterRequest(name="guarded"), ADMIN) == grpc.StatusCode.OK
     log = proc.output()

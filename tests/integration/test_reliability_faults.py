@@ -43,34 +43,106 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 def make_pki(d: Path) -> Path:
     """A CA and one certificate for 127.0.0.1 (no EKU, so usable as server and as client)."""
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-             "-subj", "/CN=loraplex-test-ca", cwd=d)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr",
-             "-subj", "/CN=loraplex-node", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=loraplex-test-ca",
+        cwd=d,
+    )
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "node.key",
+        "-out",
+        "node.csr",
+        "-subj",
+        "/CN=loraplex-node",
+        cwd=d,
+    )
     (d / "node.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    _openssl("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "node.pem", "-days", "2", "-extfile", "node.ext", cwd=d)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        "node.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "node.pem",
+        "-days",
+        "2",
+        "-extfile",
+        "node.ext",
+        cwd=d,
+    )
     return d
 
 
-def start_tls_store(pki: Path, cache: Path, redis: RedisServer, base_model: Path, port: int = 0) -> ServerProcess:
+def start_tls_store(
+    pki: Path, cache: Path, redis: RedisServer, base_model: Path, port: int = 0
+) -> ServerProcess:
     return start_store_process(
-        cache, "--redis-url", redis.url, "--base-model", str(base_model), "--port", str(port),
-        "--tls-cert", str(pki / "node.pem"), "--tls-key", str(pki / "node.key"), "--tls-ca", str(pki / "ca.pem"),
-        credentials=node_credentials(pki))
+        cache,
+        "--redis-url",
+        redis.url,
+        "--base-model",
+        str(base_model),
+        "--port",
+        str(port),
+        "--tls-cert",
+        str(pki / "node.pem"),
+        "--tls-key",
+        str(pki / "node.key"),
+        "--tls-ca",
+        str(pki / "ca.pem"),
+        credentials=node_credentials(pki),
+    )
 
 
 def node_credentials(pki: Path) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(
-        root_certificates=(pki / "ca.pem").read_bytes(), private_key=(pki / "node.key").read_bytes(),
-        certificate_chain=(pki / "node.pem").read_bytes())
+        root_certificates=(pki / "ca.pem").read_bytes(),
+        private_key=(pki / "node.key").read_bytes(),
+        certificate_chain=(pki / "node.pem").read_bytes(),
+    )
 
 
 class Stack:
-    def __init__(self, pki: Path, redis: RedisServer, store: ServerProcess, proxy: CuttingProxy,
-                 inference: ServerProcess, cache: Path, store_cache: Path, base_model: Path) -> None:
+    def __init__(
+        self,
+        pki: Path,
+        redis: RedisServer,
+        store: ServerProcess,
+        proxy: CuttingProxy,
+        inference: ServerProcess,
+        cache: Path,
+        store_cache: Path,
+        base_model: Path,
+    ) -> None:
         self.pki, self.redis, self.store, self.proxy, self.inference, self.cache = (
-            pki, redis, store, proxy, inference, cache)
+            pki,
+            redis,
+            store,
+            proxy,
+            inference,
+            cache,
+        )
         self.store_cache, self.base_model = store_cache, base_model
         self.creds = node_credentials(pki)
         self.channel = grpc.secure_channel(inference.address, self.creds)
@@ -78,13 +150,17 @@ class Stack:
         self.store_channel = grpc.secure_channel(store.address, self.creds)
         self.store_stub = spb_grpc.AdapterStoreStub(self.store_channel)
 
-    def generate(self, adapter: str = "", n: int = 8, timeout: float = 60, text: str = "Hello there") -> pb.Completion:
+    def generate(
+        self, adapter: str = "", n: int = 8, timeout: float = 60, text: str = "Hello there"
+    ) -> pb.Completion:
         params = pb.SamplingParams(max_new_tokens=n, ignore_eos=True)
         req = pb.GenerateRequest(text=[text], adapter=[adapter] if adapter else [], sampling_params=params)
         return self.stub.Generate(req, timeout=timeout).completions[0]
 
     def register(self, name: str, source: Path) -> spb.AdapterRecord:
-        return self.store_stub.RegisterAdapter(spb.RegisterAdapterRequest(name=name, source=str(source)), timeout=60)
+        return self.store_stub.RegisterAdapter(
+            spb.RegisterAdapterRequest(name=name, source=str(source)), timeout=60
+        )
 
     def location(self, name: str) -> int | None:
         for a in self.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters:
@@ -110,13 +186,41 @@ def stack(tmp_path_factory, tiny_llama_path):
         procs.append(store)
         proxy = CuttingProxy(store.address)
         cache = tmp_path_factory.mktemp("inference-adapters")
-        inference = ServerProcess("inference", "services.inference", [
-            "--model-path", str(tiny_llama_path), "--port", "0", "--device", "cpu", "--metrics-port", "0",
-            "--max-total-tokens", str(KV_TOKENS), "--page-size", "16", "--grace-period", "10",
-            "--max-lora-rank", str(BIG_RANK), "--adapter-store", proxy.address, "--adapter-cache-dir", str(cache),
-            "--adapter-store-tls-ca", str(pki / "ca.pem"),
-            "--tls-cert", str(pki / "node.pem"), "--tls-key", str(pki / "node.key"), "--log-level", "debug",
-        ], echo=False)
+        inference = ServerProcess(
+            "inference",
+            "services.inference",
+            [
+                "--model-path",
+                str(tiny_llama_path),
+                "--port",
+                "0",
+                "--device",
+                "cpu",
+                "--metrics-port",
+                "0",
+                "--max-total-tokens",
+                str(KV_TOKENS),
+                "--page-size",
+                "16",
+                "--grace-period",
+                "10",
+                "--max-lora-rank",
+                str(BIG_RANK),
+                "--adapter-store",
+                proxy.address,
+                "--adapter-cache-dir",
+                str(cache),
+                "--adapter-store-tls-ca",
+                str(pki / "ca.pem"),
+                "--tls-cert",
+                str(pki / "node.pem"),
+                "--tls-key",
+                str(pki / "node.key"),
+                "--log-level",
+                "debug",
+            ],
+            echo=False,
+        )
         procs.append(inference)
         inference.wait_serving(STARTUP_S, tls_ca=str(pki / "ca.pem"))
         stack = Stack(pki, redis, store, proxy, inference, cache, store_cache, tiny_llama_path)
@@ -134,9 +238,15 @@ def stack(tmp_path_factory, tiny_llama_path):
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, tiny_llama_path, adapter_factory):
     def make(name: str, r: int = 4, seed: int = 0) -> Path:
-        return adapter_factory(tiny_llama_path, name, r=r, lora_alpha=2 * r, seed=seed,
-                               target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                               "gate_proj", "up_proj", "down_proj"])
+        return adapter_factory(
+            tiny_llama_path,
+            name,
+            r=r,
+            lora_alpha=2 * r,
+            seed=seed,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        )
+
     return make
 
 
@@ -147,14 +257,25 @@ def _no_partial_pulls(cache: Path) -> None:
 
 def test_store_channel_is_mutual_tls(stack):
     """The store refuses anyone without a client certificate, yet the inference server pulls from it."""
-    with grpc.secure_channel(stack.store.address, grpc.ssl_channel_credentials(
-            root_certificates=(stack.pki / "ca.pem").read_bytes())) as channel, pytest.raises(grpc.RpcError) as e:
+    with (
+        grpc.secure_channel(
+            stack.store.address,
+            grpc.ssl_channel_credentials(root_certificates=(stack.pki / "ca.pem").read_bytes()),
+        ) as channel,
+        pytest.raises(grpc.RpcError) as e,
+    ):
         spb_grpc.AdapterStoreStub(channel).ListAdapters(spb.ListStoreAdaptersRequest(), timeout=5)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "client certificates" in stack.store.output()
     pki = stack.pki
-    with Client(stack.inference.address, store=stack.store.address, tls_ca=str(pki / "ca.pem"),
-                tls_cert=str(pki / "node.pem"), tls_key=str(pki / "node.key"), timeout=30) as client:
+    with Client(
+        stack.inference.address,
+        store=stack.store.address,
+        tls_ca=str(pki / "ca.pem"),
+        tls_cert=str(pki / "node.pem"),
+        tls_key=str(pki / "node.key"),
+        timeout=30,
+    ) as client:
         assert client.health() == "SERVING"
         client.list_store_adapters()  # the Python client presents its certificate too
 
@@ -167,11 +288,15 @@ def test_pull_cut_halfway_is_retried_and_digest_checked(stack, adapters):
     assert out.completion_tokens == 8
     assert stack.proxy.cuts == 1, "the proxy never cut the pull: the test did not test anything"
     assert "retrying" in stack.inference.output()
-    [info] = [a for a in stack.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters
-              if a.name == "big-cut-once"]
+    [info] = [
+        a
+        for a in stack.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=30).adapters
+        if a.name == "big-cut-once"
+    ]
     assert info.digest == record.digest and info.location == pb.ADAPTER_LOCATION_GPU
     local = stack.cache / content_dir_name(record.digest, record.config_digest) / "adapter_model.safetensors"
     import hashlib
+
     assert "sha256:" + hashlib.sha256(local.read_bytes()).hexdigest() == record.digest
     _no_partial_pulls(stack.cache)
 
@@ -208,7 +333,9 @@ def test_store_killed_mid_pull_leaves_no_half_adapter_and_recovers(stack, adapte
     worker = threading.Thread(target=request)
     worker.start()
     try:
-        _wait(lambda: stack.proxy.downstream_bytes - start > record.size_bytes // 3, 60, "the pull to get going")
+        _wait(
+            lambda: stack.proxy.downstream_bytes - start > record.size_bytes // 3, 60, "the pull to get going"
+        )
         stack.store.proc.kill()  # SIGKILL: no drain, the stream just dies
         stack.store.proc.wait(10)
         worker.join(120)
@@ -245,16 +372,20 @@ def _wait(predicate, timeout: float, what: str) -> None:
 def test_client_disconnect_mid_stream_frees_kv(stack):
     before = scrape(stack.inference).get('loraplex_aborted_requests_total{reason="cancelled"}', 0.0)
     params = pb.SamplingParams(max_new_tokens=200, ignore_eos=True)
-    stream = stack.stub.GenerateStream(pb.GenerateRequest(text=["Tell me a long story"] * 2,
-                                                          sampling_params=params), timeout=60)
+    stream = stack.stub.GenerateStream(
+        pb.GenerateRequest(text=["Tell me a long story"] * 2, sampling_params=params), timeout=60
+    )
     got = [next(stream) for _ in range(4)]
     assert got and all(not m.finish_reason for m in got)
     stream.cancel()
 
     def freed() -> bool:
         m = scrape(stack.inference)
-        return (m.get('loraplex_aborted_requests_total{reason="cancelled"}', 0.0) >= before + 2
-                and m["loraplex_requests_running"] == 0 and m["loraplex_kv_blocks_free"] == m["loraplex_kv_blocks_total"])
+        return (
+            m.get('loraplex_aborted_requests_total{reason="cancelled"}', 0.0) >= before + 2
+            and m["loraplex_requests_running"] == 0
+            and m["loraplex_kv_blocks_free"] == m["loraplex_kv_blocks_total"]
+        )
 
     _wait(freed, 15, "the cancelled stream's KV blocks to be freed")
     assert stack.generate(n=4).completion_tokens == 4
@@ -286,8 +417,10 @@ def test_kv_exhaustion_under_load_preempts_and_everyone_finishes(stack):
 def test_adapter_deleted_in_store_while_requests_use_it(stack, adapters):
     stack.register("doomed", adapters("doomed", seed=3))
     params = pb.SamplingParams(max_new_tokens=40, ignore_eos=True)
-    stream = stack.stub.GenerateStream(pb.GenerateRequest(text=["One", "Two", "Three"], adapter=["doomed"],
-                                                          sampling_params=params), timeout=120)
+    stream = stack.stub.GenerateStream(
+        pb.GenerateRequest(text=["One", "Two", "Three"], adapter=["doomed"], sampling_params=params),
+        timeout=120,
+    )
     first = next(stream)
     assert first.text or first.token_ids
     deleted = stack.store_stub.DeleteAdapter(spb.DeleteAdapterRequest(name="doomed"), timeout=30)
@@ -346,8 +479,9 @@ def test_sigterm_during_load_finishes_in_flight_and_exits_0(stack):
         params = pb.SamplingParams(max_new_tokens=60, ignore_eos=True)
         tokens, passed = 0, False
         try:
-            for msg in stack.stub.GenerateStream(pb.GenerateRequest(text=[f"Client {i}"], sampling_params=params),
-                                                 timeout=120):
+            for msg in stack.stub.GenerateStream(
+                pb.GenerateRequest(text=[f"Client {i}"], sampling_params=params), timeout=120
+            ):
                 tokens += len(msg.token_ids)
                 if not passed:
                     passed = True

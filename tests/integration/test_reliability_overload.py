@@ -19,10 +19,25 @@ from tests.support.service_stack import STARTUP_S
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_path):
-    proc = ServerProcess("inference", "services.inference", [
-        "--model-path", str(tiny_llama_path), "--port", "0", "--device", "cpu", "--max-total-tokens", "2048",
-        "--max-running-requests", "2", "--max-queued-requests", "3",
-    ], echo=False)
+    proc = ServerProcess(
+        "inference",
+        "services.inference",
+        [
+            "--model-path",
+            str(tiny_llama_path),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--max-total-tokens",
+            "2048",
+            "--max-running-requests",
+            "2",
+            "--max-queued-requests",
+            "3",
+        ],
+        echo=False,
+    )
     try:
         proc.wait_serving(STARTUP_S)
         yield proc

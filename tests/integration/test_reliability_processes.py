@@ -39,8 +39,13 @@ def _alive(pid: int) -> bool:
 
 def test_children_die_when_the_parent_is_killed(tmp_path: Path):
     root = Path(__file__).resolve().parents[2]
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path)], cwd=root, stdout=subprocess.PIPE,
-                              text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(tmp_path)],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     try:
         line = parent.stdout.readline()
         pids = [int(p) for p in line.split()]

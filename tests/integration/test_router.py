@@ -27,31 +27,63 @@ from tests.support.service_stack import STARTUP_S, STORE_STACK_SHAPE, scrape, sh
 
 PROMPT = "List 3 countries and their capitals."
 ADAPTERS = [f"route-{i}" for i in range(12)]
-REPLICA_FLAGS = ["--listen-when-ready", "--device", "cpu", "--metrics-port", "0", "--max-total-tokens", "4096", "--grace-period", "2",
-                 "--max-lora-rank", str(STORE_STACK_SHAPE["r"]),
-                 "--lora-target-modules", *STORE_STACK_SHAPE["target_modules"]]
+REPLICA_FLAGS = [
+    "--listen-when-ready",
+    "--device",
+    "cpu",
+    "--metrics-port",
+    "0",
+    "--max-total-tokens",
+    "4096",
+    "--grace-period",
+    "2",
+    "--max-lora-rank",
+    str(STORE_STACK_SHAPE["r"]),
+    "--lora-target-modules",
+    *STORE_STACK_SHAPE["target_modules"],
+]
 
 
 def start_replica(model, store, cache, replica: str, port: int = 0) -> ServerProcess:
-    return ServerProcess(replica, "services.inference", [
-        "--model-path", str(model), "--port", str(port), "--adapter-store", store.address,
-        "--adapter-cache-dir", str(cache), "--replica-id", replica, *REPLICA_FLAGS], echo=False)
+    return ServerProcess(
+        replica,
+        "services.inference",
+        [
+            "--model-path",
+            str(model),
+            "--port",
+            str(port),
+            "--adapter-store",
+            store.address,
+            "--adapter-cache-dir",
+            str(cache),
+            "--replica-id",
+            replica,
+            *REPLICA_FLAGS,
+        ],
+        echo=False,
+    )
 
 
 class Stack:
     def __init__(self, request, tmp_path_factory, model) -> None:
         self.model, self.tmp = model, tmp_path_factory
-        self.store = shared(request.config, "store", lambda: start_store(tmp_path_factory.mktemp("store"), model))
-        self.replicas = {name: start_replica(model, self.store, tmp_path_factory.mktemp(name), name)
-                         for name in ("r1", "r2")}
+        self.store = shared(
+            request.config, "store", lambda: start_store(tmp_path_factory.mktemp("store"), model)
+        )
+        self.replicas = {
+            name: start_replica(model, self.store, tmp_path_factory.mktemp(name), name)
+            for name in ("r1", "r2")
+        }
         self.router: ServerProcess | None = None
         self.channel = None
 
     def start(self) -> None:
         for proc in self.replicas.values():  # both load at once
             proc.wait_serving(STARTUP_S)
-        self.router = start_router(self.tmp.mktemp("router"), [p.address for p in self.replicas.values()],
-                                   echo=False)
+        self.router = start_router(
+            self.tmp.mktemp("router"), [p.address for p in self.replicas.values()], echo=False
+        )
         self.router.wait_serving(30)
         self.channel = make_channel(self.router.address)
         self.stub = pb_grpc.InferenceStub(self.channel)
@@ -59,9 +91,12 @@ class Stack:
     def generate(self, adapter: str = "", stub=None, max_new_tokens: int = 1, timeout: float = 60):
         """(response, replica that answered) of a Generate through the router (or `stub`)."""
         params = pb.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
-        request = pb.GenerateRequest(text=[PROMPT], adapter=[adapter] if adapter else [], sampling_params=params)
+        request = pb.GenerateRequest(
+            text=[PROMPT], adapter=[adapter] if adapter else [], sampling_params=params
+        )
         response, call = (stub or self.stub).Generate.with_call(
-            request, timeout=timeout, metadata=routing_metadata(None, [adapter]))
+            request, timeout=timeout, metadata=routing_metadata(None, [adapter])
+        )
         return response, replica_of(call)
 
     def stop(self) -> None:
@@ -80,8 +115,10 @@ def replica_of(call) -> str:
 def stack(request, tmp_path_factory, smollm2_path, adapter_factory):
     s = Stack(request, tmp_path_factory, smollm2_path)
     try:
-        sources = [adapter_factory(smollm2_path, f"route-src-{i}", seed=40 + i, **STORE_STACK_SHAPE)
-                   for i in range(2)]
+        sources = [
+            adapter_factory(smollm2_path, f"route-src-{i}", seed=40 + i, **STORE_STACK_SHAPE)
+            for i in range(2)
+        ]
         s.start()
         with Client(s.router.address, store=s.store.address, timeout=60) as c:
             for i, name in enumerate(ADAPTERS):
@@ -100,8 +137,10 @@ def test_every_response_names_its_replica(stack):
             stub = pb_grpc.InferenceStub(channel)
             _, replica = stack.generate(stub=stub)
             assert replica == name
-            stream = stub.GenerateStream(pb.GenerateRequest(text=[PROMPT], sampling_params=pb.SamplingParams(
-                max_new_tokens=2)), timeout=60)
+            stream = stub.GenerateStream(
+                pb.GenerateRequest(text=[PROMPT], sampling_params=pb.SamplingParams(max_new_tokens=2)),
+                timeout=60,
+            )
             assert list(stream) and replica_of(stream) == name
             with pytest.raises(grpc.RpcError) as err:  # errors carry it too, beside the rich status
                 stack.generate("never-registered", stub=stub)
@@ -123,8 +162,11 @@ def test_each_adapter_sticks_to_one_replica(stack):
     # a replica pulled only the adapters routed to it
     for replica, proc in stack.replicas.items():
         with make_channel(proc.address) as channel:
-            local = {a.name for a in pb_grpc.InferenceStub(channel).ListAdapters(pb.ListAdaptersRequest()).adapters
-                     if a.location != pb.ADAPTER_LOCATION_STORE}
+            local = {
+                a.name
+                for a in pb_grpc.InferenceStub(channel).ListAdapters(pb.ListAdaptersRequest()).adapters
+                if a.location != pb.ADAPTER_LOCATION_STORE
+            }
         assert {n for n in ADAPTERS if stack.owner[n] == replica} == local & set(ADAPTERS)
 
 
@@ -136,8 +178,13 @@ def test_residency_metrics_per_replica(stack):
 
     def location(replica: str) -> str:
         samples = scrape(stack.replicas[replica])
-        found = [loc for loc in ("gpu", "host", "store")
-                 if samples.get(f'loraplex_adapter_location{{adapter="{name}",location="{loc}",replica="{replica}"}}')]
+        found = [
+            loc
+            for loc in ("gpu", "host", "store")
+            if samples.get(
+                f'loraplex_adapter_location{{adapter="{name}",location="{loc}",replica="{replica}"}}'
+            )
+        ]
         return found[0] if found else ""
 
     deadline = time.monotonic() + 15  # the store is listed every 10 s
@@ -210,11 +257,16 @@ def test_failover_and_return(stack):
     for name in ["", *ADAPTERS]:
         assert stack.generate(name)[1] == "r1"
     with make_channel(stack.replicas["r1"].address) as channel:
-        local = {a.name for a in pb_grpc.InferenceStub(channel).ListAdapters(pb.ListAdaptersRequest()).adapters
-                 if a.location != pb.ADAPTER_LOCATION_STORE}
+        local = {
+            a.name
+            for a in pb_grpc.InferenceStub(channel).ListAdapters(pb.ListAdaptersRequest()).adapters
+            if a.location != pb.ADAPTER_LOCATION_STORE
+        }
     assert set(moved) <= local
     # back on the same port: after nginx's fail_timeout its adapters return to it
-    stack.replicas[victim] = start_replica(stack.model, stack.store, stack.tmp.mktemp("r2-again"), victim, port)
+    stack.replicas[victim] = start_replica(
+        stack.model, stack.store, stack.tmp.mktemp("r2-again"), victim, port
+    )
     stack.replicas[victim].wait_serving(STARTUP_S)
     time.sleep(FAIL_TIMEOUT_S + 0.5)
     deadline = time.monotonic() + 20

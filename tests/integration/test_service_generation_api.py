@@ -19,12 +19,16 @@ from clients.errors import from_rpc_error
 from tests.integration.test_service_inference import PROMPTS, adapters, greedy, reference, server, stub  # noqa: F401
 
 CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 2?"}]
-OWN_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}: {{ m.content }}\n{% endfor %}" \
-               "{% if add_generation_prompt %}ANSWER:{% endif %}"
+OWN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}ANSWER:{% endif %}"
+)
 
 
 def generate(stub, inputs, params=None, adapter=()):  # noqa: F811 - stub is the shared fixture
-    return stub.Generate(pb.GenerateRequest(inputs=inputs, sampling_params=params or greedy(), adapter=adapter))
+    return stub.Generate(
+        pb.GenerateRequest(inputs=inputs, sampling_params=params or greedy(), adapter=adapter)
+    )
 
 
 def messages(chat):
@@ -33,8 +37,14 @@ def messages(chat):
 
 def test_token_ids_equal_text(stub, reference):  # noqa: F811
     ids = reference.tokenizer(PROMPTS[0]).input_ids
-    resp = generate(stub, [pb.Input(text=PROMPTS[0], adapter="alpha"), pb.Input(token_ids=ids, adapter="alpha"),
-                           pb.Input(text=PROMPTS[0])])
+    resp = generate(
+        stub,
+        [
+            pb.Input(text=PROMPTS[0], adapter="alpha"),
+            pb.Input(token_ids=ids, adapter="alpha"),
+            pb.Input(text=PROMPTS[0]),
+        ],
+    )
     by_text, by_ids, base = resp.completions
     assert list(by_ids.token_ids) == list(by_text.token_ids) and by_ids.text == by_text.text
     assert by_ids.prompt_tokens == len(ids) and (by_ids.adapter, base.adapter) == ("alpha", "")
@@ -46,26 +56,42 @@ def test_token_ids_equal_text(stub, reference):  # noqa: F811
 def test_per_input_params_equal_separate_calls(stub):  # noqa: F811
     sampled = pb.SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.9, seed=11)
     short = greedy(3)
-    resp = generate(stub, [pb.Input(text=PROMPTS[1], sampling_params=sampled),
-                           pb.Input(text=PROMPTS[2], adapter="beta", sampling_params=short),
-                           pb.Input(text=PROMPTS[0])], params=greedy(5))
-    alone = [stub.Generate(pb.GenerateRequest(text=[t], adapter=[a], sampling_params=p)).completions[0]
-             for t, a, p in [(PROMPTS[1], "", sampled), (PROMPTS[2], "beta", short), (PROMPTS[0], "", greedy(5))]]
+    resp = generate(
+        stub,
+        [
+            pb.Input(text=PROMPTS[1], sampling_params=sampled),
+            pb.Input(text=PROMPTS[2], adapter="beta", sampling_params=short),
+            pb.Input(text=PROMPTS[0]),
+        ],
+        params=greedy(5),
+    )
+    alone = [
+        stub.Generate(pb.GenerateRequest(text=[t], adapter=[a], sampling_params=p)).completions[0]
+        for t, a, p in [(PROMPTS[1], "", sampled), (PROMPTS[2], "beta", short), (PROMPTS[0], "", greedy(5))]
+    ]
     for got, want in zip(resp.completions, alone, strict=True):
         assert list(got.token_ids) == list(want.token_ids)
     assert resp.completions[1].completion_tokens == 3
 
 
 def test_request_adapter_is_the_default_for_inputs(stub):  # noqa: F811
-    resp = generate(stub, [pb.Input(text=PROMPTS[1]), pb.Input(text=PROMPTS[1], adapter="alpha")], adapter=["beta"])
+    resp = generate(
+        stub, [pb.Input(text=PROMPTS[1]), pb.Input(text=PROMPTS[1], adapter="alpha")], adapter=["beta"]
+    )
     assert [c.adapter for c in resp.completions] == ["beta", "alpha"]
 
 
 def test_chat_equals_rendered_template(stub, reference):  # noqa: F811
     ids = reference.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     ids = reference.tokenizer(ids, add_special_tokens=False).input_ids
-    resp = generate(stub, [pb.Input(messages=messages(CHAT)), pb.Input(token_ids=ids),
-                           pb.Input(messages=messages(CHAT), add_generation_prompt=False)])
+    resp = generate(
+        stub,
+        [
+            pb.Input(messages=messages(CHAT)),
+            pb.Input(token_ids=ids),
+            pb.Input(messages=messages(CHAT), add_generation_prompt=False),
+        ],
+    )
     chat, by_ids, no_prompt = resp.completions
     assert chat.prompt_tokens == len(ids) and list(chat.token_ids) == list(by_ids.token_ids)
     plain = reference.tokenizer.apply_chat_template(CHAT, add_generation_prompt=False, tokenize=False)
@@ -78,13 +104,19 @@ def test_adapter_ships_its_own_chat_template(stub, adapters, reference, tmp_path
     (own / "chat_template.jinja").write_text(OWN_TEMPLATE)
     stub.LoadAdapter(pb.LoadAdapterRequest(name="templated", source=str(own)))
     try:
-        rendered = reference.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False,
-                                                           chat_template=OWN_TEMPLATE)
+        rendered = reference.tokenizer.apply_chat_template(
+            CHAT, add_generation_prompt=True, tokenize=False, chat_template=OWN_TEMPLATE
+        )
         assert rendered.endswith("ANSWER:")
         ids = reference.tokenizer(rendered, add_special_tokens=False).input_ids
-        resp = generate(stub, [pb.Input(messages=messages(CHAT), adapter="templated"),
-                               pb.Input(token_ids=ids, adapter="templated"),
-                               pb.Input(messages=messages(CHAT), adapter="alpha")])
+        resp = generate(
+            stub,
+            [
+                pb.Input(messages=messages(CHAT), adapter="templated"),
+                pb.Input(token_ids=ids, adapter="templated"),
+                pb.Input(messages=messages(CHAT), adapter="alpha"),
+            ],
+        )
         own_chat, by_ids, alpha_chat = resp.completions
         assert own_chat.prompt_tokens == len(ids) and list(own_chat.token_ids) == list(by_ids.token_ids)
         assert alpha_chat.prompt_tokens != len(ids), "an adapter without a template uses the model's"
@@ -94,8 +126,9 @@ def test_adapter_ships_its_own_chat_template(stub, adapters, reference, tmp_path
 
 def test_n_samples_use_derived_seeds(stub):  # noqa: F811
     params = pb.SamplingParams(max_new_tokens=6, temperature=1.0, seed=5, n=3)
-    resp = generate(stub, [pb.Input(text=PROMPTS[2]), pb.Input(text=PROMPTS[0], sampling_params=greedy(4))],
-                    params=params)
+    resp = generate(
+        stub, [pb.Input(text=PROMPTS[2]), pb.Input(text=PROMPTS[0], sampling_params=greedy(4))], params=params
+    )
     assert [(c.index, c.sample) for c in resp.completions] == [(0, 0), (0, 1), (0, 2), (1, 0)]
     for j in range(3):
         one = pb.SamplingParams(max_new_tokens=6, temperature=1.0, seed=5 + j)
@@ -103,7 +136,9 @@ def test_n_samples_use_derived_seeds(stub):  # noqa: F811
         assert list(resp.completions[j].token_ids) == list(alone.token_ids)
     assert len({tuple(c.token_ids) for c in resp.completions[:3]}) > 1
     streamed = {}
-    for msg in stub.GenerateStream(pb.GenerateRequest(inputs=[pb.Input(text=PROMPTS[2])], sampling_params=params)):
+    for msg in stub.GenerateStream(
+        pb.GenerateRequest(inputs=[pb.Input(text=PROMPTS[2])], sampling_params=params)
+    ):
         streamed.setdefault((msg.index, msg.sample), []).extend(msg.token_ids)
     assert streamed == {(0, j): list(resp.completions[j].token_ids) for j in range(3)}
 
@@ -122,8 +157,9 @@ def peft_logprobs(reference, adapter_path, prompt_ids, output_ids):  # noqa: F81
 
 def test_logprobs_match_peft_unary_and_stream(stub, adapters, reference):  # noqa: F811
     params = greedy(5, logprobs=True, top_logprobs=3)
-    request = pb.GenerateRequest(inputs=[pb.Input(text=PROMPTS[0], adapter="alpha"), pb.Input(text=PROMPTS[1])],
-                                 sampling_params=params)
+    request = pb.GenerateRequest(
+        inputs=[pb.Input(text=PROMPTS[0], adapter="alpha"), pb.Input(text=PROMPTS[1])], sampling_params=params
+    )
     unary = stub.Generate(request)
     streamed: dict[int, list] = {0: [], 1: []}
     for msg in stub.GenerateStream(request):
@@ -161,26 +197,43 @@ def test_timing_fields(stub):  # noqa: F811
     c = generate(stub, [pb.Input(text=PROMPTS[0])], params=greedy(3)).completions[0]
     assert 0 <= c.queue_time_s <= c.time_to_first_token_s < 60 and c.time_to_first_token_s > 0
     assert c.cached_prompt_tokens == 0
-    final = [m for m in stub.GenerateStream(pb.GenerateRequest(text=[PROMPTS[0]], sampling_params=greedy(3)))
-             if m.finish_reason][0]
+    final = [
+        m
+        for m in stub.GenerateStream(pb.GenerateRequest(text=[PROMPTS[0]], sampling_params=greedy(3)))
+        if m.finish_reason
+    ][0]
     assert final.time_to_first_token_s > 0
 
 
-@pytest.mark.parametrize("request_kwargs, field", [
-    (dict(text=["a"], inputs=[pb.Input(text="a")]), "inputs"),
-    (dict(inputs=[pb.Input()]), "inputs[0]"),
-    (dict(inputs=[pb.Input(text="a", token_ids=[1])]), "inputs[0]"),
-    (dict(inputs=[pb.Input(text="a", sampling_params=pb.SamplingParams(temperature=-1))]),
-     "inputs[0].sampling_params.temperature"),
-    (dict(inputs=[pb.Input(text="a")], sampling_params=pb.SamplingParams(logprobs=True, top_logprobs=21)),
-     "sampling_params.top_logprobs"),
-    (dict(inputs=[pb.Input(text="a")], sampling_params=pb.SamplingParams(top_logprobs=2)),
-     "sampling_params.top_logprobs"),
-    (dict(inputs=[pb.Input(text="a")] * 3, sampling_params=pb.SamplingParams(n=3)), "inputs"),
-    (dict(inputs=[pb.Input(messages=[pb.ChatMessage(role="", content="x")])]), "inputs[0].messages[0].role"),
-    (dict(inputs=[pb.Input(text="a", add_generation_prompt=True)]), "inputs[0].add_generation_prompt"),
-    (dict(inputs=[pb.Input(text="a", adapter="../etc")]), "inputs[0].adapter"),
-])
+@pytest.mark.parametrize(
+    "request_kwargs, field",
+    [
+        (dict(text=["a"], inputs=[pb.Input(text="a")]), "inputs"),
+        (dict(inputs=[pb.Input()]), "inputs[0]"),
+        (dict(inputs=[pb.Input(text="a", token_ids=[1])]), "inputs[0]"),
+        (
+            dict(inputs=[pb.Input(text="a", sampling_params=pb.SamplingParams(temperature=-1))]),
+            "inputs[0].sampling_params.temperature",
+        ),
+        (
+            dict(
+                inputs=[pb.Input(text="a")], sampling_params=pb.SamplingParams(logprobs=True, top_logprobs=21)
+            ),
+            "sampling_params.top_logprobs",
+        ),
+        (
+            dict(inputs=[pb.Input(text="a")], sampling_params=pb.SamplingParams(top_logprobs=2)),
+            "sampling_params.top_logprobs",
+        ),
+        (dict(inputs=[pb.Input(text="a")] * 3, sampling_params=pb.SamplingParams(n=3)), "inputs"),
+        (
+            dict(inputs=[pb.Input(messages=[pb.ChatMessage(role="", content="x")])]),
+            "inputs[0].messages[0].role",
+        ),
+        (dict(inputs=[pb.Input(text="a", add_generation_prompt=True)]), "inputs[0].add_generation_prompt"),
+        (dict(inputs=[pb.Input(text="a", adapter="../etc")]), "inputs[0].adapter"),
+    ],
+)
 def test_bad_inputs(stub, request_kwargs, field):  # noqa: F811
     with pytest.raises(grpc.RpcError) as info:
         stub.Generate(pb.GenerateRequest(**request_kwargs))

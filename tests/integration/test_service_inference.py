@@ -32,16 +32,32 @@ def adapters(smollm2_path, adapter_factory):
         "alpha": adapter_factory(smollm2_path, "alpha", seed=1, **SHAPE),
         "beta": adapter_factory(smollm2_path, "beta", seed=2, **SHAPE),
         "gamma": adapter_factory(smollm2_path, "gamma", seed=3, **SHAPE),
-        "wide": adapter_factory(smollm2_path, "wide", r=16, lora_alpha=32, target_modules="all-linear", seed=4),
+        "wide": adapter_factory(
+            smollm2_path, "wide", r=16, lora_alpha=32, target_modules="all-linear", seed=4
+        ),
     }
 
 
 @pytest.fixture(scope="module")
 def server(request, smollm2_path, adapters):
-    return shared(request.config, "smollm2-basic", lambda: start_inference(
-        smollm2_path, "--lora-paths", f"alpha={adapters['alpha']}", f"beta={adapters['beta']}",
-        "--context-length", "512", "--max-inputs-per-request", "8", "--max-new-tokens-limit", "1024",
-        "--max-message-bytes", "65536"))
+    return shared(
+        request.config,
+        "smollm2-basic",
+        lambda: start_inference(
+            smollm2_path,
+            "--lora-paths",
+            f"alpha={adapters['alpha']}",
+            f"beta={adapters['beta']}",
+            "--context-length",
+            "512",
+            "--max-inputs-per-request",
+            "8",
+            "--max-new-tokens-limit",
+            "1024",
+            "--max-message-bytes",
+            "65536",
+        ),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +97,9 @@ def test_one_adapter_beside_base(stub, adapters, reference):
     texts, names = [PROMPTS[0], PROMPTS[0]], ["alpha", ""]
     resp = stub.Generate(pb.GenerateRequest(text=texts, adapter=names, sampling_params=greedy()))
     check_against_peft(resp, texts, names, adapters, reference)
-    assert resp.completions[0].token_ids != resp.completions[1].token_ids, "the adapter must change the output"
+    assert resp.completions[0].token_ids != resp.completions[1].token_ids, (
+        "the adapter must change the output"
+    )
 
 
 def test_two_adapters_in_one_call(stub, adapters, reference):
@@ -145,7 +163,10 @@ def test_stream_deltas_concatenate_to_unary(stub, adapters, reference):
     for i, c in enumerate(unary.completions):
         assert text[i] == c.text and ids[i] == list(c.token_ids)
         assert finals[i].finish_reason == c.finish_reason
-        assert (finals[i].prompt_tokens, finals[i].completion_tokens) == (c.prompt_tokens, c.completion_tokens)
+        assert (finals[i].prompt_tokens, finals[i].completion_tokens) == (
+            c.prompt_tokens,
+            c.completion_tokens,
+        )
     check_against_peft(unary, texts, names, adapters, reference)
 
 
@@ -159,7 +180,9 @@ def test_tokenize_matches_tokenizer(stub, reference):
 def test_model_info(stub):
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     assert "SmolLM2" in info.model and info.device == "cpu"
-    assert info.context_length == 512 and info.max_inputs_per_request == 8 and info.max_new_tokens_limit == 1024
+    assert (
+        info.context_length == 512 and info.max_inputs_per_request == 8 and info.max_new_tokens_limit == 1024
+    )
     assert info.max_lora_rank == 8 and set(info.lora_target_modules) == set(SHAPE["target_modules"])
 
 
@@ -168,18 +191,33 @@ def test_model_info(stub):
     [
         (dict(text=[]), grpc.StatusCode.INVALID_ARGUMENT, "text"),
         (dict(text=["a", "b", "c"], adapter=["alpha", "beta"]), grpc.StatusCode.INVALID_ARGUMENT, "adapter"),
-        (dict(text=["a"], sampling_params=pb.SamplingParams(max_new_tokens=5000)),
-         grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.max_new_tokens"),
-        (dict(text=["a"], sampling_params=pb.SamplingParams(temperature=-1)),
-         grpc.StatusCode.INVALID_ARGUMENT, "sampling_params.temperature"),
+        (
+            dict(text=["a"], sampling_params=pb.SamplingParams(max_new_tokens=5000)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling_params.max_new_tokens",
+        ),
+        (
+            dict(text=["a"], sampling_params=pb.SamplingParams(temperature=-1)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "sampling_params.temperature",
+        ),
         (dict(text=["a"] * 9), grpc.StatusCode.INVALID_ARGUMENT, "text"),
         (dict(text=["hello " * 600]), grpc.StatusCode.INVALID_ARGUMENT, "text[0]"),
         (dict(text=["x" * 70000]), grpc.StatusCode.INVALID_ARGUMENT, "text"),
         (dict(text=["a", ""]), grpc.StatusCode.INVALID_ARGUMENT, "text[1]"),
         (dict(text=["a", "b"], adapter=["alpha", "nope"]), grpc.StatusCode.NOT_FOUND, None),
     ],
-    ids=["no-text", "adapter-length", "max-new-tokens", "temperature", "too-many-inputs", "too-long",
-         "message-bytes", "empty-text", "unknown-adapter"],
+    ids=[
+        "no-text",
+        "adapter-length",
+        "max-new-tokens",
+        "temperature",
+        "too-many-inputs",
+        "too-long",
+        "message-bytes",
+        "empty-text",
+        "unknown-adapter",
+    ],
 )
 def test_bad_requests(stub, server, request_kwargs, code, field):
     before = scrape(server).get('loraplex_prompt_tokens_total{adapter="alpha"}', 0.0)
@@ -195,15 +233,20 @@ def test_bad_requests(stub, server, request_kwargs, code, field):
 
 
 def test_unload_unknown_is_not_found(stub):
-    assert code_of(stub.UnloadAdapter, pb.UnloadAdapterRequest(name="never")).code() == grpc.StatusCode.NOT_FOUND
+    assert (
+        code_of(stub.UnloadAdapter, pb.UnloadAdapterRequest(name="never")).code() == grpc.StatusCode.NOT_FOUND
+    )
 
 
 def wait_kv_free(server, timeout: float = 15.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = scrape(server)
-        if (m.get("loraplex_requests_running") == 0 and m.get("loraplex_queue_waiting") == 0
-                and m["loraplex_kv_blocks_free"] == m["loraplex_kv_blocks_total"]):
+        if (
+            m.get("loraplex_requests_running") == 0
+            and m.get("loraplex_queue_waiting") == 0
+            and m["loraplex_kv_blocks_free"] == m["loraplex_kv_blocks_total"]
+        ):
             return m
         assert time.monotonic() < deadline, f"KV not freed: {m}"
         time.sleep(0.25)
@@ -222,8 +265,9 @@ LONG = dict(max_new_tokens=400, temperature=0, ignore_eos=True)
 def test_cancel_frees_kv_and_server_keeps_serving(stub, server, adapters, reference):
     wait_kv_free(server)
     aborted = scrape(server).get('loraplex_aborted_requests_total{reason="cancelled"}', 0.0)
-    call = stub.GenerateStream(pb.GenerateRequest(text=[PROMPTS[0]], adapter=["alpha"],
-                                                  sampling_params=pb.SamplingParams(**LONG)))
+    call = stub.GenerateStream(
+        pb.GenerateRequest(text=[PROMPTS[0]], adapter=["alpha"], sampling_params=pb.SamplingParams(**LONG))
+    )
     got = [next(call) for _ in range(3)]
     assert all(m.index == 0 for m in got)
     busy_kv(server)
@@ -241,8 +285,13 @@ def test_cancel_frees_kv_and_server_keeps_serving(stub, server, adapters, refere
 def test_deadline_frees_kv_and_server_keeps_serving(stub, server, adapters, reference):
     wait_kv_free(server)
     aborted = scrape(server).get('loraplex_aborted_requests_total{reason="deadline"}', 0.0)
-    err = code_of(stub.Generate, pb.GenerateRequest(text=[PROMPTS[1]] * 2, adapter=["beta", ""],
-                                                    sampling_params=pb.SamplingParams(**LONG)), timeout=2.0)
+    err = code_of(
+        stub.Generate,
+        pb.GenerateRequest(
+            text=[PROMPTS[1]] * 2, adapter=["beta", ""], sampling_params=pb.SamplingParams(**LONG)
+        ),
+        timeout=2.0,
+    )
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     m = wait_kv_free(server)
     assert m['loraplex_aborted_requests_total{reason="deadline"}'] == aborted + 2
@@ -261,5 +310,8 @@ def test_metrics_cover_requests_latency_kv_and_adapters(stub, server):
     assert m["loraplex_kv_blocks_total"] > 0 and "loraplex_queue_waiting" in m
     assert m["loraplex_lora_slots_total"] >= 1 and "loraplex_lora_slots_used" in m
     assert m['loraplex_adapter_requests_total{adapter="alpha"}'] >= 1
-    assert sum(m[f'loraplex_adapter_resident{{adapter="alpha",location="{loc}"}}'] for loc in ("gpu", "host")) == 1
+    assert (
+        sum(m[f'loraplex_adapter_resident{{adapter="alpha",location="{loc}"}}'] for loc in ("gpu", "host"))
+        == 1
+    )
     assert m['loraplex_rpcs_total{code="OK",method="Generate"}'] >= 1

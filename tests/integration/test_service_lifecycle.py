@@ -22,9 +22,12 @@ from tests.support.service_stack import STARTUP_S
 
 
 def start(model, *extra: str) -> ServerProcess:
-    proc = ServerProcess("inference", "services.inference",
-                         ["--model-path", str(model), "--port", "0", "--device", "cpu",
-                          "--max-total-tokens", "4096", *extra], echo=False)
+    proc = ServerProcess(
+        "inference",
+        "services.inference",
+        ["--model-path", str(model), "--port", "0", "--device", "cpu", "--max-total-tokens", "4096", *extra],
+        echo=False,
+    )
     proc.wait_serving(STARTUP_S)
     return proc
 
@@ -48,7 +51,9 @@ class Background(threading.Thread):
         with grpc.insecure_channel(self.address) as ch:
             params = pb.SamplingParams(max_new_tokens=self.max_new_tokens, ignore_eos=True)
             try:
-                for msg in pb_grpc.InferenceStub(ch).GenerateStream(pb.GenerateRequest(text=["Hello"], sampling_params=params)):
+                for msg in pb_grpc.InferenceStub(ch).GenerateStream(
+                    pb.GenerateRequest(text=["Hello"], sampling_params=params)
+                ):
                     self.messages.append(msg)
                     self.started_streaming.set()
             except grpc.RpcError as err:
@@ -103,9 +108,15 @@ def test_store_down_is_unavailable_with_retry_and_base_still_serves(tiny_llama_p
             with pytest.raises(grpc.RpcError) as err:
                 stub.Generate(pb.GenerateRequest(text=["a"], adapter=["somewhere"]), timeout=30)
             typed = from_rpc_error(err.value)
-            assert typed.code == grpc.StatusCode.UNAVAILABLE and typed.retry_after_s and typed.resource == "somewhere"
+            assert (
+                typed.code == grpc.StatusCode.UNAVAILABLE
+                and typed.retry_after_s
+                and typed.resource == "somewhere"
+            )
             assert "adapter store" in typed.message
-            out = stub.Generate(pb.GenerateRequest(text=["a"], sampling_params=pb.SamplingParams(max_new_tokens=3)))
+            out = stub.Generate(
+                pb.GenerateRequest(text=["a"], sampling_params=pb.SamplingParams(max_new_tokens=3))
+            )
             assert out.completions[0].completion_tokens >= 1
             assert list(stub.ListAdapters(pb.ListAdaptersRequest()).adapters) == []
     finally:
@@ -122,7 +133,9 @@ def test_full_queue_is_resource_exhausted_with_retry(tiny_llama_path):
             typed = from_rpc_error(err.value)
             assert typed.code == grpc.StatusCode.RESOURCE_EXHAUSTED and typed.retry_after_s
             assert "--max-queued-requests" in typed.message
-            ok = stub.Generate(pb.GenerateRequest(text=["a", "b"], sampling_params=pb.SamplingParams(max_new_tokens=2)))
+            ok = stub.Generate(
+                pb.GenerateRequest(text=["a", "b"], sampling_params=pb.SamplingParams(max_new_tokens=2))
+            )
             assert len(ok.completions) == 2
     finally:
         server.stop()
@@ -133,13 +146,51 @@ def test_tls_and_tokens(tiny_llama_path, tmp_path):
     from clients.errors import LoraplexError
 
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    server = ServerProcess("inference", "services.inference",
-                           ["--model-path", str(tiny_llama_path), "--port", "0", "--device", "cpu",
-                            "--max-total-tokens", "2048", "--tls-cert", str(cert), "--tls-key", str(key),
-                            "--api-token", "user-secret", "--admin-token", "admin-secret"], echo=False)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    server = ServerProcess(
+        "inference",
+        "services.inference",
+        [
+            "--model-path",
+            str(tiny_llama_path),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--max-total-tokens",
+            "2048",
+            "--tls-cert",
+            str(cert),
+            "--tls-key",
+            str(key),
+            "--api-token",
+            "user-secret",
+            "--admin-token",
+            "admin-secret",
+        ],
+        echo=False,
+    )
     try:
         server.wait_serving(STARTUP_S, tls_ca=str(cert))  # health needs no token
         assert "(TLS), tokens required" in server.output()

@@ -26,8 +26,10 @@ SHAPE = STORE_STACK_SHAPE
 
 @pytest.fixture(scope="module")
 def adapters(smollm2_path, adapter_factory):
-    return {name: adapter_factory(smollm2_path, name, seed=10 + i, **SHAPE)
-            for i, name in enumerate(["s-one", "s-many", "s-load", "s-idle", "s-gone", "s-new"])}
+    return {
+        name: adapter_factory(smollm2_path, name, seed=10 + i, **SHAPE)
+        for i, name in enumerate(["s-one", "s-many", "s-load", "s-idle", "s-gone", "s-new"])
+    }
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +72,9 @@ def test_concurrent_cold_requests_cause_one_pull(client, stack, adapters, refere
 
     async def burst():
         async with AsyncClient(inference.address, timeout=120) as c:
-            return await asyncio.gather(*(c.generate(PROMPT, "s-many", max_new_tokens=4, temperature=0)
-                                          for _ in range(20)))
+            return await asyncio.gather(
+                *(c.generate(PROMPT, "s-many", max_new_tokens=4, temperature=0) for _ in range(20))
+            )
 
     results = asyncio.run(burst())
     want = reference.greedy(PROMPT, adapters["s-many"], 4)

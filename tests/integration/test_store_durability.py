@@ -59,7 +59,10 @@ def test_restart_keeps_records_and_blobs(tmp_path, adapters):
         for n, record in before.items():
             after = stub.GetAdapter(pb.GetAdapterRequest(name=n))
             assert (after.digest, after.generation, after.created_at) == (
-                record.digest, record.generation, record.created_at)
+                record.digest,
+                record.generation,
+                record.created_at,
+            )
             assert pull(stub, n)[1] == (adapters[n] / WEIGHTS).read_bytes()
 
 
@@ -86,13 +89,17 @@ def test_redis_lost_then_reindex_restores_from_sidecars(tmp_path, adapters, redi
 
 
 def test_redis_stopped_while_running_then_recovers(tmp_path, adapters, redis_server):
-    with start_store(tmp_path / "cache", "--redis-url", redis_server.url) as proc, \
-            store_stub(proc.address) as stub:
+    with (
+        start_store(tmp_path / "cache", "--redis-url", redis_server.url) as proc,
+        store_stub(proc.address) as stub,
+    ):
         register(stub, "outage", adapters["a"])
         redis_server.stop()
-        for call in (lambda: stub.GetAdapter(pb.GetAdapterRequest(name="outage"), timeout=30),
-                     lambda: register(stub, "outage-2", adapters["b"]),
-                     lambda: stub.ListAdapters(pb.ListStoreAdaptersRequest(), timeout=30)):
+        for call in (
+            lambda: stub.GetAdapter(pb.GetAdapterRequest(name="outage"), timeout=30),
+            lambda: register(stub, "outage-2", adapters["b"]),
+            lambda: stub.ListAdapters(pb.ListStoreAdaptersRequest(), timeout=30),
+        ):
             with pytest.raises(grpc.RpcError) as e:
                 call()
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in e.value.details()
@@ -113,12 +120,17 @@ def test_redis_stopped_while_running_then_recovers(tmp_path, adapters, redis_ser
 
 
 def test_lru_eviction_spares_a_blob_being_pulled_and_refetches_evicted(tmp_path):
-    srcs = {n: write_random_adapter(tmp_path / n, hidden=1024, layers=4, r=32, seed=i)  # ~2 MiB each
-            for i, n in enumerate(("e1", "e2", "e3"))}
+    srcs = {
+        n: write_random_adapter(tmp_path / n, hidden=1024, layers=4, r=32, seed=i)  # ~2 MiB each
+        for i, n in enumerate(("e1", "e2", "e3"))
+    }
     size = (srcs["e1"] / WEIGHTS).stat().st_size
     cache = tmp_path / "cache"
     blob = lambda n: cache / "blobs" / "sha256" / sha256_file(srcs[n] / WEIGHTS).removeprefix("sha256:")  # noqa: E731
-    with start_store(cache, "--cache-max-bytes", str(int(size * 2.5))) as proc, store_stub(proc.address) as stub:
+    with (
+        start_store(cache, "--cache-max-bytes", str(int(size * 2.5))) as proc,
+        store_stub(proc.address) as stub,
+    ):
         register(stub, "e1", srcs["e1"])
         register(stub, "e2", srcs["e2"])
         # Hold a pull of e1 open: its blob is pinned. A 64 KiB flow-control window (no BDP
@@ -144,14 +156,18 @@ def test_lru_eviction_spares_a_blob_being_pulled_and_refetches_evicted(tmp_path)
 def test_evicted_adapter_whose_source_changed_is_failed_precondition(tmp_path, adapters):
     src = copy_adapter(adapters["a"], tmp_path / "changing")
     size = (src / WEIGHTS).stat().st_size
-    with start_store(tmp_path / "cache", "--cache-max-bytes", str(int(size * 1.5))) as proc, \
-            store_stub(proc.address) as stub:
+    with (
+        start_store(tmp_path / "cache", "--cache-max-bytes", str(int(size * 1.5))) as proc,
+        store_stub(proc.address) as stub,
+    ):
         register(stub, "changing", src)
         register(stub, "other", adapters["b"])  # evicts "changing"'s blob
         copy_adapter(adapters["b"], src)
         with pytest.raises(grpc.RpcError) as e:
             pull(stub, "changing")
-        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "RegisterAdapter" in e.value.details()
+        assert (
+            e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "RegisterAdapter" in e.value.details()
+        )
 
 
 def test_allow_pickle_converts_and_local_dirs_are_confined(tmp_path, adapters):
@@ -165,11 +181,13 @@ def test_allow_pickle_converts_and_local_dirs_are_confined(tmp_path, adapters):
     (pickled / WEIGHTS).unlink()
     outside = copy_adapter(adapters["b"], tmp_path / "outside")
     (allowed / "link").symlink_to(outside)
-    with start_store(tmp_path / "cache", "--allow-pickle", "--allowed-local-dirs", str(allowed)) as proc, \
-            store_stub(proc.address) as stub:
+    with (
+        start_store(tmp_path / "cache", "--allow-pickle", "--allowed-local-dirs", str(allowed)) as proc,
+        store_stub(proc.address) as stub,
+    ):
         record = register(stub, "from-pickle", pickled)
         _, data = pull(stub, "from-pickle")
-        converted = (tmp_path / "converted.safetensors")
+        converted = tmp_path / "converted.safetensors"
         converted.write_bytes(data)
         got = load_file(str(converted))
         assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
@@ -177,7 +195,10 @@ def test_allow_pickle_converts_and_local_dirs_are_confined(tmp_path, adapters):
         for source in (outside, allowed / "link", allowed / ".." / "outside", f"file://{outside}"):
             with pytest.raises(grpc.RpcError) as e:
                 register(stub, "escape", source)
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "allowed-local-dirs" in e.value.details()
+            assert (
+                e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                and "allowed-local-dirs" in e.value.details()
+            )
 
 
 def test_sigterm_drains_an_open_pull_then_exits_zero(tmp_path):

@@ -19,8 +19,12 @@ from loraplex.v1 import adapter_store_pb2 as pb
 
 from tests.support.store_helpers import CONFIG, WEIGHTS, copy_adapter, pull, start_store, store_stub
 
-CLEAN = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
-         grpc.StatusCode.UNAVAILABLE}
+CLEAN = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAVAILABLE,
+}
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 
 
@@ -32,15 +36,24 @@ def good(tiny_llama_path, adapter_factory) -> Path:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, tiny_llama_path, good):
     # A closed port as the Hub: Hub-looking sources fail fast with UNAVAILABLE.
-    with start_store(tmp_path_factory.mktemp("store-fuzz"), "--base-model", str(tiny_llama_path),
-                     env={"HF_ENDPOINT": "http://127.0.0.1:9"}) as proc, store_stub(proc.address) as stub:
+    with (
+        start_store(
+            tmp_path_factory.mktemp("store-fuzz"),
+            "--base-model",
+            str(tiny_llama_path),
+            env={"HF_ENDPOINT": "http://127.0.0.1:9"},
+        ) as proc,
+        store_stub(proc.address) as stub,
+    ):
         stub.RegisterAdapter(pb.RegisterAdapterRequest(name="anchor", source=str(good)), timeout=60)
         yield proc, stub
 
 
 def _register(stub, name, source, revision=""):
     try:
-        stub.RegisterAdapter(pb.RegisterAdapterRequest(name=name, source=source, revision=revision), timeout=30)
+        stub.RegisterAdapter(
+            pb.RegisterAdapterRequest(name=name, source=source, revision=revision), timeout=30
+        )
         return grpc.StatusCode.OK
     except grpc.RpcError as e:
         assert e.code() in CLEAN, (e.code(), e.details())
@@ -50,21 +63,37 @@ def _register(stub, name, source, revision=""):
 
 sources = st.one_of(
     st.text(max_size=300),
-    st.sampled_from([" /etc", "\t/tmp", "file:///%2E%2E/etc", "file:///tmp/%2e%2e/%2e%2e/dev", "file://remote/x",
-                     "file:///dev/zero", "/dev/zero", "/proc/self/fd/0", "file:///%00", "file://" + "%2F" * 200,
-                     " " * 5000]),
+    st.sampled_from(
+        [
+            " /etc",
+            "\t/tmp",
+            "file:///%2E%2E/etc",
+            "file:///tmp/%2e%2e/%2e%2e/dev",
+            "file://remote/x",
+            "file:///dev/zero",
+            "/dev/zero",
+            "/proc/self/fd/0",
+            "file:///%00",
+            "file://" + "%2F" * 200,
+            " " * 5000,
+        ]
+    ),
     st.text(max_size=60).map(lambda t: "file:///" + "".join(f"%{ord(c) & 0xFF:02X}" for c in t)),
 )
 
 
 @FUZZ
-@given(name=st.one_of(st.text(max_size=140), st.just("x" * 5000)), source=sources, revision=st.text(max_size=40))
+@given(
+    name=st.one_of(st.text(max_size=140), st.just("x" * 5000)), source=sources, revision=st.text(max_size=40)
+)
 def test_random_requests_get_clean_errors(store, name, source, revision):
     _, stub = store
     _register(stub, name, source, revision)
-    for call in (lambda: stub.GetAdapter(pb.GetAdapterRequest(name=name), timeout=10),
-                 lambda: stub.DeleteAdapter(pb.DeleteAdapterRequest(name=name + "-x"), timeout=10),
-                 lambda: stub.ListAdapters(pb.ListStoreAdaptersRequest(page_token=name, page_size=3), timeout=10)):
+    for call in (
+        lambda: stub.GetAdapter(pb.GetAdapterRequest(name=name), timeout=10),
+        lambda: stub.DeleteAdapter(pb.DeleteAdapterRequest(name=name + "-x"), timeout=10),
+        lambda: stub.ListAdapters(pb.ListStoreAdaptersRequest(page_token=name, page_size=3), timeout=10),
+    ):
         try:
             call()
         except grpc.RpcError as e:
@@ -73,18 +102,37 @@ def test_random_requests_get_clean_errors(store, name, source, revision):
 
 mutation = st.one_of(
     st.tuples(st.just("truncate"), st.floats(0, 1)),
-    st.tuples(st.just("flip"), st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1, max_size=8)),
+    st.tuples(
+        st.just("flip"), st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)), min_size=1, max_size=8)
+    ),
     st.tuples(st.just("header_len"), st.integers(0, 2**64 - 1)),
     st.tuples(st.just("append"), st.binary(min_size=1, max_size=64)),
-    st.tuples(st.just("special"), st.sampled_from(["fifo", "devzero", "devnull", "dir", "loop", "dangling",
-                                                    "config_fifo", "config_loop"])),
-    st.tuples(st.just("nested"), st.sampled_from(["config", "header"]), st.sampled_from([100, 1000, 100_000])),
-    st.tuples(st.just("config"), st.sampled_from(["r", "lora_alpha", "alpha_pattern"]),
-              st.sampled_from([float("inf"), -float("inf"), float("nan"), 1e308, 5e-324, 2**63, {"q_proj": 1e999}])),
-    st.tuples(st.just("config"), st.sampled_from(["r", "lora_alpha", "target_modules", "peft_type", "rank_pattern"]),
-              st.one_of(st.none(), st.integers(-5, 100), st.floats(allow_nan=True), st.text(max_size=8),
-                        st.lists(st.text(max_size=8), max_size=3), st.dictionaries(st.text(max_size=8),
-                                                                                   st.integers(-2, 9), max_size=2))),
+    st.tuples(
+        st.just("special"),
+        st.sampled_from(
+            ["fifo", "devzero", "devnull", "dir", "loop", "dangling", "config_fifo", "config_loop"]
+        ),
+    ),
+    st.tuples(
+        st.just("nested"), st.sampled_from(["config", "header"]), st.sampled_from([100, 1000, 100_000])
+    ),
+    st.tuples(
+        st.just("config"),
+        st.sampled_from(["r", "lora_alpha", "alpha_pattern"]),
+        st.sampled_from([float("inf"), -float("inf"), float("nan"), 1e308, 5e-324, 2**63, {"q_proj": 1e999}]),
+    ),
+    st.tuples(
+        st.just("config"),
+        st.sampled_from(["r", "lora_alpha", "target_modules", "peft_type", "rank_pattern"]),
+        st.one_of(
+            st.none(),
+            st.integers(-5, 100),
+            st.floats(allow_nan=True),
+            st.text(max_size=8),
+            st.lists(st.text(max_size=8), max_size=3),
+            st.dictionaries(st.text(max_size=8), st.integers(-2, 9), max_size=2),
+        ),
+    ),
 )
 
 

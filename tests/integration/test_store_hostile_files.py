@@ -54,9 +54,18 @@ def dirs(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def stub(tmp_path_factory, tiny_llama_path, dirs):
-    with start_store(tmp_path_factory.mktemp("store-hostile"), "--base-model", str(tiny_llama_path),
-                     "--allowed-local-dirs", str(dirs[0]), "--max-adapter-bytes", str(4 << 20)) as proc, \
-            store_stub(proc.address) as stub:
+    with (
+        start_store(
+            tmp_path_factory.mktemp("store-hostile"),
+            "--base-model",
+            str(tiny_llama_path),
+            "--allowed-local-dirs",
+            str(dirs[0]),
+            "--max-adapter-bytes",
+            str(4 << 20),
+        ) as proc,
+        store_stub(proc.address) as stub,
+    ):
         yield stub
         assert "internal error" not in proc.output()
 
@@ -64,8 +73,10 @@ def stub(tmp_path_factory, tiny_llama_path, dirs):
 @pytest.fixture(scope="module")
 def open_stub(tmp_path_factory, tiny_llama_path):
     """A store with no allow-list (the default): only the file checks stand between it and a device."""
-    with start_store(tmp_path_factory.mktemp("store-open"), "--max-adapter-bytes", str(4 << 20)) as proc, \
-            store_stub(proc.address) as stub:
+    with (
+        start_store(tmp_path_factory.mktemp("store-open"), "--max-adapter-bytes", str(4 << 20)) as proc,
+        store_stub(proc.address) as stub,
+    ):
         yield stub
         assert "internal error" not in proc.output()
 
@@ -89,8 +100,9 @@ def _with_weights(good: Path, d: Path, make) -> str:
 
 
 def test_weights_symlinked_to_a_device_is_refused(open_stub, stub, good, dirs):
-    assert "outside" in _refused(stub, _with_weights(good, dirs[0] / "zero-confined",
-                                                     lambda p: p.symlink_to("/dev/zero")))
+    assert "outside" in _refused(
+        stub, _with_weights(good, dirs[0] / "zero-confined", lambda p: p.symlink_to("/dev/zero"))
+    )
     details = _refused(open_stub, _with_weights(good, dirs[0] / "zero", lambda p: p.symlink_to("/dev/zero")))
     assert "character device" in details
 
@@ -101,8 +113,9 @@ def test_weights_as_a_fifo_is_refused(stub, good, dirs):
 
 
 def test_file_symlink_out_of_the_allowed_dirs_is_refused(stub, good, dirs):
-    details = _refused(stub, _with_weights(good, dirs[0] / "escape",
-                                           lambda p: p.symlink_to(dirs[1] / "passwd")))
+    details = _refused(
+        stub, _with_weights(good, dirs[0] / "escape", lambda p: p.symlink_to(dirs[1] / "passwd"))
+    )
     assert "outside --allowed-local-dirs" in details
 
 
@@ -176,8 +189,12 @@ def test_a_client_killed_mid_pull_is_one_info_line(tmp_path):
     big = write_random_adapter(tmp_path / "big", hidden=2048, r=64)  # ~16 MiB: many chunks
     with start_store(tmp_path / "cache") as proc, store_stub(proc.address) as stub:
         stub.RegisterAdapter(pb.RegisterAdapterRequest(name="big", source=str(big)), timeout=60)
-        client = subprocess.Popen([sys.executable, "-c", _STALLED_PULL, proc.address], stdout=subprocess.PIPE,
-                                  text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        client = subprocess.Popen(
+            [sys.executable, "-c", _STALLED_PULL, proc.address],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
         assert client.stdout.readline().strip() == "pulling"
         client.kill()
         client.wait()

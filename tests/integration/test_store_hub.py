@@ -42,7 +42,9 @@ def hub():
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, hub):
-    with start_store(tmp_path_factory.mktemp("store-hub"), env={"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": ""}) as p:
+    with start_store(
+        tmp_path_factory.mktemp("store-hub"), env={"HF_ENDPOINT": hub.endpoint, "HF_TOKEN": ""}
+    ) as p:
         yield p
 
 
@@ -53,7 +55,9 @@ def stub(store):
 
 
 def register(stub, name, source, revision=""):
-    return stub.RegisterAdapter(pb.RegisterAdapterRequest(name=name, source=source, revision=revision), timeout=120)
+    return stub.RegisterAdapter(
+        pb.RegisterAdapterRequest(name=name, source=source, revision=revision), timeout=120
+    )
 
 
 def test_register_from_hub_records_commit_and_pulls(stub, hub, adapters):
@@ -64,7 +68,9 @@ def test_register_from_hub_records_commit_and_pulls(stub, hub, adapters):
     _, data = pull(stub, "hub-plain")
     assert data == (adapters["v1"] / WEIGHTS).read_bytes()
     # Only the adapter files were fetched, each at the resolved commit.
-    gets = [r.path for r in hub.requests if r.method == "GET" and "/resolve/" in r.path and "org/plain" in r.path]
+    gets = [
+        r.path for r in hub.requests if r.method == "GET" and "/resolve/" in r.path and "org/plain" in r.path
+    ]
     assert sorted(p.rsplit("/", 1)[1] for p in gets) == ["adapter_config.json", WEIGHTS]
     assert all(f"/resolve/{sha}/" in p for p in gets)
 
@@ -105,7 +111,9 @@ def test_repo_without_adapter_files_is_invalid(stub, hub):
 
 def test_pickle_only_repo_is_refused_without_allow_pickle(stub, hub, adapters):
     files = adapter_files(adapters["v1"])
-    hub.add_commit("org/pickled", {"adapter_config.json": files["adapter_config.json"], "adapter_model.bin": b"x"})
+    hub.add_commit(
+        "org/pickled", {"adapter_config.json": files["adapter_config.json"], "adapter_model.bin": b"x"}
+    )
     with pytest.raises(grpc.RpcError) as e:
         register(stub, "hub-pickled", "org/pickled")
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "--allow-pickle" in e.value.details()
@@ -133,8 +141,11 @@ def test_download_cut_halfway_resumes_with_range(stub, store, hub, tmp_path):
     hub.cut_next_get(WEIGHTS)
     record = register(stub, "hub-big", "org/big")
     assert record.digest == sha256_file(big / WEIGHTS) and record.size_bytes == size
-    gets = [r for r in hub.requests if r.method == "GET" and r.path.endswith(f"org/big/resolve/{record.revision}/"
-                                                                            f"{WEIGHTS}")]
+    gets = [
+        r
+        for r in hub.requests
+        if r.method == "GET" and r.path.endswith(f"org/big/resolve/{record.revision}/{WEIGHTS}")
+    ]
     assert len(gets) == 2 and "range" not in gets[0].headers
     resumed_at = int(gets[1].headers["range"].removeprefix("bytes=").rstrip("-"))
     assert 0 < resumed_at < size
@@ -157,8 +168,13 @@ def test_lock_is_extended_during_a_long_download(hub, adapters, tmp_path):
     hub.add_commit("org/slow", adapter_files(adapters["v1"]))
     hub.get_delay_s[WEIGHTS] = 2.0
     try:
-        with start_store(tmp_path / "cache", "--lock-timeout", "0.6", env={"HF_ENDPOINT": hub.endpoint}) as proc, \
-                store_stub(proc.address) as stub, ThreadPoolExecutor(8) as pool:
+        with (
+            start_store(
+                tmp_path / "cache", "--lock-timeout", "0.6", env={"HF_ENDPOINT": hub.endpoint}
+            ) as proc,
+            store_stub(proc.address) as stub,
+            ThreadPoolExecutor(8) as pool,
+        ):
             records = list(pool.map(lambda _: register(stub, "hub-slow", "org/slow"), range(8)))
     finally:
         hub.get_delay_s.clear()

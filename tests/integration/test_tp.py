@@ -28,10 +28,20 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1,
 
 
 def tp_args(model, tp: int, adapters: dict, **extra) -> ServerArgs:
-    options = dict(model_path=str(model), device="cpu", dtype="float32", tp_size=tp, max_total_tokens=2048,
-                   context_length=512, max_num_batched_tokens=256, max_running_requests=8, max_loras_per_batch=4,
-                   max_lora_rank=16, lora_target_modules=("all",),
-                   lora_paths=tuple(f"{n}={p}" for n, p in adapters.items()))
+    options = dict(
+        model_path=str(model),
+        device="cpu",
+        dtype="float32",
+        tp_size=tp,
+        max_total_tokens=2048,
+        context_length=512,
+        max_num_batched_tokens=256,
+        max_running_requests=8,
+        max_loras_per_batch=4,
+        max_lora_rank=16,
+        lora_target_modules=("all",),
+        lora_paths=tuple(f"{n}={p}" for n, p in adapters.items()),
+    )
     options.update(extra)
     return ServerArgs(**options)
 
@@ -68,15 +78,19 @@ def outputs(args: ServerArgs, jobs, max_new_tokens: int, load_later: dict | None
 def mixed_adapters(adapter_factory, base) -> dict:
     return {
         "attn": adapter_factory(base, "attn", r=8, target_modules=["q_proj", "k_proj", "v_proj"], seed=1),
-        "mlp_o": adapter_factory(base, "mlp_o", r=16, lora_alpha=8, target_modules=["o_proj", "down_proj", "up_proj"],
-                                 seed=2),
+        "mlp_o": adapter_factory(
+            base, "mlp_o", r=16, lora_alpha=8, target_modules=["o_proj", "down_proj", "up_proj"], seed=2
+        ),
         "all": adapter_factory(base, "all", r=4, target_modules="all-linear", use_rslora=True, seed=3),
     }
 
 
 def mixed_jobs() -> list[tuple[str, str | None]]:
     adapters = [None, "attn", "mlp_o", "all"]
-    return [(p, a) for p, a in zip(PROMPTS, adapters, strict=True)] + [(PROMPTS[0], "all"), (PROMPTS[2], None)]
+    return [(p, a) for p, a in zip(PROMPTS, adapters, strict=True)] + [
+        (PROMPTS[0], "all"),
+        (PROMPTS[2], None),
+    ]
 
 
 def test_tiny_llama_tp2_matches_tp1(tiny_llama_path, adapter_factory):
@@ -95,8 +109,14 @@ def test_tiny_llama_tp2_matches_tp1(tiny_llama_path, adapter_factory):
 def one_kv_head_path(tmp_path_factory, smollm2_path):
     """4 heads sharing 1 KV head (replicated on both ranks), tied embeddings, an odd vocabulary
     (49155 rows: rank 1's shard has one zero padding row, cut from the gathered logits)."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-1kv"), num_kv_heads=1, tie_word_embeddings=True,
-                           vocab_size=49155, tokenizer_from=smollm2_path, seed=5)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-1kv"),
+        num_kv_heads=1,
+        tie_word_embeddings=True,
+        vocab_size=49155,
+        tokenizer_from=smollm2_path,
+        seed=5,
+    )
 
 
 @pytest.mark.parametrize("model", ["one_kv_head_path", "tiny_qwen2_path"])
@@ -116,7 +136,9 @@ def test_kv_replication_and_qkv_bias_tp2_match_tp1(model, request, adapter_facto
 def test_smollm2_tp2_matches_tp1(smollm2_path, adapter_factory):
     """9 heads / 3 KV heads over 2 ranks: KV groups split 2 + 1 (6 and 3 query heads)."""
     adapters = {
-        "attn": adapter_factory(smollm2_path, "attn", r=8, target_modules=["q_proj", "v_proj", "o_proj"], seed=1),
+        "attn": adapter_factory(
+            smollm2_path, "attn", r=8, target_modules=["q_proj", "v_proj", "o_proj"], seed=1
+        ),
         "mlp": adapter_factory(smollm2_path, "mlp", r=4, target_modules=["gate_proj", "down_proj"], seed=2),
     }
     jobs = [(PROMPTS[0], None), (PROMPTS[1], "attn"), (PROMPTS[2], "mlp"), (PROMPTS[3], "attn")]
@@ -157,8 +179,11 @@ def test_dead_worker_makes_engine_unhealthy_without_hanging(tiny_llama_path, whe
         reason = f"rank 1 (pid {worker.pid}) died"
         assert reason in engine.unhealthy_reason()
         assert time.monotonic() - start < 15
-        assert any(reason in r.getMessage() and "NOT_SERVING" in r.getMessage() for r in caplog.records
-                   if r.levelname == "ERROR")
+        assert any(
+            reason in r.getMessage() and "NOT_SERVING" in r.getMessage()
+            for r in caplog.records
+            if r.levelname == "ERROR"
+        )
 
         async def new_request():
             async for _ in engine.generate("after", PROMPTS[1], None, params):
@@ -183,9 +208,20 @@ def test_triton_lora_kernels_under_tp2_match_torch_tp1(tiny_llama_path, adapter_
     """The Triton LoRA path with the row-parallel shrink all-reduce, on Triton's CPU interpreter."""
     adapters = mixed_adapters(adapter_factory, tiny_llama_path)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
-    proc = subprocess.run([sys.executable, "-m", "tests.support.tp_triton_check", str(tiny_llama_path),
-                           *(f"{n}={p}" for n, p in adapters.items())],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.support.tp_triton_check",
+            str(tiny_llama_path),
+            *(f"{n}={p}" for n, p in adapters.items()),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tp2_triton"] == result["tp1_torch"]

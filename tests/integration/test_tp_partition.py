@@ -50,9 +50,13 @@ def test_adapter_shards_follow_s_lora(smollm2_path):
     plan = plan_shards(cfg, 2)[1]
     a_q, b_q = torch.randn(4, 576), torch.randn(576, 4)
     a_o, b_o = torch.randn(4, 576), torch.randn(576, 4)
-    weights = AdapterWeights(AdapterSpec(r=4, lora_alpha=8), {(0, "q_proj"): ModuleLoRA(4, 8, 2.0),
-                                                              (0, "o_proj"): ModuleLoRA(4, 8, 2.0)},
-                             {(0, "q_proj"): a_q, (0, "o_proj"): a_o}, {(0, "q_proj"): b_q, (0, "o_proj"): b_o}, "d")
+    weights = AdapterWeights(
+        AdapterSpec(r=4, lora_alpha=8),
+        {(0, "q_proj"): ModuleLoRA(4, 8, 2.0), (0, "o_proj"): ModuleLoRA(4, 8, 2.0)},
+        {(0, "q_proj"): a_q, (0, "o_proj"): a_o},
+        {(0, "q_proj"): b_q, (0, "o_proj"): b_o},
+        "d",
+    )
     shard = shard_adapter(weights, plan)
     assert torch.equal(shard.lora_a[(0, "q_proj")], a_q)  # column-parallel: A whole
     assert torch.equal(shard.lora_b[(0, "q_proj")], b_q[384:576])  # B by output rows

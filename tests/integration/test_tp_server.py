@@ -15,24 +15,69 @@ from tests.support.service_stack import STARTUP_S
 
 def tp2_server(name: str, model_path) -> ServerProcess:
     """A small `--tp-size 2` CPU server (not started) for the worker-lifecycle tests."""
-    return ServerProcess(name, "services.inference", [
-        "--model-path", str(model_path), "--port", "0", "--device", "cpu", "--tp-size", "2",
-        "--max-total-tokens", "1024", "--context-length", "256", "--max-lora-rank", "4"], echo=False)
+    return ServerProcess(
+        name,
+        "services.inference",
+        [
+            "--model-path",
+            str(model_path),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--tp-size",
+            "2",
+            "--max-total-tokens",
+            "1024",
+            "--context-length",
+            "256",
+            "--max-lora-rank",
+            "4",
+        ],
+        echo=False,
+    )
 
 
 def test_server_tp2_generate_matches_tp1_and_stops_its_worker(tiny_llama_path, adapter_factory):
     adapters = {
         "qv": adapter_factory(tiny_llama_path, "qv", r=8, target_modules=["q_proj", "v_proj"], seed=7),
-        "down": adapter_factory(tiny_llama_path, "down", r=4, target_modules=["down_proj", "gate_proj"], seed=8),
+        "down": adapter_factory(
+            tiny_llama_path, "down", r=4, target_modules=["down_proj", "gate_proj"], seed=8
+        ),
     }
     names = ["", "qv", "down", "qv"]
-    want = outputs(tp_args(tiny_llama_path, 1, adapters), list(zip(PROMPTS, [n or None for n in names], strict=True)),
-                   6)
-    server = ServerProcess("inference-tp2", "services.inference", [
-        "--model-path", str(tiny_llama_path), "--port", "0", "--device", "cpu", "--tp-size", "2",
-        "--max-total-tokens", "2048", "--context-length", "512", "--max-lora-rank", "16",
-        "--lora-target-modules", "all", "--max-loras-per-batch", "4", "--grace-period", "2",
-        "--lora-paths", *(f"{n}={p}" for n, p in adapters.items())], echo=False)
+    want = outputs(
+        tp_args(tiny_llama_path, 1, adapters), list(zip(PROMPTS, [n or None for n in names], strict=True)), 6
+    )
+    server = ServerProcess(
+        "inference-tp2",
+        "services.inference",
+        [
+            "--model-path",
+            str(tiny_llama_path),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--tp-size",
+            "2",
+            "--max-total-tokens",
+            "2048",
+            "--context-length",
+            "512",
+            "--max-lora-rank",
+            "16",
+            "--lora-target-modules",
+            "all",
+            "--max-loras-per-batch",
+            "4",
+            "--grace-period",
+            "2",
+            "--lora-paths",
+            *(f"{n}={p}" for n, p in adapters.items()),
+        ],
+        echo=False,
+    )
     try:
         server.wait_serving(STARTUP_S)
         children = psutil.Process(server.proc.pid).children(recursive=True)
@@ -42,7 +87,9 @@ def test_server_tp2_generate_matches_tp1_and_stops_its_worker(tiny_llama_path, a
             stub = pb_grpc.InferenceStub(ch)
             assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10).tp_size == 2
             params = pb.SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
-            resp = stub.Generate(pb.GenerateRequest(text=PROMPTS, adapter=names, sampling_params=params), timeout=60)
+            resp = stub.Generate(
+                pb.GenerateRequest(text=PROMPTS, adapter=names, sampling_params=params), timeout=60
+            )
         assert [list(c.token_ids) for c in resp.completions] == want
     finally:
         code = server.stop()

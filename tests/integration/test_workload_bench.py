@@ -12,9 +12,30 @@ from bench import workload
 
 def test_cpu_smoke_run_completes_every_request(tmp_path, one_torch_thread):
     out = tmp_path / "workload.json"
-    rc = workload.main(["--mode", "cpu", "--rate", "15", "--window", "2", "--drain", "30",
-                        "--prompt-len", "8,24", "--output-len", "4,12", "--scenarios", "base", "zipf:6", "zipf:6:2",
-                        "--workdir", str(tmp_path / "files"), "--out", str(out)])
+    rc = workload.main(
+        [
+            "--mode",
+            "cpu",
+            "--rate",
+            "15",
+            "--window",
+            "2",
+            "--drain",
+            "30",
+            "--prompt-len",
+            "8,24",
+            "--output-len",
+            "4,12",
+            "--scenarios",
+            "base",
+            "zipf:6",
+            "zipf:6:2",
+            "--workdir",
+            str(tmp_path / "files"),
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     scenarios = json.loads(out.read_text())["scenarios"]
     assert list(scenarios) == ["base", "zipf:6", "zipf:6:2"]

@@ -24,11 +24,19 @@ PROMPTS = [
 ]
 # name -> adapter_factory kwargs: ranks 4, 8 (rslora), 16, 64 on different module sets
 ADAPTERS = {
-    "r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"], seed=1),
+    "r4": dict(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"], seed=1
+    ),
     "r8rs": dict(r=8, lora_alpha=16, use_rslora=True, target_modules=["q_proj", "v_proj"], seed=2),
     "r16": dict(r=16, lora_alpha=16, target_modules=["up_proj", "down_proj"], seed=3),
-    "r64": dict(r=64, lora_alpha=32, target_modules=list(ALL_MODULES), seed=4,
-                rank_pattern={"down_proj": 32}, alpha_pattern={r"layers\.1\.self_attn\.o_proj": 8}),
+    "r64": dict(
+        r=64,
+        lora_alpha=32,
+        target_modules=list(ALL_MODULES),
+        seed=4,
+        rank_pattern={"down_proj": 32},
+        alpha_pattern={r"layers\.1\.self_attn\.o_proj": 8},
+    ),
 }
 # one continuous batch: base + all four adapters (twice for r4), more adapters than slots
 BATCH = [None, "r4", "r8rs", "r16", "r64", "r4", None]
@@ -38,8 +46,12 @@ def make_adapters(adapter_factory, base: Path, tag: str) -> dict[str, Path]:
     return {name: adapter_factory(base, f"{tag}-{name}", **kw) for name, kw in ADAPTERS.items()}
 
 
-def peft_greedy(base: Path, adapters: dict[str, Path], jobs: list[tuple[list[int], str | None]],
-                new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+def peft_greedy(
+    base: Path,
+    adapters: dict[str, Path],
+    jobs: list[tuple[list[int], str | None]],
+    new_tokens: int = NEW_TOKENS,
+) -> list[list[int]]:
     """PEFT's greedy tokens for each (prompt, adapter), one sequence at a time, cut after EOS."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -61,16 +73,24 @@ def peft_greedy(base: Path, adapters: dict[str, Path], jobs: list[tuple[list[int
             else:
                 peft.set_adapter(name)
                 gen = peft.generate(input_ids=x, max_new_tokens=new_tokens, do_sample=False)
-            tokens = gen[0, len(ids):].tolist()
+            tokens = gen[0, len(ids) :].tolist()
             cut = next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))
             outs.append(tokens[:cut])
     return outs
 
 
 def server_args(base: Path, adapters: dict[str, Path] | None = None, **kw) -> ServerArgs:
-    options = dict(model_path=str(base), device="cpu", dtype="float32", chunked_prefill_size=8,
-                   max_num_batched_tokens=64, max_total_tokens=8192, context_length=1024, max_loras_per_batch=2,
-                   lora_paths=tuple(f"{n}={p}" for n, p in (adapters or {}).items()))
+    options = dict(
+        model_path=str(base),
+        device="cpu",
+        dtype="float32",
+        chunked_prefill_size=8,
+        max_num_batched_tokens=64,
+        max_total_tokens=8192,
+        context_length=1024,
+        max_loras_per_batch=2,
+        lora_paths=tuple(f"{n}={p}" for n, p in (adapters or {}).items()),
+    )
     options.update(kw)
     return ServerArgs(**options)
 

@@ -22,10 +22,23 @@ STARTUP_S = 240.0
 _shared: dict[str, ServerProcess] = {}
 
 
-def start_inference(model: Path, *extra: str, store: ServerProcess | None = None,
-                    cache: Path | None = None) -> ServerProcess:
-    args = ["--model-path", str(model), "--port", "0", "--device", "cpu", "--metrics-port", "0",
-            "--max-total-tokens", "8192", "--grace-period", "5"]
+def start_inference(
+    model: Path, *extra: str, store: ServerProcess | None = None, cache: Path | None = None
+) -> ServerProcess:
+    args = [
+        "--model-path",
+        str(model),
+        "--port",
+        "0",
+        "--device",
+        "cpu",
+        "--metrics-port",
+        "0",
+        "--max-total-tokens",
+        "8192",
+        "--grace-period",
+        "5",
+    ]
     if store is not None:
         args += ["--adapter-store", store.address or ""]
     if cache is not None:
@@ -126,7 +139,7 @@ class PeftReference:
         else:
             model = peft if peft is not None else self.base
             out = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, do_sample=False)
-        return out[0, ids.shape[1]:].tolist()
+        return out[0, ids.shape[1] :].tolist()
 
 
 STORE_STACK_SHAPE = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -135,8 +148,17 @@ STORE_STACK_SHAPE = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj",
 def store_stack(config, tmp_path_factory, model: Path) -> tuple[ServerProcess, ServerProcess]:
     """The session's adapter store (embedded Redis) and an inference server that pulls from it."""
     store = shared(config, "store", lambda: start_store(tmp_path_factory.mktemp("store"), model))
-    inference = shared(config, "smollm2-store", lambda: start_inference(
-        model, "--max-lora-rank", str(STORE_STACK_SHAPE["r"]),
-        "--lora-target-modules", *STORE_STACK_SHAPE["target_modules"],
-        store=store, cache=tmp_path_factory.mktemp("inference-adapters")))
+    inference = shared(
+        config,
+        "smollm2-store",
+        lambda: start_inference(
+            model,
+            "--max-lora-rank",
+            str(STORE_STACK_SHAPE["r"]),
+            "--lora-target-modules",
+            *STORE_STACK_SHAPE["target_modules"],
+            store=store,
+            cache=tmp_path_factory.mktemp("inference-adapters"),
+        ),
+    )
     return store, inference

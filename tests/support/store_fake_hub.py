@@ -80,11 +80,18 @@ class FakeHub:
         self.server.server_close()
 
     # -- test controls ------------------------------------------------------------------------
-    def add_commit(self, repo_id: str, files: dict[str, bytes], *, refs: tuple[str, ...] = ("main",),
-                   private: bool = False) -> str:
+    def add_commit(
+        self,
+        repo_id: str,
+        files: dict[str, bytes],
+        *,
+        refs: tuple[str, ...] = ("main",),
+        private: bool = False,
+    ) -> str:
         repo = self.repos.setdefault(repo_id, FakeRepo(private=private))
-        sha = hashlib.sha1(repr((repo_id, len(repo.commits), sorted(files))).encode()
-                           + b"".join(files.values())).hexdigest()
+        sha = hashlib.sha1(
+            repr((repo_id, len(repo.commits), sorted(files))).encode() + b"".join(files.values())
+        ).hexdigest()
         repo.commits[sha] = dict(files)
         for ref in refs:
             repo.refs[ref] = sha
@@ -140,17 +147,24 @@ class FakeHub:
         if found is None:
             return
         repo, sha = found
-        body = json.dumps({
-            "id": repo_id, "modelId": repo_id, "sha": sha, "private": repo.private,
-            "siblings": [{"rfilename": f} for f in sorted(repo.commits[sha])],
-        }).encode()
+        body = json.dumps(
+            {
+                "id": repo_id,
+                "modelId": repo_id,
+                "sha": sha,
+                "private": repo.private,
+                "siblings": [{"rfilename": f} for f in sorted(repo.commits[sha])],
+            }
+        ).encode()
         h.send_response(200)
         h.send_header("Content-Type", "application/json")
         h.send_header("Content-Length", str(len(body)))
         h.end_headers()
         h.wfile.write(body)
 
-    def _resolve(self, h: BaseHTTPRequestHandler, method: str, repo_id: str, revision: str, filename: str) -> None:
+    def _resolve(
+        self, h: BaseHTTPRequestHandler, method: str, repo_id: str, revision: str, filename: str
+    ) -> None:
         found = self._revision_or_error(h, repo_id, revision)
         if found is None:
             return
@@ -184,7 +198,9 @@ class FakeHub:
             return
         h.wfile.write(data[start:])
 
-    def _error(self, h: BaseHTTPRequestHandler, status: int, code: str, message: str, commit: str = "") -> None:
+    def _error(
+        self, h: BaseHTTPRequestHandler, status: int, code: str, message: str, commit: str = ""
+    ) -> None:
         body = json.dumps({"error": message}).encode()
         h.send_response(status)
         if code:

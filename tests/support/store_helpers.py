@@ -34,9 +34,13 @@ STARTUP_S = 60.0
 
 
 @contextlib.contextmanager
-def start_store(cache_dir: Path, *flags: str, env: dict[str, str] | None = None,
-                expect_exit: int | None = 0,
-                credentials: grpc.ChannelCredentials | None = None) -> Iterator[ServerProcess]:
+def start_store(
+    cache_dir: Path,
+    *flags: str,
+    env: dict[str, str] | None = None,
+    expect_exit: int | None = 0,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> Iterator[ServerProcess]:
     """Run the store on an ephemeral loopback port; yields the ServerProcess.
 
     With `credentials` (a TLS store), health is checked over a secure channel made with them."""
@@ -49,12 +53,17 @@ def start_store(cache_dir: Path, *flags: str, env: dict[str, str] | None = None,
             assert rc == expect_exit, f"store exited {rc}:\n{proc.output()[-3000:]}"
 
 
-def start_store_process(cache_dir: Path, *flags: str, env: dict[str, str] | None = None,
-                        credentials: grpc.ChannelCredentials | None = None) -> ServerProcess:
+def start_store_process(
+    cache_dir: Path,
+    *flags: str,
+    env: dict[str, str] | None = None,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> ServerProcess:
     """Like `start_store`, for callers that manage the stop themselves (`proc.stop()`)."""
     env = {"NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost", **(env or {})}
-    proc = ServerProcess("store", "adapter_store", ["--port", "0", "--cache-dir", str(cache_dir), *flags],
-                         env=env, echo=False)
+    proc = ServerProcess(
+        "store", "adapter_store", ["--port", "0", "--cache-dir", str(cache_dir), *flags], env=env, echo=False
+    )
     try:
         if credentials is None:
             proc.wait_serving(STARTUP_S)
@@ -74,7 +83,11 @@ def _wait_serving_secure(proc: ServerProcess, credentials: grpc.ChannelCredentia
     with grpc.secure_channel(address, credentials) as channel:
         while time.monotonic() < deadline and proc.proc.poll() is None:
             try:
-                status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                status = (
+                    health_pb2_grpc.HealthStub(channel)
+                    .Check(health_pb2.HealthCheckRequest(), timeout=2)
+                    .status
+                )
                 if status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
@@ -88,8 +101,9 @@ def store_stub(address: str) -> Iterator[pb_grpc.AdapterStoreStub]:
         yield pb_grpc.AdapterStoreStub(channel)
 
 
-def pull(stub: pb_grpc.AdapterStoreStub, name: str, *, shared_cache: bool = False,
-         timeout: float = 60) -> tuple[pb.AdapterHeader, bytes]:
+def pull(
+    stub: pb_grpc.AdapterStoreStub, name: str, *, shared_cache: bool = False, timeout: float = 60
+) -> tuple[pb.AdapterHeader, bytes]:
     """Consume PullAdapter: the header first, then data chunks; check the digest."""
     chunks = stub.PullAdapter(pb.PullAdapterRequest(name=name, shared_cache=shared_cache), timeout=timeout)
     header = None
@@ -152,9 +166,25 @@ class RedisServer:
             for f in self.dir.glob("*.aof"):
                 f.unlink()
         self.proc = subprocess.Popen(
-            [self.executable, "--port", "0", "--unixsocket", str(self.socket), "--unixsocketperm", "700",
-             "--dir", str(self.dir), "--appendonly", "yes", "--save", "", "--daemonize", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                self.executable,
+                "--port",
+                "0",
+                "--unixsocket",
+                str(self.socket),
+                "--unixsocketperm",
+                "700",
+                "--dir",
+                str(self.dir),
+                "--appendonly",
+                "yes",
+                "--save",
+                "",
+                "--daemonize",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
         import redis
@@ -195,7 +225,7 @@ def copy_adapter(good: Path, dst: Path) -> Path:
 def read_safetensors(path: Path) -> tuple[dict, bytes]:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    return json.loads(raw[8:8 + n]), raw[8 + n:]
+    return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
 def write_safetensors(path: Path, header: dict, data: bytes) -> None:
@@ -210,9 +240,16 @@ def edit_config(directory: Path, **changes) -> None:
     (directory / CONFIG).write_text(json.dumps(cfg))
 
 
-def write_random_adapter(directory: Path, *, hidden: int = 1024, layers: int = 8, r: int = 16,
-                         modules: tuple[str, ...] = ("q_proj", "v_proj"), dtype: str = "float32",
-                         seed: int = 0) -> Path:
+def write_random_adapter(
+    directory: Path,
+    *,
+    hidden: int = 1024,
+    layers: int = 8,
+    r: int = 16,
+    modules: tuple[str, ...] = ("q_proj", "v_proj"),
+    dtype: str = "float32",
+    seed: int = 0,
+) -> Path:
     """A PEFT-layout LoRA adapter with random weights for a Llama-shaped model (square projections),
     written with numpy + safetensors (no model is built). Size ~= layers*len(modules)*2*r*hidden*itemsize."""
     import numpy as np
@@ -224,13 +261,27 @@ def write_random_adapter(directory: Path, *, hidden: int = 1024, layers: int = 8
     for layer in range(layers):
         for m in modules:
             prefix = f"base_model.model.model.layers.{layer}.{group.get(m, 'mlp')}.{m}"
-            tensors[f"{prefix}.lora_A.weight"] = rng.standard_normal((r, hidden), dtype=np.float32).astype(dtype)
-            tensors[f"{prefix}.lora_B.weight"] = rng.standard_normal((hidden, r), dtype=np.float32).astype(dtype)
+            tensors[f"{prefix}.lora_A.weight"] = rng.standard_normal((r, hidden), dtype=np.float32).astype(
+                dtype
+            )
+            tensors[f"{prefix}.lora_B.weight"] = rng.standard_normal((hidden, r), dtype=np.float32).astype(
+                dtype
+            )
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 2 * r,
-              "target_modules": list(modules), "lora_dropout": 0.0, "bias": "none", "use_rslora": False,
-              "rank_pattern": {}, "alpha_pattern": {}, "base_model_name_or_path": "random-llama"}
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": r,
+        "lora_alpha": 2 * r,
+        "target_modules": list(modules),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": False,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "base_model_name_or_path": "random-llama",
+    }
     (directory / CONFIG).write_text(json.dumps(config, indent=2))
     return directory
 

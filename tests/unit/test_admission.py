@@ -29,19 +29,32 @@ COLD = [f"c{i}" for i in range(6)]
 @pytest.fixture(scope="module")
 def adapters(tiny_llama_path, adapter_factory):
     names = ["h0", "h1", *COLD]
-    return {n: adapter_factory(tiny_llama_path, f"adm-{n}", r=4, target_modules=["q_proj"], seed=i)
-            for i, n in enumerate(names)}
+    return {
+        n: adapter_factory(tiny_llama_path, f"adm-{n}", r=4, target_modules=["q_proj"], seed=i)
+        for i, n in enumerate(names)
+    }
 
 
 def make(tiny_llama_path, adapters, *, slots=2, slot_wait_s=1.0, max_running=64):
     clock = StepClock()
-    pool = AdapterPool(ModelShapes.from_model_dir(tiny_llama_path), slots=slots, max_rank=4,
-                       target_modules=ALL_MODULES, dtype=torch.float32, device="cpu")
+    pool = AdapterPool(
+        ModelShapes.from_model_dir(tiny_llama_path),
+        slots=slots,
+        max_rank=4,
+        target_modules=ALL_MODULES,
+        dtype=torch.float32,
+        device="cpu",
+    )
     manager = LoRAManager(pool, slot_wait_s=slot_wait_s, clock=clock)
     for name, path in adapters.items():
         manager.load_adapter(name, path)
-    config = SchedulerConfig(page_size=4, max_num_batched_tokens=256, chunked_prefill_size=256,
-                             max_running_requests=max_running, context_length=1024)
+    config = SchedulerConfig(
+        page_size=4,
+        max_num_batched_tokens=256,
+        chunked_prefill_size=256,
+        max_running_requests=max_running,
+        context_length=1024,
+    )
     return Scheduler(config, BlockManager(512, 4), manager), manager, clock
 
 
@@ -57,7 +70,9 @@ def test_resident_adapters_and_base_keep_being_admitted_behind_waiting_ones(tiny
     # the queue's head: six cold adapters with no slot, then hot adapters' and base requests
     for name in COLD:
         scheduler.add(req(f"{name}-0", name))
-    later = [req(f"h{i % 2}-{i}", f"h{i % 2}") for i in range(10)] + [req(f"base-{i}", None) for i in range(4)]
+    later = [req(f"h{i % 2}-{i}", f"h{i % 2}") for i in range(10)] + [
+        req(f"base-{i}", None) for i in range(4)
+    ]
     for r in later:
         scheduler.add(r)
     batch = scheduler.schedule()
@@ -112,8 +127,9 @@ def test_waiting_adapter_gets_a_slot_within_the_bound(tiny_llama_path, adapters)
 
 
 @pytest.mark.parametrize("slot_wait_s", [0.0, 1e9], ids=["rotate-every-step", "never-drain"])
-def test_greedy_outputs_match_peft_under_slot_rotation(tiny_llama_path, adapter_factory, slot_wait_s,
-                                                        one_torch_thread):
+def test_greedy_outputs_match_peft_under_slot_rotation(
+    tiny_llama_path, adapter_factory, slot_wait_s, one_torch_thread
+):
     adapters = make_adapters(adapter_factory, tiny_llama_path, "e2e-tiny")
     engine = sync_engine(server_args(tiny_llama_path, adapters, max_loras_per_batch=2))
     engine.adapter_slots.slot_wait_s = slot_wait_s
@@ -129,32 +145,46 @@ def test_greedy_outputs_match_peft_under_slot_rotation(tiny_llama_path, adapter_
 
 # ----- residency: a pool sized from memory unless --max-loras-per-batch is given -----
 
+
 def test_pool_sized_from_memory_unless_max_loras_per_batch_given(tiny_llama_path):
     from services.inference.lora.setup import DEFAULT_MAX_GPU_LORAS, resolve_lora_settings
 
     shapes, cpu = ModelShapes.from_model_dir(tiny_llama_path), torch.device("cpu")
     default = resolve_lora_settings(server_args(tiny_llama_path, max_loras_per_batch=None), shapes, cpu)
     assert default.pool_sized_from_memory and default.max_loras_per_batch == DEFAULT_MAX_GPU_LORAS["cpu"]
-    bounded = resolve_lora_settings(server_args(tiny_llama_path, max_loras_per_batch=None, max_gpu_loras=5),
-                                    shapes, cpu)
+    bounded = resolve_lora_settings(
+        server_args(tiny_llama_path, max_loras_per_batch=None, max_gpu_loras=5), shapes, cpu
+    )
     assert bounded.pool_sized_from_memory and bounded.max_loras_per_batch == 5
-    capped = resolve_lora_settings(server_args(tiny_llama_path, max_loras_per_batch=3, max_gpu_loras=5), shapes, cpu)
+    capped = resolve_lora_settings(
+        server_args(tiny_llama_path, max_loras_per_batch=3, max_gpu_loras=5), shapes, cpu
+    )
     assert not capped.pool_sized_from_memory and capped.max_loras_per_batch == 3
     with pytest.raises(ValueError, match="--max-gpu-loras"):
-        resolve_lora_settings(server_args(tiny_llama_path, max_loras_per_batch=None, max_gpu_loras=0), shapes, cpu)
+        resolve_lora_settings(
+            server_args(tiny_llama_path, max_loras_per_batch=None, max_gpu_loras=0), shapes, cpu
+        )
 
 
-def test_default_flags_put_every_adapter_in_one_batch(tiny_llama_path, adapter_factory, one_torch_thread, caplog):
+def test_default_flags_put_every_adapter_in_one_batch(
+    tiny_llama_path, adapter_factory, one_torch_thread, caplog
+):
     """20 adapters, default flags: all resident at once, one continuous batch, outputs equal PEFT's."""
-    adapters = {f"m{i}": adapter_factory(tiny_llama_path, f"adm-many-{i}", r=4, target_modules=["q_proj", "v_proj"],
-                                         seed=100 + i) for i in range(20)}
+    adapters = {
+        f"m{i}": adapter_factory(
+            tiny_llama_path, f"adm-many-{i}", r=4, target_modules=["q_proj", "v_proj"], seed=100 + i
+        )
+        for i in range(20)
+    }
     with caplog.at_level("INFO", logger="services.inference.lora.setup"):
         engine = sync_engine(server_args(tiny_llama_path, adapters, max_loras_per_batch=None))
     assert "sized from memory" in caplog.text
     names = [None, *adapters]
     prompt = engine.tokenizer("The capital of France is").input_ids
     outs = engine.generate([prompt] * len(names), SamplingParams(max_new_tokens=6), names)
-    assert engine.adapter_slots.num_uploads == len(adapters) and engine.stats().lora_slots_used == len(adapters)
+    assert engine.adapter_slots.num_uploads == len(adapters) and engine.stats().lora_slots_used == len(
+        adapters
+    )
     expected = peft_greedy(tiny_llama_path, adapters, [(prompt, n) for n in names], new_tokens=6)
     assert [o.token_ids for o in outs] == expected
 
@@ -187,5 +217,13 @@ def test_metrics_show_queues_waits_and_uploads(tiny_llama_path, adapters):
 def _stats(scheduler, manager):
     from services.inference.engine.types import EngineStats
 
-    return EngineStats(len(scheduler.waiting), len(scheduler.running), 0, 0, manager.slots_total(),
-                       manager.slots_used(), manager.slots_draining(), len(manager.slot_queue()))
+    return EngineStats(
+        len(scheduler.waiting),
+        len(scheduler.running),
+        0,
+        0,
+        manager.slots_total(),
+        manager.slots_used(),
+        manager.slots_draining(),
+        len(manager.slot_queue()),
+    )

@@ -29,7 +29,9 @@ def check_invariants(slots: torch.Tensor, num_slots: int, max_tokens: int) -> No
         used = [b for b, s in enumerate(bslot) if s >= 0]
         assert len(used) <= num_blocks_bound(T, num_slots, block_m), "grid bound too small"
         assert used == list(range(len(used))), "used blocks must come first"
-        assert all(t == -1 for b in range(len(bslot)) if b not in used for t in btok[b]), "unused block has tokens"
+        assert all(t == -1 for b in range(len(bslot)) if b not in used for t in btok[b]), (
+            "unused block has tokens"
+        )
         for b in used:
             tokens = [t for t in btok[b][:block_m] if t >= 0]
             assert 0 < len(tokens) and btok[b][: len(tokens)] == tokens, "tokens must be packed first"
@@ -55,7 +57,11 @@ def test_segments_invariants(slots, num_slots):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 9).flatmap(lambda n: st.tuples(st.just(n), st.lists(st.integers(-1, n - 1), min_size=1, max_size=200))))
+@given(
+    st.integers(1, 9).flatmap(
+        lambda n: st.tuples(st.just(n), st.lists(st.integers(-1, n - 1), min_size=1, max_size=200))
+    )
+)
 def test_segments_invariants_random(args):
     num_slots, slots = args
     check_invariants(torch.tensor(slots, dtype=torch.int32), num_slots, max_tokens=len(slots))

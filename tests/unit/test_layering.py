@@ -86,8 +86,10 @@ def _module_graph() -> tuple[dict[str, set[str]], dict[str, Path]]:
             if node.level:
                 here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
                 base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
-            deps.update(known(f"{base}.{alias.name}") if f"{base}.{alias.name}" in mods else known(base)
-                        for alias in node.names)
+            deps.update(
+                known(f"{base}.{alias.name}") if f"{base}.{alias.name}" in mods else known(base)
+                for alias in node.names
+            )
         graph[name] = deps - {None, name}
     return graph, mods
 
@@ -117,8 +119,15 @@ def test_no_import_cycle_between_packages():
     for name, deps in graph.items():
         a = package(name)
         packages.setdefault(a, set()).update(
-            b for b in map(package, deps) if a != b and not b.startswith(a + ".") and not a.startswith(b + "."))
+            b
+            for b in map(package, deps)
+            if a != b and not b.startswith(a + ".") and not a.startswith(b + ".")
+        )
     cycle = _cycle(packages)
-    edges = [f"{m} -> {d}" for m, ds in sorted(graph.items()) for d in sorted(ds)
-             if cycle and package(m) in cycle and package(d) in cycle and package(m) != package(d)]
+    edges = [
+        f"{m} -> {d}"
+        for m, ds in sorted(graph.items())
+        for d in sorted(ds)
+        if cycle and package(m) in cycle and package(d) in cycle and package(m) != package(d)
+    ]
     assert cycle is None, f"package import cycle {' -> '.join(cycle)}, through: {edges}"

@@ -24,7 +24,9 @@ def shapes(tiny_llama_path) -> ModelShapes:
 
 @pytest.fixture(scope="module")
 def base_adapter(tiny_llama_path, adapter_factory) -> Path:
-    return adapter_factory(tiny_llama_path, "cfg-base", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    return adapter_factory(
+        tiny_llama_path, "cfg-base", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]
+    )
 
 
 def edited_copy(src: Path, dst: Path, **changes) -> Path:
@@ -83,26 +85,34 @@ def test_target_refusals(targets, why):
 
 
 def test_targets_list_regex_patterns_match_peft_semantics():
-    spec = parse_adapter_config({
-        **BASE_CFG,
-        "target_modules": r"model\.layers\.1\.(self_attn\.(q|k)_proj|mlp\.down_proj)",
-        "rank_pattern": {"k_proj": 2, r"layers\.1\.mlp\.down_proj": 6},
-        "alpha_pattern": {"down_proj": 3},
-    })
+    spec = parse_adapter_config(
+        {
+            **BASE_CFG,
+            "target_modules": r"model\.layers\.1\.(self_attn\.(q|k)_proj|mlp\.down_proj)",
+            "rank_pattern": {"k_proj": 2, r"layers\.1\.mlp\.down_proj": 6},
+            "alpha_pattern": {"down_proj": 3},
+        }
+    )
     t = resolve_targets(spec, num_layers=2)
     assert set(t) == {(1, "q_proj"), (1, "k_proj"), (1, "down_proj")}
     assert t[(1, "q_proj")] == (8, 16.0, 2.0)
     assert t[(1, "k_proj")] == (2, 16.0, 8.0)
     assert t[(1, "down_proj")] == (6, 3.0, 0.5)
 
-    rs = parse_adapter_config({**BASE_CFG, "target_modules": "all-linear", "use_rslora": True,
-                               "layers_to_transform": [0]})
+    rs = parse_adapter_config(
+        {**BASE_CFG, "target_modules": "all-linear", "use_rslora": True, "layers_to_transform": [0]}
+    )
     t = resolve_targets(rs, num_layers=3)
     assert set(t) == {(0, m) for m in ALL_MODULES}
     assert t[(0, "up_proj")].scaling == pytest.approx(16 / math.sqrt(8))
 
-    ex = parse_adapter_config({**BASE_CFG, "target_modules": ["q_proj", "self_attn.v_proj"],
-                               "exclude_modules": ["layers.0.self_attn.q_proj"]})
+    ex = parse_adapter_config(
+        {
+            **BASE_CFG,
+            "target_modules": ["q_proj", "self_attn.v_proj"],
+            "exclude_modules": ["layers.0.self_attn.q_proj"],
+        }
+    )
     assert set(resolve_targets(ex, num_layers=2)) == {(1, "q_proj"), (0, "v_proj"), (1, "v_proj")}
 
 
@@ -133,10 +143,15 @@ def test_rank_and_alpha_pattern_against_peft(tiny_llama_path, adapter_factory, s
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    path = adapter_factory(tiny_llama_path, "cfg-pattern", r=8, lora_alpha=16,
-                           target_modules=["q_proj", "k_proj", "down_proj"],
-                           rank_pattern={"k_proj": 2, "layers.1.mlp.down_proj": 4},
-                           alpha_pattern={r"layers\.0\.self_attn\.q_proj": 5})
+    path = adapter_factory(
+        tiny_llama_path,
+        "cfg-pattern",
+        r=8,
+        lora_alpha=16,
+        target_modules=["q_proj", "k_proj", "down_proj"],
+        rank_pattern={"k_proj": 2, "layers.1.mlp.down_proj": 4},
+        alpha_pattern={r"layers\.0\.self_attn\.q_proj": 5},
+    )
     w = load_adapter_weights(path, shapes)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama_path), path)
     seen = 0
@@ -144,7 +159,9 @@ def test_rank_and_alpha_pattern_against_peft(tiny_llama_path, adapter_factory, s
         if isinstance(getattr(module, "scaling", None), dict) and "default" in module.scaling:
             layer = int(name.split(".layers.")[1].split(".")[0])
             ours = w.targets[(layer, name.rsplit(".", 1)[1])]
-            assert ours.rank == module.r["default"] and ours.scaling == pytest.approx(module.scaling["default"])
+            assert ours.rank == module.r["default"] and ours.scaling == pytest.approx(
+                module.scaling["default"]
+            )
             seen += 1
     assert seen == len(w.targets) == 6
 
@@ -161,8 +178,9 @@ def test_file_level_refusals(base_adapter, shapes, tmp_path):
     assert e.value.field == "r"
     # config targets a module the file has no tensors for: malformed
     with pytest.raises(AdapterInvalid) as e:
-        load_adapter_weights(edited_copy(base_adapter, tmp_path / "k", target_modules=["q_proj", "v_proj", "k_proj"]),
-                             shapes)
+        load_adapter_weights(
+            edited_copy(base_adapter, tmp_path / "k", target_modules=["q_proj", "v_proj", "k_proj"]), shapes
+        )
     assert "missing tensors" in e.value.message
     # another base model's widths: incompatible, not invalid
     other = ModelShapes(num_layers=2, hidden_size=96, intermediate_size=128, q_size=96, kv_size=48)

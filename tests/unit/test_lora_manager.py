@@ -24,15 +24,18 @@ def shapes(tiny_llama_path) -> ModelShapes:
 @pytest.fixture(scope="module")
 def adapters(tiny_llama_path, adapter_factory):
     """Five distinct rank-4 q/v adapters and one rank-16 one."""
-    out = {f"a{i}": adapter_factory(tiny_llama_path, f"mgr{i}", r=4, target_modules=["q_proj", "v_proj"], seed=i)
-           for i in range(5)}
+    out = {
+        f"a{i}": adapter_factory(tiny_llama_path, f"mgr{i}", r=4, target_modules=["q_proj", "v_proj"], seed=i)
+        for i in range(5)
+    }
     out["big"] = adapter_factory(tiny_llama_path, "mgr-big", r=16, target_modules=["q_proj"], seed=9)
     return out
 
 
 def make_manager(shapes, slots=2, max_rank=8, **kw) -> LoRAManager:
-    pool = AdapterPool(shapes, slots=slots, max_rank=max_rank, target_modules=ALL_MODULES, dtype=torch.float32,
-                       device="cpu")
+    pool = AdapterPool(
+        shapes, slots=slots, max_rank=max_rank, target_modules=ALL_MODULES, dtype=torch.float32, device="cpu"
+    )
     return LoRAManager(pool, **kw)
 
 
@@ -218,7 +221,9 @@ def test_load_refuses_adapters_that_do_not_fit(shapes, adapters):
     with pytest.raises(AdapterIncompatible) as e:
         m.load_adapter("big", adapters["big"])
     assert e.value.field == "r"
-    pool = AdapterPool(shapes, slots=2, max_rank=16, target_modules=["q_proj"], dtype=torch.float32, device="cpu")
+    pool = AdapterPool(
+        shapes, slots=2, max_rank=16, target_modules=["q_proj"], dtype=torch.float32, device="cpu"
+    )
     m2 = LoRAManager(pool)
     m2.load_adapter("big", adapters["big"])
     with pytest.raises(AdapterIncompatible) as e:

@@ -17,8 +17,9 @@ from services.inference.lora.torch_backend import TorchLoRABackend
 SHAPES = ModelShapes(num_layers=3, hidden_size=48, intermediate_size=80, q_size=48, kv_size=16)
 
 
-def random_adapter(shapes: ModelShapes, modules: list[str], rank: int, seed: int, rank_jitter: bool = False
-                   ) -> AdapterWeights:
+def random_adapter(
+    shapes: ModelShapes, modules: list[str], rank: int, seed: int, rank_jitter: bool = False
+) -> AdapterWeights:
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     targets, lora_a, lora_b = {}, {}, {}
@@ -47,28 +48,33 @@ def test_pool_nbytes_equals_documented_formula():
         assert pool.lora_b["gate_up"].shape == (L, S, 2 * i, R)
         assert pool.rank["qkv"].shape == (L, S, 3) and pool.rank["qkv"].dtype == torch.int32
     # only groups holding a targeted module are allocated
-    only_qv = AdapterPool(SHAPES, slots=S, max_rank=R, target_modules=["q_proj", "v_proj"], dtype=torch.float32,
-                          device="cpu")
+    only_qv = AdapterPool(
+        SHAPES, slots=S, max_rank=R, target_modules=["q_proj", "v_proj"], dtype=torch.float32, device="cpu"
+    )
     assert only_qv.groups == ["qkv"]
     n, d, w = groups["qkv"]
     assert only_qv.nbytes == L * S * R * (n * d + w) * 4 + L * S * n * 8
 
 
 def test_upload_places_rows_and_tables():
-    pool = AdapterPool(SHAPES, slots=3, max_rank=8, target_modules=ALL_MODULES, dtype=torch.float32, device="cpu")
+    pool = AdapterPool(
+        SHAPES, slots=3, max_rank=8, target_modules=ALL_MODULES, dtype=torch.float32, device="cpu"
+    )
     ad = random_adapter(SHAPES, ["k_proj", "up_proj"], rank=8, seed=1, rank_jitter=True)
     pool.upload(2, ad)
     r = ad.targets[(1, "k_proj")].rank
-    assert torch.equal(pool.lora_a["qkv"][1, 2, 8: 8 + r], ad.lora_a[(1, "k_proj")])
+    assert torch.equal(pool.lora_a["qkv"][1, 2, 8 : 8 + r], ad.lora_a[(1, "k_proj")])
     off = SHAPES.q_size
-    assert torch.equal(pool.lora_b["qkv"][1, 2, off: off + SHAPES.kv_size, :r], ad.lora_b[(1, "k_proj")])
+    assert torch.equal(pool.lora_b["qkv"][1, 2, off : off + SHAPES.kv_size, :r], ad.lora_b[(1, "k_proj")])
     assert pool.rank["qkv"][1, 2].tolist() == [0, r, 0]
     assert pool.scaling["gate_up"][0, 2, 1].item() == pytest.approx(ad.targets[(0, "up_proj")].scaling)
     assert pool.rank["o"][:, 2].sum() == 0 and pool.rank["down"][:, 2].sum() == 0
     assert torch.equal(pool.host_rank["qkv"], pool.rank["qkv"])
 
 
-def naive_delta(x: torch.Tensor, slots: list[int], adapters: dict[int, AdapterWeights], layer: int, group: str):
+def naive_delta(
+    x: torch.Tensor, slots: list[int], adapters: dict[int, AdapterWeights], layer: int, group: str
+):
     """Per token, per stacked module: scale * B @ (A @ x), from the adapters' own tensors."""
     widths = SHAPES.group_widths(group)
     out = torch.zeros(x.shape[0], sum(widths), dtype=torch.float64)
@@ -80,7 +86,7 @@ def naive_delta(x: torch.Tensor, slots: list[int], adapters: dict[int, AdapterWe
             ad = adapters[s]
             if (layer, m) in ad.targets:
                 a, b = ad.lora_a[(layer, m)].double(), ad.lora_b[(layer, m)].double()
-                out[t, off: off + w] = ad.targets[(layer, m)].scaling * (b @ (a @ x[t].double()))
+                out[t, off : off + w] = ad.targets[(layer, m)].scaling * (b @ (a @ x[t].double()))
             off += w
     return out
 
@@ -88,7 +94,9 @@ def naive_delta(x: torch.Tensor, slots: list[int], adapters: dict[int, AdapterWe
 @pytest.mark.parametrize("layout", ["contiguous", "interleaved"])
 def test_torch_backend_matches_naive_reference(layout):
     R, S = 16, 4
-    pool = AdapterPool(SHAPES, slots=S, max_rank=R, target_modules=ALL_MODULES, dtype=torch.float32, device="cpu")
+    pool = AdapterPool(
+        SHAPES, slots=S, max_rank=R, target_modules=ALL_MODULES, dtype=torch.float32, device="cpu"
+    )
     adapters = {
         0: random_adapter(SHAPES, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"], 4, seed=10),
         1: random_adapter(SHAPES, ["q_proj", "v_proj"], 8, seed=11, rank_jitter=True),
@@ -118,7 +126,9 @@ def test_torch_backend_matches_naive_reference(layout):
 
 
 def test_torch_backend_skips_unallocated_groups():
-    pool = AdapterPool(SHAPES, slots=2, max_rank=4, target_modules=["q_proj"], dtype=torch.float32, device="cpu")
+    pool = AdapterPool(
+        SHAPES, slots=2, max_rank=4, target_modules=["q_proj"], dtype=torch.float32, device="cpu"
+    )
     pool.upload(0, random_adapter(SHAPES, ["q_proj"], 4, seed=3))
     backend = TorchLoRABackend(pool)
     backend.prepare(torch.tensor([0, 0, -1], dtype=torch.int32))
@@ -127,4 +137,4 @@ def test_torch_backend_skips_unallocated_groups():
     assert out.abs().sum() == 0
     qkv = torch.zeros(3, SHAPES.q_size + 2 * SHAPES.kv_size)
     backend.apply(0, "qkv", torch.randn(3, SHAPES.hidden_size), qkv)
-    assert qkv[:2, : SHAPES.q_size].abs().sum() > 0 and qkv[:, SHAPES.q_size:].abs().sum() == 0
+    assert qkv[:2, : SHAPES.q_size].abs().sum() > 0 and qkv[:, SHAPES.q_size :].abs().sum() == 0

@@ -10,13 +10,27 @@ NEW = 24
 
 
 def test_preempted_request_keeps_its_adapter_version(tiny_llama_path, adapter_factory, one_torch_thread):
-    v1 = adapter_factory(tiny_llama_path, "reload-v1", r=8, target_modules=["q_proj", "v_proj", "down_proj"], seed=11)
-    v2 = adapter_factory(tiny_llama_path, "reload-v2", r=8, target_modules=["q_proj", "v_proj", "down_proj"], seed=12)
+    v1 = adapter_factory(
+        tiny_llama_path, "reload-v1", r=8, target_modules=["q_proj", "v_proj", "down_proj"], seed=11
+    )
+    v2 = adapter_factory(
+        tiny_llama_path, "reload-v2", r=8, target_modules=["q_proj", "v_proj", "down_proj"], seed=12
+    )
     # KV for about two sequences: four requests force preemptions while they decode.
-    engine = sync_engine(server_args(tiny_llama_path, {"a": v1}, max_total_tokens=96, page_size=4,
-                                     max_loras_per_batch=2, max_num_batched_tokens=64))
-    prompts = [engine.tokenizer(p).input_ids for p in
-               ["The capital of France is", "Water boils at", "def fibonacci(n):", "1, 2, 3, 4,"]]
+    engine = sync_engine(
+        server_args(
+            tiny_llama_path,
+            {"a": v1},
+            max_total_tokens=96,
+            page_size=4,
+            max_loras_per_batch=2,
+            max_num_batched_tokens=64,
+        )
+    )
+    prompts = [
+        engine.tokenizer(p).input_ids
+        for p in ["The capital of France is", "Water boils at", "def fibonacci(n):", "1, 2, 3, 4,"]
+    ]
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, params, "a")

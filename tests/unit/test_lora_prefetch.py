@@ -7,8 +7,12 @@ from services.inference.engine.types import SamplingParams
 from tests.support.lora_reference import peft_greedy, server_args, sync_engine
 
 
-def test_queued_requests_adapter_is_resident_before_admission(tiny_llama_path, adapter_factory, one_torch_thread):
-    path = adapter_factory(tiny_llama_path, "prefetch-a", r=8, target_modules=["q_proj", "down_proj"], seed=21)
+def test_queued_requests_adapter_is_resident_before_admission(
+    tiny_llama_path, adapter_factory, one_torch_thread
+):
+    path = adapter_factory(
+        tiny_llama_path, "prefetch-a", r=8, target_modules=["q_proj", "down_proj"], seed=21
+    )
     engine = sync_engine(server_args(tiny_llama_path, {"a": path}, max_running_requests=1))
     manager = engine.adapter_slots
     prompts = [engine.tokenizer(p).input_ids for p in ["The capital of France is", "Water boils at"]]

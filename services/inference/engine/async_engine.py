@@ -110,8 +110,9 @@ class AsyncEngine:
         with self._tokenizer_lock:
             return list(self._tokenizer(text).input_ids)
 
-    def render_chat(self, messages: list[dict[str, str]], adapter: str | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
+    def render_chat(
+        self, messages: list[dict[str, str]], adapter: str | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
         """Prompt ids of chat `messages` (engine/chat.py); an adapter's own template when it ships one."""
         template = None
         if adapter:
@@ -190,7 +191,10 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 try:
                     self.engine.add_request(
-                        command.request_id, command.prompt_ids, command.params, command.adapter,
+                        command.request_id,
+                        command.prompt_ids,
+                        command.params,
+                        command.adapter,
                         arrival_time=command.arrival_time,
                     )
                 except LoraplexError as exc:

@@ -28,7 +28,9 @@ def root_key(content_digest: str) -> bytes:
     return hashlib.sha256(ROOT_TAG + content_digest.encode()).digest()
 
 
-def extend_block_keys(keys: list[bytes], root: bytes, token_ids: list[int], page_size: int, num_blocks: int) -> None:
+def extend_block_keys(
+    keys: list[bytes], root: bytes, token_ids: list[int], page_size: int, num_blocks: int
+) -> None:
     """Grow `keys` (the chain of `token_ids`' full blocks under `root`) to `num_blocks` entries.
 
     Stops early at a block holding a placeholder (overlap scheduling's not-yet-known token). Each
