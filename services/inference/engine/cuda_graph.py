@@ -25,7 +25,7 @@ import torch
 from kernels.lora_configs import MANY_ADAPTERS
 from services.inference.engine.attention import AttentionMetadata
 from services.inference.engine.attention_triton import TritonPagedAttention
-from services.inference.engine.model_runner import fill_placeholders
+from services.inference.engine.overlap import fill_placeholders
 from services.inference.lora.backend import LoRABackend
 from services.inference.models.context import ForwardContext
 from services.inference.models.llama import LlamaForCausalLM

@@ -35,7 +35,7 @@ import time
 import torch
 
 from kernels.lora_configs import DECODE_MAX_TOKENS, MANY_ADAPTERS
-from services.inference.engine.model_runner import fill_placeholders
+from services.inference.engine.overlap import fill_placeholders
 from services.inference.lora.backend import LoRABackend
 from services.inference.models.context import Attention, ForwardContext
 from services.inference.models.llama import LlamaForCausalLM, StepBuffers

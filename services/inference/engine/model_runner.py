@@ -14,6 +14,7 @@ import torch
 
 from kernels.placement import triton_runs_on
 from services.inference.engine.attention import AttentionMetadata, PrefillSegment, TorchPagedAttention
+from services.inference.engine.overlap import fill_placeholders
 from services.inference.engine.scheduler import SeqChunk
 from services.inference.lora.backend import LoRABackend
 from services.inference.models.config import ModelConfig
@@ -21,12 +22,6 @@ from services.inference.models.context import ForwardContext
 from services.inference.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
-
-
-def fill_placeholders(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> None:
-    """Replace, in place and on the device, each id `-1 - i` with `prev_tokens[i]` (no host sync)."""
-    rows = (-1 - input_ids).clamp_(min=0)  # real ids map to row 0, then are kept by the where
-    input_ids.copy_(torch.where(input_ids < 0, prev_tokens[rows], input_ids))
 
 
 class ModelRunner:
