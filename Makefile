@@ -8,14 +8,19 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/loraplex/v1/*.proto)
 PYTEST_ARGS ?=
 
-.PHONY: run test venv model protos check-protos lint tools bench-cpu clean
+.PHONY: run test test-fast venv model protos check-protos lint tools bench-cpu clean
 
 run: $(STAMP) model
 	$(VENV)/bin/loraplex up
 
 test: $(STAMP) model tools
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The unit tier: in-process, no server or subprocess (under a minute).
+test-fast: $(STAMP) model
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 venv: $(STAMP)
 
@@ -39,14 +44,15 @@ protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos --grpc_python_out=protos $(PROTOS)
 
 check-protos: $(STAMP)
-	$(PY) -m pytest -q tests/test_protos.py
+	$(PY) -m pytest -q tests/integration/test_protos.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # System tools the tests need: docker-compose (Debian's v1 package) validates docker-compose.yml
 # (no engine needed), openssl makes the TLS tests' certificates and nginx is the router in front of
-# several inference replicas (tests/test_router.py, `loraplex up --replicas N`). Missing and not
+# several inference replicas (tests/integration/test_router.py, `loraplex up --replicas N`). Missing and not
 # installable: fail. The tests run their own nginx, unprivileged, on free ports.
 SYSTEM_TOOLS := docker-compose openssl nginx
 tools:

@@ -12,10 +12,12 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-ADMIN_METHODS = frozenset({
-    "/loraplex.v1.AdapterStore/RegisterAdapter",
-    "/loraplex.v1.AdapterStore/DeleteAdapter",
-})
+ADMIN_METHODS = frozenset(
+    {
+        "/loraplex.v1.AdapterStore/RegisterAdapter",
+        "/loraplex.v1.AdapterStore/DeleteAdapter",
+    }
+)
 
 
 class AdminTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -33,8 +35,10 @@ class AdminTokenInterceptor(grpc.aio.ServerInterceptor):
         header = dict(details.invocation_metadata or ()).get("authorization", "")
         scheme, _, given = header.partition(" ")
         if not header or scheme.lower() != "bearer":
-            return _deny(grpc.StatusCode.UNAUTHENTICATED,
-                         f"{details.method} needs 'authorization: Bearer <admin token>' metadata")
+            return _deny(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{details.method} needs 'authorization: Bearer <admin token>' metadata",
+            )
         if not hmac.compare_digest(given.strip().encode(), self._token):
             return _deny(grpc.StatusCode.PERMISSION_DENIED, f"the admin token for {details.method} is wrong")
         return await continuation(details)

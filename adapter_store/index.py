@@ -112,8 +112,15 @@ class AdapterIndex:
         fields = record.to_redis()
         fields.pop("generation")
         flat = [x for kv in fields.items() for x in kv]
-        args = [expected_generation, record.name, record.digest, record.last_used_at, EVENTS_MAXLEN,
-                record.config_digest, *flat]
+        args = [
+            expected_generation,
+            record.name,
+            record.digest,
+            record.last_used_at,
+            EVENTS_MAXLEN,
+            record.config_digest,
+            *flat,
+        ]
         return int(await self._commit(keys=self._keys(record.name), args=args))
 
     async def delete(self, name: str) -> tuple[str, int] | None:
@@ -169,7 +176,9 @@ class AdapterIndex:
     @contextlib.asynccontextmanager
     async def name_lock(self, name: str, wait_s: float = 600.0) -> AsyncIterator[None]:
         """Hold `lock:<name>`; a background task extends it so long downloads keep it."""
-        lock = Lock(self.r, f"{self.p}lock:{name}", timeout=self.lock_timeout_s, sleep=0.05, blocking_timeout=wait_s)
+        lock = Lock(
+            self.r, f"{self.p}lock:{name}", timeout=self.lock_timeout_s, sleep=0.05, blocking_timeout=wait_s
+        )
         if not await lock.acquire():
             raise TimeoutError(f"waited {wait_s}s for the registration lock of {name!r}")
         keeper = asyncio.create_task(self._keep(lock))
@@ -204,7 +213,14 @@ class AdapterIndex:
         for _stream, entries in got or []:
             for event_id, f in entries:
                 events.append(
-                    Event(event_id, f["type"], f["name"], f.get("digest", ""), int(f["generation"]), float(f["time"]),
-                          f.get("config_digest", ""))
+                    Event(
+                        event_id,
+                        f["type"],
+                        f["name"],
+                        f.get("digest", ""),
+                        int(f["generation"]),
+                        float(f["time"]),
+                        f.get("config_digest", ""),
+                    )
                 )
         return events

@@ -59,7 +59,9 @@ def resolve_file(path: Path, allowed_dirs: tuple[Path, ...]) -> tuple[Path, os.s
     check_allowed(real, allowed_dirs)
     st = os.stat(real)
     if not stat.S_ISREG(st.st_mode):
-        raise InvalidArgument(f"{path.name} is {describe_kind(st.st_mode)}, not a regular file", field=path.name)
+        raise InvalidArgument(
+            f"{path.name} is {describe_kind(st.st_mode)}, not a regular file", field=path.name
+        )
     return real, st
 
 

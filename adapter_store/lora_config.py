@@ -98,7 +98,9 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
         raise _bad("r", f"r must be a positive integer, got {r!r}")
     alpha = data.get("lora_alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha <= MAX_ALPHA:
-        raise _bad("lora_alpha", f"lora_alpha must be a positive number of at most {MAX_ALPHA:g}, got {alpha!r}")
+        raise _bad(
+            "lora_alpha", f"lora_alpha must be a positive number of at most {MAX_ALPHA:g}, got {alpha!r}"
+        )
     targets = data.get("target_modules")
     if isinstance(targets, str) and targets:
         try:
@@ -108,7 +110,9 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
     elif isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets):
         targets = tuple(targets)
     else:
-        raise _bad("target_modules", f"target_modules must be a non-empty list of names or a regex, got {targets!r}")
+        raise _bad(
+            "target_modules", f"target_modules must be a non-empty list of names or a regex, got {targets!r}"
+        )
     for key, why in UNSUPPORTED.items():
         if data.get(key):
             raise _bad(key, why)
@@ -140,7 +144,9 @@ def _positive_map(value: object, field: str, *, integer: bool) -> dict:
     for key, v in value.items():
         ok = isinstance(v, int) if integer else isinstance(v, int | float)
         if isinstance(v, bool) or not ok or not 0 < v < math.inf or (not integer and v > MAX_ALPHA):
-            raise _bad(f"{field}.{key}", f"{field}[{key!r}] must be a positive {'integer' if integer else 'number'}")
+            raise _bad(
+                f"{field}.{key}", f"{field}[{key!r}] must be a positive {'integer' if integer else 'number'}"
+            )
         try:
             re.compile(key)
         except re.error as e:

@@ -30,7 +30,14 @@ class LogProgress:
 
     def _log(self, what: str) -> None:
         if self.total:
-            log.info("%s %s: %d / %d bytes (%.0f%%)", what, self.desc, self.n, self.total, 100 * self.n / self.total)
+            log.info(
+                "%s %s: %d / %d bytes (%.0f%%)",
+                what,
+                self.desc,
+                self.n,
+                self.total,
+                100 * self.n / self.total,
+            )
         else:
             log.info("%s %s: %d bytes", what, self.desc, self.n)
 

@@ -46,7 +46,12 @@ class EmbeddedRedis:
             str(directory / "index.rdb"), serverconfig={"appendonly": "yes", "appendfsync": "everysec"}
         )
         self.socket_path = self._server.socket_file
-        log.info("embedded Redis (pid %s) on unix socket %s, data in %s", self._server.pid, self.socket_path, directory)
+        log.info(
+            "embedded Redis (pid %s) on unix socket %s, data in %s",
+            self._server.pid,
+            self.socket_path,
+            directory,
+        )
 
     def client(self) -> aioredis.Redis:
         return aioredis.Redis(unix_socket_path=self.socket_path, **_CLIENT_OPTIONS)
@@ -68,7 +73,9 @@ class EmbeddedRedis:
         self._server._start_redis()
         self._server._wait_for_server_start()
 
-    async def supervise(self, on_down: Callable[[], Awaitable[None]], on_up: Callable[[], Awaitable[None]]) -> None:
+    async def supervise(
+        self, on_down: Callable[[], Awaitable[None]], on_up: Callable[[], Awaitable[None]]
+    ) -> None:
         """Restart the server whenever it dies (kill -9, OOM killer); `on_down` / `on_up` bracket
         the outage (the store reports NOT_SERVING meanwhile). Runs until cancelled."""
         delay = SUPERVISE_S

@@ -59,8 +59,11 @@ class AdapterRegistry:
         """Fetch and validate off the event loop; a caller that goes away (its RPC cancelled)
         stops the copy too, rather than leaving a thread writing for nobody."""
         gone = threading.Event()
-        work = asyncio.ensure_future(asyncio.to_thread(self._fetch_validate_store, name, resolved,
-                                                       lambda: gone.is_set() or self._stopping.is_set()))
+        work = asyncio.ensure_future(
+            asyncio.to_thread(
+                self._fetch_validate_store, name, resolved, lambda: gone.is_set() or self._stopping.is_set()
+            )
+        )
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -99,7 +102,11 @@ class AdapterRegistry:
             record = await self._fetch_in_thread(name, resolved)
             record = record.with_(generation=start_generation + 1)
             if existing is not None:
-                record = record.with_(created_at=existing.created_at) if existing.content == record.content else record
+                record = (
+                    record.with_(created_at=existing.created_at)
+                    if existing.content == record.content
+                    else record
+                )
             await asyncio.to_thread(self._sidecar_add, record)
             try:
                 generation = await self.index.commit(record, start_generation)
@@ -116,17 +123,27 @@ class AdapterRegistry:
                 return current
             if existing is not None and existing.digest != record.digest:
                 await asyncio.to_thread(self._sidecar_drop, existing.digest, name, None)
-        log.info("registered %s -> %s (%s, %d bytes, generation %d)", name, record.digest[:19], record.source,
-                 record.size_bytes, generation)
+        log.info(
+            "registered %s -> %s (%s, %d bytes, generation %d)",
+            name,
+            record.digest[:19],
+            record.source,
+            record.size_bytes,
+            generation,
+        )
         await self.evict_if_needed(keep=record.digest)
         return record
 
-    def _fetch_validate_store(self, name: str, resolved: ResolvedSource,
-                              stop: Callable[[], bool] | None = None) -> StoreRecord:
+    def _fetch_validate_store(
+        self, name: str, resolved: ResolvedSource, stop: Callable[[], bool] | None = None
+    ) -> StoreRecord:
         self.fetch_count += 1
         spec = resolved.spec
-        log.info("fetching %s for %s", spec.canonical + (f"@{resolved.revision[:12]}" if resolved.revision else ""),
-                 name)
+        log.info(
+            "fetching %s for %s",
+            spec.canonical + (f"@{resolved.revision[:12]}" if resolved.revision else ""),
+            name,
+        )
         with self.blobs.staging_dir() as staging:
             fetched = self.fetcher.fetch(resolved, staging, stop)
             config = parse_lora_config(fetched.config_raw)
@@ -174,7 +191,9 @@ class AdapterRegistry:
         check_name(name)
         record = await self.index.get(name)
         if record is None:
-            raise NotFound(f"no adapter named {name!r} in the store; RegisterAdapter it first", name=name, field="name")
+            raise NotFound(
+                f"no adapter named {name!r} in the store; RegisterAdapter it first", name=name, field="name"
+            )
         return record
 
     async def list(self, page_size: int, page_token: str) -> tuple[list[StoreRecord], str]:

@@ -41,7 +41,9 @@ def read_header(path: Path, label: str = "adapter_model.safetensors") -> Safeten
     """Parse and check the header of the safetensors file at `path` (`label` names it in errors)."""
     file_size = os.path.getsize(path)
     if file_size < 8:
-        raise InvalidArgument(f"{label}: file is {file_size} bytes, too short for a safetensors header", field=label)
+        raise InvalidArgument(
+            f"{label}: file is {file_size} bytes, too short for a safetensors header", field=label
+        )
     with open(path, "rb") as f:
         # The length field is never echoed: in a file that is not safetensors it is the file's
         # first 8 bytes (a symlink to /etc/passwd would print "root:x:0").
@@ -61,7 +63,9 @@ def read_header(path: Path, label: str = "adapter_model.safetensors") -> Safeten
     try:
         header = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise InvalidArgument(f"{label}: header is not valid JSON: not UTF-8 at byte {e.start}", field=f"{label}:header") from None
+        raise InvalidArgument(
+            f"{label}: header is not valid JSON: not UTF-8 at byte {e.start}", field=f"{label}:header"
+        ) from None
     except json.JSONDecodeError as e:
         raise InvalidArgument(f"{label}: header is not valid JSON: {e}", field=f"{label}:header") from None
     except RecursionError:
@@ -72,9 +76,13 @@ def read_header(path: Path, label: str = "adapter_model.safetensors") -> Safeten
     if not isinstance(metadata, dict):
         raise InvalidArgument(f"{label}: __metadata__ is not an object", field=f"{label}:__metadata__")
     data_start = 8 + header_len
-    tensors = sorted((_tensor_info(label, name, entry) for name, entry in header.items()), key=lambda t: t.begin)
+    tensors = sorted(
+        (_tensor_info(label, name, entry) for name, entry in header.items()), key=lambda t: t.begin
+    )
     _check_layout(label, tensors, file_size - data_start)
-    return SafetensorsHeader(data_start, file_size, tuple(tensors), {str(k): str(v) for k, v in metadata.items()})
+    return SafetensorsHeader(
+        data_start, file_size, tuple(tensors), {str(k): str(v) for k, v in metadata.items()}
+    )
 
 
 def _tensor_info(label: str, name: str, entry: object) -> TensorInfo:
@@ -88,7 +96,9 @@ def _tensor_info(label: str, name: str, entry: object) -> TensorInfo:
         )
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise InvalidArgument(f"{where}: shape {shape!r} is not a list of non-negative ints", field=f"{where}.shape")
+        raise InvalidArgument(
+            f"{where}: shape {shape!r} is not a list of non-negative ints", field=f"{where}.shape"
+        )
     offsets = entry.get("data_offsets")
     if (
         not isinstance(offsets, list)
@@ -96,7 +106,9 @@ def _tensor_info(label: str, name: str, entry: object) -> TensorInfo:
         or not all(isinstance(o, int) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
-        raise InvalidArgument(f"{where}: data_offsets {offsets!r} are malformed", field=f"{where}.data_offsets")
+        raise InvalidArgument(
+            f"{where}: data_offsets {offsets!r} are malformed", field=f"{where}.data_offsets"
+        )
     nbytes = math.prod(shape) * DTYPE_BYTES[dtype]
     if offsets[1] - offsets[0] != nbytes:
         raise InvalidArgument(
@@ -112,7 +124,9 @@ def _check_layout(label: str, tensors: list[TensorInfo], data_size: int) -> None
     for t in tensors:
         if t.begin != position:
             kind = "overlaps the previous tensor" if t.begin < position else "leaves a gap before it"
-            raise InvalidArgument(f"{label}:{t.name}: data_offsets {kind}", field=f"{label}:{t.name}.data_offsets")
+            raise InvalidArgument(
+                f"{label}:{t.name}: data_offsets {kind}", field=f"{label}:{t.name}.data_offsets"
+            )
         if t.end > data_size:
             raise InvalidArgument(
                 f"{label}:{t.name}: data ends at byte {t.end} of a {data_size}-byte data buffer (truncated file?)",

@@ -47,12 +47,17 @@ async def serve(config: StoreConfig) -> None:
         if config.reindex:
             await registry.reindex()
         elif missing := await registry.count_unindexed_sidecars():
-            log.warning("%d cached blobs are not in the Redis index; restart with --reindex to restore them", missing)
+            log.warning(
+                "%d cached blobs are not in the Redis index; restart with --reindex to restore them", missing
+            )
     except Exception as e:
         if config.reindex:
             raise
-        log.warning("Redis (%s) is not reachable at start (%s); calls answer UNAVAILABLE until it is",
-                    describe(config.redis_url), e)
+        log.warning(
+            "Redis (%s) is not reachable at start (%s); calls answer UNAVAILABLE until it is",
+            describe(config.redis_url),
+            e,
+        )
 
     logging.getLogger("grpc._cython.cygrpc").addFilter(CallerGoneFilter())
     interceptors = [AdminTokenInterceptor(config.admin_token)] if config.admin_token else []
@@ -64,7 +69,8 @@ async def serve(config: StoreConfig) -> None:
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
     )
     if config.tls_cert:
         credentials = grpc.ssl_server_credentials(
@@ -78,9 +84,15 @@ async def serve(config: StoreConfig) -> None:
     await server.start()
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.SERVING)
-    log.info("listening on %s:%d (cache %s, %s%s%s)", config.host, port, config.cache_dir, describe(config.redis_url),
-             ", TLS" + (" with client certificates" if config.tls_ca else "") if config.tls_cert else "",
-             ", admin token required" if config.admin_token else "")
+    log.info(
+        "listening on %s:%d (cache %s, %s%s%s)",
+        config.host,
+        port,
+        config.cache_dir,
+        describe(config.redis_url),
+        ", TLS" + (" with client certificates" if config.tls_ca else "") if config.tls_cert else "",
+        ", admin token required" if config.admin_token else "",
+    )
 
     async def set_health(status) -> None:
         for service in ("", SERVICE_NAME):
@@ -88,9 +100,12 @@ async def serve(config: StoreConfig) -> None:
 
     supervisor = None
     if embedded:
-        supervisor = asyncio.create_task(embedded.supervise(
-            lambda: set_health(health_pb2.HealthCheckResponse.NOT_SERVING),
-            lambda: set_health(health_pb2.HealthCheckResponse.SERVING)))
+        supervisor = asyncio.create_task(
+            embedded.supervise(
+                lambda: set_health(health_pb2.HealthCheckResponse.NOT_SERVING),
+                lambda: set_health(health_pb2.HealthCheckResponse.SERVING),
+            )
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

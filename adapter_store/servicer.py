@@ -76,7 +76,9 @@ def rich_status(error: errors.StoreError, resource: str = "") -> grpc.Status:
     if error.name or resource:
         details.append(
             error_details_pb2.ResourceInfo(
-                resource_type="loraplex.v1.Adapter", resource_name=error.name or resource, description=error.message
+                resource_type="loraplex.v1.Adapter",
+                resource_name=error.name or resource,
+                description=error.message,
             )
         )
     packed = []
@@ -123,14 +125,22 @@ class CallerGoneFilter(logging.Filter):
         if isinstance(error, cygrpc.ExecuteBatchError):
             record.levelno, record.levelname = logging.INFO, "INFO"
             record.msg, record.args, record.exc_info, record.exc_text = (
-                "a stream ended: the caller went away (%s)", (type(error).__name__,), None, None)
+                "a stream ended: the caller went away (%s)",
+                (type(error).__name__,),
+                None,
+                None,
+            )
         return True
 
 
 def _caller_gone(request, how: str) -> None:
     """A killed client or a passed deadline is routine: one INFO line, no traceback."""
-    log.info("%s of %r ended: the caller went away (%s)", type(request).__name__, getattr(request, "name", "")[:128],
-             how)
+    log.info(
+        "%s of %r ended: the caller went away (%s)",
+        type(request).__name__,
+        getattr(request, "name", "")[:128],
+        how,
+    )
 
 
 async def _abort(e: Exception, request, context: grpc.aio.ServicerContext) -> None:
@@ -170,15 +180,21 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
         return record_to_proto(await self.registry.get(request.name))
 
     @_handle_errors
-    async def ListAdapters(self, request: pb.ListStoreAdaptersRequest, context) -> pb.ListStoreAdaptersResponse:
+    async def ListAdapters(
+        self, request: pb.ListStoreAdaptersRequest, context
+    ) -> pb.ListStoreAdaptersResponse:
         records, next_token = await self.registry.list(request.page_size, request.page_token)
-        return pb.ListStoreAdaptersResponse(adapters=[record_to_proto(r) for r in records], next_page_token=next_token)
+        return pb.ListStoreAdaptersResponse(
+            adapters=[record_to_proto(r) for r in records], next_page_token=next_token
+        )
 
     @_handle_errors
     async def DeleteAdapter(self, request: pb.DeleteAdapterRequest, context) -> pb.DeleteAdapterResponse:
         deleted = await self.registry.delete(request.name)
         if not deleted:
-            raise errors.NotFound(f"no adapter named {request.name!r} to delete", name=request.name, field="name")
+            raise errors.NotFound(
+                f"no adapter named {request.name!r} to delete", name=request.name, field="name"
+            )
         return pb.DeleteAdapterResponse(name=request.name, deleted=True)
 
     async def PullAdapter(self, request: pb.PullAdapterRequest, context) -> AsyncIterator[pb.AdapterChunk]:
@@ -202,10 +218,14 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
         except Exception as e:  # noqa: BLE001
             await _abort(e, request, context)
 
-    async def WatchAdapters(self, request: pb.WatchAdaptersRequest, context) -> AsyncIterator[pb.AdapterEvent]:
+    async def WatchAdapters(
+        self, request: pb.WatchAdaptersRequest, context
+    ) -> AsyncIterator[pb.AdapterEvent]:
         try:
-            if request.last_event_id and (not EVENT_ID_RE.fullmatch(request.last_event_id)
-                                          or max(stream_id(request.last_event_id)) >= 2**64):
+            if request.last_event_id and (
+                not EVENT_ID_RE.fullmatch(request.last_event_id)
+                or max(stream_id(request.last_event_id)) >= 2**64
+            ):
                 raise errors.InvalidArgument(
                     f"last_event_id {request.last_event_id[:64]!r} is not a Redis stream id (like 1700000000000-0)",
                     field="last_event_id",
@@ -227,7 +247,9 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
                     try:
                         ev = await feed.next()
                     except errors.Unavailable as e:
-                        raise errors.Unavailable(f"{e.message}; reconnect with last_event_id={last}") from None
+                        raise errors.Unavailable(
+                            f"{e.message}; reconnect with last_event_id={last}"
+                        ) from None
                     if stream_id(ev.id) > stream_id(last):
                         last = ev.id
                         yield _event_proto(ev)
@@ -237,5 +259,12 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
 
 
 def _event_proto(ev) -> pb.AdapterEvent:
-    return pb.AdapterEvent(id=ev.id, type=ev.type, name=ev.name, digest=ev.digest, generation=ev.generation,
-                           time=ev.time, config_digest=ev.config_digest)
+    return pb.AdapterEvent(
+        id=ev.id,
+        type=ev.type,
+        name=ev.name,
+        digest=ev.digest,
+        generation=ev.generation,
+        time=ev.time,
+        config_digest=ev.config_digest,
+    )

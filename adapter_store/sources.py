@@ -57,23 +57,30 @@ class FetchedAdapter(NamedTuple):
 
 def parse_source(source: str, revision: str, allowed_dirs: tuple[Path, ...] = ()) -> SourceSpec:
     if len(source) > MAX_SOURCE_CHARS or "\0" in source:
-        raise InvalidArgument(f"source is longer than {MAX_SOURCE_CHARS} characters or has a NUL", field="source")
+        raise InvalidArgument(
+            f"source is longer than {MAX_SOURCE_CHARS} characters or has a NUL", field="source"
+        )
     if len(revision) > 256:
         raise InvalidArgument("revision is longer than 256 characters", field="revision")
     source = source.strip()
     if not source:
-        raise InvalidArgument("source is empty: give hf://org/repo[@rev], org/repo or a local directory", field="source")
+        raise InvalidArgument(
+            "source is empty: give hf://org/repo[@rev], org/repo or a local directory", field="source"
+        )
     if source.startswith("hf://"):
         repo, _, at_rev = source[len("hf://") :].partition("@")
         if at_rev and revision and at_rev != revision:
             raise InvalidArgument(
-                f"source names revision {at_rev!r} but the request's revision is {revision!r}", field="revision"
+                f"source names revision {at_rev!r} but the request's revision is {revision!r}",
+                field="revision",
             )
         return _hub_spec(repo, at_rev or revision)
     if source.startswith("file://"):
         parsed = urlparse(source)
         if parsed.netloc not in ("", "localhost"):
-            raise InvalidArgument(f"file:// URI with a remote host {parsed.netloc!r} is not supported", field="source")
+            raise InvalidArgument(
+                f"file:// URI with a remote host {parsed.netloc!r} is not supported", field="source"
+            )
         return _local_spec(Path(unquote(parsed.path)), revision, allowed_dirs)
     if source.startswith(("/", "./", "../", "~")):
         return _local_spec(Path(source).expanduser(), revision, allowed_dirs)
@@ -90,13 +97,17 @@ def _hub_spec(repo: str, revision: str) -> SourceSpec:
     if not REPO_ID_RE.fullmatch(repo) or ".." in repo:
         raise InvalidArgument(f"Hub repo id {repo!r} is not of the form org/repo", field="source")
     if revision and (not REVISION_RE.fullmatch(revision) or ".." in revision):
-        raise InvalidArgument(f"revision {revision[:80]!r} is not a branch, tag or commit name", field="revision")
+        raise InvalidArgument(
+            f"revision {revision[:80]!r} is not a branch, tag or commit name", field="revision"
+        )
     return SourceSpec("hub", repo, revision, f"hf://{repo}")
 
 
 def _local_spec(path: Path, revision: str, allowed_dirs: tuple[Path, ...]) -> SourceSpec:
     if revision:
-        raise InvalidArgument("revision applies to Hub sources only, not to a local directory", field="revision")
+        raise InvalidArgument(
+            "revision applies to Hub sources only, not to a local directory", field="revision"
+        )
     if not path.is_absolute():
         path = Path.cwd() / path
     try:
@@ -104,7 +115,9 @@ def _local_spec(path: Path, revision: str, allowed_dirs: tuple[Path, ...]) -> So
     except FileNotFoundError:
         real = Path(os.path.realpath(path))  # NotFound once resolved, unless outside the allowed dirs
     except OSError as e:  # a symlink loop, a name too long: the caller's input, not the store's fault
-        raise InvalidArgument(f"local path {str(path)[:200]} cannot be resolved: {e.strerror}", field="source") from None
+        raise InvalidArgument(
+            f"local path {str(path)[:200]} cannot be resolved: {e.strerror}", field="source"
+        ) from None
     check_allowed(real, allowed_dirs)
     return SourceSpec("local", str(real), "", real.as_uri())
 
@@ -122,7 +135,9 @@ class SourceFetcher:
         try:
             return self._resolve_local(spec)
         except PermissionError as e:
-            raise PermissionDenied(f"the store cannot read {e.filename or spec.location}: {e.strerror}") from None
+            raise PermissionDenied(
+                f"the store cannot read {e.filename or spec.location}: {e.strerror}"
+            ) from None
 
     def _resolve_local(self, spec: SourceSpec) -> ResolvedSource:
         directory = Path(spec.location)
@@ -130,7 +145,9 @@ class SourceFetcher:
             raise NotFound(f"local adapter directory {directory} does not exist", field="source")
         config_path = directory / CONFIG_FILE
         if not os.path.lexists(config_path):
-            raise InvalidArgument(f"{directory} has no {CONFIG_FILE}: not a PEFT adapter directory", field="source")
+            raise InvalidArgument(
+                f"{directory} has no {CONFIG_FILE}: not a PEFT adapter directory", field="source"
+            )
         weights_file = self._pick_weights_file({p.name for p in directory.iterdir()}, str(directory))
         parts, total = [], 0
         for name in (CONFIG_FILE, weights_file):
@@ -177,7 +194,9 @@ class SourceFetcher:
             )
 
     # -- fetch: copy or download into `staging` ------------------------------------------------
-    def fetch(self, resolved: ResolvedSource, staging: Path, stop: Callable[[], bool] | None = None) -> FetchedAdapter:
+    def fetch(
+        self, resolved: ResolvedSource, staging: Path, stop: Callable[[], bool] | None = None
+    ) -> FetchedAdapter:
         """`stop` set (the caller went away, the store shuts down) abandons a local copy."""
         staging.mkdir(parents=True, exist_ok=True)
         if resolved.spec.kind == "hub":
@@ -238,7 +257,9 @@ class SourceFetcher:
         try:
             return call()
         except hf.GatedRepoError as e:
-            raise PermissionDenied(f"{where} is gated: the store's HF_TOKEN lacks access ({_short(e)})") from None
+            raise PermissionDenied(
+                f"{where} is gated: the store's HF_TOKEN lacks access ({_short(e)})"
+            ) from None
         except hf.RepositoryNotFoundError as e:
             if e.response is not None and e.response.status_code == 401:
                 # The Hub answers 401 for private repos without valid credentials.

@@ -25,8 +25,15 @@ LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 ANY_LAYER_RE = re.compile(r"(?:^|\.)layers\.([^.]*)\.")
 # The module tree the inference server serves (Llama, Mistral, Qwen2); with --base-model every
 # LoRA tensor must sit on one of these paths, as the inference server requires.
-MODULE_GROUP = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+MODULE_GROUP = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 HASH_CHUNK = 8 * 2**20
 # Exponent-all-ones masks: a value is NaN or Inf exactly when (bits & mask) == mask.
 _NONFINITE = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}
@@ -50,7 +57,9 @@ def validate_adapter(
     return AdapterSummary(digest, header.file_size, dtype, rank, len(header.tensors))
 
 
-def check_tensors(header: SafetensorsHeader, config: LoraConfig, base: BaseModelShapes | None) -> tuple[str, int]:
+def check_tensors(
+    header: SafetensorsHeader, config: LoraConfig, base: BaseModelShapes | None
+) -> tuple[str, int]:
     """Return (dtype, max rank) after checking names, pairing, shapes, ranks and base dims."""
     if not header.tensors:
         raise InvalidArgument(f"{WEIGHTS_FILE}: contains no tensors", field=WEIGHTS_FILE)
@@ -66,23 +75,30 @@ def check_tensors(header: SafetensorsHeader, config: LoraConfig, base: BaseModel
                 field=where,
             )
         if len(t.shape) != 2 or 0 in t.shape:
-            raise InvalidArgument(f"{where}: shape {list(t.shape)} is not a non-empty matrix", field=f"{where}.shape")
+            raise InvalidArgument(
+                f"{where}: shape {list(t.shape)} is not a non-empty matrix", field=f"{where}.shape"
+            )
         pairs.setdefault(m["module"], {})[m["ab"]] = t
         dtypes.add(t.dtype)
     if len(dtypes) > 1:
-        raise InvalidArgument(f"{WEIGHTS_FILE}: mixed dtypes {sorted(dtypes)}; use one", field=f"{WEIGHTS_FILE}:dtype")
+        raise InvalidArgument(
+            f"{WEIGHTS_FILE}: mixed dtypes {sorted(dtypes)}; use one", field=f"{WEIGHTS_FILE}:dtype"
+        )
     max_rank = 0
     for module, ab in sorted(pairs.items()):
         max_rank = max(max_rank, _check_module(module, ab, config, base))
     return dtypes.pop(), max_rank
 
 
-def _check_module(module: str, ab: dict[str, TensorInfo], config: LoraConfig, base: BaseModelShapes | None) -> int:
+def _check_module(
+    module: str, ab: dict[str, TensorInfo], config: LoraConfig, base: BaseModelShapes | None
+) -> int:
     for side in "AB":
         if side not in ab:
             other = ab["B" if side == "A" else "A"]
             raise InvalidArgument(
-                f"{WEIGHTS_FILE}:{other.name}: has no matching lora_{side} tensor", field=f"{WEIGHTS_FILE}:{other.name}"
+                f"{WEIGHTS_FILE}:{other.name}: has no matching lora_{side} tensor",
+                field=f"{WEIGHTS_FILE}:{other.name}",
             )
     a, b = ab["A"], ab["B"]
     if not config.targets(module):
@@ -124,7 +140,11 @@ def _check_against_base(
 ) -> None:
     suffix = module.rsplit(".", 1)[-1]
     layer = LAYER_RE.search(module)
-    if suffix not in MODULE_GROUP or layer is None or module != f"model.layers.{layer.group(1)}.{MODULE_GROUP[suffix]}.{suffix}":
+    if (
+        suffix not in MODULE_GROUP
+        or layer is None
+        or module != f"model.layers.{layer.group(1)}.{MODULE_GROUP[suffix]}.{suffix}"
+    ):
         raise InvalidArgument(
             f"{WEIGHTS_FILE}:{a.name}: {module} is not a LoRA-targetable projection of base model {base.name} "
             f"(model.layers.N.{{self_attn,mlp}}.{{{','.join(MODULE_GROUP)}}})",

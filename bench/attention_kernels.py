@@ -49,8 +49,10 @@ def paged_kv(batch: int, ctx: int, layers: int, gen: torch.Generator):
     pages_per_seq = -(-ctx // PAGE)
     num_pages = batch * pages_per_seq
     caches = [
-        (torch.randn(num_pages, PAGE, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT, generator=gen),
-         torch.randn(num_pages, PAGE, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT, generator=gen))
+        (
+            torch.randn(num_pages, PAGE, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT, generator=gen),
+            torch.randn(num_pages, PAGE, KV_HEADS, HEAD_DIM, device=DEV, dtype=DT, generator=gen),
+        )
         for _ in range(layers)
     ]
     perm = torch.randperm(num_pages, device=DEV, generator=gen).to(torch.int32)
@@ -90,10 +92,20 @@ def check_prefill(gen: torch.Generator) -> float:
 
 
 DECODE_CONFIGS = [  # block_n, num_warps, num_stages
-    (64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 2), (64, 4, 3), (32, 2, 3),
+    (64, 4, 2),
+    (32, 4, 2),
+    (128, 4, 2),
+    (64, 8, 2),
+    (64, 4, 3),
+    (32, 2, 3),
 ]
 PREFILL_CONFIGS = [  # block_m, block_n, num_warps, num_stages
-    (64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (64, 32, 4, 3), (128, 128, 8, 2), (128, 32, 4, 2),
+    (64, 64, 4, 2),
+    (128, 64, 8, 2),
+    (128, 64, 4, 3),
+    (64, 32, 4, 3),
+    (128, 128, 8, 2),
+    (128, 32, 4, 2),
 ]
 
 
@@ -109,12 +121,34 @@ def bench_decode(bw: float, gen: torch.Generator) -> list[dict]:
         outs = [torch.empty_like(q) for _ in range(layers)]
         floor_us = layer_bytes / bw * 1e6
         for block_n, warps, stages in DECODE_CONFIGS:
+
             def call(i, bn=block_n, w=warps, s=stages, q=q, caches=caches, tables=tables, ctx=ctx, outs=outs):
-                paged_decode_attention(q, *caches[i], tables, ctx, HEAD_DIM**-0.5, out=outs[i],
-                                       block_n=bn, num_warps=w, num_stages=s)
+                paged_decode_attention(
+                    q,
+                    *caches[i],
+                    tables,
+                    ctx,
+                    HEAD_DIM**-0.5,
+                    out=outs[i],
+                    block_n=bn,
+                    num_warps=w,
+                    num_stages=s,
+                )
+
             us = graph_time_per_call(call, layers) * 1e3
-            rows.append(dict(kind="decode", batch=batch, ctx=ctx_len, block_n=block_n, warps=warps,
-                             stages=stages, us=us, floor_us=floor_us, ratio=us / floor_us))
+            rows.append(
+                dict(
+                    kind="decode",
+                    batch=batch,
+                    ctx=ctx_len,
+                    block_n=block_n,
+                    warps=warps,
+                    stages=stages,
+                    us=us,
+                    floor_us=floor_us,
+                    ratio=us / floor_us,
+                )
+            )
         del caches
         torch.cuda.empty_cache()
     return rows
@@ -133,22 +167,56 @@ def bench_prefill(rate: float, gen: torch.Generator) -> list[dict]:
         flops = 4 * batch * HEADS * HEAD_DIM * sum(prefix + i + 1 for i in range(q_len))
         floor_us = flops / rate * 1e6
         for bm, bn, warps, stages in PREFILL_CONFIGS:
+
             def call(i, bm=bm, bn=bn, w=warps, s=stages, args=(q, caches, tables, cu, kv, q_len, out)):
                 q, caches, tables, cu, kv, q_len, out = args
-                paged_prefill_attention(q, *caches[i], tables, cu, kv, HEAD_DIM**-0.5, q_len, out=out,
-                                        block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+                paged_prefill_attention(
+                    q,
+                    *caches[i],
+                    tables,
+                    cu,
+                    kv,
+                    HEAD_DIM**-0.5,
+                    q_len,
+                    out=out,
+                    block_m=bm,
+                    block_n=bn,
+                    num_warps=w,
+                    num_stages=s,
+                )
+
             us = graph_time_per_call(call, layers) * 1e3
-            rows.append(dict(kind="prefill", case=name, block_m=bm, block_n=bn, warps=warps, stages=stages,
-                             us=us, floor_us=floor_us, ratio=us / floor_us))
+            rows.append(
+                dict(
+                    kind="prefill",
+                    case=name,
+                    block_m=bm,
+                    block_n=bn,
+                    warps=warps,
+                    stages=stages,
+                    us=us,
+                    floor_us=floor_us,
+                    ratio=us / floor_us,
+                )
+            )
         if prefix == 0:  # torch's flash SDPA on the same tokens laid out dense, for comparison
             qd = q.view(batch, q_len, HEADS, HEAD_DIM).transpose(1, 2)
             kd = torch.randn(batch, HEADS, kv_len, HEAD_DIM, device=DEV, dtype=DT, generator=gen)
             vd = torch.randn_like(kd)
+
             def sdpa(i, qkv=(qd, kd, vd)):
                 torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True)
+
             us = graph_time_per_call(sdpa, layers) * 1e3
-            rows.append(dict(kind="prefill", case=name + " torch SDPA (dense)", us=us, floor_us=floor_us,
-                             ratio=us / floor_us))
+            rows.append(
+                dict(
+                    kind="prefill",
+                    case=name + " torch SDPA (dense)",
+                    us=us,
+                    floor_us=floor_us,
+                    ratio=us / floor_us,
+                )
+            )
         del caches
         torch.cuda.empty_cache()
     return rows

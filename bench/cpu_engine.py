@@ -116,12 +116,19 @@ def main() -> None:
         same = sum(a[:c] == b[:c] for a, b, c in zip(ours_out, hf_out, cuts, strict=True))
         rows.append(
             dict(
-                batch=batch, new_tokens=args.new_tokens, engine_s=ours_s, engine_tok_s=tokens / ours_s,
-                transformers_s=hf_s, transformers_tok_s=tokens / hf_s, speedup=hf_s / ours_s,
+                batch=batch,
+                new_tokens=args.new_tokens,
+                engine_s=ours_s,
+                engine_tok_s=tokens / ours_s,
+                transformers_s=hf_s,
+                transformers_tok_s=tokens / hf_s,
+                speedup=hf_s / ours_s,
                 greedy_equal=f"{same}/{batch}",
             )  # fmt: skip
         )
-    print("| batch | new tokens | engine tok/s | transformers tok/s | speedup | greedy outputs equal (to EOS) |")
+    print(
+        "| batch | new tokens | engine tok/s | transformers tok/s | speedup | greedy outputs equal (to EOS) |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(

@@ -24,8 +24,12 @@ from bench.profile_step import bench_args, bench_engine, start_batch  # noqa: E4
 from kernels import lora_configs as cfg  # noqa: E402
 
 R16 = {"qkv": "decode|6144|3|16", "o_down": "decode|4096|1|16", "gate_up": "decode|28672|2|16"}
-SHRINK16 = {"qkv": "decode|4096|3|16", "o": "decode|4096|1|16", "gate_up": "decode|4096|2|16",
-            "down": "decode|14336|1|16"}
+SHRINK16 = {
+    "qkv": "decode|4096|3|16",
+    "o": "decode|4096|1|16",
+    "gate_up": "decode|4096|2|16",
+    "down": "decode|14336|1|16",
+}
 
 
 def gpu_ms(graph: torch.cuda.CUDAGraph, n: int = 20, reps: int = 5) -> float:
@@ -86,8 +90,12 @@ def candidates() -> dict[str, dict]:
         # adapter per token the grid is wide enough with fewer, and fewer leave SMs to the matmul.
         **{f"splits >16 adapters d14336 {n}": {"splits": {"decode_many|14336": n}} for n in (7, 14)},
         **{f"splits >16 adapters d4096 {n}": {"splits": {"decode_many|4096": n}} for n in (2, 4)},
-        **{f"splits >16 adapters d14336 {a}, d4096 {b}": {"splits": {"decode_many|14336": a, "decode_many|4096": b}}
-           for a, b in ((14, 4), (7, 2))},
+        **{
+            f"splits >16 adapters d14336 {a}, d4096 {b}": {
+                "splits": {"decode_many|14336": a, "decode_many|4096": b}
+            }
+            for a, b in ((14, 4), (7, 2))
+        },
     }
 
 
@@ -150,8 +158,11 @@ def main() -> int:
             print(f"{name:<40} WRONG: logits relative error {err:.2e}", flush=True)
             return
         rows[name] = dict(overrides=overrides, ms_8=t8, ms_64=t64, ratio_8=base / t8, logits_rel_err=err)
-        print(f"{name:<48} 8 adapters {t8:7.3f} ms ({base / t8:.3f} of base)  64 adapters {t64:7.3f} ms"
-              f"  logits err {err:.1e}", flush=True)
+        print(
+            f"{name:<48} 8 adapters {t8:7.3f} ms ({base / t8:.3f} of base)  64 adapters {t64:7.3f} ms"
+            f"  logits err {err:.1e}",
+            flush=True,
+        )
 
     print(f"base graph {base:.3f} ms", flush=True)
     cands = candidates()
@@ -160,19 +171,27 @@ def main() -> int:
     cur = rows["current table"]
 
     def better(r: dict) -> bool:  # faster over both mixes together, and neither mix slower by > 0.5%
-        return ("ms_8" in r and r["ms_8"] + r["ms_64"] < cur["ms_8"] + cur["ms_64"]
-                and r["ms_8"] <= cur["ms_8"] * 1.005 and r["ms_64"] <= cur["ms_64"] * 1.005)
+        return (
+            "ms_8" in r
+            and r["ms_8"] + r["ms_64"] < cur["ms_8"] + cur["ms_64"]
+            and r["ms_8"] <= cur["ms_8"] * 1.005
+            and r["ms_64"] <= cur["ms_64"] * 1.005
+        )
 
     def total(n: str) -> float:
         return rows[n]["ms_8"] + rows[n]["ms_64"]
 
     kinds = ("expand", "splits", "shrink")
-    best = {k: min((n for n in rows if n.startswith(k) and better(rows[n])), key=total, default=None)
-            for k in kinds}
+    best = {
+        k: min((n for n in rows if n.startswith(k) and better(rows[n])), key=total, default=None)
+        for k in kinds
+    }
     picked = [b for b in best.values() if b]
     if len(picked) > 1:
         run(" + ".join(picked), merge(*(cands[b] for b in picked)))
-    winner = min((n for n in rows if "ms_8" in rows[n] and (n == "current table" or better(rows[n]))), key=total)
+    winner = min(
+        (n for n in rows if "ms_8" in rows[n] and (n == "current table" or better(rows[n]))), key=total
+    )
     apply(rows[winner]["overrides"])  # the tight-grid and cuBLASLt checks run on the winner
     prepare = backend.prepare
     backend.prepare = lambda token_slots, max_distinct=None: prepare(token_slots, 8)
@@ -180,17 +199,29 @@ def main() -> int:
     graphs.token_slots[:64].copy_(slots8)
     tight8 = gpu_ms(graphs.graphs[key8])
     backend.prepare = prepare
-    print(f"{'grids sized for 8 adapters':<40} 8 adapters {tight8:7.3f} ms ({base / tight8:.3f} of base)", flush=True)
+    print(
+        f"{'grids sized for 8 adapters':<40} 8 adapters {tight8:7.3f} ms ({base / tight8:.3f} of base)",
+        flush=True,
+    )
     lib = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library("cublaslt")
     graphs.recapture([base_key])
     base_lt = gpu_ms(graphs.graphs[base_key])
     lt8, lt64, _ = time_lora()
     torch.backends.cuda.preferred_blas_library(lib)
-    print(f"{'cuBLASLt (base graph too)':<40} 8 adapters {lt8:7.3f} ms ({base_lt / lt8:.3f} of its base "
-          f"{base_lt:.3f})  64 adapters {lt64:7.3f} ms", flush=True)
-    res = dict(device=torch.cuda.get_device_name(), base_ms=base, rows=rows, winner=winner, tight_grid_8_ms=tight8,
-               cublaslt=dict(base_ms=base_lt, ms_8=lt8, ms_64=lt64))
+    print(
+        f"{'cuBLASLt (base graph too)':<40} 8 adapters {lt8:7.3f} ms ({base_lt / lt8:.3f} of its base "
+        f"{base_lt:.3f})  64 adapters {lt64:7.3f} ms",
+        flush=True,
+    )
+    res = dict(
+        device=torch.cuda.get_device_name(),
+        base_ms=base,
+        rows=rows,
+        winner=winner,
+        tight_grid_8_ms=tight8,
+        cublaslt=dict(base_ms=base_lt, ms_8=lt8, ms_64=lt64),
+    )
     (out / "decode_sweep.json").write_text(json.dumps(res, indent=1))
     (out / "lora_configs.json").write_text(json.dumps(rows[winner]["overrides"], indent=1))
     print(f"winner: {winner}: {json.dumps(rows[winner]['overrides'])}")

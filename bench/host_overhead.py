@@ -38,7 +38,7 @@ from services.inference.default_model import ensure_model  # noqa: E402
 from services.inference.engine.config import EngineConfig  # noqa: E402
 from services.inference.engine.engine import LLMEngine  # noqa: E402
 from services.inference.engine.types import SamplingParams  # noqa: E402
-from tests.factories import make_tiny_model  # noqa: E402
+from tests.support.factories import make_tiny_model  # noqa: E402
 
 PHASES = ("total", "forward", "sample", "output", "schedule_prep")
 
@@ -99,25 +99,33 @@ def run_once(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
         if len(batch.entries) != batch_size or any(e.num_tokens != 1 for e in batch.entries):
             continue  # prefill or a partly drained batch: not a full decode step
         spent = {k: t.spent - before[k] for k, t in timers.items()}
-        rows.append({
-            "total": total * 1e3,
-            "forward": spent["forward"] * 1e3,
-            "sample": spent["sample"] * 1e3,
-            "output": spent["output"] * 1e3,
-            "schedule_prep": (total - spent["forward"] - spent["sample"] - spent["output"]) * 1e3,
-        })
+        rows.append(
+            {
+                "total": total * 1e3,
+                "forward": spent["forward"] * 1e3,
+                "sample": spent["sample"] * 1e3,
+                "output": spent["output"] * 1e3,
+                "schedule_prep": (total - spent["forward"] - spent["sample"] - spent["output"]) * 1e3,
+            }
+        )
     return {k: statistics.median(r[k] for r in rows) for k in PHASES} | {"steps": len(rows)}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--vocab", type=int, default=0,
-                        help="model vocab (ids 0..N-1 of the tokenizer); 0 = the tokenizer's whole 49,152. "
-                             "A small one shrinks the lm_head and argmax, which are device work on a GPU")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=0,
+        help="model vocab (ids 0..N-1 of the tokenizer); 0 = the tokenizer's whole 49,152. "
+        "A small one shrinks the lm_head and argmax, which are device work on a GPU",
+    )
     parser.add_argument("--stop-strings", action="store_true", help="give every request two stop strings")
     parser.add_argument("--overlap", choices=("default", "on", "off"), default="default")
     parser.add_argument("--repeats", type=int, default=3)
@@ -128,21 +136,31 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "tiny", tokenizer_from=ensure_model(), vocab_size=args.vocab or None)
-        options = dict(model_path=str(model_dir), device=torch.device("cpu"), dtype_name="float32",
-                       max_running_requests=max(args.batch, 1), max_total_tokens=args.batch * 256,
-                       context_length=1024)
+        model_dir = make_tiny_model(
+            Path(tmp) / "tiny", tokenizer_from=ensure_model(), vocab_size=args.vocab or None
+        )
+        options = dict(
+            model_path=str(model_dir),
+            device=torch.device("cpu"),
+            dtype_name="float32",
+            max_running_requests=max(args.batch, 1),
+            max_total_tokens=args.batch * 256,
+            context_length=1024,
+        )
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         if args.overlap != "default" and "overlap_schedule" in fields:
             options["overlap_schedule"] = args.overlap == "on"
         config = EngineConfig(**options)
         gen = torch.Generator().manual_seed(0)
         vocab = args.vocab or 49152
-        prompts = [torch.randint(min(100, vocab // 2), vocab, (args.prompt_tokens,), generator=gen).tolist()
-                   for _ in range(args.batch)]
+        prompts = [
+            torch.randint(min(100, vocab // 2), vocab, (args.prompt_tokens,), generator=gen).tolist()
+            for _ in range(args.batch)
+        ]
         stop = ("\n\nUser:", "<|stop|>") if args.stop_strings else ()
-        params = SamplingParams(max_new_tokens=args.new_tokens, temperature=args.temperature, seed=1,
-                                ignore_eos=True, stop=stop)
+        params = SamplingParams(
+            max_new_tokens=args.new_tokens, temperature=args.temperature, seed=1, ignore_eos=True, stop=stop
+        )
         results = []
         for _ in range(args.repeats):
             engine = LLMEngine.from_config(config)
@@ -150,7 +168,9 @@ def main() -> None:
         best = min(results, key=lambda r: r["total"])
 
     host = best["total"] - best["forward"]
-    print(f"batch {args.batch} decode, {best['steps']} steps (median of best of {args.repeats} runs), ms/step:")
+    print(
+        f"batch {args.batch} decode, {best['steps']} steps (median of best of {args.repeats} runs), ms/step:"
+    )
     for name in PHASES:
         share = f"  ({best[name] / best['total']:.0%})" if name != "total" else ""
         print(f"  {name:>14} {best[name]:7.3f}{share}")

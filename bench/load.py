@@ -35,8 +35,12 @@ from clients import Client  # noqa: E402
 from clients.errors import LoraplexError  # noqa: E402
 from clients.processes import ServerProcess  # noqa: E402
 
-PROMPTS = ("List 3 countries and their capitals.", "Write a haiku about the sea.",
-           "Explain what a LoRA adapter is in one sentence.", "Give me two tips for writing clean code.")
+PROMPTS = (
+    "List 3 countries and their capitals.",
+    "Write a haiku about the sea.",
+    "Explain what a LoRA adapter is in one sentence.",
+    "Give me two tips for writing clean code.",
+)
 
 
 class Tally:
@@ -66,8 +70,9 @@ def one_request(client: Client, prompt: str, adapter: str, max_new_tokens: int, 
     start = last = time.perf_counter()
     ttft, itl, tokens = None, [], 0
     try:
-        for msg in client.generate_stream(prompt, adapter or None, max_new_tokens=max_new_tokens,
-                                          ignore_eos=True, timeout=300):
+        for msg in client.generate_stream(
+            prompt, adapter or None, max_new_tokens=max_new_tokens, ignore_eos=True, timeout=300
+        ):
             n = len(msg.token_ids)
             if n:
                 now = time.perf_counter()
@@ -93,8 +98,17 @@ def write_adapters(model_path: Path, root: Path, count: int, rank: int) -> list[
     from bench.serving_setup import write_adapters as write
 
     cfg = json.loads((model_path / "config.json").read_text())
-    shape = {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                 "num_key_value_heads", "intermediate_size", "vocab_size")}
+    shape = {
+        k: cfg[k]
+        for k in (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+        )
+    }
     return write(root, model_path, count, shape=shape, rank=rank, device="cpu")
 
 
@@ -102,13 +116,31 @@ def start_stack(opts, cache: Path) -> tuple[ServerProcess, ServerProcess, Path]:
     from services.inference.default_model import ensure_model
 
     model = Path(opts.model_path) if opts.model_path else ensure_model()
-    store = ServerProcess("store", "adapter_store", ["--port", "0", "--cache-dir", str(cache / "store"),
-                                                     "--base-model", str(model)], echo=opts.echo)
+    store = ServerProcess(
+        "store",
+        "adapter_store",
+        ["--port", "0", "--cache-dir", str(cache / "store"), "--base-model", str(model)],
+        echo=opts.echo,
+    )
     store.wait_serving(300)
-    inference = ServerProcess("inference", "services.inference", [
-        "--model-path", str(model), "--port", "0", "--adapter-store", store.address,
-        "--adapter-cache-dir", str(cache / "inference"), "--max-lora-rank", str(opts.rank), *opts.inference_args,
-    ], echo=opts.echo)
+    inference = ServerProcess(
+        "inference",
+        "services.inference",
+        [
+            "--model-path",
+            str(model),
+            "--port",
+            "0",
+            "--adapter-store",
+            store.address,
+            "--adapter-cache-dir",
+            str(cache / "inference"),
+            "--max-lora-rank",
+            str(opts.rank),
+            *opts.inference_args,
+        ],
+        echo=opts.echo,
+    )
     try:
         inference.wait_serving(300)
     except Exception:
@@ -140,7 +172,9 @@ def run(opts) -> dict:
         if opts.adapters and store_address:
             if model is None:
                 raise SystemExit("--model-path is needed to write adapters for a running stack")
-            with Client(target, store=store_address, store_token=opts.store_token, tls_ca=opts.tls_ca) as admin:
+            with Client(
+                target, store=store_address, store_token=opts.store_token, tls_ca=opts.tls_ca
+            ) as admin:
                 for i, path in enumerate(write_adapters(model, cache / "adapters", opts.adapters, opts.rank)):
                     names.append(f"load-{i}")
                     admin.register_adapter(names[-1], str(path), timeout=300)
@@ -155,8 +189,10 @@ def run(opts) -> dict:
         tally = Tally()
         stop_at = time.monotonic() + opts.duration
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=client_loop, args=(i, target, mix, opts, stop_at, tally), daemon=True)
-                   for i in range(opts.clients)]
+        threads = [
+            threading.Thread(target=client_loop, args=(i, target, mix, opts, stop_at, tally), daemon=True)
+            for i in range(opts.clients)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -166,12 +202,20 @@ def run(opts) -> dict:
         return dict(
             date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             machine=f"{platform.node()} {platform.machine()}, {psutil.cpu_count()} CPUs",
-            command=" ".join(sys.argv), clients=opts.clients, duration_s=round(elapsed, 1),
-            adapters=len(names), max_new_tokens=opts.max_new_tokens, completed=tally.completed,
-            errors=sum(tally.errors.values()), errors_by_code=tally.errors, tokens=tally.tokens,
+            command=" ".join(sys.argv),
+            clients=opts.clients,
+            duration_s=round(elapsed, 1),
+            adapters=len(names),
+            max_new_tokens=opts.max_new_tokens,
+            completed=tally.completed,
+            errors=sum(tally.errors.values()),
+            errors_by_code=tally.errors,
+            tokens=tally.tokens,
             tokens_per_s=round(tally.tokens / elapsed, 1),
-            ttft_p50_ms=round(pct(tally.ttft, 50), 1), ttft_p99_ms=round(pct(tally.ttft, 99), 1),
-            itl_p50_ms=round(pct(tally.itl, 50), 1), itl_p99_ms=round(pct(tally.itl, 99), 1),
+            ttft_p50_ms=round(pct(tally.ttft, 50), 1),
+            ttft_p99_ms=round(pct(tally.ttft, 99), 1),
+            itl_p50_ms=round(pct(tally.itl, 50), 1),
+            itl_p99_ms=round(pct(tally.itl, 99), 1),
             rss_start_mb=None if rss_start is None else round(rss_start, 1),
             rss_end_mb=None if rss_end is None else round(rss_end, 1),
         )
@@ -181,13 +225,18 @@ def run(opts) -> dict:
 
 
 def print_table(res: dict) -> None:
-    rows = [("requests completed", res["completed"]), ("errors", f"{res['errors']} {res['errors_by_code'] or ''}"),
-            ("tokens generated", f"{res['tokens']} ({res['tokens_per_s']} tok/s)"),
-            ("TTFT p50 / p99", f"{res['ttft_p50_ms']} / {res['ttft_p99_ms']} ms"),
-            ("inter-token latency p50 / p99", f"{res['itl_p50_ms']} / {res['itl_p99_ms']} ms"),
-            ("server RSS after warm-up / end", f"{res['rss_start_mb']} / {res['rss_end_mb']} MiB")]
-    print(f"\n{res['clients']} streaming clients, {res['duration_s']} s, base + {res['adapters']} adapters, "
-          f"{res['max_new_tokens']} new tokens each ({res['date']}, {res['machine']})")
+    rows = [
+        ("requests completed", res["completed"]),
+        ("errors", f"{res['errors']} {res['errors_by_code'] or ''}"),
+        ("tokens generated", f"{res['tokens']} ({res['tokens_per_s']} tok/s)"),
+        ("TTFT p50 / p99", f"{res['ttft_p50_ms']} / {res['ttft_p99_ms']} ms"),
+        ("inter-token latency p50 / p99", f"{res['itl_p50_ms']} / {res['itl_p99_ms']} ms"),
+        ("server RSS after warm-up / end", f"{res['rss_start_mb']} / {res['rss_end_mb']} MiB"),
+    ]
+    print(
+        f"\n{res['clients']} streaming clients, {res['duration_s']} s, base + {res['adapters']} adapters, "
+        f"{res['max_new_tokens']} new tokens each ({res['date']}, {res['machine']})"
+    )
     print("| metric | value |\n| --- | --- |")
     for name, value in rows:
         print(f"| {name} | {value} |")
@@ -202,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--target", default=None, help="HOST:PORT of a running inference service")
     p.add_argument("--store", default=None, help="HOST:PORT of its adapter store (to register the adapters)")
-    p.add_argument("--server-pid", type=int, default=None, help="inference server pid (for RSS) with --target")
+    p.add_argument(
+        "--server-pid", type=int, default=None, help="inference server pid (for RSS) with --target"
+    )
     p.add_argument("--model-path", default=None, help="base model (default: the embedded SmolLM2)")
     p.add_argument("--token", default=None, help="--api-token of the inference service")
     p.add_argument("--store-token", default=None, help="--admin-token of the store")
@@ -210,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rss-growth-limit-mb", type=float, default=100.0)
     p.add_argument("--json", type=Path, default=None, help="write the result here")
     p.add_argument("--echo", action="store_true", help="show the servers' logs")
-    p.add_argument("inference_args", nargs=argparse.REMAINDER, help="-- then extra flags for the inference service")
+    p.add_argument(
+        "inference_args", nargs=argparse.REMAINDER, help="-- then extra flags for the inference service"
+    )
     opts = p.parse_args(argv)
     opts.inference_args = [a for a in opts.inference_args if a != "--"]
     res = run(opts)
@@ -219,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         opts.json.write_text(json.dumps(res, indent=1))
     grew = (res["rss_end_mb"] or 0) - (res["rss_start_mb"] or 0)
     ok = res["errors"] == 0 and res["completed"] > 0 and grew <= opts.rss_growth_limit_mb
-    print(f"\n{'PASS' if ok else 'FAIL'}: errors {res['errors']}, RSS growth {grew:.1f} MiB "
-          f"(limit {opts.rss_growth_limit_mb:.0f} MiB)")
+    print(
+        f"\n{'PASS' if ok else 'FAIL'}: errors {res['errors']}, RSS growth {grew:.1f} MiB "
+        f"(limit {opts.rss_growth_limit_mb:.0f} MiB)"
+    )
     return 0 if ok else 1
 
 

@@ -78,7 +78,9 @@ def scenarios(quick: bool) -> list[dict]:
                 if any(s["tokens"] == T and s["distinct"] == a and s["rank"] == rank for s in out):
                     continue
                 out.append(dict(name=name, tokens=T, distinct=a, rank=rank, prefill=False))
-        out.append(dict(name=f"prefill 8x512 adapters=8 r={rank}", tokens=4096, distinct=8, rank=rank, prefill=True))
+        out.append(
+            dict(name=f"prefill 8x512 adapters=8 r={rank}", tokens=4096, distinct=8, rank=rank, prefill=True)
+        )
     if quick:
         out = [s for s in out if (s["tokens"], s["distinct"]) in ((64, 64), (64, 8), (256, 64), (4096, 8))]
     return out
@@ -148,8 +150,11 @@ def triton_fns(copies: list[dict], segs, sc: dict, overrides: dict) -> dict[str,
             for c in copies
         ]
         fns[f"{g}.expand"] = [
-            (lambda c=c[g], y=y, w=widths, e_cfg=e_cfg:
-             lora_expand(y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, config=e_cfg))
+            (
+                lambda c=c[g], y=y, w=widths, e_cfg=e_cfg: lora_expand(
+                    y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, config=e_cfg
+                )
+            )
             for c in copies
         ]
     return fns
@@ -215,9 +220,16 @@ def run_scenario(sc: dict, bw: float, rate: float, overrides: dict) -> dict:
     err = check_bf16(copies[0], segs, sc, overrides)
     if not err < 2e-2:
         raise SystemExit(f"{sc['name']}: bf16 kernel vs reference rel err {err:.3g}")
-    res = dict(sc, copies=len(copies), bf16_rel_err=err, kernels={},
-               configs={g: [c if isinstance(c, int) else c.__dict__ for c in configs_for(sc, g, overrides)]
-                        for g in GROUPS})
+    res = dict(
+        sc,
+        copies=len(copies),
+        bf16_rel_err=err,
+        kernels={},
+        configs={
+            g: [c if isinstance(c, int) else c.__dict__ for c in configs_for(sc, g, overrides)]
+            for g in GROUPS
+        },
+    )
     fns = triton_fns(copies, segs, sc, overrides)
     tot_bytes = tot_flops = 0.0
     for name, per in fns.items():
@@ -227,8 +239,13 @@ def run_scenario(sc: dict, bw: float, rate: float, overrides: dict) -> dict:
         res["kernels"][name] = dict(floor_us=fl * 1e6, bench_us=bench_us(per[0]), graph_us=graph_time_us(per))
     layer = [(lambda i=i, fns=fns: [f[i]() for f in fns.values()]) for i in range(len(copies))]
     floor = max(tot_bytes / bw, tot_flops / rate) * 1e6
-    res["layer"] = dict(floor_us=floor, bytes=tot_bytes, flops=tot_flops,
-                        bench_us=bench_us(layer[0]), graph_us=graph_time_us(layer))
+    res["layer"] = dict(
+        floor_us=floor,
+        bytes=tot_bytes,
+        flops=tot_flops,
+        bench_us=bench_us(layer[0]),
+        graph_us=graph_time_us(layer),
+    )
     if PDL_OK and is_goal(sc):  # what programmatic dependent launch would buy (off by default)
         set_pdl(True)
         res["layer"]["graph_us_with_pdl"] = graph_time_us(layer)
@@ -250,12 +267,16 @@ def print_table(results: list[dict]) -> None:
             if name != "LAYER" and not is_goal(r):
                 continue
             f = k["floor_us"]
-            print(f"{r['name']:34} {name:15} {f:7.1f} {k['bench_us']:8.1f} {k['bench_us'] / f:5.2f}"
-                  f" {k['graph_us']:8.1f} {k['graph_us'] / f:5.2f}")
+            print(
+                f"{r['name']:34} {name:15} {f:7.1f} {k['bench_us']:8.1f} {k['bench_us'] / f:5.2f}"
+                f" {k['graph_us']:8.1f} {k['graph_us'] / f:5.2f}"
+            )
         t = r["torch_layer"]
-        print(f"{r['name']:34} {'torch loop':15} {r['layer']['floor_us']:7.1f} {t['bench_us']:8.1f}"
-              f" {t['bench_us'] / r['layer']['floor_us']:5.2f} {t['graph_us']:8.1f}"
-              f" {t['graph_us'] / r['layer']['floor_us']:5.2f}")
+        print(
+            f"{r['name']:34} {'torch loop':15} {r['layer']['floor_us']:7.1f} {t['bench_us']:8.1f}"
+            f" {t['bench_us'] / r['layer']['floor_us']:5.2f} {t['graph_us']:8.1f}"
+            f" {t['graph_us'] / r['layer']['floor_us']:5.2f}"
+        )
 
 
 PDL_OK = False
@@ -292,28 +313,56 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="tune block sizes on the goal scenarios first")
     parser.add_argument("--quick", action="store_true", help="only the goal scenarios")
-    parser.add_argument("--joint-sweep", action="store_true",
-                        help="choose decode K-splits and block sizes for batch 64 over 8 and over 64 adapters at "
-                        "once; writes $OUT/lora_configs.json (LORAPLEX_LORA_CONFIGS) and applies it to this run")
+    parser.add_argument(
+        "--joint-sweep",
+        action="store_true",
+        help="choose decode K-splits and block sizes for batch 64 over 8 and over 64 adapters at "
+        "once; writes $OUT/lora_configs.json (LORAPLEX_LORA_CONFIGS) and applies it to this run",
+    )
     args = parser.parse_args()
     t0 = time.time()
     out_path = Path(os.environ.get("OUT", "/tmp")) / "lora_kernels.json"
-    print(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}", flush=True)
+    print(
+        f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}",
+        flush=True,
+    )
     small = [run_case(c._replace(dtype="bfloat16"), DEVICE) for c in CASES]
-    bad = [c.name for c in small if not (c.shrink_rel_err < 2e-2 and c.expand_rel_err < 2e-2
-                                         and c.y_written_exactly and c.untouched_rows_equal
-                                         and c.delta_mode_rel_err < 2e-2 and c.delta_mode_untouched)]
-    print(f"bf16 small cases: worst shrink {max(c.shrink_rel_err for c in small):.2e}"
-          f" expand {max(c.expand_rel_err for c in small):.2e}; failing: {bad}", flush=True)
+    bad = [
+        c.name
+        for c in small
+        if not (
+            c.shrink_rel_err < 2e-2
+            and c.expand_rel_err < 2e-2
+            and c.y_written_exactly
+            and c.untouched_rows_equal
+            and c.delta_mode_rel_err < 2e-2
+            and c.delta_mode_untouched
+        )
+    ]
+    print(
+        f"bf16 small cases: worst shrink {max(c.shrink_rel_err for c in small):.2e}"
+        f" expand {max(c.expand_rel_err for c in small):.2e}; failing: {bad}",
+        flush=True,
+    )
     if bad:
         raise SystemExit(1)
     probe_pdl()
     bw, rate = ceilings()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
-    payload = dict(device=torch.cuda.get_device_name(), pdl=pdl_enabled(), torch=torch.__version__, triton=triton.__version__,
-                   command="PYTHONPATH=. python3 bench/lora_kernels.py " + " ".join(sys.argv[1:]),
-                   copy_bw=bw, bf16_rate=rate, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                   small_bf16_cases=[c._asdict() for c in small], results=[], sweep=[], table=[])
+    payload = dict(
+        device=torch.cuda.get_device_name(),
+        pdl=pdl_enabled(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        command="PYTHONPATH=. python3 bench/lora_kernels.py " + " ".join(sys.argv[1:]),
+        copy_bw=bw,
+        bf16_rate=rate,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        small_bf16_cases=[c._asdict() for c in small],
+        results=[],
+        sweep=[],
+        table=[],
+    )
     from bench.lora_sweep import joint_sweep, sweep, table_entries
 
     overrides: dict[tuple[str, int], dict] = {}
@@ -324,14 +373,19 @@ def main() -> None:
                 res = run_scenario(sc, bw, rate, {})
                 payload.setdefault("before_joint_sweep", []).append(dict(name=sc["name"], layer=res["layer"]))
                 print(f"before: {sc['name']:36} layer {res['layer']['graph_us']:7.1f}us", flush=True)
-        joint = [sc for sc in all_scenarios if sc["tokens"] == 64 and not sc["prefill"] and sc["rank"] == 16
-                 and sc["distinct"] in (8, 64)]
+        joint = [
+            sc
+            for sc in all_scenarios
+            if sc["tokens"] == 64 and not sc["prefill"] and sc["rank"] == 16 and sc["distinct"] in (8, 64)
+        ]
         chosen, rows = joint_sweep(joint)
         payload["joint_sweep"], payload["joint_sweep_rows"] = chosen, rows
         cfg_path = out_path.with_name("lora_configs.json")
         cfg_path.write_text(json.dumps(chosen, indent=1))
         load_overrides(str(cfg_path))
-        print(f"joint sweep chose {json.dumps(chosen)}; wrote {cfg_path} [{time.time() - t0:.0f}s]", flush=True)
+        print(
+            f"joint sweep chose {json.dumps(chosen)}; wrote {cfg_path} [{time.time() - t0:.0f}s]", flush=True
+        )
     if args.sweep:
         for sc in filter(is_goal, all_scenarios):
             best, rows = sweep(sc)
@@ -346,9 +400,12 @@ def main() -> None:
         out_path.write_text(json.dumps(payload, indent=1))
         lay = res["layer"]
         nopdl = f" (with PDL {lay['graph_us_with_pdl']:.1f})" if "graph_us_with_pdl" in lay else ""
-        print(f"{sc['name']:36} layer floor {lay['floor_us']:7.1f}us graph {lay['graph_us']:7.1f}us{nopdl}"
-              f" ({lay['graph_us'] / lay['floor_us']:.2f}x) bench {lay['bench_us']:7.1f}us"
-              f" torch {res['torch_layer']['graph_us']:8.1f}us  [{time.time() - t0:.0f}s]", flush=True)
+        print(
+            f"{sc['name']:36} layer floor {lay['floor_us']:7.1f}us graph {lay['graph_us']:7.1f}us{nopdl}"
+            f" ({lay['graph_us'] / lay['floor_us']:.2f}x) bench {lay['bench_us']:7.1f}us"
+            f" torch {res['torch_layer']['graph_us']:8.1f}us  [{time.time() - t0:.0f}s]",
+            flush=True,
+        )
     print_table(payload["results"])
     print(f"wrote {out_path} in {time.time() - t0:.0f}s")
 

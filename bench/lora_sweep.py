@@ -29,13 +29,29 @@ def sweep_variants(sc: dict, group: str) -> tuple[list[tuple[ShrinkConfig, int]]
     base_s, base_e = shrink_config(d, n, r, T), expand_config(sum(widths), n, r, T)
     br = base_s.block_r
     if family(T) == "decode":
-        s_vars = [ShrinkConfig(16, br, 512, 4, 3), ShrinkConfig(16, br, 256, 8, 3), ShrinkConfig(16, br, 128, 4, 4)]
-        e_vars = [ExpandConfig(16, bn, ch, nw, 3)
-                  for bn in (256, 512, 1024) for ch in (1024, 2048, 4096) for nw in (4, 8) if ch >= bn]
+        s_vars = [
+            ShrinkConfig(16, br, 512, 4, 3),
+            ShrinkConfig(16, br, 256, 8, 3),
+            ShrinkConfig(16, br, 128, 4, 4),
+        ]
+        e_vars = [
+            ExpandConfig(16, bn, ch, nw, 3)
+            for bn in (256, 512, 1024)
+            for ch in (1024, 2048, 4096)
+            for nw in (4, 8)
+            if ch >= bn
+        ]
     else:
-        s_vars = [ShrinkConfig(64, br, 128, 8, 3), ShrinkConfig(32, br, 128, 4, 3), ShrinkConfig(64, br, 64, 4, 3)]
-        e_vars = [ExpandConfig(bm, bn, ch, nw, 3)
-                  for (bm, bn, nw) in ((32, 256, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8)) for ch in (512, 1024, 2048)]
+        s_vars = [
+            ShrinkConfig(64, br, 128, 8, 3),
+            ShrinkConfig(32, br, 128, 4, 3),
+            ShrinkConfig(64, br, 64, 4, 3),
+        ]
+        e_vars = [
+            ExpandConfig(bm, bn, ch, nw, 3)
+            for (bm, bn, nw) in ((32, 256, 4), (64, 128, 4), (64, 256, 8), (128, 128, 8))
+            for ch in (512, 1024, 2048)
+        ]
     s_all = [base_s] + [v for v in s_vars if v != base_s]
     return [(v, S) for v in s_all], [base_e] + [v for v in e_vars if v != base_e]
 
@@ -61,11 +77,21 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
         timed_s = []
         for cfg, S in s_vars:
             y = torch.zeros(S, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
-            fns = [(lambda c=c[g], y=y, cfg=cfg: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, config=cfg))
-                   for c in copies]
+            fns = [
+                (lambda c=c[g], y=y, cfg=cfg: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, config=cfg))
+                for c in copies
+            ]
             timed_s.append((_time_or_inf(fns), cfg, S))
-            rows.append(dict(scenario=sc["name"], group=g, kernel="shrink", config=cfg.__dict__, splits=S,
-                             graph_us=timed_s[-1][0]))
+            rows.append(
+                dict(
+                    scenario=sc["name"],
+                    group=g,
+                    kernel="shrink",
+                    config=cfg.__dict__,
+                    splits=S,
+                    graph_us=timed_s[-1][0],
+                )
+            )
         us_s, cfg_s, S_best = min(timed_s, key=lambda t: t[0])
         y = torch.zeros(S_best, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
         lora_shrink(copies[0][g]["x"], copies[0][g]["A"], copies[0][g]["ranks"], segs, y, config=cfg_s)
@@ -74,16 +100,33 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
         if e_key in swept_e:
             e_vars = [swept_e[e_key]]
         for cfg in e_vars:
-            fns = [(lambda c=c[g], cfg=cfg, w=widths, y=y:
-                    lora_expand(y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, config=cfg)) for c in copies]
+            fns = [
+                (
+                    lambda c=c[g], cfg=cfg, w=widths, y=y: lora_expand(
+                        y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, config=cfg
+                    )
+                )
+                for c in copies
+            ]
             timed_e.append((_time_or_inf(fns), cfg))
-            rows.append(dict(scenario=sc["name"], group=g, kernel="expand", config=cfg.__dict__, splits=S_best,
-                             graph_us=timed_e[-1][0]))
+            rows.append(
+                dict(
+                    scenario=sc["name"],
+                    group=g,
+                    kernel="expand",
+                    config=cfg.__dict__,
+                    splits=S_best,
+                    graph_us=timed_e[-1][0],
+                )
+            )
         us_e, cfg_e = min(timed_e, key=lambda t: t[0])
         swept_e[e_key] = cfg_e
         best[g] = (cfg_s, S_best, cfg_e)
-        print(f"  sweep {sc['name']} {g}: shrink {cfg_s} S={S_best} {us_s:.1f}us (table {timed_s[0][0]:.1f})"
-              f" | expand {cfg_e} {us_e:.1f}us (table {timed_e[0][0]:.1f})", flush=True)
+        print(
+            f"  sweep {sc['name']} {g}: shrink {cfg_s} S={S_best} {us_s:.1f}us (table {timed_s[0][0]:.1f})"
+            f" | expand {cfg_e} {us_e:.1f}us (table {timed_e[0][0]:.1f})",
+            flush=True,
+        )
     del copies
     torch.cuda.empty_cache()
     return best, rows
@@ -103,7 +146,9 @@ def joint_sweep(scs: list[dict]) -> tuple[dict, list[dict]]:
     for sc in scs:
         per_copy = sum(floor_of(sc, g, k, 1.0, 1.0)[1] for g in GROUPS for k in ("shrink", "expand"))
         copies = make_copies(sc, per_copy)
-        setups.append((sc, copies, build_segments(token_slots(sc), alloc_segments(T, sc["distinct"], DEVICE))))
+        setups.append(
+            (sc, copies, build_segments(token_slots(sc), alloc_segments(T, sc["distinct"], DEVICE)))
+        )
     rows: list[dict] = []
 
     def shrink_times(g: str, cfg: ShrinkConfig, S: int) -> list[float]:
@@ -111,11 +156,25 @@ def joint_sweep(scs: list[dict]) -> tuple[dict, list[dict]]:
         y = torch.zeros(S, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
         out = []
         for sc, copies, segs in setups:
-            fns = [(lambda c=c[g], cfg=cfg, segs=segs: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, config=cfg))
-                   for c in copies]
+            fns = [
+                (
+                    lambda c=c[g], cfg=cfg, segs=segs: lora_shrink(
+                        c["x"], c["A"], c["ranks"], segs, y, config=cfg
+                    )
+                )
+                for c in copies
+            ]
             out.append(_time_or_inf(fns))
-            rows.append(dict(scenario=sc["name"], group=g, kernel="shrink", config=cfg.__dict__, splits=S,
-                             graph_us=out[-1]))
+            rows.append(
+                dict(
+                    scenario=sc["name"],
+                    group=g,
+                    kernel="shrink",
+                    config=cfg.__dict__,
+                    splits=S,
+                    graph_us=out[-1],
+                )
+            )
         return out
 
     def expand_times(g: str, cfg: ExpandConfig, S: int) -> list[float]:
@@ -123,11 +182,25 @@ def joint_sweep(scs: list[dict]) -> tuple[dict, list[dict]]:
         y = torch.zeros(S, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
         out = []
         for sc, copies, segs in setups:
-            fns = [(lambda c=c[g], cfg=cfg, segs=segs:
-                    lora_expand(y, c["B"], c["ranks"], c["scal"], segs, c["out"], widths, config=cfg)) for c in copies]
+            fns = [
+                (
+                    lambda c=c[g], cfg=cfg, segs=segs: lora_expand(
+                        y, c["B"], c["ranks"], c["scal"], segs, c["out"], widths, config=cfg
+                    )
+                )
+                for c in copies
+            ]
             out.append(_time_or_inf(fns))
-            rows.append(dict(scenario=sc["name"], group=g, kernel="expand", config=cfg.__dict__, splits=S,
-                             graph_us=out[-1]))
+            rows.append(
+                dict(
+                    scenario=sc["name"],
+                    group=g,
+                    kernel="expand",
+                    config=cfg.__dict__,
+                    splits=S,
+                    graph_us=out[-1],
+                )
+            )
         return out
 
     def score(times: list[float], base: list[float]) -> float:
@@ -157,15 +230,25 @@ def joint_sweep(scs: list[dict]) -> tuple[dict, list[dict]]:
         for g, cfg in picks.items():
             chosen_s[g] = S
             c = cfg
-            result["shrink"][f"{fam}|{d}|{len(GROUPS[g][1])}|{r}"] = [c.block_m, c.block_r, c.block_k, c.num_warps,
-                                                                      c.num_stages]
+            result["shrink"][f"{fam}|{d}|{len(GROUPS[g][1])}|{r}"] = [
+                c.block_m,
+                c.block_r,
+                c.block_k,
+                c.num_warps,
+                c.num_stages,
+            ]
     for g, (_, widths) in GROUPS.items():
         key = f"{fam}|{sum(widths)}|{len(widths)}|{r}"
         if key in result["expand"]:  # o and down share an entry
             continue
         base = expand_times(g, expand_config(sum(widths), len(widths), r, T), chosen_s[g])
-        cands = [ExpandConfig(16, bn, ch, nw, 3) for bn in (64, 128, 256) for ch in (128, 256, 512, 1024)
-                 for nw in (2, 4) if ch >= bn]
+        cands = [
+            ExpandConfig(16, bn, ch, nw, 3)
+            for bn in (64, 128, 256)
+            for ch in (128, 256, 512, 1024)
+            for nw in (2, 4)
+            if ch >= bn
+        ]
         _, c = min(((score(expand_times(g, c, chosen_s[g]), base), c) for c in cands), key=lambda t: t[0])
         result["expand"][key] = [c.block_m, c.block_n, c.chunk_n, c.num_warps, c.num_stages]
     setups.clear()
@@ -180,9 +263,13 @@ def table_entries(sc: dict, best: dict) -> list[str]:
     for g, (s_cfg, _, e_cfg) in best.items():
         d, widths = GROUPS[g]
         c = s_cfg
-        lines.append(f"SHRINK ({fam!r}, {d}, {len(widths)}, {r}): "
-                     f"S({c.block_m}, {c.block_r}, {c.block_k}, {c.num_warps}, {c.num_stages}),  # {g}")
+        lines.append(
+            f"SHRINK ({fam!r}, {d}, {len(widths)}, {r}): "
+            f"S({c.block_m}, {c.block_r}, {c.block_k}, {c.num_warps}, {c.num_stages}),  # {g}"
+        )
         c = e_cfg
-        lines.append(f"EXPAND ({fam!r}, {sum(widths)}, {len(widths)}, {r}): "
-                     f"E({c.block_m}, {c.block_n}, {c.chunk_n}, {c.num_warps}, {c.num_stages}),  # {g}")
+        lines.append(
+            f"EXPAND ({fam!r}, {sum(widths)}, {len(widths)}, {r}): "
+            f"E({c.block_m}, {c.block_n}, {c.chunk_n}, {c.num_warps}, {c.num_stages}),  # {g}"
+        )
     return lines

@@ -49,20 +49,37 @@ def lockstep(runner: ModelRunner, base_block: int, seed: int = 0) -> dict:
     max_seqs = runner.sample_indices.shape[0]
     cases = []
     for distinct in sorted({0, min(slots, 3), min(slots, MANY_ADAPTERS + 4)}):
-        for nd, chunk, start in ((1, 5, 0), (7, 40, 16), (12, 100, 48), (3, 250, 0), (20, 300, 32),
-                                 (30, cap - 40, 0)):
+        for nd, chunk, start in (
+            (1, 5, 0),
+            (7, 40, 16),
+            (12, 100, 48),
+            (3, 250, 0),
+            (20, 300, 32),
+            (30, cap - 40, 0),
+        ):
             if chunk < 2 or nd + chunk > cap or distinct > nd + 1 or nd + 1 > max_seqs:
                 continue
             cases.append((nd, chunk, start, distinct))
     worst, agree, total, per_case = 0.0, 0, 0, []
     blocks = lockstep_blocks_per_seq(cap)
     for nd, chunk, start, distinct in cases:
+
         def table(seq: int) -> list[int]:  # regions are reused across cases: each writes before it reads
             return list(range(base_block + seq * blocks, base_block + (seq + 1) * blocks))
-        steps = [SeqChunk([rnd.randrange(vocab)], 60 + i, table(i), i % distinct if distinct else -1, True)
-                 for i in range(nd)]
-        steps.append(SeqChunk([rnd.randrange(vocab) for _ in range(chunk)], start, table(nd),
-                              (nd % distinct) if distinct else -1, True))
+
+        steps = [
+            SeqChunk([rnd.randrange(vocab)], 60 + i, table(i), i % distinct if distinct else -1, True)
+            for i in range(nd)
+        ]
+        steps.append(
+            SeqChunk(
+                [rnd.randrange(vocab) for _ in range(chunk)],
+                start,
+                table(nd),
+                (nd % distinct) if distinct else -1,
+                True,
+            )
+        )
         saved, runner.mixed_graphs = runner.mixed_graphs, None
         try:
             want = runner.forward(steps).float().clone()
@@ -74,15 +91,36 @@ def lockstep(runner: ModelRunner, base_block: int, seed: int = 0) -> dict:
         err = ((got - want).norm() / want.norm()).item()
         same = int((got.argmax(-1) == want.argmax(-1)).sum())
         worst, agree, total = max(worst, err), agree + same, total + got.shape[0]
-        per_case.append({"decodes": nd, "chunk": chunk, "start": start, "adapters": distinct,
-                         "bucket": graphs.key(nd + chunk, min(distinct, nd + 1))[0], "rel_err": err})
+        per_case.append(
+            {
+                "decodes": nd,
+                "chunk": chunk,
+                "start": start,
+                "adapters": distinct,
+                "bucket": graphs.key(nd + chunk, min(distinct, nd + 1))[0],
+                "rel_err": err,
+            }
+        )
     dtype = runner.kv_cache.dtype
-    return {"cases": per_case, "worst_rel_err": worst, "argmax_agree": agree, "rows": total,
-            "ok": worst < _tol(dtype) and agree >= total - max(1, total // 50)}
+    return {
+        "cases": per_case,
+        "worst_rel_err": worst,
+        "argmax_agree": agree,
+        "rows": total,
+        "ok": worst < _tol(dtype) and agree >= total - max(1, total // 50),
+    }
 
 
-def greedy(runner: ModelRunner, base_block: int, *, num_requests: int, distinct: int, chunk: int,
-           new_tokens: int, seed: int = 0) -> dict:
+def greedy(
+    runner: ModelRunner,
+    base_block: int,
+    *,
+    num_requests: int,
+    distinct: int,
+    chunk: int,
+    new_tokens: int,
+    seed: int = 0,
+) -> dict:
     """Greedy generation of the same requests with the pieces off, then on; compares the tokens."""
     vocab = runner.config.vocab_size
     rnd = random.Random(seed)
@@ -107,12 +145,25 @@ def greedy(runner: ModelRunner, base_block: int, *, num_requests: int, distinct:
         if at is not None:
             diverged.append({"request": i, "at": at, "top2_gap": off_gaps[i][at]})
     near_tie = all(d["top2_gap"] < 0.05 for d in diverged)
-    return {"requests": num_requests, "adapters": distinct, "chunk": chunk, "identical": not diverged,
-            "diverged": diverged, "ok": not diverged or near_tie}
+    return {
+        "requests": num_requests,
+        "adapters": distinct,
+        "chunk": chunk,
+        "identical": not diverged,
+        "diverged": diverged,
+        "ok": not diverged or near_tie,
+    }
 
 
-def _generate(runner: ModelRunner, prompts: list[list[int]], region: int, per: int, distinct: int, chunk: int,
-              new_tokens: int) -> tuple[list[list[int]], list[list[float]]]:
+def _generate(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    region: int,
+    per: int,
+    distinct: int,
+    chunk: int,
+    new_tokens: int,
+) -> tuple[list[list[int]], list[list[float]]]:
     """A tiny scheduler: every step runs all decodes plus the next chunk of the first unfinished prompt."""
     n = len(prompts)
     done = [0] * n  # prompt tokens computed
@@ -156,7 +207,9 @@ GREEDY_NEW_TOKENS = 12
 def blocks_needed(cap: int, slots: int, chunk: int = 128) -> int:
     """KV blocks `run_all` writes (from `base_block`); positions reach max(cap + 96, 3 * chunk + 12)."""
     requests = max(6, min(slots, MANY_ADAPTERS + 8) + 1)
-    return LOCKSTEP_SEQS * lockstep_blocks_per_seq(cap) + 2 * requests * (-(-(3 * chunk + GREEDY_NEW_TOKENS) // PAGE) + 1)
+    return LOCKSTEP_SEQS * lockstep_blocks_per_seq(cap) + 2 * requests * (
+        -(-(3 * chunk + GREEDY_NEW_TOKENS) // PAGE) + 1
+    )
 
 
 def run_all(runner: ModelRunner, base_block: int, slots: int, chunk: int = 128) -> dict:
@@ -166,8 +219,11 @@ def run_all(runner: ModelRunner, base_block: int, slots: int, chunk: int = 128) 
     max_seqs = runner.sample_indices.shape[0]
     for distinct in sorted({0, min(slots, 4), min(slots, MANY_ADAPTERS + 8, max_seqs - 1)}):
         num = min(max(6, distinct + 1), max_seqs)
-        result["greedy"].append(greedy(runner, used, num_requests=num, distinct=distinct, chunk=chunk,
-                                       new_tokens=GREEDY_NEW_TOKENS))
+        result["greedy"].append(
+            greedy(
+                runner, used, num_requests=num, distinct=distinct, chunk=chunk, new_tokens=GREEDY_NEW_TOKENS
+            )
+        )
     result["ok"] = result["lockstep"]["ok"] and all(g["ok"] for g in result["greedy"])
     return result
 
@@ -175,9 +231,19 @@ def run_all(runner: ModelRunner, base_block: int, slots: int, chunk: int = 128) 
 def main() -> int:
     from bench.random_runner import TINY, build_runner
 
-    runner = build_runner(TINY, dtype=torch.float32, device=torch.device("cpu"), slots=20, rank=8,
-                          max_num_tokens=128, max_num_seqs=64, context_length=1024, page_size=PAGE,
-                          num_blocks=4096, lora_backend="torch")
+    runner = build_runner(
+        TINY,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        slots=20,
+        rank=8,
+        max_num_tokens=128,
+        max_num_seqs=64,
+        context_length=1024,
+        page_size=PAGE,
+        num_blocks=4096,
+        lora_backend="torch",
+    )
     runner.capture_mixed_graphs(128, use_graphs=False)
     result = run_all(runner, 0, 20, chunk=24)
     print(json.dumps(result, indent=1))

@@ -54,17 +54,28 @@ class Layout:
         return (self.max_seqs + 1) * self.per
 
 
-def make_step(layout: Layout, decodes: int, chunk: int, distinct: int, decode_ctx: int, chunk_start: int
-              ) -> list[SeqChunk]:
+def make_step(
+    layout: Layout, decodes: int, chunk: int, distinct: int, decode_ctx: int, chunk_start: int
+) -> list[SeqChunk]:
     """`decodes` decode tokens at position `decode_ctx` then one prefill chunk of `chunk` tokens at
     `chunk_start`; adapters round-robin over `distinct` slots (0: none)."""
+
     def slot(i: int) -> int:
         return i % distinct if distinct else -1
 
-    steps = [SeqChunk([(7 * i) % VOCAB[0]], decode_ctx, layout.table(i), slot(i), True) for i in range(decodes)]
+    steps = [
+        SeqChunk([(7 * i) % VOCAB[0]], decode_ctx, layout.table(i), slot(i), True) for i in range(decodes)
+    ]
     if chunk:
-        steps.append(SeqChunk([(3 * j) % VOCAB[0] for j in range(chunk)], chunk_start, layout.table(layout.max_seqs),
-                              slot(decodes), True))
+        steps.append(
+            SeqChunk(
+                [(3 * j) % VOCAB[0] for j in range(chunk)],
+                chunk_start,
+                layout.table(layout.max_seqs),
+                slot(decodes),
+                True,
+            )
+        )
     return steps
 
 
@@ -119,7 +130,12 @@ def time_step(runner, chunks: list[SeqChunk], repeats: int) -> dict:
         if pieces is not None:
             del pieces.run
     med = statistics.median
-    return {"host_ms": med(host), "prep_ms": med(prep), "gpu_ms": med(gpu) if gpu else None, "step_ms": med(wall)}
+    return {
+        "host_ms": med(host),
+        "prep_ms": med(prep),
+        "gpu_ms": med(gpu) if gpu else None,
+        "step_ms": med(wall),
+    }
 
 
 def profile_step(runner, chunks: list[SeqChunk], repeats: int = 2) -> dict:
@@ -133,13 +149,23 @@ def profile_step(runner, chunks: list[SeqChunk], repeats: int = 2) -> dict:
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
     events = prof.key_averages()
-    launch_names = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC",
-                    "cudaGraphLaunch")
+    launch_names = (
+        "cudaLaunchKernel",
+        "cuLaunchKernel",
+        "cuLaunchKernelEx",
+        "cudaLaunchKernelExC",
+        "cudaGraphLaunch",
+    )
     launches = sum(e.count for e in events if e.key in launch_names) / repeats
     kernels = sum(e.count for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")) / repeats
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
-    return {"launches_per_step": launches, "gpu_kernels_per_step": kernels,
-            "host_top": [(e.key, round(e.self_cpu_time_total / repeats / 1e3, 3), e.count // repeats) for e in top]}
+    return {
+        "launches_per_step": launches,
+        "gpu_kernels_per_step": kernels,
+        "host_top": [
+            (e.key, round(e.self_cpu_time_total / repeats / 1e3, 3), e.count // repeats) for e in top
+        ],
+    }
 
 
 def check_mixed_equals_separate(runner, layout: Layout, distinct: int, dtype: torch.dtype) -> dict:
@@ -167,17 +193,29 @@ def main() -> int:
     p.add_argument("--context", type=int, default=512, help="decode sequences' context length")
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--no-graphs", action="store_true", help="capture no CUDA graphs (decode or mixed)")
-    p.add_argument("--mixed-graph-max-tokens", type=int, default=2048,
-                   help="largest bucket of the piecewise mixed-step graphs (0: none)")
-    p.add_argument("--modes", default="pieces,eager",
-                   help="time mixed steps through the piecewise graphs (pieces) and/or eagerly (eager)")
-    p.add_argument("--keep-going", action="store_true",
-                   help="time even when a check fails (the failure stays in the JSON and the output)")
+    p.add_argument(
+        "--mixed-graph-max-tokens",
+        type=int,
+        default=2048,
+        help="largest bucket of the piecewise mixed-step graphs (0: none)",
+    )
+    p.add_argument(
+        "--modes",
+        default="pieces,eager",
+        help="time mixed steps through the piecewise graphs (pieces) and/or eagerly (eager)",
+    )
+    p.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="time even when a check fails (the failure stays in the JSON and the output)",
+    )
     p.add_argument("--out", default=None)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device(a.device)
-    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = (
+        getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    )
     decodes = [int(x) for x in a.decodes.split(",")]
     chunks = [int(x) for x in a.chunks.split(",")]
     adapters = [int(x) for x in a.adapters.split(",")]
@@ -192,54 +230,93 @@ def main() -> int:
     compile_counter.install()
     backend = "triton" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
     start = time.perf_counter()
-    runner = build_runner(TINY if a.tiny else LLAMA_8B, dtype=dtype, device=device, slots=slots, rank=a.rank,
-                          max_num_tokens=max(max_tokens, 2048), max_num_seqs=max_seqs,
-                          context_length=runner_context, page_size=PAGE, num_blocks=num_blocks,
-                          lora_backend=backend)
+    runner = build_runner(
+        TINY if a.tiny else LLAMA_8B,
+        dtype=dtype,
+        device=device,
+        slots=slots,
+        rank=a.rank,
+        max_num_tokens=max(max_tokens, 2048),
+        max_num_seqs=max_seqs,
+        context_length=runner_context,
+        page_size=PAGE,
+        num_blocks=num_blocks,
+        lora_backend=backend,
+    )
     VOCAB[0] = runner.config.vocab_size
-    log.info("runner built in %.1f s (LoRA backend %s, %d slots)", time.perf_counter() - start, backend, slots)
+    log.info(
+        "runner built in %.1f s (LoRA backend %s, %d slots)", time.perf_counter() - start, backend, slots
+    )
     graphs = device.type == "cuda" and not a.no_graphs
     if graphs:
         runner.capture_cuda_graphs(max(decodes))
-    if a.mixed_graph_max_tokens > 0:  # on the CPU the pieces run eagerly (checks the path, times nothing real)
+    if (
+        a.mixed_graph_max_tokens > 0
+    ):  # on the CPU the pieces run eagerly (checks the path, times nothing real)
         runner.capture_mixed_graphs(a.mixed_graph_max_tokens, use_graphs=graphs)
     if device.type == "cuda":
         # Both paths are timed here (the engine serves steps under the cap through the pieces only),
         # so warm the eager one too.
         pieces, runner.mixed_graphs = runner.mixed_graphs, None
-        warm_up(runner, max_num_tokens=max(max_tokens, 2048), max_num_seqs=max_seqs, context_length=runner_context)
+        warm_up(
+            runner, max_num_tokens=max(max_tokens, 2048), max_num_seqs=max_seqs, context_length=runner_context
+        )
         runner.mixed_graphs = pieces
-        warm_up(runner, max_num_tokens=max(max_tokens, 2048), max_num_seqs=max_seqs, context_length=runner_context)
+        warm_up(
+            runner, max_num_tokens=max(max_tokens, 2048), max_num_seqs=max_seqs, context_length=runner_context
+        )
     compile_counter.mark_serving()
     # Non-zero on the GPU shows Triton's compile hook fires (so the zero after start-up means something).
-    print(f"Triton compilations during start-up (hook {'installed' if compile_counter.installed else 'missing'}): "
-          f"{compile_counter.total}", flush=True)
+    print(
+        f"Triton compilations during start-up (hook {'installed' if compile_counter.installed else 'missing'}): "
+        f"{compile_counter.total}",
+        flush=True,
+    )
     mixed = runner.mixed_graphs
 
-    results: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                     "shape": "tiny" if a.tiny else "llama-3.1-8b", "dtype": str(dtype), "rank": a.rank,
-                     "context": a.context, "checks": [], "rows": []}
+    results: dict = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "shape": "tiny" if a.tiny else "llama-3.1-8b",
+        "dtype": str(dtype),
+        "rank": a.rank,
+        "context": a.context,
+        "checks": [],
+        "rows": [],
+    }
     if mixed is not None:
-        results["mixed_graphs"] = {"buckets": mixed.buckets, "tiers": list(mixed.tiers()),
-                                   "graphs": sum(map(len, mixed.graphs.values())),
-                                   "capture_s": mixed.capture_seconds, "capture_mib": mixed.capture_bytes / 2**20,
-                                   "buffer_mib": mixed.buffer_bytes / 2**20}
+        results["mixed_graphs"] = {
+            "buckets": mixed.buckets,
+            "tiers": list(mixed.tiers()),
+            "graphs": sum(map(len, mixed.graphs.values())),
+            "capture_s": mixed.capture_seconds,
+            "capture_mib": mixed.capture_bytes / 2**20,
+            "buffer_mib": mixed.buffer_bytes / 2**20,
+        }
         print(f"mixed graphs: {results['mixed_graphs']}", flush=True)
         graph_check = run_all(runner, 0, slots)
         results["graph_check"] = graph_check
         lock = graph_check["lockstep"]
-        print(f"check pieces == eager (lockstep, {len(lock['cases'])} steps): worst rel_err {lock['worst_rel_err']:.2e}, "
-              f"argmax {lock['argmax_agree']}/{lock['rows']}: {'ok' if lock['ok'] else 'FAILED'}", flush=True)
+        print(
+            f"check pieces == eager (lockstep, {len(lock['cases'])} steps): worst rel_err {lock['worst_rel_err']:.2e}, "
+            f"argmax {lock['argmax_agree']}/{lock['rows']}: {'ok' if lock['ok'] else 'FAILED'}",
+            flush=True,
+        )
         for g in graph_check["greedy"]:
-            print(f"check greedy pieces on/off, {g['requests']} requests, {g['adapters']} adapters: "
-                  f"{'identical' if g['identical'] else 'diverged ' + json.dumps(g['diverged'])}: "
-                  f"{'ok' if g['ok'] else 'FAILED'}", flush=True)
+            print(
+                f"check greedy pieces on/off, {g['requests']} requests, {g['adapters']} adapters: "
+                f"{'identical' if g['identical'] else 'diverged ' + json.dumps(g['diverged'])}: "
+                f"{'ok' if g['ok'] else 'FAILED'}",
+                flush=True,
+            )
     saved, runner.mixed_graphs = runner.mixed_graphs, None
     for distinct in sorted({min(d, 8) for d in adapters}):
         check = check_mixed_equals_separate(runner, layout, distinct, dtype)
         results["checks"].append(check)
-        print(f"check mixed == separate steps (eager), {distinct} adapters: rel_err {check['rel_err']:.2e}, "
-              f"greedy equal {check['greedy_equal']}: {'ok' if check['ok'] else 'FAILED'}", flush=True)
+        print(
+            f"check mixed == separate steps (eager), {distinct} adapters: rel_err {check['rel_err']:.2e}, "
+            f"greedy equal {check['greedy_equal']}: {'ok' if check['ok'] else 'FAILED'}",
+            flush=True,
+        )
     runner.mixed_graphs = saved
     checks_ok = all(c["ok"] for c in results["checks"]) and results.get("graph_check", {"ok": True})["ok"]
     results["checks_ok"] = checks_ok
@@ -261,8 +338,15 @@ def main() -> int:
                 step = make_step(layout, nd, chunk, distinct, a.context, 0)
                 for mode in modes if chunk else modes[:1]:
                     runner.mixed_graphs = saved if mode == "pieces" else None
-                    row = {"mode": mode, "decodes": nd, "chunk": chunk, "adapters": distinct, "tokens": nd + chunk,
-                           **time_step(runner, step, a.repeats), **profile_step(runner, step)}
+                    row = {
+                        "mode": mode,
+                        "decodes": nd,
+                        "chunk": chunk,
+                        "adapters": distinct,
+                        "tokens": nd + chunk,
+                        **time_step(runner, step, a.repeats),
+                        **profile_step(runner, step),
+                    }
                     results["rows"].append(row)
                     log.debug("%s", row)
     runner.mixed_graphs = saved
@@ -279,31 +363,42 @@ def main() -> int:
 
 def print_tables(results: dict) -> None:
     rows = results["rows"]
-    print(f"\nmixed steps on {results['device']} ({results['shape']}, {results['dtype']}, rank {results['rank']}, "
-          f"decode context {results['context']}); Triton compiles after start-up: {results['compiles_after_startup']} "
-          f"(while timing: {results['compiles_while_timing']})")
-    print("| mode | decodes | chunk | adapters | host ms (prep) | GPU ms | step ms | launches | GPU kernels "
-          "| top host entry |")
+    print(
+        f"\nmixed steps on {results['device']} ({results['shape']}, {results['dtype']}, rank {results['rank']}, "
+        f"decode context {results['context']}); Triton compiles after start-up: {results['compiles_after_startup']} "
+        f"(while timing: {results['compiles_while_timing']})"
+    )
+    print(
+        "| mode | decodes | chunk | adapters | host ms (prep) | GPU ms | step ms | launches | GPU kernels "
+        "| top host entry |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for r in rows:
         gpu = "-" if r["gpu_ms"] is None else f"{r['gpu_ms']:.2f}"
         top = r["host_top"][0] if r["host_top"] else ("", 0, 0)
         mode = r["mode"] if r["chunk"] else "decode only"
-        print(f"| {mode} | {r['decodes']} | {r['chunk']} | {r['adapters']} | {r['host_ms']:.2f} ({r['prep_ms']:.2f}) "
-              f"| {gpu} | {r['step_ms']:.2f} | {r['launches_per_step']:.0f} | {r['gpu_kernels_per_step']:.0f} "
-              f"| {top[0]} {top[1]} ms x{top[2]} |")
+        print(
+            f"| {mode} | {r['decodes']} | {r['chunk']} | {r['adapters']} | {r['host_ms']:.2f} ({r['prep_ms']:.2f}) "
+            f"| {gpu} | {r['step_ms']:.2f} | {r['launches_per_step']:.0f} | {r['gpu_kernels_per_step']:.0f} "
+            f"| {top[0]} {top[1]} ms x{top[2]} |"
+        )
     # Step time against chunk size at the largest decode batch: what each chunk costs every running decode.
     nd = max(r["decodes"] for r in rows)
     print(f"\nstep ms vs prefill chunk at {nd} decodes (+ms over the decode-only step)")
-    print("| mode | adapters | " + " | ".join(str(c) for c in sorted({r['chunk'] for r in rows})) + " |")
-    print("| --- | ---: |" + " ---: |" * len({r['chunk'] for r in rows}))
+    print("| mode | adapters | " + " | ".join(str(c) for c in sorted({r["chunk"] for r in rows})) + " |")
+    print("| --- | ---: |" + " ---: |" * len({r["chunk"] for r in rows}))
     for mode in sorted({r["mode"] for r in rows if r["chunk"]}):
         for distinct in sorted({r["adapters"] for r in rows}):
-            sel = {r["chunk"]: r["step_ms"] for r in rows
-                   if r["decodes"] == nd and r["adapters"] == distinct and (r["mode"] == mode or not r["chunk"])}
+            sel = {
+                r["chunk"]: r["step_ms"]
+                for r in rows
+                if r["decodes"] == nd and r["adapters"] == distinct and (r["mode"] == mode or not r["chunk"])
+            }
             base = sel.get(0)
-            cells = [f"{v:.2f}" + (f" (+{v - base:.2f})" if base is not None and c else "")
-                     for c, v in sorted(sel.items())]
+            cells = [
+                f"{v:.2f}" + (f" (+{v - base:.2f})" if base is not None and c else "")
+                for c, v in sorted(sel.items())
+            ]
             print(f"| {mode} | {distinct} | " + " | ".join(cells) + " |")
 
 

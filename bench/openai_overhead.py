@@ -38,8 +38,9 @@ PROMPT = "List 3 countries and their capitals."
 
 
 def grpc_ttft(stub, adapter: str) -> float:
-    request = pb.GenerateRequest(text=[PROMPT], adapter=[adapter],
-                                 sampling_params=pb.SamplingParams(max_new_tokens=1, temperature=0))
+    request = pb.GenerateRequest(
+        text=[PROMPT], adapter=[adapter], sampling_params=pb.SamplingParams(max_new_tokens=1, temperature=0)
+    )
     t0 = time.perf_counter()
     stream = stub.GenerateStream(request, timeout=60)
     for msg in stream:
@@ -78,10 +79,16 @@ def start(device: str) -> tuple[list[ServerProcess], str, str]:
     from services.inference.default_model import ensure_model
 
     model = ensure_model()
-    inference = ServerProcess("inference", "services.inference", [
-        "--model-path", str(model), "--port", "0", "--device", device, "--adapter-store", "none"], echo=False)
+    inference = ServerProcess(
+        "inference",
+        "services.inference",
+        ["--model-path", str(model), "--port", "0", "--device", device, "--adapter-store", "none"],
+        echo=False,
+    )
     inference.wait_serving(300)
-    door = ServerProcess("openai", "services.openai", ["--target", inference.address, "--port", "0"], echo=False)
+    door = ServerProcess(
+        "openai", "services.openai", ["--target", inference.address, "--port", "0"], echo=False
+    )
     door.wait_bound(60)
     for _ in range(300):
         try:
@@ -100,7 +107,9 @@ def main() -> None:
     parser.add_argument("--door", default=None, help="a running door over --target, HOST:PORT")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--adapter", default="", help="an adapter to ask for ('' = the base model)")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "openai_overhead.json")
+    parser.add_argument(
+        "--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "openai_overhead.json"
+    )
     args = parser.parse_args()
 
     load_before = os.getloadavg()[0]
@@ -133,25 +142,48 @@ def main() -> None:
 
     load_after = os.getloadavg()[0]
     rows = {"grpc": direct, "openai door": via_door}
-    stats = {name: {"p50_ms": statistics.median(v) * 1e3, "p90_ms": percentile(v, 0.9) * 1e3,
-                    "mean_ms": statistics.fmean(v) * 1e3} for name, v in rows.items()}
+    stats = {
+        name: {
+            "p50_ms": statistics.median(v) * 1e3,
+            "p90_ms": percentile(v, 0.9) * 1e3,
+            "mean_ms": statistics.fmean(v) * 1e3,
+        }
+        for name, v in rows.items()
+    }
     paired = [d - g for g, d in zip(direct, via_door, strict=True)]
-    overhead = {"p50_ms": stats["openai door"]["p50_ms"] - stats["grpc"]["p50_ms"],
-                "paired_median_ms": statistics.median(paired) * 1e3}
+    overhead = {
+        "p50_ms": stats["openai door"]["p50_ms"] - stats["grpc"]["p50_ms"],
+        "paired_median_ms": statistics.median(paired) * 1e3,
+    }
     print(f"TTFT, {args.requests} requests per path, max_new_tokens 1, prompt {PROMPT!r}, model {model}")
     print(f"{'path':14} {'p50 ms':>8} {'p90 ms':>8} {'mean ms':>8}")
     for name, s in stats.items():
         print(f"{name:14} {s['p50_ms']:8.2f} {s['p90_ms']:8.2f} {s['mean_ms']:8.2f}")
     print(f"load average {load_before:.1f} before, {load_after:.1f} after, on {os.cpu_count()} CPUs")
-    print(f"door overhead: p50 {overhead['p50_ms']:+.2f} ms, median of paired differences "
-          f"{overhead['paired_median_ms']:+.2f} ms")
+    print(
+        f"door overhead: p50 {overhead['p50_ms']:+.2f} ms, median of paired differences "
+        f"{overhead['paired_median_ms']:+.2f} ms"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "requests": args.requests, "model": model, "device": args.device, "prompt": PROMPT,
-        "host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count(),
-        "load_average": [load_before, load_after], "stats": stats, "overhead": overhead,
-        "grpc_s": direct, "door_s": via_door,
-    }, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "requests": args.requests,
+                "model": model,
+                "device": args.device,
+                "prompt": PROMPT,
+                "host": platform.node(),
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "load_average": [load_before, load_after],
+                "stats": stats,
+                "overhead": overhead,
+                "grpc_s": direct,
+                "door_s": via_door,
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {args.out}")
 
 

@@ -50,10 +50,22 @@ import torch
 from bench import serving_setup as setup
 
 log = logging.getLogger("bench.prefix_cache")
-SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-               intermediate_size=1536, vocab_size=49152)
-TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=512, vocab_size=4096)
+SMOLLM2 = dict(
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    intermediate_size=1536,
+    vocab_size=49152,
+)
+TINY = dict(
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=512,
+    vocab_size=4096,
+)
 DEFAULTS = {  # mode -> option defaults
     "gpu": dict(requests=256, system_tokens=1024, unique_tokens=128, new_tokens=64, adapters=8, rank=16),
     "cpu": dict(requests=24, system_tokens=256, unique_tokens=32, new_tokens=8, adapters=4, rank=8),
@@ -72,23 +84,30 @@ def build(opts: argparse.Namespace):
         model_dir = work / "model"
         if not _written(model_dir, shape):  # writing 16 GB of random weights takes a while: reuse them
             setup.write_model_dir(model_dir, shape, device=dev)
-        adapter_dirs = setup.write_adapters(work / "adapters", model_dir, opts.adapters, shape, rank=opts.rank,
-                                            device=dev)
+        adapter_dirs = setup.write_adapters(
+            work / "adapters", model_dir, opts.adapters, shape, rank=opts.rank, device=dev
+        )
         extra = dict(device=dev, dtype="bfloat16", context_length=4096)
         vocab = (1000, shape["vocab_size"] - 1000) if opts.tiny else (1000, 100000)
     else:
         from services.inference.default_model import ensure_model
 
         model_dir = ensure_model()
-        adapter_dirs = setup.write_adapters(work / "adapters-smollm2", model_dir, opts.adapters, SMOLLM2,
-                                            rank=opts.rank, device="cpu")
+        adapter_dirs = setup.write_adapters(
+            work / "adapters-smollm2", model_dir, opts.adapters, SMOLLM2, rank=opts.rank, device="cpu"
+        )
         extra = dict(device="cpu", dtype="float32", context_length=2048, max_total_tokens=16384)
         vocab = (1000, 48000)
     names = [f"a{i}" for i in range(opts.adapters)]
     args = ServerArgs(
-        model_path=str(model_dir), lora_paths=tuple(f"{n}={d}" for n, d in zip(names, adapter_dirs, strict=True)),
-        max_loras_per_batch=opts.adapters, max_lora_rank=opts.rank, lora_target_modules=("all",),
-        max_running_requests=opts.max_running, cuda_graph_max_bs=min(opts.max_running, 256), **extra,
+        model_path=str(model_dir),
+        lora_paths=tuple(f"{n}={d}" for n, d in zip(names, adapter_dirs, strict=True)),
+        max_loras_per_batch=opts.adapters,
+        max_lora_rank=opts.rank,
+        lora_target_modules=("all",),
+        max_running_requests=opts.max_running,
+        cuda_graph_max_bs=min(opts.max_running, 256),
+        **extra,
     )
     engine, _ = build_llm_engine(args)
     return engine, names, vocab
@@ -111,8 +130,10 @@ def workloads(opts, names: list[str], vocab: tuple[int, int]) -> dict[str, list[
 
     systems = {name: draw(opts.system_tokens) for name in names}
     length = opts.system_tokens + opts.unique_tokens
-    shared = [(systems[names[i % len(names)]] + draw(opts.unique_tokens), names[i % len(names)])
-              for i in range(opts.requests)]
+    shared = [
+        (systems[names[i % len(names)]] + draw(opts.unique_tokens), names[i % len(names)])
+        for i in range(opts.requests)
+    ]
     unique = [(draw(length), names[i % len(names)]) for i in range(opts.requests)]
     return {"shared": shared, "unique": unique}
 
@@ -166,12 +187,19 @@ def run_open_loop(engine, jobs, arrivals: list[float], new_tokens: int, tag: str
     span = max(finish) - arrivals[0]
     stats = engine.stats()
     return dict(
-        ttft_p50_ms=1e3 * statistics.median(ttft), ttft_p90_ms=1e3 * ttft[int(0.9 * (n - 1))],
-        output_tok_s=sum(out_tokens) / span, span_s=span, last_first_token_s=max(first) - arrivals[0],
-        steps=steps, cpu_s=time.process_time() - cpu_start,
-        tokens_per_step=sched["tokens"] / steps, schedule_us_per_step=1e6 * sched["s"] / steps,
-        hit_tokens=sum(stats.prefix_cache_hit_tokens.values()), prompt_tokens=sum(len(j[0]) for j in jobs),
-        evictions=stats.prefix_cache_evictions, preemptions=engine.scheduler.num_preemptions,
+        ttft_p50_ms=1e3 * statistics.median(ttft),
+        ttft_p90_ms=1e3 * ttft[int(0.9 * (n - 1))],
+        output_tok_s=sum(out_tokens) / span,
+        span_s=span,
+        last_first_token_s=max(first) - arrivals[0],
+        steps=steps,
+        cpu_s=time.process_time() - cpu_start,
+        tokens_per_step=sched["tokens"] / steps,
+        schedule_us_per_step=1e6 * sched["s"] / steps,
+        hit_tokens=sum(stats.prefix_cache_hit_tokens.values()),
+        prompt_tokens=sum(len(j[0]) for j in jobs),
+        evictions=stats.prefix_cache_evictions,
+        preemptions=engine.scheduler.num_preemptions,
     )
 
 
@@ -179,8 +207,9 @@ def closed_batch_s(engine, jobs, new_tokens: int) -> float:
     from services.inference.engine.types import SamplingParams
 
     start = time.perf_counter()
-    engine.generate([j[0] for j in jobs], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True),
-                    [j[1] for j in jobs])
+    engine.generate(
+        [j[0] for j in jobs], SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), [j[1] for j in jobs]
+    )
     return time.perf_counter() - start
 
 
@@ -189,11 +218,19 @@ def main() -> None:
     p.add_argument("--mode", choices=["gpu", "cpu"], default="gpu" if torch.cuda.is_available() else "cpu")
     for key in DEFAULTS["gpu"]:
         p.add_argument("--" + key.replace("_", "-"), type=int, default=None)
-    p.add_argument("--rate", type=float, default=None, help="requests/s (default: --load x cache-off capacity)")
-    p.add_argument("--load", type=float, default=2.0, help="offered requests/s over the measured cache-off capacity")
-    p.add_argument("--burst", type=int, default=None, help="requests of the capacity burst (default: min(requests, 96))")
+    p.add_argument(
+        "--rate", type=float, default=None, help="requests/s (default: --load x cache-off capacity)"
+    )
+    p.add_argument(
+        "--load", type=float, default=2.0, help="offered requests/s over the measured cache-off capacity"
+    )
+    p.add_argument(
+        "--burst", type=int, default=None, help="requests of the capacity burst (default: min(requests, 96))"
+    )
     p.add_argument("--max-running", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=1, help="runs of each workload and setting (medians reported)")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs of each workload and setting (medians reported)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="gpu mode with a 2-layer random model (a quick check)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default on a CPU: 1)")
@@ -219,11 +256,16 @@ def main() -> None:
     # last first token overstate it (later steps carry more decodes), so it is only logged.
     rng = random.Random(opts.seed + 1)
     burst = opts.burst or min(opts.requests, 96)
-    cold = [([rng.randrange(*vocab) for _ in range(opts.system_tokens + opts.unique_tokens)], names[i % len(names)])
-            for i in range(len(names) + burst)]
+    cold = [
+        (
+            [rng.randrange(*vocab) for _ in range(opts.system_tokens + opts.unique_tokens)],
+            names[i % len(names)],
+        )
+        for i in range(len(names) + burst)
+    ]
     blocks.reset_prefix_cache(False)
     closed_batch_s(engine, cold[: len(names)], 2)
-    probe = run_open_loop(engine, cold[len(names):], [0.0] * burst, opts.new_tokens, "capacity")
+    probe = run_open_loop(engine, cold[len(names) :], [0.0] * burst, opts.new_tokens, "capacity")
     capacity = burst / probe["span_s"]
     rate = opts.rate or opts.load * capacity
     gaps = random.Random(opts.seed + 2)
@@ -231,23 +273,41 @@ def main() -> None:
     for _ in range(opts.requests):
         arrivals.append(t)
         t += gaps.expovariate(rate)
-    log.info("cache-off capacity %.2f requests/s = %.0f output tok/s (%d-request burst; admitted %.2f/s until "
-             "its last first token) -> %.2f requests/s offered", capacity, probe["output_tok_s"], burst,
-             burst / probe["last_first_token_s"], rate)
+    log.info(
+        "cache-off capacity %.2f requests/s = %.0f output tok/s (%d-request burst; admitted %.2f/s until "
+        "its last first token) -> %.2f requests/s offered",
+        capacity,
+        probe["output_tok_s"],
+        burst,
+        burst / probe["last_first_token_s"],
+        rate,
+    )
     # Short untimed open-loop runs of both workloads (on other tokens), cache on and off, so every
     # kind of step (short prefills after a hit, mixed prefill + decode) has run before timing.
     for workload in loads:
         for cache in (True, False):
             blocks.reset_prefix_cache(cache)
-            warm = workloads(argparse.Namespace(**{**vars(opts), "requests": 2 * len(names), "seed": opts.seed + 3}),
-                             names, vocab)[workload][: len(arrivals)]
+            warm = workloads(
+                argparse.Namespace(**{**vars(opts), "requests": 2 * len(names), "seed": opts.seed + 3}),
+                names,
+                vocab,
+            )[workload][: len(arrivals)]
             run_open_loop(engine, warm, arrivals[: len(warm)], opts.new_tokens, f"warmup-{workload}-{cache}")
 
     results: dict = dict(
-        mode=opts.mode, device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", argv=sys.argv[1:],
-        options={k: getattr(opts, k) for k in (*DEFAULTS["gpu"], "load", "burst", "seed", "max_running", "repeats")},
-        setup_s=setup_s, arrival_span_s=arrivals[-1], capacity_req_s=capacity, capacity_burst=burst,
-        capacity_probe=probe, rate=rate, runs={},
+        mode=opts.mode,
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        argv=sys.argv[1:],
+        options={
+            k: getattr(opts, k) for k in (*DEFAULTS["gpu"], "load", "burst", "seed", "max_running", "repeats")
+        },
+        setup_s=setup_s,
+        arrival_span_s=arrivals[-1],
+        capacity_req_s=capacity,
+        capacity_burst=burst,
+        capacity_probe=probe,
+        rate=rate,
+        runs={},
     )
     repeats: dict[str, list[dict]] = {}
     for rep in range(opts.repeats):
@@ -255,8 +315,11 @@ def main() -> None:
             # Alternate which setting runs first: a shared machine's load drifts between runs.
             for cache in ("off", "on") if rep % 2 == 0 else ("on", "off"):
                 blocks.reset_prefix_cache(cache == "on")
-                before = dict(hit=engine.stats().prefix_cache_hit_tokens, ev=blocks.num_evictions,
-                              pre=engine.scheduler.num_preemptions)
+                before = dict(
+                    hit=engine.stats().prefix_cache_hit_tokens,
+                    ev=blocks.num_evictions,
+                    pre=engine.scheduler.num_preemptions,
+                )
                 r = run_open_loop(engine, jobs, arrivals, opts.new_tokens, f"{workload}-{cache}-{rep}")
                 r["hit_tokens"] -= sum(before["hit"].values())
                 r["evictions"] -= before["ev"]
@@ -264,7 +327,9 @@ def main() -> None:
                 repeats.setdefault(f"{workload}/{cache}", []).append(r)
                 log.info("%s cache %s: %s", workload, cache, r)
     results["repeats"] = repeats
-    results["runs"] = {key: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for key, rs in repeats.items()}
+    results["runs"] = {
+        key: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for key, rs in repeats.items()
+    }
     blocks.reset_prefix_cache(True)
     runs = results["runs"]
     results["shared_ttft_p50_ratio"] = runs["shared/off"]["ttft_p50_ms"] / runs["shared/on"]["ttft_p50_ms"]
@@ -279,24 +344,34 @@ def main() -> None:
 
 def print_table(res: dict) -> None:
     o = res["options"]
-    print(f"\n{res['device']}: {o['requests']} requests over {o['adapters']} adapters at {res['rate']:.2f}/s "
-          f"(Poisson; {res['rate'] / res['capacity_req_s']:.2f}x the cache-off capacity of "
-          f"{res['capacity_req_s']:.2f}/s), prompts {o['system_tokens']} shared + {o['unique_tokens']} own tokens, "
-          f"{o['new_tokens']} new")
-    print(f"{'workload':<8} {'cache':<5} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'out tok/s':>10} {'span s':>7} "
-          f"{'hit/prompt':>11} {'evict':>6} {'preempt':>7} {'steps':>6} {'tok/step':>8} {'sched us/step':>13} "
-          f"{'CPU s':>7}")
+    print(
+        f"\n{res['device']}: {o['requests']} requests over {o['adapters']} adapters at {res['rate']:.2f}/s "
+        f"(Poisson; {res['rate'] / res['capacity_req_s']:.2f}x the cache-off capacity of "
+        f"{res['capacity_req_s']:.2f}/s), prompts {o['system_tokens']} shared + {o['unique_tokens']} own tokens, "
+        f"{o['new_tokens']} new"
+    )
+    print(
+        f"{'workload':<8} {'cache':<5} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'out tok/s':>10} {'span s':>7} "
+        f"{'hit/prompt':>11} {'evict':>6} {'preempt':>7} {'steps':>6} {'tok/step':>8} {'sched us/step':>13} "
+        f"{'CPU s':>7}"
+    )
     for key, r in res["runs"].items():
         workload, cache = key.split("/")
-        print(f"{workload:<8} {cache:<5} {r['ttft_p50_ms']:>12.1f} {r['ttft_p90_ms']:>12.1f} {r['output_tok_s']:>10.1f} "
-              f"{r['span_s']:>7.1f} {r['hit_tokens'] / r['prompt_tokens']:>11.2f} {r['evictions']:>6} "
-              f"{r['preemptions']:>7} {r['steps']:>6.0f} {r['tokens_per_step']:>8.1f} "
-              f"{r['schedule_us_per_step']:>13.1f} {r['cpu_s']:>7.1f}")
-    print(f"shared: TTFT p50 {res['shared_ttft_p50_ratio']:.2f}x lower (goal >= 4x), output tok/s "
-          f"{res['shared_tok_s_ratio']:.2f}x (goal >= 1.3x); unique: output tok/s on/off "
-          f"{res['unique_tok_s_ratio']:.3f} (goal >= 0.98)")
-    print(f"arrivals span {res['arrival_span_s']:.1f} s: a run whose span is longer was saturated "
-          f"(its tok/s is the server's, not the offered rate)")
+        print(
+            f"{workload:<8} {cache:<5} {r['ttft_p50_ms']:>12.1f} {r['ttft_p90_ms']:>12.1f} {r['output_tok_s']:>10.1f} "
+            f"{r['span_s']:>7.1f} {r['hit_tokens'] / r['prompt_tokens']:>11.2f} {r['evictions']:>6} "
+            f"{r['preemptions']:>7} {r['steps']:>6.0f} {r['tokens_per_step']:>8.1f} "
+            f"{r['schedule_us_per_step']:>13.1f} {r['cpu_s']:>7.1f}"
+        )
+    print(
+        f"shared: TTFT p50 {res['shared_ttft_p50_ratio']:.2f}x lower (goal >= 4x), output tok/s "
+        f"{res['shared_tok_s_ratio']:.2f}x (goal >= 1.3x); unique: output tok/s on/off "
+        f"{res['unique_tok_s_ratio']:.3f} (goal >= 0.98)"
+    )
+    print(
+        f"arrivals span {res['arrival_span_s']:.1f} s: a run whose span is longer was saturated "
+        f"(its tok/s is the server's, not the offered rate)"
+    )
 
 
 if __name__ == "__main__":

@@ -31,9 +31,16 @@ from bench.graph_timing import replay_ms  # noqa: E402
 from bench.serving import build  # noqa: E402
 from bench.serving_engine import abort_all, add_batch, run_until_decoding  # noqa: E402
 
-KINDS = (("gemm", ("gemm", "cutlass", "sm90", "nvjet", "gemv")), ("shrink", ("_shrink",)), ("expand", ("_expand",)),
-         ("attention", ("_decode_split", "_decode_merge", "attn")), ("norm", ("rms",)), ("rotary", ("rotary",)), ("silu", ("silu",)),
-         ("kv store", ("kv_store", "store_kv")))
+KINDS = (
+    ("gemm", ("gemm", "cutlass", "sm90", "nvjet", "gemv")),
+    ("shrink", ("_shrink",)),
+    ("expand", ("_expand",)),
+    ("attention", ("_decode_split", "_decode_merge", "attn")),
+    ("norm", ("rms",)),
+    ("rotary", ("rotary",)),
+    ("silu", ("silu",)),
+    ("kv store", ("kv_store", "store_kv")),
+)
 
 
 def kind(name: str) -> str:
@@ -56,9 +63,11 @@ def trace_replay(graph: torch.cuda.CUDAGraph, path: Path) -> list[dict]:
     events = json.loads(path.read_text())["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     # Replays are separated by a sync: split at the two largest gaps.
-    gaps = sorted(range(1, len(kernels)), key=lambda i: kernels[i]["ts"] - kernels[i - 1]["ts"] - kernels[i - 1]["dur"])
+    gaps = sorted(
+        range(1, len(kernels)), key=lambda i: kernels[i]["ts"] - kernels[i - 1]["ts"] - kernels[i - 1]["dur"]
+    )
     cut = sorted(gaps[-2:])
-    last = kernels[cut[1]:]
+    last = kernels[cut[1] :]
     return [dict(name=e["name"], stream=e["args"].get("stream"), ts=e["ts"], dur=e["dur"]) for e in last]
 
 
@@ -71,20 +80,41 @@ def summarize(kernels: list[dict], layers: int) -> dict:
         streams[e["stream"]] += e["dur"]
         by_kind[kind(e["name"])][0] += 1
         by_kind[kind(e["name"])][1] += e["dur"]
-    main = max(streams, key=lambda s: sum(1 for e in kernels if e["stream"] == s and kind(e["name"]) == "gemm"))
+    main = max(
+        streams, key=lambda s: sum(1 for e in kernels if e["stream"] == s and kind(e["name"]) == "gemm")
+    )
     attn = [i for i, e in enumerate(kernels) if "_decode_split" in e["name"]]  # one per layer
     mid = min(layers // 2, len(attn) - 2)
     lo, hi = attn[mid], attn[mid + 1]
-    layer = [dict(stream=e["stream"], kind=kind(e["name"]), name=e["name"][:60],
-                  start_us=round(e["ts"] - kernels[lo]["ts"], 1), dur_us=round(e["dur"], 1)) for e in kernels[lo:hi]]
-    return dict(span_us=span, main_stream=main, busy_us=dict(streams), main_idle_us=span - streams[main],
-                kinds={k: dict(count=c, us=round(t, 1)) for k, (c, t) in sorted(by_kind.items())}, layer=layer)
+    layer = [
+        dict(
+            stream=e["stream"],
+            kind=kind(e["name"]),
+            name=e["name"][:60],
+            start_us=round(e["ts"] - kernels[lo]["ts"], 1),
+            dur_us=round(e["dur"], 1),
+        )
+        for e in kernels[lo:hi]
+    ]
+    return dict(
+        span_us=span,
+        main_stream=main,
+        busy_us=dict(streams),
+        main_idle_us=span - streams[main],
+        kinds={k: dict(count=c, us=round(t, 1)) for k, (c, t) in sorted(by_kind.items())},
+        layer=layer,
+    )
 
 
 def print_summary(label: str, s: dict) -> None:
-    print(f"\n== {label}: replay span {s['span_us']:.0f} us; main stream {s['main_stream']} idle "
-          f"{s['main_idle_us']:.0f} us; busy per stream {({k: round(v) for k, v in s['busy_us'].items()})}")
-    print("   per kind (count, us): " + ", ".join(f"{k} {v['count']}/{v['us']:.0f}" for k, v in s["kinds"].items()))
+    print(
+        f"\n== {label}: replay span {s['span_us']:.0f} us; main stream {s['main_stream']} idle "
+        f"{s['main_idle_us']:.0f} us; busy per stream { ({k: round(v) for k, v in s['busy_us'].items()}) }"
+    )
+    print(
+        "   per kind (count, us): "
+        + ", ".join(f"{k} {v['count']}/{v['us']:.0f}" for k, v in s["kinds"].items())
+    )
     print(f"   one layer ({len(s['layer'])} kernels): stream kind start dur name")
     for e in s["layer"]:
         print(f"     {e['stream']!s:>4} {e['kind']:<9}{e['start_us']:8.1f}{e['dur_us']:7.1f}  {e['name']}")
@@ -94,7 +124,9 @@ def matmul_libs() -> dict[str, dict[str, float]]:
     """us per decode-shaped matmul (64 tokens) of the model's linears, cuBLAS vs cuBLASLt."""
     import triton
 
-    shapes = dict(qkv=(6144, 4096), o=(4096, 4096), gate_up=(28672, 4096), down=(4096, 14336), lm_head=(128256, 4096))
+    shapes = dict(
+        qkv=(6144, 4096), o=(4096, 4096), gate_up=(28672, 4096), down=(4096, 14336), lm_head=(128256, 4096)
+    )
     out: dict[str, dict[str, float]] = {}
     lib = torch.backends.cuda.preferred_blas_library()
     for name, (n, k) in shapes.items():
@@ -102,8 +134,9 @@ def matmul_libs() -> dict[str, dict[str, float]]:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         for b in ("cublas", "cublaslt"):
             torch.backends.cuda.preferred_blas_library(b)
-            ms = triton.testing.do_bench(lambda x=x, w=w: torch.nn.functional.linear(x, w), warmup=20, rep=200,
-                                         return_mode="median")
+            ms = triton.testing.do_bench(
+                lambda x=x, w=w: torch.nn.functional.linear(x, w), warmup=20, rep=200, return_mode="median"
+            )
             out.setdefault(name, {})[b] = ms * 1e3
     torch.backends.cuda.preferred_blas_library(lib)
     return out
@@ -115,8 +148,15 @@ def bench_engine(adapters: int, work: Path):
     shape = setup.LLAMA_8B
     model_dir = setup.write_model_dir(work / "model", shape, device="cuda")
     adapter_dirs = setup.write_adapters(work / "adapters", model_dir, adapters, shape, device="cuda")
-    opts = argparse.Namespace(max_bs=64, context_length=2048, disable_cuda_graph=False,
-                              disable_overlap_schedule=False, mem_fraction=0.7, tp_size=1, lora_backend=None)
+    opts = argparse.Namespace(
+        max_bs=64,
+        context_length=2048,
+        disable_cuda_graph=False,
+        disable_overlap_schedule=False,
+        mem_fraction=0.7,
+        tp_size=1,
+        lora_backend=None,
+    )
     async_engine, _ = build(model_dir, opts, len(adapter_dirs))
     names = [f"a{i:02d}" for i in range(len(adapter_dirs))]
     for name, path in zip(names, adapter_dirs, strict=True):
@@ -155,8 +195,10 @@ def main() -> int:
     engine = async_engine.engine
     graphs = engine.runner.cuda_graphs
     res: dict = dict(device=torch.cuda.get_device_name(), matmul_us=matmul_libs(), graphs={})
-    print("decode matmul us (64 tokens), cuBLAS / cuBLASLt:",
-          {k: f"{v['cublas']:.1f}/{v['cublaslt']:.1f}" for k, v in res["matmul_us"].items()})
+    print(
+        "decode matmul us (64 tokens), cuBLAS / cuBLASLt:",
+        {k: f"{v['cublas']:.1f}/{v['cublaslt']:.1f}" for k, v in res["matmul_us"].items()},
+    )
     for distinct in (0, 8, min(64, len(names))):
         ids = start_batch(engine, prompts, names, distinct)
         key = graphs.key(64, distinct)

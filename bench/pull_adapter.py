@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loraplex.v1 import adapter_store_pb2 as pb  # noqa: E402
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc  # noqa: E402
 
-from tests.store_helpers import WEIGHTS, start_store, write_random_adapter  # noqa: E402
+from tests.support.store_helpers import WEIGHTS, start_store, write_random_adapter  # noqa: E402
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
 
@@ -64,8 +64,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lpx-bench-") as tmp:
         src = write_random_adapter(Path(tmp) / "adapter", hidden=hidden, layers=layers, r=r, modules=MODULES)
         size = (src / WEIGHTS).stat().st_size
-        with start_store(Path(tmp) / "cache", "--max-adapter-bytes", str(4 * size)) as proc, \
-                grpc.insecure_channel(proc.address, options=[("grpc.max_receive_message_length", 8 << 20)]) as ch:
+        with (
+            start_store(Path(tmp) / "cache", "--max-adapter-bytes", str(4 * size)) as proc,
+            grpc.insecure_channel(proc.address, options=[("grpc.max_receive_message_length", 8 << 20)]) as ch,
+        ):
             stub = pb_grpc.AdapterStoreStub(ch)
             t0 = time.perf_counter()
             stub.RegisterAdapter(pb.RegisterAdapterRequest(name="bench", source=str(src)), timeout=600)
@@ -86,18 +88,32 @@ def main() -> None:
         ("PullAdapter stream + sha256", statistics.median(verified), mb / statistics.median(verified)),
         ("PullAdapter shared_cache (path)", statistics.median(shared), float("nan")),
     ]
-    print(f"adapter: {mb:.1f} MB fp32, {layers} layers x {len(MODULES)} modules, r={r}, hidden={hidden}; "
-          f"{args.reps} reps, median; host {platform.node()} ({os.cpu_count()} cpus)")
+    print(
+        f"adapter: {mb:.1f} MB fp32, {layers} layers x {len(MODULES)} modules, r={r}, hidden={hidden}; "
+        f"{args.reps} reps, median; host {platform.node()} ({os.cpu_count()} cpus)"
+    )
     print(f"{'what':34s} {'seconds':>9s} {'MB/s':>9s}")
     for what, seconds, rate in rows:
         print(f"{what:34s} {seconds:9.3f} {rate:9.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "bench": "pull_adapter", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "size_bytes": size, "reps": args.reps, "cpus": os.cpu_count(),
-        "register_s": register_s, "stream_s": stream, "stream_verified_s": verified, "shared_cache_s": shared,
-        "stream_mb_s": mb / statistics.median(stream), "stream_verified_mb_s": mb / statistics.median(verified),
-    }, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "bench": "pull_adapter",
+                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                "size_bytes": size,
+                "reps": args.reps,
+                "cpus": os.cpu_count(),
+                "register_s": register_s,
+                "stream_s": stream,
+                "stream_verified_s": verified,
+                "shared_cache_s": shared,
+                "stream_mb_s": mb / statistics.median(stream),
+                "stream_verified_mb_s": mb / statistics.median(verified),
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
 
 

@@ -19,19 +19,41 @@ from services.inference.models.config import ModelConfig, parse_config
 from services.inference.models.llama import LlamaForCausalLM
 from services.inference.models.loader import default_dtype
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=96, vocab_size=128)
-LLAMA_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                intermediate_size=14336, vocab_size=128256)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=96,
+    vocab_size=128,
+)
+LLAMA_8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+)
 
 
 def model_config(shape: dict, context_length: int) -> ModelConfig:
-    return parse_config(dict(architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_eps=1e-5,
-                             rope_theta=500000.0, max_position_embeddings=context_length, **shape))
+    return parse_config(
+        dict(
+            architectures=["LlamaForCausalLM"],
+            hidden_act="silu",
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            max_position_embeddings=context_length,
+            **shape,
+        )
+    )
 
 
 @torch.inference_mode()
-def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> LlamaForCausalLM:
+def random_model(
+    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     with torch.device(device), default_dtype(dtype):
         model = LlamaForCausalLM(cfg)
@@ -44,9 +66,20 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, see
 
 
 def build_runner(
-    shape: dict, *, dtype: torch.dtype, device: torch.device, slots: int, rank: int, max_num_tokens: int,
-    max_num_seqs: int, context_length: int = 2048, page_size: int = 16, num_blocks: int | None = None,
-    side_stream: bool | None = None, seed: int = 0, lora_backend: str = "triton",
+    shape: dict,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    slots: int,
+    rank: int,
+    max_num_tokens: int,
+    max_num_seqs: int,
+    context_length: int = 2048,
+    page_size: int = 16,
+    num_blocks: int | None = None,
+    side_stream: bool | None = None,
+    seed: int = 0,
+    lora_backend: str = "triton",
 ) -> ModelRunner:
     """A runner with `slots` random adapters of rank <= `rank` resident (slots 0: no LoRA backend).
     `lora_backend` "torch": the CPU backend (no Triton interpreter needed)."""
@@ -56,10 +89,16 @@ def build_runner(
     kv_cache = allocate_kv_cache(cfg, blocks, page_size, dtype, device)
     backend = None
     if slots:
-        shapes = ModelShapes(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-                             intermediate_size=cfg.intermediate_size, q_size=cfg.q_size, kv_size=cfg.kv_size)
-        pool = AdapterPool(shapes, slots=slots, max_rank=rank, target_modules=ALL_MODULES, dtype=dtype,
-                           device=device)
+        shapes = ModelShapes(
+            num_layers=cfg.num_layers,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            q_size=cfg.q_size,
+            kv_size=cfg.kv_size,
+        )
+        pool = AdapterPool(
+            shapes, slots=slots, max_rank=rank, target_modules=ALL_MODULES, dtype=dtype, device=device
+        )
         for s in range(slots):
             pool.upload(s, random_adapter(shapes, MODULE_SETS[s % len(MODULE_SETS)], rank, seed + s, dtype))
         if device.type == "cuda":
@@ -69,5 +108,12 @@ def build_runner(
             backend = TorchLoRABackend(pool)
         else:
             backend = TritonLoRABackend(pool, max_tokens=max_num_tokens, side_stream=side)
-    return ModelRunner(model, cfg, kv_cache, max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
-                       context_length=context_length, lora_backend=backend)
+    return ModelRunner(
+        model,
+        cfg,
+        kv_cache,
+        max_num_tokens=max_num_tokens,
+        max_num_seqs=max_num_seqs,
+        context_length=context_length,
+        lora_backend=backend,
+    )

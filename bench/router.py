@@ -67,8 +67,12 @@ def make_adapters(model: str, out: Path, n: int, rank: int) -> list[Path]:
 class Fleet:
     def __init__(self, ns: argparse.Namespace, work: Path) -> None:
         self.ns, self.work = ns, work
-        self.store = ServerProcess("store", "adapter_store", [
-            "--port", "0", "--cache-dir", str(work / "store"), "--base-model", ns.model_path], echo=False)
+        self.store = ServerProcess(
+            "store",
+            "adapter_store",
+            ["--port", "0", "--cache-dir", str(work / "store"), "--base-model", ns.model_path],
+            echo=False,
+        )
         self.store.wait_serving(300)
         self.replicas = {name: self._replica(name, 0) for name in ("r1", "r2")}
         for proc in self.replicas.values():
@@ -78,11 +82,33 @@ class Fleet:
 
     def _replica(self, name: str, port: int) -> ServerProcess:
         ns = self.ns
-        return ServerProcess(name, "services.inference", [
-            "--model-path", ns.model_path, "--port", str(port), "--device", ns.device,
-            "--adapter-store", self.store.address, "--adapter-cache-dir", str(self.work / f"cache-{name}"),
-            "--replica-id", name, "--listen-when-ready", "--max-lora-rank", str(ns.rank), "--lora-target-modules", *TARGETS,
-            "--max-loras-per-batch", str(ns.slots), *ns.server_args], echo=False)
+        return ServerProcess(
+            name,
+            "services.inference",
+            [
+                "--model-path",
+                ns.model_path,
+                "--port",
+                str(port),
+                "--device",
+                ns.device,
+                "--adapter-store",
+                self.store.address,
+                "--adapter-cache-dir",
+                str(self.work / f"cache-{name}"),
+                "--replica-id",
+                name,
+                "--listen-when-ready",
+                "--max-lora-rank",
+                str(ns.rank),
+                "--lora-target-modules",
+                *TARGETS,
+                "--max-loras-per-batch",
+                str(ns.slots),
+                *ns.server_args,
+            ],
+            echo=False,
+        )
 
     def restart(self, name: str, port: int) -> None:
         self.replicas[name] = self._replica(name, port)
@@ -95,8 +121,11 @@ class Fleet:
 
 def stream_once(stub, adapter: str, max_new_tokens: int) -> dict:
     """One GenerateStream: replica, time to first token, whether tokens arrived, error code."""
-    request = pb.GenerateRequest(text=[PROMPT], adapter=[adapter] if adapter else [],
-                                 sampling_params=pb.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
+    request = pb.GenerateRequest(
+        text=[PROMPT],
+        adapter=[adapter] if adapter else [],
+        sampling_params=pb.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True),
+    )
     start = time.perf_counter()
     first = None
     call = stub.GenerateStream(request, timeout=120, metadata=routing_metadata(None, [adapter]))
@@ -108,8 +137,14 @@ def stream_once(stub, adapter: str, max_new_tokens: int) -> dict:
     except grpc.RpcError as err:
         code = err.code().name
     replica = dict(call.trailing_metadata() or ()).get("x-loraplex-replica", "")
-    return dict(adapter=adapter, replica=replica, ttft=first, streamed=first is not None, code=code,
-                t=time.monotonic())
+    return dict(
+        adapter=adapter,
+        replica=replica,
+        ttft=first,
+        streamed=first is not None,
+        code=code,
+        t=time.monotonic(),
+    )
 
 
 def zipf_choice(rng: random.Random, names: list[str], s: float = 1.0) -> str:
@@ -117,8 +152,9 @@ def zipf_choice(rng: random.Random, names: list[str], s: float = 1.0) -> str:
     return rng.choices(names, weights)[0]
 
 
-def run_clients(address: str, names: list[str], ns: argparse.Namespace, seconds: float,
-                during=None) -> list[dict]:
+def run_clients(
+    address: str, names: list[str], ns: argparse.Namespace, seconds: float, during=None
+) -> list[dict]:
     results: list[dict] = []
     stop = time.monotonic() + seconds
     lock = threading.Lock()
@@ -151,10 +187,14 @@ def affinity(results: list[dict]) -> dict:
     shares = {a: max(c.values()) / sum(c.values()) for a, c in by_adapter.items()}
     per_replica = collections.Counter(r["replica"] for r in results if r["code"] == "OK")
     total = sum(per_replica.values()) or 1
-    return dict(requests=len(results), errors=sum(r["code"] != "OK" for r in results),
-                min_adapter_share=min(shares.values()) if shares else None,
-                adapters_seen=len(shares), replica_share={k: v / total for k, v in sorted(per_replica.items())},
-                owner={a: c.most_common(1)[0][0] for a, c in by_adapter.items()})
+    return dict(
+        requests=len(results),
+        errors=sum(r["code"] != "OK" for r in results),
+        min_adapter_share=min(shares.values()) if shares else None,
+        adapters_seen=len(shares),
+        replica_share={k: v / total for k, v in sorted(per_replica.items())},
+        owner={a: c.most_common(1)[0][0] for a, c in by_adapter.items()},
+    )
 
 
 def overhead(fleet: Fleet, n: int, max_new_tokens: int) -> dict:
@@ -179,9 +219,16 @@ def overhead(fleet: Fleet, n: int, max_new_tokens: int) -> dict:
         c.close()
     p50d, p50r = statistics.median(direct), statistics.median(routed)
     u50d, u50r = statistics.median(unary_direct[20:]), statistics.median(unary_routed[20:])
-    return dict(samples=len(direct), direct_ttft_p50_ms=1e3 * p50d, router_ttft_p50_ms=1e3 * p50r,
-                hop_ms=1e3 * (p50r - p50d), unary_samples=len(unary_direct) - 20,
-                direct_unary_p50_ms=1e3 * u50d, router_unary_p50_ms=1e3 * u50r, unary_hop_ms=1e3 * (u50r - u50d))
+    return dict(
+        samples=len(direct),
+        direct_ttft_p50_ms=1e3 * p50d,
+        router_ttft_p50_ms=1e3 * p50r,
+        hop_ms=1e3 * (p50r - p50d),
+        unary_samples=len(unary_direct) - 20,
+        direct_unary_p50_ms=1e3 * u50d,
+        router_unary_p50_ms=1e3 * u50r,
+        unary_hop_ms=1e3 * (u50r - u50d),
+    )
 
 
 def failover(fleet: Fleet, names: list[str], owner: dict, ns: argparse.Namespace) -> dict:
@@ -202,13 +249,16 @@ def failover(fleet: Fleet, names: list[str], owner: dict, ns: argparse.Namespace
     moved = {a for a, r in owner.items() if r == victim}
     late = [r for r in results if r["adapter"] in moved and r["t"] > back_after and r["code"] == "OK"]
     during = [r for r in results if marks.get("killed", 0) < r["t"] < marks.get("serving", 0)]
-    return dict(requests=len(results), killed_to_serving_s=marks.get("serving", 0) - marks.get("killed", 0),
-                errors_after_tokens=sum(r["code"] != "OK" and r["streamed"] for r in results),
-                errors_before_tokens=sum(r["code"] != "OK" and not r["streamed"] for r in results),
-                served_while_down=sum(r["code"] == "OK" for r in during),
-                served_while_down_by_survivor=sum(r["code"] == "OK" and r["replica"] == "r1" for r in during),
-                victim_adapters_back_share=(sum(r["replica"] == victim for r in late) / len(late)) if late else None,
-                victim_adapter_requests_after_return=len(late))
+    return dict(
+        requests=len(results),
+        killed_to_serving_s=marks.get("serving", 0) - marks.get("killed", 0),
+        errors_after_tokens=sum(r["code"] != "OK" and r["streamed"] for r in results),
+        errors_before_tokens=sum(r["code"] != "OK" and not r["streamed"] for r in results),
+        served_while_down=sum(r["code"] == "OK" for r in during),
+        served_while_down_by_survivor=sum(r["code"] == "OK" and r["replica"] == "r1" for r in during),
+        victim_adapters_back_share=(sum(r["replica"] == victim for r in late) / len(late)) if late else None,
+        victim_adapter_requests_after_return=len(late),
+    )
 
 
 def main() -> int:
@@ -248,24 +298,40 @@ def main() -> int:
         finally:
             fleet.stop()
     a, o, f = result["affinity"], result["overhead"], result["failover"]
-    print(f"\n{ns.device}, {ns.adapters} adapters (Zipf), {ns.clients} streaming clients, "
-          f"{ns.base_share:.0%} base, {ns.max_new_tokens} tokens each")
+    print(
+        f"\n{ns.device}, {ns.adapters} adapters (Zipf), {ns.clients} streaming clients, "
+        f"{ns.base_share:.0%} base, {ns.max_new_tokens} tokens each"
+    )
     print("| phase | measure | value |\n| --- | --- | --- |")
     print(f"| affinity | requests / errors | {a['requests']} / {a['errors']} |")
-    print(f"| affinity | lowest share of an adapter's requests on its replica | {a['min_adapter_share']:.3f} "
-          f"({a['adapters_seen']} adapters) |")
-    print(f"| affinity | traffic per replica | {', '.join(f'{k} {v:.2f}' for k, v in a['replica_share'].items())} |")
-    print(f"| overhead | TTFT p50 direct / through nginx ({o['samples']} each) | {o['direct_ttft_p50_ms']:.2f} / "
-          f"{o['router_ttft_p50_ms']:.2f} ms (hop {o['hop_ms']:+.2f} ms) |")
-    print(f"| overhead | GetModelInfo p50 direct / through nginx ({o['unary_samples']} each) | "
-          f"{o['direct_unary_p50_ms']:.2f} / {o['router_unary_p50_ms']:.2f} ms (hop {o['unary_hop_ms']:+.2f} ms) |")
-    print(f"| failover | requests; errors before any token / after tokens | {f['requests']}; "
-          f"{f['errors_before_tokens']} / {f['errors_after_tokens']} |")
-    print(f"| failover | served while r2 was down (by r1) | {f['served_while_down']} "
-          f"({f['served_while_down_by_survivor']}); down {f['killed_to_serving_s']:.1f} s |")
+    print(
+        f"| affinity | lowest share of an adapter's requests on its replica | {a['min_adapter_share']:.3f} "
+        f"({a['adapters_seen']} adapters) |"
+    )
+    print(
+        f"| affinity | traffic per replica | {', '.join(f'{k} {v:.2f}' for k, v in a['replica_share'].items())} |"
+    )
+    print(
+        f"| overhead | TTFT p50 direct / through nginx ({o['samples']} each) | {o['direct_ttft_p50_ms']:.2f} / "
+        f"{o['router_ttft_p50_ms']:.2f} ms (hop {o['hop_ms']:+.2f} ms) |"
+    )
+    print(
+        f"| overhead | GetModelInfo p50 direct / through nginx ({o['unary_samples']} each) | "
+        f"{o['direct_unary_p50_ms']:.2f} / {o['router_unary_p50_ms']:.2f} ms (hop {o['unary_hop_ms']:+.2f} ms) |"
+    )
+    print(
+        f"| failover | requests; errors before any token / after tokens | {f['requests']}; "
+        f"{f['errors_before_tokens']} / {f['errors_after_tokens']} |"
+    )
+    print(
+        f"| failover | served while r2 was down (by r1) | {f['served_while_down']} "
+        f"({f['served_while_down_by_survivor']}); down {f['killed_to_serving_s']:.1f} s |"
+    )
     back = f["victim_adapters_back_share"]
-    print(f"| failover | r2's adapters served by r2 after it returned | "
-          f"{'n/a' if back is None else f'{back:.2f}'} ({f['victim_adapter_requests_after_return']} requests) |")
+    print(
+        f"| failover | r2's adapters served by r2 after it returned | "
+        f"{'n/a' if back is None else f'{back:.2f}'} ({f['victim_adapter_requests_after_return']} requests) |"
+    )
     result["affinity"].pop("owner")
     ns.out.write_text(json.dumps(result, indent=2, default=str))
     print(f"\nwrote {ns.out}")

@@ -36,8 +36,14 @@ from bench import serving_setup as setup
 from bench.serving_engine import ForwardClock, graph_replay_ms, measure_decode, measure_prefill
 
 log = logging.getLogger("bench.serving")
-TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=512, vocab_size=1024)
+TINY = dict(
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=512,
+    vocab_size=1024,
+)
 
 
 def ceilings() -> tuple[float, float]:
@@ -71,7 +77,10 @@ def kernel_check(shape: dict) -> dict[str, float]:
 
     h, heads = shape["hidden_size"], shape["num_attention_heads"]
     d = h // heads
-    x, w = torch.randn(64, h, device="cuda", dtype=torch.bfloat16), torch.rand(h, device="cuda", dtype=torch.bfloat16)
+    x, w = (
+        torch.randn(64, h, device="cuda", dtype=torch.bfloat16),
+        torch.rand(h, device="cuda", dtype=torch.bfloat16),
+    )
     kv_heads = shape["num_key_value_heads"]
     qkv = torch.randn(64, (heads + 2 * kv_heads) * d, device="cuda", dtype=torch.bfloat16)
     qkv_delta = torch.randn(64, (heads + 2 * kv_heads) * d, device="cuda") * 0.1
@@ -81,13 +90,23 @@ def kernel_check(shape: dict) -> dict[str, float]:
     y, delta = torch.randn_like(x), torch.randn(64, h, device="cuda") * 0.1
     gu_delta = torch.randn(64, 2 * shape["intermediate_size"], device="cuda") * 0.1
     added, added_ref = add_rms_norm(x, y, w, 1e-5, delta), add_rms_norm_ref(x, y, w, 1e-5, delta)
-    return dict(rms_norm=err(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5)),
-                add_rms_norm_h=err(added[0], added_ref[0]), add_rms_norm=err(added[1], added_ref[1]),
-                silu_mul_delta=err(silu_and_mul(gu, gu_delta), silu_and_mul_ref(gu, gu_delta)),
-                **{f"qkv_rotary{tag}_{part}": err(a, b) for tag, dd in (("", None), ("_delta", qkv_delta))
-                   for part, a, b in zip("qkv", qkv_rotary(qkv, cos, sin, heads, kv_heads, dd),
-                                         qkv_rotary_ref(qkv, cos, sin, heads, kv_heads, dd), strict=True)},
-                silu_mul=err(silu_and_mul(gu), silu_and_mul_ref(gu)))
+    return dict(
+        rms_norm=err(rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5)),
+        add_rms_norm_h=err(added[0], added_ref[0]),
+        add_rms_norm=err(added[1], added_ref[1]),
+        silu_mul_delta=err(silu_and_mul(gu, gu_delta), silu_and_mul_ref(gu, gu_delta)),
+        **{
+            f"qkv_rotary{tag}_{part}": err(a, b)
+            for tag, dd in (("", None), ("_delta", qkv_delta))
+            for part, a, b in zip(
+                "qkv",
+                qkv_rotary(qkv, cos, sin, heads, kv_heads, dd),
+                qkv_rotary_ref(qkv, cos, sin, heads, kv_heads, dd),
+                strict=True,
+            )
+        },
+        silu_mul=err(silu_and_mul(gu), silu_and_mul_ref(gu)),
+    )
 
 
 def build(model_dir: Path, opts: argparse.Namespace, num_adapters: int):
@@ -96,12 +115,22 @@ def build(model_dir: Path, opts: argparse.Namespace, num_adapters: int):
     from services.inference.server_args import ServerArgs
 
     args = ServerArgs(
-        model_path=str(model_dir), dtype="bfloat16", device="cuda" if torch.cuda.is_available() else "cpu",
-        max_loras_per_batch=max(8, num_adapters), max_lora_rank=16, lora_target_modules=("all",),
-        max_running_requests=opts.max_bs, cuda_graph_max_bs=opts.max_bs, context_length=opts.context_length,
-        chunked_prefill_size=8192, max_num_batched_tokens=8192 + opts.max_bs,
-        mem_fraction_static=opts.mem_fraction, disable_cuda_graph=opts.disable_cuda_graph,
-        disable_overlap_schedule=opts.disable_overlap_schedule, tp_size=opts.tp_size, lora_backend=opts.lora_backend,
+        model_path=str(model_dir),
+        dtype="bfloat16",
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        max_loras_per_batch=max(8, num_adapters),
+        max_lora_rank=16,
+        lora_target_modules=("all",),
+        max_running_requests=opts.max_bs,
+        cuda_graph_max_bs=opts.max_bs,
+        context_length=opts.context_length,
+        chunked_prefill_size=8192,
+        max_num_batched_tokens=8192 + opts.max_bs,
+        mem_fraction_static=opts.mem_fraction,
+        disable_cuda_graph=opts.disable_cuda_graph,
+        disable_overlap_schedule=opts.disable_overlap_schedule,
+        tp_size=opts.tp_size,
+        lora_backend=opts.lora_backend,
     )
     start = time.perf_counter()
     async_engine = build_engine(args)
@@ -111,7 +140,9 @@ def build(model_dir: Path, opts: argparse.Namespace, num_adapters: int):
     return async_engine, time.perf_counter() - start
 
 
-def engine_section(model_dir: Path, adapter_dirs: list[Path], prompts: list[list[int]], opts, res: dict) -> None:
+def engine_section(
+    model_dir: Path, adapter_dirs: list[Path], prompts: list[list[int]], opts, res: dict
+) -> None:
     async_engine, build_s = build(model_dir, opts, len(adapter_dirs))
     try:
         _measure_engine(async_engine, build_s, adapter_dirs, prompts, opts, res)
@@ -119,14 +150,21 @@ def engine_section(model_dir: Path, adapter_dirs: list[Path], prompts: list[list
         async_engine.shutdown()  # TP: stops the workers and the process group
 
 
-def _measure_engine(async_engine, build_s: float, adapter_dirs: list[Path], prompts: list[list[int]], opts,
-                    res: dict) -> None:
+def _measure_engine(
+    async_engine, build_s: float, adapter_dirs: list[Path], prompts: list[list[int]], opts, res: dict
+) -> None:
     engine, manager = async_engine.engine, async_engine.lora_manager
     graphs = getattr(engine.runner, "cuda_graphs", None)
     res["engine_build_s"] = build_s
-    res["cuda_graphs"] = None if graphs is None else dict(
-        batch_sizes=graphs.ladder, capture_s=graphs.capture_seconds,
-        capture_mib=graphs.capture_bytes / 2**20)
+    res["cuda_graphs"] = (
+        None
+        if graphs is None
+        else dict(
+            batch_sizes=graphs.ladder,
+            capture_s=graphs.capture_seconds,
+            capture_mib=graphs.capture_bytes / 2**20,
+        )
+    )
     names = [f"a{i:02d}" for i in range(len(adapter_dirs))]
     start = time.perf_counter()
     for name, path in zip(names, adapter_dirs, strict=True):
@@ -136,8 +174,11 @@ def _measure_engine(async_engine, build_s: float, adapter_dirs: list[Path], prom
     from services.inference.engine.types import SamplingParams
 
     check_prompts, check_adapters = [p[:48] for p in prompts[:4]], [None, None, 0, 1]
-    done = engine.generate(check_prompts, SamplingParams(max_new_tokens=8, ignore_eos=True),
-                           [None if a is None else names[a] for a in check_adapters])
+    done = engine.generate(
+        check_prompts,
+        SamplingParams(max_new_tokens=8, ignore_eos=True),
+        [None if a is None else names[a] for a in check_adapters],
+    )
     res["greedy_engine"] = [c.token_ids for c in done]
     res["check"] = (check_prompts, check_adapters, 8)
     clock = ForwardClock(engine)
@@ -149,7 +190,9 @@ def _measure_engine(async_engine, build_s: float, adapter_dirs: list[Path], prom
             t = measure_decode(engine, clock, prompts[:batch], adapters, steps=opts.decode_steps)
         except Exception as exc:  # keep the rest of the run; the table says what failed
             log.exception("decode batch %d, %d adapters (%s) failed", batch, distinct, variant or "default")
-            res.setdefault("errors", []).append(f"decode {batch}/{distinct} {variant}: {type(exc).__name__}: {exc}")
+            res.setdefault("errors", []).append(
+                f"decode {batch}/{distinct} {variant}: {type(exc).__name__}: {exc}"
+            )
             for rid in list(engine.requests):
                 engine.abort_request(rid)
             return
@@ -158,8 +201,11 @@ def _measure_engine(async_engine, build_s: float, adapter_dirs: list[Path], prom
         decode.append(row)
         log.info("decode %s", row)
 
-    mixed = [(b, d) for b, d in sorted({(32, 8), (64, 8), (64, min(64, len(names)))})
-             if b <= opts.max_bs and d <= len(names)]
+    mixed = [
+        (b, d)
+        for b, d in sorted({(32, 8), (64, 8), (64, min(64, len(names)))})
+        if b <= opts.max_bs and d <= len(names)
+    ]
     for batch in opts.batches:
         run(batch, 0)
     for batch, distinct in mixed:
@@ -183,8 +229,11 @@ def add_floors(res: dict, shape: dict, bw: float) -> None:
     for row in res["decode"]:
         if not any(is_base(r, row["batch"]) for r in res["decode"]):
             continue
-        byts = (setup.weight_bytes(shape) + row["batch"] * row["mean_context"] * setup.kv_bytes_per_token(shape)
-                + row["distinct_adapters"] * setup.adapter_bytes(shape))
+        byts = (
+            setup.weight_bytes(shape)
+            + row["batch"] * row["mean_context"] * setup.kv_bytes_per_token(shape)
+            + row["distinct_adapters"] * setup.adapter_bytes(shape)
+        )
         row["floor_ms"] = 1e3 * byts / bw
         row["x_floor"] = row["ms_per_step"] / row["floor_ms"]
         base = next(r for r in res["decode"] if is_base(r, row["batch"]))
@@ -195,11 +244,17 @@ def add_floors(res: dict, shape: dict, bw: float) -> None:
 
 
 def print_table(res: dict) -> None:
-    print(f"\ncopy bandwidth {res['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {res['matmul_rate'] / 1e12:.0f} TFLOP/s")
-    print("decode: ratio = tokens/s over the base model's at the same batch; gpu ms = one replay of the "
-          "step's CUDA graph; host = step - gpu (schedule / sample / append+detok ms)")
-    print(f"{'measurement':<44}{'batch':>6}{'ms/step':>9}{'tok/s':>10}{'floor ms':>10}{'x floor':>9}"
-          f"{'ratio':>8}{'gpu ms':>8}{'host %':>8}  host split")
+    print(
+        f"\ncopy bandwidth {res['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {res['matmul_rate'] / 1e12:.0f} TFLOP/s"
+    )
+    print(
+        "decode: ratio = tokens/s over the base model's at the same batch; gpu ms = one replay of the "
+        "step's CUDA graph; host = step - gpu (schedule / sample / append+detok ms)"
+    )
+    print(
+        f"{'measurement':<44}{'batch':>6}{'ms/step':>9}{'tok/s':>10}{'floor ms':>10}{'x floor':>9}"
+        f"{'ratio':>8}{'gpu ms':>8}{'host %':>8}  host split"
+    )
     for r in res["decode"]:
         if "floor_ms" not in r:
             continue
@@ -208,24 +263,37 @@ def print_table(res: dict) -> None:
         gpu = f"{r['graph_gpu_ms']:.2f}" if r.get("graph_gpu_ms") else "-"
         host = r["ms_per_step"] - (r.get("graph_gpu_ms") or r["forward_ms"])
         split = f"{r['schedule_ms']:.2f}/{r['sample_ms']:.2f}/{r['append_ms']:.2f}"
-        print(f"{what:<44}{r['batch']:>6}{r['ms_per_step']:>9.2f}{r['tokens_per_s']:>10.0f}{r['floor_ms']:>10.2f}"
-              f"{r['x_floor']:>9.2f}{r['ratio_to_base']:>8.3f}{gpu:>8}{100 * host / r['ms_per_step']:>7.1f}%  {split}")
+        print(
+            f"{what:<44}{r['batch']:>6}{r['ms_per_step']:>9.2f}{r['tokens_per_s']:>10.0f}{r['floor_ms']:>10.2f}"
+            f"{r['x_floor']:>9.2f}{r['ratio_to_base']:>8.3f}{gpu:>8}{100 * host / r['ms_per_step']:>7.1f}%  {split}"
+        )
     for p in res["prefill"]:
         what = f"prefill {p['prompts']}x{p['tokens'] // p['prompts']}" + (
-            f" {p['distinct_adapters']} adapters" if p["distinct_adapters"] else " base")
+            f" {p['distinct_adapters']} adapters" if p["distinct_adapters"] else " base"
+        )
         ratio = f"{p['ratio_to_base']:.3f}" if "ratio_to_base" in p else "-"
-        print(f"{what:<44}{p['prompts']:>6}{1e3 * p['seconds']:>9.1f}{p['tokens_per_s']:>10.0f}{'':>10}{'':>9}{ratio:>8}")
+        print(
+            f"{what:<44}{p['prompts']:>6}{1e3 * p['seconds']:>9.1f}{p['tokens_per_s']:>10.0f}{'':>10}{'':>9}{ratio:>8}"
+        )
     for key, ours in (("hf_peft_mixed", (32, 8)), ("hf_static_compile", (32, 0))):
         b = res.get("baselines", {}).get(key)
         if not b or "error" in b:
             print(f"{key:<44} {b.get('error') if b else 'not run'}")
             continue
-        mine = next((r for r in res["decode"]
-                     if (r["batch"], r["distinct_adapters"]) == ours and not r.get("variant")), None)
+        mine = next(
+            (
+                r
+                for r in res["decode"]
+                if (r["batch"], r["distinct_adapters"]) == ours and not r.get("variant")
+            ),
+            None,
+        )
         ratio = mine["tokens_per_s"] / b["decode_tokens_per_s"] if mine else float("nan")
         b["ours_over_it"] = ratio
-        print(f"{key:<44}{b['batch']:>6}{b['ms_per_step']:>9.2f}{b['decode_tokens_per_s']:>10.0f}{'':>10}{'':>9}"
-              f"{'':>8}   ours/it = {ratio:.1f}x")
+        print(
+            f"{key:<44}{b['batch']:>6}{b['ms_per_step']:>9.2f}{b['decode_tokens_per_s']:>10.0f}{'':>10}{'':>9}"
+            f"{'':>8}   ours/it = {ratio:.1f}x"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,15 +308,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-overlap-schedule", action="store_true", help="the step split needs it off")
     p.add_argument("--mem-fraction", type=float, default=0.7)
-    p.add_argument("--batches", default="", help="base-model decode batch sizes, comma-separated (default: "
-                   "1,16,32,64,256)")
+    p.add_argument(
+        "--batches",
+        default="",
+        help="base-model decode batch sizes, comma-separated (default: 1,16,32,64,256)",
+    )
     p.add_argument("--lora-backend", default=None, choices=["triton", "torch"], help="default: the server's")
-    p.add_argument("--no-variants", dest="variants", action="store_false",
-                   help="skip the rows with overlap scheduling off and with the LoRA side stream off")
+    p.add_argument(
+        "--no-variants",
+        dest="variants",
+        action="store_false",
+        help="skip the rows with overlap scheduling off and with the LoRA side stream off",
+    )
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test of this script)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one GPU each; gloo on CPU)")
-    p.add_argument("--blas", default="default", choices=["default", "cublas", "cublaslt"],
-                   help="torch's preferred BLAS library for every matmul (decode_sweep measured cuBLASLt faster)")
+    p.add_argument(
+        "--blas",
+        default="default",
+        choices=["default", "cublas", "cublaslt"],
+        help="torch's preferred BLAS library for every matmul (decode_sweep measured cuBLASLt faster)",
+    )
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     shape = TINY if opts.tiny else setup.LLAMA_8B
@@ -261,9 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     opts.context_length = 2048 if not opts.tiny else 256
     if opts.blas != "default" and torch.cuda.is_available():
         torch.backends.cuda.preferred_blas_library(opts.blas)
-    res: dict = dict(device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                     torch=torch.__version__, shape=shape, context=ctx, argv=sys.argv[1:],
-                     blas=str(torch.backends.cuda.preferred_blas_library()))
+    res: dict = dict(
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        torch=torch.__version__,
+        shape=shape,
+        context=ctx,
+        argv=sys.argv[1:],
+        blas=str(torch.backends.cuda.preferred_blas_library()),
+    )
     res["copy_bw"], res["matmul_rate"] = ceilings() if torch.cuda.is_available() else (1e11, 1e12)
     if torch.cuda.is_available():
         res["kernel_check"] = kernel_check(shape)
@@ -291,19 +375,31 @@ def main(argv: list[str] | None = None) -> int:
         from bench.serving_baselines import run_baselines
 
         ids = torch.tensor(prompts[:32], device=dev)
-        res["baselines"] = run_baselines(model_dir, adapter_dirs[:8], ids, opts.baseline_new_tokens,
-                                         skip_compile=opts.skip_compile, check=res.get("check"))
+        res["baselines"] = run_baselines(
+            model_dir,
+            adapter_dirs[:8],
+            ids,
+            opts.baseline_new_tokens,
+            skip_compile=opts.skip_compile,
+            check=res.get("check"),
+        )
         ref = res["baselines"].pop("greedy_reference", None)
         if ref is not None and "greedy_engine" in res:
             ours = res["greedy_engine"]
             res["greedy_agreement"] = dict(
                 first_token=sum(a[0] == b[0] for a, b in zip(ours, ref, strict=True)) / len(ref),
-                all_tokens=sum(x == y for a, b in zip(ours, ref, strict=True) for x, y in zip(a, b, strict=True))
+                all_tokens=sum(
+                    x == y for a, b in zip(ours, ref, strict=True) for x, y in zip(a, b, strict=True)
+                )
                 / sum(len(b) for b in ref),
-                rows_identical=[a == b for a, b in zip(ours, ref, strict=True)])
+                rows_identical=[a == b for a, b in zip(ours, ref, strict=True)],
+            )
     print_table(res)
     if "greedy_agreement" in res:
-        print("greedy tokens vs transformers+PEFT (2 base rows, 2 adapter rows, 8 tokens):", res["greedy_agreement"])
+        print(
+            "greedy tokens vs transformers+PEFT (2 base rows, 2 adapter rows, 8 tokens):",
+            res["greedy_agreement"],
+        )
     for key in ("greedy_no_overlap_equal", "greedy_variants_equal"):
         if key in res:
             print(f"{key}: {res[key]}")

@@ -69,21 +69,36 @@ def _timed_generate(model, input_ids: torch.Tensor, new_tokens: int, **kwargs) -
     _sync()
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, streamer=clock, **kwargs)
+        model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            streamer=clock,
+            **kwargs,
+        )
     _sync()
     end = time.perf_counter()
     steps = clock.tokens - 1
     decode_s = end - clock.first
     batch = input_ids.shape[0]
-    return GenerateTiming(batch, clock.tokens, batch * steps / decode_s, 1e3 * decode_s / steps,
-                          clock.first - start, end - start)
+    return GenerateTiming(
+        batch,
+        clock.tokens,
+        batch * steps / decode_s,
+        1e3 * decode_s / steps,
+        clock.first - start,
+        end - start,
+    )
 
 
 def load_hf_model(model_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, device_map="cuda" if torch.cuda.is_available() else "cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, device_map="cuda" if torch.cuda.is_available() else "cpu"
+    )
     model.generation_config.pad_token_id = model.config.eos_token_id
     return model.eval()
 
@@ -117,18 +132,32 @@ def static_cache_compiled(model, input_ids: torch.Tensor, new_tokens: int) -> tu
     return timing, warmup_s
 
 
-def greedy_reference(peft_model, prompts: list[list[int]], adapters: list[int | None], new_tokens: int) -> list:
+def greedy_reference(
+    peft_model, prompts: list[list[int]], adapters: list[int | None], new_tokens: int
+) -> list:
     """transformers + PEFT greedy tokens for a correctness comparison (adapter index or None = base)."""
     ids = torch.tensor(prompts, device=peft_model.device)
     names = ["__base__" if a is None else f"a{a}" for a in adapters]
     with torch.inference_mode():
-        out = peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, do_sample=False, adapter_names=names)
-    return out[:, ids.shape[1]:].tolist()
+        out = peft_model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            adapter_names=names,
+        )
+    return out[:, ids.shape[1] :].tolist()
 
 
-def run_baselines(model_dir: Path, adapter_dirs: list[Path], input_ids: torch.Tensor, new_tokens: int,
-                  skip_compile: bool = False, check: tuple | None = None) -> dict:
+def run_baselines(
+    model_dir: Path,
+    adapter_dirs: list[Path],
+    input_ids: torch.Tensor,
+    new_tokens: int,
+    skip_compile: bool = False,
+    check: tuple | None = None,
+) -> dict:
     """Both baselines at the batch of `input_ids`; frees the model before returning.
 
     `check` = (prompts, adapter indices, new tokens): also returns PEFT's greedy tokens for them.

@@ -48,6 +48,7 @@ class ForwardClock:
         self.total = 0.0
         self.parts: dict[str, float] = {"schedule": 0.0, "sample": 0.0, "append": 0.0}
         inner = engine.runner.forward
+
         # With overlap scheduling a sync here would wait for the step the host should run beside:
         # then forward_ms is launch time only and the step's GPU time comes from graph_replay_ms.
         def forward(chunks, *args):
@@ -70,6 +71,7 @@ class ForwardClock:
                 return fn(*args, **kwargs)
             finally:
                 self.parts[name] += time.perf_counter() - start
+
         return timed
 
     def reset(self) -> None:
@@ -105,8 +107,14 @@ def abort_all(engine, ids: list[str]) -> None:
         engine.abort_request(rid)
 
 
-def measure_decode(engine, clock: ForwardClock, prompts: list[list[int]], adapters: list[str | None],
-                   steps: int, warmup: int = 3) -> StepTiming:
+def measure_decode(
+    engine,
+    clock: ForwardClock,
+    prompts: list[list[int]],
+    adapters: list[str | None],
+    steps: int,
+    warmup: int = 3,
+) -> StepTiming:
     """Decode steps with every request of the batch running (contexts = prompt length + a few)."""
     # Generous max_new_tokens: the first requests decode while the last ones still prefill, and
     # none may finish before the timed steps (all are aborted at the end).
@@ -114,7 +122,9 @@ def measure_decode(engine, clock: ForwardClock, prompts: list[list[int]], adapte
     run_until_decoding(engine, ids)
     running = len(engine.scheduler.running)
     if running != len(ids):
-        raise RuntimeError(f"only {running} of {len(ids)} requests are running (KV cache or slots too small?)")
+        raise RuntimeError(
+            f"only {running} of {len(ids)} requests are running (KV cache or slots too small?)"
+        )
     for _ in range(warmup):
         engine.step()
     _sync(clock.device)
@@ -134,8 +144,18 @@ def measure_decode(engine, clock: ForwardClock, prompts: list[list[int]], adapte
     ms = 1e3 * statistics.median(times)
     fwd = 1e3 * statistics.median(forward)
     part_ms = {k: 1e3 * statistics.median(p[k] for p in parts) for k in ("schedule", "sample", "append")}
-    return StepTiming(len(ids), steps, mean_context, ms, len(ids) / (ms / 1e3), fwd, ms - fwd,
-                      part_ms["schedule"], part_ms["sample"], part_ms["append"])
+    return StepTiming(
+        len(ids),
+        steps,
+        mean_context,
+        ms,
+        len(ids) / (ms / 1e3),
+        fwd,
+        ms - fwd,
+        part_ms["schedule"],
+        part_ms["sample"],
+        part_ms["append"],
+    )
 
 
 def measure_prefill(engine, prompts: list[list[int]], adapters: list[str | None], repeats: int = 2) -> dict:

@@ -16,13 +16,23 @@ import dataclasses
 from collections.abc import Callable
 
 
-def run_variants(engine, run: Callable, mixed: list[tuple[int, int]], check_prompts, check_adapters,
-                 names: list[str], res: dict) -> None:
+def run_variants(
+    engine,
+    run: Callable,
+    mixed: list[tuple[int, int]],
+    check_prompts,
+    check_adapters,
+    names: list[str],
+    res: dict,
+) -> None:
     from services.inference.engine.types import SamplingParams
 
     def greedy() -> list[list[int]]:
-        done = engine.generate(check_prompts, SamplingParams(max_new_tokens=8, ignore_eos=True),
-                               [None if a is None else names[a] for a in check_adapters])
+        done = engine.generate(
+            check_prompts,
+            SamplingParams(max_new_tokens=8, ignore_eos=True),
+            [None if a is None else names[a] for a in check_adapters],
+        )
         return [c.token_ids for c in done]
 
     on = engine.config

@@ -85,8 +85,15 @@ class Scenario:
         return int(min(np.searchsorted(cdf, draw, side="right"), self.num_adapters - 1))
 
 
-def make_arrivals(rate: float, window: float, cv: float, prompt_len: tuple[int, int], output_len: tuple[int, int],
-                  vocab: tuple[int, int], seed: int) -> list[Arrival]:
+def make_arrivals(
+    rate: float,
+    window: float,
+    cv: float,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab: tuple[int, int],
+    seed: int,
+) -> list[Arrival]:
     """Arrival times in [0, window): exponential gaps (cv 1) or Gamma gaps with that coefficient of variation."""
     rng = np.random.default_rng(seed)
     out: list[Arrival] = []
@@ -128,8 +135,9 @@ async def _one(target: Target, rid: str, arrival: Arrival, rec: Record, t0: floa
         rec.error = f"{type(exc).__name__}: {exc}"[:200]
 
 
-async def drive(target: Target, arrivals: list[Arrival], adapters: list[str | None], window: float,
-                drain: float) -> tuple[list[Record], list[tuple[int, int]], float]:
+async def drive(
+    target: Target, arrivals: list[Arrival], adapters: list[str | None], window: float, drain: float
+) -> tuple[list[Record], list[tuple[int, int]], float]:
     """Send every arrival at its time, sample the engine's queue, cut what is open at window + drain."""
     records = [Record(a) for a in adapters]
     samples: list[tuple[int, int]] = []
@@ -166,8 +174,13 @@ def _pcts(values: list[float]) -> dict[str, float | None]:
     return {"p50": round(float(p[0]), 1), "p90": round(float(p[1]), 1), "p99": round(float(p[2]), 1)}
 
 
-def summarize(records: list[Record], samples: list[tuple[int, int]], window: float, counters: dict,
-              hot: frozenset[str] = frozenset()) -> dict:
+def summarize(
+    records: list[Record],
+    samples: list[tuple[int, int]],
+    window: float,
+    counters: dict,
+    hot: frozenset[str] = frozenset(),
+) -> dict:
     ttft, hot_ttft, itl, e2e, tokens_in_window = [], [], [], [], 0
     for r in records:
         if r.token_times:
@@ -188,10 +201,15 @@ def summarize(records: list[Record], samples: list[tuple[int, int]], window: flo
     running = [s[0] for s in samples]
     waiting = [s[1] for s in samples]
     return dict(
-        requests=len(records), completed=done, errors=errors, cut=len(records) - done - errors,
+        requests=len(records),
+        completed=done,
+        errors=errors,
+        cut=len(records) - done - errors,
         error_examples=sorted({r.error for r in records if r.error})[:3],
         output_tok_s=round(tokens_in_window / window, 1),
-        ttft_ms=_pcts(ttft), itl_ms=_pcts(itl), e2e_ms=_pcts(e2e),
+        ttft_ms=_pcts(ttft),
+        itl_ms=_pcts(itl),
+        e2e_ms=_pcts(e2e),
         hot_ttft_ms=_pcts(hot_ttft),  # requests of the HOT_ADAPTERS most popular adapters
         mean_running=round(float(np.mean(running)), 1) if running else None,
         mean_waiting=round(float(np.mean(waiting)), 1) if waiting else None,
@@ -204,8 +222,10 @@ def add_ratios(results: dict[str, dict]) -> None:
     if base is None:
         return
     for res in results.values():
-        ratios = {"output_tok_s": _ratio(res["output_tok_s"], base["output_tok_s"]),
-                  "mean_running": _ratio(res["mean_running"], base["mean_running"])}
+        ratios = {
+            "output_tok_s": _ratio(res["output_tok_s"], base["output_tok_s"]),
+            "mean_running": _ratio(res["mean_running"], base["mean_running"]),
+        }
         ratios["hot_ttft_ms_p99"] = _ratio(res["hot_ttft_ms"]["p99"], base["ttft_ms"]["p99"])
         for key in ("ttft_ms", "itl_ms", "e2e_ms"):
             for q in ("p50", "p90", "p99"):
@@ -225,19 +245,23 @@ def _fmt(v, ratio=None) -> str:
 
 
 def print_table(results: dict[str, dict]) -> None:
-    print("| scenario | done / sent | errors | cut | output tok/s (vs base) | TTFT p50 / p99 ms | "
-          f"{HOT_ADAPTERS} hottest TTFT p99 ms | inter-token p50 / p99 ms | e2e p50 / p99 ms | "
-          "mean running / waiting | uploads / evictions |")
+    print(
+        "| scenario | done / sent | errors | cut | output tok/s (vs base) | TTFT p50 / p99 ms | "
+        f"{HOT_ADAPTERS} hottest TTFT p99 ms | inter-token p50 / p99 ms | e2e p50 / p99 ms | "
+        "mean running / waiting | uploads / evictions |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in results.items():
         vs = r.get("vs_base", {})
-        print(f"| {name} | {r['completed']}/{r['requests']} | {r['errors']} | {r['cut']} "
-              f"| {_fmt(r['output_tok_s'], vs.get('output_tok_s'))} "
-              f"| {_fmt(r['ttft_ms']['p50'])} / {_fmt(r['ttft_ms']['p99'], vs.get('ttft_ms_p99'))} "
-              f"| {_fmt(r['hot_ttft_ms']['p99'], vs.get('hot_ttft_ms_p99'))} "
-              f"| {_fmt(r['itl_ms']['p50'])} / {_fmt(r['itl_ms']['p99'])} "
-              f"| {_fmt(r['e2e_ms']['p50'])} / {_fmt(r['e2e_ms']['p99'])} "
-              f"| {_fmt(r['mean_running'])} / {_fmt(r['mean_waiting'])} | {_fmt(r['uploads'])} / {_fmt(r['evictions'])} |")
+        print(
+            f"| {name} | {r['completed']}/{r['requests']} | {r['errors']} | {r['cut']} "
+            f"| {_fmt(r['output_tok_s'], vs.get('output_tok_s'))} "
+            f"| {_fmt(r['ttft_ms']['p50'])} / {_fmt(r['ttft_ms']['p99'], vs.get('ttft_ms_p99'))} "
+            f"| {_fmt(r['hot_ttft_ms']['p99'], vs.get('hot_ttft_ms_p99'))} "
+            f"| {_fmt(r['itl_ms']['p50'])} / {_fmt(r['itl_ms']['p99'])} "
+            f"| {_fmt(r['e2e_ms']['p50'])} / {_fmt(r['e2e_ms']['p99'])} "
+            f"| {_fmt(r['mean_running'])} / {_fmt(r['mean_waiting'])} | {_fmt(r['uploads'])} / {_fmt(r['evictions'])} |"
+        )
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -252,23 +276,47 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("--mode", choices=["engine", "cpu", "grpc"], default="engine")
-    a("--scenarios", nargs="*", default=None, help=f"default: engine {' '.join(GPU_SCENARIOS)}; "
-      f"cpu {' '.join(CPU_SCENARIOS)}; grpc: base zipf:N for the server's N adapters")
+    a(
+        "--scenarios",
+        nargs="*",
+        default=None,
+        help=f"default: engine {' '.join(GPU_SCENARIOS)}; "
+        f"cpu {' '.join(CPU_SCENARIOS)}; grpc: base zipf:N for the server's N adapters",
+    )
     a("--rate", type=float, default=None, help="requests/s (default: engine 32, cpu 40, grpc 8)")
     a("--cv", type=float, default=1.0, help="coefficient of variation of the gaps (1 = Poisson; >1 bursty)")
     a("--window", type=float, default=60.0, help="seconds of arrivals; tokens/s counts tokens inside it")
     a("--drain", type=float, default=20.0, help="seconds after the window before open requests are cut")
-    a("--prompt-len", type=parse_range, default=None, help="LO,HI tokens (default: engine 256,768; cpu 16,64)")
+    a(
+        "--prompt-len",
+        type=parse_range,
+        default=None,
+        help="LO,HI tokens (default: engine 256,768; cpu 16,64)",
+    )
     a("--output-len", type=parse_range, default=None, help="LO,HI tokens (default: engine 64,256; cpu 16,48)")
     a("--zipf-exponent", type=float, default=1.0)
     a("--seed", type=int, default=0)
-    a("--adapter-rank", type=int, default=None, help="rank of the random adapters (default: engine 16, cpu 8)")
-    a("--workdir", type=Path, default=None,
-      help="where the random model and adapters are written (kept and reused; default: a cache dir)")
+    a(
+        "--adapter-rank",
+        type=int,
+        default=None,
+        help="rank of the random adapters (default: engine 16, cpu 8)",
+    )
+    a(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="where the random model and adapters are written (kept and reused; default: a cache dir)",
+    )
     a("--target", default=None, help="grpc mode: HOST:PORT of a running inference server")
     a("--token", default=os.environ.get("LORAPLEX_API_TOKEN"), help="grpc mode: API token")
-    a("--server-arg", action="append", default=[], metavar="FLAG=VALUE",
-      help="engine/cpu modes: extra ServerArgs field for every scenario, e.g. max_running_requests=256")
+    a(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="FLAG=VALUE",
+        help="engine/cpu modes: extra ServerArgs field for every scenario, e.g. max_running_requests=256",
+    )
     a("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "workload.json")
     return p
 
@@ -293,27 +341,41 @@ async def run(opts: argparse.Namespace) -> dict:
             names = ("base", f"zipf:{factory.num_adapters}")
         scenarios = [Scenario.parse(n) for n in names]
         factory.prepare(max(sc.num_adapters for sc in scenarios))
-        arrivals = make_arrivals(opts.rate, opts.window, opts.cv, opts.prompt_len, opts.output_len,
-                                 factory.vocab_range, opts.seed)
+        arrivals = make_arrivals(
+            opts.rate, opts.window, opts.cv, opts.prompt_len, opts.output_len, factory.vocab_range, opts.seed
+        )
         for sc in scenarios:
             built = time.perf_counter()
             async with factory.scenario(sc.num_adapters, sc.max_loras_per_batch) as target:
                 build_s = time.perf_counter() - built
-                adapters = [None if (i := sc.adapter_index(a.draw, opts.zipf_exponent)) is None
-                            else target.adapter_names[i] for a in arrivals]
+                adapters = [
+                    None
+                    if (i := sc.adapter_index(a.draw, opts.zipf_exponent)) is None
+                    else target.adapter_names[i]
+                    for a in arrivals
+                ]
                 before = target.counters()
                 records, samples, elapsed = await drive(target, arrivals, adapters, opts.window, opts.drain)
                 after = target.counters()
                 counters = {k: (after[k] - before[k] if after[k] is not None else None) for k in after}
-                hot = frozenset(target.adapter_names[:HOT_ADAPTERS]) if sc.popularity == "zipf" else frozenset()
+                hot = (
+                    frozenset(target.adapter_names[:HOT_ADAPTERS]) if sc.popularity == "zipf" else frozenset()
+                )
                 res = summarize(records, samples, opts.window, counters, hot)
-                res.update(scenario=asdict(sc), build_s=round(build_s, 1), elapsed_s=round(elapsed, 1),
-                           setup=target.describe())
+                res.update(
+                    scenario=asdict(sc),
+                    build_s=round(build_s, 1),
+                    elapsed_s=round(elapsed, 1),
+                    setup=target.describe(),
+                )
                 results[sc.name] = res
-                print(f"{sc.name}: {res['completed']}/{res['requests']} done, {res['cut']} cut, "
-                      f"{res['errors']} errors, {res['output_tok_s']} tok/s, TTFT p50/p99 {res['ttft_ms']['p50']}/"
-                      f"{res['ttft_ms']['p99']} ms, inter-token p50/p99 {res['itl_ms']['p50']}/{res['itl_ms']['p99']} ms "
-                      f"(built in {build_s:.0f} s, {res['setup']})", flush=True)
+                print(
+                    f"{sc.name}: {res['completed']}/{res['requests']} done, {res['cut']} cut, "
+                    f"{res['errors']} errors, {res['output_tok_s']} tok/s, TTFT p50/p99 {res['ttft_ms']['p50']}/"
+                    f"{res['ttft_ms']['p99']} ms, inter-token p50/p99 {res['itl_ms']['p50']}/{res['itl_ms']['p99']} ms "
+                    f"(built in {build_s:.0f} s, {res['setup']})",
+                    flush=True,
+                )
     add_ratios(results)
     return results
 
@@ -325,13 +387,23 @@ def main(argv: list[str] | None = None) -> int:
     results = asyncio.run(run(opts))
     meta = dict(
         date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        machine=f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs", command=" ".join(sys.argv),
-        mode=opts.mode, rate=opts.rate, cv=opts.cv, window_s=opts.window, drain_s=opts.drain,
-        prompt_len=opts.prompt_len, output_len=opts.output_len, zipf_exponent=opts.zipf_exponent,
-        seed=opts.seed, adapter_rank=opts.adapter_rank,
+        machine=f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
+        command=" ".join(sys.argv),
+        mode=opts.mode,
+        rate=opts.rate,
+        cv=opts.cv,
+        window_s=opts.window,
+        drain_s=opts.drain,
+        prompt_len=opts.prompt_len,
+        output_len=opts.output_len,
+        zipf_exponent=opts.zipf_exponent,
+        seed=opts.seed,
+        adapter_rank=opts.adapter_rank,
     )
-    print(f"\n{opts.mode}: {opts.rate} req/s (cv {opts.cv}) for {opts.window} s, cut {opts.drain} s later; "
-          f"prompts {opts.prompt_len}, outputs {opts.output_len} tokens; {meta['date']}, {meta['machine']}")
+    print(
+        f"\n{opts.mode}: {opts.rate} req/s (cv {opts.cv}) for {opts.window} s, cut {opts.drain} s later; "
+        f"prompts {opts.prompt_len}, outputs {opts.output_len} tokens; {meta['date']}, {meta['machine']}"
+    )
     print_table(results)
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     opts.out.write_text(json.dumps({"meta": meta, "scenarios": results}, indent=2))

@@ -18,15 +18,23 @@ from typing import Protocol
 
 log = logging.getLogger(__name__)
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=512)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+)
 ADAPTER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 class Target(Protocol):
     adapter_names: list[str]
 
-    def stream(self, rid: str, prompt_ids: list[int], adapter: str | None, max_new_tokens: int) -> AsyncIterator[int]:
+    def stream(
+        self, rid: str, prompt_ids: list[int], adapter: str | None, max_new_tokens: int
+    ) -> AsyncIterator[int]:
         """Yields the number of tokens in each streamed increment."""
 
     def queue_sizes(self) -> tuple[int, int] | None: ...  # (running, waiting) now, when known
@@ -55,7 +63,9 @@ def _ensure_files(root: Path, shape: dict, count: int, rank: int, device: str) -
     have = sorted(p.parent for p in adapters.glob("adapter*/adapter_config.json"))
     if len(have) < count:
         log.warning("writing %d random rank-%d adapters to %s", count, rank, adapters)
-        have = write_adapters(adapters, model, count, shape=shape, rank=rank, device=device, modules=ADAPTER_MODULES)
+        have = write_adapters(
+            adapters, model, count, shape=shape, rank=rank, device=device, modules=ADAPTER_MODULES
+        )
     return model, sorted(have)[:count]
 
 
@@ -98,14 +108,23 @@ class EngineTarget:
 
     def counters(self):
         m = self.lora.manager
-        return {"uploads": getattr(m, "num_uploads", None), "evictions": sum(i.evictions for i in m.list_adapters())}
+        return {
+            "uploads": getattr(m, "num_uploads", None),
+            "evictions": sum(i.evictions for i in m.list_adapters()),
+        }
 
     def describe(self):
         llm = self.engine.engine
         s = self.lora.settings
-        return dict(pool_slots=self.lora.pool.slots, max_loras_per_batch=getattr(s, "max_loras_per_batch", None),
-                    max_lora_rank=s.max_lora_rank, target_modules=list(s.target_modules), backend=s.backend,
-                    kv_tokens=llm.block_manager.capacity_tokens, pool_mib=round(self.lora.pool.nbytes / 2**20, 1))
+        return dict(
+            pool_slots=self.lora.pool.slots,
+            max_loras_per_batch=getattr(s, "max_loras_per_batch", None),
+            max_lora_rank=s.max_lora_rank,
+            target_modules=list(s.target_modules),
+            backend=s.backend,
+            kv_tokens=llm.block_manager.capacity_tokens,
+            pool_mib=round(self.lora.pool.nbytes / 2**20, 1),
+        )
 
 
 class EngineFactory:
@@ -177,8 +196,9 @@ class GrpcTarget:
     async def stream(self, rid, prompt_ids, adapter, max_new_tokens):
         # Words `t<id>` are single tokens for bench/serving_setup's tokenizer (approximate elsewhere).
         text = " ".join(f"t{i}" for i in prompt_ids)
-        async for msg in self.client.generate_stream(text, adapter, max_new_tokens=max_new_tokens, ignore_eos=True,
-                                                     timeout=600):
+        async for msg in self.client.generate_stream(
+            text, adapter, max_new_tokens=max_new_tokens, ignore_eos=True, timeout=600
+        ):
             yield len(msg.token_ids)
 
     def queue_sizes(self):
@@ -204,8 +224,10 @@ class GrpcFactory:
     @asynccontextmanager
     async def scenario(self, n: int, max_loras_per_batch: int | None):
         if max_loras_per_batch is not None:
-            raise SystemExit("grpc mode cannot change --max-loras-per-batch: start the server with it "
-                             "and name the scenario zipf:N")
+            raise SystemExit(
+                "grpc mode cannot change --max-loras-per-batch: start the server with it "
+                "and name the scenario zipf:N"
+            )
         t = GrpcTarget(self.client, self.names[:n])
         t.client_target = self.target
         yield t

@@ -15,6 +15,15 @@ from clients.errors import (
 )
 
 __all__ = [
-    "AsyncClient", "Cancelled", "Client", "DeadlineExceeded", "FailedPrecondition", "InvalidArgument",
-    "LoraplexError", "NotFound", "ResourceExhausted", "Unavailable", "Unimplemented",
+    "AsyncClient",
+    "Cancelled",
+    "Client",
+    "DeadlineExceeded",
+    "FailedPrecondition",
+    "InvalidArgument",
+    "LoraplexError",
+    "NotFound",
+    "ResourceExhausted",
+    "Unavailable",
+    "Unimplemented",
 ]

@@ -1,8 +1,8 @@
 """asyncio Python client: the same calls as clients.client.Client, as coroutines.
 
-    async with AsyncClient("127.0.0.1:50051") as c:
-        async for delta in c.generate_stream(["a", "b"], adapter=["x", ""]):
-            ...
+async with AsyncClient("127.0.0.1:50051") as c:
+    async for delta in c.generate_stream(["a", "b"], adapter=["x", ""]):
+        ...
 """
 
 from __future__ import annotations
@@ -41,30 +41,57 @@ class AsyncClient(ClientBase):
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
-    async def generate(self, texts: str | Sequence[str], adapter: str | Sequence[str] | None = None, *,
-                       timeout: float | None = None, **sampling: Any) -> list[pb.Completion]:
+    async def generate(
+        self,
+        texts: str | Sequence[str],
+        adapter: str | Sequence[str] | None = None,
+        *,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> list[pb.Completion]:
         request = generate_request(texts, adapter, **sampling)
         md = routing_metadata(self._md, request.adapter)
         return list((await self._call(self._stub.Generate, request, timeout, md)).completions)
 
-    async def generate_inputs(self, inputs: Sequence[pb.Input | dict[str, Any]], adapter: str | None = None, *,
-                              timeout: float | None = None, **sampling: Any) -> list[pb.Completion]:
+    async def generate_inputs(
+        self,
+        inputs: Sequence[pb.Input | dict[str, Any]],
+        adapter: str | None = None,
+        *,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> list[pb.Completion]:
         request = inputs_request(inputs, adapter, **sampling)
         return list((await self._call(self._stub.Generate, request, timeout)).completions)
 
-    async def chat(self, messages: Sequence[dict[str, str]], adapter: str | None = None, *,
-                   add_generation_prompt: bool = True, timeout: float | None = None,
-                   **sampling: Any) -> list[pb.Completion]:
+    async def chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        adapter: str | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> list[pb.Completion]:
         request = chat_request(messages, adapter, add_generation_prompt=add_generation_prompt, **sampling)
         return list((await self._call(self._stub.Generate, request, timeout)).completions)
 
-    async def generate_stream(self, texts: str | Sequence[str] | pb.GenerateRequest,
-                              adapter: str | Sequence[str] | None = None, *,
-                              timeout: float | None = None,
-                              **sampling: Any) -> AsyncIterator[pb.GenerateStreamResponse]:
-        request = texts if isinstance(texts, pb.GenerateRequest) else generate_request(texts, adapter, **sampling)
-        call = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout,
-                                         metadata=routing_metadata(self._md, request.adapter))
+    async def generate_stream(
+        self,
+        texts: str | Sequence[str] | pb.GenerateRequest,
+        adapter: str | Sequence[str] | None = None,
+        *,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        request = (
+            texts if isinstance(texts, pb.GenerateRequest) else generate_request(texts, adapter, **sampling)
+        )
+        call = self._stub.GenerateStream(
+            request,
+            timeout=timeout if timeout is not None else self.timeout,
+            metadata=routing_metadata(self._md, request.adapter),
+        )
         try:
             async for message in call:
                 yield message
@@ -73,14 +100,21 @@ class AsyncClient(ClientBase):
         finally:
             call.cancel()
 
-    async def load_adapter(self, name: str, source: str, revision: str = "", pin: bool = False, *,
-                           timeout: float | None = None) -> pb.AdapterInfo:
+    async def load_adapter(
+        self, name: str, source: str, revision: str = "", pin: bool = False, *, timeout: float | None = None
+    ) -> pb.AdapterInfo:
         req = pb.LoadAdapterRequest(name=name, source=source, revision=revision, pin=pin)
-        return (await self._call(self._stub.LoadAdapter, req, timeout, routing_metadata(self._md, [name]))).adapter
+        return (
+            await self._call(self._stub.LoadAdapter, req, timeout, routing_metadata(self._md, [name]))
+        ).adapter
 
     async def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
-        await self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name), timeout,
-                         routing_metadata(self._md, [name]))
+        await self._call(
+            self._stub.UnloadAdapter,
+            pb.UnloadAdapterRequest(name=name),
+            timeout,
+            routing_metadata(self._md, [name]),
+        )
 
     async def list_adapters(self, *, timeout: float | None = None) -> list[pb.AdapterInfo]:
         return list((await self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(), timeout)).adapters)
@@ -100,8 +134,9 @@ class AsyncClient(ClientBase):
             raise ValueError("this client has no store address (AsyncClient(..., store='HOST:PORT'))")
         return self._store
 
-    async def register_adapter(self, name: str, source: str, revision: str = "", *,
-                               timeout: float | None = None) -> spb.AdapterRecord:
+    async def register_adapter(
+        self, name: str, source: str, revision: str = "", *, timeout: float | None = None
+    ) -> spb.AdapterRecord:
         req = spb.RegisterAdapterRequest(name=name, source=source, revision=revision)
         return await self._call(self._store_stub().RegisterAdapter, req, timeout, self._store_md or ())
 
@@ -121,4 +156,6 @@ class AsyncClient(ClientBase):
 
     async def delete_adapter(self, name: str, *, timeout: float | None = None) -> bool:
         req = spb.DeleteAdapterRequest(name=name)
-        return (await self._call(self._store_stub().DeleteAdapter, req, timeout, self._store_md or ())).deleted
+        return (
+            await self._call(self._store_stub().DeleteAdapter, req, timeout, self._store_md or ())
+        ).deleted

@@ -1,8 +1,8 @@
 """The `loraplex` command: generate, load, unload, list, info, tokenize, health, up.
 
-    loraplex generate --adapter sql "List 3 countries and their capitals."
-    loraplex load sql /path/to/peft_adapter
-    loraplex up
+loraplex generate --adapter sql "List 3 countries and their capitals."
+loraplex load sql /path/to/peft_adapter
+loraplex up
 """
 
 from __future__ import annotations
@@ -23,26 +23,52 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="loraplex", description="loraplex: multi-LoRA LLM serving over gRPC")
-    p.add_argument("--target", default=os.environ.get("LORAPLEX_TARGET", DEFAULT_TARGET),
-                   help="inference service HOST:PORT (env LORAPLEX_TARGET)")
-    p.add_argument("--store", default=os.environ.get("LORAPLEX_STORE"), help="adapter store HOST:PORT (env LORAPLEX_STORE)")
+    p.add_argument(
+        "--target",
+        default=os.environ.get("LORAPLEX_TARGET", DEFAULT_TARGET),
+        help="inference service HOST:PORT (env LORAPLEX_TARGET)",
+    )
+    p.add_argument(
+        "--store",
+        default=os.environ.get("LORAPLEX_STORE"),
+        help="adapter store HOST:PORT (env LORAPLEX_STORE)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="per-call deadline in seconds")
-    p.add_argument("--token", default=os.environ.get("LORAPLEX_TOKEN"),
-                   help="the server's --api-token, or --admin-token for load/unload (env LORAPLEX_TOKEN)")
-    p.add_argument("--store-token", default=os.environ.get("LORAPLEX_STORE_TOKEN"),
-                   help="the store's admin token (env LORAPLEX_STORE_TOKEN)")
-    p.add_argument("--tls-ca", default=os.environ.get("LORAPLEX_TLS_CA"),
-                   help="PEM file to verify TLS servers with; plaintext without it (env LORAPLEX_TLS_CA)")
-    p.add_argument("--tls-cert", default=os.environ.get("LORAPLEX_TLS_CERT"),
-                   help="client certificate (PEM) for servers that require one (env LORAPLEX_TLS_CERT)")
-    p.add_argument("--tls-key", default=os.environ.get("LORAPLEX_TLS_KEY"),
-                   help="private key of --tls-cert (env LORAPLEX_TLS_KEY)")
+    p.add_argument(
+        "--token",
+        default=os.environ.get("LORAPLEX_TOKEN"),
+        help="the server's --api-token, or --admin-token for load/unload (env LORAPLEX_TOKEN)",
+    )
+    p.add_argument(
+        "--store-token",
+        default=os.environ.get("LORAPLEX_STORE_TOKEN"),
+        help="the store's admin token (env LORAPLEX_STORE_TOKEN)",
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=os.environ.get("LORAPLEX_TLS_CA"),
+        help="PEM file to verify TLS servers with; plaintext without it (env LORAPLEX_TLS_CA)",
+    )
+    p.add_argument(
+        "--tls-cert",
+        default=os.environ.get("LORAPLEX_TLS_CERT"),
+        help="client certificate (PEM) for servers that require one (env LORAPLEX_TLS_CERT)",
+    )
+    p.add_argument(
+        "--tls-key",
+        default=os.environ.get("LORAPLEX_TLS_KEY"),
+        help="private key of --tls-cert (env LORAPLEX_TLS_KEY)",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate from one or more prompts")
     g.add_argument("text", nargs="+", help="prompts (one completion each)")
-    g.add_argument("--adapter", action="append", default=None,
-                   help="adapter name; once for all prompts or once per prompt; '' = base model")
+    g.add_argument(
+        "--adapter",
+        action="append",
+        default=None,
+        help="adapter name; once for all prompts or once per prompt; '' = base model",
+    )
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--top-p", type=float, default=None)
@@ -53,14 +79,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     g.add_argument("--json", action="store_true", help="print the full response as JSON")
-    g.add_argument("--chat", action="store_true",
-                   help="send each prompt as one user message, rendered by the server with the model's chat "
-                        "template (the adapter's own when it ships one)")
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="send each prompt as one user message, rendered by the server with the model's chat "
+        "template (the adapter's own when it ships one)",
+    )
     g.add_argument("--system", default=None, help="with --chat: a system message before each prompt")
-    g.add_argument("--ids", action="store_true", help="the prompts are token ids, comma-separated (e.g. 1,2,3)")
-    g.add_argument("-n", type=int, default=None, help="completions per prompt (seeded: seed + j for sample j)")
-    g.add_argument("--logprobs", type=int, default=None, metavar="K",
-                   help="log probabilities of the generated tokens and K alternatives (shown with --json)")
+    g.add_argument(
+        "--ids", action="store_true", help="the prompts are token ids, comma-separated (e.g. 1,2,3)"
+    )
+    g.add_argument(
+        "-n", type=int, default=None, help="completions per prompt (seeded: seed + j for sample j)"
+    )
+    g.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="log probabilities of the generated tokens and K alternatives (shown with --json)",
+    )
 
     ld = sub.add_parser("load", help="load an adapter (registers it in the store when the server has one)")
     ld.add_argument("name")
@@ -142,8 +180,10 @@ def _generate(client, ns: argparse.Namespace) -> None:
         return
     for c in completions:
         if many:
-            print(f"--- [{c.index}.{c.sample}] adapter={c.adapter or 'base'} finish={c.finish_reason} "
-                  f"tokens={c.completion_tokens} ttft={c.time_to_first_token_s * 1000:.0f}ms")
+            print(
+                f"--- [{c.index}.{c.sample}] adapter={c.adapter or 'base'} finish={c.finish_reason} "
+                f"tokens={c.completion_tokens} ttft={c.time_to_first_token_s * 1000:.0f}ms"
+            )
         print(c.text)
 
 
@@ -155,8 +195,10 @@ def _list(client, ns: argparse.Namespace) -> None:
     print(f"{'NAME':24} {'LOCATION':9} {'RANK':>4} {'ALPHA':>6} {'PIN':3} {'IN-FLIGHT':>9}  TARGETS")
     for a in adapters:
         loc = {1: "gpu", 2: "host", 3: "store"}.get(a.location, "?")
-        print(f"{a.name:24} {loc:9} {a.rank:>4} {a.alpha:>6g} {'yes' if a.pinned else 'no':3} "
-              f"{a.requests_in_flight:>9}  {','.join(a.target_modules)}")
+        print(
+            f"{a.name:24} {loc:9} {a.rank:>4} {a.alpha:>6g} {'yes' if a.pinned else 'no':3} "
+            f"{a.requests_in_flight:>9}  {','.join(a.target_modules)}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,8 +209,16 @@ def main(argv: list[str] | None = None) -> int:
     from clients.client import Client
 
     try:
-        with Client(ns.target, store=ns.store, timeout=ns.timeout, token=ns.token, store_token=ns.store_token,
-                    tls_ca=ns.tls_ca, tls_cert=ns.tls_cert, tls_key=ns.tls_key) as client:
+        with Client(
+            ns.target,
+            store=ns.store,
+            timeout=ns.timeout,
+            token=ns.token,
+            store_token=ns.store_token,
+            tls_ca=ns.tls_ca,
+            tls_cert=ns.tls_cert,
+            tls_key=ns.tls_key,
+        ) as client:
             if ns.command == "generate":
                 _generate(client, ns)
             elif ns.command == "load":

@@ -44,36 +44,67 @@ class Client(ClientBase):
             raise from_rpc_error(err) from None
 
     # -- inference --------------------------------------------------------------------------
-    def generate(self, texts: str | Sequence[str], adapter: str | Sequence[str] | None = None, *,
-                 timeout: float | None = None, **sampling: Any) -> list[pb.Completion]:
+    def generate(
+        self,
+        texts: str | Sequence[str],
+        adapter: str | Sequence[str] | None = None,
+        *,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> list[pb.Completion]:
         request = generate_request(texts, adapter, **sampling)
         md = routing_metadata(self._md, request.adapter)
         return list(self._call(self._stub.Generate, request, timeout, md).completions)
 
-    def generate_request(self, request: pb.GenerateRequest, *, timeout: float | None = None) -> list[pb.Completion]:
+    def generate_request(
+        self, request: pb.GenerateRequest, *, timeout: float | None = None
+    ) -> list[pb.Completion]:
         """A ready GenerateRequest (e.g. from clients/requests.py)."""
         return list(self._call(self._stub.Generate, request, timeout).completions)
 
-    def generate_inputs(self, inputs: Sequence[pb.Input | dict[str, Any]], adapter: str | None = None, *,
-                        timeout: float | None = None, **sampling: Any) -> list[pb.Completion]:
+    def generate_inputs(
+        self,
+        inputs: Sequence[pb.Input | dict[str, Any]],
+        adapter: str | None = None,
+        *,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> list[pb.Completion]:
         """Inputs as text, token ids or chat messages, each with its own adapter and sampling params
         (clients/requests.inputs_request); completions in input order, then sample order."""
         request = inputs_request(inputs, adapter, **sampling)
         return list(self._call(self._stub.Generate, request, timeout).completions)
 
-    def chat(self, messages: Sequence[dict[str, str]], adapter: str | None = None, *,
-             add_generation_prompt: bool = True, timeout: float | None = None, **sampling: Any) -> list[pb.Completion]:
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        adapter: str | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> list[pb.Completion]:
         """One chat (`[{"role": ..., "content": ...}, ...]`); `n` > 1 gives several answers."""
         request = chat_request(messages, adapter, add_generation_prompt=add_generation_prompt, **sampling)
         return list(self._call(self._stub.Generate, request, timeout).completions)
 
-    def generate_stream(self, texts: str | Sequence[str] | pb.GenerateRequest,
-                        adapter: str | Sequence[str] | None = None, *,
-                        timeout: float | None = None, **sampling: Any) -> Iterator[pb.GenerateStreamResponse]:
+    def generate_stream(
+        self,
+        texts: str | Sequence[str] | pb.GenerateRequest,
+        adapter: str | Sequence[str] | None = None,
+        *,
+        timeout: float | None = None,
+        **sampling: Any,
+    ) -> Iterator[pb.GenerateStreamResponse]:
         """`texts` may also be a ready GenerateRequest (e.g. from requests.inputs_request / chat_request)."""
-        request = texts if isinstance(texts, pb.GenerateRequest) else generate_request(texts, adapter, **sampling)
-        stream = self._stub.GenerateStream(request, timeout=timeout if timeout is not None else self.timeout,
-                                           metadata=routing_metadata(self._md, request.adapter))
+        request = (
+            texts if isinstance(texts, pb.GenerateRequest) else generate_request(texts, adapter, **sampling)
+        )
+        stream = self._stub.GenerateStream(
+            request,
+            timeout=timeout if timeout is not None else self.timeout,
+            metadata=routing_metadata(self._md, request.adapter),
+        )
         try:
             yield from stream
         except grpc.RpcError as err:
@@ -81,14 +112,19 @@ class Client(ClientBase):
         finally:
             stream.cancel()  # no-op when finished; frees the server's work when the caller stops early
 
-    def load_adapter(self, name: str, source: str, revision: str = "", pin: bool = False, *,
-                     timeout: float | None = None) -> pb.AdapterInfo:
+    def load_adapter(
+        self, name: str, source: str, revision: str = "", pin: bool = False, *, timeout: float | None = None
+    ) -> pb.AdapterInfo:
         req = pb.LoadAdapterRequest(name=name, source=source, revision=revision, pin=pin)
         return self._call(self._stub.LoadAdapter, req, timeout, routing_metadata(self._md, [name])).adapter
 
     def unload_adapter(self, name: str, *, timeout: float | None = None) -> None:
-        self._call(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name), timeout,
-                   routing_metadata(self._md, [name]))
+        self._call(
+            self._stub.UnloadAdapter,
+            pb.UnloadAdapterRequest(name=name),
+            timeout,
+            routing_metadata(self._md, [name]),
+        )
 
     def list_adapters(self, *, timeout: float | None = None) -> list[pb.AdapterInfo]:
         return list(self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(), timeout).adapters)
@@ -110,8 +146,9 @@ class Client(ClientBase):
             raise ValueError("this client has no store address (Client(..., store='HOST:PORT'))")
         return self._store
 
-    def register_adapter(self, name: str, source: str, revision: str = "", *,
-                         timeout: float | None = None) -> spb.AdapterRecord:
+    def register_adapter(
+        self, name: str, source: str, revision: str = "", *, timeout: float | None = None
+    ) -> spb.AdapterRecord:
         req = spb.RegisterAdapterRequest(name=name, source=source, revision=revision)
         return self._call(self._store_stub().RegisterAdapter, req, timeout, self._store_md or ())
 

@@ -14,8 +14,15 @@ from grpc_status import rpc_status
 class LoraplexError(Exception):
     """Base class of every error the client raises for a failed RPC."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, *, field_violations: dict[str, str] | None = None,
-                 resource: str | None = None, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        *,
+        field_violations: dict[str, str] | None = None,
+        resource: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message

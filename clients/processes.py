@@ -46,8 +46,17 @@ def _command(module: str, args: Sequence[str]) -> list[str]:
 class ServerProcess:
     """A `python -m MODULE ARGS...` child whose output is echoed with a prefix (and kept)."""
 
-    def __init__(self, name: str, module: str, args: Sequence[str], *, env: dict[str, str] | None = None,
-                 echo: bool = True, program: str | None = None, address: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: str,
+        args: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        echo: bool = True,
+        program: str | None = None,
+        address: str | None = None,
+    ) -> None:
         """`program`: run that executable with `args` instead of `python -m module` (it then
         prints no "listening on" line, so give its `address`)."""
         self.name = name
@@ -65,7 +74,10 @@ class ServerProcess:
             command = [program, *args]
         self.proc = subprocess.Popen(
             command,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
             env={**os.environ, **(env or {})},
             # Own process group: a terminal's Ctrl-C reaches only the parent, which stops
             # the children in order with one SIGTERM each; they die with the parent regardless.
@@ -96,7 +108,9 @@ class ServerProcess:
 
     def wait_bound(self, timeout: float) -> str:
         if not self._bound.wait(timeout) or self.address is None:
-            raise RuntimeError(f"{self.name} did not start listening within {timeout:.0f}s:\n{self.output()[-4000:]}")
+            raise RuntimeError(
+                f"{self.name} did not start listening within {timeout:.0f}s:\n{self.output()[-4000:]}"
+            )
         return self.address
 
     def wait_serving(self, timeout: float, service: str = "", tls_ca: str | None = None) -> None:
@@ -109,7 +123,9 @@ class ServerProcess:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+                    raise RuntimeError(
+                        f"{self.name} exited with {self.proc.returncode}:\n{self.output()[-4000:]}"
+                    )
                 try:
                     resp = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
                     if resp.status == health_pb2.HealthCheckResponse.SERVING:

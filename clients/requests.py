@@ -31,18 +31,30 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 # A call answered UNAVAILABLE before any response (a router whose replica died under it, a
 # draining server) is repeated, up to 3 attempts: gRPC's own retry, which never repeats a call
 # once a response message has arrived, so a stream that has sent tokens is not replayed.
-RETRY_SERVICE_CONFIG = json.dumps({"methodConfig": [{
-    "name": [{"service": "loraplex.v1.Inference"}],
-    "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.1s", "maxBackoff": "1s", "backoffMultiplier": 2,
-                    "retryableStatusCodes": ["UNAVAILABLE"]},
-}]})
+RETRY_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "loraplex.v1.Inference"}],
+                "retryPolicy": {
+                    "maxAttempts": 3,
+                    "initialBackoff": "0.1s",
+                    "maxBackoff": "1s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
 CHANNEL_OPTIONS.append(("grpc.service_config", RETRY_SERVICE_CONFIG))
 
 SAMPLING_FIELDS = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
 
 
-def generate_request(texts: str | Sequence[str], adapters: str | Sequence[str] | None = None,
-                     **sampling: Any) -> pb.GenerateRequest:
+def generate_request(
+    texts: str | Sequence[str], adapters: str | Sequence[str] | None = None, **sampling: Any
+) -> pb.GenerateRequest:
     """`texts` one prompt or many; `adapters` one name for all, one per text, or None for the base model.
 
     `sampling` takes SamplingParams' field names (max_new_tokens, temperature, top_p, ...).
@@ -57,12 +69,17 @@ def generate_request(texts: str | Sequence[str], adapters: str | Sequence[str] |
         adapter_list = [adapters]
     else:
         adapter_list = ["" if a is None else a for a in adapters]
-    params = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in sampling.items() if v is not None}
-    return pb.GenerateRequest(text=text_list, adapter=adapter_list, sampling_params=pb.SamplingParams(**params))
+    params = {
+        k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in sampling.items() if v is not None
+    }
+    return pb.GenerateRequest(
+        text=text_list, adapter=adapter_list, sampling_params=pb.SamplingParams(**params)
+    )
 
 
-def inputs_request(inputs: Sequence[pb.Input | dict[str, Any]], adapter: str | None = None,
-                   **sampling: Any) -> pb.GenerateRequest:
+def inputs_request(
+    inputs: Sequence[pb.Input | dict[str, Any]], adapter: str | None = None, **sampling: Any
+) -> pb.GenerateRequest:
     """Inputs of any form: `pb.Input`s or dicts with Input's field names, e.g.
     `{"token_ids": [...]}`, `{"messages": [{"role": "user", "content": "hi"}], "adapter": "sql",
     "sampling_params": {"temperature": 0.7}}`. `adapter`: the default for inputs that name none."""
@@ -72,8 +89,13 @@ def inputs_request(inputs: Sequence[pb.Input | dict[str, Any]], adapter: str | N
     return base
 
 
-def chat_request(messages: Sequence[dict[str, str]], adapter: str | None = None, *,
-                 add_generation_prompt: bool = True, **sampling: Any) -> pb.GenerateRequest:
+def chat_request(
+    messages: Sequence[dict[str, str]],
+    adapter: str | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    **sampling: Any,
+) -> pb.GenerateRequest:
     """One chat, rendered by the server with the model's (or the adapter's) chat template."""
     item = {"messages": list(messages), "add_generation_prompt": add_generation_prompt}
     return inputs_request([item], adapter, **sampling)
@@ -82,8 +104,9 @@ def chat_request(messages: Sequence[dict[str, str]], adapter: str | None = None,
 ADAPTER_HEADER = "x-loraplex-adapter"
 
 
-def routing_metadata(metadata: tuple[tuple[str, str], ...] | None,
-                     adapters: Sequence[str]) -> tuple[tuple[str, str], ...] | None:
+def routing_metadata(
+    metadata: tuple[tuple[str, str], ...] | None, adapters: Sequence[str]
+) -> tuple[tuple[str, str], ...] | None:
     """`metadata` plus `x-loraplex-adapter: NAME`, the first adapter the call names, which a router
     (deploy/nginx) hashes to keep each adapter on one replica; base-model calls send none."""
     name = next((a for a in adapters if a), "")
@@ -92,16 +115,25 @@ def routing_metadata(metadata: tuple[tuple[str, str], ...] | None,
     return (*(metadata or ()), (ADAPTER_HEADER, name))
 
 
-def make_channel(target: str, *, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, aio: bool = False):
+def make_channel(
+    target: str,
+    *,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    aio: bool = False,
+):
     """A channel with CHANNEL_OPTIONS; TLS (verified against `tls_ca`, a PEM file) when given,
     presenting `tls_cert`/`tls_key` as the client certificate to a server that requires one."""
     module = grpc.aio if aio else grpc
     if tls_ca is None:
         return module.insecure_channel(target, options=CHANNEL_OPTIONS)
-    key, chain = (Path(tls_key).read_bytes(), Path(tls_cert).read_bytes()) if tls_cert and tls_key else (None, None)
-    credentials = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes(), private_key=key,
-                                               certificate_chain=chain)
+    key, chain = (
+        (Path(tls_key).read_bytes(), Path(tls_cert).read_bytes()) if tls_cert and tls_key else (None, None)
+    )
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=Path(tls_ca).read_bytes(), private_key=key, certificate_chain=chain
+    )
     return module.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
 
 
@@ -115,9 +147,18 @@ class ClientBase:
 
     _aio = False
 
-    def __init__(self, target: str = "127.0.0.1:50051", *, store: str | None = None,
-                 timeout: float | None = None, token: str | None = None, store_token: str | None = None,
-                 tls_ca: str | None = None, tls_cert: str | None = None, tls_key: str | None = None) -> None:
+    def __init__(
+        self,
+        target: str = "127.0.0.1:50051",
+        *,
+        store: str | None = None,
+        timeout: float | None = None,
+        token: str | None = None,
+        store_token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> None:
         """`token`: the server's --api-token (or --admin-token for LoadAdapter/UnloadAdapter);
         `store_token`: the store's admin token; `tls_ca`: PEM to verify TLS servers with;
         `tls_cert`/`tls_key`: this client's certificate for servers started with --tls-ca."""
@@ -129,4 +170,6 @@ class ClientBase:
         self._stub = inference_pb2_grpc.InferenceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._store_channel = make_channel(store, **tls, aio=self._aio) if store else None
-        self._store = adapter_store_pb2_grpc.AdapterStoreStub(self._store_channel) if self._store_channel else None
+        self._store = (
+            adapter_store_pb2_grpc.AdapterStoreStub(self._store_channel) if self._store_channel else None
+        )

@@ -38,8 +38,9 @@ http {{
 
 
 def find_nginx() -> str:
-    found = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx")
-                                           if Path(p).exists()), None)
+    found = shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None
+    )
     if found is None:
         raise RuntimeError("nginx is not installed: `make tools` (or `apt-get install nginx`) installs it")
     return found
@@ -61,14 +62,16 @@ def render(workdir: Path, listen: str, replicas: Sequence[str]) -> Path:
         raise RuntimeError(f"{ROUTER_CONF} has no {LISTEN_VARIABLE}")
     (workdir / "loraplex.conf").write_text(site.replace(LISTEN_VARIABLE, listen))
     (workdir / "loraplex-replicas.conf").write_text(
-        "".join(f"server {r} max_fails=1 fail_timeout={FAIL_TIMEOUT_S}s;\n" for r in replicas))
+        "".join(f"server {r} max_fails=1 fail_timeout={FAIL_TIMEOUT_S}s;\n" for r in replicas)
+    )
     main = workdir / "nginx.conf"
     main.write_text(MAIN_CONF.format(site="loraplex.conf"))
     return main
 
 
-def start_router(workdir: Path, replicas: Sequence[str], *, host: str = "127.0.0.1", port: int = 0,
-                 echo: bool = True) -> ServerProcess:
+def start_router(
+    workdir: Path, replicas: Sequence[str], *, host: str = "127.0.0.1", port: int = 0, echo: bool = True
+) -> ServerProcess:
     """nginx listening on HOST:PORT (0 = a free port) in front of `replicas` (HOST:PORT each).
 
     The router's health is its replicas': wait_serving() answers once a replica is SERVING."""

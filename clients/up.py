@@ -27,24 +27,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="inference port (0 = any free port)")
     p.add_argument("--store-port", type=int, default=50052, help="adapter store port (0 = any free port)")
-    p.add_argument("--openai-port", type=int, default=8000,
-                   help="the OpenAI-compatible HTTP door's port (0 = any free port, -1 = do not start it)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="Prometheus port of the inference service (replica i of --replicas: this + i)")
-    p.add_argument("--replicas", type=int, default=1,
-                   help="inference replicas; more than 1 puts the nginx router on --port in front of them")
-    p.add_argument("--cache-dir", type=Path, default=Path("~/.cache/loraplex"), help="store blobs, Redis, adapters")
-    p.add_argument("--model-path", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--openai-port",
+        type=int,
+        default=8000,
+        help="the OpenAI-compatible HTTP door's port (0 = any free port, -1 = do not start it)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="Prometheus port of the inference service (replica i of --replicas: this + i)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="inference replicas; more than 1 puts the nginx router on --port in front of them",
+    )
+    p.add_argument(
+        "--cache-dir", type=Path, default=Path("~/.cache/loraplex"), help="store blobs, Redis, adapters"
+    )
+    p.add_argument(
+        "--model-path", default=None, help="base model (default: the embedded SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--startup-timeout", type=float, default=300.0)
-    p.add_argument("inference_args", nargs=argparse.REMAINDER, help="-- then extra flags for the inference service")
+    p.add_argument(
+        "inference_args", nargs=argparse.REMAINDER, help="-- then extra flags for the inference service"
+    )
 
 
-def banner(inference: str, store: str, openai: str | None = None, model: str = "SmolLM2-135M-Instruct",
-           replicas: list[str] | None = None) -> str:
+def banner(
+    inference: str,
+    store: str,
+    openai: str | None = None,
+    model: str = "SmolLM2-135M-Instruct",
+    replicas: list[str] | None = None,
+) -> str:
     door = f"  openai     http://{openai}/v1   (OpenAI-compatible HTTP)\n" if openai else ""
-    try_door = (f"  curl -s http://{openai}/v1/chat/completions -H 'content-type: application/json' -d "
-                f"'{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
-                f"\"content\": \"List 3 countries and their capitals.\"}}], \"max_tokens\": 64}}'\n") if openai else ""
+    try_door = (
+        (
+            f"  curl -s http://{openai}/v1/chat/completions -H 'content-type: application/json' -d "
+            f'\'{{"model": "{model}", "messages": [{{"role": "user", '
+            f'"content": "List 3 countries and their capitals."}}], "max_tokens": 64}}\'\n'
+        )
+        if openai
+        else ""
+    )
     routed = "".join(f"\n    replica  {r}" for r in replicas or [])
     via = "   (nginx router, by x-loraplex-adapter)" if replicas else ""
     return f"""
@@ -72,17 +101,37 @@ def run(ns: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     children: list[ServerProcess] = []
     try:
-        store = ServerProcess("store", "adapter_store", [
-            "--host", ns.host, "--port", str(ns.store_port), "--cache-dir", str(cache / "store"), "--base-model", model,
-        ])
+        store = ServerProcess(
+            "store",
+            "adapter_store",
+            [
+                "--host",
+                ns.host,
+                "--port",
+                str(ns.store_port),
+                "--cache-dir",
+                str(cache / "store"),
+                "--base-model",
+                model,
+            ],
+        )
         children.append(store)
         store.wait_serving(ns.startup_timeout)
-        args = ["--model-path", model, "--host", ns.host, "--adapter-store", store.address,
-                "--adapter-cache-dir", str(cache / "inference")]
+        args = [
+            "--model-path",
+            model,
+            "--host",
+            ns.host,
+            "--adapter-store",
+            store.address,
+            "--adapter-cache-dir",
+            str(cache / "inference"),
+        ]
         if ns.replicas <= 1:
             metrics = [] if ns.metrics_port is None else ["--metrics-port", str(ns.metrics_port)]
-            inference = ServerProcess("inference", "services.inference",
-                                      args + ["--port", str(ns.port)] + metrics + extra)
+            inference = ServerProcess(
+                "inference", "services.inference", args + ["--port", str(ns.port)] + metrics + extra
+            )
             children.append(inference)
             inference.wait_serving(ns.startup_timeout)
             target, replica_addresses = inference.address, None
@@ -91,9 +140,13 @@ def run(ns: argparse.Namespace) -> int:
             for i in range(ns.replicas):
                 name = f"replica-{i}"
                 metrics = [] if ns.metrics_port is None else ["--metrics-port", str(ns.metrics_port + i)]
-                replicas.append(ServerProcess(name, "services.inference",
-                                              args + ["--port", "0", "--replica-id", name, "--listen-when-ready"]
-                                              + metrics + extra))
+                replicas.append(
+                    ServerProcess(
+                        name,
+                        "services.inference",
+                        args + ["--port", "0", "--replica-id", name, "--listen-when-ready"] + metrics + extra,
+                    )
+                )
             children.extend(replicas)
             for replica in replicas:  # they load at the same time
                 replica.wait_serving(ns.startup_timeout)
@@ -105,12 +158,19 @@ def run(ns: argparse.Namespace) -> int:
             target, replica_addresses = router.address, [r.address for r in replicas]
         door = None
         if ns.openai_port >= 0:
-            door = ServerProcess("openai", "services.openai", [
-                "--target", target, "--host", ns.host, "--port", str(ns.openai_port)])
+            door = ServerProcess(
+                "openai",
+                "services.openai",
+                ["--target", target, "--host", ns.host, "--port", str(ns.openai_port)],
+            )
             children.append(door)
             door.wait_bound(ns.startup_timeout)
-        print(banner(target, store.address, door.address if door else None, Path(model).name,
-                     replica_addresses), flush=True)
+        print(
+            banner(
+                target, store.address, door.address if door else None, Path(model).name, replica_addresses
+            ),
+            flush=True,
+        )
         while not stop.wait(0.5):
             dead = [c for c in children if c.proc.poll() is not None]
             if dead:

@@ -26,17 +26,35 @@ LOG2E = 1.4426950408889634
 # variant per batch size while serving); only the padded width of the merge is compiled in.
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
-    scale_log2, num_splits,
-    stride_qb, stride_qh,
-    stride_kp, stride_kt, stride_kh,
-    stride_vp, stride_vt, stride_vh,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tables_ptr,
+    lens_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    scale_log2,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
     stride_tb,
-    stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -53,7 +71,8 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -66,7 +85,8 @@ def _decode_split_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(
             k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask, other=0.0,
+            mask=kv_mask,
+            other=0.0,
         )
         s = tl.dot(q, tl.trans(k)) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -76,7 +96,8 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask, other=0.0,
+            mask=kv_mask,
+            other=0.0,
         )
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -86,18 +107,27 @@ def _decode_split_kernel(
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
     tl.store(
         mid_o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
-        out, mask=g_mask[:, None] & d_mask[None, :],
+        out,
+        mask=g_mask[:, None] & d_mask[None, :],
     )
     tl.store(mid_lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr, num_splits,
-    stride_ob, stride_oh, stride_os,
-    stride_lb, stride_lh,
-    stride_outb, stride_outh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_outb,
+    stride_outh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -113,11 +143,14 @@ def _decode_merge_kernel(
     total = tl.sum(w, 0)
     parts = tl.load(
         mid_o_ptr + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
     # A sequence with no tokens (a CUDA-graph padding row) gets zeros, not NaN.
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b * stride_outb + h * stride_outh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(
+        out_ptr + b * stride_outb + h * stride_outh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask
+    )
 
 
 @functools.cache
@@ -193,25 +226,52 @@ def paged_decode_attention(
     if out is None:
         out = torch.empty_like(q)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, mid_o, mid_lse,
-        scale * LOG2E, splits,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        mid_o,
+        mid_lse,
+        scale * LOG2E,
+        splits,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE_SIZE=page_size, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE_SIZE=page_size,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     _decode_merge_kernel[(batch, num_heads)](
-        mid_o, mid_lse, out, splits,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        mid_o,
+        mid_lse,
+        out,
+        splits,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
         SPLITS_PAD=pad,
         num_warps=4 if block_d >= 128 else 2,
     )

@@ -14,10 +14,25 @@ import triton.language as tl
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cp, stride_ct, stride_ch, stride_vcp, stride_vct, stride_vch,
-    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slots_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cp,
+    stride_ct,
+    stride_ch,
+    stride_vcp,
+    stride_vct,
+    stride_vch,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -31,10 +46,20 @@ def _store_kv_kernel(
     mask = (offs_h[:, None] < KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    tl.store(k_cache_ptr + page * stride_cp + offset * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :],
-             k, mask=mask)
-    tl.store(v_cache_ptr + page * stride_vcp + offset * stride_vct + offs_h[:, None] * stride_vch + offs_d[None, :],
-             v, mask=mask)
+    tl.store(
+        k_cache_ptr + page * stride_cp + offset * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :],
+        k,
+        mask=mask,
+    )
+    tl.store(
+        v_cache_ptr
+        + page * stride_vcp
+        + offset * stride_vct
+        + offs_h[:, None] * stride_vch
+        + offs_d[None, :],
+        v,
+        mask=mask,
+    )
 
 
 def store_kv(
@@ -47,12 +72,26 @@ def store_kv(
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k, v and the caches need a contiguous last dimension")
     _store_kv_kernel[(tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=k_cache.shape[1],
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=k_cache.shape[1],
         num_warps=2,
     )
 

@@ -21,15 +21,31 @@ LOG2E = 1.4426950408889634
 # class to compile a variant for (1 page, a multiple of 16, other).
 @triton.jit(do_not_specialize=["stride_tb"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, cu_q_ptr, kv_lens_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    tables_ptr,
+    cu_q_ptr,
+    kv_lens_ptr,
     scale_log2,
-    stride_qt, stride_qh,
-    stride_kp, stride_kt, stride_kh,
-    stride_vp, stride_vt, stride_vh,
-    stride_ot, stride_oh,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_vp,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
     stride_tb,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     h = tl.program_id(0)
     m_block = tl.program_id(1)
@@ -48,7 +64,8 @@ def _prefill_kernel(
     q_pos = kv_len - q_len + offs_m
     q = tl.load(
         q_ptr + (q_start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :],
-        mask=m_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -63,7 +80,8 @@ def _prefill_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(
             k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-            mask=kv_mask, other=0.0,
+            mask=kv_mask,
+            other=0.0,
         )
         s = tl.dot(q, tl.trans(k)) * scale_log2
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -76,14 +94,16 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-            mask=kv_mask, other=0.0,
+            mask=kv_mask,
+            other=0.0,
         )
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
     )
 
 
@@ -121,15 +141,32 @@ def paged_prefill_attention(
         return out
     grid = (num_heads, triton.cdiv(max_q_len, block_m), batch)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, cu_q, kv_lens,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        cu_q,
+        kv_lens,
         scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
         block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=page_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

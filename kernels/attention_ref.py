@@ -16,7 +16,9 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[pages].reshape(-1, *cache.shape[2:])[:length]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float
+) -> torch.Tensor:
     """q `[M, H, D]` at positions `q_pos`, k/v `[N, KVH, D]` at positions 0..N-1; causal; fp32."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)

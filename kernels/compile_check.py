@@ -19,37 +19,92 @@ from kernels.lora_meta import _segments_kernel
 from kernels.lora_shrink import _shrink_kernel
 
 # Pointer arguments by name; other pointers are int32 metadata, other scalars int32.
-POINTERS = {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "y_ptr": "*fp32",
-            "scal_ptr": "*fp32", "h_ptr": "*bf16", "h_out_ptr": "*bf16", "w_ptr": "*bf16", "d_ptr": "*fp32",
-            "qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16",
-            "v_ptr": "*bf16"}
+POINTERS = {
+    "x_ptr": "*bf16",
+    "a_ptr": "*bf16",
+    "b_ptr": "*bf16",
+    "out_ptr": "*bf16",
+    "y_ptr": "*fp32",
+    "scal_ptr": "*fp32",
+    "h_ptr": "*bf16",
+    "h_out_ptr": "*bf16",
+    "w_ptr": "*bf16",
+    "d_ptr": "*fp32",
+    "qkv_ptr": "*bf16",
+    "cos_ptr": "*bf16",
+    "sin_ptr": "*bf16",
+    "q_ptr": "*bf16",
+    "k_ptr": "*bf16",
+    "v_ptr": "*bf16",
+}
 SCALARS = {"eps": "fp32"}
 COMMON = dict(PRECISION="tf32", BLOCK_M=16)
 KERNELS = {
-    "shrink": (_shrink_kernel, dict(COMMON, USE_PDL=False, R_BLOCKS=1, TOK_STRIDE=128, EVEN_K=True, BLOCK_R=16,
-                                     BLOCK_K=256)),
-    "expand_accumulate": (_expand_kernel, dict(COMMON, USE_PDL=False, N_SPLITS=2, TOK_STRIDE=128, EVEN_N=True,
-                                               ACCUMULATE=True, BLOCK_N=256, BLOCK_R=16)),
-    "expand_delta": (_expand_kernel, dict(COMMON, USE_PDL=False, N_SPLITS=1, TOK_STRIDE=128, EVEN_N=False,
-                                          ACCUMULATE=False, BLOCK_N=128, BLOCK_R=64)),
-    "expand_token_delta": (_expand_token_kernel, dict(N_SPLITS=8, EVEN_N=True, ACCUMULATE=False, BLOCK_N=128,
-                                                      BLOCK_R=16)),
-    "expand_token_accumulate": (_expand_token_kernel, dict(N_SPLITS=1, EVEN_N=False, ACCUMULATE=True, BLOCK_N=64,
-                                                           BLOCK_R=64)),
+    "shrink": (
+        _shrink_kernel,
+        dict(COMMON, USE_PDL=False, R_BLOCKS=1, TOK_STRIDE=128, EVEN_K=True, BLOCK_R=16, BLOCK_K=256),
+    ),
+    "expand_accumulate": (
+        _expand_kernel,
+        dict(
+            COMMON,
+            USE_PDL=False,
+            N_SPLITS=2,
+            TOK_STRIDE=128,
+            EVEN_N=True,
+            ACCUMULATE=True,
+            BLOCK_N=256,
+            BLOCK_R=16,
+        ),
+    ),
+    "expand_delta": (
+        _expand_kernel,
+        dict(
+            COMMON,
+            USE_PDL=False,
+            N_SPLITS=1,
+            TOK_STRIDE=128,
+            EVEN_N=False,
+            ACCUMULATE=False,
+            BLOCK_N=128,
+            BLOCK_R=64,
+        ),
+    ),
+    "expand_token_delta": (
+        _expand_token_kernel,
+        dict(N_SPLITS=8, EVEN_N=True, ACCUMULATE=False, BLOCK_N=128, BLOCK_R=16),
+    ),
+    "expand_token_accumulate": (
+        _expand_token_kernel,
+        dict(N_SPLITS=1, EVEN_N=False, ACCUMULATE=True, BLOCK_N=64, BLOCK_R=64),
+    ),
     "add_rms_norm_delta": (_add_rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_DELTA=True)),
     "silu_mul_delta": (_silu_mul_kernel, dict(N=14336, BLOCK=1024, HAS_DELTA=True)),
-    "qkv_rotary_delta": (_qkv_rotary_kernel, dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64,
-                                                  HAS_DELTA=True)),
-    "segments": (_segments_kernel, dict(S=64, BLOCK_S=128, BLOCK_T=256, BLOCK_B=32, M0=16, M1=32, M2=64, M3=128)),
-    "qkv_rotary": (_qkv_rotary_kernel, dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64,
-                                            HAS_DELTA=False)),
+    "qkv_rotary_delta": (
+        _qkv_rotary_kernel,
+        dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64, HAS_DELTA=True),
+    ),
+    "segments": (
+        _segments_kernel,
+        dict(S=64, BLOCK_S=128, BLOCK_T=256, BLOCK_B=32, M0=16, M1=32, M2=64, M3=128),
+    ),
+    "qkv_rotary": (
+        _qkv_rotary_kernel,
+        dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64, HAS_DELTA=False),
+    ),
 }
 
 
 def compile_kernel(fn, constexprs: dict, arch: int = 90):
     names = fn.arg_names
-    signature = {n: "constexpr" if n in constexprs else POINTERS.get(n, "*i32") if n.endswith("_ptr")
-                 else SCALARS.get(n, "i32") for n in names}
+    signature = {
+        n: "constexpr"
+        if n in constexprs
+        else POINTERS.get(n, "*i32")
+        if n.endswith("_ptr")
+        else SCALARS.get(n, "i32")
+        for n in names
+    }
     src = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32))
 
@@ -57,7 +112,9 @@ def compile_kernel(fn, constexprs: dict, arch: int = 90):
 def main() -> int:
     for name, (fn, constexprs) in KERNELS.items():
         kernel = compile_kernel(fn, constexprs)
-        print(f"{name}: ptx {len(kernel.asm['ptx'])} chars, cubin {len(kernel.asm['cubin'])} bytes", flush=True)
+        print(
+            f"{name}: ptx {len(kernel.asm['ptx'])} chars, cubin {len(kernel.asm['cubin'])} bytes", flush=True
+        )
     return 0
 
 

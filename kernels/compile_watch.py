@@ -44,8 +44,15 @@ def step_kernels() -> dict[str, object]:
     )
 
     kernels = {}
-    for module in (attention_decode, attention_kv_store, attention_prefill, fused_ops, lora_expand, lora_meta,
-                   lora_shrink):
+    for module in (
+        attention_decode,
+        attention_kv_store,
+        attention_prefill,
+        fused_ops,
+        lora_expand,
+        lora_meta,
+        lora_shrink,
+    ):
         for name, value in vars(module).items():
             if hasattr(value, "add_pre_run_hook") and hasattr(value, "fn"):
                 kernels[f"{module.__name__.split('.')[-1]}.{name}"] = value
@@ -58,8 +65,11 @@ def _binder(kernel) -> object:
         jit = kernel
     else:  # InterpretedFunction keeps the decorator's arguments
         opts = getattr(kernel, "kwargs", {}) or {}
-        jit = JITFunction(kernel.fn, do_not_specialize=opts.get("do_not_specialize"),
-                          do_not_specialize_on_alignment=opts.get("do_not_specialize_on_alignment"))
+        jit = JITFunction(
+            kernel.fn,
+            do_not_specialize=opts.get("do_not_specialize"),
+            do_not_specialize_on_alignment=opts.get("do_not_specialize_on_alignment"),
+        )
     # The CUDA backend specialises integers and pointers as the base backend does (divisibility by 16).
     return create_function_from_signature(jit.signature, jit.params, BaseBackend)
 
@@ -146,8 +156,12 @@ class CompileCounter:
         if self.serving:
             fn = kwargs.get("fn")
             name = getattr(fn, "name", None) or getattr(getattr(fn, "jit_function", None), "__name__", "?")
-            log.warning("Triton compiled %s while serving (%d since start-up): %s", name, self.after_start,
-                        kwargs.get("repr", ""))
+            log.warning(
+                "Triton compiled %s while serving (%d since start-up): %s",
+                name,
+                self.after_start,
+                kwargs.get("repr", ""),
+            )
         if self._previous is not None:
             return self._previous(*args, **kwargs)
         return None

@@ -33,14 +33,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     if rows:
         block = triton.next_power_of_2(n)
-        _rms_norm_kernel[(rows,)](x, weight, out, x.stride(0), out.stride(0), eps, N=n, BLOCK=block,
-                                  num_warps=min(16, max(1, block // 256)))
+        _rms_norm_kernel[(rows,)](
+            x,
+            weight,
+            out,
+            x.stride(0),
+            out.stride(0),
+            eps,
+            N=n,
+            BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+        )
     return out
 
 
 @triton.jit
-def _add_rms_norm_kernel(h_ptr, y_ptr, d_ptr, w_ptr, h_out_ptr, out_ptr, stride_h, stride_y, stride_d, stride_ho,
-                         stride_o, eps, N: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+def _add_rms_norm_kernel(
+    h_ptr,
+    y_ptr,
+    d_ptr,
+    w_ptr,
+    h_out_ptr,
+    out_ptr,
+    stride_h,
+    stride_y,
+    stride_d,
+    stride_ho,
+    stride_o,
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -58,8 +82,13 @@ def _add_rms_norm_kernel(h_ptr, y_ptr, d_ptr, w_ptr, h_out_ptr, out_ptr, stride_
 
 
 def add_rms_norm(
-    h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
-    h_out: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    h: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    delta: torch.Tensor | None = None,
+    h_out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`h + y` (y plus its float32 LoRA `delta` first, when given) and `rms_norm` of that, in one
     launch: the residual add before each RMSNorm of a decoder layer. Returns (new h, normed).
@@ -70,9 +99,24 @@ def add_rms_norm(
     if rows:
         block = triton.next_power_of_2(n)
         d = delta if delta is not None else y
-        _add_rms_norm_kernel[(rows,)](h, y, d, weight, h_out, out, h.stride(0), y.stride(0), d.stride(0),
-                                      h_out.stride(0), out.stride(0), eps, N=n, BLOCK=block,
-                                      HAS_DELTA=delta is not None, num_warps=min(16, max(1, block // 256)))
+        _add_rms_norm_kernel[(rows,)](
+            h,
+            y,
+            d,
+            weight,
+            h_out,
+            out,
+            h.stride(0),
+            y.stride(0),
+            d.stride(0),
+            h_out.stride(0),
+            out.stride(0),
+            eps,
+            N=n,
+            BLOCK=block,
+            HAS_DELTA=delta is not None,
+            num_warps=min(16, max(1, block // 256)),
+        )
     return h_out, out
 
 
@@ -92,9 +136,27 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 @triton.jit
-def _qkv_rotary_kernel(qkv_ptr, d_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, stride_t, stride_dt, stride_ct,
-                       stride_qt, stride_kt, stride_vt, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DELTA: tl.constexpr):
+def _qkv_rotary_kernel(
+    qkv_ptr,
+    d_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    stride_t,
+    stride_dt,
+    stride_ct,
+    stride_qt,
+    stride_kt,
+    stride_vt,
+    Q_HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+):
     t = tl.program_id(0)
     part = tl.program_id(1)  # 0: q, 1: k (both rotated), 2: v (only its LoRA delta added)
     dim = 2 * HALF
@@ -129,8 +191,13 @@ def _qkv_rotary_kernel(qkv_ptr, d_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, st
 
 
 def qkv_rotary(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
-    delta: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_heads: int,
+    kv_heads: int,
+    delta: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the fused q/k/v projection `[T, (q_heads + 2 kv_heads) * head_dim]` (last dim contiguous)
     into q, k, v `[T, heads, head_dim]` with the half-split rotary applied to q and k (`cos`/`sin`
@@ -154,9 +221,27 @@ def qkv_rotary(
         d = qkv if delta is None else delta
         # Program 2 writes v (plus its delta): needed with a delta, or when v is not a view of qkv.
         _qkv_rotary_kernel[(tokens, 2 if delta is None and out is None else 3)](
-            qkv, d, cos, sin, q, k, v, qkv.stride(0), d.stride(0), cos.stride(0), q.stride(0), k.stride(0),
-            v.stride(0), Q_HEADS=q_heads, KV_HEADS=kv_heads, HALF=half, BLOCK_H=triton.next_power_of_2(q_heads),
-            BLOCK_D=triton.next_power_of_2(half), HAS_DELTA=delta is not None, num_warps=4)
+            qkv,
+            d,
+            cos,
+            sin,
+            q,
+            k,
+            v,
+            qkv.stride(0),
+            d.stride(0),
+            cos.stride(0),
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            Q_HEADS=q_heads,
+            KV_HEADS=kv_heads,
+            HALF=half,
+            BLOCK_H=triton.next_power_of_2(q_heads),
+            BLOCK_D=triton.next_power_of_2(half),
+            HAS_DELTA=delta is not None,
+            num_warps=4,
+        )
     return q, k, v
 
 
@@ -168,8 +253,13 @@ def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def qkv_rotary_ref(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_heads: int, kv_heads: int,
-    delta: torch.Tensor | None = None, out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_heads: int,
+    kv_heads: int,
+    delta: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The torch code `qkv_rotary` replaces: in-place delta add, split, rotary of q and k."""
     if delta is not None:
@@ -177,8 +267,11 @@ def qkv_rotary_ref(
     tokens, width = qkv.shape
     dim = width // (q_heads + 2 * kv_heads)
     q, k, v = qkv.split((q_heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
-    result = (rotary_ref(q.reshape(tokens, q_heads, dim), cos, sin),
-              rotary_ref(k.reshape(tokens, kv_heads, dim), cos, sin), v.reshape(tokens, kv_heads, dim))
+    result = (
+        rotary_ref(q.reshape(tokens, q_heads, dim), cos, sin),
+        rotary_ref(k.reshape(tokens, kv_heads, dim), cos, sin),
+        v.reshape(tokens, kv_heads, dim),
+    )
     if out is None:
         return result
     for dst, src in zip(out, result, strict=True):
@@ -187,8 +280,17 @@ def qkv_rotary_ref(
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, d_ptr, out_ptr, stride_x, stride_d, stride_o, N: tl.constexpr, BLOCK: tl.constexpr,
-                     HAS_DELTA: tl.constexpr):
+def _silu_mul_kernel(
+    x_ptr,
+    d_ptr,
+    out_ptr,
+    stride_x,
+    stride_d,
+    stride_o,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -211,9 +313,18 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> to
     if rows:
         block = 1024
         d = delta if delta is not None else gate_up
-        _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, d, out, gate_up.stride(0), d.stride(0),
-                                                       out.stride(0), N=n, BLOCK=block, HAS_DELTA=delta is not None,
-                                                       num_warps=4)
+        _silu_mul_kernel[(rows, triton.cdiv(n, block))](
+            gate_up,
+            d,
+            out,
+            gate_up.stride(0),
+            d.stride(0),
+            out.stride(0),
+            N=n,
+            BLOCK=block,
+            HAS_DELTA=delta is not None,
+            num_warps=4,
+        )
     return out
 
 

@@ -172,8 +172,19 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     lora_shrink(x, A, ranks, segs, y_t, max_distinct=distinct)
     lora_expand(y_t, B, ranks, scalings, segs, out_t, case.widths, config=cfg, max_distinct=distinct)
     tight = bool(torch.equal(out_t, out))
-    return CaseResult(case.name, shrink_err, expand_err, written, untouched, y.shape[0], delta_norm,
-                      delta_err, adds_up, delta_untouched, tight)
+    return CaseResult(
+        case.name,
+        shrink_err,
+        expand_err,
+        written,
+        untouched,
+        y.shape[0],
+        delta_norm,
+        delta_err,
+        adds_up,
+        delta_untouched,
+        tight,
+    )
 
 
 R4 = ((1, 4, 0), (16, 8, 16), (0, 0, 0), (8, 16, 4))
@@ -184,25 +195,87 @@ CASES: tuple[Case, ...] = (
     Case("gate_up_rank64_fp16", 20, 72, (96, 96), 64, ((64, 64), (4, 0), (0, 16), (1, 64)), "float16"),
     Case("down_decode_split_table_fp32", 6, 4200, (40,), 16, ((16,), (8,), (0,)), "float32"),
     Case("single_token_fp32", 1, 130, (24,), 8, ((8,), (4,)), "float32", slot_pattern="one_big"),
-    Case("mixed_prefill_decode_fp16", 300, 40, (32, 24), 16, ((16, 4), (1, 8), (16, 16)), "float16",
-         slot_pattern="one_big"),
+    Case(
+        "mixed_prefill_decode_fp16",
+        300,
+        40,
+        (32, 24),
+        16,
+        ((16, 4), (1, 8), (16, 16)),
+        "float16",
+        slot_pattern="one_big",
+    ),
     Case("thousands_tokens_fp32", 2048, 24, (20,), 8, ((8,), (1,), (4,)), "float32"),
     Case("even_tiles_fp16", 9, 512, (256, 256), 16, ((16, 3), (0, 9), (12, 16)), "float16"),
     Case("rank_not_multiple_of_8_pool_fp32", 7, 48, (24, 40), 12, ((12, 5), (3, 12)), "float32"),
     Case("no_adapter_tokens_fp32", 12, 40, (16, 8), 8, ((8, 8),), "float32", slot_pattern="none"),
-    Case("token_per_adapter_fp32", 8, 64, (32,), 8, tuple((8,) for _ in range(10)), "float32",
-         slot_pattern="distinct"),
+    Case(
+        "token_per_adapter_fp32",
+        8,
+        64,
+        (32,),
+        8,
+        tuple((8,) for _ in range(10)),
+        "float32",
+        slot_pattern="distinct",
+    ),
     # One program per token: GQA stacks of uneven widths, K-split partials, mixed ranks (a rank-64
     # pool too), a pool rank that is not a power of 2, no adapters, one token per slot, a long segment.
     Case("per_token_qkv_gqa_fp32_split3", 37, 200, (48, 16, 16), 16, R4, "float32", splits=3, per_token=True),
     Case("per_token_qkv_gqa_fp16", 37, 200, (48, 16, 16), 16, R4, "float16", splits=2, per_token=True),
-    Case("per_token_gate_up_rank64_fp16", 20, 72, (96, 96), 64, ((64, 64), (4, 0), (0, 16), (1, 64)), "float16",
-         per_token=True),
-    Case("per_token_rank_not_multiple_of_8_fp32", 7, 48, (24, 40), 12, ((12, 5), (3, 12)), "float32", per_token=True),
-    Case("per_token_distinct_fp32", 10, 64, (32,), 8, tuple((8,) for _ in range(10)), "float32",
-         slot_pattern="distinct", per_token=True),
-    Case("per_token_one_big_fp16", 40, 24, (20,), 8, ((8,), (4,)), "float16", slot_pattern="one_big", per_token=True),
-    Case("per_token_no_adapter_fp32", 12, 40, (16, 8), 8, ((8, 8),), "float32", slot_pattern="none", per_token=True),
+    Case(
+        "per_token_gate_up_rank64_fp16",
+        20,
+        72,
+        (96, 96),
+        64,
+        ((64, 64), (4, 0), (0, 16), (1, 64)),
+        "float16",
+        per_token=True,
+    ),
+    Case(
+        "per_token_rank_not_multiple_of_8_fp32",
+        7,
+        48,
+        (24, 40),
+        12,
+        ((12, 5), (3, 12)),
+        "float32",
+        per_token=True,
+    ),
+    Case(
+        "per_token_distinct_fp32",
+        10,
+        64,
+        (32,),
+        8,
+        tuple((8,) for _ in range(10)),
+        "float32",
+        slot_pattern="distinct",
+        per_token=True,
+    ),
+    Case(
+        "per_token_one_big_fp16",
+        40,
+        24,
+        (20,),
+        8,
+        ((8,), (4,)),
+        "float16",
+        slot_pattern="one_big",
+        per_token=True,
+    ),
+    Case(
+        "per_token_no_adapter_fp32",
+        12,
+        40,
+        (16, 8),
+        8,
+        ((8, 8),),
+        "float32",
+        slot_pattern="none",
+        per_token=True,
+    ),
 )
 
 
@@ -210,8 +283,10 @@ def main() -> None:
     for case in CASES:
         print(json.dumps(run_case(case)._asdict()), flush=True)
     gen = torch.Generator().manual_seed(1)
-    random_cases = {f"random {i}": (torch.randint(-1, s, (t,), generator=gen).tolist(), s)
-                    for i, (t, s) in enumerate([(5, 3), (64, 8), (100, 9), (200, 1), (256, 64)])}
+    random_cases = {
+        f"random {i}": (torch.randint(-1, s, (t,), generator=gen).tolist(), s)
+        for i, (t, s) in enumerate([(5, 3), (64, 8), (100, 9), (200, 1), (256, 64)])
+    }
     for name, (slots, num_slots) in {**SEGMENT_CASES, **random_cases}.items():
         ok = segments_match(torch.tensor(slots, dtype=torch.int32), num_slots)
         print(json.dumps(dict(segments=name, match=ok)), flush=True)

@@ -89,41 +89,41 @@ SPLITS_TABLE: dict[tuple[str, int], int] = {
 S, E = ShrinkConfig, ExpandConfig
 # (family, d, n_stack, max_rank) -> ShrinkConfig
 SHRINK_TABLE: dict[tuple[str, int, int, int], ShrinkConfig] = {
-    ('decode', 4096, 3, 16): S(16, 16, 128, 2, 3),  # qkv
-    ('decode', 4096, 1, 16): S(16, 16, 128, 2, 3),  # o
-    ('decode', 4096, 2, 16): S(16, 16, 128, 2, 3),  # gate_up
-    ('decode', 14336, 1, 16): S(16, 16, 128, 2, 3),  # down
-    ('prefill', 4096, 3, 16): S(64, 16, 128, 8, 3),  # qkv
-    ('prefill', 4096, 1, 16): S(32, 16, 128, 4, 3),  # o
-    ('prefill', 4096, 2, 16): S(32, 16, 128, 4, 3),  # gate_up
-    ('prefill', 14336, 1, 16): S(32, 16, 128, 4, 3),  # down
-    ('decode', 4096, 3, 64): S(16, 32, 128, 4, 4),  # qkv
-    ('decode', 4096, 1, 64): S(16, 32, 128, 4, 4),  # o
-    ('decode', 4096, 2, 64): S(16, 32, 128, 4, 4),  # gate_up
-    ('decode', 14336, 1, 64): S(16, 32, 512, 4, 3),  # down
-    ('prefill', 4096, 3, 64): S(64, 64, 64, 4, 3),  # qkv
-    ('prefill', 4096, 1, 64): S(64, 64, 128, 8, 3),  # o
-    ('prefill', 4096, 2, 64): S(64, 64, 128, 8, 3),  # gate_up
-    ('prefill', 14336, 1, 64): S(64, 64, 128, 8, 3),  # down
+    ("decode", 4096, 3, 16): S(16, 16, 128, 2, 3),  # qkv
+    ("decode", 4096, 1, 16): S(16, 16, 128, 2, 3),  # o
+    ("decode", 4096, 2, 16): S(16, 16, 128, 2, 3),  # gate_up
+    ("decode", 14336, 1, 16): S(16, 16, 128, 2, 3),  # down
+    ("prefill", 4096, 3, 16): S(64, 16, 128, 8, 3),  # qkv
+    ("prefill", 4096, 1, 16): S(32, 16, 128, 4, 3),  # o
+    ("prefill", 4096, 2, 16): S(32, 16, 128, 4, 3),  # gate_up
+    ("prefill", 14336, 1, 16): S(32, 16, 128, 4, 3),  # down
+    ("decode", 4096, 3, 64): S(16, 32, 128, 4, 4),  # qkv
+    ("decode", 4096, 1, 64): S(16, 32, 128, 4, 4),  # o
+    ("decode", 4096, 2, 64): S(16, 32, 128, 4, 4),  # gate_up
+    ("decode", 14336, 1, 64): S(16, 32, 512, 4, 3),  # down
+    ("prefill", 4096, 3, 64): S(64, 64, 64, 4, 3),  # qkv
+    ("prefill", 4096, 1, 64): S(64, 64, 128, 8, 3),  # o
+    ("prefill", 4096, 2, 64): S(64, 64, 128, 8, 3),  # gate_up
+    ("prefill", 14336, 1, 64): S(64, 64, 128, 8, 3),  # down
 }
 
 # (family, total output width, n_stack, max_rank) -> ExpandConfig
 EXPAND_TABLE: dict[tuple[str, int, int, int], ExpandConfig] = {
-    ('decode', 6144, 3, 16): E(16, 128, 256, 4, 3),  # qkv
-    ('decode', 4096, 1, 16): E(16, 128, 256, 4, 3),  # o, down
-    ('decode', 28672, 2, 16): E(16, 64, 256, 4, 3),  # gate_up
-    ('decode_many', 6144, 3, 16): E(16, 512, 512, 4, 3, 1),  # qkv, per-token kernel
-    ('decode_many', 4096, 1, 16): E(16, 512, 512, 4, 3, 1),  # o, down
-    ('decode_many', 28672, 2, 16): E(16, 512, 512, 4, 3, 1),  # gate_up
-    ('prefill', 6144, 3, 16): E(64, 128, 1024, 4, 3),  # qkv
-    ('prefill', 4096, 1, 16): E(32, 256, 512, 4, 3),  # o, down
-    ('prefill', 28672, 2, 16): E(64, 128, 512, 4, 3),  # gate_up
-    ('decode', 6144, 3, 64): E(16, 128, 1024, 8, 3),  # qkv
-    ('decode', 4096, 1, 64): E(16, 256, 1024, 8, 3),  # o, down
-    ('decode', 28672, 2, 64): E(16, 128, 1024, 4, 3),  # gate_up
-    ('prefill', 6144, 3, 64): E(64, 128, 512, 4, 3),  # qkv
-    ('prefill', 4096, 1, 64): E(64, 128, 1024, 4, 3),  # o, down
-    ('prefill', 28672, 2, 64): E(64, 128, 1024, 4, 3),  # gate_up
+    ("decode", 6144, 3, 16): E(16, 128, 256, 4, 3),  # qkv
+    ("decode", 4096, 1, 16): E(16, 128, 256, 4, 3),  # o, down
+    ("decode", 28672, 2, 16): E(16, 64, 256, 4, 3),  # gate_up
+    ("decode_many", 6144, 3, 16): E(16, 512, 512, 4, 3, 1),  # qkv, per-token kernel
+    ("decode_many", 4096, 1, 16): E(16, 512, 512, 4, 3, 1),  # o, down
+    ("decode_many", 28672, 2, 16): E(16, 512, 512, 4, 3, 1),  # gate_up
+    ("prefill", 6144, 3, 16): E(64, 128, 1024, 4, 3),  # qkv
+    ("prefill", 4096, 1, 16): E(32, 256, 512, 4, 3),  # o, down
+    ("prefill", 28672, 2, 16): E(64, 128, 512, 4, 3),  # gate_up
+    ("decode", 6144, 3, 64): E(16, 128, 1024, 8, 3),  # qkv
+    ("decode", 4096, 1, 64): E(16, 256, 1024, 8, 3),  # o, down
+    ("decode", 28672, 2, 64): E(16, 128, 1024, 4, 3),  # gate_up
+    ("prefill", 6144, 3, 64): E(64, 128, 512, 4, 3),  # qkv
+    ("prefill", 4096, 1, 64): E(64, 128, 1024, 4, 3),  # o, down
+    ("prefill", 28672, 2, 64): E(64, 128, 1024, 4, 3),  # gate_up
 }
 del S, E
 
@@ -164,7 +164,9 @@ def shrink_splits(d: int, num_tokens: int, many: bool = False) -> int:
 @lru_cache(maxsize=1024)
 def shrink_config(d: int, n_stack: int, max_rank: int, num_tokens: int) -> ShrinkConfig:
     fam = family(num_tokens)
-    hit = SHRINK_TABLE.get((fam, d, n_stack, max_rank)) or SHRINK_TABLE.get((fam, d, n_stack, _rank_bucket(max_rank)))
+    hit = SHRINK_TABLE.get((fam, d, n_stack, max_rank)) or SHRINK_TABLE.get(
+        (fam, d, n_stack, _rank_bucket(max_rank))
+    )
     if hit is not None:
         return hit
     block_r = 16 if max_rank <= 16 else 32
@@ -174,7 +176,9 @@ def shrink_config(d: int, n_stack: int, max_rank: int, num_tokens: int) -> Shrin
 
 
 @lru_cache(maxsize=1024)
-def expand_config(width: int, n_stack: int, max_rank: int, num_tokens: int, many: bool = False) -> ExpandConfig:
+def expand_config(
+    width: int, n_stack: int, max_rank: int, num_tokens: int, many: bool = False
+) -> ExpandConfig:
     """`many`: the step has more than MANY_ADAPTERS distinct adapters (decode_many entries, where
     the table has them)."""
     fam = family(num_tokens)

@@ -51,12 +51,41 @@ def _chunk_lora(pid_n, slot, w0, w1, w2, nc0, nc1, ranks_ptr, scal_ptr, sr_s, sr
 # sy_s (one K-split's rows: tokens x columns) follows the step's token count: runtime, not specialised.
 @triton.jit(do_not_specialize=["sy_s"])
 def _expand_kernel(
-    y_ptr, b_ptr, out_ptr, ranks_ptr, scal_ptr, bslot_ptr, btok_ptr,
-    max_rank, w0, w1, w2, nc0, nc1, chunk_n,
-    sy_s, sy_t, sy_c, sb_s, sb_n, sb_r, so_t, so_n, sr_s, sr_i, ss_s, ss_i,
-    N_SPLITS: tl.constexpr, TOK_STRIDE: tl.constexpr,
-    PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EVEN_N: tl.constexpr, ACCUMULATE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    ranks_ptr,
+    scal_ptr,
+    bslot_ptr,
+    btok_ptr,
+    max_rank,
+    w0,
+    w1,
+    w2,
+    nc0,
+    nc1,
+    chunk_n,
+    sy_s,
+    sy_t,
+    sy_c,
+    sb_s,
+    sb_n,
+    sb_r,
+    so_t,
+    so_n,
+    sr_s,
+    sr_i,
+    ss_s,
+    ss_i,
+    N_SPLITS: tl.constexpr,
+    TOK_STRIDE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -67,8 +96,9 @@ def _expand_kernel(
     tok = tl.load(btok_ptr + pid_b * TOK_STRIDE + tl.arange(0, BLOCK_M))
     if slot < 0:
         return
-    stack, chunk, width, col0, rank, scale = _chunk_lora(pid_n, slot, w0, w1, w2, nc0, nc1, ranks_ptr, scal_ptr,
-                                                         sr_s, sr_i, ss_s, ss_i)
+    stack, chunk, width, col0, rank, scale = _chunk_lora(
+        pid_n, slot, w0, w1, w2, nc0, nc1, ranks_ptr, scal_ptr, sr_s, sr_i, ss_s, ss_i
+    )
     if ACCUMULATE and rank == 0:
         return  # nothing to add (delta mode goes on and writes the stack's zeros)
     if USE_PDL:  # everything above may overlap the previous kernel; nothing below may
@@ -117,11 +147,36 @@ def _expand_kernel(
 
 @triton.jit(do_not_specialize=["sy_s"])
 def _expand_token_kernel(
-    y_ptr, b_ptr, out_ptr, ranks_ptr, scal_ptr, slots_ptr,
-    max_rank, w0, w1, w2, nc0, nc1, chunk_n,
-    sy_s, sy_t, sy_c, sb_s, sb_n, sb_r, so_t, so_n, sr_s, sr_i, ss_s, ss_i,
-    N_SPLITS: tl.constexpr, EVEN_N: tl.constexpr, ACCUMULATE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    y_ptr,
+    b_ptr,
+    out_ptr,
+    ranks_ptr,
+    scal_ptr,
+    slots_ptr,
+    max_rank,
+    w0,
+    w1,
+    w2,
+    nc0,
+    nc1,
+    chunk_n,
+    sy_s,
+    sy_t,
+    sy_c,
+    sb_s,
+    sb_n,
+    sb_r,
+    so_t,
+    so_n,
+    sr_s,
+    sr_i,
+    ss_s,
+    ss_i,
+    N_SPLITS: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     """`_expand_kernel` with one program per (column chunk, token): the token's slot straight from
     the step's slots (no segment map), its `y` row, and `[BLOCK_N, R]` tiles of its slot's B reduced
@@ -131,8 +186,9 @@ def _expand_token_kernel(
     slot = tl.load(slots_ptr + tok)
     if slot < 0:
         return
-    stack, chunk, width, col0, rank, scale = _chunk_lora(pid_n, slot, w0, w1, w2, nc0, nc1, ranks_ptr, scal_ptr,
-                                                         sr_s, sr_i, ss_s, ss_i)
+    stack, chunk, width, col0, rank, scale = _chunk_lora(
+        pid_n, slot, w0, w1, w2, nc0, nc1, ranks_ptr, scal_ptr, sr_s, sr_i, ss_s, ss_i
+    )
     if ACCUMULATE and rank == 0:
         return
     offs_k = tl.arange(0, BLOCK_R)
@@ -204,28 +260,58 @@ def lora_expand(
     n_chunks = [triton.cdiv(wi, chunk_n) for wi in w]
     # Arguments after the slot metadata, the same for both kernels.
     shape_args = (
-        max_rank, w[0], w[1], w[2], n_chunks[0], n_chunks[1], chunk_n,
-        y3.stride(0), y3.stride(1), y3.stride(2), B.stride(0), B.stride(1), B.stride(2),
-        out.stride(0), out.stride(1), ranks.stride(0), ranks.stride(1),
-        scalings.stride(0), scalings.stride(1),
+        max_rank,
+        w[0],
+        w[1],
+        w[2],
+        n_chunks[0],
+        n_chunks[1],
+        chunk_n,
+        y3.stride(0),
+        y3.stride(1),
+        y3.stride(2),
+        B.stride(0),
+        B.stride(1),
+        B.stride(2),
+        out.stride(0),
+        out.stride(1),
+        ranks.stride(0),
+        ranks.stride(1),
+        scalings.stride(0),
+        scalings.stride(1),
     )
     common = dict(
-        N_SPLITS=y3.shape[0], EVEN_N=all(wi % cfg.block_n == 0 for wi in widths), ACCUMULATE=accumulate,
-        BLOCK_N=cfg.block_n, BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        N_SPLITS=y3.shape[0],
+        EVEN_N=all(wi % cfg.block_n == 0 for wi in widths),
+        ACCUMULATE=accumulate,
+        BLOCK_N=cfg.block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if cfg.per_token:
         _expand_token_kernel[(sum(n_chunks), num_tokens)](
-            y3, B, out, ranks, scalings, segs.token_slots, *shape_args, **common)
+            y3, B, out, ranks, scalings, segs.token_slots, *shape_args, **common
+        )
         return out
     bslot, btok = segs.blocks_for(cfg.block_m)
     slots_bound = num_slots if max_distinct is None else min(num_slots, max_distinct)
     grid = (sum(n_chunks), num_blocks_bound(num_tokens, slots_bound, cfg.block_m))
     _expand_kernel[grid](
-        y3, B, out, ranks, scalings, bslot, btok, *shape_args, TOK_STRIDE=btok.stride(0),
+        y3,
+        B,
+        out,
+        ranks,
+        scalings,
+        bslot,
+        btok,
+        *shape_args,
+        TOK_STRIDE=btok.stride(0),
         # fp32 must stay fp32 (tl.dot defaults to TF32 on GPU); 16-bit inputs ignore it.
         PRECISION="ieee" if B.dtype == torch.float32 else "tf32",
-        BLOCK_M=cfg.block_m, **common, **launch_kwargs(),
+        BLOCK_M=cfg.block_m,
+        **common,
+        **launch_kwargs(),
     )
     return out
 
@@ -258,7 +344,9 @@ def lora_expand_ref(
             if r > 0:
                 ys = y3[:, rows, i * max_rank : i * max_rank + r].sum(0)
                 ys = ys.to(B.dtype).float()
-                delta[:, off : off + wi] = scalings[s, i].float() * (ys @ B[s, off : off + wi, :r].float().t())
+                delta[:, off : off + wi] = scalings[s, i].float() * (
+                    ys @ B[s, off : off + wi, :r].float().t()
+                )
             off += wi
         out[rows] = (out[rows].float() + delta).to(out.dtype) if accumulate else delta.to(out.dtype)
     return out

@@ -153,8 +153,21 @@ def segments_block_ts(max_tokens: int, num_slots: int) -> list[int]:
 
 
 @triton.jit
-def _fill_blocks(counts, key, rank, offs_t, t_mask, T, bslot_ptr, btok_ptr, stride_bt,
-                 S: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_B: tl.constexpr, M: tl.constexpr):
+def _fill_blocks(
+    counts,
+    key,
+    rank,
+    offs_t,
+    t_mask,
+    T,
+    bslot_ptr,
+    btok_ptr,
+    stride_bt,
+    S: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    M: tl.constexpr,
+):
     offs_s = tl.arange(0, BLOCK_S)
     nblk = tl.where(offs_s < S, (counts + M - 1) // M, 0)
     cum = tl.cumsum(nblk, axis=0)
@@ -175,10 +188,27 @@ def _fill_blocks(counts, key, rank, offs_t, t_mask, T, bslot_ptr, btok_ptr, stri
 
 # T is a runtime size: its value class (1, a multiple of 16, other) must not pick a compiled variant.
 @triton.jit(do_not_specialize=["T"])
-def _segments_kernel(slots_ptr, tok_slots_ptr, sorted_ptr, start_ptr, count_ptr, bslot_ptr, btok_ptr, T,
-                     stride_bs, stride_bti, stride_bt, S: tl.constexpr, BLOCK_S: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, M0: tl.constexpr, M1: tl.constexpr,
-                     M2: tl.constexpr, M3: tl.constexpr):
+def _segments_kernel(
+    slots_ptr,
+    tok_slots_ptr,
+    sorted_ptr,
+    start_ptr,
+    count_ptr,
+    bslot_ptr,
+    btok_ptr,
+    T,
+    stride_bs,
+    stride_bti,
+    stride_bt,
+    S: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    M0: tl.constexpr,
+    M1: tl.constexpr,
+    M2: tl.constexpr,
+    M3: tl.constexpr,
+):
     pid = tl.program_id(0)  # which block size this program maps (program 0 also writes the sort)
     offs_t = tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
@@ -197,17 +227,57 @@ def _segments_kernel(slots_ptr, tok_slots_ptr, sorted_ptr, start_ptr, count_ptr,
         tl.store(sorted_ptr + pos, offs_t, mask=t_mask)
         tl.store(start_ptr + offs_s, starts, mask=offs_s < S)
         tl.store(count_ptr + offs_s, counts, mask=offs_s < S)
-        _fill_blocks(counts, key, rank, offs_t, t_mask, T, bslot_ptr, btok_ptr, stride_bt, S, BLOCK_S, BLOCK_B,
-                     M0)
+        _fill_blocks(
+            counts, key, rank, offs_t, t_mask, T, bslot_ptr, btok_ptr, stride_bt, S, BLOCK_S, BLOCK_B, M0
+        )
     elif pid == 1:
-        _fill_blocks(counts, key, rank, offs_t, t_mask, T, bslot_ptr + stride_bs, btok_ptr + stride_bti, stride_bt,
-                     S, BLOCK_S, BLOCK_B, M1)
+        _fill_blocks(
+            counts,
+            key,
+            rank,
+            offs_t,
+            t_mask,
+            T,
+            bslot_ptr + stride_bs,
+            btok_ptr + stride_bti,
+            stride_bt,
+            S,
+            BLOCK_S,
+            BLOCK_B,
+            M1,
+        )
     elif pid == 2:
-        _fill_blocks(counts, key, rank, offs_t, t_mask, T, bslot_ptr + 2 * stride_bs, btok_ptr + 2 * stride_bti,
-                     stride_bt, S, BLOCK_S, BLOCK_B, M2)
+        _fill_blocks(
+            counts,
+            key,
+            rank,
+            offs_t,
+            t_mask,
+            T,
+            bslot_ptr + 2 * stride_bs,
+            btok_ptr + 2 * stride_bti,
+            stride_bt,
+            S,
+            BLOCK_S,
+            BLOCK_B,
+            M2,
+        )
     else:
-        _fill_blocks(counts, key, rank, offs_t, t_mask, T, bslot_ptr + 3 * stride_bs, btok_ptr + 3 * stride_bti,
-                     stride_bt, S, BLOCK_S, BLOCK_B, M3)
+        _fill_blocks(
+            counts,
+            key,
+            rank,
+            offs_t,
+            t_mask,
+            T,
+            bslot_ptr + 3 * stride_bs,
+            btok_ptr + 3 * stride_bti,
+            stride_bt,
+            S,
+            BLOCK_S,
+            BLOCK_B,
+            M3,
+        )
 
 
 def build_segments_triton(token_slots: torch.Tensor, out: LoRASegments) -> LoRASegments:
@@ -217,10 +287,26 @@ def build_segments_triton(token_slots: torch.Tensor, out: LoRASegments) -> LoRAS
     slots = token_slots.to(device=out.token_slots.device, dtype=torch.int32)
     bslot, btok = out.block_slot, out.block_tokens
     _segments_kernel[(len(BLOCK_MS),)](
-        slots, out.token_slots, out.sorted_tokens, out.slot_start, out.slot_count, bslot, btok, num_tokens,
-        bslot.stride(0), btok.stride(0), btok.stride(1), S=num_slots,
-        BLOCK_S=triton.next_power_of_2(num_slots + 1), BLOCK_T=segments_block_t(num_tokens), BLOCK_B=32,
-        M0=BLOCK_MS[0], M1=BLOCK_MS[1], M2=BLOCK_MS[2], M3=BLOCK_MS[3], num_warps=8,
+        slots,
+        out.token_slots,
+        out.sorted_tokens,
+        out.slot_start,
+        out.slot_count,
+        bslot,
+        btok,
+        num_tokens,
+        bslot.stride(0),
+        btok.stride(0),
+        btok.stride(1),
+        S=num_slots,
+        BLOCK_S=triton.next_power_of_2(num_slots + 1),
+        BLOCK_T=segments_block_t(num_tokens),
+        BLOCK_B=32,
+        M0=BLOCK_MS[0],
+        M1=BLOCK_MS[1],
+        M2=BLOCK_MS[2],
+        M3=BLOCK_MS[3],
+        num_warps=8,
     )
     return out
 

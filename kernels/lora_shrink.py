@@ -27,12 +27,33 @@ from kernels.lora_meta import LoRASegments, num_blocks_bound
 # sy_s (one K-split's rows: tokens x columns) follows the step's token count: runtime, not specialised.
 @triton.jit(do_not_specialize=["sy_s"])
 def _shrink_kernel(
-    x_ptr, a_ptr, y_ptr, ranks_ptr, bslot_ptr, btok_ptr,
-    d, max_rank, k_per_split,
-    sx_t, sx_d, sa_s, sa_r, sa_d, sy_s, sy_t, sy_c, sr_s, sr_i,
-    R_BLOCKS: tl.constexpr, TOK_STRIDE: tl.constexpr,
-    PRECISION: tl.constexpr, USE_PDL: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    a_ptr,
+    y_ptr,
+    ranks_ptr,
+    bslot_ptr,
+    btok_ptr,
+    d,
+    max_rank,
+    k_per_split,
+    sx_t,
+    sx_d,
+    sa_s,
+    sa_r,
+    sa_d,
+    sy_s,
+    sy_t,
+    sy_c,
+    sr_s,
+    sr_i,
+    R_BLOCKS: tl.constexpr,
+    TOK_STRIDE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_sr = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -102,7 +123,9 @@ def shrink_out_view(buf: torch.Tensor, d: int, num_tokens: int, many: bool = Fal
     if buf.dim() == 3:
         return buf[: min(buf.shape[0], splits), :num_tokens]
     if splits * num_tokens > buf.shape[0]:
-        raise ValueError(f"shrink buffer has {buf.shape[0]} rows; {splits} splits x {num_tokens} tokens need more")
+        raise ValueError(
+            f"shrink buffer has {buf.shape[0]} rows; {splits} splits x {num_tokens} tokens need more"
+        )
     return buf[: splits * num_tokens].view(splits, num_tokens, buf.shape[1])
 
 
@@ -139,15 +162,36 @@ def lora_shrink(
     slots_bound = num_slots if max_distinct is None else min(num_slots, max_distinct)
     grid = (n_stack * r_blocks, num_blocks_bound(num_tokens, slots_bound, cfg.block_m), splits)
     _shrink_kernel[grid](
-        x, A, y3, ranks, bslot, btok,
-        d, max_rank, k_per_split,
-        x.stride(0), x.stride(1), A.stride(0), A.stride(1), A.stride(2),
-        y3.stride(0), y3.stride(1), y3.stride(2), ranks.stride(0), ranks.stride(1),
-        R_BLOCKS=r_blocks, TOK_STRIDE=btok.stride(0), EVEN_K=d % cfg.block_k == 0,
+        x,
+        A,
+        y3,
+        ranks,
+        bslot,
+        btok,
+        d,
+        max_rank,
+        k_per_split,
+        x.stride(0),
+        x.stride(1),
+        A.stride(0),
+        A.stride(1),
+        A.stride(2),
+        y3.stride(0),
+        y3.stride(1),
+        y3.stride(2),
+        ranks.stride(0),
+        ranks.stride(1),
+        R_BLOCKS=r_blocks,
+        TOK_STRIDE=btok.stride(0),
+        EVEN_K=d % cfg.block_k == 0,
         # fp32 must stay fp32 (tl.dot defaults to TF32 on GPU); 16-bit inputs ignore it.
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=cfg.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(),
+        BLOCK_M=cfg.block_m,
+        BLOCK_R=cfg.block_r,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        **launch_kwargs(),
     )
     return y
 

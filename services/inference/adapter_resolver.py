@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from services.inference.engine.types import AdapterInfo
 from services.inference.errors import AdapterNotFound, LoraplexError
 from services.inference.local_sources import check_allowed, local_path, looks_local
+from services.inference.lora.adapter_slots import AdapterInfo
 from services.inference.metrics import Metrics
 from services.inference.proto_convert import check_adapter_name, check_source
 from services.inference.store_client import PulledAdapter, StoreClient
@@ -35,7 +35,9 @@ async def call(fn, *args: Any, **kwargs: Any) -> Any:
 
 
 class AdapterResolver:
-    def __init__(self, engine, store: StoreClient | None, metrics: Metrics, allowed_dirs: tuple[str, ...] = ()):
+    def __init__(
+        self, engine, store: StoreClient | None, metrics: Metrics, allowed_dirs: tuple[str, ...] = ()
+    ):
         self.engine = engine
         self.store = store
         self.metrics = metrics
@@ -75,7 +77,9 @@ class AdapterResolver:
         no swap of any of them under way: the caller must `acquire` them before its next await."""
         names = {n for n in names if n}
         while True:
-            results = await asyncio.gather(*(self._ensure_one(n) for n in sorted(names)), return_exceptions=True)
+            results = await asyncio.gather(
+                *(self._ensure_one(n) for n in sorted(names)), return_exceptions=True
+            )
             for result in results:
                 if isinstance(result, BaseException):
                     raise result
@@ -182,8 +186,10 @@ class AdapterResolver:
                     return await self._load_pulled(pulled, pin)
                 except LoraplexError as exc:
                     # Kept on purpose: the store is shared, and other servers' limits may admit it.
-                    exc.message += (f" (the adapter store keeps {name!r} registered for servers that can serve "
-                                    "it; DeleteAdapter there removes it)")
+                    exc.message += (
+                        f" (the adapter store keeps {name!r} registered for servers that can serve "
+                        "it; DeleteAdapter there removes it)"
+                    )
                     raise
 
     async def _unload_if_loaded(self, name: str) -> None:
@@ -200,8 +206,9 @@ class AdapterResolver:
         if self.store is not None:
             deleted = await self.store.delete(name)
             if not deleted and not here:
-                raise AdapterNotFound(f"adapter {name!r} is neither in the adapter store nor loaded here",
-                                      adapter=name)
+                raise AdapterNotFound(
+                    f"adapter {name!r} is neither in the adapter store nor loaded here", adapter=name
+                )
             self._origin.pop(name, None)
         elif not here:
             raise AdapterNotFound(f"adapter {name!r} is not loaded on this server", adapter=name)
@@ -231,7 +238,11 @@ class AdapterResolver:
 
     async def _drop_when_idle(self, name: str, new_content: tuple[str, str] | None) -> None:
         async with self._swap(name):
-            if new_content is not None and new_content[1] and self._origin.get(name, ("", "", ""))[1:] == new_content:
+            if (
+                new_content is not None
+                and new_content[1]
+                and self._origin.get(name, ("", "", ""))[1:] == new_content
+            ):
                 return  # meanwhile this server loaded the new content itself
             try:
                 if await call(self.engine.has_adapter, name):
@@ -257,8 +268,13 @@ class AdapterResolver:
                 if rec.name not in here:
                     adapters.append(
                         AdapterInfo(
-                            name=rec.name, rank=rec.rank, alpha=rec.alpha, target_modules=list(rec.target_modules),
-                            location="store", source=rec.source, digest=rec.digest,
+                            name=rec.name,
+                            rank=rec.rank,
+                            alpha=rec.alpha,
+                            target_modules=list(rec.target_modules),
+                            location="store",
+                            source=rec.source,
+                            digest=rec.digest,
                         )
                     )
         return adapters

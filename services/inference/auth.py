@@ -46,10 +46,15 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         scheme, _, given = header.partition(" ")
         kind = "admin token" if details.method in ADMIN_METHODS and self._admin else "API token"
         if not header or scheme.lower() != "bearer":
-            return _deny(details.method, grpc.StatusCode.UNAUTHENTICATED,
-                         f"{details.method} needs 'authorization: Bearer <{kind}>' metadata")
+            return _deny(
+                details.method,
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{details.method} needs 'authorization: Bearer <{kind}>' metadata",
+            )
         if not any(hmac.compare_digest(given.strip().encode(), token) for token in accepted):
-            return _deny(details.method, grpc.StatusCode.PERMISSION_DENIED, f"wrong {kind} for {details.method}")
+            return _deny(
+                details.method, grpc.StatusCode.PERMISSION_DENIED, f"wrong {kind} for {details.method}"
+            )
         return await continuation(details)
 
 

@@ -41,7 +41,9 @@ class EngineWork(NamedTuple):
 
 
 def _prefixed(exc: InvalidRequest, prefix: str) -> InvalidRequest:
-    return InvalidRequest(f"{prefix}{exc.message}", field=f"{prefix}{exc.field}" if exc.field else prefix.rstrip("."))
+    return InvalidRequest(
+        f"{prefix}{exc.message}", field=f"{prefix}{exc.field}" if exc.field else prefix.rstrip(".")
+    )
 
 
 def _params(p: pb.SamplingParams, args: ServerArgs, prefix: str = "") -> tuple[SamplingParams, int]:
@@ -61,25 +63,41 @@ def _samples(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 async def _prompt_of_input(engine, inp: pb.Input, adapter: str, i: int) -> list[int]:
     where = f"inputs[{i}]"
-    given = [name for name, present in (("text", bool(inp.text)), ("token_ids", len(inp.token_ids) > 0),
-                                         ("messages", len(inp.messages) > 0)) if present]
+    given = [
+        name
+        for name, present in (
+            ("text", bool(inp.text)),
+            ("token_ids", len(inp.token_ids) > 0),
+            ("messages", len(inp.messages) > 0),
+        )
+        if present
+    ]
     if len(given) != 1:
-        raise InvalidRequest(f"{where} must give exactly one of text, token_ids or messages (got "
-                             f"{', '.join(given) or 'none'})", field=where)
+        raise InvalidRequest(
+            f"{where} must give exactly one of text, token_ids or messages (got "
+            f"{', '.join(given) or 'none'})",
+            field=where,
+        )
     if inp.HasField("add_generation_prompt") and not inp.messages:
-        raise InvalidRequest(f"{where}.add_generation_prompt applies to messages only", field=f"{where}.add_generation_prompt")
+        raise InvalidRequest(
+            f"{where}.add_generation_prompt applies to messages only", field=f"{where}.add_generation_prompt"
+        )
     if inp.token_ids:
         return list(inp.token_ids)
     if inp.text:
         return list(await call(engine.tokenize, inp.text))
     if len(inp.messages) > MAX_CHAT_MESSAGES:
-        raise InvalidRequest(f"{where}.messages has {len(inp.messages)} entries; at most {MAX_CHAT_MESSAGES}",
-                             field=f"{where}.messages")
+        raise InvalidRequest(
+            f"{where}.messages has {len(inp.messages)} entries; at most {MAX_CHAT_MESSAGES}",
+            field=f"{where}.messages",
+        )
     messages = []
     for j, m in enumerate(inp.messages):
         if not m.role or len(m.role) > MAX_ROLE_CHARS:
-            raise InvalidRequest(f"{where}.messages[{j}].role must be 1-{MAX_ROLE_CHARS} characters",
-                                 field=f"{where}.messages[{j}].role")
+            raise InvalidRequest(
+                f"{where}.messages[{j}].role must be 1-{MAX_ROLE_CHARS} characters",
+                field=f"{where}.messages[{j}].role",
+            )
         messages.append({"role": m.role, "content": m.content})
     add = inp.add_generation_prompt if inp.HasField("add_generation_prompt") else True
     return list(await call(engine.render_chat, messages, adapter or None, add))
@@ -87,8 +105,10 @@ async def _prompt_of_input(engine, inp: pb.Input, adapter: str, i: int) -> list[
 
 def _check_length(text_chars: int, where: str, context_length: int) -> None:
     if context_length and text_chars > context_length * MAX_CHARS_PER_TOKEN:
-        raise InvalidRequest(f"{where} has {text_chars} characters, more than a {context_length}-token context can hold",
-                             field=where)
+        raise InvalidRequest(
+            f"{where} has {text_chars} characters, more than a {context_length}-token context can hold",
+            field=where,
+        )
 
 
 async def engine_work(engine, request: pb.GenerateRequest, args: ServerArgs) -> list[EngineWork]:
@@ -96,7 +116,9 @@ async def engine_work(engine, request: pb.GenerateRequest, args: ServerArgs) -> 
     if request.ByteSize() > args.max_message_bytes:
         raise InvalidRequest(
             f"request is {request.ByteSize()} bytes; this server accepts at most {args.max_message_bytes}"
-            " (--max-message-bytes)", field="text")
+            " (--max-message-bytes)",
+            field="text",
+        )
     if request.text and request.inputs:
         raise InvalidRequest("give text or inputs, not both", field="inputs")
     field = "inputs" if request.inputs else "text"
@@ -105,18 +127,24 @@ async def engine_work(engine, request: pb.GenerateRequest, args: ServerArgs) -> 
         raise InvalidRequest("text (or inputs) must have at least one entry", field="text")
     shared, shared_n = _params(request.sampling_params, args)
     per_input: list[tuple[SamplingParams, int]] = [
-        _params(inp.sampling_params, args, f"inputs[{i}].") if inp.HasField("sampling_params") else (shared, shared_n)
+        _params(inp.sampling_params, args, f"inputs[{i}].")
+        if inp.HasField("sampling_params")
+        else (shared, shared_n)
         for i, inp in enumerate(request.inputs)
     ] or [(shared, shared_n)] * n_inputs
     total = sum(n for _, n in per_input)
     if total > args.max_inputs_per_request:
         raise InvalidRequest(
             f"{n_inputs} inputs and {total} completions in one request; this server accepts at most "
-            f"{args.max_inputs_per_request} (--max-inputs-per-request)", field=field)
+            f"{args.max_inputs_per_request} (--max-inputs-per-request)",
+            field=field,
+        )
     if request.inputs:
         if len(request.adapter) > 1:
-            raise InvalidRequest("with inputs, adapter may have at most one entry (the default for inputs that "
-                                 "name none)", field="adapter")
+            raise InvalidRequest(
+                "with inputs, adapter may have at most one entry (the default for inputs that name none)",
+                field="adapter",
+            )
         default = request.adapter[0] if request.adapter else ""
         adapters = [inp.adapter or default for inp in request.inputs]
         for i, name in enumerate(adapters):
@@ -128,7 +156,8 @@ async def engine_work(engine, request: pb.GenerateRequest, args: ServerArgs) -> 
     if waiting + total > args.max_queued_requests:
         raise CapacityExceeded(
             f"{waiting} requests are queued and this call adds {total}; the queue holds "
-            f"{args.max_queued_requests} (--max-queued-requests): retry later")
+            f"{args.max_queued_requests} (--max-queued-requests): retry later"
+        )
     context_length = (await call(engine.model_info)).context_length
     work: list[EngineWork] = []
     for i in range(n_inputs):
@@ -146,8 +175,9 @@ async def engine_work(engine, request: pb.GenerateRequest, args: ServerArgs) -> 
         if not ids:
             raise InvalidRequest(f"{where} has no tokens", field=where)
         if context_length and len(ids) + 1 > context_length:
-            raise InvalidRequest(f"{where} has {len(ids)} tokens; the model's context length is {context_length}",
-                                 field=where)
+            raise InvalidRequest(
+                f"{where} has {len(ids)} tokens; the model's context length is {context_length}", field=where
+            )
         params, n = per_input[i]
         work.extend(EngineWork(i, j, ids, adapters[i], p) for j, p in enumerate(_samples(params, n)))
     return work

@@ -25,8 +25,9 @@ def _local_text(source: str) -> str:
     if text.startswith("file://"):
         parsed = urlparse(text)
         if parsed.netloc not in ("", "localhost"):
-            raise InvalidRequest(f"file:// URI with a remote host {parsed.netloc[:100]!r} is not supported",
-                                 field="source")
+            raise InvalidRequest(
+                f"file:// URI with a remote host {parsed.netloc[:100]!r} is not supported", field="source"
+            )
         text = unquote(parsed.path)
     return text
 
@@ -49,7 +50,10 @@ def looks_local(source: str) -> bool:
 def _resolve(path: Path, shown: str) -> Path:
     try:
         return path.expanduser().resolve()
-    except (OSError, RuntimeError) as exc:  # a symlink loop (RuntimeError before Python 3.13), a name too long
+    except (
+        OSError,
+        RuntimeError,
+    ) as exc:  # a symlink loop (RuntimeError before Python 3.13), a name too long
         reason = "a symlink loop" if isinstance(exc, RuntimeError) else exc.strerror
         raise InvalidRequest(f"source {shown[:200]!r} cannot be resolved: {reason}", field="source") from None
 
@@ -83,7 +87,9 @@ def local_path(source: str, allowed_dirs: tuple[str, ...]) -> Path:
     try:
         is_dir = path.is_dir()
     except OSError as exc:  # e.g. a name longer than the filesystem allows
-        raise InvalidRequest(f"source {source[:200]!r} is not a usable path: {exc.strerror}", field="source") from None
+        raise InvalidRequest(
+            f"source {source[:200]!r} is not a usable path: {exc.strerror}", field="source"
+        ) from None
     if not is_dir:
         raise AdapterNotFound(f"adapter source {source!r} is not a directory on the server", field="source")
     return path

@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from services.inference.engine.types import AdapterInfo, EngineStats
+from services.inference.engine.types import EngineStats
+from services.inference.lora.adapter_slots import AdapterInfo
 
 log = logging.getLogger(__name__)
 
@@ -33,19 +34,34 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "loraplex_requests", "Generation requests (one per input) by adapter and outcome", ["adapter", "code"], registry=r
+            "loraplex_requests",
+            "Generation requests (one per input) by adapter and outcome",
+            ["adapter", "code"],
+            registry=r,
         )
-        self.rpcs = Counter("loraplex_rpcs", "RPCs handled, by method and status code", ["method", "code"], registry=r)
-        self.prompt_tokens = Counter("loraplex_prompt_tokens", "Prompt tokens admitted", ["adapter"], registry=r)
-        self.completion_tokens = Counter("loraplex_completion_tokens", "Tokens generated", ["adapter"], registry=r)
+        self.rpcs = Counter(
+            "loraplex_rpcs", "RPCs handled, by method and status code", ["method", "code"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "loraplex_prompt_tokens", "Prompt tokens admitted", ["adapter"], registry=r
+        )
+        self.completion_tokens = Counter(
+            "loraplex_completion_tokens", "Tokens generated", ["adapter"], registry=r
+        )
         self.ttft = Histogram(
             "loraplex_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
         )
         self.itl = Histogram(
-            "loraplex_inter_token_latency_seconds", "Time between output tokens", buckets=LATENCY_BUCKETS, registry=r
+            "loraplex_inter_token_latency_seconds",
+            "Time between output tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.aborted = Counter(
-            "loraplex_aborted_requests", "Engine requests aborted (client cancel, deadline, error)", ["reason"], registry=r
+            "loraplex_aborted_requests",
+            "Engine requests aborted (client cancel, deadline, error)",
+            ["reason"],
+            registry=r,
         )
         self.queue_waiting = Gauge("loraplex_queue_waiting", "Requests waiting in the scheduler", registry=r)
         self.running = Gauge("loraplex_requests_running", "Requests running in the engine", registry=r)
@@ -55,18 +71,34 @@ class Metrics:
         self.slots_total = Gauge("loraplex_lora_slots_total", "GPU adapter slots", registry=r)
         self.slots_used = Gauge("loraplex_lora_slots_used", "GPU adapter slots in use", registry=r)
         self.slots_draining = Gauge(
-            "loraplex_lora_slots_draining", "Busy slots taking no new requests until they empty for a waiting adapter",
-            registry=r)
-        self.adapters_waiting = Gauge("loraplex_lora_adapters_waiting", "Adapters waiting for a GPU slot", registry=r)
-        self.adapter_slot_wait = Gauge(
-            "loraplex_adapter_slot_wait_seconds", "How long the adapter has been waiting for a GPU slot (0: not waiting)",
-            ["adapter"], registry=r)
-        self.adapter_uploads = Counter(
-            "loraplex_adapter_uploads", "Times the adapter was copied into a GPU slot", ["adapter"], registry=r)
-        self.residency = Gauge(
-            "loraplex_adapter_resident", "1 where the adapter lives (gpu/host/store)", ["adapter", "location"], registry=r
+            "loraplex_lora_slots_draining",
+            "Busy slots taking no new requests until they empty for a waiting adapter",
+            registry=r,
         )
-        self.adapter_loads = Counter("loraplex_adapter_loads", "Adapter loads into the engine", ["adapter"], registry=r)
+        self.adapters_waiting = Gauge(
+            "loraplex_lora_adapters_waiting", "Adapters waiting for a GPU slot", registry=r
+        )
+        self.adapter_slot_wait = Gauge(
+            "loraplex_adapter_slot_wait_seconds",
+            "How long the adapter has been waiting for a GPU slot (0: not waiting)",
+            ["adapter"],
+            registry=r,
+        )
+        self.adapter_uploads = Counter(
+            "loraplex_adapter_uploads",
+            "Times the adapter was copied into a GPU slot",
+            ["adapter"],
+            registry=r,
+        )
+        self.residency = Gauge(
+            "loraplex_adapter_resident",
+            "1 where the adapter lives (gpu/host/store)",
+            ["adapter", "location"],
+            registry=r,
+        )
+        self.adapter_loads = Counter(
+            "loraplex_adapter_loads", "Adapter loads into the engine", ["adapter"], registry=r
+        )
         self.adapter_evictions = Counter(
             "loraplex_adapter_evictions",
             "Times the adapter's GPU slot was given to another adapter",
@@ -80,26 +112,40 @@ class Metrics:
         self.adapter_location = Gauge(
             "loraplex_adapter_location",
             "1 for where the adapter lives on this replica: gpu (a slot), host (memory) or store (only there)",
-            ["replica", "adapter", "location"], registry=r)
+            ["replica", "adapter", "location"],
+            registry=r,
+        )
         self.adapter_queued = Gauge(
-            "loraplex_adapter_queued_requests", "Requests for the adapter on this replica waiting for a GPU slot",
-            ["replica", "adapter"], registry=r)
+            "loraplex_adapter_queued_requests",
+            "Requests for the adapter on this replica waiting for a GPU slot",
+            ["replica", "adapter"],
+            registry=r,
+        )
         self.lora_info = Gauge(
             "loraplex_lora_requests_info",
             "vllm:lora_requests_info's shape: adapters with running / waiting requests (comma-separated) and "
             "the GPU slots; the value is the refresh time (unix seconds)",
-            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r,
+        )
         self.prefix_cache_enabled = Gauge(
-            "loraplex_prefix_cache_enabled", "1 when the prefix cache is on (off: --disable-prefix-cache)", registry=r
+            "loraplex_prefix_cache_enabled",
+            "1 when the prefix cache is on (off: --disable-prefix-cache)",
+            registry=r,
         )
         self.prefix_cache_blocks = Gauge(
-            "loraplex_prefix_cache_blocks", "KV blocks indexed by the prefix cache (held or evictable)", registry=r
+            "loraplex_prefix_cache_blocks",
+            "KV blocks indexed by the prefix cache (held or evictable)",
+            registry=r,
         )
         self.prefix_cache_evictions = Counter(
             "loraplex_prefix_cache_evictions", "Cached KV blocks evicted to make room", registry=r
         )
         self.prefix_cache_prompt_tokens = Counter(
-            "loraplex_prefix_cache_prompt_tokens", "Prompt tokens of admitted requests", ["adapter"], registry=r
+            "loraplex_prefix_cache_prompt_tokens",
+            "Prompt tokens of admitted requests",
+            ["adapter"],
+            registry=r,
         )
         self.prefix_cache_hit_tokens = Counter(
             "loraplex_prefix_cache_hit_tokens",
@@ -107,8 +153,12 @@ class Metrics:
             ["adapter"],
             registry=r,
         )
-        self.store_pulls = Counter("loraplex_store_pulls", "Adapters pulled from the adapter store", registry=r)
-        self.store_pull_bytes = Counter("loraplex_store_pull_bytes", "Bytes pulled from the adapter store", registry=r)
+        self.store_pulls = Counter(
+            "loraplex_store_pulls", "Adapters pulled from the adapter store", registry=r
+        )
+        self.store_pull_bytes = Counter(
+            "loraplex_store_pull_bytes", "Bytes pulled from the adapter store", registry=r
+        )
         self.triton_compiles = Counter(
             "loraplex_triton_compiles_after_start",
             "Triton kernel compilations after start-up (each stalls the engine thread; 0 in steady state)",
@@ -181,8 +231,13 @@ class Metrics:
                 self.adapter_slot_wait.labels(name).set(0)
         self._last_location = seen
 
-    def observe_residency(self, adapters: list[AdapterInfo], store_only: Iterable[str],
-                          in_flight: Mapping[str, int], max_lora: int) -> None:
+    def observe_residency(
+        self,
+        adapters: list[AdapterInfo],
+        store_only: Iterable[str],
+        in_flight: Mapping[str, int],
+        max_lora: int,
+    ) -> None:
         """Per adapter on this replica: where it lives and how many of its requests wait for a slot
         (requests the server holds minus those running on a slot), and the vLLM-shaped summary."""
         rows: dict[str, tuple[str, int]] = {}
@@ -210,4 +265,6 @@ class Metrics:
             self.adapter_queued.labels(self.replica, name).set(queued)
         self._fleet_names = set(rows)
         self.lora_info.clear()
-        self.lora_info.labels(str(max_lora), ",".join(sorted(running)), ",".join(sorted(waiting))).set(time.time())
+        self.lora_info.labels(str(max_lora), ",".join(sorted(running)), ",".join(sorted(waiting))).set(
+            time.time()
+        )

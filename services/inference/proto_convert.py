@@ -11,8 +11,9 @@ import re
 
 from loraplex.v1 import inference_pb2 as pb
 
-from services.inference.engine.types import AdapterInfo, RequestOutput, SamplingParams, TokenLogprob
+from services.inference.engine.types import RequestOutput, SamplingParams, TokenLogprob
 from services.inference.errors import InvalidRequest
+from services.inference.lora.adapter_slots import AdapterInfo
 from services.inference.server_args import ServerArgs
 
 # Same rule as the adapter store's (adapter_store/names.py): no '/', no '..' start, no control chars.
@@ -27,14 +28,20 @@ MAX_REVISION_CHARS = 256
 MAX_CHARS_PER_TOKEN = 64
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
-LOCATION = {"gpu": pb.ADAPTER_LOCATION_GPU, "host": pb.ADAPTER_LOCATION_HOST, "store": pb.ADAPTER_LOCATION_STORE}
+LOCATION = {
+    "gpu": pb.ADAPTER_LOCATION_GPU,
+    "host": pb.ADAPTER_LOCATION_HOST,
+    "store": pb.ADAPTER_LOCATION_STORE,
+}
 
 
 def check_adapter_name(name: str, field: str = "name") -> str:
     if not ADAPTER_NAME_RE.fullmatch(name):
         raise InvalidRequest(
             f"adapter name {name[:160]!r} is invalid: use 1-128 characters from [A-Za-z0-9._-], "
-            "starting with a letter or digit", field=field)
+            "starting with a letter or digit",
+            field=field,
+        )
     return name
 
 
@@ -42,25 +49,35 @@ def check_source(source: str, revision: str) -> None:
     """LoadAdapter's source and revision: bounded, printable (the resolver checks where a path points)."""
     if not source:
         raise InvalidRequest("source must not be empty", field="source")
-    for field, value, limit in (("source", source, MAX_SOURCE_CHARS), ("revision", revision, MAX_REVISION_CHARS)):
+    for field, value, limit in (
+        ("source", source, MAX_SOURCE_CHARS),
+        ("revision", revision, MAX_REVISION_CHARS),
+    ):
         if len(value) > limit:
-            raise InvalidRequest(f"{field} is {len(value)} characters; at most {limit} are accepted", field=field)
+            raise InvalidRequest(
+                f"{field} is {len(value)} characters; at most {limit} are accepted", field=field
+            )
         if _CONTROL.search(value):
             raise InvalidRequest(f"{field} contains control characters", field=field)
 
 
 def _check_stops(p: pb.SamplingParams) -> None:
     if len(p.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"sampling_params.stop has {len(p.stop)} entries; at most {MAX_STOP_STRINGS}",
-                             field="sampling_params.stop")
+        raise InvalidRequest(
+            f"sampling_params.stop has {len(p.stop)} entries; at most {MAX_STOP_STRINGS}",
+            field="sampling_params.stop",
+        )
     for i, stop in enumerate(p.stop):
         if not stop or len(stop) > MAX_STOP_CHARS:
-            raise InvalidRequest(f"sampling_params.stop[{i}] must be 1-{MAX_STOP_CHARS} characters (got {len(stop)})",
-                                 field=f"sampling_params.stop[{i}]")
+            raise InvalidRequest(
+                f"sampling_params.stop[{i}] must be 1-{MAX_STOP_CHARS} characters (got {len(stop)})",
+                field=f"sampling_params.stop[{i}]",
+            )
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(
             f"sampling_params.stop_token_ids has {len(p.stop_token_ids)} entries; at most {MAX_STOP_TOKEN_IDS}",
-            field="sampling_params.stop_token_ids")
+            field="sampling_params.stop_token_ids",
+        )
 
 
 def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
@@ -83,8 +100,10 @@ def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
         prompt_logprobs=p.top_logprobs if p.prompt_logprobs else None,
     )
     if p.top_logprobs and not (p.logprobs or p.prompt_logprobs):
-        raise InvalidRequest("sampling_params.top_logprobs needs sampling_params.logprobs or prompt_logprobs",
-                             field="sampling_params.top_logprobs")
+        raise InvalidRequest(
+            "sampling_params.top_logprobs needs sampling_params.logprobs or prompt_logprobs",
+            field="sampling_params.top_logprobs",
+        )
     params.validate(args.max_new_tokens_limit)
     return params
 
@@ -110,9 +129,15 @@ def adapters_per_input(request: pb.GenerateRequest) -> list[str]:
 
 def adapter_proto(info: AdapterInfo) -> pb.AdapterInfo:
     return pb.AdapterInfo(
-        name=info.name, rank=info.rank, alpha=info.alpha, target_modules=list(info.target_modules),
-        location=LOCATION.get(info.location, pb.ADAPTER_LOCATION_UNSPECIFIED), pinned=info.pinned,
-        requests_in_flight=info.requests_in_flight, source=info.source, digest=info.digest,
+        name=info.name,
+        rank=info.rank,
+        alpha=info.alpha,
+        target_modules=list(info.target_modules),
+        location=LOCATION.get(info.location, pb.ADAPTER_LOCATION_UNSPECIFIED),
+        pinned=info.pinned,
+        requests_in_flight=info.requests_in_flight,
+        source=info.source,
+        digest=info.digest,
         slot=info.slot if info.location == "gpu" else -1,
     )
 
@@ -124,13 +149,20 @@ def logprobs_proto(engine, logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob
     ids = sorted({lp.token_id for lp in logprobs} | {t for lp in logprobs for t, _ in lp.top})
     text = dict(zip(ids, engine.detokenize_each(ids), strict=True))
     return [
-        pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, token=text[lp.token_id],
-                        top=[pb.TopLogprob(token_id=t, logprob=v, token=text[t]) for t, v in lp.top])
+        pb.TokenLogprob(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            token=text[lp.token_id],
+            top=[pb.TopLogprob(token_id=t, logprob=v, token=text[t]) for t, v in lp.top],
+        )
         for lp in logprobs
     ]
 
 
 def timing_fields(out: RequestOutput) -> dict[str, float | int]:
     """A finished output's timing, as Completion / GenerateStreamResponse fields."""
-    return {"queue_time_s": out.queue_time, "time_to_first_token_s": out.time_to_first_token,
-            "cached_prompt_tokens": out.cached_prompt_tokens}
+    return {
+        "queue_time_s": out.queue_time,
+        "time_to_first_token_s": out.time_to_first_token,
+        "cached_prompt_tokens": out.cached_prompt_tokens,
+    }

@@ -60,8 +60,11 @@ class ReplicaInterceptor(grpc.aio.ServerInterceptor):
                 result = behavior(request, _ReplicaContext(context, pair))
                 return await result if inspect.isawaitable(result) else result
 
-            factory = (grpc.unary_unary_rpc_method_handler if handler.unary_unary is not None
-                       else grpc.stream_unary_rpc_method_handler)
+            factory = (
+                grpc.unary_unary_rpc_method_handler
+                if handler.unary_unary is not None
+                else grpc.stream_unary_rpc_method_handler
+            )
             return factory(unary, handler.request_deserializer, handler.response_serializer)
         behavior = handler.unary_stream or handler.stream_stream
 
@@ -73,6 +76,9 @@ class ReplicaInterceptor(grpc.aio.ServerInterceptor):
             else:  # a handler that writes with context.write() and returns
                 await result
 
-        factory = (grpc.unary_stream_rpc_method_handler if handler.unary_stream is not None
-                   else grpc.stream_stream_rpc_method_handler)
+        factory = (
+            grpc.unary_stream_rpc_method_handler
+            if handler.unary_stream is not None
+            else grpc.stream_stream_rpc_method_handler
+        )
         return factory(stream, handler.request_deserializer, handler.response_serializer)

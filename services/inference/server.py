@@ -80,8 +80,12 @@ class InferenceServer:
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
             options=grpc_options(args),
-            interceptors=[ReplicaInterceptor(replica_id(args.replica_id)), *auth.interceptors(args),
-                          MalformedRequestInterceptor(f"/{SERVICE_NAME}/")])
+            interceptors=[
+                ReplicaInterceptor(replica_id(args.replica_id)),
+                *auth.interceptors(args),
+                MalformedRequestInterceptor(f"/{SERVICE_NAME}/"),
+            ],
+        )
         self.store: StoreClient | None = None
         self.port = 0
         self._listening = False
@@ -89,7 +93,9 @@ class InferenceServer:
         self._stop = asyncio.Event()
 
     async def _set_health(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in ("", SERVICE_NAME):
             await self.health.set(name, status)
 
@@ -98,7 +104,11 @@ class InferenceServer:
             InferenceServicer(self.args, self.state, self.metrics), self.server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        names = (
+            SERVICE_NAME,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
         reflection.enable_server_reflection(names, self.server)
         await self._set_health(False)
         if not self.args.listen_when_ready:
@@ -110,9 +120,16 @@ class InferenceServer:
             log.info("metrics on http://%s:%d/metrics", self.args.host, mport)
         if self.args.adapter_store and self.args.adapter_store != "none":
             cache = Path(self.args.adapter_cache_dir or default_cache_dir() / "inference")
-            credentials = channel_credentials(self.args.adapter_store_tls_ca, self.args.tls_cert, self.args.tls_key)
-            self.store = StoreClient(self.args.adapter_store, cache, on_pull=self._on_pull,
-                                     token=self.args.admin_token, credentials=credentials)
+            credentials = channel_credentials(
+                self.args.adapter_store_tls_ca, self.args.tls_cert, self.args.tls_key
+            )
+            self.store = StoreClient(
+                self.args.adapter_store,
+                cache,
+                on_pull=self._on_pull,
+                token=self.args.admin_token,
+                credentials=credentials,
+            )
         self._tasks.append(asyncio.create_task(self._bring_up()))
         return self.port
 
@@ -127,8 +144,13 @@ class InferenceServer:
             raise SystemExit(f"could not bind {address}")
         await self.server.start()
         self._listening = True
-        log.info("listening on %s:%d%s%s", self.args.host, self.port, " (TLS)" if credentials else "",
-                 ", tokens required" if self.args.api_token or self.args.admin_token else "")
+        log.info(
+            "listening on %s:%d%s%s",
+            self.args.host,
+            self.port,
+            " (TLS)" if credentials else "",
+            ", tokens required" if self.args.api_token or self.args.admin_token else "",
+        )
 
     def _on_pull(self, nbytes: int) -> None:
         self.metrics.store_pulls.inc()
@@ -192,8 +214,9 @@ class InferenceServer:
                 if self.store is not None and tick % STORE_LIST_EVERY == 0:
                     with contextlib.suppress(Exception):
                         store_names = [r.name for r in await asyncio.wait_for(self.store.list(), 2.0)]
-                self.metrics.observe_residency(adapters, store_names, self.state.resolver.in_flight,
-                                               stats.lora_slots_total)
+                self.metrics.observe_residency(
+                    adapters, store_names, self.state.resolver.in_flight, stats.lora_slots_total
+                )
             except Exception:  # noqa: BLE001 - metrics never take the server down
                 log.debug("metrics refresh failed", exc_info=True)
             if not engine_down and not self.state.engine.healthy():

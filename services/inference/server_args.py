@@ -79,8 +79,10 @@ class ServerArgs:
             if not sep or not name or not source:
                 raise ValueError(f"--lora-paths expects NAME=SOURCE, got {item!r}")
             if not ADAPTER_NAME_RE.fullmatch(name):
-                raise ValueError(f"--lora-paths name {name!r} is invalid: use 1-128 characters from "
-                                 "[A-Za-z0-9._-], starting with a letter or digit (requests could not name it)")
+                raise ValueError(
+                    f"--lora-paths name {name!r} is invalid: use 1-128 characters from "
+                    "[A-Za-z0-9._-], starting with a letter or digit (requests could not name it)"
+                )
             out[name] = source
         return out
 
@@ -94,51 +96,101 @@ def build_parser() -> argparse.ArgumentParser:
     a("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
     a("--tp-size", type=int, default=d.tp_size)
     a("--seed", type=int, default=d.seed)
-    a("--lora-paths", nargs="*", default=[], metavar="NAME=SOURCE",
-      help="adapters to load at start (local PEFT directories; other sources via the adapter store)")
-    a("--max-loras-per-batch", type=int, default=None,
-      help="at most this many distinct adapters in one batch (the GPU pool then has this many slots); "
-      "default: the pool is sized from free memory (see --max-gpu-loras) and every resident adapter may "
-      "share a batch. The base model takes no slot")
-    a("--max-gpu-loras", type=int, default=None,
-      help="upper bound on the adapter slots of a pool sized from memory (without --max-loras-per-batch); "
-      "default 256 on CUDA, 64 on CPU")
-    a("--lora-backend", default=None, choices=["triton", "torch"], help="default: triton on CUDA, torch on CPU")
-    a("--max-lora-rank", type=int, default=None,
-      help="largest adapter rank the pool holds; default: the largest rank in --lora-paths, else 64")
-    a("--lora-target-modules", nargs="*", default=None,
-      help="q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or 'all'; default: the union of "
-      "--lora-paths' targets, else all")
-    a("--disable-lora-side-stream", action="store_true",
-      help="triton backend: run decode steps' LoRA kernels after each base matmul on one stream, "
-      "instead of beside it on a second stream (the default on CUDA)")
-    a("--max-loaded-loras", type=int, default=None,
-      help="adapters kept in host memory (LRU beyond it, re-read from source); default unbounded")
+    a(
+        "--lora-paths",
+        nargs="*",
+        default=[],
+        metavar="NAME=SOURCE",
+        help="adapters to load at start (local PEFT directories; other sources via the adapter store)",
+    )
+    a(
+        "--max-loras-per-batch",
+        type=int,
+        default=None,
+        help="at most this many distinct adapters in one batch (the GPU pool then has this many slots); "
+        "default: the pool is sized from free memory (see --max-gpu-loras) and every resident adapter may "
+        "share a batch. The base model takes no slot",
+    )
+    a(
+        "--max-gpu-loras",
+        type=int,
+        default=None,
+        help="upper bound on the adapter slots of a pool sized from memory (without --max-loras-per-batch); "
+        "default 256 on CUDA, 64 on CPU",
+    )
+    a(
+        "--lora-backend",
+        default=None,
+        choices=["triton", "torch"],
+        help="default: triton on CUDA, torch on CPU",
+    )
+    a(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help="largest adapter rank the pool holds; default: the largest rank in --lora-paths, else 64",
+    )
+    a(
+        "--lora-target-modules",
+        nargs="*",
+        default=None,
+        help="q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or 'all'; default: the union of "
+        "--lora-paths' targets, else all",
+    )
+    a(
+        "--disable-lora-side-stream",
+        action="store_true",
+        help="triton backend: run decode steps' LoRA kernels after each base matmul on one stream, "
+        "instead of beside it on a second stream (the default on CUDA)",
+    )
+    a(
+        "--max-loaded-loras",
+        type=int,
+        default=None,
+        help="adapters kept in host memory (LRU beyond it, re-read from source); default unbounded",
+    )
     a("--adapter-store", default=d.adapter_store, help="HOST:PORT of the adapter store, or 'none'")
     a("--adapter-cache-dir", default=None, help="where adapters pulled from the store are kept")
-    a("--adapter-store-tls-ca", default=None,
-      help="PEM CA to verify a TLS adapter store with (the channel is plaintext without it); "
-      "--tls-cert/--tls-key, when given, are presented to it as the client certificate (mutual TLS)")
+    a(
+        "--adapter-store-tls-ca",
+        default=None,
+        help="PEM CA to verify a TLS adapter store with (the channel is plaintext without it); "
+        "--tls-cert/--tls-key, when given, are presented to it as the client certificate (mutual TLS)",
+    )
     a("--mem-fraction-static", type=float, default=d.mem_fraction_static)
     a("--max-total-tokens", type=int, default=None)
     a("--page-size", type=int, default=d.page_size)
     a("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
-    a("--decode-prefill-budget", type=int, default=d.decode_prefill_budget,
-      help="prefill tokens per step while decodes are running (so they keep their cadence); "
-      "0 = --chunked-prefill-size. Pick it from bench/mixed_step.py's step time vs chunk size")
+    a(
+        "--decode-prefill-budget",
+        type=int,
+        default=d.decode_prefill_budget,
+        help="prefill tokens per step while decodes are running (so they keep their cadence); "
+        "0 = --chunked-prefill-size. Pick it from bench/mixed_step.py's step time vs chunk size",
+    )
     a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     a("--max-running-requests", type=int, default=d.max_running_requests)
     a("--context-length", type=int, default=None)
     a("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
     a("--disable-cuda-graph", action="store_true")
-    a("--mixed-cuda-graph-max-tokens", type=int, default=d.mixed_cuda_graph_max_tokens,
-      help="steps with prefill chunks of up to this many tokens replay piecewise CUDA graphs (all but "
-      "attention; bounds their memory); 0 = run them eagerly")
-    a("--disable-overlap-schedule", action="store_true",
-      help="run each step's output processing before launching the next step (overlap is on by default on CUDA)")
-    a("--disable-prefix-cache", action="store_true",
-      help="prefill every request from its first token instead of reusing the cached KV of a prefix "
-      "that the same base model or adapter content computed before (on by default)")
+    a(
+        "--mixed-cuda-graph-max-tokens",
+        type=int,
+        default=d.mixed_cuda_graph_max_tokens,
+        help="steps with prefill chunks of up to this many tokens replay piecewise CUDA graphs (all but "
+        "attention; bounds their memory); 0 = run them eagerly",
+    )
+    a(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="run each step's output processing before launching the next step (overlap is on by default on CUDA)",
+    )
+    a(
+        "--disable-prefix-cache",
+        action="store_true",
+        help="prefill every request from its first token instead of reusing the cached KV of a prefix "
+        "that the same base model or adapter content computed before (on by default)",
+    )
     a("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
     a("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
     a("--max-inputs-per-request", type=int, default=d.max_inputs_per_request)
@@ -148,22 +200,38 @@ def build_parser() -> argparse.ArgumentParser:
     a("--port", type=int, default=d.port)
     a("--metrics-port", type=int, default=None)
     a("--grace-period", type=float, default=d.grace_period)
-    a("--listen-when-ready", action="store_true",
-      help="bind the port only once the model is loaded and warmed up (replicas behind nginx, which has "
-      "no active health checks: a loading replica then refuses connections and is routed around)")
-    a("--replica-id", default="",
-      help="this replica's name, sent on every response as trailing metadata x-loraplex-replica "
-      "(default: the hostname)")
-    a("--admin-token", default=None,
-      help="LoadAdapter/UnloadAdapter need 'authorization: Bearer <token>'; also sent to the store "
-      "(default: $LORAPLEX_ADMIN_TOKEN; the environment keeps it out of `ps`)")
-    a("--api-token", default=None,
-      help="every Inference call needs 'authorization: Bearer <token>' (default: $LORAPLEX_API_TOKEN)")
+    a(
+        "--listen-when-ready",
+        action="store_true",
+        help="bind the port only once the model is loaded and warmed up (replicas behind nginx, which has "
+        "no active health checks: a loading replica then refuses connections and is routed around)",
+    )
+    a(
+        "--replica-id",
+        default="",
+        help="this replica's name, sent on every response as trailing metadata x-loraplex-replica "
+        "(default: the hostname)",
+    )
+    a(
+        "--admin-token",
+        default=None,
+        help="LoadAdapter/UnloadAdapter need 'authorization: Bearer <token>'; also sent to the store "
+        "(default: $LORAPLEX_ADMIN_TOKEN; the environment keeps it out of `ps`)",
+    )
+    a(
+        "--api-token",
+        default=None,
+        help="every Inference call needs 'authorization: Bearer <token>' (default: $LORAPLEX_API_TOKEN)",
+    )
     a("--tls-cert", default=None, help="PEM server certificate (with --tls-key): serve TLS")
     a("--tls-key", default=None, help="PEM private key of --tls-cert")
     a("--tls-ca", default=None, help="PEM CA: clients must present a certificate it signed (mutual TLS)")
-    a("--allowed-local-dirs", nargs="*", default=[],
-      help="LoadAdapter local-path sources only under these directories (default: anywhere)")
+    a(
+        "--allowed-local-dirs",
+        nargs="*",
+        default=[],
+        help="LoadAdapter local-path sources only under these directories (default: anywhere)",
+    )
     a("--log-level", default=d.log_level)
     return p
 

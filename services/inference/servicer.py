@@ -57,7 +57,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def _begin(self, context: grpc.aio.ServicerContext, method: str):
         if self.state.draining:
             self.metrics.rpcs.labels(method, "UNAVAILABLE").inc()
-            await abort_with(context, build_status(grpc.StatusCode.UNAVAILABLE, "server is draining; retry elsewhere"))
+            await abort_with(
+                context, build_status(grpc.StatusCode.UNAVAILABLE, "server is draining; retry elsewhere")
+            )
         if self.state.engine is None:
             code = grpc.StatusCode.UNAVAILABLE
             if self.state.not_ready_reason.startswith("engine not available"):
@@ -82,15 +84,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def _internal(self, context, method: str, exc: Exception) -> None:
         log.exception("%s failed with an internal error", method)
         self.metrics.rpcs.labels(method, "INTERNAL").inc()
-        await abort_with(context, build_status(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"))
+        await abort_with(
+            context, build_status(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        )
 
-    async def _prepare(self, engine, resolver: AdapterResolver, request: pb.GenerateRequest) -> list[EngineWork]:
+    async def _prepare(
+        self, engine, resolver: AdapterResolver, request: pb.GenerateRequest
+    ) -> list[EngineWork]:
         """Validate everything and resolve every adapter before any engine work starts."""
         work = await engine_work(engine, request, self.args)
         await resolver.ensure({w.adapter for w in work})
         return work
 
-    async def _run(self, context, engine, resolver, work: list[EngineWork]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _run(
+        self, context, engine, resolver, work: list[EngineWork]
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every work item as one engine request; yield (item index, output) as they arrive."""
         rpc_id = uuid.uuid4().hex[:12]
         queue: asyncio.Queue = asyncio.Queue()
@@ -139,7 +147,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         await call(engine.abort, rid)
                     except Exception:  # noqa: BLE001 - aborting is best effort, the KV is the engine's
                         log.exception("abort %s failed", rid)
-                log.info("aborted %d unfinished engine requests of rpc %s (%s)", len(unfinished), rpc_id, reason)
+                log.info(
+                    "aborted %d unfinished engine requests of rpc %s (%s)", len(unfinished), rpc_id, reason
+                )
             for item in work:
                 if item.adapter:
                     resolver.release(item.adapter)
@@ -172,10 +182,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         final[k] = out
             completions = [
                 pb.Completion(
-                    text="".join(texts[k]), token_ids=ids[k], finish_reason=f.finish_reason or "",
-                    prompt_tokens=f.prompt_tokens, completion_tokens=f.completion_tokens, adapter=w.adapter,
-                    index=w.index, sample=w.sample, logprobs=logprobs_proto(engine, logprobs[k]),
-                    prompt_logprobs=logprobs_proto(engine, prompt_logprobs[k]), **timing_fields(f),
+                    text="".join(texts[k]),
+                    token_ids=ids[k],
+                    finish_reason=f.finish_reason or "",
+                    prompt_tokens=f.prompt_tokens,
+                    completion_tokens=f.completion_tokens,
+                    adapter=w.adapter,
+                    index=w.index,
+                    sample=w.sample,
+                    logprobs=logprobs_proto(engine, logprobs[k]),
+                    prompt_logprobs=logprobs_proto(engine, prompt_logprobs[k]),
+                    **timing_fields(f),
                 )
                 for k, (w, f) in enumerate(zip(work, final, strict=True))
             ]
@@ -199,9 +216,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     if not out.finished and not out.new_token_ids and not out.new_text:
                         continue
                     msg = pb.GenerateStreamResponse(
-                        index=work[k].index, sample=work[k].sample, text=out.new_text, token_ids=out.new_token_ids,
+                        index=work[k].index,
+                        sample=work[k].sample,
+                        text=out.new_text,
+                        token_ids=out.new_token_ids,
                         logprobs=logprobs_proto(engine, out.logprobs or []),
-                        prompt_logprobs=logprobs_proto(engine, out.prompt_logprobs or []))
+                        prompt_logprobs=logprobs_proto(engine, out.prompt_logprobs or []),
+                    )
                     if out.finished:
                         msg.finish_reason = out.finish_reason or ""
                         msg.prompt_tokens = out.prompt_tokens
@@ -260,9 +281,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         async def work(engine, resolver):
             m = await call(engine.model_info)
             return pb.ModelInfo(
-                model=m.model, dtype=m.dtype, device=m.device, max_loras_per_batch=m.max_loras_per_batch,
-                max_lora_rank=m.max_lora_rank, lora_target_modules=list(m.lora_target_modules),
-                lora_backend=m.lora_backend, tp_size=m.tp_size, context_length=m.context_length,
+                model=m.model,
+                dtype=m.dtype,
+                device=m.device,
+                max_loras_per_batch=m.max_loras_per_batch,
+                max_lora_rank=m.max_lora_rank,
+                lora_target_modules=list(m.lora_target_modules),
+                lora_backend=m.lora_backend,
+                tp_size=m.tp_size,
+                context_length=m.context_length,
                 max_new_tokens_limit=self.args.max_new_tokens_limit,
                 max_inputs_per_request=self.args.max_inputs_per_request,
             )
@@ -273,8 +300,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         async def work(engine, resolver):
             limit = (await call(engine.model_info)).context_length * MAX_CHARS_PER_TOKEN
             if limit and len(request.text) > limit:
-                raise InvalidRequest(f"text has {len(request.text)} characters; Tokenize accepts at most {limit}",
-                                     field="text")
+                raise InvalidRequest(
+                    f"text has {len(request.text)} characters; Tokenize accepts at most {limit}", field="text"
+                )
             ids = list(await call(engine.tokenize, request.text))
             if self._tokenizer is None:
                 from transformers import AutoTokenizer

@@ -89,11 +89,13 @@ def details_of(error: grpc.RpcError) -> dict[str, object]:
     if status is None:
         return out
     for detail in status.details:
-        for cls in (error_details_pb2.BadRequest, error_details_pb2.ResourceInfo, error_details_pb2.RetryInfo):
+        for cls in (
+            error_details_pb2.BadRequest,
+            error_details_pb2.ResourceInfo,
+            error_details_pb2.RetryInfo,
+        ):
             if detail.Is(cls.DESCRIPTOR):
                 msg = cls()
                 detail.Unpack(msg)
                 out[cls.DESCRIPTOR.name] = msg
     return out
-
-

@@ -56,14 +56,16 @@ class PulledAdapter(NamedTuple):
     record: pb.AdapterRecord
 
 
-def channel_credentials(ca: str | None, cert: str | None = None,
-                        key: str | None = None) -> grpc.ChannelCredentials | None:
+def channel_credentials(
+    ca: str | None, cert: str | None = None, key: str | None = None
+) -> grpc.ChannelCredentials | None:
     """TLS to the store when `ca` is given; `cert`/`key` are the client certificate for mutual TLS."""
     if not ca:
         return None
     pair = (Path(key).read_bytes(), Path(cert).read_bytes()) if cert and key else (None, None)
-    return grpc.ssl_channel_credentials(root_certificates=Path(ca).read_bytes(),
-                                        private_key=pair[0], certificate_chain=pair[1])
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(ca).read_bytes(), private_key=pair[0], certificate_chain=pair[1]
+    )
 
 
 def _hex(digest: str) -> str:
@@ -80,11 +82,15 @@ def _map_rpc_error(err: grpc.RpcError, name: str, what: str) -> LoraplexError:
     code = err.code()
     detail = err.details() or ""
     if code == grpc.StatusCode.NOT_FOUND:
-        return AdapterNotFound(f"adapter {name!r} is not loaded here and not in the adapter store", adapter=name)
+        return AdapterNotFound(
+            f"adapter {name!r} is not loaded here and not in the adapter store", adapter=name
+        )
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
         cls = AdapterInvalid if code == grpc.StatusCode.INVALID_ARGUMENT else AdapterIncompatible
         return cls(f"adapter store rejected {name!r}: {detail}", adapter=name)
-    return BackendUnavailable(f"adapter store {what} for {name!r} failed ({code.name}): {detail}", adapter=name)
+    return BackendUnavailable(
+        f"adapter store {what} for {name!r} failed ({code.name}): {detail}", adapter=name
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -120,8 +126,15 @@ def remove_stale_pulls(cache_dir: Path) -> list[str]:
 class StoreClient:
     """Talks to one adapter store at `target` (HOST:PORT); all methods are coroutines."""
 
-    def __init__(self, target: str, cache_dir: Path, *, on_pull: Callable[[int], None] | None = None,
-                 token: str | None = None, credentials: grpc.ChannelCredentials | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        cache_dir: Path,
+        *,
+        on_pull: Callable[[int], None] | None = None,
+        token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.target = target
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -144,17 +157,23 @@ class StoreClient:
         try:
             req = pb.GetAdapterRequest(name=name)
             # wait_for_ready rides out a reconnect instead of failing at once while it backs off
-            return await self._stub.GetAdapter(req, timeout=timeout, metadata=self._metadata, wait_for_ready=True)
+            return await self._stub.GetAdapter(
+                req, timeout=timeout, metadata=self._metadata, wait_for_ready=True
+            )
         except grpc.RpcError as err:
             raise _map_rpc_error(err, name, "GetAdapter") from None
 
-    async def register(self, name: str, source: str, revision: str = "", timeout: float = 600.0) -> pb.AdapterRecord:
+    async def register(
+        self, name: str, source: str, revision: str = "", timeout: float = 600.0
+    ) -> pb.AdapterRecord:
         try:
             req = pb.RegisterAdapterRequest(name=name, source=source, revision=revision)
             return await self._stub.RegisterAdapter(req, timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.NOT_FOUND:
-                raise AdapterNotFound(f"adapter source {source!r} not found: {err.details()}", adapter=name) from None
+                raise AdapterNotFound(
+                    f"adapter source {source!r} not found: {err.details()}", adapter=name
+                ) from None
             raise _map_rpc_error(err, name, "RegisterAdapter") from None
 
     async def delete(self, name: str, timeout: float = 30.0) -> bool:
@@ -203,7 +222,11 @@ class StoreClient:
     async def _fetch(self, name: str) -> PulledAdapter:
         record = await self.get(name)
         # A record without a config digest (an older store) cannot name its content: always pull.
-        local = self.cache_dir / content_dir_name(record.digest, record.config_digest) if record.config_digest else None
+        local = (
+            self.cache_dir / content_dir_name(record.digest, record.config_digest)
+            if record.config_digest
+            else None
+        )
         if local is not None and (local / WEIGHTS_FILE).exists() and (local / CONFIG_FILE).exists():
             return PulledAdapter(name, local, record)
         # A stream cut halfway or bytes that do not hash to the record are retried from the
@@ -214,8 +237,13 @@ class StoreClient:
             except BackendUnavailable as exc:
                 if attempt == PULL_ATTEMPTS:
                     raise
-                log.warning("pull of %s failed (attempt %d/%d): %s; retrying", name, attempt, PULL_ATTEMPTS,
-                            exc.message)
+                log.warning(
+                    "pull of %s failed (attempt %d/%d): %s; retrying",
+                    name,
+                    attempt,
+                    PULL_ATTEMPTS,
+                    exc.message,
+                )
                 await asyncio.sleep(PULL_RETRY_S * attempt)
         raise AssertionError("unreachable")
 
@@ -245,13 +273,18 @@ class StoreClient:
         nbytes = 0
         try:
             with open(tmp / WEIGHTS_FILE, "wb") as out:
-                async for chunk in self._stub.PullAdapter(pb.PullAdapterRequest(name=name), timeout=600.0,
-                                                          metadata=self._metadata):
+                async for chunk in self._stub.PullAdapter(
+                    pb.PullAdapterRequest(name=name), timeout=600.0, metadata=self._metadata
+                ):
                     if chunk.WhichOneof("payload") == "header":
                         record = chunk.header.record
                         config = chunk.header.adapter_config_json.encode()
-                        if record.config_digest and hashlib.sha256(config).hexdigest() != _hex(record.config_digest):
-                            raise AdapterInvalid(f"adapter {name!r}: adapter_config.json digest mismatch", adapter=name)
+                        if record.config_digest and hashlib.sha256(config).hexdigest() != _hex(
+                            record.config_digest
+                        ):
+                            raise AdapterInvalid(
+                                f"adapter {name!r}: adapter_config.json digest mismatch", adapter=name
+                            )
                         (tmp / CONFIG_FILE).write_bytes(config)
                     else:
                         weights.update(chunk.data)
@@ -285,8 +318,13 @@ class StoreClient:
             except asyncio.CancelledError:
                 raise
             except grpc.RpcError as err:
-                log.warning("WatchAdapters on %s: %s (%s); reconnecting in %.1fs",
-                            self.target, err.code().name, err.details(), backoff)
+                log.warning(
+                    "WatchAdapters on %s: %s (%s); reconnecting in %.1fs",
+                    self.target,
+                    err.code().name,
+                    err.details(),
+                    backoff,
+                )
             except Exception:
                 log.exception("WatchAdapters handler failed; reconnecting")
             await asyncio.sleep(backoff)

@@ -22,12 +22,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default="127.0.0.1:50051", help="the inference server (or router), HOST:PORT")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (logged)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the base model's name in `model` (default: the last part of the server's model path)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the base model's name in `model` (default: the last part of the server's model path)",
+    )
     p.add_argument("--tls-ca", default=None, help="PEM to verify a TLS --target with (plaintext without it)")
-    p.add_argument("--timeout", type=float, default=None, help="gRPC deadline per call, seconds (default none)")
-    p.add_argument("--http", default="auto", choices=["auto", "h11", "httptools"],
-                   help="uvicorn's HTTP parser (auto: httptools when installed)")
+    p.add_argument(
+        "--timeout", type=float, default=None, help="gRPC deadline per call, seconds (default none)"
+    )
+    p.add_argument(
+        "--http",
+        default="auto",
+        choices=["auto", "h11", "httptools"],
+        help="uvicorn's HTTP parser (auto: httptools when installed)",
+    )
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
 
@@ -38,8 +47,9 @@ async def serve(args: argparse.Namespace) -> None:
     sock.bind((args.host, args.port))
     app = create_app(Backend(args.target, args.served_model_name, args.timeout, args.tls_ca))
     # The asyncio loop: grpc.aio runs on it (uvloop is not a loop grpc.aio supports).
-    config = uvicorn.Config(app, log_level=args.log_level.lower(), access_log=False, lifespan="on",
-                            loop="asyncio", http=args.http)
+    config = uvicorn.Config(
+        app, log_level=args.log_level.lower(), access_log=False, lifespan="on", loop="asyncio", http=args.http
+    )
     server = _Server(config)
     host, port = sock.getsockname()[:2]
     # the line clients/processes.py (and `loraplex up`) read the port from
@@ -63,8 +73,10 @@ class _Server(uvicorn.Server):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     asyncio.run(serve(args))
     return 0
 

@@ -43,8 +43,9 @@ CHANNEL_OPTIONS = [
 class Backend:
     """The gRPC side: one channel, opened on the serving loop; the base model's names, learnt once."""
 
-    def __init__(self, target: str, served_model_name: str | None, timeout_s: float | None,
-                 tls_ca: str | None = None):
+    def __init__(
+        self, target: str, served_model_name: str | None, timeout_s: float | None, tls_ca: str | None = None
+    ):
         self.target, self.timeout_s, self.tls_ca = target, timeout_s, tls_ca
         self.served_model_name = served_model_name
         self._stub: pb_grpc.InferenceStub | None = None
@@ -104,8 +105,13 @@ def create_app(backend: Backend) -> FastAPI:
         yield
         await backend.close()
 
-    app = FastAPI(title="loraplex OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
+    app = FastAPI(
+        title="loraplex OpenAI-compatible API",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        lifespan=lifespan,
+    )
     app.state.backend = backend
 
     @app.exception_handler(OpenAIError)
@@ -124,13 +130,37 @@ def create_app(backend: Backend) -> FastAPI:
             adapters = await backend.stub.ListAdapters(pb.ListAdaptersRequest(), metadata=md, timeout=30)
         except grpc.RpcError as exc:
             raise from_grpc(exc, "") from None
-        data = [{"id": base, "object": "model", "created": 0, "owned_by": "loraplex", "root": base, "parent": None}]
-        data += [{"id": a.name, "object": "model", "created": 0, "owned_by": "loraplex", "root": a.source or a.name,
-                  "parent": base} for a in adapters.adapters]
+        data = [
+            {
+                "id": base,
+                "object": "model",
+                "created": 0,
+                "owned_by": "loraplex",
+                "root": base,
+                "parent": None,
+            }
+        ]
+        data += [
+            {
+                "id": a.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "loraplex",
+                "root": a.source or a.name,
+                "parent": base,
+            }
+            for a in adapters.adapters
+        ]
         return JSONResponse({"object": "list", "data": data})
 
-    async def generate(request: Request, parsed, grpc_request: pb.GenerateRequest, adapter: str, chat: bool,
-                       want_logprobs: bool) -> Response:
+    async def generate(
+        request: Request,
+        parsed,
+        grpc_request: pb.GenerateRequest,
+        adapter: str,
+        chat: bool,
+        want_logprobs: bool,
+    ) -> Response:
         md = _metadata(request, adapter)
         if not parsed.stream:
             try:
@@ -172,8 +202,9 @@ async def _resolve(backend: Backend, request: Request, model: str) -> str:
         raise from_grpc(exc, model) from None
 
 
-async def _events(call, first, state: responses.StreamState, include_usage: bool,
-                  model: str) -> AsyncIterator[str]:
+async def _events(
+    call, first, state: responses.StreamState, include_usage: bool, model: str
+) -> AsyncIterator[str]:
     msg = first
     try:
         while msg is not grpc.aio.EOF:
@@ -184,7 +215,9 @@ async def _events(call, first, state: responses.StreamState, include_usage: bool
             yield json.dumps(state.usage_chunk())
     except grpc.RpcError as exc:  # after the 200: the error travels as an event, as OpenAI's streams do
         err = from_grpc(exc, model)
-        yield json.dumps({"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}})
+        yield json.dumps(
+            {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+        )
     finally:
         call.cancel()  # a client that went away cancels the gRPC call (and frees the server's KV)
     yield "[DONE]"

@@ -23,8 +23,16 @@ HTTP_OF: dict[grpc.StatusCode, tuple[int, str]] = {
 
 
 class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, retry_after: float | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.retry_after = retry_after
@@ -40,8 +48,12 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 
 
 def model_not_found(model: str) -> OpenAIError:
-    return OpenAIError(404, f"The model `{model}` does not exist: name the base model or an adapter "
-                            "(GET /v1/models lists them)", param="model", code="model_not_found")
+    return OpenAIError(
+        404,
+        f"The model `{model}` does not exist: name the base model or an adapter (GET /v1/models lists them)",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def _details(error: grpc.RpcError) -> tuple[list[str], float | None]:
@@ -68,9 +80,16 @@ def from_grpc(error: grpc.RpcError, model: str) -> OpenAIError:
     """The OpenAI error for a failed gRPC call made for `model`."""
     code = error.code()
     fields, retry_after = _details(error)
-    if code == grpc.StatusCode.NOT_FOUND or (code == grpc.StatusCode.INVALID_ARGUMENT
-                                             and any(f.endswith("adapter") for f in fields)):
+    if code == grpc.StatusCode.NOT_FOUND or (
+        code == grpc.StatusCode.INVALID_ARGUMENT and any(f.endswith("adapter") for f in fields)
+    ):
         return model_not_found(model)
     status, type_ = HTTP_OF.get(code, (500, "server_error"))
-    return OpenAIError(status, error.details() or code.name, type_=type_, param=fields[0] if fields else None,
-                       code=code.name.lower(), retry_after=retry_after)
+    return OpenAIError(
+        status,
+        error.details() or code.name,
+        type_=type_,
+        param=fields[0] if fields else None,
+        code=code.name.lower(),
+        retry_after=retry_after,
+    )

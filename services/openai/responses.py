@@ -22,8 +22,11 @@ def finish_reason(reason: str) -> str | None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def completion_logprobs(lps, offset: int = 0) -> dict[str, Any]:
@@ -33,16 +36,28 @@ def completion_logprobs(lps, offset: int = 0) -> dict[str, Any]:
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in lps], "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
 
 
 def chat_logprobs(lps) -> dict[str, Any]:
-    return {"content": [
-        {"token": lp.token, "logprob": lp.logprob, "bytes": _token_bytes(lp.token),
-         "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t.token)} for t in lp.top]}
-        for lp in lps
-    ]}
+    return {
+        "content": [
+            {
+                "token": lp.token,
+                "logprob": lp.logprob,
+                "bytes": _token_bytes(lp.token),
+                "top_logprobs": [
+                    {"token": t.token, "logprob": t.logprob, "bytes": _token_bytes(t.token)} for t in lp.top
+                ],
+            }
+            for lp in lps
+        ]
+    }
 
 
 def _usage_of(completions) -> dict[str, int]:
@@ -53,21 +68,38 @@ def _usage_of(completions) -> dict[str, int]:
 
 def completion_body(resp: pb.GenerateResponse, model: str, want_logprobs: bool) -> dict[str, Any]:
     return {
-        "id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": k, "text": c.text, "finish_reason": finish_reason(c.finish_reason),
-                     "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None}
-                    for k, c in enumerate(resp.completions)],
+        "id": new_id("cmpl"),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": k,
+                "text": c.text,
+                "finish_reason": finish_reason(c.finish_reason),
+                "logprobs": completion_logprobs(c.logprobs) if want_logprobs else None,
+            }
+            for k, c in enumerate(resp.completions)
+        ],
         "usage": _usage_of(resp.completions),
     }
 
 
 def chat_body(resp: pb.GenerateResponse, model: str, want_logprobs: bool) -> dict[str, Any]:
     return {
-        "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": k, "message": {"role": "assistant", "content": c.text},
-                     "finish_reason": finish_reason(c.finish_reason),
-                     "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None}
-                    for k, c in enumerate(resp.completions)],
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": k,
+                "message": {"role": "assistant", "content": c.text},
+                "finish_reason": finish_reason(c.finish_reason),
+                "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
+            }
+            for k, c in enumerate(resp.completions)
+        ],
         "usage": _usage_of(resp.completions),
     }
 
@@ -85,8 +117,13 @@ class StreamState:
         self.completion_tokens = 0
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices}
+        return {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def chunks(self, msg: pb.GenerateStreamResponse) -> list[dict[str, Any]]:
         k = msg.index * self.n + msg.sample
@@ -97,22 +134,55 @@ class StreamState:
         if self.chat:
             if k not in self.started:
                 self.started.add(k)
-                out.append(self._chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
-                                         "logprobs": None, "finish_reason": None}]))
+                out.append(
+                    self._chunk(
+                        [
+                            {
+                                "index": k,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ]
+                    )
+                )
             if msg.text or msg.logprobs:
                 lps = chat_logprobs(msg.logprobs) if self.want_logprobs else None
-                out.append(self._chunk([{"index": k, "delta": {"content": msg.text}, "logprobs": lps,
-                                         "finish_reason": None}]))
+                out.append(
+                    self._chunk(
+                        [{"index": k, "delta": {"content": msg.text}, "logprobs": lps, "finish_reason": None}]
+                    )
+                )
             if msg.finish_reason:
-                out.append(self._chunk([{"index": k, "delta": {}, "logprobs": None,
-                                         "finish_reason": finish_reason(msg.finish_reason)}]))
+                out.append(
+                    self._chunk(
+                        [
+                            {
+                                "index": k,
+                                "delta": {},
+                                "logprobs": None,
+                                "finish_reason": finish_reason(msg.finish_reason),
+                            }
+                        ]
+                    )
+                )
             return out
         offset = self.text_offset.get(k, 0)
         self.text_offset[k] = offset + len(msg.text)
         if msg.text or msg.logprobs or msg.finish_reason:
             lps = completion_logprobs(msg.logprobs, offset) if self.want_logprobs else None
-            out.append(self._chunk([{"index": k, "text": msg.text, "logprobs": lps,
-                                     "finish_reason": finish_reason(msg.finish_reason)}]))
+            out.append(
+                self._chunk(
+                    [
+                        {
+                            "index": k,
+                            "text": msg.text,
+                            "logprobs": lps,
+                            "finish_reason": finish_reason(msg.finish_reason),
+                        }
+                    ]
+                )
+            )
         return out
 
     def usage_chunk(self) -> dict[str, Any]:

@@ -65,8 +65,16 @@ class ChatRequest(_Common):
     response_format: dict[str, Any] | None = None
 
 
-UNSUPPORTED_EXTRAS = ("functions", "function_call", "tool_choice", "parallel_tool_calls", "audio", "modalities",
-                      "prediction", "web_search_options")
+UNSUPPORTED_EXTRAS = (
+    "functions",
+    "function_call",
+    "tool_choice",
+    "parallel_tool_calls",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+)
 
 
 def parse(model: type[BaseModel], body: Any):
@@ -88,8 +96,11 @@ def _sampling(req: _Common, max_tokens: int | None) -> pb.SamplingParams:
     params = pb.SamplingParams(
         max_new_tokens=max_tokens or 0,
         temperature=1.0 if req.temperature is None else req.temperature,  # OpenAI's default is 1
-        top_p=req.top_p or 0.0, n=req.n, stop=stop,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        top_p=req.top_p or 0.0,
+        n=req.n,
+        stop=stop,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
     )
     if req.seed is not None:
         params.seed = req.seed & ((1 << 64) - 1)
@@ -130,7 +141,9 @@ def chat_request(req: ChatRequest, adapter: str) -> pb.GenerateRequest:
     if req.tools:
         raise bad_request("tools are not supported by this server", "tools")
     if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise bad_request("response_format other than text is not supported by this server", "response_format")
+        raise bad_request(
+            "response_format other than text is not supported by this server", "response_format"
+        )
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     params = _sampling(req, req.max_completion_tokens or req.max_tokens)

@@ -17,8 +17,9 @@ from typing import Any, NamedTuple
 
 from services.inference.engine.chat import adapter_chat_template, render_chat
 from services.inference.engine.engine import LLMEngine
-from services.inference.engine.types import AdapterInfo, EngineStats, ModelInfo, RequestOutput, SamplingParams
+from services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 from services.inference.errors import AdapterNotFound, BackendUnavailable, InvalidRequest, LoraplexError
+from services.inference.lora.adapter_slots import AdapterInfo
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,9 @@ class AsyncEngine:
         with self._tokenizer_lock:
             return list(self._tokenizer(text).input_ids)
 
-    def render_chat(self, messages: list[dict[str, str]], adapter: str | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
+    def render_chat(
+        self, messages: list[dict[str, str]], adapter: str | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
         """Prompt ids of chat `messages` (engine/chat.py); an adapter's own template when it ships one."""
         template = None
         if adapter:
@@ -189,7 +191,10 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 try:
                     self.engine.add_request(
-                        command.request_id, command.prompt_ids, command.params, command.adapter,
+                        command.request_id,
+                        command.prompt_ids,
+                        command.params,
+                        command.adapter,
                         arrival_time=command.arrival_time,
                     )
                 except LoraplexError as exc:

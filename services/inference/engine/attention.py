@@ -44,7 +44,9 @@ class TorchPagedAttention(Attention):
     def begin(self, meta: AttentionMetadata) -> None:
         self.meta = meta
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor | None = None) -> None:
+    def store(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor | None = None
+    ) -> None:
         """Write the step's new k/v rows into the cache (rows whose slot is < 0 are padding: skipped)."""
         slots = self.meta.slot_mapping if slot_mapping is None else slot_mapping
         store_kv_ref(k, v, self.kv_cache[layer, 0], self.kv_cache[layer, 1], slots[: k.shape[0]])

@@ -59,7 +59,9 @@ class TritonPagedAttention(Attention):
             max(s.q_len for s in segs),
         )
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor | None = None) -> None:
+    def store(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor | None = None
+    ) -> None:
         """Write the step's new k/v rows into the cache (slot < 0: padding, skipped)."""
         slots = self.meta.slot_mapping if slot_mapping is None else slot_mapping
         store_kv(k, v, self.kv_cache[layer, 0], self.kv_cache[layer, 1], slots)
@@ -73,12 +75,28 @@ class TritonPagedAttention(Attention):
         out = torch.empty_like(q) if out is None else out.view(q.shape)
         nd = meta.num_decode_tokens
         if nd:
-            paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                   self.scale, out=out[:nd])
+            paged_decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.scale,
+                out=out[:nd],
+            )
         if self.prefill is not None:
             p = self.prefill
-            paged_prefill_attention(q[nd:], k_cache, v_cache, p.block_tables, p.cu_q, p.kv_lens, self.scale,
-                                    p.max_q_len, out=out[nd:])
+            paged_prefill_attention(
+                q[nd:],
+                k_cache,
+                v_cache,
+                p.block_tables,
+                p.cu_q,
+                p.kv_lens,
+                self.scale,
+                p.max_q_len,
+                out=out[nd:],
+            )
         return out.reshape(q.shape[0], -1)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

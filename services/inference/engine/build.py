@@ -30,9 +30,12 @@ def build_llm_engine(args: ServerArgs, loaded: LoadedModel | None = None) -> tup
     c = loaded.config
     shapes = ModelShapes(c.num_layers, c.hidden_size, c.intermediate_size, c.q_size, c.kv_size)
     # The pool is allocated before the KV cache is sized, so the KV cache gets what is left.
-    lora = build_lora(args, shapes, dtype=loaded.dtype, device=loaded.device,
-                      max_tokens=config.max_num_batched_tokens)
-    engine = LLMEngine(loaded, config, adapter_slots=lora.manager, lora_backend=lora.backend, kv_reserved_bytes=0)
+    lora = build_lora(
+        args, shapes, dtype=loaded.dtype, device=loaded.device, max_tokens=config.max_num_batched_tokens
+    )
+    engine = LLMEngine(
+        loaded, config, adapter_slots=lora.manager, lora_backend=lora.backend, kv_reserved_bytes=0
+    )
     log.info("engine ready: %s on %s (%s)", args.model_path, loaded.device, loaded.dtype)
     return engine, lora
 
@@ -46,6 +49,10 @@ def build_engine(args: ServerArgs) -> AsyncEngine:
     engine, lora = build_llm_engine(args)
     s = lora.settings
     info = dataclasses.replace(
-        default_model_info(engine), max_loras_per_batch=s.max_loras_per_batch, max_lora_rank=s.max_lora_rank,
-        lora_target_modules=list(s.target_modules), lora_backend=s.backend)
+        default_model_info(engine),
+        max_loras_per_batch=s.max_loras_per_batch,
+        max_lora_rank=s.max_lora_rank,
+        lora_target_modules=list(s.target_modules),
+        lora_backend=s.backend,
+    )
     return AsyncEngine(engine, lora_manager=lora.manager, model_info=info)

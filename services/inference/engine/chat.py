@@ -33,14 +33,18 @@ def adapter_chat_template(adapter_dir: str | Path) -> str | None:
     return None
 
 
-def render_chat(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool,
-                template: str | None = None) -> list[int]:
+def render_chat(
+    tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool, template: str | None = None
+) -> list[int]:
     """Token ids of `messages` rendered with `template` (default: the tokenizer's own)."""
     if template is None and not getattr(tokenizer, "chat_template", None):
-        raise InvalidRequest("this model has no chat template; send text or token ids instead", field="messages")
+        raise InvalidRequest(
+            "this model has no chat template; send text or token ids instead", field="messages"
+        )
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, chat_template=template)
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, chat_template=template
+        )
     except Exception as exc:  # noqa: BLE001 - a template error is the request's (e.g. roles it refuses)
         raise InvalidRequest(f"the chat template refused these messages: {exc}", field="messages") from None
     return list(tokenizer(text, add_special_tokens=False).input_ids)

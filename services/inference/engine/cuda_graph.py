@@ -25,7 +25,7 @@ import torch
 from kernels.lora_configs import MANY_ADAPTERS
 from services.inference.engine.attention import AttentionMetadata
 from services.inference.engine.attention_triton import TritonPagedAttention
-from services.inference.engine.model_runner import fill_placeholders
+from services.inference.engine.overlap import fill_placeholders
 from services.inference.lora.backend import LoRABackend
 from services.inference.models.context import ForwardContext
 from services.inference.models.llama import LlamaForCausalLM
@@ -78,9 +78,16 @@ class DecodeGraphs:
         self._inputs_copied: torch.cuda.Event | None = None
 
     def _forward(self, bs: int, tier: int) -> None:
-        self.attention.begin(AttentionMetadata(
-            self.slot_mapping[:bs], bs, self.block_tables[:bs], self.context_lens[:bs], [], self.slot_mapping[:0],
-        ))
+        self.attention.begin(
+            AttentionMetadata(
+                self.slot_mapping[:bs],
+                bs,
+                self.block_tables[:bs],
+                self.context_lens[:bs],
+                [],
+                self.slot_mapping[:0],
+            )
+        )
         lora = None
         if tier:  # the tier's bound on distinct adapters picks the LoRA kernels (and sizes their grids)
             self.lora.prepare(self.token_slots[:bs], MANY_ADAPTERS if tier == 1 else bs)
@@ -95,12 +102,19 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
         tiers = (0, 1, 2) if self.lora is not None else (0,)
-        self.recapture([(bs, t) for bs in reversed(self.ladder) for t in tiers if t < 2 or bs > MANY_ADAPTERS])
+        self.recapture(
+            [(bs, t) for bs in reversed(self.ladder) for t in tiers if t < 2 or bs > MANY_ADAPTERS]
+        )
         torch.cuda.synchronize()
         taken = free_before - torch.cuda.mem_get_info()[0]
-        log.info("captured %d decode CUDA graphs (batch sizes %s, LoRA %s) in %.1f s, %.0f MiB",
-                 len(self.graphs), self.ladder, "off and on, 2 tiers" if self.lora is not None else "off",
-                 time.perf_counter() - start, taken / 2**20)
+        log.info(
+            "captured %d decode CUDA graphs (batch sizes %s, LoRA %s) in %.1f s, %.0f MiB",
+            len(self.graphs),
+            self.ladder,
+            "off and on, 2 tiers" if self.lora is not None else "off",
+            time.perf_counter() - start,
+            taken / 2**20,
+        )
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = taken
 

@@ -18,7 +18,6 @@ import torch
 
 from kernels.compile_watch import compile_counter
 from kernels.placement import triton_runs_on
-from services.inference.engine.adapter_slots import AdapterSlots, NoAdapters
 from services.inference.engine.block_manager import BlockManager
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
@@ -34,6 +33,7 @@ from services.inference.engine.scheduler import Scheduler
 from services.inference.engine.types import EngineStats, RequestOutput, SamplingParams, TokenLogprob
 from services.inference.engine.warmup import warm_up
 from services.inference.errors import CapacityExceeded, InvalidRequest
+from services.inference.lora.adapter_slots import AdapterSlots, NoAdapters
 from services.inference.lora.backend import LoRABackend
 
 log = logging.getLogger(__name__)
@@ -102,10 +102,15 @@ class LLMEngine:
         self.adapter_slots = adapter_slots or NoAdapters()
         base_digest = base_model_digest(loaded.model_dir, str(loaded.dtype)) if caching else "base:uncached"
         self.scheduler = Scheduler(
-            config.scheduler_config(self.context_length), self.block_manager, self.adapter_slots,
+            config.scheduler_config(self.context_length),
+            self.block_manager,
+            self.adapter_slots,
             base_digest=base_digest,
         )
-        log.info("prefix cache: %s", f"on (base model {base_digest[:21]})" if caching else "off (--disable-prefix-cache)")
+        log.info(
+            "prefix cache: %s",
+            f"on (base model {base_digest[:21]})" if caching else "off (--disable-prefix-cache)",
+        )
         self.runner = ModelRunner(
             loaded.model,
             loaded.config,
@@ -122,16 +127,23 @@ class LLMEngine:
             try:
                 self.runner.capture_mixed_graphs(
                     min(config.mixed_cuda_graph_max_tokens, config.max_num_batched_tokens),
-                    use_graphs=loaded.device.type == "cuda" and not config.disable_cuda_graph)
+                    use_graphs=loaded.device.type == "cuda" and not config.disable_cuda_graph,
+                )
             except (RuntimeError, torch.OutOfMemoryError):
                 # Serving without them is slower, not wrong: say so loudly and go on eagerly.
-                log.exception("could not capture the mixed-step CUDA graphs; steps with prefill chunks run "
-                              "eagerly (set --mixed-cuda-graph-max-tokens lower, or 0)")
+                log.exception(
+                    "could not capture the mixed-step CUDA graphs; steps with prefill chunks run "
+                    "eagerly (set --mixed-cuda-graph-max-tokens lower, or 0)"
+                )
                 self.runner.mixed_graphs = None
         if triton_runs_on(loaded.device) and config.startup_warm_up:
             # Compile every kernel variant a step can need now, not on the engine thread while serving.
-            warm_up(self.runner, max_num_tokens=config.max_num_batched_tokens,
-                    max_num_seqs=config.max_running_requests, context_length=self.context_length)
+            warm_up(
+                self.runner,
+                max_num_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_running_requests,
+                context_length=self.context_length,
+            )
             compile_counter.mark_serving()
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, TextStream] = {}
@@ -170,7 +182,11 @@ class LLMEngine:
             )
 
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, adapter: str | None = None,
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
         """`arrival_time` (time.monotonic()): when the caller received the request; default now."""
@@ -265,7 +281,9 @@ class LLMEngine:
         logprobs = rows_logprobs(step.logprobs, tokens)
         live = [i for i, req in enumerate(step.requests) if self.requests.get(req.request_id) is req]
         return self._process_outputs(
-            [step.requests[i] for i in live], [tokens[i] for i in live], [step.positions[i] for i in live],
+            [step.requests[i] for i in live],
+            [tokens[i] for i in live],
+            [step.positions[i] for i in live],
             [logprobs[i] for i in live] if logprobs else None,
         )
 
@@ -294,7 +312,10 @@ class LLMEngine:
         return tokens, StepLogprobs(logits, tokens, rows, [reqs[i].params.logprobs for i in rows])
 
     def _process_outputs(
-        self, reqs: list[Request], tokens: list[int], positions: list[int] | None = None,
+        self,
+        reqs: list[Request],
+        tokens: list[int],
+        positions: list[int] | None = None,
         logprobs: list[TokenLogprob | None] | None = None,
     ) -> list[RequestOutput]:
         """Stop checks, detokenization and finishing for one step's sampled tokens. `positions`:
@@ -360,7 +381,10 @@ class LLMEngine:
         return self._final_output(req, [token], logprobs, prompt_logprobs)
 
     def _final_output(
-        self, req: Request, new_tokens: list[int], logprobs: list[TokenLogprob] | None = None,
+        self,
+        req: Request,
+        new_tokens: list[int],
+        logprobs: list[TokenLogprob] | None = None,
         prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> RequestOutput:
         stream = self._streams.pop(req.request_id)

@@ -35,7 +35,7 @@ import time
 import torch
 
 from kernels.lora_configs import DECODE_MAX_TOKENS, MANY_ADAPTERS
-from services.inference.engine.model_runner import fill_placeholders
+from services.inference.engine.overlap import fill_placeholders
 from services.inference.lora.backend import LoRABackend
 from services.inference.models.context import Attention, ForwardContext
 from services.inference.models.llama import LlamaForCausalLM, StepBuffers
@@ -111,8 +111,18 @@ class MixedGraphs:
 
     @property
     def buffer_bytes(self) -> int:
-        tensors = (self.input_ids, self.positions, self.slot_mapping, self.token_slots, self.h, self.q, self.k,
-                   self.v, self.attn, self.hidden)
+        tensors = (
+            self.input_ids,
+            self.positions,
+            self.slot_mapping,
+            self.token_slots,
+            self.h,
+            self.q,
+            self.k,
+            self.v,
+            self.attn,
+            self.hidden,
+        )
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def tiers(self) -> tuple[int, ...]:
@@ -197,10 +207,17 @@ class MixedGraphs:
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = free_before - torch.cuda.mem_get_info()[0]
-        log.info("captured mixed-step CUDA graphs: buckets %s, LoRA tiers %s, %d pieces each, %d graphs in %.1f s, "
-                 "%.0f MiB (+ %.0f MiB static buffers)", self.buckets, self.tiers(), self.num_layers + 1,
-                 sum(map(len, self.graphs.values())), self.capture_seconds, self.capture_bytes / 2**20,
-                 self.buffer_bytes / 2**20)
+        log.info(
+            "captured mixed-step CUDA graphs: buckets %s, LoRA tiers %s, %d pieces each, %d graphs in %.1f s, "
+            "%.0f MiB (+ %.0f MiB static buffers)",
+            self.buckets,
+            self.tiers(),
+            self.num_layers + 1,
+            sum(map(len, self.graphs.values())),
+            self.capture_seconds,
+            self.capture_bytes / 2**20,
+            self.buffer_bytes / 2**20,
+        )
 
     def run(
         self,

@@ -14,6 +14,7 @@ import torch
 
 from kernels.placement import triton_runs_on
 from services.inference.engine.attention import AttentionMetadata, PrefillSegment, TorchPagedAttention
+from services.inference.engine.overlap import fill_placeholders
 from services.inference.engine.scheduler import SeqChunk
 from services.inference.lora.backend import LoRABackend
 from services.inference.models.config import ModelConfig
@@ -21,12 +22,6 @@ from services.inference.models.context import ForwardContext
 from services.inference.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
-
-
-def fill_placeholders(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> None:
-    """Replace, in place and on the device, each id `-1 - i` with `prev_tokens[i]` (no host sync)."""
-    rows = (-1 - input_ids).clamp_(min=0)  # real ids map to row 0, then are kept by the where
-    input_ids.copy_(torch.where(input_ids < 0, prev_tokens[rows], input_ids))
 
 
 class ModelRunner:
@@ -79,8 +74,14 @@ class ModelRunner:
         """Capture decode CUDA graphs for batch sizes up to `max_bs` (see engine/cuda_graph.py)."""
         from services.inference.engine.cuda_graph import DecodeGraphs
 
-        graphs = DecodeGraphs(self.model, self.kv_cache, self.config.head_dim**-0.5, self.lora_backend,
-                              max_bs=max_bs, max_blocks_per_seq=self.max_blocks_per_seq)
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            self.config.head_dim**-0.5,
+            self.lora_backend,
+            max_bs=max_bs,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+        )
         graphs.capture()
         self.cuda_graphs = graphs
 
@@ -89,8 +90,15 @@ class ModelRunner:
         engine/mixed_graphs.py); `use_graphs=False` runs the same pieces eagerly (CPU tests)."""
         from services.inference.engine.mixed_graphs import MixedGraphs
 
-        graphs = MixedGraphs(self.model, self.attention, self.lora_backend, max_tokens=max_tokens,
-                             device=self.device, dtype=self.kv_cache.dtype, use_graphs=use_graphs)
+        graphs = MixedGraphs(
+            self.model,
+            self.attention,
+            self.lora_backend,
+            max_tokens=max_tokens,
+            device=self.device,
+            dtype=self.kv_cache.dtype,
+            use_graphs=use_graphs,
+        )
         graphs.capture()
         self.mixed_graphs = graphs
 
@@ -150,12 +158,22 @@ class ModelRunner:
         distinct = len({s for s in token_slots if s >= 0})  # picks the LoRA graph tier and kernels
         if self.cuda_graphs is not None and not segments and not all_rows:
             logits = self.cuda_graphs.run(
-                ids, positions, slots, token_slots, distinct, decode_tables, decode_lens, sample_rows, prev_tokens
+                ids,
+                positions,
+                slots,
+                token_slots,
+                distinct,
+                decode_tables,
+                decode_lens,
+                sample_rows,
+                prev_tokens,
             )
             if logits is not None:
                 return logits
         num_tokens = len(ids)
-        mixed_key = None if self.mixed_graphs is None or not segments else self.mixed_graphs.key(num_tokens, distinct)
+        mixed_key = (
+            None if self.mixed_graphs is None or not segments else self.mixed_graphs.key(num_tokens, distinct)
+        )
         if mixed_key is None:
             input_ids = self._upload(self.input_ids, ids)
             if prev_tokens is not None:
@@ -171,7 +189,9 @@ class ModelRunner:
             host = torch.tensor(padded, dtype=torch.int64, pin_memory=self._pin)
             tables_t.copy_(host, non_blocking=True)
         lens_t = self._upload(self.decode_context_lens, decode_lens)
-        ctx_host = torch.from_numpy(np.concatenate(ctx_parts)) if ctx_parts else torch.empty(0, dtype=torch.int64)
+        ctx_host = (
+            torch.from_numpy(np.concatenate(ctx_parts)) if ctx_parts else torch.empty(0, dtype=torch.int64)
+        )
         ctx_t = ctx_host.to(self.device, non_blocking=True)
         self.attention.begin(AttentionMetadata(slot_t, nd, tables_t, lens_t, segments, ctx_t))
 

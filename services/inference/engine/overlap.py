@@ -58,6 +58,12 @@ def kv_fits_without_preemption(running: list[Request], blocks: BlockManager) -> 
     return need <= blocks.num_free_blocks
 
 
+def fill_placeholders(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> None:
+    """Replace, in place and on the device, each id `-1 - i` with `prev_tokens[i]` (no host sync)."""
+    rows = (-1 - input_ids).clamp_(min=0)  # real ids map to row 0, then are kept by the where
+    input_ids.copy_(torch.where(input_ids < 0, prev_tokens[rows], input_ids))
+
+
 def strip_placeholders(req: Request) -> None:
     """Drop unresolved placeholders (always at the end) from a request that has ended."""
     ids = req.token_ids

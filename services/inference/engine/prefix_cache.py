@@ -17,9 +17,9 @@ from array import array
 from collections import defaultdict
 from pathlib import Path
 
-from services.inference.engine.adapter_slots import AdapterSlots
 from services.inference.engine.block_manager import BlockManager
 from services.inference.engine.request import Request
+from services.inference.lora.adapter_slots import AdapterSlots
 
 ROOT_TAG = b"loraplex-kv-v1\0"
 
@@ -28,7 +28,9 @@ def root_key(content_digest: str) -> bytes:
     return hashlib.sha256(ROOT_TAG + content_digest.encode()).digest()
 
 
-def extend_block_keys(keys: list[bytes], root: bytes, token_ids: list[int], page_size: int, num_blocks: int) -> None:
+def extend_block_keys(
+    keys: list[bytes], root: bytes, token_ids: list[int], page_size: int, num_blocks: int
+) -> None:
     """Grow `keys` (the chain of `token_ids`' full blocks under `root`) to `num_blocks` entries.
 
     Stops early at a block holding a placeholder (overlap scheduling's not-yet-known token). Each

@@ -49,8 +49,10 @@ def apply_penalties(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
     device = logits.device
     # Decide on the host lists: building device tensors and reading `.any()` back costs a
     # host-to-device copy and a sync each, every step, for batches that use no penalty.
-    if all(r == 1 for r in inp.repetition_penalty) and not any(inp.frequency_penalty) and not any(
-        inp.presence_penalty
+    if (
+        all(r == 1 for r in inp.repetition_penalty)
+        and not any(inp.frequency_penalty)
+        and not any(inp.presence_penalty)
     ):
         return logits
     rep = torch.tensor(inp.repetition_penalty, dtype=logits.dtype, device=device)
@@ -114,9 +116,9 @@ def sample_on_device(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
         return greedy_tokens
     # Host tensors moved with non_blocking: a blocking copy (or torch.tensor(..., device=cuda)) waits
     # for the whole stream, i.e. for the step queued after this one under overlap scheduling.
-    temps = torch.tensor([t if t >= MIN_TEMPERATURE else 1.0 for t in inp.temperature], dtype=logits.dtype).to(
-        logits.device, non_blocking=True
-    )
+    temps = torch.tensor(
+        [t if t >= MIN_TEMPERATURE else 1.0 for t in inp.temperature], dtype=logits.dtype
+    ).to(logits.device, non_blocking=True)
     probs = _filter(logits / temps[:, None], inp).softmax(dim=-1)
     races = torch.ones_like(probs)
     for i in random_rows:

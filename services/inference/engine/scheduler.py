@@ -21,12 +21,12 @@ import logging
 from collections import Counter, deque
 from typing import NamedTuple
 
-from services.inference.engine.adapter_slots import AdapterSlots
 from services.inference.engine.block_manager import BlockManager
 from services.inference.engine.config import SchedulerConfig
 from services.inference.engine.prefix_cache import PrefixCache
 from services.inference.engine.request import Request, RequestStatus
 from services.inference.errors import LoraplexError
+from services.inference.lora.adapter_slots import AdapterSlots
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,14 @@ class ScheduledBatch(NamedTuple):
             sample = start + n == len(req.token_ids)
             all_logits = req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1
             out.append(
-                SeqChunk(req.token_ids[start : start + n], start, req.block_table, req.lora_slot, sample, all_logits)
+                SeqChunk(
+                    req.token_ids[start : start + n],
+                    start,
+                    req.block_table,
+                    req.lora_slot,
+                    sample,
+                    all_logits,
+                )
             )
         return out
 
@@ -112,7 +119,9 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         token_budget = self.config.max_num_batched_tokens
-        prefill_budget = self.config.prefill_budget_for(any(r.num_uncomputed_tokens == 1 for r in self.running))
+        prefill_budget = self.config.prefill_budget_for(
+            any(r.num_uncomputed_tokens == 1 for r in self.running)
+        )
         entries: list[ScheduledEntry] = []
         finished: list[Request] = []
         page = self.blocks.page_size
@@ -243,7 +252,9 @@ class Scheduler:
                     continue
                 req.lora_slot = slot
                 if not self.prefix_cache.confirm_root(req):  # the adapter was reloaded since the lookup
-                    want, hit = self._admissible(req, self.prefix_cache.lookup(req), token_budget, prefill_budget)
+                    want, hit = self._admissible(
+                        req, self.prefix_cache.lookup(req), token_budget, prefill_budget
+                    )
                     if want == 0:
                         self.adapter_slots.release(req.adapter)
                         req.lora_slot = -1

@@ -35,9 +35,18 @@ class SamplingParams:
 
     def validate(self, max_new_tokens_limit: int | None = None) -> None:
         """Raise InvalidRequest naming the field when a value is out of range."""
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
             if not math.isfinite(getattr(self, name)):
-                raise InvalidRequest(f"sampling_params.{name} must be a finite number", field=f"sampling_params.{name}")
+                raise InvalidRequest(
+                    f"sampling_params.{name} must be a finite number", field=f"sampling_params.{name}"
+                )
         checks = [
             ("max_new_tokens", self.max_new_tokens >= 1, "must be at least 1"),
             ("temperature", self.temperature >= 0, "must be >= 0"),
@@ -47,13 +56,18 @@ class SamplingParams:
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0 (1 = off)"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
-            ("top_logprobs", all(k is None or 0 <= k <= MAX_TOP_LOGPROBS for k in (self.logprobs, self.prompt_logprobs)),
-             f"must be in [0, {MAX_TOP_LOGPROBS}]"),
+            (
+                "top_logprobs",
+                all(k is None or 0 <= k <= MAX_TOP_LOGPROBS for k in (self.logprobs, self.prompt_logprobs)),
+                f"must be in [0, {MAX_TOP_LOGPROBS}]",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:
                 got = (self.logprobs, self.prompt_logprobs) if name == "top_logprobs" else getattr(self, name)
-                raise InvalidRequest(f"sampling_params.{name} {why} (got {got})", field=f"sampling_params.{name}")
+                raise InvalidRequest(
+                    f"sampling_params.{name} {why} (got {got})", field=f"sampling_params.{name}"
+                )
         if max_new_tokens_limit is not None and self.max_new_tokens > max_new_tokens_limit:
             raise InvalidRequest(
                 f"sampling_params.max_new_tokens {self.max_new_tokens} exceeds this server's limit {max_new_tokens_limit}",
@@ -89,26 +103,6 @@ class RequestOutput(NamedTuple):
     # With params.prompt_logprobs: one per prompt token after the first, on the output that
     # carries the first generated token.
     prompt_logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass
-class AdapterInfo:
-    """What the engine knows about one adapter (for ListAdapters)."""
-
-    name: str
-    rank: int
-    alpha: float
-    target_modules: list[str]
-    location: str  # "gpu" | "host" | "store"
-    pinned: bool = False
-    requests_in_flight: int = 0
-    source: str = ""
-    digest: str = ""
-    slot: int = -1
-    evictions: int = 0  # times this adapter's GPU slot was given to another adapter
-    uploads: int = 0  # times this adapter was copied into a GPU slot
-    queued_requests: int = 0  # its requests waiting in the scheduler (as of the last step)
-    slot_wait_s: float = 0.0  # how long it has been waiting for a GPU slot (0: not waiting)
 
 
 @dataclass(frozen=True)

@@ -42,13 +42,22 @@ def token_classes(max_num_tokens: int, num_slots: int) -> list[int]:
     from kernels.lora_configs import DECODE_MAX_TOKENS
 
     counts = {min(b, max_num_tokens) for b in segments_block_ts(max_num_tokens, max(num_slots, 1))}
-    counts |= {t for t in (1, 16, 17, DECODE_MAX_TOKENS, DECODE_MAX_TOKENS + 1, max_num_tokens) if t <= max_num_tokens}
+    counts |= {
+        t
+        for t in (1, 16, 17, DECODE_MAX_TOKENS, DECODE_MAX_TOKENS + 1, max_num_tokens)
+        if t <= max_num_tokens
+    }
     return sorted(counts)
 
 
 def warm_up_steps(
-    max_num_tokens: int, max_num_seqs: int, num_slots: int, num_kv_heads: int, context_length: int,
-    page_size: int, device: torch.device,
+    max_num_tokens: int,
+    max_num_seqs: int,
+    num_slots: int,
+    num_kv_heads: int,
+    context_length: int,
+    page_size: int,
+    device: torch.device,
 ) -> list[list[SeqChunk]]:
     """The steps `warm_up` runs: every chunk on KV block 0, decodes first (as the runner wants)."""
     max_chunk = max(2, context_length - 1)
@@ -87,12 +96,24 @@ def warm_up(runner: ModelRunner, *, max_num_tokens: int, max_num_seqs: int, cont
     pool = getattr(runner.lora_backend, "pool", None)
     num_slots = pool.slots if pool is not None else 0
     start = time.perf_counter()
-    steps = warm_up_steps(max_num_tokens, max_num_seqs, num_slots, runner.config.num_kv_heads, context_length,
-                          runner.page_size, runner.device)
+    steps = warm_up_steps(
+        max_num_tokens,
+        max_num_seqs,
+        num_slots,
+        runner.config.num_kv_heads,
+        context_length,
+        runner.page_size,
+        runner.device,
+    )
     for chunks in steps:
         runner.forward(chunks)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    log.info("warmed up %d step shapes (token counts %s, LoRA tiers %s) in %.1f s", len(steps),
-             token_classes(max_num_tokens, num_slots), lora_tiers(num_slots), time.perf_counter() - start)
+    log.info(
+        "warmed up %d step shapes (token counts %s, LoRA tiers %s) in %.1f s",
+        len(steps),
+        token_classes(max_num_tokens, num_slots),
+        lora_tiers(num_slots),
+        time.perf_counter() - start,
+    )
     return len(steps)

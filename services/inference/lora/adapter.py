@@ -57,12 +57,17 @@ def _check_header_size(path: Path) -> None:
     with open(path, "rb") as f:
         head = f.read(8)
     if len(head) < 8:
-        raise AdapterInvalid(f"{WEIGHTS_FILE} is {size} bytes, too short for a safetensors header", field=WEIGHTS_FILE)
+        raise AdapterInvalid(
+            f"{WEIGHTS_FILE} is {size} bytes, too short for a safetensors header", field=WEIGHTS_FILE
+        )
     (n,) = struct.unpack("<Q", head)
     if n > MAX_HEADER_BYTES or 8 + n > size:
         # n is not echoed: in a file that is not safetensors it is the file's first 8 bytes.
-        raise AdapterInvalid(f"{WEIGHTS_FILE}: the header length field exceeds the {MAX_HEADER_BYTES}-byte cap "
-                             f"or the {size}-byte file (truncated, or not safetensors?)", field=WEIGHTS_FILE)
+        raise AdapterInvalid(
+            f"{WEIGHTS_FILE}: the header length field exceeds the {MAX_HEADER_BYTES}-byte cap "
+            f"or the {size}-byte file (truncated, or not safetensors?)",
+            field=WEIGHTS_FILE,
+        )
 
 
 def _digest(directory: Path) -> str:
@@ -84,14 +89,18 @@ def read_config(directory: str | Path) -> tuple[AdapterSpec, Path]:
     if not config_path.is_file():
         raise AdapterInvalid(f"{directory} has no {CONFIG_FILE}", field=CONFIG_FILE)
     if config_path.stat().st_size > MAX_CONFIG_BYTES:
-        raise AdapterInvalid(f"{CONFIG_FILE} is {config_path.stat().st_size} bytes; at most {MAX_CONFIG_BYTES} "
-                             "are read", field=CONFIG_FILE)
+        raise AdapterInvalid(
+            f"{CONFIG_FILE} is {config_path.stat().st_size} bytes; at most {MAX_CONFIG_BYTES} are read",
+            field=CONFIG_FILE,
+        )
     try:
         cfg = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise AdapterInvalid(f"{CONFIG_FILE} is not valid JSON: {e}", field=CONFIG_FILE) from None
     except UnicodeDecodeError as e:  # its message would echo the file's bytes
-        raise AdapterInvalid(f"{CONFIG_FILE} is not valid JSON: not UTF-8 at byte {e.start}", field=CONFIG_FILE) from None
+        raise AdapterInvalid(
+            f"{CONFIG_FILE} is not valid JSON: not UTF-8 at byte {e.start}", field=CONFIG_FILE
+        ) from None
     except RecursionError:
         raise AdapterInvalid(f"{CONFIG_FILE}: JSON nested too deeply", field=CONFIG_FILE) from None
     return parse_adapter_config(cfg), directory
@@ -114,9 +123,12 @@ def load_adapter_weights(
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
         if any((directory / n).exists() for n in PICKLE_FILES):
-            raise AdapterInvalid(f"{directory} has only pickle weights ({', '.join(PICKLE_FILES)}), which are never "
-                                 "loaded here (unpickling can run code); convert them to safetensors, or register "
-                                 "the adapter with a store started with --allow-pickle", field=WEIGHTS_FILE)
+            raise AdapterInvalid(
+                f"{directory} has only pickle weights ({', '.join(PICKLE_FILES)}), which are never "
+                "loaded here (unpickling can run code); convert them to safetensors, or register "
+                "the adapter with a store started with --allow-pickle",
+                field=WEIGHTS_FILE,
+            )
         raise AdapterInvalid(f"{directory} has no {WEIGHTS_FILE}", field=WEIGHTS_FILE)
     _check_header_size(weights_path)
     by_path = {module_path(n, m): (n, m) for (n, m) in targets}
@@ -125,44 +137,69 @@ def load_adapter_weights(
     try:
         f = safe_open(str(weights_path), framework="pt")
     except Exception as e:  # safetensors raises its own error types for bad headers
-        raise AdapterInvalid(f"{WEIGHTS_FILE} is not a readable safetensors file: {e}", field=WEIGHTS_FILE) from None
+        raise AdapterInvalid(
+            f"{WEIGHTS_FILE} is not a readable safetensors file: {e}", field=WEIGHTS_FILE
+        ) from None
     with f:
         keys = list(f.keys())
         for key in keys:
             m = _KEY.match(key)
             if m is None:
-                raise AdapterInvalid(f"{WEIGHTS_FILE}: unexpected tensor {key!r} (only lora_A/lora_B weights "
-                                     "of the target modules are supported)", field=WEIGHTS_FILE)
+                raise AdapterInvalid(
+                    f"{WEIGHTS_FILE}: unexpected tensor {key!r} (only lora_A/lora_B weights "
+                    "of the target modules are supported)",
+                    field=WEIGHTS_FILE,
+                )
             path = m.group("path")
             if path not in by_path:
                 layer = re.match(r"model\.layers\.(\d+)\.", path)
                 if layer and int(layer.group(1)) >= shapes.num_layers:
-                    raise AdapterIncompatible(f"{WEIGHTS_FILE}: {key!r} is for layer {layer.group(1)} but this "
-                                              f"base model has {shapes.num_layers} layers", field=WEIGHTS_FILE)
-                raise AdapterInvalid(f"{WEIGHTS_FILE}: tensor {key!r} is for a module that adapter_config.json "
-                                     "target_modules does not target", field=WEIGHTS_FILE)
+                    raise AdapterIncompatible(
+                        f"{WEIGHTS_FILE}: {key!r} is for layer {layer.group(1)} but this "
+                        f"base model has {shapes.num_layers} layers",
+                        field=WEIGHTS_FILE,
+                    )
+                raise AdapterInvalid(
+                    f"{WEIGHTS_FILE}: tensor {key!r} is for a module that adapter_config.json "
+                    "target_modules does not target",
+                    field=WEIGHTS_FILE,
+                )
             layer, module = by_path[path]
             rank = targets[(layer, module)].rank
             d_in, d_out = shapes.module_dims(module)
             shape = tuple(f.get_slice(key).get_shape())
             expected = (rank, d_in) if m.group("ab") == "A" else (d_out, rank)
             if len(shape) != 2:
-                raise AdapterInvalid(f"{WEIGHTS_FILE}: {key!r} has shape {shape}, expected 2-D", field=WEIGHTS_FILE)
+                raise AdapterInvalid(
+                    f"{WEIGHTS_FILE}: {key!r} has shape {shape}, expected 2-D", field=WEIGHTS_FILE
+                )
             rank_axis = 0 if m.group("ab") == "A" else 1
             if shape[rank_axis] != rank:
-                raise AdapterInvalid(f"{WEIGHTS_FILE}: {key!r} has rank {shape[rank_axis]} but adapter_config.json "
-                                     f"(r / rank_pattern) gives {rank}", field="r")
+                raise AdapterInvalid(
+                    f"{WEIGHTS_FILE}: {key!r} has rank {shape[rank_axis]} but adapter_config.json "
+                    f"(r / rank_pattern) gives {rank}",
+                    field="r",
+                )
             if shape != expected:
-                raise AdapterIncompatible(f"{WEIGHTS_FILE}: {key!r} has shape {shape}, this base model needs "
-                                          f"{expected}: the adapter was trained for another base model",
-                                          field=WEIGHTS_FILE)
+                raise AdapterIncompatible(
+                    f"{WEIGHTS_FILE}: {key!r} has shape {shape}, this base model needs "
+                    f"{expected}: the adapter was trained for another base model",
+                    field=WEIGHTS_FILE,
+                )
             t = f.get_tensor(key).to(dtype).contiguous()
             if pin_memory:
                 t = t.pin_memory()
             (lora_a if m.group("ab") == "A" else lora_b)[(layer, module)] = t
-    missing = [module_path(n, mod) + ".lora_" + ab for (n, mod) in targets
-               for ab, d in (("A", lora_a), ("B", lora_b)) if (n, mod) not in d]
+    missing = [
+        module_path(n, mod) + ".lora_" + ab
+        for (n, mod) in targets
+        for ab, d in (("A", lora_a), ("B", lora_b))
+        if (n, mod) not in d
+    ]
     if missing:
-        raise AdapterInvalid(f"{WEIGHTS_FILE}: missing tensors for targeted modules: {', '.join(missing[:4])}"
-                             + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""), field=WEIGHTS_FILE)
+        raise AdapterInvalid(
+            f"{WEIGHTS_FILE}: missing tensors for targeted modules: {', '.join(missing[:4])}"
+            + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""),
+            field=WEIGHTS_FILE,
+        )
     return AdapterWeights(spec=spec, targets=targets, lora_a=lora_a, lora_b=lora_b, digest=_digest(directory))

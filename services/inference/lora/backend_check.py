@@ -21,12 +21,17 @@ from services.inference.lora.shapes import ALL_MODULES, ModelShapes
 from services.inference.lora.torch_backend import TorchLoRABackend
 from services.inference.lora.triton_backend import TritonLoRABackend
 
-MODULE_SETS = [list(ALL_MODULES), ["q_proj", "v_proj"], ["up_proj", "down_proj"],
-               ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]]
+MODULE_SETS = [
+    list(ALL_MODULES),
+    ["q_proj", "v_proj"],
+    ["up_proj", "down_proj"],
+    ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"],
+]
 
 
-def random_adapter(shapes: ModelShapes, modules: list[str], rank: int, seed: int, dtype: torch.dtype
-                   ) -> AdapterWeights:
+def random_adapter(
+    shapes: ModelShapes, modules: list[str], rank: int, seed: int, dtype: torch.dtype
+) -> AdapterWeights:
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     targets, lora_a, lora_b = {}, {}, {}
@@ -37,22 +42,40 @@ def random_adapter(shapes: ModelShapes, modules: list[str], rank: int, seed: int
             targets[(layer, m)] = ModuleLoRA(r, 16.0, 16.0 / r)
             lora_a[(layer, m)] = (torch.randn(r, d_in, generator=gen) / d_in**0.5).to(dtype)
             lora_b[(layer, m)] = (torch.randn(d_out, r, generator=gen) / r**0.5).to(dtype)
-    return AdapterWeights(AdapterSpec(r=rank, lora_alpha=16.0, target_modules=tuple(modules)), targets,
-                          lora_a, lora_b, digest=f"sha256:{seed}")
+    return AdapterWeights(
+        AdapterSpec(r=rank, lora_alpha=16.0, target_modules=tuple(modules)),
+        targets,
+        lora_a,
+        lora_b,
+        digest=f"sha256:{seed}",
+    )
 
 
-def run(shapes: ModelShapes, num_tokens: int, slots: int, max_rank: int, dtype: torch.dtype, device: str,
-        seed: int = 0) -> dict:
-    pool = AdapterPool(shapes, slots=slots, max_rank=max_rank, target_modules=ALL_MODULES, dtype=dtype,
-                       device=device)
+def run(
+    shapes: ModelShapes,
+    num_tokens: int,
+    slots: int,
+    max_rank: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+) -> dict:
+    pool = AdapterPool(
+        shapes, slots=slots, max_rank=max_rank, target_modules=ALL_MODULES, dtype=dtype, device=device
+    )
     for s in range(slots):
-        pool.upload(s, random_adapter(shapes, MODULE_SETS[s % len(MODULE_SETS)], max_rank if s % 2 else 4,
-                                      seed + s, dtype))
+        pool.upload(
+            s,
+            random_adapter(
+                shapes, MODULE_SETS[s % len(MODULE_SETS)], max_rank if s % 2 else 4, seed + s, dtype
+            ),
+        )
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     rnd = random.Random(seed)
-    token_slots = torch.tensor([rnd.randint(-1, slots - 1) for _ in range(num_tokens)], dtype=torch.int32,
-                               device=device)
+    token_slots = torch.tensor(
+        [rnd.randint(-1, slots - 1) for _ in range(num_tokens)], dtype=torch.int32, device=device
+    )
     ref, tri = TorchLoRABackend(pool), TritonLoRABackend(pool, max_tokens=num_tokens)
     side = TritonLoRABackend(pool, max_tokens=num_tokens, side_stream=True)
     # As the runner does: the distinct count picks the tier (above MANY_ADAPTERS the per-token expand).
@@ -78,8 +101,14 @@ def run(shapes: ModelShapes, num_tokens: int, slots: int, max_rank: int, dtype: 
             side_equal = side_equal and torch.equal(b, c)
             delta = (a.float() - base.float()).norm().item()
             worst = max(worst, (a.float() - b.float()).norm().item() / max(delta, 1e-12))
-    return {"num_tokens": num_tokens, "slots": slots, "max_rank": max_rank, "dtype": str(dtype), "rel_err": worst,
-            "side_stream_equal": side_equal}
+    return {
+        "num_tokens": num_tokens,
+        "slots": slots,
+        "max_rank": max_rank,
+        "dtype": str(dtype),
+        "rel_err": worst,
+        "side_stream_equal": side_equal,
+    }
 
 
 def main() -> None:
@@ -90,7 +119,9 @@ def main() -> None:
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
     if a.large:
-        shapes = ModelShapes(num_layers=2, hidden_size=4096, intermediate_size=14336, q_size=4096, kv_size=1024)
+        shapes = ModelShapes(
+            num_layers=2, hidden_size=4096, intermediate_size=14336, q_size=4096, kv_size=1024
+        )
         cases = [(1, 8, 16), (37, 8, 64), (700, 4, 64)]
     else:
         shapes = ModelShapes(num_layers=2, hidden_size=64, intermediate_size=96, q_size=64, kv_size=32)

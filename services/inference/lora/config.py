@@ -205,15 +205,22 @@ def resolve_targets(spec: AdapterSpec, num_layers: int) -> dict[tuple[int, str],
     matched = [k for k in all_module_paths(num_layers) if k and _matches_target(spec, k)]
     for key in matched:
         if key in _EMBEDDING_PATHS:
-            raise _invalid("target_modules", f"targets {key!r}: embedding and lm_head adapters are not supported")
+            raise _invalid(
+                "target_modules", f"targets {key!r}: embedding and lm_head adapters are not supported"
+            )
         if key not in projections:
-            raise _invalid("target_modules", f"targets {key!r}, which is not one of the linear projections "
-                           f"{', '.join(ALL_MODULES)}")
+            raise _invalid(
+                "target_modules",
+                f"targets {key!r}, which is not one of the linear projections {', '.join(ALL_MODULES)}",
+            )
     if not isinstance(spec.target_modules, str):
         for name in spec.target_modules:
             if not any(k == name or k.endswith(f".{name}") for k in all_module_paths(num_layers)):
-                raise _invalid("target_modules", f"{name!r} is not a module of this model architecture "
-                               f"(LoRA can target {', '.join(ALL_MODULES)})")
+                raise _invalid(
+                    "target_modules",
+                    f"{name!r} is not a module of this model architecture "
+                    f"(LoRA can target {', '.join(ALL_MODULES)})",
+                )
     if not matched:
         raise _invalid("target_modules", f"{spec.target_modules!r} matches no module of this model")
     out: dict[tuple[int, str], ModuleLoRA] = {}
@@ -233,17 +240,20 @@ def check_fits(
     if rank > max_lora_rank:
         raise AdapterIncompatible(
             f"adapter_config.json: r: adapter rank {rank} exceeds this server's --max-lora-rank {max_lora_rank}; "
-            f"restart with --max-lora-rank {rank} or more", field="r")
+            f"restart with --max-lora-rank {rank} or more",
+            field="r",
+        )
     outside = sorted({m for _, m in targets} - allowed)
     if outside:
         raise AdapterIncompatible(
             f"adapter_config.json: target_modules: {', '.join(outside)} not in this server's "
             f"--lora-target-modules ({' '.join(sorted(allowed)) or 'none'}); restart with "
-            f"--lora-target-modules including them, or 'all'", field="target_modules")
+            f"--lora-target-modules including them, or 'all'",
+            field="target_modules",
+        )
 
 
 def modules_of(targets: dict[tuple[int, str], ModuleLoRA]) -> list[str]:
     """The targeted module names, in the canonical q,k,v,o,gate,up,down order."""
     present = {m for _, m in targets}
     return [m for m in ALL_MODULES if m in present]
-

@@ -36,10 +36,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.inference.engine.adapter_slots import AdapterSlots
-from services.inference.engine.types import AdapterInfo
 from services.inference.errors import AdapterNotFound, CapacityExceeded, LoraplexError
 from services.inference.lora.adapter import AdapterWeights, load_adapter_weights
+from services.inference.lora.adapter_slots import AdapterInfo, AdapterSlots
 from services.inference.lora.config import check_fits, modules_of
 from services.inference.lora.pool import AdapterPool
 
@@ -73,8 +72,15 @@ class _Version:
 class LoRAManager(AdapterSlots):
     """Registry by name + host LRU cache + refcounted slots of one `AdapterPool`."""
 
-    def __init__(self, pool: AdapterPool, *, max_loaded_loras: int | None = None, slot_wait_s: float = SLOT_WAIT_S,
-                 max_draining: int | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        pool: AdapterPool,
+        *,
+        max_loaded_loras: int | None = None,
+        slot_wait_s: float = SLOT_WAIT_S,
+        max_draining: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.pool = pool
         self.max_loaded_loras = max_loaded_loras
         self.slot_wait_s = slot_wait_s
@@ -94,8 +100,9 @@ class LoRAManager(AdapterSlots):
 
     def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> AdapterInfo:
         """Validate and register; replaces a same-named adapter once its running requests finish."""
-        weights = load_adapter_weights(path, self.pool.shapes, dtype=self.pool.dtype,
-                                       pin_memory=self.pool.device.type == "cuda")
+        weights = load_adapter_weights(
+            path, self.pool.shapes, dtype=self.pool.dtype, pin_memory=self.pool.device.type == "cuda"
+        )
         check_fits(weights.targets, self.pool.max_rank, self.pool.target_modules)
         with self._lock:
             old = self._active.get(name)
@@ -104,9 +111,16 @@ class LoRAManager(AdapterSlots):
                 if old.weights is None:
                     old.weights = weights
             else:
-                version = _Version(name=name, source=str(path), digest=weights.digest, rank=weights.max_rank,
-                                   alpha=weights.spec.lora_alpha, modules=modules_of(weights.targets),
-                                   weights=weights, last_used=self._clock())
+                version = _Version(
+                    name=name,
+                    source=str(path),
+                    digest=weights.digest,
+                    rank=weights.max_rank,
+                    alpha=weights.spec.lora_alpha,
+                    modules=modules_of(weights.targets),
+                    weights=weights,
+                    last_used=self._clock(),
+                )
                 self._active[name] = version
                 if old is not None:
                     pin = pin or old.pinned
@@ -135,7 +149,9 @@ class LoRAManager(AdapterSlots):
                 if others >= self.pool.slots - 1:
                     raise CapacityExceeded(
                         f"cannot pin {name!r}: at most {self.pool.slots - 1} of {self.pool.slots} slots "
-                        "(the pool's slots - 1) may hold pinned adapters", adapter=name)
+                        "(the pool's slots - 1) may hold pinned adapters",
+                        adapter=name,
+                    )
                 if version.slot < 0:
                     self._waiting.setdefault(name, self._clock())  # becomes resident on the engine thread
             version.pinned = pinned
@@ -188,8 +204,9 @@ class LoRAManager(AdapterSlots):
                     if version.slot < 0:
                         return None
                 elif not self._place(version, slot):
-                    raise AdapterNotFound(f"adapter {name!r} could not be re-read from {version.source}",
-                                          adapter=name)
+                    raise AdapterNotFound(
+                        f"adapter {name!r} could not be re-read from {version.source}", adapter=name
+                    )
             if version.slot in self._draining or not self.pool.ready(version.slot):
                 return None
             version.refs += 1
@@ -287,14 +304,21 @@ class LoRAManager(AdapterSlots):
         weights = version.weights
         if weights is None:
             try:
-                weights = load_adapter_weights(version.source, self.pool.shapes, dtype=self.pool.dtype,
-                                               pin_memory=self.pool.device.type == "cuda")
+                weights = load_adapter_weights(
+                    version.source,
+                    self.pool.shapes,
+                    dtype=self.pool.dtype,
+                    pin_memory=self.pool.device.type == "cuda",
+                )
             except LoraplexError as e:
                 log.error("adapter %s: cannot re-read %s: %s", version.name, version.source, e.message)
                 weights = None
             if weights is None or weights.digest != version.digest:
-                log.error("adapter %s: %s changed or vanished since load; unloading it", version.name,
-                          version.source)
+                log.error(
+                    "adapter %s: %s changed or vanished since load; unloading it",
+                    version.name,
+                    version.source,
+                )
                 if self._active.get(version.name) is version:
                     del self._active[version.name]
                 return False
@@ -341,8 +365,11 @@ class LoRAManager(AdapterSlots):
 
     def _cheapest_busy_slots(self, count: int) -> list[int]:
         """Busy unpinned slots whose loss costs least: fewest queued requests, then fewest running."""
-        busy = [((self._queued.get(v.name, 0), v.refs, v.last_used), s) for s, v in enumerate(self._slots)
-                if v is not None and v.refs and not v.pinned and s not in self._draining]
+        busy = [
+            ((self._queued.get(v.name, 0), v.refs, v.last_used), s)
+            for s, v in enumerate(self._slots)
+            if v is not None and v.refs and not v.pinned and s not in self._draining
+        ]
         return [s for _, s in sorted(busy)[:count]]
 
     def _trim_host_cache(self) -> None:
@@ -360,9 +387,19 @@ class LoRAManager(AdapterSlots):
 
     def _info(self, v: _Version) -> AdapterInfo:
         location = "gpu" if v.slot >= 0 else ("host" if v.weights is not None else "store")
-        return AdapterInfo(name=v.name, rank=v.rank, alpha=v.alpha, target_modules=list(v.modules),
-                           location=location, pinned=v.pinned, requests_in_flight=v.refs, source=v.source,
-                           digest=v.digest, slot=v.slot, evictions=self._evictions.get(v.name, 0),
-                           uploads=v.uploads, queued_requests=self._queued.get(v.name, 0),
-                           slot_wait_s=self._clock() - self._waiting[v.name] if v.name in self._waiting else 0.0)
-
+        return AdapterInfo(
+            name=v.name,
+            rank=v.rank,
+            alpha=v.alpha,
+            target_modules=list(v.modules),
+            location=location,
+            pinned=v.pinned,
+            requests_in_flight=v.refs,
+            source=v.source,
+            digest=v.digest,
+            slot=v.slot,
+            evictions=self._evictions.get(v.name, 0),
+            uploads=v.uploads,
+            queued_requests=self._queued.get(v.name, 0),
+            slot_wait_s=self._clock() - self._waiting[v.name] if v.name in self._waiting else 0.0,
+        )

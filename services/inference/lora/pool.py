@@ -91,8 +91,11 @@ class AdapterPool:
     @property
     def nbytes(self) -> int:
         """Bytes of every buffer allocated on the device (equals `pool_nbytes`)."""
-        return sum(t.numel() * t.element_size() for d in (self.lora_a, self.lora_b, self.rank, self.scaling)
-                   for t in d.values())
+        return sum(
+            t.numel() * t.element_size()
+            for d in (self.lora_a, self.lora_b, self.rank, self.scaling)
+            for t in d.values()
+        )
 
     def upload(self, slot: int, weights: AdapterWeights) -> None:
         """Copy an adapter into `slot` (asynchronously on CUDA; see `ready`)."""
@@ -110,10 +113,12 @@ class AdapterPool:
                         continue
                     i = GROUPS[g].index(module)
                     r, lo = t.rank, self.offsets[g][i]
-                    self.lora_a[g][layer, slot, i * self.max_rank: i * self.max_rank + r].copy_(
-                        weights.lora_a[(layer, module)], non_blocking=True)
-                    self.lora_b[g][layer, slot, lo: self.offsets[g][i + 1], :r].copy_(
-                        weights.lora_b[(layer, module)], non_blocking=True)
+                    self.lora_a[g][layer, slot, i * self.max_rank : i * self.max_rank + r].copy_(
+                        weights.lora_a[(layer, module)], non_blocking=True
+                    )
+                    self.lora_b[g][layer, slot, lo : self.offsets[g][i + 1], :r].copy_(
+                        weights.lora_b[(layer, module)], non_blocking=True
+                    )
                     rank[layer, i], scaling[layer, i] = r, t.scaling
                 self.host_rank[g][:, slot] = rank
                 self.host_scaling[g][:, slot] = scaling

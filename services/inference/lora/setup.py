@@ -64,8 +64,10 @@ def parse_target_modules(names: Iterable[str]) -> tuple[str, ...]:
         return ALL_MODULES
     unknown = sorted(wanted - set(ALL_MODULES))
     if unknown:
-        raise ValueError(f"--lora-target-modules: unknown {', '.join(unknown)}; use names from "
-                         f"{' '.join(ALL_MODULES)} or 'all'")
+        raise ValueError(
+            f"--lora-target-modules: unknown {', '.join(unknown)}; use names from "
+            f"{' '.join(ALL_MODULES)} or 'all'"
+        )
     if not wanted:
         raise ValueError("--lora-target-modules needs at least one module name, or 'all'")
     return tuple(m for m in ALL_MODULES if m in wanted)
@@ -81,9 +83,12 @@ def _local_paths(args: ServerArgs, resolve_source: Callable[[str, str], str | No
     for name, source in args.lora_path_map.items():
         path = resolve_source(name, source)
         if path is None:
-            log.warning("--lora-paths %s=%s is not a local directory: the server loads it through the adapter "
-                        "store, and it does not count toward the inferred --max-lora-rank/--lora-target-modules",
-                        name, source)
+            log.warning(
+                "--lora-paths %s=%s is not a local directory: the server loads it through the adapter "
+                "store, and it does not count toward the inferred --max-lora-rank/--lora-target-modules",
+                name,
+                source,
+            )
         else:
             out[name] = path
     return out
@@ -119,7 +124,9 @@ def resolve_lora_settings(
         target_modules = parse_target_modules(modules) if modules else ALL_MODULES
     backend = args.lora_backend or ("triton" if device.type == "cuda" else "torch")
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("--lora-backend triton needs a CUDA device (or TRITON_INTERPRET=1); use torch on CPU")
+        raise ValueError(
+            "--lora-backend triton needs a CUDA device (or TRITON_INTERPRET=1); use torch on CPU"
+        )
     if args.max_loras_per_batch is not None:
         slots, sized = args.max_loras_per_batch, False
     else:
@@ -128,8 +135,14 @@ def resolve_lora_settings(
     return LoRASettings(slots, max_rank, target_modules, args.max_loaded_loras, backend, sized)
 
 
-def pool_slots_from_memory(args: ServerArgs, shapes: ModelShapes, max_rank: int, target_modules: tuple[str, ...],
-                           dtype: torch.dtype, device: torch.device) -> int:
+def pool_slots_from_memory(
+    args: ServerArgs,
+    shapes: ModelShapes,
+    max_rank: int,
+    target_modules: tuple[str, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
     """Slots for a pool sized from memory: POOL_MEMORY_SHARE of what the static budget leaves after
     the weights (CUDA) or CPU_POOL_BYTES (CPU), capped by --max-gpu-loras (default per device)."""
     per_slot = pool_nbytes(shapes, 1, max_rank, target_modules, dtype)
@@ -153,12 +166,20 @@ def build_lora(
 ) -> LoRAStack:
     """Allocate the pool (call before sizing the KV cache), pick the backend, load `--lora-paths`."""
     settings = resolve_lora_settings(args, shapes, device, resolve_source, dtype)
-    pool = AdapterPool(shapes, slots=settings.max_loras_per_batch, max_rank=settings.max_lora_rank,
-                       target_modules=settings.target_modules, dtype=dtype, device=device)
+    pool = AdapterPool(
+        shapes,
+        slots=settings.max_loras_per_batch,
+        max_rank=settings.max_lora_rank,
+        target_modules=settings.target_modules,
+        dtype=dtype,
+        device=device,
+    )
     if settings.backend == "triton":
         from services.inference.lora.triton_backend import TritonLoRABackend
 
-        backend: LoRABackend = TritonLoRABackend(pool, max_tokens, side_stream=not args.disable_lora_side_stream)
+        backend: LoRABackend = TritonLoRABackend(
+            pool, max_tokens, side_stream=not args.disable_lora_side_stream
+        )
     else:
         from services.inference.lora.torch_backend import TorchLoRABackend
 
@@ -166,10 +187,18 @@ def build_lora(
     manager = LoRAManager(pool, max_loaded_loras=settings.max_loaded_loras)
     for name, path in _local_paths(args, resolve_source).items():
         manager.load_adapter(name, path)
-    log.info("LoRA adapter pool: %d bytes (%.1f MiB) = %d slots x rank %d over %s, %s, backend %s; %s",
-             pool.nbytes, pool.nbytes / 2**20, pool.slots, pool.max_rank, ",".join(settings.target_modules),
-             dtype, settings.backend,
-             f"sized from memory (--max-gpu-loras {args.max_gpu_loras or 'default'}): every resident adapter "
-             "may share a batch" if settings.pool_sized_from_memory else
-             f"--max-loras-per-batch {settings.max_loras_per_batch}: at most that many distinct adapters per batch")
+    log.info(
+        "LoRA adapter pool: %d bytes (%.1f MiB) = %d slots x rank %d over %s, %s, backend %s; %s",
+        pool.nbytes,
+        pool.nbytes / 2**20,
+        pool.slots,
+        pool.max_rank,
+        ",".join(settings.target_modules),
+        dtype,
+        settings.backend,
+        f"sized from memory (--max-gpu-loras {args.max_gpu_loras or 'default'}): every resident adapter "
+        "may share a batch"
+        if settings.pool_sized_from_memory
+        else f"--max-loras-per-batch {settings.max_loras_per_batch}: at most that many distinct adapters per batch",
+    )
     return LoRAStack(settings, pool, backend, manager)

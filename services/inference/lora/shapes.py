@@ -79,7 +79,13 @@ def all_module_paths(num_layers: int) -> list[str]:
     names = ["", "model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"]
     for n in range(num_layers):
         p = f"model.layers.{n}"
-        names += [p, f"{p}.self_attn", f"{p}.mlp", f"{p}.mlp.act_fn", f"{p}.input_layernorm",
-                  f"{p}.post_attention_layernorm"]
+        names += [
+            p,
+            f"{p}.self_attn",
+            f"{p}.mlp",
+            f"{p}.mlp.act_fn",
+            f"{p}.input_layernorm",
+            f"{p}.post_attention_layernorm",
+        ]
         names += [module_path(n, m) for m in ALL_MODULES]
     return names

@@ -55,7 +55,7 @@ class TorchLoRABackend(LoRABackend):
                 r = ranks[k][i]
                 if r == 0:
                     continue
-                a = lora_a[slot, i * R: i * R + r]
-                b = lora_b[slot, offsets[i]: offsets[i + 1], :r]
+                a = lora_a[slot, i * R : i * R + r]
+                b = lora_b[slot, offsets[i] : offsets[i + 1], :r]
                 delta = F.linear(F.linear(xs, a), b) * scales[k][i]
-                out[sel, offsets[i]: offsets[i + 1]] += delta.to(out.dtype)
+                out[sel, offsets[i] : offsets[i + 1]] += delta.to(out.dtype)

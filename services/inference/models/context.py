@@ -25,7 +25,9 @@ class Attention(ABC):
     # The two halves of `forward`, for steps that run everything but attention in CUDA graphs
     # (engine/mixed_graphs.py): `store` the new k/v (inside a graph, with a static slot mapping whose
     # padding rows are -1), then `attend` eagerly, into `out` (a static buffer) when given.
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor | None = None) -> None:
+    def store(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor | None = None
+    ) -> None:
         raise NotImplementedError
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

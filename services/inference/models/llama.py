@@ -81,7 +81,10 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
     def add_forward(
-        self, h: torch.Tensor, addend: Addend | None, h_out: torch.Tensor | None = None,
+        self,
+        h: torch.Tensor,
+        addend: Addend | None,
+        h_out: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + addend, norm of it); one launch on CUDA (kernels/fused_ops.py `add_rms_norm`).
@@ -124,7 +127,12 @@ class DecoderLayer(nn.Module):
         return Addend(out, lora.finish(self.index, group, x, out, started))
 
     def forward(
-        self, h: torch.Tensor, addend: Addend | None, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+        self,
+        h: torch.Tensor,
+        addend: Addend | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
     ) -> tuple[torch.Tensor, Addend]:
         """`addend`: the previous layer's down projection, added to `h` here (None for the first
         layer). Returns the residual stream and this layer's own down projection, not yet added."""
@@ -133,7 +141,12 @@ class DecoderLayer(nn.Module):
         return self.post_attention(h, attn, ctx)
 
     def pre_attention(
-        self, h: torch.Tensor, addend: Addend | None, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext,
+        self,
+        h: torch.Tensor,
+        addend: Addend | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
         bufs: StepBuffers | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Residual add + norm, q/k/v projection, split and rotary: (h, q, k, v). With `bufs`, h, q, k
@@ -151,7 +164,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, Addend]:
         """o projection, residual add + norm, the MLP: (h, the down projection not yet added)."""
         h, x = self.post_attention_layernorm.add_forward(
-            h, self._linear("o", self.o_proj, attn, ctx), h_out=None if bufs is None else bufs.h)
+            h, self._linear("o", self.o_proj, attn, ctx), h_out=None if bufs is None else bufs.h
+        )
         gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx)
         if triton_runs_on(gate_up.out):
             act = silu_and_mul(gate_up.out, gate_up.delta)
@@ -219,13 +233,22 @@ class LlamaForCausalLM(nn.Module):
         self.layers[0].pre_attention(h, None, cos, sin, ctx, bufs)
         return cos, sin
 
-    def middle_piece(self, index: int, attn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     ctx: ForwardContext, bufs: StepBuffers) -> None:
+    def middle_piece(
+        self,
+        index: int,
+        attn: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx: ForwardContext,
+        bufs: StepBuffers,
+    ) -> None:
         """Layer `index - 1` after its attention (`attn`), then layer `index` up to attention (into `bufs`)."""
         h, addend = self.layers[index - 1].post_attention(bufs.h, attn, ctx, bufs)
         self.layers[index].pre_attention(h, addend, cos, sin, ctx, bufs)
 
-    def last_piece(self, attn: torch.Tensor, ctx: ForwardContext, bufs: StepBuffers, out: torch.Tensor) -> None:
+    def last_piece(
+        self, attn: torch.Tensor, ctx: ForwardContext, bufs: StepBuffers, out: torch.Tensor
+    ) -> None:
         """The last layer after its attention and the final norm, into `out` `[T, hidden]`."""
         h, addend = self.layers[-1].post_attention(bufs.h, attn, ctx, bufs)
         self.norm.add_forward(h, addend, h_out=bufs.h, out=out)

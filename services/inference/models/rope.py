@@ -45,4 +45,3 @@ class RotaryEmbedding(torch.nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
-

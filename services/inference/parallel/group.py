@@ -37,7 +37,9 @@ class WorkerGroup:
         ctx = mp.get_context("spawn")
         for spec in self.specs:
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, args=(spec, child), name=f"loraplex-tp{spec.rank}", daemon=True)
+            proc = ctx.Process(
+                target=worker_main, args=(spec, child), name=f"loraplex-tp{spec.rank}", daemon=True
+            )
             proc.start()
             child.close()
             self.procs.append(proc)
@@ -59,9 +61,13 @@ class WorkerGroup:
                     continue
                 raise RuntimeError(f"tensor-parallel worker rank {spec.rank} failed to start: {message[1]}")
             if proc.sentinel in ready:
-                raise RuntimeError(f"tensor-parallel worker rank {spec.rank} (pid {proc.pid}) exited with code "
-                                   f"{proc.exitcode} while loading the model")
-            raise RuntimeError(f"tensor-parallel worker rank {spec.rank} did not load within {timeout_s:.0f} s")
+                raise RuntimeError(
+                    f"tensor-parallel worker rank {spec.rank} (pid {proc.pid}) exited with code "
+                    f"{proc.exitcode} while loading the model"
+                )
+            raise RuntimeError(
+                f"tensor-parallel worker rank {spec.rank} did not load within {timeout_s:.0f} s"
+            )
         return blocks
 
     def start_monitor(self) -> None:
@@ -109,15 +115,19 @@ class WorkerGroup:
                 if self._stopping.is_set():
                     return
                 proc.join(1)
-                self._mark_dead(f"tensor-parallel worker rank {spec.rank} (pid {proc.pid}) died with exit code "
-                                f"{proc.exitcode}")
+                self._mark_dead(
+                    f"tensor-parallel worker rank {spec.rank} (pid {proc.pid}) died with exit code "
+                    f"{proc.exitcode}"
+                )
                 return
 
     def _mark_dead(self, reason: str) -> None:
         if self._reason is not None:
             return
         self._reason = reason
-        log.error("%s: the engine cannot run any more steps and reports NOT_SERVING; restart the server", reason)
+        log.error(
+            "%s: the engine cannot run any more steps and reports NOT_SERVING; restart the server", reason
+        )
         if self.on_death is not None:
             self.on_death(reason)
 

@@ -61,8 +61,13 @@ class ShardedAdapterPool:
     """What the LoRA manager sees as its pool on rank 0: whole-model shapes for validation,
     uploads fanned out to every rank. `local` is rank 0's own pool (read by its backend)."""
 
-    def __init__(self, shapes: ModelShapes, plans: list[ShardPlan], local: AdapterPool,
-                 send_upload: Callable[[int, int, AdapterWeights], None]):
+    def __init__(
+        self,
+        shapes: ModelShapes,
+        plans: list[ShardPlan],
+        local: AdapterPool,
+        send_upload: Callable[[int, int, AdapterWeights], None],
+    ):
         self.shapes = shapes
         self.plans = plans
         self.local = local
@@ -158,5 +163,12 @@ class TPTritonLoRABackend(LoRABackend):
         ranks = pool.rank[group][layer]
         lora_shrink(x, pool.lora_a[group][layer], ranks, self.inner.segments, y)
         dist.all_reduce(y)
-        lora_expand(y, pool.lora_b[group][layer], ranks, pool.scaling[group][layer], self.inner.segments, out,
-                    pool.shapes.group_widths(group))
+        lora_expand(
+            y,
+            pool.lora_b[group][layer],
+            ranks,
+            pool.scaling[group][layer],
+            self.inner.segments,
+            out,
+            pool.shapes.group_widths(group),
+        )

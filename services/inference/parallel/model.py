@@ -67,7 +67,9 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
                 setattr(layer, attr, row)
         self.embed_tokens = VocabParallelEmbedding(plan.vocab_per_rank, cfg.hidden_size, plan.vocab_start)
         if self.lm_head is not None:
-            self.lm_head = nn.Parameter(torch.empty(plan.vocab_per_rank, cfg.hidden_size), requires_grad=False)
+            self.lm_head = nn.Parameter(
+                torch.empty(plan.vocab_per_rank, cfg.hidden_size), requires_grad=False
+            )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """All ranks get the whole `[rows, vocab]` float32 logits (every rank sees the same rows)."""
@@ -106,7 +108,9 @@ def _iter_shards(files: list[Path], plan: ShardPlan) -> Iterator[tuple[str, torc
                 yield name, _shard(name, f, plan)
 
 
-def load_tp_model(model_dir: Path, plan: ShardPlan, device: torch.device, dtype: torch.dtype) -> TPLlamaForCausalLM:
+def load_tp_model(
+    model_dir: Path, plan: ShardPlan, device: torch.device, dtype: torch.dtype
+) -> TPLlamaForCausalLM:
     """Build this rank's model on `device` and copy its slices of the checkpoint into it."""
     cfg = load_config(model_dir)
     with torch.device(device), default_dtype(dtype):
@@ -116,6 +120,14 @@ def load_tp_model(model_dir: Path, plan: ShardPlan, device: torch.device, dtype:
     except ValueError as exc:
         raise UnsupportedModelError(f"{model_dir}: {exc}") from exc
     model.eval()
-    log.info("TP rank %d/%d: heads %s, KV heads %s, MLP columns %s, vocab rows %s on %s", plan.rank, plan.tp_size,
-             plan.heads, plan.kv_heads, plan.inter, plan.vocab, device)
+    log.info(
+        "TP rank %d/%d: heads %s, KV heads %s, MLP columns %s, vocab rows %s on %s",
+        plan.rank,
+        plan.tp_size,
+        plan.heads,
+        plan.kv_heads,
+        plan.inter,
+        plan.vocab,
+        device,
+    )
     return model

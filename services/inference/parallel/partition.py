@@ -62,13 +62,21 @@ class ShardPlan:
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """The config this rank's model and KV cache are built from (vocab stays whole)."""
-        return dataclasses.replace(cfg, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                                   intermediate_size=self.inter[1] - self.inter[0])
+        return dataclasses.replace(
+            cfg,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            intermediate_size=self.inter[1] - self.inter[0],
+        )
 
     def local_shapes(self, shapes: ModelShapes) -> ModelShapes:
         """LoRA pool shapes: column groups' outputs and row groups' inputs are this rank's slice."""
-        return dataclasses.replace(shapes, intermediate_size=self.inter[1] - self.inter[0],
-                                   q_size=self.num_heads * self.head_dim, kv_size=self.num_kv_heads * self.head_dim)
+        return dataclasses.replace(
+            shapes,
+            intermediate_size=self.inter[1] - self.inter[0],
+            q_size=self.num_heads * self.head_dim,
+            kv_size=self.num_kv_heads * self.head_dim,
+        )
 
     def module_range(self, module: str) -> tuple[int, int]:
         """The rows (column modules) or input columns (row modules) of a projection on this rank."""
@@ -97,7 +105,8 @@ def plan_shards(cfg: ModelConfig, tp_size: int) -> list[ShardPlan]:
             raise ValueError(
                 f"--tp-size {tp_size}: the model has {heads} attention heads in {kv} KV groups; with fewer KV heads "
                 f"than ranks, --tp-size must be a multiple of {kv} and at most {heads} "
-                f"(each rank needs a query head of one KV group)")
+                f"(each rank needs a query head of one KV group)"
+            )
         kv_ranges, head_ranges = [], []
         for k in range(kv):
             for a, b in _ranges(split_sizes(group, per_kv)):
@@ -108,9 +117,15 @@ def plan_shards(cfg: ModelConfig, tp_size: int) -> list[ShardPlan]:
     inter_ranges = _ranges(split_sizes(cfg.intermediate_size, tp_size))
     per_rank = -(-cfg.vocab_size // tp_size)
     return [
-        ShardPlan(rank=r, tp_size=tp_size, head_dim=cfg.head_dim, heads=head_ranges[r], kv_heads=kv_ranges[r],
-                  inter=inter_ranges[r],
-                  vocab=(min(r * per_rank, cfg.vocab_size), min((r + 1) * per_rank, cfg.vocab_size)),
-                  vocab_per_rank=per_rank)
+        ShardPlan(
+            rank=r,
+            tp_size=tp_size,
+            head_dim=cfg.head_dim,
+            heads=head_ranges[r],
+            kv_heads=kv_ranges[r],
+            inter=inter_ranges[r],
+            vocab=(min(r * per_rank, cfg.vocab_size), min((r + 1) * per_rank, cfg.vocab_size)),
+            vocab_per_rank=per_rank,
+        )
         for r in range(tp_size)
     ]

@@ -95,8 +95,9 @@ class TPAsyncEngine(AsyncEngine):
         self, request_id: str, prompt: str | list[int], adapter: str | None, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         if not self.workers.healthy:
-            raise BackendUnavailable(f"{self.workers.reason or 'the engine is shut down'}; the server must be "
-                                     "restarted")
+            raise BackendUnavailable(
+                f"{self.workers.reason or 'the engine is shut down'}; the server must be restarted"
+            )
         async for out in super().generate(request_id, prompt, adapter, params):
             yield out
 
@@ -154,15 +155,34 @@ def build_tp_engine(args: ServerArgs) -> TPAsyncEngine:
     shapes = ModelShapes(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size)
     lora = resolve_lora_settings(args, shapes, device)
     setup = _Resolved(model_dir, cfg, plans, dtype, shapes, lora, context_length)
-    store = dist.TCPStore("127.0.0.1", 0, tp, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=TP_TIMEOUT_S))
-    specs = [WorkerSpec(rank=r, tp_size=tp, model_dir=str(model_dir), device_type=device.type, dtype=dtype,
-                        store_port=store.port, timeout_s=TP_TIMEOUT_S, page_size=config.page_size,
-                        context_length=context_length, max_num_batched_tokens=config.max_num_batched_tokens,
-                        max_running_requests=config.max_running_requests, max_total_tokens=config.max_total_tokens,
-                        mem_fraction_static=config.mem_fraction_static, lora=lora,
-                        log_level=logging.getLogger().getEffectiveLevel())
-             for r in range(1, tp)]
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        tp,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=TP_TIMEOUT_S),
+    )
+    specs = [
+        WorkerSpec(
+            rank=r,
+            tp_size=tp,
+            model_dir=str(model_dir),
+            device_type=device.type,
+            dtype=dtype,
+            store_port=store.port,
+            timeout_s=TP_TIMEOUT_S,
+            page_size=config.page_size,
+            context_length=context_length,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_running_requests=config.max_running_requests,
+            max_total_tokens=config.max_total_tokens,
+            mem_fraction_static=config.mem_fraction_static,
+            lora=lora,
+            log_level=logging.getLogger().getEffectiveLevel(),
+        )
+        for r in range(1, tp)
+    ]
     workers = WorkerGroup(specs)
     workers.start()
     try:
@@ -174,20 +194,33 @@ def build_tp_engine(args: ServerArgs) -> TPAsyncEngine:
         raise
 
 
-def _build_rank0(args: ServerArgs, config: EngineConfig, setup: _Resolved, store: dist.Store,
-                 workers: WorkerGroup) -> TPAsyncEngine:
+def _build_rank0(
+    args: ServerArgs, config: EngineConfig, setup: _Resolved, store: dist.Store, workers: WorkerGroup
+) -> TPAsyncEngine:
     from transformers import AutoTokenizer
 
     model_dir, cfg, plans, dtype, shapes, lora, context_length = setup
     device, plan = config.device, plans[0]
     local_cfg = plan.local_config(cfg)
     model = load_tp_model(model_dir, plan, device, dtype)
-    local_pool = AdapterPool(plan.local_shapes(shapes), slots=lora.max_loras_per_batch, max_rank=lora.max_lora_rank,
-                             target_modules=lora.target_modules, dtype=dtype, device=device)
-    own_blocks = plan_num_blocks(local_cfg, dtype, device, page_size=config.page_size, context_length=context_length,
-                                 max_running_requests=config.max_running_requests,
-                                 max_total_tokens=config.max_total_tokens,
-                                 mem_fraction_static=config.mem_fraction_static)
+    local_pool = AdapterPool(
+        plan.local_shapes(shapes),
+        slots=lora.max_loras_per_batch,
+        max_rank=lora.max_lora_rank,
+        target_modules=lora.target_modules,
+        dtype=dtype,
+        device=device,
+    )
+    own_blocks = plan_num_blocks(
+        local_cfg,
+        dtype,
+        device,
+        page_size=config.page_size,
+        context_length=context_length,
+        max_running_requests=config.max_running_requests,
+        max_total_tokens=config.max_total_tokens,
+        mem_fraction_static=config.mem_fraction_static,
+    )
     blocks = min([own_blocks, *workers.wait_loaded(LOAD_TIMEOUT_S)])
     init_group(0, plan.tp_size, store, device.type, TP_TIMEOUT_S)
     workers.broadcast(("start", blocks))
@@ -204,9 +237,22 @@ def _build_rank0(args: ServerArgs, config: EngineConfig, setup: _Resolved, store
             manager.load_adapter(name, path)
     backend = make_tp_backend(local_pool, lora.backend, config.max_num_batched_tokens)
     engine = TPEngine(loaded, config, workers, adapter_slots=manager, lora_backend=backend)
-    log.info("tensor-parallel engine ready: %s over %d ranks (%s, %s), %d KV blocks per rank, LoRA pool %d bytes "
-             "on rank 0", args.model_path, plan.tp_size, device.type, dtype, blocks, pool.nbytes)
+    log.info(
+        "tensor-parallel engine ready: %s over %d ranks (%s, %s), %d KV blocks per rank, LoRA pool %d bytes "
+        "on rank 0",
+        args.model_path,
+        plan.tp_size,
+        device.type,
+        dtype,
+        blocks,
+        pool.nbytes,
+    )
     info = dataclasses.replace(
-        default_model_info(engine), max_loras_per_batch=lora.max_loras_per_batch, max_lora_rank=lora.max_lora_rank,
-        lora_target_modules=list(lora.target_modules), lora_backend=lora.backend, tp_size=plan.tp_size)
+        default_model_info(engine),
+        max_loras_per_batch=lora.max_loras_per_batch,
+        max_lora_rank=lora.max_lora_rank,
+        lora_target_modules=list(lora.target_modules),
+        lora_backend=lora.backend,
+        tp_size=plan.tp_size,
+    )
     return TPAsyncEngine(engine, lora_manager=manager, model_info=info)

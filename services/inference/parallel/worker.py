@@ -59,14 +59,17 @@ def recv(conn: Connection) -> tuple:
 def init_group(rank: int, tp_size: int, store: dist.Store, device_type: str, timeout_s: float) -> None:
     """The default process group: NCCL on CUDA, gloo on CPU; nothing else differs."""
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=tp_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=tp_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     # A terminal's Ctrl-C reaches the whole process group; rank 0 decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s tp{spec.rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=spec.log_level, format=f"%(asctime)s tp{spec.rank} %(levelname)s %(name)s: %(message)s"
+    )
     try:
         _serve(spec, conn)
     except EOFError:
@@ -108,24 +111,49 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     pool = backend = None
     if spec.lora is not None:
         s = spec.lora
-        shapes = plan.local_shapes(ModelShapes(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size,
-                                               cfg.q_size, cfg.kv_size))
-        pool = AdapterPool(shapes, slots=s.max_loras_per_batch, max_rank=s.max_lora_rank,
-                           target_modules=s.target_modules, dtype=spec.dtype, device=device)
+        shapes = plan.local_shapes(
+            ModelShapes(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size)
+        )
+        pool = AdapterPool(
+            shapes,
+            slots=s.max_loras_per_batch,
+            max_rank=s.max_lora_rank,
+            target_modules=s.target_modules,
+            dtype=spec.dtype,
+            device=device,
+        )
         backend = make_tp_backend(pool, s.backend, spec.max_num_batched_tokens)
-    blocks = plan_num_blocks(local_cfg, spec.dtype, device, page_size=spec.page_size,
-                             context_length=spec.context_length, max_running_requests=spec.max_running_requests,
-                             max_total_tokens=spec.max_total_tokens, mem_fraction_static=spec.mem_fraction_static)
-    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.tp_size, is_master=False,
-                          timeout=datetime.timedelta(seconds=spec.timeout_s))
+    blocks = plan_num_blocks(
+        local_cfg,
+        spec.dtype,
+        device,
+        page_size=spec.page_size,
+        context_length=spec.context_length,
+        max_running_requests=spec.max_running_requests,
+        max_total_tokens=spec.max_total_tokens,
+        mem_fraction_static=spec.mem_fraction_static,
+    )
+    store = dist.TCPStore(
+        "127.0.0.1",
+        spec.store_port,
+        spec.tp_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=spec.timeout_s),
+    )
     send(conn, ("loaded", blocks))
     init_group(spec.rank, spec.tp_size, store, spec.device_type, spec.timeout_s)
     kind, num_blocks = recv(conn)
     assert kind == "start", kind
     kv_cache = allocate_kv_cache(local_cfg, num_blocks, spec.page_size, spec.dtype, device)
-    runner = ModelRunner(model, local_cfg, kv_cache, max_num_tokens=spec.max_num_batched_tokens,
-                         max_num_seqs=spec.max_running_requests, context_length=spec.context_length,
-                         lora_backend=backend)
+    runner = ModelRunner(
+        model,
+        local_cfg,
+        kv_cache,
+        max_num_tokens=spec.max_num_batched_tokens,
+        max_num_seqs=spec.max_running_requests,
+        context_length=spec.context_length,
+        lora_backend=backend,
+    )
     log.info("TP worker rank %d ready (%d KV blocks)", spec.rank, num_blocks)
     while True:
         message = recv(conn)

@@ -1,0 +1,143 @@
+"""`loraplex up`: store + inference as one process tree, health SERVING, clean stop on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LORAPLEX = Path(sys.executable).parent / "loraplex"
+
+
+def test_up_starts_the_stack_and_stops_it(tmp_path, tiny_llama_path):
+    proc = subprocess.Popen(
+        [
+            str(LORAPLEX),
+            "up",
+            "--port",
+            "0",
+            "--store-port",
+            "0",
+            "--openai-port",
+            "0",
+            "--cache-dir",
+            str(tmp_path),
+            "--model-path",
+            str(tiny_llama_path),
+            "--",
+            "--max-total-tokens",
+            "2048",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("Ctrl-C stops everything" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        text = "".join(lines)
+        inference = re.search(r"inference\s+(\S+:\d+)", text).group(1)
+        store = re.search(r"store\s+(\S+:\d+)", text).group(1)
+        child_pids = [int(p) for p in re.findall(r"embedded Redis \(pid (\d+)\)", text)]
+        # the printed CLI line works as printed (with our venv's loraplex)
+        line = next(x for x in lines if "loraplex --target" in x).strip()
+        argv = shlex.split(line)
+        argv[0] = str(LORAPLEX)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        grpcurl_line = next(x for x in lines if "grpcurl -plaintext" in x)
+        assert inference in grpcurl_line
+        # ... and so does the printed grpcurl line (reflection, JSON with a chat-formatted prompt)
+        argv = shlex.split(grpcurl_line.strip())
+        argv[0] = str(LORAPLEX.parent / "grpcurl")
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        [completion] = json.loads(out.stdout)["completions"]
+        assert int(completion["prompt_tokens"]) == 17, completion  # ChatML special tokens parsed as such
+        assert completion["finish_reason"] in ("stop", "length")
+        # ... and the OpenAI door's curl line
+        curl_line = next(x for x in lines if "curl -s http://" in x)
+        out = subprocess.run(shlex.split(curl_line.strip()), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        answer = json.loads(out.stdout)
+        assert answer["object"] == "chat.completion" and answer["usage"]["completion_tokens"] > 0, answer
+        health = subprocess.run([str(LORAPLEX), "--target", store, "health"], capture_output=True, text=True)
+        assert health.stdout.strip() == "SERVING"
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, rest
+        assert "inference stopped (exit 0)" in rest and "store stopped (exit 0)" in rest
+        assert "openai stopped (exit 0)" in rest, rest[-3000:]
+        for pid in child_pids:
+            assert (
+                not Path(f"/proc/{pid}").exists()
+                or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+            )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_with_replicas_puts_the_router_in_front(tmp_path, tiny_llama_path):
+    import grpc
+    from loraplex.v1 import inference_pb2 as pb
+    from loraplex.v1 import inference_pb2_grpc as pb_grpc
+
+    proc = subprocess.Popen(
+        [
+            str(LORAPLEX),
+            "up",
+            "--replicas",
+            "2",
+            "--port",
+            "0",
+            "--store-port",
+            "0",
+            "--cache-dir",
+            str(tmp_path),
+            "--model-path",
+            str(tiny_llama_path),
+            "--",
+            "--max-total-tokens",
+            "1024",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not any("Ctrl-C stops everything" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        text = "".join(lines)
+        router = re.search(r"inference\s+(\S+:\d+)\s+\(loraplex.v1.Inference\)\s+\(nginx router", text).group(
+            1
+        )
+        assert len(re.findall(r"replica\s+\S+:\d+", text)) == 2
+        seen = set()
+        with grpc.insecure_channel(router) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            for _ in range(4):  # base calls go round robin; each names its replica
+                request = pb.GenerateRequest(text=["Hi"], sampling_params=pb.SamplingParams(max_new_tokens=2))
+                _, call = stub.Generate.with_call(request, timeout=60)
+                seen.add(dict(call.trailing_metadata())["x-loraplex-replica"])
+        assert seen == {"replica-0", "replica-1"}
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, rest
+        assert "router stopped (exit 0)" in rest and "replica-1 stopped (exit 0)" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,229 @@
+"""Tensor parallelism on the CPU (gloo): `--tp-size 2` equals `--tp-size 1` token for token.
+
+Real parts only: the spawned worker process, gloo collectives on loopback, real PEFT
+adapters, the engine built through `build_engine` (the server's path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.inference.engine.build import build_engine
+from services.inference.engine.types import SamplingParams
+from services.inference.errors import BackendUnavailable
+from services.inference.server_args import ServerArgs
+from tests.support.factories import make_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,"]
+
+
+def tp_args(model, tp: int, adapters: dict, **extra) -> ServerArgs:
+    options = dict(
+        model_path=str(model),
+        device="cpu",
+        dtype="float32",
+        tp_size=tp,
+        max_total_tokens=2048,
+        context_length=512,
+        max_num_batched_tokens=256,
+        max_running_requests=8,
+        max_loras_per_batch=4,
+        max_lora_rank=16,
+        lora_target_modules=("all",),
+        lora_paths=tuple(f"{n}={p}" for n, p in adapters.items()),
+    )
+    options.update(extra)
+    return ServerArgs(**options)
+
+
+async def _one(engine, rid, prompt, adapter, params) -> list[int]:
+    tokens: list[int] = []
+    async for out in engine.generate(rid, prompt, adapter, params):
+        tokens.extend(out.new_token_ids)
+    return tokens
+
+
+def run_batch(engine, jobs: list[tuple[str, str | None]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy outputs of (prompt, adapter) jobs submitted together (one mixed batch)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        return await asyncio.gather(*(_one(engine, f"r{i}", p, a, params) for i, (p, a) in enumerate(jobs)))
+
+    return asyncio.run(main())
+
+
+def outputs(args: ServerArgs, jobs, max_new_tokens: int, load_later: dict | None = None) -> list[list[int]]:
+    """Build through build_engine, load `load_later` adapters at run time, run one mixed batch."""
+    engine = build_engine(args)
+    try:
+        assert engine.model_info().tp_size == args.tp_size
+        for name, path in (load_later or {}).items():
+            asyncio.run(engine.load_adapter(name, str(path)))
+        return run_batch(engine, jobs, max_new_tokens)
+    finally:
+        engine.shutdown()
+
+
+def mixed_adapters(adapter_factory, base) -> dict:
+    return {
+        "attn": adapter_factory(base, "attn", r=8, target_modules=["q_proj", "k_proj", "v_proj"], seed=1),
+        "mlp_o": adapter_factory(
+            base, "mlp_o", r=16, lora_alpha=8, target_modules=["o_proj", "down_proj", "up_proj"], seed=2
+        ),
+        "all": adapter_factory(base, "all", r=4, target_modules="all-linear", use_rslora=True, seed=3),
+    }
+
+
+def mixed_jobs() -> list[tuple[str, str | None]]:
+    adapters = [None, "attn", "mlp_o", "all"]
+    return [(p, a) for p, a in zip(PROMPTS, adapters, strict=True)] + [
+        (PROMPTS[0], "all"),
+        (PROMPTS[2], None),
+    ]
+
+
+def test_tiny_llama_tp2_matches_tp1(tiny_llama_path, adapter_factory):
+    """4 heads / 2 KV heads: one KV head per rank. Two slots for three adapters, one loaded at
+    run time: slots are evicted and re-uploaded to every rank while the batch runs."""
+    adapters = mixed_adapters(adapter_factory, tiny_llama_path)
+    later = {"all": adapters.pop("all")}
+    jobs = mixed_jobs()
+    want = outputs(tp_args(tiny_llama_path, 1, adapters, max_loras_per_batch=2), jobs, 8, later)
+    got = outputs(tp_args(tiny_llama_path, 2, adapters, max_loras_per_batch=2), jobs, 8, later)
+    assert got == want
+    assert len({tuple(t) for t in want}) > 3  # the adapters change the outputs
+
+
+@pytest.fixture(scope="module")
+def one_kv_head_path(tmp_path_factory, smollm2_path):
+    """4 heads sharing 1 KV head (replicated on both ranks), tied embeddings, an odd vocabulary
+    (49155 rows: rank 1's shard has one zero padding row, cut from the gathered logits)."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-1kv"),
+        num_kv_heads=1,
+        tie_word_embeddings=True,
+        vocab_size=49155,
+        tokenizer_from=smollm2_path,
+        seed=5,
+    )
+
+
+@pytest.mark.parametrize("model", ["one_kv_head_path", "tiny_qwen2_path"])
+def test_kv_replication_and_qkv_bias_tp2_match_tp1(model, request, adapter_factory):
+    """Small step budgets: prompts are prefilled in chunks beside decodes, and some steps
+    sample no row at all (no logits gathered)."""
+    base = request.getfixturevalue(model)
+    adapters = mixed_adapters(adapter_factory, base)
+    jobs = mixed_jobs()
+    budget = dict(chunked_prefill_size=3, max_num_batched_tokens=6)
+    want = outputs(tp_args(base, 1, adapters, **budget), jobs, 6)
+    got = outputs(tp_args(base, 2, adapters, **budget), jobs, 6)
+    assert got == want
+    assert len({tuple(t) for t in want}) > 3
+
+
+def test_smollm2_tp2_matches_tp1(smollm2_path, adapter_factory):
+    """9 heads / 3 KV heads over 2 ranks: KV groups split 2 + 1 (6 and 3 query heads)."""
+    adapters = {
+        "attn": adapter_factory(
+            smollm2_path, "attn", r=8, target_modules=["q_proj", "v_proj", "o_proj"], seed=1
+        ),
+        "mlp": adapter_factory(smollm2_path, "mlp", r=4, target_modules=["gate_proj", "down_proj"], seed=2),
+    }
+    jobs = [(PROMPTS[0], None), (PROMPTS[1], "attn"), (PROMPTS[2], "mlp"), (PROMPTS[3], "attn")]
+    want = outputs(tp_args(smollm2_path, 1, adapters, max_lora_rank=8), jobs, 5)
+    got = outputs(tp_args(smollm2_path, 2, adapters, max_lora_rank=8), jobs, 5)
+    assert got == want
+    assert len({tuple(t) for t in want}) == len(jobs)
+
+
+@pytest.mark.parametrize("when", ["mid_stream", "idle"])
+def test_dead_worker_makes_engine_unhealthy_without_hanging(tiny_llama_path, when, caplog):
+    """Killed while a request streams (the collective fails) or while idle (only the monitor
+    can tell): unhealthy within seconds, a log line naming the rank, UNAVAILABLE after."""
+    engine = build_engine(tp_args(tiny_llama_path, 2, {}))
+    try:
+        assert engine.healthy()
+        worker = engine.workers.procs[0]
+        params = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+
+        async def kill_mid_stream():
+            stream = engine.generate("long", PROMPTS[0], None, params)
+            first = await anext(stream)
+            assert first.new_token_ids
+            os.kill(worker.pid, signal.SIGKILL)
+            with pytest.raises(BackendUnavailable, match="rank 1 .* died"):
+                async for _ in stream:
+                    pass
+
+        start = time.monotonic()
+        if when == "mid_stream":
+            asyncio.run(asyncio.wait_for(kill_mid_stream(), timeout=30))
+        else:
+            os.kill(worker.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while engine.healthy() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.healthy()
+        reason = f"rank 1 (pid {worker.pid}) died"
+        assert reason in engine.unhealthy_reason()
+        assert time.monotonic() - start < 15
+        assert any(
+            reason in r.getMessage() and "NOT_SERVING" in r.getMessage()
+            for r in caplog.records
+            if r.levelname == "ERROR"
+        )
+
+        async def new_request():
+            async for _ in engine.generate("after", PROMPTS[1], None, params):
+                pass
+
+        with pytest.raises(BackendUnavailable, match="rank 1"):
+            asyncio.run(asyncio.wait_for(new_request(), timeout=5))
+    finally:
+        start = time.monotonic()
+        engine.shutdown()
+        assert time.monotonic() - start < 15
+
+
+def test_unrunnable_tp_sizes_are_refused_before_any_worker_starts(tiny_llama_path):
+    with pytest.raises(ValueError, match="--tp-size must be >= 1"):
+        build_engine(tp_args(tiny_llama_path, 0, {}))
+    with pytest.raises(ValueError, match=r"--tp-size 3: the model has 4 attention heads in 2 KV groups"):
+        build_engine(tp_args(tiny_llama_path, 3, {}))
+
+
+def test_triton_lora_kernels_under_tp2_match_torch_tp1(tiny_llama_path, adapter_factory):
+    """The Triton LoRA path with the row-parallel shrink all-reduce, on Triton's CPU interpreter."""
+    adapters = mixed_adapters(adapter_factory, tiny_llama_path)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.support.tp_triton_check",
+            str(tiny_llama_path),
+            *(f"{n}={p}" for n, p in adapters.items()),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["tp2_triton"] == result["tp1_torch"]
+    assert result["tp1_triton"] == result["tp1_torch"]
+    assert len({tuple(t) for t in result["tp1_torch"]}) > 3

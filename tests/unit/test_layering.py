@@ -1,0 +1,133 @@
+"""The two services share only the protos: neither imports the other (nor the clients); and no
+import cycle, between packages or between modules.
+
+Only module-level imports count (those under `if TYPE_CHECKING:` do not): an import inside a
+function runs after both modules are loaded, the usual way to break a cycle."""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FORBIDDEN = {
+    "adapter_store": {"services", "clients", "kernels"},
+    "services": {"adapter_store", "clients"},
+    "kernels": {"services", "adapter_store", "clients"},
+}
+
+
+def _imported_packages(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_stay_in_their_lane(package):
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files
+    bad = {str(f.relative_to(ROOT)): sorted(_imported_packages(f) & FORBIDDEN[package]) for f in files}
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, f"{package} must not import {sorted(FORBIDDEN[package])}: {bad}"
+
+
+PACKAGES = ("adapter_store", "services", "kernels", "clients", "bench")
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for package in PACKAGES:
+        for f in (ROOT / package).rglob("*.py"):
+            parts = f.relative_to(ROOT).with_suffix("").parts
+            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return mods
+
+
+def _top_level_imports(body: list[ast.stmt]):
+    for node in body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        elif isinstance(node, ast.If):
+            if "TYPE_CHECKING" not in ast.unparse(node.test):
+                yield from _top_level_imports(node.body)
+            yield from _top_level_imports(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody, *(h.body for h in node.handlers)):
+                yield from _top_level_imports(block)
+
+
+def _module_graph() -> tuple[dict[str, set[str]], dict[str, Path]]:
+    """module -> the project modules it imports at module level (`from a import b` counts as
+    `a.b` when that is a module, else as `a`)."""
+    mods = _modules()
+
+    def known(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        deps = set()
+        for node in _top_level_imports(ast.parse(path.read_text(), filename=str(path)).body):
+            if isinstance(node, ast.Import):
+                deps.update(known(alias.name) for alias in node.names)
+                continue
+            base = node.module or ""
+            if node.level:
+                here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
+            deps.update(
+                known(f"{base}.{alias.name}") if f"{base}.{alias.name}" in mods else known(base)
+                for alias in node.names
+            )
+        graph[name] = deps - {None, name}
+    return graph, mods
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        return e.args[1]
+    return None
+
+
+def test_no_import_cycle_between_modules():
+    graph, _ = _module_graph()
+    assert _cycle(graph) is None, f"import cycle: {' -> '.join(_cycle(graph))}"
+
+
+def test_no_import_cycle_between_packages():
+    """A package is a directory (services.inference.engine, services.inference.lora, ...); a
+    module importing a module of its own package or of a sub-package does not count."""
+    graph, mods = _module_graph()
+
+    def package(name: str) -> str:
+        return name if mods[name].name == "__init__.py" else name.rpartition(".")[0]
+
+    packages: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        a = package(name)
+        packages.setdefault(a, set()).update(
+            b
+            for b in map(package, deps)
+            if a != b and not b.startswith(a + ".") and not a.startswith(b + ".")
+        )
+    cycle = _cycle(packages)
+    edges = [
+        f"{m} -> {d}"
+        for m, ds in sorted(graph.items())
+        for d in sorted(ds)
+        if cycle and package(m) in cycle and package(d) in cycle and package(m) != package(d)
+    ]
+    assert cycle is None, f"package import cycle {' -> '.join(cycle)}, through: {edges}"

@@ -1,0 +1,140 @@
+"""AdapterPool layout/size and the torch backend against a naive per-token LoRA reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from services.inference.lora.adapter import AdapterWeights
+from services.inference.lora.backend import GROUPS
+from services.inference.lora.config import AdapterSpec, ModuleLoRA
+from services.inference.lora.pool import AdapterPool, pool_nbytes
+from services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from services.inference.lora.torch_backend import TorchLoRABackend
+
+SHAPES = ModelShapes(num_layers=3, hidden_size=48, intermediate_size=80, q_size=48, kv_size=16)
+
+
+def random_adapter(
+    shapes: ModelShapes, modules: list[str], rank: int, seed: int, rank_jitter: bool = False
+) -> AdapterWeights:
+    gen = torch.Generator().manual_seed(seed)
+    rnd = random.Random(seed)
+    targets, lora_a, lora_b = {}, {}, {}
+    for layer in range(shapes.num_layers):
+        for m in modules:
+            r = rnd.randint(1, rank) if rank_jitter else rank
+            alpha = rnd.choice([4.0, 16.0, 32.0])
+            d_in, d_out = shapes.module_dims(m)
+            targets[(layer, m)] = ModuleLoRA(r, alpha, alpha / r)
+            lora_a[(layer, m)] = torch.randn(r, d_in, generator=gen) / d_in**0.5
+            lora_b[(layer, m)] = torch.randn(d_out, r, generator=gen) / r**0.5
+    spec = AdapterSpec(r=rank, lora_alpha=16.0, target_modules=tuple(modules))
+    return AdapterWeights(spec, targets, lora_a, lora_b, digest=f"sha256:{seed}")
+
+
+def test_pool_nbytes_equals_documented_formula():
+    # docs/architecture.md: sum_g L*slots*R*(n*d + sum(w))*dtype_bytes + L*slots*n*(4+4) tables
+    L, S, R = SHAPES.num_layers, 5, 12
+    h, i, q, kv = SHAPES.hidden_size, SHAPES.intermediate_size, SHAPES.q_size, SHAPES.kv_size
+    groups = {"qkv": (3, h, q + 2 * kv), "o": (1, q, h), "gate_up": (2, h, 2 * i), "down": (1, i, h)}
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        expected = sum(L * S * R * (n * d + w) * size + L * S * n * 8 for n, d, w in groups.values())
+        pool = AdapterPool(SHAPES, slots=S, max_rank=R, target_modules=ALL_MODULES, dtype=dtype, device="cpu")
+        assert pool.nbytes == expected == pool_nbytes(SHAPES, S, R, ALL_MODULES, dtype)
+        assert pool.lora_a["qkv"].shape == (L, S, 3 * R, h)
+        assert pool.lora_b["gate_up"].shape == (L, S, 2 * i, R)
+        assert pool.rank["qkv"].shape == (L, S, 3) and pool.rank["qkv"].dtype == torch.int32
+    # only groups holding a targeted module are allocated
+    only_qv = AdapterPool(
+        SHAPES, slots=S, max_rank=R, target_modules=["q_proj", "v_proj"], dtype=torch.float32, device="cpu"
+    )
+    assert only_qv.groups == ["qkv"]
+    n, d, w = groups["qkv"]
+    assert only_qv.nbytes == L * S * R * (n * d + w) * 4 + L * S * n * 8
+
+
+def test_upload_places_rows_and_tables():
+    pool = AdapterPool(
+        SHAPES, slots=3, max_rank=8, target_modules=ALL_MODULES, dtype=torch.float32, device="cpu"
+    )
+    ad = random_adapter(SHAPES, ["k_proj", "up_proj"], rank=8, seed=1, rank_jitter=True)
+    pool.upload(2, ad)
+    r = ad.targets[(1, "k_proj")].rank
+    assert torch.equal(pool.lora_a["qkv"][1, 2, 8 : 8 + r], ad.lora_a[(1, "k_proj")])
+    off = SHAPES.q_size
+    assert torch.equal(pool.lora_b["qkv"][1, 2, off : off + SHAPES.kv_size, :r], ad.lora_b[(1, "k_proj")])
+    assert pool.rank["qkv"][1, 2].tolist() == [0, r, 0]
+    assert pool.scaling["gate_up"][0, 2, 1].item() == pytest.approx(ad.targets[(0, "up_proj")].scaling)
+    assert pool.rank["o"][:, 2].sum() == 0 and pool.rank["down"][:, 2].sum() == 0
+    assert torch.equal(pool.host_rank["qkv"], pool.rank["qkv"])
+
+
+def naive_delta(
+    x: torch.Tensor, slots: list[int], adapters: dict[int, AdapterWeights], layer: int, group: str
+):
+    """Per token, per stacked module: scale * B @ (A @ x), from the adapters' own tensors."""
+    widths = SHAPES.group_widths(group)
+    out = torch.zeros(x.shape[0], sum(widths), dtype=torch.float64)
+    for t, s in enumerate(slots):
+        if s < 0:
+            continue
+        off = 0
+        for m, w in zip(GROUPS[group], widths, strict=True):
+            ad = adapters[s]
+            if (layer, m) in ad.targets:
+                a, b = ad.lora_a[(layer, m)].double(), ad.lora_b[(layer, m)].double()
+                out[t, off : off + w] = ad.targets[(layer, m)].scaling * (b @ (a @ x[t].double()))
+            off += w
+    return out
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "interleaved"])
+def test_torch_backend_matches_naive_reference(layout):
+    R, S = 16, 4
+    pool = AdapterPool(
+        SHAPES, slots=S, max_rank=R, target_modules=ALL_MODULES, dtype=torch.float32, device="cpu"
+    )
+    adapters = {
+        0: random_adapter(SHAPES, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"], 4, seed=10),
+        1: random_adapter(SHAPES, ["q_proj", "v_proj"], 8, seed=11, rank_jitter=True),
+        2: random_adapter(SHAPES, ["up_proj", "down_proj"], 16, seed=12),
+        3: random_adapter(SHAPES, list(ALL_MODULES), 16, seed=13, rank_jitter=True),
+    }
+    for slot, ad in adapters.items():
+        pool.upload(slot, ad)
+    rnd = random.Random(0)
+    if layout == "contiguous":  # requests laid out one after another, like a real batch
+        slots = [s for s, n in [(-1, 3), (0, 5), (2, 1), (-1, 1), (3, 7), (1, 2)] for _ in range(n)]
+    else:
+        slots = [rnd.randint(-1, S - 1) for _ in range(29)]
+    backend = TorchLoRABackend(pool)
+    backend.prepare(torch.tensor(slots, dtype=torch.int32))
+    gen = torch.Generator().manual_seed(5)
+    for layer in range(SHAPES.num_layers):
+        for group in GROUPS:
+            x = torch.randn(len(slots), SHAPES.group_in(group), generator=gen)
+            base = torch.randn(len(slots), sum(SHAPES.group_widths(group)), generator=gen)
+            out = base.clone()
+            backend.apply(layer, group, x, out)
+            expected = base.double() + naive_delta(x, slots, adapters, layer, group)
+            torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+            untouched = [t for t, s in enumerate(slots) if s < 0]
+            assert torch.equal(out[untouched], base[untouched])
+
+
+def test_torch_backend_skips_unallocated_groups():
+    pool = AdapterPool(
+        SHAPES, slots=2, max_rank=4, target_modules=["q_proj"], dtype=torch.float32, device="cpu"
+    )
+    pool.upload(0, random_adapter(SHAPES, ["q_proj"], 4, seed=3))
+    backend = TorchLoRABackend(pool)
+    backend.prepare(torch.tensor([0, 0, -1], dtype=torch.int32))
+    out = torch.zeros(3, SHAPES.hidden_size)
+    backend.apply(0, "down", torch.randn(3, SHAPES.intermediate_size), out)
+    assert out.abs().sum() == 0
+    qkv = torch.zeros(3, SHAPES.q_size + 2 * SHAPES.kv_size)
+    backend.apply(0, "qkv", torch.randn(3, SHAPES.hidden_size), qkv)
+    assert qkv[:2, : SHAPES.q_size].abs().sum() > 0 and qkv[:, SHAPES.q_size :].abs().sum() == 0
