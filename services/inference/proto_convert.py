@@ -70,7 +70,8 @@ def _check_stops(p: pb.SamplingParams) -> None:
             )
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(
-            f"sampling_params.stop_token_ids has {len(p.stop_token_ids)} entries; at most {MAX_STOP_TOKEN_IDS}",
+            f"sampling_params.stop_token_ids has {len(p.stop_token_ids)} entries; "
+            f"at most {MAX_STOP_TOKEN_IDS}",
             field="sampling_params.stop_token_ids",
         )
 
