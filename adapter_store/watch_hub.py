@@ -70,8 +70,8 @@ class WatchHub:
             raise Unavailable("the adapter store is shutting down; reconnect to another or later")
         if len(self._subs) >= self.max_watchers:
             raise ResourceExhausted(
-                f"{len(self._subs)} WatchAdapters streams are open, the most this store serves (--max-watchers "
-                f"{self.max_watchers}); close idle watchers or raise the limit"
+                f"{len(self._subs)} WatchAdapters streams are open, the most this store serves "
+                f"(--max-watchers {self.max_watchers}); close idle watchers or raise the limit"
             )
         sub = Subscription()
         self._subs.add(sub)
