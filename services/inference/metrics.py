@@ -111,7 +111,8 @@ class Metrics:
         # For routers that score replicas by adapter residency (docs/operations.md, "Residency").
         self.adapter_location = Gauge(
             "loraplex_adapter_location",
-            "1 for where the adapter lives on this replica: gpu (a slot), host (memory) or store (only there)",
+            "1 for where the adapter lives on this replica: gpu (a slot), host (memory) or store "
+            "(only there)",
             ["replica", "adapter", "location"],
             registry=r,
         )

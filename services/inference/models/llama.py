@@ -242,7 +242,8 @@ class LlamaForCausalLM(nn.Module):
         ctx: ForwardContext,
         bufs: StepBuffers,
     ) -> None:
-        """Layer `index - 1` after its attention (`attn`), then layer `index` up to attention (into `bufs`)."""
+        """Layer `index - 1` after its attention (`attn`), then layer `index` up to attention (into
+        `bufs`)."""
         h, addend = self.layers[index - 1].post_attention(bufs.h, attn, ctx, bufs)
         self.layers[index].pre_attention(h, addend, cos, sin, ctx, bufs)
 
