@@ -2,7 +2,8 @@
 
 Request-path metrics are recorded by the servicer as events happen; engine gauges (queue,
 KV, slots, per-adapter residency) are refreshed from `engine.stats()` / `list_adapters()`
-once a second by `Metrics.refresh`, so a scrape never touches the engine thread.
+once a second by the server (the `observe_*` methods), so a scrape never touches the engine
+thread.
 """
 
 from __future__ import annotations
