@@ -198,7 +198,9 @@ class SourceFetcher:
     def fetch(
         self, resolved: ResolvedSource, staging: Path, stop: Callable[[], bool] | None = None
     ) -> FetchedAdapter:
-        """`stop` set (the caller went away, the store shuts down) abandons a local copy."""
+        """Copy (local) or download (Hub) the config and weights into `staging`, convert a pickle to
+        safetensors, and check the total size again. `stop` set (the caller went away, the store
+        shuts down) abandons a local copy."""
         staging.mkdir(parents=True, exist_ok=True)
         if resolved.spec.kind == "hub":
             self._download_hub(resolved, staging)
