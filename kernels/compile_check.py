@@ -1,4 +1,5 @@
-"""Compile the LoRA (and their metadata) and fused element-wise Triton kernels for an sm_90 GPU on a machine without one.
+"""Compile the LoRA (and their metadata) and fused element-wise Triton kernels for an sm_90 GPU on
+a machine without one.
 
 Triton's CPU interpreter runs the kernels' Python, not the compiler, so it misses what only
 the compiler refuses (a value retyped inside an if-block, say). `python -m kernels.compile_check`
