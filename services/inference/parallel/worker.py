@@ -51,7 +51,7 @@ class WorkerSpec:
 
     @property
     def device_type(self) -> str:
-        """ "cpu" | "cuda" (rank r uses cuda:r)."""
+        """The device type, cpu or cuda (rank r uses cuda:r)."""
         return self.engine.device.type
 
 
