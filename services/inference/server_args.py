@@ -140,6 +140,8 @@ def check_server_args(args: ServerArgs) -> None:
         raise ValueError("--tls-cert and --tls-key go together")
     if args.tls_ca and not args.tls_cert:
         raise ValueError("--tls-ca needs --tls-cert and --tls-key")
+    if any(not d for d in args.allowed_local_dirs):
+        raise ValueError("--allowed-local-dirs entries must not be empty")
     if args.log_level not in LOG_LEVELS:
         raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)} (got {args.log_level!r})")
     if args.lora.lora_backend is not None:
@@ -321,6 +323,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     """Parse and check the command line; a bad flag exits with status 2 and a message naming it."""
     parser = build_parser()
     values = vars(parser.parse_args(argv))
+    if not values["model_path"]:
+        parser.error("--model-path must not be empty")
     values["admin_token"] = values["admin_token"] or os.environ.get("LORAPLEX_ADMIN_TOKEN") or None
     values["api_token"] = values["api_token"] or os.environ.get("LORAPLEX_API_TOKEN") or None
     for key in ("lora_paths", "allowed_local_dirs"):

@@ -124,6 +124,8 @@ def test_switches_and_environment(monkeypatch):
         (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
         (["--tls-key", "k.pem"], "--tls-cert and --tls-key go together"),
         (["--tls-ca", "ca.pem"], "--tls-ca needs --tls-cert and --tls-key"),
+        (["--allowed-local-dirs", "/a", ""], "--allowed-local-dirs entries must not be empty"),
+        (["--model-path", ""], "--model-path must not be empty"),
         (["--log-level", "loud"], "--log-level: invalid choice"),
         (["--device", "tpu"], "--device: invalid choice"),
         (["--dtype", "int8"], "--dtype: invalid choice"),
