@@ -226,7 +226,7 @@ def run_scenario(sc: dict, bw: float, rate: float, overrides: dict) -> dict:
         bf16_rel_err=err,
         kernels={},
         configs={
-            g: [c if isinstance(c, int) else c.__dict__ for c in configs_for(sc, g, overrides)]
+            g: [c if isinstance(c, int) else c._asdict() for c in configs_for(sc, g, overrides)]
             for g in GROUPS
         },
     )

@@ -87,7 +87,7 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
                     scenario=sc["name"],
                     group=g,
                     kernel="shrink",
-                    config=cfg.__dict__,
+                    config=cfg._asdict(),
                     splits=S,
                     graph_us=timed_s[-1][0],
                 )
@@ -114,7 +114,7 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
                     scenario=sc["name"],
                     group=g,
                     kernel="expand",
-                    config=cfg.__dict__,
+                    config=cfg._asdict(),
                     splits=S_best,
                     graph_us=timed_e[-1][0],
                 )
@@ -170,7 +170,7 @@ def joint_sweep(scs: list[dict]) -> tuple[dict, list[dict]]:
                     scenario=sc["name"],
                     group=g,
                     kernel="shrink",
-                    config=cfg.__dict__,
+                    config=cfg._asdict(),
                     splits=S,
                     graph_us=out[-1],
                 )
@@ -196,7 +196,7 @@ def joint_sweep(scs: list[dict]) -> tuple[dict, list[dict]]:
                     scenario=sc["name"],
                     group=g,
                     kernel="expand",
-                    config=cfg.__dict__,
+                    config=cfg._asdict(),
                     splits=S,
                     graph_us=out[-1],
                 )

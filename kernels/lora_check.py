@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -145,7 +144,7 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     valid = ~ys_ref.isnan()
     shrink_err = _rel(ys[valid], ys_ref[valid]) if bool(valid.any()) else 0.0
 
-    cfg = replace(expand_config(sum(case.widths), n, R, case.num_tokens), per_token=int(case.per_token))
+    cfg = expand_config(sum(case.widths), n, R, case.num_tokens)._replace(per_token=int(case.per_token))
     out0 = rand(case.num_tokens, sum(case.widths))
     out, out_ref = out0.clone(), out0.clone()
     lora_expand(y, B, ranks, scalings, segs, out, case.widths, config=cfg)
