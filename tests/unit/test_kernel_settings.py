@@ -28,6 +28,8 @@ def test_reload_reads_an_explicit_mapping_and_applies_the_overrides(tmp_path, mo
         assert lora_configs.shrink_splits(4096, 64) == 5
     finally:
         interpret = "1" if before.triton_interpret else "0"
-        reload_kernel_settings({"LORAPLEX_LORA_CONFIGS": before.lora_configs or "", "TRITON_INTERPRET": interpret})
+        reload_kernel_settings(
+            {"LORAPLEX_LORA_CONFIGS": before.lora_configs or "", "TRITON_INTERPRET": interpret}
+        )
         lora_configs.clear_caches()
     assert kernel_settings() == before
