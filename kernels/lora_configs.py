@@ -38,12 +38,6 @@ DECODE_MAX_TOKENS = 256
 MANY_ADAPTERS = 16
 
 
-def many_adapters(max_distinct: int | None) -> bool:
-    """Whether a step bounded by `max_distinct` distinct adapters takes the `decode_many` entries
-    (None: unknown, so not)."""
-    return max_distinct is not None and max_distinct > MANY_ADAPTERS
-
-
 class ShrinkConfig(NamedTuple):
     block_m: int  # tokens per program (one of lora_meta.BLOCK_MS)
     block_r: int  # rank rows per program (programs past a slot's rank exit)
