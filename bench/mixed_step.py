@@ -28,8 +28,9 @@ import time
 import torch
 
 from bench.mixed_graph_check import blocks_needed, run_all
-from bench.random_runner import LLAMA_8B, TINY, build_runner
+from bench.random_runner import TINY, build_runner
 from bench.results import add_out_argument, write_json
+from bench.serving_setup import LLAMA_8B
 from kernels.compile_watch import compile_counter
 from services.inference.engine.scheduler import SeqChunk
 from services.inference.engine.warmup import warm_up
