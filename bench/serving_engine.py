@@ -47,23 +47,26 @@ class ForwardClock:
     checks + detokenize)."""
 
     def __init__(self, engine) -> None:
+        self.engine = engine
         self.device = engine.runner.device
-        # With overlap scheduling a sync would wait for the step the host should run beside: then
-        # forward_ms is launch time only and the step's GPU time comes from graph_replay_ms. The engine
-        # overlaps only with the plain runner (not tensor parallelism's step broadcast).
-        overlaps = engine.config.overlap_enabled and isinstance(engine.runner, ModelRunner)
-        self.sync_forward = not overlaps
         self.total = 0.0
         self.parts: dict[str, float] = {"schedule": 0.0, "sample": 0.0, "output": 0.0}
         engine.step_timer = self._phase_done
 
     def _phase_done(self, phase: str, started: float, result: object) -> None:
         if phase == "forward":
-            if self.sync_forward:
+            if not self._overlaps():
                 _sync(self.device)
             self.total += time.perf_counter() - started
         else:
             self.parts[phase] += time.perf_counter() - started
+
+    def _overlaps(self) -> bool:
+        # With overlap scheduling a sync would wait for the step the host should run beside: then
+        # forward_ms is launch time only and the step's GPU time comes from graph_replay_ms. The engine
+        # overlaps only with the plain runner (not tensor parallelism's step broadcast); a variant may
+        # switch it off mid-run (serving_variants), so this is read per step.
+        return self.engine.config.overlap_enabled and isinstance(self.engine.runner, ModelRunner)
 
     def reset(self) -> None:
         self.total = 0.0
