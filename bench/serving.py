@@ -293,7 +293,8 @@ def print_table(res: dict) -> None:
         ratio = mine["tokens_per_s"] / b["decode_tokens_per_s"] if mine else float("nan")
         b["ours_over_it"] = ratio
         print(
-            f"{key:<44}{b['batch']:>6}{b['ms_per_step']:>9.2f}{b['decode_tokens_per_s']:>10.0f}{'':>10}{'':>9}"
+            f"{key:<44}{b['batch']:>6}{b['ms_per_step']:>9.2f}{b['decode_tokens_per_s']:>10.0f}"
+            f"{'':>10}{'':>9}"
             f"{'':>8}   ours/it = {ratio:.1f}x"
         )
 
