@@ -206,9 +206,9 @@ def _segments_kernel(
     block_slot_ptr,
     block_tokens_ptr,
     T,
-    stride_block_slot_size,
-    stride_block_tokens_size,
-    stride_block_tokens_block,
+    stride_block_slot_size,  # block_slot: from one block size's map to the next
+    stride_block_tokens_size,  # block_tokens: from one block size's map to the next
+    stride_block_tokens_block,  # block_tokens: from one token block to the next
     S: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_T: tl.constexpr,
