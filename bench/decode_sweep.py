@@ -49,7 +49,7 @@ def gpu_ms(graph: torch.cuda.CUDAGraph, n: int = 20, reps: int = 5) -> float:
 def entries(kind: str, key: str) -> list[int]:
     table = cfg.EXPAND_TABLE if kind == "expand" else cfg.SHRINK_TABLE
     c = table[cfg._key(key)]
-    return list(c.__dict__.values())
+    return list(c)
 
 
 def expand_with(**changes: int) -> dict:

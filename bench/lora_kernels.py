@@ -26,7 +26,7 @@ import triton
 import triton.testing
 
 from bench.graph_timing import graph_time_us
-from bench.lora_layer import DEVICE, DT, GROUPS, floor_of, make_copies, token_slots
+from bench.lora_layer import DEVICE, DT, GROUPS, floor_of, launch_of, make_copies, token_slots
 from bench.lora_sweep import joint_sweep, sweep, table_entries
 from bench.results import add_out_argument, write_json
 from kernels.lora_check import CASES, run_case
@@ -40,7 +40,6 @@ from kernels.lora_configs import (
     shrink_splits,
 )
 from kernels.lora_expand import lora_expand, lora_expand_ref
-from kernels.lora_launch import pdl_enabled, set_pdl
 from kernels.lora_meta import alloc_segments, build_segments
 from kernels.lora_shrink import lora_shrink, lora_shrink_ref
 
@@ -92,16 +91,16 @@ def triton_fns(copies: list[dict], segs, sc: dict, overrides: dict) -> dict[str,
     T = sc["tokens"]
     fns: dict[str, list] = {}
     for g, (_, widths) in GROUPS.items():
-        s_cfg, splits, e_cfg = configs_for(sc, g, overrides)
-        y = torch.zeros(splits, T, len(widths) * sc["rank"], device=DEVICE, dtype=torch.float32)
+        launch = launch_of(sc, *configs_for(sc, g, overrides))
+        y = torch.zeros(launch.splits, T, len(widths) * sc["rank"], device=DEVICE, dtype=torch.float32)
         fns[f"{g}.shrink"] = [
-            (lambda c=c[g], y=y, s_cfg=s_cfg: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, config=s_cfg))
+            (lambda c=c[g], y=y, launch=launch: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, launch))
             for c in copies
         ]
         fns[f"{g}.expand"] = [
             (
-                lambda c=c[g], y=y, w=widths, e_cfg=e_cfg: lora_expand(
-                    y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, config=e_cfg
+                lambda c=c[g], y=y, w=widths, launch=launch: lora_expand(
+                    y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, launch
                 )
             )
             for c in copies
@@ -138,13 +137,13 @@ def check_bf16(copy: dict, segs, sc: dict, overrides: dict) -> float:
     T = sc["tokens"]
     for g, (_, widths) in GROUPS.items():
         p = copy[g]
-        s_cfg, splits, e_cfg = configs_for(sc, g, overrides)
-        y = torch.full((splits, T, len(widths) * sc["rank"]), float("nan"), device=DEVICE)
+        launch = launch_of(sc, *configs_for(sc, g, overrides))
+        y = torch.full((launch.splits, T, len(widths) * sc["rank"]), float("nan"), device=DEVICE)
         y_ref = torch.full_like(y, float("nan"))
-        lora_shrink(p["x"], p["A"], p["ranks"], segs, y, config=s_cfg)
+        lora_shrink(p["x"], p["A"], p["ranks"], segs, y, launch)
         lora_shrink_ref(p["x"], p["A"], p["ranks"], segs, y_ref)
         out, out_ref = p["out"].clone(), p["out"].clone()
-        lora_expand(y, p["B"], p["ranks"], p["scal"], segs, out, widths, config=e_cfg)
+        lora_expand(y, p["B"], p["ranks"], p["scal"], segs, out, widths, launch)
         lora_expand_ref(y_ref, p["B"], p["ranks"], p["scal"], segs, out_ref, widths)
         delta, delta_ref = (out.float() - p["out"].float()), (out_ref.float() - p["out"].float())
         err = ((delta - delta_ref).norm() / delta_ref.norm()).item()
@@ -167,7 +166,7 @@ def run_scenario(sc: dict, bw: float, rate: float, overrides: dict) -> dict:
         bf16_rel_err=err,
         kernels={},
         configs={
-            g: [c if isinstance(c, int) else c.__dict__ for c in configs_for(sc, g, overrides)]
+            g: [c if isinstance(c, int) else c._asdict() for c in configs_for(sc, g, overrides)]
             for g in GROUPS
         },
     )
@@ -187,10 +186,6 @@ def run_scenario(sc: dict, bw: float, rate: float, overrides: dict) -> dict:
         bench_us=bench_us(layer[0]),
         graph_us=graph_time_us(layer),
     )
-    if PDL_OK and is_goal(sc):  # what programmatic dependent launch would buy (off by default)
-        set_pdl(True)
-        res["layer"]["graph_us_with_pdl"] = graph_time_us(layer)
-        set_pdl(False)
     torch_fns = torch_layer_fns(copies, slots, sc)[: max(1, 64 // sc["distinct"])]
     res["torch_layer"] = dict(bench_us=bench_us(torch_fns[0]), graph_us=graph_time_us(torch_fns, replays=5))
     res["build_segments_us"] = bench_us(lambda: build_segments(slots, segs))
@@ -218,33 +213,6 @@ def print_table(results: list[dict]) -> None:
             f" {t['bench_us'] / r['layer']['floor_us']:5.2f} {t['graph_us']:8.1f}"
             f" {t['graph_us'] / r['layer']['floor_us']:5.2f}"
         )
-
-
-PDL_OK = False
-
-
-def probe_pdl() -> None:
-    """Whether PDL launches and graph-captures here (checked, not assumed); the run itself uses the
-    default."""
-    global PDL_OK
-    default = pdl_enabled()
-    set_pdl(True)
-    if not pdl_enabled():
-        print("PDL: not available", flush=True)
-        return
-    try:
-        sc = dict(name="probe", tokens=16, distinct=4, rank=16, prefill=False)
-        copies = make_copies(sc, 1e12)[:1]
-        segs = build_segments(token_slots(sc), alloc_segments(16, 4, DEVICE))
-        fns = triton_fns(copies, segs, sc, {})
-        graph_time_us([lambda: [f[0]() for f in fns.values()]], replays=2)
-        err = check_bf16(copies[0], segs, sc, {})
-        assert err < 2e-2, f"rel err {err}"
-        PDL_OK = True
-        print(f"PDL: works (probe rel err {err:.1e}); default {'on' if default else 'off'}", flush=True)
-    except Exception as exc:  # noqa: BLE001 - any failure means: no PDL comparison
-        print(f"PDL: probe failed ({type(exc).__name__}: {exc})", flush=True)
-    set_pdl(default)
 
 
 def is_goal(sc: dict) -> bool:
@@ -288,12 +256,10 @@ def main() -> None:
     )
     if bad:
         raise SystemExit(1)
-    probe_pdl()
     bw, rate = ceilings()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     payload = dict(
         device=torch.cuda.get_device_name(),
-        pdl=pdl_enabled(),
         torch=torch.__version__,
         triton=triton.__version__,
         command="PYTHONPATH=.:protos python3 -m bench.lora_kernels " + " ".join(sys.argv[1:]),
@@ -338,9 +304,8 @@ def main() -> None:
         payload["results"].append(res)
         write_json(args.out, "lora_kernels", payload)  # after each scenario: a late failure keeps the rest
         lay = res["layer"]
-        nopdl = f" (with PDL {lay['graph_us_with_pdl']:.1f})" if "graph_us_with_pdl" in lay else ""
         print(
-            f"{sc['name']:36} layer floor {lay['floor_us']:7.1f}us graph {lay['graph_us']:7.1f}us{nopdl}"
+            f"{sc['name']:36} layer floor {lay['floor_us']:7.1f}us graph {lay['graph_us']:7.1f}us"
             f" ({lay['graph_us'] / lay['floor_us']:.2f}x) bench {lay['bench_us']:7.1f}us"
             f" torch {res['torch_layer']['graph_us']:8.1f}us  [{time.time() - t0:.0f}s]",
             flush=True,

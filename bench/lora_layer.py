@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from kernels.lora_configs import ExpandConfig, ShrinkConfig
+from kernels.lora_plan import GroupLaunch
+
 # group -> (input width d, stacked output widths): Llama-3.1-8B, GQA k/v = 8 heads x 128.
 GROUPS: dict[str, tuple[int, tuple[int, ...]]] = {
     "qkv": (4096, (4096, 1024, 1024)),
@@ -62,3 +65,8 @@ def make_copies(sc: dict, bytes_per_copy: float) -> list[dict]:
             )
         out.append(c)
     return out
+
+
+def launch_of(sc: dict, shrink: ShrinkConfig, splits: int, expand: ExpandConfig) -> GroupLaunch:
+    """A group's launch over the scenario's distinct adapters (the pool of the copies holds just those)."""
+    return GroupLaunch(splits=splits, shrink=shrink, expand=expand, distinct_bound=sc["distinct"])
