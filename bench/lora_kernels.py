@@ -1,6 +1,8 @@
 """GPU benchmark: Triton LoRA shrink/expand on Llama-3.1-8B shapes against their floor.
 
-    PYTHONPATH=. python3 bench/lora_kernels.py [--sweep | --joint-sweep] [--quick]   (sweeps: bench/lora_sweep.py)
+    PYTHONPATH=.:protos python3 -m bench.lora_kernels [--sweep | --joint-sweep] [--quick] [--out DIR]
+
+(the sweeps: bench/lora_sweep.py; the layer's shapes and inputs: bench/lora_layer.py).
 
 Per scenario (decode batches 1/16/64/256 over 1/8/64 distinct adapters, prefill 8x512
 over 8 adapters; ranks 16 and 64) and per kernel and one decoder layer's LoRA work
@@ -9,26 +11,26 @@ bandwidth, FLOPs / bf16 matmul rate), both ceilings measured in this run; the me
 through `triton.testing.do_bench` and as replays of one captured CUDA graph that runs
 the work over C copies of all inputs and adapter weights (C*bytes > 4x the 50 MB L2), time
 per copy; and a plain torch loop over segments. bf16 kernel output is checked against the
-torch reference before timing. Prints a table, writes JSON to $OUT (or /tmp).
+torch reference before timing. Prints a table, writes lora_kernels.json to --out DIR.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import triton
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.graph_timing import capture, replay_ms  # noqa: E402
-from kernels.lora_check import CASES, run_case  # noqa: E402
-from kernels.lora_configs import (  # noqa: E402
+from bench.graph_timing import graph_time_us
+from bench.lora_layer import DEVICE, DT, GROUPS, floor_of, launch_of, make_copies, token_slots
+from bench.lora_sweep import joint_sweep, sweep, table_entries
+from bench.results import add_out_argument, write_json
+from kernels.lora_check import CASES, run_case
+from kernels.lora_configs import (
     ExpandConfig,
     ShrinkConfig,
     expand_config,
@@ -37,21 +39,9 @@ from kernels.lora_configs import (  # noqa: E402
     shrink_config,
     shrink_splits,
 )
-from kernels.lora_expand import lora_expand, lora_expand_ref  # noqa: E402
-from kernels.lora_meta import alloc_segments, build_segments  # noqa: E402
-from kernels.lora_plan import GroupLaunch  # noqa: E402
-from kernels.lora_shrink import lora_shrink, lora_shrink_ref  # noqa: E402
-
-# group -> (input width d, stacked output widths): Llama-3.1-8B, GQA k/v = 8 heads x 128.
-GROUPS: dict[str, tuple[int, tuple[int, ...]]] = {
-    "qkv": (4096, (4096, 1024, 1024)),
-    "o": (4096, (4096,)),
-    "gate_up": (4096, (14336, 14336)),
-    "down": (14336, (4096,)),
-}
-L2_BYTES = 50 * 2**20
-DT = torch.bfloat16
-DEVICE = "cuda"
+from kernels.lora_expand import lora_expand, lora_expand_ref
+from kernels.lora_meta import alloc_segments, build_segments
+from kernels.lora_shrink import lora_shrink, lora_shrink_ref
 
 
 def ceilings() -> tuple[float, float]:
@@ -86,48 +76,6 @@ def scenarios(quick: bool) -> list[dict]:
     return out
 
 
-def token_slots(sc: dict) -> torch.Tensor:
-    T, a = sc["tokens"], sc["distinct"]
-    if sc["prefill"]:  # 8 contiguous segments of 512 tokens
-        return torch.arange(T, dtype=torch.int32).div(T // a, rounding_mode="floor").to(DEVICE)
-    slots = torch.arange(T, dtype=torch.int32) % a  # decode: requests in arbitrary order
-    return slots[torch.randperm(T)].to(DEVICE)
-
-
-def floor_of(sc: dict, group: str, kernel: str, bw: float, rate: float) -> tuple[float, float, float]:
-    """(floor seconds, bytes, flops) for one kernel of one group."""
-    T, a, r = sc["tokens"], sc["distinct"], sc["rank"]
-    d, widths = GROUPS[group]
-    n, w = len(widths), sum(widths)
-    if kernel == "shrink":
-        nbytes = 2 * (a * n * r * d + T * d + T * n * r)
-        flops = 2 * T * n * r * d
-    else:
-        nbytes = 2 * (a * w * r + T * n * r + 2 * T * w)
-        flops = 2 * T * r * w
-    return max(nbytes / bw, flops / rate), nbytes, flops
-
-
-def make_copies(sc: dict, bytes_per_copy: float) -> list[dict]:
-    copies = max(2, min(64, int(4 * L2_BYTES / bytes_per_copy) + 1))
-    a, r, T = sc["distinct"], sc["rank"], sc["tokens"]
-    out = []
-    for _ in range(copies):
-        c = {}
-        for g, (d, widths) in GROUPS.items():
-            n = len(widths)
-            c[g] = dict(
-                x=torch.randn(T, d, device=DEVICE, dtype=DT),
-                A=(torch.randn(a, n * r, d, device=DEVICE) * d**-0.5).to(DT),
-                B=(torch.randn(a, sum(widths), r, device=DEVICE) * r**-0.5).to(DT),
-                ranks=torch.full((a, n), r, dtype=torch.int32, device=DEVICE),
-                scal=torch.full((a, n), 2.0, dtype=torch.float32, device=DEVICE),
-                out=torch.randn(T, sum(widths), device=DEVICE, dtype=DT),
-            )
-        out.append(c)
-    return out
-
-
 def configs_for(sc: dict, group: str, overrides: dict) -> tuple[ShrinkConfig, int, ExpandConfig]:
     """(shrink config, K-splits, expand config): the sweep's choice if any, else the repo's table."""
     d, widths = GROUPS[group]
@@ -136,11 +84,6 @@ def configs_for(sc: dict, group: str, overrides: dict) -> tuple[ShrinkConfig, in
         s_cfg, _, e_cfg = overrides[group]
         return s_cfg, shrink_splits(d, T), e_cfg
     return shrink_config(d, n, r, T), shrink_splits(d, T), expand_config(sum(widths), n, r, T)
-
-
-def launch_of(sc: dict, shrink: ShrinkConfig, splits: int, expand: ExpandConfig) -> GroupLaunch:
-    """A group's launch over the scenario's distinct adapters (the pool of the copies holds just those)."""
-    return GroupLaunch(splits=splits, shrink=shrink, expand=expand, distinct_bound=sc["distinct"])
 
 
 def triton_fns(copies: list[dict], segs, sc: dict, overrides: dict) -> dict[str, list]:
@@ -182,14 +125,6 @@ def torch_layer_fns(copies: list[dict], slots: torch.Tensor, sc: dict) -> list:
                 p["out"].index_add_(0, idx, torch.cat(parts, 1))
 
     return [(lambda c=c: layer(c)) for c in copies]
-
-
-def graph_time_us(fns: list, replays: int = 20) -> float:
-    """Median time per call of replaying one CUDA graph that runs every callable once."""
-    graph = capture(lambda: [f() for f in fns])
-    times = [t * 1e3 / len(fns) for t in replay_ms(graph, replays)]
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def bench_us(fn) -> float:
@@ -292,11 +227,11 @@ def main() -> None:
         "--joint-sweep",
         action="store_true",
         help="choose decode K-splits and block sizes for batch 64 over 8 and over 64 adapters at "
-        "once; writes $OUT/lora_configs.json (LORAPLEX_LORA_CONFIGS) and applies it to this run",
+        "once; writes lora_configs.json (LORAPLEX_LORA_CONFIGS) to --out and applies it to this run",
     )
+    add_out_argument(parser)
     args = parser.parse_args()
     t0 = time.time()
-    out_path = Path(os.environ.get("OUT", "/tmp")) / "lora_kernels.json"
     print(
         f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}",
         flush=True,
@@ -327,7 +262,7 @@ def main() -> None:
         device=torch.cuda.get_device_name(),
         torch=torch.__version__,
         triton=triton.__version__,
-        command="PYTHONPATH=. python3 bench/lora_kernels.py " + " ".join(sys.argv[1:]),
+        command="PYTHONPATH=.:protos python3 -m bench.lora_kernels " + " ".join(sys.argv[1:]),
         copy_bw=bw,
         bf16_rate=rate,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -336,8 +271,6 @@ def main() -> None:
         sweep=[],
         table=[],
     )
-    from bench.lora_sweep import joint_sweep, sweep, table_entries
-
     overrides: dict[tuple[str, int], dict] = {}
     all_scenarios = scenarios(args.quick)
     if args.joint_sweep:
@@ -353,8 +286,7 @@ def main() -> None:
         ]
         chosen, rows = joint_sweep(joint)
         payload["joint_sweep"], payload["joint_sweep_rows"] = chosen, rows
-        cfg_path = out_path.with_name("lora_configs.json")
-        cfg_path.write_text(json.dumps(chosen, indent=1))
+        cfg_path = write_json(args.out, "lora_configs", chosen)
         load_overrides(str(cfg_path))
         print(
             f"joint sweep chose {json.dumps(chosen)}; wrote {cfg_path} [{time.time() - t0:.0f}s]", flush=True
@@ -370,7 +302,7 @@ def main() -> None:
     for sc in all_scenarios:
         res = run_scenario(sc, bw, rate, overrides.get((family(sc["tokens"]), sc["rank"]), {}))
         payload["results"].append(res)
-        out_path.write_text(json.dumps(payload, indent=1))
+        write_json(args.out, "lora_kernels", payload)  # after each scenario: a late failure keeps the rest
         lay = res["layer"]
         print(
             f"{sc['name']:36} layer floor {lay['floor_us']:7.1f}us graph {lay['graph_us']:7.1f}us"
@@ -379,7 +311,7 @@ def main() -> None:
             flush=True,
         )
     print_table(payload["results"])
-    print(f"wrote {out_path} in {time.time() - t0:.0f}s")
+    print(f"done in {time.time() - t0:.0f}s")
 
 
 if __name__ == "__main__":

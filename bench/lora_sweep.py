@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from bench.lora_kernels import DEVICE, GROUPS, floor_of, graph_time_us, launch_of, make_copies, token_slots
+from bench.graph_timing import graph_time_us
+from bench.lora_layer import DEVICE, GROUPS, floor_of, launch_of, make_copies, token_slots
 from kernels.lora_configs import (
     ExpandConfig,
     ShrinkConfig,
