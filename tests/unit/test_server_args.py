@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from kernels.settings import reload_kernel_settings
 from services.inference.engine.config import EngineConfig
 from services.inference.lora.settings import LoRAConfig
 from services.inference.server_args import (
@@ -137,11 +138,14 @@ def test_bad_flags_are_refused_with_a_message_naming_them(argv, message, capsys)
     assert message in refused(argv, capsys)
 
 
-def test_triton_backend_on_the_cpu_needs_the_interpreter(monkeypatch, capsys):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert "--lora-backend triton needs a CUDA device" in refused(["--lora-backend", "triton"], capsys)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert parse_args(BASE + ["--lora-backend", "triton"]).lora.lora_backend == "triton"
+def test_triton_backend_on_the_cpu_needs_the_interpreter(capsys):
+    try:
+        reload_kernel_settings({})
+        assert "--lora-backend triton needs a CUDA device" in refused(["--lora-backend", "triton"], capsys)
+        reload_kernel_settings({"TRITON_INTERPRET": "1"})
+        assert parse_args(BASE + ["--lora-backend", "triton"]).lora.lora_backend == "triton"
+    finally:
+        reload_kernel_settings()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

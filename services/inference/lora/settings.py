@@ -7,12 +7,12 @@ model and device are known (`LoRASettings`, which travels to tensor-parallel wor
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from kernels.settings import kernel_settings
 from services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
 from services.inference.lora.shapes import ALL_MODULES
 
@@ -58,7 +58,7 @@ def parse_lora_paths(items: Iterable[str]) -> dict[str, str]:
 
 def check_backend_device(backend: str, device: torch.device) -> None:
     """The Triton kernels need CUDA, or Triton's interpreter on the CPU (TRITON_INTERPRET=1: tests)."""
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and device.type != "cuda" and not kernel_settings().triton_interpret:
         raise ValueError(
             "--lora-backend triton needs a CUDA device (or TRITON_INTERPRET=1); use torch on CPU"
         )
