@@ -31,6 +31,9 @@ MAX_MESSAGE_BYTES = (1 << 31) - 1 - (1 << 20)
 
 @dataclass(frozen=True)
 class ServerArgs:
+    """Every flag: the engine's in `engine`, the LoRA ones in `lora`, the server's own here.
+    Construction checks the server's flags and the combinations across the three."""
+
     engine: EngineConfig = field(default_factory=EngineConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     # Adapter store
