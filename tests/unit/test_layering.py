@@ -158,3 +158,10 @@ def test_engine_lora_and_workers_take_config_objects_not_the_cli_type(package):
         str(f.relative_to(ROOT)) for f in files if "services.inference.server_args" in _imported_modules(f)
     ]
     assert not bad, f"these import the CLI type (services.inference.server_args): {bad}"
+
+
+def test_server_args_does_not_reach_back_into_proto_convert():
+    """proto_convert reads ServerArgs; the adapter name rule both need lives in lora/names.py, so
+    no import, not even one inside a function, runs the other way."""
+    imported = _imported_modules(ROOT / "services" / "inference" / "server_args.py")
+    assert not {m for m in imported if m.startswith("services.inference.proto_convert")}
