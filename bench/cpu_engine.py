@@ -48,7 +48,7 @@ class OurEngine:
         from services.inference.engine.engine import LLMEngine
 
         config = EngineConfig(
-            model_path=str(model_dir), device=torch.device("cpu"), dtype_name="float32",
+            model_path=str(model_dir), device=torch.device("cpu"), dtype="float32",
             max_total_tokens=16384, context_length=2048,
         )  # fmt: skip
         self.engine = LLMEngine.from_config(config)

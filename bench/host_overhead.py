@@ -130,7 +130,7 @@ def main() -> None:
         options = dict(
             model_path=str(model_dir),
             device=torch.device("cpu"),
-            dtype_name="float32",
+            dtype="float32",
             max_running_requests=max(args.batch, 1),
             max_total_tokens=args.batch * 256,
             context_length=1024,

@@ -100,7 +100,7 @@ def build(opts: argparse.Namespace):
         extra = dict(device="cpu", dtype="float32", context_length=2048, max_total_tokens=16384)
         vocab = (1000, 48000)
     names = [f"a{i}" for i in range(opts.adapters)]
-    args = ServerArgs(
+    args = ServerArgs.from_fields(
         model_path=str(model_dir),
         lora_paths=tuple(f"{n}={d}" for n, d in zip(names, adapter_dirs, strict=True)),
         max_loras_per_batch=opts.adapters,
@@ -110,7 +110,7 @@ def build(opts: argparse.Namespace):
         cuda_graph_max_bs=min(opts.max_running, 256),
         **extra,
     )
-    engine, _ = build_llm_engine(args)
+    engine, _ = build_llm_engine(args.engine, args.lora)
     return engine, names, vocab
 
 

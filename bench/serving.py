@@ -113,7 +113,7 @@ def build(model_dir: Path, opts: argparse.Namespace, num_adapters: int):
     from services.inference.engine.build import build_engine
     from services.inference.server_args import ServerArgs
 
-    args = ServerArgs(
+    args = ServerArgs.from_fields(
         model_path=str(model_dir),
         dtype="bfloat16",
         device="cuda" if torch.cuda.is_available() else "cpu",
@@ -127,12 +127,12 @@ def build(model_dir: Path, opts: argparse.Namespace, num_adapters: int):
         max_num_batched_tokens=8192 + opts.max_bs,
         mem_fraction_static=opts.mem_fraction,
         disable_cuda_graph=opts.disable_cuda_graph,
-        disable_overlap_schedule=opts.disable_overlap_schedule,
+        overlap_schedule=False if opts.disable_overlap_schedule else None,
         tp_size=opts.tp_size,
         lora_backend=opts.lora_backend,
     )
     start = time.perf_counter()
-    async_engine = build_engine(args)
+    async_engine = build_engine(args.engine, args.lora)
     # We drive LLMEngine.step() ourselves, on this thread: stop only the engine thread (the
     # base class's shutdown), so tensor-parallel workers stay up until engine_section ends.
     AsyncEngine.shutdown(async_engine)

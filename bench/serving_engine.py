@@ -1,6 +1,6 @@
 """Engine measurements for bench/serving.py: decode steps at a batch over fixed contexts, prefill.
 
-The engine is built with the server's own `build_engine(args)` (loader, LoRA pool and manager,
+The engine is built with the server's own `build_engine(config, lora_config)` (loader, LoRA pool and manager,
 KV cache, CUDA graphs); its engine thread is stopped and `LLMEngine.step()` is driven from here
 so each step can be timed. A step's wall time is split, through the engine's step timer, into the
 model runner's forward (input preparation + GPU, synchronized) and the rest (scheduling, sampling,

@@ -7,7 +7,6 @@ the model weights once); `factory.scenario(n, k)` yields a Target serving n adap
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import os
@@ -69,20 +68,31 @@ def _ensure_files(root: Path, shape: dict, count: int, rank: int, device: str) -
     return model, sorted(have)[:count]
 
 
-def _server_overrides(pairs: list[str]) -> dict:
-    from services.inference.server_args import ServerArgs
+# Fields whose default is None but whose values are ints.
+INT_OR_NONE = (
+    "max_total_tokens",
+    "context_length",
+    "max_gpu_loras",
+    "max_loras_per_batch",
+    "max_lora_rank",
+    "max_loaded_loras",
+)
 
-    fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
+
+def _server_overrides(pairs: list[str]) -> dict:
+    from services.inference.server_args import flat_defaults
+
+    defaults = flat_defaults()
     out = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
         key = key.strip().lstrip("-").replace("-", "_")
-        if key not in fields:
+        if key not in defaults:
             raise SystemExit(f"--server-arg {pair!r}: no ServerArgs field {key!r}")
-        default = getattr(ServerArgs(), key)
+        default = defaults[key]
         if isinstance(default, bool):
             out[key] = value.lower() in ("1", "true", "yes")
-        elif isinstance(default, int) or key in ("max_total_tokens", "context_length", "max_gpu_loras"):
+        elif isinstance(default, int) or key in INT_OR_NONE:
             out[key] = int(value)
         elif isinstance(default, float):
             out[key] = float(value)
@@ -134,7 +144,6 @@ class EngineFactory:
         import torch
 
         from bench.serving_setup import LLAMA_8B
-        from services.inference.engine.config import EngineConfig
         from services.inference.engine.loading import load
 
         if not cpu and not torch.cuda.is_available():
@@ -154,7 +163,7 @@ class EngineFactory:
         self.base_args = base
         from services.inference.server_args import ServerArgs
 
-        self.loaded = load(EngineConfig.from_args(ServerArgs(**base)))
+        self.loaded = load(ServerArgs.from_fields(**base).engine)
 
     def prepare(self, max_adapters: int) -> None:
         """Write every adapter the run needs at once (not the first N again for each larger N)."""
@@ -171,7 +180,8 @@ class EngineFactory:
         kw = dict(self.base_args, lora_paths=tuple(f"{a}={p}" for a, p in zip(names, paths, strict=True)))
         if max_loras_per_batch is not None:
             kw["max_loras_per_batch"] = max_loras_per_batch
-        llm, lora = build_llm_engine(ServerArgs(**kw), loaded=self.loaded)
+        args = ServerArgs.from_fields(**kw)
+        llm, lora = build_llm_engine(args.engine, args.lora, loaded=self.loaded)
         engine = AsyncEngine(llm, lora_manager=lora.manager)
         target = EngineTarget(engine, lora, names)
         try:

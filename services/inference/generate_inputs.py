@@ -153,10 +153,10 @@ async def engine_work(engine, request: pb.GenerateRequest, args: ServerArgs) -> 
     else:
         adapters = adapters_per_input(request)
     waiting = (await call(engine.stats)).waiting
-    if waiting + total > args.max_queued_requests:
+    if waiting + total > args.engine.max_queued_requests:
         raise CapacityExceeded(
             f"{waiting} requests are queued and this call adds {total}; the queue holds "
-            f"{args.max_queued_requests} (--max-queued-requests): retry later"
+            f"{args.engine.max_queued_requests} (--max-queued-requests): retry later"
         )
     context_length = (await call(engine.model_info)).context_length
     work: list[EngineWork] = []

@@ -14,10 +14,9 @@ from loraplex.v1 import inference_pb2 as pb
 from services.inference.engine.types import RequestOutput, SamplingParams, TokenLogprob
 from services.inference.errors import InvalidRequest
 from services.inference.lora.adapter_slots import AdapterInfo
+from services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
 from services.inference.server_args import ServerArgs
 
-# Same rule as the adapter store's (adapter_store/names.py): no '/', no '..' start, no control chars.
-ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
@@ -36,12 +35,8 @@ LOCATION = {
 
 
 def check_adapter_name(name: str, field: str = "name") -> str:
-    if not ADAPTER_NAME_RE.fullmatch(name):
-        raise InvalidRequest(
-            f"adapter name {name[:160]!r} is invalid: use 1-128 characters from [A-Za-z0-9._-], "
-            "starting with a letter or digit",
-            field=field,
-        )
+    if not is_adapter_name(name):
+        raise InvalidRequest(f"adapter name {name[:160]!r} is invalid: {ADAPTER_NAME_RULE}", field=field)
     return name
 
 
@@ -75,7 +70,8 @@ def _check_stops(p: pb.SamplingParams) -> None:
             )
     if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(
-            f"sampling_params.stop_token_ids has {len(p.stop_token_ids)} entries; at most {MAX_STOP_TOKEN_IDS}",
+            f"sampling_params.stop_token_ids has {len(p.stop_token_ids)} entries; "
+            f"at most {MAX_STOP_TOKEN_IDS}",
             field="sampling_params.stop_token_ids",
         )
 
@@ -104,7 +100,7 @@ def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
             "sampling_params.top_logprobs needs sampling_params.logprobs or prompt_logprobs",
             field="sampling_params.top_logprobs",
         )
-    params.validate(args.max_new_tokens_limit)
+    params.validate(args.engine.max_new_tokens_limit)
     return params
 
 

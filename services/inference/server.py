@@ -163,7 +163,7 @@ class InferenceServer:
             log.error("%s; engine RPCs answer UNIMPLEMENTED", reason)
             return
         try:
-            engine = await call(factory, self.args)
+            engine = await call(factory, self.args.engine, self.args.lora)
             resolver = AdapterResolver(engine, self.store, self.metrics, self.args.allowed_local_dirs)
             await self._preload(engine, resolver)
             await self._warm_up(engine)
@@ -191,7 +191,7 @@ class InferenceServer:
 
     async def _preload(self, engine, resolver: AdapterResolver) -> None:
         """--lora-paths the engine did not load itself (it loads them when it can)."""
-        for name, source in self.args.lora_path_map.items():
+        for name, source in self.args.lora.path_map.items():
             if not await call(engine.has_adapter, name):
                 await resolver.load(name, source, "", pin=False)
 

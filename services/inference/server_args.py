@@ -1,6 +1,10 @@
-"""Command-line flags of `python -m services.inference`, as one frozen dataclass.
+"""Command-line flags of `python -m services.inference`, as frozen dataclasses.
 
-Flag names and defaults follow SGLang's where SGLang has one (design brief §5).
+`ServerArgs` holds the server's own flags and composes the two configs that own the rest of the
+defaults: `EngineConfig` (engine/config.py) and `LoRAConfig` (lora/settings.py). The parser
+takes every default from those dataclasses, and `parse_args` checks every flag (ranges, choices
+and combinations) so a bad command line fails before the model loads. Flag names and defaults
+follow SGLang's where SGLang has one (design brief §5).
 """
 
 from __future__ import annotations
@@ -9,50 +13,37 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
-ALL_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from services.inference.engine.config import DEVICES, DTYPES, EngineConfig
+from services.inference.lora.settings import (
+    DEFAULT_MAX_GPU_LORAS,
+    DEFAULT_MAX_LORA_RANK,
+    LORA_BACKENDS,
+    LoRAConfig,
+    check_backend_device,
+)
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# gRPC caps a message at 2 GiB - 1; the server's own limit sits 1 MiB above --max-message-bytes.
+MAX_MESSAGE_BYTES = (1 << 31) - 1 - (1 << 20)
 
 
 @dataclass(frozen=True)
 class ServerArgs:
-    model_path: str = ""
-    # Model / device
-    device: str = "auto"  # auto | cuda | cpu
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    tp_size: int = 1
-    seed: int = 0
-    # LoRA
-    lora_paths: tuple[str, ...] = ()  # NAME=SOURCE
-    max_loras_per_batch: int | None = None  # None: pool sized from memory, every resident adapter per batch
-    max_gpu_loras: int | None = None  # bound on a pool sized from memory; None = 256 on CUDA, 64 on CPU
-    lora_backend: str | None = None  # triton | torch; None = triton on CUDA, torch on CPU
-    disable_lora_side_stream: bool = False  # triton on CUDA: decode deltas beside the base matmul
-    max_lora_rank: int | None = None  # None = inferred from lora_paths, else 64
-    lora_target_modules: tuple[str, ...] | None = None  # None = inferred, else all
-    max_loaded_loras: int | None = None  # host cache size; None = unbounded
+    """Every flag: the engine's in `engine`, the LoRA ones in `lora`, the server's own here.
+    Construction checks the server's flags and the combinations across the three."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # Adapter store
     adapter_store: str = "none"  # HOST:PORT | none
     adapter_cache_dir: str | None = None  # adapters pulled from the store; None = ~/.cache/loraplex/inference
     adapter_store_tls_ca: str | None = None  # PEM: talk TLS to the store, verified with it
-    # Memory and batching
-    mem_fraction_static: float = 0.88
-    max_total_tokens: int | None = None
-    page_size: int = 16
-    chunked_prefill_size: int = 2048
-    decode_prefill_budget: int = 0  # prefill tokens per step while decodes run; 0 = --chunked-prefill-size
-    max_num_batched_tokens: int = 8192
-    max_running_requests: int = 256
-    context_length: int | None = None
-    cuda_graph_max_bs: int = 256
-    disable_cuda_graph: bool = False
-    mixed_cuda_graph_max_tokens: int = 2048  # piecewise graphs for steps with prefill chunks; 0 = off
-    disable_overlap_schedule: bool = False  # overlap is on by default on CUDA (off on CPU)
-    disable_prefix_cache: bool = False
     # Request limits
-    max_new_tokens_limit: int = 4096
     default_max_new_tokens: int = 128
     max_inputs_per_request: int = 256
     max_message_bytes: int = 64 * 1024 * 1024
-    max_queued_requests: int = 4096
     # Server
     host: str = "127.0.0.1"
     port: int = 50051
@@ -68,184 +59,282 @@ class ServerArgs:
     allowed_local_dirs: tuple[str, ...] = ()
     log_level: str = "info"
 
-    @property
-    def lora_path_map(self) -> dict[str, str]:
-        # Imported here: proto_convert imports this module.
-        from services.inference.proto_convert import ADAPTER_NAME_RE
+    def __post_init__(self) -> None:
+        check_server_args(self)
 
-        out: dict[str, str] = {}
-        for item in self.lora_paths:
-            name, sep, source = item.partition("=")
-            if not sep or not name or not source:
-                raise ValueError(f"--lora-paths expects NAME=SOURCE, got {item!r}")
-            if not ADAPTER_NAME_RE.fullmatch(name):
-                raise ValueError(
-                    f"--lora-paths name {name!r} is invalid: use 1-128 characters from "
-                    "[A-Za-z0-9._-], starting with a letter or digit (requests could not name it)"
-                )
-            out[name] = source
-        return out
+    @classmethod
+    def from_fields(cls, **values: Any) -> ServerArgs:
+        """Build from flat field names (one per flag, as `parse_args` and tests use them): each goes
+        to the object that owns it. Raises ValueError naming an unknown field."""
+        parts: dict[type, dict[str, Any]] = {EngineConfig: {}, LoRAConfig: {}, cls: {}}
+        owner = flat_field_owners()
+        for key, value in values.items():
+            if key not in owner:
+                raise ValueError(f"no server flag field {key!r}")
+            parts[owner[key]][key] = value
+        return cls(
+            engine=EngineConfig(**parts[EngineConfig]), lora=LoRAConfig(**parts[LoRAConfig]), **parts[cls]
+        )
+
+
+def flat_field_owners() -> dict[str, type]:
+    """Every flat field name -> the dataclass that owns it (and its default)."""
+    own = {f.name: ServerArgs for f in dataclasses.fields(ServerArgs) if f.name not in ("engine", "lora")}
+    return {
+        **{f.name: EngineConfig for f in dataclasses.fields(EngineConfig)},
+        **{f.name: LoRAConfig for f in dataclasses.fields(LoRAConfig)},
+        **own,
+    }
+
+
+def flat_defaults() -> dict[str, Any]:
+    """Every flat field name -> its default, from the dataclass that owns it."""
+    args = ServerArgs()
+    return {
+        **dataclasses.asdict(args.engine),
+        **dataclasses.asdict(args.lora),
+        **{
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(args)
+            if f.name not in ("engine", "lora")
+        },
+    }
+
+
+def _port(flag: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= 65535:
+        raise ValueError(f"{flag} must be 0-65535, 0 = any free port (got {value})")
+
+
+def check_server_args(args: ServerArgs) -> None:
+    """The server's own flags and the combinations across objects; ValueError names the flag."""
+    if args.adapter_store != "none":
+        host, sep, port = args.adapter_store.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"--adapter-store expects HOST:PORT or 'none' (got {args.adapter_store!r})")
+    elif args.adapter_store_tls_ca:
+        raise ValueError("--adapter-store-tls-ca needs --adapter-store HOST:PORT")
+    limit = args.engine.max_new_tokens_limit
+    if not 1 <= args.default_max_new_tokens <= limit:
+        raise ValueError(
+            f"--default-max-new-tokens must be 1..--max-new-tokens-limit ({limit}) "
+            f"(got {args.default_max_new_tokens})"
+        )
+    if args.max_inputs_per_request < 1:
+        raise ValueError(f"--max-inputs-per-request must be >= 1 (got {args.max_inputs_per_request})")
+    if not 1 <= args.max_message_bytes <= MAX_MESSAGE_BYTES:
+        raise ValueError(
+            f"--max-message-bytes must be 1..{MAX_MESSAGE_BYTES} (gRPC's 2 GiB limit less 1 MiB) "
+            f"(got {args.max_message_bytes})"
+        )
+    if not args.host:
+        raise ValueError("--host must not be empty")
+    _port("--port", args.port)
+    _port("--metrics-port", args.metrics_port)
+    if args.metrics_port and args.metrics_port == args.port:
+        raise ValueError(f"--metrics-port and --port are both {args.port}")
+    if args.grace_period < 0:
+        raise ValueError(f"--grace-period must be >= 0 seconds (got {args.grace_period})")
+    if any(not " " <= c <= "~" for c in args.replica_id):
+        raise ValueError(
+            f"--replica-id must be printable ASCII (it is sent as gRPC metadata), got {args.replica_id!r}"
+        )
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_ca and not args.tls_cert:
+        raise ValueError("--tls-ca needs --tls-cert and --tls-key")
+    if any(not d for d in args.allowed_local_dirs):
+        raise ValueError("--allowed-local-dirs entries must not be empty")
+    if args.log_level not in LOG_LEVELS:
+        raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)} (got {args.log_level!r})")
+    if args.lora.lora_backend is not None:
+        check_backend_device(args.lora.lora_backend, args.engine.device)
+
+
+def _defaults(cls: type) -> argparse.Namespace:
+    """A dataclass's field defaults, read without building one (nothing is resolved)."""
+    return argparse.Namespace(
+        **{f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags; every default comes from the dataclass that owns it."""
     p = argparse.ArgumentParser(prog="python -m services.inference", description="loraplex inference service")
-    d = ServerArgs()
+    e, lo, s = _defaults(EngineConfig), _defaults(LoRAConfig), _defaults(ServerArgs)
     a = p.add_argument
+
     a("--model-path", required=True, help="HF directory or Hub id of the base model")
-    a("--device", default=d.device, choices=["auto", "cuda", "cpu"])
-    a("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"])
-    a("--tp-size", type=int, default=d.tp_size)
-    a("--seed", type=int, default=d.seed)
+    a("--device", default=e.device, choices=DEVICES)
+    a("--dtype", default=e.dtype, choices=DTYPES)
+    a("--tp-size", type=int, default=e.tp_size)
+    a("--seed", type=int, default=e.seed)
     a(
         "--lora-paths",
         nargs="*",
-        default=[],
+        default=list(lo.lora_paths),
         metavar="NAME=SOURCE",
         help="adapters to load at start (local PEFT directories; other sources via the adapter store)",
     )
     a(
         "--max-loras-per-batch",
         type=int,
-        default=None,
+        default=lo.max_loras_per_batch,
         help="at most this many distinct adapters in one batch (the GPU pool then has this many slots); "
-        "default: the pool is sized from free memory (see --max-gpu-loras) and every resident adapter may "
-        "share a batch. The base model takes no slot",
+        "default: the pool is sized from free memory (see --max-gpu-loras) and every resident adapter "
+        "may share a batch. The base model takes no slot",
     )
     a(
         "--max-gpu-loras",
         type=int,
-        default=None,
-        help="upper bound on the adapter slots of a pool sized from memory (without --max-loras-per-batch); "
-        "default 256 on CUDA, 64 on CPU",
+        default=lo.max_gpu_loras,
+        help="upper bound on the adapter slots of a pool sized from memory (without "
+        f"--max-loras-per-batch); default {DEFAULT_MAX_GPU_LORAS['cuda']} on CUDA, "
+        f"{DEFAULT_MAX_GPU_LORAS['cpu']} on CPU",
     )
     a(
         "--lora-backend",
-        default=None,
-        choices=["triton", "torch"],
+        default=lo.lora_backend,
+        choices=LORA_BACKENDS,
         help="default: triton on CUDA, torch on CPU",
     )
     a(
         "--max-lora-rank",
         type=int,
-        default=None,
-        help="largest adapter rank the pool holds; default: the largest rank in --lora-paths, else 64",
+        default=lo.max_lora_rank,
+        help="largest adapter rank the pool holds; default: the largest rank in --lora-paths, "
+        f"else {DEFAULT_MAX_LORA_RANK}",
     )
     a(
         "--lora-target-modules",
         nargs="*",
-        default=None,
+        default=lo.lora_target_modules,
         help="q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or 'all'; default: the union of "
         "--lora-paths' targets, else all",
     )
     a(
         "--disable-lora-side-stream",
         action="store_true",
+        default=lo.disable_lora_side_stream,
         help="triton backend: run decode steps' LoRA kernels after each base matmul on one stream, "
         "instead of beside it on a second stream (the default on CUDA)",
     )
     a(
         "--max-loaded-loras",
         type=int,
-        default=None,
+        default=lo.max_loaded_loras,
         help="adapters kept in host memory (LRU beyond it, re-read from source); default unbounded",
     )
-    a("--adapter-store", default=d.adapter_store, help="HOST:PORT of the adapter store, or 'none'")
-    a("--adapter-cache-dir", default=None, help="where adapters pulled from the store are kept")
+    a("--adapter-store", default=s.adapter_store, help="HOST:PORT of the adapter store, or 'none'")
+    a(
+        "--adapter-cache-dir",
+        default=s.adapter_cache_dir,
+        help="where adapters pulled from the store are kept",
+    )
     a(
         "--adapter-store-tls-ca",
-        default=None,
+        default=s.adapter_store_tls_ca,
         help="PEM CA to verify a TLS adapter store with (the channel is plaintext without it); "
         "--tls-cert/--tls-key, when given, are presented to it as the client certificate (mutual TLS)",
     )
-    a("--mem-fraction-static", type=float, default=d.mem_fraction_static)
-    a("--max-total-tokens", type=int, default=None)
-    a("--page-size", type=int, default=d.page_size)
-    a("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    a("--mem-fraction-static", type=float, default=e.mem_fraction_static)
+    a("--max-total-tokens", type=int, default=e.max_total_tokens)
+    a("--page-size", type=int, default=e.page_size)
+    a("--chunked-prefill-size", type=int, default=e.chunked_prefill_size)
     a(
         "--decode-prefill-budget",
         type=int,
-        default=d.decode_prefill_budget,
+        default=e.decode_prefill_budget,
         help="prefill tokens per step while decodes are running (so they keep their cadence); "
         "0 = --chunked-prefill-size. Pick it from bench/mixed_step.py's step time vs chunk size",
     )
-    a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    a("--max-running-requests", type=int, default=d.max_running_requests)
-    a("--context-length", type=int, default=None)
-    a("--cuda-graph-max-bs", type=int, default=d.cuda_graph_max_bs)
-    a("--disable-cuda-graph", action="store_true")
+    a("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens)
+    a("--max-running-requests", type=int, default=e.max_running_requests)
+    a("--context-length", type=int, default=e.context_length)
+    a("--cuda-graph-max-bs", type=int, default=e.cuda_graph_max_bs)
+    a("--disable-cuda-graph", action="store_true", default=e.disable_cuda_graph)
     a(
         "--mixed-cuda-graph-max-tokens",
         type=int,
-        default=d.mixed_cuda_graph_max_tokens,
+        default=e.mixed_cuda_graph_max_tokens,
         help="steps with prefill chunks of up to this many tokens replay piecewise CUDA graphs (all but "
         "attention; bounds their memory); 0 = run them eagerly",
     )
     a(
         "--disable-overlap-schedule",
-        action="store_true",
-        help="run each step's output processing before launching the next step (overlap is on by default on CUDA)",
+        dest="overlap_schedule",
+        action="store_const",
+        const=False,
+        default=e.overlap_schedule,
+        help="run each step's output processing before launching the next step (overlap is on by "
+        "default on CUDA)",
     )
     a(
         "--disable-prefix-cache",
         action="store_true",
+        default=e.disable_prefix_cache,
         help="prefill every request from its first token instead of reusing the cached KV of a prefix "
         "that the same base model or adapter content computed before (on by default)",
     )
-    a("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
-    a("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
-    a("--max-inputs-per-request", type=int, default=d.max_inputs_per_request)
-    a("--max-message-bytes", type=int, default=d.max_message_bytes)
-    a("--max-queued-requests", type=int, default=d.max_queued_requests)
-    a("--host", default=d.host)
-    a("--port", type=int, default=d.port)
-    a("--metrics-port", type=int, default=None)
-    a("--grace-period", type=float, default=d.grace_period)
+    a("--max-new-tokens-limit", type=int, default=e.max_new_tokens_limit)
+    a("--default-max-new-tokens", type=int, default=s.default_max_new_tokens)
+    a("--max-inputs-per-request", type=int, default=s.max_inputs_per_request)
+    a("--max-message-bytes", type=int, default=s.max_message_bytes)
+    a("--max-queued-requests", type=int, default=e.max_queued_requests)
+    a("--host", default=s.host)
+    a("--port", type=int, default=s.port)
+    a("--metrics-port", type=int, default=s.metrics_port)
+    a("--grace-period", type=float, default=s.grace_period)
     a(
         "--listen-when-ready",
         action="store_true",
+        default=s.listen_when_ready,
         help="bind the port only once the model is loaded and warmed up (replicas behind nginx, which has "
         "no active health checks: a loading replica then refuses connections and is routed around)",
     )
     a(
         "--replica-id",
-        default="",
+        default=s.replica_id,
         help="this replica's name, sent on every response as trailing metadata x-loraplex-replica "
         "(default: the hostname)",
     )
     a(
         "--admin-token",
-        default=None,
+        default=s.admin_token,
         help="LoadAdapter/UnloadAdapter need 'authorization: Bearer <token>'; also sent to the store "
         "(default: $LORAPLEX_ADMIN_TOKEN; the environment keeps it out of `ps`)",
     )
     a(
         "--api-token",
-        default=None,
+        default=s.api_token,
         help="every Inference call needs 'authorization: Bearer <token>' (default: $LORAPLEX_API_TOKEN)",
     )
-    a("--tls-cert", default=None, help="PEM server certificate (with --tls-key): serve TLS")
-    a("--tls-key", default=None, help="PEM private key of --tls-cert")
-    a("--tls-ca", default=None, help="PEM CA: clients must present a certificate it signed (mutual TLS)")
+    a("--tls-cert", default=s.tls_cert, help="PEM server certificate (with --tls-key): serve TLS")
+    a("--tls-key", default=s.tls_key, help="PEM private key of --tls-cert")
+    a("--tls-ca", default=s.tls_ca, help="PEM CA: clients must present a certificate it signed (mutual TLS)")
     a(
         "--allowed-local-dirs",
         nargs="*",
-        default=[],
+        default=list(s.allowed_local_dirs),
         help="LoadAdapter local-path sources only under these directories (default: anywhere)",
     )
-    a("--log-level", default=d.log_level)
+    a("--log-level", type=str.lower, default=s.log_level, choices=LOG_LEVELS)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
-    ns = build_parser().parse_args(argv)
-    values = vars(ns)
+    """Parse and check the command line; a bad flag exits with status 2 and a message naming it."""
+    parser = build_parser()
+    values = vars(parser.parse_args(argv))
+    if not values["model_path"]:
+        parser.error("--model-path must not be empty")
     values["admin_token"] = values["admin_token"] or os.environ.get("LORAPLEX_ADMIN_TOKEN") or None
     values["api_token"] = values["api_token"] or os.environ.get("LORAPLEX_API_TOKEN") or None
     for key in ("lora_paths", "allowed_local_dirs"):
         values[key] = tuple(values[key])
     if values["lora_target_modules"] is not None:
         values["lora_target_modules"] = tuple(values["lora_target_modules"])
-    names = {f.name for f in dataclasses.fields(ServerArgs)}
-    args = ServerArgs(**{k: v for k, v in values.items() if k in names})
-    args.lora_path_map  # noqa: B018 - validates NAME=SOURCE early
-    return args
+    try:
+        return ServerArgs.from_fields(**values)
+    except ValueError as exc:
+        parser.error(str(exc))

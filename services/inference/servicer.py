@@ -290,7 +290,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 lora_backend=m.lora_backend,
                 tp_size=m.tp_size,
                 context_length=m.context_length,
-                max_new_tokens_limit=self.args.max_new_tokens_limit,
+                max_new_tokens_limit=self.args.engine.max_new_tokens_limit,
                 max_inputs_per_request=self.args.max_inputs_per_request,
             )
 
@@ -308,7 +308,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 from transformers import AutoTokenizer
 
                 # Our own copy: the engine's tokenizers belong to its threads.
-                self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, self.args.model_path)
+                self._tokenizer = await asyncio.to_thread(
+                    AutoTokenizer.from_pretrained, self.args.engine.model_path
+                )
             return pb.TokenizeResponse(token_ids=ids, tokens=self._tokenizer.convert_ids_to_tokens(ids))
 
         return await self._simple(context, "Tokenize", work)

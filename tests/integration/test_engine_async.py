@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine import build_engine
 from services.inference.engine.async_engine import AsyncEngine
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import LLMEngine, load
@@ -17,6 +16,7 @@ from services.inference.errors import AdapterNotFound, CapacityExceeded, Invalid
 from services.inference.lora.adapter_slots import AdapterSlots
 from services.inference.lora.backend import GROUPS, LoRABackend
 from services.inference.server_args import ServerArgs
+from tests.support.lora_reference import async_engine
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -26,10 +26,10 @@ def _one_thread(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def aengine(tiny_llama_path: Path):
-    args = ServerArgs(
+    args = ServerArgs.from_fields(
         model_path=str(tiny_llama_path), device="cpu", max_total_tokens=512, page_size=4, context_length=256
     )
-    engine = build_engine(args)
+    engine = async_engine(args)
     yield engine
     engine.shutdown()
 
@@ -184,7 +184,7 @@ class RecordingBackend(LoRABackend):
 
 def test_adapter_requests_wait_for_slots_without_holding_up_base_requests(tiny_llama_path):
     config = EngineConfig(
-        model_path=str(tiny_llama_path), device=torch.device("cpu"), dtype_name="float32",
+        model_path=str(tiny_llama_path), device=torch.device("cpu"), dtype="float32",
         max_total_tokens=512, page_size=4, context_length=128,
     )  # fmt: skip
     slots, backend = ResidentSet(2), RecordingBackend()

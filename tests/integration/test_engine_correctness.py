@@ -36,7 +36,7 @@ def make_engine(path: Path, **overrides) -> LLMEngine:
     options = dict(
         model_path=str(path),
         device=torch.device("cpu"),
-        dtype_name="float32",
+        dtype="float32",
         chunked_prefill_size=CHUNK,
         max_num_batched_tokens=64,
         max_total_tokens=4096,

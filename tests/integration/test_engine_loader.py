@@ -33,7 +33,7 @@ def engine_for(path: Path, **overrides) -> LLMEngine:
     options = dict(
         model_path=str(path),
         device=torch.device("cpu"),
-        dtype_name="auto",
+        dtype="auto",
         max_total_tokens=1024,
         page_size=4,
         chunked_prefill_size=8,

@@ -33,7 +33,7 @@ def make_engine(path: Path, overlap: bool, **overrides) -> LLMEngine:
     options = dict(
         model_path=str(path),
         device=torch.device("cpu"),
-        dtype_name="float32",
+        dtype="float32",
         chunked_prefill_size=8,
         max_num_batched_tokens=64,
         max_total_tokens=4096,

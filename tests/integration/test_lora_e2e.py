@@ -16,15 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine.build import build_engine
 from services.inference.engine.types import SamplingParams
 from services.inference.errors import AdapterIncompatible, AdapterNotFound
-from services.inference.lora.setup import DEFAULT_MAX_LORA_RANK, resolve_lora_settings
+from services.inference.lora.settings import DEFAULT_MAX_LORA_RANK
 from services.inference.lora.shapes import ALL_MODULES, ModelShapes
 from tests.support.lora_reference import (
     BATCH,
     NEW_TOKENS,
     PROMPTS,
+    async_engine,
+    lora_settings,
     make_adapters,
     peft_greedy,
     server_args,
@@ -90,7 +91,7 @@ def tiny_ids(tiny_llama_path) -> list[list[int]]:
 def test_one_adapter_and_base_then_two_adapters(tiny_llama_path, tiny_adapters, tiny_ids, caplog):
     one = {"r4": tiny_adapters["r4"]}
     with caplog.at_level(logging.INFO, logger="services.inference.lora.setup"):
-        engine = build_engine(server_args(tiny_llama_path, one))
+        engine = async_engine(server_args(tiny_llama_path, one))
     try:
         info = engine.model_info()
         # inferred from --lora-paths: r4's rank and modules
@@ -115,7 +116,7 @@ def test_one_adapter_and_base_then_two_adapters(tiny_llama_path, tiny_adapters, 
         engine.shutdown()
     # two adapters, both from --lora-paths: rank and modules inferred as the max / union
     two = {"r4": tiny_adapters["r4"], "r8rs": tiny_adapters["r8rs"]}
-    engine = build_engine(server_args(tiny_llama_path, two))
+    engine = async_engine(server_args(tiny_llama_path, two))
     try:
         assert engine.model_info().max_lora_rank == 8
 
@@ -136,7 +137,7 @@ def test_one_adapter_and_base_then_two_adapters(tiny_llama_path, tiny_adapters, 
 
 def test_load_unload_load_while_running(tiny_llama_path, tiny_adapters, tiny_ids):
     long_n = 300
-    engine = build_engine(
+    engine = async_engine(
         server_args(
             tiny_llama_path, {"r4": tiny_adapters["r4"]}, max_lora_rank=64, lora_target_modules=("all",)
         )
@@ -182,7 +183,7 @@ async def _drain(stream, tokens: list[int]) -> list[int]:
 
 def test_rank4_and_rank64_side_by_side_and_refused_without_flags(tiny_llama_path, tiny_adapters, tiny_ids):
     pair = {"r4": tiny_adapters["r4"], "r64": tiny_adapters["r64"]}
-    engine = build_engine(server_args(tiny_llama_path, pair, max_lora_rank=64, lora_target_modules=("all",)))
+    engine = async_engine(server_args(tiny_llama_path, pair, max_lora_rank=64, lora_target_modules=("all",)))
     try:
 
         async def flow():
@@ -198,7 +199,7 @@ def test_rank4_and_rank64_side_by_side_and_refused_without_flags(tiny_llama_path
         )
     finally:
         engine.shutdown()
-    engine = build_engine(server_args(tiny_llama_path, {"r4": tiny_adapters["r4"]}))
+    engine = async_engine(server_args(tiny_llama_path, {"r4": tiny_adapters["r4"]}))
     try:
         with pytest.raises(AdapterIncompatible) as e:
             asyncio.run(engine.load_adapter("r64", str(tiny_adapters["r64"])))
@@ -228,23 +229,23 @@ def documented_pool_bytes(base: Path, slots: int, rank: int, modules: list[str],
 def test_defaults_and_inference(tiny_llama_path, tiny_adapters):
     shapes = ModelShapes.from_model_dir(tiny_llama_path)
     cpu = torch.device("cpu")
-    d = resolve_lora_settings(server_args(tiny_llama_path), shapes, cpu)
+    d = lora_settings(server_args(tiny_llama_path), shapes, cpu)
     assert (d.max_lora_rank, d.target_modules, d.backend, d.max_loras_per_batch) == (
         DEFAULT_MAX_LORA_RANK,
         ALL_MODULES,
         "torch",
         2,
     )
-    inferred = resolve_lora_settings(
+    inferred = lora_settings(
         server_args(tiny_llama_path, {k: tiny_adapters[k] for k in ("r8rs", "r16")}), shapes, cpu
     )
     assert inferred.max_lora_rank == 16
     assert inferred.target_modules == ("q_proj", "v_proj", "up_proj", "down_proj")
-    explicit = resolve_lora_settings(
+    explicit = lora_settings(
         server_args(tiny_llama_path, max_lora_rank=8, lora_target_modules=("q_proj", "down_proj")),
         shapes,
         cpu,
     )
     assert (explicit.max_lora_rank, explicit.target_modules) == (8, ("q_proj", "down_proj"))
     with pytest.raises(ValueError, match="wq"):
-        resolve_lora_settings(server_args(tiny_llama_path, lora_target_modules=("wq",)), shapes, cpu)
+        lora_settings(server_args(tiny_llama_path, lora_target_modules=("wq",)), shapes, cpu)

@@ -365,14 +365,11 @@ def test_prometheus_series_follow_the_engine(tiny_llama_path, adapters):
 
 
 def test_disable_prefix_cache_flag():
-    from services.inference.engine.config import EngineConfig
     from services.inference.server_args import parse_args
 
-    assert not EngineConfig.from_args(
-        parse_args(["--model-path", "m", "--device", "cpu"])
-    ).disable_prefix_cache
+    assert not parse_args(["--model-path", "m", "--device", "cpu"]).engine.disable_prefix_cache
     args = parse_args(["--model-path", "m", "--device", "cpu", "--disable-prefix-cache"])
-    assert args.disable_prefix_cache and EngineConfig.from_args(args).disable_prefix_cache
+    assert args.engine.disable_prefix_cache
 
 
 def test_base_model_digest_names_the_checkpoint_and_dtype(tiny_llama_path, tiny_qwen2_path):
@@ -387,11 +384,11 @@ def test_base_model_digest_names_the_checkpoint_and_dtype(tiny_llama_path, tiny_
 def test_tensor_parallel_reuses_cached_prefixes(tiny_llama_path, adapters):
     """`--tp-size 2` (gloo, a spawned worker): the cache decisions are rank 0's and travel in the
     block tables; outputs equal one device without the cache."""
-    from services.inference.engine.build import build_engine
     from tests.integration.test_tp import run_batch, tp_args
+    from tests.support.lora_reference import async_engine
 
     def run(tp: int, cache: bool):
-        engine = build_engine(
+        engine = async_engine(
             tp_args(tiny_llama_path, tp, {"a": adapters["a"]}, page_size=PAGE, disable_prefix_cache=not cache)
         )
         try:

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from services.inference.engine.build import build_engine
 from services.inference.engine.types import SamplingParams
 from services.inference.errors import BackendUnavailable
 from services.inference.server_args import ServerArgs
 from tests.support.factories import make_tiny_model
+from tests.support.lora_reference import async_engine
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,"]
@@ -43,7 +43,7 @@ def tp_args(model, tp: int, adapters: dict, **extra) -> ServerArgs:
         lora_paths=tuple(f"{n}={p}" for n, p in adapters.items()),
     )
     options.update(extra)
-    return ServerArgs(**options)
+    return ServerArgs.from_fields(**options)
 
 
 async def _one(engine, rid, prompt, adapter, params) -> list[int]:
@@ -65,9 +65,9 @@ def run_batch(engine, jobs: list[tuple[str, str | None]], max_new_tokens: int) -
 
 def outputs(args: ServerArgs, jobs, max_new_tokens: int, load_later: dict | None = None) -> list[list[int]]:
     """Build through build_engine, load `load_later` adapters at run time, run one mixed batch."""
-    engine = build_engine(args)
+    engine = async_engine(args)
     try:
-        assert engine.model_info().tp_size == args.tp_size
+        assert engine.model_info().tp_size == args.engine.tp_size
         for name, path in (load_later or {}).items():
             asyncio.run(engine.load_adapter(name, str(path)))
         return run_batch(engine, jobs, max_new_tokens)
@@ -152,7 +152,7 @@ def test_smollm2_tp2_matches_tp1(smollm2_path, adapter_factory):
 def test_dead_worker_makes_engine_unhealthy_without_hanging(tiny_llama_path, when, caplog):
     """Killed while a request streams (the collective fails) or while idle (only the monitor
     can tell): unhealthy within seconds, a log line naming the rank, UNAVAILABLE after."""
-    engine = build_engine(tp_args(tiny_llama_path, 2, {}))
+    engine = async_engine(tp_args(tiny_llama_path, 2, {}))
     try:
         assert engine.healthy()
         worker = engine.workers.procs[0]
@@ -199,9 +199,9 @@ def test_dead_worker_makes_engine_unhealthy_without_hanging(tiny_llama_path, whe
 
 def test_unrunnable_tp_sizes_are_refused_before_any_worker_starts(tiny_llama_path):
     with pytest.raises(ValueError, match="--tp-size must be >= 1"):
-        build_engine(tp_args(tiny_llama_path, 0, {}))
+        async_engine(tp_args(tiny_llama_path, 0, {}))
     with pytest.raises(ValueError, match=r"--tp-size 3: the model has 4 attention heads in 2 KV groups"):
-        build_engine(tp_args(tiny_llama_path, 3, {}))
+        async_engine(tp_args(tiny_llama_path, 3, {}))
 
 
 def test_triton_lora_kernels_under_tp2_match_torch_tp1(tiny_llama_path, adapter_factory):

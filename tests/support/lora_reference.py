@@ -7,9 +7,12 @@ from pathlib import Path
 
 import torch
 
-from services.inference.engine.build import build_llm_engine
+from services.inference.engine.async_engine import AsyncEngine
+from services.inference.engine.build import build_engine, build_llm_engine
 from services.inference.engine.engine import LLMEngine
-from services.inference.lora.shapes import ALL_MODULES
+from services.inference.lora.settings import LoRASettings
+from services.inference.lora.setup import resolve_lora_settings
+from services.inference.lora.shapes import ALL_MODULES, ModelShapes
 from services.inference.server_args import ServerArgs
 
 NEW_TOKENS = 24
@@ -92,9 +95,21 @@ def server_args(base: Path, adapters: dict[str, Path] | None = None, **kw) -> Se
         lora_paths=tuple(f"{n}={p}" for n, p in (adapters or {}).items()),
     )
     options.update(kw)
-    return ServerArgs(**options)
+    return ServerArgs.from_fields(**options)
 
 
 def sync_engine(args: ServerArgs) -> LLMEngine:
     """The engine build_engine wires, driven synchronously so all prompts share one batch."""
-    return build_llm_engine(args)[0]
+    return build_llm_engine(args.engine, args.lora)[0]
+
+
+def async_engine(args: ServerArgs) -> AsyncEngine:
+    """The serving engine, built the way the server builds it from its flags."""
+    return build_engine(args.engine, args.lora)
+
+
+def lora_settings(args: ServerArgs, shapes: ModelShapes, device: torch.device) -> LoRASettings:
+    """The LoRA flags resolved the way the engine builder resolves them."""
+    return resolve_lora_settings(
+        args.lora, shapes, device, mem_fraction_static=args.engine.mem_fraction_static
+    )

@@ -147,23 +147,20 @@ def test_greedy_outputs_match_peft_under_slot_rotation(
 
 
 def test_pool_sized_from_memory_unless_max_loras_per_batch_given(tiny_llama_path):
-    from services.inference.lora.setup import DEFAULT_MAX_GPU_LORAS, resolve_lora_settings
+    from services.inference.lora.settings import DEFAULT_MAX_GPU_LORAS
+    from tests.support.lora_reference import lora_settings
 
     shapes, cpu = ModelShapes.from_model_dir(tiny_llama_path), torch.device("cpu")
-    default = resolve_lora_settings(server_args(tiny_llama_path, max_loras_per_batch=None), shapes, cpu)
+    default = lora_settings(server_args(tiny_llama_path, max_loras_per_batch=None), shapes, cpu)
     assert default.pool_sized_from_memory and default.max_loras_per_batch == DEFAULT_MAX_GPU_LORAS["cpu"]
-    bounded = resolve_lora_settings(
+    bounded = lora_settings(
         server_args(tiny_llama_path, max_loras_per_batch=None, max_gpu_loras=5), shapes, cpu
     )
     assert bounded.pool_sized_from_memory and bounded.max_loras_per_batch == 5
-    capped = resolve_lora_settings(
-        server_args(tiny_llama_path, max_loras_per_batch=3, max_gpu_loras=5), shapes, cpu
-    )
+    capped = lora_settings(server_args(tiny_llama_path, max_loras_per_batch=3, max_gpu_loras=5), shapes, cpu)
     assert not capped.pool_sized_from_memory and capped.max_loras_per_batch == 3
     with pytest.raises(ValueError, match="--max-gpu-loras"):
-        resolve_lora_settings(
-            server_args(tiny_llama_path, max_loras_per_batch=None, max_gpu_loras=0), shapes, cpu
-        )
+        lora_settings(server_args(tiny_llama_path, max_loras_per_batch=None, max_gpu_loras=0), shapes, cpu)
 
 
 def test_default_flags_put_every_adapter_in_one_batch(

@@ -28,7 +28,7 @@ def tiny(tiny_llama_path: Path):
     config = EngineConfig(
         model_path=str(tiny_llama_path),
         device=torch.device("cpu"),
-        dtype_name="float32",
+        dtype="float32",
         chunked_prefill_size=8,
         max_total_tokens=2048,
         page_size=4,

@@ -131,3 +131,37 @@ def test_no_import_cycle_between_packages():
         if cycle and package(m) in cycle and package(d) in cycle and package(m) != package(d)
     ]
     assert cycle is None, f"package import cycle {' -> '.join(cycle)}, through: {edges}"
+
+
+CONFIG_TAKERS = ("engine", "lora", "parallel")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at any level (function-level imports count here)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+@pytest.mark.parametrize("package", CONFIG_TAKERS)
+def test_engine_lora_and_workers_take_config_objects_not_the_cli_type(package):
+    """The engine, LoRA and tensor-parallel code are built from EngineConfig / LoRAConfig /
+    LoRASettings; only the server knows the command line (services/inference/server_args.py)."""
+    files = sorted((ROOT / "services" / "inference" / package).rglob("*.py"))
+    assert files
+    bad = [
+        str(f.relative_to(ROOT)) for f in files if "services.inference.server_args" in _imported_modules(f)
+    ]
+    assert not bad, f"these import the CLI type (services.inference.server_args): {bad}"
+
+
+def test_server_args_does_not_reach_back_into_proto_convert():
+    """proto_convert reads ServerArgs; the adapter name rule both need lives in lora/names.py, so
+    no import, not even one inside a function, runs the other way."""
+    imported = _imported_modules(ROOT / "services" / "inference" / "server_args.py")
+    assert not {m for m in imported if m.startswith("services.inference.proto_convert")}

@@ -1,4 +1,4 @@
-"""`build_engine(args)`: the one place the serving engine is put together."""
+"""`build_engine(config, lora)`: the one place the serving engine is put together."""
 
 from __future__ import annotations
 
@@ -9,44 +9,50 @@ from services.inference.engine.async_engine import AsyncEngine, default_model_in
 from services.inference.engine.config import EngineConfig
 from services.inference.engine.engine import LLMEngine, load
 from services.inference.engine.loading import LoadedModel
+from services.inference.lora.settings import LoRAConfig
 from services.inference.lora.setup import LoRAStack, build_lora
 from services.inference.lora.shapes import ModelShapes
-from services.inference.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
 
 
-def build_llm_engine(args: ServerArgs, loaded: LoadedModel | None = None) -> tuple[LLMEngine, LoRAStack]:
+def build_llm_engine(
+    config: EngineConfig, lora_config: LoRAConfig, loaded: LoadedModel | None = None
+) -> tuple[LLMEngine, LoRAStack]:
     """The single-device engine and its LoRA parts, not yet running (`build_engine` starts it;
     tests drive it synchronously).
 
     Order matters on GPU: weights, then the LoRA pool, then the KV cache, which takes what
     `--mem-fraction-static` leaves (or pass the pool's bytes as `kv_reserved_bytes` when it
-    is allocated after the cache). `loaded`: weights already loaded for `args` (benchmarks that
+    is allocated after the cache). `loaded`: weights already loaded for `config` (benchmarks that
     rebuild the engine per scenario load them once).
     """
-    config = EngineConfig.from_args(args)
     loaded = loaded or load(config)
     c = loaded.config
     shapes = ModelShapes(c.num_layers, c.hidden_size, c.intermediate_size, c.q_size, c.kv_size)
     # The pool is allocated before the KV cache is sized, so the KV cache gets what is left.
     lora = build_lora(
-        args, shapes, dtype=loaded.dtype, device=loaded.device, max_tokens=config.max_num_batched_tokens
+        lora_config,
+        shapes,
+        dtype=loaded.dtype,
+        device=loaded.device,
+        max_tokens=config.max_num_batched_tokens,
+        mem_fraction_static=config.mem_fraction_static,
     )
     engine = LLMEngine(
         loaded, config, adapter_slots=lora.manager, lora_backend=lora.backend, kv_reserved_bytes=0
     )
-    log.info("engine ready: %s on %s (%s)", args.model_path, loaded.device, loaded.dtype)
+    log.info("engine ready: %s on %s (%s)", config.model_path, loaded.device, loaded.dtype)
     return engine, lora
 
 
-def build_engine(args: ServerArgs) -> AsyncEngine:
+def build_engine(config: EngineConfig, lora_config: LoRAConfig) -> AsyncEngine:
     """Load the model, size and allocate the KV cache, start the engine thread."""
-    if args.tp_size != 1:  # one worker process per device (services/inference/parallel/)
+    if config.tp_size != 1:  # one worker process per device (services/inference/parallel/)
         from services.inference.parallel.tp_engine import build_tp_engine
 
-        return build_tp_engine(args)
-    engine, lora = build_llm_engine(args)
+        return build_tp_engine(config, lora_config)
+    engine, lora = build_llm_engine(config, lora_config)
     s = lora.settings
     info = dataclasses.replace(
         default_model_info(engine),

@@ -1,12 +1,10 @@
-"""Engine configuration: what the scheduler, KV cache and runner need, resolved from ServerArgs."""
+"""Engine configuration: what the scheduler, KV cache and runner need, and the engine flags' defaults."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-
-from services.inference.server_args import ServerArgs
 
 
 @dataclass(frozen=True)
@@ -31,36 +29,76 @@ class SchedulerConfig:
         return self.prefill_budget
 
 
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cuda", "cpu")
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model_path: str
-    device: torch.device
-    dtype_name: str  # as requested: auto | float32 | ...
+    """What the engine is built from, with the default of every engine flag (the CLI parser takes
+    its defaults from here). `device` may be given as "auto" | "cuda" | "cpu" and is a
+    torch.device once constructed."""
+
+    model_path: str = ""
+    device: torch.device = "auto"  # type: ignore[assignment] - resolved in __post_init__
+    dtype: str = "auto"  # as requested: auto | bfloat16 | float16 | float32
+    tp_size: int = 1  # > 1: one worker process per device (services/inference/parallel/)
+    seed: int = 0
     page_size: int = 16
     max_num_batched_tokens: int = 8192
-    chunked_prefill_size: int = 2048
+    chunked_prefill_size: int = 2048  # <= 0: no chunking (the step budget bounds a prefill)
     max_running_requests: int = 256
     context_length: int | None = None  # None = the model's max_position_embeddings
     max_total_tokens: int | None = None  # None = sized from memory
     mem_fraction_static: float = 0.88
     max_new_tokens_limit: int = 4096
     max_queued_requests: int = 4096
-    seed: int = 0
-    cuda_graph_max_bs: int = 256  # decode CUDA graphs up to this batch (CUDA only)
+    cuda_graph_max_bs: int = 256  # decode CUDA graphs up to this batch (CUDA only); 0 = none
     disable_cuda_graph: bool = False
-    # Steps with prefill chunks of up to this many tokens replay piecewise graphs (engine/mixed_graphs.py).
+    # Steps with prefill chunks of up to this many tokens replay piecewise graphs
+    # (engine/mixed_graphs.py); 0 = such steps run eagerly.
     mixed_cuda_graph_max_tokens: int = 2048
-    # None: the piecewise path on CUDA (with graphs) when CUDA graphs are on, off elsewhere; True forces
-    # it on (on the CPU its pieces then run eagerly over the same buffers: tests).
+    # None: the piecewise path on CUDA (with graphs) when CUDA graphs are on, off elsewhere; True
+    # forces it on (on the CPU its pieces then run eagerly over the same buffers: tests).
     mixed_graphs: bool | None = None
     decode_prefill_budget: int = 0  # see SchedulerConfig
     # Run every step shape class once at start-up so no Triton kernel compiles while serving
     # (engine/warmup.py; CUDA only). Off under tensor parallelism: a step there needs every rank.
     startup_warm_up: bool = True
     # Launch step N+1 before processing step N's outputs (engine.py). None = on for CUDA, off
-    # elsewhere (on the CPU the forward is synchronous, so nothing overlaps); True forces it on (tests).
+    # elsewhere (on the CPU the forward is synchronous, so nothing overlaps); False is
+    # --disable-overlap-schedule; True forces it on (tests).
     overlap_schedule: bool | None = None
     disable_prefix_cache: bool = False  # reuse cached KV of shared prompt prefixes (engine/prefix_cache.py)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, torch.device):
+            object.__setattr__(self, "device", resolve_device(self.device))
+        _check(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        for flag, value, low in (
+            ("--tp-size", self.tp_size, 1),
+            ("--seed", self.seed, 0),
+            ("--page-size", self.page_size, 1),
+            ("--max-num-batched-tokens", self.max_num_batched_tokens, 1),
+            ("--max-running-requests", self.max_running_requests, 1),
+            ("--context-length", self.context_length, 1),
+            ("--max-total-tokens", self.max_total_tokens, 1),
+            ("--max-new-tokens-limit", self.max_new_tokens_limit, 1),
+            ("--max-queued-requests", self.max_queued_requests, 1),
+            ("--cuda-graph-max-bs", self.cuda_graph_max_bs, 0),
+            ("--mixed-cuda-graph-max-tokens", self.mixed_cuda_graph_max_tokens, 0),
+            ("--decode-prefill-budget", self.decode_prefill_budget, 0),
+        ):
+            _check(value is None or value >= low, f"{flag} must be >= {low} (got {value})")
+        _check(
+            0.0 < self.mem_fraction_static <= 1.0,
+            f"--mem-fraction-static must be in (0, 1] (got {self.mem_fraction_static})",
+        )
 
     @property
     def mixed_graphs_enabled(self) -> bool:
@@ -74,30 +112,6 @@ class EngineConfig:
     def overlap_enabled(self) -> bool:
         return self.device.type == "cuda" if self.overlap_schedule is None else self.overlap_schedule
 
-    @classmethod
-    def from_args(cls, args: ServerArgs) -> EngineConfig:
-        return cls(
-            model_path=args.model_path,
-            device=resolve_device(args.device),
-            dtype_name=args.dtype,
-            page_size=args.page_size,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            chunked_prefill_size=args.chunked_prefill_size,
-            max_running_requests=args.max_running_requests,
-            context_length=args.context_length,
-            max_total_tokens=args.max_total_tokens,
-            mem_fraction_static=args.mem_fraction_static,
-            max_new_tokens_limit=args.max_new_tokens_limit,
-            max_queued_requests=args.max_queued_requests,
-            seed=args.seed,
-            cuda_graph_max_bs=args.cuda_graph_max_bs,
-            disable_cuda_graph=args.disable_cuda_graph,
-            mixed_cuda_graph_max_tokens=args.mixed_cuda_graph_max_tokens,
-            decode_prefill_budget=args.decode_prefill_budget,
-            overlap_schedule=False if args.disable_overlap_schedule else None,
-            disable_prefix_cache=args.disable_prefix_cache,
-        )
-
     def scheduler_config(self, context_length: int) -> SchedulerConfig:
         return SchedulerConfig(
             page_size=self.page_size,
@@ -109,7 +123,11 @@ class EngineConfig:
         )
 
 
-def resolve_device(requested: str) -> torch.device:
+def resolve_device(requested: str | torch.device) -> torch.device:
+    if isinstance(requested, torch.device):
+        return requested
+    if requested not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)} (got {requested!r})")
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested == "cuda" and not torch.cuda.is_available():

@@ -35,7 +35,7 @@ def load(config: EngineConfig) -> LoadedModel:
         config.context_length or model_config.max_position_embeddings, model_config.max_position_embeddings
     )
     check_context_length(model_config, context_length)
-    dtype = resolve_dtype(config.dtype_name, model_config.torch_dtype, config.device)
+    dtype = resolve_dtype(config.dtype, model_config.torch_dtype, config.device)
     model, model_config = load_model(model_dir, config.device, dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return LoadedModel(model, model_config, tokenizer, model_dir, config.device, dtype, context_length)

@@ -239,8 +239,8 @@ def check_fits(
     rank = max(t.rank for t in targets.values())
     if rank > max_lora_rank:
         raise AdapterIncompatible(
-            f"adapter_config.json: r: adapter rank {rank} exceeds this server's --max-lora-rank {max_lora_rank}; "
-            f"restart with --max-lora-rank {rank} or more",
+            f"adapter_config.json: r: adapter rank {rank} exceeds this server's --max-lora-rank "
+            f"{max_lora_rank}; restart with --max-lora-rank {rank} or more",
             field="r",
         )
     outside = sorted({m for _, m in targets} - allowed)

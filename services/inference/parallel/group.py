@@ -139,7 +139,10 @@ class WorkerGroup:
         for sentinel in wait(list(by_sentinel), timeout=1.0):
             spec, proc = by_sentinel[sentinel]
             proc.join(1)
-            reason = f"tensor-parallel worker rank {spec.rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
+            reason = (
+                f"tensor-parallel worker rank {spec.rank} (pid {proc.pid}) died with exit code "
+                f"{proc.exitcode}"
+            )
             break
         self._mark_dead(reason)
         for proc in self.procs:

@@ -1,4 +1,4 @@
-"""`build_tp_engine(args)`: the engine for `--tp-size N > 1`.
+"""`build_tp_engine(config, lora)`: the engine for `--tp-size N > 1`.
 
 Rank 0 is the server process: it loads its own shard, schedules, and before each forward
 sends the step's chunks to ranks 1..N-1 (spawned workers, one per device); every rank then
@@ -31,7 +31,8 @@ from services.inference.engine.types import RequestOutput, SamplingParams
 from services.inference.errors import BackendUnavailable
 from services.inference.lora.manager import LoRAManager
 from services.inference.lora.pool import AdapterPool
-from services.inference.lora.setup import LoRASettings, local_source, resolve_lora_settings
+from services.inference.lora.settings import LoRAConfig, LoRASettings
+from services.inference.lora.setup import local_source, resolve_lora_settings
 from services.inference.lora.shapes import ModelShapes
 from services.inference.models.config import ModelConfig, check_context_length, load_config
 from services.inference.models.loader import resolve_dtype, resolve_model_dir
@@ -40,7 +41,6 @@ from services.inference.parallel.lora import ShardedAdapterPool, make_tp_backend
 from services.inference.parallel.model import load_tp_model
 from services.inference.parallel.partition import ShardPlan, plan_shards
 from services.inference.parallel.worker import WorkerSpec, init_group
-from services.inference.server_args import ServerArgs
 
 log = logging.getLogger(__name__)
 
@@ -133,10 +133,10 @@ class _Resolved(NamedTuple):
     context_length: int
 
 
-def build_tp_engine(args: ServerArgs) -> TPAsyncEngine:
+def build_tp_engine(config: EngineConfig, lora_config: LoRAConfig) -> TPAsyncEngine:
     """Spawn the workers, load rank 0's shard, agree on the KV cache size, start the engine."""
-    tp = args.tp_size
-    config = dataclasses.replace(EngineConfig.from_args(args), disable_cuda_graph=True, startup_warm_up=False)
+    tp = config.tp_size
+    config = dataclasses.replace(config, disable_cuda_graph=True, startup_warm_up=False)
     device = config.device
     if device.type == "cuda":
         if torch.cuda.device_count() < tp:
@@ -151,9 +151,9 @@ def build_tp_engine(args: ServerArgs) -> TPAsyncEngine:
     context_length = min(config.context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
     check_context_length(cfg, context_length)
     plans = plan_shards(cfg, tp)
-    dtype = resolve_dtype(config.dtype_name, cfg.torch_dtype, device)
+    dtype = resolve_dtype(config.dtype, cfg.torch_dtype, device)
     shapes = ModelShapes(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size)
-    lora = resolve_lora_settings(args, shapes, device)
+    lora = resolve_lora_settings(lora_config, shapes, device, mem_fraction_static=config.mem_fraction_static)
     setup = _Resolved(model_dir, cfg, plans, dtype, shapes, lora, context_length)
     store = dist.TCPStore(
         "127.0.0.1",
@@ -166,19 +166,13 @@ def build_tp_engine(args: ServerArgs) -> TPAsyncEngine:
     specs = [
         WorkerSpec(
             rank=r,
-            tp_size=tp,
+            engine=config,
             model_dir=str(model_dir),
-            device_type=device.type,
             dtype=dtype,
+            context_length=context_length,
+            lora=lora,
             store_port=store.port,
             timeout_s=TP_TIMEOUT_S,
-            page_size=config.page_size,
-            context_length=context_length,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_running_requests=config.max_running_requests,
-            max_total_tokens=config.max_total_tokens,
-            mem_fraction_static=config.mem_fraction_static,
-            lora=lora,
             log_level=logging.getLogger().getEffectiveLevel(),
         )
         for r in range(1, tp)
@@ -186,7 +180,7 @@ def build_tp_engine(args: ServerArgs) -> TPAsyncEngine:
     workers = WorkerGroup(specs)
     workers.start()
     try:
-        return _build_rank0(args, config, setup, store, workers)
+        return _build_rank0(lora_config, config, setup, store, workers)
     except BaseException:
         workers.stop(timeout_s=5)
         if dist.is_initialized():
@@ -195,7 +189,7 @@ def build_tp_engine(args: ServerArgs) -> TPAsyncEngine:
 
 
 def _build_rank0(
-    args: ServerArgs, config: EngineConfig, setup: _Resolved, store: dist.Store, workers: WorkerGroup
+    lora_config: LoRAConfig, config: EngineConfig, setup: _Resolved, store: dist.Store, workers: WorkerGroup
 ) -> TPAsyncEngine:
     from transformers import AutoTokenizer
 
@@ -231,7 +225,7 @@ def _build_rank0(
     loaded = LoadedModel(model, local_cfg, tokenizer, model_dir, device, dtype, context_length)
     pool = ShardedAdapterPool(shapes, plans, local_pool, workers.send_upload)
     manager = LoRAManager(pool, max_loaded_loras=lora.max_loaded_loras)  # type: ignore[arg-type]
-    for name, source in args.lora_path_map.items():
+    for name, source in lora_config.path_map.items():
         path = local_source(name, source)
         if path is not None:  # the server loads the others through the adapter store
             manager.load_adapter(name, path)
@@ -240,7 +234,7 @@ def _build_rank0(
     log.info(
         "tensor-parallel engine ready: %s over %d ranks (%s, %s), %d KV blocks per rank, LoRA pool %d bytes "
         "on rank 0",
-        args.model_path,
+        config.model_path,
         plan.tp_size,
         device.type,
         dtype,

@@ -24,28 +24,35 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from services.inference.lora.setup import LoRASettings
+from services.inference.engine.config import EngineConfig
+from services.inference.lora.settings import LoRASettings
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
+    """What one worker is started with: the engine's config and the LoRA settings as rank 0
+    resolved them (so every rank builds the same pool and KV cache plan), plus its place."""
+
     rank: int
-    tp_size: int
-    model_dir: str
-    device_type: str  # "cpu" | "cuda" (rank r uses cuda:r)
-    dtype: torch.dtype
+    engine: EngineConfig  # tp_size, page_size, token and request budgets, memory share
+    model_dir: str  # resolved on rank 0
+    dtype: torch.dtype  # resolved on rank 0
+    context_length: int  # resolved on rank 0
+    lora: LoRASettings | None
     store_port: int
     timeout_s: float
-    page_size: int
-    context_length: int
-    max_num_batched_tokens: int
-    max_running_requests: int
-    max_total_tokens: int | None
-    mem_fraction_static: float
-    lora: LoRASettings | None
     log_level: int = logging.INFO
+
+    @property
+    def tp_size(self) -> int:
+        return self.engine.tp_size
+
+    @property
+    def device_type(self) -> str:
+        """The device type, cpu or cuda (rank r uses cuda:r)."""
+        return self.engine.device.type
 
 
 def send(conn: Connection, message: tuple) -> None:
@@ -97,6 +104,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     from services.inference.parallel.model import load_tp_model
     from services.inference.parallel.partition import plan_shards
 
+    config = spec.engine
     if spec.device_type == "cuda":
         torch.cuda.set_device(spec.rank)
         device = torch.device("cuda", spec.rank)
@@ -122,16 +130,16 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
             dtype=spec.dtype,
             device=device,
         )
-        backend = make_tp_backend(pool, s.backend, spec.max_num_batched_tokens)
+        backend = make_tp_backend(pool, s.backend, config.max_num_batched_tokens)
     blocks = plan_num_blocks(
         local_cfg,
         spec.dtype,
         device,
-        page_size=spec.page_size,
+        page_size=config.page_size,
         context_length=spec.context_length,
-        max_running_requests=spec.max_running_requests,
-        max_total_tokens=spec.max_total_tokens,
-        mem_fraction_static=spec.mem_fraction_static,
+        max_running_requests=config.max_running_requests,
+        max_total_tokens=config.max_total_tokens,
+        mem_fraction_static=config.mem_fraction_static,
     )
     store = dist.TCPStore(
         "127.0.0.1",
@@ -144,13 +152,13 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     init_group(spec.rank, spec.tp_size, store, spec.device_type, spec.timeout_s)
     kind, num_blocks = recv(conn)
     assert kind == "start", kind
-    kv_cache = allocate_kv_cache(local_cfg, num_blocks, spec.page_size, spec.dtype, device)
+    kv_cache = allocate_kv_cache(local_cfg, num_blocks, config.page_size, spec.dtype, device)
     runner = ModelRunner(
         model,
         local_cfg,
         kv_cache,
-        max_num_tokens=spec.max_num_batched_tokens,
-        max_num_seqs=spec.max_running_requests,
+        max_num_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_running_requests,
         context_length=spec.context_length,
         lora_backend=backend,
     )

@@ -1,0 +1,115 @@
+"""The LoRA flags (`LoRAConfig`, which owns their defaults) and what they resolve to once the
+model and device are known (`LoRASettings`, which travels to tensor-parallel workers).
+
+`lora/setup.py` applies the rules that turn one into the other (docs/architecture.md,
+"LoRA defaults").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from kernels.settings import kernel_settings
+from services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
+from services.inference.lora.shapes import ALL_MODULES
+
+LORA_BACKENDS = ("triton", "torch")
+# `--max-lora-rank` when neither it nor a local `--lora-paths` adapter gives one.
+DEFAULT_MAX_LORA_RANK = 64
+# `--max-gpu-loras` when not given: the slot bound of a pool sized from memory, per device type.
+DEFAULT_MAX_GPU_LORAS = {"cuda": 256, "cpu": 64}
+
+
+def parse_target_modules(names: Iterable[str]) -> tuple[str, ...]:
+    """`--lora-target-modules` values ('all' or projection names) in canonical order."""
+    wanted = set(names)
+    if "all" in wanted:
+        return ALL_MODULES
+    unknown = sorted(wanted - set(ALL_MODULES))
+    if unknown:
+        raise ValueError(
+            f"--lora-target-modules: unknown {', '.join(unknown)}; use names from "
+            f"{' '.join(ALL_MODULES)} or 'all'"
+        )
+    if not wanted:
+        raise ValueError("--lora-target-modules needs at least one module name, or 'all'")
+    return tuple(m for m in ALL_MODULES if m in wanted)
+
+
+def parse_lora_paths(items: Iterable[str]) -> dict[str, str]:
+    """`--lora-paths NAME=SOURCE ...` as {name: source}; each name must be one requests can use."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, source = item.partition("=")
+        if not sep or not name or not source:
+            raise ValueError(f"--lora-paths expects NAME=SOURCE, got {item!r}")
+        if not is_adapter_name(name):
+            raise ValueError(
+                f"--lora-paths name {name!r} is invalid: {ADAPTER_NAME_RULE} (requests could not name it)"
+            )
+        if name in out:
+            raise ValueError(f"--lora-paths names {name!r} twice ({out[name]!r} and {source!r})")
+        out[name] = source
+    return out
+
+
+def check_backend_device(backend: str, device: torch.device) -> None:
+    """The Triton kernels need CUDA, or Triton's interpreter on the CPU (TRITON_INTERPRET=1: tests)."""
+    if backend == "triton" and device.type != "cuda" and not kernel_settings().triton_interpret:
+        raise ValueError(
+            "--lora-backend triton needs a CUDA device (or TRITON_INTERPRET=1); use torch on CPU"
+        )
+
+
+def _at_least_one(flag: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{flag} must be >= 1 (got {value})")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """The LoRA flags as given; None means "inferred or sized at start-up" (see lora/setup.py)."""
+
+    lora_paths: tuple[str, ...] = ()  # NAME=SOURCE
+    # None: the pool is sized from memory and every resident adapter may share a batch.
+    max_loras_per_batch: int | None = None
+    # Bound on a pool sized from memory; None: DEFAULT_MAX_GPU_LORAS for the device.
+    max_gpu_loras: int | None = None
+    lora_backend: str | None = None  # triton | torch; None: triton on CUDA, torch on CPU
+    disable_lora_side_stream: bool = False  # triton on CUDA: decode deltas beside the base matmul
+    max_lora_rank: int | None = None  # None: the largest rank in lora_paths, else DEFAULT_MAX_LORA_RANK
+    lora_target_modules: tuple[str, ...] | None = None  # None: the union of lora_paths' targets, else all
+    max_loaded_loras: int | None = None  # host cache size; None = unbounded
+
+    def __post_init__(self) -> None:
+        _at_least_one("--max-loras-per-batch", self.max_loras_per_batch)
+        _at_least_one("--max-gpu-loras", self.max_gpu_loras)
+        _at_least_one("--max-lora-rank", self.max_lora_rank)
+        _at_least_one("--max-loaded-loras", self.max_loaded_loras)
+        if self.lora_backend is not None and self.lora_backend not in LORA_BACKENDS:
+            raise ValueError(
+                f"--lora-backend must be one of {', '.join(LORA_BACKENDS)} (got {self.lora_backend!r})"
+            )
+        if self.lora_target_modules is not None:
+            parse_target_modules(self.lora_target_modules)
+        parse_lora_paths(self.lora_paths)
+
+    @property
+    def path_map(self) -> dict[str, str]:
+        """`lora_paths` as {name: source}."""
+        return parse_lora_paths(self.lora_paths)
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """The LoRA flags resolved against the model and device: what every rank builds its pool from."""
+
+    max_loras_per_batch: int  # pool slots = the most distinct adapters in one batch
+    max_lora_rank: int
+    target_modules: tuple[str, ...]
+    max_loaded_loras: int | None
+    backend: str  # "torch" | "triton"
+    pool_sized_from_memory: bool = False  # --max-loras-per-batch not given
