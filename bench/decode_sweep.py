@@ -12,6 +12,7 @@ best candidate's entries as $OUT/lora_configs.json (loadable with LORAPLEX_LORA_
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import sys
@@ -225,7 +226,7 @@ def main() -> int:
     (out / "decode_sweep.json").write_text(json.dumps(res, indent=1))
     (out / "lora_configs.json").write_text(json.dumps(rows[winner]["overrides"], indent=1))
     print(f"winner: {winner}: {json.dumps(rows[winner]['overrides'])}")
-    async_engine.shutdown()
+    asyncio.run(async_engine.shutdown())
     return 0
 
 

@@ -14,6 +14,7 @@ the chrome traces and $OUT/profile_step.json.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -212,7 +213,7 @@ def main() -> int:
         for _ in range(2):
             engine.step()
     (out / "profile_step.json").write_text(json.dumps(res, indent=1))
-    async_engine.shutdown()
+    asyncio.run(async_engine.shutdown())
     return 0
 
 

@@ -21,6 +21,7 @@ Prints a table; writes JSON to $OUT/serving.json (or --out).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import logging
@@ -136,7 +137,7 @@ def build(model_dir: Path, opts: argparse.Namespace, num_adapters: int):
     async_engine = build_engine(args)
     # We drive LLMEngine.step() ourselves, on this thread: stop only the engine thread (the
     # base class's shutdown), so tensor-parallel workers stay up until engine_section ends.
-    AsyncEngine.shutdown(async_engine)
+    asyncio.run(AsyncEngine.shutdown(async_engine))
     return async_engine, time.perf_counter() - start
 
 
@@ -147,7 +148,7 @@ def engine_section(
     try:
         _measure_engine(async_engine, build_s, adapter_dirs, prompts, opts, res)
     finally:
-        async_engine.shutdown()  # TP: stops the workers and the process group
+        asyncio.run(async_engine.shutdown())  # TP: stops the workers and the process group
 
 
 def _measure_engine(
