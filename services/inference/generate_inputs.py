@@ -1,6 +1,7 @@
 """A GenerateRequest -> the engine requests it stands for, with the request's shape checked
-(field combinations, counts, sizes before tokenizing, chat messages, the queue). Each prompt is
-checked against the model once, by `Engine.generate` (see `open_streams`).
+(field combinations, counts, sizes before tokenizing, chat messages, stop strings, the queue).
+Each prompt and its sampling params are checked against the model once, by `Engine.generate`
+(see `open_streams`).
 
 A request gives either `text` (with `adapter` per text, one for all, or none) or `inputs`:
 each a text, prompt token ids or chat messages, with its own adapter and optionally its own
@@ -33,7 +34,10 @@ SEED_MASK = (1 << 64) - 1
 
 
 class EngineWork(NamedTuple):
-    """One engine request: sample `sample` of input `index` (`where`: that input's request field)."""
+    """One engine request: sample `sample` of input `index`.
+
+    `where` names the input's field (`text[i]` / `inputs[i]`); `params_where` prefixes its
+    sampling params' fields ("" for the request's shared params, `inputs[i].` for its own)."""
 
     index: int
     sample: int
@@ -41,6 +45,7 @@ class EngineWork(NamedTuple):
     adapter: str  # "" = base model
     params: SamplingParams
     where: str
+    params_where: str
 
 
 def _prefixed(exc: InvalidRequest, prefix: str) -> InvalidRequest:
@@ -128,14 +133,14 @@ def engine_work(engine: Engine, request: pb.GenerateRequest, args: ServerArgs) -
     n_inputs = len(request.inputs) or len(request.text)
     if n_inputs == 0:
         raise InvalidRequest("text (or inputs) must have at least one entry", field="text")
-    shared, shared_n = _params(request.sampling_params, args)
-    per_input: list[tuple[SamplingParams, int]] = [
-        _params(inp.sampling_params, args, f"inputs[{i}].")
+    shared = (*_params(request.sampling_params, args), "")
+    per_input: list[tuple[SamplingParams, int, str]] = [
+        (*_params(inp.sampling_params, args, f"inputs[{i}]."), f"inputs[{i}].")
         if inp.HasField("sampling_params")
-        else (shared, shared_n)
+        else shared
         for i, inp in enumerate(request.inputs)
-    ] or [(shared, shared_n)] * n_inputs
-    total = sum(n for _, n in per_input)
+    ] or [shared] * n_inputs
+    total = sum(n for _, n, _ in per_input)
     if total > args.max_inputs_per_request:
         raise InvalidRequest(
             f"{n_inputs} inputs and {total} completions in one request; this server accepts at most "
@@ -175,21 +180,26 @@ def engine_work(engine: Engine, request: pb.GenerateRequest, args: ServerArgs) -
                 raise InvalidRequest(f"text[{i}] is empty", field=where)
             _check_length(len(request.text[i]), where, context_length)
             ids = engine.tokenize(request.text[i])
-        params, n = per_input[i]
-        work.extend(EngineWork(i, j, ids, adapters[i], p, where) for j, p in enumerate(_samples(params, n)))
+        params, n, params_where = per_input[i]
+        work.extend(
+            EngineWork(i, j, ids, adapters[i], p, where, params_where)
+            for j, p in enumerate(_samples(params, n))
+        )
     return work
 
 
 def open_streams(engine: Engine, rpc_id: str, work: list[EngineWork]) -> list[AsyncIterator[RequestOutput]]:
-    """Every work item's engine stream, all checked before any is queued: a prompt the model
-    cannot take fails the whole call, its error naming the input (`text[i]` / `inputs[i]`)."""
+    """Every work item's engine stream, all checked (prompt and sampling params, by the engine)
+    before any is queued: one the model cannot take fails the whole call, the error naming the
+    request field (`text[i]` / `inputs[i]`, `[inputs[i].]sampling_params.NAME`)."""
     streams = []
     for k, w in enumerate(work):
         try:
             streams.append(engine.generate(f"{rpc_id}-{k}", w.prompt_ids, w.adapter or None, w.params))
         except LoraplexError as exc:
             if exc.field == "text":
-                exc.field = w.where
-                exc.message = f"{w.where}: {exc.message}"
+                exc.field, exc.message = w.where, f"{w.where}: {exc.message}"
+            elif exc.field and exc.field.startswith("sampling_params.") and w.params_where:
+                exc.field, exc.message = f"{w.params_where}{exc.field}", f"{w.params_where}{exc.message}"
             raise
     return streams

@@ -101,11 +101,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def _prepare(
         self, engine: Engine, resolver: AdapterResolver, request: pb.GenerateRequest
     ) -> PreparedCall:
-        """Check everything and resolve every adapter before any engine work starts."""
+        """Check everything, then resolve every adapter (which may pull), before any engine work."""
         work = engine_work(engine, request, self.args)
-        await resolver.ensure({w.adapter for w in work})
         rpc_id = uuid.uuid4().hex[:12]
-        return PreparedCall(rpc_id, work, open_streams(engine, rpc_id, work))
+        streams = open_streams(engine, rpc_id, work)
+        await resolver.ensure({w.adapter for w in work})
+        return PreparedCall(rpc_id, work, streams)
 
     async def _run(
         self,

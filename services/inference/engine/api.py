@@ -26,13 +26,13 @@ class Engine(Protocol):
         """Check one request and return its output stream (the last output has finished=True).
 
         The check is the only validation of a prompt and its sampling parameters against this
-        model, done here before anything is queued: it raises `InvalidRequest` (empty prompt, ids
-        outside the vocabulary, no room in the context, a sampling value out of range; `field` is
-        "text" or "sampling_params.NAME"), `CapacityExceeded` (the prompt outgrows the whole KV
-        cache), `AdapterNotFound` (`adapter` is not loaded) or `BackendUnavailable` (the engine
-        is shut down or unhealthy). The request is queued when the stream is first iterated;
-        iterating may then raise `InvalidRequest` (the id is already in flight),
-        `CapacityExceeded` (the queue is full) or `BackendUnavailable` (the engine failed).
+        model, done in this call, before anything is queued: it raises `InvalidRequest` (empty
+        prompt, ids outside the vocabulary, no room for a new token in the context, a sampling
+        value out of range; `field` is "text" or "sampling_params.NAME"), `CapacityExceeded`
+        (the prompt outgrows the whole KV cache) or `BackendUnavailable` (the engine is shut down
+        or unhealthy). The request is queued when the stream is first iterated, which may raise
+        `AdapterNotFound` (`adapter` is not loaded), `InvalidRequest` (the id is already in
+        flight), `CapacityExceeded` (the queue is full) or `BackendUnavailable` (a step failed).
         Closing the stream early aborts the request.
         """
         ...

@@ -76,18 +76,20 @@ class AsyncEngine:
     def generate(
         self, request_id: str, prompt: str | list[int], adapter: str | None, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Check the request now (`Engine.generate`); it is queued when the stream is first iterated."""
+        """Check the prompt and params now (`Engine.generate`); the adapter and the queue are
+        checked when the stream is first iterated, which queues the request."""
         arrival = time.monotonic()
         if self._stopped.is_set():
             raise BackendUnavailable("the engine is shut down")
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        adapter = adapter or None
-        if adapter is not None and not self.has_adapter(adapter):
-            raise AdapterNotFound(f"adapter {adapter!r} is not loaded on this server", adapter=adapter)
         self.engine.check_request(prompt_ids, params)
-        return self._stream(_Add(request_id, prompt_ids, adapter, params, arrival))
+        return self._stream(_Add(request_id, prompt_ids, adapter or None, params, arrival))
 
     async def _stream(self, add: _Add) -> AsyncIterator[RequestOutput]:
+        if add.adapter is not None and not self.has_adapter(add.adapter):
+            raise AdapterNotFound(
+                f"adapter {add.adapter!r} is not loaded on this server", adapter=add.adapter
+            )
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._sinks_lock:
             if add.request_id in self._sinks:
