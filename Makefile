@@ -64,7 +64,7 @@ tools:
 	fi
 
 bench-cpu: $(STAMP) model
-	$(PY) bench/cpu_engine.py
+	$(PY) -m bench.cpu_engine
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

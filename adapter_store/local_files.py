@@ -81,7 +81,8 @@ def copy_regular_file(src: Path, dst: Path, limit: int, stop: Callable[[], bool]
                 total += len(chunk)
                 if total > limit:
                     raise InvalidArgument(
-                        f"{src.name}: copying stopped past {limit} bytes (what --max-adapter-bytes leaves for it)",
+                        f"{src.name}: copying stopped past {limit} bytes (what --max-adapter-bytes leaves "
+                        "for it)",
                         field="size_bytes",
                     )
                 if stop is not None and stop():

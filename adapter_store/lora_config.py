@@ -76,7 +76,8 @@ def _bad(field: str, message: str) -> InvalidArgument:
 
 
 def parse_lora_config(raw: bytes) -> LoraConfig:
-    """Check `raw` (the file's bytes) is a LoRA config this project can serve; raise InvalidArgument if not."""
+    """Parse `raw` (the file's bytes) as a LoRA config this project can serve; raise InvalidArgument
+    if it is not one."""
     if len(raw) > MAX_CONFIG_BYTES:
         raise _bad("size", f"{len(raw)} bytes exceeds the {MAX_CONFIG_BYTES}-byte cap")
     try:

@@ -14,8 +14,8 @@ def check_name(name: str) -> str:
     if not NAME_RE.fullmatch(name or ""):
         # Not echoed whole: a 5000-character name would overflow the status trailer (16 KiB).
         raise InvalidArgument(
-            f"adapter name {name[:160]!r}{'...' if len(name or '') > 160 else ''} is invalid: use 1-128 characters "
-            "from [A-Za-z0-9._-], starting with a letter or digit",
+            f"adapter name {name[:160]!r}{'...' if len(name or '') > 160 else ''} is invalid: use 1-128 "
+            "characters from [A-Za-z0-9._-], starting with a letter or digit",
             field="name",
         )
     return name

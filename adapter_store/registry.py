@@ -238,8 +238,9 @@ class AdapterRegistry:
             if again.digest != record.digest:
                 await asyncio.to_thread(self.blobs.remove_blob, again.digest)
                 raise FailedPrecondition(
-                    f"{record.name!r} was evicted from the cache and its source {record.source} now has different "
-                    f"content ({again.digest[:19]} != {record.digest[:19]}); RegisterAdapter it again",
+                    f"{record.name!r} was evicted from the cache and its source {record.source} now has "
+                    f"different content ({again.digest[:19]} != {record.digest[:19]}); RegisterAdapter it "
+                    "again",
                     name=record.name,
                 )
             log.info("re-fetched evicted %s", record.name)

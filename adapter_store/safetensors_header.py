@@ -50,7 +50,8 @@ def read_header(path: Path, label: str = "adapter_model.safetensors") -> Safeten
         (header_len,) = struct.unpack("<Q", f.read(8))
         if header_len > MAX_HEADER_BYTES:
             raise InvalidArgument(
-                f"{label}: the header length field exceeds the {MAX_HEADER_BYTES}-byte cap (not a safetensors file?)",
+                f"{label}: the header length field exceeds the {MAX_HEADER_BYTES}-byte cap (not a "
+                "safetensors file?)",
                 field=f"{label}:header",
             )
         if 8 + header_len > file_size:
@@ -129,7 +130,8 @@ def _check_layout(label: str, tensors: list[TensorInfo], data_size: int) -> None
             )
         if t.end > data_size:
             raise InvalidArgument(
-                f"{label}:{t.name}: data ends at byte {t.end} of a {data_size}-byte data buffer (truncated file?)",
+                f"{label}:{t.name}: data ends at byte {t.end} of a {data_size}-byte data buffer (truncated "
+                "file?)",
                 field=f"{label}:{t.name}.data_offsets",
             )
         position = t.end

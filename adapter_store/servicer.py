@@ -227,7 +227,8 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
                 or max(stream_id(request.last_event_id)) >= 2**64
             ):
                 raise errors.InvalidArgument(
-                    f"last_event_id {request.last_event_id[:64]!r} is not a Redis stream id (like 1700000000000-0)",
+                    f"last_event_id {request.last_event_id[:64]!r} is not a Redis stream id (like "
+                    "1700000000000-0)",
                     field="last_event_id",
                 )
             async with self.hub.subscribe() as feed:

@@ -179,8 +179,8 @@ class SourceFetcher:
         if PICKLE_FILE in files:
             if not self.config.allow_pickle:
                 raise InvalidArgument(
-                    f"{where} has only {PICKLE_FILE} (a pickle); the store refuses pickles unless started with "
-                    "--allow-pickle. Convert it to adapter_model.safetensors instead.",
+                    f"{where} has only {PICKLE_FILE} (a pickle); the store refuses pickles unless started "
+                    "with --allow-pickle. Convert it to adapter_model.safetensors instead.",
                     field=PICKLE_FILE,
                 )
             return PICKLE_FILE
@@ -189,7 +189,8 @@ class SourceFetcher:
     def _check_size(self, total: int, where: str) -> None:
         if total > self.config.max_adapter_bytes:
             raise InvalidArgument(
-                f"{where}: adapter files total {total} bytes, over --max-adapter-bytes {self.config.max_adapter_bytes}",
+                f"{where}: adapter files total {total} bytes, over --max-adapter-bytes "
+                f"{self.config.max_adapter_bytes}",
                 field="size_bytes",
             )
 
@@ -197,7 +198,9 @@ class SourceFetcher:
     def fetch(
         self, resolved: ResolvedSource, staging: Path, stop: Callable[[], bool] | None = None
     ) -> FetchedAdapter:
-        """`stop` set (the caller went away, the store shuts down) abandons a local copy."""
+        """Copy (local) or download (Hub) the config and weights into `staging`, convert a pickle to
+        safetensors, and check the total size again. `stop` set (the caller went away, the store
+        shuts down) abandons a local copy."""
         staging.mkdir(parents=True, exist_ok=True)
         if resolved.spec.kind == "hub":
             self._download_hub(resolved, staging)
@@ -264,8 +267,8 @@ class SourceFetcher:
             if e.response is not None and e.response.status_code == 401:
                 # The Hub answers 401 for private repos without valid credentials.
                 raise PermissionDenied(
-                    f"{where}: the Hub refused access (HTTP 401): the repo is private or missing and the store's "
-                    "HF_TOKEN is unset or lacks access"
+                    f"{where}: the Hub refused access (HTTP 401): the repo is private or missing and the "
+                    "store's HF_TOKEN is unset or lacks access"
                 ) from None
             raise NotFound(f"{where}: repository not found", field="source") from None
         except hf.RevisionNotFoundError:

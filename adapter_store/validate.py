@@ -111,14 +111,14 @@ def _check_module(
     (a_rank, in_features), (out_features, b_rank) = a.shape, b.shape
     if a_rank != rank:
         raise InvalidArgument(
-            f"{WEIGHTS_FILE}:{a.name}: shape {list(a.shape)} has rank {a_rank}, but adapter_config.json gives "
-            f"{module} rank {rank} (r / rank_pattern)",
+            f"{WEIGHTS_FILE}:{a.name}: shape {list(a.shape)} has rank {a_rank}, but adapter_config.json "
+            f"gives {module} rank {rank} (r / rank_pattern)",
             field=f"{WEIGHTS_FILE}:{a.name}.shape",
         )
     if b_rank != rank:
         raise InvalidArgument(
-            f"{WEIGHTS_FILE}:{b.name}: shape {list(b.shape)} has rank {b_rank}, but adapter_config.json gives "
-            f"{module} rank {rank} (r / rank_pattern)",
+            f"{WEIGHTS_FILE}:{b.name}: shape {list(b.shape)} has rank {b_rank}, but adapter_config.json "
+            f"gives {module} rank {rank} (r / rank_pattern)",
             field=f"{WEIGHTS_FILE}:{b.name}.shape",
         )
     if base is not None:
@@ -146,8 +146,8 @@ def _check_against_base(
         or module != f"model.layers.{layer.group(1)}.{MODULE_GROUP[suffix]}.{suffix}"
     ):
         raise InvalidArgument(
-            f"{WEIGHTS_FILE}:{a.name}: {module} is not a LoRA-targetable projection of base model {base.name} "
-            f"(model.layers.N.{{self_attn,mlp}}.{{{','.join(MODULE_GROUP)}}})",
+            f"{WEIGHTS_FILE}:{a.name}: {module} is not a LoRA-targetable projection of base model "
+            f"{base.name} (model.layers.N.{{self_attn,mlp}}.{{{','.join(MODULE_GROUP)}}})",
             field=f"{WEIGHTS_FILE}:{a.name}",
         )
     if layer is not None and int(layer.group(1)) >= base.num_layers:
@@ -167,8 +167,8 @@ def _check_against_base(
         )
     if out_features != expected[1]:
         raise InvalidArgument(
-            f"{WEIGHTS_FILE}:{b.name}: out_features {out_features} != {expected[1]} of {module} in base model "
-            f"{base.name}",
+            f"{WEIGHTS_FILE}:{b.name}: out_features {out_features} != {expected[1]} of {module} in base "
+            f"model {base.name}",
             field=f"{WEIGHTS_FILE}:{b.name}.shape",
         )
 

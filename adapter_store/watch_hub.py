@@ -1,8 +1,8 @@
 """One Redis reader of the event stream, fanned out to every WatchAdapters stream.
 
-Each watcher used to block in its own XREAD, holding a pooled Redis connection for as long as
-it stayed open: a few hundred idle watchers took every connection and every other store call
-failed. Here one task reads the stream while anyone watches and hands each event to every
+A watcher blocking in its own XREAD would hold a pooled Redis connection for as long as it
+stayed open, so a few hundred idle watchers would take every connection and fail every other
+store call. Instead one task reads the stream while anyone watches and hands each event to every
 subscriber's queue; a subscriber catches up on its backlog with short non-blocking reads.
 The number of subscribers is bounded (`--max-watchers`).
 """
@@ -70,8 +70,8 @@ class WatchHub:
             raise Unavailable("the adapter store is shutting down; reconnect to another or later")
         if len(self._subs) >= self.max_watchers:
             raise ResourceExhausted(
-                f"{len(self._subs)} WatchAdapters streams are open, the most this store serves (--max-watchers "
-                f"{self.max_watchers}); close idle watchers or raise the limit"
+                f"{len(self._subs)} WatchAdapters streams are open, the most this store serves "
+                f"(--max-watchers {self.max_watchers}); close idle watchers or raise the limit"
             )
         sub = Subscription()
         self._subs.add(sub)

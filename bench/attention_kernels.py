@@ -1,18 +1,17 @@
 """GPU check and timing of the paged attention kernels at Llama-3.1-8B shapes.
 
-Run on the device from the repo root: `PYTHONPATH=.:protos python3 bench/attention_kernels.py`.
+Run on the device from the repo root: `PYTHONPATH=.:protos python3 -m bench.attention_kernels [--out DIR]`.
 bf16 results are checked against the torch references first (the CPU interpreter cannot check
 bf16), then each kernel configuration is timed as replays of a CUDA graph that calls it once per
 layer over distinct per-layer caches (so the L2 does not hold the KV and launch gaps shrink),
 against the floor: KV bytes over the copy bandwidth measured here (decode), FLOPs over the
-measured bf16 matmul rate (prefill). Prints a table; writes JSON to $OUT/attention.json.
+measured bf16 matmul rate (prefill). Prints a table; writes attention_kernels.json to --out DIR.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
-import json
-import os
 import statistics
 import sys
 
@@ -20,6 +19,7 @@ import torch
 import triton
 
 from bench.graph_timing import capture, replay_ms
+from bench.results import add_out_argument, write_json
 from kernels.attention_decode import paged_decode_attention
 from kernels.attention_prefill import paged_prefill_attention
 from kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref
@@ -223,6 +223,9 @@ def bench_prefill(rate: float, gen: torch.Generator) -> list[dict]:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_out_argument(parser)
+    args = parser.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     bw, rate = copy_bandwidth(), matmul_rate()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
@@ -236,10 +239,7 @@ def main() -> int:
         cfg = "/".join(str(r[k]) for k in ("block_m", "block_n", "warps", "stages") if k in r)
         print(f"{label:<34}{cfg:<18}{r['us']:>9.1f}{r['floor_us']:>10.1f}{r['ratio']:>9.2f}")
     result = dict(device=torch.cuda.get_device_name(), copy_bw=bw, matmul_rate=rate, errors=errs, rows=rows)
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        with open(os.path.join(out_dir, "attention.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.out, "attention_kernels", result)
     return 0 if ok else 1
 
 

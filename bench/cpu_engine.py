@@ -5,14 +5,13 @@ Same prompts, greedy, float32, a fixed number of new tokens (EOS ignored by both
 whole generation (prefill included); best of `--repeats` runs, the two interleaved, since the
 dev machine is shared. Prints a table and writes JSON.
 
-    .venv/bin/python bench/cpu_engine.py [--new-tokens 64] [--repeats 3] [--threads N] [--out FILE]
+    .venv/bin/python -m bench.cpu_engine [--new-tokens 64] [--repeats 3] [--threads N] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import os
 import platform
@@ -20,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench.results import add_out_argument, write_json
 
 PROMPTS = [
     "List 3 countries and their capitals.",
@@ -87,7 +88,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "cpu_engine.json")
+    add_out_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
@@ -140,9 +141,8 @@ def main() -> None:
         machine=f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
         torch=torch.__version__, threads=torch.get_num_threads(), repeats=args.repeats, model=str(model_dir),
     )  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    print(f"\n{meta}\nJSON: {args.out}")
+    print(f"\n{meta}")
+    write_json(args.out, "cpu_engine", {"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

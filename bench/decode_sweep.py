@@ -1,13 +1,13 @@
 """Decode LoRA launch configurations timed inside the engine's batch-64 decode graph, where the LoRA
 kernels share the GPU with the base matmuls (bench/lora_kernels.py times them alone).
 
-    PYTHONPATH=.:protos python3 bench/decode_sweep.py [--adapters 64]
+    PYTHONPATH=.:protos python3 -m bench.decode_sweep [--adapters 64] [--out DIR]
 
 Each candidate replaces entries of the tables in kernels/lora_configs.py (`load_overrides`); the
 batch-64 LoRA graph is recaptured and timed with the step's token slots over 8 and over 64 adapters
 (GPU ms per replay: 20 back-to-back replays, median of 5), beside the base graph. Single changes
-first, then the best of each kind together. Prints a table; writes $OUT/decode_sweep.json and the
-best candidate's entries as $OUT/lora_configs.json (loadable with LORAPLEX_LORA_CONFIGS).
+first, then the best of each kind together. Prints a table; writes decode_sweep.json and the best
+candidate's entries as lora_configs.json (loadable with LORAPLEX_LORA_CONFIGS) to --out DIR.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.profile_step import bench_args, bench_engine, start_batch  # noqa: E402
-from kernels import lora_configs as cfg  # noqa: E402
+from bench.profile_step import bench_args, bench_engine, start_batch
+from bench.results import write_json
+from kernels import lora_configs as cfg
 
 R16 = {"qkv": "decode|6144|3|16", "o_down": "decode|4096|1|16", "gate_up": "decode|28672|2|16"}
 SHRINK16 = {
@@ -50,7 +50,7 @@ def gpu_ms(graph: torch.cuda.CUDAGraph, n: int = 20, reps: int = 5) -> float:
 def entries(kind: str, key: str) -> list[int]:
     table = cfg.EXPAND_TABLE if kind == "expand" else cfg.SHRINK_TABLE
     c = table[cfg._key(key)]
-    return list(c.__dict__.values())
+    return list(c)
 
 
 def expand_with(**changes: int) -> dict:
@@ -77,10 +77,10 @@ def shrink_with(groups: tuple[str, ...], **changes: int) -> dict:
 
 
 def candidates() -> dict[str, dict]:
-    """Single changes around the current table. Rounds 1-6 (docs/benchmarks.md) left the block sizes
-    at a local optimum; of the other expand shapes only the per-token kernel won, at 64 adapters, and
-    now serves the graphs of more than MANY_ADAPTERS distinct adapters (`decode_many` entries). The
-    second candidate puts the segment kernel back there: same logits, and the time it cost."""
+    """Single changes around the current table (docs/benchmarks.md has the sweeps behind it). The
+    graphs of more than MANY_ADAPTERS distinct adapters (`decode_many` entries) use the per-token
+    expand kernel; the second candidate puts the segment kernel back there: same logits, and the
+    time it costs."""
     many = {key: key.replace("decode|", "decode_many|") for key in R16.values()}  # decode key -> upper tier's
     return {
         "current table": {},
@@ -110,7 +110,8 @@ def merge(*parts: dict) -> dict:
 
 def main() -> int:
     opts = bench_args(__doc__)
-    out = Path(opts.out)
+    out = opts.out
+    out.mkdir(parents=True, exist_ok=True)
     async_engine, names, prompts = bench_engine(opts.adapters, Path(opts.work))
     engine = async_engine.engine
     graphs, backend = engine.runner.cuda_graphs, engine.runner.lora_backend
@@ -223,8 +224,8 @@ def main() -> int:
         tight_grid_8_ms=tight8,
         cublaslt=dict(base_ms=base_lt, ms_8=lt8, ms_64=lt64),
     )
-    (out / "decode_sweep.json").write_text(json.dumps(res, indent=1))
-    (out / "lora_configs.json").write_text(json.dumps(rows[winner]["overrides"], indent=1))
+    write_json(out, "decode_sweep", res)
+    write_json(out, "lora_configs", rows[winner]["overrides"])
     print(f"winner: {winner}: {json.dumps(rows[winner]['overrides'])}")
     asyncio.run(async_engine.shutdown())
     return 0

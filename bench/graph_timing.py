@@ -33,3 +33,11 @@ def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> list[float]:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return times
+
+
+def graph_time_us(fns: list, replays: int = 20) -> float:
+    """Median time per call of replaying one CUDA graph that runs every callable once."""
+    graph = capture(lambda: [f() for f in fns])
+    times = [t * 1e3 / len(fns) for t in replay_ms(graph, replays)]
+    del graph
+    return sorted(times)[len(times) // 2]

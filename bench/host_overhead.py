@@ -2,112 +2,100 @@
 
 The tiny model (hidden 64, 2 layers, SmolLM2's tokenizer and vocab) makes the forward cheap,
 so what is left of a step is the host work the GPU would otherwise wait for. Per decode step
-(every request computing one token) it reports, in ms:
+(every request computing one token) it reports, in ms, from the engine's step timer
+(`LLMEngine.step_timer`) and torch module hooks on the model:
 
 - total: wall time of `LLMEngine.step()`;
-- forward: the model itself (`model(...)` + `compute_logits`);
-- sample: `LLMEngine._sample` (sampling inputs, sampler, tokens to the host);
-- output: `LLMEngine._process_outputs` (stop checks, detokenization, finishing requests);
-- schedule_prep: the rest (scheduling, building the step's input tensors, bookkeeping).
+- model: the decoder stack (`model(...)`), what a GPU would run;
+- schedule: `Scheduler.schedule`;
+- forward_prep: the rest of the runner's forward (the step's input tensors, the logits);
+- sample: sampling inputs, sampler;
+- output: stop checks, detokenization, finishing requests;
+- other: the rest (tokens to the host, bookkeeping).
 
 Medians over the measured steps; best of `--repeats` runs (the dev machine is shared).
 
-    .venv/bin/python bench/host_overhead.py [--batch 64] [--new-tokens 64] [--vocab N] [--stop-strings]
-        [--temperature 0] [--overlap on|off|default] [--out FILE]
+    .venv/bin/python -m bench.host_overhead [--batch 64] [--new-tokens 64] [--vocab N] [--stop-strings]
+        [--temperature 0] [--overlap on|off|default] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
-import json
 import logging
 import platform
 import statistics
-import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.results import add_out_argument, write_json
+from services.inference.default_model import ensure_model
+from services.inference.engine.config import EngineConfig
+from services.inference.engine.engine import LLMEngine
+from services.inference.engine.types import SamplingParams
+from tests.support.factories import make_tiny_model
 
-from services.inference.default_model import ensure_model  # noqa: E402
-from services.inference.engine.config import EngineConfig  # noqa: E402
-from services.inference.engine.engine import LLMEngine  # noqa: E402
-from services.inference.engine.types import SamplingParams  # noqa: E402
-from tests.support.factories import make_tiny_model  # noqa: E402
-
-PHASES = ("total", "forward", "sample", "output", "schedule_prep")
-
-
-class _Timer:
-    def __init__(self):
-        self.spent = 0.0
-
-    def wrap(self, fn):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.spent += time.perf_counter() - start
-
-        return timed
+PHASES = ("total", "model", "schedule", "forward_prep", "sample", "output", "other")
 
 
-class _TimedModel:
-    """Forwards to the model, adding its time (forward + logits) to a timer."""
+class StepClock:
+    """Seconds per phase of the current step: the engine's step timer plus the model's own time
+    (a forward pre-hook and hook on the model module)."""
 
-    def __init__(self, model, timer: _Timer):
-        self._model, self._timer = model, timer
-        self.compute_logits = timer.wrap(model.compute_logits)
+    def __init__(self, engine: LLMEngine):
+        self.spent: dict[str, float] = defaultdict(float)
+        self.batch = None
+        self._model_start = 0.0
+        engine.step_timer = self.phase_done
+        engine.runner.model.register_forward_pre_hook(self._model_starts)
+        engine.runner.model.register_forward_hook(self._model_ends)
 
-    def __call__(self, *args, **kwargs):
-        return self._timer.wrap(self._model)(*args, **kwargs)
+    def phase_done(self, phase: str, started: float, result: object) -> None:
+        self.spent[phase] += time.perf_counter() - started
+        if phase == "schedule":
+            self.batch = result
 
-    def __getattr__(self, name):
-        return getattr(self._model, name)
+    def _model_starts(self, module, args) -> None:
+        self._model_start = time.perf_counter()
+
+    def _model_ends(self, module, args, output) -> None:
+        self.spent["model"] += time.perf_counter() - self._model_start
+
+    def reset(self) -> None:
+        self.spent.clear()
+        self.batch = None
 
 
 def run_once(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, float]:
-    timers = {name: _Timer() for name in ("forward", "sample", "output", "schedule")}
-    engine.runner.model = _TimedModel(engine.runner.model, timers["forward"])
-    engine._sample = timers["sample"].wrap(engine._sample)
-    engine._process_outputs = timers["output"].wrap(engine._process_outputs)
-    scheduled: list = []
-    schedule = engine.scheduler.schedule
-
-    def record_schedule():
-        batch = schedule()
-        scheduled.append(batch)
-        return batch
-
-    engine.scheduler.schedule = timers["schedule"].wrap(record_schedule)
+    clock = StepClock(engine)
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{i}", ids, params)
     rows: list[dict[str, float]] = []
     batch_size = len(prompts)
     while engine.has_unfinished():
-        before = {k: t.spent for k, t in timers.items()}
+        clock.reset()
         start = time.perf_counter()
         engine.step()
         total = time.perf_counter() - start
-        batch = scheduled[-1]
+        batch = clock.batch
         if len(batch.entries) != batch_size or any(e.num_tokens != 1 for e in batch.entries):
             continue  # prefill or a partly drained batch: not a full decode step
-        spent = {k: t.spent - before[k] for k, t in timers.items()}
-        rows.append(
-            {
-                "total": total * 1e3,
-                "forward": spent["forward"] * 1e3,
-                "sample": spent["sample"] * 1e3,
-                "output": spent["output"] * 1e3,
-                "schedule_prep": (total - spent["forward"] - spent["sample"] - spent["output"]) * 1e3,
-            }
-        )
+        s = clock.spent
+        row = {
+            "total": total,
+            "model": s["model"],
+            "schedule": s["schedule"],
+            "forward_prep": s["forward"] - s["model"],
+            "sample": s["sample"],
+            "output": s["output"],
+        }
+        row["other"] = total - sum(s[k] for k in ("schedule", "forward", "sample", "output"))
+        rows.append({k: v * 1e3 for k, v in row.items()})
     return {k: statistics.median(r[k] for r in rows) for k in PHASES} | {"steps": len(rows)}
 
 
@@ -130,7 +118,7 @@ def main() -> None:
     parser.add_argument("--overlap", choices=("default", "on", "off"), default="default")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="host_overhead.json")
+    add_out_argument(parser)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
@@ -147,8 +135,7 @@ def main() -> None:
             max_total_tokens=args.batch * 256,
             context_length=1024,
         )
-        fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        if args.overlap != "default" and "overlap_schedule" in fields:
+        if args.overlap != "default":
             options["overlap_schedule"] = args.overlap == "on"
         config = EngineConfig(**options)
         gen = torch.Generator().manual_seed(0)
@@ -167,26 +154,25 @@ def main() -> None:
             results.append(run_once(engine, prompts, params))
         best = min(results, key=lambda r: r["total"])
 
-    host = best["total"] - best["forward"]
+    host = best["total"] - best["model"]
     print(
         f"batch {args.batch} decode, {best['steps']} steps (median of best of {args.repeats} runs), ms/step:"
     )
     for name in PHASES:
         share = f"  ({best[name] / best['total']:.0%})" if name != "total" else ""
         print(f"  {name:>14} {best[name]:7.3f}{share}")
-    print(f"  {'host (total - forward)':>14} {host:7.3f}")
+    print(f"  {'host (total - model)':>14} {host:7.3f}")
     record = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "torch": torch.__version__,
         "args": vars(args),
-        "overlap_schedule": getattr(config, "overlap_schedule", None),
+        "overlap_schedule": config.overlap_schedule,
         "ms_per_step": {k: round(best[k], 4) for k in PHASES},
         "host_ms_per_step": round(host, 4),
         "runs": results,
     }
-    Path(args.out).write_text(json.dumps(record, indent=2))
-    print(f"wrote {args.out}")
+    write_json(args.out, "host_overhead", record)
 
 
 if __name__ == "__main__":

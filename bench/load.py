@@ -1,7 +1,7 @@
 """Load test: N concurrent streaming clients over a mix of adapters for a fixed time.
 
-    .venv/bin/python bench/load.py --clients 8 --duration 60            # starts its own stack
-    .venv/bin/python bench/load.py --target HOST:PORT --store HOST:PORT  # a running stack
+    .venv/bin/python -m bench.load --clients 8 --duration 60            # starts its own stack
+    .venv/bin/python -m bench.load --target HOST:PORT --store HOST:PORT  # a running stack
 
 Without --target it starts what `loraplex up` starts (adapter store with embedded Redis +
 inference service on the embedded SmolLM2, free ports, a temporary cache), writes
@@ -10,7 +10,8 @@ warms each once. Then every client loops: GenerateStream on the next entry of th
 (base model, adapter 0, adapter 1, ...) until the time is up. Reports requests completed,
 errors (by status code; must be 0), p50/p99 time to first token and inter-token latency,
 tokens/s, and the inference server's RSS after warm-up and at the end (psutil; with --target,
-pass --server-pid to get it). Exit status 1 when any request failed or RSS grew more than
+pass --server-pid to get it). Prints a table and writes load.json to --out DIR
+(bench/results.py). Exit status 1 when any request failed or RSS grew more than
 --rss-growth-limit-mb.
 """
 
@@ -29,11 +30,11 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from clients import Client  # noqa: E402
-from clients.errors import LoraplexError  # noqa: E402
-from clients.processes import ServerProcess  # noqa: E402
+from bench.results import add_out_argument, write_json
+from bench.serving_setup import write_adapters as write_random_adapters
+from clients import Client
+from clients.errors import LoraplexError
+from clients.processes import ServerProcess
 
 PROMPTS = (
     "List 3 countries and their capitals.",
@@ -95,8 +96,6 @@ def client_loop(index: int, target: str, mix: list[str], opts, stop_at: float, t
 
 
 def write_adapters(model_path: Path, root: Path, count: int, rank: int) -> list[Path]:
-    from bench.serving_setup import write_adapters as write
-
     cfg = json.loads((model_path / "config.json").read_text())
     shape = {
         k: cfg[k]
@@ -109,7 +108,7 @@ def write_adapters(model_path: Path, root: Path, count: int, rank: int) -> list[
             "vocab_size",
         )
     }
-    return write(root, model_path, count, shape=shape, rank=rank, device="cpu")
+    return write_random_adapters(root, model_path, count, shape=shape, rank=rank, device="cpu")
 
 
 def start_stack(opts, cache: Path) -> tuple[ServerProcess, ServerProcess, Path]:
@@ -259,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-token", default=None, help="--admin-token of the store")
     p.add_argument("--tls-ca", default=None)
     p.add_argument("--rss-growth-limit-mb", type=float, default=100.0)
-    p.add_argument("--json", type=Path, default=None, help="write the result here")
+    add_out_argument(p)
     p.add_argument("--echo", action="store_true", help="show the servers' logs")
     p.add_argument(
         "inference_args", nargs=argparse.REMAINDER, help="-- then extra flags for the inference service"
@@ -268,8 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     opts.inference_args = [a for a in opts.inference_args if a != "--"]
     res = run(opts)
     print_table(res)
-    if opts.json:
-        opts.json.write_text(json.dumps(res, indent=1))
+    write_json(opts.out, "load", res)
     grew = (res["rss_end_mb"] or 0) - (res["rss_start_mb"] or 0)
     ok = res["errors"] == 0 and res["completed"] > 0 and grew <= opts.rss_growth_limit_mb
     print(

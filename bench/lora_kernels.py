@@ -1,6 +1,8 @@
 """GPU benchmark: Triton LoRA shrink/expand on Llama-3.1-8B shapes against their floor.
 
-    PYTHONPATH=. python3 bench/lora_kernels.py [--sweep | --joint-sweep] [--quick]   (sweeps: bench/lora_sweep.py)
+    PYTHONPATH=.:protos python3 -m bench.lora_kernels [--sweep | --joint-sweep] [--quick] [--out DIR]
+
+(the sweeps: bench/lora_sweep.py; the layer's shapes and inputs: bench/lora_layer.py).
 
 Per scenario (decode batches 1/16/64/256 over 1/8/64 distinct adapters, prefill 8x512
 over 8 adapters; ranks 16 and 64) and per kernel and one decoder layer's LoRA work
@@ -9,26 +11,26 @@ bandwidth, FLOPs / bf16 matmul rate), both ceilings measured in this run; the me
 through `triton.testing.do_bench` and as replays of one captured CUDA graph that runs
 the work over C copies of all inputs and adapter weights (C*bytes > 4x the 50 MB L2), time
 per copy; and a plain torch loop over segments. bf16 kernel output is checked against the
-torch reference before timing. Prints a table, writes JSON to $OUT (or /tmp).
+torch reference before timing. Prints a table, writes lora_kernels.json to --out DIR.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import triton
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.graph_timing import capture, replay_ms  # noqa: E402
-from kernels.lora_check import CASES, run_case  # noqa: E402
-from kernels.lora_configs import (  # noqa: E402
+from bench.graph_timing import graph_time_us
+from bench.lora_layer import DEVICE, DT, GROUPS, floor_of, launch_of, make_copies, token_slots
+from bench.lora_sweep import joint_sweep, sweep, table_entries
+from bench.results import add_out_argument, write_json
+from kernels.lora_check import CASES, run_case
+from kernels.lora_configs import (
     ExpandConfig,
     ShrinkConfig,
     expand_config,
@@ -37,21 +39,9 @@ from kernels.lora_configs import (  # noqa: E402
     shrink_config,
     shrink_splits,
 )
-from kernels.lora_expand import lora_expand, lora_expand_ref  # noqa: E402
-from kernels.lora_launch import pdl_enabled, set_pdl  # noqa: E402
-from kernels.lora_meta import alloc_segments, build_segments  # noqa: E402
-from kernels.lora_shrink import lora_shrink, lora_shrink_ref  # noqa: E402
-
-# group -> (input width d, stacked output widths): Llama-3.1-8B, GQA k/v = 8 heads x 128.
-GROUPS: dict[str, tuple[int, tuple[int, ...]]] = {
-    "qkv": (4096, (4096, 1024, 1024)),
-    "o": (4096, (4096,)),
-    "gate_up": (4096, (14336, 14336)),
-    "down": (14336, (4096,)),
-}
-L2_BYTES = 50 * 2**20
-DT = torch.bfloat16
-DEVICE = "cuda"
+from kernels.lora_expand import lora_expand, lora_expand_ref
+from kernels.lora_meta import alloc_segments, build_segments
+from kernels.lora_shrink import lora_shrink, lora_shrink_ref
 
 
 def ceilings() -> tuple[float, float]:
@@ -86,48 +76,6 @@ def scenarios(quick: bool) -> list[dict]:
     return out
 
 
-def token_slots(sc: dict) -> torch.Tensor:
-    T, a = sc["tokens"], sc["distinct"]
-    if sc["prefill"]:  # 8 contiguous segments of 512 tokens
-        return torch.arange(T, dtype=torch.int32).div(T // a, rounding_mode="floor").to(DEVICE)
-    slots = torch.arange(T, dtype=torch.int32) % a  # decode: requests in arbitrary order
-    return slots[torch.randperm(T)].to(DEVICE)
-
-
-def floor_of(sc: dict, group: str, kernel: str, bw: float, rate: float) -> tuple[float, float, float]:
-    """(floor seconds, bytes, flops) for one kernel of one group."""
-    T, a, r = sc["tokens"], sc["distinct"], sc["rank"]
-    d, widths = GROUPS[group]
-    n, w = len(widths), sum(widths)
-    if kernel == "shrink":
-        nbytes = 2 * (a * n * r * d + T * d + T * n * r)
-        flops = 2 * T * n * r * d
-    else:
-        nbytes = 2 * (a * w * r + T * n * r + 2 * T * w)
-        flops = 2 * T * r * w
-    return max(nbytes / bw, flops / rate), nbytes, flops
-
-
-def make_copies(sc: dict, bytes_per_copy: float) -> list[dict]:
-    copies = max(2, min(64, int(4 * L2_BYTES / bytes_per_copy) + 1))
-    a, r, T = sc["distinct"], sc["rank"], sc["tokens"]
-    out = []
-    for _ in range(copies):
-        c = {}
-        for g, (d, widths) in GROUPS.items():
-            n = len(widths)
-            c[g] = dict(
-                x=torch.randn(T, d, device=DEVICE, dtype=DT),
-                A=(torch.randn(a, n * r, d, device=DEVICE) * d**-0.5).to(DT),
-                B=(torch.randn(a, sum(widths), r, device=DEVICE) * r**-0.5).to(DT),
-                ranks=torch.full((a, n), r, dtype=torch.int32, device=DEVICE),
-                scal=torch.full((a, n), 2.0, dtype=torch.float32, device=DEVICE),
-                out=torch.randn(T, sum(widths), device=DEVICE, dtype=DT),
-            )
-        out.append(c)
-    return out
-
-
 def configs_for(sc: dict, group: str, overrides: dict) -> tuple[ShrinkConfig, int, ExpandConfig]:
     """(shrink config, K-splits, expand config): the sweep's choice if any, else the repo's table."""
     d, widths = GROUPS[group]
@@ -143,16 +91,16 @@ def triton_fns(copies: list[dict], segs, sc: dict, overrides: dict) -> dict[str,
     T = sc["tokens"]
     fns: dict[str, list] = {}
     for g, (_, widths) in GROUPS.items():
-        s_cfg, splits, e_cfg = configs_for(sc, g, overrides)
-        y = torch.zeros(splits, T, len(widths) * sc["rank"], device=DEVICE, dtype=torch.float32)
+        launch = launch_of(sc, *configs_for(sc, g, overrides))
+        y = torch.zeros(launch.splits, T, len(widths) * sc["rank"], device=DEVICE, dtype=torch.float32)
         fns[f"{g}.shrink"] = [
-            (lambda c=c[g], y=y, s_cfg=s_cfg: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, config=s_cfg))
+            (lambda c=c[g], y=y, launch=launch: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, launch))
             for c in copies
         ]
         fns[f"{g}.expand"] = [
             (
-                lambda c=c[g], y=y, w=widths, e_cfg=e_cfg: lora_expand(
-                    y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, config=e_cfg
+                lambda c=c[g], y=y, w=widths, launch=launch: lora_expand(
+                    y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, launch
                 )
             )
             for c in copies
@@ -179,14 +127,6 @@ def torch_layer_fns(copies: list[dict], slots: torch.Tensor, sc: dict) -> list:
     return [(lambda c=c: layer(c)) for c in copies]
 
 
-def graph_time_us(fns: list, replays: int = 20) -> float:
-    """Median time per call of replaying one CUDA graph that runs every callable once."""
-    graph = capture(lambda: [f() for f in fns])
-    times = [t * 1e3 / len(fns) for t in replay_ms(graph, replays)]
-    del graph
-    return sorted(times)[len(times) // 2]
-
-
 def bench_us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
 
@@ -197,13 +137,13 @@ def check_bf16(copy: dict, segs, sc: dict, overrides: dict) -> float:
     T = sc["tokens"]
     for g, (_, widths) in GROUPS.items():
         p = copy[g]
-        s_cfg, splits, e_cfg = configs_for(sc, g, overrides)
-        y = torch.full((splits, T, len(widths) * sc["rank"]), float("nan"), device=DEVICE)
+        launch = launch_of(sc, *configs_for(sc, g, overrides))
+        y = torch.full((launch.splits, T, len(widths) * sc["rank"]), float("nan"), device=DEVICE)
         y_ref = torch.full_like(y, float("nan"))
-        lora_shrink(p["x"], p["A"], p["ranks"], segs, y, config=s_cfg)
+        lora_shrink(p["x"], p["A"], p["ranks"], segs, y, launch)
         lora_shrink_ref(p["x"], p["A"], p["ranks"], segs, y_ref)
         out, out_ref = p["out"].clone(), p["out"].clone()
-        lora_expand(y, p["B"], p["ranks"], p["scal"], segs, out, widths, config=e_cfg)
+        lora_expand(y, p["B"], p["ranks"], p["scal"], segs, out, widths, launch)
         lora_expand_ref(y_ref, p["B"], p["ranks"], p["scal"], segs, out_ref, widths)
         delta, delta_ref = (out.float() - p["out"].float()), (out_ref.float() - p["out"].float())
         err = ((delta - delta_ref).norm() / delta_ref.norm()).item()
@@ -226,7 +166,7 @@ def run_scenario(sc: dict, bw: float, rate: float, overrides: dict) -> dict:
         bf16_rel_err=err,
         kernels={},
         configs={
-            g: [c if isinstance(c, int) else c.__dict__ for c in configs_for(sc, g, overrides)]
+            g: [c if isinstance(c, int) else c._asdict() for c in configs_for(sc, g, overrides)]
             for g in GROUPS
         },
     )
@@ -246,10 +186,6 @@ def run_scenario(sc: dict, bw: float, rate: float, overrides: dict) -> dict:
         bench_us=bench_us(layer[0]),
         graph_us=graph_time_us(layer),
     )
-    if PDL_OK and is_goal(sc):  # what programmatic dependent launch would buy (off by default)
-        set_pdl(True)
-        res["layer"]["graph_us_with_pdl"] = graph_time_us(layer)
-        set_pdl(False)
     torch_fns = torch_layer_fns(copies, slots, sc)[: max(1, 64 // sc["distinct"])]
     res["torch_layer"] = dict(bench_us=bench_us(torch_fns[0]), graph_us=graph_time_us(torch_fns, replays=5))
     res["build_segments_us"] = bench_us(lambda: build_segments(slots, segs))
@@ -279,32 +215,6 @@ def print_table(results: list[dict]) -> None:
         )
 
 
-PDL_OK = False
-
-
-def probe_pdl() -> None:
-    """Whether PDL launches and graph-captures here (checked, not assumed); the run itself uses the default."""
-    global PDL_OK
-    default = pdl_enabled()
-    set_pdl(True)
-    if not pdl_enabled():
-        print("PDL: not available", flush=True)
-        return
-    try:
-        sc = dict(name="probe", tokens=16, distinct=4, rank=16, prefill=False)
-        copies = make_copies(sc, 1e12)[:1]
-        segs = build_segments(token_slots(sc), alloc_segments(16, 4, DEVICE))
-        fns = triton_fns(copies, segs, sc, {})
-        graph_time_us([lambda: [f[0]() for f in fns.values()]], replays=2)
-        err = check_bf16(copies[0], segs, sc, {})
-        assert err < 2e-2, f"rel err {err}"
-        PDL_OK = True
-        print(f"PDL: works (probe rel err {err:.1e}); default {'on' if default else 'off'}", flush=True)
-    except Exception as exc:  # noqa: BLE001 - any failure means: no PDL comparison
-        print(f"PDL: probe failed ({type(exc).__name__}: {exc})", flush=True)
-    set_pdl(default)
-
-
 def is_goal(sc: dict) -> bool:
     return (sc["tokens"], sc["distinct"]) in ((64, 64), (4096, 8))
 
@@ -317,11 +227,11 @@ def main() -> None:
         "--joint-sweep",
         action="store_true",
         help="choose decode K-splits and block sizes for batch 64 over 8 and over 64 adapters at "
-        "once; writes $OUT/lora_configs.json (LORAPLEX_LORA_CONFIGS) and applies it to this run",
+        "once; writes lora_configs.json (LORAPLEX_LORA_CONFIGS) to --out and applies it to this run",
     )
+    add_out_argument(parser)
     args = parser.parse_args()
     t0 = time.time()
-    out_path = Path(os.environ.get("OUT", "/tmp")) / "lora_kernels.json"
     print(
         f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}",
         flush=True,
@@ -346,15 +256,13 @@ def main() -> None:
     )
     if bad:
         raise SystemExit(1)
-    probe_pdl()
     bw, rate = ceilings()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s", flush=True)
     payload = dict(
         device=torch.cuda.get_device_name(),
-        pdl=pdl_enabled(),
         torch=torch.__version__,
         triton=triton.__version__,
-        command="PYTHONPATH=. python3 bench/lora_kernels.py " + " ".join(sys.argv[1:]),
+        command="PYTHONPATH=.:protos python3 -m bench.lora_kernels " + " ".join(sys.argv[1:]),
         copy_bw=bw,
         bf16_rate=rate,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -363,8 +271,6 @@ def main() -> None:
         sweep=[],
         table=[],
     )
-    from bench.lora_sweep import joint_sweep, sweep, table_entries
-
     overrides: dict[tuple[str, int], dict] = {}
     all_scenarios = scenarios(args.quick)
     if args.joint_sweep:
@@ -380,8 +286,7 @@ def main() -> None:
         ]
         chosen, rows = joint_sweep(joint)
         payload["joint_sweep"], payload["joint_sweep_rows"] = chosen, rows
-        cfg_path = out_path.with_name("lora_configs.json")
-        cfg_path.write_text(json.dumps(chosen, indent=1))
+        cfg_path = write_json(args.out, "lora_configs", chosen)
         load_overrides(str(cfg_path))
         print(
             f"joint sweep chose {json.dumps(chosen)}; wrote {cfg_path} [{time.time() - t0:.0f}s]", flush=True
@@ -397,17 +302,16 @@ def main() -> None:
     for sc in all_scenarios:
         res = run_scenario(sc, bw, rate, overrides.get((family(sc["tokens"]), sc["rank"]), {}))
         payload["results"].append(res)
-        out_path.write_text(json.dumps(payload, indent=1))
+        write_json(args.out, "lora_kernels", payload)  # after each scenario: a late failure keeps the rest
         lay = res["layer"]
-        nopdl = f" (with PDL {lay['graph_us_with_pdl']:.1f})" if "graph_us_with_pdl" in lay else ""
         print(
-            f"{sc['name']:36} layer floor {lay['floor_us']:7.1f}us graph {lay['graph_us']:7.1f}us{nopdl}"
+            f"{sc['name']:36} layer floor {lay['floor_us']:7.1f}us graph {lay['graph_us']:7.1f}us"
             f" ({lay['graph_us'] / lay['floor_us']:.2f}x) bench {lay['bench_us']:7.1f}us"
             f" torch {res['torch_layer']['graph_us']:8.1f}us  [{time.time() - t0:.0f}s]",
             flush=True,
         )
     print_table(payload["results"])
-    print(f"wrote {out_path} in {time.time() - t0:.0f}s")
+    print(f"done in {time.time() - t0:.0f}s")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from bench.lora_kernels import DEVICE, GROUPS, floor_of, graph_time_us, make_copies, token_slots
+from bench.graph_timing import graph_time_us
+from bench.lora_layer import DEVICE, GROUPS, floor_of, launch_of, make_copies, token_slots
 from kernels.lora_configs import (
     ExpandConfig,
     ShrinkConfig,
@@ -77,8 +78,9 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
         timed_s = []
         for cfg, S in s_vars:
             y = torch.zeros(S, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
+            launch = launch_of(sc, cfg, S, e_vars[0])
             fns = [
-                (lambda c=c[g], y=y, cfg=cfg: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, config=cfg))
+                (lambda c=c[g], y=y, launch=launch: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, launch))
                 for c in copies
             ]
             timed_s.append((_time_or_inf(fns), cfg, S))
@@ -87,14 +89,15 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
                     scenario=sc["name"],
                     group=g,
                     kernel="shrink",
-                    config=cfg.__dict__,
+                    config=cfg._asdict(),
                     splits=S,
                     graph_us=timed_s[-1][0],
                 )
             )
         us_s, cfg_s, S_best = min(timed_s, key=lambda t: t[0])
         y = torch.zeros(S_best, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
-        lora_shrink(copies[0][g]["x"], copies[0][g]["A"], copies[0][g]["ranks"], segs, y, config=cfg_s)
+        launch = launch_of(sc, cfg_s, S_best, e_vars[0])
+        lora_shrink(copies[0][g]["x"], copies[0][g]["A"], copies[0][g]["ranks"], segs, y, launch)
         timed_e = []
         e_key = (sum(widths), len(widths))  # o and down share one EXPAND_TABLE entry: sweep it once
         if e_key in swept_e:
@@ -102,8 +105,8 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
         for cfg in e_vars:
             fns = [
                 (
-                    lambda c=c[g], cfg=cfg, w=widths, y=y: lora_expand(
-                        y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, config=cfg
+                    lambda c=c[g], launch=launch._replace(expand=cfg), w=widths, y=y: lora_expand(
+                        y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, launch
                     )
                 )
                 for c in copies
@@ -114,7 +117,7 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
                     scenario=sc["name"],
                     group=g,
                     kernel="expand",
-                    config=cfg.__dict__,
+                    config=cfg._asdict(),
                     splits=S_best,
                     graph_us=timed_e[-1][0],
                 )
@@ -156,10 +159,11 @@ def joint_sweep(scs: list[dict]) -> tuple[dict, list[dict]]:
         y = torch.zeros(S, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
         out = []
         for sc, copies, segs in setups:
+            launch = launch_of(sc, cfg, S, expand_config(sum(widths), len(widths), r, T))
             fns = [
                 (
-                    lambda c=c[g], cfg=cfg, segs=segs: lora_shrink(
-                        c["x"], c["A"], c["ranks"], segs, y, config=cfg
+                    lambda c=c[g], launch=launch, segs=segs: lora_shrink(
+                        c["x"], c["A"], c["ranks"], segs, y, launch
                     )
                 )
                 for c in copies
@@ -170,7 +174,7 @@ def joint_sweep(scs: list[dict]) -> tuple[dict, list[dict]]:
                     scenario=sc["name"],
                     group=g,
                     kernel="shrink",
-                    config=cfg.__dict__,
+                    config=cfg._asdict(),
                     splits=S,
                     graph_us=out[-1],
                 )
@@ -182,10 +186,11 @@ def joint_sweep(scs: list[dict]) -> tuple[dict, list[dict]]:
         y = torch.zeros(S, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
         out = []
         for sc, copies, segs in setups:
+            launch = launch_of(sc, shrink_config(GROUPS[g][0], len(widths), r, T), S, cfg)
             fns = [
                 (
-                    lambda c=c[g], cfg=cfg, segs=segs: lora_expand(
-                        y, c["B"], c["ranks"], c["scal"], segs, c["out"], widths, config=cfg
+                    lambda c=c[g], launch=launch, segs=segs: lora_expand(
+                        y, c["B"], c["ranks"], c["scal"], segs, c["out"], widths, launch
                     )
                 )
                 for c in copies
@@ -196,7 +201,7 @@ def joint_sweep(scs: list[dict]) -> tuple[dict, list[dict]]:
                     scenario=sc["name"],
                     group=g,
                     kernel="expand",
-                    config=cfg.__dict__,
+                    config=cfg._asdict(),
                     splits=S,
                     graph_us=out[-1],
                 )

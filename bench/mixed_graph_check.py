@@ -9,17 +9,20 @@
    (bf16 matmuls of a padded bucket may round differently from the unpadded step's).
 
 Used by bench/mixed_step.py before it times anything (GPU), and standalone on the CPU (tiny model,
-pieces run eagerly): `PYTHONPATH=.:protos python3 bench/mixed_graph_check.py`.
+pieces run eagerly): `PYTHONPATH=.:protos python3 -m bench.mixed_graph_check [--out DIR]`, which
+prints a table and writes mixed_graph_check.json.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import random
 import sys
 
 import torch
 
+from bench.random_runner import TINY, build_runner
+from bench.results import add_out_argument, write_json
 from kernels.lora_configs import MANY_ADAPTERS
 from services.inference.engine.model_runner import ModelRunner
 from services.inference.engine.scheduler import SeqChunk
@@ -39,7 +42,8 @@ def lockstep_blocks_per_seq(cap: int) -> int:
 
 
 def lockstep(runner: ModelRunner, base_block: int, seed: int = 0) -> dict:
-    """Scripted mixed steps, eager then pieces on the same KV state: worst relative error, argmax agreement."""
+    """Scripted mixed steps, eager then pieces on the same KV state: worst relative error, argmax
+    agreement."""
     graphs = runner.mixed_graphs
     assert graphs is not None, "capture_mixed_graphs first"
     slots = getattr(getattr(runner.lora_backend, "pool", None), "slots", 0)
@@ -228,9 +232,22 @@ def run_all(runner: ModelRunner, base_block: int, slots: int, chunk: int = 128) 
     return result
 
 
-def main() -> int:
-    from bench.random_runner import TINY, build_runner
+def print_table(result: dict) -> None:
+    lock = result["lockstep"]
+    print("| check | steps / requests | adapters | result | ok |\n| --- | ---: | ---: | --- | --- |")
+    print(
+        f"| lockstep pieces == eager | {len(lock['cases'])} | - | worst rel err {lock['worst_rel_err']:.2e}, "
+        f"argmax {lock['argmax_agree']}/{lock['rows']} | {lock['ok']} |"
+    )
+    for g in result["greedy"]:
+        what = "identical" if g["identical"] else f"diverged at {[d['at'] for d in g['diverged']]}"
+        print(f"| greedy pieces on/off | {g['requests']} | {g['adapters']} | {what} | {g['ok']} |")
 
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_out_argument(parser)
+    args = parser.parse_args()
     runner = build_runner(
         TINY,
         dtype=torch.float32,
@@ -246,7 +263,8 @@ def main() -> int:
     )
     runner.capture_mixed_graphs(128, use_graphs=False)
     result = run_all(runner, 0, 20, chunk=24)
-    print(json.dumps(result, indent=1))
+    print_table(result)
+    write_json(args.out, "mixed_graph_check", result)
     return 0 if result["ok"] else 1
 
 

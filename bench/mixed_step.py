@@ -1,4 +1,4 @@
-"""Mixed-step profile (issue 19): steps that carry running decodes plus a prefill chunk, with and
+"""Mixed-step profile: steps that carry running decodes plus a prefill chunk, with and
 without adapters. Per configuration: host time of `ModelRunner.forward` (launching, no sync: the
 metadata prep before the model and the model's launches), GPU time (CUDA events), the step's wall
 time, kernel launches per step and where the host time goes (torch.profiler), and the Triton
@@ -7,12 +7,12 @@ prefill chunk size at a fixed decode batch) is what `--chunked-prefill-size` /
 `--decode-prefill-budget` are picked from: the extra time a chunk adds to the step every running
 decode waits for.
 
-    PYTHONPATH=.:protos python3 bench/mixed_step.py                      # H200, Llama-3.1-8B shape
-    PYTHONPATH=.:protos python3 bench/mixed_step.py --tiny --device cpu  # smoke check (torch LoRA)
+    PYTHONPATH=.:protos python3 -m bench.mixed_step                      # H200, Llama-3.1-8B shape
+    PYTHONPATH=.:protos python3 -m bench.mixed_step --tiny --device cpu  # smoke check (torch LoRA)
 
 Before timing it checks, on the device, that a mixed step's logits equal the same sequences run
 as separate steps (decodes alone, the chunk alone) to the dtype's tolerance, and that greedy
-tokens match. Prints tables; writes JSON to $OUT/mixed_step.json (or --out).
+tokens match. Prints tables; writes mixed_step.json to --out DIR (bench/results.py).
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from bench.mixed_graph_check import blocks_needed, run_all
-from bench.random_runner import LLAMA_8B, TINY, build_runner
+from bench.random_runner import TINY, build_runner
+from bench.results import add_out_argument, write_json
+from bench.serving_setup import LLAMA_8B
 from kernels.compile_watch import compile_counter
 from services.inference.engine.scheduler import SeqChunk
 from services.inference.engine.warmup import warm_up
@@ -40,7 +41,8 @@ VOCAB = [1000]  # token ids are drawn below this (set to the model's vocabulary)
 
 
 class Layout:
-    """KV blocks for the benchmark's sequences: decode i owns blocks [i*per, (i+1)*per), the chunk the last."""
+    """KV blocks for the benchmark's sequences: decode i owns blocks [i*per, (i+1)*per), the chunk
+    the last."""
 
     def __init__(self, context: int, max_seqs: int):
         self.per = -(-context // PAGE) + 1
@@ -209,7 +211,7 @@ def main() -> int:
         action="store_true",
         help="time even when a check fails (the failure stays in the JSON and the output)",
     )
-    p.add_argument("--out", default=None)
+    add_out_argument(p)
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device(a.device)
@@ -250,9 +252,7 @@ def main() -> int:
     graphs = device.type == "cuda" and not a.no_graphs
     if graphs:
         runner.capture_cuda_graphs(max(decodes))
-    if (
-        a.mixed_graph_max_tokens > 0
-    ):  # on the CPU the pieces run eagerly (checks the path, times nothing real)
+    if a.mixed_graph_max_tokens > 0:  # on the CPU the pieces run eagerly (checks the path, times nothing)
         runner.capture_mixed_graphs(a.mixed_graph_max_tokens, use_graphs=graphs)
     if device.type == "cuda":
         # Both paths are timed here (the engine serves steps under the cap through the pieces only),
@@ -267,11 +267,8 @@ def main() -> int:
         )
     compile_counter.mark_serving()
     # Non-zero on the GPU shows Triton's compile hook fires (so the zero after start-up means something).
-    print(
-        f"Triton compilations during start-up (hook {'installed' if compile_counter.installed else 'missing'}): "
-        f"{compile_counter.total}",
-        flush=True,
-    )
+    hook = "installed" if compile_counter.installed else "missing"
+    print(f"Triton compilations during start-up (hook {hook}): {compile_counter.total}", flush=True)
     mixed = runner.mixed_graphs
 
     results: dict = {
@@ -297,8 +294,9 @@ def main() -> int:
         results["graph_check"] = graph_check
         lock = graph_check["lockstep"]
         print(
-            f"check pieces == eager (lockstep, {len(lock['cases'])} steps): worst rel_err {lock['worst_rel_err']:.2e}, "
-            f"argmax {lock['argmax_agree']}/{lock['rows']}: {'ok' if lock['ok'] else 'FAILED'}",
+            f"check pieces == eager (lockstep, {len(lock['cases'])} steps): "
+            f"worst rel_err {lock['worst_rel_err']:.2e}, argmax {lock['argmax_agree']}/{lock['rows']}: "
+            f"{'ok' if lock['ok'] else 'FAILED'}",
             flush=True,
         )
         for g in graph_check["greedy"]:
@@ -322,9 +320,7 @@ def main() -> int:
     results["checks_ok"] = checks_ok
     if not checks_ok and not a.keep_going:
         print("correctness check failed: not timing", file=sys.stderr)
-        out = Path(a.out or Path(os.environ.get("OUT", ".")) / "mixed_step.json")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=1))
+        write_json(a.out, "mixed_step", results)
         return 1
 
     compiles_before = compile_counter.after_start
@@ -354,19 +350,16 @@ def main() -> int:
     results["compiles_at_startup"] = compile_counter.total - compile_counter.after_start
     results["compiles_after_startup"] = compile_counter.after_start  # the checks' steps included
     print_tables(results)
-    out = Path(a.out or Path(os.environ.get("OUT", ".")) / "mixed_step.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(f"wrote {out}")
+    write_json(a.out, "mixed_step", results)
     return 0
 
 
 def print_tables(results: dict) -> None:
     rows = results["rows"]
     print(
-        f"\nmixed steps on {results['device']} ({results['shape']}, {results['dtype']}, rank {results['rank']}, "
-        f"decode context {results['context']}); Triton compiles after start-up: {results['compiles_after_startup']} "
-        f"(while timing: {results['compiles_while_timing']})"
+        f"\nmixed steps on {results['device']} ({results['shape']}, {results['dtype']}, "
+        f"rank {results['rank']}, decode context {results['context']}); Triton compiles after start-up: "
+        f"{results['compiles_after_startup']} (while timing: {results['compiles_while_timing']})"
     )
     print(
         "| mode | decodes | chunk | adapters | host ms (prep) | GPU ms | step ms | launches | GPU kernels "
@@ -378,9 +371,9 @@ def print_tables(results: dict) -> None:
         top = r["host_top"][0] if r["host_top"] else ("", 0, 0)
         mode = r["mode"] if r["chunk"] else "decode only"
         print(
-            f"| {mode} | {r['decodes']} | {r['chunk']} | {r['adapters']} | {r['host_ms']:.2f} ({r['prep_ms']:.2f}) "
-            f"| {gpu} | {r['step_ms']:.2f} | {r['launches_per_step']:.0f} | {r['gpu_kernels_per_step']:.0f} "
-            f"| {top[0]} {top[1]} ms x{top[2]} |"
+            f"| {mode} | {r['decodes']} | {r['chunk']} | {r['adapters']} | {r['host_ms']:.2f} "
+            f"({r['prep_ms']:.2f}) | {gpu} | {r['step_ms']:.2f} | {r['launches_per_step']:.0f} "
+            f"| {r['gpu_kernels_per_step']:.0f} | {top[0]} {top[1]} ms x{top[2]} |"
         )
     # Step time against chunk size at the largest decode batch: what each chunk costs every running decode.
     nd = max(r["decodes"] for r in rows)

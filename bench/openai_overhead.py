@@ -1,6 +1,6 @@
 """What the OpenAI-compatible door adds to the time to first token, against gRPC directly.
 
-    PYTHONPATH=.:protos .venv/bin/python bench/openai_overhead.py [--requests 100] [--out PATH]
+    PYTHONPATH=.:protos .venv/bin/python -m bench.openai_overhead [--requests 100] [--out DIR]
     (or against running servers: --target HOST:PORT --door HOST:PORT)
 
 Without --target it starts `python -m services.inference` on the embedded SmolLM2 (CPU unless
@@ -10,7 +10,7 @@ and alternating the two paths so both see the same machine, it streams the same 
 and takes the time from sending the request to the first token (the first stream message /
 the first `data:` event). Minimal clients on both sides (a sync gRPC stub; http.client), so
 the difference is the door's own: HTTP parsing, JSON, the gRPC hop, SSE framing.
-Prints a table and writes JSON to --out (default $OUT/openai_overhead.json, or /tmp).
+Prints a table and writes openai_overhead.json to --out DIR (bench/results.py).
 """
 
 from __future__ import annotations
@@ -21,18 +21,15 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import grpc
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from loraplex.v1 import inference_pb2 as pb  # noqa: E402
-from loraplex.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402
-
-from clients.processes import ServerProcess  # noqa: E402
+from bench.results import add_out_argument, write_json
+from clients.processes import ServerProcess
 
 PROMPT = "List 3 countries and their capitals."
 
@@ -107,9 +104,7 @@ def main() -> None:
     parser.add_argument("--door", default=None, help="a running door over --target, HOST:PORT")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--adapter", default="", help="an adapter to ask for ('' = the base model)")
-    parser.add_argument(
-        "--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "openai_overhead.json"
-    )
+    add_out_argument(parser)
     args = parser.parse_args()
 
     load_before = os.getloadavg()[0]
@@ -164,27 +159,24 @@ def main() -> None:
         f"door overhead: p50 {overhead['p50_ms']:+.2f} ms, median of paired differences "
         f"{overhead['paired_median_ms']:+.2f} ms"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "requests": args.requests,
-                "model": model,
-                "device": args.device,
-                "prompt": PROMPT,
-                "host": platform.node(),
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "load_average": [load_before, load_after],
-                "stats": stats,
-                "overhead": overhead,
-                "grpc_s": direct,
-                "door_s": via_door,
-            },
-            indent=2,
-        )
+    write_json(
+        args.out,
+        "openai_overhead",
+        {
+            "requests": args.requests,
+            "model": model,
+            "device": args.device,
+            "prompt": PROMPT,
+            "host": platform.node(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "load_average": [load_before, load_after],
+            "stats": stats,
+            "overhead": overhead,
+            "grpc_s": direct,
+            "door_s": via_door,
+        },
     )
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

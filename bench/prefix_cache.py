@@ -1,7 +1,7 @@
-"""Prefix cache on vs off under an open-loop workload (issue 20).
+"""Prefix cache on vs off under an open-loop workload.
 
-    PYTHONPATH=.:protos python3 bench/prefix_cache.py --mode gpu [--requests 256] [--load 2.0 | --rate R]
-    PYTHONPATH=.:protos python3 bench/prefix_cache.py --mode cpu
+    PYTHONPATH=.:protos python3 -m bench.prefix_cache --mode gpu [--requests 256] [--load 2.0 | --rate R]
+    PYTHONPATH=.:protos python3 -m bench.prefix_cache --mode cpu [--out DIR]
 
 Two workloads over the same adapters and the same Poisson arrivals, each run with the prefix cache
 on and off on one engine (`BlockManager.reset_prefix_cache` between runs, so nothing cached leaks
@@ -11,14 +11,14 @@ from one run into the next):
 - unique: the same lengths, no prefix shared by any two requests (the cache cannot help; it
   must cost nothing).
 `--repeats N` runs each (workload, setting) N times, alternating which setting goes first, and
-reports medians. Requests name the adapters round robin and generate `--new-tokens` tokens (EOS ignored). The
-engine is the server's (`build_llm_engine`), driven on this thread: each loop adds the requests
+reports medians. Requests name the adapters round robin and generate `--new-tokens` tokens (EOS
+ignored). The engine is the server's (`build_llm_engine`), driven on this thread: each loop adds the requests
 whose arrival time has passed, then runs one step. TTFT = first output token time - arrival;
 output tokens/s = all output tokens / (last finish - first arrival), the span in which all
 requests complete; CPU s = the process's CPU time over the run (on a shared CPU, where wall times
 drift with other jobs, the steadier measure of the work done); sched us/step = host time in
-`Scheduler.schedule` per step (the prefix cache's lookups, the hashing of prompt blocks and the
-registration of running requests' blocks run inside it).
+`Scheduler.schedule` per step, from the engine's step timer (the prefix cache's lookups, the
+hashing of prompt blocks and the registration of running requests' blocks run inside it).
 
 The arrival rate: `--rate`, or `--load` (2.0) times the cache-off capacity, measured first as a
 burst (`--burst` cold requests of the timed shape arriving at once, cache off, so steps mix
@@ -30,7 +30,8 @@ table prints the arrival span beside each run's span to check this.
 
 GPU mode writes a Llama-3.1-8B-shaped random bf16 model and rank-16 adapters
 (bench/serving_setup.py, under `--work`; reused when already there); CPU mode runs the embedded
-SmolLM2-135M with small random adapters. Prints a table; writes JSON to $OUT/prefix_cache.json (or --out).
+SmolLM2-135M with small random adapters. Prints a table; writes prefix_cache.json to --out DIR
+(bench/results.py).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import random
 import statistics
 import sys
@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from bench import serving_setup as setup
+from bench.results import add_out_argument, write_json
 
 log = logging.getLogger("bench.prefix_cache")
 SMOLLM2 = dict(
@@ -147,18 +148,14 @@ def run_open_loop(engine, jobs, arrivals: list[float], new_tokens: int, tag: str
     finish: list[float | None] = [None] * n
     out_tokens = [0] * n
     steps = 0
-    scheduler = engine.scheduler
-    schedule = scheduler.schedule
     sched = dict(s=0.0, tokens=0)
 
-    def timed_schedule():  # host time the scheduler (and the prefix cache inside it) takes per step
-        t0 = time.perf_counter()
-        batch = schedule()
-        sched["s"] += time.perf_counter() - t0
-        sched["tokens"] += batch.num_tokens
-        return batch
+    def timer(phase: str, started: float, result) -> None:  # the scheduler's (and prefix cache's) time
+        if phase == "schedule":
+            sched["s"] += time.perf_counter() - started
+            sched["tokens"] += result.num_tokens
 
-    scheduler.schedule = timed_schedule
+    engine.step_timer = timer
     cpu_start = time.process_time()
     start = time.perf_counter()
     nxt = 0
@@ -180,7 +177,7 @@ def run_open_loop(engine, jobs, arrivals: list[float], new_tokens: int, tag: str
             out_tokens[k] += len(out.new_token_ids)
             if out.finished:
                 finish[k] = t
-    del scheduler.schedule
+    engine.step_timer = None
     if engine.errors:
         raise RuntimeError(f"requests failed: {dict(list(engine.errors.items())[:3])}")
     ttft = sorted(f - a for f, a in zip(first, arrivals, strict=True))
@@ -235,7 +232,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="gpu mode with a 2-layer random model (a quick check)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default on a CPU: 1)")
     p.add_argument("--work", default="/tmp/loraplex-bench-prefix")
-    p.add_argument("--out", default=None)
+    add_out_argument(p)
     opts = p.parse_args()
     for key, value in DEFAULTS[opts.mode].items():
         if getattr(opts, key) is None:
@@ -336,10 +333,7 @@ def main() -> None:
     results["shared_tok_s_ratio"] = runs["shared/on"]["output_tok_s"] / runs["shared/off"]["output_tok_s"]
     results["unique_tok_s_ratio"] = runs["unique/on"]["output_tok_s"] / runs["unique/off"]["output_tok_s"]
     print_table(results)
-    out = Path(opts.out) if opts.out else Path(os.environ.get("OUT", ".")) / "prefix_cache.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(f"wrote {out}")
+    write_json(opts.out, "prefix_cache", results)
 
 
 def print_table(res: dict) -> None:
@@ -347,19 +341,20 @@ def print_table(res: dict) -> None:
     print(
         f"\n{res['device']}: {o['requests']} requests over {o['adapters']} adapters at {res['rate']:.2f}/s "
         f"(Poisson; {res['rate'] / res['capacity_req_s']:.2f}x the cache-off capacity of "
-        f"{res['capacity_req_s']:.2f}/s), prompts {o['system_tokens']} shared + {o['unique_tokens']} own tokens, "
-        f"{o['new_tokens']} new"
+        f"{res['capacity_req_s']:.2f}/s), prompts {o['system_tokens']} shared + {o['unique_tokens']} "
+        f"own tokens, {o['new_tokens']} new"
     )
     print(
-        f"{'workload':<8} {'cache':<5} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'out tok/s':>10} {'span s':>7} "
-        f"{'hit/prompt':>11} {'evict':>6} {'preempt':>7} {'steps':>6} {'tok/step':>8} {'sched us/step':>13} "
-        f"{'CPU s':>7}"
+        f"{'workload':<8} {'cache':<5} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'out tok/s':>10} "
+        f"{'span s':>7} {'hit/prompt':>11} {'evict':>6} {'preempt':>7} {'steps':>6} {'tok/step':>8} "
+        f"{'sched us/step':>13} {'CPU s':>7}"
     )
     for key, r in res["runs"].items():
         workload, cache = key.split("/")
         print(
-            f"{workload:<8} {cache:<5} {r['ttft_p50_ms']:>12.1f} {r['ttft_p90_ms']:>12.1f} {r['output_tok_s']:>10.1f} "
-            f"{r['span_s']:>7.1f} {r['hit_tokens'] / r['prompt_tokens']:>11.2f} {r['evictions']:>6} "
+            f"{workload:<8} {cache:<5} {r['ttft_p50_ms']:>12.1f} {r['ttft_p90_ms']:>12.1f} "
+            f"{r['output_tok_s']:>10.1f} {r['span_s']:>7.1f} {r['hit_tokens'] / r['prompt_tokens']:>11.2f} "
+            f"{r['evictions']:>6} "
             f"{r['preemptions']:>7} {r['steps']:>6.0f} {r['tokens_per_step']:>8.1f} "
             f"{r['schedule_us_per_step']:>13.1f} {r['cpu_s']:>7.1f}"
         )

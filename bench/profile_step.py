@@ -1,14 +1,14 @@
 """Where a decode step's GPU time goes: one replay of the batch-64 decode graph (base, 8 and 64
 adapters) under the torch profiler, kernel by kernel and stream by stream.
 
-    PYTHONPATH=.:protos python3 bench/profile_step.py [--adapters 64]
+    PYTHONPATH=.:protos python3 -m bench.profile_step [--adapters 64] [--out DIR]
 
 Same model and engine as bench/serving.py (Llama-3.1-8B shape, random weights, rank-16 adapters on
 all seven projections). Per graph it prints: the replay's span; each stream's busy time and the
 main stream's idle time (waiting for the LoRA side stream or for launches); time per kernel kind;
 and one middle layer's kernels in start order (stream, start, duration). Also times the decode
-linears' matmuls through cuBLAS and cuBLASLt. Writes
-the chrome traces and $OUT/profile_step.json.
+linears' matmuls through cuBLAS and cuBLASLt. Writes the chrome traces (trace_N.json) and
+profile_step.json to --out DIR (bench/results.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import random
 import statistics
 import sys
@@ -26,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import serving_setup as setup  # noqa: E402
-from bench.graph_timing import replay_ms  # noqa: E402
-from bench.serving import build  # noqa: E402
-from bench.serving_engine import abort_all, add_batch, run_until_decoding  # noqa: E402
+from bench import serving_setup as setup
+from bench.graph_timing import replay_ms
+from bench.results import add_out_argument, write_json
+from bench.serving import build
+from bench.serving_engine import abort_all, add_batch, run_until_decoding
 
 KINDS = (
     ("gemm", ("gemm", "cutlass", "sm90", "nvjet", "gemv")),
@@ -179,18 +178,19 @@ def start_batch(engine, prompts: list[list[int]], names: list[str], distinct: in
 
 
 def bench_args(doc: str) -> argparse.Namespace:
-    """--adapters, --work, --out (default $OUT) for the scripts built on `bench_engine`; logging on."""
+    """--adapters, --work, --out for the scripts built on `bench_engine`; logging on."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0])
     p.add_argument("--adapters", type=int, default=64)
     p.add_argument("--work", default="/tmp/loraplex-bench")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    add_out_argument(p)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     return p.parse_args()
 
 
 def main() -> int:
     opts = bench_args(__doc__)
-    out = Path(opts.out)
+    out = opts.out
+    out.mkdir(parents=True, exist_ok=True)
     layers = setup.LLAMA_8B["num_hidden_layers"]
     async_engine, names, prompts = bench_engine(opts.adapters, Path(opts.work))
     engine = async_engine.engine
@@ -212,7 +212,7 @@ def main() -> int:
         abort_all(engine, ids)
         for _ in range(2):
             engine.step()
-    (out / "profile_step.json").write_text(json.dumps(res, indent=1))
+    write_json(out, "profile_step", res)
     asyncio.run(async_engine.shutdown())
     return 0
 

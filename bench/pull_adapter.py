@@ -1,34 +1,31 @@
 """Adapter store benchmark: PullAdapter of a ~100 MB adapter over loopback gRPC.
 
-    .venv/bin/python bench/pull_adapter.py [--mb 100] [--reps 5] [--out PATH]
+    .venv/bin/python -m bench.pull_adapter [--mb 100] [--reps 5] [--out DIR]
 
 Writes a random LoRA adapter in PEFT layout (fp32, Llama-shaped square projections), starts
 `python -m adapter_store --port 0` (embedded Redis) as a subprocess, registers the adapter
 (timing fetch + validation + hashing), then pulls it `--reps` times: the stream alone, the
 stream plus the client's sha256 check, and the shared-cache answer (a path, no data).
-Prints a table and writes JSON to --out (default $OUT/pull_adapter.json, or /tmp).
+Prints a table and writes JSON to --out DIR (bench/results.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import grpc
+from loraplex.v1 import adapter_store_pb2 as pb
+from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from loraplex.v1 import adapter_store_pb2 as pb  # noqa: E402
-from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc  # noqa: E402
-
-from tests.support.store_helpers import WEIGHTS, start_store, write_random_adapter  # noqa: E402
+from bench.results import add_out_argument, write_json
+from tests.support.store_helpers import WEIGHTS, start_store, write_random_adapter
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")
 
@@ -55,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=100.0, help="approximate adapter size in MB")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "pull_adapter.json")
+    add_out_argument(parser)
     args = parser.parse_args()
 
     hidden, r = 4096, 16
@@ -95,26 +92,23 @@ def main() -> None:
     print(f"{'what':34s} {'seconds':>9s} {'MB/s':>9s}")
     for what, seconds, rate in rows:
         print(f"{what:34s} {seconds:9.3f} {rate:9.1f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "bench": "pull_adapter",
-                "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                "size_bytes": size,
-                "reps": args.reps,
-                "cpus": os.cpu_count(),
-                "register_s": register_s,
-                "stream_s": stream,
-                "stream_verified_s": verified,
-                "shared_cache_s": shared,
-                "stream_mb_s": mb / statistics.median(stream),
-                "stream_verified_mb_s": mb / statistics.median(verified),
-            },
-            indent=1,
-        )
+    write_json(
+        args.out,
+        "pull_adapter",
+        {
+            "bench": "pull_adapter",
+            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "size_bytes": size,
+            "reps": args.reps,
+            "cpus": os.cpu_count(),
+            "register_s": register_s,
+            "stream_s": stream,
+            "stream_verified_s": verified,
+            "shared_cache_s": shared,
+            "stream_mb_s": mb / statistics.median(stream),
+            "stream_verified_mb_s": mb / statistics.median(verified),
+        },
     )
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

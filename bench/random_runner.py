@@ -1,7 +1,7 @@
 """A ModelRunner over a random-weight Llama of any shape, in memory (no files), with an adapter pool of
 random adapters and the Triton LoRA backend: what the mixed-step benchmark, the compile check and
-the mixed-graph check drive. Tiny shapes run on the CPU (Triton under the interpreter); the
-Llama-3.1-8B shape on the GPU.
+the mixed-graph check drive. Tiny shapes (TINY) run on the CPU (Triton under the interpreter); the
+Llama-3.1-8B shape (bench/serving_setup.py's LLAMA_8B) on the GPU.
 """
 
 from __future__ import annotations
@@ -26,14 +26,6 @@ TINY = dict(
     num_key_value_heads=2,
     intermediate_size=96,
     vocab_size=128,
-)
-LLAMA_8B = dict(
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=14336,
-    vocab_size=128256,
 )
 
 

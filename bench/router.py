@@ -13,15 +13,16 @@ closed-loop streaming clients (Zipf adapter choice, --base-share of base-model r
             (must be 0: nginx answers UNAVAILABLE and the client's retry policy moves them);
             the share of r2's adapters it serves again after it is back
 
-Prints a table and writes JSON (--out). CPU:  PYTHONPATH=.:protos python3 bench/router.py
-GPU:  PYTHONPATH=.:protos python3 bench/router.py --device cuda --model-path /models/llama
+Prints a table and writes router.json to --out DIR (bench/results.py).
+
+    PYTHONPATH=.:protos python3 -m bench.router                                          # CPU
+    PYTHONPATH=.:protos python3 -m bench.router --device cuda --model-path /models/llama  # GPU
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import random
 import statistics
 import sys
@@ -34,6 +35,7 @@ import grpc
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
+from bench.results import add_out_argument, write_json
 from clients import Client
 from clients.processes import ServerProcess
 from clients.requests import make_channel, routing_metadata
@@ -274,7 +276,7 @@ def main() -> int:
     p.add_argument("--affinity-seconds", type=float, default=30)
     p.add_argument("--overhead-requests", type=int, default=60)
     p.add_argument("--failover-seconds", type=float, default=60)
-    p.add_argument("--out", type=Path, default=Path("router_bench.json"))
+    add_out_argument(p)
     p.add_argument("server_args", nargs=argparse.REMAINDER, help="-- then extra flags for each replica")
     ns = p.parse_args()
     ns.server_args = [a for a in ns.server_args if a != "--"]
@@ -308,16 +310,16 @@ def main() -> int:
         f"| affinity | lowest share of an adapter's requests on its replica | {a['min_adapter_share']:.3f} "
         f"({a['adapters_seen']} adapters) |"
     )
+    shares = ", ".join(f"{k} {v:.2f}" for k, v in a["replica_share"].items())
+    print(f"| affinity | traffic per replica | {shares} |")
     print(
-        f"| affinity | traffic per replica | {', '.join(f'{k} {v:.2f}' for k, v in a['replica_share'].items())} |"
-    )
-    print(
-        f"| overhead | TTFT p50 direct / through nginx ({o['samples']} each) | {o['direct_ttft_p50_ms']:.2f} / "
-        f"{o['router_ttft_p50_ms']:.2f} ms (hop {o['hop_ms']:+.2f} ms) |"
+        f"| overhead | TTFT p50 direct / through nginx ({o['samples']} each) | "
+        f"{o['direct_ttft_p50_ms']:.2f} / {o['router_ttft_p50_ms']:.2f} ms (hop {o['hop_ms']:+.2f} ms) |"
     )
     print(
         f"| overhead | GetModelInfo p50 direct / through nginx ({o['unary_samples']} each) | "
-        f"{o['direct_unary_p50_ms']:.2f} / {o['router_unary_p50_ms']:.2f} ms (hop {o['unary_hop_ms']:+.2f} ms) |"
+        f"{o['direct_unary_p50_ms']:.2f} / {o['router_unary_p50_ms']:.2f} ms "
+        f"(hop {o['unary_hop_ms']:+.2f} ms) |"
     )
     print(
         f"| failover | requests; errors before any token / after tokens | {f['requests']}; "
@@ -333,8 +335,7 @@ def main() -> int:
         f"{'n/a' if back is None else f'{back:.2f}'} ({f['victim_adapter_requests_after_return']} requests) |"
     )
     result["affinity"].pop("owner")
-    ns.out.write_text(json.dumps(result, indent=2, default=str))
-    print(f"\nwrote {ns.out}")
+    write_json(ns.out, "router", result)
     return 0
 
 

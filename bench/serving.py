@@ -1,7 +1,7 @@
-"""Serving benchmark on one GPU, one process, one run (issue 8).
+"""Serving benchmark on one GPU, one process, one run.
 
-    PYTHONPATH=.:protos python3 bench/serving.py [--adapters 64] [--skip-compile] [--tiny] [--tp-size N]
-        [--blas cublaslt]
+    PYTHONPATH=.:protos python3 -m bench.serving [--adapters 64] [--skip-compile] [--tiny] [--tp-size N]
+        [--blas cublaslt] [--out DIR]
 
 1. measures the copy bandwidth and bf16 matmul rate of this GPU;
 2. writes a Llama-3.1-8B-shaped HF directory (random bf16 weights) and N random rank-16 PEFT
@@ -15,7 +15,7 @@
 4. frees the engine and runs the baselines at batch 32 on the same prompts and adapters
    (bench/serving_baselines.py): transformers + PEFT mixed batch, transformers static cache +
    torch.compile.
-Prints a table; writes JSON to $OUT/serving.json (or --out).
+Prints a table; writes serving.json to --out DIR (bench/results.py).
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import logging
-import os
 import random
 import sys
 import time
@@ -34,6 +32,7 @@ from pathlib import Path
 import torch
 
 from bench import serving_setup as setup
+from bench.results import add_out_argument, write_json
 from bench.serving_engine import ForwardClock, graph_replay_ms, measure_decode, measure_prefill
 
 log = logging.getLogger("bench.serving")
@@ -246,11 +245,12 @@ def add_floors(res: dict, shape: dict, bw: float) -> None:
 
 def print_table(res: dict) -> None:
     print(
-        f"\ncopy bandwidth {res['copy_bw'] / 1e12:.2f} TB/s, bf16 matmul {res['matmul_rate'] / 1e12:.0f} TFLOP/s"
+        f"\ncopy bandwidth {res['copy_bw'] / 1e12:.2f} TB/s, "
+        f"bf16 matmul {res['matmul_rate'] / 1e12:.0f} TFLOP/s"
     )
     print(
         "decode: ratio = tokens/s over the base model's at the same batch; gpu ms = one replay of the "
-        "step's CUDA graph; host = step - gpu (schedule / sample / append+detok ms)"
+        "step's CUDA graph; host = step - gpu (schedule / sample / output ms: stop checks + detokenize)"
     )
     print(
         f"{'measurement':<44}{'batch':>6}{'ms/step':>9}{'tok/s':>10}{'floor ms':>10}{'x floor':>9}"
@@ -263,10 +263,11 @@ def print_table(res: dict) -> None:
         what += f" ({r['variant']})" if r.get("variant") else ""
         gpu = f"{r['graph_gpu_ms']:.2f}" if r.get("graph_gpu_ms") else "-"
         host = r["ms_per_step"] - (r.get("graph_gpu_ms") or r["forward_ms"])
-        split = f"{r['schedule_ms']:.2f}/{r['sample_ms']:.2f}/{r['append_ms']:.2f}"
+        split = f"{r['schedule_ms']:.2f}/{r['sample_ms']:.2f}/{r['output_ms']:.2f}"
         print(
-            f"{what:<44}{r['batch']:>6}{r['ms_per_step']:>9.2f}{r['tokens_per_s']:>10.0f}{r['floor_ms']:>10.2f}"
-            f"{r['x_floor']:>9.2f}{r['ratio_to_base']:>8.3f}{gpu:>8}{100 * host / r['ms_per_step']:>7.1f}%  {split}"
+            f"{what:<44}{r['batch']:>6}{r['ms_per_step']:>9.2f}{r['tokens_per_s']:>10.0f}"
+            f"{r['floor_ms']:>10.2f}{r['x_floor']:>9.2f}{r['ratio_to_base']:>8.3f}{gpu:>8}"
+            f"{100 * host / r['ms_per_step']:>7.1f}%  {split}"
         )
     for p in res["prefill"]:
         what = f"prefill {p['prompts']}x{p['tokens'] // p['prompts']}" + (
@@ -274,7 +275,8 @@ def print_table(res: dict) -> None:
         )
         ratio = f"{p['ratio_to_base']:.3f}" if "ratio_to_base" in p else "-"
         print(
-            f"{what:<44}{p['prompts']:>6}{1e3 * p['seconds']:>9.1f}{p['tokens_per_s']:>10.0f}{'':>10}{'':>9}{ratio:>8}"
+            f"{what:<44}{p['prompts']:>6}{1e3 * p['seconds']:>9.1f}{p['tokens_per_s']:>10.0f}"
+            f"{'':>10}{'':>9}{ratio:>8}"
         )
     for key, ours in (("hf_peft_mixed", (32, 8)), ("hf_static_compile", (32, 0))):
         b = res.get("baselines", {}).get(key)
@@ -292,7 +294,8 @@ def print_table(res: dict) -> None:
         ratio = mine["tokens_per_s"] / b["decode_tokens_per_s"] if mine else float("nan")
         b["ours_over_it"] = ratio
         print(
-            f"{key:<44}{b['batch']:>6}{b['ms_per_step']:>9.2f}{b['decode_tokens_per_s']:>10.0f}{'':>10}{'':>9}"
+            f"{key:<44}{b['batch']:>6}{b['ms_per_step']:>9.2f}{b['decode_tokens_per_s']:>10.0f}"
+            f"{'':>10}{'':>9}"
             f"{'':>8}   ours/it = {ratio:.1f}x"
         )
 
@@ -301,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--adapters", type=int, default=64)
     p.add_argument("--work", default="/tmp/loraplex-bench")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    add_out_argument(p)
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--baseline-new-tokens", type=int, default=33)
     p.add_argument("--skip-baselines", action="store_true")
@@ -406,10 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: {res[key]}")
     if "kernel_check" in res:
         print("bf16 kernels vs torch:", {k: f"{v:.1e}" for k, v in res["kernel_check"].items()})
-    out = Path(opts.out) / "serving.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1, default=str))
-    print(f"wrote {out}")
+    write_json(opts.out, "serving", res)
     for err in res.get("errors", []):
         print("ERROR", err)
     return 0

@@ -2,8 +2,9 @@
 
 The engine is built with the server's own `build_engine(args)` (loader, LoRA pool and manager,
 KV cache, CUDA graphs); its engine thread is stopped and `LLMEngine.step()` is driven from here
-so each step can be timed. A step's wall time is split into the model runner's forward (input
-preparation + GPU, synchronized) and the rest (scheduling, sampling, stop checks, detokenization).
+so each step can be timed. A step's wall time is split, through the engine's step timer, into the
+model runner's forward (input preparation + GPU, synchronized) and the rest (scheduling, sampling,
+stop checks, detokenization).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from bench.graph_timing import replay_ms
+from services.inference.engine.model_runner import ModelRunner
 from services.inference.engine.types import SamplingParams
 
 _ids = itertools.count()
@@ -31,7 +33,7 @@ class StepTiming(NamedTuple):
     other_ms: float  # schedule + sample + stop checks + detokenize
     schedule_ms: float
     sample_ms: float
-    append_ms: float  # stop checks + incremental detokenization of every request's token
+    output_ms: float  # stop checks + incremental detokenization of every request's token
 
 
 def _sync(device: torch.device) -> None:
@@ -40,39 +42,31 @@ def _sync(device: torch.device) -> None:
 
 
 class ForwardClock:
-    """Times the parts of a step: the runner's forward (synced; the step syncs right after it
-    anyway, to sample), scheduling, sampling, and appending tokens (stop checks + detokenize)."""
+    """Times the phases of a step through `LLMEngine.step_timer`: the runner's forward (synced; the
+    step syncs right after it anyway, to sample), scheduling, sampling, and the output phase (stop
+    checks + detokenize)."""
 
     def __init__(self, engine) -> None:
+        self.engine = engine
         self.device = engine.runner.device
         self.total = 0.0
-        self.parts: dict[str, float] = {"schedule": 0.0, "sample": 0.0, "append": 0.0}
-        inner = engine.runner.forward
+        self.parts: dict[str, float] = {"schedule": 0.0, "sample": 0.0, "output": 0.0}
+        engine.step_timer = self._phase_done
 
-        # With overlap scheduling a sync here would wait for the step the host should run beside:
-        # then forward_ms is launch time only and the step's GPU time comes from graph_replay_ms.
-        def forward(chunks, *args):
-            start = time.perf_counter()
-            out = inner(chunks, *args)
-            if not getattr(engine, "_overlap", False):
+    def _phase_done(self, phase: str, started: float, result: object) -> None:
+        if phase == "forward":
+            if not self._overlaps():
                 _sync(self.device)
-            self.total += time.perf_counter() - start
-            return out
+            self.total += time.perf_counter() - started
+        else:
+            self.parts[phase] += time.perf_counter() - started
 
-        engine.runner.forward = forward
-        engine.scheduler.schedule = self._wrap("schedule", engine.scheduler.schedule)
-        engine._append_token = self._wrap("append", engine._append_token)
-        engine._sample = self._wrap("sample", engine._sample)
-
-    def _wrap(self, name: str, fn):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.parts[name] += time.perf_counter() - start
-
-        return timed
+    def _overlaps(self) -> bool:
+        # With overlap scheduling a sync would wait for the step the host should run beside: then
+        # forward_ms is launch time only and the step's GPU time comes from graph_replay_ms. The engine
+        # overlaps only with the plain runner (not tensor parallelism's step broadcast); a variant may
+        # switch it off mid-run (serving_variants), so this is read per step.
+        return self.engine.config.overlap_enabled and isinstance(self.engine.runner, ModelRunner)
 
     def reset(self) -> None:
         self.total = 0.0
@@ -143,7 +137,7 @@ def measure_decode(
     abort_all(engine, ids)
     ms = 1e3 * statistics.median(times)
     fwd = 1e3 * statistics.median(forward)
-    part_ms = {k: 1e3 * statistics.median(p[k] for p in parts) for k in ("schedule", "sample", "append")}
+    part_ms = {k: 1e3 * statistics.median(p[k] for p in parts) for k in ("schedule", "sample", "output")}
     return StepTiming(
         len(ids),
         steps,
@@ -154,7 +148,7 @@ def measure_decode(
         ms - fwd,
         part_ms["schedule"],
         part_ms["sample"],
-        part_ms["append"],
+        part_ms["output"],
     )
 
 

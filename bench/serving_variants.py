@@ -2,12 +2,8 @@
 overlap scheduling off, and the LoRA side stream the other way. Each variant checks that greedy
 outputs do not change.
 
-Measured once on the H200 (docs/benchmarks.md) and dropped from here since: a high-priority side
-stream, and an SM carve-out for cuBLAS/cuBLASLt in the LoRA graphs (torch's
-`_set_sm_carveout_experimental`: a decode matmul took the same time with half the SMs carved out,
-so the carve-out did not reach the kernels) changed nothing; issuing the side stream's LoRA kernels
-after the base matmul instead of before it (same dependencies, an event recorded before the matmul)
-was slower: batch 64 over 64 adapters 9.26 vs 9.00 ms, over 8 adapters 7.83 vs 7.76 ms (2026-12-03).
+Variants measured on the H200 and dropped (a high-priority side stream, an SM carve-out for the
+base matmuls, LoRA issued after the base matmul) are listed in docs/benchmarks.md.
 """
 
 from __future__ import annotations

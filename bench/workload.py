@@ -19,10 +19,10 @@ Scenario names: `base`, or `POPULARITY:N[:K]` with POPULARITY zipf|uniform, N ad
 `--max-loras-per-batch` (absent = default flags). Report per scenario: completed, errors, cut,
 output tokens/s inside the window, TTFT / inter-token / end-to-end p50 p90 p99, mean running and
 waiting requests, adapter uploads and evictions, and ratios to the `base` scenario. Prints a
-markdown table, writes JSON (`--out`).
+markdown table, writes workload.json to --out DIR (bench/results.py).
 
-    PYTHONPATH=.:protos python3 bench/workload.py --mode engine --window 40 --drain 15
-    PYTHONPATH=.:protos python3 bench/workload.py --mode cpu --rate 60 --window 20
+    PYTHONPATH=.:protos python3 -m bench.workload --mode engine --window 40 --drain 15
+    PYTHONPATH=.:protos python3 -m bench.workload --mode cpu --rate 60 --window 20
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import json
 import logging
 import os
 import platform
@@ -41,9 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.workload_targets import Target, open_target  # noqa: E402
+from bench.results import add_out_argument, write_json
+from bench.workload_targets import Target, open_target
 
 GPU_SCENARIOS = ("base", "zipf:8:8", "zipf:64:64", "zipf:64", "zipf:256", "zipf:64:8")
 CPU_SCENARIOS = ("base", "zipf:64", "zipf:64:8")
@@ -94,7 +92,8 @@ def make_arrivals(
     vocab: tuple[int, int],
     seed: int,
 ) -> list[Arrival]:
-    """Arrival times in [0, window): exponential gaps (cv 1) or Gamma gaps with that coefficient of variation."""
+    """Arrival times in [0, window): exponential gaps (cv 1) or Gamma gaps with that coefficient of
+    variation."""
     rng = np.random.default_rng(seed)
     out: list[Arrival] = []
     t = 0.0
@@ -260,7 +259,8 @@ def print_table(results: dict[str, dict]) -> None:
             f"| {_fmt(r['hot_ttft_ms']['p99'], vs.get('hot_ttft_ms_p99'))} "
             f"| {_fmt(r['itl_ms']['p50'])} / {_fmt(r['itl_ms']['p99'])} "
             f"| {_fmt(r['e2e_ms']['p50'])} / {_fmt(r['e2e_ms']['p99'])} "
-            f"| {_fmt(r['mean_running'])} / {_fmt(r['mean_waiting'])} | {_fmt(r['uploads'])} / {_fmt(r['evictions'])} |"
+            f"| {_fmt(r['mean_running'])} / {_fmt(r['mean_waiting'])} "
+            f"| {_fmt(r['uploads'])} / {_fmt(r['evictions'])} |"
         )
 
 
@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FLAG=VALUE",
         help="engine/cpu modes: extra ServerArgs field for every scenario, e.g. max_running_requests=256",
     )
-    a("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")) / "workload.json")
+    add_out_argument(p)
     return p
 
 
@@ -369,10 +369,11 @@ async def run(opts: argparse.Namespace) -> dict:
                     setup=target.describe(),
                 )
                 results[sc.name] = res
+                ttft, itl = res["ttft_ms"], res["itl_ms"]
                 print(
                     f"{sc.name}: {res['completed']}/{res['requests']} done, {res['cut']} cut, "
-                    f"{res['errors']} errors, {res['output_tok_s']} tok/s, TTFT p50/p99 {res['ttft_ms']['p50']}/"
-                    f"{res['ttft_ms']['p99']} ms, inter-token p50/p99 {res['itl_ms']['p50']}/{res['itl_ms']['p99']} ms "
+                    f"{res['errors']} errors, {res['output_tok_s']} tok/s, TTFT p50/p99 {ttft['p50']}/"
+                    f"{ttft['p99']} ms, inter-token p50/p99 {itl['p50']}/{itl['p99']} ms "
                     f"(built in {build_s:.0f} s, {res['setup']})",
                     flush=True,
                 )
@@ -405,9 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         f"prompts {opts.prompt_len}, outputs {opts.output_len} tokens; {meta['date']}, {meta['machine']}"
     )
     print_table(results)
-    opts.out.parent.mkdir(parents=True, exist_ok=True)
-    opts.out.write_text(json.dumps({"meta": meta, "scenarios": results}, indent=2))
-    print(f"JSON: {opts.out}")
+    write_json(opts.out, "workload", {"meta": meta, "scenarios": results})
     return 0 if all(r["errors"] == 0 for r in results.values()) else 1
 
 

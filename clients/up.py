@@ -1,8 +1,9 @@
 """`loraplex up`: the whole local stack as one process tree.
 
 Embedded Redis (inside the store), the adapter store, the inference service on the
-embedded SmolLM2 and the OpenAI-compatible door over it (`--openai-port`); waits for both to report SERVING, prints how to call them, and stops
-everything on Ctrl-C / SIGTERM (or when either child dies). Flags after `--` go to
+embedded SmolLM2 and the OpenAI-compatible door over it (`--openai-port`); waits for both to
+report SERVING, prints how to call them, and stops everything on Ctrl-C / SIGTERM (or when
+either child dies). Flags after `--` go to
 `python -m services.inference` unchanged (e.g. `-- --max-lora-rank 64`).
 
 `--replicas N` (N > 1) starts N inference replicas on free ports, all pulling from the one
@@ -74,6 +75,16 @@ def banner(
         if openai
         else ""
     )
+    chat_prompt = (
+        "<|im_start|>user\\nList 3 countries and their capitals.<|im_end|>\\n<|im_start|>assistant\\n"
+    )
+    try_grpc = (
+        "  .venv/bin/grpcurl -plaintext -d "
+        f'\'{{"text": ["{chat_prompt}"], "sampling_params": {{"max_new_tokens": 64}}}}\' '
+        f"{inference} loraplex.v1.Inference/Generate\n"
+        f"  .venv/bin/loraplex --target {inference} generate --chat --max-new-tokens 64 "
+        '"List 3 countries and their capitals."\n'
+    )
     routed = "".join(f"\n    replica  {r}" for r in replicas or [])
     via = "   (nginx router, by x-loraplex-adapter)" if replicas else ""
     return f"""
@@ -82,9 +93,7 @@ loraplex is up.
   store      {store}   (loraplex.v1.AdapterStore)
 {door}
 Try:
-  .venv/bin/grpcurl -plaintext -d '{{"text": ["<|im_start|>user\\nList 3 countries and their capitals.<|im_end|>\\n<|im_start|>assistant\\n"], "sampling_params": {{"max_new_tokens": 64}}}}' {inference} loraplex.v1.Inference/Generate
-  .venv/bin/loraplex --target {inference} generate --chat --max-new-tokens 64 "List 3 countries and their capitals."
-{try_door}
+{try_grpc}{try_door}
 Ctrl-C stops everything.
 """
 

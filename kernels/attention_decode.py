@@ -169,9 +169,8 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
 
 
 def decode_block_n(batch: int, num_kv_heads: int) -> int:
-    """Keys per tile. Measured on the H200 at Llama-3.1-8B shapes (bench/attention_kernels.py,
-    2026-12-02): with >= 1024 (sequence, kv head) programs, 32-token tiles beat 64 by ~9% (B=256:
-    262 vs 288 us)."""
+    """Keys per tile: 32 once there are >= 1024 (sequence, kv head) programs, where 32-token tiles
+    beat 64 at Llama-3.1-8B shapes; 64 below that (docs/benchmarks.md, "Facts behind defaults")."""
     return 32 if batch * num_kv_heads >= 1024 else 64
 
 

@@ -1,4 +1,5 @@
-"""Compile the LoRA (and their metadata) and fused element-wise Triton kernels for an sm_90 GPU on a machine without one.
+"""Compile the LoRA (and their metadata) and fused element-wise Triton kernels for an sm_90 GPU on
+a machine without one.
 
 Triton's CPU interpreter runs the kernels' Python, not the compiler, so it misses what only
 the compiler refuses (a value retyped inside an if-block, say). `python -m kernels.compile_check`
@@ -42,15 +43,14 @@ COMMON = dict(PRECISION="tf32", BLOCK_M=16)
 KERNELS = {
     "shrink": (
         _shrink_kernel,
-        dict(COMMON, USE_PDL=False, R_BLOCKS=1, TOK_STRIDE=128, EVEN_K=True, BLOCK_R=16, BLOCK_K=256),
+        dict(COMMON, R_BLOCKS=1, STRIDE_BLOCK_TOKENS=128, EVEN_K=True, BLOCK_R=16, BLOCK_K=256),
     ),
     "expand_accumulate": (
         _expand_kernel,
         dict(
             COMMON,
-            USE_PDL=False,
             N_SPLITS=2,
-            TOK_STRIDE=128,
+            STRIDE_BLOCK_TOKENS=128,
             EVEN_N=True,
             ACCUMULATE=True,
             BLOCK_N=256,
@@ -61,9 +61,8 @@ KERNELS = {
         _expand_kernel,
         dict(
             COMMON,
-            USE_PDL=False,
             N_SPLITS=1,
-            TOK_STRIDE=128,
+            STRIDE_BLOCK_TOKENS=128,
             EVEN_N=False,
             ACCUMULATE=False,
             BLOCK_N=128,

@@ -2,8 +2,8 @@
 add), the q/k/v split with rotary embedding (and the LoRA delta), SiLU-and-mul.
 
 Why: in a CUDA-graph decode step every kernel costs a few microseconds however little it does,
-and torch's eager RMSNorm (7 kernels), rotary (6 per tensor) and `silu(gate) * up` (3) made
-about 30 of a layer's ~40 kernels. Each function here is one launch and rounds exactly where
+and torch's eager RMSNorm (7 kernels), rotary (6 per tensor) and `silu(gate) * up` (3) would
+make about 30 of a layer's ~40 kernels. Each function here is one launch and rounds exactly where
 the torch code it replaces rounds (services/inference/models/llama.py, rope.py), so results
 agree with the torch path to about one unit in the last place of the dtype.
 """

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 
-from kernels.lora_configs import expand_config
 from kernels.lora_expand import lora_expand, lora_expand_ref
 from kernels.lora_meta import (
     BLOCK_MS,
@@ -26,6 +24,7 @@ from kernels.lora_meta import (
     num_blocks_bound,
     triton_build_fits,
 )
+from kernels.lora_plan import GroupShape, plan_group
 from kernels.lora_shrink import alloc_shrink_out, lora_shrink, lora_shrink_ref, shrink_out_view
 
 
@@ -37,7 +36,7 @@ class Case(NamedTuple):
     max_rank: int
     ranks: tuple[tuple[int, ...], ...]  # per slot, per stacked module
     dtype: str
-    splits: int | None = None  # None: the table's choice (shrink_out_view)
+    splits: int | None = None  # None: the table's choice (the step plan's)
     slot_pattern: str = "random"  # random | one_big | none | distinct (one token per slot)
     per_token: bool = False  # expand with one program per token (ExpandConfig.per_token)
 
@@ -54,7 +53,7 @@ class CaseResult(NamedTuple):
     delta_mode_adds_up: bool  # dtype(float(base) + delta) == the accumulating kernel's output, bit for bit
     #   (on the CPU interpreter; a GPU may contract the in-place add into an FMA)
     delta_mode_untouched: bool  # tokens without adapter: delta rows never written
-    tight_grid_equal: bool  # max_distinct = the step's distinct slots gives the same bits
+    tight_grid_equal: bool  # distinct_bound = the step's distinct slots gives the same bits
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -131,24 +130,27 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     slots = _token_slots(case, num_slots, gen).to(device)
     segs = _segments(slots, case.num_tokens + 3, num_slots, device)
 
+    # The plan the backend makes for a step over any of the pool's slots.
+    launch = plan_group(GroupShape(case.d, case.widths, R), case.num_tokens, distinct_bound=num_slots)
+    launch = launch._replace(expand=launch.expand._replace(per_token=int(case.per_token)))
     if case.splits is None:
         buf = alloc_shrink_out(case.num_tokens, n, R, case.d, device)
-        y = shrink_out_view(buf, case.d, case.num_tokens)
+        y = shrink_out_view(buf, launch.splits, case.num_tokens)
     else:
+        launch = launch._replace(splits=case.splits)
         y = torch.empty(case.splits, case.num_tokens, n * R, dtype=torch.float32, device=device)
     y.fill_(float("nan"))  # poison: unwritten entries stay NaN
     y_ref = torch.full_like(y, float("nan"))
-    lora_shrink(x, A, ranks, segs, y)
+    lora_shrink(x, A, ranks, segs, y, launch)
     lora_shrink_ref(x, A, ranks, segs, y_ref)
     ys, ys_ref = y.sum(0), y_ref.sum(0)
     written = bool(torch.equal(ys.isnan(), ys_ref.isnan()))
     valid = ~ys_ref.isnan()
     shrink_err = _rel(ys[valid], ys_ref[valid]) if bool(valid.any()) else 0.0
 
-    cfg = replace(expand_config(sum(case.widths), n, R, case.num_tokens), per_token=int(case.per_token))
     out0 = rand(case.num_tokens, sum(case.widths))
     out, out_ref = out0.clone(), out0.clone()
-    lora_expand(y, B, ranks, scalings, segs, out, case.widths, config=cfg)
+    lora_expand(y, B, ranks, scalings, segs, out, case.widths, launch)
     lora_expand_ref(y_ref, B, ranks, scalings, segs, out_ref, case.widths)
     no_adapter = slots < 0
     untouched = bool(torch.equal(out[no_adapter], out0[no_adapter]))
@@ -159,7 +161,7 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     # Delta mode (the LoRA side stream): poisoned float32 buffer, adapter rows written in full.
     delta = torch.full((case.num_tokens, sum(case.widths)), float("nan"), device=device)
     delta_ref = delta.clone()
-    lora_expand(y, B, ranks, scalings, segs, delta, case.widths, config=cfg, accumulate=False)
+    lora_expand(y, B, ranks, scalings, segs, delta, case.widths, launch, accumulate=False)
     lora_expand_ref(y_ref, B, ranks, scalings, segs, delta_ref, case.widths, accumulate=False)
     has = ~no_adapter
     delta_err = _rel(delta[has], delta_ref[has]) if bool(has.any()) else 0.0
@@ -169,9 +171,10 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     # A grid sized for the step's real number of distinct slots: same output, bit for bit.
     distinct = len({int(v) for v in slots.tolist() if v >= 0})
     y_t, out_t = torch.full_like(y, float("nan")), out0.clone()
-    lora_shrink(x, A, ranks, segs, y_t, max_distinct=distinct)
-    lora_expand(y_t, B, ranks, scalings, segs, out_t, case.widths, config=cfg, max_distinct=distinct)
-    tight = bool(torch.equal(out_t, out))
+    tight = launch._replace(distinct_bound=distinct)
+    lora_shrink(x, A, ranks, segs, y_t, tight)
+    lora_expand(y_t, B, ranks, scalings, segs, out_t, case.widths, tight)
+    tight_equal = bool(torch.equal(out_t, out))
     return CaseResult(
         case.name,
         shrink_err,
@@ -183,7 +186,7 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
         delta_err,
         adds_up,
         delta_untouched,
-        tight,
+        tight_equal,
     )
 
 

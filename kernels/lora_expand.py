@@ -27,60 +27,73 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_configs import ExpandConfig, expand_config, many_adapters
-from kernels.lora_launch import launch_kwargs
 from kernels.lora_meta import LoRASegments, num_blocks_bound
+from kernels.lora_plan import GroupLaunch
 
 MAX_STACK = 3
 
 
 @triton.jit
-def _chunk_lora(pid_n, slot, w0, w1, w2, nc0, nc1, ranks_ptr, scal_ptr, sr_s, sr_i, ss_s, ss_i):
+def _chunk_lora(
+    pid_n,
+    slot,
+    width0,
+    width1,
+    width2,
+    chunks0,
+    chunks1,
+    ranks_ptr,
+    scal_ptr,
+    stride_ranks_slot,
+    stride_ranks_stack,
+    stride_scal_slot,
+    stride_scal_stack,
+):
     """For column chunk `pid_n` of a token (block) of `slot`: (stack, chunk within it, stack width,
     stack's first column, the slot's rank for that stack, its scaling, 0 where the rank is 0).
-    Chunks never straddle two stacks: stack i owns nc_i = cdiv(w_i, chunk_n) chunks."""
-    stack = (pid_n >= nc0).to(tl.int32) + (pid_n >= nc0 + nc1).to(tl.int32)
-    chunk = pid_n - tl.where(stack == 0, 0, tl.where(stack == 1, nc0, nc0 + nc1))
-    width = tl.where(stack == 0, w0, tl.where(stack == 1, w1, w2))
-    col0 = tl.where(stack == 0, 0, tl.where(stack == 1, w0, w0 + w1))
-    rank = tl.load(ranks_ptr + slot * sr_s + stack * sr_i)
-    scale = tl.load(scal_ptr + slot * ss_s + stack * ss_i)
+    Chunks never straddle two stacks: stack i owns chunks_i = cdiv(width_i, chunk_n) chunks."""
+    stack = (pid_n >= chunks0).to(tl.int32) + (pid_n >= chunks0 + chunks1).to(tl.int32)
+    chunk = pid_n - tl.where(stack == 0, 0, tl.where(stack == 1, chunks0, chunks0 + chunks1))
+    width = tl.where(stack == 0, width0, tl.where(stack == 1, width1, width2))
+    col0 = tl.where(stack == 0, 0, tl.where(stack == 1, width0, width0 + width1))
+    rank = tl.load(ranks_ptr + slot * stride_ranks_slot + stack * stride_ranks_stack)
+    scale = tl.load(scal_ptr + slot * stride_scal_slot + stack * stride_scal_stack)
     return stack, chunk, width, col0, rank, tl.where(rank > 0, scale, 0.0)
 
 
-# sy_s (one K-split's rows: tokens x columns) follows the step's token count: runtime, not specialised.
-@triton.jit(do_not_specialize=["sy_s"])
+# stride_y_split (one K-split's rows: tokens x columns) follows the step's token count: a runtime
+# value, not specialised on.
+@triton.jit(do_not_specialize=["stride_y_split"])
 def _expand_kernel(
     y_ptr,
     b_ptr,
     out_ptr,
     ranks_ptr,
     scal_ptr,
-    bslot_ptr,
-    btok_ptr,
+    block_slot_ptr,
+    block_tokens_ptr,
     max_rank,
-    w0,
-    w1,
-    w2,
-    nc0,
-    nc1,
+    width0,
+    width1,
+    width2,
+    chunks0,
+    chunks1,
     chunk_n,
-    sy_s,
-    sy_t,
-    sy_c,
-    sb_s,
-    sb_n,
-    sb_r,
-    so_t,
-    so_n,
-    sr_s,
-    sr_i,
-    ss_s,
-    ss_i,
+    stride_y_split,
+    stride_y_token,
+    stride_y_col,
+    stride_b_slot,
+    stride_b_out,
+    stride_b_rank,
+    stride_out_token,
+    stride_out_col,
+    stride_ranks_slot,
+    stride_ranks_stack,
+    stride_scal_slot,
+    stride_scal_stack,
     N_SPLITS: tl.constexpr,
-    TOK_STRIDE: tl.constexpr,
+    STRIDE_BLOCK_TOKENS: tl.constexpr,
     PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
     EVEN_N: tl.constexpr,
     ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -89,20 +102,28 @@ def _expand_kernel(
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     # Slot and tokens are independent loads: one memory round trip for the metadata.
-    slot = tl.load(bslot_ptr + pid_b)
-    tok = tl.load(btok_ptr + pid_b * TOK_STRIDE + tl.arange(0, BLOCK_M))
+    slot = tl.load(block_slot_ptr + pid_b)
+    tok = tl.load(block_tokens_ptr + pid_b * STRIDE_BLOCK_TOKENS + tl.arange(0, BLOCK_M))
     if slot < 0:
         return
     stack, chunk, width, col0, rank, scale = _chunk_lora(
-        pid_n, slot, w0, w1, w2, nc0, nc1, ranks_ptr, scal_ptr, sr_s, sr_i, ss_s, ss_i
+        pid_n,
+        slot,
+        width0,
+        width1,
+        width2,
+        chunks0,
+        chunks1,
+        ranks_ptr,
+        scal_ptr,
+        stride_ranks_slot,
+        stride_ranks_stack,
+        stride_scal_slot,
+        stride_scal_stack,
     )
     if ACCUMULATE and rank == 0:
         return  # nothing to add (delta mode goes on and writes the stack's zeros)
-    if USE_PDL:  # everything above may overlap the previous kernel; nothing below may
-        tl.extra.cuda.gdc_wait()
     m_mask = tok >= 0
     tok = tl.where(m_mask, tok, 0).to(tl.int64)
     # y (the K-split partials summed) is loaded once per program; columns past the slot's
@@ -114,30 +135,31 @@ def _expand_kernel(
     rank8 = tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), max_rank)
     k_load = offs_k < rank8
     k_real = offs_k < rank
-    y_ptrs = y_ptr + tok[:, None] * sy_t + (stack * max_rank + offs_k)[None, :] * sy_c
+    y_ptrs = y_ptr + tok[:, None] * stride_y_token + (stack * max_rank + offs_k)[None, :] * stride_y_col
     y_mask = m_mask[:, None] & k_load[None, :]
     yt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for p in tl.static_range(N_SPLITS):
-        yt += tl.load(y_ptrs + p * sy_s, mask=y_mask, other=0.0)
+        yt += tl.load(y_ptrs + p * stride_y_split, mask=y_mask, other=0.0)
     yt = tl.where(k_real[None, :], yt, 0.0).to(b_ptr.dtype.element_ty)
 
     n_begin = chunk * chunk_n
     n_end = tl.minimum(n_begin + chunk_n, width)
-    b_base = b_ptr + slot.to(tl.int64) * sb_s + offs_k[:, None] * sb_r
-    o_rows = out_ptr + tok[:, None] * so_t
+    b_base = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_k[:, None] * stride_b_rank
+    o_rows = out_ptr + tok[:, None] * stride_out_token
     for n0 in range(n_begin, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         cols = (col0 + offs_n).to(tl.int64)
+        b_ptrs = b_base + cols[None, :] * stride_b_out
         if EVEN_N:  # every stack width is a multiple of BLOCK_N: no column mask
-            bt = tl.load(b_base + cols[None, :] * sb_n, mask=k_load[:, None], other=0.0)
+            bt = tl.load(b_ptrs, mask=k_load[:, None], other=0.0)
             o_mask = m_mask[:, None]
         else:
             n_mask = offs_n < n_end
-            bt = tl.load(b_base + cols[None, :] * sb_n, mask=k_load[:, None] & n_mask[None, :], other=0.0)
+            bt = tl.load(b_ptrs, mask=k_load[:, None] & n_mask[None, :], other=0.0)
             o_mask = m_mask[:, None] & n_mask[None, :]
         bt = tl.where(k_real[:, None], bt, 0.0)
         acc = tl.dot(yt, bt, input_precision=PRECISION)
-        o_ptrs = o_rows + cols[None, :] * so_n
+        o_ptrs = o_rows + cols[None, :] * stride_out_col
         if ACCUMULATE:
             prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
             tl.store(o_ptrs, (prev.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -145,7 +167,7 @@ def _expand_kernel(
             tl.store(o_ptrs, (scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit(do_not_specialize=["sy_s"])
+@triton.jit(do_not_specialize=["stride_y_split"])
 def _expand_token_kernel(
     y_ptr,
     b_ptr,
@@ -154,24 +176,24 @@ def _expand_token_kernel(
     scal_ptr,
     slots_ptr,
     max_rank,
-    w0,
-    w1,
-    w2,
-    nc0,
-    nc1,
+    width0,
+    width1,
+    width2,
+    chunks0,
+    chunks1,
     chunk_n,
-    sy_s,
-    sy_t,
-    sy_c,
-    sb_s,
-    sb_n,
-    sb_r,
-    so_t,
-    so_n,
-    sr_s,
-    sr_i,
-    ss_s,
-    ss_i,
+    stride_y_split,
+    stride_y_token,
+    stride_y_col,
+    stride_b_slot,
+    stride_b_out,
+    stride_b_rank,
+    stride_out_token,
+    stride_out_col,
+    stride_ranks_slot,
+    stride_ranks_stack,
+    stride_scal_slot,
+    stride_scal_stack,
     N_SPLITS: tl.constexpr,
     EVEN_N: tl.constexpr,
     ACCUMULATE: tl.constexpr,
@@ -187,7 +209,19 @@ def _expand_token_kernel(
     if slot < 0:
         return
     stack, chunk, width, col0, rank, scale = _chunk_lora(
-        pid_n, slot, w0, w1, w2, nc0, nc1, ranks_ptr, scal_ptr, sr_s, sr_i, ss_s, ss_i
+        pid_n,
+        slot,
+        width0,
+        width1,
+        width2,
+        chunks0,
+        chunks1,
+        ranks_ptr,
+        scal_ptr,
+        stride_ranks_slot,
+        stride_ranks_stack,
+        stride_scal_slot,
+        stride_scal_stack,
     )
     if ACCUMULATE and rank == 0:
         return
@@ -195,25 +229,26 @@ def _expand_token_kernel(
     rank8 = tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), max_rank)
     k_load = offs_k < rank8
     k_real = offs_k < rank
-    y_row = y_ptr + tok.to(tl.int64) * sy_t + (stack * max_rank + offs_k) * sy_c
+    y_row = y_ptr + tok.to(tl.int64) * stride_y_token + (stack * max_rank + offs_k) * stride_y_col
     yv = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for p in tl.static_range(N_SPLITS):
-        yv += tl.load(y_row + p * sy_s, mask=k_load, other=0.0)
+        yv += tl.load(y_row + p * stride_y_split, mask=k_load, other=0.0)
     yv = tl.where(k_real, yv, 0.0).to(b_ptr.dtype.element_ty).to(tl.float32)
     n_begin = chunk * chunk_n
     n_end = tl.minimum(n_begin + chunk_n, width)
-    b_base = b_ptr + slot.to(tl.int64) * sb_s + offs_k[None, :] * sb_r
-    o_row = out_ptr + tok.to(tl.int64) * so_t
+    b_base = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_k[None, :] * stride_b_rank
+    o_row = out_ptr + tok.to(tl.int64) * stride_out_token
     for n0 in range(n_begin, n_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         cols = (col0 + offs_n).to(tl.int64)
         n_mask = offs_n < n_end
+        b_ptrs = b_base + cols[:, None] * stride_b_out
         if EVEN_N:
-            bt = tl.load(b_base + cols[:, None] * sb_n, mask=k_load[None, :], other=0.0)
+            bt = tl.load(b_ptrs, mask=k_load[None, :], other=0.0)
         else:
-            bt = tl.load(b_base + cols[:, None] * sb_n, mask=n_mask[:, None] & k_load[None, :], other=0.0)
+            bt = tl.load(b_ptrs, mask=n_mask[:, None] & k_load[None, :], other=0.0)
         acc = scale * tl.sum(tl.where(k_real[None, :], bt.to(tl.float32), 0.0) * yv[None, :], axis=1)
-        o_ptrs = o_row + cols * so_n
+        o_ptrs = o_row + cols * stride_out_col
         if ACCUMULATE:
             prev = tl.load(o_ptrs, mask=n_mask, other=0.0)
             tl.store(o_ptrs, (prev.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -236,26 +271,28 @@ def lora_expand(
     segs: LoRASegments,
     out: torch.Tensor,
     widths: tuple[int, ...],
-    config: ExpandConfig | None = None,
+    launch: GroupLaunch,
     accumulate: bool = True,
-    max_distinct: int | None = None,
 ) -> torch.Tensor:
     """Triton expand (in place on `out`); see the module docstring. Returns `out`.
 
-    y: float32 `[T, n*R]` or `[S, T, n*R]` from `lora_shrink`; B: `[slots, sum(widths), R]`;
-    ranks: int32 `[slots, n]`; scalings: float32 `[slots, n]`; out: `[T, sum(widths)]`
-    (float32 when `accumulate=False`: it receives the delta instead of having it added).
-    config: block sizes; default from the table in `kernels.lora_configs` (benchmarks override).
-    max_distinct: as for `lora_shrink`; above MANY_ADAPTERS the table's `decode_many` entries apply.
+    y: float32 `[launch.splits, T, n*R]` from `lora_shrink` (or `[T, n*R]` with one split);
+    B: `[slots, sum(widths), R]`; ranks: int32 `[slots, n]`; scalings: float32 `[slots, n]`;
+    out: `[T, sum(widths)]` (float32 when `accumulate=False`: it receives the delta instead of
+    having it added). launch: the group's entry of the step's plan (`kernels.lora_plan`): the
+    K-split partials to add, block sizes (`launch.expand`) and the distinct-slot bound that sizes
+    the grid.
     """
     _check_widths(widths, ranks, B, out)
+    y3 = y.unsqueeze(0) if y.dim() == 2 else y
+    if y3.shape[0] != launch.splits:
+        raise ValueError(f"y holds {y3.shape[0]} K-split partials; the launch plans {launch.splits}")
     num_tokens = out.shape[0]
     if num_tokens == 0:
         return out
-    num_slots, total_width, max_rank = B.shape
-    y3 = y.unsqueeze(0) if y.dim() == 2 else y
+    max_rank = B.shape[2]
     w = tuple(widths) + (0,) * (MAX_STACK - len(widths))
-    cfg = config or expand_config(total_width, len(widths), max_rank, num_tokens, many_adapters(max_distinct))
+    cfg = launch.expand
     chunk_n = max(cfg.chunk_n // cfg.block_n, 1) * cfg.block_n
     n_chunks = [triton.cdiv(wi, chunk_n) for wi in w]
     # Arguments after the slot metadata, the same for both kernels.
@@ -281,7 +318,7 @@ def lora_expand(
         scalings.stride(1),
     )
     common = dict(
-        N_SPLITS=y3.shape[0],
+        N_SPLITS=launch.splits,
         EVEN_N=all(wi % cfg.block_n == 0 for wi in widths),
         ACCUMULATE=accumulate,
         BLOCK_N=cfg.block_n,
@@ -295,8 +332,9 @@ def lora_expand(
         )
         return out
     bslot, btok = segs.blocks_for(cfg.block_m)
-    slots_bound = num_slots if max_distinct is None else min(num_slots, max_distinct)
-    grid = (sum(n_chunks), num_blocks_bound(num_tokens, slots_bound, cfg.block_m))
+    # Never past the blocks `build_segments` wrote for this step (the rest are stale).
+    distinct = min(launch.distinct_bound, segs.num_slots)
+    grid = (sum(n_chunks), num_blocks_bound(num_tokens, distinct, cfg.block_m))
     _expand_kernel[grid](
         y3,
         B,
@@ -306,12 +344,11 @@ def lora_expand(
         bslot,
         btok,
         *shape_args,
-        TOK_STRIDE=btok.stride(0),
+        STRIDE_BLOCK_TOKENS=btok.stride(0),
         # fp32 must stay fp32 (tl.dot defaults to TF32 on GPU); 16-bit inputs ignore it.
         PRECISION="ieee" if B.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg.block_m,
         **common,
-        **launch_kwargs(),
     )
     return out
 

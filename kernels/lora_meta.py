@@ -8,13 +8,14 @@ slot -1 last, never touched by a kernel). The slot-sorted list is cut into *toke
 of `block_m` tokens that never straddle two slots; block `b` holds the token indices
 `block_tokens[b, :block_m]` (-1 padding), all of slot `block_slot[b]` (-1: unused block,
 the kernel program exits at once). A kernel program reads its slot and its tokens with
-one independent load each, so the metadata costs one memory round trip, not a chain. The kernels launch a fixed grid of
-`num_blocks_bound(T, ...)` blocks on axis 0, which is an upper bound on the real number,
-so the grid never depends on the batch's contents. Blocks are packed: the real ones come first.
-With a host-known bound k on the distinct slots of a step, `num_blocks_bound(T, k, block_m)`
-blocks suffice (each slot adds at most one partial block), which cuts the programs that
-would only find an unused block and exit: `max_distinct` of the kernels. One map is kept per block size in
-`BLOCK_MS` (small blocks for decode, large for prefill).
+one independent load each, so the metadata costs one memory round trip, not a chain. The
+kernels launch a fixed grid of `num_blocks_bound(T, ...)` blocks on axis 0, which is an upper
+bound on the real number, so the grid never depends on the batch's contents. Blocks are packed:
+the real ones come first. With a host-known bound k on the distinct slots of a step,
+`num_blocks_bound(T, k, block_m)` blocks suffice (each slot adds at most one partial block),
+which cuts the programs that would only find an unused block and exit: the step plan's
+`distinct_bound` (`kernels/lora_plan.py`). One map is kept per block size in `BLOCK_MS` (small
+blocks for decode, large for prefill).
 
 On CUDA, decode-sized steps build the maps with one Triton launch (`_segments_kernel`, four
 programs, one per block size); the torch version (`build_segments_ref`, ~60 small kernels, about
@@ -160,9 +161,9 @@ def _fill_blocks(
     offs_t,
     t_mask,
     T,
-    bslot_ptr,
-    btok_ptr,
-    stride_bt,
+    block_slot_ptr,
+    block_tokens_ptr,
+    stride_block_tokens_block,
     S: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_B: tl.constexpr,
@@ -177,13 +178,21 @@ def _fill_blocks(
         b_mask = bb < n_bound
         # Block b belongs to the first slot whose cumulative block count exceeds b.
         slot_of = tl.sum((cum[:, None] <= bb[None, :]).to(tl.int32), axis=0)
-        tl.store(bslot_ptr + bb, tl.where(slot_of < S, slot_of, -1), mask=b_mask)
+        tl.store(block_slot_ptr + bb, tl.where(slot_of < S, slot_of, -1), mask=b_mask)
         pad = tl.full((BLOCK_B, M), -1, tl.int32)
-        tl.store(btok_ptr + bb[:, None] * stride_bt + tl.arange(0, M)[None, :], pad, mask=b_mask[:, None])
+        tl.store(
+            block_tokens_ptr + bb[:, None] * stride_block_tokens_block + tl.arange(0, M)[None, :],
+            pad,
+            mask=b_mask[:, None],
+        )
     tl.debug_barrier()  # the padding is down before any token goes over it
     eq = offs_s[:, None] == key[None, :]
     first = tl.sum(tl.where(eq, (cum - nblk)[:, None], 0), axis=0)
-    tl.store(btok_ptr + (first + rank // M) * stride_bt + rank % M, offs_t, mask=t_mask & (key < S))
+    tl.store(
+        block_tokens_ptr + (first + rank // M) * stride_block_tokens_block + rank % M,
+        offs_t,
+        mask=t_mask & (key < S),
+    )
 
 
 # T is a runtime size: its value class (1, a multiple of 16, other) must not pick a compiled variant.
@@ -194,12 +203,12 @@ def _segments_kernel(
     sorted_ptr,
     start_ptr,
     count_ptr,
-    bslot_ptr,
-    btok_ptr,
+    block_slot_ptr,
+    block_tokens_ptr,
     T,
-    stride_bs,
-    stride_bti,
-    stride_bt,
+    stride_block_slot_size,  # block_slot: from one block size's map to the next
+    stride_block_tokens_size,  # block_tokens: from one block size's map to the next
+    stride_block_tokens_block,  # block_tokens: from one token block to the next
     S: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -228,7 +237,19 @@ def _segments_kernel(
         tl.store(start_ptr + offs_s, starts, mask=offs_s < S)
         tl.store(count_ptr + offs_s, counts, mask=offs_s < S)
         _fill_blocks(
-            counts, key, rank, offs_t, t_mask, T, bslot_ptr, btok_ptr, stride_bt, S, BLOCK_S, BLOCK_B, M0
+            counts,
+            key,
+            rank,
+            offs_t,
+            t_mask,
+            T,
+            block_slot_ptr,
+            block_tokens_ptr,
+            stride_block_tokens_block,
+            S,
+            BLOCK_S,
+            BLOCK_B,
+            M0,
         )
     elif pid == 1:
         _fill_blocks(
@@ -238,9 +259,9 @@ def _segments_kernel(
             offs_t,
             t_mask,
             T,
-            bslot_ptr + stride_bs,
-            btok_ptr + stride_bti,
-            stride_bt,
+            block_slot_ptr + stride_block_slot_size,
+            block_tokens_ptr + stride_block_tokens_size,
+            stride_block_tokens_block,
             S,
             BLOCK_S,
             BLOCK_B,
@@ -254,9 +275,9 @@ def _segments_kernel(
             offs_t,
             t_mask,
             T,
-            bslot_ptr + 2 * stride_bs,
-            btok_ptr + 2 * stride_bti,
-            stride_bt,
+            block_slot_ptr + 2 * stride_block_slot_size,
+            block_tokens_ptr + 2 * stride_block_tokens_size,
+            stride_block_tokens_block,
             S,
             BLOCK_S,
             BLOCK_B,
@@ -270,9 +291,9 @@ def _segments_kernel(
             offs_t,
             t_mask,
             T,
-            bslot_ptr + 3 * stride_bs,
-            btok_ptr + 3 * stride_bti,
-            stride_bt,
+            block_slot_ptr + 3 * stride_block_slot_size,
+            block_tokens_ptr + 3 * stride_block_tokens_size,
+            stride_block_tokens_block,
             S,
             BLOCK_S,
             BLOCK_B,

@@ -1,4 +1,5 @@
-"""Where the Triton kernels run: on CUDA tensors, and (tests only) on CPU tensors under the interpreter.
+"""Where the Triton kernels run: on CUDA tensors, and (tests only) on CPU tensors under the
+interpreter.
 
 The model and the engine pick a Triton kernel or its torch reference per tensor with
 `triton_runs_on`. `run_triton_on_cpu(True)` (only with TRITON_INTERPRET=1) makes a CPU engine
@@ -8,15 +9,15 @@ launches (kernels/compile_watch.py) and what it computes, without a GPU.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from kernels.settings import kernel_settings
 
 _on_cpu = [False]
 
 
 def run_triton_on_cpu(on: bool) -> None:
-    if on and os.environ.get("TRITON_INTERPRET") != "1":
+    if on and not kernel_settings().triton_interpret:
         raise RuntimeError("Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
     _on_cpu[0] = bool(on)
 

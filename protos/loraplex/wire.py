@@ -35,8 +35,8 @@ def _malformed(method: str, request: _Undecodable) -> str:
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """Bytes that do not parse as the request message get INVALID_ARGUMENT, not grpc's bare UNKNOWN.
 
-    Only unary-request methods under `prefix` are wrapped (the deserializer no longer raises;
-    the handler aborts instead of calling the servicer)."""
+    Only unary-request methods under `prefix` are wrapped: their deserializer returns a marker
+    instead of raising, and the handler aborts on it instead of calling the servicer."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix

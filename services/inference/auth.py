@@ -4,7 +4,7 @@
 (the admin token is accepted too). `--admin-token`: LoadAdapter / UnloadAdapter need the
 admin token (without it they need the API token, if one is set). Health and reflection stay
 open so load balancers and grpcurl `list` work. The same admin token is sent to the adapter
-store, whose RegisterAdapter LoadAdapter calls (see adapter_store/auth.py).
+store, whose RegisterAdapter (called by LoadAdapter) needs it (see adapter_store/auth.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Request-path metrics are recorded by the servicer as events happen; engine gauges (queue,
 KV, slots, per-adapter residency) are refreshed from `engine.stats()` / `list_adapters()`
-once a second by `Metrics.refresh`, so a scrape never touches the engine thread.
+once a second by the server (the `observe_*` methods), so a scrape never touches the engine
+thread.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ class Metrics:
         # For routers that score replicas by adapter residency (docs/operations.md, "Residency").
         self.adapter_location = Gauge(
             "loraplex_adapter_location",
-            "1 for where the adapter lives on this replica: gpu (a slot), host (memory) or store (only there)",
+            "1 for where the adapter lives on this replica: gpu (a slot), host (memory) or store "
+            "(only there)",
             ["replica", "adapter", "location"],
             registry=r,
         )

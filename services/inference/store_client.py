@@ -3,7 +3,8 @@
 `fetch(name)` asks the store (`GetAdapter`), and unless the content is already in the local
 cache (`<cache>/<weights hex>-<config hex>/`: an adapter is its weights *and* its config),
 streams `PullAdapter`, checks the sha256 of both files against the record and renames a
-finished temp dir into place, so a reader never sees a half-written adapter. Concurrent fetches of one name share one pull (single flight).
+finished temp dir into place, so a reader never sees a half-written adapter. Concurrent fetches
+of one name share one pull (single flight).
 `watch(on_event)` follows `WatchAdapters`, reconnecting with backoff.
 """
 
@@ -202,7 +203,8 @@ class StoreClient:
                 return out
 
     async def fetch(self, name: str) -> PulledAdapter:
-        """The adapter's local directory, pulling it from the store if needed (one pull per name at a time)."""
+        """The adapter's local directory, pulling it from the store if needed (one pull per name at a
+        time)."""
         pending = self._inflight.get(name)
         if pending is not None:
             return await asyncio.shield(pending)
@@ -298,13 +300,15 @@ class StoreClient:
             raise BackendUnavailable(f"adapter store sent no header for {name!r}", adapter=name)
         if "sha256:" + weights.hexdigest() != record.digest and weights.hexdigest() != record.digest:
             raise BackendUnavailable(
-                f"adapter {name!r}: pulled bytes hash to sha256:{weights.hexdigest()}, record says {record.digest}",
+                f"adapter {name!r}: pulled bytes hash to sha256:{weights.hexdigest()}, record says "
+                f"{record.digest}",
                 adapter=name,
             )
         return record, nbytes
 
     async def watch(self, on_event: Callable[[str, str, str, str], Awaitable[None]]) -> None:
-        """Follow store events forever; `on_event(type, name, digest, config_digest)` per event. Reconnects."""
+        """Follow store events forever, calling `on_event(type, name, digest, config_digest)` for each;
+        reconnects with backoff."""
         last_id = ""
         backoff = 0.5
         while True:

@@ -222,7 +222,8 @@ def _interpreter_checks() -> int:
 
 
 def _check_fused_ops(dtype: torch.dtype) -> int:
-    """RMSNorm, q/k/v rotary and SiLU-and-mul against the torch code they replace (odd sizes, strided rows)."""
+    """RMSNorm, q/k/v rotary and SiLU-and-mul against the torch code they replace (odd sizes, strided
+    rows)."""
     from kernels.fused_ops import (
         add_rms_norm,
         add_rms_norm_ref,

@@ -72,7 +72,8 @@ def reference(tiny_llama_path, adapter):
 
     @torch.no_grad()
     def logprobs(ids: list[int], prompt_len: int, name: str | None) -> torch.Tensor:
-        """log_softmax at the positions predicting ids[prompt_len:] (prompt_len 1: every token after the first)."""
+        """log_softmax at the positions predicting ids[prompt_len:] (prompt_len 1: every token after
+        the first)."""
         x = torch.tensor([ids])
         if name is None:
             with peft.disable_adapter():

@@ -51,7 +51,7 @@ def test_kernel_matches_reference(results, case):
     assert row["delta_mode_rel_err"] <= tol, row
     assert row["delta_mode_adds_up"], "base + delta rounds differently from the in-place expand"
     assert row["delta_mode_untouched"], "delta mode wrote rows of tokens without an adapter"
-    assert row["tight_grid_equal"], "a grid sized by max_distinct missed token blocks"
+    assert row["tight_grid_equal"], "a grid sized by the plan's distinct_bound missed token blocks"
     if case.splits is not None:
         assert row["splits"] == case.splits
     if case.slot_pattern == "none":

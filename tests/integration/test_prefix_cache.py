@@ -2,8 +2,9 @@
 same tokens, and greedy outputs with the cache on equal those with it off, token for token.
 
 The engines are the server's own (`build_llm_engine`) on CPU in float32; the cache-off engine is
-the reference (tests/integration/test_engine_correctness.py and tests/integration/test_lora_e2e.py check it against
-transformers and PEFT), and one test here checks the cached path against PEFT directly.
+the reference (tests/integration/test_engine_correctness.py and tests/integration/test_lora_e2e.py
+check it against transformers and PEFT), and one test here checks the cached path against PEFT
+directly.
 """
 
 from __future__ import annotations

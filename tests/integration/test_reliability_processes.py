@@ -19,9 +19,11 @@ import sys, time, grpc
 from pathlib import Path
 from clients.processes import ServerProcess
 live = grpc.insecure_channel("127.0.0.1:9")  # grpc threads are running in this parent
-first = ServerProcess("store", "adapter_store", ["--port", "0", "--cache-dir", sys.argv[1] + "/a"], echo=False)
+def store(cache):
+    return ServerProcess("store", "adapter_store", ["--port", "0", "--cache-dir", cache], echo=False)
+first = store(sys.argv[1] + "/a")
 first.wait_serving(60)
-second = ServerProcess("store", "adapter_store", ["--port", "0", "--cache-dir", sys.argv[1] + "/b"], echo=False)
+second = store(sys.argv[1] + "/b")
 second.wait_serving(60)
 print(first.proc.pid, second.proc.pid, flush=True)
 time.sleep(600)

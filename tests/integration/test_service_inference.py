@@ -137,7 +137,8 @@ def test_dynamic_load_and_unload(stub, adapters, reference):
 
 
 def test_adapter_that_does_not_fit_is_failed_precondition(stub, adapters):
-    # The server's pool was sized from --lora-paths (rank 8, attention only): a rank-16 MLP adapter cannot fit.
+    # The server's pool was sized from --lora-paths (rank 8, attention only): a rank-16 MLP adapter
+    # cannot fit.
     err = code_of(stub.LoadAdapter, pb.LoadAdapterRequest(name="wide", source=str(adapters["wide"])))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err.details()
     assert "--max-lora-rank" in err.details() or "--lora-target-modules" in err.details()

@@ -181,7 +181,8 @@ def test_copy_stops_at_the_byte_limit_and_when_told(tmp_path):
 _STALLED_PULL = """
 import sys, time, grpc
 from loraplex.v1 import adapter_store_pb2 as pb, adapter_store_pb2_grpc as pb_grpc
-stream = pb_grpc.AdapterStoreStub(grpc.insecure_channel(sys.argv[1])).PullAdapter(pb.PullAdapterRequest(name="big"))
+stub = pb_grpc.AdapterStoreStub(grpc.insecure_channel(sys.argv[1]))
+stream = stub.PullAdapter(pb.PullAdapterRequest(name="big"))
 next(stream)
 print("pulling", flush=True)
 time.sleep(60)

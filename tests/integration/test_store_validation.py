@@ -129,7 +129,8 @@ def swap(header: dict, data: bytes, key: str, **entry) -> tuple[dict, bytes]:
     return header, data
 
 
-# (id, how to break the good adapter, expected field (prefix) in the BadRequest violation, text in the message)
+# (id, how to break the good adapter, expected field (prefix) in the BadRequest violation, text in
+# the message)
 BROKEN = [
     ("truncated", truncate, f"{WEIGHTS}:", "truncated"),
     ("huge-header", huge_header, f"{WEIGHTS}:header", "cap"),

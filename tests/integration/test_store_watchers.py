@@ -1,5 +1,5 @@
 """Many idle WatchAdapters streams share one Redis reader: the store keeps answering other calls
-(its Redis pool has 256 connections; each watcher used to hold one), every watcher gets each
+(its Redis pool has 256 connections, fewer than the watchers), every watcher gets each
 event, and watchers beyond --max-watchers get RESOURCE_EXHAUSTED with a message that says why."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Child process of tests/integration/test_compile_after_warmup.py (TRITON_INTERPRET=1, the CUDA path's kernels on CPU).
+"""Child process of tests/integration/test_compile_after_warmup.py (TRITON_INTERPRET=1, the CUDA
+path's kernels on CPU).
 
 Warms a tiny engine runner up exactly as the engine does at start-up, then serves varied steps
 (decode counts, chunked prefill at offsets, adapter mixes across every tier, token counts across

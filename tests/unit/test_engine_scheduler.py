@@ -121,8 +121,9 @@ def test_kv_cache_sizing():
     from services.inference.models.config import parse_config
 
     cfg = parse_config(
-        {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536, "vocab_size": 100,
-         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192}
+        {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+         "vocab_size": 100, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+         "max_position_embeddings": 8192}
     )  # fmt: skip
     per_token = kv_bytes_per_token(cfg, torch.float32)
     assert per_token == 30 * 2 * 3 * 64 * 4

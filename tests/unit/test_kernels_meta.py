@@ -95,23 +95,28 @@ def test_shrink_buffer_fits_every_step_size(max_tokens):
         for T in sorted({1, 16, 17, 256, 257, max_tokens}):
             if T > max_tokens:
                 continue
-            y = shrink_out_view(buf, d, T)[..., :32]  # a group with fewer stacked modules
-            assert y.shape == (shrink_splits(d, T), T, 32)
-            assert y.data_ptr() == buf.data_ptr() and y.stride() == (T * 48, 48, 1)
+            for many in (False, True):
+                splits = shrink_splits(d, T, many)
+                y = shrink_out_view(buf, splits, T)[..., :32]  # a group with fewer stacked modules
+                assert y.shape == (splits, T, 32)
+                assert y.data_ptr() == buf.data_ptr() and y.stride() == (T * 48, 48, 1)
 
 
 def test_upper_tier_splits_apply_only_above_many_adapters(monkeypatch):
     from kernels import lora_configs as cfg
-    from kernels.lora_shrink import alloc_shrink_out, shrink_out_view
+    from kernels.lora_plan import GroupShape, plan_step
 
-    monkeypatch.setitem(cfg.SPLITS_TABLE, ("decode_many", 14336), 7)
-    cfg.shrink_splits.cache_clear()
+    monkeypatch.setitem(cfg.SPLITS_TABLE, cfg.SplitsKey("decode_many", in_features=14336), 7)
+    cfg.clear_caches()
     try:
         assert cfg.shrink_splits(14336, 64, many=True) == 7
         assert cfg.shrink_splits(14336, 64) == cfg.SPLITS_TABLE[("decode", 14336)]
         assert cfg.shrink_splits(14336, 8, many=True) == cfg.SPLITS_TABLE[("decode_small", 14336)]
         assert cfg.shrink_splits(14336, 2048, many=True) == cfg.SPLITS_TABLE[("prefill", 14336)]
-        buf = alloc_shrink_out(256, 3, 16, 14336, "cpu")
-        assert shrink_out_view(buf, 14336, 64, many=True).shape == (7, 64, 48)
+        down = {"down": GroupShape(in_features=14336, widths=(4096,), max_rank=16)}
+        many = cfg.MANY_ADAPTERS + 1
+        assert plan_step(down, 64, num_slots=64, max_distinct=many).groups["down"].splits == 7
+        few = plan_step(down, 64, num_slots=64, max_distinct=cfg.MANY_ADAPTERS).groups["down"]
+        assert few.splits == cfg.SPLITS_TABLE[("decode", 14336)]
     finally:
-        cfg.shrink_splits.cache_clear()
+        cfg.clear_caches()

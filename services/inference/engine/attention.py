@@ -1,10 +1,11 @@
-"""Attention over the paged KV cache: the torch reference path (CPU, and CUDA until a kernel lands).
+"""Attention over the paged KV cache: the torch reference path (CPU, unless the Triton kernels are
+forced onto it; CUDA runs engine/attention_triton.py).
 
 The KV cache is one tensor `[num_layers, 2, num_blocks, page_size, kv_heads, head_dim]`; a
 token at position p of a sequence lives in slot `block_table[p // page_size] * page_size +
 p % page_size`. A step's tokens come decodes first (one query token each, batched over a
 gathered, padded context), then prefill chunks (one SDPA call each over their whole context).
-A Triton decode kernel slots in by implementing `Attention` with the same metadata.
+The Triton path (engine/attention_triton.py) implements `Attention` over the same metadata.
 """
 
 from __future__ import annotations

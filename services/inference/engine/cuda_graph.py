@@ -7,9 +7,10 @@ buffers that the graph reads: token ids, positions, KV slots, block tables, cont
 and the per-token adapter slots. The LoRA backend's `prepare` (grouping tokens by adapter) is
 captured too, so one graph serves any mix of adapters; a step where no token has an adapter
 replays the graph captured without LoRA and does no LoRA work at all. LoRA graphs come in two
-tiers: up to MANY_ADAPTERS distinct adapters, and (batch sizes above it) more, which the LoRA
-expand serves with another kernel (kernels/lora_configs.py `decode_many`: one program per token,
-faster when tokens do not share adapters, slower when they do; docs/benchmarks.md round 6).
+tiers (`kernels.lora_plan.lora_tier`): up to MANY_ADAPTERS distinct adapters, and (batch sizes
+above it) more, whose launch plan takes the `decode_many` entries of kernels/lora_configs.py (the
+expand with one program per token: faster when tokens do not share adapters, slower when they do;
+docs/benchmarks.md). Each graph's `prepare` plans with its tier's bound (`tier_distinct_bound`).
 
 Host work per step: fill two pinned buffers (numpy views), two host-to-device copies, one
 replay. Capture time and the memory the graphs took are logged.
@@ -23,6 +24,7 @@ import time
 import torch
 
 from kernels.lora_configs import MANY_ADAPTERS
+from kernels.lora_plan import lora_tier, tier_distinct_bound
 from services.inference.engine.attention import AttentionMetadata
 from services.inference.engine.attention_triton import TritonPagedAttention
 from services.inference.engine.overlap import fill_placeholders
@@ -89,8 +91,8 @@ class DecodeGraphs:
             )
         )
         lora = None
-        if tier:  # the tier's bound on distinct adapters picks the LoRA kernels (and sizes their grids)
-            self.lora.prepare(self.token_slots[:bs], MANY_ADAPTERS if tier == 1 else bs)
+        if tier:  # the tier's bound on distinct adapters plans the LoRA launches of every step it serves
+            self.lora.prepare(self.token_slots[:bs], tier_distinct_bound(tier, bs))
             lora = self.lora
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], ForwardContext(self.attention, lora))
         self.model.compute_logits(hidden, out=self.logits[:bs])
@@ -145,7 +147,7 @@ class DecodeGraphs:
         bs = self.bucket(n)
         if bs is None or (distinct_adapters and self.lora is None):
             return None
-        return bs, 0 if not distinct_adapters else 1 if distinct_adapters <= MANY_ADAPTERS else 2
+        return bs, lora_tier(distinct_adapters)
 
     def run(
         self,

@@ -2,8 +2,9 @@
 
 Each step decodes a short window of recent tokens twice, with and without the new token(s);
 the difference is the new text, held back while it ends in U+FFFD (an incomplete byte
-sequence). `finish()` reconciles with one full decode, so the concatenated deltas always
-equal `tokenizer.decode(all_ids, skip_special_tokens=True)`.
+sequence). With a fast tokenizer and no space clean-up, tokenizers' `DecodeStream` does the same
+windowed decode in Rust. `finish()` reconciles with one full decode, so the concatenated deltas
+always equal `tokenizer.decode(all_ids, skip_special_tokens=True)`.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ its forward and sampling first and then processes the previous step's tokens (st
 detokenization, outputs) while the device works: outputs come one step later (engine/overlap.py).
 
 Not thread-safe: AsyncEngine drives it from a single engine thread.
+
+`LLMEngine.step_timer` (None by default: then a step makes no extra clock reads) is told when each
+phase of a step ends, so a benchmark can split a step's time without patching the engine.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -68,7 +71,23 @@ class Completion(NamedTuple):
     prompt_tokens: int
 
 
+STEP_PHASES = ("schedule", "forward", "sample", "output")
+
+
+class StepTimer(Protocol):
+    """Called at the end of each phase of a step with its name (one of STEP_PHASES), the
+    `time.perf_counter()` at its start and what it returned: schedule -> the ScheduledBatch, forward ->
+    the logits, sample -> (device token ids, log probabilities), output -> the RequestOutputs of the
+    sampled tokens. The device may still be working when forward and sample end (synchronize in the
+    timer to attribute device time to them); with overlap scheduling a step's output phase processes
+    the previous step's tokens."""
+
+    def __call__(self, phase: str, started: float, result: object) -> None: ...
+
+
 class LLMEngine:
+    step_timer: StepTimer | None = None  # see StepTimer
+
     def __init__(
         self,
         loaded: LoadedModel,
@@ -234,23 +253,23 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._overlap:
             return self._step_overlapped()
-        batch = self.scheduler.schedule()
+        batch = self._phase("schedule", self.scheduler.schedule)
         outputs = [self._final_output(req, []) for req in batch.finished]
         if not batch.entries:
             return outputs
         _admitted(batch.entries)
         chunks = batch.chunks()
-        logits = self.runner.forward(chunks)
+        logits = self._phase("forward", self.runner.forward, chunks)
         sampled = [e.request for e in batch.entries if e.sample]
         logits = self._take_prompt_logprobs(batch.entries, chunks, logits, len(sampled))
         tokens, logprobs = [], None
         if sampled:
-            device_tokens, step_logprobs = self._sample(logits, sampled)
+            device_tokens, step_logprobs = self._phase("sample", self._sample, logits, sampled)
             tokens = device_tokens.tolist()
             logprobs = rows_logprobs(step_logprobs, tokens)
         for req, n in batch.entries:
             req.num_computed_tokens += n
-        outputs.extend(self._process_outputs(sampled, tokens, logprobs=logprobs))
+        outputs.extend(self._phase("output", self._process_outputs, sampled, tokens, None, logprobs))
         return outputs
 
     def _step_overlapped(self) -> list[RequestOutput]:
@@ -262,18 +281,20 @@ class LLMEngine:
         ):
             outputs.extend(self._resolve(pending))
             pending = None
-        batch = self.scheduler.schedule()
+        batch = self._phase("schedule", self.scheduler.schedule)
         outputs.extend(self._final_output(req, []) for req in batch.finished)
         if batch.entries:
             _admitted(batch.entries)
             chunks = batch.chunks()
-            logits = self.runner.forward(chunks, pending.device_tokens if pending else None)
+            logits = self._phase(
+                "forward", self.runner.forward, chunks, pending.device_tokens if pending else None
+            )
             sampled = [e.request for e in batch.entries if e.sample]
             logits = self._take_prompt_logprobs(batch.entries, chunks, logits, len(sampled))
             for req, n in batch.entries:
                 req.num_computed_tokens += n
             if sampled:
-                self._in_flight = InFlightStep(sampled, *self._sample(logits, sampled))
+                self._in_flight = InFlightStep(sampled, *self._phase("sample", self._sample, logits, sampled))
         if pending is not None:
             outputs.extend(self._resolve(pending))
         return outputs
@@ -283,12 +304,23 @@ class LLMEngine:
         tokens = step.host_tokens()
         logprobs = rows_logprobs(step.logprobs, tokens)
         live = [i for i, req in enumerate(step.requests) if self.requests.get(req.request_id) is req]
-        return self._process_outputs(
+        return self._phase(
+            "output",
+            self._process_outputs,
             [step.requests[i] for i in live],
             [tokens[i] for i in live],
             [step.positions[i] for i in live],
             [logprobs[i] for i in live] if logprobs else None,
         )
+
+    def _phase(self, phase: str, fn, *args):
+        """`fn(*args)`, reported to the step timer when there is one."""
+        if self.step_timer is None:
+            return fn(*args)
+        started = time.perf_counter()
+        result = fn(*args)
+        self.step_timer(phase, started, result)
+        return result
 
     def _take_prompt_logprobs(self, entries, chunks, logits: torch.Tensor, num_sampled: int) -> torch.Tensor:
         """The sampled rows of `logits`; the rows after them (chunks with `all_logits`) become their

@@ -36,7 +36,7 @@ def plan_num_blocks(
     `mem_fraction_static` of the total; what weights and anything already allocated use is
     measured, and `reserved_bytes` covers allocations still to come (the LoRA pool when it
     is created after the cache). On CPU: enough for every running request at full context,
-    capped at 512 MiB / 10% of RAM.
+    capped at 512 MiB / 10% of RAM but never below one full context.
     """
     per_token = kv_bytes_per_token(cfg, dtype)
     if max_total_tokens is not None:

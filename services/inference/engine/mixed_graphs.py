@@ -17,8 +17,8 @@ attention and the final norm. Pieces hand the residual stream and q/k/v over in 
 T tokens replays the smallest bucket >= T; rows T.. are padding (KV slot -1: no write; adapter
 slot -1: no LoRA work; attention leaves them alone). Buckets line up with the LoRA kernels'
 family boundaries (16, DECODE_MAX_TOKENS), so a graph launches the kernels the eager step would.
-LoRA tiers as in the decode graphs (engine/cuda_graph.py): none, up to MANY_ADAPTERS distinct
-adapters, more.
+LoRA tiers as in the decode graphs (engine/cuda_graph.py, `kernels.lora_plan.lora_tier`): none,
+up to MANY_ADAPTERS distinct adapters, more.
 
 Memory: the graphs of all buckets share one pool, sized by the largest bucket's activations; the
 static buffers are sized by the largest bucket. Both are logged at capture; `max_tokens` (the
@@ -35,6 +35,7 @@ import time
 import torch
 
 from kernels.lora_configs import DECODE_MAX_TOKENS, MANY_ADAPTERS
+from kernels.lora_plan import lora_tier, tier_distinct_bound
 from services.inference.engine.overlap import fill_placeholders
 from services.inference.lora.backend import LoRABackend
 from services.inference.models.context import Attention, ForwardContext
@@ -55,11 +56,6 @@ def mixed_buckets(max_tokens: int) -> list[int]:
         b = b * 2 if b < DECODE_MAX_TOKENS else (b * 3 // 2 if (b & (b - 1)) == 0 else b * 4 // 3)
     edges = {s for s in (16, DECODE_MAX_TOKENS) if s < max_tokens}
     return sorted(set(sizes) | edges | {max_tokens})
-
-
-def lora_tier(distinct: int) -> int:
-    """0: no adapter in the step; 1: up to MANY_ADAPTERS distinct; 2: more."""
-    return 0 if not distinct else 1 if distinct <= MANY_ADAPTERS else 2
 
 
 class MixedGraphs:
@@ -155,8 +151,8 @@ class MixedGraphs:
         """Piece `index` of a step in bucket `b` (see the module docstring)."""
         bufs, ctx, model = self._bufs(b), self._ctx(b, tier), self.model
         if index == 0:
-            if tier:  # the tier's bound on distinct adapters sizes the LoRA grids, as in the decode graphs
-                self.lora.prepare(self.token_slots[:b], MANY_ADAPTERS if tier == 1 else b)
+            if tier:  # the tier's bound on distinct adapters plans the LoRA launches, as in the decode graphs
+                self.lora.prepare(self.token_slots[:b], tier_distinct_bound(tier, b))
             self._rotary[(b, tier)] = model.first_piece(self.input_ids[:b], self.positions[:b], ctx, bufs)
         elif index < self.num_layers:
             cos, sin = self._rotary[(b, tier)]
@@ -208,8 +204,8 @@ class MixedGraphs:
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = free_before - torch.cuda.mem_get_info()[0]
         log.info(
-            "captured mixed-step CUDA graphs: buckets %s, LoRA tiers %s, %d pieces each, %d graphs in %.1f s, "
-            "%.0f MiB (+ %.0f MiB static buffers)",
+            "captured mixed-step CUDA graphs: buckets %s, LoRA tiers %s, %d pieces each, %d graphs in "
+            "%.1f s, %.0f MiB (+ %.0f MiB static buffers)",
             self.buckets,
             self.tiers(),
             self.num_layers + 1,

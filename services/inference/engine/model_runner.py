@@ -1,8 +1,9 @@
 """Turns a step's sequence chunks into tensors, runs one forward, returns the sampled rows' logits.
 
 Knows nothing of requests. Per-step metadata is written into buffers allocated once (sized by
-the token budget and the request cap) so a later CUDA-graph capture can replay decode steps;
-the forward itself does no host syncs.
+the token budget and the request cap), and the forward itself does no host syncs. A step that a
+captured graph covers replays it instead (engine/cuda_graph.py for decode steps,
+engine/mixed_graphs.py for steps with prefill chunks).
 """
 
 from __future__ import annotations

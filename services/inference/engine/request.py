@@ -23,7 +23,8 @@ class Request:
 
     Prefill and decode are the same thing here: each step computes some of the tokens not yet
     in the cache, and when it reaches the end the next token is sampled. A preempted request
-    keeps its output and recomputes everything on readmission.
+    keeps its output and recomputes its KV on readmission (from its cached prefix, when the
+    prefix cache is on).
     """
 
     request_id: str

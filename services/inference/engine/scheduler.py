@@ -5,7 +5,8 @@ order), then waiting requests (FCFS, skipping those whose adapter has no slot fo
 requests of other adapters and of the base model behind them are still admitted) while
 the token budget, the prefill budget, the request cap and the free KV blocks allow. When a
 running request needs a block and none is free, the most recently admitted request is
-preempted (its KV freed; it is recomputed when readmitted).
+preempted (its KV freed; it is recomputed when readmitted, from its cached prefix when the
+prefix cache is on).
 
 With the prefix cache on (engine/prefix_cache.py, engine/block_manager.py), a request admitted
 starts from the longest run of cached full blocks computed by the same content (its adapter

@@ -70,7 +70,8 @@ class SamplingParams:
                 )
         if max_new_tokens_limit is not None and self.max_new_tokens > max_new_tokens_limit:
             raise InvalidRequest(
-                f"sampling_params.max_new_tokens {self.max_new_tokens} exceeds this server's limit {max_new_tokens_limit}",
+                f"sampling_params.max_new_tokens {self.max_new_tokens} exceeds this server's limit "
+                f"{max_new_tokens_limit}",
                 field="sampling_params.max_new_tokens",
             )
 

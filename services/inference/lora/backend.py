@@ -2,8 +2,8 @@
 
 The model calls `begin` before each target linear and `finish` after it (by default `apply`
 after it; `finish` may hand the delta back for the model to fuse into its next kernel); the
-model runner calls `prepare` once per step. Module groups and the pool layout are fixed here so kernels, the pool and the
-model agree (see docs/architecture.md, "LoRA pool layout").
+model runner calls `prepare` once per step. Module groups and the pool layout are fixed here so
+kernels, the pool and the model agree (see docs/architecture.md, "LoRA pool layout").
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ class LoRABackend(ABC):
 
     Contract:
     - `prepare(token_slots, max_distinct)` is called once per forward with an int32 device
-      tensor of the batch's tokens in forward order (-1 = no adapter) and, when the caller
-      knows it, an upper bound on the distinct slots among them (a backend may size its
-      launches by it; decode CUDA graphs pass none, since one graph serves every mix).
-      Everything per-step (sorting, segments) happens here, never per layer. It must not
+      tensor of the batch's tokens in forward order (-1 = no adapter) and an upper bound on
+      the distinct slots among them (None: unknown, any of the pool's). The eager model runner
+      passes the step's own count; a CUDA graph passes its LoRA tier's bound
+      (`kernels.lora_plan.tier_distinct_bound`), since one graph serves every step of its tier.
+      A backend may pick its launches by it (the Triton backend's launch plan). Everything
+      per-step (sorting, segments, the launch plan) happens here, never per layer. It must not
       sync the host when the tensor lives in a CUDA graph's static buffer.
     - `apply(layer, group, x, out)` adds the delta in place: `x` is `[T, in]`, `out` is
       `[T, sum(stack widths)]`, the stacked output of that group's fused linear. Tokens

@@ -13,7 +13,6 @@ Defaults (docs/architecture.md, "LoRA defaults"):
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.settings import kernel_settings
 from services.inference.lora.adapter import read_config
 from services.inference.lora.backend import LoRABackend
 from services.inference.lora.config import resolve_targets
@@ -123,7 +123,7 @@ def resolve_lora_settings(
     else:
         target_modules = parse_target_modules(modules) if modules else ALL_MODULES
     backend = args.lora_backend or ("triton" if device.type == "cuda" else "torch")
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if backend == "triton" and device.type != "cuda" and not kernel_settings().triton_interpret:
         raise ValueError(
             "--lora-backend triton needs a CUDA device (or TRITON_INTERPRET=1); use torch on CPU"
         )

@@ -1,8 +1,10 @@
 """The Triton LoRA backend: one shrink and one expand launch per group, over the whole mixed batch.
 
 `prepare` builds the slot-sorted segments into preallocated device buffers with device ops
-only (CUDA-graph safe); `apply` reads the pool's per-slot rank and scaling tables on the
-device, so a slot's real rank bounds the work and untargeted modules cost nothing.
+only (CUDA-graph safe) and makes the step's launch plan (`kernels/lora_plan.py`: per group the
+K-splits and the shrink and expand block sizes) on the host; `apply` launches each group's shrink
+and expand with its entry of the plan. The kernels read the pool's per-slot rank and scaling tables
+on the device, so a slot's real rank bounds the work and untargeted modules cost nothing.
 
 Side stream (decode-sized steps on CUDA, on by default): a decode step's LoRA kernels are
 small and latency-bound while the base matmul beside them streams weights, so `begin` runs
@@ -19,9 +21,10 @@ from contextlib import nullcontext
 
 import torch
 
-from kernels.lora_configs import DECODE_MAX_TOKENS, many_adapters
+from kernels.lora_configs import DECODE_MAX_TOKENS
 from kernels.lora_expand import lora_expand
 from kernels.lora_meta import alloc_segments, build_segments
+from kernels.lora_plan import GroupShape, LoRAPlan, plan_step
 from kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
 from services.inference.lora.backend import GROUPS, LoRABackend
 from services.inference.lora.pool import AdapterPool
@@ -41,8 +44,10 @@ class TritonLoRABackend(LoRABackend):
         # One float32 shrink buffer shared by all groups (they run one after another).
         self._shrink_buf = alloc_shrink_out(max_tokens, max_stack, pool.max_rank, max_d, pool.device)
         self._widths = {g: pool.shapes.group_widths(g) for g in pool.groups}
-        self._num_tokens = 0
-        self._max_distinct: int | None = None
+        self.group_shapes = {
+            g: GroupShape(pool.shapes.group_in(g), self._widths[g], pool.max_rank) for g in pool.groups
+        }
+        self._plan = plan_step(self.group_shapes, 0, pool.slots)
         self._delta: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
         self.set_side_stream(side_stream)
@@ -71,26 +76,29 @@ class TritonLoRABackend(LoRABackend):
         delta = 0 if self._delta is None else self._delta.numel() * 4
         return self._shrink_buf.numel() * 4 + delta + sum(t.numel() * t.element_size() for t in self.segments)
 
+    @property
+    def plan(self) -> LoRAPlan:
+        """The launch plan `prepare` made for the current step."""
+        return self._plan
+
     def prepare(self, token_slots: torch.Tensor, max_distinct: int | None = None) -> None:
         build_segments(token_slots, self.segments)
-        self._num_tokens = token_slots.shape[0]
-        self._max_distinct = max_distinct
+        self._plan = plan_step(self.group_shapes, token_slots.shape[0], self.pool.slots, max_distinct)
         if self._uses_delta():
             # Rows of tokens without an adapter are never written by expand: they must read as 0.
-            self._delta[: self._num_tokens].zero_()
+            self._delta[: self._plan.num_tokens].zero_()
 
     def _uses_delta(self) -> bool:
-        return self._delta is not None and self._num_tokens <= self._delta.shape[0]
+        return self._delta is not None and self._plan.num_tokens <= self._delta.shape[0]
 
     def _run(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
-        pool = self.pool
+        pool, launch = self.pool, self._plan.groups[group]
         n_cols = len(GROUPS[group]) * pool.max_rank
-        k = self._max_distinct
-        y = shrink_out_view(self._shrink_buf, x.shape[1], self._num_tokens, many_adapters(k))[..., :n_cols]
+        y = shrink_out_view(self._shrink_buf, launch.splits, self._plan.num_tokens)[..., :n_cols]
         ranks, widths = pool.rank[group][layer], self._widths[group]
         a, b, scaling = pool.lora_a[group][layer], pool.lora_b[group][layer], pool.scaling[group][layer]
-        lora_shrink(x, a, ranks, self.segments, y, max_distinct=k)
-        lora_expand(y, b, ranks, scaling, self.segments, out, widths, accumulate=accumulate, max_distinct=k)
+        lora_shrink(x, a, ranks, self.segments, y, launch)
+        lora_expand(y, b, ranks, scaling, self.segments, out, widths, launch, accumulate=accumulate)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         if group in self._widths:
@@ -99,7 +107,7 @@ class TritonLoRABackend(LoRABackend):
     def begin(self, layer: int, group: str, x: torch.Tensor) -> object:
         if group not in self._widths or not self._uses_delta():
             return None
-        delta = self._delta[: self._num_tokens, : sum(self._widths[group])]
+        delta = self._delta[: self._plan.num_tokens, : sum(self._widths[group])]
         side = nullcontext() if self._stream is None else torch.cuda.stream(self._stream)
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())

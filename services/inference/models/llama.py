@@ -4,8 +4,8 @@ Linears are fused per LoRA group (`qkv`, `o`, `gate_up`, `down`, see lora/backen
 around each group's base matmul the LoRA backend, when the batch has adapters, computes its
 delta: added in place, or (the side-stream backend) handed back as a float32 `Addend.delta`
 that the next fused kernel adds (the q/k/v split with rotary, the RMSNorm after the residual
-add, SiLU-and-mul). A layer
-returns its down projection unadded, so the residual add fuses with the next layer's norm.
+add, SiLU-and-mul). A layer returns its down projection unadded, so the residual add fuses with
+the next layer's norm.
 Checkpoint tensors are copied straight into the fused parameters by `load_weights`.
 """
 
@@ -242,7 +242,8 @@ class LlamaForCausalLM(nn.Module):
         ctx: ForwardContext,
         bufs: StepBuffers,
     ) -> None:
-        """Layer `index - 1` after its attention (`attn`), then layer `index` up to attention (into `bufs`)."""
+        """Layer `index - 1` after its attention (`attn`), then layer `index` up to attention (into
+        `bufs`)."""
         h, addend = self.layers[index - 1].post_attention(bufs.h, attn, ctx, bufs)
         self.layers[index].pre_attention(h, addend, cos, sin, ctx, bufs)
 

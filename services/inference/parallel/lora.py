@@ -134,7 +134,8 @@ class TPLoRABackend(TorchLoRABackend):
 class TPTritonLoRABackend(LoRABackend):
     """The Triton kernels under TP: column groups exactly as `TritonLoRABackend`; row groups
     shrink into their own `[splits, T, R]` float32 buffer, all-reduce it (the K-split partials
-    add up either way), then expand. No host reads, so CUDA-graph safe."""
+    add up either way), then expand, with the inner backend's launch plan. No host reads, so
+    CUDA-graph safe."""
 
     cuda_graph_safe = True
 
@@ -146,11 +147,9 @@ class TPTritonLoRABackend(LoRABackend):
         row_in = [pool.shapes.group_in(g) for g in ROW_GROUPS if g in pool.groups]
         # One stacked module per row group: the buffer's columns are exactly R, so views stay contiguous.
         self._row_buf = alloc_shrink_out(max_tokens, 1, pool.max_rank, max(row_in, default=1), pool.device)
-        self._num_tokens = 0
 
     def prepare(self, token_slots: torch.Tensor, max_distinct: int | None = None) -> None:
         self.inner.prepare(token_slots, max_distinct)
-        self._num_tokens = token_slots.shape[0]
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         if group not in ROW_GROUPS:
@@ -158,10 +157,11 @@ class TPTritonLoRABackend(LoRABackend):
             return
         if group not in self.pool.groups:
             return
-        pool = self.pool
-        y = shrink_out_view(self._row_buf, x.shape[1], self._num_tokens)
+        pool, plan = self.pool, self.inner.plan
+        launch = plan.groups[group]
+        y = shrink_out_view(self._row_buf, launch.splits, plan.num_tokens)
         ranks = pool.rank[group][layer]
-        lora_shrink(x, pool.lora_a[group][layer], ranks, self.inner.segments, y)
+        lora_shrink(x, pool.lora_a[group][layer], ranks, self.inner.segments, y, launch)
         dist.all_reduce(y)
         lora_expand(
             y,
@@ -171,4 +171,5 @@ class TPTritonLoRABackend(LoRABackend):
             self.inner.segments,
             out,
             pool.shapes.group_widths(group),
+            launch,
         )

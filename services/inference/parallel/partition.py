@@ -103,9 +103,9 @@ def plan_shards(cfg: ModelConfig, tp_size: int) -> list[ShardPlan]:
         per_kv = tp_size // kv
         if tp_size % kv or group < per_kv:
             raise ValueError(
-                f"--tp-size {tp_size}: the model has {heads} attention heads in {kv} KV groups; with fewer KV heads "
-                f"than ranks, --tp-size must be a multiple of {kv} and at most {heads} "
-                f"(each rank needs a query head of one KV group)"
+                f"--tp-size {tp_size}: the model has {heads} attention heads in {kv} KV groups; with fewer "
+                f"KV heads than ranks, --tp-size must be a multiple of {kv} and at most {heads} (each rank "
+                "needs a query head of one KV group)"
             )
         kv_ranges, head_ranges = [], []
         for k in range(kv):

@@ -1,0 +1,54 @@
+"""The kernels' environment settings, typed and read in one place.
+
+Read once, at first use (`kernel_settings()`); modules of `kernels/` and the services read
+these fields instead of `os.environ`. Triton reads `TRITON_INTERPRET` itself when a kernel is
+decorated, so it must be set before the first kernel module is imported: the field here only
+mirrors it, for the checks that refuse CPU tensors without the interpreter.
+
+Tests that need other values either start a child process with the environment they want (the
+usual way, since Triton's own choice is made at import) or call `reload_kernel_settings(env)`
+with an explicit mapping; `kernels.lora_configs.apply_settings()` then re-applies the table
+overrides.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    lora_configs: str | None = None
+    """`LORAPLEX_LORA_CONFIGS`: path of a JSON file whose entries replace the LoRA kernels' block-size
+    and K-split tables (format in `kernels/lora_configs.py`), e.g. what `bench/lora_kernels.py
+    --joint-sweep` or `bench/decode_sweep.py` writes for another GPU or model shape. Empty: the
+    built-in tables."""
+
+    triton_interpret: bool = False
+    """`TRITON_INTERPRET=1`: Triton runs kernels in its CPU interpreter (tests), so the Triton paths
+    may serve CPU tensors (`kernels.placement.run_triton_on_cpu`, `--lora-backend triton` on CPU)."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> KernelSettings:
+        return cls(
+            lora_configs=env.get("LORAPLEX_LORA_CONFIGS") or None,
+            triton_interpret=env.get("TRITON_INTERPRET") == "1",
+        )
+
+
+_current: list[KernelSettings] = []
+
+
+def kernel_settings() -> KernelSettings:
+    """The settings, read from the process environment on the first call."""
+    if not _current:
+        _current.append(KernelSettings.from_env(os.environ))
+    return _current[0]
+
+
+def reload_kernel_settings(env: Mapping[str, str] | None = None) -> KernelSettings:
+    """Re-read the settings from `env` (default: the process environment) and return them."""
+    _current[:] = [KernelSettings.from_env(os.environ if env is None else env)]
+    return _current[0]

@@ -1,0 +1,35 @@
+"""`kernels.settings`: the kernels' environment variables, read in one typed place."""
+
+from __future__ import annotations
+
+import json
+
+from kernels import lora_configs
+from kernels.settings import KernelSettings, kernel_settings, reload_kernel_settings
+
+
+def test_settings_parse_the_environment():
+    assert KernelSettings.from_env({}) == KernelSettings(lora_configs=None, triton_interpret=False)
+    parsed = KernelSettings.from_env({"LORAPLEX_LORA_CONFIGS": "/x.json", "TRITON_INTERPRET": "1"})
+    assert parsed == KernelSettings(lora_configs="/x.json", triton_interpret=True)
+    assert KernelSettings.from_env({"LORAPLEX_LORA_CONFIGS": "", "TRITON_INTERPRET": "0"}) == KernelSettings()
+
+
+def test_reload_reads_an_explicit_mapping_and_applies_the_overrides(tmp_path, monkeypatch):
+    key = lora_configs.SplitsKey("decode", in_features=4096)
+    monkeypatch.setitem(lora_configs.SPLITS_TABLE, key, lora_configs.SPLITS_TABLE[key])
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps({"splits": {"decode|4096": 5}}))
+    before = kernel_settings()
+    try:
+        assert reload_kernel_settings({"LORAPLEX_LORA_CONFIGS": str(path)}).lora_configs == str(path)
+        assert kernel_settings().lora_configs == str(path)
+        lora_configs.apply_settings()
+        assert lora_configs.shrink_splits(4096, 64) == 5
+    finally:
+        interpret = "1" if before.triton_interpret else "0"
+        reload_kernel_settings(
+            {"LORAPLEX_LORA_CONFIGS": before.lora_configs or "", "TRITON_INTERPRET": interpret}
+        )
+        lora_configs.clear_caches()
+    assert kernel_settings() == before
