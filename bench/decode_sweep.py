@@ -12,6 +12,7 @@ candidate's entries as lora_configs.json (loadable with LORAPLEX_LORA_CONFIGS) t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import sys
@@ -226,7 +227,7 @@ def main() -> int:
     write_json(out, "decode_sweep", res)
     write_json(out, "lora_configs", rows[winner]["overrides"])
     print(f"winner: {winner}: {json.dumps(rows[winner]['overrides'])}")
-    async_engine.shutdown()
+    asyncio.run(async_engine.shutdown())
     return 0
 
 

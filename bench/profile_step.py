@@ -14,6 +14,7 @@ profile_step.json to --out DIR (bench/results.py).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import random
@@ -212,7 +213,7 @@ def main() -> int:
         for _ in range(2):
             engine.step()
     write_json(out, "profile_step", res)
-    async_engine.shutdown()
+    asyncio.run(async_engine.shutdown())
     return 0
 
 

@@ -21,6 +21,7 @@ Prints a table; writes serving.json to --out DIR (bench/results.py).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import logging
 import random
@@ -135,7 +136,7 @@ def build(model_dir: Path, opts: argparse.Namespace, num_adapters: int):
     async_engine = build_engine(args.engine, args.lora)
     # We drive LLMEngine.step() ourselves, on this thread: stop only the engine thread (the
     # base class's shutdown), so tensor-parallel workers stay up until engine_section ends.
-    AsyncEngine.shutdown(async_engine)
+    asyncio.run(AsyncEngine.shutdown(async_engine))
     return async_engine, time.perf_counter() - start
 
 
@@ -146,7 +147,7 @@ def engine_section(
     try:
         _measure_engine(async_engine, build_s, adapter_dirs, prompts, opts, res)
     finally:
-        async_engine.shutdown()  # TP: stops the workers and the process group
+        asyncio.run(async_engine.shutdown())  # TP: stops the workers and the process group
 
 
 def _measure_engine(

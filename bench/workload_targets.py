@@ -187,7 +187,7 @@ class EngineFactory:
         try:
             yield target
         finally:
-            engine.shutdown()
+            await engine.shutdown()
             # The caller may still hold `target`: drop its engine so the KV cache, pool and graphs
             # are freed before the next scenario sizes its own from free memory.
             target.engine = target.lora = None

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
+from services.inference.engine.api import Engine
 from services.inference.errors import AdapterNotFound, LoraplexError
 from services.inference.local_sources import check_allowed, local_path, looks_local
 from services.inference.lora.adapter_slots import AdapterInfo
@@ -26,17 +25,9 @@ from services.inference.store_client import PulledAdapter, StoreClient
 log = logging.getLogger(__name__)
 
 
-async def call(fn, *args: Any, **kwargs: Any) -> Any:
-    """Call an engine method that may be sync or async; sync ones run off the event loop."""
-    if inspect.iscoroutinefunction(fn):
-        return await fn(*args, **kwargs)
-    result = await asyncio.to_thread(fn, *args, **kwargs)
-    return await result if inspect.isawaitable(result) else result
-
-
 class AdapterResolver:
     def __init__(
-        self, engine, store: StoreClient | None, metrics: Metrics, allowed_dirs: tuple[str, ...] = ()
+        self, engine: Engine, store: StoreClient | None, metrics: Metrics, allowed_dirs: tuple[str, ...] = ()
     ):
         self.engine = engine
         self.store = store
@@ -118,7 +109,7 @@ class AdapterResolver:
             await swap.wait()
         if name in self._deleting:
             await asyncio.shield(self._deleting[name])
-        if await call(self.engine.has_adapter, name):
+        if self.engine.has_adapter(name):
             return
         if self.store is None:
             raise AdapterNotFound(
@@ -150,7 +141,7 @@ class AdapterResolver:
 
     async def _engine_load(self, name: str, path: Path, pin: bool) -> AdapterInfo:
         try:
-            info = await call(self.engine.load_adapter, name, str(path), pin)
+            info = await self.engine.load_adapter(name, str(path), pin)
         except LoraplexError as exc:
             # Name the adapter in the message and in the ResourceInfo detail.
             exc.adapter = exc.adapter or name
@@ -193,8 +184,8 @@ class AdapterResolver:
                     raise
 
     async def _unload_if_loaded(self, name: str) -> None:
-        if await call(self.engine.has_adapter, name):
-            await call(self.engine.unload_adapter, name)
+        if self.engine.has_adapter(name):
+            await self.engine.unload_adapter(name)
 
     async def unload(self, name: str) -> None:
         """Without a store: unload here. With one: delete it there, which unloads it on every
@@ -202,7 +193,7 @@ class AdapterResolver:
         finish) - unloading on this replica alone would only last until the next request
         pulled it back, and behind a router that replica is whichever one the call reached."""
         check_adapter_name(name)
-        here = await call(self.engine.has_adapter, name)
+        here = self.engine.has_adapter(name)
         if self.store is not None:
             deleted = await self.store.delete(name)
             if not deleted and not here:
@@ -214,7 +205,7 @@ class AdapterResolver:
             raise AdapterNotFound(f"adapter {name!r} is not loaded on this server", adapter=name)
         if here:
             try:
-                await call(self.engine.unload_adapter, name)
+                await self.engine.unload_adapter(name)
             except AdapterNotFound:
                 if self.store is None:
                     raise  # with a store, the delete's watch event may have unloaded it first
@@ -245,15 +236,15 @@ class AdapterResolver:
             ):
                 return  # meanwhile this server loaded the new content itself
             try:
-                if await call(self.engine.has_adapter, name):
-                    await call(self.engine.unload_adapter, name)
+                if self.engine.has_adapter(name):
+                    await self.engine.unload_adapter(name)
                     self._origin.pop(name, None)
                     log.info("adapter %s deleted or replaced in the store; unloaded here", name)
             except LoraplexError as exc:
                 log.warning("could not unload deleted adapter %s: %s", name, exc)
 
     async def list(self) -> list[AdapterInfo]:
-        adapters = list(await call(self.engine.list_adapters))
+        adapters = list(self.engine.list_adapters())
         for info in adapters:
             self._with_origin(info)
             info.requests_in_flight = max(info.requests_in_flight, self.in_flight.get(info.name, 0))

@@ -44,4 +44,5 @@ class CapacityExceeded(LoraplexError):
 
 
 class BackendUnavailable(LoraplexError):
-    """A dependency (the adapter store) cannot be reached."""
+    """The engine (shut down, still loading, a failed step or TP worker) or the adapter store
+    cannot serve the call now; retrying later, or on another replica, may succeed."""

@@ -1,5 +1,7 @@
-"""A GenerateRequest -> the engine requests it stands for, checked: the one place Generate's
-inputs are validated (the engine re-checks what it must, e.g. ids against the vocabulary).
+"""A GenerateRequest -> the engine requests it stands for, with the request's shape checked
+(field combinations, counts, sizes before tokenizing, chat messages, stop strings, the queue).
+Each prompt and its sampling params are checked against the model once, by `Engine.generate`
+(see `open_streams`).
 
 A request gives either `text` (with `adapter` per text, one for all, or none) or `inputs`:
 each a text, prompt token ids or chat messages, with its own adapter and optionally its own
@@ -10,13 +12,14 @@ uses seed + j, so sample 0 is exactly what the same input with n = 1 gives.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import AsyncIterator
 from typing import NamedTuple
 
 from loraplex.v1 import inference_pb2 as pb
 
-from services.inference.adapter_resolver import call
-from services.inference.engine.types import SamplingParams
-from services.inference.errors import CapacityExceeded, InvalidRequest
+from services.inference.engine.api import Engine
+from services.inference.engine.types import RequestOutput, SamplingParams
+from services.inference.errors import CapacityExceeded, InvalidRequest, LoraplexError
 from services.inference.proto_convert import (
     MAX_CHARS_PER_TOKEN,
     adapters_per_input,
@@ -31,13 +34,18 @@ SEED_MASK = (1 << 64) - 1
 
 
 class EngineWork(NamedTuple):
-    """One engine request: sample `sample` of input `index`."""
+    """One engine request: sample `sample` of input `index`.
+
+    `where` names the input's field (`text[i]` / `inputs[i]`); `params_where` prefixes its
+    sampling params' fields ("" for the request's shared params, `inputs[i].` for its own)."""
 
     index: int
     sample: int
     prompt_ids: list[int]
     adapter: str  # "" = base model
     params: SamplingParams
+    where: str
+    params_where: str
 
 
 def _prefixed(exc: InvalidRequest, prefix: str) -> InvalidRequest:
@@ -61,7 +69,7 @@ def _samples(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [dataclasses.replace(params, seed=(params.seed + j) & SEED_MASK) for j in range(n)]
 
 
-async def _prompt_of_input(engine, inp: pb.Input, adapter: str, i: int) -> list[int]:
+def _prompt_of_input(engine: Engine, inp: pb.Input, adapter: str, i: int) -> list[int]:
     where = f"inputs[{i}]"
     given = [
         name
@@ -85,7 +93,7 @@ async def _prompt_of_input(engine, inp: pb.Input, adapter: str, i: int) -> list[
     if inp.token_ids:
         return list(inp.token_ids)
     if inp.text:
-        return list(await call(engine.tokenize, inp.text))
+        return engine.tokenize(inp.text)
     if len(inp.messages) > MAX_CHAT_MESSAGES:
         raise InvalidRequest(
             f"{where}.messages has {len(inp.messages)} entries; at most {MAX_CHAT_MESSAGES}",
@@ -100,7 +108,7 @@ async def _prompt_of_input(engine, inp: pb.Input, adapter: str, i: int) -> list[
             )
         messages.append({"role": m.role, "content": m.content})
     add = inp.add_generation_prompt if inp.HasField("add_generation_prompt") else True
-    return list(await call(engine.render_chat, messages, adapter or None, add))
+    return engine.render_chat(messages, adapter or None, add)
 
 
 def _check_length(text_chars: int, where: str, context_length: int) -> None:
@@ -111,7 +119,7 @@ def _check_length(text_chars: int, where: str, context_length: int) -> None:
         )
 
 
-async def engine_work(engine, request: pb.GenerateRequest, args: ServerArgs) -> list[EngineWork]:
+def engine_work(engine: Engine, request: pb.GenerateRequest, args: ServerArgs) -> list[EngineWork]:
     """Every engine request of `request`, in input order then sample order; raises LoraplexError."""
     if request.ByteSize() > args.max_message_bytes:
         raise InvalidRequest(
@@ -125,14 +133,14 @@ async def engine_work(engine, request: pb.GenerateRequest, args: ServerArgs) -> 
     n_inputs = len(request.inputs) or len(request.text)
     if n_inputs == 0:
         raise InvalidRequest("text (or inputs) must have at least one entry", field="text")
-    shared, shared_n = _params(request.sampling_params, args)
-    per_input: list[tuple[SamplingParams, int]] = [
-        _params(inp.sampling_params, args, f"inputs[{i}].")
+    shared = (*_params(request.sampling_params, args), "")
+    per_input: list[tuple[SamplingParams, int, str]] = [
+        (*_params(inp.sampling_params, args, f"inputs[{i}]."), f"inputs[{i}].")
         if inp.HasField("sampling_params")
-        else (shared, shared_n)
+        else shared
         for i, inp in enumerate(request.inputs)
-    ] or [(shared, shared_n)] * n_inputs
-    total = sum(n for _, n in per_input)
+    ] or [shared] * n_inputs
+    total = sum(n for _, n, _ in per_input)
     if total > args.max_inputs_per_request:
         raise InvalidRequest(
             f"{n_inputs} inputs and {total} completions in one request; this server accepts at most "
@@ -152,32 +160,46 @@ async def engine_work(engine, request: pb.GenerateRequest, args: ServerArgs) -> 
                 check_adapter_name(name, field=f"inputs[{i}].adapter")
     else:
         adapters = adapters_per_input(request)
-    waiting = (await call(engine.stats)).waiting
+    waiting = engine.stats().waiting
     if waiting + total > args.engine.max_queued_requests:
         raise CapacityExceeded(
             f"{waiting} requests are queued and this call adds {total}; the queue holds "
             f"{args.engine.max_queued_requests} (--max-queued-requests): retry later"
         )
-    context_length = (await call(engine.model_info)).context_length
+    context_length = engine.model_info().context_length
     work: list[EngineWork] = []
     for i in range(n_inputs):
         if request.inputs:
             inp = request.inputs[i]
             where = f"inputs[{i}]"
             _check_length(len(inp.text) + sum(len(m.content) for m in inp.messages), where, context_length)
-            ids = await _prompt_of_input(engine, inp, adapters[i], i)
+            ids = _prompt_of_input(engine, inp, adapters[i], i)
         else:
             where = f"text[{i}]"
             if not request.text[i]:
                 raise InvalidRequest(f"text[{i}] is empty", field=where)
             _check_length(len(request.text[i]), where, context_length)
-            ids = list(await call(engine.tokenize, request.text[i]))
-        if not ids:
-            raise InvalidRequest(f"{where} has no tokens", field=where)
-        if context_length and len(ids) + 1 > context_length:
-            raise InvalidRequest(
-                f"{where} has {len(ids)} tokens; the model's context length is {context_length}", field=where
-            )
-        params, n = per_input[i]
-        work.extend(EngineWork(i, j, ids, adapters[i], p) for j, p in enumerate(_samples(params, n)))
+            ids = engine.tokenize(request.text[i])
+        params, n, params_where = per_input[i]
+        work.extend(
+            EngineWork(i, j, ids, adapters[i], p, where, params_where)
+            for j, p in enumerate(_samples(params, n))
+        )
     return work
+
+
+def open_streams(engine: Engine, rpc_id: str, work: list[EngineWork]) -> list[AsyncIterator[RequestOutput]]:
+    """Every work item's engine stream, all checked (prompt and sampling params, by the engine)
+    before any is queued: one the model cannot take fails the whole call, the error naming the
+    request field (`text[i]` / `inputs[i]`, `[inputs[i].]sampling_params.NAME`)."""
+    streams = []
+    for k, w in enumerate(work):
+        try:
+            streams.append(engine.generate(f"{rpc_id}-{k}", w.prompt_ids, w.adapter or None, w.params))
+        except LoraplexError as exc:
+            if exc.field == "text":
+                exc.field, exc.message = w.where, f"{w.where}: {exc.message}"
+            elif exc.field and exc.field.startswith("sampling_params.") and w.params_where:
+                exc.field, exc.message = f"{w.params_where}{exc.field}", f"{w.params_where}{exc.message}"
+            raise
+    return streams

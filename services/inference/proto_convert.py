@@ -77,7 +77,8 @@ def _check_stops(p: pb.SamplingParams) -> None:
 
 
 def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
-    """Proto → engine; proto zeros mean 'server default' / 'off'."""
+    """Proto → engine; proto zeros mean 'server default' / 'off'. Checks what only the proto
+    shows (stop string sizes, top_logprobs without logprobs); the engine checks the ranges."""
     _check_stops(p)
     params = SamplingParams(
         max_new_tokens=p.max_new_tokens or args.default_max_new_tokens,
@@ -100,8 +101,7 @@ def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
             "sampling_params.top_logprobs needs sampling_params.logprobs or prompt_logprobs",
             field="sampling_params.top_logprobs",
         )
-    params.validate(args.engine.max_new_tokens_limit)
-    return params
+    return params  # the engine checks the values' ranges (Engine.generate)
 
 
 def adapters_per_input(request: pb.GenerateRequest) -> list[str]:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import itertools
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -24,9 +24,11 @@ from loraplex.wire import MalformedRequestInterceptor
 
 from kernels.compile_watch import compile_counter
 from services.inference import auth
-from services.inference.adapter_resolver import AdapterResolver, call
+from services.inference.adapter_resolver import AdapterResolver
 from services.inference.default_model import default_cache_dir
+from services.inference.engine.api import Engine
 from services.inference.engine.types import SamplingParams
+from services.inference.errors import BackendUnavailable
 from services.inference.metrics import Metrics
 from services.inference.replica import ReplicaInterceptor, replica_id
 from services.inference.server_args import ServerArgs
@@ -60,21 +62,23 @@ def grpc_options(args: ServerArgs) -> list[tuple[str, int]]:
     ]
 
 
-def _load_build_engine():
-    """The engine's factory, or the reason it is not there yet."""
-    for module in ("services.inference.engine", "services.inference.engine.async_engine"):
-        try:
-            factory = getattr(importlib.import_module(module), "build_engine", None)
-        except ImportError as exc:
-            return None, f"engine not available in this build: {exc}"
-        if factory is not None:
-            return factory, ""
-    return None, "engine not available in this build: services.inference.engine has no build_engine"
+EngineFactory = Callable[[ServerArgs], Engine]
+"""Builds (and starts) the engine for the flags; blocking, so the server runs it on a thread."""
+
+
+def build_engine(args: ServerArgs) -> Engine:
+    """The serving engine for `args` (one device, or tensor parallel for --tp-size > 1)."""
+    # Imported here, not at the top: torch and the model code take seconds to import, and the
+    # port should answer Health (NOT_SERVING) while they load.
+    from services.inference.engine.build import build_engine as build
+
+    return build(args.engine, args.lora)
 
 
 class InferenceServer:
-    def __init__(self, args: ServerArgs) -> None:
+    def __init__(self, args: ServerArgs, engine_factory: EngineFactory = build_engine) -> None:
         self.args = args
+        self.engine_factory = engine_factory
         self.state = ServerState()
         self.metrics = Metrics(replica_id(args.replica_id))
         self.health = health.aio.HealthServicer()
@@ -157,19 +161,14 @@ class InferenceServer:
         self.metrics.store_pull_bytes.inc(nbytes)
 
     async def _bring_up(self) -> None:
-        factory, reason = _load_build_engine()
-        if factory is None:
-            self.state.not_ready_reason = reason
-            log.error("%s; engine RPCs answer UNIMPLEMENTED", reason)
-            return
         try:
-            engine = await call(factory, self.args.engine, self.args.lora)
+            engine = await asyncio.to_thread(self.engine_factory, self.args)
             resolver = AdapterResolver(engine, self.store, self.metrics, self.args.allowed_local_dirs)
             await self._preload(engine, resolver)
             await self._warm_up(engine)
         except Exception as exc:
             log.exception("engine failed to start")
-            self.state.not_ready_reason = f"engine failed to start: {exc}"
+            self.state.not_ready = BackendUnavailable(f"engine failed to start: {exc}")
             self._stop.set()
             self.exit_code = 1
             return
@@ -189,41 +188,43 @@ class InferenceServer:
             await self._set_health(True)
             log.info("model loaded and warmed up: SERVING")
 
-    async def _preload(self, engine, resolver: AdapterResolver) -> None:
+    async def _preload(self, engine: Engine, resolver: AdapterResolver) -> None:
         """--lora-paths the engine did not load itself (it loads them when it can)."""
         for name, source in self.args.lora.path_map.items():
-            if not await call(engine.has_adapter, name):
+            if not engine.has_adapter(name):
                 await resolver.load(name, source, "", pin=False)
 
-    async def _warm_up(self, engine) -> None:
+    async def _warm_up(self, engine: Engine) -> None:
         params = SamplingParams(max_new_tokens=2)
         async for _ in engine.generate("warmup", "Hello", None, params):
             pass
 
     async def _refresh_metrics(self) -> None:
         """Every second: engine metrics, and health (a dead engine or TP worker -> NOT_SERVING)."""
+        engine, resolver = self.state.engine, self.state.resolver
+        assert engine is not None and resolver is not None, "started once the engine is up"
         engine_down = False
         store_names: list[str] = []
         for tick in itertools.count():
             try:
-                stats = await call(self.state.engine.stats)
+                stats = engine.stats()
                 self.metrics.observe_engine(stats)
-                adapters = list(await call(self.state.engine.list_adapters))
+                adapters = engine.list_adapters()
                 self.metrics.observe_compiles(compile_counter.after_start)
                 self.metrics.observe_adapters(adapters)
                 if self.store is not None and tick % STORE_LIST_EVERY == 0:
                     with contextlib.suppress(Exception):
                         store_names = [r.name for r in await asyncio.wait_for(self.store.list(), 2.0)]
                 self.metrics.observe_residency(
-                    adapters, store_names, self.state.resolver.in_flight, stats.lora_slots_total
+                    adapters, store_names, resolver.in_flight, stats.lora_slots_total
                 )
             except Exception:  # noqa: BLE001 - metrics never take the server down
                 log.debug("metrics refresh failed", exc_info=True)
-            if not engine_down and not self.state.engine.healthy():
+            if not engine_down and not engine.healthy():
                 engine_down = True
-                reason = self.state.engine.unhealthy_reason()
+                reason = engine.unhealthy_reason()
                 log.error("engine unhealthy: %s; health is NOT_SERVING until the server is restarted", reason)
-                self.state.not_ready_reason = f"engine unhealthy: {reason}"
+                self.state.not_ready = BackendUnavailable(f"engine unhealthy: {reason}")
                 await self._set_health(False)
             await asyncio.sleep(METRICS_REFRESH_S)
 
@@ -245,11 +246,8 @@ class InferenceServer:
                 await task
         if self.store is not None:
             await self.store.close()
-        engine = self.state.engine
-        for name in ("shutdown", "close", "stop"):
-            if engine is not None and callable(getattr(engine, name, None)):
-                await call(getattr(engine, name))
-                break
+        if self.state.engine is not None:
+            await self.state.engine.shutdown()
         log.info("stopped")
 
     async def run_until_signal(self) -> int:

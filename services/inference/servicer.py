@@ -1,8 +1,8 @@
 """`loraplex.v1.Inference` over the engine: proto ⇄ engine types, limits, status codes.
 
-Thin on purpose: the engine schedules, the resolver finds adapters, generate_inputs.py checks
-a request and turns it into engine requests (inputs x samples); this file runs them and
-gathers (or streams) the results.
+Thin on purpose: the engine schedules and checks each prompt, the resolver finds adapters,
+generate_inputs.py checks a request's shape and turns it into engine requests (inputs x samples);
+this file runs them and gathers (or streams) the results.
 A cancelled or expired RPC aborts every unfinished engine request it started.
 """
 
@@ -14,15 +14,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import NamedTuple
 
 import grpc
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
-from services.inference.adapter_resolver import AdapterResolver, call
+from services.inference.adapter_resolver import AdapterResolver
+from services.inference.engine.api import Engine
 from services.inference.engine.types import RequestOutput
-from services.inference.errors import InvalidRequest, LoraplexError
-from services.inference.generate_inputs import EngineWork, engine_work
+from services.inference.errors import BackendUnavailable, InvalidRequest, LoraplexError
+from services.inference.generate_inputs import EngineWork, engine_work, open_streams
 from services.inference.metrics import Metrics, adapter_label
 from services.inference.proto_convert import MAX_CHARS_PER_TOKEN, adapter_proto, logprobs_proto, timing_fields
 from services.inference.server_args import ServerArgs
@@ -33,13 +35,21 @@ log = logging.getLogger(__name__)
 DEADLINE_SLACK_S = 0.5
 
 
+class PreparedCall(NamedTuple):
+    """A Generate call checked and ready: engine request `{rpc_id}-{k}` runs `work[k]` via `streams[k]`."""
+
+    rpc_id: str
+    work: list[EngineWork]
+    streams: list[AsyncIterator[RequestOutput]]
+
+
 class ServerState:
-    """What the servicer needs from the server: the engine once built, and the drain flag."""
+    """What the servicer needs from the server: the engine once built, why not yet, the drain flag."""
 
     def __init__(self) -> None:
-        self.engine = None
+        self.engine: Engine | None = None
         self.resolver: AdapterResolver | None = None
-        self.not_ready_reason = "the model is still loading"
+        self.not_ready: LoraplexError = BackendUnavailable("the model is still loading")
         self.draining = False
         self.active_rpcs = 0
         self.idle = asyncio.Event()
@@ -54,21 +64,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self._tokenizer = None  # for Tokenize's `tokens`, loaded on first use
 
     # -- plumbing ---------------------------------------------------------------------------
-    async def _begin(self, context: grpc.aio.ServicerContext, method: str):
+    async def _begin(self, context: grpc.aio.ServicerContext, method: str) -> tuple[Engine, AdapterResolver]:
         if self.state.draining:
             self.metrics.rpcs.labels(method, "UNAVAILABLE").inc()
             await abort_with(
                 context, build_status(grpc.StatusCode.UNAVAILABLE, "server is draining; retry elsewhere")
             )
-        if self.state.engine is None:
-            code = grpc.StatusCode.UNAVAILABLE
-            if self.state.not_ready_reason.startswith("engine not available"):
-                code = grpc.StatusCode.UNIMPLEMENTED
-            self.metrics.rpcs.labels(method, code.name).inc()
-            await abort_with(context, build_status(code, self.state.not_ready_reason))
+        engine, resolver = self.state.engine, self.state.resolver
+        if engine is None or resolver is None:
+            status = status_for(self.state.not_ready)
+            self.metrics.rpcs.labels(method, status.code.name).inc()
+            await abort_with(context, status)
+            raise AssertionError("unreachable: abort_with raises")
         self.state.active_rpcs += 1
         self.state.idle.clear()
-        return self.state.engine, self.state.resolver
+        return engine, resolver
 
     def _end(self) -> None:
         self.state.active_rpcs -= 1
@@ -89,26 +99,32 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         )
 
     async def _prepare(
-        self, engine, resolver: AdapterResolver, request: pb.GenerateRequest
-    ) -> list[EngineWork]:
-        """Validate everything and resolve every adapter before any engine work starts."""
-        work = await engine_work(engine, request, self.args)
+        self, engine: Engine, resolver: AdapterResolver, request: pb.GenerateRequest
+    ) -> PreparedCall:
+        """Check everything, then resolve every adapter (which may pull), before any engine work."""
+        work = engine_work(engine, request, self.args)
+        rpc_id = uuid.uuid4().hex[:12]
+        streams = open_streams(engine, rpc_id, work)
         await resolver.ensure({w.adapter for w in work})
-        return work
+        return PreparedCall(rpc_id, work, streams)
 
     async def _run(
-        self, context, engine, resolver, work: list[EngineWork]
+        self,
+        context,
+        engine: Engine,
+        resolver: AdapterResolver,
+        prepared: PreparedCall,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run every work item as one engine request; yield (item index, output) as they arrive."""
-        rpc_id = uuid.uuid4().hex[:12]
+        rpc_id, work, streams = prepared
         queue: asyncio.Queue = asyncio.Queue()
         unfinished = {f"{rpc_id}-{k}" for k in range(len(work))}
 
         async def pump(k: int) -> None:
-            rid, item = f"{rpc_id}-{k}", work[k]
+            rid = f"{rpc_id}-{k}"
             last, first = time.monotonic(), True
             try:
-                async for out in engine.generate(rid, item.prompt_ids, item.adapter or None, item.params):
+                async for out in streams[k]:
                     if out.new_token_ids:
                         now = time.monotonic()
                         (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
@@ -144,7 +160,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 self.metrics.aborted.labels(reason).inc(len(unfinished))
                 for rid in unfinished:
                     try:
-                        await call(engine.abort, rid)
+                        engine.abort(rid)
                     except Exception:  # noqa: BLE001 - aborting is best effort, the KV is the engine's
                         log.exception("abort %s failed", rid)
                 log.info(
@@ -164,13 +180,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(self, request, context):
         engine, resolver = await self._begin(context, "Generate")
         try:
-            work = await self._prepare(engine, resolver, request)
+            prepared = await self._prepare(engine, resolver, request)
+            work = prepared.work
             texts = [[] for _ in work]
             ids = [[] for _ in work]
             logprobs = [[] for _ in work]
             prompt_logprobs = [[] for _ in work]
             final: list[RequestOutput | None] = [None] * len(work)
-            async with aclosing(self._run(context, engine, resolver, work)) as stream:
+            async with aclosing(self._run(context, engine, resolver, prepared)) as stream:
                 async for k, out in stream:
                     texts[k].append(out.new_text)
                     ids[k].extend(out.new_token_ids)
@@ -210,8 +227,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def GenerateStream(self, request, context):
         engine, resolver = await self._begin(context, "GenerateStream")
         try:
-            work = await self._prepare(engine, resolver, request)
-            async with aclosing(self._run(context, engine, resolver, work)) as stream:
+            prepared = await self._prepare(engine, resolver, request)
+            work = prepared.work
+            async with aclosing(self._run(context, engine, resolver, prepared)) as stream:
                 async for k, out in stream:
                     if not out.finished and not out.new_token_ids and not out.new_text:
                         continue
@@ -279,7 +297,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GetModelInfo(self, request, context):
         async def work(engine, resolver):
-            m = await call(engine.model_info)
+            m = engine.model_info()
             return pb.ModelInfo(
                 model=m.model,
                 dtype=m.dtype,
@@ -298,12 +316,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Tokenize(self, request, context):
         async def work(engine, resolver):
-            limit = (await call(engine.model_info)).context_length * MAX_CHARS_PER_TOKEN
+            limit = engine.model_info().context_length * MAX_CHARS_PER_TOKEN
             if limit and len(request.text) > limit:
                 raise InvalidRequest(
                     f"text has {len(request.text)} characters; Tokenize accepts at most {limit}", field="text"
                 )
-            ids = list(await call(engine.tokenize, request.text))
+            ids = engine.tokenize(request.text)
             if self._tokenizer is None:
                 from transformers import AutoTokenizer
 

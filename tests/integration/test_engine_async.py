@@ -31,7 +31,7 @@ def aengine(tiny_llama_path: Path):
     )
     engine = async_engine(args)
     yield engine
-    engine.shutdown()
+    asyncio.run(engine.shutdown())
 
 
 async def collect(engine: AsyncEngine, rid: str, prompt, params: SamplingParams) -> list[RequestOutput]:
@@ -128,7 +128,7 @@ def test_info_and_tokenize(aengine: AsyncEngine, tiny_llama_path):
             asyncio.run(bare.load_adapter("x", "/nowhere"))
         assert bare.list_adapters() == [] and not bare.has_adapter("x")
     finally:
-        bare.shutdown()
+        asyncio.run(bare.shutdown())
 
 
 # -- adapter slots and the LoRA seam ----------------------------------------------------------

@@ -113,7 +113,7 @@ def test_one_adapter_and_base_then_two_adapters(tiny_llama_path, tiny_adapters, 
         got = asyncio.run(flow())
         assert got == peft_greedy(tiny_llama_path, one, [(tiny_ids[0], None), (tiny_ids[1], "r4")])
     finally:
-        engine.shutdown()
+        asyncio.run(engine.shutdown())
     # two adapters, both from --lora-paths: rank and modules inferred as the max / union
     two = {"r4": tiny_adapters["r4"], "r8rs": tiny_adapters["r8rs"]}
     engine = async_engine(server_args(tiny_llama_path, two))
@@ -132,7 +132,7 @@ def test_one_adapter_and_base_then_two_adapters(tiny_llama_path, tiny_adapters, 
             tiny_llama_path, two, [(tiny_ids[2], "r4"), (tiny_ids[3], "r8rs"), (tiny_ids[4], "r8rs")]
         )
     finally:
-        engine.shutdown()
+        asyncio.run(engine.shutdown())
 
 
 def test_load_unload_load_while_running(tiny_llama_path, tiny_adapters, tiny_ids):
@@ -172,7 +172,7 @@ def test_load_unload_load_while_running(tiny_llama_path, tiny_adapters, tiny_ids
         assert set(names) == {"r16", "r64"}
         assert engine.stats().lora_slots_used <= 2 and "r4" not in names
     finally:
-        engine.shutdown()
+        asyncio.run(engine.shutdown())
 
 
 async def _drain(stream, tokens: list[int]) -> list[int]:
@@ -198,7 +198,7 @@ def test_rank4_and_rank64_side_by_side_and_refused_without_flags(tiny_llama_path
             tiny_llama_path, pair, [(tiny_ids[4], "r4"), (tiny_ids[5], "r64"), (tiny_ids[6], None)]
         )
     finally:
-        engine.shutdown()
+        asyncio.run(engine.shutdown())
     engine = async_engine(server_args(tiny_llama_path, {"r4": tiny_adapters["r4"]}))
     try:
         with pytest.raises(AdapterIncompatible) as e:
@@ -206,7 +206,7 @@ def test_rank4_and_rank64_side_by_side_and_refused_without_flags(tiny_llama_path
         assert "--max-lora-rank 4" in e.value.message
         assert not engine.has_adapter("r64")
     finally:
-        engine.shutdown()
+        asyncio.run(engine.shutdown())
 
 
 def documented_pool_bytes(base: Path, slots: int, rank: int, modules: list[str], dtype_bytes: int = 4) -> int:

@@ -9,6 +9,7 @@ directly.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 import shutil
@@ -396,7 +397,7 @@ def test_tensor_parallel_reuses_cached_prefixes(tiny_llama_path, adapters):
             outs += run_batch(engine, [(PROMPTS[2], None), (PROMPTS[3], "a")], NEW)
             return outs, engine.stats().prefix_cache_hit_tokens
         finally:
-            engine.shutdown()
+            asyncio.run(engine.shutdown())
 
     got, hits = run(2, True)
     assert hits == {"": 36, "a": 36}

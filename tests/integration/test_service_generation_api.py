@@ -245,3 +245,4 @@ def test_token_ids_outside_the_vocabulary(stub):  # noqa: F811
     with pytest.raises(grpc.RpcError) as info:
         generate(stub, [pb.Input(token_ids=[10**8])])
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "inputs[0]" in from_rpc_error(info.value).field_violations

@@ -72,7 +72,7 @@ def outputs(args: ServerArgs, jobs, max_new_tokens: int, load_later: dict | None
             asyncio.run(engine.load_adapter(name, str(path)))
         return run_batch(engine, jobs, max_new_tokens)
     finally:
-        engine.shutdown()
+        asyncio.run(engine.shutdown())
 
 
 def mixed_adapters(adapter_factory, base) -> dict:
@@ -193,7 +193,7 @@ def test_dead_worker_makes_engine_unhealthy_without_hanging(tiny_llama_path, whe
             asyncio.run(asyncio.wait_for(new_request(), timeout=5))
     finally:
         start = time.monotonic()
-        engine.shutdown()
+        asyncio.run(engine.shutdown())
         assert time.monotonic() - start < 15
 
 

@@ -1,4 +1,4 @@
-"""AsyncEngine: the engine API the gRPC layer uses. The model runs on one engine thread.
+"""AsyncEngine: the `Engine` (engine/api.py) over one LLMEngine. The model runs on one engine thread.
 
 Requests and aborts are handed to the engine thread through a thread-safe inbox; outputs
 come back to each caller's event loop with `loop.call_soon_threadsafe` into a per-request
@@ -13,13 +13,14 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from services.inference.engine.chat import adapter_chat_template, render_chat
 from services.inference.engine.engine import LLMEngine
 from services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 from services.inference.errors import AdapterNotFound, BackendUnavailable, InvalidRequest, LoraplexError
 from services.inference.lora.adapter_slots import AdapterInfo
+from services.inference.lora.manager import LoRAManager
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +43,18 @@ class _Sink(NamedTuple):
 
 
 class AsyncEngine:
-    """Thread-safe, asyncio-facing wrapper around one LLMEngine.
+    """Thread-safe, asyncio-facing wrapper around one LLMEngine; implements `Engine`.
 
-    `lora_manager` (optional) provides `load_adapter(name, path, pin=False) -> AdapterInfo`,
-    `unload_adapter(name)`, `list_adapters() -> list[AdapterInfo]`, `has_adapter(name) -> bool`.
+    `lora_manager`: the adapters this engine serves (None: a server without LoRA).
     """
 
-    def __init__(self, engine: LLMEngine, *, lora_manager: Any = None, model_info: ModelInfo | None = None):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        lora_manager: LoRAManager | None = None,
+        model_info: ModelInfo | None = None,
+    ):
         self.engine = engine
         self.lora_manager = lora_manager
         self._model_info = model_info or default_model_info(engine)
@@ -67,24 +73,29 @@ class AsyncEngine:
 
     # -- requests -------------------------------------------------------------------------
 
-    async def generate(
+    def generate(
         self, request_id: str, prompt: str | list[int], adapter: str | None, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; the last has finished=True. Closing the iterator aborts."""
+        """Check the prompt and params now (`Engine.generate`); the adapter and the queue are
+        checked when the stream is first iterated, which queues the request."""
         arrival = time.monotonic()
         if self._stopped.is_set():
             raise BackendUnavailable("the engine is shut down")
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        adapter = adapter or None
-        if adapter is not None and not self.has_adapter(adapter):
-            raise AdapterNotFound(f"adapter {adapter!r} is not loaded on this server", adapter=adapter)
         self.engine.check_request(prompt_ids, params)
+        return self._stream(_Add(request_id, prompt_ids, adapter or None, params, arrival))
+
+    async def _stream(self, add: _Add) -> AsyncIterator[RequestOutput]:
+        if add.adapter is not None and not self.has_adapter(add.adapter):
+            raise AdapterNotFound(
+                f"adapter {add.adapter!r} is not loaded on this server", adapter=add.adapter
+            )
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._sinks_lock:
-            if request_id in self._sinks:
-                raise InvalidRequest(f"request id {request_id!r} is already in flight")
-            self._sinks[request_id] = sink
-        self._send(_Add(request_id, prompt_ids, adapter, params, arrival))
+            if add.request_id in self._sinks:
+                raise InvalidRequest(f"request id {add.request_id!r} is already in flight")
+            self._sinks[add.request_id] = sink
+        self._send(add)
         finished = False
         try:
             while True:
@@ -98,9 +109,9 @@ class AsyncEngine:
                     return
         finally:
             with self._sinks_lock:
-                self._sinks.pop(request_id, None)
+                self._sinks.pop(add.request_id, None)
             if not finished:
-                self._send(_Abort(request_id))
+                self._send(_Abort(add.request_id))
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks and adapter reference (its stream ends with 'abort')."""
@@ -138,7 +149,7 @@ class AsyncEngine:
 
     # -- adapters (delegated to the LoRA manager) --------------------------------------------
 
-    def _manager(self) -> Any:
+    def _manager(self) -> LoRAManager:
         if self.lora_manager is None:
             raise AdapterNotFound("this server runs without LoRA support (no LoRA manager configured)")
         return self.lora_manager
@@ -150,10 +161,10 @@ class AsyncEngine:
         await asyncio.to_thread(self._manager().unload_adapter, name)
 
     def list_adapters(self) -> list[AdapterInfo]:
-        return [] if self.lora_manager is None else list(self.lora_manager.list_adapters())
+        return [] if self.lora_manager is None else self.lora_manager.list_adapters()
 
     def has_adapter(self, name: str) -> bool:
-        return self.lora_manager is not None and bool(self.lora_manager.has_adapter(name))
+        return self.lora_manager is not None and self.lora_manager.has_adapter(name)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -164,11 +175,11 @@ class AsyncEngine:
     def unhealthy_reason(self) -> str | None:
         return None if self.healthy() else "the engine loop has stopped"
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; requests still running end with an error."""
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests still running end with BackendUnavailable."""
         self._stopped.set()
         self._wake.set()
-        self._thread.join(timeout)
+        await asyncio.to_thread(self._thread.join, timeout)
 
     # -- engine thread --------------------------------------------------------------------
 

@@ -179,7 +179,10 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequest / CapacityExceeded for a request that can never run here."""
+        """Raise InvalidRequest / CapacityExceeded for a request that can never run here.
+
+        The one check of a prompt and its sampling parameters against this model; `add_request`
+        trusts it was made (by `AsyncEngine.generate`, or `generate` below)."""
         params.validate(self.config.max_new_tokens_limit)
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", field="text")
@@ -208,10 +211,10 @@ class LLMEngine:
         adapter: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """`arrival_time` (time.monotonic()): when the caller received the request; default now."""
+        """Queue a request that passed `check_request`. `arrival_time` (time.monotonic()): when the
+        caller received it; default now."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
-        self.check_request(prompt_ids, params)
         if len(self.scheduler.waiting) >= self.config.max_queued_requests:
             raise CapacityExceeded(f"{len(self.scheduler.waiting)} requests are queued; retry later")
         req = Request(request_id, list(prompt_ids), params, adapter=adapter or None)
@@ -474,6 +477,8 @@ class LLMEngine:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         adapters = adapters or [None] * len(prompts)
         ids = [f"gen-{i}-{random.getrandbits(32):08x}" for i in range(len(prompts))]
+        for prompt, p in zip(prompts, params_list, strict=True):
+            self.check_request(prompt, p)
         for rid, prompt, p, a in zip(ids, prompts, params_list, adapters, strict=True):
             self.add_request(rid, prompt, p, a)
         texts = {rid: [] for rid in ids}

@@ -13,6 +13,7 @@ it and report NOT_SERVING); from then on every request fails with UNAVAILABLE.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import logging
@@ -77,7 +78,7 @@ class TPEngine(LLMEngine):
 
 
 class TPAsyncEngine(AsyncEngine):
-    """AsyncEngine over a TPEngine, plus the health the server must poll."""
+    """`Engine` over a TPEngine: AsyncEngine plus the workers' health and their shutdown."""
 
     def __init__(self, engine: TPEngine, **kwargs):
         super().__init__(engine, **kwargs)
@@ -91,15 +92,14 @@ class TPAsyncEngine(AsyncEngine):
     def unhealthy_reason(self) -> str | None:
         return self.workers.reason
 
-    async def generate(
+    def generate(
         self, request_id: str, prompt: str | list[int], adapter: str | None, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         if not self.workers.healthy:
             raise BackendUnavailable(
                 f"{self.workers.reason or 'the engine is shut down'}; the server must be restarted"
             )
-        async for out in super().generate(request_id, prompt, adapter, params):
-            yield out
+        return super().generate(request_id, prompt, adapter, params)
 
     def _on_worker_death(self, reason: str) -> None:
         if dist.is_initialized() and dist.get_backend() == "nccl":
@@ -111,8 +111,11 @@ class TPAsyncEngine(AsyncEngine):
                 log.exception("could not abort the NCCL process group")
         self._wake.set()  # the engine loop's next step fails the running requests with the reason
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        super().shutdown(timeout)
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        await super().shutdown(timeout)
+        await asyncio.to_thread(self._stop_workers)
+
+    def _stop_workers(self) -> None:
         self.workers.stop()
         if dist.is_initialized():
             try:
