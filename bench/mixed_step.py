@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ from bench.random_runner import TINY, build_runner
 from bench.results import add_out_argument, write_json
 from bench.serving_setup import LLAMA_8B
 from kernels.compile_watch import compile_counter
+from kernels.settings import kernel_settings
 from services.inference.engine.scheduler import SeqChunk
 from services.inference.engine.warmup import warm_up
 
@@ -230,7 +230,7 @@ def main() -> int:
     runner_context = max(context + 16, a.mixed_graph_max_tokens + 128, 448)
     num_blocks = max(layout.num_blocks, blocks_needed(a.mixed_graph_max_tokens, max(adapters)))
     compile_counter.install()
-    backend = "triton" if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1" else "torch"
+    backend = "triton" if device.type == "cuda" or kernel_settings().triton_interpret else "torch"
     start = time.perf_counter()
     runner = build_runner(
         TINY if a.tiny else LLAMA_8B,

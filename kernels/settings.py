@@ -22,8 +22,8 @@ from dataclasses import dataclass
 class KernelSettings:
     lora_configs: str | None = None
     """`LORAPLEX_LORA_CONFIGS`: path of a JSON file whose entries replace the LoRA kernels' block-size
-    and K-split tables (format in `kernels/lora_configs.py`), e.g. what `bench/lora_kernels.py
-    --joint-sweep` or `bench/decode_sweep.py` writes for another GPU or model shape. Empty: the
+    and K-split tables (format in `kernels/lora_configs.py`), e.g. what `python -m bench.lora_kernels
+    --joint-sweep` or `python -m bench.decode_sweep` writes for another GPU or model shape. Empty: the
     built-in tables."""
 
     triton_interpret: bool = False

@@ -11,6 +11,7 @@ import re
 
 from loraplex.v1 import inference_pb2 as pb
 
+from services.inference.engine.api import Engine
 from services.inference.engine.types import RequestOutput, SamplingParams, TokenLogprob
 from services.inference.errors import InvalidRequest
 from services.inference.lora.adapter_slots import AdapterInfo
@@ -138,7 +139,7 @@ def adapter_proto(info: AdapterInfo) -> pb.AdapterInfo:
     )
 
 
-def logprobs_proto(engine, logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+def logprobs_proto(engine: Engine, logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:
     """Engine log probabilities -> proto, each token with its text (`engine.detokenize_each`)."""
     if not logprobs:
         return []

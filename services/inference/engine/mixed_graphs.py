@@ -124,8 +124,7 @@ class MixedGraphs:
     def tiers(self) -> tuple[int, ...]:
         if self.lora is None:
             return (0,)
-        slots = getattr(getattr(self.lora, "pool", None), "slots", MANY_ADAPTERS + 1)
-        return (0, 1, 2) if slots > MANY_ADAPTERS else (0, 1)
+        return (0, 1, 2) if self.lora.pool.slots > MANY_ADAPTERS else (0, 1)
 
     def bucket(self, num_tokens: int) -> int | None:
         return next((b for b in self.buckets if b >= num_tokens), None)

@@ -9,8 +9,12 @@ kernels, the pool and the model agree (see docs/architecture.md, "LoRA pool layo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from services.inference.lora.pool import AdapterPool
 
 # group -> the PEFT module names stacked in it, in output order.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -41,6 +45,7 @@ class LoRABackend(ABC):
     """
 
     cuda_graph_safe: bool = True
+    pool: AdapterPool  # the slots it reads; its size decides which LoRA tiers a CUDA graph needs
 
     @abstractmethod
     def prepare(self, token_slots: torch.Tensor, max_distinct: int | None = None) -> None: ...
