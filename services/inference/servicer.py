@@ -102,7 +102,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self, engine: Engine, resolver: AdapterResolver, request: pb.GenerateRequest
     ) -> PreparedCall:
         """Check everything, then resolve every adapter (which may pull), before any engine work."""
-        work = engine_work(engine, request, self.args)
+        # Tokenizing and rendering chat templates is CPU work that grows with the prompt: off the
+        # event loop, so other calls' streams keep flowing meanwhile.
+        work = await asyncio.to_thread(engine_work, engine, request, self.args)
         rpc_id = uuid.uuid4().hex[:12]
         streams = open_streams(engine, rpc_id, work)
         await resolver.ensure({w.adapter for w in work})
@@ -321,7 +323,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 raise InvalidRequest(
                     f"text has {len(request.text)} characters; Tokenize accepts at most {limit}", field="text"
                 )
-            ids = engine.tokenize(request.text)
+            ids = await asyncio.to_thread(engine.tokenize, request.text)
             if self._tokenizer is None:
                 from transformers import AutoTokenizer
 
