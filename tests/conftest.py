@@ -13,7 +13,7 @@ from tests.support.factories import make_peft_adapter, make_tiny_model
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The converted embedded model (`make model` makes it; this converts if missing)."""
-    from services.inference.default_model import ensure_model
+    from loraplex.services.inference.default_model import ensure_model
 
     return ensure_model()
 

@@ -53,9 +53,32 @@ def _digest(directory: Path) -> str:
     return h.hexdigest()
 
 
+# Keys transformers keeps from the GGUF load that do not describe the files written (float32
+# safetensors): `quantization_config` makes tools that honour it ask for the GGUF file, and the name
+# keys hold the source path of the package's GGUF.
+STALE_CONFIG_KEYS = ("quantization_config", "_name_or_path", "_model_name_or_path")
+
+
 def is_converted(directory: Path) -> bool:
     marker = directory / DIGEST_FILE
     return marker.exists() and marker.read_text().strip() == _digest(directory)
+
+
+def _clean_config(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in STALE_CONFIG_KEYS}
+
+
+def _repair_config(directory: Path) -> None:
+    """A cache converted before the config was cleaned: rewrite config.json (and the digest) in place."""
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    if not any(k in config for k in STALE_CONFIG_KEYS):
+        return
+    log.info("removing %s from %s (they do not describe the converted files)", ", ".join(STALE_CONFIG_KEYS), path)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_clean_config(config), indent=2, sort_keys=True))
+    tmp.replace(path)
+    (directory / DIGEST_FILE).write_text(_digest(directory) + "\n")
 
 
 def convert(out: Path) -> Path:
@@ -74,7 +97,7 @@ def convert(out: Path) -> Path:
         if model.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        config = model.config.to_dict()
+        config = _clean_config(model.config.to_dict())
         config["torch_dtype"] = "float32"
         config["dtype"] = "float32"
         config["architectures"] = ["LlamaForCausalLM"]
@@ -95,6 +118,7 @@ def convert(out: Path) -> Path:
 def ensure_model(cache: Path | None = None) -> Path:
     out = model_dir(cache)
     if out.exists() and is_converted(out):
+        _repair_config(out)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     return convert(out)

@@ -24,7 +24,7 @@ import grpc
 from loraplex.v1 import adapter_store_pb2 as pb
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
-from services.inference.errors import (
+from loraplex.services.inference.errors import (
     AdapterIncompatible,
     AdapterInvalid,
     AdapterNotFound,

@@ -20,8 +20,8 @@ from loraplex.v1 import inference_pb2_grpc as pb_grpc
 from sse_starlette.sse import EventSourceResponse
 from starlette.responses import JSONResponse, Response
 
-from services.openai import responses, schema
-from services.openai.errors import OpenAIError, bad_request, from_grpc
+from loraplex.services.openai import responses, schema
+from loraplex.services.openai.errors import OpenAIError, bad_request, from_grpc
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from loraplex.v1 import inference_pb2 as pb
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.openai.errors import OpenAIError, bad_request
+from loraplex.services.openai.errors import OpenAIError, bad_request
 
 MAX_TOP_LOGPROBS = 20
 

@@ -7,12 +7,12 @@ import random
 import pytest
 import torch
 
-from services.inference.lora.adapter import AdapterWeights
-from services.inference.lora.backend import GROUPS
-from services.inference.lora.config import AdapterSpec, ModuleLoRA
-from services.inference.lora.pool import AdapterPool, pool_nbytes
-from services.inference.lora.shapes import ALL_MODULES, ModelShapes
-from services.inference.lora.torch_backend import TorchLoRABackend
+from loraplex.services.inference.lora.adapter import AdapterWeights
+from loraplex.services.inference.lora.backend import GROUPS
+from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA
+from loraplex.services.inference.lora.pool import AdapterPool, pool_nbytes
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
 
 SHAPES = ModelShapes(num_layers=3, hidden_size=48, intermediate_size=80, q_size=48, kv_size=16)
 

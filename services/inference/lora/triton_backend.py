@@ -21,13 +21,13 @@ from contextlib import nullcontext
 
 import torch
 
-from kernels.lora_configs import DECODE_MAX_TOKENS
-from kernels.lora_expand import lora_expand
-from kernels.lora_meta import alloc_segments, build_segments
-from kernels.lora_plan import GroupShape, LoRAPlan, plan_step
-from kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
-from services.inference.lora.backend import GROUPS, LoRABackend
-from services.inference.lora.pool import AdapterPool
+from loraplex.kernels.lora_configs import DECODE_MAX_TOKENS
+from loraplex.kernels.lora_expand import lora_expand
+from loraplex.kernels.lora_meta import alloc_segments, build_segments
+from loraplex.kernels.lora_plan import GroupShape, LoRAPlan, plan_step
+from loraplex.kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
+from loraplex.services.inference.lora.backend import GROUPS, LoRABackend
+from loraplex.services.inference.lora.pool import AdapterPool
 
 
 class TritonLoRABackend(LoRABackend):
