@@ -1,4 +1,5 @@
-"""Maps the repository's top-level folders to one import namespace, `loraplex` (pyproject.toml holds the rest).
+"""Maps the repository's top-level folders to one import namespace, `loraplex` (pyproject.toml holds
+the rest).
 
 The folders stay where the design puts them; installed (wheel or editable), they import as
 `loraplex.services`, `loraplex.kernels`, `loraplex.adapter_store`, `loraplex.clients`, `loraplex.bench`, and

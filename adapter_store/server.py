@@ -10,9 +10,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
-from loraplex.v1 import adapter_store_pb2 as pb
-from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
-from loraplex.wire import MalformedRequestInterceptor
 
 from loraplex.adapter_store.auth import AdminTokenInterceptor
 from loraplex.adapter_store.base_model import load_base_model_shapes
@@ -23,6 +20,9 @@ from loraplex.adapter_store.redis_embedded import EmbeddedRedis, connect, descri
 from loraplex.adapter_store.registry import AdapterRegistry
 from loraplex.adapter_store.servicer import AdapterStoreServicer, CallerGoneFilter
 from loraplex.adapter_store.sources import SourceFetcher
+from loraplex.v1 import adapter_store_pb2 as pb
+from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
+from loraplex.wire import MalformedRequestInterceptor
 
 log = logging.getLogger("adapter_store")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name

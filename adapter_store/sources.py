@@ -20,7 +20,13 @@ from typing import NamedTuple
 from urllib.parse import unquote, urlparse
 
 from loraplex.adapter_store.cli.args import StoreConfig
-from loraplex.adapter_store.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
+from loraplex.adapter_store.errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
 from loraplex.adapter_store.local_files import check_allowed, copy_regular_file, resolve_file
 from loraplex.adapter_store.lora_config import CONFIG_FILE
 from loraplex.adapter_store.pickle_convert import PICKLE_FILE, convert_pickle_to_safetensors

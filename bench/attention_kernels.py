@@ -1,6 +1,7 @@
 """GPU check and timing of the paged attention kernels at Llama-3.1-8B shapes.
 
-Run on the device from the repo root: `PYTHONPATH=.:protos python3 -m loraplex.bench.attention_kernels [--out DIR]`.
+Run on the device from the repo root:
+`PYTHONPATH=protos python3 -m loraplex.bench.attention_kernels [--out DIR]`.
 bf16 results are checked against the torch references first (the CPU interpreter cannot check
 bf16), then each kernel configuration is timed as replays of a CUDA graph that calls it once per
 layer over distinct per-layer caches (so the L2 does not hold the KV and launch gaps shrink),

@@ -1,7 +1,7 @@
 """Decode LoRA launch configurations timed inside the engine's batch-64 decode graph, where the LoRA
 kernels share the GPU with the base matmuls (bench/lora_kernels.py times them alone).
 
-    PYTHONPATH=.:protos python3 -m loraplex.bench.decode_sweep [--adapters 64] [--out DIR]
+    PYTHONPATH=protos python3 -m loraplex.bench.decode_sweep [--adapters 64] [--out DIR]
 
 Each candidate replaces entries of the tables in kernels/lora_configs.py (`load_overrides`); the
 batch-64 LoRA graph is recaptured and timed with the step's token slots over 8 and over 64 adapters

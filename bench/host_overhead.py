@@ -15,8 +15,8 @@ so what is left of a step is the host work the GPU would otherwise wait for. Per
 
 Medians over the measured steps; best of `--repeats` runs (the dev machine is shared).
 
-    .venv/bin/python -m loraplex.bench.host_overhead [--batch 64] [--new-tokens 64] [--vocab N] [--stop-strings]
-        [--temperature 0] [--overlap on|off|default] [--out DIR]
+    .venv/bin/python -m loraplex.bench.host_overhead [--batch 64] [--new-tokens 64] [--vocab N]
+        [--stop-strings] [--temperature 0] [--overlap on|off|default] [--out DIR]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """GPU benchmark: Triton LoRA shrink/expand on Llama-3.1-8B shapes against their floor.
 
-    PYTHONPATH=.:protos python3 -m loraplex.bench.lora_kernels [--sweep | --joint-sweep] [--quick] [--out DIR]
+    PYTHONPATH=protos python3 -m loraplex.bench.lora_kernels [--sweep | --joint-sweep] [--quick] [--out DIR]
 
 (the sweeps: bench/lora_sweep.py; the layer's shapes and inputs: bench/lora_layer.py).
 
@@ -262,7 +262,7 @@ def main() -> None:
         device=torch.cuda.get_device_name(),
         torch=torch.__version__,
         triton=triton.__version__,
-        command="PYTHONPATH=.:protos python3 -m loraplex.bench.lora_kernels " + " ".join(sys.argv[1:]),
+        command="PYTHONPATH=protos python3 -m loraplex.bench.lora_kernels " + " ".join(sys.argv[1:]),
         copy_bw=bw,
         bf16_rate=rate,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -9,7 +9,7 @@
    (bf16 matmuls of a padded bucket may round differently from the unpadded step's).
 
 Used by bench/mixed_step.py before it times anything (GPU), and standalone on the CPU (tiny model,
-pieces run eagerly): `PYTHONPATH=.:protos python3 -m loraplex.bench.mixed_graph_check [--out DIR]`, which
+pieces run eagerly): `PYTHONPATH=protos python3 -m loraplex.bench.mixed_graph_check [--out DIR]`, which
 prints a table and writes mixed_graph_check.json.
 """
 

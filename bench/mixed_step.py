@@ -7,8 +7,8 @@ prefill chunk size at a fixed decode batch) is what `--chunked-prefill-size` /
 `--decode-prefill-budget` are picked from: the extra time a chunk adds to the step every running
 decode waits for.
 
-    PYTHONPATH=.:protos python3 -m loraplex.bench.mixed_step                      # H200, Llama-3.1-8B shape
-    PYTHONPATH=.:protos python3 -m loraplex.bench.mixed_step --tiny --device cpu  # smoke check (torch LoRA)
+    PYTHONPATH=protos python3 -m loraplex.bench.mixed_step                      # H200, Llama-3.1-8B shape
+    PYTHONPATH=protos python3 -m loraplex.bench.mixed_step --tiny --device cpu  # smoke check (torch LoRA)
 
 Before timing it checks, on the device, that a mixed step's logits equal the same sequences run
 as separate steps (decodes alone, the chunk alone) to the dtype's tolerance, and that greedy

@@ -1,6 +1,6 @@
 """What the OpenAI-compatible door adds to the time to first token, against gRPC directly.
 
-    PYTHONPATH=.:protos .venv/bin/python -m loraplex.bench.openai_overhead [--requests 100] [--out DIR]
+    PYTHONPATH=protos .venv/bin/python -m loraplex.bench.openai_overhead [--requests 100] [--out DIR]
     (or against running servers: --target HOST:PORT --door HOST:PORT)
 
 Without --target it starts `python -m loraplex.services.inference` on the embedded SmolLM2 (CPU unless
@@ -25,11 +25,11 @@ import time
 import urllib.request
 
 import grpc
-from loraplex.v1 import inference_pb2 as pb
-from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 from loraplex.bench.results import add_out_argument, write_json
 from loraplex.clients.processes import ServerProcess
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 PROMPT = "List 3 countries and their capitals."
 

@@ -1,7 +1,8 @@
 """Prefix cache on vs off under an open-loop workload.
 
-    PYTHONPATH=.:protos python3 -m loraplex.bench.prefix_cache --mode gpu [--requests 256] [--load 2.0 | --rate R]
-    PYTHONPATH=.:protos python3 -m loraplex.bench.prefix_cache --mode cpu [--out DIR]
+    PYTHONPATH=protos python3 -m loraplex.bench.prefix_cache --mode gpu [--requests 256]
+        [--load 2.0 | --rate R]
+    PYTHONPATH=protos python3 -m loraplex.bench.prefix_cache --mode cpu [--out DIR]
 
 Two workloads over the same adapters and the same Poisson arrivals, each run with the prefix cache
 on and off on one engine (`BlockManager.reset_prefix_cache` between runs, so nothing cached leaks

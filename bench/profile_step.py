@@ -1,7 +1,7 @@
 """Where a decode step's GPU time goes: one replay of the batch-64 decode graph (base, 8 and 64
 adapters) under the torch profiler, kernel by kernel and stream by stream.
 
-    PYTHONPATH=.:protos python3 -m loraplex.bench.profile_step [--adapters 64] [--out DIR]
+    PYTHONPATH=protos python3 -m loraplex.bench.profile_step [--adapters 64] [--out DIR]
 
 Same model and engine as bench/serving.py (Llama-3.1-8B shape, random weights, rank-16 adapters on
 all seven projections). Per graph it prints: the replay's span; each stream's busy time and the

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import grpc
-from loraplex.v1 import adapter_store_pb2 as pb
-from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
 from loraplex.bench.results import add_out_argument, write_json
+from loraplex.v1 import adapter_store_pb2 as pb
+from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 from tests.support.store_helpers import WEIGHTS, start_store, write_random_adapter
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")

@@ -15,8 +15,8 @@ closed-loop streaming clients (Zipf adapter choice, --base-share of base-model r
 
 Prints a table and writes router.json to --out DIR (bench/results.py).
 
-    PYTHONPATH=.:protos python3 -m loraplex.bench.router                                          # CPU
-    PYTHONPATH=.:protos python3 -m loraplex.bench.router --device cuda --model-path /models/llama  # GPU
+    PYTHONPATH=protos python3 -m loraplex.bench.router                                          # CPU
+    PYTHONPATH=protos python3 -m loraplex.bench.router --device cuda --model-path /models/llama  # GPU
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ import time
 from pathlib import Path
 
 import grpc
-from loraplex.v1 import inference_pb2 as pb
-from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 from loraplex.bench.results import add_out_argument, write_json
 from loraplex.clients import Client
 from loraplex.clients.processes import ServerProcess
 from loraplex.clients.requests import make_channel, routing_metadata
 from loraplex.clients.router import FAIL_TIMEOUT_S, start_router
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 PROMPT = "<|im_start|>user\nList 3 countries and their capitals.<|im_end|>\n<|im_start|>assistant\n"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]

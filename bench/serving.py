@@ -1,7 +1,7 @@
 """Serving benchmark on one GPU, one process, one run.
 
-    PYTHONPATH=.:protos python3 -m loraplex.bench.serving [--adapters 64] [--skip-compile] [--tiny] [--tp-size N]
-        [--blas cublaslt] [--out DIR]
+    PYTHONPATH=protos python3 -m loraplex.bench.serving [--adapters 64] [--skip-compile] [--tiny]
+        [--tp-size N] [--blas cublaslt] [--out DIR]
 
 1. measures the copy bandwidth and bf16 matmul rate of this GPU;
 2. writes a Llama-3.1-8B-shaped HF directory (random bf16 weights) and N random rank-16 PEFT

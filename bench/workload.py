@@ -21,8 +21,8 @@ output tokens/s inside the window, TTFT / inter-token / end-to-end p50 p90 p99, 
 waiting requests, adapter uploads and evictions, and ratios to the `base` scenario. Prints a
 markdown table, writes workload.json to --out DIR (bench/results.py).
 
-    PYTHONPATH=.:protos python3 -m loraplex.bench.workload --mode engine --window 40 --drain 15
-    PYTHONPATH=.:protos python3 -m loraplex.bench.workload --mode cpu --rate 60 --window 20
+    PYTHONPATH=protos python3 -m loraplex.bench.workload --mode engine --window 40 --drain 15
+    PYTHONPATH=protos python3 -m loraplex.bench.workload --mode cpu --rate 60 --window 20
 """
 
 from __future__ import annotations

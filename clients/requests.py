@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2_grpc
+
 from loraplex.v1 import adapter_store_pb2_grpc, inference_pb2_grpc
 from loraplex.v1 import inference_pb2 as pb
 

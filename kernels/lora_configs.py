@@ -11,10 +11,10 @@ Decode steps over more than MANY_ADAPTERS distinct adapters (the decode graphs' 
 chunk (`per_token=1`), faster when most tokens have their own adapter and slower when they share,
 and fewer K-splits for d 14336 (an adapter per token fills the grid without splitting K as far).
 
-The Llama-3.1-8B entries come from `python -m loraplex.bench.lora_kernels --sweep` and `--joint-sweep` on an H200
-with triton 3.6 (one choice for batch 64 over 8 and over 64 adapters, since a captured graph serves
-every mix), adjusted by `python -m loraplex.bench.decode_sweep`, which times candidates inside the engine's decode
-graph beside the base matmuls; measurements in docs/benchmarks.md. Other shapes fall back to the
+The Llama-3.1-8B entries come from `python -m loraplex.bench.lora_kernels --sweep` and `--joint-sweep`
+on an H200 with triton 3.6 (one choice for batch 64 over 8 and over 64 adapters, since a captured graph serves
+every mix), adjusted by `python -m loraplex.bench.decode_sweep`, which times candidates inside the engine's
+decode graph beside the base matmuls; measurements in docs/benchmarks.md. Other shapes fall back to the
 rules in `shrink_splits` / `shrink_config` / `expand_config`. The interpreter ignores warps and stages.
 
 `LORAPLEX_LORA_CONFIGS=path.json` (`loraplex.kernels.settings`) replaces entries at import, in the format

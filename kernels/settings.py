@@ -23,8 +23,8 @@ class KernelSettings:
     lora_configs: str | None = None
     """`LORAPLEX_LORA_CONFIGS`: path of a JSON file whose entries replace the LoRA kernels' block-size
     and K-split tables (format in `kernels/lora_configs.py`), e.g. what `python -m loraplex.bench.lora_kernels
-    --joint-sweep` or `python -m loraplex.bench.decode_sweep` writes for another GPU or model shape. Empty: the
-    built-in tables."""
+    --joint-sweep` or `python -m loraplex.bench.decode_sweep` writes for another GPU or model shape.
+    Empty: the built-in tables."""
 
     triton_interpret: bool = False
     """`TRITON_INTERPRET=1`: Triton runs kernels in its CPU interpreter (tests), so the Triton paths

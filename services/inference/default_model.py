@@ -74,7 +74,9 @@ def _repair_config(directory: Path) -> None:
     config = json.loads(path.read_text())
     if not any(k in config for k in STALE_CONFIG_KEYS):
         return
-    log.info("removing %s from %s (they do not describe the converted files)", ", ".join(STALE_CONFIG_KEYS), path)
+    log.info(
+        "removing %s from %s (they do not describe the converted files)", ", ".join(STALE_CONFIG_KEYS), path
+    )
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(_clean_config(config), indent=2, sort_keys=True))
     tmp.replace(path)

@@ -15,8 +15,6 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-from loraplex.v1 import inference_pb2 as pb
-
 from loraplex.services.inference.engine.api import Engine
 from loraplex.services.inference.engine.types import RequestOutput, SamplingParams
 from loraplex.services.inference.errors import CapacityExceeded, InvalidRequest, LoraplexError
@@ -27,6 +25,7 @@ from loraplex.services.inference.proto_convert import (
     to_engine_params,
 )
 from loraplex.services.inference.server_args import ServerArgs
+from loraplex.v1 import inference_pb2 as pb
 
 MAX_CHAT_MESSAGES = 1024
 MAX_ROLE_CHARS = 64

@@ -19,8 +19,6 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from loraplex.v1 import inference_pb2, inference_pb2_grpc
-from loraplex.wire import MalformedRequestInterceptor
 
 from loraplex.kernels.compile_watch import compile_counter
 from loraplex.services.inference import auth
@@ -34,6 +32,8 @@ from loraplex.services.inference.replica import ReplicaInterceptor, replica_id
 from loraplex.services.inference.server_args import ServerArgs
 from loraplex.services.inference.servicer import InferenceServicer, ServerState
 from loraplex.services.inference.store_client import StoreClient, channel_credentials
+from loraplex.v1 import inference_pb2, inference_pb2_grpc
+from loraplex.wire import MalformedRequestInterceptor
 
 log = logging.getLogger("loraplex.services.inference")
 

@@ -160,7 +160,9 @@ def _defaults(cls: type) -> argparse.Namespace:
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags; every default comes from the dataclass that owns it."""
-    p = argparse.ArgumentParser(prog="python -m loraplex.services.inference", description="loraplex inference service")
+    p = argparse.ArgumentParser(
+        prog="python -m loraplex.services.inference", description="loraplex inference service"
+    )
     e, lo, s = _defaults(EngineConfig), _defaults(LoRAConfig), _defaults(ServerArgs)
     a = p.add_argument
 

@@ -21,8 +21,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import grpc
-from loraplex.v1 import adapter_store_pb2 as pb
-from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
 from loraplex.services.inference.errors import (
     AdapterIncompatible,
@@ -31,6 +29,8 @@ from loraplex.services.inference.errors import (
     BackendUnavailable,
     LoraplexError,
 )
+from loraplex.v1 import adapter_store_pb2 as pb
+from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from loraplex.v1 import inference_pb2 as pb
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loraplex.services.openai.errors import OpenAIError, bad_request
+from loraplex.v1 import inference_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
 

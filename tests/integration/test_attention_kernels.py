@@ -294,7 +294,11 @@ def _check_store(dtype: torch.dtype) -> int:
 def _check_engine_backend(dtype: torch.dtype) -> int:
     """The engine's Triton attention against its torch attention on one mixed step: two decodes,
     a fresh prompt and a chunk after 21 cached tokens, with the same metadata."""
-    from loraplex.services.inference.engine.attention import AttentionMetadata, PrefillSegment, TorchPagedAttention
+    from loraplex.services.inference.engine.attention import (
+        AttentionMetadata,
+        PrefillSegment,
+        TorchPagedAttention,
+    )
     from loraplex.services.inference.engine.attention_triton import TritonPagedAttention
 
     page, kvh, heads, dim = 4, 2, 4, 16

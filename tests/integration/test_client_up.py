@@ -89,6 +89,7 @@ def test_up_starts_the_stack_and_stops_it(tmp_path, tiny_llama_path):
 
 def test_up_with_replicas_puts_the_router_in_front(tmp_path, tiny_llama_path):
     import grpc
+
     from loraplex.v1 import inference_pb2 as pb
     from loraplex.v1 import inference_pb2_grpc as pb_grpc
 

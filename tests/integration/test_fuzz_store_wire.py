@@ -16,9 +16,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
 from loraplex.v1 import adapter_store_pb2 as spb
 from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
-
 from tests.support.store_helpers import start_store
 
 REQUESTS = {

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from loraplex.v1 import adapter_store_pb2 as store_pb
 from loraplex.v1 import adapter_store_pb2_grpc as store_grpc
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
 from tests.support.service_stack import start_inference, start_store
 from tests.support.store_helpers import CONFIG, WEIGHTS, copy_adapter, edit_config
 

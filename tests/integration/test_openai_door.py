@@ -15,9 +15,9 @@ import urllib.request
 import grpc
 import openai
 import pytest
-from loraplex.v1 import inference_pb2 as pb
 
 from loraplex.clients.processes import ServerProcess
+from loraplex.v1 import inference_pb2 as pb
 from tests.integration.test_service_inference import PROMPTS, adapters, server, stub  # noqa: F401
 
 MAX = 6
@@ -25,7 +25,9 @@ MAX = 6
 
 @pytest.fixture(scope="module")
 def door(server):  # noqa: F811
-    proc = ServerProcess("openai", "loraplex.services.openai", ["--target", server.address, "--port", "0"], echo=False)
+    proc = ServerProcess(
+        "openai", "loraplex.services.openai", ["--target", server.address, "--port", "0"], echo=False
+    )
     try:
         proc.wait_bound(60)
         deadline = time.monotonic() + 30

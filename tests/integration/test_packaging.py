@@ -20,13 +20,26 @@ def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     build = tmp_path_factory.mktemp("src") / "loraplex"
     # Build from a copy of the tracked files, so a build/ folder from an earlier run cannot leak in.
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True)
+    files = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True
+    )
     for name in files.stdout.split():
         if (ROOT / name).is_file():
             (build / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, build / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(build)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(build),
+        ],
         check=True,
         timeout=300,
     )
@@ -59,7 +72,8 @@ def test_the_wheel_imports_outside_the_checkout(wheel, tmp_path):
     with zipfile.ZipFile(wheel) as z:
         z.extractall(tmp_path / "site")
     code = (
-        "import kernels, loraplex.kernels.lora_plan, loraplex.services.inference.server_args, loraplex.clients;"
+        "import kernels, loraplex.kernels.lora_plan, loraplex.services.inference.server_args;"
+        "import loraplex.clients;"
         "import loraplex; assert len(loraplex.__path__) == 1, loraplex.__path__;"
         "from transformers import LlamaForCausalLM; import peft; print(kernels.__name__)"
     )

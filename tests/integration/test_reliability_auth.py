@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from loraplex.v1 import inference_pb2 as pb
-from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 from loraplex.clients.processes import ServerProcess
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
 from tests.support.service_stack import STARTUP_S
 
 API = "api-7f3c9e2b1d"

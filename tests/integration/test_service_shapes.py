@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
 from tests.support.service_stack import PeftReference, shared, start_inference
 
 MAX_NEW = 12

@@ -15,8 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loraplex.v1 import adapter_store_pb2 as pb
 
+from loraplex.v1 import adapter_store_pb2 as pb
 from tests.support.store_helpers import CONFIG, WEIGHTS, copy_adapter, pull, start_store, store_stub
 
 CLEAN = {

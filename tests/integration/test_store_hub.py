@@ -10,8 +10,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from loraplex.v1 import adapter_store_pb2 as pb
 
+from loraplex.v1 import adapter_store_pb2 as pb
 from tests.support.store_fake_hub import FakeHub
 from tests.support.store_helpers import (
     WEIGHTS,

@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from loraplex.v1 import adapter_store_pb2 as pb
 from safetensors.numpy import load_file, save_file
 
+from loraplex.v1 import adapter_store_pb2 as pb
 from tests.support.store_helpers import (
     CONFIG,
     WEIGHTS,

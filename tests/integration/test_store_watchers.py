@@ -9,9 +9,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from loraplex.v1 import adapter_store_pb2 as pb
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
-
 from tests.support.store_helpers import start_store
 
 WATCHERS = 300

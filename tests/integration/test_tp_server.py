@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import grpc
 import psutil
-from loraplex.v1 import inference_pb2 as pb
-from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 from loraplex.clients.processes import ServerProcess
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
 from tests.integration.test_tp import PROMPTS, outputs, tp_args
 from tests.support.service_stack import STARTUP_S
 

@@ -1,5 +1,5 @@
-"""bench/workload.py end to end on the CPU, run the one way every bench runs (`python -m loraplex.bench.workload`
-from the repo root): a small open-loop run over the tiny random model.
+"""bench/workload.py end to end on the CPU, run the one way every bench runs
+(`python -m loraplex.bench.workload` from the repo root): a small open-loop run over the tiny random model.
 
 Only completion is asserted (every request of every scenario finishes without error, none cut);
 speed is the benchmark's to report, never a test's."""

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import grpc
 from grpc_status import rpc_status
-from loraplex.v1 import adapter_store_pb2 as pb
-from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
 from loraplex.clients.processes import ServerProcess
+from loraplex.v1 import adapter_store_pb2 as pb
+from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
 STARTUP_S = 60.0
 

@@ -43,7 +43,9 @@ def test_scripts_write_json_through_the_one_out_flag(path):
     called = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
     assert "write_json" in called, f"{path.name}: write the JSON with loraplex.bench.results.write_json"
     flags = {c.value for c in ast.walk(tree) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
-    assert not flags & {"--out", "--json"}, f"{path.name}: take --out from loraplex.bench.results.add_out_argument"
+    assert not flags & {"--out", "--json"}, (
+        f"{path.name}: take --out from loraplex.bench.results.add_out_argument"
+    )
     doc = ast.get_docstring(tree) or ""
     shown = f"-m loraplex.bench.{path.stem}"
     assert shown in doc, f"{path.name}: the docstring shows `python {shown}`"

@@ -117,7 +117,11 @@ def test_request_cap_and_budget_hold_back_new_requests():
 def test_kv_cache_sizing():
     import torch
 
-    from loraplex.services.inference.engine.kv_cache import CPU_KV_BYTES_CAP, kv_bytes_per_token, plan_num_blocks
+    from loraplex.services.inference.engine.kv_cache import (
+        CPU_KV_BYTES_CAP,
+        kv_bytes_per_token,
+        plan_num_blocks,
+    )
     from loraplex.services.inference.models.config import parse_config
 
     cfg = parse_config(

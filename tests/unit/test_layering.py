@@ -175,7 +175,9 @@ def test_engine_lora_and_workers_take_config_objects_not_the_cli_type(package):
     files = sorted((ROOT / "services" / "inference" / package).rglob("*.py"))
     assert files
     bad = [
-        str(f.relative_to(ROOT)) for f in files if "loraplex.services.inference.server_args" in _imported_modules(f)
+        str(f.relative_to(ROOT))
+        for f in files
+        if "loraplex.services.inference.server_args" in _imported_modules(f)
     ]
     assert not bad, f"these import the CLI type (loraplex.services.inference.server_args): {bad}"
 

@@ -18,7 +18,12 @@ from typing import NamedTuple
 from loraplex.services.inference.engine.chat import adapter_chat_template, render_chat
 from loraplex.services.inference.engine.engine import LLMEngine
 from loraplex.services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
-from loraplex.services.inference.errors import AdapterNotFound, BackendUnavailable, InvalidRequest, LoraplexError
+from loraplex.services.inference.errors import (
+    AdapterNotFound,
+    BackendUnavailable,
+    InvalidRequest,
+    LoraplexError,
+)
 from loraplex.services.inference.lora.adapter_slots import AdapterInfo
 from loraplex.services.inference.lora.manager import LoRAManager
 

@@ -28,7 +28,11 @@ from loraplex.services.inference.engine.loading import LoadedModel, load  # noqa
 from loraplex.services.inference.engine.logprobs import StepLogprobs, record_prompt_logprobs, rows_logprobs
 from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.output import TextStream
-from loraplex.services.inference.engine.overlap import InFlightStep, kv_fits_without_preemption, strip_placeholders
+from loraplex.services.inference.engine.overlap import (
+    InFlightStep,
+    kv_fits_without_preemption,
+    strip_placeholders,
+)
 from loraplex.services.inference.engine.prefix_cache import base_model_digest
 from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.sampler import SamplingInputs, sample_on_device

@@ -14,7 +14,11 @@ import numpy as np
 import torch
 
 from loraplex.kernels.placement import triton_runs_on
-from loraplex.services.inference.engine.attention import AttentionMetadata, PrefillSegment, TorchPagedAttention
+from loraplex.services.inference.engine.attention import (
+    AttentionMetadata,
+    PrefillSegment,
+    TorchPagedAttention,
+)
 from loraplex.services.inference.engine.overlap import fill_placeholders
 from loraplex.services.inference.engine.scheduler import SeqChunk
 from loraplex.services.inference.lora.backend import LoRABackend

@@ -19,7 +19,12 @@ import torch
 from safetensors import safe_open
 
 from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid, AdapterNotFound
-from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA, parse_adapter_config, resolve_targets
+from loraplex.services.inference.lora.config import (
+    AdapterSpec,
+    ModuleLoRA,
+    parse_adapter_config,
+    resolve_targets,
+)
 from loraplex.services.inference.lora.shapes import ModelShapes, module_path
 
 log = logging.getLogger(__name__)
