@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import typing
 
+import grpc
 from loraplex.v1 import inference_pb2 as pb
 from starlette.testclient import TestClient
 
@@ -100,3 +101,19 @@ def test_reply_floor_refuses_what_cannot_fit_and_passes_what_can():
         raise AssertionError("a 2000-byte reply passed a 1000-byte limit")
     except InvalidRequest as exc:
         assert "GenerateStream" in exc.message
+
+
+def test_grpc_message_size_limit_is_413_not_429():
+    from services.openai.errors import from_grpc
+
+    class TooLarge(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        def details(self):
+            return "Received message larger than max (70000000 vs. 68157440)"
+
+        def trailing_metadata(self):
+            return ()
+
+    assert from_grpc(TooLarge(), "m").status == 413
