@@ -144,8 +144,8 @@ def create_app(backend: Backend) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unforeseen(request: Request, exc: Exception) -> Response:
-        # A bug: OpenAI's error shape rather than a bare 500 page (the traceback is logged).
-        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        # A bug: OpenAI's error shape rather than a bare 500 page. Starlette re-raises the exception
+        # after this response is sent, so uvicorn logs its traceback.
         return OpenAIError(
             500, f"internal error: {type(exc).__name__}", type_="server_error", code="internal_error"
         ).response()
@@ -204,7 +204,7 @@ def create_app(backend: Backend) -> FastAPI:
             return JSONResponse(build(resp, parsed.model, want_logprobs))
         call = backend.stub.GenerateStream(grpc_request, metadata=md, timeout=backend.timeout_s)
         try:  # the first message (or the error) before the 200: a refused call gets its status
-            first = await call.read()
+            first = await unless_client_leaves(request, call, call.read())
         except grpc.RpcError as exc:
             raise from_grpc(exc, parsed.model) from None
         state = responses.StreamState(parsed.model, parsed.n, chat, want_logprobs)

@@ -18,13 +18,14 @@ async def _client_gone(request: Request) -> None:
             return
 
 
-async def _result(call):
-    return await call
+async def _result(awaitable):
+    return await awaitable
 
 
-async def unless_client_leaves(request: Request, call):
-    """`call`'s response, or the call cancelled and a 499 raised when the client leaves first."""
-    answer = asyncio.ensure_future(_result(call))
+async def unless_client_leaves(request: Request, call, awaitable=None):
+    """What `awaitable` (default: the unary `call` itself; a stream's first `call.read()`) gives,
+    or the call cancelled and a 499 raised when the client leaves first."""
+    answer = asyncio.ensure_future(_result(call if awaitable is None else awaitable))
     gone = asyncio.ensure_future(_client_gone(request))
     try:
         await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
