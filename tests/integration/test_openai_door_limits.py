@@ -345,7 +345,7 @@ def test_non_streaming_client_leaving_cancels_the_generation(door, stub):  # noq
     with httpx.Client(base_url=f"http://{door.address}") as c, pytest.raises(httpx.ReadTimeout):
         c.post("/v1/completions", json={**body, "temperature": 1.0}, timeout=httpx.Timeout(60, read=1.5))
     # The generation was running when the client left (4 x 480 tokens take far longer on the CPU).
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 5  # the cancel is one gRPC hop; this machine may be busy
     while _in_flight(stub, "alpha") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _in_flight(stub, "alpha") == 0
