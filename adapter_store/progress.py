@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-log = logging.getLogger("adapter_store.download")
+log = logging.getLogger("loraplex.adapter_store.download")
 
 
 class LogProgress:

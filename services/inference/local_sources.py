@@ -11,7 +11,7 @@ import os
 from pathlib import Path, PurePath
 from urllib.parse import unquote, urlparse
 
-from services.inference.errors import AdapterNotFound, InvalidRequest
+from loraplex.services.inference.errors import AdapterNotFound, InvalidRequest
 
 # The files a loader may open in an adapter directory: each is confined on its own, since a
 # symlinked file inside an allowed directory could point anywhere.

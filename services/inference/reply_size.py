@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from functools import cache
 
+from loraplex.services.inference.engine.types import SamplingParams
+from loraplex.services.inference.errors import InvalidRequest
 from loraplex.v1 import inference_pb2 as pb
-
-from services.inference.engine.types import SamplingParams
-from services.inference.errors import InvalidRequest
 
 STREAM_HINT = "use GenerateStream (one message per token), or lower n, max_new_tokens or top_logprobs"
 

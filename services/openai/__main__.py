@@ -1,4 +1,4 @@
-"""`python -m services.openai --target HOST:PORT --port PORT`: the OpenAI-compatible door."""
+"""`python -m loraplex.services.openai --target HOST:PORT --port PORT`: the OpenAI-compatible door."""
 
 from __future__ import annotations
 
@@ -14,19 +14,19 @@ import uvicorn
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
 
-from services.openai.app import DEFAULT_MAX_BODY_BYTES, Backend, create_app
-from services.openai.limits import (
+from loraplex.services.openai.app import DEFAULT_MAX_BODY_BYTES, Backend, create_app
+from loraplex.services.openai.limits import (
     AcceptErrorFilter,
     BodyLimit,
     header_timeout_protocol,
     raise_open_file_limit,
 )
 
-log = logging.getLogger("services.openai")
+log = logging.getLogger("loraplex.services.openai")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m services.openai", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m loraplex.services.openai", description=__doc__)
     p.add_argument("--target", default="127.0.0.1:50051", help="the inference server (or router), HOST:PORT")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (logged)")

@@ -15,22 +15,22 @@ from pathlib import Path, PurePosixPath
 
 import grpc
 from fastapi import FastAPI, Request
-from loraplex.v1 import inference_pb2 as pb
-from loraplex.v1 import inference_pb2_grpc as pb_grpc
 from sse_starlette.sse import EventSourceResponse
 from starlette.responses import JSONResponse, Response
 
-from services.openai import responses, schema
-from services.openai.disconnect import unless_client_leaves
-from services.openai.errors import OpenAIError, from_grpc
-from services.openai.inputs import (
+from loraplex.services.openai import responses, schema
+from loraplex.services.openai.disconnect import unless_client_leaves
+from loraplex.services.openai.errors import OpenAIError, from_grpc
+from loraplex.services.openai.inputs import (
     check_adapter_model,
     check_authorization,
     check_model_text,
     check_strings,
     parse_json,
 )
-from services.openai.responses import public_source
+from loraplex.services.openai.responses import public_source
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

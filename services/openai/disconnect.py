@@ -7,7 +7,7 @@ import asyncio
 
 from starlette.requests import Request
 
-from services.openai.errors import OpenAIError
+from loraplex.services.openai.errors import OpenAIError
 
 
 async def _client_gone(request: Request) -> None:

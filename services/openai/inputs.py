@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
-from services.openai.errors import OpenAIError, bad_request, model_not_found
+from loraplex.services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
+from loraplex.services.openai.errors import OpenAIError, bad_request, model_not_found
 
 # gRPC metadata is printable ASCII and the server reads at most 8 KiB of it (grpc's default).
 MAX_TOKEN_CHARS = 4096

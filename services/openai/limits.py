@@ -18,7 +18,7 @@ import logging
 import resource
 import time
 
-from services.openai.errors import OpenAIError
+from loraplex.services.openai.errors import OpenAIError
 
 
 class BodyLimit:

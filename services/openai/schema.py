@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from loraplex.v1 import inference_pb2 as pb
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.openai.errors import bad_request
+from loraplex.services.openai.errors import bad_request
+from loraplex.v1 import inference_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
 UINT32_MAX = (1 << 32) - 1

@@ -8,12 +8,12 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from loraplex.v1 import inference_pb2 as pb
 
-from services.inference.errors import InvalidRequest
-from services.inference.generate_inputs import engine_work
-from services.inference.proto_convert import MAX_CHARS_PER_TOKEN
-from services.inference.server_args import ServerArgs
+from loraplex.services.inference.errors import InvalidRequest
+from loraplex.services.inference.generate_inputs import engine_work
+from loraplex.services.inference.proto_convert import MAX_CHARS_PER_TOKEN
+from loraplex.services.inference.server_args import ServerArgs
+from loraplex.v1 import inference_pb2 as pb
 from tests.support.lora_reference import async_engine
 
 CONTEXT = 64

@@ -1,7 +1,7 @@
 """The OpenAI door under hostile HTTP clients (issue 31, items 6-13): malformed values, bad tokens,
 big bodies, idle and slow sockets, clients that leave, paths in /v1/models.
 
-A real door (`python -m services.openai`, small limits) over test_service_inference's shared server
+A real door (`python -m loraplex.services.openai`, small limits) over test_service_inference's shared server
 (--max-message-bytes 65536), driven by httpx, raw sockets and the official `openai` package.
 """
 
@@ -17,9 +17,9 @@ import grpc
 import httpx
 import openai
 import pytest
-from loraplex.v1 import inference_pb2 as pb
 
-from clients.processes import ServerProcess
+from loraplex.clients.processes import ServerProcess
+from loraplex.v1 import inference_pb2 as pb
 from tests.integration.test_service_inference import adapters, server, stub  # noqa: F401
 
 BODY_LIMIT = 65536
@@ -28,7 +28,9 @@ BODY_TIMEOUT = 1.0
 
 
 def start_door(target: str, *extra: str) -> ServerProcess:
-    proc = ServerProcess("openai", "services.openai", ["--target", target, "--port", "0", *extra], echo=False)
+    proc = ServerProcess(
+        "openai", "loraplex.services.openai", ["--target", target, "--port", "0", *extra], echo=False
+    )
     proc.wait_bound(60)
     deadline = time.monotonic() + 30
     while True:

@@ -13,9 +13,9 @@ import shutil
 import grpc
 import pytest
 import torch
-from loraplex.v1 import inference_pb2 as pb
 
-from clients.errors import from_rpc_error
+from loraplex.clients.errors import from_rpc_error
+from loraplex.v1 import inference_pb2 as pb
 from tests.integration.test_service_inference import PROMPTS, adapters, greedy, reference, server, stub  # noqa: F401
 
 CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2 + 2?"}]

@@ -7,18 +7,18 @@ import logging
 import typing
 
 import grpc
-from loraplex.v1 import inference_pb2 as pb
 from starlette.testclient import TestClient
 
-from services.inference.engine.types import SamplingParams
-from services.inference.errors import InvalidRequest
-from services.inference.generate_inputs import CHAT_ROLES
-from services.inference.local_sources import public_model_name
-from services.inference.reply_size import check_reply, check_reply_floor
-from services.openai.app import Backend, create_app
-from services.openai.limits import AcceptErrorFilter
-from services.openai.responses import public_source
-from services.openai.schema import ChatRole, field_param
+from loraplex.services.inference.engine.types import SamplingParams
+from loraplex.services.inference.errors import InvalidRequest
+from loraplex.services.inference.generate_inputs import CHAT_ROLES
+from loraplex.services.inference.local_sources import public_model_name
+from loraplex.services.inference.reply_size import check_reply, check_reply_floor
+from loraplex.services.openai.app import Backend, create_app
+from loraplex.services.openai.limits import AcceptErrorFilter
+from loraplex.services.openai.responses import public_source
+from loraplex.services.openai.schema import ChatRole, field_param
+from loraplex.v1 import inference_pb2 as pb
 
 
 class BrokenBackend(Backend):
@@ -104,7 +104,7 @@ def test_reply_floor_refuses_what_cannot_fit_and_passes_what_can():
 
 
 def test_grpc_message_size_limit_is_413_not_429():
-    from services.openai.errors import from_grpc
+    from loraplex.services.openai.errors import from_grpc
 
     class TooLarge(grpc.RpcError):
         def code(self):

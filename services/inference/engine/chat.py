@@ -12,7 +12,7 @@ import json
 import logging
 from pathlib import Path
 
-from services.inference.errors import InvalidRequest
+from loraplex.services.inference.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
