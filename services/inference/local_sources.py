@@ -8,7 +8,7 @@ used or sent to the store; every adapter file in the directory is confined on it
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from pathlib import Path, PurePath
 from urllib.parse import unquote, urlparse
 
 from loraplex.services.inference.errors import AdapterNotFound, InvalidRequest
@@ -45,6 +45,14 @@ def looks_local(source: str) -> bool:
         return Path(source).expanduser().exists()
     except OSError:  # too long to be a path here
         return False
+
+
+def public_model_name(model_path: str) -> str:
+    """The model as callers see it (GetModelInfo.model): a Hub id as given, a local directory by
+    its last part, never the server's filesystem layout."""
+    if looks_local(model_path):
+        return PurePath(_local_text(model_path).rstrip("/")).name or "model"
+    return model_path
 
 
 def _resolve(path: Path, shown: str) -> Path:

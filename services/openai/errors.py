@@ -76,9 +76,24 @@ def _details(error: grpc.RpcError) -> tuple[list[str], float | None]:
     return fields, retry
 
 
+def _message_too_large(error: grpc.RpcError) -> bool:
+    """grpc's own size limit (client or server side): the request is too big, which no retry fixes,
+    not a full queue (429 would have SDKs retry it for ever)."""
+    return error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "message larger than max" in (
+        error.details() or ""
+    )
+
+
 def from_grpc(error: grpc.RpcError, model: str) -> OpenAIError:
     """The OpenAI error for a failed gRPC call made for `model`."""
     code = error.code()
+    if _message_too_large(error):
+        return OpenAIError(
+            413,
+            f"the request is larger than the server accepts ({error.details()}): lower --max-body-bytes "
+            "to the server's --max-message-bytes, or send less",
+            code="request_too_large",
+        )
     fields, retry_after = _details(error)
     if code == grpc.StatusCode.NOT_FOUND or (
         code == grpc.StatusCode.INVALID_ARGUMENT and any(f.endswith("adapter") for f in fields)

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any
 
 from loraplex.v1 import inference_pb2 as pb
+
+# A Hub reference as LoadAdapter / the store take it: `org/repo` or `hf://org/repo`, maybe `@revision`.
+_HUB_ID = re.compile(r"^(hf://)?[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?$")
+
+
+def public_source(source: str, name: str) -> str:
+    """What /v1/models shows as an adapter's `root`: its Hub id, never a local path (which would tell
+    any caller how the server's disk is laid out); the adapter's own name otherwise."""
+    return source if _HUB_ID.fullmatch(source.strip()) and ".." not in source else name
 
 
 def new_id(prefix: str) -> str:
