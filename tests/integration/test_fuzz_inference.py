@@ -343,6 +343,58 @@ def test_tiny_temperatures_are_greedy(server, temperature, filters):
     assert tokens(temperature=temperature, **filters) == tokens(temperature=0)
 
 
+# Sampling values at and past the edges of their ranges: past them INVALID_ARGUMENT naming the
+# field (1e-38 once divided the logits to inf and sampled token 0 and garbage), at them a clean run.
+PAST_EDGES = {
+    "repetition_penalty": [1e-45, 1e-38, 1e-10, 0.0099, 100.01, 1e30, 3.4e38, -1.0],
+    "frequency_penalty": [-2.01, 2.01, 1e30, -3.4e38],
+    "presence_penalty": [-2.01, 2.01, 1e30, -3.4e38],
+    "temperature": [-1e-38, -1.0],
+    "min_p": [-1e-38, 1.0001],
+    "top_p": [-1e-38, 1.0001],
+}
+AT_EDGES = {
+    "repetition_penalty": [0.01, 100.0],
+    "frequency_penalty": [-2.0, 2.0],
+    "presence_penalty": [-2.0, 2.0],
+    "temperature": [1e-5, 100.0],
+}
+
+
+@settings(max_examples=16, **FUZZ)
+@given(
+    field_value=st.sampled_from([(k, v) for k, vs in PAST_EDGES.items() for v in vs]),
+    temperature=st.sampled_from([0.0, 1.0]),
+)
+def test_sampling_values_past_their_range_are_invalid(server, field_value, temperature):
+    name, value = field_value
+    params = {"temperature": temperature, name: value}
+    request = pb.GenerateRequest(
+        text=["Once upon a time"], sampling_params=pb.SamplingParams(max_new_tokens=2, **params)
+    )
+    code, detail = server.code_of(server.stub.Generate, request)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, value, code, detail)
+    assert name in detail
+
+
+def test_sampling_values_at_their_range_edges_generate(server):
+    for name, values in AT_EDGES.items():
+        for value in values:
+            for temperature in (0.0, 1.0):
+                params = pb.SamplingParams(
+                    max_new_tokens=LIMIT_NEW_TOKENS, ignore_eos=True, seed=3, temperature=temperature
+                )
+                setattr(params, name, value)
+                out = server.stub.Generate(
+                    pb.GenerateRequest(
+                        text=["Once upon a time"] * 2, adapter=["good"], sampling_params=params
+                    ),
+                    timeout=60,
+                )
+                for c in out.completions:
+                    assert c.completion_tokens == LIMIT_NEW_TOKENS, (name, value)
+
+
 def test_long_single_adapter_name_is_invalid_and_not_logged(server):
     for n in (5000, 1 << 19):
         code, detail = server.code_of(
