@@ -628,6 +628,22 @@ def test_local_sources_stay_under_allowed_dirs(server, good_adapter, tmp_path):
         link.unlink()
 
 
+def test_adapter_may_not_take_the_models_name(server, tiny_llama_path):
+    # The door lists the model under its path's last part: an adapter of that name would be listed
+    # twice and mean the base model over HTTP but the adapter over gRPC.
+    for name in (tiny_llama_path.name, tiny_llama_path.name.swapcase()):
+        load = pb.LoadAdapterRequest(name=name, source=str(server.allowed / "good"))
+        code, detail = server.code_of(server.stub.LoadAdapter, load)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "this server's model" in detail, (name, detail)
+        request = pb.GenerateRequest(
+            text=["hi"], adapter=[name], sampling_params=pb.SamplingParams(max_new_tokens=1)
+        )
+        code, detail = server.code_of(server.stub.Generate, request)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "this server's model" in detail, (name, detail)
+    listed = server.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=10).adapters
+    assert tiny_llama_path.name.casefold() not in {a.name.casefold() for a in listed}
+
+
 def test_unload_while_requests_use_it(server, good_adapter):
     load = pb.LoadAdapterRequest(name="busy", source=str(server.allowed / "good"))
     assert server.code_of(server.stub.LoadAdapter, load)[0] == grpc.StatusCode.OK
