@@ -644,6 +644,24 @@ def test_adapter_may_not_take_the_models_name(server, tiny_llama_path):
     assert tiny_llama_path.name.casefold() not in {a.name.casefold() for a in listed}
 
 
+@pytest.mark.parametrize("template_file", ["chat_template.jinja", "tokenizer_config.json"])
+def test_chat_template_symlinked_out_of_allowed_dirs_is_refused(
+    server, good_adapter, tmp_path, template_file
+):
+    # It was read through the symlink at the first chat, and prompt_logprobs spelled the secret back.
+    secret = tmp_path / "secret.txt"
+    secret.write_text("top secret: do not render me")
+    adapter = server.allowed / f"leaky-{template_file}"
+    shutil.copytree(good_adapter, adapter)
+    (adapter / template_file).symlink_to(secret)
+    code, detail = server.code_of(
+        server.stub.LoadAdapter, pb.LoadAdapterRequest(name="leaky", source=str(adapter))
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, detail
+    assert template_file in detail and "--allowed-local-dirs" in detail and "secret" not in detail.lower()
+    assert not any(a.name == "leaky" for a in server.stub.ListAdapters(pb.ListAdaptersRequest()).adapters)
+
+
 def test_unload_while_requests_use_it(server, good_adapter):
     load = pb.LoadAdapterRequest(name="busy", source=str(server.allowed / "good"))
     assert server.code_of(server.stub.LoadAdapter, load)[0] == grpc.StatusCode.OK

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-from services.inference.engine.chat import adapter_chat_template, render_chat
+from services.inference.engine.chat import render_chat
 from services.inference.engine.engine import LLMEngine
 from services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 from services.inference.errors import AdapterNotFound, BackendUnavailable, InvalidRequest, LoraplexError
@@ -62,7 +62,6 @@ class AsyncEngine:
         # because a fast tokenizer must not be used from two threads at once.
         self._tokenizer = _clone_tokenizer(engine)
         self._tokenizer_lock = threading.Lock()
-        self._chat_templates: dict[tuple[str, str], str | None] = {}  # (adapter dir, digest) -> template
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}
@@ -125,14 +124,8 @@ class AsyncEngine:
         self, messages: list[dict[str, str]], adapter: str | None = None, add_generation_prompt: bool = True
     ) -> list[int]:
         """Prompt ids of chat `messages` (engine/chat.py); an adapter's own template when it ships one."""
-        template = None
-        if adapter:
-            info = next((a for a in self.list_adapters() if a.name == adapter), None)
-            if info is not None:
-                key = (info.source, info.digest)
-                if key not in self._chat_templates:
-                    self._chat_templates[key] = adapter_chat_template(info.source)
-                template = self._chat_templates[key]
+        # Read with the adapter's weights at load time (lora/adapter.py), never from its directory now.
+        template = self.lora_manager.chat_template(adapter) if adapter and self.lora_manager else None
         with self._tokenizer_lock:
             return render_chat(self._tokenizer, messages, add_generation_prompt, template)
 

@@ -2,35 +2,17 @@
 
 Rendered as transformers' `apply_chat_template(messages, add_generation_prompt=...,
 tokenize=True)` does: the template's text, tokenized without adding special tokens (the
-template writes them). An adapter that ships a template (`chat_template.jinja`, or
-`chat_template` in its `tokenizer_config.json`, as `save_pretrained` writes them) uses it.
+template writes them). An adapter that ships a template uses it (read with its weights at load
+time: lora/adapter.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 from services.inference.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
-
-
-def adapter_chat_template(adapter_dir: str | Path) -> str | None:
-    """The chat template an adapter directory ships, or None."""
-    root = Path(adapter_dir)
-    jinja = root / "chat_template.jinja"
-    try:
-        if jinja.is_file():
-            return jinja.read_text()
-        config = root / "tokenizer_config.json"
-        if config.is_file():
-            template = json.loads(config.read_text()).get("chat_template")
-            return template if isinstance(template, str) and template else None
-    except (OSError, ValueError) as exc:
-        log.warning("adapter %s: cannot read its chat template: %s", root, exc)
-    return None
 
 
 def render_chat(
