@@ -15,8 +15,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-from services.inference.engine.chat import render_chat
+from services.inference.engine.chat import render_adapter_template, render_model_template
 from services.inference.engine.engine import LLMEngine
+from services.inference.engine.template_sandbox import TemplateRenderer
 from services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 from services.inference.errors import AdapterNotFound, BackendUnavailable, InvalidRequest, LoraplexError
 from services.inference.lora.adapter_slots import AdapterInfo
@@ -62,6 +63,9 @@ class AsyncEngine:
         # because a fast tokenizer must not be used from two threads at once.
         self._tokenizer = _clone_tokenizer(engine)
         self._tokenizer_lock = threading.Lock()
+        # What transformers hands a template besides the messages (bos_token, eos_token, ...).
+        self._template_variables = dict(self._tokenizer.special_tokens_map)
+        self._templates = TemplateRenderer()  # adapters' templates: worker processes, started on first use
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}
@@ -126,8 +130,21 @@ class AsyncEngine:
         """Prompt ids of chat `messages` (engine/chat.py); an adapter's own template when it ships one."""
         # Read with the adapter's weights at load time (lora/adapter.py), never from its directory now.
         template = self.lora_manager.chat_template(adapter) if adapter and self.lora_manager else None
+        # Rendered outside the tokenizer lock: a slow template must not hold every other request.
+        if template is None:
+            text = render_model_template(self._tokenizer, messages, add_generation_prompt)
+        else:
+            text = render_adapter_template(
+                self._templates,
+                template,
+                adapter or "",
+                messages,
+                add_generation_prompt,
+                self._template_variables,
+                self.engine.context_length,
+            )
         with self._tokenizer_lock:
-            return render_chat(self._tokenizer, messages, add_generation_prompt, template)
+            return list(self._tokenizer(text, add_special_tokens=False).input_ids)
 
     def detokenize_each(self, token_ids: list[int]) -> list[str]:
         """Each token's text alone (for log probabilities' `token`)."""
@@ -172,6 +189,7 @@ class AsyncEngine:
         """Stop the engine thread; requests still running end with BackendUnavailable."""
         self._stopped.set()
         self._wake.set()
+        self._templates.close()  # a render under way ends now, not when its template would
         await asyncio.to_thread(self._thread.join, timeout)
 
     # -- engine thread --------------------------------------------------------------------
