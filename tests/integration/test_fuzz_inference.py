@@ -469,6 +469,15 @@ def damages(draw):
                 "nested_config",
                 "nested_header",
                 "extreme_alpha",
+                "fifo_template",
+                "devzero_template",
+                "loop_template",
+                "huge_template",
+                "binary_template",
+                "nested_tokenizer_config",
+                "slow_template",
+                "huge_output_template",
+                "refusing_template",
             ]
         )
     )
@@ -535,6 +544,8 @@ def damage(directory: Path, kind: str, rnd, key: str, value) -> None:
         cfg = json.loads(config.read_text())
         cfg["padding"] = "x" * (2 * 2**20)
         config.write_text(json.dumps(cfg))
+    elif kind.endswith("_template") or kind == "nested_tokenizer_config":
+        _damage_template(directory, kind, rnd)
     else:
         header, data = _header(weights)
         name = rnd.choice(sorted(k for k in header if k != "__metadata__"))
@@ -547,6 +558,36 @@ def damage(directory: Path, kind: str, rnd, key: str, value) -> None:
         else:
             header[name.replace("lora_A", "lora_C").replace("lora_B", "lora_D")] = dict(header[name])
         _write_header(weights, header, data)
+
+
+TEMPLATES = {
+    "slow_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "huge_output_template": "{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}",
+    "refusing_template": "{{ raise_exception('no ' ~ messages[0].role ~ ' here') }}",
+}
+
+
+UNREADABLE_TEMPLATES = ("fifo_template", "devzero_template", "loop_template", "huge_template")
+
+
+def _damage_template(directory: Path, kind: str, rnd) -> None:
+    name = rnd.choice(["chat_template.jinja", "tokenizer_config.json"])
+    path = directory / name
+    if kind == "fifo_template":
+        os.mkfifo(path)
+    elif kind == "devzero_template":
+        path.symlink_to("/dev/zero")
+    elif kind == "loop_template":
+        path.symlink_to(path)
+    elif kind == "huge_template":
+        path.write_bytes(b"{{ 'x' }}" * (5 * 2**20 // 9 + 1))
+    elif kind == "binary_template":
+        path.write_bytes(rnd.randbytes(rnd.randint(1, 300)))
+    elif kind == "nested_tokenizer_config":
+        (directory / "tokenizer_config.json").write_text("[" * 100_000)
+    else:
+        text = TEMPLATES[kind]
+        path.write_text(text if name == "chat_template.jinja" else json.dumps({"chat_template": text}))
 
 
 @settings(max_examples=60, **FUZZ)
@@ -564,11 +605,19 @@ def test_random_broken_adapter_files_get_clean_status(server, good_adapter, d):
         event(f"{kind}: {code.name}")
         assert code in CLEAN, (kind, key, value, code, detail)
         if code == grpc.StatusCode.OK:  # the damage was harmless: the adapter must then work
+            assert kind not in UNREADABLE_TEMPLATES, (kind, "an unreadable template file was accepted")
             params = pb.SamplingParams(max_new_tokens=2, ignore_eos=True)
             out = server.stub.Generate(
                 pb.GenerateRequest(text=["Hi"], adapter=[name], sampling_params=params), timeout=60
             )
             assert out.completions[0].completion_tokens == 2
+            chat = pb.Input(messages=[pb.ChatMessage(role="user", content="Hi")], adapter=name)
+            code, detail = server.code_of(
+                server.stub.Generate, pb.GenerateRequest(inputs=[chat], sampling_params=params)
+            )
+            assert code in CLEAN, (kind, code, detail)
+            if kind in TEMPLATES:  # slow, huge or refusing: a clear refusal naming the template
+                assert code == grpc.StatusCode.INVALID_ARGUMENT and "template" in detail, (kind, detail)
             server.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=30)
         elif kind == "pickle_only":
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "pickle" in detail, detail
@@ -582,6 +631,8 @@ def test_random_broken_adapter_files_get_clean_status(server, good_adapter, d):
             "loop_weights",
             "nested_config",
             "nested_header",
+            *UNREADABLE_TEMPLATES,
+            "nested_tokenizer_config",
         ):
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (kind, detail)
     finally:
