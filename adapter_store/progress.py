@@ -59,8 +59,14 @@ class LogProgress:
 class DownloadBudget:
     """The bytes one adapter's Hub downloads may write in all, counted as they arrive."""
 
-    def __init__(self, limit: int, where: str, stop: Callable[[], bool] | None = None):
-        self.limit, self.where, self.stop = limit, where, stop
+    def __init__(
+        self,
+        limit: int,
+        where: str,
+        stop: Callable[[], bool] | None = None,
+        limit_name: str = "--max-adapter-bytes",
+    ):
+        self.limit, self.where, self.stop, self.limit_name = limit, where, stop, limit_name
         self.used = 0
 
     def take(self, n: int) -> None:
@@ -68,7 +74,7 @@ class DownloadBudget:
         self.used += n
         if self.used > self.limit:
             raise InvalidArgument(
-                f"{self.where}: download stopped past {self.limit} bytes, over --max-adapter-bytes "
+                f"{self.where}: download stopped past {self.limit} bytes, over {self.limit_name} "
                 "(the endpoint sent more than it advertised, or more than the limit)",
                 field="size_bytes",
             )

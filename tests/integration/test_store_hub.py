@@ -14,6 +14,7 @@ import grpc
 import pytest
 from loraplex.v1 import adapter_store_pb2 as pb
 
+from clients.processes import ServerProcess
 from tests.support.store_fake_hub import FakeHub
 from tests.support.store_helpers import (
     WEIGHTS,
@@ -251,3 +252,26 @@ def test_hub_download_stops_when_the_caller_goes_and_on_sigterm(hub, adapters, t
             proc.stop()
     finally:
         hub.trickle_s.clear()
+
+
+def test_base_model_config_from_a_lying_endpoint_is_cut_off(hub, tmp_path, tiny_llama_path):
+    # --base-model from the Hub: its config.json is counted as it arrives like the adapters' files.
+    hub.add_commit("org/base-liar", {"config.json": (tiny_llama_path / "config.json").read_bytes()})
+    hub.extra_bytes["config.json"] = 100 << 20
+    try:
+        proc = ServerProcess(
+            "store",
+            "adapter_store",
+            ["--port", "0", "--cache-dir", str(tmp_path / "cache"), "--base-model", "org/base-liar"],
+            env={"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf"), "NO_PROXY": "127.0.0.1"},
+            echo=False,
+        )
+        try:
+            assert proc.proc.wait(60) != 0
+        finally:
+            proc.stop()
+        assert "download stopped past" in proc.output() and "base model config" in proc.output(), (
+            proc.output()[-2000:]
+        )
+    finally:
+        hub.extra_bytes.clear()
