@@ -4,8 +4,10 @@ An adapter's template is the adapter author's code: two nested `range(100000)` l
 hours, and a thread cannot be stopped once it runs them (it held the tokenizer lock every request
 takes, and kept the process alive after SIGTERM). So an adapter's template is rendered in a small
 worker process (engine/template_worker.py: transformers' sandboxed jinja renderer, no torch, its
-address space capped) that is killed when the render takes longer than `timeout_s`, and every
-worker is killed on shutdown. The model's own template (the operator's) is rendered in-process.
+address space capped). The worker interrupts a render at `timeout_s` itself (so one orphaned by
+a killed server exits too), is killed if it has not answered `KILL_GRACE_S` later (a long C-level
+step), and every worker is killed on shutdown. The model's own template (the operator's) is
+rendered in-process.
 
 Workers start on the first adapter template (about a second, not counted in the budget) and are
 reused; at most `workers` render at once, and a render waits at most `timeout_s` for one.
@@ -30,6 +32,7 @@ RENDER_TIMEOUT_S = 5.0  # a real template renders in milliseconds
 RENDER_WORKERS = 2
 WORKER_MEMORY_BYTES = 2 << 30  # address space of a worker (its libraries take about a quarter)
 WORKER_START_S = 60.0
+KILL_GRACE_S = 1.0  # after the budget, for the worker to stop the render itself
 _WORKER_MODULE = f"{__package__}.template_worker"
 
 
@@ -108,10 +111,12 @@ class TemplateRenderer:
                 "add_generation_prompt": add_generation_prompt,
                 "variables": variables,
                 "max_chars": max_chars,
+                "timeout_s": self.timeout_s,
             }
             try:
                 worker.send(request)
-                answer = worker.receive(time.monotonic() + self.timeout_s)
+                # The worker interrupts itself at timeout_s; killed if it has not answered soon after.
+                answer = worker.receive(time.monotonic() + self.timeout_s + KILL_GRACE_S)
             except (OSError, EOFError, ValueError):
                 answer = {"error": "its renderer died (out of memory?)", "kind": "died"}
             if answer is None or answer.get("kind") == "died":
@@ -127,6 +132,10 @@ class TemplateRenderer:
                 self._give_back(worker)
             if "text" in answer:
                 return answer["text"]
+            if answer["kind"] == "overtime":
+                raise InvalidRequest(
+                    f"{what} ran past its {self.timeout_s:g} s rendering budget", field="messages"
+                )
             if answer["kind"] == "refused":
                 raise InvalidRequest(f"{what} refused these messages: {answer['error']}", field="messages")
             raise InvalidRequest(f"{what} cannot render these messages: {answer['error']}", field="messages")
