@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from clients.processes import ServerProcess
 from services.inference.engine.template_sandbox import TemplateRenderer
-from services.inference.errors import BackendUnavailable, InvalidRequest
+from services.inference.errors import BackendUnavailable, CapacityExceeded, InvalidRequest
 from tests.support.service_stack import STARTUP_S
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
@@ -101,6 +101,23 @@ def test_close_abandons_a_render_under_way(tokenizer):
     thread.join(10)
     assert not thread.is_alive() and time.monotonic() - start < 5
     assert isinstance(errors[0], BackendUnavailable)
+
+
+def test_busy_workers_refuse_at_once_rather_than_hold_the_callers_thread(tokenizer):
+    r = TemplateRenderer(workers=1, timeout_s=3)
+    try:
+        render(r, tokenizer, OWN)
+        thread = threading.Thread(target=lambda: _catch(lambda: render(r, tokenizer, SLOW)))
+        thread.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        with pytest.raises(CapacityExceeded) as err:
+            render(r, tokenizer, OWN)
+        assert "busy" in err.value.message and time.monotonic() - start < 2.5
+        thread.join(20)
+        assert render(r, tokenizer, OWN).endswith("A:")
+    finally:
+        r.close()
 
 
 def _catch(call) -> BaseException | None:

@@ -10,7 +10,9 @@ step), and every worker is killed on shutdown. The model's own template (the ope
 rendered in-process.
 
 Workers start on the first adapter template (about a second, not counted in the budget) and are
-reused; at most `workers` render at once, and a render waits at most `timeout_s` for one.
+reused; at most `workers` render at once, and a render waits at most `WORKER_WAIT_S` for one
+(RESOURCE_EXHAUSTED after that): the caller's thread is one of the server's few worker threads,
+which a flood of slow templates must not all hold.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ RENDER_WORKERS = 2
 WORKER_MEMORY_BYTES = 2 << 30  # address space of a worker (its libraries take about a quarter)
 WORKER_START_S = 60.0
 KILL_GRACE_S = 1.0  # after the budget, for the worker to stop the render itself
+WORKER_WAIT_S = 1.0  # for a free worker (renders take milliseconds: only slow templates hold one)
 _WORKER_MODULE = f"{__package__}.template_worker"
 
 
@@ -98,11 +101,9 @@ class TemplateRenderer:
     ) -> str:
         """The template's text for `messages`. InvalidRequest (naming `what`) when it refuses them,
         runs past `timeout_s` or renders more than `max_chars`; CapacityExceeded when every worker
-        stayed busy for `timeout_s`; BackendUnavailable once closed."""
-        if not self._free.acquire(timeout=self.timeout_s):
-            raise CapacityExceeded(
-                f"{what}: every chat-template worker stayed busy for {self.timeout_s:g} s; retry later"
-            )
+        stayed busy for WORKER_WAIT_S; BackendUnavailable once closed."""
+        if not self._free.acquire(timeout=min(WORKER_WAIT_S, self.timeout_s)):
+            raise CapacityExceeded(f"{what}: every chat-template worker is busy; retry later")
         try:
             worker = self._take()
             request = {
