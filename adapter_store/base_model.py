@@ -51,7 +51,7 @@ def load_base_model_shapes(
     else:
         from huggingface_hub import hf_hub_download
 
-        from adapter_store.progress import DownloadBudget, bounded_progress
+        from loraplex.adapter_store.progress import DownloadBudget, bounded_progress
 
         # Counted as it arrives, like the adapters' files: an endpoint may advertise a few KB and
         # then stream without end.

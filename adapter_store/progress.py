@@ -7,10 +7,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from adapter_store.errors import InvalidArgument
-from adapter_store.local_files import Stopped
+from loraplex.adapter_store.errors import InvalidArgument
+from loraplex.adapter_store.local_files import Stopped
 
-log = logging.getLogger("adapter_store.download")
+log = logging.getLogger("loraplex.adapter_store.download")
 
 
 class LogProgress:

@@ -20,13 +20,19 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import unquote, urlparse
 
-from adapter_store.cli.args import StoreConfig
-from adapter_store.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
-from adapter_store.local_files import Stopped, check_allowed, copy_regular_file, resolve_file
-from adapter_store.lora_config import CONFIG_FILE
-from adapter_store.pickle_convert import PICKLE_FILE, convert_pickle_to_safetensors
-from adapter_store.progress import DownloadBudget, bounded_progress
-from adapter_store.validate import WEIGHTS_FILE
+from loraplex.adapter_store.cli.args import StoreConfig
+from loraplex.adapter_store.errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
+from loraplex.adapter_store.local_files import Stopped, check_allowed, copy_regular_file, resolve_file
+from loraplex.adapter_store.lora_config import CONFIG_FILE
+from loraplex.adapter_store.pickle_convert import PICKLE_FILE, convert_pickle_to_safetensors
+from loraplex.adapter_store.progress import DownloadBudget, bounded_progress
+from loraplex.adapter_store.validate import WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")

@@ -4,7 +4,7 @@ Embedded Redis (inside the store), the adapter store, the inference service on t
 embedded SmolLM2 and the OpenAI-compatible door over it (`--openai-port`); waits for both to
 report SERVING, prints how to call them, and stops everything on Ctrl-C / SIGTERM (or when
 either child dies). Flags after `--` go to
-`python -m services.inference` unchanged (e.g. `-- --max-lora-rank 64`).
+`python -m loraplex.services.inference` unchanged (e.g. `-- --max-lora-rank 64`).
 
 `--replicas N` (N > 1) starts N inference replicas on free ports, all pulling from the one
 store, with the nginx router (deploy/nginx/loraplex.conf) in front on `--port`: what the
@@ -19,7 +19,7 @@ import signal
 import threading
 from pathlib import Path
 
-from clients.processes import ServerProcess
+from loraplex.clients.processes import ServerProcess
 
 log = logging.getLogger("loraplex.up")
 
@@ -99,7 +99,7 @@ Ctrl-C stops everything.
 
 
 def run(ns: argparse.Namespace) -> int:
-    from services.inference.default_model import ensure_model
+    from loraplex.services.inference.default_model import ensure_model
 
     cache = ns.cache_dir.expanduser()
     cache.mkdir(parents=True, exist_ok=True)
@@ -139,7 +139,7 @@ def run(ns: argparse.Namespace) -> int:
         if ns.replicas <= 1:
             metrics = [] if ns.metrics_port is None else ["--metrics-port", str(ns.metrics_port)]
             inference = ServerProcess(
-                "inference", "services.inference", args + ["--port", str(ns.port)] + metrics + extra
+                "inference", "loraplex.services.inference", args + ["--port", str(ns.port)] + metrics + extra
             )
             children.append(inference)
             inference.wait_serving(ns.startup_timeout)
@@ -152,14 +152,14 @@ def run(ns: argparse.Namespace) -> int:
                 replicas.append(
                     ServerProcess(
                         name,
-                        "services.inference",
+                        "loraplex.services.inference",
                         args + ["--port", "0", "--replica-id", name, "--listen-when-ready"] + metrics + extra,
                     )
                 )
             children.extend(replicas)
             for replica in replicas:  # they load at the same time
                 replica.wait_serving(ns.startup_timeout)
-            from clients.router import start_router
+            from loraplex.clients.router import start_router
 
             router = start_router(cache / "router", [r.address for r in replicas], host=ns.host, port=ns.port)
             children.append(router)
@@ -169,7 +169,7 @@ def run(ns: argparse.Namespace) -> int:
         if ns.openai_port >= 0:
             door = ServerProcess(
                 "openai",
-                "services.openai",
+                "loraplex.services.openai",
                 ["--target", target, "--host", ns.host, "--port", str(ns.openai_port)],
             )
             children.append(door)

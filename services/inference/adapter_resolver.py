@@ -14,14 +14,14 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from services.inference.engine.api import Engine
-from services.inference.errors import AdapterNotFound, InvalidRequest, LoraplexError
-from services.inference.local_sources import check_allowed, local_path, looks_local
-from services.inference.lora.adapter_slots import AdapterInfo
-from services.inference.lora.names import is_served_model_name
-from services.inference.metrics import Metrics
-from services.inference.proto_convert import check_adapter_name, check_source
-from services.inference.store_client import PulledAdapter, StoreClient
+from loraplex.services.inference.engine.api import Engine
+from loraplex.services.inference.errors import AdapterNotFound, InvalidRequest, LoraplexError
+from loraplex.services.inference.local_sources import check_allowed, local_path, looks_local
+from loraplex.services.inference.lora.adapter_slots import AdapterInfo
+from loraplex.services.inference.lora.names import is_served_model_name
+from loraplex.services.inference.metrics import Metrics
+from loraplex.services.inference.proto_convert import check_adapter_name, check_source
+from loraplex.services.inference.store_client import PulledAdapter, StoreClient
 
 log = logging.getLogger(__name__)
 

@@ -21,16 +21,16 @@ from pathlib import Path
 from typing import NamedTuple
 
 import grpc
-from loraplex.v1 import adapter_store_pb2 as pb
-from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
-from services.inference.errors import (
+from loraplex.services.inference.errors import (
     AdapterIncompatible,
     AdapterInvalid,
     AdapterNotFound,
     BackendUnavailable,
     LoraplexError,
 )
+from loraplex.v1 import adapter_store_pb2 as pb
+from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

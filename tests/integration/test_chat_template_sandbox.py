@@ -10,13 +10,13 @@ import time
 
 import grpc
 import pytest
-from loraplex.v1 import inference_pb2 as pb
-from loraplex.v1 import inference_pb2_grpc as pb_grpc
 from transformers import AutoTokenizer
 
-from clients.processes import ServerProcess
-from services.inference.engine.template_sandbox import TemplateRenderer
-from services.inference.errors import BackendUnavailable, CapacityExceeded, InvalidRequest
+from loraplex.clients.processes import ServerProcess
+from loraplex.services.inference.engine.template_sandbox import TemplateRenderer
+from loraplex.services.inference.errors import BackendUnavailable, CapacityExceeded, InvalidRequest
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
 from tests.support.service_stack import STARTUP_S
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
@@ -137,7 +137,7 @@ def test_server_serves_others_during_a_slow_template_and_exits_on_sigterm(
     (slow / "chat_template.jinja").write_text(SLOW)
     proc = ServerProcess(
         "inference",
-        "services.inference",
+        "loraplex.services.inference",
         [
             "--model-path",
             str(tiny_llama_path),

@@ -22,10 +22,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
+from loraplex.clients.processes import ServerProcess
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
-from clients.processes import ServerProcess
 from tests.support.service_stack import STARTUP_S
 
 CLEAN = {
@@ -90,7 +90,7 @@ def server(tmp_path_factory, tiny_llama_path, good_adapter):
     shutil.copytree(good_adapter, allowed / "good")
     proc = ServerProcess(
         "inference",
-        "services.inference",
+        "loraplex.services.inference",
         [
             "--model-path",
             str(tiny_llama_path),

@@ -9,11 +9,11 @@ import hashlib
 
 import grpc
 import pytest
+
+from loraplex.services.inference.errors import BackendUnavailable
+from loraplex.services.inference.store_client import StoreClient
 from loraplex.v1 import adapter_store_pb2 as pb
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
-
-from services.inference.errors import BackendUnavailable
-from services.inference.store_client import StoreClient
 
 CONFIG = b'{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}'
 CHUNK = b"\0" * (1 << 20)

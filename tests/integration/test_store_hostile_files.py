@@ -15,10 +15,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from loraplex.v1 import adapter_store_pb2 as pb
 
-from adapter_store.errors import InvalidArgument
-from adapter_store.local_files import Stopped, copy_regular_file
+from loraplex.adapter_store.errors import InvalidArgument
+from loraplex.adapter_store.local_files import Stopped, copy_regular_file
+from loraplex.v1 import adapter_store_pb2 as pb
 from tests.support.store_helpers import (
     CONFIG,
     WEIGHTS,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from loraplex.v1 import adapter_store_pb2 as pb
 
-from clients.processes import ServerProcess
+from loraplex.clients.processes import ServerProcess
+from loraplex.v1 import adapter_store_pb2 as pb
 from tests.support.store_fake_hub import FakeHub
 from tests.support.store_helpers import (
     WEIGHTS,

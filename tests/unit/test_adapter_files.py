@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from services.inference.errors import AdapterInvalid, InvalidRequest
-from services.inference.local_sources import check_allowed
-from services.inference.lora.adapter import MAX_TEMPLATE_FILE_BYTES, load_adapter_weights
-from services.inference.lora.manager import LoRAManager
-from services.inference.lora.pool import AdapterPool
-from services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.errors import AdapterInvalid, InvalidRequest
+from loraplex.services.inference.local_sources import check_allowed
+from loraplex.services.inference.lora.adapter import MAX_TEMPLATE_FILE_BYTES, load_adapter_weights
+from loraplex.services.inference.lora.manager import LoRAManager
+from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
 SECRET = "the secret outside the allowed directory\n"

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.detokenizer import IncrementalDetokenizer
-from services.inference.engine.engine import LLMEngine
-from services.inference.engine.output import TextStream
-from services.inference.engine.sampler import SamplingInputs, apply_penalties, sample
-from services.inference.engine.types import REPETITION_PENALTY_RANGE, SamplingParams
-from services.inference.errors import InvalidRequest
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.detokenizer import IncrementalDetokenizer
+from loraplex.services.inference.engine.engine import LLMEngine
+from loraplex.services.inference.engine.output import TextStream
+from loraplex.services.inference.engine.sampler import SamplingInputs, apply_penalties, sample
+from loraplex.services.inference.engine.types import REPETITION_PENALTY_RANGE, SamplingParams
+from loraplex.services.inference.errors import InvalidRequest
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time there was", "1, 2, 3,"]
 

@@ -9,8 +9,8 @@ time: lora/adapter.py), rendered in a worker process with a time and size budget
 
 from __future__ import annotations
 
-from services.inference.engine.template_sandbox import TemplateRenderer
-from services.inference.errors import InvalidRequest
+from loraplex.services.inference.engine.template_sandbox import TemplateRenderer
+from loraplex.services.inference.errors import InvalidRequest
 
 # A rendered prompt longer than this many characters per context token cannot fit (the same
 # bound the servicer puts on text before tokenizing it).

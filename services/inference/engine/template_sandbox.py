@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-from services.inference.errors import BackendUnavailable, CapacityExceeded, InvalidRequest
+from loraplex.services.inference.errors import BackendUnavailable, CapacityExceeded, InvalidRequest
 
 log = logging.getLogger(__name__)
 
