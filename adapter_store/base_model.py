@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import NamedTuple
 
+MAX_BASE_CONFIG_BYTES = 16 * 2**20  # a model's config.json is a few KB
+
 
 class BaseModelShapes(NamedTuple):
     name: str
@@ -49,7 +51,23 @@ def load_base_model_shapes(
     else:
         from huggingface_hub import hf_hub_download
 
+        from loraplex.adapter_store.progress import DownloadBudget, bounded_progress
+
+        # Counted as it arrives, like the adapters' files: an endpoint may advertise a few KB and
+        # then stream without end.
+        budget = DownloadBudget(
+            MAX_BASE_CONFIG_BYTES,
+            f"hf://{path_or_id}/config.json",
+            limit_name="the base model config's limit",
+        )
         config_path = Path(
-            hf_hub_download(path_or_id, "config.json", endpoint=endpoint, token=token, cache_dir=cache_dir)
+            hf_hub_download(
+                path_or_id,
+                "config.json",
+                endpoint=endpoint,
+                token=token,
+                cache_dir=cache_dir,
+                tqdm_class=bounded_progress(budget),
+            )
         )
     return shapes_from_config(path_or_id, json.loads(config_path.read_text()))

@@ -20,7 +20,7 @@ from loraplex.adapter_store.cli.args import StoreConfig
 from loraplex.adapter_store.errors import FailedPrecondition, NotFound, Unavailable
 from loraplex.adapter_store.index import AdapterIndex
 from loraplex.adapter_store.lora_config import parse_lora_config
-from loraplex.adapter_store.names import check_name
+from loraplex.adapter_store.names import check_name, check_not_base_model
 from loraplex.adapter_store.records import StoreRecord
 from loraplex.adapter_store.sources import ResolvedSource, SourceFetcher, parse_source
 from loraplex.adapter_store.validate import validate_adapter
@@ -86,6 +86,7 @@ class AdapterRegistry:
     # -- register ----------------------------------------------------------------------------
     async def register(self, name: str, source: str, revision: str = "") -> StoreRecord:
         check_name(name)
+        check_not_base_model(name, self.config.base_model)
         spec = parse_source(source, revision, self.config.allowed_local_dirs)
         resolved = await asyncio.to_thread(self.fetcher.resolve, spec)
         async with self.index.name_lock(name):

@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from loraplex.services.inference.engine.api import Engine
-from loraplex.services.inference.errors import AdapterNotFound, LoraplexError
+from loraplex.services.inference.errors import AdapterNotFound, InvalidRequest, LoraplexError
 from loraplex.services.inference.local_sources import check_allowed, local_path, looks_local
 from loraplex.services.inference.lora.adapter_slots import AdapterInfo
+from loraplex.services.inference.lora.names import is_served_model_name
 from loraplex.services.inference.metrics import Metrics
 from loraplex.services.inference.proto_convert import check_adapter_name, check_source
 from loraplex.services.inference.store_client import PulledAdapter, StoreClient
@@ -111,6 +112,8 @@ class AdapterResolver:
             await asyncio.shield(self._deleting[name])
         if self.engine.has_adapter(name):
             return
+        # Not pulled: a store without --base-model cannot refuse it, and pulled it would shadow the model.
+        self._check_not_model(name, "adapter")
         if self.store is None:
             raise AdapterNotFound(
                 f"adapter {name!r} is not loaded on this server (no adapter store configured; "
@@ -152,9 +155,24 @@ class AdapterResolver:
         log.info("adapter %s loaded from %s (pin=%s)", name, path, pin)
         return info
 
+    def _check_not_model(self, name: str, field: str) -> None:
+        model = self.engine.model_info().model
+        if is_served_model_name(name, model):
+            raise InvalidRequest(
+                f"adapter name {name!r} is the name of this server's model ({model[:200]}), which the "
+                "HTTP door and /v1/models use for the base model; "
+                + (
+                    "give the adapter another name"
+                    if field == "name"
+                    else "send no adapter for the base model"
+                ),
+                field=field,
+            )
+
     # -- explicit management ----------------------------------------------------------------
     async def load(self, name: str, source: str, revision: str, pin: bool) -> AdapterInfo:
         check_adapter_name(name)
+        self._check_not_model(name, "name")
         check_source(source, revision)
         async with self._load_lock(name):
             if self.store is None:

@@ -12,10 +12,12 @@ from pathlib import Path, PurePath
 from urllib.parse import unquote, urlparse
 
 from loraplex.services.inference.errors import AdapterNotFound, InvalidRequest
+from loraplex.services.inference.lora.adapter import CONFIG_FILE, PICKLE_FILES, TEMPLATE_FILES, WEIGHTS_FILE
 
-# The files a loader may open in an adapter directory: each is confined on its own, since a
-# symlinked file inside an allowed directory could point anywhere.
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+# Every file a loader opens (or looks at) in an adapter directory, the chat template's included:
+# each is confined on its own, since a symlinked file inside an allowed directory could point
+# anywhere (a template symlinked to a secret would be rendered into prompts, and read back).
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE, *PICKLE_FILES, *TEMPLATE_FILES)
 
 
 def _local_text(source: str) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loraplex.services.inference.engine.config import DEVICES, DTYPES, EngineConfig
+from loraplex.services.inference.lora.names import is_served_model_name
 from loraplex.services.inference.lora.settings import (
     DEFAULT_MAX_GPU_LORAS,
     DEFAULT_MAX_LORA_RANK,
@@ -145,6 +146,12 @@ def check_server_args(args: ServerArgs) -> None:
         raise ValueError("--tls-ca needs --tls-cert and --tls-key")
     if any(not d for d in args.allowed_local_dirs):
         raise ValueError("--allowed-local-dirs entries must not be empty")
+    for name in args.lora.path_map:
+        if is_served_model_name(name, args.engine.model_path):
+            raise ValueError(
+                f"--lora-paths name {name!r} is the model's name (--model-path {args.engine.model_path}): "
+                "an adapter may not shadow the model it adapts"
+            )
     if args.log_level not in LOG_LEVELS:
         raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)} (got {args.log_level!r})")
     if args.lora.lora_backend is not None:

@@ -124,6 +124,10 @@ def remove_stale_pulls(cache_dir: Path) -> list[str]:
     return removed
 
 
+def _size(record: pb.AdapterRecord | None) -> str:
+    return "(no header yet) size" if record is None else f"{record.size_bytes} bytes"
+
+
 class StoreClient:
     """Talks to one adapter store at `target` (HOST:PORT); all methods are coroutines."""
 
@@ -289,6 +293,14 @@ class StoreClient:
                             )
                         (tmp / CONFIG_FILE).write_bytes(config)
                     else:
+                        # Counted as it arrives: a store (or whatever answers in its place) that sends
+                        # more than the record says would otherwise fill this server's disk.
+                        if record is None or nbytes + len(chunk.data) > record.size_bytes:
+                            raise BackendUnavailable(
+                                f"adapter store sent adapter {name!r} past the {_size(record)} its record "
+                                "gives; pull abandoned",
+                                adapter=name,
+                            )
                         weights.update(chunk.data)
                         out.write(chunk.data)
                         nbytes += len(chunk.data)

@@ -5,12 +5,15 @@ concurrent registrations that fetch once."""
 
 from __future__ import annotations
 
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 
+from loraplex.clients.processes import ServerProcess
 from loraplex.v1 import adapter_store_pb2 as pb
 from tests.support.store_fake_hub import FakeHub
 from tests.support.store_helpers import (
@@ -19,6 +22,7 @@ from tests.support.store_helpers import (
     pull,
     sha256_file,
     start_store,
+    start_store_process,
     store_stub,
     write_random_adapter,
 )
@@ -180,3 +184,94 @@ def test_lock_is_extended_during_a_long_download(hub, adapters, tmp_path):
         hub.get_delay_s.clear()
     assert len({(r.digest, r.generation) for r in records}) == 1
     assert hub.count("GET", f"org/slow/resolve/{records[0].revision}/{WEIGHTS}") == 1
+
+
+def _staged_files(cache: Path) -> list[Path]:
+    return [p for p in cache.rglob("*") if p.is_file() and "fetch-" in str(p)]
+
+
+def test_endpoint_streaming_past_its_advertised_size_is_stopped_at_the_limit(hub, adapters, tmp_path):
+    # It advertised the true size (under the limit) and then streamed 300 MB: the whole body was
+    # written before the size was checked, filling the store's disk.
+    files = adapter_files(adapters["v1"])
+    limit = sum(len(b) for b in files.values()) + 4096
+    hub.add_commit("org/liar", files)
+    hub.extra_bytes[WEIGHTS] = 300 << 20
+    cache = tmp_path / "cache"
+    try:
+        with (
+            start_store(cache, "--max-adapter-bytes", str(limit), env={"HF_ENDPOINT": hub.endpoint}) as proc,
+            store_stub(proc.address) as stub,
+        ):
+            start = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                register(stub, "hub-liar", "org/liar")
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            assert "--max-adapter-bytes" in err.value.details() and str(limit) in err.value.details()
+            assert time.monotonic() - start < 30
+            assert _staged_files(cache) == []  # the partial file is gone
+            with pytest.raises(grpc.RpcError) as err:
+                stub.GetAdapter(pb.GetAdapterRequest(name="hub-liar"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        hub.extra_bytes.clear()
+
+
+def test_hub_download_stops_when_the_caller_goes_and_on_sigterm(hub, adapters, tmp_path):
+    # An honest but slow download (64 KiB every 0.2 s) outlived its caller's deadline and SIGTERM.
+    slow = write_random_adapter(tmp_path / "slow", hidden=2048, layers=8, r=16, seed=5)  # ~15 MB: ~45 s here
+    hub.add_commit("org/trickle", adapter_files(slow))
+    hub.trickle_s[WEIGHTS] = 0.2
+    cache = tmp_path / "cache"
+    try:
+        proc = start_store_process(cache, "--grace", "2", env={"HF_ENDPOINT": hub.endpoint})
+        try:
+            with store_stub(proc.address) as stub:
+                with pytest.raises(grpc.RpcError) as err:
+                    stub.RegisterAdapter(
+                        pb.RegisterAdapterRequest(name="hub-trickle", source="org/trickle"), timeout=1.5
+                    )
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                deadline = time.monotonic() + 10
+                while (hub.open_gets or _staged_files(cache)) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert hub.open_gets == 0 and _staged_files(cache) == [], "the download outlived its caller"
+                # Again, then SIGTERM while it runs: the store exits within its grace period.
+                call = stub.RegisterAdapter.future(
+                    pb.RegisterAdapterRequest(name="hub-trickle", source="org/trickle"), timeout=60
+                )
+                while not hub.open_gets and time.monotonic() < deadline + 10:
+                    time.sleep(0.05)
+                assert hub.open_gets
+                start = time.monotonic()
+                proc.proc.send_signal(signal.SIGTERM)
+                assert proc.proc.wait(20) == 0
+                assert time.monotonic() - start < 2 + 8, "SIGTERM waited for the download"
+                assert call.exception(10) is not None
+        finally:
+            proc.stop()
+    finally:
+        hub.trickle_s.clear()
+
+
+def test_base_model_config_from_a_lying_endpoint_is_cut_off(hub, tmp_path, tiny_llama_path):
+    # --base-model from the Hub: its config.json is counted as it arrives like the adapters' files.
+    hub.add_commit("org/base-liar", {"config.json": (tiny_llama_path / "config.json").read_bytes()})
+    hub.extra_bytes["config.json"] = 100 << 20
+    try:
+        proc = ServerProcess(
+            "store",
+            "adapter_store",
+            ["--port", "0", "--cache-dir", str(tmp_path / "cache"), "--base-model", "org/base-liar"],
+            env={"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf"), "NO_PROXY": "127.0.0.1"},
+            echo=False,
+        )
+        try:
+            assert proc.proc.wait(60) != 0
+        finally:
+            proc.stop()
+        assert "download stopped past" in proc.output() and "base model config" in proc.output(), (
+            proc.output()[-2000:]
+        )
+    finally:
+        hub.extra_bytes.clear()

@@ -9,6 +9,10 @@ It answers what `HfApi.model_info` and `hf_hub_download` call, the way the Hub d
 - GET  same -> the bytes, honouring `Range: bytes=N-` (206 + Content-Range) so an interrupted
   download can resume. `cut_next_get(file)` makes the next full GET of that file send half of
   its bytes and drop the connection; `get_delay_s[file]` stalls every GET of it.
+- A lying or endless endpoint: `extra_bytes[file] = n` makes every GET of it stream the file and
+  then n more bytes with no Content-Length (HEAD still advertises the true size);
+  `trickle_s[file]` sleeps that long between 64 KiB pieces of the body. `open_gets` counts the
+  GETs still sending.
 Every request is logged in `requests` for the tests to count.
 """
 
@@ -50,6 +54,9 @@ class FakeHub:
         self.requests: list[LoggedRequest] = []
         self._cuts: set[str] = set()
         self.get_delay_s: dict[str, float] = {}  # filename -> seconds to stall before sending its bytes
+        self.extra_bytes: dict[str, int] = {}  # filename -> bytes streamed past the file (lying size)
+        self.trickle_s: dict[str, float] = {}  # filename -> seconds between 64 KiB pieces
+        self.open_gets = 0
         self._lock = threading.Lock()
         hub = self
 
@@ -180,7 +187,8 @@ class FakeHub:
         h.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
         h.send_header("X-Repo-Commit", sha)
         h.send_header("Accept-Ranges", "bytes")
-        h.send_header("Content-Length", str(len(data) - start))
+        if method == "HEAD" or start or filename not in self.extra_bytes:
+            h.send_header("Content-Length", str(len(data) - start))
         if start:
             h.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         h.end_headers()
@@ -190,6 +198,8 @@ class FakeHub:
         with self._lock:
             cut = filename in self._cuts and not start
             self._cuts.discard(filename)
+        if not start and (filename in self.extra_bytes or filename in self.trickle_s):
+            return self._stream(h, data, self.extra_bytes.get(filename, 0), self.trickle_s.get(filename, 0.0))
         if cut:
             h.wfile.write(data[: len(data) // 2])
             h.wfile.flush()
@@ -197,6 +207,27 @@ class FakeHub:
             h.connection.shutdown(2)  # drop it mid-body: the client sees a short read
             return
         h.wfile.write(data[start:])
+
+    def _stream(self, h: BaseHTTPRequestHandler, data: bytes, extra: int, pause_s: float) -> None:
+        """The body after the headers were sent: the file, then `extra` bytes (with `extra` the GET
+        had no Content-Length, so the body ends when the connection closes)."""
+        body_len = len(data) + extra
+        with self._lock:
+            self.open_gets += 1
+        try:
+            sent, piece = 0, 1 << 16
+            while sent < body_len:
+                chunk = data[sent : sent + piece] if sent < len(data) else b"\0" * min(piece, body_len - sent)
+                h.wfile.write(chunk)
+                sent += len(chunk)
+                if pause_s:
+                    time.sleep(pause_s)
+        except OSError:
+            pass  # the client went away
+        finally:
+            h.close_connection = True
+            with self._lock:
+                self.open_gets -= 1
 
     def _error(
         self, h: BaseHTTPRequestHandler, status: int, code: str, message: str, commit: str = ""
