@@ -152,6 +152,11 @@ class AdapterResolver:
         log.info("adapter %s loaded from %s (pin=%s)", name, path, pin)
         return info
 
+    def cache_dirs_in_use(self) -> set[str]:
+        """Names of the cache directories loaded adapters were read from: the engine may read them
+        again (after dropping a host copy), so the cache never evicts them."""
+        return {Path(info.source).name for info in self.engine.list_adapters() if info.source}
+
     # -- explicit management ----------------------------------------------------------------
     async def load(self, name: str, source: str, revision: str, pin: bool) -> AdapterInfo:
         check_adapter_name(name)

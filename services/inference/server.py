@@ -133,6 +133,7 @@ class InferenceServer:
                 on_pull=self._on_pull,
                 token=self.args.admin_token,
                 credentials=credentials,
+                cache_max_bytes=self.args.adapter_cache_max_bytes,
             )
         self._tasks.append(asyncio.create_task(self._bring_up()))
         return self.port
@@ -182,6 +183,7 @@ class InferenceServer:
                 self._stop.set()
                 return
         if self.store is not None:
+            self.store.cache.in_use = resolver.cache_dirs_in_use
             self._tasks.append(asyncio.create_task(self.store.watch(resolver.on_store_event)))
         self._tasks.append(asyncio.create_task(self._refresh_metrics()))
         if not self.state.draining:

@@ -1,7 +1,8 @@
 """The inference side of the adapter store: resolve a name, pull it once, watch for deletes.
 
 `fetch(name)` asks the store (`GetAdapter`), and unless the content is already in the local
-cache (`<cache>/<weights hex>-<config hex>/`: an adapter is its weights *and* its config),
+cache (`<cache>/<weights hex>-<config hex>/`: an adapter is its weights *and* its config) and
+hashes to the record's digests, makes room under the cache's byte bound (adapter_cache.py) and
 streams `PullAdapter`, checks the sha256 of both files against the record and renames a
 finished temp dir into place, so a reader never sees a half-written adapter. Concurrent fetches
 of one name share one pull (single flight).
@@ -24,6 +25,13 @@ import grpc
 from loraplex.v1 import adapter_store_pb2 as pb
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
+from services.inference.adapter_cache import (
+    CONFIG_FILE,
+    DISK_FULL_ERRNOS,
+    WEIGHTS_FILE,
+    AdapterCache,
+    default_max_bytes,
+)
 from services.inference.errors import (
     AdapterIncompatible,
     AdapterInvalid,
@@ -33,9 +41,6 @@ from services.inference.errors import (
 )
 
 log = logging.getLogger(__name__)
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 # A restarted store is found again within a second (grpc's default backoff grows to 2 min).
@@ -135,11 +140,16 @@ class StoreClient:
         on_pull: Callable[[int], None] | None = None,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        cache_max_bytes: int | None = None,
     ) -> None:
         self.target = target
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_pulls(self.cache_dir)
+        bound = cache_max_bytes if cache_max_bytes is not None else default_max_bytes(self.cache_dir)
+        # the server sets `cache.in_use` once its engine is up
+        self.cache = AdapterCache(self.cache_dir, bound)
+        log.info("adapter cache %s bounded at %d bytes", self.cache_dir, bound)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=STORE_CHANNEL_OPTIONS)
         else:
@@ -229,8 +239,13 @@ class StoreClient:
             if record.config_digest
             else None
         )
-        if local is not None and (local / WEIGHTS_FILE).exists() and (local / CONFIG_FILE).exists():
+        if local is not None and await asyncio.to_thread(
+            self.cache.verified, local, record.digest, record.config_digest
+        ):
             return PulledAdapter(name, local, record)
+        await asyncio.to_thread(
+            self.cache.make_room, record.size_bytes, f"adapter {name!r}", local.name if local else ""
+        )
         # A stream cut halfway or bytes that do not hash to the record are retried from the
         # start; the partial copy is never renamed into the cache, so no half adapter is loaded.
         for attempt in range(1, PULL_ATTEMPTS + 1):
@@ -252,7 +267,12 @@ class StoreClient:
     async def _pull(self, name: str) -> PulledAdapter:
         tmp = Path(tempfile.mkdtemp(prefix=f".pull-{os.getpid()}-", dir=self.cache_dir))
         try:
-            record, nbytes = await self._stream_into(name, tmp)
+            try:
+                record, nbytes = await self._stream_into(name, tmp)
+            except OSError as err:
+                if err.errno in DISK_FULL_ERRNOS:
+                    raise self.cache.disk_full(f"adapter {name!r}", err) from None
+                raise
             config_digest = "sha256:" + hashlib.sha256((tmp / CONFIG_FILE).read_bytes()).hexdigest()
             target = self.cache_dir / content_dir_name(record.digest, config_digest)
             try:
