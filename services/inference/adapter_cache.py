@@ -120,6 +120,13 @@ class AdapterCache:
         except OSError:
             pass  # best effort: only the eviction order suffers
 
+    def discard(self, dir_name: str) -> bool:
+        """Remove one content directory (its adapter was deleted) unless a loaded adapter uses it."""
+        if not is_content_dir_name(dir_name) or dir_name in self.in_use():
+            return False
+        shutil.rmtree(self.root / dir_name, ignore_errors=True)
+        return True
+
     def make_room(self, need: int, what: str, keep: str = "") -> list[str]:
         """Evict unused directories, least recently used first, until `need` more bytes fit under
         the bound; CapacityExceeded if they cannot."""

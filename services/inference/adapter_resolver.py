@@ -20,7 +20,7 @@ from services.inference.local_sources import check_allowed, local_path, looks_lo
 from services.inference.lora.adapter_slots import AdapterInfo
 from services.inference.metrics import Metrics
 from services.inference.proto_convert import check_adapter_name, check_source
-from services.inference.store_client import PulledAdapter, StoreClient
+from services.inference.store_client import PulledAdapter, StoreClient, content_dir_name
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +50,24 @@ class AdapterResolver:
     def acquire(self, name: str) -> None:
         self.in_flight[name] += 1
         self._idle.setdefault(name, asyncio.Event()).clear()
-        self.metrics.adapter_requests.labels(name).inc()
+        self.metrics.adapter_requests.labels(self.metrics.label(name)).inc()
 
     def release(self, name: str) -> None:
         self.in_flight[name] -= 1
         if self.in_flight[name] <= 0:
             del self.in_flight[name]
-            self._idle.setdefault(name, asyncio.Event()).set()
+            # Waiters hold the event itself; the table keeps only names with requests in flight.
+            idle = self._idle.pop(name, None)
+            if idle is not None:
+                idle.set()
+
+    def per_name_tables(self) -> dict[str, int]:
+        """Sizes of the per-name tables (bounded by the adapters loaded, busy or changing here)."""
+        tables = ("in_flight", "_idle", "_loading", "_deleting", "_origin", "_swapping", "_load_locks")
+        return {t: len(getattr(self, t)) for t in tables}
+
+    def per_name_state(self) -> int:
+        return sum(self.per_name_tables().values())
 
     async def wait_idle(self, name: str) -> None:
         if self.in_flight.get(name, 0) > 0:
@@ -148,7 +159,7 @@ class AdapterResolver:
             if repr(name) not in exc.message:
                 exc.message = f"adapter {name!r}: {exc.message}"
             raise
-        self.metrics.adapter_loads.labels(name).inc()
+        self.metrics.adapter_loads.labels(self.metrics.label(name)).inc()
         log.info("adapter %s loaded from %s (pin=%s)", name, path, pin)
         return info
 
@@ -243,10 +254,14 @@ class AdapterResolver:
             try:
                 if self.engine.has_adapter(name):
                     await self.engine.unload_adapter(name)
-                    self._origin.pop(name, None)
                     log.info("adapter %s deleted or replaced in the store; unloaded here", name)
             except LoraplexError as exc:
                 log.warning("could not unload deleted adapter %s: %s", name, exc)
+                return
+            origin = self._origin.pop(name, None)
+            if origin is not None and origin[1] and origin[2] and self.store is not None:
+                # Its files go too, unless another loaded adapter reads the same content.
+                await asyncio.to_thread(self.store.cache.discard, content_dir_name(origin[1], origin[2]))
 
     async def list(self) -> list[AdapterInfo]:
         adapters = list(self.engine.list_adapters())

@@ -50,6 +50,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None
+    metrics_max_adapters: int = 256  # adapters with series of their own; the rest count as _other
     grace_period: float = 30.0
     listen_when_ready: bool = False
     replica_id: str = ""  # sent as trailing metadata x-loraplex-replica; "" = the hostname
@@ -150,6 +151,8 @@ def check_server_args(args: ServerArgs) -> None:
     _port("--metrics-port", args.metrics_port)
     if args.metrics_port and args.metrics_port == args.port:
         raise ValueError(f"--metrics-port and --port are both {args.port}")
+    if args.metrics_max_adapters < 0:
+        raise ValueError(f"--metrics-max-adapters must be >= 0 (got {args.metrics_max_adapters})")
     if args.grace_period < 0:
         raise ValueError(f"--grace-period must be >= 0 seconds (got {args.grace_period})")
     if any(not " " <= c <= "~" for c in args.replica_id):
@@ -308,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--host", default=s.host)
     a("--port", type=int, default=s.port)
     a("--metrics-port", type=int, default=s.metrics_port)
+    a(
+        "--metrics-max-adapters",
+        type=int,
+        default=s.metrics_max_adapters,
+        help="adapters with per-adapter metric series of their own (others are counted as _other); "
+        "an adapter's series go once it is neither loaded nor busy here",
+    )
     a("--grace-period", type=float, default=s.grace_period)
     a(
         "--listen-when-ready",

@@ -25,7 +25,7 @@ from services.inference.engine.api import Engine
 from services.inference.engine.types import RequestOutput
 from services.inference.errors import BackendUnavailable, InvalidRequest, LoraplexError
 from services.inference.generate_inputs import EngineWork, engine_work, open_streams
-from services.inference.metrics import Metrics, adapter_label
+from services.inference.metrics import Metrics
 from services.inference.proto_convert import MAX_CHARS_PER_TOKEN, adapter_proto, logprobs_proto, timing_fields
 from services.inference.server_args import ServerArgs
 from services.inference.status import abort_with, build_status, status_for
@@ -173,7 +173,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     resolver.release(item.adapter)
 
     def _count(self, adapter: str, out: RequestOutput) -> None:
-        label = adapter_label(adapter)
+        label = self.metrics.label(adapter)
         self.metrics.requests.labels(label, "OK").inc()
         self.metrics.prompt_tokens.labels(label).inc(out.prompt_tokens)
         self.metrics.completion_tokens.labels(label).inc(out.completion_tokens)

@@ -158,6 +158,9 @@ class StoreClient:
         self._inflight: dict[str, asyncio.Future[PulledAdapter]] = {}
         self._on_pull = on_pull
         self.pulls = 0  # completed PullAdapter streams, for metrics and tests
+        # Names the store has, kept by `watch` (listed once when it connects, then its events):
+        # residency metrics read this instead of listing the whole store again and again.
+        self.known_names: set[str] = set()
         # The store's admin token (its RegisterAdapter/DeleteAdapter need it), sent on every call.
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
@@ -335,12 +338,25 @@ class StoreClient:
             try:
                 req = pb.WatchAdaptersRequest(last_event_id=last_id)
                 stream = self._stub.WatchAdapters(req, metadata=self._metadata)
+                if not last_id:
+                    # Subscribed first (headers come once it is), listed second: an event racing the
+                    # listing is applied after it, and events are idempotent on a set.
+                    await stream.initial_metadata()
+                    self.known_names = {r.name for r in await self.list()}
                 async for event in stream:
                     backoff = 0.5
                     last_id = event.id or last_id
+                    if event.type == "registered":
+                        self.known_names.add(event.name)
+                    elif event.type == "deleted":
+                        self.known_names.discard(event.name)
                     await on_event(event.type, event.name, event.digest, event.config_digest)
             except asyncio.CancelledError:
                 raise
+            except LoraplexError as err:  # the listing after (re)connecting failed
+                log.warning(
+                    "listing the store %s failed: %s; reconnecting in %.1fs", self.target, err, backoff
+                )
             except grpc.RpcError as err:
                 log.warning(
                     "WatchAdapters on %s: %s (%s); reconnecting in %.1fs",
