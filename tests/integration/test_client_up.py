@@ -103,6 +103,8 @@ def test_up_with_replicas_puts_the_router_in_front(tmp_path, tiny_llama_path):
             "0",
             "--store-port",
             "0",
+            "--openai-port",
+            "0",  # 8000 may be taken on a shared machine
             "--cache-dir",
             str(tmp_path),
             "--model-path",

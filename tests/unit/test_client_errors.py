@@ -23,3 +23,12 @@ def test_proxy_reset_is_unavailable():
 def test_other_internal_errors_stay_internal():
     error = from_rpc_error(rpc_error(grpc.StatusCode.INTERNAL, "internal error: KeyError: 'x'"))
     assert isinstance(error, InternalError) and error.code == grpc.StatusCode.INTERNAL
+
+
+def test_the_door_answers_a_proxy_reset_with_503():
+    from services.openai.errors import from_grpc
+
+    error = from_grpc(rpc_error(grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2"), "m")
+    assert error.status == 503 and error.code == "unavailable"
+    other = from_grpc(rpc_error(grpc.StatusCode.INTERNAL, "internal error: KeyError"), "m")
+    assert other.status == 500
