@@ -23,6 +23,7 @@ from services.inference.proto_convert import check_adapter_name, check_source
 from services.inference.store_client import PulledAdapter, StoreClient, content_dir_name
 
 log = logging.getLogger(__name__)
+LIST_PAGE_MAX = 1000  # adapters per ListAdapters page (the store's page limit too)
 
 
 class AdapterResolver:
@@ -263,15 +264,23 @@ class AdapterResolver:
                 # Its files go too, unless another loaded adapter reads the same content.
                 await asyncio.to_thread(self.store.cache.discard, content_dir_name(origin[1], origin[2]))
 
-    async def list(self) -> list[AdapterInfo]:
-        adapters = list(self.engine.list_adapters())
+    async def list(self, page_size: int = 0, after: str = "") -> tuple[list[AdapterInfo], str]:
+        """One page, in name order, of the adapters loaded here and those only in the store, and the
+        next page's token ("" at the end). Pages are built from one store page at a time, never
+        from a listing of the whole store."""
+        page_size = min(page_size or LIST_PAGE_MAX, LIST_PAGE_MAX)
+        if after:
+            check_adapter_name(after)
+        adapters = sorted((a for a in self.engine.list_adapters() if a.name > after), key=lambda a: a.name)
         for info in adapters:
             self._with_origin(info)
             info.requests_in_flight = max(info.requests_in_flight, self.in_flight.get(info.name, 0))
+        store_more = False
         if self.store is not None:
             here = {a.name for a in adapters}
             try:
-                records = await self.store.list()
+                records, token = await self.store.list_page(page_size, after)
+                store_more = bool(token)
             except LoraplexError as exc:
                 log.warning("ListAdapters: store unavailable, listing local adapters only: %s", exc)
                 records = []
@@ -288,4 +297,10 @@ class AdapterResolver:
                             digest=rec.digest,
                         )
                     )
-        return adapters
+            if store_more and records:
+                # Store names past this page are unknown yet: local ones past it wait for a later page.
+                adapters = [a for a in adapters if a.name <= records[-1].name]
+            adapters.sort(key=lambda a: a.name)
+        page = adapters[:page_size]
+        more = store_more or len(adapters) > page_size
+        return page, (page[-1].name if more and page else "")

@@ -292,8 +292,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def ListAdapters(self, request, context):
         async def work(engine, resolver):
-            adapters = await resolver.list()
-            return pb.ListAdaptersResponse(adapters=[adapter_proto(a) for a in adapters])
+            adapters, next_token = await resolver.list(request.page_size, request.page_token)
+            return pb.ListAdaptersResponse(
+                adapters=[adapter_proto(a) for a in adapters], next_page_token=next_token
+            )
 
         return await self._simple(context, "ListAdapters", work)
 

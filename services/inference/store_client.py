@@ -201,17 +201,21 @@ class StoreClient:
                 return False
             raise _map_rpc_error(err, name, "DeleteAdapter") from None
 
+    async def list_page(self, page_size: int, after: str = "") -> tuple[list[pb.AdapterRecord], str]:
+        """Up to `page_size` records named after `after`, in name order, and the next page's token."""
+        try:
+            req = pb.ListStoreAdaptersRequest(page_size=page_size, page_token=after)
+            resp = await self._stub.ListAdapters(req, timeout=10.0, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise _map_rpc_error(err, "*", "ListAdapters") from None
+        return list(resp.adapters), resp.next_page_token
+
     async def list(self) -> list[pb.AdapterRecord]:
         out: list[pb.AdapterRecord] = []
         token = ""
         while True:
-            try:
-                req = pb.ListStoreAdaptersRequest(page_token=token)
-                resp = await self._stub.ListAdapters(req, timeout=10.0, metadata=self._metadata)
-            except grpc.RpcError as err:
-                raise _map_rpc_error(err, "*", "ListAdapters") from None
-            out.extend(resp.adapters)
-            token = resp.next_page_token
+            page, token = await self.list_page(1000, token)
+            out.extend(page)
             if not token:
                 return out
 

@@ -117,3 +117,61 @@ def test_churn_returns_state_to_its_start(tmp_path, tiny_llama_path):
     early = statistics.median(register_s[window : 2 * window])
     late = statistics.median(register_s[-window:])
     assert late < 2.5 * early, f"registration median {early * 1e3:.1f} ms early, {late * 1e3:.1f} ms late"
+
+
+def test_list_adapters_pages_through_local_and_store_adapters(tmp_path, tiny_llama_path):
+    """ListAdapters answers a page at a time, in name order, merging adapters loaded here with those
+    only in the store (one store page per call, never the whole store)."""
+    sources = tmp_path / "src"
+    with start_store(tmp_path / "store") as store:
+        args = ServerArgs.from_fields(
+            model_path=str(tiny_llama_path),
+            device="cpu",
+            port=0,
+            max_total_tokens=2048,
+            adapter_store=store.address,
+            adapter_cache_dir=str(tmp_path / "cache"),
+        )
+
+        async def run():
+            server = InferenceServer(args)
+            await server.start()
+            try:
+                await wait_for(lambda: server.state.engine is not None, "engine up", 120)
+                store_channel = grpc.aio.insecure_channel(store.address)
+                channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+                store_stub, stub = spb_grpc.AdapterStoreStub(store_channel), pb_grpc.InferenceStub(channel)
+                names = [f"page-{i:02d}" for i in range(23)]
+                for i, name in enumerate(names):
+                    path = write_random_adapter(
+                        sources / name, hidden=64, layers=2, r=2, modules=("q_proj", "o_proj"), seed=i
+                    )
+                    await store_stub.RegisterAdapter(spb.RegisterAdapterRequest(name=name, source=str(path)))
+                for name in names[::5]:  # a few loaded here, the rest only in the store
+                    await stub.Generate(
+                        pb.GenerateRequest(
+                            text=["hi"], adapter=[name], sampling_params=pb.SamplingParams(max_new_tokens=1)
+                        )
+                    )
+                pages, token = [], ""
+                while True:
+                    resp = await stub.ListAdapters(pb.ListAdaptersRequest(page_size=7, page_token=token))
+                    pages.append([(a.name, a.location) for a in resp.adapters])
+                    if not (token := resp.next_page_token):
+                        break
+                with pytest.raises(grpc.aio.AioRpcError) as bad:
+                    await stub.ListAdapters(pb.ListAdaptersRequest(page_token="../x"))
+                await channel.close()
+                await store_channel.close()
+                return names, pages, bad.value.code()
+            finally:
+                server._stop.set()
+                await server.drain()
+
+        names, pages, bad_code = asyncio.run(run())
+    listed = [name for page in pages for name, _ in page]
+    assert listed == names and all(len(p) <= 7 for p in pages) and len(pages) == 4
+    located = dict(entry for page in pages for entry in page)
+    stores = pb.AdapterLocation.Value("ADAPTER_LOCATION_STORE")
+    assert {n for n, loc in located.items() if loc != stores} == set(names[::5])
+    assert bad_code == grpc.StatusCode.INVALID_ARGUMENT
