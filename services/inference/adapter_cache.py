@@ -120,16 +120,17 @@ class AdapterCache:
         except OSError:
             pass  # best effort: only the eviction order suffers
 
-    def discard(self, dir_name: str) -> bool:
+    def discard(self, dir_name: str, in_use: set[str]) -> bool:
         """Remove one content directory (its adapter was deleted) unless a loaded adapter uses it."""
-        if not is_content_dir_name(dir_name) or dir_name in self.in_use():
+        if not is_content_dir_name(dir_name) or dir_name in in_use:
             return False
         shutil.rmtree(self.root / dir_name, ignore_errors=True)
         return True
 
-    def make_room(self, need: int, what: str, keep: str = "") -> list[str]:
+    def make_room(self, need: int, what: str, keep: str = "", in_use: set[str] | None = None) -> list[str]:
         """Evict unused directories, least recently used first, until `need` more bytes fit under
-        the bound; CapacityExceeded if they cannot."""
+        the bound; CapacityExceeded if they cannot. `in_use`: `self.in_use()` taken by the caller
+        (on the event loop, where the engine is asked), else asked here."""
         if need > self.max_bytes:
             raise self.too_big(what, need)
         dirs = []
@@ -141,7 +142,7 @@ class AdapterCache:
                 dirs.append((entry.stat().st_mtime, entry.name, size))
         if total + need <= self.max_bytes:
             return []
-        used = self.in_use() | {keep}
+        used = (self.in_use() if in_use is None else in_use) | {keep}
         evicted = []
         for _mtime, name, size in sorted(dirs):
             if total + need <= self.max_bytes:

@@ -262,7 +262,10 @@ class AdapterResolver:
             origin = self._origin.pop(name, None)
             if origin is not None and origin[1] and origin[2] and self.store is not None:
                 # Its files go too, unless another loaded adapter reads the same content.
-                await asyncio.to_thread(self.store.cache.discard, content_dir_name(origin[1], origin[2]))
+                in_use = self.cache_dirs_in_use()
+                await asyncio.to_thread(
+                    self.store.cache.discard, content_dir_name(origin[1], origin[2]), in_use
+                )
 
     async def list(self, page_size: int = 0, after: str = "") -> tuple[list[AdapterInfo], str]:
         """One page, in name order, of the adapters loaded here and those only in the store, and the

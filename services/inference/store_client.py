@@ -251,7 +251,11 @@ class StoreClient:
         ):
             return PulledAdapter(name, local, record)
         await asyncio.to_thread(
-            self.cache.make_room, record.size_bytes, f"adapter {name!r}", local.name if local else ""
+            self.cache.make_room,
+            record.size_bytes,
+            f"adapter {name!r}",
+            local.name if local else "",
+            self.cache.in_use(),
         )
         # A stream cut halfway or bytes that do not hash to the record are retried from the
         # start; the partial copy is never renamed into the cache, so no half adapter is loaded.
