@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.lock import Lock
 from redis.exceptions import LockError
 
-from adapter_store.records import StoreRecord
+from loraplex.adapter_store.records import StoreRecord
 
 log = logging.getLogger(__name__)
 EVENTS_MAXLEN = 10_000

@@ -16,16 +16,16 @@ from typing import NamedTuple
 
 from redis.exceptions import RedisError
 
-from adapter_store.base_model import BaseModelShapes
-from adapter_store.blobs import BlobCache
-from adapter_store.cli.args import StoreConfig
-from adapter_store.errors import FailedPrecondition, NotFound, Unavailable
-from adapter_store.index import AdapterIndex
-from adapter_store.lora_config import parse_lora_config
-from adapter_store.names import check_name
-from adapter_store.records import StoreRecord
-from adapter_store.sources import ResolvedSource, SourceFetcher, parse_source
-from adapter_store.validate import validate_adapter
+from loraplex.adapter_store.base_model import BaseModelShapes
+from loraplex.adapter_store.blobs import BlobCache
+from loraplex.adapter_store.cli.args import StoreConfig
+from loraplex.adapter_store.errors import FailedPrecondition, NotFound, Unavailable
+from loraplex.adapter_store.index import AdapterIndex
+from loraplex.adapter_store.lora_config import parse_lora_config
+from loraplex.adapter_store.names import check_name
+from loraplex.adapter_store.records import StoreRecord
+from loraplex.adapter_store.sources import ResolvedSource, SourceFetcher, parse_source
+from loraplex.adapter_store.validate import validate_adapter
 
 log = logging.getLogger(__name__)
 

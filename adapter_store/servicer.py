@@ -21,16 +21,16 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc._cython import cygrpc
 from grpc_status import rpc_status
-from loraplex.v1 import adapter_store_pb2 as pb
-from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from adapter_store import errors
-from adapter_store.records import StoreRecord
-from adapter_store.registry import AdapterRegistry
-from adapter_store.watch_hub import WatchHub, stream_id
+from loraplex.adapter_store import errors
+from loraplex.adapter_store.records import StoreRecord
+from loraplex.adapter_store.registry import AdapterRegistry
+from loraplex.adapter_store.watch_hub import WatchHub, stream_id
+from loraplex.v1 import adapter_store_pb2 as pb
+from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20

@@ -1,4 +1,4 @@
-"""asyncio Python client: the same calls as clients.client.Client, as coroutines.
+"""asyncio Python client: the same calls as loraplex.clients.client.Client, as coroutines.
 
 async with AsyncClient("127.0.0.1:50051") as c:
     async for delta in c.generate_stream(["a", "b"], adapter=["x", ""]):
@@ -12,12 +12,18 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
+
+from loraplex.clients.errors import from_rpc_error
+from loraplex.clients.requests import (
+    ClientBase,
+    chat_request,
+    generate_request,
+    inputs_request,
+    routing_metadata,
+)
 from loraplex.v1 import adapter_store_pb2 as spb
 from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraplex.v1 import inference_pb2 as pb
-
-from clients.errors import from_rpc_error
-from clients.requests import ClientBase, chat_request, generate_request, inputs_request, routing_metadata
 
 
 class AsyncClient(ClientBase):

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from clients.processes import ServerProcess
+from loraplex.clients.processes import ServerProcess
 
 log = logging.getLogger("loraplex.up")
 

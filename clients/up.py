@@ -4,7 +4,7 @@ Embedded Redis (inside the store), the adapter store, the inference service on t
 embedded SmolLM2 and the OpenAI-compatible door over it (`--openai-port`); waits for both to
 report SERVING, prints how to call them, and stops everything on Ctrl-C / SIGTERM (or when
 the store, the router, the door or a lone inference service dies). Flags after `--` go to
-`python -m services.inference` unchanged (e.g. `-- --max-lora-rank 64`).
+`python -m loraplex.services.inference` unchanged (e.g. `-- --max-lora-rank 64`).
 
 `--replicas N` (N > 1) starts N inference replicas on free ports, all pulling from the one
 store, with the nginx router (deploy/nginx/loraplex.conf) in front on `--port`: what the
@@ -21,8 +21,8 @@ import signal
 import threading
 from pathlib import Path
 
-from clients.processes import ServerProcess
-from clients.replica_keeper import ReplicaKeeper
+from loraplex.clients.processes import ServerProcess
+from loraplex.clients.replica_keeper import ReplicaKeeper
 
 log = logging.getLogger("loraplex.up")
 
@@ -102,7 +102,7 @@ Ctrl-C stops everything.
 
 
 def run(ns: argparse.Namespace) -> int:
-    from services.inference.default_model import ensure_model
+    from loraplex.services.inference.default_model import ensure_model
 
     cache = ns.cache_dir.expanduser()
     cache.mkdir(parents=True, exist_ok=True)
@@ -143,7 +143,7 @@ def run(ns: argparse.Namespace) -> int:
         if ns.replicas <= 1:
             metrics = [] if ns.metrics_port is None else ["--metrics-port", str(ns.metrics_port)]
             inference = ServerProcess(
-                "inference", "services.inference", args + ["--port", str(ns.port)] + metrics + extra
+                "inference", "loraplex.services.inference", args + ["--port", str(ns.port)] + metrics + extra
             )
             children.append(inference)
             inference.wait_serving(ns.startup_timeout)
@@ -154,7 +154,7 @@ def run(ns: argparse.Namespace) -> int:
                 name = f"replica-{i}"
                 metrics = [] if ns.metrics_port is None else ["--metrics-port", str(ns.metrics_port + i)]
                 own = ["--port", str(port), "--replica-id", name, "--listen-when-ready"]
-                return ServerProcess(name, "services.inference", args + own + metrics + extra)
+                return ServerProcess(name, "loraplex.services.inference", args + own + metrics + extra)
 
             replicas = []
             for i in range(ns.replicas):
@@ -164,7 +164,7 @@ def run(ns: argparse.Namespace) -> int:
                 replica.wait_serving(ns.startup_timeout)
             keeper = ReplicaKeeper(list(replicas), start_replica)
             children = [c for c in children if c not in replicas]
-            from clients.router import start_router
+            from loraplex.clients.router import start_router
 
             router = start_router(cache / "router", [r.address for r in replicas], host=ns.host, port=ns.port)
             children.append(router)
@@ -174,7 +174,7 @@ def run(ns: argparse.Namespace) -> int:
         if ns.openai_port >= 0:
             door = ServerProcess(
                 "openai",
-                "services.openai",
+                "loraplex.services.openai",
                 ["--target", target, "--host", ns.host, "--port", str(ns.openai_port)],
             )
             children.append(door)

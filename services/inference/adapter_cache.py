@@ -20,7 +20,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from services.inference.errors import CapacityExceeded
+from loraplex.services.inference.errors import CapacityExceeded
 
 log = logging.getLogger(__name__)
 

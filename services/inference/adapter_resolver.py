@@ -14,13 +14,13 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from services.inference.engine.api import Engine
-from services.inference.errors import AdapterNotFound, LoraplexError
-from services.inference.local_sources import check_allowed, local_path, looks_local
-from services.inference.lora.adapter_slots import AdapterInfo
-from services.inference.metrics import Metrics
-from services.inference.proto_convert import check_adapter_name, check_source
-from services.inference.store_client import PulledAdapter, StoreClient, content_dir_name
+from loraplex.services.inference.engine.api import Engine
+from loraplex.services.inference.errors import AdapterNotFound, LoraplexError
+from loraplex.services.inference.local_sources import check_allowed, local_path, looks_local
+from loraplex.services.inference.lora.adapter_slots import AdapterInfo
+from loraplex.services.inference.metrics import Metrics
+from loraplex.services.inference.proto_convert import check_adapter_name, check_source
+from loraplex.services.inference.store_client import PulledAdapter, StoreClient, content_dir_name
 
 log = logging.getLogger(__name__)
 LIST_PAGE_MAX = 1000  # adapters per ListAdapters page (the store's page limit too)

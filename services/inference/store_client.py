@@ -22,23 +22,23 @@ from pathlib import Path
 from typing import NamedTuple
 
 import grpc
-from loraplex.v1 import adapter_store_pb2 as pb
-from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
-from services.inference.adapter_cache import (
+from loraplex.services.inference.adapter_cache import (
     CONFIG_FILE,
     DISK_FULL_ERRNOS,
     WEIGHTS_FILE,
     AdapterCache,
     default_max_bytes,
 )
-from services.inference.errors import (
+from loraplex.services.inference.errors import (
     AdapterIncompatible,
     AdapterInvalid,
     AdapterNotFound,
     BackendUnavailable,
     LoraplexError,
 )
+from loraplex.v1 import adapter_store_pb2 as pb
+from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ import time
 
 import grpc
 import pytest
+
+from loraplex.services.inference.server import InferenceServer
+from loraplex.services.inference.server_args import ServerArgs
 from loraplex.v1 import adapter_store_pb2 as spb
 from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
-from services.inference.server import InferenceServer
-from services.inference.server_args import ServerArgs
 from tests.support.store_helpers import start_store, write_random_adapter
 
 CHURN = int(os.environ.get("LORAPLEX_CHURN", "1000"))  # registered and deleted (3000: ~2 min here)

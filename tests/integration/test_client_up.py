@@ -90,6 +90,7 @@ def test_up_starts_the_stack_and_stops_it(tmp_path, tiny_llama_path):
 
 def test_up_with_replicas_puts_the_router_in_front(tmp_path, tiny_llama_path):
     import grpc
+
     from loraplex.v1 import inference_pb2 as pb
     from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
@@ -173,7 +174,7 @@ def replica_pid(name: str, marker: str) -> int:
         except OSError:
             continue
         if (
-            b"services.inference" in argv
+            b"loraplex.services.inference" in argv
             and name.encode() in argv
             and any(marker.encode() in a for a in argv)
         ):

@@ -15,11 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from loraplex.v1 import adapter_store_pb2 as pb
 
-from services.inference.adapter_cache import WEIGHTS_FILE
-from services.inference.errors import CapacityExceeded
-from services.inference.store_client import StoreClient
+from loraplex.services.inference.adapter_cache import WEIGHTS_FILE
+from loraplex.services.inference.errors import CapacityExceeded
+from loraplex.services.inference.store_client import StoreClient
+from loraplex.v1 import adapter_store_pb2 as pb
 from tests.support.store_helpers import start_store, store_stub, write_random_adapter
 
 pytestmark = pytest.mark.timeout(180)
@@ -103,8 +103,8 @@ def test_adapter_larger_than_the_bound_is_resource_exhausted(store, tmp_path):
 PULL_UNDER_FILE_LIMIT = """
 import asyncio, json, resource, sys
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), int(sys.argv[3])))
-from services.inference.store_client import StoreClient
-from services.inference.errors import LoraplexError
+from loraplex.services.inference.store_client import StoreClient
+from loraplex.services.inference.errors import LoraplexError
 
 async def main():
     client = StoreClient(sys.argv[1], sys.argv[2], cache_max_bytes=1 << 30)

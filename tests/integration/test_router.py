@@ -16,13 +16,13 @@ import time
 
 import grpc
 import pytest
+
+from loraplex.clients import Client, NotFound
+from loraplex.clients.processes import ServerProcess
+from loraplex.clients.requests import make_channel, routing_metadata
+from loraplex.clients.router import FAIL_TIMEOUT_S, start_router
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
-from clients import Client, NotFound
-from clients.processes import ServerProcess
-from clients.requests import make_channel, routing_metadata
-from clients.router import FAIL_TIMEOUT_S, start_router
 from tests.support.service_stack import STARTUP_S, STORE_STACK_SHAPE, scrape, shared, start_store
 
 PROMPT = "List 3 countries and their capitals."
@@ -47,7 +47,7 @@ REPLICA_FLAGS = [
 def start_replica(model, store, cache, replica: str, port: int = 0) -> ServerProcess:
     return ServerProcess(
         replica,
-        "services.inference",
+        "loraplex.services.inference",
         [
             "--model-path",
             str(model),

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from adapter_store.blobs import BlobCache
-from adapter_store.cli.args import StoreConfig
-from adapter_store.index import AdapterIndex
-from adapter_store.redis_embedded import connect
-from adapter_store.registry import AdapterRegistry
-from adapter_store.servicer import _to_store_error
-from adapter_store.sources import SourceFetcher
+from loraplex.adapter_store.blobs import BlobCache
+from loraplex.adapter_store.cli.args import StoreConfig
+from loraplex.adapter_store.index import AdapterIndex
+from loraplex.adapter_store.redis_embedded import connect
+from loraplex.adapter_store.registry import AdapterRegistry
+from loraplex.adapter_store.servicer import _to_store_error
+from loraplex.adapter_store.sources import SourceFetcher
 from tests.support.store_helpers import RedisServer, write_random_adapter
 
 pytestmark = pytest.mark.timeout(120)

@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from loraplex.v1 import adapter_store_pb2 as pb
 
+from loraplex.v1 import adapter_store_pb2 as pb
 from tests.support.store_helpers import (
     CONFIG,
     WEIGHTS,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 from grpc.aio import AioRpcError, Metadata
 
-from clients.errors import InternalError, Unavailable, from_rpc_error
+from loraplex.clients.errors import InternalError, Unavailable, from_rpc_error
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> AioRpcError:
@@ -26,7 +26,7 @@ def test_other_internal_errors_stay_internal():
 
 
 def test_the_door_answers_a_proxy_reset_with_503():
-    from services.openai.errors import from_grpc
+    from loraplex.services.openai.errors import from_grpc
 
     error = from_grpc(rpc_error(grpc.StatusCode.INTERNAL, "Received RST_STREAM with error code 2"), "m")
     assert error.status == 503 and error.code == "unavailable"

@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.kv_cache import check_forced_kv_budget, largest_kv_tokens
-from services.inference.lora.settings import LoRAConfig
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.kv_cache import check_forced_kv_budget, largest_kv_tokens
+from loraplex.services.inference.lora.settings import LoRAConfig
 
 GIB = 2**30
 
@@ -36,7 +36,7 @@ def test_a_budget_that_fits_passes_and_one_page_more_is_refused():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_refuses_a_kv_budget_beyond_its_memory(tiny_llama_path):
-    from services.inference.engine.build import build_engine
+    from loraplex.services.inference.engine.build import build_engine
 
     free, _total = torch.cuda.mem_get_info()
     config = EngineConfig(

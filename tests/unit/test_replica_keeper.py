@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 import sys
 
-from clients.processes import ServerProcess
-from clients.replica_keeper import FIRST_BACKOFF_S, MAX_BACKOFF_S, STABLE_S, ReplicaKeeper
+from loraplex.clients.processes import ServerProcess
+from loraplex.clients.replica_keeper import FIRST_BACKOFF_S, MAX_BACKOFF_S, STABLE_S, ReplicaKeeper
 
 
 class Clock:

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from services.inference.models.config import ModelConfig
+from loraplex.services.inference.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.inference.engine.types import SamplingParams
+from loraplex.services.inference.engine.types import SamplingParams
 
 
 class RequestStatus(enum.Enum):

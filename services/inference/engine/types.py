@@ -6,10 +6,22 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from services.inference.errors import InvalidRequest
+from loraplex.services.inference.errors import InvalidRequest
 
 # Alternatives per position a request may ask for (OpenAI's bound for top_logprobs).
 MAX_TOP_LOGPROBS = 20
+# repetition_penalty divides positive logits and multiplies negative ones: 1e-38 overflows float32
+# logits to inf (NaN after the softmax, then token 0 or garbage), 1e38 to -inf. These bounds keep
+# every penalised logit finite in float32 and float16/bfloat16 alike (|logit| stays below 1e4
+# times its size) and are far past any useful penalty (transformers suggests 1.0-1.5).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
+def _within(value: float, low: float, high: float) -> bool:
+    """low <= value <= high, where a bound the wire's float32 cannot hold exactly (0.01 arrives as
+    0.0099999998) still admits its float32 neighbour."""
+    slack = 1e-7  # above float32's relative rounding (6e-8)
+    return low * (1 - slack) <= value <= high * (1 + slack)
 
 
 @dataclass(frozen=True)
@@ -53,7 +65,11 @@ class SamplingParams:
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0 (1 = off)"),
+            (
+                "repetition_penalty",
+                _within(self.repetition_penalty, *REPETITION_PENALTY_RANGE),
+                f"must be in [{REPETITION_PENALTY_RANGE[0]}, {REPETITION_PENALTY_RANGE[1]:g}] (1 = off)",
+            ),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             (
