@@ -1,8 +1,12 @@
-"""Content-addressed disk cache: `blobs/sha256/<hex>` plus a `<hex>.json` sidecar per blob.
+"""Content-addressed disk cache: `blobs/sha256/<hex>` plus one small record file per name that
+points at the blob, `blobs/sha256/<hex>.records/<name>.json`.
 
 A blob appears only by rename of a complete, validated file, so a crash never leaves a half
-blob visible. The sidecar lists every record that points at the blob; `--reindex` rebuilds
-the Redis index from sidecars alone. Pins mark blobs being streamed: eviction skips them.
+blob visible. The record files are what `--reindex` rebuilds the Redis index from. One file per
+(blob, name) keeps a registration's disk write the same size however many names share the blob
+(a single sidecar listing every name was rewritten whole on each registration), and each blob has
+its own lock, so writes for one blob never wait on another's. Pins mark blobs being streamed:
+eviction skips them. Sidecars of the older one-file layout (`<hex>.json`) are split at start.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import shutil
 import tempfile
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,7 +40,9 @@ class BlobCache:
         self.blob_dir.mkdir(parents=True, exist_ok=True)
         self.staging_root.mkdir(parents=True, exist_ok=True)
         self._pins: Counter[str] = Counter()
-        self._lock = threading.Lock()  # guards pins and sidecar read-modify-write
+        self._lock = threading.Lock()  # guards pins and the per-digest lock table
+        self._digest_locks: dict[str, list] = {}  # digest -> [lock, holders and waiters]
+        self.split_legacy_sidecars()
 
     def clean_staging(self) -> None:
         """Drop leftovers of fetches a crash interrupted."""
@@ -53,9 +59,6 @@ class BlobCache:
 
     def path(self, digest: str) -> Path:
         return self.blob_dir / _hex(digest)
-
-    def sidecar_path(self, digest: str) -> Path:
-        return self.blob_dir / (_hex(digest) + ".json")
 
     def has(self, digest: str) -> bool:
         return self.path(digest).is_file()
@@ -82,40 +85,114 @@ class BlobCache:
             return 0
         return size
 
+    # -- record files ------------------------------------------------------------------------
+    def records_dir(self, digest: str) -> Path:
+        return self.blob_dir / (_hex(digest) + ".records")
+
+    @contextmanager
+    def digest_lock(self, digest: str) -> Iterator[None]:
+        """Serialise record writes and removal of one blob; other blobs are not held up. The lock
+        lives only while someone holds or waits for it, so the table does not grow with the blobs."""
+        with self._lock:
+            entry = self._digest_locks.get(digest)
+            if entry is None:
+                entry = self._digest_locks[digest] = [threading.Lock(), 0]
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._digest_locks[digest]
+
+    def add_record(self, digest: str, name: str, record: dict) -> None:
+        """Write (or replace) the record file of `name` under the blob, atomically."""
+        with self.digest_lock(digest):
+            folder = self.records_dir(digest)
+            folder.mkdir(exist_ok=True)
+            self._write_json(folder, name + ".json", record)
+
+    def drop_record(self, digest: str, name: str, only_generation: int | None = None) -> bool:
+        """Remove `name`'s record under the blob (only at `only_generation` when given); a blob left
+        with no record is removed. Returns whether the blob still has records."""
+        with self.digest_lock(digest):
+            folder = self.records_dir(digest)
+            path = folder / (name + ".json")
+            if only_generation is not None:
+                try:
+                    if json.loads(path.read_text()).get("generation") != only_generation:
+                        return True
+                except (FileNotFoundError, json.JSONDecodeError):
+                    pass
+            path.unlink(missing_ok=True)
+            if self._has_records_locked(digest):
+                return True
+            self.remove(digest)
+            return False
+
+    def has_records(self, digest: str) -> bool:
+        with self.digest_lock(digest):
+            return self._has_records_locked(digest)
+
+    def _has_records_locked(self, digest: str) -> bool:
+        try:
+            with os.scandir(self.records_dir(digest)) as entries:
+                return any(e.name.endswith(".json") for e in entries)
+        except FileNotFoundError:
+            return False
+
     def remove(self, digest: str) -> None:
         self.remove_blob(digest)
-        self.sidecar_path(digest).unlink(missing_ok=True)
+        shutil.rmtree(self.records_dir(digest), ignore_errors=True)
 
-    # -- sidecars ----------------------------------------------------------------------------
-    def read_sidecar(self, digest: str) -> dict:
+    def iter_records(self) -> Iterator[dict]:
+        """Every record file's content (digest order, then name order)."""
+        for folder in sorted(self.blob_dir.glob("*.records")):
+            for path in sorted(folder.glob("*.json")):
+                try:
+                    yield json.loads(path.read_text())
+                except (OSError, json.JSONDecodeError) as e:
+                    log.warning("skipping unreadable record file %s: %s", path, e)
+
+    def record_digests(self) -> set[str]:
+        """Digests that have at least one record file."""
+        return {
+            "sha256:" + folder.name.removesuffix(".records")
+            for folder in self.blob_dir.glob("*.records")
+            if any(folder.glob("*.json"))
+        }
+
+    def _write_json(self, folder: Path, filename: str, data: dict) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
         try:
-            return json.loads(self.sidecar_path(digest).read_text())
-        except FileNotFoundError:
-            return {"digest": digest, "records": {}}
-
-    def update_sidecar(self, digest: str, change: Callable[[dict], None]) -> dict:
-        """Read, change in place, write back atomically; an emptied sidecar is removed with its blob."""
-        with self._lock:
-            data = self.read_sidecar(digest)
-            change(data)
-            if not data["records"]:
-                self.remove(digest)
-                return data
-            path = self.sidecar_path(digest)
-            fd, tmp = tempfile.mkstemp(prefix=".sidecar-", dir=self.blob_dir)
             with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
+                json.dump(data, f, sort_keys=True)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
-            return data
+            os.replace(tmp, folder / filename)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
-    def iter_sidecars(self) -> Iterator[dict]:
+    def split_legacy_sidecars(self) -> int:
+        """Turn each `<hex>.json` of the older layout into one record file per name."""
+        split = 0
         for path in sorted(self.blob_dir.glob("*.json")):
             try:
-                yield json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                log.warning("skipping unreadable sidecar %s: %s", path, e)
+                data = json.loads(path.read_text())
+                digest = data["digest"]
+                for name, record in data.get("records", {}).items():
+                    self.add_record(digest, name, record)
+                    split += 1
+            except (OSError, ValueError, KeyError) as e:
+                log.warning("could not split legacy sidecar %s: %s", path, e)
+                continue
+            path.unlink()
+        if split:
+            log.info("split %d records out of legacy sidecars", split)
+        return split
 
     # -- budget ------------------------------------------------------------------------------
     def total_bytes(self) -> int:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
+import os
 import re
 from collections.abc import AsyncIterator
 
@@ -93,14 +95,42 @@ def _to_store_error(e: Exception) -> errors.StoreError | None:
     if isinstance(e, errors.StoreError):
         return e
     if isinstance(e, RedisConnectionError | RedisTimeoutError):
-        return errors.Unavailable(f"the store's Redis index is unreachable ({e}); retry shortly")
+        log.warning("Redis unreachable: %s", e)
+        return errors.Unavailable("the store's Redis index is unreachable; retry shortly")
     if isinstance(e, RedisError):
-        return errors.Unavailable(f"the store's Redis index failed ({e}); retry shortly")
+        # The full text (script SHA, script line, server internals) goes to the log, not the client.
+        log.warning("Redis error: %s", e)
+        return errors.Unavailable(f"the store's Redis index {redis_failure(e)}; retry shortly")
     if isinstance(e, TimeoutError):
         return errors.Unavailable(str(e) or "timed out waiting for another registration of this adapter")
     if isinstance(e, OSError):  # the store's own disk (cache dir full, unwritable, ...)
-        return errors.Unavailable(f"the store's cache directory failed: {e}")
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return errors.ResourceExhausted(
+                f"the store's cache directory is out of space ({os.strerror(e.errno)}); free space or "
+                "lower --cache-max-bytes"
+            )
+        return errors.Unavailable(f"the store's cache directory failed: {os.strerror(e.errno or 0)}")
     return None
+
+
+# Redis error codes a client can act on, in words; anything else is "failed".
+_REDIS_REFUSALS = {
+    "MISCONF": "refused the write: Redis cannot persist to its disk (is it full?)",
+    "READONLY": "refused the write: it is a read-only replica",
+    "NOREPLICAS": "refused the write: not enough replicas to write to",
+    "OOM": "refused the write: Redis is out of memory (maxmemory)",
+    "BUSY": "is busy running a script",
+    "LOADING": "is loading its data set",
+}
+
+
+def redis_failure(e: Exception) -> str:
+    """What went wrong in Redis, in words, without the server's text (script SHAs, lines)."""
+    text = str(e)
+    for code, words in _REDIS_REFUSALS.items():
+        if re.search(rf"(^|[\s:]){code}\b", text):
+            return words
+    return f"failed ({type(e).__name__})"
 
 
 def _handle_errors(method):

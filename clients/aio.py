@@ -123,7 +123,16 @@ class AsyncClient(ClientBase):
         )
 
     async def list_adapters(self, *, timeout: float | None = None) -> list[pb.AdapterInfo]:
-        return list((await self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(), timeout)).adapters)
+        """Every adapter, page by page (ListAdapters answers at most 1000 at a time)."""
+        out: list[pb.AdapterInfo] = []
+        token = ""
+        while True:
+            req = pb.ListAdaptersRequest(page_token=token)
+            resp = await self._call(self._stub.ListAdapters, req, timeout)
+            out.extend(resp.adapters)
+            token = resp.next_page_token
+            if not token:
+                return out
 
     async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         return await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)

@@ -133,7 +133,15 @@ class Client(ClientBase):
         )
 
     def list_adapters(self, *, timeout: float | None = None) -> list[pb.AdapterInfo]:
-        return list(self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(), timeout).adapters)
+        """Every adapter, page by page (ListAdapters answers at most 1000 at a time)."""
+        out: list[pb.AdapterInfo] = []
+        token = ""
+        while True:
+            resp = self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(page_token=token), timeout)
+            out.extend(resp.adapters)
+            token = resp.next_page_token
+            if not token:
+                return out
 
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         return self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)

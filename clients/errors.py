@@ -103,5 +103,20 @@ def from_rpc_error(err: grpc.RpcError) -> LoraplexError:
             msg = error_details_pb2.RetryInfo()
             detail.Unpack(msg)
             retry = msg.retry_delay.seconds + msg.retry_delay.nanos / 1e9
+    if replica_went_away(code, message or ""):
+        # A proxy (the router) reset the stream because the replica behind it died mid-call: the
+        # call never finished, so it is UNAVAILABLE like any other lost replica, not a server bug.
+        code = grpc.StatusCode.UNAVAILABLE
+        message = f"the replica serving the call went away mid-call; retry ({message})"
     cls = ERROR_OF.get(code, InternalError)
     return cls(code, message or "", field_violations=violations, resource=resource, retry_after_s=retry)
+
+
+def replica_went_away(code: grpc.StatusCode, message: str) -> bool:
+    """INTERNAL "RST_STREAM with error code 2" is what grpc reports when a proxy resets the
+    stream after its upstream died; loraplex itself never answers INTERNAL that way.
+
+    Safe to retry: Generate (nothing was returned), GetModelInfo, ListAdapters, Tokenize,
+    LoadAdapter (same name and source give the same adapter). GenerateStream only when no message
+    had arrived yet; after that, a retry regenerates text the caller already has."""
+    return code == grpc.StatusCode.INTERNAL and "RST_STREAM" in message

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-pickle", action="store_true", help="accept .bin adapters (converted to safetensors)"
     )
     p.add_argument(
-        "--reindex", action="store_true", help="rebuild the Redis index from blob sidecars at start"
+        "--reindex", action="store_true", help="rebuild the Redis index from the blobs' record files at start"
     )
     p.add_argument("--key-prefix", default="loraplex:", help="prefix of every Redis key")
     p.add_argument(

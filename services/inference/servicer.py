@@ -24,7 +24,7 @@ from loraplex.services.inference.engine.types import RequestOutput
 from loraplex.services.inference.errors import BackendUnavailable, InvalidRequest, LoraplexError
 from loraplex.services.inference.generate_inputs import EngineWork, engine_work, open_streams
 from loraplex.services.inference.local_sources import public_model_name
-from loraplex.services.inference.metrics import Metrics, adapter_label
+from loraplex.services.inference.metrics import Metrics
 from loraplex.services.inference.proto_convert import (
     MAX_CHARS_PER_TOKEN,
     adapter_proto,
@@ -186,7 +186,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     resolver.release(item.adapter)
 
     def _count(self, adapter: str, out: RequestOutput) -> None:
-        label = adapter_label(adapter)
+        label = self.metrics.label(adapter)
         self.metrics.requests.labels(label, "OK").inc()
         self.metrics.prompt_tokens.labels(label).inc(out.prompt_tokens)
         self.metrics.completion_tokens.labels(label).inc(out.completion_tokens)
@@ -307,8 +307,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def ListAdapters(self, request, context):
         async def work(engine, resolver):
-            adapters = await resolver.list()
-            return pb.ListAdaptersResponse(adapters=[adapter_proto(a) for a in adapters])
+            adapters, next_token = await resolver.list(request.page_size, request.page_token)
+            return pb.ListAdaptersResponse(
+                adapters=[adapter_proto(a) for a in adapters], next_page_token=next_token
+            )
 
         return await self._simple(context, "ListAdapters", work)
 

@@ -159,7 +159,15 @@ def create_app(backend: Backend) -> FastAPI:
         md = _metadata(request)
         try:
             base = (await backend.base_names(md))[0]
-            adapters = await backend.stub.ListAdapters(pb.ListAdaptersRequest(), metadata=md, timeout=30)
+            adapters: list[pb.AdapterInfo] = []
+            token = ""
+            while True:  # ListAdapters pages (1000 a page)
+                page = await backend.stub.ListAdapters(
+                    pb.ListAdaptersRequest(page_token=token), metadata=md, timeout=30
+                )
+                adapters.extend(page.adapters)
+                if not (token := page.next_page_token):
+                    break
         except grpc.RpcError as exc:
             raise from_grpc(exc, "") from None
         data = [
@@ -181,7 +189,7 @@ def create_app(backend: Backend) -> FastAPI:
                 "root": public_source(a.source, a.name),
                 "parent": base,
             }
-            for a in adapters.adapters
+            for a in adapters
         ]
         return JSONResponse({"object": "list", "data": data})
 

@@ -94,6 +94,13 @@ def from_grpc(error: grpc.RpcError, model: str) -> OpenAIError:
             "to the server's --max-message-bytes, or send less",
             code="request_too_large",
         )
+    message = error.details() or code.name
+    if code == grpc.StatusCode.INTERNAL and "RST_STREAM" in message:
+        # The router reset the stream: the replica behind it died mid-call. A lost replica, not a bug.
+        code, message = (
+            grpc.StatusCode.UNAVAILABLE,
+            f"the replica serving the call went away; retry ({message})",
+        )
     fields, retry_after = _details(error)
     if code == grpc.StatusCode.NOT_FOUND or (
         code == grpc.StatusCode.INVALID_ARGUMENT and any(f.endswith("adapter") for f in fields)
@@ -102,7 +109,7 @@ def from_grpc(error: grpc.RpcError, model: str) -> OpenAIError:
     status, type_ = HTTP_OF.get(code, (500, "server_error"))
     return OpenAIError(
         status,
-        error.details() or code.name,
+        message,
         type_=type_,
         param=fields[0] if fields else None,
         code=code.name.lower(),

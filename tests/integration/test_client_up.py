@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import signal
@@ -103,6 +104,8 @@ def test_up_with_replicas_puts_the_router_in_front(tmp_path, tiny_llama_path):
             "0",
             "--store-port",
             "0",
+            "--openai-port",
+            "0",  # 8000 may be taken on a shared machine
             "--cache-dir",
             str(tmp_path),
             "--model-path",
@@ -134,6 +137,23 @@ def test_up_with_replicas_puts_the_router_in_front(tmp_path, tiny_llama_path):
                 _, call = stub.Generate.with_call(request, timeout=60)
                 seen.add(dict(call.trailing_metadata())["x-loraplex-replica"])
         assert seen == {"replica-0", "replica-1"}
+        # One replica dies: the stack stays up, the other serves, and the dead one comes back.
+        victim = replica_pid("replica-0", str(tmp_path))
+        os.kill(victim, signal.SIGKILL)
+        with grpc.insecure_channel(router) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            request = pb.GenerateRequest(text=["Hi"], sampling_params=pb.SamplingParams(max_new_tokens=2))
+            seen = set()
+            deadline = time.monotonic() + 180
+            while "replica-0" not in seen:
+                assert time.monotonic() < deadline and proc.poll() is None, "replica-0 did not come back"
+                try:
+                    _, call = stub.Generate.with_call(request, timeout=60)
+                    seen.add(dict(call.trailing_metadata())["x-loraplex-replica"])
+                except grpc.RpcError as err:  # the call the dying replica had, or nginx's 2 s mark
+                    assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                time.sleep(0.5)
+        assert "replica-1" in seen and replica_pid("replica-0", str(tmp_path)) != victim
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, rest
@@ -142,3 +162,21 @@ def test_up_with_replicas_puts_the_router_in_front(tmp_path, tiny_llama_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def replica_pid(name: str, marker: str) -> int:
+    """The pid of the inference replica `name` that `loraplex up` started under `marker` (its cache dir)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            b"loraplex.services.inference" in argv
+            and name.encode() in argv
+            and any(marker.encode() in a for a in argv)
+        ):
+            return int(entry.name)
+    raise AssertionError(f"no running {name}")

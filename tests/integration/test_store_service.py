@@ -92,9 +92,9 @@ def test_register_local_then_get_and_pull(stub, store, good):
     assert header.adapter_config_json == (good / CONFIG).read_text()
     assert header.record.digest == record.digest and header.record.last_used_at >= record.last_used_at
     assert header.local_safetensors_path == ""
-    # The blob is content-addressed on disk with its sidecar.
+    # The blob is content-addressed on disk with one record file per name.
     blob = store.cache_dir / "blobs" / "sha256" / record.digest.removeprefix("sha256:")
-    assert blob.read_bytes() == data and blob.with_suffix(".json").exists()
+    assert blob.read_bytes() == data and blob.with_suffix(".records").joinpath("good.json").exists()
 
 
 def test_file_uri_and_second_name_share_one_blob(stub, store, good):

@@ -207,8 +207,12 @@ class UnloadAdapterResponse(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class ListAdaptersRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class AdapterInfo(_message.Message):
     __slots__ = ("name", "rank", "alpha", "target_modules", "location", "pinned", "requests_in_flight", "source", "digest", "slot")
@@ -235,10 +239,12 @@ class AdapterInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., location: _Optional[_Union[AdapterLocation, str]] = ..., pinned: _Optional[bool] = ..., requests_in_flight: _Optional[int] = ..., source: _Optional[str] = ..., digest: _Optional[str] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class ListAdaptersResponse(_message.Message):
-    __slots__ = ("adapters",)
+    __slots__ = ("adapters", "next_page_token")
     ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
-    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()

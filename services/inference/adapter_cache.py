@@ -1,0 +1,162 @@
+"""The inference side's on-disk adapter cache: a byte bound, LRU eviction, checked hits.
+
+One directory per adapter content, `<weights hex>-<config hex>/` under `--adapter-cache-dir`.
+The cache holds at most `--adapter-cache-max-bytes` (default: half of what the directory's
+filesystem had free at start, plus what the cache already held). Before a pull, directories
+that no loaded adapter uses are evicted least recently used first (a directory's mtime is its
+last use) until the new adapter fits; an adapter that does not fit even so, or a write the disk
+refuses, is RESOURCE_EXHAUSTED naming the directory and the bound. A hit is used only after both
+files hash to the digests the store recorded; a mismatch (a file rewritten on disk) drops the
+directory and the adapter is pulled again.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from loraplex.services.inference.errors import CapacityExceeded
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+DEFAULT_FREE_SHARE = 0.5
+_HEX = set("0123456789abcdef")
+# A disk that refuses a write: full, over quota, or over the process's file size limit.
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def is_content_dir_name(name: str) -> bool:
+    a, sep, b = name.partition("-")
+    return bool(sep) and len(a) == 64 and len(b) == 64 and set(a) <= _HEX and set(b) <= _HEX
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def _digest(d: str) -> str:
+    return d if d.startswith("sha256:") else "sha256:" + d
+
+
+def default_max_bytes(root: Path, share: float = DEFAULT_FREE_SHARE) -> int:
+    """`share` of the free space of `root`'s filesystem plus what the cache holds already (so a
+    restart with a full cache keeps it)."""
+    root.mkdir(parents=True, exist_ok=True)
+    return int(shutil.disk_usage(root).free * share) + dir_bytes(root)
+
+
+def dir_bytes(root: Path) -> int:
+    total = 0
+    for entry in os.scandir(root):
+        if entry.is_dir() and is_content_dir_name(entry.name):
+            total += _content_bytes(Path(entry.path))
+    return total
+
+
+def _content_bytes(path: Path) -> int:
+    total = 0
+    try:
+        for f in os.scandir(path):
+            if f.is_file():
+                total += f.stat().st_size
+    except FileNotFoundError:
+        pass
+    return total
+
+
+class AdapterCache:
+    """Blocking file work; the store client calls it from worker threads."""
+
+    def __init__(self, root: Path, max_bytes: int, in_use: Callable[[], set[str]] = set) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        # names of content directories a loaded adapter may read again (host copy dropped)
+        self.in_use = in_use
+        self.evictions = 0
+
+    def too_big(self, what: str, need: int) -> CapacityExceeded:
+        return CapacityExceeded(
+            f"{what} needs {need} bytes but the adapter cache {self.root} is bounded at {self.max_bytes} "
+            "bytes (--adapter-cache-max-bytes), and what it holds is used by loaded adapters; raise the "
+            "bound, unload adapters, or free space",
+        )
+
+    def disk_full(self, what: str, error: OSError) -> CapacityExceeded:
+        return CapacityExceeded(
+            f"{what}: the adapter cache {self.root} (bound {self.max_bytes} bytes, "
+            f"--adapter-cache-max-bytes) could not be written: {os.strerror(error.errno or 0)}; free "
+            "space on its disk or lower the bound",
+        )
+
+    def total_bytes(self) -> int:
+        return dir_bytes(self.root)
+
+    def verified(self, path: Path, weights_digest: str, config_digest: str) -> bool:
+        """Both files present and hashing to the recorded digests; a directory that fails is removed."""
+        weights, config = path / WEIGHTS_FILE, path / CONFIG_FILE
+        if not (weights.is_file() and config.is_file()):
+            return False
+        if file_sha256(weights) == _digest(weights_digest) and file_sha256(config) == _digest(config_digest):
+            self.touch(path)
+            return True
+        log.warning("cached adapter %s does not hash to the store's digests; dropping it to pull again", path)
+        shutil.rmtree(path, ignore_errors=True)
+        return False
+
+    def touch(self, path: Path) -> None:
+        try:
+            os.utime(path)
+        except OSError:
+            pass  # best effort: only the eviction order suffers
+
+    def discard(self, dir_name: str, in_use: set[str]) -> bool:
+        """Remove one content directory (its adapter was deleted) unless a loaded adapter uses it."""
+        if not is_content_dir_name(dir_name) or dir_name in in_use:
+            return False
+        shutil.rmtree(self.root / dir_name, ignore_errors=True)
+        return True
+
+    def make_room(self, need: int, what: str, keep: str = "", in_use: set[str] | None = None) -> list[str]:
+        """Evict unused directories, least recently used first, until `need` more bytes fit under
+        the bound; CapacityExceeded if they cannot. `in_use`: `self.in_use()` taken by the caller
+        (on the event loop, where the engine is asked), else asked here."""
+        if need > self.max_bytes:
+            raise self.too_big(what, need)
+        dirs = []
+        total = 0
+        for entry in os.scandir(self.root):
+            if entry.is_dir() and is_content_dir_name(entry.name):
+                size = _content_bytes(Path(entry.path))
+                total += size
+                dirs.append((entry.stat().st_mtime, entry.name, size))
+        if total + need <= self.max_bytes:
+            return []
+        used = (self.in_use() if in_use is None else in_use) | {keep}
+        evicted = []
+        for _mtime, name, size in sorted(dirs):
+            if total + need <= self.max_bytes:
+                break
+            if name in used:
+                continue
+            shutil.rmtree(self.root / name, ignore_errors=True)
+            total -= size
+            evicted.append(name)
+            self.evictions += 1
+        if evicted:
+            log.info(
+                "adapter cache: evicted %d unused adapters (bound %d bytes)", len(evicted), self.max_bytes
+            )
+        if total + need > self.max_bytes:
+            raise self.too_big(what, need)
+        return evicted
