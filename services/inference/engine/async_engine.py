@@ -31,6 +31,7 @@ class _Add(NamedTuple):
     adapter: str | None
     params: SamplingParams
     arrival_time: float
+    grammar: object = None  # params.constraint compiled (engine/grammar.py), when it has one
 
 
 class _Abort(NamedTuple):
@@ -90,6 +91,9 @@ class AsyncEngine:
             raise AdapterNotFound(
                 f"adapter {add.adapter!r} is not loaded on this server", adapter=add.adapter
             )
+        if add.params.constraint is not None:
+            # Compiled on the grammar cache's threads: the batch runs on while this request waits.
+            add = add._replace(grammar=await self.engine.grammars.compile_async(add.params.constraint))
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._sinks_lock:
             if add.request_id in self._sinks:
@@ -207,6 +211,7 @@ class AsyncEngine:
                         command.params,
                         command.adapter,
                         arrival_time=command.arrival_time,
+                        grammar=command.grammar,
                     )
                 except LoraplexError as exc:
                     self._deliver(command.request_id, exc)
