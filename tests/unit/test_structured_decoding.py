@@ -165,3 +165,19 @@ def test_compile_is_cached_and_slow_compiles_are_refused(engines, tiny_llama_pat
     with pytest.raises(InvalidRequest, match="longer than"):
         slow.submit(hard)
     slow.close()
+
+
+def test_any_json_object_bounds_numbers(engines):
+    """A small model may write digits for ever; "any JSON object" ends a number after 16 digits."""
+    import xgrammar as xgr
+
+    compiled = engines[False].grammars.compile(Constraint("json_object"))
+
+    def accepts(text: str) -> bool:
+        m = xgr.GrammarMatcher(compiled)
+        return m.accept_string(text) and m.is_completed()
+
+    assert accepts('{"a": [1, -2.5e3, "x\\n\\u00e9", {"b": null}], "c": true}') and accepts("{}")
+    assert accepts('{"n": ' + "9" * 16 + "}")
+    assert not accepts('{"n": ' + "9" * 17 + "}")
+    assert not accepts('{"a":1}')  # one space after ":" and ",", no other whitespace

@@ -31,6 +31,21 @@ from services.inference.engine.types import Constraint
 from services.inference.errors import InvalidRequest
 
 COMPILE_TIMEOUT_S = 10.0
+# "Any JSON object", written the way json_schema output is (", " and ": ", no other whitespace)
+# and with numbers of at most 16 integer and 16 fraction digits: xgrammar's built-in JSON grammar
+# lets a small model write digits for ever (seen on SmolLM2: "population": 2000000000...).
+JSON_OBJECT_GRAMMAR = r"""root ::= object
+value ::= object | array | string | number | "true" | "false" | "null"
+object ::= "{" ( member ( ", " member )* )? "}"
+member ::= string ": " value
+array ::= "[" ( value ( ", " value )* )? "]"
+string ::= "\"" char* "\""
+char ::= [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} )
+number ::= "-"? int frac? exp?
+int ::= "0" | [1-9] [0-9]{0,15}
+frac ::= "." [0-9]{1,16}
+exp ::= [eE] [+-]? [0-9]{1,3}
+"""
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
@@ -146,7 +161,7 @@ class GrammarCache:
                     raise InvalidRequest(f"{c.field} is not valid JSON: {exc}", field=c.field) from None
                 return compiler.compile_json_schema(c.value, any_whitespace=False, strict_mode=True)
             if c.kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return compiler.compile_grammar(JSON_OBJECT_GRAMMAR)
             if c.kind == "regex":
                 return compiler.compile_regex(c.value)
             if c.kind == "choice":
