@@ -8,6 +8,8 @@ from typing import Any
 
 from loraplex.v1 import inference_pb2 as pb
 
+from services.openai.tools import ToolPlan, tool_output
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
@@ -85,21 +87,37 @@ def completion_body(resp: pb.GenerateResponse, model: str, want_logprobs: bool) 
     }
 
 
-def chat_body(resp: pb.GenerateResponse, model: str, want_logprobs: bool) -> dict[str, Any]:
+def _message(text: str, reason: str, tool_plan: ToolPlan | None) -> tuple[dict[str, Any], str]:
+    """The assistant message and finish reason of one output (tool calls parsed when tools are on)."""
+    if tool_plan is None or not tool_plan.parses:
+        return {"role": "assistant", "content": text}, reason
+    content, calls, reason = tool_output(tool_plan, text, reason)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = calls
+    return message, reason
+
+
+def chat_body(
+    resp: pb.GenerateResponse, model: str, want_logprobs: bool, tool_plan: ToolPlan | None = None
+) -> dict[str, Any]:
+    choices = []
+    for k, c in enumerate(resp.completions):
+        message, reason = _message(c.text, c.finish_reason, tool_plan)
+        choices.append(
+            {
+                "index": k,
+                "message": message,
+                "finish_reason": finish_reason(reason),
+                "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
+            }
+        )
     return {
         "id": new_id("chatcmpl"),
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": k,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": finish_reason(c.finish_reason),
-                "logprobs": chat_logprobs(c.logprobs) if want_logprobs else None,
-            }
-            for k, c in enumerate(resp.completions)
-        ],
+        "choices": choices,
         "usage": _usage_of(resp.completions),
     }
 
@@ -107,8 +125,14 @@ def chat_body(resp: pb.GenerateResponse, model: str, want_logprobs: bool) -> dic
 class StreamState:
     """Builds the chunks of one streamed call: choice index = input * n + sample, as OpenAI numbers them."""
 
-    def __init__(self, model: str, n: int, chat: bool, want_logprobs: bool):
+    def __init__(
+        self, model: str, n: int, chat: bool, want_logprobs: bool, tool_plan: ToolPlan | None = None
+    ):
         self.id = new_id("chatcmpl" if chat else "cmpl")
+        # With tools (other than "none"): each choice's text is held until it ends (tools.py says why).
+        self.tool_plan = tool_plan if tool_plan is not None and tool_plan.parses else None
+        self.held_text: dict[int, list[str]] = {}
+        self.held_logprobs: dict[int, list] = {}
         self.created = int(time.time())
         self.model, self.n, self.chat, self.want_logprobs = model, n, chat, want_logprobs
         self.started: set[int] = set()
@@ -146,6 +170,12 @@ class StreamState:
                         ]
                     )
                 )
+            if self.tool_plan is not None:
+                self.held_text.setdefault(k, []).append(msg.text)
+                self.held_logprobs.setdefault(k, []).extend(msg.logprobs)
+                if msg.finish_reason:
+                    out.extend(self._tool_chunks(k, msg.finish_reason))
+                return out
             if msg.text or msg.logprobs:
                 lps = chat_logprobs(msg.logprobs) if self.want_logprobs else None
                 out.append(
@@ -183,6 +213,32 @@ class StreamState:
                     ]
                 )
             )
+        return out
+
+    def _tool_chunks(self, k: int, reason: str) -> list[dict[str, Any]]:
+        """A held choice's content or tool calls, then its finish chunk."""
+        message, reason = _message("".join(self.held_text.pop(k, [])), reason, self.tool_plan)
+        lps = self.held_logprobs.pop(k, [])
+        out = []
+        if message["content"] or lps:
+            out.append(
+                self._chunk(
+                    [
+                        {
+                            "index": k,
+                            "delta": {"content": message["content"] or ""},
+                            "logprobs": chat_logprobs(lps) if self.want_logprobs else None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            )
+        for i, call in enumerate(message.get("tool_calls", [])):
+            delta = {"tool_calls": [{"index": i, **call}]}
+            out.append(self._chunk([{"index": k, "delta": delta, "logprobs": None, "finish_reason": None}]))
+        out.append(
+            self._chunk([{"index": k, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)}])
+        )
         return out
 
     def usage_chunk(self) -> dict[str, Any]:

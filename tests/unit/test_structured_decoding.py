@@ -13,11 +13,11 @@ import re
 import jsonschema
 import pytest
 
+from bench.random_schemas import random_schema
 from services.inference.engine.grammar import GrammarCache
 from services.inference.engine.types import MAX_CONSTRAINT_CHARS, Constraint, SamplingParams
 from services.inference.errors import InvalidRequest
 from tests.support.lora_reference import server_args, sync_engine
-from tests.support.random_schemas import random_schema
 
 NUM_SCHEMAS = 12
 MAX_TOKENS = 160

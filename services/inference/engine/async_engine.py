@@ -126,7 +126,11 @@ class AsyncEngine:
             return list(self._tokenizer(text).input_ids)
 
     def render_chat(
-        self, messages: list[dict[str, str]], adapter: str | None = None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        adapter: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Prompt ids of chat `messages` (engine/chat.py); an adapter's own template when it ships one."""
         template = None
@@ -138,7 +142,7 @@ class AsyncEngine:
                     self._chat_templates[key] = adapter_chat_template(info.source)
                 template = self._chat_templates[key]
         with self._tokenizer_lock:
-            return render_chat(self._tokenizer, messages, add_generation_prompt, template)
+            return render_chat(self._tokenizer, messages, add_generation_prompt, template, tools)
 
     def detokenize_each(self, token_ids: list[int]) -> list[str]:
         """Each token's text alone (for log probabilities' `token`)."""

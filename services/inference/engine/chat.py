@@ -12,6 +12,7 @@ import json
 import logging
 from pathlib import Path
 
+from services.inference.engine.chat_tools import describe_tools, template_knows_tools
 from services.inference.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -34,16 +35,29 @@ def adapter_chat_template(adapter_dir: str | Path) -> str | None:
 
 
 def render_chat(
-    tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool, template: str | None = None
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    template: str | None = None,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """Token ids of `messages` rendered with `template` (default: the tokenizer's own)."""
-    if template is None and not getattr(tokenizer, "chat_template", None):
+    """Token ids of `messages` rendered with `template` (default: the tokenizer's own); `tools`:
+    OpenAI tool definitions (engine/chat_tools.py: passed to a template that renders them, else
+    described in the system message)."""
+    source = template or getattr(tokenizer, "chat_template", None)
+    if not source:
         raise InvalidRequest(
             "this model has no chat template; send text or token ids instead", field="messages"
         )
+    if tools and not template_knows_tools(source if isinstance(source, str) else None):
+        messages, tools = describe_tools(messages, tools), None
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, chat_template=template
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            chat_template=template,
+            tools=tools or None,
         )
     except Exception as exc:  # noqa: BLE001 - a template error is the request's (e.g. roles it refuses)
         raise InvalidRequest(f"the chat template refused these messages: {exc}", field="messages") from None
