@@ -154,6 +154,13 @@ def test_compile_is_cached_and_slow_compiles_are_refused(engines, tiny_llama_pat
     c = Constraint("regex", "[a-c]{3}")
     first = grammars.compile(c)
     assert grammars.cached(c) and grammars.compile(c) is first
+    # Bounded: the least recently used grammar goes first.
+    small = GrammarCache(engines[False].tokenizer, grammars.vocab_size, [2], max_entries=2)
+    regexes = [Constraint("regex", r) for r in ("a+", "b+", "c+")]
+    for r in regexes:
+        small.compile(r)
+    assert [small.cached(r) for r in regexes] == [False, True, True]
+    small.close()
     # A compile slower than the limit is refused with a clear error, then refused at once.
     slow = GrammarCache(
         engines[False].tokenizer, engines[False].grammars.vocab_size, [2], compile_timeout_s=0.0

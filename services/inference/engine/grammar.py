@@ -24,6 +24,7 @@ import hashlib
 import json
 import re
 import threading
+from collections import OrderedDict
 
 import torch
 
@@ -31,6 +32,7 @@ from services.inference.engine.types import Constraint
 from services.inference.errors import InvalidRequest
 
 COMPILE_TIMEOUT_S = 10.0
+CACHE_ENTRIES = 512  # compiled grammars kept (least recently used dropped first)
 # "Any JSON object", written the way json_schema output is (", " and ": ", no other whitespace)
 # and with numbers of at most 16 integer and 16 fraction digits: xgrammar's built-in JSON grammar
 # lets a small model write digits for ever (seen on SmolLM2: "population": 2000000000...).
@@ -79,6 +81,7 @@ class GrammarCache:
         tokenizer_name: str = "",
         compile_timeout_s: float = COMPILE_TIMEOUT_S,
         workers: int = 2,
+        max_entries: int = CACHE_ENTRIES,
     ):
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -88,7 +91,8 @@ class GrammarCache:
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._compiler = None  # built on first use (reads the whole vocabulary: ~0.2 s)
-        self._futures: dict[tuple[str, str], concurrent.futures.Future] = {}
+        self.max_entries = max_entries
+        self._futures: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
         self._too_slow: set[tuple[str, str]] = set()
 
     def key(self, c: Constraint) -> tuple[str, str]:
@@ -104,6 +108,9 @@ class GrammarCache:
             fut = self._futures.get(key)
             if fut is None or (fut.done() and fut.exception() is not None):
                 fut = self._futures[key] = self._pool.submit(self._compile, c)
+                while len(self._futures) > self.max_entries:
+                    self._futures.popitem(last=False)  # its requests keep their own reference
+            self._futures.move_to_end(key)
             return fut
 
     def cached(self, c: Constraint) -> bool:
@@ -148,7 +155,8 @@ class GrammarCache:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
                 )
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                # No cache of xgrammar's own (unbounded by default): this class keeps a bounded one.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def _compile(self, c: Constraint):
