@@ -60,6 +60,20 @@ def test_streamed_schema_output_joins_to_valid_json(stub):  # noqa: F811
     jsonschema.validate(json.loads("".join(parts)), SCHEMA)
 
 
+def test_n_samples_each_match(stub):  # noqa: F811
+    params = pb.SamplingParams(
+        max_new_tokens=80, temperature=1.0, seed=9, n=3, json_schema=json.dumps(SCHEMA)
+    )
+    resp = stub.Generate(pb.GenerateRequest(text=[PROMPT], adapter=["alpha"], sampling_params=params))
+    assert [c.sample for c in resp.completions] == [0, 1, 2]
+    for c in resp.completions:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+        else:
+            assert c.finish_reason == "length" and c.completion_tokens == 80
+    assert sum(c.finish_reason == "stop" for c in resp.completions) >= 2
+
+
 @pytest.mark.parametrize(
     ("params", "field", "words"),
     [

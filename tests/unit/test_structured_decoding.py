@@ -188,3 +188,12 @@ def test_any_json_object_bounds_numbers(engines):
     assert accepts('{"n": ' + "9" * 16 + "}")
     assert not accepts('{"n": ' + "9" * 17 + "}")
     assert not accepts('{"a":1}')  # one space after ":" and ",", no other whitespace
+
+
+def test_a_stop_string_is_the_callers_cut(engines):
+    """A stop string ends a constrained output early, as the caller asked ("stop", text before it)."""
+    engine = engines[True]
+    prompt = engine.tokenizer("Code:").input_ids
+    params = SamplingParams(max_new_tokens=20, stop=(",",), constraint=Constraint("regex", "abc,def"))
+    out = engine.generate([prompt], params)[0]
+    assert (out.text, out.finish_reason) == ("abc", "stop")
