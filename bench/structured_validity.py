@@ -86,6 +86,7 @@ def run(engine, jobs: list[tuple], max_tokens: int, batch: int) -> list:
             for _, c, t, s, _ in chunk
         ]
         outs += engine.generate([p for p, *_ in chunk], params, [a for *_, a in chunk])
+        print(f"{len(outs)}/{len(jobs)} done", flush=True)
     return outs
 
 
