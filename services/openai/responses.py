@@ -170,6 +170,9 @@ class StreamState:
                         ]
                     )
                 )
+            if self.tool_plan is not None and self.tool_plan.mode == "named":
+                out.extend(self._named_call_chunks(k, msg))
+                return out
             if self.tool_plan is not None:
                 self.held_text.setdefault(k, []).append(msg.text)
                 self.held_logprobs.setdefault(k, []).extend(msg.logprobs)
@@ -208,6 +211,39 @@ class StreamState:
                             "index": k,
                             "text": msg.text,
                             "logprobs": lps,
+                            "finish_reason": finish_reason(msg.finish_reason),
+                        }
+                    ]
+                )
+            )
+        return out
+
+    def _named_call_chunks(self, k: int, msg: pb.GenerateStreamResponse) -> list[dict[str, Any]]:
+        """A forced function streams as OpenAI streams a call: its id and name first, then the
+        arguments as they are generated (the output is the arguments)."""
+        out = []
+        if k not in self.held_text:  # first message of this choice: the call's header
+            self.held_text[k] = []
+            call = tool_output(self.tool_plan, "", "stop")[1][0]
+            header = {"index": 0, **call, "function": {"name": call["function"]["name"], "arguments": ""}}
+            out.append(
+                self._chunk(
+                    [{"index": k, "delta": {"tool_calls": [header]}, "logprobs": None, "finish_reason": None}]
+                )
+            )
+        if msg.text or msg.logprobs:
+            delta = {"tool_calls": [{"index": 0, "function": {"arguments": msg.text}}]}
+            lps = chat_logprobs(msg.logprobs) if self.want_logprobs else None
+            out.append(self._chunk([{"index": k, "delta": delta, "logprobs": lps, "finish_reason": None}]))
+        if msg.finish_reason:
+            self.held_text.pop(k, None)
+            out.append(
+                self._chunk(
+                    [
+                        {
+                            "index": k,
+                            "delta": {},
+                            "logprobs": None,
                             "finish_reason": finish_reason(msg.finish_reason),
                         }
                     ]

@@ -12,8 +12,10 @@
 - a named function: decoded under that function's parameters schema; the output is its arguments
   (finish_reason "stop", as OpenAI answers a forced function).
 
-Streaming with tools other than "none" sends the content or the calls whole when the output ends
-(one delta per call, arguments complete), since a call cannot be told from content before then.
+Streaming: a named function streams as OpenAI streams a call (a delta with its id and name, then
+the arguments as they are generated); with "auto" and "required" the content or the calls are sent
+whole when the output ends (one delta per call, arguments complete), since a call cannot be told
+from content (or its name read) before then.
 """
 
 from __future__ import annotations

@@ -139,14 +139,31 @@ def test_render_describes_tools_to_a_template_that_does_not(smollm2_path):
     assert "<|im_start|>tool\nsunny" in text
 
 
-def test_stream_holds_a_tool_call_until_the_end():
-    plan = tools.plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
+def test_stream_holds_an_auto_or_required_call_until_the_end():
+    plan = tools.plan([WEATHER], "required")
     state = StreamState("m", 1, True, False, plan)
-    chunks = state.chunks(pb.GenerateStreamResponse(index=0, text='{"city": '))
+    chunks = state.chunks(pb.GenerateStreamResponse(index=0, text='{"name": "get_weather", '))
     assert all("tool_calls" not in c["choices"][0]["delta"] for c in chunks)
     assert all(not c["choices"][0]["delta"].get("content") for c in chunks)
-    end = state.chunks(pb.GenerateStreamResponse(index=0, text='"Rome"}', finish_reason="stop"))
+    end = state.chunks(
+        pb.GenerateStreamResponse(index=0, text='"arguments": {"city": "Rome"}}', finish_reason="stop")
+    )
     deltas = [c["choices"][0]["delta"] for c in end]
     call = next(d["tool_calls"][0] for d in deltas if "tool_calls" in d)
     assert call["index"] == 0 and call["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
-    assert end[-1]["choices"][0]["finish_reason"] == "stop"
+    assert end[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_stream_of_a_named_function_streams_its_arguments():
+    plan = tools.plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
+    state = StreamState("m", 1, True, False, plan)
+    chunks = state.chunks(pb.GenerateStreamResponse(index=0, text='{"city": '))
+    chunks += state.chunks(pb.GenerateStreamResponse(index=0, text='"Rome"}', finish_reason="stop"))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert calls[0]["id"].startswith("call_") and calls[0]["function"] == {
+        "name": "get_weather",
+        "arguments": "",
+    }
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"city": "Rome"}'
+    assert len(calls) == 3 and chunks[-1]["choices"][0]["finish_reason"] == "stop"
