@@ -137,6 +137,9 @@ def test_render_describes_tools_to_a_template_that_does_not(smollm2_path):
     assert text.startswith("<|im_start|>system\nYou may call functions") and '"name": "get_weather"' in text
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>' in text
     assert "<|im_start|>tool\nsunny" in text
+    # A history with calls but no tools now: the calls still show in the assistant's turn.
+    text = tok.decode(render_chat(tok, messages, True))
+    assert '<|im_start|>assistant\n<tool_call>{"name": "get_weather"' in text and "You may call" not in text
 
 
 def test_stream_holds_an_auto_or_required_call_until_the_end():

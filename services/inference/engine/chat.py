@@ -12,7 +12,7 @@ import json
 import logging
 from pathlib import Path
 
-from services.inference.engine.chat_tools import describe_tools, template_knows_tools
+from services.inference.engine.chat_tools import calls_as_content, describe_tools, template_knows_tools
 from services.inference.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,11 @@ def render_chat(
         raise InvalidRequest(
             "this model has no chat template; send text or token ids instead", field="messages"
         )
-    if tools and not template_knows_tools(source if isinstance(source, str) else None):
-        messages, tools = describe_tools(messages, tools), None
+    if not template_knows_tools(source if isinstance(source, str) else None):
+        if tools:
+            messages, tools = describe_tools(messages, tools), None
+        elif any(m.get("tool_calls") for m in messages):
+            messages = calls_as_content(messages)
     try:
         text = tokenizer.apply_chat_template(
             messages,

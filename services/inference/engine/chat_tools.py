@@ -63,10 +63,9 @@ def template_knows_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template
 
 
-def describe_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`messages` for a template that renders no tools: the tools in the system message, tool calls
-    written into the assistant's content as <tool_call> blocks."""
-    described = FALLBACK_PROMPT.format(tools="\n".join(json.dumps(t.get("function", t)) for t in tools))
+def calls_as_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with assistant tool calls written into the content as <tool_call> blocks (for a
+    template that renders no `tool_calls`, which would otherwise show an empty turn)."""
     out = []
     for m in messages:
         m = dict(m)
@@ -82,6 +81,14 @@ def describe_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) 
         m.pop("tool_call_id", None)
         m.pop("name", None)
         out.append(m)
+    return out
+
+
+def describe_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` for a template that renders no tools: the tools in the system message, tool calls
+    written into the assistant's content as <tool_call> blocks."""
+    described = FALLBACK_PROMPT.format(tools="\n".join(json.dumps(t.get("function", t)) for t in tools))
+    out = calls_as_content(messages)
     if out and out[0]["role"] == "system":
         out[0]["content"] = f"{out[0]['content']}\n\n{described}"
     else:
