@@ -1,7 +1,7 @@
 """Constrained decoding's cost in a mixed multi-LoRA batch (issue 36's speed goals).
 
-    python -m bench.structured --shape 8b --batch 64 --adapters 8 --tokenizer DIR   # H200
-    python -m bench.structured                                                      # CPU, tiny
+    python -m loraplex.bench.structured --shape 8b --batch 64 --adapters 8 --tokenizer DIR   # H200
+    python -m loraplex.bench.structured                                                      # CPU, tiny
 
 Builds the server's engine (build_engine: loader, LoRA pool, CUDA graphs, overlap scheduling) over a
 random-weight model of the chosen shape with `--adapters` random rank-16 adapters, and the real BPE
@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from bench.random_schemas import random_schema
-from bench.results import add_out_argument, write_json
-from bench.serving_setup import LLAMA_8B, write_adapters, write_model_dir
-from services.inference.engine.types import Constraint, SamplingParams
+from loraplex.bench.random_schemas import random_schema
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.bench.serving_setup import LLAMA_8B, write_adapters, write_model_dir
+from loraplex.services.inference.engine.types import Constraint, SamplingParams
 
 TINY = dict(
     hidden_size=64,
@@ -90,9 +90,9 @@ def make_model(root: Path, shape: dict, tokenizer_dir: Path, adapters: int, devi
 
 
 def build(model: Path, adapter_dirs: list[Path], opts):
-    from services.inference.engine.async_engine import AsyncEngine
-    from services.inference.engine.build import build_engine
-    from services.inference.server_args import ServerArgs
+    from loraplex.services.inference.engine.async_engine import AsyncEngine
+    from loraplex.services.inference.engine.build import build_engine
+    from loraplex.services.inference.server_args import ServerArgs
 
     cuda = torch.cuda.is_available() and opts.device != "cpu"
     args = ServerArgs.from_fields(
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     add_out_argument(parser)
     opts = parser.parse_args(argv)
     if opts.tokenizer is None:
-        from services.inference.default_model import ensure_model
+        from loraplex.services.inference.default_model import ensure_model
 
         opts.tokenizer = ensure_model()
     cuda = torch.cuda.is_available() and opts.device != "cpu"

@@ -2,7 +2,7 @@
 embedded SmolLM2 (CPU or GPU), with and without an adapter, greedy and sampled (issue 36's
 correctness goal; `make test` runs a smaller count on the tiny model).
 
-    python -m bench.structured_validity --schemas 200
+    python -m loraplex.bench.structured_validity --schemas 200
 
 Each schema (bench/random_schemas.py) is asked for twice in one continuous batch, greedy and
 sampled (temperature 1), half of them under a random rank-8 adapter. An output that ends with
@@ -25,11 +25,11 @@ from pathlib import Path
 import jsonschema
 import torch
 
-from bench.random_schemas import random_schema
-from bench.results import add_out_argument, write_json
-from bench.serving_setup import write_adapters
-from services.inference.engine.chat import render_chat
-from services.inference.engine.types import Constraint, SamplingParams
+from loraplex.bench.random_schemas import random_schema
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.bench.serving_setup import write_adapters
+from loraplex.services.inference.engine.chat import render_chat
+from loraplex.services.inference.engine.types import Constraint, SamplingParams
 
 REGEXES = [
     r"[A-Z][a-z]{2,9}",
@@ -54,8 +54,8 @@ def smollm2_shape(model_dir: Path) -> dict:
 
 
 def build(model_dir: Path, adapter: Path, batch: int):
-    from services.inference.engine.build import build_llm_engine
-    from services.inference.server_args import ServerArgs
+    from loraplex.services.inference.engine.build import build_llm_engine
+    from loraplex.services.inference.server_args import ServerArgs
 
     cuda = torch.cuda.is_available()
     args = ServerArgs.from_fields(
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     add_out_argument(parser)
     opts = parser.parse_args(argv)
-    from services.inference.default_model import ensure_model
+    from loraplex.services.inference.default_model import ensure_model
 
     if not torch.cuda.is_available():
         torch.set_num_threads(1)

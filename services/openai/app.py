@@ -15,13 +15,13 @@ from pathlib import Path, PurePosixPath
 
 import grpc
 from fastapi import FastAPI, Request
-from loraplex.v1 import inference_pb2 as pb
-from loraplex.v1 import inference_pb2_grpc as pb_grpc
 from sse_starlette.sse import EventSourceResponse
 from starlette.responses import JSONResponse, Response
 
-from services.openai import responses, schema, structured
-from services.openai.errors import OpenAIError, bad_request, from_grpc
+from loraplex.services.openai import responses, schema, structured
+from loraplex.services.openai.errors import OpenAIError, bad_request, from_grpc
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

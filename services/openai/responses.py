@@ -6,9 +6,8 @@ import time
 import uuid
 from typing import Any
 
+from loraplex.services.openai.tools import ToolPlan, tool_output
 from loraplex.v1 import inference_pb2 as pb
-
-from services.openai.tools import ToolPlan, tool_output
 
 
 def new_id(prefix: str) -> str:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
-from loraplex.v1 import inference_pb2 as pb
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.openai import structured, tools
-from services.openai.errors import OpenAIError, bad_request
+from loraplex.services.openai import structured, tools
+from loraplex.services.openai.errors import OpenAIError, bad_request
+from loraplex.v1 import inference_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
 

@@ -19,9 +19,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from loraplex.services.openai.errors import OpenAIError, bad_request
 from loraplex.v1 import inference_pb2 as pb
-
-from services.openai.errors import OpenAIError, bad_request
 
 GUIDED = {
     "guided_json": "json",

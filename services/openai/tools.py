@@ -25,9 +25,8 @@ import re
 import uuid
 from typing import Any, NamedTuple
 
+from loraplex.services.openai.errors import bad_request
 from loraplex.v1 import inference_pb2 as pb
-
-from services.openai.errors import bad_request
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"

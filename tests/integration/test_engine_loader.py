@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import LLMEngine
-from services.inference.engine.types import SamplingParams
-from services.inference.models.config import UnsupportedModelError, load_config, parse_config
-from services.inference.models.loader import resolve_model_dir, safetensors_files
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.engine import LLMEngine
+from loraplex.services.inference.engine.types import SamplingParams
+from loraplex.services.inference.models.config import UnsupportedModelError, load_config, parse_config
+from loraplex.services.inference.models.loader import resolve_model_dir, safetensors_files
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,8 +9,8 @@ import json
 import grpc
 import jsonschema
 import pytest
-from loraplex.v1 import inference_pb2 as pb
 
+from loraplex.v1 import inference_pb2 as pb
 from tests.integration.test_service_inference import adapters, server, stub  # noqa: F401
 
 SCHEMA = {

@@ -13,10 +13,10 @@ import re
 import jsonschema
 import pytest
 
-from bench.random_schemas import random_schema
-from services.inference.engine.grammar import GrammarCache
-from services.inference.engine.types import MAX_CONSTRAINT_CHARS, Constraint, SamplingParams
-from services.inference.errors import InvalidRequest
+from loraplex.bench.random_schemas import random_schema
+from loraplex.services.inference.engine.grammar import GrammarCache
+from loraplex.services.inference.engine.types import MAX_CONSTRAINT_CHARS, Constraint, SamplingParams
+from loraplex.services.inference.errors import InvalidRequest
 from tests.support.lora_reference import server_args, sync_engine
 
 NUM_SCHEMAS = 12

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from loraplex.v1 import inference_pb2 as pb
 from transformers import AutoTokenizer
 
-from services.inference.engine.chat import render_chat
-from services.openai import schema, tools
-from services.openai.errors import OpenAIError
-from services.openai.responses import StreamState
+from loraplex.services.inference.engine.chat import render_chat
+from loraplex.services.openai import schema, tools
+from loraplex.services.openai.errors import OpenAIError
+from loraplex.services.openai.responses import StreamState
+from loraplex.v1 import inference_pb2 as pb
 
 WEATHER = {
     "type": "function",

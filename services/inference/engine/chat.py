@@ -12,8 +12,12 @@ import json
 import logging
 from pathlib import Path
 
-from services.inference.engine.chat_tools import calls_as_content, describe_tools, template_knows_tools
-from services.inference.errors import InvalidRequest
+from loraplex.services.inference.engine.chat_tools import (
+    calls_as_content,
+    describe_tools,
+    template_knows_tools,
+)
+from loraplex.services.inference.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from services.inference.errors import InvalidRequest
+from loraplex.services.inference.errors import InvalidRequest
 
 MAX_TOOLS = 128
 FALLBACK_PROMPT = (

@@ -28,8 +28,8 @@ from collections import OrderedDict
 
 import torch
 
-from services.inference.engine.types import Constraint
-from services.inference.errors import InvalidRequest
+from loraplex.services.inference.engine.types import Constraint
+from loraplex.services.inference.errors import InvalidRequest
 
 COMPILE_TIMEOUT_S = 10.0
 CACHE_ENTRIES = 512  # compiled grammars kept (least recently used dropped first)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.inference.engine.grammar import GrammarState
-from services.inference.engine.types import SamplingParams
+from loraplex.services.inference.engine.grammar import GrammarState
+from loraplex.services.inference.engine.types import SamplingParams
 
 
 class RequestStatus(enum.Enum):
