@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import NamedTuple
 
 from loraplex.services.inference.engine.api import Engine
+from loraplex.services.inference.engine.chat_tools import parse_tool_calls, parse_tools
 from loraplex.services.inference.engine.types import RequestOutput, SamplingParams
 from loraplex.services.inference.errors import CapacityExceeded, InvalidRequest, LoraplexError
 from loraplex.services.inference.proto_convert import (
@@ -91,6 +92,8 @@ def _prompt_of_input(engine: Engine, inp: pb.Input, adapter: str, i: int) -> lis
         raise InvalidRequest(
             f"{where}.add_generation_prompt applies to messages only", field=f"{where}.add_generation_prompt"
         )
+    if inp.tools_json and not inp.messages:
+        raise InvalidRequest(f"{where}.tools_json applies to messages only", field=f"{where}.tools_json")
     if inp.token_ids:
         return list(inp.token_ids)
     if inp.text:
@@ -107,9 +110,18 @@ def _prompt_of_input(engine: Engine, inp: pb.Input, adapter: str, i: int) -> lis
                 f"{where}.messages[{j}].role is {m.role[:40]!r}; it must be one of {', '.join(CHAT_ROLES)}",
                 field=f"{where}.messages[{j}].role",
             )
-        messages.append({"role": m.role, "content": m.content})
+        message = {"role": m.role, "content": m.content}
+        if m.tool_calls_json:
+            field = f"{where}.messages[{j}].tool_calls_json"
+            message["tool_calls"] = parse_tool_calls(m.tool_calls_json, field)
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+        messages.append(message)
     add = inp.add_generation_prompt if inp.HasField("add_generation_prompt") else True
-    return engine.render_chat(messages, adapter or None, add)
+    tools = parse_tools(inp.tools_json, f"{where}.tools_json") if inp.tools_json else None
+    return engine.render_chat(messages, adapter or None, add, tools)
 
 
 def _check_length(text_chars: int, where: str, context_length: int) -> None:

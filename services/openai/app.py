@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from sse_starlette.sse import EventSourceResponse
 from starlette.responses import JSONResponse, Response
 
-from loraplex.services.openai import responses, schema
+from loraplex.services.openai import responses, schema, structured
 from loraplex.services.openai.disconnect import unless_client_leaves
 from loraplex.services.openai.errors import OpenAIError, from_grpc
 from loraplex.services.openai.inputs import (
@@ -196,26 +196,28 @@ def create_app(backend: Backend) -> FastAPI:
     async def generate(
         request: Request,
         parsed,
-        grpc_request: pb.GenerateRequest,
+        door_call: schema.DoorCall,
         adapter: str,
         chat: bool,
         want_logprobs: bool,
     ) -> Response:
         md = _metadata(request, adapter)
+        grpc_request, tool_plan = door_call.request, door_call.tool_plan
         if not parsed.stream:
             call = backend.stub.Generate(grpc_request, metadata=md, timeout=backend.timeout_s)
             try:
                 resp = await unless_client_leaves(request, call)
             except grpc.RpcError as exc:
-                raise from_grpc(exc, parsed.model) from None
-            build = responses.chat_body if chat else responses.completion_body
-            return JSONResponse(build(resp, parsed.model, want_logprobs))
+                raise structured.rename_error(from_grpc(exc, parsed.model), door_call.fields) from None
+            if chat:
+                return JSONResponse(responses.chat_body(resp, parsed.model, want_logprobs, tool_plan))
+            return JSONResponse(responses.completion_body(resp, parsed.model, want_logprobs))
         call = backend.stub.GenerateStream(grpc_request, metadata=md, timeout=backend.timeout_s)
         try:  # the first message (or the error) before the 200: a refused call gets its status
             first = await unless_client_leaves(request, call, call.read())
         except grpc.RpcError as exc:
-            raise from_grpc(exc, parsed.model) from None
-        state = responses.StreamState(parsed.model, parsed.n, chat, want_logprobs)
+            raise structured.rename_error(from_grpc(exc, parsed.model), door_call.fields) from None
+        state = responses.StreamState(parsed.model, parsed.n, chat, want_logprobs, tool_plan)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         return EventSourceResponse(_events(call, first, state, include_usage, parsed.model), ping=15)
 
@@ -223,15 +225,15 @@ def create_app(backend: Backend) -> FastAPI:
     async def completions(request: Request) -> Response:
         parsed = schema.parse(schema.CompletionRequest, await _body(request))
         adapter = await _resolve(backend, request, parsed.model)
-        grpc_request = schema.completion_request(parsed, adapter)
-        return await generate(request, parsed, grpc_request, adapter, False, parsed.logprobs is not None)
+        door_call = schema.completion_call(parsed, adapter)
+        return await generate(request, parsed, door_call, adapter, False, parsed.logprobs is not None)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         parsed = schema.parse(schema.ChatRequest, await _body(request))
         adapter = await _resolve(backend, request, parsed.model)
-        grpc_request = schema.chat_request(parsed, adapter)
-        return await generate(request, parsed, grpc_request, adapter, True, parsed.logprobs)
+        door_call = schema.chat_call(parsed, adapter)
+        return await generate(request, parsed, door_call, adapter, True, parsed.logprobs)
 
     return app
 

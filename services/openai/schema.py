@@ -4,10 +4,11 @@ never silently ignored; fields that only label the call (`user`) are accepted.""
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from loraplex.services.openai import structured, tools
 from loraplex.services.openai.errors import bad_request
 from loraplex.v1 import inference_pb2 as pb
 
@@ -41,6 +42,12 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's structured-output extensions (services/openai/structured.py reads and checks them).
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
 
 class CompletionRequest(_Common):
@@ -74,14 +81,14 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: Any = None
 
 
 UNSUPPORTED_EXTRAS = (
     "functions",
     "function_call",
-    "tool_choice",
-    "parallel_tool_calls",
     "audio",
     "modalities",
     "prediction",
@@ -138,6 +145,37 @@ def _sampling(req: _Common, max_tokens: int | None) -> pb.SamplingParams:
     if req.seed is not None:
         params.seed = req.seed & ((1 << 64) - 1)
     return params
+
+
+class DoorCall(NamedTuple):
+    """A request as sent on, with what the answer needs: the tool plan (chat with tools) and the
+    constraint's field names, to name the caller's field in a compile error."""
+
+    request: pb.GenerateRequest
+    tool_plan: tools.ToolPlan | None = None
+    fields: dict[str, str] = {}  # noqa: RUF012 - never mutated
+
+
+def completion_call(req: CompletionRequest, adapter: str) -> DoorCall:
+    request = completion_request(req, adapter)
+    return DoorCall(request, None, structured.apply(req, request.sampling_params))
+
+
+def chat_call(req: ChatRequest, adapter: str) -> DoorCall:
+    request = chat_request(req, adapter)
+    params = request.sampling_params
+    fields = structured.apply(req, params, req.response_format)
+    tool_plan = tools.plan(req.tools, req.tool_choice)
+    if tool_plan is not None:
+        if fields and tool_plan.mode in ("required", "named"):
+            raise bad_request(
+                f"tool_choice {tool_plan.mode} already constrains the output; "
+                f"drop {next(iter(fields.values()))}",
+                "tool_choice",
+            )
+        fields = fields or tools.constrain(tool_plan, params)
+        request.inputs[0].tools_json = tools.tools_json(tool_plan.tools)
+    return DoorCall(request, tool_plan, fields)
 
 
 def completion_request(req: CompletionRequest, adapter: str) -> pb.GenerateRequest:
@@ -199,19 +237,11 @@ def _ids(ids: list[Any], where: str) -> list[int]:
 
 
 def chat_request(req: ChatRequest, adapter: str) -> pb.GenerateRequest:
-    if req.tools:
-        raise bad_request("tools are not supported by this server", "tools")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise bad_request(
-            "response_format other than text is not supported by this server", "response_format"
-        )
+    """The request without its output constraint and tools (`chat_call` adds them)."""
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     params = _sampling(req, req.max_completion_tokens or req.max_tokens)
     if req.logprobs:
         params.logprobs, params.top_logprobs = True, req.top_logprobs or 0
-    messages = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        messages.append(pb.ChatMessage(role=m.role, content=content))
+    messages = tools.chat_messages(req.messages)
     return pb.GenerateRequest(inputs=[pb.Input(messages=messages)], adapter=[adapter], sampling_params=params)

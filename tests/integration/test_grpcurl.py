@@ -100,6 +100,7 @@ def test_example_scripts_run(stack):
         ("store_list_adapters.sh", []),
         ("generate_inputs.sh", []),
         ("chat_stream.sh", ["", "Hi"]),
+        ("generate_json_schema.sh", []),
     ]:
         out = subprocess.run(
             ["bash", str(EXAMPLES / script), *args], env=env, capture_output=True, text=True, timeout=120
@@ -115,6 +116,11 @@ def test_example_scripts_run(stack):
                 (2, 0),
             ]
             assert len(completions[3]["logprobs"]) == len(completions[3]["token_ids"])
+        if script == "generate_json_schema.sh":
+            constrained, _, choice = json.loads(out.stdout)["completions"]
+            answer = json.loads(constrained["text"])
+            assert constrained["finish_reason"] == "stop" and set(answer) == {"country", "capital"}
+            assert choice["text"] in ("yes", "no")
         if script == "chat_stream.sh":
             final = json_stream(out.stdout)[-1]
             assert final["finish_reason"] and final["time_to_first_token_s"] > 0

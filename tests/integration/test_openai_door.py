@@ -171,12 +171,14 @@ def test_errors_in_openai_shape(client, door, base_name):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=base_name, prompt="hi", max_tokens=5000)
     assert "max_new_tokens" in info.value.message
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model=base_name,
             messages=CHAT,
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )
+    assert info.value.param == "tool_choice"
     request = urllib.request.Request(
         f"http://{door.address}/v1/completions",
         data=b"{not json",

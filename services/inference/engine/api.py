@@ -49,10 +49,15 @@ class Engine(Protocol):
         ...
 
     def render_chat(
-        self, messages: list[dict[str, str]], adapter: str | None = None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        adapter: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Prompt ids of chat `messages`: the adapter's own chat template when its directory ships
-        one, else the model's. Raises `InvalidRequest` when the template cannot render them."""
+        one, else the model's; `tools` (OpenAI tool definitions) as engine/chat_tools.py renders them.
+        Raises `InvalidRequest` when the template cannot render them."""
         ...
 
     def detokenize_each(self, token_ids: list[int]) -> list[str]:

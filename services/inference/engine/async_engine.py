@@ -37,6 +37,7 @@ class _Add(NamedTuple):
     adapter: str | None
     params: SamplingParams
     arrival_time: float
+    grammar: object = None  # params.constraint compiled (engine/grammar.py), when it has one
 
 
 class _Abort(NamedTuple):
@@ -98,6 +99,9 @@ class AsyncEngine:
             raise AdapterNotFound(
                 f"adapter {add.adapter!r} is not loaded on this server", adapter=add.adapter
             )
+        if add.params.constraint is not None:
+            # Compiled on the grammar cache's threads: the batch runs on while this request waits.
+            add = add._replace(grammar=await self.engine.grammars.compile_async(add.params.constraint))
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._sinks_lock:
             if add.request_id in self._sinks:
@@ -130,14 +134,18 @@ class AsyncEngine:
             return list(self._tokenizer(text).input_ids)
 
     def render_chat(
-        self, messages: list[dict[str, str]], adapter: str | None = None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        adapter: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Prompt ids of chat `messages` (engine/chat.py); an adapter's own template when it ships one."""
         # Read with the adapter's weights at load time (lora/adapter.py), never from its directory now.
         template = self.lora_manager.chat_template(adapter) if adapter and self.lora_manager else None
         # Rendered outside the tokenizer lock: a slow template must not hold every other request.
         if template is None:
-            text = render_model_template(self._tokenizer, messages, add_generation_prompt)
+            text = render_model_template(self._tokenizer, messages, add_generation_prompt, tools)
         else:
             text = render_adapter_template(
                 self._templates,
@@ -147,6 +155,7 @@ class AsyncEngine:
                 add_generation_prompt,
                 self._template_variables,
                 self.engine.context_length,
+                tools,
             )
         with self._tokenizer_lock:
             return list(self._tokenizer(text, add_special_tokens=False).input_ids)
@@ -223,6 +232,7 @@ class AsyncEngine:
                         command.params,
                         command.adapter,
                         arrival_time=command.arrival_time,
+                        grammar=command.grammar,
                     )
                 except LoraplexError as exc:
                     self._deliver(command.request_id, exc)

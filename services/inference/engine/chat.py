@@ -5,10 +5,17 @@ tokenize=True)` does: the template's text, tokenized without adding special toke
 template writes them). An adapter that ships a template uses it (read with its weights at load
 time: lora/adapter.py), rendered in a worker process with a time and size budget
 (template_sandbox.py); the model's own is rendered here. Neither holds the tokenizer lock.
+OpenAI tool definitions go to a template that renders `tools`, else are described in the system
+message (engine/chat_tools.py).
 """
 
 from __future__ import annotations
 
+from loraplex.services.inference.engine.chat_tools import (
+    calls_as_content,
+    describe_tools,
+    template_knows_tools,
+)
 from loraplex.services.inference.engine.template_sandbox import TemplateRenderer
 from loraplex.services.inference.errors import InvalidRequest
 
@@ -17,15 +24,30 @@ from loraplex.services.inference.errors import InvalidRequest
 MAX_RENDERED_CHARS_PER_TOKEN = 64
 
 
-def render_model_template(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+def _with_tools(template: str | None, messages: list[dict], tools: list[dict] | None):
+    """(messages, tools) as `template` can take them: a template that does not render tools gets
+    them (and earlier calls) written into the messages instead."""
+    if not template_knows_tools(template):
+        if tools:
+            return describe_tools(messages, tools), None
+        if any(m.get("tool_calls") for m in messages):
+            return calls_as_content(messages), None
+    return messages, tools or None
+
+
+def render_model_template(
+    tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> str:
     """The text of `messages` in the model's own template (the operator's: rendered in-process)."""
-    if not getattr(tokenizer, "chat_template", None):
+    source = getattr(tokenizer, "chat_template", None)
+    if not source:
         raise InvalidRequest(
             "this model has no chat template; send text or token ids instead", field="messages"
         )
+    messages, tools = _with_tools(source if isinstance(source, str) else None, messages, tools)
     try:
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
         )
     except Exception as exc:  # noqa: BLE001 - a template error is the request's (e.g. roles it refuses)
         raise InvalidRequest(f"the chat template refused these messages: {exc}", field="messages") from None
@@ -35,17 +57,19 @@ def render_adapter_template(
     renderer: TemplateRenderer,
     template: str,
     adapter: str,
-    messages: list[dict[str, str]],
+    messages: list[dict],
     add_generation_prompt: bool,
     variables: dict,
     context_length: int,
+    tools: list[dict] | None = None,
 ) -> str:
     """The text of `messages` in an adapter's own template (its author's code: in a worker)."""
+    messages, tools = _with_tools(template, messages, tools)
     return renderer.render(
         template,
         messages,
         add_generation_prompt,
-        variables,
+        {**variables, "tools": tools} if tools else variables,
         max_chars=max(1, context_length) * MAX_RENDERED_CHARS_PER_TOKEN,
         what=f"the chat template of adapter {adapter!r}",
     )

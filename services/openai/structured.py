@@ -1,0 +1,123 @@
+"""Structured outputs at the door: OpenAI's `response_format` and vLLM's guided-decoding extensions
+-> the `constraint` of SamplingParams.
+
+Accepted spellings (at most one per request):
+- `response_format`: `{"type": "text"}` (free), `{"type": "json_object"}`,
+  `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": bool}}`
+  (chat; `strict` true or false decodes the same way: the output always matches the schema, and
+  properties the schema does not list are never generated);
+- vLLM's `guided_json` (a schema, object or JSON text), `guided_regex`, `guided_choice`,
+  `guided_grammar` (EBNF), and `structured_outputs: {"json" | "regex" | "choice" | "grammar": ...}`
+  (also `{"json_object": true}`), on completions and chat.
+
+A regex matches the whole output. The server compiles the constraint; its INVALID_ARGUMENT names
+`sampling_params.KIND`, which `rename_error` turns back into the field the caller wrote.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from loraplex.services.openai.errors import OpenAIError, bad_request
+from loraplex.v1 import inference_pb2 as pb
+
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _schema_text(value: Any, field: str) -> str:
+    if isinstance(value, str):
+        return value  # JSON text: the server parses it and names the field when it is not JSON
+    if isinstance(value, dict):
+        return json.dumps(value)
+    raise bad_request(f"{field} must be a JSON schema (an object)", field)
+
+
+def _set(params: pb.SamplingParams, kind: str, value: Any, field: str) -> str:
+    """Put one constraint on `params`; returns the gRPC field it became."""
+    if kind == "json":
+        params.json_schema = _schema_text(value, field)
+        return "sampling_params.json_schema"
+    if kind == "json_object":
+        if value is not True:
+            raise bad_request(f"{field} must be true", field)
+        params.json_object = True
+        return "sampling_params.json_object"
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise bad_request(f"{field} must be a list of strings", field)
+        params.choice.choices.extend(value)
+        return "sampling_params.choice"
+    if not isinstance(value, str):
+        raise bad_request(f"{field} must be a string", field)
+    setattr(params, kind, value)
+    return f"sampling_params.{kind}"
+
+
+def _from_response_format(rf: Any) -> tuple[str, Any, str] | None:
+    if not isinstance(rf, dict):
+        raise bad_request("response_format must be an object", "response_format")
+    kind = rf.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return ("json_object", True, "response_format")
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise bad_request(
+                "response_format.json_schema must be an object with a `schema`", "response_format.json_schema"
+            )
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request("response_format.json_schema.strict must be a boolean", "response_format")
+        return ("json", spec["schema"], "response_format.json_schema.schema")
+    raise bad_request(
+        f"response_format.type must be text, json_object or json_schema (got {kind!r})",
+        "response_format.type",
+    )
+
+
+def apply(req, params: pb.SamplingParams, response_format: Any = None) -> dict[str, str]:
+    """Set `params`' constraint from the request; returns {gRPC field: the caller's field} for
+    `rename_error`. Two constraints in one request are a 400."""
+    found: list[tuple[str, Any, str]] = []
+    if response_format is not None:
+        picked = _from_response_format(response_format)
+        if picked is not None:
+            found.append(picked)
+    for name, kind in GUIDED.items():
+        if getattr(req, name, None) is not None:
+            found.append((kind, getattr(req, name), name))
+    so = getattr(req, "structured_outputs", None)
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad_request("structured_outputs must be an object", "structured_outputs")
+        unknown = sorted(set(so) - set(STRUCTURED_KEYS) - {"disable_any_whitespace", "whitespace_pattern"})
+        if unknown:
+            raise bad_request(
+                f"structured_outputs.{unknown[0]} is not supported (one of {', '.join(STRUCTURED_KEYS)})",
+                f"structured_outputs.{unknown[0]}",
+            )
+        found += [(k, so[k], f"structured_outputs.{k}") for k in STRUCTURED_KEYS if so.get(k) is not None]
+    if not found:
+        return {}
+    if len(found) > 1:
+        raise bad_request(f"give one output constraint; got {', '.join(f for _, _, f in found)}", found[1][2])
+    kind, value, field = found[0]
+    return {_set(params, kind, value, field): field}
+
+
+def rename_error(err: OpenAIError, fields: dict[str, str]) -> OpenAIError:
+    """The server names `sampling_params.json_schema` (etc.); say the field the caller wrote."""
+    for grpc_field, door_field in fields.items():
+        if err.param == grpc_field or (err.param is None and grpc_field in err.message):
+            err.param = door_field
+            err.message = err.message.replace(grpc_field, door_field)
+    return err
