@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from services.inference.errors import AdapterIncompatible, AdapterInvalid
-from services.inference.lora.shapes import ALL_MODULES, all_module_paths, module_path
+from services.inference.lora.shapes import ALL_MODULES, FUSED_MODULES, all_module_paths, module_path
 
 # PEFT features that change the forward beyond `B(A(x)) * scaling`; refused when set.
 _UNSUPPORTED: dict[str, str] = {
@@ -195,14 +195,19 @@ def _pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
     return default
 
 
-def resolve_targets(spec: AdapterSpec, num_layers: int) -> dict[tuple[int, str], ModuleLoRA]:
+def resolve_targets(
+    spec: AdapterSpec, num_layers: int, hf_modules: tuple[str, ...] = ALL_MODULES
+) -> dict[tuple[int, str], ModuleLoRA]:
     """Which (layer, module) the adapter targets, with PEFT's per-module rank/alpha/scaling.
 
+    `hf_modules`: the model's targetable linears (`ModelShapes.hf_modules`); a targeted fused one
+    (Phi-3's qkv_proj, gate_up_proj) comes back as its parts, each with the fused module's rank.
     Raises AdapterInvalid when a target is an embedding/lm_head, not a linear projection, or
     names nothing in this model architecture.
     """
-    projections = {module_path(n, m): (n, m) for n in range(num_layers) for m in ALL_MODULES}
-    matched = [k for k in all_module_paths(num_layers) if k and _matches_target(spec, k)]
+    projections = {module_path(n, m): (n, m) for n in range(num_layers) for m in hf_modules}
+    paths = all_module_paths(num_layers, hf_modules)
+    matched = [k for k in paths if k and _matches_target(spec, k)]
     for key in matched:
         if key in _EMBEDDING_PATHS:
             raise _invalid(
@@ -211,15 +216,15 @@ def resolve_targets(spec: AdapterSpec, num_layers: int) -> dict[tuple[int, str],
         if key not in projections:
             raise _invalid(
                 "target_modules",
-                f"targets {key!r}, which is not one of the linear projections {', '.join(ALL_MODULES)}",
+                f"targets {key!r}, which is not one of the linear projections {', '.join(hf_modules)}",
             )
     if not isinstance(spec.target_modules, str):
         for name in spec.target_modules:
-            if not any(k == name or k.endswith(f".{name}") for k in all_module_paths(num_layers)):
+            if not any(k == name or k.endswith(f".{name}") for k in paths):
                 raise _invalid(
                     "target_modules",
                     f"{name!r} is not a module of this model architecture "
-                    f"(LoRA can target {', '.join(ALL_MODULES)})",
+                    f"(LoRA can target {', '.join(hf_modules)})",
                 )
     if not matched:
         raise _invalid("target_modules", f"{spec.target_modules!r} matches no module of this model")
@@ -227,7 +232,9 @@ def resolve_targets(spec: AdapterSpec, num_layers: int) -> dict[tuple[int, str],
     for key in matched:
         rank = _pattern_value(spec.rank_pattern, key, spec.r)
         alpha = float(_pattern_value(spec.alpha_pattern, key, spec.lora_alpha))
-        out[projections[key]] = ModuleLoRA(rank, alpha, spec.scaling(rank, alpha))
+        layer, module = projections[key]
+        for part in FUSED_MODULES.get(module, (module,)):
+            out[(layer, part)] = ModuleLoRA(rank, alpha, spec.scaling(rank, alpha))
     return out
 
 
