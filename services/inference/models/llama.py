@@ -273,7 +273,8 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:  # Gemma: times sqrt(hidden) rounded to the model dtype
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype, device=h.device)
+            # (a host scalar: no device tensor is made inside a CUDA-graph capture)
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
         return h
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
