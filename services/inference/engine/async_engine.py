@@ -256,6 +256,8 @@ def default_model_info(engine: LLMEngine) -> ModelInfo:
         lora_backend="none",
         tp_size=1,
         context_length=engine.context_length,
+        architecture=loaded.config.architecture,
+        family=loaded.config.family.name,
     )
 
 
