@@ -162,7 +162,7 @@ def test_unknown_architecture_and_rope_are_refused(tmp_path, tiny_llama_path):
 
 
 def test_family_features_we_do_not_implement_are_refused_by_name(tiny_llama_path):
-    from services.inference.engine.attention import effective_windows, refuse_triton_attention
+    from services.inference.engine.attention import effective_windows
     from services.inference.models.config import check_context_length
 
     raw = json.loads((tiny_llama_path / "config.json").read_text())
@@ -187,20 +187,13 @@ def test_family_features_we_do_not_implement_are_refused_by_name(tiny_llama_path
         {**raw, "architectures": ["Gemma2ForCausalLM"], "sliding_window": 16, "attn_logit_softcapping": 50.0}
     )
     assert gemma2.layer_windows == (16, None) and gemma2.attention_scale == 256**-0.5
-    with pytest.raises(UnsupportedModelError, match="Gemma2ForCausalLM needs sliding-window.*soft-capping"):
-        refuse_triton_attention(gemma2, effective_windows(gemma2, 1024))
+    assert gemma2.attn_softcap == 50.0 and gemma2.final_softcap is None
     qwen3 = parse_config(
-        {
-            **raw,
-            "architectures": ["Qwen3ForCausalLM"],
-            "sliding_window": 16,
-            "use_sliding_window": True,
-            "max_window_layers": 1,
-        }
-    )
-    refuse_triton_attention(qwen3, effective_windows(qwen3, 16))  # the window covers the context: served
-    with pytest.raises(UnsupportedModelError, match="--context-length 16 or less"):
-        refuse_triton_attention(qwen3, effective_windows(qwen3, 17))
+        {**raw, "architectures": ["Qwen3ForCausalLM"], "sliding_window": 16, "use_sliding_window": True,
+         "max_window_layers": 1}
+    )  # fmt: skip
+    assert effective_windows(qwen3, 16) == (None, None)  # the window covers the whole context
+    assert effective_windows(qwen3, 17) == (None, 16)
 
 
 def test_model_type_names_the_family_when_architectures_is_null(tmp_path, tiny_llama_path):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention_kv_store import store_kv_ref
-from services.inference.models.config import ModelConfig, UnsupportedModelError
+from services.inference.models.config import ModelConfig
 from services.inference.models.context import Attention
 
 
@@ -26,28 +26,6 @@ def effective_windows(config: ModelConfig, context_length: int) -> tuple[int | N
         w if w is not None and w < context_length else None
         for w in (config.window_of(i) for i in range(config.num_layers))
     )
-
-
-def refuse_triton_attention(config: ModelConfig, windows: tuple[int | None, ...]) -> None:
-    """The Triton attention kernels have no sliding window and no soft-capping: refuse at start."""
-    missing = [
-        what
-        for what, needed in (
-            (f"sliding-window attention (sliding_window={config.sliding_window})", any(windows)),
-            (f"attention logit soft-capping ({config.attn_softcap})", config.attn_softcap is not None),
-        )
-        if needed
-    ]
-    if missing:
-        hint = (
-            f" (or pass --context-length {config.sliding_window} or less)"
-            if config.attn_softcap is None
-            else ""
-        )
-        raise UnsupportedModelError(
-            f"{config.architecture} needs {' and '.join(missing)}, which the Triton attention kernels do "
-            f"not implement yet; serve it on the CPU{hint}"
-        )
 
 
 class PrefillSegment(NamedTuple):

@@ -19,7 +19,6 @@ from services.inference.engine.attention import (
     PrefillSegment,
     TorchPagedAttention,
     effective_windows,
-    refuse_triton_attention,
 )
 from services.inference.engine.overlap import fill_placeholders
 from services.inference.engine.scheduler import SeqChunk
@@ -54,12 +53,9 @@ class ModelRunner:
         if triton_runs_on(self.device):  # Triton kernels (kernels/attention_*.py); torch reference on CPU
             from services.inference.engine.attention_triton import TritonPagedAttention
 
-            refuse_triton_attention(model_config, windows)
-            self.attention = TritonPagedAttention(kv_cache, scale)
+            self.attention = TritonPagedAttention(kv_cache, scale, windows, model_config.attn_softcap)
         else:
-            self.attention = TorchPagedAttention(
-                kv_cache, scale=scale, windows=windows, softcap=model_config.attn_softcap
-            )
+            self.attention = TorchPagedAttention(kv_cache, scale, windows, model_config.attn_softcap)
         self.cuda_graphs = None  # DecodeGraphs (engine/cuda_graph.py), set by capture_cuda_graphs
         self.mixed_graphs = None  # MixedGraphs (engine/mixed_graphs.py), set by capture_mixed_graphs
         self.max_blocks_per_seq = -(-context_length // self.page_size)
@@ -88,7 +84,7 @@ class ModelRunner:
         graphs = DecodeGraphs(
             self.model,
             self.kv_cache,
-            self.config.attention_scale,
+            self.attention,
             self.lora_backend,
             max_bs=max_bs,
             max_blocks_per_seq=self.max_blocks_per_seq,
