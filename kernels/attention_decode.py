@@ -19,13 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fused_ops import tanh
+
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def soft_cap(s, cap):
-    """`cap * tanh(s / cap)` (Gemma 2's attention logit soft-capping), tanh as 1 - 2 / (e^2x + 1)."""
-    return cap * (1.0 - 2.0 / (tl.exp(2.0 * (s / cap)) + 1.0))
+    """`cap * tanh(s / cap)`: Gemma 2's attention logit soft-capping."""
+    return cap * tanh(s / cap)
 
 
 # The split count is a runtime value (it follows the batch size, and a constexpr would compile a

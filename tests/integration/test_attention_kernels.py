@@ -289,6 +289,7 @@ def _check_fused_ops(dtype: torch.dtype) -> int:
     freqs = torch.randn((3, 12), generator=gen)
     cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
     gate_up = torch.randn((3, 2 * 1500), generator=gen).to(dtype)
+    qn, kn = torch.randn(24, generator=gen).to(dtype), torch.randn(24, generator=gen).to(dtype)
     h, y = torch.randn((5, 100), generator=gen).to(dtype), torch.randn((5, 100), generator=gen).to(dtype)
     # LoRA deltas are float32 views with a wider row stride (the backend's shared delta buffer).
     delta = torch.randn((5, 3200), generator=gen)[:, :100]
@@ -302,6 +303,33 @@ def _check_fused_ops(dtype: torch.dtype) -> int:
         ("add_rms_norm+delta out", added[1][1], added_ref[1][1]),
         ("silu_mul+delta", silu_and_mul(gate_up, gu_delta), silu_and_mul_ref(gate_up, gu_delta)),
         ("rms_norm", rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5)),
+        # Gemma: (1 + weight) norms, GeGLU; Qwen3 / Gemma 3: q/k norms before the rotary
+        ("rms_norm unit offset", rms_norm(x, w, 1e-5, True), rms_norm_ref(x, w, 1e-5, True)),
+        *(
+            (f"add_rms_norm unit offset {i}", got, want)
+            for i, (got, want) in enumerate(
+                zip(
+                    add_rms_norm(h, y, w, 1e-5, delta, unit_offset=True),
+                    add_rms_norm_ref(h, y, w, 1e-5, delta, unit_offset=True),
+                    strict=True,
+                )
+            )
+        ),
+        (
+            "gelu_tanh_mul+delta",
+            silu_and_mul(gate_up, gu_delta, "gelu_tanh"),
+            silu_and_mul_ref(gate_up, gu_delta, "gelu_tanh"),
+        ),
+        *(
+            (f"qkv_rotary qk_norm{' unit offset' if uo else ''} {part}", got, want)
+            for uo in (False, True)
+            for part, got, want in zip(
+                "qkv",
+                qkv_rotary(qkv, cos, sin, 4, 1, qkv_delta, qk_norm=(qn, kn, 1e-6, uo)),
+                qkv_rotary_ref(qkv, cos, sin, 4, 1, qkv_delta, qk_norm=(qn, kn, 1e-6, uo)),
+                strict=True,
+            )
+        ),
         *(
             (f"qkv_rotary{tag} {part}", out, ref)
             for tag, d in (("", None), ("+delta", qkv_delta))

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fused_ops import add_rms_norm, qkv_rotary, qkv_rotary_ref, rms_norm, rotary_ref, silu_and_mul
+from kernels.fused_ops import add_rms_norm, qkv_rotary, qkv_rotary_ref, rms_norm, silu_and_mul
 from kernels.placement import triton_runs_on
 from services.inference.models.config import ModelConfig
 from services.inference.models.context import ForwardContext
@@ -78,8 +78,8 @@ class RMSNorm(nn.Module):
         self.weight = _empty_param(size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if triton_runs_on(x) and x.dim() == 2 and not self.unit_offset:  # one launch instead of seven
-            return rms_norm(x, self.weight, self.eps)
+        if triton_runs_on(x) and x.dim() == 2:  # one fused launch instead of seven (kernels/fused_ops.py)
+            return rms_norm(x, self.weight, self.eps, self.unit_offset)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
@@ -101,8 +101,17 @@ class RMSNorm(nn.Module):
                 h = h_out.copy_(h)
             normed = self(h)
             return h, normed if out is None else out.copy_(normed)
-        if triton_runs_on(h) and h.dim() == 2 and not self.unit_offset:
-            return add_rms_norm(h, addend.out, self.weight, self.eps, addend.delta, h_out=h_out, out=out)
+        if triton_runs_on(h) and h.dim() == 2:
+            return add_rms_norm(
+                h,
+                addend.out,
+                self.weight,
+                self.eps,
+                addend.delta,
+                h_out=h_out,
+                out=out,
+                unit_offset=self.unit_offset,
+            )
         h = h + addend.materialize()
         if h_out is not None:
             h = h_out.copy_(h)
@@ -173,28 +182,15 @@ class DecoderLayer(nn.Module):
         if cos.dim() == 3:  # two rope tables (global, local): this layer's
             cos, sin = cos[self.rope_table], sin[self.rope_table]
         out = None if bufs is None else (bufs.q, bufs.k, bufs.v)
-        if self.q_norm is not None:
-            q, k, v = self._split_norm_rotary(qkv.materialize(), cos, sin)
-            if out is not None:
-                for dst, src in zip(out, (q, k, v), strict=True):
-                    dst.copy_(src)
-                q, k, v = out
-            return h, q, k, v
-        # Split, delta and rotary: one launch on CUDA, the torch code it replaces elsewhere.
+        qk_norm = None
+        if self.q_norm is not None:  # Qwen3 / Gemma 3: per-head q/k norms, inside the same launch
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset)
+        # Split, delta, q/k norms and rotary: one launch on CUDA, the torch code it replaces elsewhere.
         split_rotary = qkv_rotary if triton_runs_on(qkv.out) else qkv_rotary_ref
-        q, k, v = split_rotary(qkv.out, cos, sin, self.num_heads, self.num_kv_heads, qkv.delta, out=out)
+        q, k, v = split_rotary(
+            qkv.out, cos, sin, self.num_heads, self.num_kv_heads, qkv.delta, out=out, qk_norm=qk_norm
+        )
         return h, q, k, v
-
-    def _split_norm_rotary(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q/k-norm families: split, RMS-normalise each head of q and k, then rotary (torch ops; the
-        norms run as the 2-D fused kernel on CUDA)."""
-        t, d = qkv.shape[0], self.head_dim
-        q, k, v = qkv.split((self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d), dim=-1)
-        q = self.q_norm(q.reshape(t * self.num_heads, d)).view(t, self.num_heads, d)
-        k = self.k_norm(k.reshape(t * self.num_kv_heads, d)).view(t, self.num_kv_heads, d)
-        return rotary_ref(q, cos, sin), rotary_ref(k, cos, sin), v.reshape(t, self.num_kv_heads, d)
 
     def post_attention(
         self, h: torch.Tensor, attn: torch.Tensor, ctx: ForwardContext, bufs: StepBuffers | None = None
@@ -205,8 +201,8 @@ class DecoderLayer(nn.Module):
             o = Addend(self.attn_output_norm(o.materialize()))
         h, x = self.post_attention_layernorm.add_forward(h, o, h_out=None if bufs is None else bufs.h)
         gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx)
-        if self.activation == "silu" and triton_runs_on(gate_up.out):
-            act = silu_and_mul(gate_up.out, gate_up.delta)
+        if triton_runs_on(gate_up.out):  # SwiGLU or GeGLU, one launch
+            act = silu_and_mul(gate_up.out, gate_up.delta, self.activation)
         else:
             gate, up = gate_up.materialize().split((self.inter, self.inter), dim=-1)
             act = (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
