@@ -17,7 +17,7 @@ from adapter_store.validate import validate_adapter
 from services.inference.errors import AdapterInvalid
 from services.inference.lora.adapter import load_adapter_weights
 from services.inference.lora.settings import parse_target_modules
-from services.inference.lora.shapes import ModelShapes
+from services.inference.lora.shapes import ALL_MODULES, ModelShapes
 from tests.support.factories import make_tiny_model
 
 
@@ -54,6 +54,18 @@ def test_fused_adapter_becomes_its_parts(phi3, adapter_factory):
     up = raw["base_model.model.model.layers.0.mlp.gate_up_proj.lora_B.weight"]
     assert torch.equal(weights.lora_b[(0, "up_proj")], up[shapes.intermediate_size :])
     assert parse_target_modules(["qkv_proj", "o_proj"]) == ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def test_all_linear_means_the_fused_linears_on_phi3(phi3, adapter_factory, tmp_path):
+    """A hand-written `"target_modules": "all-linear"` config (PEFT resolves it against the model)."""
+    everything = adapter_factory(phi3, "phi3-all", r=4, target_modules="all-linear", seed=6)
+    config = json.loads((everything / "adapter_config.json").read_text())
+    (tmp_path / "adapter_model.safetensors").write_bytes(
+        (everything / "adapter_model.safetensors").read_bytes()
+    )
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "target_modules": "all-linear"}))
+    targets = load_adapter_weights(tmp_path, ModelShapes.from_model_dir(phi3)).targets
+    assert {m for _, m in targets} == set(ALL_MODULES)
 
 
 def test_adapter_of_another_module_tree_is_refused(phi3, llama, adapter_factory):

@@ -13,6 +13,7 @@ over the model's module names, so per-(layer, module) ranks and scalings equal P
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable
@@ -64,6 +65,7 @@ class AdapterSpec:
     layers_to_transform: tuple[int, ...] | None = None
     layers_pattern: tuple[str, ...] | None = None
     base_model_name_or_path: str | None = None
+    all_linear: bool = False  # target_modules was "all-linear": every projection of the model's own tree
 
     def scaling(self, rank: int, alpha: float) -> float:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
@@ -132,7 +134,8 @@ def parse_adapter_config(cfg: dict[str, Any]) -> AdapterSpec:
     if cfg.get("target_modules") in (None, [], ""):
         raise _invalid("target_modules", "must name at least one module")
     target = cfg["target_modules"]
-    if isinstance(target, str) and target.lower() == "all-linear":
+    all_linear = isinstance(target, str) and target.lower() == "all-linear"
+    if all_linear:
         target = ALL_MODULES
     exclude = cfg.get("exclude_modules")
     layers = cfg.get("layers_to_transform")
@@ -155,6 +158,7 @@ def parse_adapter_config(cfg: dict[str, Any]) -> AdapterSpec:
         layers_to_transform=tuple(layers) if layers else None,
         layers_pattern=tuple(layers_pattern) if layers_pattern else None,
         base_model_name_or_path=str(base) if base else None,
+        all_linear=all_linear,
     )
 
 
@@ -205,6 +209,8 @@ def resolve_targets(
     Raises AdapterInvalid when a target is an embedding/lm_head, not a linear projection, or
     names nothing in this model architecture.
     """
+    if spec.all_linear:  # PEFT resolves it against the model: Phi-3's linears are the fused ones
+        spec = dataclasses.replace(spec, target_modules=tuple(hf_modules))
     projections = {module_path(n, m): (n, m) for n in range(num_layers) for m in hf_modules}
     paths = all_module_paths(num_layers, hf_modules)
     matched = [k for k in paths if k and _matches_target(spec, k)]
