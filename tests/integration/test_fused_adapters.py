@@ -66,6 +66,10 @@ def test_all_linear_means_the_fused_linears_on_phi3(phi3, adapter_factory, tmp_p
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "target_modules": "all-linear"}))
     targets = load_adapter_weights(tmp_path, ModelShapes.from_model_dir(phi3)).targets
     assert {m for _, m in targets} == set(ALL_MODULES)
+    # and the store accepts it against the Phi-3 base (it matched no module before)
+    base = shapes_from_config("phi3", json.loads((phi3 / "config.json").read_text()))
+    store_config = parse_lora_config((tmp_path / "adapter_config.json").read_bytes())
+    assert validate_adapter(store_config, tmp_path / "adapter_model.safetensors", base).rank == 4
 
 
 def test_adapter_of_another_module_tree_is_refused(phi3, llama, adapter_factory):
