@@ -8,7 +8,7 @@ import math
 import re
 from typing import NamedTuple
 
-from adapter_store.errors import InvalidArgument
+from loraplex.adapter_store.errors import InvalidArgument
 
 CONFIG_FILE = "adapter_config.json"
 MAX_CONFIG_BYTES = 1 * 2**20

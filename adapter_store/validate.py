@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from adapter_store.base_model import BaseModelShapes
-from adapter_store.errors import InvalidArgument
-from adapter_store.lora_config import LoraConfig
-from adapter_store.safetensors_header import SafetensorsHeader, TensorInfo, read_header
+from loraplex.adapter_store.base_model import BaseModelShapes
+from loraplex.adapter_store.errors import InvalidArgument
+from loraplex.adapter_store.lora_config import LoraConfig
+from loraplex.adapter_store.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 TENSOR_NAME_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")

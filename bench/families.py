@@ -1,8 +1,8 @@
 """Decode step of random Qwen3-8B and Gemma-2-9B shaped models: batch 64 against the memory floor, and
 8 distinct adapters against the base model.
 
-    PYTHONPATH=.:protos python3 -m bench.families [--batch 64] [--adapters 8] [--context 1024] [--out DIR]
-    PYTHONPATH=.:protos python3 -m bench.families --tiny      # CPU smoke run: tiny shapes, torch LoRA
+    PYTHONPATH=protos python3 -m loraplex.bench.families [--batch 64] [--adapters 8] [--context 1024] [--out DIR]
+    PYTHONPATH=protos python3 -m loraplex.bench.families --tiny      # CPU smoke run: tiny shapes, torch LoRA
 
 Each model is a ModelRunner over random weights (bench/random_runner.py FAMILY_SHAPES, bf16) with
 `--adapters` random rank-16 all-module adapters resident and the decode CUDA graphs captured as the
@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from bench.random_runner import FAMILY_SHAPES, TINY, TINY_FAMILIES, build_runner
-from bench.results import add_out_argument, write_json
-from services.inference.engine.scheduler import SeqChunk
+from loraplex.bench.random_runner import FAMILY_SHAPES, TINY, TINY_FAMILIES, build_runner
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.services.inference.engine.scheduler import SeqChunk
 
 PAGE = 16
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_ops import tanh
+from loraplex.kernels.fused_ops import tanh
 
 LOG2E = 1.4426950408889634
 

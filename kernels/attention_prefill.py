@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_decode import soft_cap
+from loraplex.kernels.attention_decode import soft_cap
 
 LOG2E = 1.4426950408889634
 

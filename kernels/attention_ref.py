@@ -51,7 +51,7 @@ def paged_decode_attention_ref(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Reference for `kernels.attention_decode.paged_decode_attention` (0-length rows give zeros)."""
+    """Reference for `loraplex.kernels.attention_decode.paged_decode_attention` (0-length rows give zeros)."""
     out = torch.zeros_like(q)
     for b, length in enumerate(context_lens.tolist()):
         if length == 0:
@@ -74,7 +74,7 @@ def paged_prefill_attention_ref(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Reference for `kernels.attention_prefill.paged_prefill_attention`."""
+    """Reference for `loraplex.kernels.attention_prefill.paged_prefill_attention`."""
     out = torch.zeros_like(q)
     starts = cu_q.tolist()
     for b, kv_len in enumerate(kv_lens.tolist()):

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref
+from loraplex.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,7 +107,7 @@ def test_prefill_reference_matches_sdpa() -> None:
 
 
 def test_cuda_graph_batch_ladder() -> None:
-    from services.inference.engine.cuda_graph import batch_ladder
+    from loraplex.services.inference.engine.cuda_graph import batch_ladder
 
     assert batch_ladder(1) == [1]
     assert batch_ladder(20) == [1, 2, 4, 8, 16, 20]
@@ -118,8 +118,8 @@ def test_cuda_graph_batch_ladder() -> None:
 def test_cuda_graph_lora_tiers() -> None:
     """A decode step replays (its batch bucket, LoRA tier): 0 without adapters, 1 up to MANY_ADAPTERS
     distinct adapters (segment expand), 2 above (per-token expand); no LoRA backend: only tier 0."""
-    from kernels.lora_configs import MANY_ADAPTERS
-    from services.inference.engine.cuda_graph import DecodeGraphs, batch_ladder
+    from loraplex.kernels.lora_configs import MANY_ADAPTERS
+    from loraplex.services.inference.engine.cuda_graph import DecodeGraphs, batch_ladder
 
     graphs = DecodeGraphs.__new__(DecodeGraphs)  # key() needs only the ladder and the backend (no GPU)
     graphs.ladder, graphs.lora = batch_ladder(64), object()
@@ -164,8 +164,8 @@ TOL = {torch.float32: 1e-4, torch.float16: 5e-3}
 
 
 def _interpreter_checks() -> int:
-    from kernels.attention_decode import paged_decode_attention
-    from kernels.attention_prefill import paged_prefill_attention
+    from loraplex.kernels.attention_decode import paged_decode_attention
+    from loraplex.kernels.attention_prefill import paged_prefill_attention
 
     failures = 0
     for dtype in (torch.float32, torch.float16):
@@ -229,8 +229,8 @@ WINDOW_CASES = [(7, None), (20, 3.0), (None, 2.0), (1, None)]
 
 
 def _check_windows_and_softcap(dtype: torch.dtype) -> int:
-    from kernels.attention_decode import paged_decode_attention
-    from kernels.attention_prefill import paged_prefill_attention
+    from loraplex.kernels.attention_decode import paged_decode_attention
+    from loraplex.kernels.attention_prefill import paged_prefill_attention
 
     failures = 0
     for i, (window, cap) in enumerate(WINDOW_CASES):
@@ -271,7 +271,7 @@ def _check_windows_and_softcap(dtype: torch.dtype) -> int:
 def _check_fused_ops(dtype: torch.dtype) -> int:
     """RMSNorm, q/k/v rotary and SiLU-and-mul against the torch code they replace (odd sizes, strided
     rows)."""
-    from kernels.fused_ops import (
+    from loraplex.kernels.fused_ops import (
         add_rms_norm,
         add_rms_norm_ref,
         qkv_rotary,
@@ -349,7 +349,7 @@ def _check_fused_ops(dtype: torch.dtype) -> int:
 
 
 def _check_store(dtype: torch.dtype) -> int:
-    from kernels.attention_kv_store import store_kv, store_kv_ref
+    from loraplex.kernels.attention_kv_store import store_kv, store_kv_ref
 
     base_k, base_v = torch.randn(6, 4, 2, 24).to(dtype), torch.randn(6, 4, 2, 24).to(dtype)
     caches = [base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()]
@@ -369,8 +369,12 @@ def _check_store(dtype: torch.dtype) -> int:
 def _check_engine_backend(dtype: torch.dtype) -> int:
     """The engine's Triton attention against its torch attention on one mixed step: two decodes,
     a fresh prompt and a chunk after 21 cached tokens, with the same metadata."""
-    from services.inference.engine.attention import AttentionMetadata, PrefillSegment, TorchPagedAttention
-    from services.inference.engine.attention_triton import TritonPagedAttention
+    from loraplex.services.inference.engine.attention import (
+        AttentionMetadata,
+        PrefillSegment,
+        TorchPagedAttention,
+    )
+    from loraplex.services.inference.engine.attention_triton import TritonPagedAttention
 
     page, kvh, heads, dim = 4, 2, 4, 16
     gen = torch.Generator().manual_seed(5)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import LLMEngine
-from services.inference.engine.types import SamplingParams
-from services.inference.models.config import UnsupportedModelError, load_config, parse_config
-from services.inference.models.loader import resolve_model_dir, safetensors_files
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.engine import LLMEngine
+from loraplex.services.inference.engine.types import SamplingParams
+from loraplex.services.inference.models.config import UnsupportedModelError, load_config, parse_config
+from loraplex.services.inference.models.loader import resolve_model_dir, safetensors_files
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -162,8 +162,8 @@ def test_unknown_architecture_and_rope_are_refused(tmp_path, tiny_llama_path):
 
 
 def test_family_features_we_do_not_implement_are_refused_by_name(tiny_llama_path):
-    from services.inference.engine.attention import effective_windows
-    from services.inference.models.config import check_context_length
+    from loraplex.services.inference.engine.attention import effective_windows
+    from loraplex.services.inference.models.config import check_context_length
 
     raw = json.loads((tiny_llama_path / "config.json").read_text())
     raw.pop("rope_parameters", None)

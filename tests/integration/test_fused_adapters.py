@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adapter_store.base_model import shapes_from_config
-from adapter_store.errors import InvalidArgument
-from adapter_store.lora_config import parse_lora_config
-from adapter_store.validate import validate_adapter
-from services.inference.errors import AdapterInvalid
-from services.inference.lora.adapter import load_adapter_weights
-from services.inference.lora.settings import parse_target_modules
-from services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.adapter_store.base_model import shapes_from_config
+from loraplex.adapter_store.errors import InvalidArgument
+from loraplex.adapter_store.lora_config import parse_lora_config
+from loraplex.adapter_store.validate import validate_adapter
+from loraplex.services.inference.errors import AdapterInvalid
+from loraplex.services.inference.lora.adapter import load_adapter_weights
+from loraplex.services.inference.lora.settings import parse_target_modules
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
 from tests.support.factories import make_tiny_model
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine.types import SamplingParams
+from loraplex.services.inference.engine.types import SamplingParams
 from tests.support.factories import make_tiny_model
 from tests.support.lora_reference import server_args, sync_engine
 

@@ -11,10 +11,10 @@ import time
 
 import grpc
 import pytest
+
+from loraplex.clients.errors import from_rpc_error
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
-from clients.errors import from_rpc_error
 from tests.support.service_stack import PeftReference, scrape, shared, start_inference
 
 MAX_NEW = 12

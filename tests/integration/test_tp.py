@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from services.inference.engine.types import SamplingParams
-from services.inference.errors import BackendUnavailable
-from services.inference.server_args import ServerArgs
+from loraplex.services.inference.engine.types import SamplingParams
+from loraplex.services.inference.errors import BackendUnavailable
+from loraplex.services.inference.server_args import ServerArgs
 from tests.support.factories import make_tiny_model
 from tests.support.lora_reference import async_engine
 

@@ -12,9 +12,9 @@ import sys
 
 import torch
 
-from bench.random_runner import TINY, TINY_FAMILIES, build_runner
-from kernels.placement import run_triton_on_cpu
-from services.inference.engine.scheduler import SeqChunk
+from loraplex.bench.random_runner import TINY, TINY_FAMILIES, build_runner
+from loraplex.kernels.placement import run_triton_on_cpu
+from loraplex.services.inference.engine.scheduler import SeqChunk
 
 A_BLOCKS, B_BLOCKS = list(range(1, 7)), list(range(7, 13))
 STEPS = [

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from services.inference.models.config import parse_config
-from services.inference.models.rope import inverse_frequencies
+from loraplex.services.inference.models.config import parse_config
+from loraplex.services.inference.models.rope import inverse_frequencies
 
 COMMON = dict(
     hidden_size=64,

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.settings import reload_kernel_settings
-from services.inference.engine.config import EngineConfig
-from services.inference.lora.settings import LoRAConfig
-from services.inference.server_args import (
+from loraplex.kernels.settings import reload_kernel_settings
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.lora.settings import LoRAConfig
+from loraplex.services.inference.server_args import (
     ServerArgs,
     build_parser,
     flat_defaults,
@@ -108,6 +108,10 @@ def test_switches_and_environment(monkeypatch):
         (["--lora-paths", "=src"], "--lora-paths expects NAME=SOURCE"),
         (["--lora-paths", "../x=src"], "--lora-paths name '../x' is invalid"),
         (["--lora-paths", "a=1", "a=2"], "--lora-paths names 'a' twice"),
+        (
+            ["--model-path", "/models/Llama-3", "--lora-paths", "llama-3=src"],
+            "name 'llama-3' is the model's name",
+        ),
         (["--adapter-store", "localhost"], "--adapter-store expects HOST:PORT or 'none'"),
         (["--adapter-store", "h:99999"], "--adapter-store expects HOST:PORT or 'none'"),
         (["--adapter-store-tls-ca", "ca.pem"], "--adapter-store-tls-ca needs --adapter-store"),

@@ -15,9 +15,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_kv_store import store_kv_ref
-from services.inference.models.config import ModelConfig
-from services.inference.models.context import Attention
+from loraplex.kernels.attention_kv_store import store_kv_ref
+from loraplex.services.inference.models.config import ModelConfig
+from loraplex.services.inference.models.context import Attention
 
 
 def effective_windows(config: ModelConfig, context_length: int) -> tuple[int | None, ...]:

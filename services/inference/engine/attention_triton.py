@@ -13,11 +13,11 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.attention_decode import paged_decode_attention
-from kernels.attention_kv_store import store_kv
-from kernels.attention_prefill import paged_prefill_attention
-from services.inference.engine.attention import AttentionMetadata
-from services.inference.models.context import Attention
+from loraplex.kernels.attention_decode import paged_decode_attention
+from loraplex.kernels.attention_kv_store import store_kv
+from loraplex.kernels.attention_prefill import paged_prefill_attention
+from loraplex.services.inference.engine.attention import AttentionMetadata
+from loraplex.services.inference.models.context import Attention
 
 
 class _PrefillBatch(NamedTuple):

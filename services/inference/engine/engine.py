@@ -19,25 +19,35 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from kernels.compile_watch import compile_counter
-from kernels.placement import triton_runs_on
-from services.inference.engine.block_manager import BlockManager
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
-from services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
-from services.inference.engine.logprobs import StepLogprobs, record_prompt_logprobs, rows_logprobs
-from services.inference.engine.model_runner import ModelRunner
-from services.inference.engine.output import TextStream
-from services.inference.engine.overlap import InFlightStep, kv_fits_without_preemption, strip_placeholders
-from services.inference.engine.prefix_cache import base_model_digest
-from services.inference.engine.request import Request
-from services.inference.engine.sampler import SamplingInputs, sample_on_device
-from services.inference.engine.scheduler import Scheduler
-from services.inference.engine.types import EngineStats, RequestOutput, SamplingParams, TokenLogprob
-from services.inference.engine.warmup import warm_up
-from services.inference.errors import CapacityExceeded, InvalidRequest
-from services.inference.lora.adapter_slots import AdapterSlots, NoAdapters
-from services.inference.lora.backend import LoRABackend
+from loraplex.kernels.compile_watch import compile_counter
+from loraplex.kernels.placement import triton_runs_on
+from loraplex.services.inference.engine.block_manager import BlockManager
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.grammar import (
+    GrammarCache,
+    GrammarState,
+    allocate_bitmask,
+    mask_logits,
+)
+from loraplex.services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
+from loraplex.services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
+from loraplex.services.inference.engine.logprobs import StepLogprobs, record_prompt_logprobs, rows_logprobs
+from loraplex.services.inference.engine.model_runner import ModelRunner
+from loraplex.services.inference.engine.output import TextStream
+from loraplex.services.inference.engine.overlap import (
+    InFlightStep,
+    kv_fits_without_preemption,
+    strip_placeholders,
+)
+from loraplex.services.inference.engine.prefix_cache import base_model_digest
+from loraplex.services.inference.engine.request import Request
+from loraplex.services.inference.engine.sampler import SamplingInputs, sample_on_device
+from loraplex.services.inference.engine.scheduler import Scheduler
+from loraplex.services.inference.engine.types import EngineStats, RequestOutput, SamplingParams, TokenLogprob
+from loraplex.services.inference.engine.warmup import warm_up
+from loraplex.services.inference.errors import BackendUnavailable, CapacityExceeded, InvalidRequest
+from loraplex.services.inference.lora.adapter_slots import AdapterSlots, NoAdapters
+from loraplex.services.inference.lora.backend import LoRABackend
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +181,14 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None  # overlap: the launched step not yet processed
         self._num_penalized = 0  # requests whose sampling reads their history (no overlap then)
         self._num_logprobs = 0  # requests that asked for log probabilities (none: the step skips them)
+        self._num_constrained = 0  # requests under a grammar (none: the step builds no token mask)
+        self._pending: InFlightStep | None = None  # overlap: the step whose tokens a mask may need first
+        self.grammars = GrammarCache(
+            self.tokenizer,
+            loaded.config.vocab_size,
+            sorted(self.eos_token_ids),
+            tokenizer_name=str(loaded.model_dir),
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> LLMEngine:
@@ -210,9 +228,11 @@ class LLMEngine:
         params: SamplingParams,
         adapter: str | None = None,
         arrival_time: float | None = None,
+        grammar=None,
     ) -> None:
         """Queue a request that passed `check_request`. `arrival_time` (time.monotonic()): when the
-        caller received it; default now."""
+        caller received it; default now. `grammar`: params.constraint compiled by `self.grammars`
+        (AsyncEngine compiles it off this thread); compiled here, blocking, when not given."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
         if len(self.scheduler.waiting) >= self.config.max_queued_requests:
@@ -224,6 +244,11 @@ class LLMEngine:
         if params.temperature > 0:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             req.generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
+        if params.constraint is not None:
+            req.grammar = GrammarState(
+                grammar if grammar is not None else self.grammars.compile(params.constraint)
+            )
+            self._num_constrained += 1
         self.requests[request_id] = req
         self._streams[request_id] = TextStream(self.tokenizer, params.stop)
         if _needs_history(params):
@@ -294,7 +319,13 @@ class LLMEngine:
             for req, n in batch.entries:
                 req.num_computed_tokens += n
             if sampled:
-                self._in_flight = InFlightStep(sampled, *self._phase("sample", self._sample, logits, sampled))
+                self._pending = pending
+                try:
+                    self._in_flight = InFlightStep(
+                        sampled, *self._phase("sample", self._sample, logits, sampled)
+                    )
+                finally:
+                    self._pending = None
         if pending is not None:
             outputs.extend(self._resolve(pending))
         return outputs
@@ -337,14 +368,34 @@ class LLMEngine:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, StepLogprobs | None]:
         """Token ids on the logits' device (no host sync for batches without penalties), and the
-        log probabilities of the rows that asked for them (None when none did)."""
-        tokens = sample_on_device(logits, self._sampling_inputs(reqs))
+        log probabilities of the rows that asked for them (None when none did; they are the model's,
+        before any grammar mask)."""
+        masked = self._mask_constrained(logits, reqs) if self._num_constrained else logits
+        tokens = sample_on_device(masked, self._sampling_inputs(reqs))
         if not self._num_logprobs:
             return tokens, None
         rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not rows:
             return tokens, None
         return tokens, StepLogprobs(logits, tokens, rows, [reqs[i].params.logprobs for i in rows])
+
+    def _mask_constrained(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """`logits` with the grammar mask applied to the rows of constrained requests. Under overlap
+        scheduling a constrained row's previous token is still on the device: wait for that step's
+        sampling (already done: this step's forward is queued behind it) and accept its tokens first."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return logits
+        pending = self._pending
+        if pending is not None and any(reqs[i].token_ids[-1] < 0 for i in rows):
+            tokens = pending.host_tokens()
+            for req, pos, token in zip(pending.requests, pending.positions, tokens, strict=True):
+                if req.grammar is not None and self.requests.get(req.request_id) is req:
+                    req.grammar.accept(pos - req.num_prompt_tokens, token)
+        bitmask = allocate_bitmask(len(rows), logits.shape[1], pin=logits.is_cuda)
+        for k, i in enumerate(rows):
+            reqs[i].grammar.fill(bitmask, k)
+        return mask_logits(logits, rows, bitmask)
 
     def _process_outputs(
         self,
@@ -393,7 +444,16 @@ class LLMEngine:
         stream = self._streams[req.request_id]
         params = req.params
         reason = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        if req.grammar is not None and not req.grammar.accept(num_output_tokens - 1, token):
+            # The mask allows only tokens the grammar accepts: this is an engine defect.
+            req.error = BackendUnavailable(f"the grammar rejected sampled token {token} (an engine defect)")
+            self.scheduler.finish(req, "abort")
+            return self._final_output(req, [token], logprobs, prompt_logprobs)
+        if (
+            (req.grammar is not None and req.grammar.terminated)  # the grammar ended with its EOS
+            or token in params.stop_token_ids
+            or (not params.ignore_eos and token in self.eos_token_ids)
+        ):
             reason = "stop"  # the stop token's id is returned, its text is not
         elif stream.add_token(token):
             reason = "stop"
@@ -430,6 +490,8 @@ class LLMEngine:
         if req.params.logprobs is not None:
             self._num_logprobs -= 1
             logprobs = logprobs or []
+        if req.grammar is not None:
+            self._num_constrained -= 1
         if req.error is not None:
             self.errors[req.request_id] = req.error
         if req.finish_reason != "abort":

@@ -13,19 +13,19 @@ import logging
 import numpy as np
 import torch
 
-from kernels.placement import triton_runs_on
-from services.inference.engine.attention import (
+from loraplex.kernels.placement import triton_runs_on
+from loraplex.services.inference.engine.attention import (
     AttentionMetadata,
     PrefillSegment,
     TorchPagedAttention,
     effective_windows,
 )
-from services.inference.engine.overlap import fill_placeholders
-from services.inference.engine.scheduler import SeqChunk
-from services.inference.lora.backend import LoRABackend
-from services.inference.models.config import ModelConfig
-from services.inference.models.context import ForwardContext
-from services.inference.models.llama import LlamaForCausalLM
+from loraplex.services.inference.engine.overlap import fill_placeholders
+from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.lora.backend import LoRABackend
+from loraplex.services.inference.models.config import ModelConfig
+from loraplex.services.inference.models.context import ForwardContext
+from loraplex.services.inference.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ModelRunner:
         scale = model_config.attention_scale
         windows = effective_windows(model_config, context_length)
         if triton_runs_on(self.device):  # Triton kernels (kernels/attention_*.py); torch reference on CPU
-            from services.inference.engine.attention_triton import TritonPagedAttention
+            from loraplex.services.inference.engine.attention_triton import TritonPagedAttention
 
             self.attention = TritonPagedAttention(kv_cache, scale, windows, model_config.attn_softcap)
         else:
@@ -79,7 +79,7 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_bs: int) -> None:
         """Capture decode CUDA graphs for batch sizes up to `max_bs` (see engine/cuda_graph.py)."""
-        from services.inference.engine.cuda_graph import DecodeGraphs
+        from loraplex.services.inference.engine.cuda_graph import DecodeGraphs
 
         graphs = DecodeGraphs(
             self.model,
@@ -95,7 +95,7 @@ class ModelRunner:
     def capture_mixed_graphs(self, max_tokens: int, use_graphs: bool = True) -> None:
         """Piecewise graphs for steps with prefill chunks of up to `max_tokens` tokens (see
         engine/mixed_graphs.py); `use_graphs=False` runs the same pieces eagerly (CPU tests)."""
-        from services.inference.engine.mixed_graphs import MixedGraphs
+        from loraplex.services.inference.engine.mixed_graphs import MixedGraphs
 
         graphs = MixedGraphs(
             self.model,

@@ -18,9 +18,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.inference.errors import AdapterIncompatible, AdapterInvalid, AdapterNotFound
-from services.inference.lora.config import AdapterSpec, ModuleLoRA, parse_adapter_config, resolve_targets
-from services.inference.lora.shapes import FUSED_MODULES, FUSED_OF, ModelShapes, module_path
+from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid, AdapterNotFound
+from loraplex.services.inference.lora.config import (
+    AdapterSpec,
+    ModuleLoRA,
+    parse_adapter_config,
+    resolve_targets,
+)
+from loraplex.services.inference.lora.shapes import FUSED_MODULES, FUSED_OF, ModelShapes, module_path
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from services.inference.errors import AdapterIncompatible, AdapterInvalid
-from services.inference.lora.shapes import ALL_MODULES, FUSED_MODULES, all_module_paths, module_path
+from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid
+from loraplex.services.inference.lora.shapes import ALL_MODULES, FUSED_MODULES, all_module_paths, module_path
 
 # PEFT features that change the forward beyond `B(A(x)) * scaling`; refused when set.
 _UNSUPPORTED: dict[str, str] = {

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.inference.models.families import (
+from loraplex.services.inference.models.families import (
     ACTIVATIONS,
     ARCHITECTURE_OF_MODEL_TYPE,
     FAMILIES,

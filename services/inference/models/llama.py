@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fused_ops import add_rms_norm, qkv_rotary, qkv_rotary_ref, rms_norm, silu_and_mul
-from kernels.placement import triton_runs_on
-from services.inference.models.config import ModelConfig
-from services.inference.models.context import ForwardContext
-from services.inference.models.rope import RotaryEmbedding
+from loraplex.kernels.fused_ops import add_rms_norm, qkv_rotary, qkv_rotary_ref, rms_norm, silu_and_mul
+from loraplex.kernels.placement import triton_runs_on
+from loraplex.services.inference.models.config import ModelConfig
+from loraplex.services.inference.models.context import ForwardContext
+from loraplex.services.inference.models.rope import RotaryEmbedding
 
 
 def _empty_param(*shape: int) -> nn.Parameter:

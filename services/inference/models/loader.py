@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
-from services.inference.models.llama import LlamaForCausalLM
+from loraplex.services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
+from loraplex.services.inference.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 

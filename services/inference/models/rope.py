@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from services.inference.models.config import RopeConfig
+from loraplex.services.inference.models.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

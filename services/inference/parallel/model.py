@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from services.inference.lora.shapes import FUSED_MODULES
-from services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
-from services.inference.models.llama import FusedLinear, LlamaForCausalLM
-from services.inference.models.loader import default_dtype, safetensors_files
-from services.inference.parallel.partition import ShardPlan
+from loraplex.services.inference.lora.shapes import FUSED_MODULES
+from loraplex.services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
+from loraplex.services.inference.models.llama import FusedLinear, LlamaForCausalLM
+from loraplex.services.inference.models.loader import default_dtype, safetensors_files
+from loraplex.services.inference.parallel.partition import ShardPlan
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from services.inference.lora.shapes import ModelShapes
-from services.inference.models.config import ModelConfig
+from loraplex.services.inference.lora.shapes import ModelShapes
+from loraplex.services.inference.models.config import ModelConfig
 
 COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output split
 ROW_MODULES = ("o_proj", "down_proj")  # input split
