@@ -20,7 +20,8 @@ class BaseModelShapes(NamedTuple):
 
 
 def shapes_from_config(name: str, config: dict) -> BaseModelShapes:
-    """Llama/Mistral/Qwen2-style decoder shapes from a transformers `config.json` dict."""
+    """Decoder shapes from a transformers `config.json` dict: q/k/v/o and gate/up/down, or for Phi-3
+    (whose checkpoints fuse them) qkv_proj, o_proj, gate_up_proj, down_proj."""
     cfg = config.get("text_config", config)
     hidden = int(cfg["hidden_size"])
     heads = int(cfg["num_attention_heads"])
@@ -36,6 +37,13 @@ def shapes_from_config(name: str, config: dict) -> BaseModelShapes:
         "up_proj": (hidden, inter),
         "down_proj": (inter, hidden),
     }
+    if "Phi3ForCausalLM" in (cfg.get("architectures") or []) or cfg.get("model_type") == "phi3":
+        linears = {
+            "qkv_proj": (hidden, (heads + 2 * kv_heads) * head_dim),
+            "o_proj": linears["o_proj"],
+            "gate_up_proj": (hidden, 2 * inter),
+            "down_proj": linears["down_proj"],
+        }
     if "vocab_size" in cfg:
         linears["lm_head"] = (hidden, int(cfg["vocab_size"]))
     return BaseModelShapes(name, int(cfg["num_hidden_layers"]), linears)

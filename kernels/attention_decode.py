@@ -19,12 +19,20 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.fused_ops import tanh
+
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """`cap * tanh(s / cap)`: Gemma 2's attention logit soft-capping."""
+    return cap * tanh(s / cap)
 
 
 # The split count is a runtime value (it follows the batch size, and a constexpr would compile a
 # variant per batch size while serving); only the padded width of the merge is compiled in.
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -49,19 +57,26 @@ def _decode_split_kernel(
     stride_os,
     stride_lb,
     stride_lh,
+    scale,
+    softcap,
+    window,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
-    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    # A sliding window (window > 0) leaves the keys at positions > ctx - 1 - window: the splits
+    # share that span, so a windowed layer reads at most `window` keys however long the context.
+    lo = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)
+    per_split = tl.cdiv(tl.cdiv(ctx - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, ctx)
 
     offs_g = tl.arange(0, GROUP_PAD)
@@ -88,7 +103,10 @@ def _decode_split_kernel(
             mask=kv_mask,
             other=0.0,
         )
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        if SOFTCAP:
+            s = soft_cap(tl.dot(q, tl.trans(k)) * scale, softcap) * 1.4426950408889634
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -197,8 +215,12 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of `q` `[B, heads, head_dim]` over each sequence's paged K/V; returns `[B, heads, head_dim]`.
+    `window`: only keys at positions > len - 1 - window (a sliding-window layer); `softcap`: scores
+    become `softcap * tanh(scores / softcap)`.
 
     `block_tables` `[B, max_pages]` int32, `context_lens` `[B]` int32 (0 = padding row: zeros out).
     No host sync: safe inside a captured CUDA graph.
@@ -248,12 +270,16 @@ def paged_decode_attention(
         mid_o.stride(2),
         mid_lse.stride(0),
         mid_lse.stride(1),
+        scale,
+        softcap or 1.0,
+        window or 0,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
+        SOFTCAP=softcap is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

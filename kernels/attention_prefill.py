@@ -14,12 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.attention_decode import soft_cap
+
 LOG2E = 1.4426950408889634
 
 
 # The page tables' row stride is the step's longest chunk in pages: a runtime value, not a value
 # class to compile a variant for (1 page, a multiple of 16, other).
-@triton.jit(do_not_specialize=["stride_tb"])
+@triton.jit(do_not_specialize=["stride_tb", "window"])
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -40,12 +42,16 @@ def _prefill_kernel(
     stride_ot,
     stride_oh,
     stride_tb,
+    scale,
+    softcap,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     h = tl.program_id(0)
     m_block = tl.program_id(1)
@@ -72,7 +78,9 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Keys past the block's last query are never visible.
     kv_end = tl.minimum(kv_len, kv_len - q_len + m0 + BLOCK_M)
-    for n0 in range(0, kv_end, BLOCK_N):
+    # With a sliding window, keys before the block's first query's window are never visible either.
+    kv_start = tl.where(window > 0, tl.maximum(kv_len - q_len + m0 - window + 1, 0), 0)
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         page = tl.load(tables_ptr + b * stride_tb + offs_n // PAGE_SIZE, mask=n_mask, other=0)
@@ -83,8 +91,12 @@ def _prefill_kernel(
             mask=kv_mask,
             other=0.0,
         )
-        s = tl.dot(q, tl.trans(k)) * scale_log2
+        if SOFTCAP:
+            s = soft_cap(tl.dot(q, tl.trans(k)) * scale, softcap) * 1.4426950408889634
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale_log2
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        visible = visible & ((window <= 0) | (offs_n[None, :] > q_pos[:, None] - window))
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # Rows that see nothing yet (padding rows past q_len) keep m = -inf; avoid -inf - -inf.
@@ -122,11 +134,15 @@ def paged_prefill_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed chunk queries `q` `[T, heads, head_dim]` over the paged cache.
 
     `cu_q` `[B+1]` int32 query offsets, `kv_lens` `[B]` int32 (>= each chunk's length),
     `max_q_len` the longest chunk (host-side; it sizes the grid). Returns `[T, heads, head_dim]`.
+    `window`: a query at position p sees keys at positions > p - window; `softcap`: scores become
+    `softcap * tanh(scores / softcap)` before the mask.
     """
     total, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -160,12 +176,16 @@ def paged_prefill_attention(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
+        scale,
+        softcap or 1.0,
+        window or 0,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE_SIZE=page_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        SOFTCAP=softcap is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

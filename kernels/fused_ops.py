@@ -16,19 +16,47 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+def tanh(x):
+    """tanh from exp(-2|x|), which never overflows (Triton has no portable tanh)."""
+    t = tl.exp(-2.0 * tl.abs(x))
+    th = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -th, th)
+
+
+@triton.jit
+def _scale_normed(x, rstd, w, dt, UNIT_OFFSET: tl.constexpr):
+    """The normalised row times its weight, rounded where transformers rounds: Llama casts `x / rms`
+    to the dtype before `weight *`; Gemma multiplies by `1 + weight` in float32, then casts."""
+    if UNIT_OFFSET:
+        return (x * rstd * (1.0 + w)).to(dt)
+    return (w * (x * rstd).to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    stride_x,
+    stride_o,
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
+):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
-    h = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)  # torch casts back before the weight
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+    out = _scale_normed(x, rstd, w, out_ptr.dtype.element_ty, UNIT_OFFSET)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * (x / rms(x)).to(x.dtype)` over the last dim of a 2-D `x`, as transformers computes it."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+    """`weight * (x / rms(x)).to(x.dtype)` over the last dim of a 2-D `x`, as transformers computes it
+    (`unit_offset`: Gemma's `((x / rms(x)) * (1 + weight)).to(x.dtype)`)."""
     rows, n = x.shape
     out = torch.empty_like(x)
     if rows:
@@ -42,6 +70,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             eps,
             N=n,
             BLOCK=block,
+            UNIT_OFFSET=unit_offset,
             num_warps=min(16, max(1, block // 256)),
         )
     return out
@@ -64,6 +93,7 @@ def _add_rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -78,7 +108,7 @@ def _add_rms_norm_kernel(
     x = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (w * (x * rstd).to(dt).to(tl.float32)).to(dt), mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, _scale_normed(x, rstd, w, dt, UNIT_OFFSET), mask=mask)
 
 
 def add_rms_norm(
@@ -89,6 +119,7 @@ def add_rms_norm(
     delta: torch.Tensor | None = None,
     h_out: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`h + y` (y plus its float32 LoRA `delta` first, when given) and `rms_norm` of that, in one
     launch: the residual add before each RMSNorm of a decoder layer. Returns (new h, normed).
@@ -115,23 +146,33 @@ def add_rms_norm(
             N=n,
             BLOCK=block,
             HAS_DELTA=delta is not None,
+            UNIT_OFFSET=unit_offset,
             num_warps=min(16, max(1, block // 256)),
         )
     return h_out, out
 
 
 def add_rms_norm_ref(
-    h: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+    h: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    delta: torch.Tensor | None = None,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if delta is not None:
         y = (y.float() + delta).to(y.dtype)
     h = h + y
-    return h, rms_norm_ref(h, weight, eps)
+    return h, rms_norm_ref(h, weight, eps, unit_offset)
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+) -> torch.Tensor:
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
 
 
@@ -144,18 +185,23 @@ def _qkv_rotary_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
+    qn_ptr,
+    kn_ptr,
     stride_t,
     stride_dt,
     stride_ct,
     stride_qt,
     stride_kt,
     stride_vt,
+    eps,
     Q_HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ):
     t = tl.program_id(0)
     part = tl.program_id(1)  # 0: q, 1: k (both rotated), 2: v (only its LoRA delta added)
@@ -177,6 +223,23 @@ def _qkv_rotary_kernel(
         tl.store(v_ptr + t * stride_vt + heads_d, x1, mask=mask)
         tl.store(v_ptr + t * stride_vt + heads_d + HALF, x2, mask=mask)
     else:
+        if QK_NORM:  # Qwen3 / Gemma 3: each head of q and k RMS-normalised (over both halves) first
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / (2 * HALF) + eps)[:, None]
+            d_mask = offs_d < HALF
+            is_q = part == 0
+            w1 = tl.where(
+                is_q,
+                tl.load(qn_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32),
+                tl.load(kn_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32),
+            )[None, :]
+            w2 = tl.where(
+                is_q,
+                tl.load(qn_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32),
+                tl.load(kn_ptr + HALF + offs_d, mask=d_mask, other=0.0).to(tl.float32),
+            )[None, :]
+            x1 = _scale_normed(f1, rstd, w1, dt, UNIT_OFFSET)
+            x2 = _scale_normed(f2, rstd, w2, dt, UNIT_OFFSET)
         c = tl.load(cos_ptr + t * stride_ct + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
         s = tl.load(sin_ptr + t * stride_ct + offs_d, mask=offs_d < HALF, other=0.0)[None, :]
         # torch rounds each product and each sum to the tensor dtype: do the same.
@@ -198,6 +261,7 @@ def qkv_rotary(
     kv_heads: int,
     delta: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Split the fused q/k/v projection `[T, (q_heads + 2 kv_heads) * head_dim]` (last dim contiguous)
     into q, k, v `[T, heads, head_dim]` with the half-split rotary applied to q and k (`cos`/`sin`
@@ -219,6 +283,7 @@ def qkv_rotary(
     if tokens:
         cos, sin = cos.contiguous(), sin.contiguous()
         d = qkv if delta is None else delta
+        qn, kn, eps, unit_offset = qk_norm if qk_norm is not None else (qkv, qkv, 0.0, False)
         # Program 2 writes v (plus its delta): needed with a delta, or when v is not a view of qkv.
         _qkv_rotary_kernel[(tokens, 2 if delta is None and out is None else 3)](
             qkv,
@@ -228,18 +293,23 @@ def qkv_rotary(
             q,
             k,
             v,
+            qn,
+            kn,
             qkv.stride(0),
             d.stride(0),
             cos.stride(0),
             q.stride(0),
             k.stride(0),
             v.stride(0),
+            eps,
             Q_HEADS=q_heads,
             KV_HEADS=kv_heads,
             HALF=half,
             BLOCK_H=triton.next_power_of_2(q_heads),
             BLOCK_D=triton.next_power_of_2(half),
             HAS_DELTA=delta is not None,
+            QK_NORM=qk_norm is not None,
+            UNIT_OFFSET=unit_offset,
             num_warps=4,
         )
     return q, k, v
@@ -260,18 +330,19 @@ def qkv_rotary_ref(
     kv_heads: int,
     delta: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch code `qkv_rotary` replaces: in-place delta add, split, rotary of q and k."""
+    """The torch code `qkv_rotary` replaces: in-place delta add, split, q/k norms, rotary of q and k."""
     if delta is not None:
         qkv = qkv.clone().add_(delta)
     tokens, width = qkv.shape
     dim = width // (q_heads + 2 * kv_heads)
     q, k, v = qkv.split((q_heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
-    result = (
-        rotary_ref(q.reshape(tokens, q_heads, dim), cos, sin),
-        rotary_ref(k.reshape(tokens, kv_heads, dim), cos, sin),
-        v.reshape(tokens, kv_heads, dim),
-    )
+    q, k = q.reshape(tokens, q_heads, dim), k.reshape(tokens, kv_heads, dim)
+    if qk_norm is not None:
+        qw, kw, eps, unit_offset = qk_norm
+        q, k = rms_norm_ref(q, qw, eps, unit_offset), rms_norm_ref(k, kw, eps, unit_offset)
+    result = (rotary_ref(q, cos, sin), rotary_ref(k, cos, sin), v.reshape(tokens, kv_heads, dim))
     if out is None:
         return result
     for dst, src in zip(out, result, strict=True):
@@ -290,6 +361,7 @@ def _silu_mul_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    GELU_TANH: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -300,13 +372,19 @@ def _silu_mul_kernel(
     if HAS_DELTA:  # gate_up's LoRA delta, rounded in as the in-place add does
         g = (g + tl.load(d_ptr + row * stride_d + offs, mask=mask, other=0.0)).to(dt).to(tl.float32)
         u = (u + tl.load(d_ptr + row * stride_d + N + offs, mask=mask, other=0.0)).to(dt).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # torch's silu rounds before the mul
+    if GELU_TANH:  # Gemma's gelu_pytorch_tanh
+        act = (0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))).to(dt).to(tl.float32)
+    else:
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # torch's silu rounds before the mul
     tl.store(out_ptr + row * stride_o + offs, (act * u).to(dt), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(
+    gate_up: torch.Tensor, delta: torch.Tensor | None = None, activation: str = "silu"
+) -> torch.Tensor:
     """`silu(gate) * up` for `gate_up` = `[T, 2 * inter]` (gate first, as the fused linear stacks them),
-    plus its float32 LoRA `delta` (same shape) first, when given."""
+    plus its float32 LoRA `delta` (same shape) first, when given. `activation` "gelu_tanh": GeGLU,
+    `gelu(gate, approximate="tanh") * up` (Gemma)."""
     rows, width = gate_up.shape
     n = width // 2
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
@@ -323,13 +401,18 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> to
             N=n,
             BLOCK=block,
             HAS_DELTA=delta is not None,
+            GELU_TANH=activation == "gelu_tanh",
             num_warps=4,
         )
     return out
 
 
-def silu_and_mul_ref(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul_ref(
+    gate_up: torch.Tensor, delta: torch.Tensor | None = None, activation: str = "silu"
+) -> torch.Tensor:
     if delta is not None:
         gate_up = (gate_up.float() + delta).to(gate_up.dtype)
     gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
     return torch.nn.functional.silu(gate) * up

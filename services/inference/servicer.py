@@ -329,6 +329,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 context_length=m.context_length,
                 max_new_tokens_limit=self.args.engine.max_new_tokens_limit,
                 max_inputs_per_request=self.args.max_inputs_per_request,
+                architecture=m.architecture,
+                family=m.family,
             )
 
         return await self._simple(context, "GetModelInfo", work)

@@ -181,6 +181,7 @@ def test_tokenize_matches_tokenizer(stub, reference):
 def test_model_info(stub):
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     assert "SmolLM2" in info.model and info.device == "cpu"
+    assert info.architecture == "LlamaForCausalLM" and info.family == "llama"
     assert (
         info.context_length == 512 and info.max_inputs_per_request == 8 and info.max_new_tokens_limit == 1024
     )

@@ -1,4 +1,4 @@
-"""Builders for real test artifacts: tiny HF Llama/Qwen2 directories and PEFT adapters.
+"""Builders for real test artifacts: tiny HF model directories of every served family and PEFT adapters.
 
 Everything here writes what transformers' `save_pretrained` and PEFT's `save_pretrained`
 write, so code under test reads the same files it reads in production.
@@ -28,12 +28,15 @@ def make_tiny_model(
     rope_scaling: dict[str, Any] | None = None,
     tokenizer_from: Path | None = None,
     seed: int = 0,
+    **family_kw: Any,
 ) -> Path:
     """Write a random tiny causal LM (and a tokenizer, copied from `tokenizer_from`) to `path`.
 
     With `tokenizer_from` (the SmolLM2 directory) the vocab matches that tokenizer, so
     text prompts work; without it the model has `vocab_size` (default 256) and no tokenizer.
+    `arch`: llama, qwen2, or one of FAMILY_CONFIGS (whose features are on; `family_kw` overrides).
     """
+    import transformers
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from) if tokenizer_from else None
@@ -64,6 +67,15 @@ def make_tiny_model(
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    elif arch in FAMILY_CONFIGS:
+        config_cls, model_cls, features = FAMILY_CONFIGS[arch]
+        model = getattr(transformers, model_cls)(
+            getattr(transformers, config_cls)(**{**common, **features, **family_kw})
+        )
+        with torch.no_grad():  # norm weights start at 0 (Gemma) or 1: make every one of them matter
+            for name, p in model.named_parameters():
+                if p.dim() == 1 and "norm" in name:
+                    p.normal_(0, 0.3).add_(0.0 if "gemma" in arch else 1.0)
     else:
         raise ValueError(f"unknown arch {arch!r}")
     with torch.no_grad():
@@ -77,6 +89,63 @@ def make_tiny_model(
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path
+
+
+# arch -> (transformers config class, model class, the family's features switched on). Windows are
+# smaller than the tests' contexts (prompt + 24 new tokens), soft-capping thresholds small enough to bite.
+FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(head_dim=16, use_sliding_window=True, sliding_window=12, max_window_layers=1),
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=16,
+            sliding_window=12,
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=8.0,
+            query_pre_attn_scalar=24,
+            hidden_activation="gelu_pytorch_tanh",
+            pad_token_id=0,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            num_hidden_layers=3,
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            sliding_window=12,
+            query_pre_attn_scalar=32,
+            pad_token_id=0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            num_hidden_layers=3,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+    ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(
+            sliding_window=12,
+            pad_token_id=0,
+            original_max_position_embeddings=512,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.25 * i for i in range(8)],
+                "long_factor": [2.0 + i for i in range(8)],
+                "original_max_position_embeddings": 512,
+            },
+        ),
+    ),
+}
 
 
 def make_peft_adapter(

@@ -275,7 +275,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "dtype", "device", "max_loras_per_batch", "max_lora_rank", "lora_target_modules", "lora_backend", "tp_size", "context_length", "max_new_tokens_limit", "max_inputs_per_request")
+    __slots__ = ("model", "dtype", "device", "max_loras_per_batch", "max_lora_rank", "lora_target_modules", "lora_backend", "tp_size", "context_length", "max_new_tokens_limit", "max_inputs_per_request", "architecture", "family")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +287,8 @@ class ModelInfo(_message.Message):
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
     MAX_INPUTS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     device: str
@@ -298,7 +300,9 @@ class ModelInfo(_message.Message):
     context_length: int
     max_new_tokens_limit: int
     max_inputs_per_request: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_loras_per_batch: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., lora_target_modules: _Optional[_Iterable[str]] = ..., lora_backend: _Optional[str] = ..., tp_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_inputs_per_request: _Optional[int] = ...) -> None: ...
+    architecture: str
+    family: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_loras_per_batch: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., lora_target_modules: _Optional[_Iterable[str]] = ..., lora_backend: _Optional[str] = ..., tp_size: _Optional[int] = ..., context_length: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_inputs_per_request: _Optional[int] = ..., architecture: _Optional[str] = ..., family: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text",)

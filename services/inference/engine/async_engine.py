@@ -15,7 +15,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-from loraplex.services.inference.engine.chat import render_adapter_template, render_model_template
+from loraplex.services.inference.engine.chat import (
+    render_adapter_template,
+    render_model_template,
+)
 from loraplex.services.inference.engine.engine import LLMEngine
 from loraplex.services.inference.engine.template_sandbox import TemplateRenderer
 from loraplex.services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
@@ -282,6 +285,8 @@ def default_model_info(engine: LLMEngine) -> ModelInfo:
         lora_backend="none",
         tp_size=1,
         context_length=engine.context_length,
+        architecture=loaded.config.architecture,
+        family=loaded.config.family.name,
     )
 
 

@@ -29,7 +29,9 @@ def build_llm_engine(
     """
     loaded = loaded or load(config)
     c = loaded.config
-    shapes = ModelShapes(c.num_layers, c.hidden_size, c.intermediate_size, c.q_size, c.kv_size)
+    shapes = ModelShapes(
+        c.num_layers, c.hidden_size, c.intermediate_size, c.q_size, c.kv_size, c.family.fused_checkpoint
+    )
     # The pool is allocated before the KV cache is sized, so the KV cache gets what is left.
     lora = build_lora(
         lora_config,

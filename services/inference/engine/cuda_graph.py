@@ -48,14 +48,17 @@ class DecodeGraphs:
         self,
         model: LlamaForCausalLM,
         kv_cache: torch.Tensor,
-        scale: float,
+        eager_attention: TritonPagedAttention,
         lora: LoRABackend | None,
         *,
         max_bs: int,
         max_blocks_per_seq: int,
     ):
         self.model = model
-        self.attention = TritonPagedAttention(kv_cache, scale)
+        # The graphs' own attention (its metadata is the graphs' static buffers), with the eager
+        # one's scale, per-layer windows and soft-capping.
+        a = eager_attention
+        self.attention = TritonPagedAttention(kv_cache, a.scale, a.windows, a.softcap)
         # A backend whose prepare reads slots on the host cannot be captured: such batches run eagerly.
         self.lora = lora if lora is not None and lora.cuda_graph_safe else None
         self.ladder = batch_ladder(max_bs)

@@ -18,6 +18,7 @@ from loraplex.services.inference.engine.attention import (
     AttentionMetadata,
     PrefillSegment,
     TorchPagedAttention,
+    effective_windows,
 )
 from loraplex.services.inference.engine.overlap import fill_placeholders
 from loraplex.services.inference.engine.scheduler import SeqChunk
@@ -47,13 +48,14 @@ class ModelRunner:
         self.device = kv_cache.device
         self.page_size = kv_cache.shape[3]
         self.lora_backend = lora_backend
-        scale = model_config.head_dim**-0.5
+        scale = model_config.attention_scale
+        windows = effective_windows(model_config, context_length)
         if triton_runs_on(self.device):  # Triton kernels (kernels/attention_*.py); torch reference on CPU
             from loraplex.services.inference.engine.attention_triton import TritonPagedAttention
 
-            self.attention = TritonPagedAttention(kv_cache, scale)
+            self.attention = TritonPagedAttention(kv_cache, scale, windows, model_config.attn_softcap)
         else:
-            self.attention = TorchPagedAttention(kv_cache, scale=scale)
+            self.attention = TorchPagedAttention(kv_cache, scale, windows, model_config.attn_softcap)
         self.cuda_graphs = None  # DecodeGraphs (engine/cuda_graph.py), set by capture_cuda_graphs
         self.mixed_graphs = None  # MixedGraphs (engine/mixed_graphs.py), set by capture_mixed_graphs
         self.max_blocks_per_seq = -(-context_length // self.page_size)
@@ -82,7 +84,7 @@ class ModelRunner:
         graphs = DecodeGraphs(
             self.model,
             self.kv_cache,
-            self.config.head_dim**-0.5,
+            self.attention,
             self.lora_backend,
             max_bs=max_bs,
             max_blocks_per_seq=self.max_blocks_per_seq,

@@ -185,6 +185,8 @@ class ModelInfo:
     lora_backend: str = "torch"
     tp_size: int = 1
     context_length: int = 0
+    architecture: str = ""  # config.json's, e.g. Gemma2ForCausalLM
+    family: str = ""  # models/families.py name, e.g. gemma2
 
 
 class EngineStats(NamedTuple):

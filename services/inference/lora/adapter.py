@@ -33,7 +33,7 @@ from loraplex.services.inference.lora.config import (
     parse_adapter_config,
     resolve_targets,
 )
-from loraplex.services.inference.lora.shapes import ModelShapes, module_path
+from loraplex.services.inference.lora.shapes import FUSED_MODULES, FUSED_OF, ModelShapes, module_path
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ def load_adapter_weights(
     AdapterIncompatible: layer indices or widths of another base model.
     """
     spec, directory = read_config(directory)
-    targets = resolve_targets(spec, shapes.num_layers)
+    targets = resolve_targets(spec, shapes.num_layers, shapes.hf_modules)
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
         if any((directory / n).exists() for n in PICKLE_FILES):
@@ -202,7 +202,11 @@ def load_adapter_weights(
             )
         raise AdapterInvalid(f"{directory} has no {WEIGHTS_FILE}", field=WEIGHTS_FILE)
     _check_header_size(weights_path)
-    by_path = {module_path(n, m): (n, m) for (n, m) in targets}
+
+    def hf_module(module: str) -> str:  # the HF module a pool module's weights come from
+        return FUSED_OF.get(module, module) if shapes.fused_checkpoint else module
+
+    by_path = {module_path(n, hf_module(m)): (n, hf_module(m)) for (n, m) in targets}
     lora_a: dict[tuple[int, str], torch.Tensor] = {}
     lora_b: dict[tuple[int, str], torch.Tensor] = {}
     try:
@@ -236,7 +240,7 @@ def load_adapter_weights(
                     field=WEIGHTS_FILE,
                 )
             layer, module = by_path[path]
-            rank = targets[(layer, module)].rank
+            rank = targets[(layer, FUSED_MODULES.get(module, (module,))[0])].rank
             d_in, d_out = shapes.module_dims(module)
             shape = tuple(f.get_slice(key).get_shape())
             expected = (rank, d_in) if m.group("ab") == "A" else (d_out, rank)
@@ -257,16 +261,27 @@ def load_adapter_weights(
                     f"{expected}: the adapter was trained for another base model",
                     field=WEIGHTS_FILE,
                 )
-            t = f.get_tensor(key).to(dtype).contiguous()
-            if pin_memory:
-                t = t.pin_memory()
-            (lora_a if m.group("ab") == "A" else lora_b)[(layer, module)] = t
-    missing = [
-        module_path(n, mod) + ".lora_" + ab
-        for (n, mod) in targets
-        for ab, d in (("A", lora_a), ("B", lora_b))
-        if (n, mod) not in d
-    ]
+            t = f.get_tensor(key).to(dtype)
+            parts = FUSED_MODULES.get(module, (module,))
+            # A fused module's parts share its A; each takes its rows of B.
+            pieces = (
+                [t] * len(parts)
+                if m.group("ab") == "A"
+                else t.split([shapes.module_dims(p)[1] for p in parts], dim=0)
+            )
+            for part, piece in zip(parts, pieces, strict=True):
+                piece = piece.contiguous()
+                if pin_memory:
+                    piece = piece.pin_memory()
+                (lora_a if m.group("ab") == "A" else lora_b)[(layer, part)] = piece
+    missing = list(
+        dict.fromkeys(
+            module_path(n, hf_module(mod)) + ".lora_" + ab
+            for (n, mod) in targets
+            for ab, d in (("A", lora_a), ("B", lora_b))
+            if (n, mod) not in d
+        )
+    )
     if missing:
         raise AdapterInvalid(
             f"{WEIGHTS_FILE}: missing tensors for targeted modules: {', '.join(missing[:4])}"

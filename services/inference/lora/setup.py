@@ -88,7 +88,7 @@ def resolve_lora_settings(
     modules: set[str] = set()
     for path in _local_paths(lora, resolve_source).values():
         spec, _ = read_config(path)
-        targets = resolve_targets(spec, shapes.num_layers)
+        targets = resolve_targets(spec, shapes.num_layers, shapes.hf_modules)
         ranks.append(max(t.rank for t in targets.values()))
         modules |= {m for _, m in targets}
     max_rank = lora.max_lora_rank or max(ranks, default=DEFAULT_MAX_LORA_RANK)

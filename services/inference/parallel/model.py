@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from loraplex.services.inference.lora.shapes import FUSED_MODULES
 from loraplex.services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
 from loraplex.services.inference.models.llama import FusedLinear, LlamaForCausalLM
 from loraplex.services.inference.models.loader import default_dtype, safetensors_files
@@ -90,6 +91,13 @@ def _shard(name: str, f, plan: ShardPlan) -> torch.Tensor:
     if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
         a, b = plan.module_range(module)
         return sl[a:b]  # weight rows or bias entries
+    if module in FUSED_MODULES:  # Phi-3's fused tensors: this rank's rows of each part, still fused
+        parts, start, rows = FUSED_MODULES[module], 0, []
+        for part in parts:
+            a, b = plan.module_range(part)
+            rows.append(sl[start + a : start + b])
+            start += plan.full_width(part)
+        return torch.cat(rows)
     if module in ("o_proj", "down_proj") and kind == "weight":
         a, b = plan.module_range(module)
         return sl[:, a:b]

@@ -155,7 +155,14 @@ def build_tp_engine(config: EngineConfig, lora_config: LoRAConfig) -> TPAsyncEng
     check_context_length(cfg, context_length)
     plans = plan_shards(cfg, tp)
     dtype = resolve_dtype(config.dtype, cfg.torch_dtype, device)
-    shapes = ModelShapes(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size)
+    shapes = ModelShapes(
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.q_size,
+        cfg.kv_size,
+        cfg.family.fused_checkpoint,
+    )
     lora = resolve_lora_settings(lora_config, shapes, device, mem_fraction_static=config.mem_fraction_static)
     setup = _Resolved(model_dir, cfg, plans, dtype, shapes, lora, context_length)
     store = dist.TCPStore(
