@@ -30,6 +30,7 @@ from services.inference.engine.api import Engine
 from services.inference.engine.types import SamplingParams
 from services.inference.errors import BackendUnavailable
 from services.inference.metrics import Metrics
+from services.inference.models.config import UnsupportedModelError
 from services.inference.replica import ReplicaInterceptor, replica_id
 from services.inference.server_args import ServerArgs
 from services.inference.servicer import InferenceServicer, ServerState
@@ -167,7 +168,10 @@ class InferenceServer:
             await self._preload(engine, resolver)
             await self._warm_up(engine)
         except Exception as exc:
-            log.exception("engine failed to start")
+            if isinstance(exc, UnsupportedModelError):  # a refusal whose message says it all: one line
+                log.error("engine failed to start: %s", exc)
+            else:
+                log.exception("engine failed to start")
             self.state.not_ready = BackendUnavailable(f"engine failed to start: {exc}")
             self._stop.set()
             self.exit_code = 1

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.inference.engine.config import DEVICES, DTYPES, EngineConfig
+from services.inference.engine.config import DEVICES, DTYPES, QUANTIZATIONS, EngineConfig
 from services.inference.lora.settings import (
     DEFAULT_MAX_GPU_LORAS,
     DEFAULT_MAX_LORA_RANK,
@@ -167,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model-path", required=True, help="HF directory or Hub id of the base model")
     a("--device", default=e.device, choices=DEVICES)
     a("--dtype", default=e.dtype, choices=DTYPES)
+    a(
+        "--quantization",
+        default=e.quantization,
+        choices=QUANTIZATIONS,
+        help="fp8: hold the base model's q/k/v/o/gate/up/down weights in FP8 E4M3 (per-output-channel "
+        "scales, quantized at load; adapters stay in --dtype). Pre-quantized FP8 checkpoints "
+        "(compressed-tensors float-quantized, fp8 with weight_block_size) are read without it",
+    )
     a("--tp-size", type=int, default=e.tp_size)
     a("--seed", type=int, default=e.seed)
     a(

@@ -30,6 +30,7 @@ class SchedulerConfig:
 
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+QUANTIZATIONS = ("fp8",)  # models/quantization/scheme.py; a checkpoint's own quantization_config needs none
 DEVICES = ("auto", "cuda", "cpu")
 
 
@@ -47,6 +48,8 @@ class EngineConfig:
     model_path: str = ""
     device: torch.device = "auto"  # type: ignore[assignment] - resolved in __post_init__
     dtype: str = "auto"  # as requested: auto | bfloat16 | float16 | float32
+    # "fp8": quantize the base linears to E4M3 at load (a pre-quantized FP8 checkpoint needs no flag)
+    quantization: str | None = None
     tp_size: int = 1  # > 1: one worker process per device (services/inference/parallel/)
     seed: int = 0
     page_size: int = 16
@@ -80,6 +83,10 @@ class EngineConfig:
         if not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", resolve_device(self.device))
         _check(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        _check(
+            self.quantization in (None, *QUANTIZATIONS),
+            f"--quantization must be one of {', '.join(QUANTIZATIONS)} (got {self.quantization!r})",
+        )
         for flag, value, low in (
             ("--tp-size", self.tp_size, 1),
             ("--seed", self.seed, 0),
