@@ -24,7 +24,14 @@ from services.inference.models.quantization.fp8_linear import Fp8Linear
 from services.inference.models.quantization.scheme import resolve_scheme
 from tests.integration.test_engine_correctness import PROMPTS, hf_greedy, make_engine
 from tests.support.fp8_checkpoints import FORMATS, dequantize_checkpoint, write_fp8_checkpoint
-from tests.support.lora_reference import BATCH, NEW_TOKENS, make_adapters, peft_greedy, server_args, sync_engine
+from tests.support.lora_reference import (
+    BATCH,
+    NEW_TOKENS,
+    make_adapters,
+    peft_greedy,
+    server_args,
+    sync_engine,
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -86,7 +93,9 @@ def test_quantize_at_load_with_adapters_and_bf16_activations(fp8_dirs, adapter_f
     the base; greedy tokens agree with the float32 dequantized reference on most positions."""
     ckpt, ref = fp8_dirs["load"]
     adapters = make_adapters(adapter_factory, ref, "fp8-bf16")
-    engine = sync_engine(server_args(ckpt, adapters, max_loras_per_batch=2, quantization="fp8", dtype="bfloat16"))
+    engine = sync_engine(
+        server_args(ckpt, adapters, max_loras_per_batch=2, quantization="fp8", dtype="bfloat16")
+    )
     prompts = [engine.tokenizer(p).input_ids for p in PROMPTS[: len(BATCH)]]
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=8), list(BATCH))
     expected = peft_greedy(ref, adapters, list(zip(prompts, BATCH, strict=True)), 8)
@@ -118,7 +127,10 @@ def test_scaled_mm_path_agrees_with_the_reference_within_fp8_tolerance():
         ({"quant_method": "gptq", "bits": 4}, "gptq"),
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "bitsandbytes"),
         ({"quant_method": "mystery"}, "mystery"),
-        ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {}}}, "pack"),
+        (
+            {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {}}},
+            "pack",
+        ),
         ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
     ],
 )
@@ -149,3 +161,32 @@ def test_fp8_weight_without_its_scale_is_refused(fp8_dirs, tmp_path):
     save_file(tensors, str(bad / "model.safetensors"))
     with pytest.raises(UnsupportedModelError, match="FP8 weight without its weight_scale"):
         load_model(bad, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["ct-channel", "ct-tensor-static", "fp8-block-32"])
+def test_fp8_tp2_matches_tp1(fmt, fp8_dirs, tiny_llama_path, adapter_factory, tmp_path):
+    """Scales sharded with their weights (per-channel rows with column-parallel rows, whole for
+    row-parallel o/down; per-tensor and input scales whole; block scales by block) over gloo."""
+    from tests.integration.test_tp import mixed_adapters, mixed_jobs, outputs, tp_args
+
+    if fmt == "fp8-block-32":  # blocks every rank's shard starts on
+        ckpt = write_fp8_checkpoint(tiny_llama_path, tmp_path / fmt, "fp8-block", block=(16, 32))
+    else:
+        ckpt = fp8_dirs[fmt][0]
+    adapters = mixed_adapters(adapter_factory, fp8_dirs["load"][1])
+    jobs = mixed_jobs()
+    want = outputs(tp_args(ckpt, 1, adapters, max_loras_per_batch=2), jobs, 8)
+    got = outputs(tp_args(ckpt, 2, adapters, max_loras_per_batch=2), jobs, 8)
+    assert got == want
+    assert len({tuple(t) for t in want}) > 3
+
+
+def test_block_fp8_whose_blocks_straddle_a_tp_shard_is_refused(fp8_dirs):
+    from services.inference.models.config import load_config
+    from services.inference.parallel.model import load_tp_model
+    from services.inference.parallel.partition import plan_shards
+
+    ckpt, _ = fp8_dirs["fp8-block"]  # 48-column blocks; down_proj's input splits at column 64
+    plan = plan_shards(load_config(ckpt), 2)[1]
+    with pytest.raises(UnsupportedModelError, match=r"block-wise FP8 \(16x48\) under --tp-size 2"):
+        load_tp_model(ckpt, plan, torch.device("cpu"), torch.float32)

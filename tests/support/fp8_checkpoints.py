@@ -46,9 +46,14 @@ def _expand(grid: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> to
     return grid.repeat_interleave(block[0], 0)[: shape[0]].repeat_interleave(block[1], 1)[:, : shape[1]]
 
 
-def quantization_config(fmt: str) -> dict:
+def quantization_config(fmt: str, block: tuple[int, int] = BLOCK) -> dict:
     if fmt == "fp8-block":
-        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(BLOCK)}
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": list(block),
+        }
     static = fmt == "ct-tensor-static"
     return {
         "quant_method": "compressed-tensors",
@@ -78,7 +83,7 @@ def quantization_config(fmt: str) -> dict:
     }
 
 
-def write_fp8_checkpoint(src: Path, out: Path, fmt: str) -> Path:
+def write_fp8_checkpoint(src: Path, out: Path, fmt: str, block: tuple[int, int] = BLOCK) -> Path:
     """`src`'s float checkpoint with every decoder linear in FP8, in format `fmt` (FORMATS)."""
     tensors = load_file(str(src / "model.safetensors"))
     result: dict[str, torch.Tensor] = {}
@@ -90,8 +95,8 @@ def write_fp8_checkpoint(src: Path, out: Path, fmt: str) -> Path:
         w = t.float()
         stem = name[: -len(".weight")]
         if fmt == "fp8-block":
-            grid = _block_scale(w, BLOCK)
-            result[name] = _q(w, _expand(grid, w.shape, BLOCK))
+            grid = _block_scale(w, block)
+            result[name] = _q(w, _expand(grid, w.shape, block))
             result[stem + ".weight_scale_inv"] = grid
         elif fmt == "ct-channel":
             scale = (w.abs().amax(dim=1, keepdim=True) / 448).clamp(min=1e-12)
@@ -109,7 +114,7 @@ def write_fp8_checkpoint(src: Path, out: Path, fmt: str) -> Path:
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy(f, out / f.name)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(fmt)
+    config["quantization_config"] = quantization_config(fmt, block)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     save_file(result, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

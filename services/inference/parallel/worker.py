@@ -115,7 +115,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     cfg = load_config(model_dir)
     plan = plan_shards(cfg, spec.tp_size)[spec.rank]
     local_cfg = plan.local_config(cfg)
-    model = load_tp_model(model_dir, plan, device, spec.dtype)
+    model = load_tp_model(model_dir, plan, device, spec.dtype, config.quantization)
     pool = backend = None
     if spec.lora is not None:
         s = spec.lora

@@ -77,7 +77,9 @@ def _compressed_tensors(qc: dict[str, Any]) -> Fp8Scheme:
     if qc.get("kv_cache_scheme"):
         raise _refuse("a compressed-tensors kv_cache_scheme (use --kv-cache-dtype instead)")
     _check_ignore(qc.get("ignore") or [])
-    return Fp8Scheme("compressed-tensors float-quantized", prequantized=True, static_activations=True in static)
+    return Fp8Scheme(
+        "compressed-tensors float-quantized", prequantized=True, static_activations=True in static
+    )
 
 
 def _check_ignore(ignore: list[str]) -> None:
@@ -101,7 +103,9 @@ def _fp8(qc: dict[str, Any]) -> Fp8Scheme:
         return Fp8Scheme("fp8 per-tensor", prequantized=True, static_activations=act == "static")
     if act != "dynamic" or len(block) != 2 or min(block) < 1:
         raise _refuse(f"fp8 weight_block_size {block} with activation_scheme {act!r}")
-    return Fp8Scheme(f"fp8 block-wise {block[0]}x{block[1]}", prequantized=True, block=(int(block[0]), int(block[1])))
+    return Fp8Scheme(
+        f"fp8 block-wise {block[0]}x{block[1]}", prequantized=True, block=(int(block[0]), int(block[1]))
+    )
 
 
 def resolve_scheme(requested: str | None, quantization_config: dict[str, Any] | None) -> Fp8Scheme | None:
