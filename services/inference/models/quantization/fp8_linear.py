@@ -194,6 +194,26 @@ def finish_loading(model: LlamaForCausalLM) -> None:
     )
 
 
+def quantize_loaded(model: LlamaForCausalLM, scheme: Fp8Scheme | None = None) -> LlamaForCausalLM:
+    """Quantize an already loaded float model's linears per output channel, in place, one linear
+    at a time (each float weight is freed as its FP8 copy is made): what benchmarks compare."""
+    scheme = scheme or Fp8Scheme("fp8 (quantized at load)", prequantized=False)
+    for layer in model.layers:
+        for attr in LINEAR_ATTRS:
+            old: FusedLinear = getattr(layer, attr)
+            with torch.device(old.weight.device):
+                new = Fp8Linear.replacing(old, scheme)
+            for index, size in enumerate(old.out_sizes):
+                start = old.offsets[index]
+                new.load_shard(index, "weight", old.weight.data[start : start + size])
+            if old.bias is not None:
+                new.bias = old.bias
+            setattr(layer, attr, new)
+    model.fp8_scheme = scheme
+    finish_loading(model)
+    return model
+
+
 def load_fp8(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """`model.load_weights` over an FP8 model (after `quantize_linears`), then the scale checks."""
     model.load_weights(route_scales(model, weights))
