@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+from kernels.fp8_quant import FP8_DTYPE, FP8_MAX, quantize_rows_fused
+from kernels.placement import triton_runs_on
+
 _MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale
 
 
@@ -73,7 +74,7 @@ def quantize_activations(
     """`[M, K]` activations to E4M3 with a float32 `[M, 1]` scale: per token (dynamic), or the
     checkpoint's static per-tensor `input_scale` repeated per row."""
     if input_scale is None:
-        return quantize_rows(x)
+        return quantize_rows_fused(x) if triton_runs_on(x) else quantize_rows(x)
     scale = input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
@@ -89,7 +90,7 @@ def fp8_linear_mm(
     """Hardware FP8 GEMM with row-wise scales: `scale_row` is the weight's per-channel scale as
     a contiguous float32 `[1, N]`. Output in x's dtype (bf16 from the GEMM, cast if x is not)."""
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
     xq, xs = quantize_activations(x2, input_scale)
     out = torch._scaled_mm(xq, weight.t(), scale_a=xs, scale_b=scale_row, bias=None, out_dtype=torch.bfloat16)
     if out.dtype != x.dtype:
