@@ -190,3 +190,13 @@ def test_block_fp8_whose_blocks_straddle_a_tp_shard_is_refused(fp8_dirs):
     plan = plan_shards(load_config(ckpt), 2)[1]
     with pytest.raises(UnsupportedModelError, match=r"block-wise FP8 \(16x48\) under --tp-size 2"):
         load_tp_model(ckpt, plan, torch.device("cpu"), torch.float32)
+
+
+def test_the_store_sees_the_same_shapes_in_an_fp8_checkpoint(fp8_dirs):
+    """The adapter store validates an adapter against its base's config.json shapes: an FP8
+    checkpoint's are the float model's, so adapters for one serve the other."""
+    from adapter_store.base_model import load_base_model_shapes
+
+    for fmt in FORMATS:
+        ckpt, ref = fp8_dirs[fmt]
+        assert load_base_model_shapes(str(ckpt)).linears == load_base_model_shapes(str(ref)).linears
