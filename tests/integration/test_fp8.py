@@ -75,17 +75,25 @@ def test_fp8_weights_take_a_quarter_of_float32(fp8_dirs):
     assert q == f * len(model.layers) // 4
 
 
-def test_adapters_over_fp8_base_match_peft_on_dequantized_base(fp8_dirs, adapter_factory):
+@pytest.mark.parametrize("pieces", [False, True], ids=["plain", "mixed-graph-pieces"])
+def test_adapters_over_fp8_base_match_peft_on_dequantized_base(pieces, fp8_dirs, adapter_factory):
+    """Mixed adapter batch (more adapters than slots) over an FP8 base, through the plain step and
+    the piecewise mixed-step path; then the same prompts again, served from the prefix cache."""
     ckpt, ref = fp8_dirs["ct-channel"]
     # Adapters made for the float model of the same shapes (the store's shape checks pass them).
     adapters = make_adapters(adapter_factory, ref, "fp8-e2e")
-    engine = sync_engine(server_args(ckpt, adapters, max_loras_per_batch=2))
+    engine = sync_engine(server_args(ckpt, adapters, max_loras_per_batch=2, mixed_graphs=pieces))
     prompts = [engine.tokenizer(p).input_ids for p in PROMPTS[: len(BATCH)]]
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS), list(BATCH))
     expected = peft_greedy(ref, adapters, list(zip(prompts, BATCH, strict=True)))
     for out, exp, name in zip(outs, expected, BATCH, strict=True):
         assert out.token_ids == exp, f"adapter {name}: engine {out.token_ids} != PEFT {exp}"
     assert len({tuple(e) for e in expected[:5]}) == 5
+    if pieces:
+        assert engine.runner.mixed_graphs.steps_run > 0
+    again = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS), list(BATCH))
+    assert [o.token_ids for o in again] == expected
+    assert sum(engine.stats().prefix_cache_hit_tokens.values()) > 0
 
 
 def test_quantize_at_load_with_adapters_and_bf16_activations(fp8_dirs, adapter_factory):

@@ -183,6 +183,10 @@ def finish_loading(model: LlamaForCausalLM) -> None:
             module: Fp8Linear = getattr(layer, attr)
             fast = module.weight.is_cuda and scaled_mm_fits(module.weight, module.weight)
             module.finish(fast)
+    if model.layers[0].qkv_proj.weight.is_cuda:
+        # The float linears the FP8 ones replaced sit in torch's cache, which the KV-cache sizing
+        # (engine/kv_cache.py, from free device memory) would count as used.
+        torch.cuda.empty_cache()
     scheme: Fp8Scheme = model.fp8_scheme
     log.info(
         "FP8 base linears (%s): %s",
