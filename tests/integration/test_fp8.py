@@ -208,3 +208,26 @@ def test_the_store_sees_the_same_shapes_in_an_fp8_checkpoint(fp8_dirs):
     for fmt in FORMATS:
         ckpt, ref = fp8_dirs[fmt]
         assert load_base_model_shapes(str(ckpt)).linears == load_base_model_shapes(str(ref)).linears
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_operands_prepared_at_load_compute_the_same_linear(fmt, fp8_dirs):
+    """What `finish(fast=True)` readies for the CUDA GEMM (block scales re-quantized per channel,
+    the `[1, N]` row scale, the fused static input scale), run through `fp8_linear_mm` wherever
+    torch._scaled_mm runs (CPU on recent torch), against the reference path of the loaded layer."""
+    ckpt, _ = fp8_dirs[fmt]
+    model, _ = load_model(ckpt, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    for module in (model.layers[0].qkv_proj, model.layers[1].down_proj):
+        x = torch.randn(8, module.weight.shape[1], generator=gen)
+        ref = module(x)
+        module.finish(True)
+        assert module.block is None and module.scale_row.shape == (1, module.weight.shape[0])
+        assert (module.static_input_scale is not None) == (fmt == "ct-tensor-static")
+        requantized = module(x)  # the reference path over the GPU's per-channel operands
+        assert ((requantized - ref).abs().max() / ref.abs().max()).item() < 0.03
+        try:
+            out = fp8_linear_mm(x, module.weight, module.scale_row, module.static_input_scale)
+        except (RuntimeError, NotImplementedError) as exc:
+            pytest.skip(f"torch._scaled_mm does not run here: {exc}")
+        assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 0.08
