@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.inference.engine.config import DEVICES, DTYPES, QUANTIZATIONS, EngineConfig
+from services.inference.engine.config import DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig
 from services.inference.lora.settings import (
     DEFAULT_MAX_GPU_LORAS,
     DEFAULT_MAX_LORA_RANK,
@@ -174,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="fp8: hold the base model's q/k/v/o/gate/up/down weights in FP8 E4M3 (per-output-channel "
         "scales, quantized at load; adapters stay in --dtype). Pre-quantized FP8 checkpoints "
         "(compressed-tensors float-quantized, fp8 with weight_block_size) are read without it",
+    )
+    a(
+        "--kv-cache-dtype",
+        default=e.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="fp8: hold the paged KV cache in FP8 E4M3 (unscaled: values saturate at +-448), twice the "
+        "tokens of bf16 in the same memory. The torch attention path only (CPU); refused where the Triton "
+        "attention kernels run (CUDA), which do not read FP8 yet",
     )
     a("--tp-size", type=int, default=e.tp_size)
     a("--seed", type=int, default=e.seed)

@@ -46,6 +46,35 @@ def test_block_scales_expand_over_partial_blocks():
     assert torch.equal(dequantize(w, scale, (2, 3), torch.float32), full)
 
 
+def test_torch_attention_over_an_fp8_cache_equals_a_float_cache_of_the_same_values():
+    """The FP8 cache changes only what is stored: attention over it equals attention over a float32
+    cache holding the same E4M3-rounded (and saturated) k/v."""
+    from services.inference.engine.attention import AttentionMetadata, PrefillSegment, TorchPagedAttention
+
+    gen = torch.Generator().manual_seed(0)
+    t, heads, kv_heads, dim, page = 10, 4, 2, 16, 4
+    q = torch.randn(t, heads, dim, generator=gen)
+    k = torch.randn(t, kv_heads, dim, generator=gen) * 100  # some beyond 448: saturated, not NaN
+    v = torch.randn(t, kv_heads, dim, generator=gen)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(t),
+        num_decode_tokens=0,
+        decode_block_tables=torch.zeros(0, 1, dtype=torch.int64),
+        decode_context_lens=torch.zeros(0, dtype=torch.int64),
+        prefill_segments=[PrefillSegment(0, t, 0, t)],
+        prefill_ctx_slots=torch.arange(t),
+    )
+    outs = []
+    for dtype, kk, vv in (
+        (FP8_DTYPE, k, v),
+        (torch.float32, k.clamp(-448, 448).to(FP8_DTYPE).float(), v.to(FP8_DTYPE).float()),
+    ):
+        attn = TorchPagedAttention(torch.zeros(1, 2, 4, page, kv_heads, dim, dtype=dtype), dim**-0.5)
+        attn.begin(meta)
+        outs.append(attn.forward(0, q, kk, vv))
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+
+
 def test_kernels_under_triton_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
     proc = subprocess.run(

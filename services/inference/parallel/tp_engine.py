@@ -210,7 +210,7 @@ def _build_rank0(
     )
     own_blocks = plan_num_blocks(
         local_cfg,
-        dtype,
+        config.kv_dtype(dtype),
         device,
         page_size=config.page_size,
         context_length=context_length,
