@@ -12,8 +12,8 @@ text (this repository's docs), teacher forced, on the embedded SmolLM2-135M and 
 Llama-8B-shape model. On the GPU the FP8 side is the served path (per-token FP8 activations,
 torch._scaled_mm); on the CPU it is the dequantizing reference path.
 
-    PYTHONPATH=.:protos python3 -m bench.fp8_step                        # H200 (~5 min)
-    PYTHONPATH=.:protos python3 -m bench.fp8_step --tiny --device cpu    # smoke check
+    PYTHONPATH=protos python3 -m loraplex.bench.fp8_step                        # H200 (~5 min)
+    PYTHONPATH=protos python3 -m loraplex.bench.fp8_step --tiny --device cpu    # smoke check
 
 `--kv-cache-dtype fp8` is not measured: it runs on the torch attention path only (the Triton kernels do
 not read an FP8 cache yet); its row says so. Writes fp8_step.json (bench/results.py).
@@ -30,22 +30,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.mixed_step import Layout, fill_contexts, make_step, time_step
-from bench.random_runner import TINY, build_runner, model_config, random_model
-from bench.results import add_out_argument, write_json
-from bench.serving_setup import LLAMA_8B
-from services.inference.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token
-from services.inference.engine.model_runner import ModelRunner
-from services.inference.engine.scheduler import SeqChunk
-from services.inference.models.quantization.fp8_linear import quantize_loaded
+from loraplex.bench.mixed_step import Layout, fill_contexts, make_step, time_step
+from loraplex.bench.random_runner import TINY, build_runner, model_config, random_model
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.bench.serving_setup import LLAMA_8B
+from loraplex.services.inference.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token
+from loraplex.services.inference.engine.model_runner import ModelRunner
+from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.models.quantization.fp8_linear import quantize_loaded
 
-log = logging.getLogger("bench.fp8_step")
+log = logging.getLogger("loraplex.bench.fp8_step")
 REPO = Path(__file__).resolve().parents[1]
 TEXT_FILES = ["docs/architecture.md", "docs/operations.md", "docs/walkthrough.md", "README.md"]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.fp8_step", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m loraplex.bench.fp8_step", description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny model shape (CPU smoke check)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=None, help="decode batch (default 64; --tiny 4)")
@@ -184,8 +184,8 @@ def agreement(ref: torch.Tensor, got: torch.Tensor) -> dict:
 def quality_embedded(a, device: torch.device, dtype: torch.dtype) -> dict:
     from transformers import AutoTokenizer
 
-    from services.inference.default_model import ensure_model
-    from services.inference.models.loader import load_model
+    from loraplex.services.inference.default_model import ensure_model
+    from loraplex.services.inference.models.loader import load_model
 
     path = ensure_model()
     model, cfg = load_model(path, device, dtype)
@@ -199,7 +199,7 @@ def quality_embedded(a, device: torch.device, dtype: torch.dtype) -> dict:
 def quality_random(a, device: torch.device, dtype: torch.dtype) -> dict:
     from transformers import AutoTokenizer
 
-    from services.inference.default_model import ensure_model
+    from loraplex.services.inference.default_model import ensure_model
 
     shape = TINY if a.tiny else LLAMA_8B
     cfg = model_config(shape, 2048)

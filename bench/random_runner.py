@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import torch
 
-from services.inference.engine.kv_cache import allocate_kv_cache
-from services.inference.engine.model_runner import ModelRunner
-from services.inference.lora.backend_check import MODULE_SETS, random_adapter
-from services.inference.lora.pool import AdapterPool
-from services.inference.lora.shapes import ALL_MODULES, ModelShapes
-from services.inference.lora.torch_backend import TorchLoRABackend
-from services.inference.lora.triton_backend import TritonLoRABackend
-from services.inference.models.config import ModelConfig, parse_config
-from services.inference.models.llama import LlamaForCausalLM
-from services.inference.models.loader import default_dtype
-from services.inference.models.quantization.fp8_linear import quantize_loaded
+from loraplex.services.inference.engine.kv_cache import allocate_kv_cache
+from loraplex.services.inference.engine.model_runner import ModelRunner
+from loraplex.services.inference.lora.backend_check import MODULE_SETS, random_adapter
+from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
+from loraplex.services.inference.lora.triton_backend import TritonLoRABackend
+from loraplex.services.inference.models.config import ModelConfig, parse_config
+from loraplex.services.inference.models.llama import LlamaForCausalLM
+from loraplex.services.inference.models.loader import default_dtype
+from loraplex.services.inference.models.quantization.fp8_linear import quantize_loaded
 
 TINY = dict(
     hidden_size=64,

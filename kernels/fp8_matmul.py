@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8_quant import FP8_DTYPE, FP8_MAX, quantize_rows_fused
-from kernels.placement import triton_runs_on
+from loraplex.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, quantize_rows_fused
+from loraplex.kernels.placement import triton_runs_on
 
 _MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale
 

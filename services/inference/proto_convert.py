@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import re
 
+from loraplex.services.inference.engine.api import Engine
+from loraplex.services.inference.engine.types import Constraint, RequestOutput, SamplingParams, TokenLogprob
+from loraplex.services.inference.errors import InvalidRequest
+from loraplex.services.inference.lora.adapter_slots import AdapterInfo
+from loraplex.services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
+from loraplex.services.inference.server_args import ServerArgs
 from loraplex.v1 import inference_pb2 as pb
-
-from services.inference.engine.api import Engine
-from services.inference.engine.types import RequestOutput, SamplingParams, TokenLogprob
-from services.inference.errors import InvalidRequest
-from services.inference.lora.adapter_slots import AdapterInfo
-from services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
-from services.inference.server_args import ServerArgs
 
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
@@ -77,6 +76,18 @@ def _check_stops(p: pb.SamplingParams) -> None:
         )
 
 
+def _constraint(p: pb.SamplingParams) -> Constraint | None:
+    """The `constraint` oneof as the engine's Constraint (the engine checks and compiles it)."""
+    kind = p.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not p.json_object):
+        return None
+    if kind == "choice":
+        return Constraint("choice", choices=tuple(p.choice.choices))
+    if kind == "json_object":
+        return Constraint("json_object")
+    return Constraint(kind, getattr(p, kind))
+
+
 def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
     """Proto → engine; proto zeros mean 'server default' / 'off'. Checks what only the proto
     shows (stop string sizes, top_logprobs without logprobs); the engine checks the ranges."""
@@ -96,6 +107,7 @@ def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
         presence_penalty=p.presence_penalty,
         logprobs=p.top_logprobs if p.logprobs else None,
         prompt_logprobs=p.top_logprobs if p.prompt_logprobs else None,
+        constraint=_constraint(p),
     )
     if p.top_logprobs and not (p.logprobs or p.prompt_logprobs):
         raise InvalidRequest(

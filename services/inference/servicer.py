@@ -17,18 +17,25 @@ from contextlib import aclosing
 from typing import NamedTuple
 
 import grpc
+
+from loraplex.services.inference.adapter_resolver import AdapterResolver
+from loraplex.services.inference.engine.api import Engine
+from loraplex.services.inference.engine.types import RequestOutput
+from loraplex.services.inference.errors import BackendUnavailable, InvalidRequest, LoraplexError
+from loraplex.services.inference.generate_inputs import EngineWork, engine_work, open_streams
+from loraplex.services.inference.local_sources import public_model_name
+from loraplex.services.inference.metrics import Metrics
+from loraplex.services.inference.proto_convert import (
+    MAX_CHARS_PER_TOKEN,
+    adapter_proto,
+    logprobs_proto,
+    timing_fields,
+)
+from loraplex.services.inference.reply_size import check_reply, check_reply_floor
+from loraplex.services.inference.server_args import ServerArgs
+from loraplex.services.inference.status import abort_with, build_status, status_for
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
-from services.inference.adapter_resolver import AdapterResolver
-from services.inference.engine.api import Engine
-from services.inference.engine.types import RequestOutput
-from services.inference.errors import BackendUnavailable, InvalidRequest, LoraplexError
-from services.inference.generate_inputs import EngineWork, engine_work, open_streams
-from services.inference.metrics import Metrics, adapter_label
-from services.inference.proto_convert import MAX_CHARS_PER_TOKEN, adapter_proto, logprobs_proto, timing_fields
-from services.inference.server_args import ServerArgs
-from services.inference.status import abort_with, build_status, status_for
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +106,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         )
 
     async def _prepare(
-        self, engine: Engine, resolver: AdapterResolver, request: pb.GenerateRequest
+        self, engine: Engine, resolver: AdapterResolver, request: pb.GenerateRequest, unary: bool = False
     ) -> PreparedCall:
         """Check everything, then resolve every adapter (which may pull), before any engine work."""
         # Tokenizing and rendering chat templates is CPU work that grows with the prompt: off the
         # event loop, so other calls' streams keep flowing meanwhile.
         work = await asyncio.to_thread(engine_work, engine, request, self.args)
+        if unary:  # one reply message: refuse before running what could only fail at the end
+            check_reply_floor(
+                [(len(w.prompt_ids), w.params) for w in work],
+                engine.model_info().context_length,
+                self.args.max_message_bytes,
+            )
         rpc_id = uuid.uuid4().hex[:12]
         streams = open_streams(engine, rpc_id, work)
         await resolver.ensure({w.adapter for w in work})
@@ -173,7 +186,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     resolver.release(item.adapter)
 
     def _count(self, adapter: str, out: RequestOutput) -> None:
-        label = adapter_label(adapter)
+        label = self.metrics.label(adapter)
         self.metrics.requests.labels(label, "OK").inc()
         self.metrics.prompt_tokens.labels(label).inc(out.prompt_tokens)
         self.metrics.completion_tokens.labels(label).inc(out.completion_tokens)
@@ -182,7 +195,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(self, request, context):
         engine, resolver = await self._begin(context, "Generate")
         try:
-            prepared = await self._prepare(engine, resolver, request)
+            prepared = await self._prepare(engine, resolver, request, unary=True)
             work = prepared.work
             texts = [[] for _ in work]
             ids = [[] for _ in work]
@@ -215,8 +228,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 )
                 for k, (w, f) in enumerate(zip(work, final, strict=True))
             ]
+            reply = pb.GenerateResponse(completions=completions)
+            check_reply(reply, self.args.max_message_bytes)
             self.metrics.rpcs.labels("Generate", "OK").inc()
-            return pb.GenerateResponse(completions=completions)
+            return reply
         except LoraplexError as exc:
             await self._fail(context, "Generate", exc)
         except (grpc.aio.AbortError, asyncio.CancelledError):
@@ -292,8 +307,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def ListAdapters(self, request, context):
         async def work(engine, resolver):
-            adapters = await resolver.list()
-            return pb.ListAdaptersResponse(adapters=[adapter_proto(a) for a in adapters])
+            adapters, next_token = await resolver.list(request.page_size, request.page_token)
+            return pb.ListAdaptersResponse(
+                adapters=[adapter_proto(a) for a in adapters], next_page_token=next_token
+            )
 
         return await self._simple(context, "ListAdapters", work)
 
@@ -301,7 +318,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         async def work(engine, resolver):
             m = engine.model_info()
             return pb.ModelInfo(
-                model=m.model,
+                model=public_model_name(m.model),
                 dtype=m.dtype,
                 device=m.device,
                 max_loras_per_batch=m.max_loras_per_batch,
@@ -312,6 +329,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 context_length=m.context_length,
                 max_new_tokens_limit=self.args.engine.max_new_tokens_limit,
                 max_inputs_per_request=self.args.max_inputs_per_request,
+                architecture=m.architecture,
+                family=m.family,
             )
 
         return await self._simple(context, "GetModelInfo", work)

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.fp8_matmul import FP8_DTYPE, fp8_linear_mm, fp8_linear_ref, quantize_rows
-from services.inference.engine.types import SamplingParams
-from services.inference.models.config import UnsupportedModelError
-from services.inference.models.loader import load_model
-from services.inference.models.quantization.fp8_linear import Fp8Linear
-from services.inference.models.quantization.scheme import resolve_scheme
+from loraplex.kernels.fp8_matmul import FP8_DTYPE, fp8_linear_mm, fp8_linear_ref, quantize_rows
+from loraplex.services.inference.engine.types import SamplingParams
+from loraplex.services.inference.models.config import UnsupportedModelError
+from loraplex.services.inference.models.loader import load_model
+from loraplex.services.inference.models.quantization.fp8_linear import Fp8Linear
+from loraplex.services.inference.models.quantization.scheme import resolve_scheme
 from tests.integration.test_engine_correctness import PROMPTS, hf_greedy, make_engine
 from tests.support.fp8_checkpoints import FORMATS, dequantize_checkpoint, write_fp8_checkpoint
 from tests.support.lora_reference import (
@@ -190,9 +190,9 @@ def test_fp8_tp2_matches_tp1(fmt, fp8_dirs, tiny_llama_path, adapter_factory, tm
 
 
 def test_block_fp8_whose_blocks_straddle_a_tp_shard_is_refused(fp8_dirs):
-    from services.inference.models.config import load_config
-    from services.inference.parallel.model import load_tp_model
-    from services.inference.parallel.partition import plan_shards
+    from loraplex.services.inference.models.config import load_config
+    from loraplex.services.inference.parallel.model import load_tp_model
+    from loraplex.services.inference.parallel.partition import plan_shards
 
     ckpt, _ = fp8_dirs["fp8-block"]  # 48-column blocks; down_proj's input splits at column 64
     plan = plan_shards(load_config(ckpt), 2)[1]
@@ -203,7 +203,7 @@ def test_block_fp8_whose_blocks_straddle_a_tp_shard_is_refused(fp8_dirs):
 def test_the_store_sees_the_same_shapes_in_an_fp8_checkpoint(fp8_dirs):
     """The adapter store validates an adapter against its base's config.json shapes: an FP8
     checkpoint's are the float model's, so adapters for one serve the other."""
-    from adapter_store.base_model import load_base_model_shapes
+    from loraplex.adapter_store.base_model import load_base_model_shapes
 
     for fmt in FORMATS:
         ckpt, ref = fp8_dirs[fmt]
@@ -239,7 +239,7 @@ def test_fp8_kv_cache_on_the_torch_path(smollm2_path, caplog):
     refused on CUDA (the Triton kernels do not read FP8 yet)."""
     import logging
 
-    from services.inference.engine.config import EngineConfig
+    from loraplex.services.inference.engine.config import EngineConfig
 
     with caplog.at_level(logging.INFO):
         engine = make_engine(smollm2_path, kv_cache_dtype="fp8")

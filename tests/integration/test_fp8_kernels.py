@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.fp8_matmul import FP8_DTYPE, dequantize, expand_scale, quantize_rows
+from loraplex.kernels.fp8_matmul import FP8_DTYPE, dequantize, expand_scale, quantize_rows
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,7 +49,11 @@ def test_block_scales_expand_over_partial_blocks():
 def test_torch_attention_over_an_fp8_cache_equals_a_float_cache_of_the_same_values():
     """The FP8 cache changes only what is stored: attention over it equals attention over a float32
     cache holding the same E4M3-rounded (and saturated) k/v."""
-    from services.inference.engine.attention import AttentionMetadata, PrefillSegment, TorchPagedAttention
+    from loraplex.services.inference.engine.attention import (
+        AttentionMetadata,
+        PrefillSegment,
+        TorchPagedAttention,
+    )
 
     gen = torch.Generator().manual_seed(0)
     t, heads, kv_heads, dim, page = 10, 4, 2, 16, 4
@@ -93,9 +97,9 @@ def test_kernels_under_triton_interpreter() -> None:
 
 
 def _interpreter_checks() -> int:
-    from kernels.fp8_matmul import fp8_linear_mm, fp8_linear_ref
-    from kernels.fp8_quant import quantize_rows_fused
-    from kernels.placement import run_triton_on_cpu
+    from loraplex.kernels.fp8_matmul import fp8_linear_mm, fp8_linear_ref
+    from loraplex.kernels.fp8_quant import quantize_rows_fused
+    from loraplex.kernels.placement import run_triton_on_cpu
 
     failures = 0
     for rows, cols, dtype in ((5, 200, torch.float32), (3, 64, torch.float16), (1, 1030, torch.float32)):

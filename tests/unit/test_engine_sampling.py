@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.detokenizer import IncrementalDetokenizer
-from services.inference.engine.engine import LLMEngine
-from services.inference.engine.output import TextStream
-from services.inference.engine.sampler import SamplingInputs, apply_penalties, sample
-from services.inference.engine.types import SamplingParams
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.detokenizer import IncrementalDetokenizer
+from loraplex.services.inference.engine.engine import LLMEngine
+from loraplex.services.inference.engine.output import TextStream
+from loraplex.services.inference.engine.sampler import SamplingInputs, apply_penalties, sample
+from loraplex.services.inference.engine.types import REPETITION_PENALTY_RANGE, SamplingParams
+from loraplex.services.inference.errors import InvalidRequest
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time there was", "1, 2, 3,"]
 
@@ -116,6 +117,38 @@ def test_penalties_move_logits_in_the_documented_direction():
     # negative values encourage repetition
     more = apply_penalties(logits, inputs(1, presence_penalty=[-1.0], output_ids=[[3]]))
     assert more[0, 3] == 1.5
+
+
+@pytest.mark.parametrize("value", [1e-45, 1e-38, 1e-10, 0.0099, 100.01, 1e30, 3.4e38])
+def test_repetition_penalty_outside_its_range_is_refused(value):
+    # 1e-38 once divided positive logits to inf: the draw then took token 0 or garbage.
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(repetition_penalty=value).validate()
+    assert err.value.field == "sampling_params.repetition_penalty"
+    assert "[0.01, 100]" in err.value.message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_penalties_at_the_edges_of_their_ranges_keep_logits_finite(dtype):
+    low, high = REPETITION_PENALTY_RANGE
+    for value in (low, high):
+        SamplingParams(repetition_penalty=value).validate()
+    logits = (torch.randn(6, 64, generator=torch.Generator().manual_seed(3)) * 100).to(dtype)
+    seen = [list(range(64)) * 64] * 6  # every token, many times: the largest counts a request reaches
+    penalised = apply_penalties(
+        logits,
+        inputs(
+            6,
+            repetition_penalty=[low, high, low, high, 1.0, 1.0],
+            frequency_penalty=[2.0, -2.0, -2.0, 2.0, 2.0, -2.0],
+            presence_penalty=[-2.0, 2.0, 2.0, -2.0, -2.0, 2.0],
+            prompt_ids=seen,
+            output_ids=seen,
+        ),
+    )
+    assert torch.isfinite(penalised).all(), dtype
+    greedy = inputs(6, temperature=[0.0] * 6)
+    assert sample(penalised.float(), greedy) == penalised.float().argmax(-1).tolist()
 
 
 # -- through the engine -----------------------------------------------------------------------

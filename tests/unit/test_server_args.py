@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.settings import reload_kernel_settings
-from services.inference.engine.config import EngineConfig
-from services.inference.lora.settings import LoRAConfig
-from services.inference.server_args import (
+from loraplex.kernels.settings import reload_kernel_settings
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.lora.settings import LoRAConfig
+from loraplex.services.inference.server_args import (
     ServerArgs,
     build_parser,
     flat_defaults,

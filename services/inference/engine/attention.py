@@ -15,8 +15,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_kv_store import store_kv_ref
-from services.inference.models.context import Attention
+from loraplex.kernels.attention_kv_store import store_kv_ref
+from loraplex.services.inference.models.context import Attention
 
 
 class PrefillSegment(NamedTuple):

@@ -7,10 +7,10 @@ from typing import NamedTuple
 
 import torch
 
-from services.inference.engine.config import EngineConfig
-from services.inference.models.config import ModelConfig, check_context_length
-from services.inference.models.llama import LlamaForCausalLM
-from services.inference.models.loader import load_model, resolve_dtype, resolve_model_dir
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.models.config import ModelConfig, check_context_length
+from loraplex.services.inference.models.llama import LlamaForCausalLM
+from loraplex.services.inference.models.loader import load_model, resolve_dtype, resolve_model_dir
 
 
 class LoadedModel(NamedTuple):
@@ -27,8 +27,11 @@ def load(config: EngineConfig) -> LoadedModel:
     """Resolve, check and load the model and tokenizer named by the config."""
     from transformers import AutoTokenizer
 
-    from services.inference.models.config import load_config
-    from services.inference.models.quantization.scheme import read_quantization_config, resolve_scheme
+    from loraplex.services.inference.models.config import load_config
+    from loraplex.services.inference.models.quantization.scheme import (
+        read_quantization_config,
+        resolve_scheme,
+    )
 
     model_dir = resolve_model_dir(config.model_path)
     model_config = load_config(model_dir)  # refuses before weights are touched

@@ -13,14 +13,18 @@ import logging
 import numpy as np
 import torch
 
-from kernels.placement import triton_runs_on
-from services.inference.engine.attention import AttentionMetadata, PrefillSegment, TorchPagedAttention
-from services.inference.engine.overlap import fill_placeholders
-from services.inference.engine.scheduler import SeqChunk
-from services.inference.lora.backend import LoRABackend
-from services.inference.models.config import ModelConfig
-from services.inference.models.context import ForwardContext
-from services.inference.models.llama import LlamaForCausalLM
+from loraplex.kernels.placement import triton_runs_on
+from loraplex.services.inference.engine.attention import (
+    AttentionMetadata,
+    PrefillSegment,
+    TorchPagedAttention,
+)
+from loraplex.services.inference.engine.overlap import fill_placeholders
+from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.lora.backend import LoRABackend
+from loraplex.services.inference.models.config import ModelConfig
+from loraplex.services.inference.models.context import ForwardContext
+from loraplex.services.inference.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +53,7 @@ class ModelRunner:
                 "an FP8 KV cache needs the torch attention path; the Triton kernels do not read FP8 yet"
             )
         if triton_runs_on(self.device):  # Triton kernels (kernels/attention_*.py); torch reference on CPU
-            from services.inference.engine.attention_triton import TritonPagedAttention
+            from loraplex.services.inference.engine.attention_triton import TritonPagedAttention
 
             self.attention = TritonPagedAttention(kv_cache, scale)
         else:
@@ -77,7 +81,7 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_bs: int) -> None:
         """Capture decode CUDA graphs for batch sizes up to `max_bs` (see engine/cuda_graph.py)."""
-        from services.inference.engine.cuda_graph import DecodeGraphs
+        from loraplex.services.inference.engine.cuda_graph import DecodeGraphs
 
         graphs = DecodeGraphs(
             self.model,
@@ -93,7 +97,7 @@ class ModelRunner:
     def capture_mixed_graphs(self, max_tokens: int, use_graphs: bool = True) -> None:
         """Piecewise graphs for steps with prefill chunks of up to `max_tokens` tokens (see
         engine/mixed_graphs.py); `use_graphs=False` runs the same pieces eagerly (CPU tests)."""
-        from services.inference.engine.mixed_graphs import MixedGraphs
+        from loraplex.services.inference.engine.mixed_graphs import MixedGraphs
 
         graphs = MixedGraphs(
             self.model,

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
-from services.inference.models.llama import LlamaForCausalLM
-from services.inference.models.quantization.fp8_linear import load_fp8, quantize_linears
-from services.inference.models.quantization.scheme import read_quantization_config, resolve_scheme
+from loraplex.services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
+from loraplex.services.inference.models.llama import LlamaForCausalLM
+from loraplex.services.inference.models.quantization.fp8_linear import load_fp8, quantize_linears
+from loraplex.services.inference.models.quantization.scheme import read_quantization_config, resolve_scheme
 
 log = logging.getLogger(__name__)
 

@@ -20,17 +20,17 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
-from services.inference.models.llama import FusedLinear, LlamaForCausalLM
-from services.inference.models.loader import default_dtype, safetensors_files
-from services.inference.models.quantization.fp8_linear import (
+from loraplex.services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
+from loraplex.services.inference.models.llama import FusedLinear, LlamaForCausalLM
+from loraplex.services.inference.models.loader import default_dtype, safetensors_files
+from loraplex.services.inference.models.quantization.fp8_linear import (
     SCALE_KINDS,
     Fp8Linear,
     load_fp8,
     quantize_linears,
 )
-from services.inference.models.quantization.scheme import read_quantization_config, resolve_scheme
-from services.inference.parallel.partition import COLUMN_MODULES, ROW_MODULES, ShardPlan
+from loraplex.services.inference.models.quantization.scheme import read_quantization_config, resolve_scheme
+from loraplex.services.inference.parallel.partition import COLUMN_MODULES, ROW_MODULES, ShardPlan
 
 log = logging.getLogger(__name__)
 

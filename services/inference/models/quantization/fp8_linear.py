@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from kernels.fp8_matmul import (
+from loraplex.kernels.fp8_matmul import (
     FP8_DTYPE,
     dequantize,
     fp8_linear_mm,
@@ -26,8 +26,8 @@ from kernels.fp8_matmul import (
     quantize_rows,
     scaled_mm_fits,
 )
-from services.inference.models.llama import _LAYER_WEIGHTS, FusedLinear, LlamaForCausalLM
-from services.inference.models.quantization.scheme import Fp8Scheme
+from loraplex.services.inference.models.llama import _LAYER_WEIGHTS, FusedLinear, LlamaForCausalLM
+from loraplex.services.inference.models.quantization.scheme import Fp8Scheme
 
 log = logging.getLogger(__name__)
 

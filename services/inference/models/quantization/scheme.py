@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.inference.models.config import UnsupportedModelError
+from loraplex.services.inference.models.config import UnsupportedModelError
 
 QUANTIZATIONS = ("fp8",)  # what --quantization accepts
 SUPPORTED = (
