@@ -19,6 +19,7 @@ from loraplex.services.inference.lora.triton_backend import TritonLoRABackend
 from loraplex.services.inference.models.config import ModelConfig, parse_config
 from loraplex.services.inference.models.llama import LlamaForCausalLM
 from loraplex.services.inference.models.loader import default_dtype
+from loraplex.services.inference.models.quantization.fp8_linear import quantize_loaded
 
 TINY = dict(
     hidden_size=64,
@@ -137,11 +138,15 @@ def build_runner(
     side_stream: bool | None = None,
     seed: int = 0,
     lora_backend: str = "triton",
+    fp8: bool = False,
 ) -> ModelRunner:
     """A runner with `slots` random adapters of rank <= `rank` resident (slots 0: no LoRA backend).
-    `lora_backend` "torch": the CPU backend (no Triton interpreter needed)."""
+    `lora_backend` "torch": the CPU backend (no Triton interpreter needed). `fp8`: the base linears
+    quantized to FP8 E4M3 per output channel (models/quantization/), adapters in `dtype`."""
     cfg = model_config(shape, context_length)
     model = random_model(cfg, dtype, device, seed)
+    if fp8:
+        quantize_loaded(model)
     blocks = num_blocks or (max_num_seqs + 4) * (-(-context_length // page_size))
     kv_cache = allocate_kv_cache(cfg, blocks, page_size, dtype, device)
     backend = None

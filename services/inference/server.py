@@ -27,6 +27,7 @@ from loraplex.services.inference.engine.api import Engine
 from loraplex.services.inference.engine.types import SamplingParams
 from loraplex.services.inference.errors import BackendUnavailable
 from loraplex.services.inference.metrics import Metrics
+from loraplex.services.inference.models.config import UnsupportedModelError
 from loraplex.services.inference.replica import ReplicaInterceptor, replica_id
 from loraplex.services.inference.server_args import ServerArgs
 from loraplex.services.inference.servicer import InferenceServicer, ServerState
@@ -166,7 +167,10 @@ class InferenceServer:
             await self._preload(engine, resolver)
             await self._warm_up(engine)
         except Exception as exc:
-            log.exception("engine failed to start")
+            if isinstance(exc, UnsupportedModelError):  # a refusal whose message says it all: one line
+                log.error("engine failed to start: %s", exc)
+            else:
+                log.exception("engine failed to start")
             self.state.not_ready = BackendUnavailable(f"engine failed to start: {exc}")
             self._stop.set()
             self.exit_code = 1

@@ -15,7 +15,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.services.inference.engine.config import DEVICES, DTYPES, EngineConfig
+from loraplex.services.inference.engine.config import (
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
 from loraplex.services.inference.lora.names import is_served_model_name
 from loraplex.services.inference.lora.settings import (
     DEFAULT_MAX_GPU_LORAS,
@@ -196,6 +202,22 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model-path", required=True, help="HF directory or Hub id of the base model")
     a("--device", default=e.device, choices=DEVICES)
     a("--dtype", default=e.dtype, choices=DTYPES)
+    a(
+        "--quantization",
+        default=e.quantization,
+        choices=QUANTIZATIONS,
+        help="fp8: hold the base model's q/k/v/o/gate/up/down weights in FP8 E4M3 (per-output-channel "
+        "scales, quantized at load; adapters stay in --dtype). Pre-quantized FP8 checkpoints "
+        "(compressed-tensors float-quantized, fp8 with weight_block_size) are read without it",
+    )
+    a(
+        "--kv-cache-dtype",
+        default=e.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="fp8: hold the paged KV cache in FP8 E4M3 (unscaled: values saturate at +-448), twice the "
+        "tokens of bf16 in the same memory. The torch attention path only (CPU); refused where the Triton "
+        "attention kernels run (CUDA), which do not read FP8 yet",
+    )
     a("--tp-size", type=int, default=e.tp_size)
     a("--seed", type=int, default=e.seed)
     a(

@@ -134,6 +134,7 @@ def test_switches_and_environment(monkeypatch):
         (["--log-level", "loud"], "--log-level: invalid choice"),
         (["--device", "tpu"], "--device: invalid choice"),
         (["--dtype", "int8"], "--dtype: invalid choice"),
+        (["--quantization", "awq"], "--quantization: invalid choice"),
         (["--lora-backend", "cuda"], "--lora-backend: invalid choice"),
         (["--port", "x"], "--port: invalid int value"),
     ],
@@ -166,3 +167,10 @@ def test_from_fields_routes_each_field_to_its_owner_and_names_unknown_ones():
         ServerArgs.from_fields(max_lora_ranks=8)
     with pytest.raises(ValueError, match="--max-lora-rank must be >= 1"):
         dataclasses.replace(args.lora, max_lora_rank=0)
+
+
+def test_quantization_flag_reaches_the_engine_config():
+    assert parse_args(["--model-path", "m", "--quantization", "fp8"]).engine.quantization == "fp8"
+    assert parse_args(["--model-path", "m"]).engine.quantization is None
+    with pytest.raises(ValueError, match="--quantization must be one of fp8"):
+        EngineConfig(quantization="int4")

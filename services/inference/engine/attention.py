@@ -44,6 +44,23 @@ class AttentionMetadata(NamedTuple):
     prefill_ctx_slots: torch.Tensor  # [sum ctx_len] int64: cache slots of each segment's context
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)
+
+
+def to_cache_dtype(t: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """k or v in the cache's element type: an FP8 cache holds values unscaled, saturated at +-448
+    (a plain cast would turn them into NaN)."""
+    if cache.dtype == FP8 and t.dtype != FP8:
+        return t.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return t.to(cache.dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as their bytes for `index_copy_`, which torch does not implement for FP8 on the CPU."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
 class TorchPagedAttention(Attention):
     """`windows[layer]`: that layer's sliding window (a query at position p sees keys at positions
     > p - window) or None; `softcap`: scores become `softcap * tanh(scores / softcap)` before the
@@ -75,7 +92,9 @@ class TorchPagedAttention(Attention):
     ) -> None:
         """Write the step's new k/v rows into the cache (rows whose slot is < 0 are padding: skipped)."""
         slots = self.meta.slot_mapping if slot_mapping is None else slot_mapping
-        store_kv_ref(k, v, self.kv_cache[layer, 0], self.kv_cache[layer, 1], slots[: k.shape[0]])
+        k, v = to_cache_dtype(k, self.kv_cache), to_cache_dtype(v, self.kv_cache)
+        k_cache, v_cache = _bytes(self.kv_cache[layer, 0]), _bytes(self.kv_cache[layer, 1])
+        store_kv_ref(_bytes(k), _bytes(v), k_cache, v_cache, slots[: k.shape[0]])
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the step's queries over the cache (their own k/v already stored):
@@ -93,7 +112,7 @@ class TorchPagedAttention(Attention):
             q_seg = q[seg.q_start : seg.q_start + seg.q_len]
             slots = meta.prefill_ctx_slots[seg.ctx_start : seg.ctx_start + seg.ctx_len]
             out[seg.q_start : seg.q_start + seg.q_len] = self._prefill(
-                q_seg, k_flat[slots], v_flat[slots], seg, self._window(layer)
+                q_seg, k_flat[slots].to(q.dtype), v_flat[slots].to(q.dtype), seg, self._window(layer)
             )
         return out.reshape(q.shape[0], -1)
 
@@ -101,8 +120,9 @@ class TorchPagedAttention(Attention):
         meta = self.meta
         assert meta is not None, "begin() must bind the step's metadata first"
         kv_heads, head_dim = k.shape[1], k.shape[2]
-        self.kv_cache[layer, 0].view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        self.kv_cache[layer, 1].view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        k, v = _bytes(to_cache_dtype(k, self.kv_cache)), _bytes(to_cache_dtype(v, self.kv_cache))
+        _bytes(self.kv_cache[layer, 0]).view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        _bytes(self.kv_cache[layer, 1]).view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         return self.attend(layer, q)
 
     def _prefill(

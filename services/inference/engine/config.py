@@ -30,6 +30,8 @@ class SchedulerConfig:
 
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the activation dtype; fp8: E4M3 (torch attention path only)
+QUANTIZATIONS = ("fp8",)  # models/quantization/scheme.py; a checkpoint's own quantization_config needs none
 DEVICES = ("auto", "cuda", "cpu")
 
 
@@ -47,6 +49,9 @@ class EngineConfig:
     model_path: str = ""
     device: torch.device = "auto"  # type: ignore[assignment] - resolved in __post_init__
     dtype: str = "auto"  # as requested: auto | bfloat16 | float16 | float32
+    # "fp8": quantize the base linears to E4M3 at load (a pre-quantized FP8 checkpoint needs no flag)
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     tp_size: int = 1  # > 1: one worker process per device (services/inference/parallel/)
     seed: int = 0
     page_size: int = 16
@@ -80,6 +85,19 @@ class EngineConfig:
         if not isinstance(self.device, torch.device):
             object.__setattr__(self, "device", resolve_device(self.device))
         _check(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r})",
+        )
+        _check(
+            self.kv_cache_dtype != "fp8" or self.device.type != "cuda",
+            "--kv-cache-dtype fp8 is implemented in the torch attention path only (CPU): the Triton "
+            "attention kernels that serve CUDA do not read an FP8 cache yet",
+        )
+        _check(
+            self.quantization in (None, *QUANTIZATIONS),
+            f"--quantization must be one of {', '.join(QUANTIZATIONS)} (got {self.quantization!r})",
+        )
         for flag, value, low in (
             ("--tp-size", self.tp_size, 1),
             ("--seed", self.seed, 0),
@@ -99,6 +117,10 @@ class EngineConfig:
             0.0 < self.mem_fraction_static <= 1.0,
             f"--mem-fraction-static must be in (0, 1] (got {self.mem_fraction_static})",
         )
+
+    def kv_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's element type for activations in `dtype`."""
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else dtype
 
     @property
     def mixed_graphs_enabled(self) -> bool:

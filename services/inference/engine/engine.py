@@ -114,9 +114,10 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.context_length = loaded.context_length
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
+        kv_dtype = config.kv_dtype(loaded.dtype)
         num_blocks = plan_num_blocks(
             loaded.config,
-            loaded.dtype,
+            kv_dtype,
             loaded.device,
             page_size=config.page_size,
             context_length=self.context_length,
@@ -125,7 +126,14 @@ class LLMEngine:
             mem_fraction_static=config.mem_fraction_static,
             reserved_bytes=kv_reserved_bytes,
         )
-        kv_cache = allocate_kv_cache(loaded.config, num_blocks, config.page_size, loaded.dtype, loaded.device)
+        kv_cache = allocate_kv_cache(loaded.config, num_blocks, config.page_size, kv_dtype, loaded.device)
+        if kv_dtype != loaded.dtype:
+            log.info(
+                "KV cache in FP8 E4M3 (--kv-cache-dtype fp8): %dx the tokens a %s cache holds in the "
+                "same memory",
+                loaded.dtype.itemsize // kv_dtype.itemsize,
+                loaded.dtype,
+            )
         caching = not config.disable_prefix_cache
         self.block_manager = BlockManager(num_blocks, config.page_size, prefix_cache=caching)
         self.adapter_slots = adapter_slots or NoAdapters()

@@ -206,7 +206,7 @@ def _build_rank0(
     model_dir, cfg, plans, dtype, shapes, lora, context_length = setup
     device, plan = config.device, plans[0]
     local_cfg = plan.local_config(cfg)
-    model = load_tp_model(model_dir, plan, device, dtype)
+    model = load_tp_model(model_dir, plan, device, dtype, config.quantization)
     local_pool = AdapterPool(
         plan.local_shapes(shapes),
         slots=lora.max_loras_per_batch,
@@ -217,7 +217,7 @@ def _build_rank0(
     )
     own_blocks = plan_num_blocks(
         local_cfg,
-        dtype,
+        config.kv_dtype(dtype),
         device,
         page_size=config.page_size,
         context_length=context_length,

@@ -115,7 +115,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     cfg = load_config(model_dir)
     plan = plan_shards(cfg, spec.tp_size)[spec.rank]
     local_cfg = plan.local_config(cfg)
-    model = load_tp_model(model_dir, plan, device, spec.dtype)
+    model = load_tp_model(model_dir, plan, device, spec.dtype, config.quantization)
     pool = backend = None
     if spec.lora is not None:
         s = spec.lora
@@ -133,7 +133,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
         backend = make_tp_backend(pool, s.backend, config.max_num_batched_tokens)
     blocks = plan_num_blocks(
         local_cfg,
-        spec.dtype,
+        config.kv_dtype(spec.dtype),
         device,
         page_size=config.page_size,
         context_length=spec.context_length,
@@ -152,7 +152,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     init_group(spec.rank, spec.tp_size, store, spec.device_type, spec.timeout_s)
     kind, num_blocks = recv(conn)
     assert kind == "start", kind
-    kv_cache = allocate_kv_cache(local_cfg, num_blocks, config.page_size, spec.dtype, device)
+    kv_cache = allocate_kv_cache(local_cfg, num_blocks, config.page_size, config.kv_dtype(spec.dtype), device)
     runner = ModelRunner(
         model,
         local_cfg,

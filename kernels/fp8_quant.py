@@ -1,0 +1,51 @@
+"""Per-token FP8 activation quantization in one launch (the torch reference: fp8_matmul.quantize_rows).
+
+Under TRITON_INTERPRET=1 the cast to E4M3 does not round to nearest (as bf16 arithmetic is wrong
+there), so the CPU tests feed it values that land on the E4M3 grid.
+
+Why: the FP8 GEMM needs its activations in E4M3 with a scale per row, and torch's eager version
+(abs, amax, divide, clamp, divide, clamp, cast) is seven kernels before each of a layer's four
+linears: in a CUDA-graph decode step that is more time than the quantization saves. One program
+per row: a pass for the row's amax, a pass that scales, clamps and casts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, fp8_max, min_scale, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, K, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, 0) / fp8_max, min_scale)
+    tl.store(s_ptr + row, scale)
+    for start in range(0, K, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+
+
+def quantize_rows_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of a 2-D `x` (unit stride on the last dim): (E4M3 `[M, K]`, float32 `[M, 1]`)."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = min(1024, triton.next_power_of_2(k))
+        _quantize_rows_kernel[(m,)](
+            x, q, s, x.stride(0), q.stride(0), k, FP8_MAX, 1e-12, BLOCK=block, num_warps=4
+        )
+    return q, s
