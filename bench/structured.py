@@ -141,16 +141,13 @@ def decode_ms(engine, prompt: list[int], opts, constrained_every: int | None) ->
         ids.append(rid)
     _step_until_decoding(engine, ids)
     mask_times: list[float] = []
-    original = engine._mask_constrained
 
-    def timed_mask(logits, reqs):
-        start = time.perf_counter()
-        out = original(logits, reqs)
-        _sync(logits.device)
-        mask_times.append(time.perf_counter() - start)
-        return out
+    def timed_mask(phase: str, started: float, result) -> None:
+        if phase == "mask":  # the grammar mask's own time, device work included
+            _sync(result.device)
+            mask_times.append(time.perf_counter() - started)
 
-    engine._mask_constrained = timed_mask
+    engine.step_timer = timed_mask
     device = engine.loaded.device
     for _ in range(3):
         engine.step()
@@ -163,7 +160,7 @@ def decode_ms(engine, prompt: list[int], opts, constrained_every: int | None) ->
         times.append(time.perf_counter() - start)
         if any(o.finished for o in outs):
             raise RuntimeError("a row finished during the timed steps")
-    engine._mask_constrained = original
+    engine.step_timer = None
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished():

@@ -85,12 +85,13 @@ STEP_PHASES = ("schedule", "forward", "sample", "output")
 
 
 class StepTimer(Protocol):
-    """Called at the end of each phase of a step with its name (one of STEP_PHASES), the
+    """Called at the end of each phase of a step with its name (one of STEP_PHASES, or "mask"), the
     `time.perf_counter()` at its start and what it returned: schedule -> the ScheduledBatch, forward ->
     the logits, sample -> (device token ids, log probabilities), output -> the RequestOutputs of the
-    sampled tokens. The device may still be working when forward and sample end (synchronize in the
-    timer to attribute device time to them); with overlap scheduling a step's output phase processes
-    the previous step's tokens."""
+    sampled tokens; mask -> the masked logits (inside sample, on steps with constrained requests
+    only). The device may still be working when forward and sample end (synchronize in the timer to
+    attribute device time to them); with overlap scheduling a step's output phase processes the
+    previous step's tokens."""
 
     def __call__(self, phase: str, started: float, result: object) -> None: ...
 
@@ -378,7 +379,9 @@ class LLMEngine:
         """Token ids on the logits' device (no host sync for batches without penalties), and the
         log probabilities of the rows that asked for them (None when none did; they are the model's,
         before any grammar mask)."""
-        masked = self._mask_constrained(logits, reqs) if self._num_constrained else logits
+        masked = logits
+        if self._num_constrained:
+            masked = self._phase("mask", self._mask_constrained, logits, reqs)
         tokens = sample_on_device(masked, self._sampling_inputs(reqs))
         if not self._num_logprobs:
             return tokens, None
