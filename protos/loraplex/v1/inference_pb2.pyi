@@ -19,7 +19,7 @@ ADAPTER_LOCATION_HOST: AdapterLocation
 ADAPTER_LOCATION_STORE: AdapterLocation
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty", "frequency_penalty", "presence_penalty", "n", "logprobs", "top_logprobs", "prompt_logprobs")
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "repetition_penalty", "frequency_penalty", "presence_penalty", "n", "logprobs", "top_logprobs", "prompt_logprobs", "skip_special_tokens", "min_tokens")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_p: float
@@ -52,7 +54,9 @@ class SamplingParams(_message.Message):
     logprobs: bool
     top_logprobs: int
     prompt_logprobs: bool
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    skip_special_tokens: bool
+    min_tokens: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., n: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -91,26 +95,30 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[_Iterable[str]] = ..., adapter: _Optional[_Iterable[str]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., inputs: _Optional[_Iterable[_Union[Input, _Mapping]]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob", "token")
+    __slots__ = ("token_id", "logprob", "token", "token_bytes")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     token: str
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ...) -> None: ...
+    token_bytes: bytes
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob", "token", "top")
+    __slots__ = ("token_id", "logprob", "token", "top", "token_bytes")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     token: str
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+    token_bytes: bytes
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class Completion(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "adapter", "index", "sample", "logprobs", "queue_time_s", "time_to_first_token_s", "cached_prompt_tokens", "prompt_logprobs")

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from services.inference.engine.chat import adapter_chat_template, render_chat
 from services.inference.engine.engine import LLMEngine
+from services.inference.engine.token_bytes import TokenBytes
 from services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 from services.inference.errors import AdapterNotFound, BackendUnavailable, InvalidRequest, LoraplexError
 from services.inference.lora.adapter_slots import AdapterInfo
@@ -62,6 +63,7 @@ class AsyncEngine:
         # because a fast tokenizer must not be used from two threads at once.
         self._tokenizer = _clone_tokenizer(engine)
         self._tokenizer_lock = threading.Lock()
+        self._token_bytes = TokenBytes(self._tokenizer)
         self._chat_templates: dict[tuple[str, str], str | None] = {}  # (adapter dir, digest) -> template
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -140,6 +142,10 @@ class AsyncEngine:
         """Each token's text alone (for log probabilities' `token`)."""
         with self._tokenizer_lock:
             return [self._tokenizer.decode([t]) for t in token_ids]
+
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+        with self._tokenizer_lock:
+            return [self._token_bytes(t) for t in token_ids]
 
     def model_info(self) -> ModelInfo:
         return self._model_info

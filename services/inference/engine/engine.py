@@ -225,7 +225,7 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             req.generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
         self.requests[request_id] = req
-        self._streams[request_id] = TextStream(self.tokenizer, params.stop)
+        self._streams[request_id] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
         if _needs_history(params):
             self._num_penalized += 1
         if params.logprobs is not None:
@@ -373,7 +373,18 @@ class LLMEngine:
             generators=[r.generator for r in reqs],
             prompt_ids=[r.prompt_ids for r in reqs] if needs_history else [[] for _ in reqs],
             output_ids=[r.output_ids for r in reqs] if needs_history else [[] for _ in reqs],
+            banned=[self._banned(r) for r in reqs],
         )
+
+    def _banned(self, req: Request) -> tuple[int, ...]:
+        """Token ids `req` may not sample now: its stop tokens while it is short of min_tokens (the
+        output count at sampling time includes an overlap placeholder, i.e. the tokens before this one)."""
+        params = req.params
+        if req.num_output_tokens >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+        vocab = self.loaded.config.vocab_size  # a stop id outside the vocabulary can never be sampled
+        return eos + tuple(t for t in params.stop_token_ids if t < vocab)
 
     def _append_token(
         self, req: Request, token: int, position: int | None = None, logprob: TokenLogprob | None = None
