@@ -160,6 +160,13 @@ def logprobs_proto(engine: Engine, logprobs: list[TokenLogprob]) -> list[pb.Toke
     ]
 
 
+def first_token_bytes(engine: Engine, work) -> bytes:
+    """The first prompt token's bytes for a work item asking prompt log probabilities, else b""."""
+    if work.params.prompt_logprobs is None:
+        return b""
+    return engine.token_bytes(work.prompt_ids[:1])[0]
+
+
 def timing_fields(out: RequestOutput) -> dict[str, float | int]:
     """A finished output's timing, as Completion / GenerateStreamResponse fields."""
     return {

@@ -26,7 +26,13 @@ from services.inference.engine.types import RequestOutput
 from services.inference.errors import BackendUnavailable, InvalidRequest, LoraplexError
 from services.inference.generate_inputs import EngineWork, engine_work, open_streams
 from services.inference.metrics import Metrics, adapter_label
-from services.inference.proto_convert import MAX_CHARS_PER_TOKEN, adapter_proto, logprobs_proto, timing_fields
+from services.inference.proto_convert import (
+    MAX_CHARS_PER_TOKEN,
+    adapter_proto,
+    first_token_bytes,
+    logprobs_proto,
+    timing_fields,
+)
 from services.inference.server_args import ServerArgs
 from services.inference.status import abort_with, build_status, status_for
 
@@ -211,6 +217,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     sample=w.sample,
                     logprobs=logprobs_proto(engine, logprobs[k]),
                     prompt_logprobs=logprobs_proto(engine, prompt_logprobs[k]),
+                    prompt_first_token_bytes=first_token_bytes(engine, w),
                     **timing_fields(f),
                 )
                 for k, (w, f) in enumerate(zip(work, final, strict=True))
@@ -243,6 +250,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         logprobs=logprobs_proto(engine, out.logprobs or []),
                         prompt_logprobs=logprobs_proto(engine, out.prompt_logprobs or []),
                     )
+                    if out.prompt_logprobs is not None:
+                        msg.prompt_first_token_bytes = first_token_bytes(engine, work[k])
                     if out.finished:
                         msg.finish_reason = out.finish_reason or ""
                         msg.prompt_tokens = out.prompt_tokens

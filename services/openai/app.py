@@ -15,13 +15,15 @@ from pathlib import Path, PurePosixPath
 
 import grpc
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from services.openai import responses, schema
-from services.openai.errors import OpenAIError, bad_request, from_grpc
+from services.openai.errors import OpenAIError, bad_request, from_grpc, model_not_found
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class Backend:
         self._stub: pb_grpc.InferenceStub | None = None
         self._channel = None
         self._base_names: tuple[str, ...] | None = None
+        self.max_new_tokens_limit = 0  # the server's --max-new-tokens-limit, learnt with the names
 
     @property
     def stub(self) -> pb_grpc.InferenceStub:
@@ -74,6 +77,7 @@ class Backend:
             info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30)
             first = self.served_model_name or PurePosixPath(info.model.rstrip("/")).name or info.model
             self._base_names = (first, info.model)
+            self.max_new_tokens_limit = info.max_new_tokens_limit
         return self._base_names
 
     async def adapter_for(self, model: str, metadata) -> str:
@@ -118,12 +122,44 @@ def create_app(backend: Backend) -> FastAPI:
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
         return exc.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Unknown routes (404), wrong methods (405) and the like, in OpenAI's error shape."""
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message, code = f"Invalid URL ({where}): this server has no such route", "unknown_url"
+        elif exc.status_code == 405:
+            message, code = f"Method not allowed ({where})", "method_not_allowed"
+        else:
+            message, code = f"{exc.detail} ({where})", None
+        err = OpenAIError(exc.status_code, message, code=code)
+        response = err.response()
+        for name, value in (exc.headers or {}).items():  # e.g. 405's Allow
+            response.headers[name] = value
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "path", "query")) or None
+        return bad_request(f"{param}: {first['msg']}" if param else first["msg"], param).response()
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": await model_list(request)})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        for entry in await model_list(request):
+            if entry["id"] == model_id:
+                return JSONResponse(entry)
+        raise model_not_found(model_id)
+
+    async def model_list(request: Request) -> list[dict]:
         md = _metadata(request)
         try:
             base = (await backend.base_names(md))[0]
@@ -151,7 +187,7 @@ def create_app(backend: Backend) -> FastAPI:
             }
             for a in adapters.adapters
         ]
-        return JSONResponse({"object": "list", "data": data})
+        return data
 
     async def generate(
         request: Request,
@@ -159,22 +195,22 @@ def create_app(backend: Backend) -> FastAPI:
         grpc_request: pb.GenerateRequest,
         adapter: str,
         chat: bool,
-        want_logprobs: bool,
+        asked: responses.Asked,
     ) -> Response:
         md = _metadata(request, adapter)
         if not parsed.stream:
             try:
                 resp = await backend.stub.Generate(grpc_request, metadata=md, timeout=backend.timeout_s)
             except grpc.RpcError as exc:
-                raise from_grpc(exc, parsed.model) from None
+                raise from_grpc(exc, parsed.model, chat) from None
             build = responses.chat_body if chat else responses.completion_body
-            return JSONResponse(build(resp, parsed.model, want_logprobs))
+            return JSONResponse(build(resp, parsed.model, asked))
         call = backend.stub.GenerateStream(grpc_request, metadata=md, timeout=backend.timeout_s)
         try:  # the first message (or the error) before the 200: a refused call gets its status
             first = await call.read()
         except grpc.RpcError as exc:
-            raise from_grpc(exc, parsed.model) from None
-        state = responses.StreamState(parsed.model, parsed.n, chat, want_logprobs)
+            raise from_grpc(exc, parsed.model, chat) from None
+        state = responses.StreamState(parsed.model, parsed.n, chat, asked)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         return EventSourceResponse(_events(call, first, state, include_usage, parsed.model), ping=15)
 
@@ -182,15 +218,15 @@ def create_app(backend: Backend) -> FastAPI:
     async def completions(request: Request) -> Response:
         parsed = schema.parse(schema.CompletionRequest, await _body(request))
         adapter = await _resolve(backend, request, parsed.model)
-        grpc_request = schema.completion_request(parsed, adapter)
-        return await generate(request, parsed, grpc_request, adapter, False, parsed.logprobs is not None)
+        grpc_request, asked = schema.completion_request(parsed, adapter)
+        return await generate(request, parsed, grpc_request, adapter, False, asked)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         parsed = schema.parse(schema.ChatRequest, await _body(request))
         adapter = await _resolve(backend, request, parsed.model)
-        grpc_request = schema.chat_request(parsed, adapter)
-        return await generate(request, parsed, grpc_request, adapter, True, parsed.logprobs)
+        grpc_request, asked = schema.chat_request(parsed, adapter, backend.max_new_tokens_limit)
+        return await generate(request, parsed, grpc_request, adapter, True, asked)
 
     return app
 
@@ -214,7 +250,7 @@ async def _events(
         if include_usage:
             yield json.dumps(state.usage_chunk())
     except grpc.RpcError as exc:  # after the 200: the error travels as an event, as OpenAI's streams do
-        err = from_grpc(exc, model)
+        err = from_grpc(exc, model, state.chat)
         yield json.dumps(
             {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
@@ -56,10 +58,48 @@ def model_not_found(model: str) -> OpenAIError:
     )
 
 
-def _details(error: grpc.RpcError) -> tuple[list[str], float | None]:
-    """The fields a BadRequest detail names and a RetryInfo delay, when the server sent them."""
+# gRPC SamplingParams fields -> the HTTP request's names (the rest keep their name).
+SAMPLING_PARAM = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs"}
+
+
+def request_param(field: str, chat: bool) -> str:
+    """The HTTP request's field for a gRPC field violation: `sampling_params.max_new_tokens` ->
+    `max_tokens`, `inputs[0]` / `text[0]` -> `prompt` (or `messages`), `inputs[0].messages[2].role`
+    -> `messages.2.role`."""
+    if field.startswith("adapter") or field.endswith(".adapter"):
+        return "model"
+    field = re.sub(r"^inputs\[\d+\]\.(?=sampling_params)", "", field)
+    if field.startswith("sampling_params."):
+        name = field.split(".", 1)[1]
+        if chat and name == "top_logprobs":
+            return "top_logprobs"
+        return SAMPLING_PARAM.get(name, name)
+    message = re.match(r"^inputs\[\d+\]\.messages\[(\d+)\](.*)$", field)
+    if message:
+        return f"messages.{message.group(1)}{message.group(2)}"
+    if re.match(r"^(inputs|text)(\[\d+\]|$)", field):
+        return "messages" if chat else "prompt"
+    return field
+
+
+def context_length_exceeded(prompt_tokens: int, context_length: int, chat: bool) -> OpenAIError:
+    """OpenAI's error for a prompt the context cannot hold (clients such as litellm match its code)."""
+    what = "messages" if chat else "prompt"
+    return OpenAIError(
+        400,
+        f"This model's maximum context length is {context_length} tokens. However, your {what} "
+        f"resulted in {prompt_tokens} tokens (at least one more is needed for the completion). "
+        f"Please reduce the length of the {what}.",
+        param="messages" if chat else "prompt",
+        code="context_length_exceeded",
+    )
+
+
+def _details(error: grpc.RpcError) -> tuple[list[str], float | None, error_details_pb2.ErrorInfo | None]:
+    """The fields a BadRequest detail names, a RetryInfo delay and an ErrorInfo, when the server sent them."""
     fields: list[str] = []
     retry = None
+    info = None
     try:
         status = rpc_status.from_call(error)  # type: ignore[arg-type]
     except (ValueError, AttributeError, TypeError):
@@ -73,23 +113,38 @@ def _details(error: grpc.RpcError) -> tuple[list[str], float | None]:
             msg = error_details_pb2.RetryInfo()
             detail.Unpack(msg)
             retry = msg.retry_delay.seconds + msg.retry_delay.nanos / 1e9
-    return fields, retry
+        elif detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+    return fields, retry, info
 
 
-def from_grpc(error: grpc.RpcError, model: str) -> OpenAIError:
-    """The OpenAI error for a failed gRPC call made for `model`."""
+def from_grpc(error: grpc.RpcError, model: str, chat: bool = False) -> OpenAIError:
+    """The OpenAI error for a failed gRPC call made for `model` (by a chat call when `chat`), its
+    `param` the HTTP request's field."""
     code = error.code()
-    fields, retry_after = _details(error)
+    fields, retry_after, info = _details(error)
+    if info is not None and info.reason == "CONTEXT_LENGTH_EXCEEDED":
+        try:
+            prompt, context = int(info.metadata["prompt_tokens"]), int(info.metadata["context_length"])
+        except (KeyError, ValueError):
+            pass
+        else:
+            return context_length_exceeded(prompt, context, chat)
     if code == grpc.StatusCode.NOT_FOUND or (
         code == grpc.StatusCode.INVALID_ARGUMENT and any(f.endswith("adapter") for f in fields)
     ):
         return model_not_found(model)
     status, type_ = HTTP_OF.get(code, (500, "server_error"))
+    message = error.details() or code.name
+    param = request_param(fields[0], chat) if fields else None
+    if param is not None:  # say it in the request's words
+        message = message.replace(fields[0], param)
     return OpenAIError(
         status,
-        error.details() or code.name,
+        message,
         type_=type_,
-        param=fields[0] if fields else None,
+        param=param,
         code=code.name.lower(),
         retry_after=retry_after,
     )

@@ -35,7 +35,7 @@ from services.inference.engine.sampler import SamplingInputs, sample_on_device
 from services.inference.engine.scheduler import Scheduler
 from services.inference.engine.types import EngineStats, RequestOutput, SamplingParams, TokenLogprob
 from services.inference.engine.warmup import warm_up
-from services.inference.errors import CapacityExceeded, InvalidRequest
+from services.inference.errors import CapacityExceeded, ContextLengthExceeded, InvalidRequest
 from services.inference.lora.adapter_slots import AdapterSlots, NoAdapters
 from services.inference.lora.backend import LoRABackend
 
@@ -190,10 +190,12 @@ class LLMEngine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", field="text")
         if len(prompt_ids) >= self.context_length:
-            raise InvalidRequest(
+            raise ContextLengthExceeded(
                 f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.context_length} "
                 "tokens including at least one new token",
                 field="text",
+                prompt_tokens=len(prompt_ids),
+                context_length=self.context_length,
             )
         capacity = self.block_manager.capacity_tokens
         if len(prompt_ids) >= capacity:
