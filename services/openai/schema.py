@@ -186,7 +186,8 @@ def completion_request(req: CompletionRequest, adapter: str) -> tuple[pb.Generat
     if req.prompt_logprobs is not None:
         _no_stream(req, "prompt_logprobs")
     # max_tokens 0: the engine always generates one token; the answer leaves it out.
-    params = _sampling(req, 1 if req.max_tokens == 0 else req.max_tokens)
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens  # null: OpenAI's default too
+    params = _sampling(req, 1 if max_tokens == 0 else max_tokens)
     # echo needs the prompt's tokens (their bytes come with the prompt log probabilities).
     _logprobs(
         params,
