@@ -151,3 +151,14 @@ def test_unknown_fields_and_errors_in_openai_shape(client, door, base_name):  # 
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=base_name, prompt=[1, 2, 10**8], max_tokens=2)
     assert info.value.param == "prompt"
+
+
+def test_grpc_token_bytes_rebuild_the_prompt(stub):  # noqa: F811
+    """Issue 32 item 9: each token's raw bytes travel in the proto (an emoji's pieces are not U+FFFD)."""
+    text = "I feel 😀 today"
+    params = pb.SamplingParams(max_new_tokens=1, prompt_logprobs=True, top_logprobs=3)
+    c = stub.Generate(pb.GenerateRequest(text=[text], sampling_params=params)).completions[0]
+    rebuilt = c.prompt_first_token_bytes + b"".join(lp.token_bytes for lp in c.prompt_logprobs)
+    assert rebuilt == text.encode()
+    assert any(lp.token == "\ufffd" and lp.token_bytes != "\ufffd".encode() for lp in c.prompt_logprobs)
+    assert all(t.token_bytes for lp in c.prompt_logprobs for t in lp.top)
