@@ -30,7 +30,7 @@ class InvalidRequest(LoraplexError):
 class ContextLengthExceeded(InvalidRequest):
     """The prompt leaves no room for a new token in the model's context. Carried to clients as an
     ErrorInfo (reason CONTEXT_LENGTH_EXCEEDED, the two counts) so the HTTP door can say it the way
-    OpenAI does."""
+    OpenAI does. `prompt_tokens` 0: not counted (a text refused by its length before tokenizing)."""
 
     reason = "CONTEXT_LENGTH_EXCEEDED"
 

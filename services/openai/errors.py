@@ -85,10 +85,11 @@ def request_param(field: str, chat: bool) -> str:
 def context_length_exceeded(prompt_tokens: int, context_length: int, chat: bool) -> OpenAIError:
     """OpenAI's error for a prompt the context cannot hold (clients such as litellm match its code)."""
     what = "messages" if chat else "prompt"
+    counted = f"{prompt_tokens} tokens" if prompt_tokens else f"more than {context_length} tokens"
     return OpenAIError(
         400,
         f"This model's maximum context length is {context_length} tokens. However, your {what} "
-        f"resulted in {prompt_tokens} tokens (at least one more is needed for the completion). "
+        f"resulted in {counted} (at least one more is needed for the completion). "
         f"Please reduce the length of the {what}.",
         param="messages" if chat else "prompt",
         code="context_length_exceeded",

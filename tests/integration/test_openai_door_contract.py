@@ -148,6 +148,9 @@ def test_unknown_fields_and_errors_in_openai_shape(client, door, base_name):  # 
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=base_name, messages=[{"role": "user", "content": long_prompt}])
     assert info.value.code == "context_length_exceeded" and info.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as info:  # refused by its length before tokenizing
+        client.completions.create(model=base_name, prompt="x" * (512 * 64 + 10), max_tokens=2)
+    assert info.value.code == "context_length_exceeded" and "more than 512 tokens" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=base_name, prompt=[1, 2, 10**8], max_tokens=2)
     assert info.value.param == "prompt"
