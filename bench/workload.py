@@ -21,8 +21,8 @@ output tokens/s inside the window, TTFT / inter-token / end-to-end p50 p90 p99, 
 waiting requests, adapter uploads and evictions, and ratios to the `base` scenario. Prints a
 markdown table, writes workload.json to --out DIR (bench/results.py).
 
-    PYTHONPATH=.:protos python3 -m bench.workload --mode engine --window 40 --drain 15
-    PYTHONPATH=.:protos python3 -m bench.workload --mode cpu --rate 60 --window 20
+    PYTHONPATH=protos python3 -m loraplex.bench.workload --mode engine --window 40 --drain 15
+    PYTHONPATH=protos python3 -m loraplex.bench.workload --mode cpu --rate 60 --window 20
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.results import add_out_argument, write_json
-from bench.workload_targets import Target, open_target
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.bench.workload_targets import Target, open_target
 
 GPU_SCENARIOS = ("base", "zipf:8:8", "zipf:64:64", "zipf:64", "zipf:256", "zipf:64:8")
 CPU_SCENARIOS = ("base", "zipf:64", "zipf:64:8")
@@ -384,7 +384,7 @@ async def run(opts: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("services.inference.lora.setup").setLevel(logging.INFO)
+    logging.getLogger("loraplex.services.inference.lora.setup").setLevel(logging.INFO)
     results = asyncio.run(run(opts))
     meta = dict(
         date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),

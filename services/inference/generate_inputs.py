@@ -15,18 +15,22 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-from loraplex.v1 import inference_pb2 as pb
-
-from services.inference.engine.api import Engine
-from services.inference.engine.types import RequestOutput, SamplingParams
-from services.inference.errors import CapacityExceeded, ContextLengthExceeded, InvalidRequest, LoraplexError
-from services.inference.proto_convert import (
+from loraplex.services.inference.engine.api import Engine
+from loraplex.services.inference.engine.types import RequestOutput, SamplingParams
+from loraplex.services.inference.errors import (
+    CapacityExceeded,
+    ContextLengthExceeded,
+    InvalidRequest,
+    LoraplexError,
+)
+from loraplex.services.inference.proto_convert import (
     MAX_CHARS_PER_TOKEN,
     adapters_per_input,
     check_adapter_name,
     to_engine_params,
 )
-from services.inference.server_args import ServerArgs
+from loraplex.services.inference.server_args import ServerArgs
+from loraplex.v1 import inference_pb2 as pb
 
 MAX_CHAT_MESSAGES = 1024
 MAX_ROLE_CHARS = 64

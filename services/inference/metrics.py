@@ -4,23 +4,35 @@ Request-path metrics are recorded by the servicer as events happen; engine gauge
 KV, slots, per-adapter residency) are refreshed from `engine.stats()` / `list_adapters()`
 once a second by the server (the `observe_*` methods), so a scrape never touches the engine
 thread.
+
+Per-adapter series are bounded: at most `max_adapter_series` adapter names (default 256,
+`--metrics-max-adapters`) have series of their own, first come first served; traffic of any
+other adapter is counted under the label `_other`. An adapter's series (and this module's state
+for it) are removed at the first refresh after it is neither loaded in the engine nor has
+requests in flight here (a store delete, an unload), which frees its place for another name.
+Adapters that live only in the store get residency rows only while they have requests here;
+`loraplex_store_adapters` counts them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from services.inference.engine.types import EngineStats
-from services.inference.lora.adapter_slots import AdapterInfo
+from loraplex.services.inference.engine.types import EngineStats
+from loraplex.services.inference.lora.adapter_slots import AdapterInfo
 
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 LOCATIONS = ("gpu", "host", "store")
+
+
+OTHER = "_other"  # adapter names start with a letter or digit, so no adapter is called this
+DEFAULT_MAX_ADAPTER_SERIES = 256
 
 
 def adapter_label(adapter: str | None) -> str:
@@ -30,8 +42,12 @@ def adapter_label(adapter: str | None) -> str:
 class Metrics:
     """One registry per server; names are prefixed `loraplex_`."""
 
-    def __init__(self, replica: str = "") -> None:
+    def __init__(self, replica: str = "", max_adapter_series: int = DEFAULT_MAX_ADAPTER_SERIES) -> None:
         self.replica = replica
+        self.max_adapter_series = max_adapter_series
+        self._named: set[str] = set()  # adapters with series of their own (at most max_adapter_series)
+        # names loaded or busy on this server (set by the server): label() prunes with it when full
+        self.live_names: Callable[[], set[str]] | None = None
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -155,6 +171,11 @@ class Metrics:
             ["adapter"],
             registry=r,
         )
+        self.store_adapters = Gauge(
+            "loraplex_store_adapters",
+            "Adapters the store has that are neither loaded here nor have requests here",
+            registry=r,
+        )
         self.store_pulls = Counter(
             "loraplex_store_pulls", "Adapters pulled from the adapter store", registry=r
         )
@@ -173,13 +194,73 @@ class Metrics:
         self._last_uploads: dict[str, int] = {}
         self._last_engine_totals: dict[str, int] = {}
 
+    # -- bounded adapter labels --------------------------------------------------------------
+    def label(self, adapter: str | None) -> str:
+        """The adapter's label: its name while fewer than `max_adapter_series` names have one, else
+        `_other`; no adapter is "base"."""
+        if not adapter:
+            return "base"
+        if adapter in self._named:
+            return adapter
+        if len(self._named) >= self.max_adapter_series and self.live_names is not None:
+            self.prune(self.live_names())  # make room now rather than at the next refresh
+        if len(self._named) < self.max_adapter_series:
+            self._named.add(adapter)
+            return adapter
+        return OTHER
+
+    def _per_adapter(self) -> tuple:
+        return (
+            self.prompt_tokens,
+            self.completion_tokens,
+            self.adapter_slot_wait,
+            self.adapter_uploads,
+            self.adapter_loads,
+            self.adapter_evictions,
+            self.adapter_requests,
+            self.prefix_cache_prompt_tokens,
+            self.prefix_cache_hit_tokens,
+        )
+
+    def prune(self, live: set[str]) -> list[str]:
+        """Remove the series and state of every named adapter not in `live` (loaded in the engine or
+        with requests in flight here); returns the names removed."""
+        gone = sorted(self._named - live)
+        if len(self._named) - len(gone) < self.max_adapter_series // 2:
+            gone.append(OTHER)  # little pressure: the overflow bucket goes too (restarts at 0 if needed)
+        for name in gone:
+            for metric in self._per_adapter():
+                _remove(metric, name)
+            _remove(self.requests, name, "OK")
+            for loc in LOCATIONS:
+                _remove(self.residency, name, loc)
+                _remove(self.adapter_location, self.replica, name, loc)
+            _remove(self.adapter_queued, self.replica, name)
+            self._named.discard(name)
+            self._last_location.pop(name, None)
+            self._last_evictions.pop(name, None)
+            self._last_uploads.pop(name, None)
+            self._fleet_names.discard(name)
+        return gone
+
+    def adapter_series(self) -> int:
+        """How many per-adapter series exist now (for tests and the churn check)."""
+        families = (
+            *self._per_adapter(),
+            self.requests,
+            self.residency,
+            self.adapter_location,
+            self.adapter_queued,
+        )
+        return sum(len(m._metrics) for m in families)  # prometheus_client keeps one child per label set
+
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP exporter on a daemon thread; returns the bound port."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
 
     def observe_compiles(self, after_start: int) -> None:
-        """Export `kernels.compile_watch.compile_counter.after_start` (a running total)."""
+        """Export `loraplex.kernels.compile_watch.compile_counter.after_start` (a running total)."""
         if after_start > self._compiles_seen:
             self.triton_compiles.inc(after_start - self._compiles_seen)
             self._compiles_seen = after_start
@@ -198,10 +279,20 @@ class Metrics:
         self.prefix_cache_enabled.set(1 if stats.prefix_cache_enabled else 0)
         self.prefix_cache_blocks.set(stats.prefix_cache_blocks)
         self._follow(self.prefix_cache_evictions, "evictions", stats.prefix_cache_evictions)
-        for name, total in stats.prefix_cache_prompt_tokens.items():
-            self._follow(self.prefix_cache_prompt_tokens.labels(adapter_label(name)), "prompt:" + name, total)
-        for name, total in stats.prefix_cache_hit_tokens.items():
-            self._follow(self.prefix_cache_hit_tokens.labels(adapter_label(name)), "hit:" + name, total)
+        reported = {"evictions"}
+        for kind, metric, totals in (
+            ("prompt:", self.prefix_cache_prompt_tokens, stats.prefix_cache_prompt_tokens),
+            ("hit:", self.prefix_cache_hit_tokens, stats.prefix_cache_hit_tokens),
+        ):
+            for name, total in totals.items():
+                key = kind + name
+                reported.add(key)
+                delta = total - self._last_engine_totals.get(key, 0)
+                self._last_engine_totals[key] = total
+                if delta > 0:
+                    metric.labels(self.label(name)).inc(delta)
+        for key in self._last_engine_totals.keys() - reported:
+            del self._last_engine_totals[key]
 
     def _follow(self, counter, key: str, total: int) -> None:
         """Advance `counter` to the engine's running total named `key`."""
@@ -213,21 +304,26 @@ class Metrics:
     def observe_adapters(self, adapters: list[AdapterInfo]) -> None:
         seen: dict[str, str] = {}
         for info in adapters:
+            label = self.label(info.name)
+            if label == OTHER:
+                continue  # a gauge of "some adapter" says nothing
             seen[info.name] = info.location
             for loc in LOCATIONS:
-                self.residency.labels(info.name, loc).set(1 if info.location == loc else 0)
-            self.adapter_slot_wait.labels(info.name).set(info.slot_wait_s)
+                self.residency.labels(label, loc).set(1 if info.location == loc else 0)
+            self.adapter_slot_wait.labels(label).set(info.slot_wait_s)
         for info in adapters:  # the manager counts evictions and uploads; the counters follow its totals
+            label = self.label(info.name)
             delta = info.evictions - self._last_evictions.get(info.name, 0)
             if delta > 0:
-                self.adapter_evictions.labels(info.name).inc(delta)
-            self._last_evictions[info.name] = info.evictions
+                self.adapter_evictions.labels(label).inc(delta)
             delta = info.uploads - self._last_uploads.get(info.name, 0)
             if delta > 0:
-                self.adapter_uploads.labels(info.name).inc(delta)
-            self._last_uploads[info.name] = info.uploads
+                self.adapter_uploads.labels(label).inc(delta)
+            if label != OTHER:
+                self._last_evictions[info.name] = info.evictions
+                self._last_uploads[info.name] = info.uploads
         for name in self._last_location:
-            if name not in seen:
+            if name not in seen and name in self._named:
                 for gone in LOCATIONS:
                     self.residency.labels(name, gone).set(0)
                 self.adapter_slot_wait.labels(name).set(0)
@@ -252,11 +348,16 @@ class Metrics:
                 running.append(info.name)
             if queued > 0:
                 waiting.append(info.name)
+        idle_in_store = 0
         for name in store_only:
             if name not in rows:
-                rows[name] = ("store", in_flight.get(name, 0))
                 if in_flight.get(name, 0) > 0:
+                    rows[name] = ("store", in_flight[name])
                     waiting.append(name)
+                else:
+                    idle_in_store += 1
+        self.store_adapters.set(idle_in_store)
+        rows = {n: row for n, row in rows.items() if self.label(n) != OTHER}
         for name in self._fleet_names - rows.keys():
             for loc in LOCATIONS:
                 self.adapter_location.remove(self.replica, name, loc)
@@ -270,3 +371,10 @@ class Metrics:
         self.lora_info.labels(str(max_lora), ",".join(sorted(running)), ",".join(sorted(waiting))).set(
             time.time()
         )
+
+
+def _remove(metric, *labels: str) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import re
 
+from loraplex.services.inference.engine.api import Engine
+from loraplex.services.inference.engine.types import RequestOutput, SamplingParams, TokenLogprob
+from loraplex.services.inference.errors import InvalidRequest
+from loraplex.services.inference.lora.adapter_slots import AdapterInfo
+from loraplex.services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
+from loraplex.services.inference.server_args import ServerArgs
 from loraplex.v1 import inference_pb2 as pb
-
-from services.inference.engine.api import Engine
-from services.inference.engine.types import RequestOutput, SamplingParams, TokenLogprob
-from services.inference.errors import InvalidRequest
-from services.inference.lora.adapter_slots import AdapterInfo
-from services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
-from services.inference.server_args import ServerArgs
 
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024

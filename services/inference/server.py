@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import signal
 from collections.abc import Callable
@@ -19,27 +18,27 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from loraplex.kernels.compile_watch import compile_counter
+from loraplex.services.inference import auth
+from loraplex.services.inference.adapter_resolver import AdapterResolver
+from loraplex.services.inference.default_model import default_cache_dir
+from loraplex.services.inference.engine.api import Engine
+from loraplex.services.inference.engine.types import SamplingParams
+from loraplex.services.inference.errors import BackendUnavailable
+from loraplex.services.inference.metrics import Metrics
+from loraplex.services.inference.models.config import UnsupportedModelError
+from loraplex.services.inference.replica import ReplicaInterceptor, replica_id
+from loraplex.services.inference.server_args import ServerArgs
+from loraplex.services.inference.servicer import InferenceServicer, ServerState
+from loraplex.services.inference.store_client import StoreClient, channel_credentials
 from loraplex.v1 import inference_pb2, inference_pb2_grpc
 from loraplex.wire import MalformedRequestInterceptor
 
-from kernels.compile_watch import compile_counter
-from services.inference import auth
-from services.inference.adapter_resolver import AdapterResolver
-from services.inference.default_model import default_cache_dir
-from services.inference.engine.api import Engine
-from services.inference.engine.types import SamplingParams
-from services.inference.errors import BackendUnavailable
-from services.inference.metrics import Metrics
-from services.inference.replica import ReplicaInterceptor, replica_id
-from services.inference.server_args import ServerArgs
-from services.inference.servicer import InferenceServicer, ServerState
-from services.inference.store_client import StoreClient, channel_credentials
-
-log = logging.getLogger("services.inference")
+log = logging.getLogger("loraplex.services.inference")
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 METRICS_REFRESH_S = 1.0
-STORE_LIST_EVERY = 10  # refreshes between two store listings (adapters that live only there)
 
 
 def grpc_options(args: ServerArgs) -> list[tuple[str, int]]:
@@ -70,7 +69,7 @@ def build_engine(args: ServerArgs) -> Engine:
     """The serving engine for `args` (one device, or tensor parallel for --tp-size > 1)."""
     # Imported here, not at the top: torch and the model code take seconds to import, and the
     # port should answer Health (NOT_SERVING) while they load.
-    from services.inference.engine.build import build_engine as build
+    from loraplex.services.inference.engine.build import build_engine as build
 
     return build(args.engine, args.lora)
 
@@ -80,7 +79,7 @@ class InferenceServer:
         self.args = args
         self.engine_factory = engine_factory
         self.state = ServerState()
-        self.metrics = Metrics(replica_id(args.replica_id))
+        self.metrics = Metrics(replica_id(args.replica_id), args.metrics_max_adapters)
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
             options=grpc_options(args),
@@ -133,6 +132,7 @@ class InferenceServer:
                 on_pull=self._on_pull,
                 token=self.args.admin_token,
                 credentials=credentials,
+                cache_max_bytes=self.args.adapter_cache_max_bytes,
             )
         self._tasks.append(asyncio.create_task(self._bring_up()))
         return self.port
@@ -167,12 +167,16 @@ class InferenceServer:
             await self._preload(engine, resolver)
             await self._warm_up(engine)
         except Exception as exc:
-            log.exception("engine failed to start")
+            if isinstance(exc, UnsupportedModelError):  # a refusal whose message says it all: one line
+                log.error("engine failed to start: %s", exc)
+            else:
+                log.exception("engine failed to start")
             self.state.not_ready = BackendUnavailable(f"engine failed to start: {exc}")
             self._stop.set()
             self.exit_code = 1
             return
         self.state.engine, self.state.resolver = engine, resolver
+        self.metrics.live_names = lambda: {a.name for a in engine.list_adapters()} | set(resolver.in_flight)
         if self.args.listen_when_ready:
             try:
                 await self._listen()
@@ -182,6 +186,7 @@ class InferenceServer:
                 self._stop.set()
                 return
         if self.store is not None:
+            self.store.cache.in_use = resolver.cache_dirs_in_use
             self._tasks.append(asyncio.create_task(self.store.watch(resolver.on_store_event)))
         self._tasks.append(asyncio.create_task(self._refresh_metrics()))
         if not self.state.draining:
@@ -204,17 +209,16 @@ class InferenceServer:
         engine, resolver = self.state.engine, self.state.resolver
         assert engine is not None and resolver is not None, "started once the engine is up"
         engine_down = False
-        store_names: list[str] = []
-        for tick in itertools.count():
+        while True:
             try:
                 stats = engine.stats()
                 self.metrics.observe_engine(stats)
                 adapters = engine.list_adapters()
                 self.metrics.observe_compiles(compile_counter.after_start)
+                # Series of adapters neither loaded nor busy here (deleted, unloaded) go first.
+                self.metrics.prune({a.name for a in adapters} | set(resolver.in_flight))
                 self.metrics.observe_adapters(adapters)
-                if self.store is not None and tick % STORE_LIST_EVERY == 0:
-                    with contextlib.suppress(Exception):
-                        store_names = [r.name for r in await asyncio.wait_for(self.store.list(), 2.0)]
+                store_names = self.store.known_names if self.store is not None else ()
                 self.metrics.observe_residency(
                     adapters, store_names, resolver.in_flight, stats.lora_slots_total
                 )

@@ -1,4 +1,4 @@
-"""Command-line flags of `python -m services.inference`, as frozen dataclasses.
+"""Command-line flags of `python -m loraplex.services.inference`, as frozen dataclasses.
 
 `ServerArgs` holds the server's own flags and composes the two configs that own the rest of the
 defaults: `EngineConfig` (engine/config.py) and `LoRAConfig` (lora/settings.py). The parser
@@ -15,8 +15,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.inference.engine.config import DEVICES, DTYPES, EngineConfig
-from services.inference.lora.settings import (
+from loraplex.services.inference.engine.config import (
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+)
+from loraplex.services.inference.lora.names import is_served_model_name
+from loraplex.services.inference.lora.settings import (
     DEFAULT_MAX_GPU_LORAS,
     DEFAULT_MAX_LORA_RANK,
     LORA_BACKENDS,
@@ -40,6 +47,8 @@ class ServerArgs:
     adapter_store: str = "none"  # HOST:PORT | none
     adapter_cache_dir: str | None = None  # adapters pulled from the store; None = ~/.cache/loraplex/inference
     adapter_store_tls_ca: str | None = None  # PEM: talk TLS to the store, verified with it
+    # bytes the adapter cache may hold; None = half the free space of its disk at start
+    adapter_cache_max_bytes: int | None = None
     # Request limits
     default_max_new_tokens: int = 128
     max_inputs_per_request: int = 256
@@ -48,6 +57,7 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None
+    metrics_max_adapters: int = 256  # adapters with series of their own; the rest count as _other
     grace_period: float = 30.0
     listen_when_ready: bool = False
     replica_id: str = ""  # sent as trailing metadata x-loraplex-replica; "" = the hostname
@@ -101,6 +111,19 @@ def flat_defaults() -> dict[str, Any]:
     }
 
 
+def byte_size(text: str) -> int:
+    """Bytes, with an optional K/M/G/T suffix (powers of 1024)."""
+    text = text.strip().upper().removesuffix("B")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}.get(text[-1:], 1)
+    try:
+        value = int(float(text[:-1] if scale != 1 else text) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or with a K/M/G/T suffix)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
 def _port(flag: str, value: int | None) -> None:
     if value is not None and not 0 <= value <= 65535:
         raise ValueError(f"{flag} must be 0-65535, 0 = any free port (got {value})")
@@ -114,6 +137,8 @@ def check_server_args(args: ServerArgs) -> None:
             raise ValueError(f"--adapter-store expects HOST:PORT or 'none' (got {args.adapter_store!r})")
     elif args.adapter_store_tls_ca:
         raise ValueError("--adapter-store-tls-ca needs --adapter-store HOST:PORT")
+    if args.adapter_cache_max_bytes is not None and args.adapter_cache_max_bytes < 1:
+        raise ValueError(f"--adapter-cache-max-bytes must be >= 1 (got {args.adapter_cache_max_bytes})")
     limit = args.engine.max_new_tokens_limit
     if not 1 <= args.default_max_new_tokens <= limit:
         raise ValueError(
@@ -133,6 +158,8 @@ def check_server_args(args: ServerArgs) -> None:
     _port("--metrics-port", args.metrics_port)
     if args.metrics_port and args.metrics_port == args.port:
         raise ValueError(f"--metrics-port and --port are both {args.port}")
+    if args.metrics_max_adapters < 0:
+        raise ValueError(f"--metrics-max-adapters must be >= 0 (got {args.metrics_max_adapters})")
     if args.grace_period < 0:
         raise ValueError(f"--grace-period must be >= 0 seconds (got {args.grace_period})")
     if any(not " " <= c <= "~" for c in args.replica_id):
@@ -145,6 +172,12 @@ def check_server_args(args: ServerArgs) -> None:
         raise ValueError("--tls-ca needs --tls-cert and --tls-key")
     if any(not d for d in args.allowed_local_dirs):
         raise ValueError("--allowed-local-dirs entries must not be empty")
+    for name in args.lora.path_map:
+        if is_served_model_name(name, args.engine.model_path):
+            raise ValueError(
+                f"--lora-paths name {name!r} is the model's name (--model-path {args.engine.model_path}): "
+                "an adapter may not shadow the model it adapts"
+            )
     if args.log_level not in LOG_LEVELS:
         raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)} (got {args.log_level!r})")
     if args.lora.lora_backend is not None:
@@ -160,13 +193,31 @@ def _defaults(cls: type) -> argparse.Namespace:
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags; every default comes from the dataclass that owns it."""
-    p = argparse.ArgumentParser(prog="python -m services.inference", description="loraplex inference service")
+    p = argparse.ArgumentParser(
+        prog="python -m loraplex.services.inference", description="loraplex inference service"
+    )
     e, lo, s = _defaults(EngineConfig), _defaults(LoRAConfig), _defaults(ServerArgs)
     a = p.add_argument
 
     a("--model-path", required=True, help="HF directory or Hub id of the base model")
     a("--device", default=e.device, choices=DEVICES)
     a("--dtype", default=e.dtype, choices=DTYPES)
+    a(
+        "--quantization",
+        default=e.quantization,
+        choices=QUANTIZATIONS,
+        help="fp8: hold the base model's q/k/v/o/gate/up/down weights in FP8 E4M3 (per-output-channel "
+        "scales, quantized at load; adapters stay in --dtype). Pre-quantized FP8 checkpoints "
+        "(compressed-tensors float-quantized, fp8 with weight_block_size) are read without it",
+    )
+    a(
+        "--kv-cache-dtype",
+        default=e.kv_cache_dtype,
+        choices=KV_CACHE_DTYPES,
+        help="fp8: hold the paged KV cache in FP8 E4M3 (unscaled: values saturate at +-448), twice the "
+        "tokens of bf16 in the same memory. The torch attention path only (CPU); refused where the Triton "
+        "attention kernels run (CUDA), which do not read FP8 yet",
+    )
     a("--tp-size", type=int, default=e.tp_size)
     a("--seed", type=int, default=e.seed)
     a(
@@ -232,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="where adapters pulled from the store are kept",
     )
     a(
+        "--adapter-cache-max-bytes",
+        type=byte_size,
+        default=s.adapter_cache_max_bytes,
+        help="bound on --adapter-cache-dir (K/M/G suffixes); least recently used adapters no loaded "
+        "adapter needs are evicted to stay under it; default: half the free space of its disk at start",
+    )
+    a(
         "--adapter-store-tls-ca",
         default=s.adapter_store_tls_ca,
         help="PEM CA to verify a TLS adapter store with (the channel is plaintext without it); "
@@ -284,6 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--host", default=s.host)
     a("--port", type=int, default=s.port)
     a("--metrics-port", type=int, default=s.metrics_port)
+    a(
+        "--metrics-max-adapters",
+        type=int,
+        default=s.metrics_max_adapters,
+        help="adapters with per-adapter metric series of their own (others are counted as _other); "
+        "an adapter's series go once it is neither loaded nor busy here",
+    )
     a("--grace-period", type=float, default=s.grace_period)
     a(
         "--listen-when-ready",

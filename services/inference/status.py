@@ -12,7 +12,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from services.inference import errors
+from loraplex.services.inference import errors
 
 CODE_OF: dict[type[errors.LoraplexError], grpc.StatusCode] = {
     errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,

@@ -16,14 +16,14 @@ from pathlib import Path, PurePosixPath
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from loraplex.v1 import inference_pb2 as pb
-from loraplex.v1 import inference_pb2_grpc as pb_grpc
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from services.openai import responses, schema
-from services.openai.errors import OpenAIError, bad_request, from_grpc, model_not_found
+from loraplex.services.openai import responses, schema
+from loraplex.services.openai.errors import OpenAIError, bad_request, from_grpc, model_not_found
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,8 @@ import time
 import uuid
 from typing import Any, NamedTuple
 
+from loraplex.services.openai import logprobs as lp_mod
 from loraplex.v1 import inference_pb2 as pb
-
-from services.openai import logprobs as lp_mod
 
 
 def new_id(prefix: str) -> str:

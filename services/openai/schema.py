@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from loraplex.v1 import inference_pb2 as pb
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.openai.errors import OpenAIError, bad_request
-from services.openai.responses import Asked
+from loraplex.services.openai.errors import OpenAIError, bad_request
+from loraplex.services.openai.responses import Asked
+from loraplex.v1 import inference_pb2 as pb
 
 MAX_TOP_LOGPROBS = 20
 UINT32 = (1 << 32) - 1

@@ -10,8 +10,8 @@ import urllib.request
 
 import openai
 import pytest
-from loraplex.v1 import inference_pb2 as pb
 
+from loraplex.v1 import inference_pb2 as pb
 from tests.integration.test_openai_door import CHAT, LOGPROB_TOL, base_name, client, door  # noqa: F401
 from tests.integration.test_service_inference import PROMPTS, adapters, server, stub  # noqa: F401
 

@@ -17,8 +17,8 @@ from collections import Counter
 
 import pytest
 
-from services.inference.engine.block_manager import BlockManager
-from services.inference.engine.types import SamplingParams
+from loraplex.services.inference.engine.block_manager import BlockManager
+from loraplex.services.inference.engine.types import SamplingParams
 from tests.support.lora_reference import peft_greedy, server_args, sync_engine
 
 NEW = 8
@@ -216,10 +216,10 @@ def test_no_shared_prefix_schedules_like_cache_off(tiny_llama_path, adapters, ov
 def test_no_shared_prefix_schedules_like_cache_off_under_kv_pressure():
     """Scheduler alone, a KV cache small enough to preempt: the same schedule as cache-off up to
     the first reuse, and the only reuse is a preempted request readmitted onto its own blocks."""
-    from services.inference.engine.config import SchedulerConfig
-    from services.inference.engine.request import Request
-    from services.inference.engine.scheduler import Scheduler
-    from services.inference.lora.adapter_slots import NoAdapters
+    from loraplex.services.inference.engine.config import SchedulerConfig
+    from loraplex.services.inference.engine.request import Request
+    from loraplex.services.inference.engine.scheduler import Scheduler
+    from loraplex.services.inference.lora.adapter_slots import NoAdapters
 
     def run(cache: bool):
         config = SchedulerConfig(PAGE, 24, 8, 6, context_length=4096)
@@ -342,7 +342,7 @@ def test_smollm2_cache_on_equals_off(smollm2_path, adapter_factory):
 
 
 def test_prometheus_series_follow_the_engine(tiny_llama_path, adapters):
-    from services.inference.metrics import Metrics
+    from loraplex.services.inference.metrics import Metrics
 
     engine = engine_for(tiny_llama_path, adapters, max_total_tokens=64)
     metrics = Metrics()
@@ -366,7 +366,7 @@ def test_prometheus_series_follow_the_engine(tiny_llama_path, adapters):
 
 
 def test_disable_prefix_cache_flag():
-    from services.inference.server_args import parse_args
+    from loraplex.services.inference.server_args import parse_args
 
     assert not parse_args(["--model-path", "m", "--device", "cpu"]).engine.disable_prefix_cache
     args = parse_args(["--model-path", "m", "--device", "cpu", "--disable-prefix-cache"])
@@ -374,7 +374,7 @@ def test_disable_prefix_cache_flag():
 
 
 def test_base_model_digest_names_the_checkpoint_and_dtype(tiny_llama_path, tiny_qwen2_path):
-    from services.inference.engine.prefix_cache import base_model_digest
+    from loraplex.services.inference.engine.prefix_cache import base_model_digest
 
     d = base_model_digest(tiny_llama_path, "torch.float32")
     assert d.startswith("base:") and d == base_model_digest(tiny_llama_path, "torch.float32")

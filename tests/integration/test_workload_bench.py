@@ -1,5 +1,5 @@
-"""bench/workload.py end to end on the CPU, run the one way every bench runs (`python -m bench.workload`
-from the repo root): a small open-loop run over the tiny random model.
+"""bench/workload.py end to end on the CPU, run the one way every bench runs
+(`python -m loraplex.bench.workload` from the repo root): a small open-loop run over the tiny random model.
 
 Only completion is asserted (every request of every scenario finishes without error, none cut);
 speed is the benchmark's to report, never a test's."""
@@ -22,7 +22,7 @@ def test_cpu_smoke_run_completes_every_request(tmp_path):
     # One torch thread: on a shared 2-core machine two threads fighting for the cores are much slower.
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.workload", *args],
+        [sys.executable, "-m", "loraplex.bench.workload", *args],
         env=env,
         cwd=REPO,
         capture_output=True,

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.detokenizer import IncrementalDetokenizer
-from services.inference.engine.engine import LLMEngine
-from services.inference.engine.output import TextStream
-from services.inference.engine.sampler import SamplingInputs, apply_penalties, sample
-from services.inference.engine.types import SamplingParams
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.detokenizer import IncrementalDetokenizer
+from loraplex.services.inference.engine.engine import LLMEngine
+from loraplex.services.inference.engine.output import TextStream
+from loraplex.services.inference.engine.sampler import SamplingInputs, apply_penalties, sample
+from loraplex.services.inference.engine.types import SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time there was", "1, 2, 3,"]
 
@@ -280,7 +280,7 @@ def test_token_bytes_rebuild_the_text(smollm2_path):
     """Byte-level pieces of one character keep their bytes (decoded alone they are U+FFFD)."""
     from transformers import AutoTokenizer
 
-    from services.inference.engine.token_bytes import TokenBytes
+    from loraplex.services.inference.engine.token_bytes import TokenBytes
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     text = "hi 😀 there é 東京 👩‍👩‍👧<|im_end|>"

@@ -4,11 +4,11 @@ request's, log probabilities built from token bytes (no server needed)."""
 from __future__ import annotations
 
 import pytest
-from loraplex.v1 import inference_pb2 as pb
 
-from services.openai import logprobs as lp
-from services.openai import schema
-from services.openai.errors import OpenAIError, request_param
+from loraplex.services.openai import logprobs as lp
+from loraplex.services.openai import schema
+from loraplex.services.openai.errors import OpenAIError, request_param
+from loraplex.v1 import inference_pb2 as pb
 
 
 def _parse(cls, **body):

@@ -1,7 +1,7 @@
 """`Engine`: the one interface the servicer, the adapter resolver and the server use.
 
 `AsyncEngine` (one device) and `TPAsyncEngine` (tensor parallel) implement it. It knows nothing of
-gRPC: failures are `services.inference.errors` exceptions, which the servicer maps to status codes.
+gRPC: failures are `loraplex.services.inference.errors` exceptions, which the servicer maps to status codes.
 
 Methods that wait (for the model, the disk or other threads) are coroutines and must be awaited on
 the caller's event loop; the others return at once and are called directly, from the event loop.
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
-from services.inference.lora.adapter_slots import AdapterInfo
+from loraplex.services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
+from loraplex.services.inference.lora.adapter_slots import AdapterInfo
 
 
 class Engine(Protocol):

@@ -15,13 +15,18 @@ import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-from services.inference.engine.chat import adapter_chat_template, render_chat
-from services.inference.engine.engine import LLMEngine
-from services.inference.engine.token_bytes import TokenBytes
-from services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
-from services.inference.errors import AdapterNotFound, BackendUnavailable, InvalidRequest, LoraplexError
-from services.inference.lora.adapter_slots import AdapterInfo
-from services.inference.lora.manager import LoRAManager
+from loraplex.services.inference.engine.chat import adapter_chat_template, render_chat
+from loraplex.services.inference.engine.engine import LLMEngine
+from loraplex.services.inference.engine.token_bytes import TokenBytes
+from loraplex.services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
+from loraplex.services.inference.errors import (
+    AdapterNotFound,
+    BackendUnavailable,
+    InvalidRequest,
+    LoraplexError,
+)
+from loraplex.services.inference.lora.adapter_slots import AdapterInfo
+from loraplex.services.inference.lora.manager import LoRAManager
 
 log = logging.getLogger(__name__)
 

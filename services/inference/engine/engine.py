@@ -19,25 +19,29 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from kernels.compile_watch import compile_counter
-from kernels.placement import triton_runs_on
-from services.inference.engine.block_manager import BlockManager
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
-from services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
-from services.inference.engine.logprobs import StepLogprobs, record_prompt_logprobs, rows_logprobs
-from services.inference.engine.model_runner import ModelRunner
-from services.inference.engine.output import TextStream
-from services.inference.engine.overlap import InFlightStep, kv_fits_without_preemption, strip_placeholders
-from services.inference.engine.prefix_cache import base_model_digest
-from services.inference.engine.request import Request
-from services.inference.engine.sampler import SamplingInputs, sample_on_device
-from services.inference.engine.scheduler import Scheduler
-from services.inference.engine.types import EngineStats, RequestOutput, SamplingParams, TokenLogprob
-from services.inference.engine.warmup import warm_up
-from services.inference.errors import CapacityExceeded, ContextLengthExceeded, InvalidRequest
-from services.inference.lora.adapter_slots import AdapterSlots, NoAdapters
-from services.inference.lora.backend import LoRABackend
+from loraplex.kernels.compile_watch import compile_counter
+from loraplex.kernels.placement import triton_runs_on
+from loraplex.services.inference.engine.block_manager import BlockManager
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
+from loraplex.services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
+from loraplex.services.inference.engine.logprobs import StepLogprobs, record_prompt_logprobs, rows_logprobs
+from loraplex.services.inference.engine.model_runner import ModelRunner
+from loraplex.services.inference.engine.output import TextStream
+from loraplex.services.inference.engine.overlap import (
+    InFlightStep,
+    kv_fits_without_preemption,
+    strip_placeholders,
+)
+from loraplex.services.inference.engine.prefix_cache import base_model_digest
+from loraplex.services.inference.engine.request import Request
+from loraplex.services.inference.engine.sampler import SamplingInputs, sample_on_device
+from loraplex.services.inference.engine.scheduler import Scheduler
+from loraplex.services.inference.engine.types import EngineStats, RequestOutput, SamplingParams, TokenLogprob
+from loraplex.services.inference.engine.warmup import warm_up
+from loraplex.services.inference.errors import CapacityExceeded, ContextLengthExceeded, InvalidRequest
+from loraplex.services.inference.lora.adapter_slots import AdapterSlots, NoAdapters
+from loraplex.services.inference.lora.backend import LoRABackend
 
 log = logging.getLogger(__name__)
 

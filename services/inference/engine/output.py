@@ -7,7 +7,7 @@ taken back when a stop string completes.
 
 from __future__ import annotations
 
-from services.inference.engine.detokenizer import IncrementalDetokenizer
+from loraplex.services.inference.engine.detokenizer import IncrementalDetokenizer
 
 
 class TextStream:

@@ -17,9 +17,9 @@ from array import array
 from collections import defaultdict
 from pathlib import Path
 
-from services.inference.engine.block_manager import BlockManager
-from services.inference.engine.request import Request
-from services.inference.lora.adapter_slots import AdapterSlots
+from loraplex.services.inference.engine.block_manager import BlockManager
+from loraplex.services.inference.engine.request import Request
+from loraplex.services.inference.lora.adapter_slots import AdapterSlots
 
 ROOT_TAG = b"loraplex-kv-v1\0"
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from services.inference.errors import InvalidRequest
+from loraplex.services.inference.errors import InvalidRequest
 
 # Alternatives per position a request may ask for (OpenAI's bound for top_logprobs).
 MAX_TOP_LOGPROBS = 20

@@ -36,11 +36,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.inference.errors import AdapterNotFound, CapacityExceeded, LoraplexError
-from services.inference.lora.adapter import AdapterWeights, load_adapter_weights
-from services.inference.lora.adapter_slots import AdapterInfo, AdapterSlots
-from services.inference.lora.config import check_fits, modules_of
-from services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.errors import AdapterNotFound, CapacityExceeded, LoraplexError
+from loraplex.services.inference.lora.adapter import AdapterWeights, load_adapter_weights
+from loraplex.services.inference.lora.adapter_slots import AdapterInfo, AdapterSlots
+from loraplex.services.inference.lora.config import check_fits, modules_of
+from loraplex.services.inference.lora.pool import AdapterPool
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ class _Version:
     alpha: float
     modules: list[str]
     weights: AdapterWeights | None  # host copy; None once dropped from the host cache
+    chat_template: str | None = None  # read with the weights at load time; kept when they are dropped
     pinned: bool = False
     refs: int = 0
     slot: int = -1
@@ -119,6 +120,7 @@ class LoRAManager(AdapterSlots):
                     alpha=weights.spec.lora_alpha,
                     modules=modules_of(weights.targets),
                     weights=weights,
+                    chat_template=weights.chat_template,
                     last_used=self._clock(),
                 )
                 self._active[name] = version
@@ -163,6 +165,12 @@ class LoRAManager(AdapterSlots):
     def list_adapters(self) -> list[AdapterInfo]:
         with self._lock:
             return [self._info(v) for v in self._active.values()]
+
+    def chat_template(self, name: str) -> str | None:
+        """The chat template the active version of `name` shipped (None: none, or not loaded)."""
+        with self._lock:
+            version = self._active.get(name)
+            return version.chat_template if version is not None else None
 
     def content_digest(self, name: str) -> str | None:
         with self._lock:

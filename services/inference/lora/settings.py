@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.settings import kernel_settings
-from services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
-from services.inference.lora.shapes import ALL_MODULES
+from loraplex.kernels.settings import kernel_settings
+from loraplex.services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
+from loraplex.services.inference.lora.shapes import ALL_MODULES, FUSED_MODULES
 
 LORA_BACKENDS = ("triton", "torch")
 # `--max-lora-rank` when neither it nor a local `--lora-paths` adapter gives one.
@@ -24,15 +24,16 @@ DEFAULT_MAX_GPU_LORAS = {"cuda": 256, "cpu": 64}
 
 
 def parse_target_modules(names: Iterable[str]) -> tuple[str, ...]:
-    """`--lora-target-modules` values ('all' or projection names) in canonical order."""
-    wanted = set(names)
+    """`--lora-target-modules` values ('all' or projection names) in canonical order. Phi-3's fused
+    names stand for their parts (qkv_proj: q_proj k_proj v_proj; gate_up_proj: gate_proj up_proj)."""
+    wanted = {part for n in names for part in FUSED_MODULES.get(n, (n,))}
     if "all" in wanted:
         return ALL_MODULES
     unknown = sorted(wanted - set(ALL_MODULES))
     if unknown:
         raise ValueError(
             f"--lora-target-modules: unknown {', '.join(unknown)}; use names from "
-            f"{' '.join(ALL_MODULES)} or 'all'"
+            f"{' '.join(ALL_MODULES + tuple(FUSED_MODULES))} or 'all'"
         )
     if not wanted:
         raise ValueError("--lora-target-modules needs at least one module name, or 'all'")

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from services.inference.engine.config import EngineConfig
-from services.inference.lora.settings import LoRASettings
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.lora.settings import LoRASettings
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +95,14 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
 
 
 def _serve(spec: WorkerSpec, conn: Connection) -> None:
-    from services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
-    from services.inference.engine.model_runner import ModelRunner
-    from services.inference.lora.pool import AdapterPool
-    from services.inference.lora.shapes import ModelShapes
-    from services.inference.models.config import load_config
-    from services.inference.parallel.lora import make_tp_backend
-    from services.inference.parallel.model import load_tp_model
-    from services.inference.parallel.partition import plan_shards
+    from loraplex.services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
+    from loraplex.services.inference.engine.model_runner import ModelRunner
+    from loraplex.services.inference.lora.pool import AdapterPool
+    from loraplex.services.inference.lora.shapes import ModelShapes
+    from loraplex.services.inference.models.config import load_config
+    from loraplex.services.inference.parallel.lora import make_tp_backend
+    from loraplex.services.inference.parallel.model import load_tp_model
+    from loraplex.services.inference.parallel.partition import plan_shards
 
     config = spec.engine
     if spec.device_type == "cuda":
@@ -115,7 +115,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     cfg = load_config(model_dir)
     plan = plan_shards(cfg, spec.tp_size)[spec.rank]
     local_cfg = plan.local_config(cfg)
-    model = load_tp_model(model_dir, plan, device, spec.dtype)
+    model = load_tp_model(model_dir, plan, device, spec.dtype, config.quantization)
     pool = backend = None
     if spec.lora is not None:
         s = spec.lora
@@ -133,7 +133,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
         backend = make_tp_backend(pool, s.backend, config.max_num_batched_tokens)
     blocks = plan_num_blocks(
         local_cfg,
-        spec.dtype,
+        config.kv_dtype(spec.dtype),
         device,
         page_size=config.page_size,
         context_length=spec.context_length,
@@ -152,7 +152,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     init_group(spec.rank, spec.tp_size, store, spec.device_type, spec.timeout_s)
     kind, num_blocks = recv(conn)
     assert kind == "start", kind
-    kv_cache = allocate_kv_cache(local_cfg, num_blocks, config.page_size, spec.dtype, device)
+    kv_cache = allocate_kv_cache(local_cfg, num_blocks, config.page_size, config.kv_dtype(spec.dtype), device)
     runner = ModelRunner(
         model,
         local_cfg,
