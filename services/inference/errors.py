@@ -27,6 +27,18 @@ class InvalidRequest(LoraplexError):
     """The request itself is malformed (bad sampling value, prompt too long, ...)."""
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt leaves no room for a new token in the model's context. Carried to clients as an
+    ErrorInfo (reason CONTEXT_LENGTH_EXCEEDED, the two counts) so the HTTP door can say it the way
+    OpenAI does. `prompt_tokens` 0: not counted (a text refused by its length before tokenizing)."""
+
+    reason = "CONTEXT_LENGTH_EXCEEDED"
+
+    def __init__(self, message: str, *, prompt_tokens: int, context_length: int, field: str | None = None):
+        super().__init__(message, field=field)
+        self.prompt_tokens, self.context_length = prompt_tokens, context_length
+
+
 class AdapterInvalid(LoraplexError):
     """The adapter files are malformed: no server configuration could run them."""
 

@@ -18,7 +18,12 @@ from typing import NamedTuple
 from loraplex.services.inference.engine.api import Engine
 from loraplex.services.inference.engine.chat_tools import parse_tool_calls, parse_tools
 from loraplex.services.inference.engine.types import RequestOutput, SamplingParams
-from loraplex.services.inference.errors import CapacityExceeded, InvalidRequest, LoraplexError
+from loraplex.services.inference.errors import (
+    CapacityExceeded,
+    ContextLengthExceeded,
+    InvalidRequest,
+    LoraplexError,
+)
 from loraplex.services.inference.proto_convert import (
     MAX_CHARS_PER_TOKEN,
     adapters_per_input,
@@ -126,9 +131,11 @@ def _prompt_of_input(engine: Engine, inp: pb.Input, adapter: str, i: int) -> lis
 
 def _check_length(text_chars: int, where: str, context_length: int) -> None:
     if context_length and text_chars > context_length * MAX_CHARS_PER_TOKEN:
-        raise InvalidRequest(
+        raise ContextLengthExceeded(
             f"{where} has {text_chars} characters, more than a {context_length}-token context can hold",
             field=where,
+            prompt_tokens=0,  # not tokenized: too long to be worth it
+            context_length=context_length,
         )
 
 

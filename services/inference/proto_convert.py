@@ -108,6 +108,8 @@ def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
         logprobs=p.top_logprobs if p.logprobs else None,
         prompt_logprobs=p.top_logprobs if p.prompt_logprobs else None,
         constraint=_constraint(p),
+        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+        min_tokens=p.min_tokens,
     )
     if p.top_logprobs and not (p.logprobs or p.prompt_logprobs):
         raise InvalidRequest(
@@ -157,15 +159,24 @@ def logprobs_proto(engine: Engine, logprobs: list[TokenLogprob]) -> list[pb.Toke
         return []
     ids = sorted({lp.token_id for lp in logprobs} | {t for lp in logprobs for t, _ in lp.top})
     text = dict(zip(ids, engine.detokenize_each(ids), strict=True))
+    raw = dict(zip(ids, engine.token_bytes(ids), strict=True))
     return [
         pb.TokenLogprob(
             token_id=lp.token_id,
             logprob=lp.logprob,
             token=text[lp.token_id],
-            top=[pb.TopLogprob(token_id=t, logprob=v, token=text[t]) for t, v in lp.top],
+            token_bytes=raw[lp.token_id],
+            top=[pb.TopLogprob(token_id=t, logprob=v, token=text[t], token_bytes=raw[t]) for t, v in lp.top],
         )
         for lp in logprobs
     ]
+
+
+def first_token_bytes(engine: Engine, work) -> bytes:
+    """The first prompt token's bytes for a work item asking prompt log probabilities, else b""."""
+    if work.params.prompt_logprobs is None:
+        return b""
+    return engine.token_bytes(work.prompt_ids[:1])[0]
 
 
 def timing_fields(out: RequestOutput) -> dict[str, float | int]:

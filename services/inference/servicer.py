@@ -28,6 +28,7 @@ from loraplex.services.inference.metrics import Metrics
 from loraplex.services.inference.proto_convert import (
     MAX_CHARS_PER_TOKEN,
     adapter_proto,
+    first_token_bytes,
     logprobs_proto,
     timing_fields,
 )
@@ -224,6 +225,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     sample=w.sample,
                     logprobs=logprobs_proto(engine, logprobs[k]),
                     prompt_logprobs=logprobs_proto(engine, prompt_logprobs[k]),
+                    prompt_first_token_bytes=first_token_bytes(engine, w),
                     **timing_fields(f),
                 )
                 for k, (w, f) in enumerate(zip(work, final, strict=True))
@@ -258,6 +260,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         logprobs=logprobs_proto(engine, out.logprobs or []),
                         prompt_logprobs=logprobs_proto(engine, out.prompt_logprobs or []),
                     )
+                    if out.prompt_logprobs is not None:
+                        msg.prompt_first_token_bytes = first_token_bytes(engine, work[k])
                     if out.finished:
                         msg.finish_reason = out.finish_reason or ""
                         msg.prompt_tokens = out.prompt_tokens

@@ -15,12 +15,14 @@ from pathlib import Path, PurePosixPath
 
 import grpc
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from loraplex.services.openai import responses, schema, structured
 from loraplex.services.openai.disconnect import unless_client_leaves
-from loraplex.services.openai.errors import OpenAIError, from_grpc
+from loraplex.services.openai.errors import OpenAIError, bad_request, from_grpc, model_not_found
 from loraplex.services.openai.inputs import (
     check_adapter_model,
     check_authorization,
@@ -72,6 +74,7 @@ class Backend:
         self._stub: pb_grpc.InferenceStub | None = None
         self._channel = None
         self._base_names: tuple[str, ...] | None = None
+        self.max_new_tokens_limit = 0  # the server's --max-new-tokens-limit, learnt with the names
 
     @property
     def stub(self) -> pb_grpc.InferenceStub:
@@ -96,6 +99,7 @@ class Backend:
             info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30)
             first = self.served_model_name or PurePosixPath(info.model.rstrip("/")).name or info.model
             self._base_names = (first, info.model)
+            self.max_new_tokens_limit = info.max_new_tokens_limit
         return self._base_names
 
     async def adapter_for(self, model: str, metadata) -> str:
@@ -142,6 +146,28 @@ def create_app(backend: Backend) -> FastAPI:
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
         return exc.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Unknown routes (404), wrong methods (405) and the like, in OpenAI's error shape."""
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message, code = f"Invalid URL ({where}): this server has no such route", "unknown_url"
+        elif exc.status_code == 405:
+            message, code = f"Method not allowed ({where})", "method_not_allowed"
+        else:
+            message, code = f"{exc.detail} ({where})", None
+        err = OpenAIError(exc.status_code, message, code=code)
+        response = err.response()
+        for name, value in (exc.headers or {}).items():  # e.g. 405's Allow
+            response.headers[name] = value
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "path", "query")) or None
+        return bad_request(f"{param}: {first['msg']}" if param else first["msg"], param).response()
+
     @app.exception_handler(Exception)
     async def _unforeseen(request: Request, exc: Exception) -> Response:
         # A bug: OpenAI's error shape rather than a bare 500 page. Starlette re-raises the exception
@@ -156,6 +182,16 @@ def create_app(backend: Backend) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": await model_list(request)})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        for entry in await model_list(request):
+            if entry["id"] == model_id:
+                return JSONResponse(entry)
+        raise model_not_found(model_id)
+
+    async def model_list(request: Request) -> list[dict]:
         md = _metadata(request)
         try:
             base = (await backend.base_names(md))[0]
@@ -191,7 +227,7 @@ def create_app(backend: Backend) -> FastAPI:
             }
             for a in adapters
         ]
-        return JSONResponse({"object": "list", "data": data})
+        return data
 
     async def generate(
         request: Request,
@@ -199,25 +235,24 @@ def create_app(backend: Backend) -> FastAPI:
         door_call: schema.DoorCall,
         adapter: str,
         chat: bool,
-        want_logprobs: bool,
     ) -> Response:
         md = _metadata(request, adapter)
-        grpc_request, tool_plan = door_call.request, door_call.tool_plan
+        grpc_request, tool_plan, asked = door_call.request, door_call.tool_plan, door_call.asked
         if not parsed.stream:
             call = backend.stub.Generate(grpc_request, metadata=md, timeout=backend.timeout_s)
             try:
                 resp = await unless_client_leaves(request, call)
             except grpc.RpcError as exc:
-                raise structured.rename_error(from_grpc(exc, parsed.model), door_call.fields) from None
+                raise structured.rename_error(from_grpc(exc, parsed.model, chat), door_call.fields) from None
             if chat:
-                return JSONResponse(responses.chat_body(resp, parsed.model, want_logprobs, tool_plan))
-            return JSONResponse(responses.completion_body(resp, parsed.model, want_logprobs))
+                return JSONResponse(responses.chat_body(resp, parsed.model, asked, tool_plan))
+            return JSONResponse(responses.completion_body(resp, parsed.model, asked))
         call = backend.stub.GenerateStream(grpc_request, metadata=md, timeout=backend.timeout_s)
         try:  # the first message (or the error) before the 200: a refused call gets its status
             first = await unless_client_leaves(request, call, call.read())
         except grpc.RpcError as exc:
-            raise structured.rename_error(from_grpc(exc, parsed.model), door_call.fields) from None
-        state = responses.StreamState(parsed.model, parsed.n, chat, want_logprobs, tool_plan)
+            raise structured.rename_error(from_grpc(exc, parsed.model, chat), door_call.fields) from None
+        state = responses.StreamState(parsed.model, parsed.n, chat, asked, tool_plan)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         return EventSourceResponse(_events(call, first, state, include_usage, parsed.model), ping=15)
 
@@ -226,14 +261,14 @@ def create_app(backend: Backend) -> FastAPI:
         parsed = schema.parse(schema.CompletionRequest, await _body(request))
         adapter = await _resolve(backend, request, parsed.model)
         door_call = schema.completion_call(parsed, adapter)
-        return await generate(request, parsed, door_call, adapter, False, parsed.logprobs is not None)
+        return await generate(request, parsed, door_call, adapter, False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         parsed = schema.parse(schema.ChatRequest, await _body(request))
         adapter = await _resolve(backend, request, parsed.model)
-        door_call = schema.chat_call(parsed, adapter)
-        return await generate(request, parsed, door_call, adapter, True, parsed.logprobs)
+        door_call = schema.chat_call(parsed, adapter, backend.max_new_tokens_limit)
+        return await generate(request, parsed, door_call, adapter, True)
 
     return app
 
@@ -257,7 +292,7 @@ async def _events(
         if include_usage:
             yield json.dumps(state.usage_chunk())
     except grpc.RpcError as exc:  # after the 200: the error travels as an event, as OpenAI's streams do
-        err = from_grpc(exc, model)
+        err = from_grpc(exc, model, state.chat)
         yield json.dumps(
             {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
         )

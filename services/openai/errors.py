@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
@@ -56,10 +58,49 @@ def model_not_found(model: str) -> OpenAIError:
     )
 
 
-def _details(error: grpc.RpcError) -> tuple[list[str], float | None]:
-    """The fields a BadRequest detail names and a RetryInfo delay, when the server sent them."""
+# gRPC SamplingParams fields -> the HTTP request's names (the rest keep their name).
+SAMPLING_PARAM = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs"}
+
+
+def request_param(field: str, chat: bool) -> str:
+    """The HTTP request's field for a gRPC field violation: `sampling_params.max_new_tokens` ->
+    `max_tokens`, `inputs[0]` / `text[0]` -> `prompt` (or `messages`), `inputs[0].messages[2].role`
+    -> `messages.2.role`."""
+    if field.startswith("adapter") or field.endswith(".adapter"):
+        return "model"
+    field = re.sub(r"^inputs\[\d+\]\.(?=sampling_params)", "", field)
+    if field.startswith("sampling_params."):
+        name = field.split(".", 1)[1]
+        if chat and name == "top_logprobs":
+            return "top_logprobs"
+        return SAMPLING_PARAM.get(name, name)
+    message = re.match(r"^inputs\[\d+\]\.messages\[(\d+)\](.*)$", field)
+    if message:
+        return f"messages.{message.group(1)}{message.group(2)}"
+    if re.match(r"^(inputs|text)(\[\d+\]|$)", field):
+        return "messages" if chat else "prompt"
+    return field
+
+
+def context_length_exceeded(prompt_tokens: int, context_length: int, chat: bool) -> OpenAIError:
+    """OpenAI's error for a prompt the context cannot hold (clients such as litellm match its code)."""
+    what = "messages" if chat else "prompt"
+    counted = f"{prompt_tokens} tokens" if prompt_tokens else f"more than {context_length} tokens"
+    return OpenAIError(
+        400,
+        f"This model's maximum context length is {context_length} tokens. However, your {what} "
+        f"resulted in {counted} (at least one more is needed for the completion). "
+        f"Please reduce the length of the {what}.",
+        param="messages" if chat else "prompt",
+        code="context_length_exceeded",
+    )
+
+
+def _details(error: grpc.RpcError) -> tuple[list[str], float | None, error_details_pb2.ErrorInfo | None]:
+    """The fields a BadRequest detail names, a RetryInfo delay and an ErrorInfo, when the server sent them."""
     fields: list[str] = []
     retry = None
+    info = None
     try:
         status = rpc_status.from_call(error)  # type: ignore[arg-type]
     except (ValueError, AttributeError, TypeError):
@@ -73,7 +114,10 @@ def _details(error: grpc.RpcError) -> tuple[list[str], float | None]:
             msg = error_details_pb2.RetryInfo()
             detail.Unpack(msg)
             retry = msg.retry_delay.seconds + msg.retry_delay.nanos / 1e9
-    return fields, retry
+        elif detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+    return fields, retry, info
 
 
 def _message_too_large(error: grpc.RpcError) -> bool:
@@ -84,8 +128,9 @@ def _message_too_large(error: grpc.RpcError) -> bool:
     )
 
 
-def from_grpc(error: grpc.RpcError, model: str) -> OpenAIError:
-    """The OpenAI error for a failed gRPC call made for `model`."""
+def from_grpc(error: grpc.RpcError, model: str, chat: bool = False) -> OpenAIError:
+    """The OpenAI error for a failed gRPC call made for `model` (by a chat call when `chat`), its
+    `param` the HTTP request's field."""
     code = error.code()
     if _message_too_large(error):
         return OpenAIError(
@@ -94,6 +139,14 @@ def from_grpc(error: grpc.RpcError, model: str) -> OpenAIError:
             "to the server's --max-message-bytes, or send less",
             code="request_too_large",
         )
+    fields, retry_after, info = _details(error)
+    if info is not None and info.reason == "CONTEXT_LENGTH_EXCEEDED":
+        try:
+            prompt, context = int(info.metadata["prompt_tokens"]), int(info.metadata["context_length"])
+        except (KeyError, ValueError):
+            pass
+        else:
+            return context_length_exceeded(prompt, context, chat)
     message = error.details() or code.name
     if code == grpc.StatusCode.INTERNAL and "RST_STREAM" in message:
         # The router reset the stream: the replica behind it died mid-call. A lost replica, not a bug.
@@ -101,17 +154,19 @@ def from_grpc(error: grpc.RpcError, model: str) -> OpenAIError:
             grpc.StatusCode.UNAVAILABLE,
             f"the replica serving the call went away; retry ({message})",
         )
-    fields, retry_after = _details(error)
     if code == grpc.StatusCode.NOT_FOUND or (
         code == grpc.StatusCode.INVALID_ARGUMENT and any(f.endswith("adapter") for f in fields)
     ):
         return model_not_found(model)
     status, type_ = HTTP_OF.get(code, (500, "server_error"))
+    param = request_param(fields[0], chat) if fields else None
+    if param is not None:  # say it in the request's words
+        message = message.replace(fields[0], param)
     return OpenAIError(
         status,
         message,
         type_=type_,
-        param=fields[0] if fields else None,
+        param=param,
         code=code.name.lower(),
         retry_after=retry_after,
     )

@@ -170,7 +170,7 @@ def test_errors_in_openai_shape(client, door, base_name):
     assert info.value.status_code == 400 and info.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=base_name, prompt="hi", max_tokens=5000)
-    assert "max_new_tokens" in info.value.message
+    assert info.value.param == "max_tokens" and "max_tokens 5000" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model=base_name,

@@ -402,3 +402,39 @@ def test_tensor_parallel_reuses_cached_prefixes(tiny_llama_path, adapters):
     got, hits = run(2, True)
     assert hits == {"": 36, "a": 36}
     assert got == run(1, False)[0]
+
+
+def _prompt_logprobs_run(engine, ids, adapter, k=2):
+    """One request asking prompt log probabilities, to completion: (prompt log probs, final output)."""
+    engine.add_request("plp", ids, SamplingParams(max_new_tokens=2, prompt_logprobs=k), adapter)
+    got, final = None, None
+    while final is None:
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                got = out.prompt_logprobs
+            if out.finished:
+                final = out
+    return got, final
+
+
+@pytest.mark.parametrize("adapter", [None, "a"])
+def test_prompt_logprobs_complete_with_the_cache(tiny_llama_path, adapters, adapter):
+    """With the cache warm on the very prompt (and on a longer one), a request asking prompt log
+    probabilities still gets one per prompt token after the first, equal to the cache-off values;
+    a request not asking reuses the cache and reports it in cached_prompt_tokens."""
+    ids = PROMPTS[0]
+    off = engine_for(tiny_llama_path, {"a": adapters["a"]}, cache=False)
+    want, final_off = _prompt_logprobs_run(off, ids, adapter)
+    assert final_off.cached_prompt_tokens == 0
+    on = engine_for(tiny_llama_path, {"a": adapters["a"]}, cache=True)
+    one_by_one(on, [(ids + tokens(99, 6), adapter), (ids, adapter)])  # the prompt's blocks are cached
+    assert on.stats().prefix_cache_hit_tokens.get(adapter or "", 0) > 0
+    for _ in range(2):  # the second run finds this request's own blocks cached too
+        got, final = _prompt_logprobs_run(on, ids, adapter)
+        assert [lp.token_id for lp in got] == ids[1:]
+        assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-5)
+        assert [[t for t, _ in lp.top] for lp in got] == [[t for t, _ in lp.top] for lp in want]
+        assert final.cached_prompt_tokens == 0  # computed, not reused
+    on.add_request("plain", ids, SamplingParams(max_new_tokens=1), adapter)
+    final = next(o for _ in range(50) for o in on.step() if o.finished)
+    assert final.cached_prompt_tokens == (len(ids) - 1) // PAGE * PAGE

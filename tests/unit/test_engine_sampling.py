@@ -271,3 +271,54 @@ def test_text_stream_holds_back_possible_stop_prefixes(smollm2_path):
             break
     assert stopped
     assert "".join(pieces) == "Hello world. Then "
+
+
+def test_min_tokens_masks_stop_tokens_until_reached(tiny):
+    engine, prompts = tiny
+    (full,) = engine.generate([prompts[0]], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    target = full.token_ids[1]
+    first = full.token_ids.index(target)
+    (early,) = engine.generate([prompts[0]], SamplingParams(max_new_tokens=12, stop_token_ids=(target,)))
+    assert early.finish_reason == "stop" and len(early.token_ids) == first + 1
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=(target, 10**9), min_tokens=first + 3)
+    (late,) = engine.generate([prompts[0]], params)
+    assert len(late.token_ids) >= first + 3
+    assert target not in late.token_ids[: first + 3]
+    assert late.finish_reason == "length" or late.token_ids[-1] == target
+    with pytest.raises(Exception, match="min_tokens"):
+        SamplingParams(max_new_tokens=4, min_tokens=5).validate()
+
+
+def test_ban_masks_only_the_named_ids():
+    logits = torch.zeros(2, 6)
+    logits[0, 3] = logits[1, 2] = 5.0
+    got = sample(logits, inputs(2, temperature=[0.0, 0.0], banned=[(3,), ()]))
+    assert got[1] == 2 and got[0] != 3
+
+
+def test_special_tokens_kept_when_asked(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    ids = tok("hi").input_ids + [tok.convert_tokens_to_ids("<|im_end|>")]
+    for skip, want in ((True, "hi"), (False, "hi<|im_end|>")):
+        stream = TextStream(tok, (), skip)
+        for t in ids:
+            stream.add_token(t)
+        stream.finish()
+        assert stream.take(True) == want
+
+
+def test_token_bytes_rebuild_the_text(smollm2_path):
+    """Byte-level pieces of one character keep their bytes (decoded alone they are U+FFFD)."""
+    from transformers import AutoTokenizer
+
+    from loraplex.services.inference.engine.token_bytes import TokenBytes
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    text = "hi 😀 there é 東京 👩‍👩‍👧<|im_end|>"
+    ids = tok(text).input_ids
+    raw = TokenBytes(tok)
+    assert any("\ufffd" in tok.decode([t]) for t in ids)  # the case this is for
+    assert b"".join(raw(t) for t in ids) == text.encode()
+    assert len({raw(t) for t in ids if "\ufffd" in tok.decode([t])}) > 1  # not all the same replacement

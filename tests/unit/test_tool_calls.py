@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from loraplex.services.inference.engine.chat import render_model_template
 from loraplex.services.openai import schema, tools
 from loraplex.services.openai.errors import OpenAIError
-from loraplex.services.openai.responses import StreamState
+from loraplex.services.openai.responses import Asked, StreamState
 from loraplex.v1 import inference_pb2 as pb
 
 WEATHER = {
@@ -144,7 +144,7 @@ def test_render_describes_tools_to_a_template_that_does_not(smollm2_path):
 
 def test_stream_holds_an_auto_or_required_call_until_the_end():
     plan = tools.plan([WEATHER], "required")
-    state = StreamState("m", 1, True, False, plan)
+    state = StreamState("m", 1, True, Asked(), plan)
     chunks = state.chunks(pb.GenerateStreamResponse(index=0, text='{"name": "get_weather", '))
     assert all("tool_calls" not in c["choices"][0]["delta"] for c in chunks)
     assert all(not c["choices"][0]["delta"].get("content") for c in chunks)
@@ -159,7 +159,7 @@ def test_stream_holds_an_auto_or_required_call_until_the_end():
 
 def test_stream_of_a_named_function_streams_its_arguments():
     plan = tools.plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
-    state = StreamState("m", 1, True, False, plan)
+    state = StreamState("m", 1, True, Asked(), plan)
     chunks = state.chunks(pb.GenerateStreamResponse(index=0, text='{"city": '))
     chunks += state.chunks(pb.GenerateStreamResponse(index=0, text='"Rome"}', finish_reason="stop"))
     deltas = [c["choices"][0]["delta"] for c in chunks]

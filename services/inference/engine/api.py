@@ -64,6 +64,10 @@ class Engine(Protocol):
         """Each token's text alone (the `token` of log probabilities)."""
         ...
 
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+        """Each token's raw bytes (engine/token_bytes.py): part of a character stays its bytes."""
+        ...
+
     # -- adapters ---------------------------------------------------------------------------
 
     async def load_adapter(self, name: str, path: str, pin: bool = False) -> AdapterInfo:

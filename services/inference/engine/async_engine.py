@@ -21,6 +21,7 @@ from loraplex.services.inference.engine.chat import (
 )
 from loraplex.services.inference.engine.engine import LLMEngine
 from loraplex.services.inference.engine.template_sandbox import TemplateRenderer
+from loraplex.services.inference.engine.token_bytes import TokenBytes
 from loraplex.services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 from loraplex.services.inference.errors import (
     AdapterNotFound,
@@ -75,6 +76,7 @@ class AsyncEngine:
         # What transformers hands a template besides the messages (bos_token, eos_token, ...).
         self._template_variables = dict(self._tokenizer.special_tokens_map)
         self._templates = TemplateRenderer()  # adapters' templates: worker processes, started on first use
+        self._token_bytes = TokenBytes(self._tokenizer)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}
@@ -167,6 +169,10 @@ class AsyncEngine:
         """Each token's text alone (for log probabilities' `token`)."""
         with self._tokenizer_lock:
             return [self._tokenizer.decode([t]) for t in token_ids]
+
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+        with self._tokenizer_lock:
+            return [self._token_bytes(t) for t in token_ids]
 
     def model_info(self) -> ModelInfo:
         return self._model_info

@@ -45,7 +45,12 @@ from loraplex.services.inference.engine.sampler import SamplingInputs, sample_on
 from loraplex.services.inference.engine.scheduler import Scheduler
 from loraplex.services.inference.engine.types import EngineStats, RequestOutput, SamplingParams, TokenLogprob
 from loraplex.services.inference.engine.warmup import warm_up
-from loraplex.services.inference.errors import BackendUnavailable, CapacityExceeded, InvalidRequest
+from loraplex.services.inference.errors import (
+    BackendUnavailable,
+    CapacityExceeded,
+    ContextLengthExceeded,
+    InvalidRequest,
+)
 from loraplex.services.inference.lora.adapter_slots import AdapterSlots, NoAdapters
 from loraplex.services.inference.lora.backend import LoRABackend
 
@@ -217,10 +222,12 @@ class LLMEngine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", field="text")
         if len(prompt_ids) >= self.context_length:
-            raise InvalidRequest(
+            raise ContextLengthExceeded(
                 f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.context_length} "
                 "tokens including at least one new token",
                 field="text",
+                prompt_tokens=len(prompt_ids),
+                context_length=self.context_length,
             )
         capacity = self.block_manager.capacity_tokens
         if len(prompt_ids) >= capacity:
@@ -259,7 +266,7 @@ class LLMEngine:
             )
             self._num_constrained += 1
         self.requests[request_id] = req
-        self._streams[request_id] = TextStream(self.tokenizer, params.stop)
+        self._streams[request_id] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
         if _needs_history(params):
             self._num_penalized += 1
         if params.logprobs is not None:
@@ -435,7 +442,18 @@ class LLMEngine:
             generators=[r.generator for r in reqs],
             prompt_ids=[r.prompt_ids for r in reqs] if needs_history else [[] for _ in reqs],
             output_ids=[r.output_ids for r in reqs] if needs_history else [[] for _ in reqs],
+            banned=[self._banned(r) for r in reqs],
         )
+
+    def _banned(self, req: Request) -> tuple[int, ...]:
+        """Token ids `req` may not sample now: its stop tokens while it is short of min_tokens (the
+        output count at sampling time includes an overlap placeholder, i.e. the tokens before this one)."""
+        params = req.params
+        if req.num_output_tokens >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+        vocab = self.loaded.config.vocab_size  # a stop id outside the vocabulary can never be sampled
+        return eos + tuple(t for t in params.stop_token_ids if t < vocab)
 
     def _append_token(
         self, req: Request, token: int, position: int | None = None, logprob: TokenLogprob | None = None

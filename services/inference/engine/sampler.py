@@ -31,6 +31,7 @@ class SamplingInputs(NamedTuple):
     generators: list[torch.Generator | None]  # None only for greedy rows
     prompt_ids: list[list[int]]  # read only when a repetition penalty is set
     output_ids: list[list[int]]  # read only when any penalty is set
+    banned: list[tuple[int, ...]] | None = None  # ids masked out of this row (min_tokens' stop tokens)
 
 
 def _pad(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,6 +97,16 @@ def _filter(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
     return logits
 
 
+def _ban(logits: torch.Tensor, banned: list[tuple[int, ...]] | None) -> torch.Tensor:
+    if not banned or not any(banned):
+        return logits
+    rows = [i for i, ids in enumerate(banned) for _ in ids]
+    cols = [t for ids in banned for t in ids]
+    mask = torch.zeros(logits.shape, dtype=torch.bool)
+    mask[rows, cols] = True
+    return logits.masked_fill(mask.to(logits.device, non_blocking=True), float("-inf"))
+
+
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     # Same answer as argmax (first index of the maximum); about 2x faster on CPU.
     return x.max(dim=-1).indices
@@ -109,7 +120,7 @@ def sample(logits: torch.Tensor, inp: SamplingInputs) -> list[int]:
 def sample_on_device(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
     """logits: [B, vocab] float32 -> int64 token ids `[B]` on the logits' device, without a host sync
     (penalty history is the one host input read here, and only when a penalty is set)."""
-    logits = apply_penalties(logits, inp)
+    logits = _ban(apply_penalties(logits, inp), inp.banned)
     greedy_tokens = _argmax(logits)
     random_rows = [i for i, t in enumerate(inp.temperature) if t >= MIN_TEMPERATURE]
     if not random_rows:

@@ -94,6 +94,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Constrained decoding: the output must match this (None = free text).
     constraint: Constraint | None = None
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    # EOS (unless ignore_eos) and stop_token_ids are masked out of sampling before this many new tokens.
+    min_tokens: int = 0
 
     def validate(self, max_new_tokens_limit: int | None = None) -> None:
         """Raise InvalidRequest naming the field when a value is out of range."""
@@ -114,6 +117,7 @@ class SamplingParams:
             ("temperature", self.temperature >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_new_tokens, "must be in [0, max_new_tokens]"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             (
                 "repetition_penalty",
