@@ -212,6 +212,7 @@ class InferenceServer:
                 adapters = engine.list_adapters()
                 self.metrics.observe_compiles(compile_counter.after_start)
                 self.metrics.observe_adapters(adapters)
+                self.metrics.observe_swaps(adapters)
                 if self.store is not None and tick % STORE_LIST_EVERY == 0:
                     with contextlib.suppress(Exception):
                         store_names = [r.name for r in await asyncio.wait_for(self.store.list(), 2.0)]

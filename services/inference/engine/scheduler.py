@@ -7,7 +7,7 @@ the token budget, the prefill budget, the request cap and the free KV blocks all
 running request needs a block and none is free, the most recently admitted request is
 preempted (its KV freed; it is recomputed when readmitted, from its cached prefix when the
 prefix cache is on). Under `--max-loras-per-batch` only the adapters the step's policy picks
-(engine/adapter_turns.py) compute: other adapters' running requests sit the step out, keeping
+(engine/adapter_slices.py) compute: other adapters' running requests sit the step out, keeping
 their KV and slot, and their queued requests wait; base requests are never held back.
 
 With the prefix cache on (engine/prefix_cache.py, engine/block_manager.py), a request admitted
@@ -24,7 +24,7 @@ import logging
 from collections import Counter, deque
 from typing import NamedTuple
 
-from services.inference.engine.adapter_turns import AdapterTurns
+from services.inference.engine.adapter_slices import DemandSlices
 from services.inference.engine.block_manager import BlockManager
 from services.inference.engine.config import SchedulerConfig
 from services.inference.engine.prefix_cache import PrefixCache
@@ -102,7 +102,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache = PrefixCache(block_manager, adapter_slots, base_digest)
         cap = adapter_slots.batch_cap()
-        self.adapter_turns = AdapterTurns(cap) if cap is not None else None
+        self.adapter_slices = DemandSlices(cap) if cap is not None else None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -131,7 +131,7 @@ class Scheduler:
         entries: list[ScheduledEntry] = []
         finished: list[Request] = []
         page = self.blocks.page_size
-        allowed = self.adapter_turns.select(self.running, self.waiting) if self.adapter_turns else None
+        allowed = self.adapter_slices.select(self.running, self.waiting) if self.adapter_slices else None
 
         i = 0
         while i < len(self.running) and token_budget > 0:

@@ -75,7 +75,7 @@ class LoRAConfig:
 
     lora_paths: tuple[str, ...] = ()  # NAME=SOURCE
     # At most this many distinct adapters compute in one step (the scheduler's turns,
-    # engine/adapter_turns.py); never sizes the pool. None: every resident adapter may share a step.
+    # engine/adapter_slices.py); never sizes the pool. None: every resident adapter may share a step.
     max_loras_per_batch: int | None = None
     # Bound on the pool's slots (sized from memory); None: DEFAULT_MAX_GPU_LORAS for the device.
     max_gpu_loras: int | None = None

@@ -7,7 +7,7 @@ Defaults (docs/architecture.md, "LoRA defaults"):
 - `--lora-backend`: triton on CUDA, torch on CPU.
 - The adapter pool is sized from memory (`pool_slots_from_memory`), at most `--max-gpu-loras` slots.
   `--max-loras-per-batch` never sizes it: it caps the distinct adapters of one step, which the
-  scheduler applies (engine/adapter_turns.py), so an adapter left out of a step stays resident.
+  scheduler applies (engine/adapter_slices.py), so an adapter left out of a step stays resident.
 """
 
 from __future__ import annotations
