@@ -40,7 +40,7 @@ def adapters(tiny_llama_path, adapter_factory):
     }
 
 
-def make(tiny_llama_path, adapters, *, cap=CAP, slots=16):
+def make(tiny_llama_path, adapters, *, cap=CAP, slots=16, max_running=512):
     pool = AdapterPool(
         ModelShapes.from_model_dir(tiny_llama_path),
         slots=slots,
@@ -56,7 +56,7 @@ def make(tiny_llama_path, adapters, *, cap=CAP, slots=16):
         page_size=4,
         max_num_batched_tokens=1024,
         chunked_prefill_size=1024,
-        max_running_requests=512,
+        max_running_requests=max_running,
         context_length=1024,
     )
     return Scheduler(config, BlockManager(4096, 4), manager), manager
@@ -152,6 +152,20 @@ def test_a_chosen_adapters_whole_queue_is_admitted_and_base_never_waits(tiny_lla
             assert not left, f"step {step}: {name} computed but left {left} queued"
         advance(scheduler, batch)
     assert not any(r.adapter in COLD for r in scheduler.waiting), "every cold adapter got a place"
+
+
+def test_requests_sitting_a_step_out_leave_their_place_in_the_batch(tiny_llama_path, adapters):
+    """--max-running-requests bounds the requests computing in a step: paused ones hold KV only."""
+    scheduler, _ = make(tiny_llama_path, adapters, cap=1, max_running=4)
+    for i in range(3):
+        scheduler.add(req(f"h0-{i}", "h0", 50))
+    advance(scheduler, scheduler.schedule())
+    for i in range(3):
+        scheduler.add(req(f"c0-{i}", "c0", 50))
+    batch = scheduler.schedule()  # c0 starts at the lowest pass: h0's three sit this step out
+    assert step_adapters(batch) == {"c0"}
+    assert sorted(r.request_id for r, n in batch.entries if n > 1) == ["c0-0", "c0-1", "c0-2"]
+    assert len(scheduler.running) == 6 > scheduler.config.max_running_requests
 
 
 @pytest.mark.parametrize("cap", [1, 2])

@@ -75,7 +75,9 @@ class DemandSlices:
 
     def select(self, running: Iterable[Request], waiting: Iterable[Request]) -> frozenset[str]:
         """The adapters whose requests may compute this step (at most `cap`)."""
+        waiting = list(waiting)
         work = adapter_work(running, waiting)
+        queued = adapter_work((), waiting)
         self.passes = {n: p for n, p in self.passes.items() if work[n]}
         self.waited = {n: w for n, w in self.waited.items() if work[n]}
         floor = min(self.passes.values(), default=0.0)
@@ -88,7 +90,10 @@ class DemandSlices:
         chosen += sorted(aged, key=lambda n: -self.waited[n])[: self.cap - len(chosen)]
         if len(chosen) < self.cap:
             taken = set(chosen)
-            rest = sorted((n for n in work if n not in taken), key=lambda n: (self.passes[n], -work[n]))
+            # equal passes: first tokens owed (queued requests) first, then the busier adapter
+            rest = sorted(
+                (n for n in work if n not in taken), key=lambda n: (self.passes[n], -queued[n], -work[n])
+            )
             chosen += rest[: self.cap - len(chosen)]
         for name in work:
             self.waited[name] += 1

@@ -132,6 +132,7 @@ class Scheduler:
         finished: list[Request] = []
         page = self.blocks.page_size
         allowed = self.adapter_slices.select(self.running, self.waiting) if self.adapter_slices else None
+        sitting_out = 0
 
         i = 0
         while i < len(self.running) and token_budget > 0:
@@ -140,6 +141,7 @@ class Scheduler:
                 self.prefix_cache.register(req)
             if allowed is not None and req.adapter is not None and req.adapter not in allowed:
                 i += 1  # not its adapter's turn: sits this step out, KV and slot kept
+                sitting_out += 1
                 continue
             want = req.num_uncomputed_tokens
             if want == 1 and req.num_computed_tokens < len(req.block_table) * page:
@@ -167,7 +169,7 @@ class Scheduler:
                 prefill_budget -= n
             i += 1
 
-        self._admit(entries, finished, token_budget, prefill_budget, allowed)
+        self._admit(entries, finished, token_budget, prefill_budget, allowed, sitting_out)
         self._report_queued()
         self._prefetch_upcoming()
         entries.sort(key=lambda e: e.num_tokens != 1)  # stable: decodes first
@@ -237,10 +239,14 @@ class Scheduler:
         token_budget: int,
         prefill_budget: int,
         allowed: frozenset[str] | None = None,
+        sitting_out: int = 0,
     ) -> None:
+        """Admit waiting requests. `--max-running-requests` bounds the requests that compute in a step
+        (the decode batch): running requests sitting this step out (`sitting_out`: not their
+        adapter's place) hold KV but no place in it, so they do not count; KV bounds them."""
         skipped: list[Request] = []
         refused: set[str] = set()  # adapters with no slot for a new request this step
-        while self.waiting and len(self.running) < self.config.max_running_requests:
+        while self.waiting and len(self.running) - sitting_out < self.config.max_running_requests:
             want = min(self.waiting[0].num_uncomputed_tokens, token_budget)
             if want > 1:
                 want = min(want, prefill_budget)
