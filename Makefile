@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml requirements/lock.txt
 	touch $(STAMP)
 
 model: $(STAMP)
-	$(PY) -m services.inference.default_model
+	$(PY) -m loraplex.services.inference.default_model
 
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos --grpc_python_out=protos $(PROTOS)
@@ -64,7 +64,7 @@ tools:
 	fi
 
 bench-cpu: $(STAMP) model
-	$(PY) -m bench.cpu_engine
+	$(PY) -m loraplex.bench.cpu_engine
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -6,8 +6,8 @@ import asyncio
 import logging
 import sys
 
-from adapter_store.cli.args import parse_args
-from adapter_store.server import serve
+from loraplex.adapter_store.cli.args import parse_args
+from loraplex.adapter_store.server import serve
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.lock import Lock
 from redis.exceptions import LockError
 
-from adapter_store.records import StoreRecord
+from loraplex.adapter_store.records import StoreRecord
 
 log = logging.getLogger(__name__)
 EVENTS_MAXLEN = 10_000
@@ -92,6 +92,7 @@ class AdapterIndex:
         self._commit = client.register_script(_COMMIT)
         self._delete = client.register_script(_DELETE)
         self._restore = client.register_script(_RESTORE)
+        self._releasing: set[asyncio.Task] = set()  # lock releases retried after a refusal
 
     def _keys(self, name: str) -> list[str]:
         p = self.p
@@ -186,12 +187,38 @@ class AdapterIndex:
             yield
         finally:
             keeper.cancel()
+            await self._release(lock, name)
+
+    async def _release(self, lock: Lock, name: str) -> None:
+        """Release now; when Redis refuses (down, or refusing writes on a full disk), keep trying in
+        the background until it works or the lock's own timeout frees it, so the name is not held
+        for the whole timeout after Redis recovers."""
+        try:
+            await lock.release()
+            return
+        except LockError:
+            log.warning("registration lock of %r expired before release", name)
+            return
+        except Exception as e:
+            log.warning("could not release the lock of %r (%s); retrying in the background", name, e)
+        task = asyncio.create_task(self._release_later(lock, name))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def _release_later(self, lock: Lock, name: str) -> None:
+        deadline = time.monotonic() + self.lock_timeout_s
+        delay = 0.05
+        while time.monotonic() < deadline:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
             try:
                 await lock.release()
+                log.info("released the lock of %r after Redis recovered", name)
+                return
             except LockError:
-                log.warning("registration lock of %r expired before release", name)
-            except Exception as e:  # Redis gone: the lock times out by itself
-                log.warning("could not release the lock of %r: %s", name, e)
+                return  # expired meanwhile: nothing held
+            except Exception:  # noqa: BLE001 - still refused; the timeout is the last resort
+                continue
 
     async def _keep(self, lock: Lock) -> None:
         while True:

@@ -15,7 +15,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from adapter_store.errors import InvalidArgument, PermissionDenied, Unavailable
+from loraplex.adapter_store.errors import InvalidArgument, PermissionDenied, Unavailable
 
 COPY_CHUNK = 1 << 20
 

@@ -8,7 +8,7 @@ import math
 import re
 from typing import NamedTuple
 
-from adapter_store.errors import InvalidArgument
+from loraplex.adapter_store.errors import InvalidArgument
 
 CONFIG_FILE = "adapter_config.json"
 MAX_CONFIG_BYTES = 1 * 2**20
@@ -54,6 +54,8 @@ class LoraConfig(NamedTuple):
     def targets(self, module: str) -> bool:
         """Whether PEFT would have put a LoRA on `module`."""
         if isinstance(self.target_modules, str):
+            if self.target_modules.lower() == "all-linear":  # every linear; the base check names them
+                return True
             return re.fullmatch(self.target_modules, module) is not None
         return any(module == t or module.endswith("." + t) for t in self.target_modules)
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import re
+from pathlib import PurePosixPath
 
-from adapter_store.errors import InvalidArgument
+from loraplex.adapter_store.errors import InvalidArgument
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -19,3 +20,17 @@ def check_name(name: str) -> str:
             field="name",
         )
     return name
+
+
+def check_not_base_model(name: str, base_model: str | None) -> None:
+    """Refuse a name that is the base model's (its path or Hub id, or the last part of either,
+    case-insensitively): inference servers and the HTTP door list that id for the base model."""
+    if not base_model:
+        return
+    model = base_model.strip().rstrip("/")
+    if name.casefold() in {n.casefold() for n in (model, PurePosixPath(model).name) if n}:
+        raise InvalidArgument(
+            f"adapter name {name!r} is the base model's name ({base_model[:200]}); "
+            "an adapter may not shadow the model it adapts: choose another name",
+            field="name",
+        )

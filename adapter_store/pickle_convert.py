@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from adapter_store.errors import InvalidArgument
+from loraplex.adapter_store.errors import InvalidArgument
 
 PICKLE_FILE = "adapter_model.bin"
 

@@ -14,16 +14,18 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from adapter_store.base_model import BaseModelShapes
-from adapter_store.blobs import BlobCache
-from adapter_store.cli.args import StoreConfig
-from adapter_store.errors import FailedPrecondition, NotFound, Unavailable
-from adapter_store.index import AdapterIndex
-from adapter_store.lora_config import parse_lora_config
-from adapter_store.names import check_name
-from adapter_store.records import StoreRecord
-from adapter_store.sources import ResolvedSource, SourceFetcher, parse_source
-from adapter_store.validate import validate_adapter
+from redis.exceptions import RedisError
+
+from loraplex.adapter_store.base_model import BaseModelShapes
+from loraplex.adapter_store.blobs import BlobCache
+from loraplex.adapter_store.cli.args import StoreConfig
+from loraplex.adapter_store.errors import FailedPrecondition, NotFound, Unavailable
+from loraplex.adapter_store.index import AdapterIndex
+from loraplex.adapter_store.lora_config import parse_lora_config
+from loraplex.adapter_store.names import check_name, check_not_base_model
+from loraplex.adapter_store.records import StoreRecord
+from loraplex.adapter_store.sources import ResolvedSource, SourceFetcher, parse_source
+from loraplex.adapter_store.validate import validate_adapter
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +81,14 @@ class AdapterRegistry:
         if not work.cancelled():
             # It finished first: a blob no record points at would never be evicted.
             digest = work.result().digest
-            if not self.blobs.read_sidecar(digest)["records"]:
+            if not self.blobs.has_records(digest):
                 self.blobs.remove_blob(digest)
         log.info("fetch for %s abandoned by its caller after it finished", name)
 
     # -- register ----------------------------------------------------------------------------
     async def register(self, name: str, source: str, revision: str = "") -> StoreRecord:
         check_name(name)
+        check_not_base_model(name, self.config.base_model)
         spec = parse_source(source, revision, self.config.allowed_local_dirs)
         resolved = await asyncio.to_thread(self.fetcher.resolve, spec)
         async with self.index.name_lock(name):
@@ -171,20 +174,10 @@ class AdapterRegistry:
         )
 
     def _sidecar_add(self, record: StoreRecord) -> None:
-        def change(data: dict) -> None:
-            data["size_bytes"] = record.size_bytes
-            data["dtype"] = record.dtype
-            data["records"][record.name] = record.to_json()
-
-        self.blobs.update_sidecar(record.digest, change)
+        self.blobs.add_record(record.digest, record.name, record.to_json())
 
     def _sidecar_drop(self, digest: str, name: str, only_generation: int | None) -> None:
-        def change(data: dict) -> None:
-            entry = data["records"].get(name)
-            if entry is not None and (only_generation is None or entry.get("generation") == only_generation):
-                del data["records"][name]
-
-        self.blobs.update_sidecar(digest, change)
+        self.blobs.drop_record(digest, name, only_generation)
 
     # -- read --------------------------------------------------------------------------------
     async def get(self, name: str) -> StoreRecord:
@@ -210,8 +203,9 @@ class AdapterRegistry:
             if out is None:
                 return False
             digest, _generation = out
-            await asyncio.to_thread(self._sidecar_drop, digest, name, None)
-            if not (await self.index.names_by_digest()).get(digest):
+            # The blob's record files answer "does another name still use it" without listing
+            # every name in the index.
+            if not await asyncio.to_thread(self.blobs.drop_record, digest, name, None):
                 await self.index.forget_digest(digest)
         log.info("deleted %s (%s)", name, digest[:19])
         return True
@@ -224,8 +218,17 @@ class AdapterRegistry:
         with self.blobs.pinned(record.digest):
             if not self.blobs.has(record.digest):
                 record = await self._refetch(record)
-            record = record.with_(last_used_at=await self.index.touch(name, record.digest))
+            record = record.with_(last_used_at=await self._touch(name, record.digest, record.last_used_at))
             yield PullHandle(record, self.blobs.path(record.digest))
+
+    async def _touch(self, name: str, digest: str, before: float) -> float:
+        """Record the use for the LRU. Best effort: a Redis that refuses writes (its disk full, a
+        read-only replica) must not fail a read; the blob is then only a little older to eviction."""
+        try:
+            return await self.index.touch(name, digest)
+        except RedisError as e:
+            log.warning("could not record the use of %s for eviction order (%s); pull continues", name, e)
+            return before
 
     async def _refetch(self, record: StoreRecord) -> StoreRecord:
         """The blob was evicted: fetch the same source at the recorded revision, same digest required."""
@@ -268,17 +271,15 @@ class AdapterRegistry:
 
     # -- reindex -----------------------------------------------------------------------------
     async def reindex(self) -> int:
-        """Rebuild the index from the blobs' sidecars; return how many records were restored."""
+        """Rebuild the index from the blobs' record files; return how many records were restored."""
         restored = 0
-        for sidecar in await asyncio.to_thread(lambda: list(self.blobs.iter_sidecars())):
-            for entry in sidecar.get("records", {}).values():
-                record = StoreRecord.from_json(entry)
-                if await self.index.restore(record):
-                    restored += 1
-        log.info("reindex: restored %d records from sidecars", restored)
+        for entry in await asyncio.to_thread(lambda: list(self.blobs.iter_records())):
+            if await self.index.restore(StoreRecord.from_json(entry)):
+                restored += 1
+        log.info("reindex: restored %d records from record files", restored)
         return restored
 
     async def count_unindexed_sidecars(self) -> int:
         indexed = await self.index.names_by_digest()
-        sidecars = await asyncio.to_thread(lambda: list(self.blobs.iter_sidecars()))
-        return sum(1 for s in sidecars if s.get("records") and s.get("digest") not in indexed)
+        on_disk = await asyncio.to_thread(self.blobs.record_digests)
+        return len(on_disk - indexed.keys())

@@ -14,7 +14,7 @@ import struct
 from pathlib import Path
 from typing import NamedTuple
 
-from adapter_store.errors import InvalidArgument
+from loraplex.adapter_store.errors import InvalidArgument
 
 MAX_HEADER_BYTES = 16 * 2**20
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4}

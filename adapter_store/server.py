@@ -10,19 +10,19 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
+
+from loraplex.adapter_store.auth import AdminTokenInterceptor
+from loraplex.adapter_store.base_model import load_base_model_shapes
+from loraplex.adapter_store.blobs import BlobCache
+from loraplex.adapter_store.cli.args import StoreConfig
+from loraplex.adapter_store.index import AdapterIndex
+from loraplex.adapter_store.redis_embedded import EmbeddedRedis, connect, describe
+from loraplex.adapter_store.registry import AdapterRegistry
+from loraplex.adapter_store.servicer import AdapterStoreServicer, CallerGoneFilter
+from loraplex.adapter_store.sources import SourceFetcher
 from loraplex.v1 import adapter_store_pb2 as pb
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 from loraplex.wire import MalformedRequestInterceptor
-
-from adapter_store.auth import AdminTokenInterceptor
-from adapter_store.base_model import load_base_model_shapes
-from adapter_store.blobs import BlobCache
-from adapter_store.cli.args import StoreConfig
-from adapter_store.index import AdapterIndex
-from adapter_store.redis_embedded import EmbeddedRedis, connect, describe
-from adapter_store.registry import AdapterRegistry
-from adapter_store.servicer import AdapterStoreServicer, CallerGoneFilter
-from adapter_store.sources import SourceFetcher
 
 log = logging.getLogger("adapter_store")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdapterStore"].full_name

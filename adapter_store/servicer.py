@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
+import os
 import re
 from collections.abc import AsyncIterator
 
@@ -19,16 +21,16 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc._cython import cygrpc
 from grpc_status import rpc_status
-from loraplex.v1 import adapter_store_pb2 as pb
-from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from adapter_store import errors
-from adapter_store.records import StoreRecord
-from adapter_store.registry import AdapterRegistry
-from adapter_store.watch_hub import WatchHub, stream_id
+from loraplex.adapter_store import errors
+from loraplex.adapter_store.records import StoreRecord
+from loraplex.adapter_store.registry import AdapterRegistry
+from loraplex.adapter_store.watch_hub import WatchHub, stream_id
+from loraplex.v1 import adapter_store_pb2 as pb
+from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 1 << 20
@@ -93,14 +95,42 @@ def _to_store_error(e: Exception) -> errors.StoreError | None:
     if isinstance(e, errors.StoreError):
         return e
     if isinstance(e, RedisConnectionError | RedisTimeoutError):
-        return errors.Unavailable(f"the store's Redis index is unreachable ({e}); retry shortly")
+        log.warning("Redis unreachable: %s", e)
+        return errors.Unavailable("the store's Redis index is unreachable; retry shortly")
     if isinstance(e, RedisError):
-        return errors.Unavailable(f"the store's Redis index failed ({e}); retry shortly")
+        # The full text (script SHA, script line, server internals) goes to the log, not the client.
+        log.warning("Redis error: %s", e)
+        return errors.Unavailable(f"the store's Redis index {redis_failure(e)}; retry shortly")
     if isinstance(e, TimeoutError):
         return errors.Unavailable(str(e) or "timed out waiting for another registration of this adapter")
     if isinstance(e, OSError):  # the store's own disk (cache dir full, unwritable, ...)
-        return errors.Unavailable(f"the store's cache directory failed: {e}")
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return errors.ResourceExhausted(
+                f"the store's cache directory is out of space ({os.strerror(e.errno)}); free space or "
+                "lower --cache-max-bytes"
+            )
+        return errors.Unavailable(f"the store's cache directory failed: {os.strerror(e.errno or 0)}")
     return None
+
+
+# Redis error codes a client can act on, in words; anything else is "failed".
+_REDIS_REFUSALS = {
+    "MISCONF": "refused the write: Redis cannot persist to its disk (is it full?)",
+    "READONLY": "refused the write: it is a read-only replica",
+    "NOREPLICAS": "refused the write: not enough replicas to write to",
+    "OOM": "refused the write: Redis is out of memory (maxmemory)",
+    "BUSY": "is busy running a script",
+    "LOADING": "is loading its data set",
+}
+
+
+def redis_failure(e: Exception) -> str:
+    """What went wrong in Redis, in words, without the server's text (script SHAs, lines)."""
+    text = str(e)
+    for code, words in _REDIS_REFUSALS.items():
+        if re.search(rf"(^|[\s:]){code}\b", text):
+            return words
+    return f"failed ({type(e).__name__})"
 
 
 def _handle_errors(method):

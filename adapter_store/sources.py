@@ -14,24 +14,32 @@ import logging
 import os
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import unquote, urlparse
 
-from adapter_store.cli.args import StoreConfig
-from adapter_store.errors import InvalidArgument, NotFound, PermissionDenied, ResourceExhausted, Unavailable
-from adapter_store.local_files import check_allowed, copy_regular_file, resolve_file
-from adapter_store.lora_config import CONFIG_FILE
-from adapter_store.pickle_convert import PICKLE_FILE, convert_pickle_to_safetensors
-from adapter_store.progress import LogProgress
-from adapter_store.validate import WEIGHTS_FILE
+from loraplex.adapter_store.cli.args import StoreConfig
+from loraplex.adapter_store.errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+)
+from loraplex.adapter_store.local_files import Stopped, check_allowed, copy_regular_file, resolve_file
+from loraplex.adapter_store.lora_config import CONFIG_FILE
+from loraplex.adapter_store.pickle_convert import PICKLE_FILE, convert_pickle_to_safetensors
+from loraplex.adapter_store.progress import DownloadBudget, bounded_progress
+from loraplex.adapter_store.validate import WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
 REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 REVISION_RE = re.compile(r"^[A-Za-z0-9._/-]{1,256}$")
 MAX_SOURCE_CHARS = 4096
+DOWNLOAD_CHUNK_BYTES = 1 << 20
 
 
 class SourceSpec(NamedTuple):
@@ -203,7 +211,7 @@ class SourceFetcher:
         shuts down) abandons a local copy."""
         staging.mkdir(parents=True, exist_ok=True)
         if resolved.spec.kind == "hub":
-            self._download_hub(resolved, staging)
+            self._download_hub(resolved, staging, stop)
         else:
             budget = self.config.max_adapter_bytes
             for name in (CONFIG_FILE, resolved.weights_file):
@@ -226,10 +234,23 @@ class SourceFetcher:
         )
         return FetchedAdapter((staging / CONFIG_FILE).read_bytes(), weights, resolved.revision)
 
-    def _download_hub(self, resolved: ResolvedSource, staging: Path) -> None:
-        from huggingface_hub import hf_hub_download
+    def _download_hub(
+        self, resolved: ResolvedSource, staging: Path, stop: Callable[[], bool] | None = None
+    ) -> None:
+        """Download the config and weights. The advertised sizes are checked first (a cheap early
+        refusal), but not trusted: every byte is counted as it arrives against --max-adapter-bytes,
+        and the download stops past it, or when `stop` is set (the partial file goes with `staging`)."""
+        from huggingface_hub import constants, hf_hub_download
 
+        # Xet transfers run in native code whose bytes this process can neither count nor stop;
+        # adapters are small, so plain HTTP (counted chunk by chunk below) costs little. And the
+        # body is counted per chunk read, 10 MiB by default: 1 MiB bounds how long a slow download
+        # runs on after its caller went (these are the store process's own settings).
+        constants.HF_HUB_DISABLE_XET = True
+        constants.DOWNLOAD_CHUNK_SIZE = min(constants.DOWNLOAD_CHUNK_SIZE, DOWNLOAD_CHUNK_BYTES)
         spec, sha = resolved.spec, resolved.revision
+        where = f"hf://{spec.location}@{sha[:12]}"
+        progress = bounded_progress(DownloadBudget(self.config.max_adapter_bytes, where, stop))
 
         def download(name: str, dry_run: bool = False):
             return hf_hub_download(
@@ -239,16 +260,16 @@ class SourceFetcher:
                 local_dir=staging,
                 endpoint=self.config.hf_endpoint,
                 token=self.config.hf_token,
-                tqdm_class=LogProgress,
+                tqdm_class=progress,
                 dry_run=dry_run,
             )
 
         names = (CONFIG_FILE, resolved.weights_file)
         total = sum(self._hub_call(spec, lambda n=n: download(n, dry_run=True)).file_size or 0 for n in names)
-        self._check_size(total, f"hf://{spec.location}@{sha[:12]}")
+        self._check_size(total, where)
         for name in names:
             log.info("fetching hf://%s@%s/%s", spec.location, sha[:12], name)
-            path = Path(self._hub_call(spec, lambda n=name: download(n)))
+            path = Path(self._hub_call(spec, lambda n=name: _until_stopped(lambda: download(n), stop, where)))
             if path != staging / name:
                 shutil.move(path, staging / name)
 
@@ -289,6 +310,33 @@ class SourceFetcher:
             raise Unavailable(f"{where}: the Hub answered HTTP {status}: {_short(e)}") from None
         except (OSError, httpx2.HTTPError) as e:  # refused/reset, timeouts, size mismatch after retries
             raise Unavailable(f"{where}: could not reach or read from the Hub: {_short(e)}") from None
+
+
+def _until_stopped(call: Callable[[], object], stop: Callable[[], bool] | None, where: str) -> object:
+    """`call()` on a daemon thread, given up once `stop` is set. A download stops itself at its next
+    chunk (bounded_progress); one whose endpoint has gone quiet would hold this worker thread, and
+    with it the store's exit, until the read timeout, so it is left to end on its own."""
+    if stop is None:
+        return call()
+    done = threading.Event()
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append((True, call()))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            result.append((False, e))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="hub-download", daemon=True).start()
+    while not done.wait(0.2):
+        if stop():
+            raise Stopped(f"{where}: download abandoned (caller gone or store shutting down)")
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _short(e: BaseException) -> str:

@@ -14,10 +14,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from adapter_store.base_model import BaseModelShapes
-from adapter_store.errors import InvalidArgument
-from adapter_store.lora_config import LoraConfig
-from adapter_store.safetensors_header import SafetensorsHeader, TensorInfo, read_header
+from loraplex.adapter_store.base_model import BaseModelShapes
+from loraplex.adapter_store.errors import InvalidArgument
+from loraplex.adapter_store.lora_config import LoraConfig
+from loraplex.adapter_store.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 TENSOR_NAME_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
@@ -33,6 +33,8 @@ MODULE_GROUP = {
     "gate_proj": "mlp",
     "up_proj": "mlp",
     "down_proj": "mlp",
+    "qkv_proj": "self_attn",  # Phi-3's fused modules
+    "gate_up_proj": "mlp",
 }
 HASH_CHUNK = 8 * 2**20
 # Exponent-all-ones masks: a value is NaN or Inf exactly when (bits & mask) == mask.
@@ -156,9 +158,13 @@ def _check_against_base(
             f"({base.num_layers} layers)",
             field=f"{WEIGHTS_FILE}:{a.name}",
         )
-    expected = base.expected(module.rsplit(".", 1)[-1])
-    if expected is None:
-        return
+    expected = base.expected(suffix)
+    if expected is None:  # e.g. q_proj of a Phi-3 base, whose q/k/v are one qkv_proj
+        raise InvalidArgument(
+            f"{WEIGHTS_FILE}:{a.name}: base model {base.name} has no {suffix} (its projections: "
+            f"{', '.join(m for m in base.linears if m in MODULE_GROUP)})",
+            field=f"{WEIGHTS_FILE}:{a.name}",
+        )
     if in_features != expected[0]:
         raise InvalidArgument(
             f"{WEIGHTS_FILE}:{a.name}: in_features {in_features} != {expected[0]} of {module} in base model "

@@ -14,8 +14,8 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from adapter_store.errors import ResourceExhausted, StoreError, Unavailable
-from adapter_store.index import AdapterIndex, Event
+from loraplex.adapter_store.errors import ResourceExhausted, StoreError, Unavailable
+from loraplex.adapter_store.index import AdapterIndex, Event
 
 log = logging.getLogger(__name__)
 # A subscriber this far behind is ended (UNAVAILABLE) rather than buffering without bound; it

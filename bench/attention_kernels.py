@@ -1,6 +1,7 @@
 """GPU check and timing of the paged attention kernels at Llama-3.1-8B shapes.
 
-Run on the device from the repo root: `PYTHONPATH=.:protos python3 -m bench.attention_kernels [--out DIR]`.
+Run on the device from the repo root:
+`PYTHONPATH=protos python3 -m loraplex.bench.attention_kernels [--out DIR]`.
 bf16 results are checked against the torch references first (the CPU interpreter cannot check
 bf16), then each kernel configuration is timed as replays of a CUDA graph that calls it once per
 layer over distinct per-layer caches (so the L2 does not hold the KV and launch gaps shrink),
@@ -18,11 +19,11 @@ import sys
 import torch
 import triton
 
-from bench.graph_timing import capture, replay_ms
-from bench.results import add_out_argument, write_json
-from kernels.attention_decode import paged_decode_attention
-from kernels.attention_prefill import paged_prefill_attention
-from kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref
+from loraplex.bench.graph_timing import capture, replay_ms
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.kernels.attention_decode import paged_decode_attention
+from loraplex.kernels.attention_prefill import paged_prefill_attention
+from loraplex.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 DT = torch.bfloat16

@@ -5,7 +5,7 @@ Same prompts, greedy, float32, a fixed number of new tokens (EOS ignored by both
 whole generation (prefill included); best of `--repeats` runs, the two interleaved, since the
 dev machine is shared. Prints a table and writes JSON.
 
-    .venv/bin/python -m bench.cpu_engine [--new-tokens 64] [--repeats 3] [--threads N] [--out DIR]
+    .venv/bin/python -m loraplex.bench.cpu_engine [--new-tokens 64] [--repeats 3] [--threads N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.results import add_out_argument, write_json
+from loraplex.bench.results import add_out_argument, write_json
 
 PROMPTS = [
     "List 3 countries and their capitals.",
@@ -44,8 +44,8 @@ PROMPTS = [
 
 class OurEngine:
     def __init__(self, model_dir: Path):
-        from services.inference.engine.config import EngineConfig
-        from services.inference.engine.engine import LLMEngine
+        from loraplex.services.inference.engine.config import EngineConfig
+        from loraplex.services.inference.engine.engine import LLMEngine
 
         config = EngineConfig(
             model_path=str(model_dir), device=torch.device("cpu"), dtype="float32",
@@ -54,7 +54,7 @@ class OurEngine:
         self.engine = LLMEngine.from_config(config)
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-        from services.inference.engine.types import SamplingParams
+        from loraplex.services.inference.engine.types import SamplingParams
 
         params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
         start = time.perf_counter()
@@ -95,7 +95,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from services.inference.default_model import ensure_model
+    from loraplex.services.inference.default_model import ensure_model
 
     model_dir = ensure_model()
     tok = AutoTokenizer.from_pretrained(model_dir)

@@ -1,7 +1,7 @@
 """Decode LoRA launch configurations timed inside the engine's batch-64 decode graph, where the LoRA
 kernels share the GPU with the base matmuls (bench/lora_kernels.py times them alone).
 
-    PYTHONPATH=.:protos python3 -m bench.decode_sweep [--adapters 64] [--out DIR]
+    PYTHONPATH=protos python3 -m loraplex.bench.decode_sweep [--adapters 64] [--out DIR]
 
 Each candidate replaces entries of the tables in kernels/lora_configs.py (`load_overrides`); the
 batch-64 LoRA graph is recaptured and timed with the step's token slots over 8 and over 64 adapters
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from bench.profile_step import bench_args, bench_engine, start_batch
-from bench.results import write_json
-from kernels import lora_configs as cfg
+from loraplex.bench.profile_step import bench_args, bench_engine, start_batch
+from loraplex.bench.results import write_json
+from loraplex.kernels import lora_configs as cfg
 
 R16 = {"qkv": "decode|6144|3|16", "o_down": "decode|4096|1|16", "gate_up": "decode|28672|2|16"}
 SHRINK16 = {

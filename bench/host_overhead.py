@@ -15,8 +15,8 @@ so what is left of a step is the host work the GPU would otherwise wait for. Per
 
 Medians over the measured steps; best of `--repeats` runs (the dev machine is shared).
 
-    .venv/bin/python -m bench.host_overhead [--batch 64] [--new-tokens 64] [--vocab N] [--stop-strings]
-        [--temperature 0] [--overlap on|off|default] [--out DIR]
+    .venv/bin/python -m loraplex.bench.host_overhead [--batch 64] [--new-tokens 64] [--vocab N]
+        [--stop-strings] [--temperature 0] [--overlap on|off|default] [--out DIR]
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
-from bench.results import add_out_argument, write_json
-from services.inference.default_model import ensure_model
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import LLMEngine
-from services.inference.engine.types import SamplingParams
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.services.inference.default_model import ensure_model
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.engine import LLMEngine
+from loraplex.services.inference.engine.types import SamplingParams
 from tests.support.factories import make_tiny_model
 
 PHASES = ("total", "model", "schedule", "forward_prep", "sample", "output", "other")

@@ -1,7 +1,7 @@
 """Load test: N concurrent streaming clients over a mix of adapters for a fixed time.
 
-    .venv/bin/python -m bench.load --clients 8 --duration 60            # starts its own stack
-    .venv/bin/python -m bench.load --target HOST:PORT --store HOST:PORT  # a running stack
+    .venv/bin/python -m loraplex.bench.load --clients 8 --duration 60            # starts its own stack
+    .venv/bin/python -m loraplex.bench.load --target HOST:PORT --store HOST:PORT  # a running stack
 
 Without --target it starts what `loraplex up` starts (adapter store with embedded Redis +
 inference service on the embedded SmolLM2, free ports, a temporary cache), writes
@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from bench.results import add_out_argument, write_json
-from bench.serving_setup import write_adapters as write_random_adapters
-from clients import Client
-from clients.errors import LoraplexError
-from clients.processes import ServerProcess
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.bench.serving_setup import write_adapters as write_random_adapters
+from loraplex.clients import Client
+from loraplex.clients.errors import LoraplexError
+from loraplex.clients.processes import ServerProcess
 
 PROMPTS = (
     "List 3 countries and their capitals.",
@@ -112,7 +112,7 @@ def write_adapters(model_path: Path, root: Path, count: int, rank: int) -> list[
 
 
 def start_stack(opts, cache: Path) -> tuple[ServerProcess, ServerProcess, Path]:
-    from services.inference.default_model import ensure_model
+    from loraplex.services.inference.default_model import ensure_model
 
     model = Path(opts.model_path) if opts.model_path else ensure_model()
     store = ServerProcess(
@@ -124,7 +124,7 @@ def start_stack(opts, cache: Path) -> tuple[ServerProcess, ServerProcess, Path]:
     store.wait_serving(300)
     inference = ServerProcess(
         "inference",
-        "services.inference",
+        "loraplex.services.inference",
         [
             "--model-path",
             str(model),

@@ -1,6 +1,6 @@
 """GPU benchmark: Triton LoRA shrink/expand on Llama-3.1-8B shapes against their floor.
 
-    PYTHONPATH=.:protos python3 -m bench.lora_kernels [--sweep | --joint-sweep] [--quick] [--out DIR]
+    PYTHONPATH=protos python3 -m loraplex.bench.lora_kernels [--sweep | --joint-sweep] [--quick] [--out DIR]
 
 (the sweeps: bench/lora_sweep.py; the layer's shapes and inputs: bench/lora_layer.py).
 
@@ -25,12 +25,12 @@ import torch
 import triton
 import triton.testing
 
-from bench.graph_timing import graph_time_us
-from bench.lora_layer import DEVICE, DT, GROUPS, floor_of, launch_of, make_copies, token_slots
-from bench.lora_sweep import joint_sweep, sweep, table_entries
-from bench.results import add_out_argument, write_json
-from kernels.lora_check import CASES, run_case
-from kernels.lora_configs import (
+from loraplex.bench.graph_timing import graph_time_us
+from loraplex.bench.lora_layer import DEVICE, DT, GROUPS, floor_of, launch_of, make_copies, token_slots
+from loraplex.bench.lora_sweep import joint_sweep, sweep, table_entries
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.kernels.lora_check import CASES, run_case
+from loraplex.kernels.lora_configs import (
     ExpandConfig,
     ShrinkConfig,
     expand_config,
@@ -39,9 +39,9 @@ from kernels.lora_configs import (
     shrink_config,
     shrink_splits,
 )
-from kernels.lora_expand import lora_expand, lora_expand_ref
-from kernels.lora_meta import alloc_segments, build_segments
-from kernels.lora_shrink import lora_shrink, lora_shrink_ref
+from loraplex.kernels.lora_expand import lora_expand, lora_expand_ref
+from loraplex.kernels.lora_meta import alloc_segments, build_segments
+from loraplex.kernels.lora_shrink import lora_shrink, lora_shrink_ref
 
 
 def ceilings() -> tuple[float, float]:
@@ -262,7 +262,7 @@ def main() -> None:
         device=torch.cuda.get_device_name(),
         torch=torch.__version__,
         triton=triton.__version__,
-        command="PYTHONPATH=.:protos python3 -m bench.lora_kernels " + " ".join(sys.argv[1:]),
+        command="PYTHONPATH=protos python3 -m loraplex.bench.lora_kernels " + " ".join(sys.argv[1:]),
         copy_bw=bw,
         bf16_rate=rate,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

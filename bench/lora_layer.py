@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lora_configs import ExpandConfig, ShrinkConfig
-from kernels.lora_plan import GroupLaunch
+from loraplex.kernels.lora_configs import ExpandConfig, ShrinkConfig
+from loraplex.kernels.lora_plan import GroupLaunch
 
 # group -> (input width d, stacked output widths): Llama-3.1-8B, GQA k/v = 8 heads x 128.
 GROUPS: dict[str, tuple[int, tuple[int, ...]]] = {

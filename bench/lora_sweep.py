@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from bench.graph_timing import graph_time_us
-from bench.lora_layer import DEVICE, GROUPS, floor_of, launch_of, make_copies, token_slots
-from kernels.lora_configs import (
+from loraplex.bench.graph_timing import graph_time_us
+from loraplex.bench.lora_layer import DEVICE, GROUPS, floor_of, launch_of, make_copies, token_slots
+from loraplex.kernels.lora_configs import (
     ExpandConfig,
     ShrinkConfig,
     expand_config,
@@ -17,9 +17,9 @@ from kernels.lora_configs import (
     shrink_splits,
     splits_bucket,
 )
-from kernels.lora_expand import lora_expand
-from kernels.lora_meta import alloc_segments, build_segments
-from kernels.lora_shrink import lora_shrink
+from loraplex.kernels.lora_expand import lora_expand
+from loraplex.kernels.lora_meta import alloc_segments, build_segments
+from loraplex.kernels.lora_shrink import lora_shrink
 
 
 def sweep_variants(sc: dict, group: str) -> tuple[list[tuple[ShrinkConfig, int]], list[ExpandConfig]]:
@@ -142,7 +142,7 @@ def joint_sweep(scs: list[dict]) -> tuple[dict, list[dict]]:
     configuration must serve few and many distinct adapters: minimise, per group, the sum over
     the scenarios of time / time with the current table. K-splits are chosen per input width
     `d` (the groups with that `d` share one shrink buffer). Returns the override JSON
-    (`kernels.lora_configs.load_overrides` format) and every timed row."""
+    (`loraplex.kernels.lora_configs.load_overrides` format) and every timed row."""
     T, r = scs[0]["tokens"], scs[0]["rank"]
     fam = family(T)
     setups = []

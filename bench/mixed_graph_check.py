@@ -9,7 +9,7 @@
    (bf16 matmuls of a padded bucket may round differently from the unpadded step's).
 
 Used by bench/mixed_step.py before it times anything (GPU), and standalone on the CPU (tiny model,
-pieces run eagerly): `PYTHONPATH=.:protos python3 -m bench.mixed_graph_check [--out DIR]`, which
+pieces run eagerly): `PYTHONPATH=protos python3 -m loraplex.bench.mixed_graph_check [--out DIR]`, which
 prints a table and writes mixed_graph_check.json.
 """
 
@@ -21,11 +21,11 @@ import sys
 
 import torch
 
-from bench.random_runner import TINY, build_runner
-from bench.results import add_out_argument, write_json
-from kernels.lora_configs import MANY_ADAPTERS
-from services.inference.engine.model_runner import ModelRunner
-from services.inference.engine.scheduler import SeqChunk
+from loraplex.bench.random_runner import TINY, build_runner
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.kernels.lora_configs import MANY_ADAPTERS
+from loraplex.services.inference.engine.model_runner import ModelRunner
+from loraplex.services.inference.engine.scheduler import SeqChunk
 
 PAGE = 16
 

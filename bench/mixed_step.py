@@ -7,8 +7,8 @@ prefill chunk size at a fixed decode batch) is what `--chunked-prefill-size` /
 `--decode-prefill-budget` are picked from: the extra time a chunk adds to the step every running
 decode waits for.
 
-    PYTHONPATH=.:protos python3 -m bench.mixed_step                      # H200, Llama-3.1-8B shape
-    PYTHONPATH=.:protos python3 -m bench.mixed_step --tiny --device cpu  # smoke check (torch LoRA)
+    PYTHONPATH=protos python3 -m loraplex.bench.mixed_step                      # H200, Llama-3.1-8B shape
+    PYTHONPATH=protos python3 -m loraplex.bench.mixed_step --tiny --device cpu  # smoke check (torch LoRA)
 
 Before timing it checks, on the device, that a mixed step's logits equal the same sequences run
 as separate steps (decodes alone, the chunk alone) to the dtype's tolerance, and that greedy
@@ -26,16 +26,16 @@ import time
 
 import torch
 
-from bench.mixed_graph_check import blocks_needed, run_all
-from bench.random_runner import TINY, build_runner
-from bench.results import add_out_argument, write_json
-from bench.serving_setup import LLAMA_8B
-from kernels.compile_watch import compile_counter
-from kernels.settings import kernel_settings
-from services.inference.engine.scheduler import SeqChunk
-from services.inference.engine.warmup import warm_up
+from loraplex.bench.mixed_graph_check import blocks_needed, run_all
+from loraplex.bench.random_runner import TINY, build_runner
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.bench.serving_setup import LLAMA_8B
+from loraplex.kernels.compile_watch import compile_counter
+from loraplex.kernels.settings import kernel_settings
+from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.engine.warmup import warm_up
 
-log = logging.getLogger("bench.mixed_step")
+log = logging.getLogger("loraplex.bench.mixed_step")
 PAGE = 16
 VOCAB = [1000]  # token ids are drawn below this (set to the model's vocabulary)
 

@@ -1,10 +1,10 @@
 """What the OpenAI-compatible door adds to the time to first token, against gRPC directly.
 
-    PYTHONPATH=.:protos .venv/bin/python -m bench.openai_overhead [--requests 100] [--out DIR]
+    PYTHONPATH=protos .venv/bin/python -m loraplex.bench.openai_overhead [--requests 100] [--out DIR]
     (or against running servers: --target HOST:PORT --door HOST:PORT)
 
-Without --target it starts `python -m services.inference` on the embedded SmolLM2 (CPU unless
---device says otherwise) and `python -m services.openai` over it. Then, one request at a time
+Without --target it starts `python -m loraplex.services.inference` on the embedded SmolLM2 (CPU unless
+--device says otherwise) and `python -m loraplex.services.openai` over it. Then, one request at a time
 and alternating the two paths so both see the same machine, it streams the same prompt with
 `max_new_tokens` 1 through `GenerateStream` and through `POST /v1/completions` (stream: true)
 and takes the time from sending the request to the first token (the first stream message /
@@ -25,11 +25,11 @@ import time
 import urllib.request
 
 import grpc
+
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.clients.processes import ServerProcess
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
-from bench.results import add_out_argument, write_json
-from clients.processes import ServerProcess
 
 PROMPT = "List 3 countries and their capitals."
 
@@ -73,18 +73,18 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def start(device: str) -> tuple[list[ServerProcess], str, str]:
-    from services.inference.default_model import ensure_model
+    from loraplex.services.inference.default_model import ensure_model
 
     model = ensure_model()
     inference = ServerProcess(
         "inference",
-        "services.inference",
+        "loraplex.services.inference",
         ["--model-path", str(model), "--port", "0", "--device", device, "--adapter-store", "none"],
         echo=False,
     )
     inference.wait_serving(300)
     door = ServerProcess(
-        "openai", "services.openai", ["--target", inference.address, "--port", "0"], echo=False
+        "openai", "loraplex.services.openai", ["--target", inference.address, "--port", "0"], echo=False
     )
     door.wait_bound(60)
     for _ in range(300):

@@ -1,7 +1,8 @@
 """Prefix cache on vs off under an open-loop workload.
 
-    PYTHONPATH=.:protos python3 -m bench.prefix_cache --mode gpu [--requests 256] [--load 2.0 | --rate R]
-    PYTHONPATH=.:protos python3 -m bench.prefix_cache --mode cpu [--out DIR]
+    PYTHONPATH=protos python3 -m loraplex.bench.prefix_cache --mode gpu [--requests 256]
+        [--load 2.0 | --rate R]
+    PYTHONPATH=protos python3 -m loraplex.bench.prefix_cache --mode cpu [--out DIR]
 
 Two workloads over the same adapters and the same Poisson arrivals, each run with the prefix cache
 on and off on one engine (`BlockManager.reset_prefix_cache` between runs, so nothing cached leaks
@@ -47,10 +48,10 @@ from pathlib import Path
 
 import torch
 
-from bench import serving_setup as setup
-from bench.results import add_out_argument, write_json
+from loraplex.bench import serving_setup as setup
+from loraplex.bench.results import add_out_argument, write_json
 
-log = logging.getLogger("bench.prefix_cache")
+log = logging.getLogger("loraplex.bench.prefix_cache")
 SMOLLM2 = dict(
     hidden_size=576,
     num_hidden_layers=30,
@@ -75,8 +76,8 @@ DEFAULTS = {  # mode -> option defaults
 
 def build(opts: argparse.Namespace):
     """The engine, its adapter names and the token id range prompts draw from."""
-    from services.inference.engine.build import build_llm_engine
-    from services.inference.server_args import ServerArgs
+    from loraplex.services.inference.engine.build import build_llm_engine
+    from loraplex.services.inference.server_args import ServerArgs
 
     work = Path(opts.work)
     if opts.mode == "gpu":  # --tiny: the same path with a small shape (checks the script on a CPU)
@@ -91,7 +92,7 @@ def build(opts: argparse.Namespace):
         extra = dict(device=dev, dtype="bfloat16", context_length=4096)
         vocab = (1000, shape["vocab_size"] - 1000) if opts.tiny else (1000, 100000)
     else:
-        from services.inference.default_model import ensure_model
+        from loraplex.services.inference.default_model import ensure_model
 
         model_dir = ensure_model()
         adapter_dirs = setup.write_adapters(
@@ -140,7 +141,7 @@ def workloads(opts, names: list[str], vocab: tuple[int, int]) -> dict[str, list[
 
 
 def run_open_loop(engine, jobs, arrivals: list[float], new_tokens: int, tag: str) -> dict:
-    from services.inference.engine.types import SamplingParams
+    from loraplex.services.inference.engine.types import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     n = len(jobs)
@@ -201,7 +202,7 @@ def run_open_loop(engine, jobs, arrivals: list[float], new_tokens: int, tag: str
 
 
 def closed_batch_s(engine, jobs, new_tokens: int) -> float:
-    from services.inference.engine.types import SamplingParams
+    from loraplex.services.inference.engine.types import SamplingParams
 
     start = time.perf_counter()
     engine.generate(

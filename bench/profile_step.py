@@ -1,7 +1,7 @@
 """Where a decode step's GPU time goes: one replay of the batch-64 decode graph (base, 8 and 64
 adapters) under the torch profiler, kernel by kernel and stream by stream.
 
-    PYTHONPATH=.:protos python3 -m bench.profile_step [--adapters 64] [--out DIR]
+    PYTHONPATH=protos python3 -m loraplex.bench.profile_step [--adapters 64] [--out DIR]
 
 Same model and engine as bench/serving.py (Llama-3.1-8B shape, random weights, rank-16 adapters on
 all seven projections). Per graph it prints: the replay's span; each stream's busy time and the
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from bench import serving_setup as setup
-from bench.graph_timing import replay_ms
-from bench.results import add_out_argument, write_json
-from bench.serving import build
-from bench.serving_engine import abort_all, add_batch, run_until_decoding
+from loraplex.bench import serving_setup as setup
+from loraplex.bench.graph_timing import replay_ms
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.bench.serving import build
+from loraplex.bench.serving_engine import abort_all, add_batch, run_until_decoding
 
 KINDS = (
     ("gemm", ("gemm", "cutlass", "sm90", "nvjet", "gemv")),

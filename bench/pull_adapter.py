@@ -1,6 +1,6 @@
 """Adapter store benchmark: PullAdapter of a ~100 MB adapter over loopback gRPC.
 
-    .venv/bin/python -m bench.pull_adapter [--mb 100] [--reps 5] [--out DIR]
+    .venv/bin/python -m loraplex.bench.pull_adapter [--mb 100] [--reps 5] [--out DIR]
 
 Writes a random LoRA adapter in PEFT layout (fp32, Llama-shaped square projections), starts
 `python -m adapter_store --port 0` (embedded Redis) as a subprocess, registers the adapter
@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import grpc
+
+from loraplex.bench.results import add_out_argument, write_json
 from loraplex.v1 import adapter_store_pb2 as pb
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
-
-from bench.results import add_out_argument, write_json
 from tests.support.store_helpers import WEIGHTS, start_store, write_random_adapter
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")

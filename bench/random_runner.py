@@ -1,23 +1,25 @@
-"""A ModelRunner over a random-weight Llama of any shape, in memory (no files), with an adapter pool of
-random adapters and the Triton LoRA backend: what the mixed-step benchmark, the compile check and
-the mixed-graph check drive. Tiny shapes (TINY) run on the CPU (Triton under the interpreter); the
-Llama-3.1-8B shape (bench/serving_setup.py's LLAMA_8B) on the GPU.
+"""A ModelRunner over a random-weight model of any shape and family, in memory (no files), with an
+adapter pool of random adapters and the Triton LoRA backend: what the mixed-step benchmark, the
+compile check, the mixed-graph check and the families benchmark drive. Tiny shapes (TINY) run on the
+CPU (Triton under the interpreter); the Llama-3.1-8B shape (bench/serving_setup.py's LLAMA_8B) and
+the FAMILY_SHAPES on the GPU.
 """
 
 from __future__ import annotations
 
 import torch
 
-from services.inference.engine.kv_cache import allocate_kv_cache
-from services.inference.engine.model_runner import ModelRunner
-from services.inference.lora.backend_check import MODULE_SETS, random_adapter
-from services.inference.lora.pool import AdapterPool
-from services.inference.lora.shapes import ALL_MODULES, ModelShapes
-from services.inference.lora.torch_backend import TorchLoRABackend
-from services.inference.lora.triton_backend import TritonLoRABackend
-from services.inference.models.config import ModelConfig, parse_config
-from services.inference.models.llama import LlamaForCausalLM
-from services.inference.models.loader import default_dtype
+from loraplex.services.inference.engine.kv_cache import allocate_kv_cache
+from loraplex.services.inference.engine.model_runner import ModelRunner
+from loraplex.services.inference.lora.backend_check import MODULE_SETS, random_adapter
+from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
+from loraplex.services.inference.lora.triton_backend import TritonLoRABackend
+from loraplex.services.inference.models.config import ModelConfig, parse_config
+from loraplex.services.inference.models.llama import LlamaForCausalLM
+from loraplex.services.inference.models.loader import default_dtype
+from loraplex.services.inference.models.quantization.fp8_linear import quantize_loaded
 
 TINY = dict(
     hidden_size=64,
@@ -29,16 +31,80 @@ TINY = dict(
 )
 
 
+# config.json keys that switch a family's features on, for tiny random models (windows shorter than
+# the checks' contexts, soft-capping small enough to bite).
+TINY_FAMILIES = {
+    "llama": {},
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"],
+        head_dim=16,
+        sliding_window=8,
+        use_sliding_window=True,
+        max_window_layers=1,
+    ),
+    "gemma2": dict(
+        architectures=["Gemma2ForCausalLM"],
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=3.0,
+        final_logit_softcapping=6.0,
+        hidden_activation="gelu_pytorch_tanh",
+    ),
+    "gemma3": dict(
+        architectures=["Gemma3ForCausalLM"],
+        head_dim=16,
+        sliding_window=8,
+        query_pre_attn_scalar=32,
+        hidden_activation="gelu_pytorch_tanh",
+        layer_types=["sliding_attention", "full_attention"],
+        rope_local_base_freq=100.0,
+    ),
+    "phi3": dict(architectures=["Phi3ForCausalLM"], sliding_window=8),
+}
+# Real shapes of the families' common fine-tuning bases (random weights; the GPU benchmarks).
+FAMILY_SHAPES = {
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        hidden_size=4096,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=12288,
+        vocab_size=151936,
+        rope_theta=1000000.0,
+    ),
+    "gemma2-9b": dict(
+        architectures=["Gemma2ForCausalLM"],
+        hidden_size=3584,
+        num_hidden_layers=42,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        intermediate_size=14336,
+        vocab_size=256000,
+        sliding_window=4096,
+        query_pre_attn_scalar=256,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True,
+    ),
+}
+
+
 def model_config(shape: dict, context_length: int) -> ModelConfig:
+    """`shape` may name another family (`architectures` and its keys, TINY_FAMILIES / FAMILY_SHAPES)."""
     return parse_config(
-        dict(
-            architectures=["LlamaForCausalLM"],
-            hidden_act="silu",
-            rms_norm_eps=1e-5,
-            rope_theta=500000.0,
-            max_position_embeddings=context_length,
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "max_position_embeddings": context_length,
             **shape,
-        )
+        }
     )
 
 
@@ -72,11 +138,15 @@ def build_runner(
     side_stream: bool | None = None,
     seed: int = 0,
     lora_backend: str = "triton",
+    fp8: bool = False,
 ) -> ModelRunner:
     """A runner with `slots` random adapters of rank <= `rank` resident (slots 0: no LoRA backend).
-    `lora_backend` "torch": the CPU backend (no Triton interpreter needed)."""
+    `lora_backend` "torch": the CPU backend (no Triton interpreter needed). `fp8`: the base linears
+    quantized to FP8 E4M3 per output channel (models/quantization/), adapters in `dtype`."""
     cfg = model_config(shape, context_length)
     model = random_model(cfg, dtype, device, seed)
+    if fp8:
+        quantize_loaded(model)
     blocks = num_blocks or (max_num_seqs + 4) * (-(-context_length // page_size))
     kv_cache = allocate_kv_cache(cfg, blocks, page_size, dtype, device)
     backend = None
@@ -87,6 +157,7 @@ def build_runner(
             intermediate_size=cfg.intermediate_size,
             q_size=cfg.q_size,
             kv_size=cfg.kv_size,
+            fused_checkpoint=cfg.family.fused_checkpoint,
         )
         pool = AdapterPool(
             shapes, slots=slots, max_rank=rank, target_modules=ALL_MODULES, dtype=dtype, device=device

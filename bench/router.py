@@ -15,8 +15,8 @@ closed-loop streaming clients (Zipf adapter choice, --base-share of base-model r
 
 Prints a table and writes router.json to --out DIR (bench/results.py).
 
-    PYTHONPATH=.:protos python3 -m bench.router                                          # CPU
-    PYTHONPATH=.:protos python3 -m bench.router --device cuda --model-path /models/llama  # GPU
+    PYTHONPATH=protos python3 -m loraplex.bench.router                                          # CPU
+    PYTHONPATH=protos python3 -m loraplex.bench.router --device cuda --model-path /models/llama  # GPU
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ import time
 from pathlib import Path
 
 import grpc
+
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.clients import Client
+from loraplex.clients.processes import ServerProcess
+from loraplex.clients.requests import make_channel, routing_metadata
+from loraplex.clients.router import FAIL_TIMEOUT_S, start_router
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
-from bench.results import add_out_argument, write_json
-from clients import Client
-from clients.processes import ServerProcess
-from clients.requests import make_channel, routing_metadata
-from clients.router import FAIL_TIMEOUT_S, start_router
 
 PROMPT = "<|im_start|>user\nList 3 countries and their capitals.<|im_end|>\n<|im_start|>assistant\n"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -86,7 +86,7 @@ class Fleet:
         ns = self.ns
         return ServerProcess(
             name,
-            "services.inference",
+            "loraplex.services.inference",
             [
                 "--model-path",
                 ns.model_path,
@@ -281,7 +281,7 @@ def main() -> int:
     ns = p.parse_args()
     ns.server_args = [a for a in ns.server_args if a != "--"]
     if ns.model_path is None:
-        from services.inference.default_model import ensure_model
+        from loraplex.services.inference.default_model import ensure_model
 
         ns.model_path = str(ensure_model())
     with tempfile.TemporaryDirectory(prefix="router-bench-") as tmp:

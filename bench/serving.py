@@ -1,7 +1,7 @@
 """Serving benchmark on one GPU, one process, one run.
 
-    PYTHONPATH=.:protos python3 -m bench.serving [--adapters 64] [--skip-compile] [--tiny] [--tp-size N]
-        [--blas cublaslt] [--out DIR]
+    PYTHONPATH=protos python3 -m loraplex.bench.serving [--adapters 64] [--skip-compile] [--tiny]
+        [--tp-size N] [--blas cublaslt] [--out DIR]
 
 1. measures the copy bandwidth and bf16 matmul rate of this GPU;
 2. writes a Llama-3.1-8B-shaped HF directory (random bf16 weights) and N random rank-16 PEFT
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from bench import serving_setup as setup
-from bench.results import add_out_argument, write_json
-from bench.serving_engine import ForwardClock, graph_replay_ms, measure_decode, measure_prefill
+from loraplex.bench import serving_setup as setup
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.bench.serving_engine import ForwardClock, graph_replay_ms, measure_decode, measure_prefill
 
-log = logging.getLogger("bench.serving")
+log = logging.getLogger("loraplex.bench.serving")
 TINY = dict(
     hidden_size=256,
     num_hidden_layers=2,
@@ -61,7 +61,7 @@ def ceilings() -> tuple[float, float]:
 
 def kernel_check(shape: dict) -> dict[str, float]:
     """bf16 fused kernels against the torch code they replace, at this model's shapes (GPU only)."""
-    from kernels.fused_ops import (
+    from loraplex.kernels.fused_ops import (
         add_rms_norm,
         add_rms_norm_ref,
         qkv_rotary,
@@ -110,9 +110,9 @@ def kernel_check(shape: dict) -> dict[str, float]:
 
 
 def build(model_dir: Path, opts: argparse.Namespace, num_adapters: int):
-    from services.inference.engine.async_engine import AsyncEngine
-    from services.inference.engine.build import build_engine
-    from services.inference.server_args import ServerArgs
+    from loraplex.services.inference.engine.async_engine import AsyncEngine
+    from loraplex.services.inference.engine.build import build_engine
+    from loraplex.services.inference.server_args import ServerArgs
 
     args = ServerArgs.from_fields(
         model_path=str(model_dir),
@@ -171,7 +171,7 @@ def _measure_engine(
         manager.load_adapter(name, str(path))
     res["adapters_load_s"] = time.perf_counter() - start
     # Greedy tokens for a correctness comparison with transformers + PEFT (done in the baselines).
-    from services.inference.engine.types import SamplingParams
+    from loraplex.services.inference.engine.types import SamplingParams
 
     check_prompts, check_adapters = [p[:48] for p in prompts[:4]], [None, None, 0, 1]
     done = engine.generate(
@@ -217,7 +217,7 @@ def _measure_engine(
         | dict(distinct_adapters=min(n_pre, len(names))),
     ]
     if opts.variants:
-        from bench.serving_variants import run_variants
+        from loraplex.bench.serving_variants import run_variants
 
         run_variants(engine, run, mixed, check_prompts, check_adapters, names, res)
 
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("after the engine: %.1f GiB allocated", torch.cuda.memory_allocated() / 2**30)
     add_floors(res, shape, res["copy_bw"])
     if not opts.skip_baselines:
-        from bench.serving_baselines import run_baselines
+        from loraplex.bench.serving_baselines import run_baselines
 
         ids = torch.tensor(prompts[:32], device=dev)
         res["baselines"] = run_baselines(

@@ -16,9 +16,9 @@ from typing import NamedTuple
 
 import torch
 
-from bench.graph_timing import replay_ms
-from services.inference.engine.model_runner import ModelRunner
-from services.inference.engine.types import SamplingParams
+from loraplex.bench.graph_timing import replay_ms
+from loraplex.services.inference.engine.model_runner import ModelRunner
+from loraplex.services.inference.engine.types import SamplingParams
 
 _ids = itertools.count()
 

@@ -21,7 +21,7 @@ def run_variants(
     names: list[str],
     res: dict,
 ) -> None:
-    from services.inference.engine.types import SamplingParams
+    from loraplex.services.inference.engine.types import SamplingParams
 
     def greedy() -> list[list[int]]:
         done = engine.generate(

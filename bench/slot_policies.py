@@ -1,7 +1,7 @@
 """Adapter-slot policies compared on a virtual clock: the real Scheduler and LoRAManager, no model.
 
 bench/workload.py measures the engine, but on a shared CPU its numbers move with the machine's load
-more than with the policy. This replays the same open-loop arrivals (bench.workload.make_arrivals:
+more than with the policy. This replays the same open-loop arrivals (loraplex.bench.workload.make_arrivals:
 Poisson, Zipf adapters) through the real scheduler and LoRA manager (a tiny CPU pool; uploads are
 real copies) and advances a virtual clock by a step-cost model fitted to the H200 measurements in
 docs/benchmarks.md (Llama-3.1-8B shape): a step costs
@@ -22,7 +22,7 @@ samples it. Policies (`--policies`):
 Scenarios as in bench/workload.py (`base`, `zipf:N[:K][:pool=P]`). Prints the goal table, writes
 slot_policies.json to --out DIR.
 
-    PYTHONPATH=.:protos python3 -m bench.slot_policies --window 60
+    PYTHONPATH=protos python3 -m loraplex.bench.slot_policies --window 60
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.results import add_out_argument, write_json
-from bench.workload import DECILES, Scenario, make_arrivals
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.bench.workload import DECILES, Scenario, make_arrivals
 
 STEP_MS = dict(base=6.5, decode=0.01, prefill=0.031, lora=2.0, per_adapter=0.05)
 
@@ -54,7 +54,7 @@ class TurnsPolicy:
         self.queue: dict[str, None] = {}
 
     def select(self, running, waiting) -> frozenset[str]:
-        from services.inference.engine.adapter_slices import adapter_work
+        from loraplex.services.inference.engine.adapter_slices import adapter_work
 
         work = adapter_work(running, waiting)
         self.hot = [a for a in self.hot if work[a]]
@@ -92,12 +92,12 @@ class Clock:
 
 
 def build(sc: Scenario, policy: str, adapters: list, shapes, clock: Clock, kv_blocks: int, max_running: int):
-    from services.inference.engine.block_manager import BlockManager
-    from services.inference.engine.config import EngineConfig
-    from services.inference.engine.scheduler import Scheduler
-    from services.inference.lora.manager import LoRAManager
-    from services.inference.lora.pool import AdapterPool
-    from services.inference.lora.settings import DEFAULT_MAX_GPU_LORAS
+    from loraplex.services.inference.engine.block_manager import BlockManager
+    from loraplex.services.inference.engine.config import EngineConfig
+    from loraplex.services.inference.engine.scheduler import Scheduler
+    from loraplex.services.inference.lora.manager import LoRAManager
+    from loraplex.services.inference.lora.pool import AdapterPool
+    from loraplex.services.inference.lora.settings import DEFAULT_MAX_GPU_LORAS
 
     cap = sc.max_loras_per_batch
     slots = sc.max_gpu_loras or DEFAULT_MAX_GPU_LORAS["cuda"]
@@ -129,8 +129,8 @@ def step_seconds(entries) -> float:
 
 
 def simulate(sc: Scenario, policy: str, arrivals, opts, adapters, shapes) -> dict:
-    from services.inference.engine.request import Request
-    from services.inference.engine.types import SamplingParams
+    from loraplex.services.inference.engine.request import Request
+    from loraplex.services.inference.engine.types import SamplingParams
 
     clock = Clock()
     scheduler, manager = build(sc, policy, adapters, shapes, clock, opts.kv_blocks, opts.max_running)
@@ -229,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="/tmp/loraplex-slot-policies")
     add_out_argument(p)
     opts = p.parse_args(argv)
-    from bench.serving_setup import write_adapters, write_model_dir
-    from bench.workload_targets import TINY
-    from services.inference.lora.shapes import ModelShapes
+    from loraplex.bench.serving_setup import write_adapters, write_model_dir
+    from loraplex.bench.workload_targets import TINY
+    from loraplex.services.inference.lora.shapes import ModelShapes
 
     root = Path(opts.workdir)
     scenarios = [Scenario.parse(s) for s in opts.scenarios]

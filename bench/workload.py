@@ -25,10 +25,10 @@ scenario; for Zipf scenarios also the S hottest adapters' TTFT and the others' (
 tables (the main one, issue 34's goal table, the deciles), writes workload.json to --out DIR
 (bench/results.py).
 
-    PYTHONPATH=.:protos python3 -m bench.workload --mode engine --window 40 --drain 15
-    PYTHONPATH=.:protos python3 -m bench.workload --mode cpu --rate 60 --window 20
+    PYTHONPATH=protos python3 -m loraplex.bench.workload --mode engine --window 40 --drain 15
+    PYTHONPATH=protos python3 -m loraplex.bench.workload --mode cpu --rate 60 --window 20
     # issue 34's scarce-slot scenarios (the H200 run of record: --window 45 --drain 10)
-    PYTHONPATH=.:protos python3 -m bench.workload \
+    PYTHONPATH=protos python3 -m loraplex.bench.workload \
         --scenarios base zipf:64:8 zipf:256:16 zipf:64:pool=16 zipf:64
 """
 
@@ -47,8 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.results import add_out_argument, write_json
-from bench.workload_targets import Target, open_target
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.bench.workload_targets import Target, open_target
 
 GPU_SCENARIOS = ("base", "zipf:8:8", "zipf:64:64", "zipf:64", "zipf:256", "zipf:64:8")
 CPU_SCENARIOS = ("base", "zipf:64", "zipf:64:8")
@@ -458,7 +458,7 @@ async def run(opts: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     opts = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("services.inference.lora.setup").setLevel(logging.INFO)
+    logging.getLogger("loraplex.services.inference.lora.setup").setLevel(logging.INFO)
     results = asyncio.run(run(opts))
     meta = dict(
         date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),

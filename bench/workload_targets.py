@@ -52,7 +52,7 @@ def _workdir(opts) -> Path:
 
 def _ensure_files(root: Path, shape: dict, count: int, rank: int, device: str) -> tuple[Path, list[Path]]:
     """The random model and `count` random adapters under `root`, written once and reused."""
-    from bench.serving_setup import write_adapters, write_model_dir
+    from loraplex.bench.serving_setup import write_adapters, write_model_dir
 
     model = root / "model"
     if not (model / "model.safetensors.index.json").exists():
@@ -80,7 +80,7 @@ INT_OR_NONE = (
 
 
 def _server_overrides(pairs: list[str]) -> dict:
-    from services.inference.server_args import flat_defaults
+    from loraplex.services.inference.server_args import flat_defaults
 
     defaults = flat_defaults()
     out = {}
@@ -107,7 +107,7 @@ class EngineTarget:
         self.max_gpu_loras = max_gpu_loras
 
     async def stream(self, rid, prompt_ids, adapter, max_new_tokens):
-        from services.inference.engine.types import SamplingParams
+        from loraplex.services.inference.engine.types import SamplingParams
 
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
         async for out in self.engine.generate(rid, prompt_ids, adapter, params):
@@ -145,8 +145,8 @@ class EngineFactory:
     def __init__(self, opts, *, cpu: bool):
         import torch
 
-        from bench.serving_setup import LLAMA_8B
-        from services.inference.engine.loading import load
+        from loraplex.bench.serving_setup import LLAMA_8B
+        from loraplex.services.inference.engine.loading import load
 
         if not cpu and not torch.cuda.is_available():
             raise SystemExit("--mode engine needs a CUDA device (use --mode cpu on the CPU)")
@@ -163,7 +163,7 @@ class EngineFactory:
             base.update(context_length=1024, max_total_tokens=65536)
         base.update(_server_overrides(opts.server_arg))
         self.base_args = base
-        from services.inference.server_args import ServerArgs
+        from loraplex.services.inference.server_args import ServerArgs
 
         self.loaded = load(ServerArgs.from_fields(**base).engine)
 
@@ -173,9 +173,9 @@ class EngineFactory:
 
     @asynccontextmanager
     async def scenario(self, n: int, max_loras_per_batch: int | None, max_gpu_loras: int | None = None):
-        from services.inference.engine.async_engine import AsyncEngine
-        from services.inference.engine.build import build_llm_engine
-        from services.inference.server_args import ServerArgs
+        from loraplex.services.inference.engine.async_engine import AsyncEngine
+        from loraplex.services.inference.engine.build import build_llm_engine
+        from loraplex.services.inference.server_args import ServerArgs
 
         _, paths = _ensure_files(self.root, self.shape, n, self.rank, self.device)
         names = [f"a{i:03d}" for i in range(n)]
@@ -252,7 +252,7 @@ async def open_target(opts):
     if opts.mode == "grpc":
         if not opts.target:
             raise SystemExit("--mode grpc needs --target HOST:PORT")
-        from clients.aio import AsyncClient
+        from loraplex.clients.aio import AsyncClient
 
         async with AsyncClient(opts.target, token=opts.token) as client:
             names = sorted(a.name for a in await client.list_adapters())

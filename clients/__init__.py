@@ -1,8 +1,8 @@
 """Python clients of loraplex: `Client` (sync), `AsyncClient` (asyncio), typed errors, the CLI."""
 
-from clients.aio import AsyncClient
-from clients.client import Client
-from clients.errors import (
+from loraplex.clients.aio import AsyncClient
+from loraplex.clients.client import Client
+from loraplex.clients.errors import (
     Cancelled,
     DeadlineExceeded,
     FailedPrecondition,

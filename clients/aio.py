@@ -1,4 +1,4 @@
-"""asyncio Python client: the same calls as clients.client.Client, as coroutines.
+"""asyncio Python client: the same calls as loraplex.clients.client.Client, as coroutines.
 
 async with AsyncClient("127.0.0.1:50051") as c:
     async for delta in c.generate_stream(["a", "b"], adapter=["x", ""]):
@@ -12,12 +12,18 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
+
+from loraplex.clients.errors import from_rpc_error
+from loraplex.clients.requests import (
+    ClientBase,
+    chat_request,
+    generate_request,
+    inputs_request,
+    routing_metadata,
+)
 from loraplex.v1 import adapter_store_pb2 as spb
 from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraplex.v1 import inference_pb2 as pb
-
-from clients.errors import from_rpc_error
-from clients.requests import ClientBase, chat_request, generate_request, inputs_request, routing_metadata
 
 
 class AsyncClient(ClientBase):
@@ -117,7 +123,16 @@ class AsyncClient(ClientBase):
         )
 
     async def list_adapters(self, *, timeout: float | None = None) -> list[pb.AdapterInfo]:
-        return list((await self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(), timeout)).adapters)
+        """Every adapter, page by page (ListAdapters answers at most 1000 at a time)."""
+        out: list[pb.AdapterInfo] = []
+        token = ""
+        while True:
+            req = pb.ListAdaptersRequest(page_token=token)
+            resp = await self._call(self._stub.ListAdapters, req, timeout)
+            out.extend(resp.adapters)
+            token = resp.next_page_token
+            if not token:
+                return out
 
     async def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         return await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)

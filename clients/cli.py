@@ -15,8 +15,8 @@ import sys
 
 from google.protobuf.json_format import MessageToDict
 
-from clients import up as up_cmd
-from clients.errors import LoraplexError
+from loraplex.clients import up as up_cmd
+from loraplex.clients.errors import LoraplexError
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -130,7 +130,7 @@ def _sampling(ns: argparse.Namespace) -> dict:
 
 def _request(ns: argparse.Namespace):
     """The GenerateRequest for `generate`: one input per prompt (text, token ids or a chat)."""
-    from clients.requests import generate_request, inputs_request
+    from loraplex.clients.requests import generate_request, inputs_request
 
     adapters = ns.adapter or []
     if not (ns.ids or ns.chat):  # plain texts: the server checks the adapter list
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.command == "up":
         return up_cmd.run(ns)
-    from clients.client import Client
+    from loraplex.clients.client import Client
 
     try:
         with Client(

@@ -1,6 +1,6 @@
 """Synchronous Python client for the inference service and the adapter store.
 
-    from clients import Client
+    from loraplex.clients import Client
     with Client("127.0.0.1:50051", store="127.0.0.1:50052") as c:
         [out] = c.generate("List 3 countries and their capitals.", adapter="sql", max_new_tokens=64)
 
@@ -14,12 +14,18 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
+
+from loraplex.clients.errors import from_rpc_error
+from loraplex.clients.requests import (
+    ClientBase,
+    chat_request,
+    generate_request,
+    inputs_request,
+    routing_metadata,
+)
 from loraplex.v1 import adapter_store_pb2 as spb
 from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraplex.v1 import inference_pb2 as pb
-
-from clients.errors import from_rpc_error
-from clients.requests import ClientBase, chat_request, generate_request, inputs_request, routing_metadata
 
 
 class Client(ClientBase):
@@ -127,7 +133,15 @@ class Client(ClientBase):
         )
 
     def list_adapters(self, *, timeout: float | None = None) -> list[pb.AdapterInfo]:
-        return list(self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(), timeout).adapters)
+        """Every adapter, page by page (ListAdapters answers at most 1000 at a time)."""
+        out: list[pb.AdapterInfo] = []
+        token = ""
+        while True:
+            resp = self._call(self._stub.ListAdapters, pb.ListAdaptersRequest(page_token=token), timeout)
+            out.extend(resp.adapters)
+            token = resp.next_page_token
+            if not token:
+                return out
 
     def model_info(self, *, timeout: float | None = None) -> pb.ModelInfo:
         return self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)

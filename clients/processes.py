@@ -115,7 +115,7 @@ class ServerProcess:
 
     def wait_serving(self, timeout: float, service: str = "", tls_ca: str | None = None) -> None:
         """Block until grpc.health.v1 says SERVING (the process exiting first is an error)."""
-        from clients.requests import make_channel
+        from loraplex.clients.requests import make_channel
 
         address = self.wait_bound(timeout)
         deadline = time.monotonic() + timeout

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
-from clients.processes import ServerProcess
+from loraplex.clients.processes import ServerProcess
 
 ROUTER_CONF = Path(__file__).resolve().parent.parent / "deploy" / "nginx" / "loraplex.conf"
 LISTEN_VARIABLE = "${LORAPLEX_ROUTER_LISTEN}"

@@ -3,12 +3,14 @@
 Embedded Redis (inside the store), the adapter store, the inference service on the
 embedded SmolLM2 and the OpenAI-compatible door over it (`--openai-port`); waits for both to
 report SERVING, prints how to call them, and stops everything on Ctrl-C / SIGTERM (or when
-either child dies). Flags after `--` go to
-`python -m services.inference` unchanged (e.g. `-- --max-lora-rank 64`).
+the store, the router, the door or a lone inference service dies). Flags after `--` go to
+`python -m loraplex.services.inference` unchanged (e.g. `-- --max-lora-rank 64`).
 
 `--replicas N` (N > 1) starts N inference replicas on free ports, all pulling from the one
 store, with the nginx router (deploy/nginx/loraplex.conf) in front on `--port`: what the
-docker-compose `router` service does, on one machine and without Docker.
+docker-compose `router` service does, on one machine and without Docker. A replica that dies
+is logged and restarted on its port with backoff (clients/replica_keeper.py) while the others
+serve.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import signal
 import threading
 from pathlib import Path
 
-from clients.processes import ServerProcess
+from loraplex.clients.processes import ServerProcess
+from loraplex.clients.replica_keeper import ReplicaKeeper
 
 log = logging.getLogger("loraplex.up")
 
@@ -99,7 +102,7 @@ Ctrl-C stops everything.
 
 
 def run(ns: argparse.Namespace) -> int:
-    from services.inference.default_model import ensure_model
+    from loraplex.services.inference.default_model import ensure_model
 
     cache = ns.cache_dir.expanduser()
     cache.mkdir(parents=True, exist_ok=True)
@@ -108,7 +111,8 @@ def run(ns: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    children: list[ServerProcess] = []
+    children: list[ServerProcess] = []  # the store first; each of them dying stops the stack
+    keeper: ReplicaKeeper | None = None
     try:
         store = ServerProcess(
             "store",
@@ -139,27 +143,28 @@ def run(ns: argparse.Namespace) -> int:
         if ns.replicas <= 1:
             metrics = [] if ns.metrics_port is None else ["--metrics-port", str(ns.metrics_port)]
             inference = ServerProcess(
-                "inference", "services.inference", args + ["--port", str(ns.port)] + metrics + extra
+                "inference", "loraplex.services.inference", args + ["--port", str(ns.port)] + metrics + extra
             )
             children.append(inference)
             inference.wait_serving(ns.startup_timeout)
             target, replica_addresses = inference.address, None
         else:
-            replicas = []
-            for i in range(ns.replicas):
+
+            def start_replica(i: int, port: int = 0) -> ServerProcess:
                 name = f"replica-{i}"
                 metrics = [] if ns.metrics_port is None else ["--metrics-port", str(ns.metrics_port + i)]
-                replicas.append(
-                    ServerProcess(
-                        name,
-                        "services.inference",
-                        args + ["--port", "0", "--replica-id", name, "--listen-when-ready"] + metrics + extra,
-                    )
-                )
-            children.extend(replicas)
+                own = ["--port", str(port), "--replica-id", name, "--listen-when-ready"]
+                return ServerProcess(name, "loraplex.services.inference", args + own + metrics + extra)
+
+            replicas = []
+            for i in range(ns.replicas):
+                replicas.append(start_replica(i))
+                children.append(replicas[-1])
             for replica in replicas:  # they load at the same time
                 replica.wait_serving(ns.startup_timeout)
-            from clients.router import start_router
+            keeper = ReplicaKeeper(list(replicas), start_replica)
+            children = [c for c in children if c not in replicas]
+            from loraplex.clients.router import start_router
 
             router = start_router(cache / "router", [r.address for r in replicas], host=ns.host, port=ns.port)
             children.append(router)
@@ -169,7 +174,7 @@ def run(ns: argparse.Namespace) -> int:
         if ns.openai_port >= 0:
             door = ServerProcess(
                 "openai",
-                "services.openai",
+                "loraplex.services.openai",
                 ["--target", target, "--host", ns.host, "--port", str(ns.openai_port)],
             )
             children.append(door)
@@ -181,6 +186,8 @@ def run(ns: argparse.Namespace) -> int:
             flush=True,
         )
         while not stop.wait(0.5):
+            if keeper is not None:
+                keeper.check()
             dead = [c for c in children if c.proc.poll() is not None]
             if dead:
                 log.error("%s exited with %s; stopping the stack", dead[0].name, dead[0].proc.returncode)
@@ -190,6 +197,8 @@ def run(ns: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 1
     finally:
-        for child in reversed(children):
+        # The door and router first, then the replicas, then the store: the reverse of start-up.
+        replicas_now = keeper.replicas if keeper is not None else []
+        for child in [*reversed(children[1:]), *replicas_now, *children[:1]]:
             code = child.stop()
             log.info("%s stopped (exit %s)", child.name, code)

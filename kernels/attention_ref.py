@@ -17,14 +17,26 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q `[M, H, D]` at positions `q_pos`, k/v `[N, KVH, D]` at positions 0..N-1; causal; fp32."""
+    """q `[M, H, D]` at positions `q_pos`, k/v `[N, KVH, D]` at positions 0..N-1; causal (within
+    `window` when given), scores soft-capped when `softcap` is given; fp32."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
-    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+    visible = k_pos <= q_pos[:, None]
+    if window:
+        visible &= k_pos > q_pos[:, None] - window
     scores = scores.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hmn,nhd->mhd", torch.softmax(scores, dim=-1), v)
 
@@ -36,8 +48,10 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Reference for `kernels.attention_decode.paged_decode_attention` (0-length rows give zeros)."""
+    """Reference for `loraplex.kernels.attention_decode.paged_decode_attention` (0-length rows give zeros)."""
     out = torch.zeros_like(q)
     for b, length in enumerate(context_lens.tolist()):
         if length == 0:
@@ -45,7 +59,7 @@ def paged_decode_attention_ref(
         k = gather_kv(k_cache, block_tables[b], length)
         v = gather_kv(v_cache, block_tables[b], length)
         pos = torch.tensor([length - 1], device=q.device)
-        out[b] = _attend(q[b : b + 1], k, v, pos, scale)[0].to(q.dtype)
+        out[b] = _attend(q[b : b + 1], k, v, pos, scale, window, softcap)[0].to(q.dtype)
     return out
 
 
@@ -57,8 +71,10 @@ def paged_prefill_attention_ref(
     cu_q: torch.Tensor,
     kv_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Reference for `kernels.attention_prefill.paged_prefill_attention`."""
+    """Reference for `loraplex.kernels.attention_prefill.paged_prefill_attention`."""
     out = torch.zeros_like(q)
     starts = cu_q.tolist()
     for b, kv_len in enumerate(kv_lens.tolist()):
@@ -68,5 +84,5 @@ def paged_prefill_attention_ref(
         k = gather_kv(k_cache, block_tables[b], kv_len)
         v = gather_kv(v_cache, block_tables[b], kv_len)
         pos = torch.arange(kv_len - (hi - lo), kv_len, device=q.device)
-        out[lo:hi] = _attend(q[lo:hi], k, v, pos, scale).to(q.dtype)
+        out[lo:hi] = _attend(q[lo:hi], k, v, pos, scale, window, softcap).to(q.dtype)
     return out

@@ -2,7 +2,7 @@
 a machine without one.
 
 Triton's CPU interpreter runs the kernels' Python, not the compiler, so it misses what only
-the compiler refuses (a value retyped inside an if-block, say). `python -m kernels.compile_check`
+the compiler refuses (a value retyped inside an if-block, say). `python -m loraplex.kernels.compile_check`
 lowers each kernel to PTX and a cubin for `cuda:90` and prints one line per kernel; tests run it.
 """
 
@@ -14,10 +14,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.fused_ops import _add_rms_norm_kernel, _qkv_rotary_kernel, _silu_mul_kernel
-from kernels.lora_expand import _expand_kernel, _expand_token_kernel
-from kernels.lora_meta import _segments_kernel
-from kernels.lora_shrink import _shrink_kernel
+from loraplex.kernels.fused_ops import _add_rms_norm_kernel, _qkv_rotary_kernel, _silu_mul_kernel
+from loraplex.kernels.lora_expand import _expand_kernel, _expand_token_kernel
+from loraplex.kernels.lora_meta import _segments_kernel
+from loraplex.kernels.lora_shrink import _shrink_kernel
 
 # Pointer arguments by name; other pointers are int32 metadata, other scalars int32.
 POINTERS = {

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 def step_kernels() -> dict[str, object]:
     """Every Triton kernel an engine step can launch, by name."""
-    from kernels import (
+    from loraplex.kernels import (
         attention_decode,
         attention_kv_store,
         attention_prefill,

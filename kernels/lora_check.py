@@ -2,7 +2,7 @@
 
 Shared by the CPU tests (run in a child process under TRITON_INTERPRET=1, because Triton
 decides interpreter vs compiler when a kernel is decorated) and the GPU benchmark (bf16,
-before any timing). `python -m kernels.lora_check` prints one JSON line per case.
+before any timing). `python -m loraplex.kernels.lora_check` prints one JSON line per case.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.lora_expand import lora_expand, lora_expand_ref
-from kernels.lora_meta import (
+from loraplex.kernels.lora_expand import lora_expand, lora_expand_ref
+from loraplex.kernels.lora_meta import (
     BLOCK_MS,
     LoRASegments,
     alloc_segments,
@@ -24,8 +24,8 @@ from kernels.lora_meta import (
     num_blocks_bound,
     triton_build_fits,
 )
-from kernels.lora_plan import GroupShape, plan_group
-from kernels.lora_shrink import alloc_shrink_out, lora_shrink, lora_shrink_ref, shrink_out_view
+from loraplex.kernels.lora_plan import GroupShape, plan_group
+from loraplex.kernels.lora_shrink import alloc_shrink_out, lora_shrink, lora_shrink_ref, shrink_out_view
 
 
 class Case(NamedTuple):

@@ -4,20 +4,20 @@ A step is `decode` (at most DECODE_MAX_TOKENS tokens: small token blocks, split-
 adapter's A is streamed by many programs) or `prefill`. Block sizes are keyed on (family, input or
 output width, stacked modules, pool max rank): the input width `d` for shrink, the total output width
 for expand. K-splits are keyed on (splits bucket, d) alone, so one shrink buffer serves every group.
-The per-step choice among these entries is made once, by `kernels.lora_plan.plan_step`.
+The per-step choice among these entries is made once, by `loraplex.kernels.lora_plan.plan_step`.
 
 Decode steps over more than MANY_ADAPTERS distinct adapters (the decode graphs' upper tier) take the
 `decode_many` entries where the table has them: the expand with one program per token and column
 chunk (`per_token=1`), faster when most tokens have their own adapter and slower when they share,
 and fewer K-splits for d 14336 (an adapter per token fills the grid without splitting K as far).
 
-The Llama-3.1-8B entries come from `python -m bench.lora_kernels --sweep` and `--joint-sweep` on an H200
-with triton 3.6 (one choice for batch 64 over 8 and over 64 adapters, since a captured graph serves
-every mix), adjusted by `python -m bench.decode_sweep`, which times candidates inside the engine's decode
-graph beside the base matmuls; measurements in docs/benchmarks.md. Other shapes fall back to the
+The Llama-3.1-8B entries come from `python -m loraplex.bench.lora_kernels --sweep` and `--joint-sweep`
+on an H200 with triton 3.6 (one choice for batch 64 over 8 and over 64 adapters, since a captured graph serves
+every mix), adjusted by `python -m loraplex.bench.decode_sweep`, which times candidates inside the engine's
+decode graph beside the base matmuls; measurements in docs/benchmarks.md. Other shapes fall back to the
 rules in `shrink_splits` / `shrink_config` / `expand_config`. The interpreter ignores warps and stages.
 
-`LORAPLEX_LORA_CONFIGS=path.json` (`kernels.settings`) replaces entries at import, in the format
+`LORAPLEX_LORA_CONFIGS=path.json` (`loraplex.kernels.settings`) replaces entries at import, in the format
 `{"splits": {"decode|4096": 8}, "shrink": {"decode|4096|3|16": [block_m, block_r, block_k, num_warps,
 num_stages]}, "expand": {"decode|6144|3|16": [block_m, block_n, chunk_n, num_warps, num_stages(,
 per_token)]}}` (keys: the key tuples' fields joined by `|`; values: the config fields in order).
@@ -30,7 +30,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
-from kernels.settings import kernel_settings
+from loraplex.kernels.settings import kernel_settings
 
 DECODE_MAX_TOKENS = 256
 # A decode step over more distinct adapters than this uses the `decode_many` entries (measured faster

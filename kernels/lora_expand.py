@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_meta import LoRASegments, num_blocks_bound
-from kernels.lora_plan import GroupLaunch
+from loraplex.kernels.lora_meta import LoRASegments, num_blocks_bound
+from loraplex.kernels.lora_plan import GroupLaunch
 
 MAX_STACK = 3
 
@@ -279,7 +279,7 @@ def lora_expand(
     y: float32 `[launch.splits, T, n*R]` from `lora_shrink` (or `[T, n*R]` with one split);
     B: `[slots, sum(widths), R]`; ranks: int32 `[slots, n]`; scalings: float32 `[slots, n]`;
     out: `[T, sum(widths)]` (float32 when `accumulate=False`: it receives the delta instead of
-    having it added). launch: the group's entry of the step's plan (`kernels.lora_plan`): the
+    having it added). launch: the group's entry of the step's plan (`loraplex.kernels.lora_plan`): the
     K-split partials to add, block sizes (`launch.expand`) and the distinct-slot bound that sizes
     the grid.
     """

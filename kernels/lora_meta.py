@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.placement import triton_runs_on
+from loraplex.kernels.placement import triton_runs_on
 
 # Token-block sizes the kernels may use; a block map is built for each.
 BLOCK_MS: tuple[int, ...] = (16, 32, 64, 128)

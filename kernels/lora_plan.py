@@ -2,7 +2,7 @@
 made once per step (in the backend's `prepare`) and passed to each launch explicitly.
 
 Per module group the plan holds the shrink's K-split count and the shrink and expand block sizes
-(from the tables in `kernels.lora_configs`). What picks them: the step's token count (decode or
+(from the tables in `loraplex.kernels.lora_configs`). What picks them: the step's token count (decode or
 prefill family, splits bucket), the pool's shapes, and a bound on the distinct adapters among the
 step's tokens, which decides whether the `decode_many` entries apply (more than MANY_ADAPTERS) and
 how many token blocks a grid covers.
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from kernels.lora_configs import (
+from loraplex.kernels.lora_configs import (
     MANY_ADAPTERS,
     ExpandConfig,
     ShrinkConfig,

@@ -10,7 +10,7 @@ Output `y` is float32, either `[T, n*R]` or `[S, T, n*R]`: with `S` K-splits eac
 writes its own partial sum (no atomics, no zeroing pass) and `lora_expand` adds the `S`
 partials as it reads them. Entries past a slot's rank, and rows of tokens without an
 adapter, are never written. Allocate with `alloc_shrink_out` and take `shrink_out_view`
-per step with the step plan's split count (`kernels.lora_plan`).
+per step with the step plan's split count (`loraplex.kernels.lora_plan`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_configs import DECODE_MAX_TOKENS, SPLITS_TABLE, shrink_splits
-from kernels.lora_meta import LoRASegments, num_blocks_bound
-from kernels.lora_plan import GroupLaunch
+from loraplex.kernels.lora_configs import DECODE_MAX_TOKENS, SPLITS_TABLE, shrink_splits
+from loraplex.kernels.lora_meta import LoRASegments, num_blocks_bound
+from loraplex.kernels.lora_plan import GroupLaunch
 
 
 # stride_y_split (one K-split's rows: tokens x columns) follows the step's token count: a runtime
@@ -134,7 +134,7 @@ def lora_shrink(
     x: `[T, d]`; A: `[slots, n*R, d]` (one layer's view of the pool, same dtype as x);
     ranks: int32 `[slots, n]`; segs: built by `build_segments` for these T tokens;
     y: float32 `[launch.splits, T, n*R]` (`shrink_out_view`), or `[T, n*R]` with one split.
-    launch: the group's entry of the step's plan (`kernels.lora_plan`): K-splits, block sizes
+    launch: the group's entry of the step's plan (`loraplex.kernels.lora_plan`): K-splits, block sizes
     (`launch.shrink`) and the distinct-slot bound that sizes the grid.
     """
     num_tokens, d = x.shape

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.settings import kernel_settings
+from loraplex.kernels.settings import kernel_settings
 
 _on_cpu = [False]
 

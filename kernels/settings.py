@@ -7,7 +7,7 @@ mirrors it, for the checks that refuse CPU tensors without the interpreter.
 
 Tests that need other values either start a child process with the environment they want (the
 usual way, since Triton's own choice is made at import) or call `reload_kernel_settings(env)`
-with an explicit mapping; `kernels.lora_configs.apply_settings()` then re-applies the table
+with an explicit mapping; `loraplex.kernels.lora_configs.apply_settings()` then re-applies the table
 overrides.
 """
 
@@ -22,13 +22,13 @@ from dataclasses import dataclass
 class KernelSettings:
     lora_configs: str | None = None
     """`LORAPLEX_LORA_CONFIGS`: path of a JSON file whose entries replace the LoRA kernels' block-size
-    and K-split tables (format in `kernels/lora_configs.py`), e.g. what `python -m bench.lora_kernels
-    --joint-sweep` or `python -m bench.decode_sweep` writes for another GPU or model shape. Empty: the
-    built-in tables."""
+    and K-split tables (format in `kernels/lora_configs.py`), e.g. what `python -m loraplex.bench.lora_kernels
+    --joint-sweep` or `python -m loraplex.bench.decode_sweep` writes for another GPU or model shape.
+    Empty: the built-in tables."""
 
     triton_interpret: bool = False
     """`TRITON_INTERPRET=1`: Triton runs kernels in its CPU interpreter (tests), so the Triton paths
-    may serve CPU tensors (`kernels.placement.run_triton_on_cpu`, `--lora-backend triton` on CPU)."""
+    may serve CPU tensors (`loraplex.kernels.placement.run_triton_on_cpu`, `--lora-backend triton` on CPU)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> KernelSettings:

@@ -10,10 +10,22 @@ import pytest
 from tests.support.factories import make_peft_adapter, make_tiny_model
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests need CUDA: skipped, with the reason, on machines without it (CI, the dev box)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run on the GPU machine: pytest -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The converted embedded model (`make model` makes it; this converts if missing)."""
-    from services.inference.default_model import ensure_model
+    from loraplex.services.inference.default_model import ensure_model
 
     return ensure_model()
 

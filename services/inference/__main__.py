@@ -1,12 +1,12 @@
-"""`python -m services.inference --model-path PATH [flags]` (design brief §5)."""
+"""`python -m loraplex.services.inference --model-path PATH [flags]` (design brief §5)."""
 
 from __future__ import annotations
 
 import logging
 import sys
 
-from services.inference.server import main
-from services.inference.server_args import parse_args
+from loraplex.services.inference.server import main
+from loraplex.services.inference.server_args import parse_args
 
 
 def run(argv: list[str] | None = None) -> int:

@@ -14,15 +14,17 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from services.inference.engine.api import Engine
-from services.inference.errors import AdapterNotFound, LoraplexError
-from services.inference.local_sources import check_allowed, local_path, looks_local
-from services.inference.lora.adapter_slots import AdapterInfo
-from services.inference.metrics import Metrics
-from services.inference.proto_convert import check_adapter_name, check_source
-from services.inference.store_client import PulledAdapter, StoreClient
+from loraplex.services.inference.engine.api import Engine
+from loraplex.services.inference.errors import AdapterNotFound, InvalidRequest, LoraplexError
+from loraplex.services.inference.local_sources import check_allowed, local_path, looks_local
+from loraplex.services.inference.lora.adapter_slots import AdapterInfo
+from loraplex.services.inference.lora.names import is_served_model_name
+from loraplex.services.inference.metrics import Metrics
+from loraplex.services.inference.proto_convert import check_adapter_name, check_source
+from loraplex.services.inference.store_client import PulledAdapter, StoreClient, content_dir_name
 
 log = logging.getLogger(__name__)
+LIST_PAGE_MAX = 1000  # adapters per ListAdapters page (the store's page limit too)
 
 
 class AdapterResolver:
@@ -50,13 +52,24 @@ class AdapterResolver:
     def acquire(self, name: str) -> None:
         self.in_flight[name] += 1
         self._idle.setdefault(name, asyncio.Event()).clear()
-        self.metrics.adapter_requests.labels(name).inc()
+        self.metrics.adapter_requests.labels(self.metrics.label(name)).inc()
 
     def release(self, name: str) -> None:
         self.in_flight[name] -= 1
         if self.in_flight[name] <= 0:
             del self.in_flight[name]
-            self._idle.setdefault(name, asyncio.Event()).set()
+            # Waiters hold the event itself; the table keeps only names with requests in flight.
+            idle = self._idle.pop(name, None)
+            if idle is not None:
+                idle.set()
+
+    def per_name_tables(self) -> dict[str, int]:
+        """Sizes of the per-name tables (bounded by the adapters loaded, busy or changing here)."""
+        tables = ("in_flight", "_idle", "_loading", "_deleting", "_origin", "_swapping", "_load_locks")
+        return {t: len(getattr(self, t)) for t in tables}
+
+    def per_name_state(self) -> int:
+        return sum(self.per_name_tables().values())
 
     async def wait_idle(self, name: str) -> None:
         if self.in_flight.get(name, 0) > 0:
@@ -111,6 +124,8 @@ class AdapterResolver:
             await asyncio.shield(self._deleting[name])
         if self.engine.has_adapter(name):
             return
+        # Not pulled: a store without --base-model cannot refuse it, and pulled it would shadow the model.
+        self._check_not_model(name, "adapter")
         if self.store is None:
             raise AdapterNotFound(
                 f"adapter {name!r} is not loaded on this server (no adapter store configured; "
@@ -148,13 +163,33 @@ class AdapterResolver:
             if repr(name) not in exc.message:
                 exc.message = f"adapter {name!r}: {exc.message}"
             raise
-        self.metrics.adapter_loads.labels(name).inc()
+        self.metrics.adapter_loads.labels(self.metrics.label(name)).inc()
         log.info("adapter %s loaded from %s (pin=%s)", name, path, pin)
         return info
+
+    def _check_not_model(self, name: str, field: str) -> None:
+        model = self.engine.model_info().model
+        if is_served_model_name(name, model):
+            raise InvalidRequest(
+                f"adapter name {name!r} is the name of this server's model ({model[:200]}), which the "
+                "HTTP door and /v1/models use for the base model; "
+                + (
+                    "give the adapter another name"
+                    if field == "name"
+                    else "send no adapter for the base model"
+                ),
+                field=field,
+            )
+
+    def cache_dirs_in_use(self) -> set[str]:
+        """Names of the cache directories loaded adapters were read from: the engine may read them
+        again (after dropping a host copy), so the cache never evicts them."""
+        return {Path(info.source).name for info in self.engine.list_adapters() if info.source}
 
     # -- explicit management ----------------------------------------------------------------
     async def load(self, name: str, source: str, revision: str, pin: bool) -> AdapterInfo:
         check_adapter_name(name)
+        self._check_not_model(name, "name")
         check_source(source, revision)
         async with self._load_lock(name):
             if self.store is None:
@@ -238,20 +273,35 @@ class AdapterResolver:
             try:
                 if self.engine.has_adapter(name):
                     await self.engine.unload_adapter(name)
-                    self._origin.pop(name, None)
                     log.info("adapter %s deleted or replaced in the store; unloaded here", name)
             except LoraplexError as exc:
                 log.warning("could not unload deleted adapter %s: %s", name, exc)
+                return
+            origin = self._origin.pop(name, None)
+            if origin is not None and origin[1] and origin[2] and self.store is not None:
+                # Its files go too, unless another loaded adapter reads the same content.
+                in_use = self.cache_dirs_in_use()
+                await asyncio.to_thread(
+                    self.store.cache.discard, content_dir_name(origin[1], origin[2]), in_use
+                )
 
-    async def list(self) -> list[AdapterInfo]:
-        adapters = list(self.engine.list_adapters())
+    async def list(self, page_size: int = 0, after: str = "") -> tuple[list[AdapterInfo], str]:
+        """One page, in name order, of the adapters loaded here and those only in the store, and the
+        next page's token ("" at the end). Pages are built from one store page at a time, never
+        from a listing of the whole store."""
+        page_size = min(page_size or LIST_PAGE_MAX, LIST_PAGE_MAX)
+        if after:
+            check_adapter_name(after)
+        adapters = sorted((a for a in self.engine.list_adapters() if a.name > after), key=lambda a: a.name)
         for info in adapters:
             self._with_origin(info)
             info.requests_in_flight = max(info.requests_in_flight, self.in_flight.get(info.name, 0))
+        store_more = False
         if self.store is not None:
             here = {a.name for a in adapters}
             try:
-                records = await self.store.list()
+                records, token = await self.store.list_page(page_size, after)
+                store_more = bool(token)
             except LoraplexError as exc:
                 log.warning("ListAdapters: store unavailable, listing local adapters only: %s", exc)
                 records = []
@@ -268,4 +318,10 @@ class AdapterResolver:
                             digest=rec.digest,
                         )
                     )
-        return adapters
+            if store_more and records:
+                # Store names past this page are unknown yet: local ones past it wait for a later page.
+                adapters = [a for a in adapters if a.name <= records[-1].name]
+            adapters.sort(key=lambda a: a.name)
+        page = adapters[:page_size]
+        more = store_more or len(adapters) > page_size
+        return page, (page[-1].name if more and page else "")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from services.inference.server_args import ServerArgs
+from loraplex.services.inference.server_args import ServerArgs
 
 SERVICE_PREFIX = "/loraplex.v1.Inference/"
 ADMIN_METHODS = frozenset({SERVICE_PREFIX + "LoadAdapter", SERVICE_PREFIX + "UnloadAdapter"})

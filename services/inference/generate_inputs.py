@@ -15,21 +15,28 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-from loraplex.v1 import inference_pb2 as pb
-
-from services.inference.engine.api import Engine
-from services.inference.engine.types import RequestOutput, SamplingParams
-from services.inference.errors import CapacityExceeded, InvalidRequest, LoraplexError
-from services.inference.proto_convert import (
+from loraplex.services.inference.engine.api import Engine
+from loraplex.services.inference.engine.chat_tools import parse_tool_calls, parse_tools
+from loraplex.services.inference.engine.types import RequestOutput, SamplingParams
+from loraplex.services.inference.errors import (
+    CapacityExceeded,
+    ContextLengthExceeded,
+    InvalidRequest,
+    LoraplexError,
+)
+from loraplex.services.inference.proto_convert import (
     MAX_CHARS_PER_TOKEN,
     adapters_per_input,
     check_adapter_name,
     to_engine_params,
 )
-from services.inference.server_args import ServerArgs
+from loraplex.services.inference.server_args import ServerArgs
+from loraplex.v1 import inference_pb2 as pb
 
 MAX_CHAT_MESSAGES = 1024
-MAX_ROLE_CHARS = 64
+# OpenAI's roles. A free-text role would let a caller write a turn the template renders as its
+# own markup (a newline, a special token, "system" spelled some other way).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 SEED_MASK = (1 << 64) - 1
 
 
@@ -90,6 +97,8 @@ def _prompt_of_input(engine: Engine, inp: pb.Input, adapter: str, i: int) -> lis
         raise InvalidRequest(
             f"{where}.add_generation_prompt applies to messages only", field=f"{where}.add_generation_prompt"
         )
+    if inp.tools_json and not inp.messages:
+        raise InvalidRequest(f"{where}.tools_json applies to messages only", field=f"{where}.tools_json")
     if inp.token_ids:
         return list(inp.token_ids)
     if inp.text:
@@ -101,20 +110,42 @@ def _prompt_of_input(engine: Engine, inp: pb.Input, adapter: str, i: int) -> lis
         )
     messages = []
     for j, m in enumerate(inp.messages):
-        if not m.role or len(m.role) > MAX_ROLE_CHARS:
+        if m.role not in CHAT_ROLES:
             raise InvalidRequest(
-                f"{where}.messages[{j}].role must be 1-{MAX_ROLE_CHARS} characters",
+                f"{where}.messages[{j}].role is {m.role[:40]!r}; it must be one of {', '.join(CHAT_ROLES)}",
                 field=f"{where}.messages[{j}].role",
             )
-        messages.append({"role": m.role, "content": m.content})
+        message = {"role": m.role, "content": m.content}
+        if m.tool_calls_json:
+            field = f"{where}.messages[{j}].tool_calls_json"
+            message["tool_calls"] = parse_tool_calls(m.tool_calls_json, field)
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+        messages.append(message)
     add = inp.add_generation_prompt if inp.HasField("add_generation_prompt") else True
-    return engine.render_chat(messages, adapter or None, add)
+    tools = parse_tools(inp.tools_json, f"{where}.tools_json") if inp.tools_json else None
+    return engine.render_chat(messages, adapter or None, add, tools)
 
 
 def _check_length(text_chars: int, where: str, context_length: int) -> None:
     if context_length and text_chars > context_length * MAX_CHARS_PER_TOKEN:
-        raise InvalidRequest(
+        raise ContextLengthExceeded(
             f"{where} has {text_chars} characters, more than a {context_length}-token context can hold",
+            field=where,
+            prompt_tokens=0,  # not tokenized: too long to be worth it
+            context_length=context_length,
+        )
+
+
+def _check_tokens(ids: list[int], where: str, context_length: int) -> None:
+    """Right after each prompt is tokenized, so a request of many long prompts stops at the first
+    that cannot fit instead of tokenizing them all (the engine checks each again, with the KV size)."""
+    if context_length and len(ids) >= context_length:
+        raise InvalidRequest(
+            f"{where}: the prompt has {len(ids)} tokens; this model's context is {context_length} tokens "
+            "including at least one new token",
             field=where,
         )
 
@@ -180,6 +211,7 @@ def engine_work(engine: Engine, request: pb.GenerateRequest, args: ServerArgs) -
                 raise InvalidRequest(f"text[{i}] is empty", field=where)
             _check_length(len(request.text[i]), where, context_length)
             ids = engine.tokenize(request.text[i])
+        _check_tokens(ids, where, context_length)
         params, n, params_where = per_input[i]
         work.extend(
             EngineWork(i, j, ids, adapters[i], p, where, params_where)

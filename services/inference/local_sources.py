@@ -8,14 +8,16 @@ used or sent to the store; every adapter file in the directory is confined on it
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from pathlib import Path, PurePath
 from urllib.parse import unquote, urlparse
 
-from services.inference.errors import AdapterNotFound, InvalidRequest
+from loraplex.services.inference.errors import AdapterNotFound, InvalidRequest
+from loraplex.services.inference.lora.adapter import CONFIG_FILE, PICKLE_FILES, TEMPLATE_FILES, WEIGHTS_FILE
 
-# The files a loader may open in an adapter directory: each is confined on its own, since a
-# symlinked file inside an allowed directory could point anywhere.
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+# Every file a loader opens (or looks at) in an adapter directory, the chat template's included:
+# each is confined on its own, since a symlinked file inside an allowed directory could point
+# anywhere (a template symlinked to a secret would be rendered into prompts, and read back).
+ADAPTER_FILES = (CONFIG_FILE, WEIGHTS_FILE, *PICKLE_FILES, *TEMPLATE_FILES)
 
 
 def _local_text(source: str) -> str:
@@ -45,6 +47,14 @@ def looks_local(source: str) -> bool:
         return Path(source).expanduser().exists()
     except OSError:  # too long to be a path here
         return False
+
+
+def public_model_name(model_path: str) -> str:
+    """The model as callers see it (GetModelInfo.model): a Hub id as given, a local directory by
+    its last part, never the server's filesystem layout."""
+    if looks_local(model_path):
+        return PurePath(_local_text(model_path).rstrip("/")).name or "model"
+    return model_path
 
 
 def _resolve(path: Path, shown: str) -> Path:

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from services.inference.engine.types import EngineStats
-from services.inference.lora.adapter_slots import AdapterInfo
+from loraplex.services.inference.engine.types import EngineStats
+from loraplex.services.inference.lora.adapter_slots import AdapterInfo
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class Metrics:
         return server.server_port
 
     def observe_compiles(self, after_start: int) -> None:
-        """Export `kernels.compile_watch.compile_counter.after_start` (a running total)."""
+        """Export `loraplex.kernels.compile_watch.compile_counter.after_start` (a running total)."""
         if after_start > self._compiles_seen:
             self.triton_compiles.inc(after_start - self._compiles_seen)
             self._compiles_seen = after_start

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import re
 
+from loraplex.services.inference.engine.api import Engine
+from loraplex.services.inference.engine.types import Constraint, RequestOutput, SamplingParams, TokenLogprob
+from loraplex.services.inference.errors import InvalidRequest
+from loraplex.services.inference.lora.adapter_slots import AdapterInfo
+from loraplex.services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
+from loraplex.services.inference.server_args import ServerArgs
 from loraplex.v1 import inference_pb2 as pb
-
-from services.inference.engine.api import Engine
-from services.inference.engine.types import RequestOutput, SamplingParams, TokenLogprob
-from services.inference.errors import InvalidRequest
-from services.inference.lora.adapter_slots import AdapterInfo
-from services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
-from services.inference.server_args import ServerArgs
 
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 1024
@@ -77,6 +76,18 @@ def _check_stops(p: pb.SamplingParams) -> None:
         )
 
 
+def _constraint(p: pb.SamplingParams) -> Constraint | None:
+    """The `constraint` oneof as the engine's Constraint (the engine checks and compiles it)."""
+    kind = p.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not p.json_object):
+        return None
+    if kind == "choice":
+        return Constraint("choice", choices=tuple(p.choice.choices))
+    if kind == "json_object":
+        return Constraint("json_object")
+    return Constraint(kind, getattr(p, kind))
+
+
 def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
     """Proto → engine; proto zeros mean 'server default' / 'off'. Checks what only the proto
     shows (stop string sizes, top_logprobs without logprobs); the engine checks the ranges."""
@@ -96,6 +107,9 @@ def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
         presence_penalty=p.presence_penalty,
         logprobs=p.top_logprobs if p.logprobs else None,
         prompt_logprobs=p.top_logprobs if p.prompt_logprobs else None,
+        constraint=_constraint(p),
+        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+        min_tokens=p.min_tokens,
     )
     if p.top_logprobs and not (p.logprobs or p.prompt_logprobs):
         raise InvalidRequest(
@@ -145,15 +159,24 @@ def logprobs_proto(engine: Engine, logprobs: list[TokenLogprob]) -> list[pb.Toke
         return []
     ids = sorted({lp.token_id for lp in logprobs} | {t for lp in logprobs for t, _ in lp.top})
     text = dict(zip(ids, engine.detokenize_each(ids), strict=True))
+    raw = dict(zip(ids, engine.token_bytes(ids), strict=True))
     return [
         pb.TokenLogprob(
             token_id=lp.token_id,
             logprob=lp.logprob,
             token=text[lp.token_id],
-            top=[pb.TopLogprob(token_id=t, logprob=v, token=text[t]) for t, v in lp.top],
+            token_bytes=raw[lp.token_id],
+            top=[pb.TopLogprob(token_id=t, logprob=v, token=text[t], token_bytes=raw[t]) for t, v in lp.top],
         )
         for lp in logprobs
     ]
+
+
+def first_token_bytes(engine: Engine, work) -> bytes:
+    """The first prompt token's bytes for a work item asking prompt log probabilities, else b""."""
+    if work.params.prompt_logprobs is None:
+        return b""
+    return engine.token_bytes(work.prompt_ids[:1])[0]
 
 
 def timing_fields(out: RequestOutput) -> dict[str, float | int]:

@@ -19,23 +19,23 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from loraplex.kernels.compile_watch import compile_counter
+from loraplex.services.inference import auth
+from loraplex.services.inference.adapter_resolver import AdapterResolver
+from loraplex.services.inference.default_model import default_cache_dir
+from loraplex.services.inference.engine.api import Engine
+from loraplex.services.inference.engine.types import SamplingParams
+from loraplex.services.inference.errors import BackendUnavailable
+from loraplex.services.inference.metrics import Metrics
+from loraplex.services.inference.replica import ReplicaInterceptor, replica_id
+from loraplex.services.inference.server_args import ServerArgs
+from loraplex.services.inference.servicer import InferenceServicer, ServerState
+from loraplex.services.inference.store_client import StoreClient, channel_credentials
 from loraplex.v1 import inference_pb2, inference_pb2_grpc
 from loraplex.wire import MalformedRequestInterceptor
 
-from kernels.compile_watch import compile_counter
-from services.inference import auth
-from services.inference.adapter_resolver import AdapterResolver
-from services.inference.default_model import default_cache_dir
-from services.inference.engine.api import Engine
-from services.inference.engine.types import SamplingParams
-from services.inference.errors import BackendUnavailable
-from services.inference.metrics import Metrics
-from services.inference.replica import ReplicaInterceptor, replica_id
-from services.inference.server_args import ServerArgs
-from services.inference.servicer import InferenceServicer, ServerState
-from services.inference.store_client import StoreClient, channel_credentials
-
-log = logging.getLogger("services.inference")
+log = logging.getLogger("loraplex.services.inference")
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 METRICS_REFRESH_S = 1.0
@@ -70,7 +70,7 @@ def build_engine(args: ServerArgs) -> Engine:
     """The serving engine for `args` (one device, or tensor parallel for --tp-size > 1)."""
     # Imported here, not at the top: torch and the model code take seconds to import, and the
     # port should answer Health (NOT_SERVING) while they load.
-    from services.inference.engine.build import build_engine as build
+    from loraplex.services.inference.engine.build import build_engine as build
 
     return build(args.engine, args.lora)
 

@@ -1,4 +1,4 @@
-"""Command-line flags of `python -m services.inference`, as frozen dataclasses.
+"""Command-line flags of `python -m loraplex.services.inference`, as frozen dataclasses.
 
 `ServerArgs` holds the server's own flags and composes the two configs that own the rest of the
 defaults: `EngineConfig` (engine/config.py) and `LoRAConfig` (lora/settings.py). The parser
@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.inference.engine.config import DEVICES, DTYPES, EngineConfig
-from services.inference.lora.settings import (
+from loraplex.services.inference.engine.config import DEVICES, DTYPES, EngineConfig
+from loraplex.services.inference.lora.settings import (
     DEFAULT_MAX_GPU_LORAS,
     DEFAULT_MAX_LORA_RANK,
     LORA_BACKENDS,
@@ -160,7 +160,9 @@ def _defaults(cls: type) -> argparse.Namespace:
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags; every default comes from the dataclass that owns it."""
-    p = argparse.ArgumentParser(prog="python -m services.inference", description="loraplex inference service")
+    p = argparse.ArgumentParser(
+        prog="python -m loraplex.services.inference", description="loraplex inference service"
+    )
     e, lo, s = _defaults(EngineConfig), _defaults(LoRAConfig), _defaults(ServerArgs)
     a = p.add_argument
 

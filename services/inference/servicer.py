@@ -17,18 +17,23 @@ from contextlib import aclosing
 from typing import NamedTuple
 
 import grpc
+
+from loraplex.services.inference.adapter_resolver import AdapterResolver
+from loraplex.services.inference.engine.api import Engine
+from loraplex.services.inference.engine.types import RequestOutput
+from loraplex.services.inference.errors import BackendUnavailable, InvalidRequest, LoraplexError
+from loraplex.services.inference.generate_inputs import EngineWork, engine_work, open_streams
+from loraplex.services.inference.metrics import Metrics, adapter_label
+from loraplex.services.inference.proto_convert import (
+    MAX_CHARS_PER_TOKEN,
+    adapter_proto,
+    logprobs_proto,
+    timing_fields,
+)
+from loraplex.services.inference.server_args import ServerArgs
+from loraplex.services.inference.status import abort_with, build_status, status_for
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
-from services.inference.adapter_resolver import AdapterResolver
-from services.inference.engine.api import Engine
-from services.inference.engine.types import RequestOutput
-from services.inference.errors import BackendUnavailable, InvalidRequest, LoraplexError
-from services.inference.generate_inputs import EngineWork, engine_work, open_streams
-from services.inference.metrics import Metrics, adapter_label
-from services.inference.proto_convert import MAX_CHARS_PER_TOKEN, adapter_proto, logprobs_proto, timing_fields
-from services.inference.server_args import ServerArgs
-from services.inference.status import abort_with, build_status, status_for
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from services.inference import errors
+from loraplex.services.inference import errors
 
 CODE_OF: dict[type[errors.LoraplexError], grpc.StatusCode] = {
     errors.InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -51,9 +51,10 @@ def build_status(
     *,
     field: str | None = None,
     adapter: str | None = None,
+    info: error_details_pb2.ErrorInfo | None = None,
 ) -> grpc.Status:
     """A grpc.Status whose trailer carries the rich details for `code`."""
-    details: list[any_pb2.Any] = []
+    details: list[any_pb2.Any] = [_pack(info)] if info is not None else []
     if field and code == grpc.StatusCode.INVALID_ARGUMENT:
         violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=message)
         details.append(_pack(error_details_pb2.BadRequest(field_violations=[violation])))
@@ -73,8 +74,18 @@ def build_status(
     return rpc_status.to_status(proto)
 
 
+ERROR_DOMAIN = "loraplex.v1"
+
+
 def status_for(exc: errors.LoraplexError) -> grpc.Status:
-    return build_status(code_for(exc), exc.message, field=exc.field, adapter=exc.adapter)
+    info = None
+    if isinstance(exc, errors.ContextLengthExceeded):
+        info = error_details_pb2.ErrorInfo(
+            reason=exc.reason,
+            domain=ERROR_DOMAIN,
+            metadata={"prompt_tokens": str(exc.prompt_tokens), "context_length": str(exc.context_length)},
+        )
+    return build_status(code_for(exc), exc.message, field=exc.field, adapter=exc.adapter, info=info)
 
 
 async def abort_with(context: grpc.aio.ServicerContext, status: grpc.Status) -> None:
@@ -93,6 +104,7 @@ def details_of(error: grpc.RpcError) -> dict[str, object]:
             error_details_pb2.BadRequest,
             error_details_pb2.ResourceInfo,
             error_details_pb2.RetryInfo,
+            error_details_pb2.ErrorInfo,
         ):
             if detail.Is(cls.DESCRIPTOR):
                 msg = cls()

@@ -1,7 +1,8 @@
 """The inference side of the adapter store: resolve a name, pull it once, watch for deletes.
 
 `fetch(name)` asks the store (`GetAdapter`), and unless the content is already in the local
-cache (`<cache>/<weights hex>-<config hex>/`: an adapter is its weights *and* its config),
+cache (`<cache>/<weights hex>-<config hex>/`: an adapter is its weights *and* its config) and
+hashes to the record's digests, makes room under the cache's byte bound (adapter_cache.py) and
 streams `PullAdapter`, checks the sha256 of both files against the record and renames a
 finished temp dir into place, so a reader never sees a half-written adapter. Concurrent fetches
 of one name share one pull (single flight).
@@ -21,21 +22,25 @@ from pathlib import Path
 from typing import NamedTuple
 
 import grpc
-from loraplex.v1 import adapter_store_pb2 as pb
-from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
-from services.inference.errors import (
+from loraplex.services.inference.adapter_cache import (
+    CONFIG_FILE,
+    DISK_FULL_ERRNOS,
+    WEIGHTS_FILE,
+    AdapterCache,
+    default_max_bytes,
+)
+from loraplex.services.inference.errors import (
     AdapterIncompatible,
     AdapterInvalid,
     AdapterNotFound,
     BackendUnavailable,
     LoraplexError,
 )
+from loraplex.v1 import adapter_store_pb2 as pb
+from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 # A restarted store is found again within a second (grpc's default backoff grows to 2 min).
@@ -124,6 +129,10 @@ def remove_stale_pulls(cache_dir: Path) -> list[str]:
     return removed
 
 
+def _size(record: pb.AdapterRecord | None) -> str:
+    return "(no header yet) size" if record is None else f"{record.size_bytes} bytes"
+
+
 class StoreClient:
     """Talks to one adapter store at `target` (HOST:PORT); all methods are coroutines."""
 
@@ -135,11 +144,16 @@ class StoreClient:
         on_pull: Callable[[int], None] | None = None,
         token: str | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        cache_max_bytes: int | None = None,
     ) -> None:
         self.target = target
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_pulls(self.cache_dir)
+        bound = cache_max_bytes if cache_max_bytes is not None else default_max_bytes(self.cache_dir)
+        # the server sets `cache.in_use` once its engine is up
+        self.cache = AdapterCache(self.cache_dir, bound)
+        log.info("adapter cache %s bounded at %d bytes", self.cache_dir, bound)
         if credentials is None:
             self._channel = grpc.aio.insecure_channel(target, options=STORE_CHANNEL_OPTIONS)
         else:
@@ -148,6 +162,9 @@ class StoreClient:
         self._inflight: dict[str, asyncio.Future[PulledAdapter]] = {}
         self._on_pull = on_pull
         self.pulls = 0  # completed PullAdapter streams, for metrics and tests
+        # Names the store has, kept by `watch` (listed once when it connects, then its events):
+        # residency metrics read this instead of listing the whole store again and again.
+        self.known_names: set[str] = set()
         # The store's admin token (its RegisterAdapter/DeleteAdapter need it), sent on every call.
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
 
@@ -188,17 +205,21 @@ class StoreClient:
                 return False
             raise _map_rpc_error(err, name, "DeleteAdapter") from None
 
+    async def list_page(self, page_size: int, after: str = "") -> tuple[list[pb.AdapterRecord], str]:
+        """Up to `page_size` records named after `after`, in name order, and the next page's token."""
+        try:
+            req = pb.ListStoreAdaptersRequest(page_size=page_size, page_token=after)
+            resp = await self._stub.ListAdapters(req, timeout=10.0, metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise _map_rpc_error(err, "*", "ListAdapters") from None
+        return list(resp.adapters), resp.next_page_token
+
     async def list(self) -> list[pb.AdapterRecord]:
         out: list[pb.AdapterRecord] = []
         token = ""
         while True:
-            try:
-                req = pb.ListStoreAdaptersRequest(page_token=token)
-                resp = await self._stub.ListAdapters(req, timeout=10.0, metadata=self._metadata)
-            except grpc.RpcError as err:
-                raise _map_rpc_error(err, "*", "ListAdapters") from None
-            out.extend(resp.adapters)
-            token = resp.next_page_token
+            page, token = await self.list_page(1000, token)
+            out.extend(page)
             if not token:
                 return out
 
@@ -229,8 +250,17 @@ class StoreClient:
             if record.config_digest
             else None
         )
-        if local is not None and (local / WEIGHTS_FILE).exists() and (local / CONFIG_FILE).exists():
+        if local is not None and await asyncio.to_thread(
+            self.cache.verified, local, record.digest, record.config_digest
+        ):
             return PulledAdapter(name, local, record)
+        await asyncio.to_thread(
+            self.cache.make_room,
+            record.size_bytes,
+            f"adapter {name!r}",
+            local.name if local else "",
+            self.cache.in_use(),
+        )
         # A stream cut halfway or bytes that do not hash to the record are retried from the
         # start; the partial copy is never renamed into the cache, so no half adapter is loaded.
         for attempt in range(1, PULL_ATTEMPTS + 1):
@@ -252,7 +282,12 @@ class StoreClient:
     async def _pull(self, name: str) -> PulledAdapter:
         tmp = Path(tempfile.mkdtemp(prefix=f".pull-{os.getpid()}-", dir=self.cache_dir))
         try:
-            record, nbytes = await self._stream_into(name, tmp)
+            try:
+                record, nbytes = await self._stream_into(name, tmp)
+            except OSError as err:
+                if err.errno in DISK_FULL_ERRNOS:
+                    raise self.cache.disk_full(f"adapter {name!r}", err) from None
+                raise
             config_digest = "sha256:" + hashlib.sha256((tmp / CONFIG_FILE).read_bytes()).hexdigest()
             target = self.cache_dir / content_dir_name(record.digest, config_digest)
             try:
@@ -289,6 +324,14 @@ class StoreClient:
                             )
                         (tmp / CONFIG_FILE).write_bytes(config)
                     else:
+                        # Counted as it arrives: a store (or whatever answers in its place) that sends
+                        # more than the record says would otherwise fill this server's disk.
+                        if record is None or nbytes + len(chunk.data) > record.size_bytes:
+                            raise BackendUnavailable(
+                                f"adapter store sent adapter {name!r} past the {_size(record)} its record "
+                                "gives; pull abandoned",
+                                adapter=name,
+                            )
                         weights.update(chunk.data)
                         out.write(chunk.data)
                         nbytes += len(chunk.data)
@@ -315,12 +358,25 @@ class StoreClient:
             try:
                 req = pb.WatchAdaptersRequest(last_event_id=last_id)
                 stream = self._stub.WatchAdapters(req, metadata=self._metadata)
+                if not last_id:
+                    # Subscribed first (headers come once it is), listed second: an event racing the
+                    # listing is applied after it, and events are idempotent on a set.
+                    await stream.initial_metadata()
+                    self.known_names = {r.name for r in await self.list()}
                 async for event in stream:
                     backoff = 0.5
                     last_id = event.id or last_id
+                    if event.type == "registered":
+                        self.known_names.add(event.name)
+                    elif event.type == "deleted":
+                        self.known_names.discard(event.name)
                     await on_event(event.type, event.name, event.digest, event.config_digest)
             except asyncio.CancelledError:
                 raise
+            except LoraplexError as err:  # the listing after (re)connecting failed
+                log.warning(
+                    "listing the store %s failed: %s; reconnecting in %.1fs", self.target, err, backoff
+                )
             except grpc.RpcError as err:
                 log.warning(
                     "WatchAdapters on %s: %s (%s); reconnecting in %.1fs",

@@ -1,4 +1,4 @@
-"""`python -m services.openai --target HOST:PORT --port PORT`: the OpenAI-compatible door."""
+"""`python -m loraplex.services.openai --target HOST:PORT --port PORT`: the OpenAI-compatible door."""
 
 from __future__ import annotations
 
@@ -11,14 +11,22 @@ import socket
 import sys
 
 import uvicorn
+from uvicorn.config import HTTP_PROTOCOLS
+from uvicorn.importer import import_from_string
 
-from services.openai.app import Backend, create_app
+from loraplex.services.openai.app import DEFAULT_MAX_BODY_BYTES, Backend, create_app
+from loraplex.services.openai.limits import (
+    AcceptErrorFilter,
+    BodyLimit,
+    header_timeout_protocol,
+    raise_open_file_limit,
+)
 
-log = logging.getLogger("services.openai")
+log = logging.getLogger("loraplex.services.openai")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m services.openai", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m loraplex.services.openai", description=__doc__)
     p.add_argument("--target", default="127.0.0.1:50051", help="the inference server (or router), HOST:PORT")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 = any free port (logged)")
@@ -37,18 +45,71 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=["auto", "h11", "httptools"],
         help="uvicorn's HTTP parser (auto: httptools when installed)",
     )
+    p.add_argument(
+        "--max-body-bytes",
+        type=_positive(int),
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies get 413 before they are read (default 64 MiB, the inference "
+        "server's default --max-message-bytes: set both together)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=_positive(float),
+        default=10.0,
+        help="seconds a connection has to send a request's headers, from its start or the last response",
+    )
+    p.add_argument(
+        "--body-timeout", type=_positive(float), default=30.0, help="seconds a request body may stall (408)"
+    )
+    p.add_argument(
+        "--keep-alive-timeout",
+        type=_positive(float),
+        default=5.0,
+        help="seconds an idle keep-alive connection stays",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=_positive(int),
+        default=1024,
+        help="open connections and running requests at most; beyond, 503 (the descriptor limit is raised "
+        "to its hard limit at start)",
+    )
     p.add_argument("--log-level", default="info")
     return p.parse_args(argv)
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0 (got {text})")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 async def serve(args: argparse.Namespace) -> None:
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
-    app = create_app(Backend(args.target, args.served_model_name, args.timeout, args.tls_ca))
+    backend = Backend(args.target, args.served_model_name, args.timeout, args.tls_ca, args.max_body_bytes)
+    app = BodyLimit(create_app(backend), args.max_body_bytes, args.body_timeout)
+    protocol = header_timeout_protocol(import_from_string(HTTP_PROTOCOLS[args.http]), args.header_timeout)
+    soft, _ = raise_open_file_limit()
+    if soft < args.max_concurrency + 64:
+        log.warning("only %d file descriptors for --max-concurrency %d", soft, args.max_concurrency)
     # The asyncio loop: grpc.aio runs on it (uvloop is not a loop grpc.aio supports).
     config = uvicorn.Config(
-        app, log_level=args.log_level.lower(), access_log=False, lifespan="on", loop="asyncio", http=args.http
+        app,
+        log_level=args.log_level.lower(),
+        access_log=False,
+        lifespan="on",
+        loop="asyncio",
+        http=protocol,
+        ws="none",
+        timeout_keep_alive=args.keep_alive_timeout,
+        limit_concurrency=args.max_concurrency,
     )
     server = _Server(config)
     host, port = sock.getsockname()[:2]
@@ -77,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, args.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # asyncio logs each failed accept() (descriptors used up) on every loop turn: once per 10 s here.
+    logging.getLogger("asyncio").addFilter(AcceptErrorFilter(10.0))
     asyncio.run(serve(args))
     return 0
 

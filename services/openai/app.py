@@ -15,51 +15,76 @@ from pathlib import Path, PurePosixPath
 
 import grpc
 from fastapi import FastAPI, Request
-from loraplex.v1 import inference_pb2 as pb
-from loraplex.v1 import inference_pb2_grpc as pb_grpc
+from fastapi.exceptions import RequestValidationError
 from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from services.openai import responses, schema
-from services.openai.errors import OpenAIError, bad_request, from_grpc
+from loraplex.services.openai import responses, schema, structured
+from loraplex.services.openai.disconnect import unless_client_leaves
+from loraplex.services.openai.errors import OpenAIError, bad_request, from_grpc, model_not_found
+from loraplex.services.openai.inputs import (
+    check_adapter_model,
+    check_authorization,
+    check_model_text,
+    check_strings,
+    parse_json,
+)
+from loraplex.services.openai.responses import public_source
+from loraplex.v1 import inference_pb2 as pb
+from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 ADAPTER_HEADER = "x-loraplex-adapter"
-# As the Python client's: keepalive within the server's ping policy, large messages, a quick reconnect.
-CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # the inference server's default --max-message-bytes
+
+
+def channel_options(max_body_bytes: int) -> list[tuple[str, int]]:
+    """As the Python client's: keepalive within the server's ping policy, a quick reconnect. A request
+    built from a body is no bigger than the body (plus slack); a reply is bounded by the server
+    (--max-message-bytes), so the door adds no limit of its own that would fail as 429."""
+    return [
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_receive_message_length", -1),
+        ("grpc.max_send_message_length", max_body_bytes + (1 << 20)),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
 
 
 class Backend:
     """The gRPC side: one channel, opened on the serving loop; the base model's names, learnt once."""
 
     def __init__(
-        self, target: str, served_model_name: str | None, timeout_s: float | None, tls_ca: str | None = None
+        self,
+        target: str,
+        served_model_name: str | None,
+        timeout_s: float | None,
+        tls_ca: str | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ):
         self.target, self.timeout_s, self.tls_ca = target, timeout_s, tls_ca
+        self.max_body_bytes = max_body_bytes
         self.served_model_name = served_model_name
         self._stub: pb_grpc.InferenceStub | None = None
         self._channel = None
         self._base_names: tuple[str, ...] | None = None
+        self.max_new_tokens_limit = 0  # the server's --max-new-tokens-limit, learnt with the names
 
     @property
     def stub(self) -> pb_grpc.InferenceStub:
         if self._stub is None:
+            options = channel_options(self.max_body_bytes)
             if self.tls_ca:
                 credentials = grpc.ssl_channel_credentials(root_certificates=Path(self.tls_ca).read_bytes())
-                self._channel = grpc.aio.secure_channel(self.target, credentials, options=CHANNEL_OPTIONS)
+                self._channel = grpc.aio.secure_channel(self.target, credentials, options=options)
             else:
-                self._channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+                self._channel = grpc.aio.insecure_channel(self.target, options=options)
             self._stub = pb_grpc.InferenceStub(self._channel)
         return self._stub
 
@@ -74,15 +99,19 @@ class Backend:
             info = await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30)
             first = self.served_model_name or PurePosixPath(info.model.rstrip("/")).name or info.model
             self._base_names = (first, info.model)
+            self.max_new_tokens_limit = info.max_new_tokens_limit
         return self._base_names
 
     async def adapter_for(self, model: str, metadata) -> str:
-        if not model:
-            raise bad_request("model must name the base model or an adapter", "model")
-        return "" if model in await self.base_names(metadata) else model
+        check_model_text(model)
+        if model in await self.base_names(metadata):
+            return ""
+        check_adapter_model(model)
+        return model
 
 
 def _metadata(request: Request, adapter: str | None = None) -> tuple[tuple[str, str], ...]:
+    check_authorization(request.headers.get("authorization"))
     md = []
     if adapter is not None:
         md.append((ADAPTER_HEADER, adapter))
@@ -93,10 +122,9 @@ def _metadata(request: Request, adapter: str | None = None) -> tuple[tuple[str, 
 
 
 async def _body(request: Request):
-    try:
-        return json.loads(await request.body())
-    except ValueError as exc:
-        raise bad_request(f"the body is not valid JSON: {exc}") from None
+    body = parse_json(await request.body())
+    check_strings(body)
+    return body
 
 
 def create_app(backend: Backend) -> FastAPI:
@@ -118,16 +146,64 @@ def create_app(backend: Backend) -> FastAPI:
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
         return exc.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """Unknown routes (404), wrong methods (405) and the like, in OpenAI's error shape."""
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message, code = f"Invalid URL ({where}): this server has no such route", "unknown_url"
+        elif exc.status_code == 405:
+            message, code = f"Method not allowed ({where})", "method_not_allowed"
+        else:
+            message, code = f"{exc.detail} ({where})", None
+        err = OpenAIError(exc.status_code, message, code=code)
+        response = err.response()
+        for name, value in (exc.headers or {}).items():  # e.g. 405's Allow
+            response.headers[name] = value
+        return response
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "path", "query")) or None
+        return bad_request(f"{param}: {first['msg']}" if param else first["msg"], param).response()
+
+    @app.exception_handler(Exception)
+    async def _unforeseen(request: Request, exc: Exception) -> Response:
+        # A bug: OpenAI's error shape rather than a bare 500 page. Starlette re-raises the exception
+        # after this response is sent, so uvicorn logs its traceback.
+        return OpenAIError(
+            500, f"internal error: {type(exc).__name__}", type_="server_error", code="internal_error"
+        ).response()
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": await model_list(request)})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        for entry in await model_list(request):
+            if entry["id"] == model_id:
+                return JSONResponse(entry)
+        raise model_not_found(model_id)
+
+    async def model_list(request: Request) -> list[dict]:
         md = _metadata(request)
         try:
             base = (await backend.base_names(md))[0]
-            adapters = await backend.stub.ListAdapters(pb.ListAdaptersRequest(), metadata=md, timeout=30)
+            adapters: list[pb.AdapterInfo] = []
+            token = ""
+            while True:  # ListAdapters pages (1000 a page)
+                page = await backend.stub.ListAdapters(
+                    pb.ListAdaptersRequest(page_token=token), metadata=md, timeout=30
+                )
+                adapters.extend(page.adapters)
+                if not (token := page.next_page_token):
+                    break
         except grpc.RpcError as exc:
             raise from_grpc(exc, "") from None
         data = [
@@ -146,35 +222,37 @@ def create_app(backend: Backend) -> FastAPI:
                 "object": "model",
                 "created": 0,
                 "owned_by": "loraplex",
-                "root": a.source or a.name,
+                "root": public_source(a.source, a.name),
                 "parent": base,
             }
-            for a in adapters.adapters
+            for a in adapters
         ]
-        return JSONResponse({"object": "list", "data": data})
+        return data
 
     async def generate(
         request: Request,
         parsed,
-        grpc_request: pb.GenerateRequest,
+        door_call: schema.DoorCall,
         adapter: str,
         chat: bool,
-        want_logprobs: bool,
     ) -> Response:
         md = _metadata(request, adapter)
+        grpc_request, tool_plan, asked = door_call.request, door_call.tool_plan, door_call.asked
         if not parsed.stream:
+            call = backend.stub.Generate(grpc_request, metadata=md, timeout=backend.timeout_s)
             try:
-                resp = await backend.stub.Generate(grpc_request, metadata=md, timeout=backend.timeout_s)
+                resp = await unless_client_leaves(request, call)
             except grpc.RpcError as exc:
-                raise from_grpc(exc, parsed.model) from None
-            build = responses.chat_body if chat else responses.completion_body
-            return JSONResponse(build(resp, parsed.model, want_logprobs))
+                raise structured.rename_error(from_grpc(exc, parsed.model, chat), door_call.fields) from None
+            if chat:
+                return JSONResponse(responses.chat_body(resp, parsed.model, asked, tool_plan))
+            return JSONResponse(responses.completion_body(resp, parsed.model, asked))
         call = backend.stub.GenerateStream(grpc_request, metadata=md, timeout=backend.timeout_s)
         try:  # the first message (or the error) before the 200: a refused call gets its status
-            first = await call.read()
+            first = await unless_client_leaves(request, call, call.read())
         except grpc.RpcError as exc:
-            raise from_grpc(exc, parsed.model) from None
-        state = responses.StreamState(parsed.model, parsed.n, chat, want_logprobs)
+            raise structured.rename_error(from_grpc(exc, parsed.model, chat), door_call.fields) from None
+        state = responses.StreamState(parsed.model, parsed.n, chat, asked, tool_plan)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         return EventSourceResponse(_events(call, first, state, include_usage, parsed.model), ping=15)
 
@@ -182,15 +260,15 @@ def create_app(backend: Backend) -> FastAPI:
     async def completions(request: Request) -> Response:
         parsed = schema.parse(schema.CompletionRequest, await _body(request))
         adapter = await _resolve(backend, request, parsed.model)
-        grpc_request = schema.completion_request(parsed, adapter)
-        return await generate(request, parsed, grpc_request, adapter, False, parsed.logprobs is not None)
+        door_call = schema.completion_call(parsed, adapter)
+        return await generate(request, parsed, door_call, adapter, False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         parsed = schema.parse(schema.ChatRequest, await _body(request))
         adapter = await _resolve(backend, request, parsed.model)
-        grpc_request = schema.chat_request(parsed, adapter)
-        return await generate(request, parsed, grpc_request, adapter, True, parsed.logprobs)
+        door_call = schema.chat_call(parsed, adapter, backend.max_new_tokens_limit)
+        return await generate(request, parsed, door_call, adapter, True)
 
     return app
 
@@ -214,7 +292,7 @@ async def _events(
         if include_usage:
             yield json.dumps(state.usage_chunk())
     except grpc.RpcError as exc:  # after the 200: the error travels as an event, as OpenAI's streams do
-        err = from_grpc(exc, model)
+        err = from_grpc(exc, model, state.chat)
         yield json.dumps(
             {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
         )

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref
+from loraplex.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,7 +107,7 @@ def test_prefill_reference_matches_sdpa() -> None:
 
 
 def test_cuda_graph_batch_ladder() -> None:
-    from services.inference.engine.cuda_graph import batch_ladder
+    from loraplex.services.inference.engine.cuda_graph import batch_ladder
 
     assert batch_ladder(1) == [1]
     assert batch_ladder(20) == [1, 2, 4, 8, 16, 20]
@@ -118,8 +118,8 @@ def test_cuda_graph_batch_ladder() -> None:
 def test_cuda_graph_lora_tiers() -> None:
     """A decode step replays (its batch bucket, LoRA tier): 0 without adapters, 1 up to MANY_ADAPTERS
     distinct adapters (segment expand), 2 above (per-token expand); no LoRA backend: only tier 0."""
-    from kernels.lora_configs import MANY_ADAPTERS
-    from services.inference.engine.cuda_graph import DecodeGraphs, batch_ladder
+    from loraplex.kernels.lora_configs import MANY_ADAPTERS
+    from loraplex.services.inference.engine.cuda_graph import DecodeGraphs, batch_ladder
 
     graphs = DecodeGraphs.__new__(DecodeGraphs)  # key() needs only the ladder and the backend (no GPU)
     graphs.ladder, graphs.lora = batch_ladder(64), object()
@@ -164,8 +164,8 @@ TOL = {torch.float32: 1e-4, torch.float16: 5e-3}
 
 
 def _interpreter_checks() -> int:
-    from kernels.attention_decode import paged_decode_attention
-    from kernels.attention_prefill import paged_prefill_attention
+    from loraplex.kernels.attention_decode import paged_decode_attention
+    from loraplex.kernels.attention_prefill import paged_prefill_attention
 
     failures = 0
     for dtype in (torch.float32, torch.float16):
@@ -216,15 +216,62 @@ def _interpreter_checks() -> int:
             ok = bool(torch.isfinite(out).all()) and err < TOL[dtype]
             failures += not ok
             print(f"prefill {dtype} case {i}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+        failures += _check_windows_and_softcap(dtype)
         failures += _check_store(dtype) + _check_engine_backend(dtype) + _check_fused_ops(dtype)
-    print(f"checked {2 * (len(DECODE_CASES) + len(PREFILL_CASES) + 5)} cases, {failures} failed")
+    cases = 2 * (len(DECODE_CASES) + len(PREFILL_CASES) + 6 + 2 * len(WINDOW_CASES))
+    print(f"checked {cases} cases, {failures} failed")
+    return failures
+
+
+# window, softcap: sliding windows shorter than the contexts (a chunk's rows start inside and
+# outside the window, some splits/tiles read nothing), soft-capping (Gemma 2) with and without one.
+WINDOW_CASES = [(7, None), (20, 3.0), (None, 2.0), (1, None)]
+
+
+def _check_windows_and_softcap(dtype: torch.dtype) -> int:
+    from loraplex.kernels.attention_decode import paged_decode_attention
+    from loraplex.kernels.attention_prefill import paged_prefill_attention
+
+    failures = 0
+    for i, (window, cap) in enumerate(WINDOW_CASES):
+        lens = [1, 37, 70, 0]
+        case = make_paged_case(lens, 2, 32, 8, dtype, seed=40 + i)
+        q = torch.randn(len(lens), 8, 32).to(dtype) * 3
+        ctx = torch.tensor(lens, dtype=torch.int32)
+        out = torch.full_like(q, float("nan"))
+        opts = dict(window=window, softcap=cap)
+        paged_decode_attention(
+            q, case.k_cache, case.v_cache, case.block_tables, ctx, 0.2, out=out, block_n=16, **opts
+        )
+        ref = paged_decode_attention_ref(q, case.k_cache, case.v_cache, case.block_tables, ctx, 0.2, **opts)
+        err = rel_err(out, ref)
+        ok = bool(torch.isfinite(out).all()) and err < TOL[dtype]
+        failures += not ok
+        print(f"decode  {dtype} window {window} softcap {cap}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
+        kv_lens, q_lens = [5, 70, 40], [5, 33, 1]
+        case = make_paged_case(kv_lens, 2, 32, 8, dtype, seed=50 + i)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        q = torch.randn(int(cu[-1]), 8, 32).to(dtype) * 3
+        kv = torch.tensor(kv_lens, dtype=torch.int32)
+        out = torch.full_like(q, float("nan"))
+        paged_prefill_attention(
+            q, case.k_cache, case.v_cache, case.block_tables, cu, kv, 0.2, max(q_lens), out=out,
+            block_m=16, block_n=16, **opts,
+        )  # fmt: skip
+        ref = paged_prefill_attention_ref(
+            q, case.k_cache, case.v_cache, case.block_tables, cu, kv, 0.2, **opts
+        )
+        err = rel_err(out, ref)
+        ok = bool(torch.isfinite(out).all()) and err < TOL[dtype]
+        failures += not ok
+        print(f"prefill {dtype} window {window} softcap {cap}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
     return failures
 
 
 def _check_fused_ops(dtype: torch.dtype) -> int:
     """RMSNorm, q/k/v rotary and SiLU-and-mul against the torch code they replace (odd sizes, strided
     rows)."""
-    from kernels.fused_ops import (
+    from loraplex.kernels.fused_ops import (
         add_rms_norm,
         add_rms_norm_ref,
         qkv_rotary,
@@ -242,6 +289,7 @@ def _check_fused_ops(dtype: torch.dtype) -> int:
     freqs = torch.randn((3, 12), generator=gen)
     cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
     gate_up = torch.randn((3, 2 * 1500), generator=gen).to(dtype)
+    qn, kn = torch.randn(24, generator=gen).to(dtype), torch.randn(24, generator=gen).to(dtype)
     h, y = torch.randn((5, 100), generator=gen).to(dtype), torch.randn((5, 100), generator=gen).to(dtype)
     # LoRA deltas are float32 views with a wider row stride (the backend's shared delta buffer).
     delta = torch.randn((5, 3200), generator=gen)[:, :100]
@@ -255,6 +303,33 @@ def _check_fused_ops(dtype: torch.dtype) -> int:
         ("add_rms_norm+delta out", added[1][1], added_ref[1][1]),
         ("silu_mul+delta", silu_and_mul(gate_up, gu_delta), silu_and_mul_ref(gate_up, gu_delta)),
         ("rms_norm", rms_norm(x, w, 1e-5), rms_norm_ref(x, w, 1e-5)),
+        # Gemma: (1 + weight) norms, GeGLU; Qwen3 / Gemma 3: q/k norms before the rotary
+        ("rms_norm unit offset", rms_norm(x, w, 1e-5, True), rms_norm_ref(x, w, 1e-5, True)),
+        *(
+            (f"add_rms_norm unit offset {i}", got, want)
+            for i, (got, want) in enumerate(
+                zip(
+                    add_rms_norm(h, y, w, 1e-5, delta, unit_offset=True),
+                    add_rms_norm_ref(h, y, w, 1e-5, delta, unit_offset=True),
+                    strict=True,
+                )
+            )
+        ),
+        (
+            "gelu_tanh_mul+delta",
+            silu_and_mul(gate_up, gu_delta, "gelu_tanh"),
+            silu_and_mul_ref(gate_up, gu_delta, "gelu_tanh"),
+        ),
+        *(
+            (f"qkv_rotary qk_norm{' unit offset' if uo else ''} {part}", got, want)
+            for uo in (False, True)
+            for part, got, want in zip(
+                "qkv",
+                qkv_rotary(qkv, cos, sin, 4, 1, qkv_delta, qk_norm=(qn, kn, 1e-6, uo)),
+                qkv_rotary_ref(qkv, cos, sin, 4, 1, qkv_delta, qk_norm=(qn, kn, 1e-6, uo)),
+                strict=True,
+            )
+        ),
         *(
             (f"qkv_rotary{tag} {part}", out, ref)
             for tag, d in (("", None), ("+delta", qkv_delta))
@@ -274,7 +349,7 @@ def _check_fused_ops(dtype: torch.dtype) -> int:
 
 
 def _check_store(dtype: torch.dtype) -> int:
-    from kernels.attention_kv_store import store_kv, store_kv_ref
+    from loraplex.kernels.attention_kv_store import store_kv, store_kv_ref
 
     base_k, base_v = torch.randn(6, 4, 2, 24).to(dtype), torch.randn(6, 4, 2, 24).to(dtype)
     caches = [base_k.clone(), base_v.clone(), base_k.clone(), base_v.clone()]
@@ -294,8 +369,12 @@ def _check_store(dtype: torch.dtype) -> int:
 def _check_engine_backend(dtype: torch.dtype) -> int:
     """The engine's Triton attention against its torch attention on one mixed step: two decodes,
     a fresh prompt and a chunk after 21 cached tokens, with the same metadata."""
-    from services.inference.engine.attention import AttentionMetadata, PrefillSegment, TorchPagedAttention
-    from services.inference.engine.attention_triton import TritonPagedAttention
+    from loraplex.services.inference.engine.attention import (
+        AttentionMetadata,
+        PrefillSegment,
+        TorchPagedAttention,
+    )
+    from loraplex.services.inference.engine.attention_triton import TritonPagedAttention
 
     page, kvh, heads, dim = 4, 2, 4, 16
     gen = torch.Generator().manual_seed(5)
@@ -326,15 +405,22 @@ def _check_engine_backend(dtype: torch.dtype) -> int:
     q = torch.randn((t, heads, dim), generator=gen).to(dtype)
     k = torch.randn((t, kvh, dim), generator=gen).to(dtype)
     v = torch.randn((t, kvh, dim), generator=gen).to(dtype)
-    outs = []
-    for cls in (TritonPagedAttention, TorchPagedAttention):
-        attn = cls(cache.clone(), dim**-0.5)
-        attn.begin(meta)
-        outs.append((attn.forward(0, q, k, v).float(), attn.kv_cache))
-    err = rel_err(outs[0][0], outs[1][0])
-    ok = err < TOL[dtype] and torch.equal(outs[0][1], outs[1][1])
-    print(f"engine  {dtype}: triton vs torch attention rel err {err:.2e} {'ok' if ok else 'FAIL'}")
-    return int(not ok)
+    failures = 0
+    # plain; then a 6-token window (shorter than the chunk's context) with Gemma 2's soft-capping
+    for windows, softcap in (((), None), ((6,), 2.5)):
+        outs = []
+        for cls in (TritonPagedAttention, TorchPagedAttention):
+            attn = cls(cache.clone(), dim**-0.5, windows, softcap)
+            attn.begin(meta)
+            outs.append((attn.forward(0, q, k, v).float(), attn.kv_cache))
+        err = rel_err(outs[0][0], outs[1][0])
+        ok = err < TOL[dtype] and torch.equal(outs[0][1], outs[1][1])
+        failures += not ok
+        print(
+            f"engine  {dtype} windows {windows} softcap {softcap}: triton vs torch attention rel err "
+            f"{err:.2e} {'ok' if ok else 'FAIL'}"
+        )
+    return failures
 
 
 if __name__ == "__main__":

@@ -9,9 +9,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from loraplex.v1 import inference_pb2 as pb
 
-from clients import AsyncClient, Client, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from loraplex.clients import (
+    AsyncClient,
+    Client,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+)
+from loraplex.v1 import inference_pb2 as pb
 from tests.support.service_stack import STORE_STACK_SHAPE, store_stack
 
 PROMPT = "List 3 countries and their capitals."

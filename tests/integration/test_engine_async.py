@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine.async_engine import AsyncEngine
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import LLMEngine, load
-from services.inference.engine.types import RequestOutput, SamplingParams
-from services.inference.errors import AdapterNotFound, CapacityExceeded, InvalidRequest
-from services.inference.lora.adapter_slots import AdapterSlots
-from services.inference.lora.backend import GROUPS, LoRABackend
-from services.inference.server_args import ServerArgs
+from loraplex.services.inference.engine.async_engine import AsyncEngine
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.engine import LLMEngine, load
+from loraplex.services.inference.engine.types import RequestOutput, SamplingParams
+from loraplex.services.inference.errors import AdapterNotFound, CapacityExceeded, InvalidRequest
+from loraplex.services.inference.lora.adapter_slots import AdapterSlots
+from loraplex.services.inference.lora.backend import GROUPS, LoRABackend
+from loraplex.services.inference.server_args import ServerArgs
 from tests.support.lora_reference import async_engine
 
 

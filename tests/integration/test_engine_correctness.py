@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import LLMEngine
-from services.inference.engine.types import SamplingParams
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.engine import LLMEngine
+from loraplex.services.inference.engine.types import SamplingParams
 from tests.support.factories import make_tiny_model
 
 PROMPTS = [
@@ -123,8 +123,8 @@ def test_tiny_models_match_transformers(fixture, request):
 def test_llama3_rope_scaling_matches_transformers(tmp_path, smollm2_path):
     from transformers import AutoModelForCausalLM
 
-    from services.inference.models.config import load_config
-    from services.inference.models.rope import inverse_frequencies
+    from loraplex.services.inference.models.config import load_config
+    from loraplex.services.inference.models.rope import inverse_frequencies
 
     rope_scaling = {
         "rope_type": "llama3",

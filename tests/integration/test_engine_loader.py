@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import LLMEngine
-from services.inference.engine.types import SamplingParams
-from services.inference.models.config import UnsupportedModelError, load_config, parse_config
-from services.inference.models.loader import resolve_model_dir, safetensors_files
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.engine import LLMEngine
+from loraplex.services.inference.engine.types import SamplingParams
+from loraplex.services.inference.models.config import UnsupportedModelError, load_config, parse_config
+from loraplex.services.inference.models.loader import resolve_model_dir, safetensors_files
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -65,7 +65,7 @@ def hf_greedy(path: Path, engine: LLMEngine, texts: list[str], n: int = 12) -> l
 TEXTS = ["The capital of France is", "def fibonacci(n): return", "Hello"]
 
 
-def test_mistral_without_sliding_window_matches_transformers(tmp_path, smollm2_path):
+def test_mistral_with_and_without_sliding_window_matches_transformers(tmp_path, smollm2_path):
     from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
 
     tok = AutoTokenizer.from_pretrained(smollm2_path)
@@ -94,10 +94,11 @@ def test_mistral_without_sliding_window_matches_transformers(tmp_path, smollm2_p
     assert engine.loaded.dtype == torch.float32  # auto on CPU
     assert greedy(engine, TEXTS) == hf_greedy(path, engine, TEXTS)
 
-    windowed = copy_model(path, tmp_path / "mistral-sw", sliding_window=64)
-    with pytest.raises(UnsupportedModelError, match="sliding_window=64.*--context-length 64"):
-        engine_for(windowed)
-    assert greedy(engine_for(windowed, context_length=64), TEXTS) == greedy(engine, TEXTS)
+    # A window shorter than prompt + output (chunked prefill of 8 reads across it too).
+    windowed = copy_model(path, tmp_path / "mistral-sw", sliding_window=6)
+    windowed_tokens = greedy(engine_for(windowed), TEXTS)
+    assert windowed_tokens == hf_greedy(windowed, engine, TEXTS)
+    assert windowed_tokens != greedy(engine, TEXTS)  # the window changes the output
 
 
 def test_sharded_checkpoint_loads_like_single_file(tmp_path, tiny_llama_path):
@@ -158,6 +159,41 @@ def test_unknown_architecture_and_rope_are_refused(tmp_path, tiny_llama_path):
     raw.pop("rope_parameters", None)
     with pytest.raises(UnsupportedModelError, match="'yarn' is not supported"):
         parse_config({**raw, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+
+
+def test_family_features_we_do_not_implement_are_refused_by_name(tiny_llama_path):
+    from loraplex.services.inference.engine.attention import effective_windows
+    from loraplex.services.inference.models.config import check_context_length
+
+    raw = json.loads((tiny_llama_path / "config.json").read_text())
+    raw.pop("rope_parameters", None)
+    with pytest.raises(UnsupportedModelError, match="unsupported architecture.*Gemma3ForCausalLM"):
+        parse_config({**raw, "architectures": ["Gemma3ForConditionalGeneration"]})
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor 0.75"):
+        parse_config({**raw, "architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.75})
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    phi3 = parse_config(
+        {
+            **raw,
+            "architectures": ["Phi3ForCausalLM"],
+            "rope_scaling": longrope,
+            "original_max_position_embeddings": 512,
+        }
+    )
+    check_context_length(phi3, 512)
+    with pytest.raises(UnsupportedModelError, match="longrope.*--context-length 512"):
+        check_context_length(phi3, 513)
+    gemma2 = parse_config(
+        {**raw, "architectures": ["Gemma2ForCausalLM"], "sliding_window": 16, "attn_logit_softcapping": 50.0}
+    )
+    assert gemma2.layer_windows == (16, None) and gemma2.attention_scale == 256**-0.5
+    assert gemma2.attn_softcap == 50.0 and gemma2.final_softcap is None
+    qwen3 = parse_config(
+        {**raw, "architectures": ["Qwen3ForCausalLM"], "sliding_window": 16, "use_sliding_window": True,
+         "max_window_layers": 1}
+    )  # fmt: skip
+    assert effective_windows(qwen3, 16) == (None, None)  # the window covers the whole context
+    assert effective_windows(qwen3, 17) == (None, 16)
 
 
 def test_model_type_names_the_family_when_architectures_is_null(tmp_path, tiny_llama_path):

@@ -13,8 +13,8 @@ import dataclasses
 import pytest
 import torch
 
-from services.inference.engine.types import MAX_TOP_LOGPROBS, SamplingParams
-from services.inference.errors import InvalidRequest
+from loraplex.services.inference.engine.types import MAX_TOP_LOGPROBS, SamplingParams
+from loraplex.services.inference.errors import InvalidRequest
 from tests.support.lora_reference import server_args, sync_engine
 
 NEW_TOKENS = 8

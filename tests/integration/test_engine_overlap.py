@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import LLMEngine
-from services.inference.engine.types import RequestOutput, SamplingParams
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.engine import LLMEngine
+from loraplex.services.inference.engine.types import RequestOutput, SamplingParams
 from tests.integration.test_engine_correctness import PROMPTS, hf_greedy
 from tests.support.lora_reference import BATCH as LORA_BATCH
 from tests.support.lora_reference import make_adapters, server_args, sync_engine

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from services.inference.engine.engine import STEP_PHASES
-from services.inference.engine.scheduler import ScheduledBatch
-from services.inference.engine.types import SamplingParams
+from loraplex.services.inference.engine.engine import STEP_PHASES
+from loraplex.services.inference.engine.scheduler import ScheduledBatch
+from loraplex.services.inference.engine.types import SamplingParams
 from tests.integration.test_engine_overlap import make_engine
 
 

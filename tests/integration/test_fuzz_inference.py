@@ -22,10 +22,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
+from loraplex.clients.processes import ServerProcess
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
-from clients.processes import ServerProcess
 from tests.support.service_stack import STARTUP_S
 
 CLEAN = {
@@ -90,7 +90,7 @@ def server(tmp_path_factory, tiny_llama_path, good_adapter):
     shutil.copytree(good_adapter, allowed / "good")
     proc = ServerProcess(
         "inference",
-        "services.inference",
+        "loraplex.services.inference",
         [
             "--model-path",
             str(tiny_llama_path),
@@ -343,6 +343,58 @@ def test_tiny_temperatures_are_greedy(server, temperature, filters):
     assert tokens(temperature=temperature, **filters) == tokens(temperature=0)
 
 
+# Sampling values at and past the edges of their ranges: past them INVALID_ARGUMENT naming the
+# field (1e-38 once divided the logits to inf and sampled token 0 and garbage), at them a clean run.
+PAST_EDGES = {
+    "repetition_penalty": [1e-45, 1e-38, 1e-10, 0.0099, 100.01, 1e30, 3.4e38, -1.0],
+    "frequency_penalty": [-2.01, 2.01, 1e30, -3.4e38],
+    "presence_penalty": [-2.01, 2.01, 1e30, -3.4e38],
+    "temperature": [-1e-38, -1.0],
+    "min_p": [-1e-38, 1.0001],
+    "top_p": [-1e-38, 1.0001],
+}
+AT_EDGES = {
+    "repetition_penalty": [0.01, 100.0],
+    "frequency_penalty": [-2.0, 2.0],
+    "presence_penalty": [-2.0, 2.0],
+    "temperature": [1e-5, 100.0],
+}
+
+
+@settings(max_examples=16, **FUZZ)
+@given(
+    field_value=st.sampled_from([(k, v) for k, vs in PAST_EDGES.items() for v in vs]),
+    temperature=st.sampled_from([0.0, 1.0]),
+)
+def test_sampling_values_past_their_range_are_invalid(server, field_value, temperature):
+    name, value = field_value
+    params = {"temperature": temperature, name: value}
+    request = pb.GenerateRequest(
+        text=["Once upon a time"], sampling_params=pb.SamplingParams(max_new_tokens=2, **params)
+    )
+    code, detail = server.code_of(server.stub.Generate, request)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, value, code, detail)
+    assert name in detail
+
+
+def test_sampling_values_at_their_range_edges_generate(server):
+    for name, values in AT_EDGES.items():
+        for value in values:
+            for temperature in (0.0, 1.0):
+                params = pb.SamplingParams(
+                    max_new_tokens=LIMIT_NEW_TOKENS, ignore_eos=True, seed=3, temperature=temperature
+                )
+                setattr(params, name, value)
+                out = server.stub.Generate(
+                    pb.GenerateRequest(
+                        text=["Once upon a time"] * 2, adapter=["good"], sampling_params=params
+                    ),
+                    timeout=60,
+                )
+                for c in out.completions:
+                    assert c.completion_tokens == LIMIT_NEW_TOKENS, (name, value)
+
+
 def test_long_single_adapter_name_is_invalid_and_not_logged(server):
     for n in (5000, 1 << 19):
         code, detail = server.code_of(
@@ -417,6 +469,15 @@ def damages(draw):
                 "nested_config",
                 "nested_header",
                 "extreme_alpha",
+                "fifo_template",
+                "devzero_template",
+                "loop_template",
+                "huge_template",
+                "binary_template",
+                "nested_tokenizer_config",
+                "slow_template",
+                "huge_output_template",
+                "refusing_template",
             ]
         )
     )
@@ -483,6 +544,8 @@ def damage(directory: Path, kind: str, rnd, key: str, value) -> None:
         cfg = json.loads(config.read_text())
         cfg["padding"] = "x" * (2 * 2**20)
         config.write_text(json.dumps(cfg))
+    elif kind.endswith("_template") or kind == "nested_tokenizer_config":
+        _damage_template(directory, kind, rnd)
     else:
         header, data = _header(weights)
         name = rnd.choice(sorted(k for k in header if k != "__metadata__"))
@@ -495,6 +558,36 @@ def damage(directory: Path, kind: str, rnd, key: str, value) -> None:
         else:
             header[name.replace("lora_A", "lora_C").replace("lora_B", "lora_D")] = dict(header[name])
         _write_header(weights, header, data)
+
+
+TEMPLATES = {
+    "slow_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "huge_output_template": "{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}",
+    "refusing_template": "{{ raise_exception('no ' ~ messages[0].role ~ ' here') }}",
+}
+
+
+UNREADABLE_TEMPLATES = ("fifo_template", "devzero_template", "loop_template", "huge_template")
+
+
+def _damage_template(directory: Path, kind: str, rnd) -> None:
+    name = rnd.choice(["chat_template.jinja", "tokenizer_config.json"])
+    path = directory / name
+    if kind == "fifo_template":
+        os.mkfifo(path)
+    elif kind == "devzero_template":
+        path.symlink_to("/dev/zero")
+    elif kind == "loop_template":
+        path.symlink_to(path)
+    elif kind == "huge_template":
+        path.write_bytes(b"{{ 'x' }}" * (5 * 2**20 // 9 + 1))
+    elif kind == "binary_template":
+        path.write_bytes(rnd.randbytes(rnd.randint(1, 300)))
+    elif kind == "nested_tokenizer_config":
+        (directory / "tokenizer_config.json").write_text("[" * 100_000)
+    else:
+        text = TEMPLATES[kind]
+        path.write_text(text if name == "chat_template.jinja" else json.dumps({"chat_template": text}))
 
 
 @settings(max_examples=60, **FUZZ)
@@ -512,11 +605,19 @@ def test_random_broken_adapter_files_get_clean_status(server, good_adapter, d):
         event(f"{kind}: {code.name}")
         assert code in CLEAN, (kind, key, value, code, detail)
         if code == grpc.StatusCode.OK:  # the damage was harmless: the adapter must then work
+            assert kind not in UNREADABLE_TEMPLATES, (kind, "an unreadable template file was accepted")
             params = pb.SamplingParams(max_new_tokens=2, ignore_eos=True)
             out = server.stub.Generate(
                 pb.GenerateRequest(text=["Hi"], adapter=[name], sampling_params=params), timeout=60
             )
             assert out.completions[0].completion_tokens == 2
+            chat = pb.Input(messages=[pb.ChatMessage(role="user", content="Hi")], adapter=name)
+            code, detail = server.code_of(
+                server.stub.Generate, pb.GenerateRequest(inputs=[chat], sampling_params=params)
+            )
+            assert code in CLEAN, (kind, code, detail)
+            if kind in TEMPLATES:  # slow, huge or refusing: a clear refusal naming the template
+                assert code == grpc.StatusCode.INVALID_ARGUMENT and "template" in detail, (kind, detail)
             server.stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), timeout=30)
         elif kind == "pickle_only":
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "pickle" in detail, detail
@@ -530,6 +631,8 @@ def test_random_broken_adapter_files_get_clean_status(server, good_adapter, d):
             "loop_weights",
             "nested_config",
             "nested_header",
+            *UNREADABLE_TEMPLATES,
+            "nested_tokenizer_config",
         ):
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (kind, detail)
     finally:
@@ -574,6 +677,40 @@ def test_local_sources_stay_under_allowed_dirs(server, good_adapter, tmp_path):
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "adapter name" in detail, (name, detail)
     finally:
         link.unlink()
+
+
+def test_adapter_may_not_take_the_models_name(server, tiny_llama_path):
+    # The door lists the model under its path's last part: an adapter of that name would be listed
+    # twice and mean the base model over HTTP but the adapter over gRPC.
+    for name in (tiny_llama_path.name, tiny_llama_path.name.swapcase()):
+        load = pb.LoadAdapterRequest(name=name, source=str(server.allowed / "good"))
+        code, detail = server.code_of(server.stub.LoadAdapter, load)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "this server's model" in detail, (name, detail)
+        request = pb.GenerateRequest(
+            text=["hi"], adapter=[name], sampling_params=pb.SamplingParams(max_new_tokens=1)
+        )
+        code, detail = server.code_of(server.stub.Generate, request)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "this server's model" in detail, (name, detail)
+    listed = server.stub.ListAdapters(pb.ListAdaptersRequest(), timeout=10).adapters
+    assert tiny_llama_path.name.casefold() not in {a.name.casefold() for a in listed}
+
+
+@pytest.mark.parametrize("template_file", ["chat_template.jinja", "tokenizer_config.json"])
+def test_chat_template_symlinked_out_of_allowed_dirs_is_refused(
+    server, good_adapter, tmp_path, template_file
+):
+    # It was read through the symlink at the first chat, and prompt_logprobs spelled the secret back.
+    secret = tmp_path / "secret.txt"
+    secret.write_text("top secret: do not render me")
+    adapter = server.allowed / f"leaky-{template_file}"
+    shutil.copytree(good_adapter, adapter)
+    (adapter / template_file).symlink_to(secret)
+    code, detail = server.code_of(
+        server.stub.LoadAdapter, pb.LoadAdapterRequest(name="leaky", source=str(adapter))
+    )
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, detail
+    assert template_file in detail and "--allowed-local-dirs" in detail and "secret" not in detail.lower()
+    assert not any(a.name == "leaky" for a in server.stub.ListAdapters(pb.ListAdaptersRequest()).adapters)
 
 
 def test_unload_while_requests_use_it(server, good_adapter):

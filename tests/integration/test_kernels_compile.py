@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kernels.compile_check import KERNELS
+from loraplex.kernels.compile_check import KERNELS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -17,7 +17,7 @@ def test_lora_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"PYTHONPATH": str(REPO), "TRITON_CACHE_DIR": str(tmp_path)}
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.compile_check"],
+        [sys.executable, "-m", "loraplex.kernels.compile_check"],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.lora_check import CASES
+from loraplex.kernels.lora_check import CASES
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
@@ -27,7 +27,7 @@ TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
 def results() -> dict[str, dict]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "kernels.lora_check"],
+        [sys.executable, "-m", "loraplex.kernels.lora_check"],
         cwd=REPO,
         env=env,
         capture_output=True,

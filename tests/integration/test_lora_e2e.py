@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine.types import SamplingParams
-from services.inference.errors import AdapterIncompatible, AdapterNotFound
-from services.inference.lora.settings import DEFAULT_MAX_LORA_RANK
-from services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.engine.types import SamplingParams
+from loraplex.services.inference.errors import AdapterIncompatible, AdapterNotFound
+from loraplex.services.inference.lora.settings import DEFAULT_MAX_LORA_RANK
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
 from tests.support.lora_reference import (
     BATCH,
     NEW_TOKENS,
@@ -106,7 +106,7 @@ def tiny_ids(tiny_llama_path) -> list[list[int]]:
 
 def test_one_adapter_and_base_then_two_adapters(tiny_llama_path, tiny_adapters, tiny_ids, caplog):
     one = {"r4": tiny_adapters["r4"]}
-    with caplog.at_level(logging.INFO, logger="services.inference.lora.setup"):
+    with caplog.at_level(logging.INFO, logger="loraplex.services.inference.lora.setup"):
         engine = async_engine(server_args(tiny_llama_path, one))
     try:
         info = engine.model_info()

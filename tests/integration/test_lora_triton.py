@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_triton_backend_matches_torch_backend(dtype, tol):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "services.inference.lora.backend_check", "--dtype", dtype],
+        [sys.executable, "-m", "loraplex.services.inference.lora.backend_check", "--dtype", dtype],
         env=env,
         cwd=REPO,
         capture_output=True,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.inference.engine.mixed_graphs import lora_tier, mixed_buckets
-from services.inference.engine.types import SamplingParams
+from loraplex.services.inference.engine.mixed_graphs import lora_tier, mixed_buckets
+from loraplex.services.inference.engine.types import SamplingParams
 from tests.integration.test_engine_correctness import PROMPTS, hf_greedy, make_engine
 from tests.support.lora_reference import BATCH as LORA_BATCH
 from tests.support.lora_reference import make_adapters, peft_greedy, server_args, sync_engine

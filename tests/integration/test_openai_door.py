@@ -1,4 +1,4 @@
-"""The official `openai` package, unchanged, against `python -m services.openai` over a real
+"""The official `openai` package, unchanged, against `python -m loraplex.services.openai` over a real
 inference server (test_service_inference's shared server on the embedded SmolLM2).
 
 Every answer is checked against the gRPC API called directly: the door is a translation, so its
@@ -15,9 +15,9 @@ import urllib.request
 import grpc
 import openai
 import pytest
-from loraplex.v1 import inference_pb2 as pb
 
-from clients.processes import ServerProcess
+from loraplex.clients.processes import ServerProcess
+from loraplex.v1 import inference_pb2 as pb
 from tests.integration.test_service_inference import PROMPTS, adapters, server, stub  # noqa: F401
 
 MAX = 6
@@ -25,7 +25,9 @@ MAX = 6
 
 @pytest.fixture(scope="module")
 def door(server):  # noqa: F811
-    proc = ServerProcess("openai", "services.openai", ["--target", server.address, "--port", "0"], echo=False)
+    proc = ServerProcess(
+        "openai", "loraplex.services.openai", ["--target", server.address, "--port", "0"], echo=False
+    )
     try:
         proc.wait_bound(60)
         deadline = time.monotonic() + 30
@@ -168,13 +170,15 @@ def test_errors_in_openai_shape(client, door, base_name):
     assert info.value.status_code == 400 and info.value.param == "temperature"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=base_name, prompt="hi", max_tokens=5000)
-    assert "max_new_tokens" in info.value.message
-    with pytest.raises(openai.BadRequestError):
+    assert info.value.param == "max_tokens" and "max_tokens 5000" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
             model=base_name,
             messages=CHAT,
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )
+    assert info.value.param == "tool_choice"
     request = urllib.request.Request(
         f"http://{door.address}/v1/completions",
         data=b"{not json",
@@ -198,7 +202,7 @@ def test_errors_in_openai_shape(client, door, base_name):
 def test_status_mapping(code, status):
     """gRPC statuses the door cannot easily provoke on the shared server (a full queue, a server
     going away) map to OpenAI's HTTP statuses; the JSON keeps OpenAI's error shape."""
-    from services.openai.errors import from_grpc
+    from loraplex.services.openai.errors import from_grpc
 
     class Failed(grpc.RpcError):
         def code(self):

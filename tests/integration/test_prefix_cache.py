@@ -17,8 +17,8 @@ from collections import Counter
 
 import pytest
 
-from services.inference.engine.block_manager import BlockManager
-from services.inference.engine.types import SamplingParams
+from loraplex.services.inference.engine.block_manager import BlockManager
+from loraplex.services.inference.engine.types import SamplingParams
 from tests.support.lora_reference import peft_greedy, server_args, sync_engine
 
 NEW = 8
@@ -216,10 +216,10 @@ def test_no_shared_prefix_schedules_like_cache_off(tiny_llama_path, adapters, ov
 def test_no_shared_prefix_schedules_like_cache_off_under_kv_pressure():
     """Scheduler alone, a KV cache small enough to preempt: the same schedule as cache-off up to
     the first reuse, and the only reuse is a preempted request readmitted onto its own blocks."""
-    from services.inference.engine.config import SchedulerConfig
-    from services.inference.engine.request import Request
-    from services.inference.engine.scheduler import Scheduler
-    from services.inference.lora.adapter_slots import NoAdapters
+    from loraplex.services.inference.engine.config import SchedulerConfig
+    from loraplex.services.inference.engine.request import Request
+    from loraplex.services.inference.engine.scheduler import Scheduler
+    from loraplex.services.inference.lora.adapter_slots import NoAdapters
 
     def run(cache: bool):
         config = SchedulerConfig(PAGE, 24, 8, 6, context_length=4096)
@@ -342,7 +342,7 @@ def test_smollm2_cache_on_equals_off(smollm2_path, adapter_factory):
 
 
 def test_prometheus_series_follow_the_engine(tiny_llama_path, adapters):
-    from services.inference.metrics import Metrics
+    from loraplex.services.inference.metrics import Metrics
 
     engine = engine_for(tiny_llama_path, adapters, max_total_tokens=64)
     metrics = Metrics()
@@ -366,7 +366,7 @@ def test_prometheus_series_follow_the_engine(tiny_llama_path, adapters):
 
 
 def test_disable_prefix_cache_flag():
-    from services.inference.server_args import parse_args
+    from loraplex.services.inference.server_args import parse_args
 
     assert not parse_args(["--model-path", "m", "--device", "cpu"]).engine.disable_prefix_cache
     args = parse_args(["--model-path", "m", "--device", "cpu", "--disable-prefix-cache"])
@@ -374,7 +374,7 @@ def test_disable_prefix_cache_flag():
 
 
 def test_base_model_digest_names_the_checkpoint_and_dtype(tiny_llama_path, tiny_qwen2_path):
-    from services.inference.engine.prefix_cache import base_model_digest
+    from loraplex.services.inference.engine.prefix_cache import base_model_digest
 
     d = base_model_digest(tiny_llama_path, "torch.float32")
     assert d.startswith("base:") and d == base_model_digest(tiny_llama_path, "torch.float32")
@@ -402,3 +402,39 @@ def test_tensor_parallel_reuses_cached_prefixes(tiny_llama_path, adapters):
     got, hits = run(2, True)
     assert hits == {"": 36, "a": 36}
     assert got == run(1, False)[0]
+
+
+def _prompt_logprobs_run(engine, ids, adapter, k=2):
+    """One request asking prompt log probabilities, to completion: (prompt log probs, final output)."""
+    engine.add_request("plp", ids, SamplingParams(max_new_tokens=2, prompt_logprobs=k), adapter)
+    got, final = None, None
+    while final is None:
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                got = out.prompt_logprobs
+            if out.finished:
+                final = out
+    return got, final
+
+
+@pytest.mark.parametrize("adapter", [None, "a"])
+def test_prompt_logprobs_complete_with_the_cache(tiny_llama_path, adapters, adapter):
+    """With the cache warm on the very prompt (and on a longer one), a request asking prompt log
+    probabilities still gets one per prompt token after the first, equal to the cache-off values;
+    a request not asking reuses the cache and reports it in cached_prompt_tokens."""
+    ids = PROMPTS[0]
+    off = engine_for(tiny_llama_path, {"a": adapters["a"]}, cache=False)
+    want, final_off = _prompt_logprobs_run(off, ids, adapter)
+    assert final_off.cached_prompt_tokens == 0
+    on = engine_for(tiny_llama_path, {"a": adapters["a"]}, cache=True)
+    one_by_one(on, [(ids + tokens(99, 6), adapter), (ids, adapter)])  # the prompt's blocks are cached
+    assert on.stats().prefix_cache_hit_tokens.get(adapter or "", 0) > 0
+    for _ in range(2):  # the second run finds this request's own blocks cached too
+        got, final = _prompt_logprobs_run(on, ids, adapter)
+        assert [lp.token_id for lp in got] == ids[1:]
+        assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-5)
+        assert [[t for t, _ in lp.top] for lp in got] == [[t for t, _ in lp.top] for lp in want]
+        assert final.cached_prompt_tokens == 0  # computed, not reused
+    on.add_request("plain", ids, SamplingParams(max_new_tokens=1), adapter)
+    final = next(o for _ in range(50) for o in on.step() if o.finished)
+    assert final.cached_prompt_tokens == (len(ids) - 1) // PAGE * PAGE

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
+
+from loraplex.clients.processes import ServerProcess
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
-from clients.processes import ServerProcess
 from tests.support.service_stack import STARTUP_S
 
 API = "api-7f3c9e2b1d"
@@ -23,7 +23,7 @@ def server(tiny_llama_path, adapter_factory):
     adapter = adapter_factory(tiny_llama_path, "auth-adapter", r=4)
     proc = ServerProcess(
         "inference",
-        "services.inference",
+        "loraplex.services.inference",
         [
             "--model-path",
             str(tiny_llama_path),

@@ -21,14 +21,14 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from loraplex.clients import Client
+from loraplex.clients.processes import ServerProcess
+from loraplex.services.inference.store_client import content_dir_name
 from loraplex.v1 import adapter_store_pb2 as spb
 from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
-from clients import Client
-from clients.processes import ServerProcess
-from services.inference.store_client import content_dir_name
 from tests.support.reliability_proxy import CuttingProxy
 from tests.support.service_stack import STARTUP_S, scrape
 from tests.support.store_helpers import RedisServer, start_store_process
@@ -188,7 +188,7 @@ def stack(tmp_path_factory, tiny_llama_path):
         cache = tmp_path_factory.mktemp("inference-adapters")
         inference = ServerProcess(
             "inference",
-            "services.inference",
+            "loraplex.services.inference",
             [
                 "--model-path",
                 str(tiny_llama_path),

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from clients import Client
-from clients.errors import ResourceExhausted
-from clients.processes import ServerProcess
+from loraplex.clients import Client
+from loraplex.clients.errors import ResourceExhausted
+from loraplex.clients.processes import ServerProcess
 from tests.support.service_stack import STARTUP_S
 
 
@@ -21,7 +21,7 @@ from tests.support.service_stack import STARTUP_S
 def server(tiny_llama_path):
     proc = ServerProcess(
         "inference",
-        "services.inference",
+        "loraplex.services.inference",
         [
             "--model-path",
             str(tiny_llama_path),

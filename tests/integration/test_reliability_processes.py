@@ -1,6 +1,6 @@
 """Child servers die with their parent, even when the parent is SIGKILLed (`loraplex up`, tests).
 
-A real parent process starts an adapter store through `clients.processes.ServerProcess`
+A real parent process starts an adapter store through `loraplex.clients.processes.ServerProcess`
 while it holds a live gRPC channel (the situation in which a fork-based start deadlocked),
 prints the child's pid, and is then killed with SIGKILL; the store must go away by itself.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 PARENT = """
 import sys, time, grpc
 from pathlib import Path
-from clients.processes import ServerProcess
+from loraplex.clients.processes import ServerProcess
 live = grpc.insecure_channel("127.0.0.1:9")  # grpc threads are running in this parent
 def store(cache):
     return ServerProcess("store", "adapter_store", ["--port", "0", "--cache-dir", cache], echo=False)

@@ -11,10 +11,10 @@ import time
 
 import grpc
 import pytest
+
+from loraplex.clients.errors import from_rpc_error
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
-from clients.errors import from_rpc_error
 from tests.support.service_stack import PeftReference, scrape, shared, start_inference
 
 MAX_NEW = 12
@@ -181,6 +181,7 @@ def test_tokenize_matches_tokenizer(stub, reference):
 def test_model_info(stub):
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     assert "SmolLM2" in info.model and info.device == "cpu"
+    assert info.architecture == "LlamaForCausalLM" and info.family == "llama"
     assert (
         info.context_length == 512 and info.max_inputs_per_request == 8 and info.max_new_tokens_limit == 1024
     )

@@ -13,18 +13,18 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from loraplex.clients.errors import from_rpc_error
+from loraplex.clients.processes import ServerProcess
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
-from clients.errors import from_rpc_error
-from clients.processes import ServerProcess
 from tests.support.service_stack import STARTUP_S
 
 
 def start(model, *extra: str) -> ServerProcess:
     proc = ServerProcess(
         "inference",
-        "services.inference",
+        "loraplex.services.inference",
         ["--model-path", str(model), "--port", "0", "--device", "cpu", "--max-total-tokens", "4096", *extra],
         echo=False,
     )
@@ -142,8 +142,8 @@ def test_full_queue_is_resource_exhausted_with_retry(tiny_llama_path):
 
 
 def test_tls_and_tokens(tiny_llama_path, tmp_path):
-    from clients import Client
-    from clients.errors import LoraplexError
+    from loraplex.clients import Client
+    from loraplex.clients.errors import LoraplexError
 
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(
@@ -170,7 +170,7 @@ def test_tls_and_tokens(tiny_llama_path, tmp_path):
     )
     server = ServerProcess(
         "inference",
-        "services.inference",
+        "loraplex.services.inference",
         [
             "--model-path",
             str(tiny_llama_path),

@@ -12,10 +12,10 @@ import time
 
 import grpc
 import pytest
-from loraplex.v1 import inference_pb2 as pb
 
-from clients import AsyncClient, Client, NotFound
-from services.inference.store_client import content_dir_name
+from loraplex.clients import AsyncClient, Client, NotFound
+from loraplex.services.inference.store_client import content_dir_name
+from loraplex.v1 import inference_pb2 as pb
 from tests.support.service_stack import STORE_STACK_SHAPE, PeftReference, scrape, store_stack
 from tests.support.store_helpers import copy_adapter, edit_config
 

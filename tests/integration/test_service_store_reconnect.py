@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from clients import Client, NotFound, Unavailable
-from clients.processes import ServerProcess
+from loraplex.clients import Client, NotFound, Unavailable
+from loraplex.clients.processes import ServerProcess
 from tests.support.service_stack import STARTUP_S, start_inference
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from loraplex.v1 import adapter_store_pb2 as pb
 
-from adapter_store.errors import InvalidArgument
-from adapter_store.local_files import Stopped, copy_regular_file
+from loraplex.adapter_store.errors import InvalidArgument
+from loraplex.adapter_store.local_files import Stopped, copy_regular_file
+from loraplex.v1 import adapter_store_pb2 as pb
 from tests.support.store_helpers import (
     CONFIG,
     WEIGHTS,
@@ -255,3 +255,15 @@ def test_shutdown_stops_a_copy_in_progress(tmp_path, good):
     # Without the stop the whole gigabyte is copied, then refused as INVALID_ARGUMENT (no header).
     assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE and "abandoned" in outcome["details"], outcome
     assert time.monotonic() - start < 20
+
+
+def test_adapter_may_not_take_the_base_models_name(stub, good, dirs, tiny_llama_path):
+    # /v1/models would list the id twice, and the door (base model) and gRPC (adapter) disagree.
+    source = str(copy_adapter(good, dirs[0] / "shadow"))
+    for name in (tiny_llama_path.name, tiny_llama_path.name.upper()):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.RegisterAdapter(pb.RegisterAdapterRequest(name=name, source=source), timeout=20)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert "base model" in e.value.details()
+    record = stub.RegisterAdapter(pb.RegisterAdapterRequest(name="not-the-model", source=source), timeout=20)
+    assert record.name == "not-the-model"

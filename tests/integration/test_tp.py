@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from services.inference.engine.types import SamplingParams
-from services.inference.errors import BackendUnavailable
-from services.inference.server_args import ServerArgs
+from loraplex.services.inference.engine.types import SamplingParams
+from loraplex.services.inference.errors import BackendUnavailable
+from loraplex.services.inference.server_args import ServerArgs
 from tests.support.factories import make_tiny_model
 from tests.support.lora_reference import async_engine
 
@@ -63,11 +63,14 @@ def run_batch(engine, jobs: list[tuple[str, str | None]], max_new_tokens: int) -
     return asyncio.run(main())
 
 
-def outputs(args: ServerArgs, jobs, max_new_tokens: int, load_later: dict | None = None) -> list[list[int]]:
+def outputs(
+    args: ServerArgs, jobs, max_new_tokens: int, load_later: dict | None = None, family: str = "llama"
+) -> list[list[int]]:
     """Build through build_engine, load `load_later` adapters at run time, run one mixed batch."""
     engine = async_engine(args)
     try:
-        assert engine.model_info().tp_size == args.engine.tp_size
+        info = engine.model_info()  # what GetModelInfo reports
+        assert info.tp_size == args.engine.tp_size and info.family == family
         for name, path in (load_later or {}).items():
             asyncio.run(engine.load_adapter(name, str(path)))
         return run_batch(engine, jobs, max_new_tokens)
@@ -127,8 +130,9 @@ def test_kv_replication_and_qkv_bias_tp2_match_tp1(model, request, adapter_facto
     adapters = mixed_adapters(adapter_factory, base)
     jobs = mixed_jobs()
     budget = dict(chunked_prefill_size=3, max_num_batched_tokens=6)
-    want = outputs(tp_args(base, 1, adapters, **budget), jobs, 6)
-    got = outputs(tp_args(base, 2, adapters, **budget), jobs, 6)
+    family = "qwen2" if "qwen2" in model else "llama"
+    want = outputs(tp_args(base, 1, adapters, **budget), jobs, 6, family=family)
+    got = outputs(tp_args(base, 2, adapters, **budget), jobs, 6, family=family)
     assert got == want
     assert len({tuple(t) for t in want}) > 3
 
@@ -227,3 +231,33 @@ def test_triton_lora_kernels_under_tp2_match_torch_tp1(tiny_llama_path, adapter_
     assert result["tp2_triton"] == result["tp1_torch"]
     assert result["tp1_triton"] == result["tp1_torch"]
     assert len({tuple(t) for t in result["tp1_torch"]}) > 3
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2"])
+def test_new_families_tp2_match_tp1(arch, tmp_path_factory, smollm2_path, adapter_factory):
+    """Phi-3's fused checkpoint tensors are sliced per rank part by part (and its fused-module
+    adapters shard as their parts); Gemma 2's sandwich norms, soft-capping and sliding window
+    run on each rank's heads."""
+    base = make_tiny_model(tmp_path_factory.mktemp(f"tp-{arch}"), arch=arch, tokenizer_from=smollm2_path)
+    fused = arch == "phi3"
+    adapters = {
+        "attn": adapter_factory(
+            base,
+            f"tp-{arch}-attn",
+            r=8,
+            target_modules=["qkv_proj"] if fused else ["q_proj", "v_proj"],
+            seed=1,
+        ),
+        "mlp": adapter_factory(
+            base,
+            f"tp-{arch}-mlp",
+            r=4,
+            target_modules=["gate_up_proj" if fused else "up_proj", "down_proj"],
+            seed=2,
+        ),
+    }
+    jobs = [(PROMPTS[0], None), (PROMPTS[1], "attn"), (PROMPTS[2], "mlp"), (PROMPTS[3], "attn")]
+    want = outputs(tp_args(base, 1, adapters), jobs, 16, family=arch)
+    got = outputs(tp_args(base, 2, adapters), jobs, 16, family=arch)
+    assert got == want
+    assert len({tuple(t) for t in want}) > 2

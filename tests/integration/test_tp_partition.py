@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from services.inference.lora.adapter import AdapterWeights
-from services.inference.lora.config import AdapterSpec, ModuleLoRA
-from services.inference.models.config import load_config
-from services.inference.parallel.lora import shard_adapter
-from services.inference.parallel.partition import plan_shards, split_sizes
+from loraplex.services.inference.lora.adapter import AdapterWeights
+from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA
+from loraplex.services.inference.models.config import load_config
+from loraplex.services.inference.parallel.lora import shard_adapter
+from loraplex.services.inference.parallel.partition import plan_shards, split_sizes
 
 
 def test_split_sizes_uneven():

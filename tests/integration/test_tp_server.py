@@ -1,14 +1,14 @@
-"""`python -m services.inference --tp-size 2`: the real server spawns its worker, serves a mixed
+"""`python -m loraplex.services.inference --tp-size 2`: the real server spawns its worker, serves a mixed
 adapter batch equal to `--tp-size 1`, and takes its worker down with it on SIGTERM."""
 
 from __future__ import annotations
 
 import grpc
 import psutil
+
+from loraplex.clients.processes import ServerProcess
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
-
-from clients.processes import ServerProcess
 from tests.integration.test_tp import PROMPTS, outputs, tp_args
 from tests.support.service_stack import STARTUP_S
 
@@ -17,7 +17,7 @@ def tp2_server(name: str, model_path) -> ServerProcess:
     """A small `--tp-size 2` CPU server (not started) for the worker-lifecycle tests."""
     return ServerProcess(
         name,
-        "services.inference",
+        "loraplex.services.inference",
         [
             "--model-path",
             str(model_path),
@@ -51,7 +51,7 @@ def test_server_tp2_generate_matches_tp1_and_stops_its_worker(tiny_llama_path, a
     )
     server = ServerProcess(
         "inference-tp2",
-        "services.inference",
+        "loraplex.services.inference",
         [
             "--model-path",
             str(tiny_llama_path),

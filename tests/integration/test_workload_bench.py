@@ -1,4 +1,4 @@
-"""bench/workload.py end to end on the CPU, run the one way every bench runs (`python -m bench.workload`
+"""bench/workload.py end to end on the CPU, run the one way every bench runs (`python -m loraplex.bench.workload`
 from the repo root): a small open-loop run over the tiny random model.
 
 The first test asserts completion only (every request of every scenario finishes without error,
@@ -22,7 +22,7 @@ def run_workload(tmp_path, args: list[str]) -> dict:
     # One torch thread: on a shared 2-core machine two threads fighting for the cores are much slower.
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.workload", *args],
+        [sys.executable, "-m", "loraplex.bench.workload", *args],
         env=env,
         cwd=REPO,
         capture_output=True,

@@ -16,11 +16,11 @@ import sys
 
 import torch
 
-from bench.random_runner import TINY, build_runner
-from kernels.compile_watch import record_launch_keys
-from kernels.placement import run_triton_on_cpu
-from services.inference.engine.scheduler import SeqChunk
-from services.inference.engine.warmup import warm_up
+from loraplex.bench.random_runner import TINY, build_runner
+from loraplex.kernels.compile_watch import record_launch_keys
+from loraplex.kernels.placement import run_triton_on_cpu
+from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.engine.warmup import warm_up
 
 MAX_TOKENS, MAX_SEQS, SLOTS, PAGE = 48, 20, 18, 16
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from services.inference.engine.async_engine import AsyncEngine
-from services.inference.engine.build import build_engine, build_llm_engine
-from services.inference.engine.engine import LLMEngine
-from services.inference.lora.settings import LoRASettings
-from services.inference.lora.setup import resolve_lora_settings
-from services.inference.lora.shapes import ALL_MODULES, ModelShapes
-from services.inference.server_args import ServerArgs
+from loraplex.services.inference.engine.async_engine import AsyncEngine
+from loraplex.services.inference.engine.build import build_engine, build_llm_engine
+from loraplex.services.inference.engine.engine import LLMEngine
+from loraplex.services.inference.lora.settings import LoRASettings
+from loraplex.services.inference.lora.setup import resolve_lora_settings
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.server_args import ServerArgs
 
 NEW_TOKENS = 24
 PROMPTS = [

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from clients.processes import ServerProcess
+from loraplex.clients.processes import ServerProcess
 
 METRICS_LINE = re.compile(r"metrics on http://(\S+?):(\d+)/metrics")
 SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) ([-+0-9.eEnaIf]+)$")
@@ -43,7 +43,7 @@ def start_inference(
         args += ["--adapter-store", store.address or ""]
     if cache is not None:
         args += ["--adapter-cache-dir", str(cache)]
-    proc = ServerProcess("inference", "services.inference", [*args, *extra], echo=False)
+    proc = ServerProcess("inference", "loraplex.services.inference", [*args, *extra], echo=False)
     try:
         proc.wait_serving(STARTUP_S)
     except Exception:

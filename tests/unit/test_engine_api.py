@@ -7,9 +7,9 @@ import inspect
 
 import pytest
 
-from services.inference.engine.api import Engine
-from services.inference.engine.async_engine import AsyncEngine
-from services.inference.parallel.tp_engine import TPAsyncEngine
+from loraplex.services.inference.engine.api import Engine
+from loraplex.services.inference.engine.async_engine import AsyncEngine
+from loraplex.services.inference.parallel.tp_engine import TPAsyncEngine
 
 MEMBERS = sorted(
     name for name, value in vars(Engine).items() if inspect.isfunction(value) and not name.startswith("_")

@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.detokenizer import IncrementalDetokenizer
-from services.inference.engine.engine import LLMEngine
-from services.inference.engine.output import TextStream
-from services.inference.engine.sampler import SamplingInputs, apply_penalties, sample
-from services.inference.engine.types import SamplingParams
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.detokenizer import IncrementalDetokenizer
+from loraplex.services.inference.engine.engine import LLMEngine
+from loraplex.services.inference.engine.output import TextStream
+from loraplex.services.inference.engine.sampler import SamplingInputs, apply_penalties, sample
+from loraplex.services.inference.engine.types import REPETITION_PENALTY_RANGE, SamplingParams
+from loraplex.services.inference.errors import InvalidRequest
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time there was", "1, 2, 3,"]
 
@@ -116,6 +117,38 @@ def test_penalties_move_logits_in_the_documented_direction():
     # negative values encourage repetition
     more = apply_penalties(logits, inputs(1, presence_penalty=[-1.0], output_ids=[[3]]))
     assert more[0, 3] == 1.5
+
+
+@pytest.mark.parametrize("value", [1e-45, 1e-38, 1e-10, 0.0099, 100.01, 1e30, 3.4e38])
+def test_repetition_penalty_outside_its_range_is_refused(value):
+    # 1e-38 once divided positive logits to inf: the draw then took token 0 or garbage.
+    with pytest.raises(InvalidRequest) as err:
+        SamplingParams(repetition_penalty=value).validate()
+    assert err.value.field == "sampling_params.repetition_penalty"
+    assert "[0.01, 100]" in err.value.message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_penalties_at_the_edges_of_their_ranges_keep_logits_finite(dtype):
+    low, high = REPETITION_PENALTY_RANGE
+    for value in (low, high):
+        SamplingParams(repetition_penalty=value).validate()
+    logits = (torch.randn(6, 64, generator=torch.Generator().manual_seed(3)) * 100).to(dtype)
+    seen = [list(range(64)) * 64] * 6  # every token, many times: the largest counts a request reaches
+    penalised = apply_penalties(
+        logits,
+        inputs(
+            6,
+            repetition_penalty=[low, high, low, high, 1.0, 1.0],
+            frequency_penalty=[2.0, -2.0, -2.0, 2.0, 2.0, -2.0],
+            presence_penalty=[-2.0, 2.0, 2.0, -2.0, -2.0, 2.0],
+            prompt_ids=seen,
+            output_ids=seen,
+        ),
+    )
+    assert torch.isfinite(penalised).all(), dtype
+    greedy = inputs(6, temperature=[0.0] * 6)
+    assert sample(penalised.float(), greedy) == penalised.float().argmax(-1).tolist()
 
 
 # -- through the engine -----------------------------------------------------------------------
@@ -238,3 +271,54 @@ def test_text_stream_holds_back_possible_stop_prefixes(smollm2_path):
             break
     assert stopped
     assert "".join(pieces) == "Hello world. Then "
+
+
+def test_min_tokens_masks_stop_tokens_until_reached(tiny):
+    engine, prompts = tiny
+    (full,) = engine.generate([prompts[0]], SamplingParams(max_new_tokens=12, ignore_eos=True))
+    target = full.token_ids[1]
+    first = full.token_ids.index(target)
+    (early,) = engine.generate([prompts[0]], SamplingParams(max_new_tokens=12, stop_token_ids=(target,)))
+    assert early.finish_reason == "stop" and len(early.token_ids) == first + 1
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=(target, 10**9), min_tokens=first + 3)
+    (late,) = engine.generate([prompts[0]], params)
+    assert len(late.token_ids) >= first + 3
+    assert target not in late.token_ids[: first + 3]
+    assert late.finish_reason == "length" or late.token_ids[-1] == target
+    with pytest.raises(Exception, match="min_tokens"):
+        SamplingParams(max_new_tokens=4, min_tokens=5).validate()
+
+
+def test_ban_masks_only_the_named_ids():
+    logits = torch.zeros(2, 6)
+    logits[0, 3] = logits[1, 2] = 5.0
+    got = sample(logits, inputs(2, temperature=[0.0, 0.0], banned=[(3,), ()]))
+    assert got[1] == 2 and got[0] != 3
+
+
+def test_special_tokens_kept_when_asked(smollm2_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    ids = tok("hi").input_ids + [tok.convert_tokens_to_ids("<|im_end|>")]
+    for skip, want in ((True, "hi"), (False, "hi<|im_end|>")):
+        stream = TextStream(tok, (), skip)
+        for t in ids:
+            stream.add_token(t)
+        stream.finish()
+        assert stream.take(True) == want
+
+
+def test_token_bytes_rebuild_the_text(smollm2_path):
+    """Byte-level pieces of one character keep their bytes (decoded alone they are U+FFFD)."""
+    from transformers import AutoTokenizer
+
+    from loraplex.services.inference.engine.token_bytes import TokenBytes
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    text = "hi 😀 there é 東京 👩‍👩‍👧<|im_end|>"
+    ids = tok(text).input_ids
+    raw = TokenBytes(tok)
+    assert any("\ufffd" in tok.decode([t]) for t in ids)  # the case this is for
+    assert b"".join(raw(t) for t in ids) == text.encode()
+    assert len({raw(t) for t in ids if "\ufffd" in tok.decode([t])}) > 1  # not all the same replacement

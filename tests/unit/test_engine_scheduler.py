@@ -9,12 +9,12 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.inference.engine.block_manager import BlockManager
-from services.inference.engine.config import SchedulerConfig
-from services.inference.engine.request import Request, RequestStatus
-from services.inference.engine.scheduler import ScheduledBatch, Scheduler
-from services.inference.engine.types import SamplingParams
-from services.inference.lora.adapter_slots import NoAdapters
+from loraplex.services.inference.engine.block_manager import BlockManager
+from loraplex.services.inference.engine.config import SchedulerConfig
+from loraplex.services.inference.engine.request import Request, RequestStatus
+from loraplex.services.inference.engine.scheduler import ScheduledBatch, Scheduler
+from loraplex.services.inference.engine.types import SamplingParams
+from loraplex.services.inference.lora.adapter_slots import NoAdapters
 
 
 def make_scheduler(num_blocks: int, page: int = 4, budget: int = 32, chunk: int = 8, max_running: int = 4):
@@ -117,8 +117,12 @@ def test_request_cap_and_budget_hold_back_new_requests():
 def test_kv_cache_sizing():
     import torch
 
-    from services.inference.engine.kv_cache import CPU_KV_BYTES_CAP, kv_bytes_per_token, plan_num_blocks
-    from services.inference.models.config import parse_config
+    from loraplex.services.inference.engine.kv_cache import (
+        CPU_KV_BYTES_CAP,
+        kv_bytes_per_token,
+        plan_num_blocks,
+    )
+    from loraplex.services.inference.models.config import parse_config
 
     cfg = parse_config(
         {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,

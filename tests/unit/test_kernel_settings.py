@@ -1,11 +1,11 @@
-"""`kernels.settings`: the kernels' environment variables, read in one typed place."""
+"""`loraplex.kernels.settings`: the kernels' environment variables, read in one typed place."""
 
 from __future__ import annotations
 
 import json
 
-from kernels import lora_configs
-from kernels.settings import KernelSettings, kernel_settings, reload_kernel_settings
+from loraplex.kernels import lora_configs
+from loraplex.kernels.settings import KernelSettings, kernel_settings, reload_kernel_settings
 
 
 def test_settings_parse_the_environment():

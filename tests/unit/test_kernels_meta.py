@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.lora_meta import BLOCK_MS, alloc_segments, build_segments, num_blocks_bound
+from loraplex.kernels.lora_meta import BLOCK_MS, alloc_segments, build_segments, num_blocks_bound
 
 
 def check_invariants(slots: torch.Tensor, num_slots: int, max_tokens: int) -> None:
@@ -86,8 +86,8 @@ def test_too_many_tokens_is_rejected():
 
 @pytest.mark.parametrize("max_tokens", [1, 16, 40, 256, 300, 2048])
 def test_shrink_buffer_fits_every_step_size(max_tokens):
-    from kernels.lora_configs import shrink_splits
-    from kernels.lora_shrink import alloc_shrink_out, shrink_out_view
+    from loraplex.kernels.lora_configs import shrink_splits
+    from loraplex.kernels.lora_shrink import alloc_shrink_out, shrink_out_view
 
     buf = alloc_shrink_out(max_tokens, 3, 16, 14336, "cpu")
     assert buf.shape[1] == 48
@@ -103,8 +103,8 @@ def test_shrink_buffer_fits_every_step_size(max_tokens):
 
 
 def test_upper_tier_splits_apply_only_above_many_adapters(monkeypatch):
-    from kernels import lora_configs as cfg
-    from kernels.lora_plan import GroupShape, plan_step
+    from loraplex.kernels import lora_configs as cfg
+    from loraplex.kernels.lora_plan import GroupShape, plan_step
 
     monkeypatch.setitem(cfg.SPLITS_TABLE, cfg.SplitsKey("decode_many", in_features=14336), 7)
     cfg.clear_caches()

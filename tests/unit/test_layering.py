@@ -21,14 +21,20 @@ FORBIDDEN = {
 }
 
 
+def _package_of(module: str) -> str:
+    """`loraplex.services.inference.x` -> `services`; a name outside the namespace keeps its first part."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "loraplex" and len(parts) > 1 else parts[0]
+
+
 def _imported_packages(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(), filename=str(path))
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(_package_of(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(_package_of(node.module))
     return names
 
 
@@ -49,7 +55,7 @@ def _modules() -> dict[str, Path]:
     for package in PACKAGES:
         for f in (ROOT / package).rglob("*.py"):
             parts = f.relative_to(ROOT).with_suffix("").parts
-            mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+            mods[".".join(("loraplex", *(parts[:-1] if parts[-1] == "__init__" else parts)))] = f
     return mods
 
 
@@ -122,7 +128,7 @@ def test_no_import_cycle_between_modules():
 
 
 def test_no_import_cycle_between_packages():
-    """A package is a directory (services.inference.engine, services.inference.lora, ...); a
+    """A package is a directory (loraplex.services.inference.engine, loraplex.services.inference.lora, ...); a
     module importing a module of its own package or of a sub-package does not count."""
     graph, mods = _module_graph()
 
@@ -169,13 +175,15 @@ def test_engine_lora_and_workers_take_config_objects_not_the_cli_type(package):
     files = sorted((ROOT / "services" / "inference" / package).rglob("*.py"))
     assert files
     bad = [
-        str(f.relative_to(ROOT)) for f in files if "services.inference.server_args" in _imported_modules(f)
+        str(f.relative_to(ROOT))
+        for f in files
+        if "loraplex.services.inference.server_args" in _imported_modules(f)
     ]
-    assert not bad, f"these import the CLI type (services.inference.server_args): {bad}"
+    assert not bad, f"these import the CLI type (loraplex.services.inference.server_args): {bad}"
 
 
 def test_server_args_does_not_reach_back_into_proto_convert():
     """proto_convert reads ServerArgs; the adapter name rule both need lives in lora/names.py, so
     no import, not even one inside a function, runs the other way."""
     imported = _imported_modules(ROOT / "services" / "inference" / "server_args.py")
-    assert not {m for m in imported if m.startswith("services.inference.proto_convert")}
+    assert not {m for m in imported if m.startswith("loraplex.services.inference.proto_convert")}

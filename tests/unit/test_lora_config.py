@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.inference.errors import AdapterIncompatible, AdapterInvalid, AdapterNotFound
-from services.inference.lora.adapter import load_adapter_weights
-from services.inference.lora.config import check_fits, parse_adapter_config, resolve_targets
-from services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid, AdapterNotFound
+from loraplex.services.inference.lora.adapter import load_adapter_weights
+from loraplex.services.inference.lora.config import check_fits, parse_adapter_config, resolve_targets
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
 
 
 @pytest.fixture(scope="module")

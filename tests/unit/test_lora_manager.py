@@ -9,11 +9,11 @@ import threading
 import pytest
 import torch
 
-from services.inference.errors import AdapterIncompatible, AdapterNotFound, CapacityExceeded
-from services.inference.lora.adapter import load_adapter_weights
-from services.inference.lora.manager import LoRAManager
-from services.inference.lora.pool import AdapterPool
-from services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.errors import AdapterIncompatible, AdapterNotFound, CapacityExceeded
+from loraplex.services.inference.lora.adapter import load_adapter_weights
+from loraplex.services.inference.lora.manager import LoRAManager
+from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,15 @@
-"""`kernels.lora_plan`: one launch plan per step, from the config tables' buckets only."""
+"""`loraplex.kernels.lora_plan`: one launch plan per step, from the config tables' buckets only."""
 
 from __future__ import annotations
 
-from kernels.lora_configs import (
+from loraplex.kernels.lora_configs import (
     DECODE_MAX_TOKENS,
     MANY_ADAPTERS,
     expand_config,
     shrink_config,
     shrink_splits,
 )
-from kernels.lora_plan import GroupShape, lora_tier, plan_step, tier_distinct_bound
+from loraplex.kernels.lora_plan import GroupShape, lora_tier, plan_step, tier_distinct_bound
 
 # Llama-3.1-8B's groups at rank 16: every table entry has a row for them.
 SHAPES = {

@@ -7,12 +7,12 @@ import random
 import pytest
 import torch
 
-from services.inference.lora.adapter import AdapterWeights
-from services.inference.lora.backend import GROUPS
-from services.inference.lora.config import AdapterSpec, ModuleLoRA
-from services.inference.lora.pool import AdapterPool, pool_nbytes
-from services.inference.lora.shapes import ALL_MODULES, ModelShapes
-from services.inference.lora.torch_backend import TorchLoRABackend
+from loraplex.services.inference.lora.adapter import AdapterWeights
+from loraplex.services.inference.lora.backend import GROUPS
+from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA
+from loraplex.services.inference.lora.pool import AdapterPool, pool_nbytes
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
 
 SHAPES = ModelShapes(num_layers=3, hidden_size=48, intermediate_size=80, q_size=48, kv_size=16)
 
@@ -138,3 +138,20 @@ def test_torch_backend_skips_unallocated_groups():
     qkv = torch.zeros(3, SHAPES.q_size + 2 * SHAPES.kv_size)
     backend.apply(0, "qkv", torch.randn(3, SHAPES.hidden_size), qkv)
     assert qkv[:2, : SHAPES.q_size].abs().sum() > 0 and qkv[:, SHAPES.q_size :].abs().sum() == 0
+
+
+def test_switching_the_side_stream_never_frees_a_buffer_a_graph_may_read():
+    """Captured graphs (decode and mixed-step) hold raw pointers into the backend's buffers; a
+    benchmark that switches the side stream recaptures only some graph kinds, so switching must not
+    reallocate or free the delta buffer."""
+    from loraplex.services.inference.lora.triton_backend import TritonLoRABackend
+
+    pool = AdapterPool(
+        SHAPES, slots=2, max_rank=4, target_modules=ALL_MODULES, dtype=torch.float32, device="cpu"
+    )
+    backend = TritonLoRABackend(pool, max_tokens=32, side_stream=True)
+    buffer = backend._delta.data_ptr()
+    for on in (False, True, False):
+        backend.set_side_stream(on)
+        assert backend.side_stream is on
+        assert backend._delta is not None and backend._delta.data_ptr() == buffer

@@ -3,7 +3,7 @@ version it started with: no request ever mixes two versions of an adapter."""
 
 from __future__ import annotations
 
-from services.inference.engine.types import SamplingParams
+from loraplex.services.inference.engine.types import SamplingParams
 from tests.support.lora_reference import peft_greedy, server_args, sync_engine
 
 NEW = 24

@@ -3,7 +3,7 @@ run, so it is resident when the request is admitted, and the output is unchanged
 
 from __future__ import annotations
 
-from services.inference.engine.types import SamplingParams
+from loraplex.services.inference.engine.types import SamplingParams
 from tests.support.lora_reference import peft_greedy, server_args, sync_engine
 
 

@@ -3,12 +3,12 @@ tokens (so their steps stay short); with no decode running, the full chunk."""
 
 from __future__ import annotations
 
-from services.inference.engine.block_manager import BlockManager
-from services.inference.engine.config import SchedulerConfig
-from services.inference.engine.request import Request
-from services.inference.engine.scheduler import Scheduler
-from services.inference.engine.types import SamplingParams
-from services.inference.lora.adapter_slots import NoAdapters
+from loraplex.services.inference.engine.block_manager import BlockManager
+from loraplex.services.inference.engine.config import SchedulerConfig
+from loraplex.services.inference.engine.request import Request
+from loraplex.services.inference.engine.scheduler import Scheduler
+from loraplex.services.inference.engine.types import SamplingParams
+from loraplex.services.inference.lora.adapter_slots import NoAdapters
 
 
 def run_steps(decode_budget: int, steps: int) -> list[list[int]]:

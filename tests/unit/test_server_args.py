@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.settings import reload_kernel_settings
-from services.inference.engine.config import EngineConfig
-from services.inference.lora.settings import LoRAConfig
-from services.inference.server_args import (
+from loraplex.kernels.settings import reload_kernel_settings
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.lora.settings import LoRAConfig
+from loraplex.services.inference.server_args import (
     ServerArgs,
     build_parser,
     flat_defaults,
@@ -108,6 +108,10 @@ def test_switches_and_environment(monkeypatch):
         (["--lora-paths", "=src"], "--lora-paths expects NAME=SOURCE"),
         (["--lora-paths", "../x=src"], "--lora-paths name '../x' is invalid"),
         (["--lora-paths", "a=1", "a=2"], "--lora-paths names 'a' twice"),
+        (
+            ["--model-path", "/models/Llama-3", "--lora-paths", "llama-3=src"],
+            "name 'llama-3' is the model's name",
+        ),
         (["--adapter-store", "localhost"], "--adapter-store expects HOST:PORT or 'none'"),
         (["--adapter-store", "h:99999"], "--adapter-store expects HOST:PORT or 'none'"),
         (["--adapter-store-tls-ca", "ca.pem"], "--adapter-store-tls-ca needs --adapter-store"),
@@ -130,6 +134,7 @@ def test_switches_and_environment(monkeypatch):
         (["--log-level", "loud"], "--log-level: invalid choice"),
         (["--device", "tpu"], "--device: invalid choice"),
         (["--dtype", "int8"], "--dtype: invalid choice"),
+        (["--quantization", "awq"], "--quantization: invalid choice"),
         (["--lora-backend", "cuda"], "--lora-backend: invalid choice"),
         (["--port", "x"], "--port: invalid int value"),
     ],
@@ -162,3 +167,10 @@ def test_from_fields_routes_each_field_to_its_owner_and_names_unknown_ones():
         ServerArgs.from_fields(max_lora_ranks=8)
     with pytest.raises(ValueError, match="--max-lora-rank must be >= 1"):
         dataclasses.replace(args.lora, max_lora_rank=0)
+
+
+def test_quantization_flag_reaches_the_engine_config():
+    assert parse_args(["--model-path", "m", "--quantization", "fp8"]).engine.quantization == "fp8"
+    assert parse_args(["--model-path", "m"]).engine.quantization is None
+    with pytest.raises(ValueError, match="--quantization must be one of fp8"):
+        EngineConfig(quantization="int4")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from services.inference.engine.warmup import warm_up_steps
+from loraplex.services.inference.engine.warmup import warm_up_steps
 
 
 @pytest.mark.parametrize("max_num_seqs", [2, 5, 17, 65])
@@ -16,7 +16,7 @@ def test_warm_up_steps_fit_max_num_seqs(max_num_seqs: int, num_slots: int) -> No
 
 
 def test_compiles_count_as_stalls_only_between_engine_builds() -> None:
-    from kernels.compile_watch import CompileCounter
+    from loraplex.kernels.compile_watch import CompileCounter
 
     counter = CompileCounter()
     counter._hook(fn=None)  # start-up of the first engine

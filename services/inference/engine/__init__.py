@@ -10,7 +10,7 @@ from typing import Any
 
 def __getattr__(name: str) -> Any:
     if name == "build_engine":
-        from services.inference.engine.build import build_engine
+        from loraplex.services.inference.engine.build import build_engine
 
         return build_engine
     raise AttributeError(name)

@@ -31,7 +31,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable
 
-from services.inference.engine.request import Request
+from loraplex.services.inference.engine.request import Request
 
 # Steps an adapter with requests may go without computing before it goes first. Waits are short
 # without it (a new adapter starts at the lowest pass); this is the guarantee. About 0.25 s of

@@ -1,7 +1,7 @@
 """`Engine`: the one interface the servicer, the adapter resolver and the server use.
 
 `AsyncEngine` (one device) and `TPAsyncEngine` (tensor parallel) implement it. It knows nothing of
-gRPC: failures are `services.inference.errors` exceptions, which the servicer maps to status codes.
+gRPC: failures are `loraplex.services.inference.errors` exceptions, which the servicer maps to status codes.
 
 Methods that wait (for the model, the disk or other threads) are coroutines and must be awaited on
 the caller's event loop; the others return at once and are called directly, from the event loop.
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
-from services.inference.lora.adapter_slots import AdapterInfo
+from loraplex.services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
+from loraplex.services.inference.lora.adapter_slots import AdapterInfo
 
 
 class Engine(Protocol):
@@ -49,14 +49,23 @@ class Engine(Protocol):
         ...
 
     def render_chat(
-        self, messages: list[dict[str, str]], adapter: str | None = None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        adapter: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Prompt ids of chat `messages`: the adapter's own chat template when its directory ships
-        one, else the model's. Raises `InvalidRequest` when the template cannot render them."""
+        one, else the model's; `tools` (OpenAI tool definitions) as engine/chat_tools.py renders them.
+        Raises `InvalidRequest` when the template cannot render them."""
         ...
 
     def detokenize_each(self, token_ids: list[int]) -> list[str]:
         """Each token's text alone (the `token` of log probabilities)."""
+        ...
+
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+        """Each token's raw bytes (engine/token_bytes.py): part of a character stays its bytes."""
         ...
 
     # -- adapters ---------------------------------------------------------------------------

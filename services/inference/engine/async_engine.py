@@ -15,12 +15,22 @@ import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-from services.inference.engine.chat import adapter_chat_template, render_chat
-from services.inference.engine.engine import LLMEngine
-from services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
-from services.inference.errors import AdapterNotFound, BackendUnavailable, InvalidRequest, LoraplexError
-from services.inference.lora.adapter_slots import AdapterInfo
-from services.inference.lora.manager import LoRAManager
+from loraplex.services.inference.engine.chat import (
+    render_adapter_template,
+    render_model_template,
+)
+from loraplex.services.inference.engine.engine import LLMEngine
+from loraplex.services.inference.engine.template_sandbox import TemplateRenderer
+from loraplex.services.inference.engine.token_bytes import TokenBytes
+from loraplex.services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
+from loraplex.services.inference.errors import (
+    AdapterNotFound,
+    BackendUnavailable,
+    InvalidRequest,
+    LoraplexError,
+)
+from loraplex.services.inference.lora.adapter_slots import AdapterInfo
+from loraplex.services.inference.lora.manager import LoRAManager
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +41,7 @@ class _Add(NamedTuple):
     adapter: str | None
     params: SamplingParams
     arrival_time: float
+    grammar: object = None  # params.constraint compiled (engine/grammar.py), when it has one
 
 
 class _Abort(NamedTuple):
@@ -62,7 +73,10 @@ class AsyncEngine:
         # because a fast tokenizer must not be used from two threads at once.
         self._tokenizer = _clone_tokenizer(engine)
         self._tokenizer_lock = threading.Lock()
-        self._chat_templates: dict[tuple[str, str], str | None] = {}  # (adapter dir, digest) -> template
+        # What transformers hands a template besides the messages (bos_token, eos_token, ...).
+        self._template_variables = dict(self._tokenizer.special_tokens_map)
+        self._templates = TemplateRenderer()  # adapters' templates: worker processes, started on first use
+        self._token_bytes = TokenBytes(self._tokenizer)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}
@@ -90,6 +104,9 @@ class AsyncEngine:
             raise AdapterNotFound(
                 f"adapter {add.adapter!r} is not loaded on this server", adapter=add.adapter
             )
+        if add.params.constraint is not None:
+            # Compiled on the grammar cache's threads: the batch runs on while this request waits.
+            add = add._replace(grammar=await self.engine.grammars.compile_async(add.params.constraint))
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._sinks_lock:
             if add.request_id in self._sinks:
@@ -122,24 +139,40 @@ class AsyncEngine:
             return list(self._tokenizer(text).input_ids)
 
     def render_chat(
-        self, messages: list[dict[str, str]], adapter: str | None = None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        adapter: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """Prompt ids of chat `messages` (engine/chat.py); an adapter's own template when it ships one."""
-        template = None
-        if adapter:
-            info = next((a for a in self.list_adapters() if a.name == adapter), None)
-            if info is not None:
-                key = (info.source, info.digest)
-                if key not in self._chat_templates:
-                    self._chat_templates[key] = adapter_chat_template(info.source)
-                template = self._chat_templates[key]
+        # Read with the adapter's weights at load time (lora/adapter.py), never from its directory now.
+        template = self.lora_manager.chat_template(adapter) if adapter and self.lora_manager else None
+        # Rendered outside the tokenizer lock: a slow template must not hold every other request.
+        if template is None:
+            text = render_model_template(self._tokenizer, messages, add_generation_prompt, tools)
+        else:
+            text = render_adapter_template(
+                self._templates,
+                template,
+                adapter or "",
+                messages,
+                add_generation_prompt,
+                self._template_variables,
+                self.engine.context_length,
+                tools,
+            )
         with self._tokenizer_lock:
-            return render_chat(self._tokenizer, messages, add_generation_prompt, template)
+            return list(self._tokenizer(text, add_special_tokens=False).input_ids)
 
     def detokenize_each(self, token_ids: list[int]) -> list[str]:
         """Each token's text alone (for log probabilities' `token`)."""
         with self._tokenizer_lock:
             return [self._tokenizer.decode([t]) for t in token_ids]
+
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+        with self._tokenizer_lock:
+            return [self._token_bytes(t) for t in token_ids]
 
     def model_info(self) -> ModelInfo:
         return self._model_info
@@ -179,6 +212,7 @@ class AsyncEngine:
         """Stop the engine thread; requests still running end with BackendUnavailable."""
         self._stopped.set()
         self._wake.set()
+        self._templates.close()  # a render under way ends now, not when its template would
         await asyncio.to_thread(self._thread.join, timeout)
 
     # -- engine thread --------------------------------------------------------------------
@@ -207,6 +241,7 @@ class AsyncEngine:
                         command.params,
                         command.adapter,
                         arrival_time=command.arrival_time,
+                        grammar=command.grammar,
                     )
                 except LoraplexError as exc:
                     self._deliver(command.request_id, exc)
@@ -256,6 +291,8 @@ def default_model_info(engine: LLMEngine) -> ModelInfo:
         lora_backend="none",
         tp_size=1,
         context_length=engine.context_length,
+        architecture=loaded.config.architecture,
+        family=loaded.config.family.name,
     )
 
 

@@ -15,8 +15,17 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.attention_kv_store import store_kv_ref
-from services.inference.models.context import Attention
+from loraplex.kernels.attention_kv_store import store_kv_ref
+from loraplex.services.inference.models.config import ModelConfig
+from loraplex.services.inference.models.context import Attention
+
+
+def effective_windows(config: ModelConfig, context_length: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window, None where it is global or the window covers the whole context."""
+    return tuple(
+        w if w is not None and w < context_length else None
+        for w in (config.window_of(i) for i in range(config.num_layers))
+    )
 
 
 class PrefillSegment(NamedTuple):
@@ -35,12 +44,45 @@ class AttentionMetadata(NamedTuple):
     prefill_ctx_slots: torch.Tensor  # [sum ctx_len] int64: cache slots of each segment's context
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)
+
+
+def to_cache_dtype(t: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """k or v in the cache's element type: an FP8 cache holds values unscaled, saturated at +-448
+    (a plain cast would turn them into NaN)."""
+    if cache.dtype == FP8 and t.dtype != FP8:
+        return t.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return t.to(cache.dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as their bytes for `index_copy_`, which torch does not implement for FP8 on the CPU."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
 class TorchPagedAttention(Attention):
-    def __init__(self, kv_cache: torch.Tensor, scale: float):
+    """`windows[layer]`: that layer's sliding window (a query at position p sees keys at positions
+    > p - window) or None; `softcap`: scores become `softcap * tanh(scores / softcap)` before the
+    mask (Gemma 2). The cache keeps every page either way, so the prefix cache and chunked prefill
+    see the same blocks as for a global layer; a window only narrows what is read."""
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        scale: float,
+        windows: tuple[int | None, ...] = (),
+        softcap: float | None = None,
+    ):
         self.kv_cache = kv_cache
         self.page_size = kv_cache.shape[3]
         self.scale = scale
+        self.windows = windows
+        self.softcap = softcap
         self.meta: AttentionMetadata | None = None
+
+    def _window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
 
     def begin(self, meta: AttentionMetadata) -> None:
         self.meta = meta
@@ -50,7 +92,9 @@ class TorchPagedAttention(Attention):
     ) -> None:
         """Write the step's new k/v rows into the cache (rows whose slot is < 0 are padding: skipped)."""
         slots = self.meta.slot_mapping if slot_mapping is None else slot_mapping
-        store_kv_ref(k, v, self.kv_cache[layer, 0], self.kv_cache[layer, 1], slots[: k.shape[0]])
+        k, v = to_cache_dtype(k, self.kv_cache), to_cache_dtype(v, self.kv_cache)
+        k_cache, v_cache = _bytes(self.kv_cache[layer, 0]), _bytes(self.kv_cache[layer, 1])
+        store_kv_ref(_bytes(k), _bytes(v), k_cache, v_cache, slots[: k.shape[0]])
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the step's queries over the cache (their own k/v already stored):
@@ -68,7 +112,7 @@ class TorchPagedAttention(Attention):
             q_seg = q[seg.q_start : seg.q_start + seg.q_len]
             slots = meta.prefill_ctx_slots[seg.ctx_start : seg.ctx_start + seg.ctx_len]
             out[seg.q_start : seg.q_start + seg.q_len] = self._prefill(
-                q_seg, k_flat[slots], v_flat[slots], seg
+                q_seg, k_flat[slots].to(q.dtype), v_flat[slots].to(q.dtype), seg, self._window(layer)
             )
         return out.reshape(q.shape[0], -1)
 
@@ -76,13 +120,16 @@ class TorchPagedAttention(Attention):
         meta = self.meta
         assert meta is not None, "begin() must bind the step's metadata first"
         kv_heads, head_dim = k.shape[1], k.shape[2]
-        self.kv_cache[layer, 0].view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        self.kv_cache[layer, 1].view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        k, v = _bytes(to_cache_dtype(k, self.kv_cache)), _bytes(to_cache_dtype(v, self.kv_cache))
+        _bytes(self.kv_cache[layer, 0]).view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        _bytes(self.kv_cache[layer, 1]).view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         return self.attend(layer, q)
 
     def _prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment, window: int | None
     ) -> torch.Tensor:
+        if window is not None or self.softcap is not None:
+            return self._prefill_eager(q, k, v, seg, window)
         q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         if seg.ctx_len == seg.q_len:
             o = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, scale=self.scale, enable_gqa=True)
@@ -93,6 +140,25 @@ class TorchPagedAttention(Attention):
             o = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
 
+    def _prefill_eager(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment, window: int | None
+    ) -> torch.Tensor:
+        """Scores written out (SDPA has no soft-capping), computed as transformers' eager attention."""
+        heads, kv_heads = q.shape[1], k.shape[1]
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        q_pos = torch.arange(seg.q_len, device=q.device)[:, None] + (seg.ctx_len - seg.q_len)
+        k_pos = torch.arange(seg.ctx_len, device=q.device)[None, :]
+        visible = k_pos <= q_pos
+        if window is not None:
+            visible &= k_pos > q_pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.einsum("hqk,khd->qhd", probs, v)
+
     def _decode(self, layer: int, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         b, heads, head_dim = q.shape
         tables = meta.decode_block_tables
@@ -101,8 +167,13 @@ class TorchPagedAttention(Attention):
         kv_heads = k.shape[2]
         qg = q.reshape(b, kv_heads, heads // kv_heads, head_dim).float()
         scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * self.scale
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         positions = torch.arange(k.shape[1], device=q.device)
         invalid = positions[None, :] >= meta.decode_context_lens[:, None]
+        window = self._window(layer)
+        if window is not None:  # the query is at position len - 1: keys at <= len - 1 - window are out
+            invalid |= positions[None, :] <= meta.decode_context_lens[:, None] - 1 - window
         scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
         o = torch.einsum("bhgl,blhd->bhgd", probs, v.float())

@@ -13,11 +13,11 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.attention_decode import paged_decode_attention
-from kernels.attention_kv_store import store_kv
-from kernels.attention_prefill import paged_prefill_attention
-from services.inference.engine.attention import AttentionMetadata
-from services.inference.models.context import Attention
+from loraplex.kernels.attention_decode import paged_decode_attention
+from loraplex.kernels.attention_kv_store import store_kv
+from loraplex.kernels.attention_prefill import paged_prefill_attention
+from loraplex.services.inference.engine.attention import AttentionMetadata
+from loraplex.services.inference.models.context import Attention
 
 
 class _PrefillBatch(NamedTuple):
@@ -28,10 +28,21 @@ class _PrefillBatch(NamedTuple):
 
 
 class TritonPagedAttention(Attention):
-    def __init__(self, kv_cache: torch.Tensor, scale: float):
+    """`windows` / `softcap`: as `TorchPagedAttention`'s (per-layer sliding windows, Gemma 2's
+    soft-capping); both are kernel arguments, so a windowed layer reads only its window's pages."""
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        scale: float,
+        windows: tuple[int | None, ...] = (),
+        softcap: float | None = None,
+    ):
         self.kv_cache = kv_cache
         self.page_size = kv_cache.shape[3]
         self.scale = scale
+        self.windows = windows
+        self.softcap = softcap
         self.meta: AttentionMetadata | None = None
         self.prefill: _PrefillBatch | None = None
 
@@ -73,6 +84,7 @@ class TritonPagedAttention(Attention):
         assert meta is not None, "begin() must bind the step's metadata first"
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         out = torch.empty_like(q) if out is None else out.view(q.shape)
+        opts = {"window": self.windows[layer] if self.windows else None, "softcap": self.softcap}
         nd = meta.num_decode_tokens
         if nd:
             paged_decode_attention(
@@ -83,6 +95,7 @@ class TritonPagedAttention(Attention):
                 meta.decode_context_lens,
                 self.scale,
                 out=out[:nd],
+                **opts,
             )
         if self.prefill is not None:
             p = self.prefill
@@ -96,6 +109,7 @@ class TritonPagedAttention(Attention):
                 self.scale,
                 p.max_q_len,
                 out=out[nd:],
+                **opts,
             )
         return out.reshape(q.shape[0], -1)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from services.inference.engine.async_engine import AsyncEngine, default_model_info
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import LLMEngine, load
-from services.inference.engine.loading import LoadedModel
-from services.inference.lora.settings import LoRAConfig
-from services.inference.lora.setup import LoRAStack, build_lora
-from services.inference.lora.shapes import ModelShapes
+from loraplex.services.inference.engine.async_engine import AsyncEngine, default_model_info
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.engine import LLMEngine, load
+from loraplex.services.inference.engine.loading import LoadedModel
+from loraplex.services.inference.lora.settings import LoRAConfig
+from loraplex.services.inference.lora.setup import LoRAStack, build_lora
+from loraplex.services.inference.lora.shapes import ModelShapes
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def build_llm_engine(
 def build_engine(config: EngineConfig, lora_config: LoRAConfig) -> AsyncEngine:
     """Load the model, size and allocate the KV cache, start the engine thread."""
     if config.tp_size != 1:  # one worker process per device (services/inference/parallel/)
-        from services.inference.parallel.tp_engine import build_tp_engine
+        from loraplex.services.inference.parallel.tp_engine import build_tp_engine
 
         return build_tp_engine(config, lora_config)
     engine, lora = build_llm_engine(config, lora_config)

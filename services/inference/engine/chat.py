@@ -2,49 +2,74 @@
 
 Rendered as transformers' `apply_chat_template(messages, add_generation_prompt=...,
 tokenize=True)` does: the template's text, tokenized without adding special tokens (the
-template writes them). An adapter that ships a template (`chat_template.jinja`, or
-`chat_template` in its `tokenizer_config.json`, as `save_pretrained` writes them) uses it.
+template writes them). An adapter that ships a template uses it (read with its weights at load
+time: lora/adapter.py), rendered in a worker process with a time and size budget
+(template_sandbox.py); the model's own is rendered here. Neither holds the tokenizer lock.
+OpenAI tool definitions go to a template that renders `tools`, else are described in the system
+message (engine/chat_tools.py).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-from pathlib import Path
+from loraplex.services.inference.engine.chat_tools import (
+    calls_as_content,
+    describe_tools,
+    template_knows_tools,
+)
+from loraplex.services.inference.engine.template_sandbox import TemplateRenderer
+from loraplex.services.inference.errors import InvalidRequest
 
-from services.inference.errors import InvalidRequest
-
-log = logging.getLogger(__name__)
-
-
-def adapter_chat_template(adapter_dir: str | Path) -> str | None:
-    """The chat template an adapter directory ships, or None."""
-    root = Path(adapter_dir)
-    jinja = root / "chat_template.jinja"
-    try:
-        if jinja.is_file():
-            return jinja.read_text()
-        config = root / "tokenizer_config.json"
-        if config.is_file():
-            template = json.loads(config.read_text()).get("chat_template")
-            return template if isinstance(template, str) and template else None
-    except (OSError, ValueError) as exc:
-        log.warning("adapter %s: cannot read its chat template: %s", root, exc)
-    return None
+# A rendered prompt longer than this many characters per context token cannot fit (the same
+# bound the servicer puts on text before tokenizing it).
+MAX_RENDERED_CHARS_PER_TOKEN = 64
 
 
-def render_chat(
-    tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool, template: str | None = None
-) -> list[int]:
-    """Token ids of `messages` rendered with `template` (default: the tokenizer's own)."""
-    if template is None and not getattr(tokenizer, "chat_template", None):
+def _with_tools(template: str | None, messages: list[dict], tools: list[dict] | None):
+    """(messages, tools) as `template` can take them: a template that does not render tools gets
+    them (and earlier calls) written into the messages instead."""
+    if not template_knows_tools(template):
+        if tools:
+            return describe_tools(messages, tools), None
+        if any(m.get("tool_calls") for m in messages):
+            return calls_as_content(messages), None
+    return messages, tools or None
+
+
+def render_model_template(
+    tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+) -> str:
+    """The text of `messages` in the model's own template (the operator's: rendered in-process)."""
+    source = getattr(tokenizer, "chat_template", None)
+    if not source:
         raise InvalidRequest(
             "this model has no chat template; send text or token ids instead", field="messages"
         )
+    messages, tools = _with_tools(source if isinstance(source, str) else None, messages, tools)
     try:
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, chat_template=template
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
         )
     except Exception as exc:  # noqa: BLE001 - a template error is the request's (e.g. roles it refuses)
         raise InvalidRequest(f"the chat template refused these messages: {exc}", field="messages") from None
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def render_adapter_template(
+    renderer: TemplateRenderer,
+    template: str,
+    adapter: str,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    variables: dict,
+    context_length: int,
+    tools: list[dict] | None = None,
+) -> str:
+    """The text of `messages` in an adapter's own template (its author's code: in a worker)."""
+    messages, tools = _with_tools(template, messages, tools)
+    return renderer.render(
+        template,
+        messages,
+        add_generation_prompt,
+        {**variables, "tools": tools} if tools else variables,
+        max_chars=max(1, context_length) * MAX_RENDERED_CHARS_PER_TOKEN,
+        what=f"the chat template of adapter {adapter!r}",
+    )

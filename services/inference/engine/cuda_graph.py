@@ -7,7 +7,7 @@ buffers that the graph reads: token ids, positions, KV slots, block tables, cont
 and the per-token adapter slots. The LoRA backend's `prepare` (grouping tokens by adapter) is
 captured too, so one graph serves any mix of adapters; a step where no token has an adapter
 replays the graph captured without LoRA and does no LoRA work at all. LoRA graphs come in two
-tiers (`kernels.lora_plan.lora_tier`): up to MANY_ADAPTERS distinct adapters, and (batch sizes
+tiers (`loraplex.kernels.lora_plan.lora_tier`): up to MANY_ADAPTERS distinct adapters, and (batch sizes
 above it) more, whose launch plan takes the `decode_many` entries of kernels/lora_configs.py (the
 expand with one program per token: faster when tokens do not share adapters, slower when they do;
 docs/benchmarks.md). Each graph's `prepare` plans with its tier's bound (`tier_distinct_bound`).
@@ -23,14 +23,14 @@ import time
 
 import torch
 
-from kernels.lora_configs import MANY_ADAPTERS
-from kernels.lora_plan import lora_tier, tier_distinct_bound
-from services.inference.engine.attention import AttentionMetadata
-from services.inference.engine.attention_triton import TritonPagedAttention
-from services.inference.engine.overlap import fill_placeholders
-from services.inference.lora.backend import LoRABackend
-from services.inference.models.context import ForwardContext
-from services.inference.models.llama import LlamaForCausalLM
+from loraplex.kernels.lora_configs import MANY_ADAPTERS
+from loraplex.kernels.lora_plan import lora_tier, tier_distinct_bound
+from loraplex.services.inference.engine.attention import AttentionMetadata
+from loraplex.services.inference.engine.attention_triton import TritonPagedAttention
+from loraplex.services.inference.engine.overlap import fill_placeholders
+from loraplex.services.inference.lora.backend import LoRABackend
+from loraplex.services.inference.models.context import ForwardContext
+from loraplex.services.inference.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -48,14 +48,17 @@ class DecodeGraphs:
         self,
         model: LlamaForCausalLM,
         kv_cache: torch.Tensor,
-        scale: float,
+        eager_attention: TritonPagedAttention,
         lora: LoRABackend | None,
         *,
         max_bs: int,
         max_blocks_per_seq: int,
     ):
         self.model = model
-        self.attention = TritonPagedAttention(kv_cache, scale)
+        # The graphs' own attention (its metadata is the graphs' static buffers), with the eager
+        # one's scale, per-layer windows and soft-capping.
+        a = eager_attention
+        self.attention = TritonPagedAttention(kv_cache, a.scale, a.windows, a.softcap)
         # A backend whose prepare reads slots on the host cannot be captured: such batches run eagerly.
         self.lora = lora if lora is not None and lora.cuda_graph_safe else None
         self.ladder = batch_ladder(max_bs)

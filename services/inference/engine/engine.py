@@ -19,25 +19,40 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from kernels.compile_watch import compile_counter
-from kernels.placement import triton_runs_on
-from services.inference.engine.block_manager import BlockManager
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
-from services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
-from services.inference.engine.logprobs import StepLogprobs, record_prompt_logprobs, rows_logprobs
-from services.inference.engine.model_runner import ModelRunner
-from services.inference.engine.output import TextStream
-from services.inference.engine.overlap import InFlightStep, kv_fits_without_preemption, strip_placeholders
-from services.inference.engine.prefix_cache import base_model_digest
-from services.inference.engine.request import Request
-from services.inference.engine.sampler import SamplingInputs, sample_on_device
-from services.inference.engine.scheduler import Scheduler
-from services.inference.engine.types import EngineStats, RequestOutput, SamplingParams, TokenLogprob
-from services.inference.engine.warmup import warm_up
-from services.inference.errors import CapacityExceeded, InvalidRequest
-from services.inference.lora.adapter_slots import AdapterSlots, NoAdapters
-from services.inference.lora.backend import LoRABackend
+from loraplex.kernels.compile_watch import compile_counter
+from loraplex.kernels.placement import triton_runs_on
+from loraplex.services.inference.engine.block_manager import BlockManager
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.grammar import (
+    GrammarCache,
+    GrammarState,
+    allocate_bitmask,
+    mask_logits,
+)
+from loraplex.services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
+from loraplex.services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
+from loraplex.services.inference.engine.logprobs import StepLogprobs, record_prompt_logprobs, rows_logprobs
+from loraplex.services.inference.engine.model_runner import ModelRunner
+from loraplex.services.inference.engine.output import TextStream
+from loraplex.services.inference.engine.overlap import (
+    InFlightStep,
+    kv_fits_without_preemption,
+    strip_placeholders,
+)
+from loraplex.services.inference.engine.prefix_cache import base_model_digest
+from loraplex.services.inference.engine.request import Request
+from loraplex.services.inference.engine.sampler import SamplingInputs, sample_on_device
+from loraplex.services.inference.engine.scheduler import Scheduler
+from loraplex.services.inference.engine.types import EngineStats, RequestOutput, SamplingParams, TokenLogprob
+from loraplex.services.inference.engine.warmup import warm_up
+from loraplex.services.inference.errors import (
+    BackendUnavailable,
+    CapacityExceeded,
+    ContextLengthExceeded,
+    InvalidRequest,
+)
+from loraplex.services.inference.lora.adapter_slots import AdapterSlots, NoAdapters
+from loraplex.services.inference.lora.backend import LoRABackend
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +90,13 @@ STEP_PHASES = ("schedule", "forward", "sample", "output")
 
 
 class StepTimer(Protocol):
-    """Called at the end of each phase of a step with its name (one of STEP_PHASES), the
+    """Called at the end of each phase of a step with its name (one of STEP_PHASES, or "mask"), the
     `time.perf_counter()` at its start and what it returned: schedule -> the ScheduledBatch, forward ->
     the logits, sample -> (device token ids, log probabilities), output -> the RequestOutputs of the
-    sampled tokens. The device may still be working when forward and sample end (synchronize in the
-    timer to attribute device time to them); with overlap scheduling a step's output phase processes
-    the previous step's tokens."""
+    sampled tokens; mask -> the masked logits (inside sample, on steps with constrained requests
+    only). The device may still be working when forward and sample end (synchronize in the timer to
+    attribute device time to them); with overlap scheduling a step's output phase processes the
+    previous step's tokens."""
 
     def __call__(self, phase: str, started: float, result: object) -> None: ...
 
@@ -104,9 +120,10 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.context_length = loaded.context_length
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
+        kv_dtype = config.kv_dtype(loaded.dtype)
         num_blocks = plan_num_blocks(
             loaded.config,
-            loaded.dtype,
+            kv_dtype,
             loaded.device,
             page_size=config.page_size,
             context_length=self.context_length,
@@ -115,7 +132,14 @@ class LLMEngine:
             mem_fraction_static=config.mem_fraction_static,
             reserved_bytes=kv_reserved_bytes,
         )
-        kv_cache = allocate_kv_cache(loaded.config, num_blocks, config.page_size, loaded.dtype, loaded.device)
+        kv_cache = allocate_kv_cache(loaded.config, num_blocks, config.page_size, kv_dtype, loaded.device)
+        if kv_dtype != loaded.dtype:
+            log.info(
+                "KV cache in FP8 E4M3 (--kv-cache-dtype fp8): %dx the tokens a %s cache holds in the "
+                "same memory",
+                loaded.dtype.itemsize // kv_dtype.itemsize,
+                loaded.dtype,
+            )
         caching = not config.disable_prefix_cache
         self.block_manager = BlockManager(num_blocks, config.page_size, prefix_cache=caching)
         self.adapter_slots = adapter_slots or NoAdapters()
@@ -171,6 +195,14 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None  # overlap: the launched step not yet processed
         self._num_penalized = 0  # requests whose sampling reads their history (no overlap then)
         self._num_logprobs = 0  # requests that asked for log probabilities (none: the step skips them)
+        self._num_constrained = 0  # requests under a grammar (none: the step builds no token mask)
+        self._pending: InFlightStep | None = None  # overlap: the step whose tokens a mask may need first
+        self.grammars = GrammarCache(
+            self.tokenizer,
+            loaded.config.vocab_size,
+            sorted(self.eos_token_ids),
+            tokenizer_name=str(loaded.model_dir),
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> LLMEngine:
@@ -190,10 +222,12 @@ class LLMEngine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", field="text")
         if len(prompt_ids) >= self.context_length:
-            raise InvalidRequest(
+            raise ContextLengthExceeded(
                 f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.context_length} "
                 "tokens including at least one new token",
                 field="text",
+                prompt_tokens=len(prompt_ids),
+                context_length=self.context_length,
             )
         capacity = self.block_manager.capacity_tokens
         if len(prompt_ids) >= capacity:
@@ -210,9 +244,11 @@ class LLMEngine:
         params: SamplingParams,
         adapter: str | None = None,
         arrival_time: float | None = None,
+        grammar=None,
     ) -> None:
         """Queue a request that passed `check_request`. `arrival_time` (time.monotonic()): when the
-        caller received it; default now."""
+        caller received it; default now. `grammar`: params.constraint compiled by `self.grammars`
+        (AsyncEngine compiles it off this thread); compiled here, blocking, when not given."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
         if len(self.scheduler.waiting) >= self.config.max_queued_requests:
@@ -224,8 +260,13 @@ class LLMEngine:
         if params.temperature > 0:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
             req.generator = torch.Generator(device=self.loaded.device).manual_seed(seed)
+        if params.constraint is not None:
+            req.grammar = GrammarState(
+                grammar if grammar is not None else self.grammars.compile(params.constraint)
+            )
+            self._num_constrained += 1
         self.requests[request_id] = req
-        self._streams[request_id] = TextStream(self.tokenizer, params.stop)
+        self._streams[request_id] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
         if _needs_history(params):
             self._num_penalized += 1
         if params.logprobs is not None:
@@ -294,7 +335,13 @@ class LLMEngine:
             for req, n in batch.entries:
                 req.num_computed_tokens += n
             if sampled:
-                self._in_flight = InFlightStep(sampled, *self._phase("sample", self._sample, logits, sampled))
+                self._pending = pending
+                try:
+                    self._in_flight = InFlightStep(
+                        sampled, *self._phase("sample", self._sample, logits, sampled)
+                    )
+                finally:
+                    self._pending = None
         if pending is not None:
             outputs.extend(self._resolve(pending))
         return outputs
@@ -337,14 +384,36 @@ class LLMEngine:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, StepLogprobs | None]:
         """Token ids on the logits' device (no host sync for batches without penalties), and the
-        log probabilities of the rows that asked for them (None when none did)."""
-        tokens = sample_on_device(logits, self._sampling_inputs(reqs))
+        log probabilities of the rows that asked for them (None when none did; they are the model's,
+        before any grammar mask)."""
+        masked = logits
+        if self._num_constrained:
+            masked = self._phase("mask", self._mask_constrained, logits, reqs)
+        tokens = sample_on_device(masked, self._sampling_inputs(reqs))
         if not self._num_logprobs:
             return tokens, None
         rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not rows:
             return tokens, None
         return tokens, StepLogprobs(logits, tokens, rows, [reqs[i].params.logprobs for i in rows])
+
+    def _mask_constrained(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """`logits` with the grammar mask applied to the rows of constrained requests. Under overlap
+        scheduling a constrained row's previous token is still on the device: wait for that step's
+        sampling (already done: this step's forward is queued behind it) and accept its tokens first."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return logits
+        pending = self._pending
+        if pending is not None and any(reqs[i].token_ids[-1] < 0 for i in rows):
+            tokens = pending.host_tokens()
+            for req, pos, token in zip(pending.requests, pending.positions, tokens, strict=True):
+                if req.grammar is not None and self.requests.get(req.request_id) is req:
+                    req.grammar.accept(pos - req.num_prompt_tokens, token)
+        bitmask = allocate_bitmask(len(rows), logits.shape[1], pin=logits.is_cuda)
+        for k, i in enumerate(rows):
+            reqs[i].grammar.fill(bitmask, k)
+        return mask_logits(logits, rows, bitmask)
 
     def _process_outputs(
         self,
@@ -373,7 +442,18 @@ class LLMEngine:
             generators=[r.generator for r in reqs],
             prompt_ids=[r.prompt_ids for r in reqs] if needs_history else [[] for _ in reqs],
             output_ids=[r.output_ids for r in reqs] if needs_history else [[] for _ in reqs],
+            banned=[self._banned(r) for r in reqs],
         )
+
+    def _banned(self, req: Request) -> tuple[int, ...]:
+        """Token ids `req` may not sample now: its stop tokens while it is short of min_tokens (the
+        output count at sampling time includes an overlap placeholder, i.e. the tokens before this one)."""
+        params = req.params
+        if req.num_output_tokens >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+        vocab = self.loaded.config.vocab_size  # a stop id outside the vocabulary can never be sampled
+        return eos + tuple(t for t in params.stop_token_ids if t < vocab)
 
     def _append_token(
         self, req: Request, token: int, position: int | None = None, logprob: TokenLogprob | None = None
@@ -393,7 +473,16 @@ class LLMEngine:
         stream = self._streams[req.request_id]
         params = req.params
         reason = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+        if req.grammar is not None and not req.grammar.accept(num_output_tokens - 1, token):
+            # The mask allows only tokens the grammar accepts: this is an engine defect.
+            req.error = BackendUnavailable(f"the grammar rejected sampled token {token} (an engine defect)")
+            self.scheduler.finish(req, "abort")
+            return self._final_output(req, [token], logprobs, prompt_logprobs)
+        if (
+            (req.grammar is not None and req.grammar.terminated)  # the grammar ended with its EOS
+            or token in params.stop_token_ids
+            or (not params.ignore_eos and token in self.eos_token_ids)
+        ):
             reason = "stop"  # the stop token's id is returned, its text is not
         elif stream.add_token(token):
             reason = "stop"
@@ -430,6 +519,8 @@ class LLMEngine:
         if req.params.logprobs is not None:
             self._num_logprobs -= 1
             logprobs = logprobs or []
+        if req.grammar is not None:
+            self._num_constrained -= 1
         if req.error is not None:
             self.errors[req.request_id] = req.error
         if req.finish_reason != "abort":

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from services.inference.models.config import ModelConfig
+from loraplex.services.inference.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,11 @@ def plan_num_blocks(
     per_token = kv_bytes_per_token(cfg, dtype)
     if max_total_tokens is not None:
         tokens = max_total_tokens
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            check_forced_kv_budget(
+                tokens, per_token, page_size, free, total, mem_fraction_static, reserved_bytes
+            )
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = total * mem_fraction_static - (total - free) - reserved_bytes
@@ -64,6 +69,38 @@ def plan_num_blocks(
         num_blocks * page_size * per_token / 2**20,
     )
     return num_blocks
+
+
+def largest_kv_tokens(
+    per_token: int, page_size: int, free: int, total: int, mem_fraction_static: float, reserved_bytes: int
+) -> int:
+    """The most KV tokens (whole pages) that fit in `free` device bytes after `reserved_bytes` (the
+    adapter pool still to come) and the headroom --mem-fraction-static leaves for activations and
+    CUDA graphs, `(1 - mem_fraction_static) * total`."""
+    room = free - reserved_bytes - int((1 - mem_fraction_static) * total)
+    return max(room // per_token // page_size * page_size, 0)
+
+
+def check_forced_kv_budget(
+    tokens: int,
+    per_token: int,
+    page_size: int,
+    free: int,
+    total: int,
+    mem_fraction_static: float,
+    reserved_bytes: int,
+) -> None:
+    """Refuse a --max-total-tokens the device cannot hold, before allocating it (which would die
+    with an out-of-memory traceback), naming the flag and the largest value that fits."""
+    largest = largest_kv_tokens(per_token, page_size, free, total, mem_fraction_static, reserved_bytes)
+    if tokens > largest:
+        raise MemoryError(
+            f"--max-total-tokens {tokens} needs {tokens * per_token / 2**30:.2f} GiB of KV cache, but with "
+            f"{free / 2**30:.2f} GiB free of {total / 2**30:.1f} GiB, the adapter pool's "
+            f"{reserved_bytes / 2**30:.2f} GiB and the {1 - mem_fraction_static:.2f} headroom "
+            f"--mem-fraction-static {mem_fraction_static:.2f} leaves, the largest that fits is "
+            f"--max-total-tokens {largest}"
+        )
 
 
 def allocate_kv_cache(

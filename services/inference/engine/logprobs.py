@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from services.inference.engine.request import Request
-from services.inference.engine.types import TokenLogprob
+from loraplex.services.inference.engine.request import Request
+from loraplex.services.inference.engine.types import TokenLogprob
 
 
 class StepLogprobs:

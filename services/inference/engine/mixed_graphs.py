@@ -17,7 +17,7 @@ attention and the final norm. Pieces hand the residual stream and q/k/v over in 
 T tokens replays the smallest bucket >= T; rows T.. are padding (KV slot -1: no write; adapter
 slot -1: no LoRA work; attention leaves them alone). Buckets line up with the LoRA kernels'
 family boundaries (16, DECODE_MAX_TOKENS), so a graph launches the kernels the eager step would.
-LoRA tiers as in the decode graphs (engine/cuda_graph.py, `kernels.lora_plan.lora_tier`): none,
+LoRA tiers as in the decode graphs (engine/cuda_graph.py, `loraplex.kernels.lora_plan.lora_tier`): none,
 up to MANY_ADAPTERS distinct adapters, more.
 
 Memory: the graphs of all buckets share one pool, sized by the largest bucket's activations; the
@@ -34,12 +34,12 @@ import time
 
 import torch
 
-from kernels.lora_configs import DECODE_MAX_TOKENS, MANY_ADAPTERS
-from kernels.lora_plan import lora_tier, tier_distinct_bound
-from services.inference.engine.overlap import fill_placeholders
-from services.inference.lora.backend import LoRABackend
-from services.inference.models.context import Attention, ForwardContext
-from services.inference.models.llama import LlamaForCausalLM, StepBuffers
+from loraplex.kernels.lora_configs import DECODE_MAX_TOKENS, MANY_ADAPTERS
+from loraplex.kernels.lora_plan import lora_tier, tier_distinct_bound
+from loraplex.services.inference.engine.overlap import fill_placeholders
+from loraplex.services.inference.lora.backend import LoRABackend
+from loraplex.services.inference.models.context import Attention, ForwardContext
+from loraplex.services.inference.models.llama import LlamaForCausalLM, StepBuffers
 
 log = logging.getLogger(__name__)
 

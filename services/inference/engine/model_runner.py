@@ -13,14 +13,19 @@ import logging
 import numpy as np
 import torch
 
-from kernels.placement import triton_runs_on
-from services.inference.engine.attention import AttentionMetadata, PrefillSegment, TorchPagedAttention
-from services.inference.engine.overlap import fill_placeholders
-from services.inference.engine.scheduler import SeqChunk
-from services.inference.lora.backend import LoRABackend
-from services.inference.models.config import ModelConfig
-from services.inference.models.context import ForwardContext
-from services.inference.models.llama import LlamaForCausalLM
+from loraplex.kernels.placement import triton_runs_on
+from loraplex.services.inference.engine.attention import (
+    AttentionMetadata,
+    PrefillSegment,
+    TorchPagedAttention,
+    effective_windows,
+)
+from loraplex.services.inference.engine.overlap import fill_placeholders
+from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.lora.backend import LoRABackend
+from loraplex.services.inference.models.config import ModelConfig
+from loraplex.services.inference.models.context import ForwardContext
+from loraplex.services.inference.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +48,18 @@ class ModelRunner:
         self.device = kv_cache.device
         self.page_size = kv_cache.shape[3]
         self.lora_backend = lora_backend
-        scale = model_config.head_dim**-0.5
+        scale = model_config.attention_scale
+        windows = effective_windows(model_config, context_length)
+        if triton_runs_on(self.device) and kv_cache.dtype == torch.float8_e4m3fn:
+            raise ValueError(
+                "an FP8 KV cache needs the torch attention path; the Triton kernels do not read FP8 yet"
+            )
         if triton_runs_on(self.device):  # Triton kernels (kernels/attention_*.py); torch reference on CPU
-            from services.inference.engine.attention_triton import TritonPagedAttention
+            from loraplex.services.inference.engine.attention_triton import TritonPagedAttention
 
-            self.attention = TritonPagedAttention(kv_cache, scale)
+            self.attention = TritonPagedAttention(kv_cache, scale, windows, model_config.attn_softcap)
         else:
-            self.attention = TorchPagedAttention(kv_cache, scale=scale)
+            self.attention = TorchPagedAttention(kv_cache, scale, windows, model_config.attn_softcap)
         self.cuda_graphs = None  # DecodeGraphs (engine/cuda_graph.py), set by capture_cuda_graphs
         self.mixed_graphs = None  # MixedGraphs (engine/mixed_graphs.py), set by capture_mixed_graphs
         self.max_blocks_per_seq = -(-context_length // self.page_size)
@@ -73,12 +83,12 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_bs: int) -> None:
         """Capture decode CUDA graphs for batch sizes up to `max_bs` (see engine/cuda_graph.py)."""
-        from services.inference.engine.cuda_graph import DecodeGraphs
+        from loraplex.services.inference.engine.cuda_graph import DecodeGraphs
 
         graphs = DecodeGraphs(
             self.model,
             self.kv_cache,
-            self.config.head_dim**-0.5,
+            self.attention,
             self.lora_backend,
             max_bs=max_bs,
             max_blocks_per_seq=self.max_blocks_per_seq,
@@ -89,7 +99,7 @@ class ModelRunner:
     def capture_mixed_graphs(self, max_tokens: int, use_graphs: bool = True) -> None:
         """Piecewise graphs for steps with prefill chunks of up to `max_tokens` tokens (see
         engine/mixed_graphs.py); `use_graphs=False` runs the same pieces eagerly (CPU tests)."""
-        from services.inference.engine.mixed_graphs import MixedGraphs
+        from loraplex.services.inference.engine.mixed_graphs import MixedGraphs
 
         graphs = MixedGraphs(
             self.model,
@@ -97,7 +107,7 @@ class ModelRunner:
             self.lora_backend,
             max_tokens=max_tokens,
             device=self.device,
-            dtype=self.kv_cache.dtype,
+            dtype=self.model.norm.weight.dtype,  # activations (the KV cache may be FP8)
             use_graphs=use_graphs,
         )
         graphs.capture()

@@ -7,12 +7,12 @@ taken back when a stop string completes.
 
 from __future__ import annotations
 
-from services.inference.engine.detokenizer import IncrementalDetokenizer
+from loraplex.services.inference.engine.detokenizer import IncrementalDetokenizer
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer, stop: tuple[str, ...], skip_special_tokens: bool = True):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stop = tuple(s for s in stop if s)
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # the output text so far, cut before a matched stop string

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from services.inference.engine.block_manager import BlockManager
-from services.inference.engine.logprobs import StepLogprobs
-from services.inference.engine.request import Request
+from loraplex.services.inference.engine.block_manager import BlockManager
+from loraplex.services.inference.engine.logprobs import StepLogprobs
+from loraplex.services.inference.engine.request import Request
 
 
 class InFlightStep:

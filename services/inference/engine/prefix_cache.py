@@ -17,9 +17,9 @@ from array import array
 from collections import defaultdict
 from pathlib import Path
 
-from services.inference.engine.block_manager import BlockManager
-from services.inference.engine.request import Request
-from services.inference.lora.adapter_slots import AdapterSlots
+from loraplex.services.inference.engine.block_manager import BlockManager
+from loraplex.services.inference.engine.request import Request
+from loraplex.services.inference.lora.adapter_slots import AdapterSlots
 
 ROOT_TAG = b"loraplex-kv-v1\0"
 
@@ -118,6 +118,12 @@ class PrefixCache:
             return []
         page = self.blocks.page_size
         n = (len(req.token_ids) - 1) // page
+        if req.params.prompt_logprobs is not None:
+            # A prompt token's log probability needs the last layer's output at the position before
+            # it, which a KV block does not keep: reuse only blocks whose positions' log
+            # probabilities this request already has (a readmission after preemption), compute the
+            # rest. Its blocks are still registered for other requests.
+            n = min(n, len(req.prompt_logprobs) // page)
         extend_block_keys(req.block_keys, root, req.token_ids, page, n)
         return self.blocks.match(req.block_keys[:n])
 
@@ -143,6 +149,7 @@ class PrefixCache:
         req.num_registered_blocks = len(hit)
         if req.num_preemptions == 0:
             self.stats.record(req.adapter, req.num_prompt_tokens, hit_tokens)
+            req.num_cached_prompt_tokens = min(hit_tokens, req.num_prompt_tokens)
 
     def register(self, req: Request) -> None:
         """Offer `req`'s full blocks whose KV is computed to the cache. Their tokens are known: an

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.inference.engine.types import SamplingParams
+from loraplex.services.inference.engine.grammar import GrammarState
+from loraplex.services.inference.engine.types import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +53,8 @@ class Request:
     kv_root: bytes | None = None
     block_keys: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # Constrained decoding (engine/grammar.py): the matcher of params.constraint, else None.
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

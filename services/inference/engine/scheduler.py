@@ -24,13 +24,13 @@ import logging
 from collections import Counter, deque
 from typing import NamedTuple
 
-from services.inference.engine.adapter_slices import DemandSlices
-from services.inference.engine.block_manager import BlockManager
-from services.inference.engine.config import SchedulerConfig
-from services.inference.engine.prefix_cache import PrefixCache
-from services.inference.engine.request import Request, RequestStatus
-from services.inference.errors import LoraplexError
-from services.inference.lora.adapter_slots import AdapterSlots
+from loraplex.services.inference.engine.adapter_slices import DemandSlices
+from loraplex.services.inference.engine.block_manager import BlockManager
+from loraplex.services.inference.engine.config import SchedulerConfig
+from loraplex.services.inference.engine.prefix_cache import PrefixCache
+from loraplex.services.inference.engine.request import Request, RequestStatus
+from loraplex.services.inference.errors import LoraplexError
+from loraplex.services.inference.lora.adapter_slots import AdapterSlots
 
 log = logging.getLogger(__name__)
 

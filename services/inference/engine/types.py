@@ -6,10 +6,70 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from services.inference.errors import InvalidRequest
+from loraplex.services.inference.errors import InvalidRequest
 
 # Alternatives per position a request may ask for (OpenAI's bound for top_logprobs).
 MAX_TOP_LOGPROBS = 20
+# repetition_penalty divides positive logits and multiplies negative ones: 1e-38 overflows float32
+# logits to inf (NaN after the softmax, then token 0 or garbage), 1e38 to -inf. These bounds keep
+# every penalised logit finite in float32 and float16/bfloat16 alike (|logit| stays below 1e4
+# times its size) and are far past any useful penalty (transformers suggests 1.0-1.5).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
+def _within(value: float, low: float, high: float) -> bool:
+    """low <= value <= high, where a bound the wire's float32 cannot hold exactly (0.01 arrives as
+    0.0099999998) still admits its float32 neighbour."""
+    slack = 1e-7  # above float32's relative rounding (6e-8)
+    return low * (1 - slack) <= value <= high * (1 + slack)
+
+
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# A grammar's text (schema JSON, regex, EBNF, or all choices together) may be this long at most:
+# compile time grows with it, and a caller who needs more is better served by a smaller grammar.
+MAX_CONSTRAINT_CHARS = 64 * 1024
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match (engine/grammar.py compiles it, the sampler masks by it).
+
+    kind: "json_schema" (value: the schema as JSON text), "json_object" (any JSON object; no value),
+    "regex" (value: a pattern the whole output matches), "choice" (choices: one of these strings,
+    exactly) or "grammar" (value: EBNF in xgrammar's GBNF dialect, start rule `root`)."""
+
+    kind: str
+    value: str = ""
+    choices: tuple[str, ...] = ()
+
+    @property
+    def field(self) -> str:
+        return f"sampling_params.{self.kind}"
+
+    def validate(self) -> None:
+        """The checks that need no compiler: a known kind, a value where one is needed, size limits."""
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidRequest(
+                f"unknown constraint kind {self.kind!r}; one of {', '.join(CONSTRAINT_KINDS)}",
+                field="sampling_params.constraint",
+            )
+        if self.kind == "choice":
+            if not self.choices or len(self.choices) > MAX_CHOICES:
+                raise InvalidRequest(
+                    f"{self.field} needs 1-{MAX_CHOICES} strings (got {len(self.choices)})", field=self.field
+                )
+            if any(not c for c in self.choices):
+                raise InvalidRequest(f"{self.field} has an empty string", field=self.field)
+            size = sum(len(c) for c in self.choices)
+        else:
+            if self.kind != "json_object" and not self.value:
+                raise InvalidRequest(f"{self.field} is empty", field=self.field)
+            size = len(self.value)
+        if size > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequest(
+                f"{self.field} is {size} characters; at most {MAX_CONSTRAINT_CHARS}", field=self.field
+            )
 
 
 @dataclass(frozen=True)
@@ -32,6 +92,11 @@ class SamplingParams:
     logprobs: int | None = None
     # The same for each prompt token after the first.
     prompt_logprobs: int | None = None
+    # Constrained decoding: the output must match this (None = free text).
+    constraint: Constraint | None = None
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    # EOS (unless ignore_eos) and stop_token_ids are masked out of sampling before this many new tokens.
+    min_tokens: int = 0
 
     def validate(self, max_new_tokens_limit: int | None = None) -> None:
         """Raise InvalidRequest naming the field when a value is out of range."""
@@ -52,8 +117,13 @@ class SamplingParams:
             ("temperature", self.temperature >= 0, "must be >= 0"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k >= 0, "must be >= 0 (0 = off)"),
+            ("min_tokens", 0 <= self.min_tokens <= self.max_new_tokens, "must be in [0, max_new_tokens]"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0 (1 = off)"),
+            (
+                "repetition_penalty",
+                _within(self.repetition_penalty, *REPETITION_PENALTY_RANGE),
+                f"must be in [{REPETITION_PENALTY_RANGE[0]}, {REPETITION_PENALTY_RANGE[1]:g}] (1 = off)",
+            ),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             (
@@ -68,6 +138,8 @@ class SamplingParams:
                 raise InvalidRequest(
                     f"sampling_params.{name} {why} (got {got})", field=f"sampling_params.{name}"
                 )
+        if self.constraint is not None:
+            self.constraint.validate()
         if max_new_tokens_limit is not None and self.max_new_tokens > max_new_tokens_limit:
             raise InvalidRequest(
                 f"sampling_params.max_new_tokens {self.max_new_tokens} exceeds this server's limit "
@@ -117,6 +189,8 @@ class ModelInfo:
     lora_backend: str = "torch"
     tp_size: int = 1
     context_length: int = 0
+    architecture: str = ""  # config.json's, e.g. Gemma2ForCausalLM
+    family: str = ""  # models/families.py name, e.g. gemma2
 
 
 class EngineStats(NamedTuple):

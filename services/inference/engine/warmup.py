@@ -21,11 +21,11 @@ import time
 
 import torch
 
-from kernels.attention_decode import decode_variants
-from kernels.lora_configs import MANY_ADAPTERS
-from kernels.lora_meta import segments_block_ts
-from services.inference.engine.model_runner import ModelRunner
-from services.inference.engine.scheduler import SeqChunk
+from loraplex.kernels.attention_decode import decode_variants
+from loraplex.kernels.lora_configs import MANY_ADAPTERS
+from loraplex.kernels.lora_meta import segments_block_ts
+from loraplex.services.inference.engine.model_runner import ModelRunner
+from loraplex.services.inference.engine.scheduler import SeqChunk
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def lora_tiers(num_slots: int) -> list[int]:
 
 def token_classes(max_num_tokens: int, num_slots: int) -> list[int]:
     """One token count per token-count class a step of up to `max_num_tokens` tokens can be in."""
-    from kernels.lora_configs import DECODE_MAX_TOKENS
+    from loraplex.kernels.lora_configs import DECODE_MAX_TOKENS
 
     counts = {min(b, max_num_tokens) for b in segments_block_ts(max_num_tokens, max(num_slots, 1))}
     counts |= {

@@ -3,6 +3,12 @@
 `adapter_model.safetensors` keys look like
 `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` ([r, in]) and `...lora_B.weight`
 ([out, r]). The header is checked (keys, shapes) before any data is read.
+
+An adapter may ship its own chat template (`chat_template.jinja`, or `chat_template` in its
+`tokenizer_config.json`, as `save_pretrained` writes them). It is read here, at load time, with the
+weights: a regular file only, size-bounded, and covered by the adapter's content digest, so the
+template a request renders is the one that was checked and loaded, not whatever the directory
+holds when the first chat arrives.
 """
 
 from __future__ import annotations
@@ -10,7 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +26,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.inference.errors import AdapterIncompatible, AdapterInvalid, AdapterNotFound
-from services.inference.lora.config import AdapterSpec, ModuleLoRA, parse_adapter_config, resolve_targets
-from services.inference.lora.shapes import ModelShapes, module_path
+from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid, AdapterNotFound
+from loraplex.services.inference.lora.config import (
+    AdapterSpec,
+    ModuleLoRA,
+    parse_adapter_config,
+    resolve_targets,
+)
+from loraplex.services.inference.lora.shapes import FUSED_MODULES, FUSED_OF, ModelShapes, module_path
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +42,12 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 MAX_HEADER_BYTES = 16 * 2**20  # same cap as the adapter store's
 MAX_CONFIG_BYTES = 1 * 2**20
+TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# Read besides the config and the weights, for the chat template (the first one present wins).
+TEMPLATE_FILES = (TEMPLATE_FILE, TOKENIZER_CONFIG_FILE)
+# Large enough for any real tokenizer_config.json (Gemma's, with its added tokens, is about 1 MiB).
+MAX_TEMPLATE_FILE_BYTES = 4 * 2**20
 _KEY = re.compile(r"^base_model\.model\.(?P<path>.+)\.lora_(?P<ab>[AB])\.weight$")
 
 
@@ -41,6 +60,7 @@ class AdapterWeights:
     lora_a: dict[tuple[int, str], torch.Tensor]
     lora_b: dict[tuple[int, str], torch.Tensor]
     digest: str
+    chat_template: str | None = None  # the adapter's own, read at load time (None: the model's)
 
     @property
     def max_rank(self) -> int:
@@ -70,14 +90,65 @@ def _check_header_size(path: Path) -> None:
         )
 
 
-def _digest(directory: Path) -> str:
+def _digest(directory: Path, side_files: dict[str, bytes]) -> str:
+    """sha256 of the config and weights (as the adapter store computes it) and of the other files
+    read (`side_files`, the bytes actually used), so a changed template is another version."""
     h = hashlib.sha256()
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         h.update(name.encode() + b"\0")
         with open(directory / name, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
+    for name, data in sorted(side_files.items()):
+        h.update(b"\0" + name.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
     return "sha256:" + h.hexdigest()
+
+
+def _read_side_file(path: Path, limit: int) -> bytes | None:
+    """The bytes of the regular file `path` (None if absent), at most `limit` of them.
+
+    Symlinks are followed (a Hub cache snapshot is all symlinks); where they may lead is checked
+    before loading (`local_sources`, --allowed-local-dirs). A FIFO or device is refused, not
+    read: it would block or never end, and `stat` says 0 bytes for both."""
+    if not os.path.lexists(path):
+        return None
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        reason = "a dangling symlink" if isinstance(e, FileNotFoundError) else e.strerror
+        raise AdapterInvalid(f"{path.name} cannot be opened: {reason}", field=path.name) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise AdapterInvalid(f"{path.name} is not a regular file", field=path.name)
+        data = b""
+        while len(data) <= limit and (chunk := os.read(fd, limit + 1 - len(data))):
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise AdapterInvalid(f"{path.name} is over {limit} bytes, the most read", field=path.name)
+    return data
+
+
+def read_chat_template(directory: str | Path) -> tuple[str | None, dict[str, bytes]]:
+    """The chat template the directory ships (None: none) and the files read to find it."""
+    directory = Path(directory)
+    for name in TEMPLATE_FILES:
+        data = _read_side_file(directory / name, MAX_TEMPLATE_FILE_BYTES)
+        if data is None:
+            continue
+        try:
+            text = data.decode("utf-8")
+            template = text if name == TEMPLATE_FILE else json.loads(text).get("chat_template")
+        except UnicodeDecodeError as e:  # its message would echo the file's bytes
+            raise AdapterInvalid(f"{name} is not UTF-8 at byte {e.start}", field=name) from None
+        except (ValueError, AttributeError, RecursionError):
+            raise AdapterInvalid(f"{name} is not a JSON object", field=name) from None
+        if name == TOKENIZER_CONFIG_FILE and not isinstance(template, str):
+            template = None  # a tokenizer_config.json without a template (or with a list of named ones)
+        return template or None, {name: data}
+    return None, {}
 
 
 def read_config(directory: str | Path) -> tuple[AdapterSpec, Path]:
@@ -119,7 +190,7 @@ def load_adapter_weights(
     AdapterIncompatible: layer indices or widths of another base model.
     """
     spec, directory = read_config(directory)
-    targets = resolve_targets(spec, shapes.num_layers)
+    targets = resolve_targets(spec, shapes.num_layers, shapes.hf_modules)
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
         if any((directory / n).exists() for n in PICKLE_FILES):
@@ -131,7 +202,11 @@ def load_adapter_weights(
             )
         raise AdapterInvalid(f"{directory} has no {WEIGHTS_FILE}", field=WEIGHTS_FILE)
     _check_header_size(weights_path)
-    by_path = {module_path(n, m): (n, m) for (n, m) in targets}
+
+    def hf_module(module: str) -> str:  # the HF module a pool module's weights come from
+        return FUSED_OF.get(module, module) if shapes.fused_checkpoint else module
+
+    by_path = {module_path(n, hf_module(m)): (n, hf_module(m)) for (n, m) in targets}
     lora_a: dict[tuple[int, str], torch.Tensor] = {}
     lora_b: dict[tuple[int, str], torch.Tensor] = {}
     try:
@@ -165,7 +240,7 @@ def load_adapter_weights(
                     field=WEIGHTS_FILE,
                 )
             layer, module = by_path[path]
-            rank = targets[(layer, module)].rank
+            rank = targets[(layer, FUSED_MODULES.get(module, (module,))[0])].rank
             d_in, d_out = shapes.module_dims(module)
             shape = tuple(f.get_slice(key).get_shape())
             expected = (rank, d_in) if m.group("ab") == "A" else (d_out, rank)
@@ -186,20 +261,39 @@ def load_adapter_weights(
                     f"{expected}: the adapter was trained for another base model",
                     field=WEIGHTS_FILE,
                 )
-            t = f.get_tensor(key).to(dtype).contiguous()
-            if pin_memory:
-                t = t.pin_memory()
-            (lora_a if m.group("ab") == "A" else lora_b)[(layer, module)] = t
-    missing = [
-        module_path(n, mod) + ".lora_" + ab
-        for (n, mod) in targets
-        for ab, d in (("A", lora_a), ("B", lora_b))
-        if (n, mod) not in d
-    ]
+            t = f.get_tensor(key).to(dtype)
+            parts = FUSED_MODULES.get(module, (module,))
+            # A fused module's parts share its A; each takes its rows of B.
+            pieces = (
+                [t] * len(parts)
+                if m.group("ab") == "A"
+                else t.split([shapes.module_dims(p)[1] for p in parts], dim=0)
+            )
+            for part, piece in zip(parts, pieces, strict=True):
+                piece = piece.contiguous()
+                if pin_memory:
+                    piece = piece.pin_memory()
+                (lora_a if m.group("ab") == "A" else lora_b)[(layer, part)] = piece
+    missing = list(
+        dict.fromkeys(
+            module_path(n, hf_module(mod)) + ".lora_" + ab
+            for (n, mod) in targets
+            for ab, d in (("A", lora_a), ("B", lora_b))
+            if (n, mod) not in d
+        )
+    )
     if missing:
         raise AdapterInvalid(
             f"{WEIGHTS_FILE}: missing tensors for targeted modules: {', '.join(missing[:4])}"
             + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""),
             field=WEIGHTS_FILE,
         )
-    return AdapterWeights(spec=spec, targets=targets, lora_a=lora_a, lora_b=lora_b, digest=_digest(directory))
+    chat_template, side_files = read_chat_template(directory)
+    return AdapterWeights(
+        spec=spec,
+        targets=targets,
+        lora_a=lora_a,
+        lora_b=lora_b,
+        digest=_digest(directory, side_files),
+        chat_template=chat_template,
+    )

@@ -8,7 +8,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from services.inference.errors import AdapterNotFound
+from loraplex.services.inference.errors import AdapterNotFound
 
 
 @dataclass

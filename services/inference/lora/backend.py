@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from services.inference.lora.pool import AdapterPool
+    from loraplex.services.inference.lora.pool import AdapterPool
 
 # group -> the PEFT module names stacked in it, in output order.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -33,7 +33,7 @@ class LoRABackend(ABC):
       tensor of the batch's tokens in forward order (-1 = no adapter) and an upper bound on
       the distinct slots among them (None: unknown, any of the pool's). The eager model runner
       passes the step's own count; a CUDA graph passes its LoRA tier's bound
-      (`kernels.lora_plan.tier_distinct_bound`), since one graph serves every step of its tier.
+      (`loraplex.kernels.lora_plan.tier_distinct_bound`), since one graph serves every step of its tier.
       A backend may pick its launches by it (the Triton backend's launch plan). Everything
       per-step (sorting, segments, the launch plan) happens here, never per layer. It must not
       sync the host when the tensor lives in a CUDA graph's static buffer.

@@ -2,7 +2,7 @@
 
 Used by the CPU test (a child process under TRITON_INTERPRET=1: Triton picks interpreter vs
 compiler when a kernel is decorated) and on the GPU (bf16). Prints one JSON line per case:
-`python -m services.inference.lora.backend_check --device cuda --dtype bfloat16`.
+`python -m loraplex.services.inference.lora.backend_check --device cuda --dtype bfloat16`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import random
 
 import torch
 
-from services.inference.lora.adapter import AdapterWeights
-from services.inference.lora.backend import GROUPS
-from services.inference.lora.config import AdapterSpec, ModuleLoRA
-from services.inference.lora.pool import AdapterPool
-from services.inference.lora.shapes import ALL_MODULES, ModelShapes
-from services.inference.lora.torch_backend import TorchLoRABackend
-from services.inference.lora.triton_backend import TritonLoRABackend
+from loraplex.services.inference.lora.adapter import AdapterWeights
+from loraplex.services.inference.lora.backend import GROUPS
+from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA
+from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
+from loraplex.services.inference.lora.triton_backend import TritonLoRABackend
 
 MODULE_SETS = [
     list(ALL_MODULES),

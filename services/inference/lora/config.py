@@ -13,14 +13,15 @@ over the model's module names, so per-(layer, module) ranks and scalings equal P
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from services.inference.errors import AdapterIncompatible, AdapterInvalid
-from services.inference.lora.shapes import ALL_MODULES, all_module_paths, module_path
+from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid
+from loraplex.services.inference.lora.shapes import ALL_MODULES, FUSED_MODULES, all_module_paths, module_path
 
 # PEFT features that change the forward beyond `B(A(x)) * scaling`; refused when set.
 _UNSUPPORTED: dict[str, str] = {
@@ -64,6 +65,7 @@ class AdapterSpec:
     layers_to_transform: tuple[int, ...] | None = None
     layers_pattern: tuple[str, ...] | None = None
     base_model_name_or_path: str | None = None
+    all_linear: bool = False  # target_modules was "all-linear": every projection of the model's own tree
 
     def scaling(self, rank: int, alpha: float) -> float:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
@@ -132,7 +134,8 @@ def parse_adapter_config(cfg: dict[str, Any]) -> AdapterSpec:
     if cfg.get("target_modules") in (None, [], ""):
         raise _invalid("target_modules", "must name at least one module")
     target = cfg["target_modules"]
-    if isinstance(target, str) and target.lower() == "all-linear":
+    all_linear = isinstance(target, str) and target.lower() == "all-linear"
+    if all_linear:
         target = ALL_MODULES
     exclude = cfg.get("exclude_modules")
     layers = cfg.get("layers_to_transform")
@@ -155,6 +158,7 @@ def parse_adapter_config(cfg: dict[str, Any]) -> AdapterSpec:
         layers_to_transform=tuple(layers) if layers else None,
         layers_pattern=tuple(layers_pattern) if layers_pattern else None,
         base_model_name_or_path=str(base) if base else None,
+        all_linear=all_linear,
     )
 
 
@@ -195,14 +199,21 @@ def _pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
     return default
 
 
-def resolve_targets(spec: AdapterSpec, num_layers: int) -> dict[tuple[int, str], ModuleLoRA]:
+def resolve_targets(
+    spec: AdapterSpec, num_layers: int, hf_modules: tuple[str, ...] = ALL_MODULES
+) -> dict[tuple[int, str], ModuleLoRA]:
     """Which (layer, module) the adapter targets, with PEFT's per-module rank/alpha/scaling.
 
+    `hf_modules`: the model's targetable linears (`ModelShapes.hf_modules`); a targeted fused one
+    (Phi-3's qkv_proj, gate_up_proj) comes back as its parts, each with the fused module's rank.
     Raises AdapterInvalid when a target is an embedding/lm_head, not a linear projection, or
     names nothing in this model architecture.
     """
-    projections = {module_path(n, m): (n, m) for n in range(num_layers) for m in ALL_MODULES}
-    matched = [k for k in all_module_paths(num_layers) if k and _matches_target(spec, k)]
+    if spec.all_linear:  # PEFT resolves it against the model: Phi-3's linears are the fused ones
+        spec = dataclasses.replace(spec, target_modules=tuple(hf_modules))
+    projections = {module_path(n, m): (n, m) for n in range(num_layers) for m in hf_modules}
+    paths = all_module_paths(num_layers, hf_modules)
+    matched = [k for k in paths if k and _matches_target(spec, k)]
     for key in matched:
         if key in _EMBEDDING_PATHS:
             raise _invalid(
@@ -211,15 +222,15 @@ def resolve_targets(spec: AdapterSpec, num_layers: int) -> dict[tuple[int, str],
         if key not in projections:
             raise _invalid(
                 "target_modules",
-                f"targets {key!r}, which is not one of the linear projections {', '.join(ALL_MODULES)}",
+                f"targets {key!r}, which is not one of the linear projections {', '.join(hf_modules)}",
             )
     if not isinstance(spec.target_modules, str):
         for name in spec.target_modules:
-            if not any(k == name or k.endswith(f".{name}") for k in all_module_paths(num_layers)):
+            if not any(k == name or k.endswith(f".{name}") for k in paths):
                 raise _invalid(
                     "target_modules",
                     f"{name!r} is not a module of this model architecture "
-                    f"(LoRA can target {', '.join(ALL_MODULES)})",
+                    f"(LoRA can target {', '.join(hf_modules)})",
                 )
     if not matched:
         raise _invalid("target_modules", f"{spec.target_modules!r} matches no module of this model")
@@ -227,7 +238,9 @@ def resolve_targets(spec: AdapterSpec, num_layers: int) -> dict[tuple[int, str],
     for key in matched:
         rank = _pattern_value(spec.rank_pattern, key, spec.r)
         alpha = float(_pattern_value(spec.alpha_pattern, key, spec.lora_alpha))
-        out[projections[key]] = ModuleLoRA(rank, alpha, spec.scaling(rank, alpha))
+        layer, module = projections[key]
+        for part in FUSED_MODULES.get(module, (module,)):
+            out[(layer, part)] = ModuleLoRA(rank, alpha, spec.scaling(rank, alpha))
     return out
 
 

@@ -36,11 +36,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.inference.errors import AdapterNotFound, CapacityExceeded, LoraplexError
-from services.inference.lora.adapter import AdapterWeights, load_adapter_weights
-from services.inference.lora.adapter_slots import AdapterInfo, AdapterSlots
-from services.inference.lora.config import check_fits, modules_of
-from services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.errors import AdapterNotFound, CapacityExceeded, LoraplexError
+from loraplex.services.inference.lora.adapter import AdapterWeights, load_adapter_weights
+from loraplex.services.inference.lora.adapter_slots import AdapterInfo, AdapterSlots
+from loraplex.services.inference.lora.config import check_fits, modules_of
+from loraplex.services.inference.lora.pool import AdapterPool
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from contextlib import nullcontext
 
 import torch
 
-from services.inference.lora.adapter import AdapterWeights
-from services.inference.lora.backend import GROUPS
-from services.inference.lora.shapes import ModelShapes
+from loraplex.services.inference.lora.adapter import AdapterWeights
+from loraplex.services.inference.lora.backend import GROUPS
+from loraplex.services.inference.lora.shapes import ModelShapes
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.settings import kernel_settings
-from services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
-from services.inference.lora.shapes import ALL_MODULES
+from loraplex.kernels.settings import kernel_settings
+from loraplex.services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
+from loraplex.services.inference.lora.shapes import ALL_MODULES
 
 LORA_BACKENDS = ("triton", "torch")
 # `--max-lora-rank` when neither it nor a local `--lora-paths` adapter gives one.

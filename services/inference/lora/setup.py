@@ -19,12 +19,12 @@ from typing import NamedTuple
 
 import torch
 
-from services.inference.lora.adapter import read_config
-from services.inference.lora.backend import LoRABackend
-from services.inference.lora.config import resolve_targets
-from services.inference.lora.manager import LoRAManager
-from services.inference.lora.pool import AdapterPool, pool_nbytes
-from services.inference.lora.settings import (
+from loraplex.services.inference.lora.adapter import read_config
+from loraplex.services.inference.lora.backend import LoRABackend
+from loraplex.services.inference.lora.config import resolve_targets
+from loraplex.services.inference.lora.manager import LoRAManager
+from loraplex.services.inference.lora.pool import AdapterPool, pool_nbytes
+from loraplex.services.inference.lora.settings import (
     DEFAULT_MAX_GPU_LORAS,
     DEFAULT_MAX_LORA_RANK,
     LoRAConfig,
@@ -32,7 +32,7 @@ from services.inference.lora.settings import (
     check_backend_device,
     parse_target_modules,
 )
-from services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
 
 log = logging.getLogger(__name__)
 
@@ -156,13 +156,13 @@ def build_lora(
         device=device,
     )
     if settings.backend == "triton":
-        from services.inference.lora.triton_backend import TritonLoRABackend
+        from loraplex.services.inference.lora.triton_backend import TritonLoRABackend
 
         backend: LoRABackend = TritonLoRABackend(
             pool, max_tokens, side_stream=not lora.disable_lora_side_stream
         )
     else:
-        from services.inference.lora.torch_backend import TorchLoRABackend
+        from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
 
         backend = TorchLoRABackend(pool)
     manager = LoRAManager(

@@ -1,7 +1,10 @@
 """The base model's dimensions as LoRA sees them: per-module input/output widths and paths.
 
 Derived from the HF `config.json` alone, so adapter validation needs no model weights.
-Llama, Mistral and Qwen2 share the module tree `model.layers.N.{self_attn,mlp}.X_proj`.
+Every served family has the module tree `model.layers.N.{self_attn,mlp}.X_proj`; Phi-3's has the
+fused `qkv_proj` and `gate_up_proj` in place of q/k/v and gate/up (`fused_checkpoint`). An adapter
+of a fused module (one A, one B spanning the fused output) is served as its parts: each part gets
+the same A and its rows of B, so the pool and kernels see q/k/v and gate/up of the same rank.
 """
 
 from __future__ import annotations
@@ -11,12 +14,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.inference.lora.backend import GROUPS
+from loraplex.services.inference.lora.backend import GROUPS
 
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 ALL_MODULES = ATTN_MODULES + MLP_MODULES
 MODULE_GROUP: dict[str, str] = {m: g for g, mods in GROUPS.items() for m in mods}
+# A fused HF module -> the modules it stacks, in its output order.
+FUSED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+FUSED_OF: dict[str, str] = {part: fused for fused, parts in FUSED_MODULES.items() for part in parts}
+HF_FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -28,6 +38,12 @@ class ModelShapes:
     intermediate_size: int
     q_size: int  # num_heads * head_dim
     kv_size: int  # num_kv_heads * head_dim
+    fused_checkpoint: bool = False  # the HF model has qkv_proj / gate_up_proj (Phi-3)
+
+    @property
+    def hf_modules(self) -> tuple[str, ...]:
+        """The targetable linears of the HF module tree, as PEFT names them."""
+        return HF_FUSED_MODULES if self.fused_checkpoint else ALL_MODULES
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any] | Any) -> ModelShapes:
@@ -42,6 +58,7 @@ class ModelShapes:
             intermediate_size=int(get("intermediate_size")),
             q_size=heads * head_dim,
             kv_size=kv_heads * head_dim,
+            fused_checkpoint=is_fused_architecture(get("architectures"), get("model_type")),
         )
 
     @classmethod
@@ -59,6 +76,8 @@ class ModelShapes:
             "gate_proj": (h, i),
             "up_proj": (h, i),
             "down_proj": (i, h),
+            "qkv_proj": (h, self.q_size + 2 * self.kv_size),
+            "gate_up_proj": (h, 2 * i),
         }[module]
 
     def group_in(self, group: str) -> int:
@@ -68,13 +87,17 @@ class ModelShapes:
         return tuple(self.module_dims(m)[1] for m in GROUPS[group])
 
 
+def is_fused_architecture(architectures: list[str] | None, model_type: str | None) -> bool:
+    return "Phi3ForCausalLM" in (architectures or []) or (not architectures and model_type == "phi3")
+
+
 def module_path(layer: int, module: str) -> str:
     """The module's name in the HF model (`named_modules()` of *ForCausalLM), as PEFT keys it."""
-    block = "self_attn" if module in ATTN_MODULES else "mlp"
+    block = "self_attn" if module in ATTN_MODULES or module == "qkv_proj" else "mlp"
     return f"model.layers.{layer}.{block}.{module}"
 
 
-def all_module_paths(num_layers: int) -> list[str]:
+def all_module_paths(num_layers: int, modules: tuple[str, ...] = ALL_MODULES) -> list[str]:
     """Every module name of the HF model tree, so PEFT's target matching can be replayed."""
     names = ["", "model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"]
     for n in range(num_layers):
@@ -87,5 +110,5 @@ def all_module_paths(num_layers: int) -> list[str]:
             f"{p}.input_layernorm",
             f"{p}.post_attention_layernorm",
         ]
-        names += [module_path(n, m) for m in ALL_MODULES]
+        names += [module_path(n, m) for m in modules]
     return names

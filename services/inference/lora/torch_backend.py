@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.inference.lora.backend import GROUPS, LoRABackend
-from services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.backend import GROUPS, LoRABackend
+from loraplex.services.inference.lora.pool import AdapterPool
 
 
 class TorchLoRABackend(LoRABackend):

@@ -21,13 +21,13 @@ from contextlib import nullcontext
 
 import torch
 
-from kernels.lora_configs import DECODE_MAX_TOKENS
-from kernels.lora_expand import lora_expand
-from kernels.lora_meta import alloc_segments, build_segments
-from kernels.lora_plan import GroupShape, LoRAPlan, plan_step
-from kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
-from services.inference.lora.backend import GROUPS, LoRABackend
-from services.inference.lora.pool import AdapterPool
+from loraplex.kernels.lora_configs import DECODE_MAX_TOKENS
+from loraplex.kernels.lora_expand import lora_expand
+from loraplex.kernels.lora_meta import alloc_segments, build_segments
+from loraplex.kernels.lora_plan import GroupShape, LoRAPlan, plan_step
+from loraplex.kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
+from loraplex.services.inference.lora.backend import GROUPS, LoRABackend
+from loraplex.services.inference.lora.pool import AdapterPool
 
 
 class TritonLoRABackend(LoRABackend):
@@ -50,25 +50,25 @@ class TritonLoRABackend(LoRABackend):
         self._plan = plan_step(self.group_shapes, 0, pool.slots)
         self._delta: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
+        self._side = False
         self.set_side_stream(side_stream)
 
     @property
     def side_stream(self) -> bool:
-        return self._delta is not None
+        return self._side
 
     def set_side_stream(self, on: bool) -> None:
         """Switch the side stream on or off (benchmarks compare both; captured graphs keep the
-        mode they were captured with, so recapture after switching)."""
-        if on == self.side_stream:
-            return
-        if not on:
-            self._delta, self._stream = None, None
-            return
-        rows = min(self.max_tokens, DECODE_MAX_TOKENS)
-        cols = max((sum(w) for w in self._widths.values()), default=1)
-        # One buffer serves every group: a group's delta is added before the next group begins.
-        self._delta = torch.zeros(rows, cols, dtype=torch.float32, device=self.pool.device)
-        self._stream = torch.cuda.Stream(self.pool.device) if self.pool.device.type == "cuda" else None
+        mode they were captured with, so recapture after switching). The delta buffer and the
+        stream, once made, live as long as the backend: a graph of any kind captured in either mode
+        never reads memory that switching freed."""
+        if on and self._delta is None:
+            rows = min(self.max_tokens, DECODE_MAX_TOKENS)
+            cols = max((sum(w) for w in self._widths.values()), default=1)
+            # One buffer serves every group: a group's delta is added before the next group begins.
+            self._delta = torch.zeros(rows, cols, dtype=torch.float32, device=self.pool.device)
+            self._stream = torch.cuda.Stream(self.pool.device) if self.pool.device.type == "cuda" else None
+        self._side = on
 
     @property
     def nbytes(self) -> int:
@@ -89,7 +89,7 @@ class TritonLoRABackend(LoRABackend):
             self._delta[: self._plan.num_tokens].zero_()
 
     def _uses_delta(self) -> bool:
-        return self._delta is not None and self._plan.num_tokens <= self._delta.shape[0]
+        return self._side and self._plan.num_tokens <= self._delta.shape[0]
 
     def _run(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
         pool, launch = self.pool, self._plan.groups[group]

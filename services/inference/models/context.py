@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from services.inference.lora.backend import LoRABackend
+from loraplex.services.inference.lora.backend import LoRABackend
 
 
 class Attention(ABC):

@@ -1,4 +1,8 @@
-"""Llama-family decoder (Llama 2/3.x, SmolLM2, Mistral, Qwen2) over a paged KV cache.
+"""The shared decoder over a paged KV cache: Llama 2/3.x, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 2,
+Gemma 3 (text) and Phi-3/Phi-4. What sets a family apart is a named switch of models/families.py
+(`cfg.family`): q/k norms, (1 + weight) norms, the sandwich norms around attention and the MLP,
+scaled embeddings, GeGLU, a local rope for sliding-window layers, fused checkpoint tensors; the
+attention's windows and soft-capping live in the Attention object (engine/attention*.py).
 
 Linears are fused per LoRA group (`qkv`, `o`, `gate_up`, `down`, see lora/backend.py GROUPS);
 around each group's base matmul the LoRA backend, when the batch has adapters, computes its
@@ -19,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fused_ops import add_rms_norm, qkv_rotary, qkv_rotary_ref, rms_norm, silu_and_mul
-from kernels.placement import triton_runs_on
-from services.inference.models.config import ModelConfig
-from services.inference.models.context import ForwardContext
-from services.inference.models.rope import RotaryEmbedding
+from loraplex.kernels.fused_ops import add_rms_norm, qkv_rotary, qkv_rotary_ref, rms_norm, silu_and_mul
+from loraplex.kernels.placement import triton_runs_on
+from loraplex.services.inference.models.config import ModelConfig
+from loraplex.services.inference.models.context import ForwardContext
+from loraplex.services.inference.models.rope import RotaryEmbedding
 
 
 def _empty_param(*shape: int) -> nn.Parameter:
@@ -67,17 +71,20 @@ class Addend(NamedTuple):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.eps = eps
+        self.unit_offset = unit_offset  # Gemma: scale by (1 + weight) in float32, then cast
         self.weight = _empty_param(size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if triton_runs_on(x) and x.dim() == 2:  # one fused launch instead of seven (kernels/fused_ops.py)
-            return rms_norm(x, self.weight, self.eps)
-        # Normalise in float32 and cast back before the weight, as transformers does.
+            return rms_norm(x, self.weight, self.eps, self.unit_offset)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
+        # Llama: cast back before the weight, as transformers does.
         return self.weight * h.to(x.dtype)
 
     def add_forward(
@@ -95,7 +102,16 @@ class RMSNorm(nn.Module):
             normed = self(h)
             return h, normed if out is None else out.copy_(normed)
         if triton_runs_on(h) and h.dim() == 2:
-            return add_rms_norm(h, addend.out, self.weight, self.eps, addend.delta, h_out=h_out, out=out)
+            return add_rms_norm(
+                h,
+                addend.out,
+                self.weight,
+                self.eps,
+                addend.delta,
+                h_out=h_out,
+                out=out,
+                unit_offset=self.unit_offset,
+            )
         h = h + addend.materialize()
         if h_out is not None:
             h = h_out.copy_(h)
@@ -108,8 +124,18 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.index = index
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        family = cfg.family
+        self.input_layernorm = _norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)  # the MLP's input norm
+        # Qwen3 / Gemma 3: q and k normalised per head before rotary.
+        self.q_norm = _norm(cfg, cfg.head_dim) if family.qk_norm else None
+        self.k_norm = _norm(cfg, cfg.head_dim) if family.qk_norm else None
+        # Gemma 2/3: attention and MLP outputs normalised before their residual adds.
+        self.attn_output_norm = _norm(cfg, cfg.hidden_size) if family.sandwich_norms else None
+        self.mlp_output_norm = _norm(cfg, cfg.hidden_size) if family.sandwich_norms else None
+        self.activation = cfg.activation
+        # Gemma 3: sliding-window layers read the second (local) rope table.
+        self.rope_table = 1 if cfg.local_rope is not None and cfg.window_of(index) is not None else 0
         self.qkv_proj = FusedLinear(cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.qkv_bias)
         self.o_proj = FusedLinear(cfg.q_size, (cfg.hidden_size,), cfg.o_bias)
         inter = cfg.intermediate_size
@@ -153,26 +179,41 @@ class DecoderLayer(nn.Module):
         and v are written into those static buffers (what a CUDA-graph piece leaves for the next)."""
         h, x = self.input_layernorm.add_forward(h, addend, h_out=None if bufs is None else bufs.h)
         qkv = self._linear("qkv", self.qkv_proj, x, ctx)
-        # Split, delta and rotary: one launch on CUDA, the torch code it replaces elsewhere.
-        split_rotary = qkv_rotary if triton_runs_on(qkv.out) else qkv_rotary_ref
+        if cos.dim() == 3:  # two rope tables (global, local): this layer's
+            cos, sin = cos[self.rope_table], sin[self.rope_table]
         out = None if bufs is None else (bufs.q, bufs.k, bufs.v)
-        q, k, v = split_rotary(qkv.out, cos, sin, self.num_heads, self.num_kv_heads, qkv.delta, out=out)
+        qk_norm = None
+        if self.q_norm is not None:  # Qwen3 / Gemma 3: per-head q/k norms, inside the same launch
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset)
+        # Split, delta, q/k norms and rotary: one launch on CUDA, the torch code it replaces elsewhere.
+        split_rotary = qkv_rotary if triton_runs_on(qkv.out) else qkv_rotary_ref
+        q, k, v = split_rotary(
+            qkv.out, cos, sin, self.num_heads, self.num_kv_heads, qkv.delta, out=out, qk_norm=qk_norm
+        )
         return h, q, k, v
 
     def post_attention(
         self, h: torch.Tensor, attn: torch.Tensor, ctx: ForwardContext, bufs: StepBuffers | None = None
     ) -> tuple[torch.Tensor, Addend]:
         """o projection, residual add + norm, the MLP: (h, the down projection not yet added)."""
-        h, x = self.post_attention_layernorm.add_forward(
-            h, self._linear("o", self.o_proj, attn, ctx), h_out=None if bufs is None else bufs.h
-        )
+        o = self._linear("o", self.o_proj, attn, ctx)
+        if self.attn_output_norm is not None:
+            o = Addend(self.attn_output_norm(o.materialize()))
+        h, x = self.post_attention_layernorm.add_forward(h, o, h_out=None if bufs is None else bufs.h)
         gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx)
-        if triton_runs_on(gate_up.out):
-            act = silu_and_mul(gate_up.out, gate_up.delta)
+        if triton_runs_on(gate_up.out):  # SwiGLU or GeGLU, one launch
+            act = silu_and_mul(gate_up.out, gate_up.delta, self.activation)
         else:
             gate, up = gate_up.materialize().split((self.inter, self.inter), dim=-1)
-            act = F.silu(gate) * up
-        return h, self._linear("down", self.down_proj, act, ctx)
+            act = (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
+        down = self._linear("down", self.down_proj, act, ctx)
+        if self.mlp_output_norm is not None:
+            down = Addend(self.mlp_output_norm(down.materialize()))
+        return h, down
+
+
+def _norm(cfg: ModelConfig, size: int) -> RMSNorm:
+    return RMSNorm(size, cfg.rms_norm_eps, unit_offset=cfg.family.norm_unit_offset)
 
 
 class StepBuffers(NamedTuple):
@@ -185,8 +226,10 @@ class StepBuffers(NamedTuple):
     v: torch.Tensor
 
 
-# checkpoint name -> (our module attribute, stack index) for the fused linears.
+# checkpoint name -> (our module attribute, stack index; -1: the whole fused tensor) for the fused linears.
 _LAYER_WEIGHTS = {
+    "self_attn.qkv_proj": ("qkv_proj", -1),  # Phi-3 stores them fused
+    "mlp.gate_up_proj": ("gate_up_proj", -1),
     "self_attn.q_proj": ("qkv_proj", 0),
     "self_attn.k_proj": ("qkv_proj", 1),
     "self_attn.v_proj": ("qkv_proj", 2),
@@ -196,10 +239,18 @@ _LAYER_WEIGHTS = {
     "mlp.down_proj": ("down_proj", 0),
 }
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER_NORMS = {
+    "input_layernorm",
+    "post_attention_layernorm",
+    "attn_output_norm",
+    "mlp_output_norm",
+    "self_attn.q_norm",
+    "self_attn.k_norm",
+}
 
 
 class LlamaForCausalLM(nn.Module):
-    """Serves LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
+    """Serves every architecture of models/families.py (the name is the family it started from)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -209,14 +260,32 @@ class LlamaForCausalLM(nn.Module):
         )
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = _norm(cfg, cfg.hidden_size)
         self.lm_head = None if cfg.tie_word_embeddings else _empty_param(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
+        self.local_rotary = None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope, cfg.head_dim)
+        self.embed_scale = cfg.hidden_size**0.5 if cfg.family.embed_scale else None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # Gemma: times sqrt(hidden) rounded to the model dtype
+            # (a host scalar: no device tensor is made inside a CUDA-graph capture)
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
+        return h
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[T, head_dim/2]`; with a local rope `[2, T, head_dim/2]` (global, local), each
+        layer picking its own (`DecoderLayer.rope_table`)."""
+        cos, sin = self.rotary.cos_sin(positions, dtype)
+        if self.local_rotary is None:
+            return cos, sin
+        local_cos, local_sin = self.local_rotary.cos_sin(positions, dtype)
+        return torch.stack((cos, local_cos)), torch.stack((sin, local_sin))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        h = self.embed(input_ids)
+        cos, sin = self.rope_tables(positions, h.dtype)
         addend = None
         for layer in self.layers:
             h, addend = layer(h, addend, cos, sin, ctx)
@@ -228,8 +297,8 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, bufs: StepBuffers
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Embedding, rotary tables and layer 0 up to attention (into `bufs`); returns (cos, sin)."""
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        h = self.embed(input_ids)
+        cos, sin = self.rope_tables(positions, h.dtype)
         self.layers[0].pre_attention(h, None, cos, sin, ctx, bufs)
         return cos, sin
 
@@ -258,6 +327,9 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits; `out`: write them there (one conversion kernel instead of a convert and a copy)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         logits = F.linear(hidden, weight)
+        cap = self.config.final_softcap
+        if cap is not None:  # Gemma 2, in the model dtype as transformers computes it
+            logits = torch.tanh(logits / cap) * cap
         return logits.float() if out is None else out.copy_(logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -279,14 +351,23 @@ class LlamaForCausalLM(nn.Module):
         match = _LAYER_RE.match(name)
         if match:
             layer_idx, module_name, kind = int(match[1]), match[2], match[3]
+            module_name = self.config.family.checkpoint_renames.get(module_name, module_name)
             layer = self.layers[layer_idx]
             if module_name in _LAYER_WEIGHTS:
                 attr, index = _LAYER_WEIGHTS[module_name]
-                getattr(layer, attr).load_shard(index, kind, tensor)
+                fused: FusedLinear = getattr(layer, attr)
+                if index < 0:  # a fused checkpoint tensor: our stacks in the same order
+                    if tensor.shape[0] != sum(fused.out_sizes):
+                        raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {sum(fused.out_sizes)}")
+                    for i, part in enumerate(tensor.split(fused.out_sizes, dim=0)):
+                        fused.load_shard(i, kind, part)
+                else:
+                    fused.load_shard(index, kind, tensor)
                 return f"layers.{layer_idx}.{attr}.{kind}"
-            if module_name in ("input_layernorm", "post_attention_layernorm") and kind == "weight":
-                _copy(getattr(layer, module_name).weight, tensor, name)
-                return f"layers.{layer_idx}.{module_name}.weight"
+            attr = module_name.removeprefix("self_attn.")
+            if module_name in _LAYER_NORMS and kind == "weight" and getattr(layer, attr) is not None:
+                _copy(getattr(layer, attr).weight, tensor, name)
+                return f"layers.{layer_idx}.{attr}.weight"
         simple = {
             "model.embed_tokens.weight": ("embed_tokens.weight", self.embed_tokens.weight),
             "model.norm.weight": ("norm.weight", self.norm.weight),

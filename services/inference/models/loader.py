@@ -16,8 +16,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
-from services.inference.models.llama import LlamaForCausalLM
+from loraplex.services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
+from loraplex.services.inference.models.llama import LlamaForCausalLM
+from loraplex.services.inference.models.quantization.fp8_linear import load_fp8, quantize_linears
+from loraplex.services.inference.models.quantization.scheme import read_quantization_config, resolve_scheme
 
 log = logging.getLogger(__name__)
 
@@ -98,15 +100,22 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(
-    model_dir: Path, device: torch.device, dtype: torch.dtype
+    model_dir: Path, device: torch.device, dtype: torch.dtype, quantization: str | None = None
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model on `device` in `dtype` (uninitialised) and copy the checkpoint into it."""
+    """Build the model on `device` in `dtype` (uninitialised) and copy the checkpoint into it.
+    `quantization` ("fp8" or None) and the checkpoint's quantization_config pick FP8 base linears."""
     config = load_config(model_dir)
+    scheme = resolve_scheme(quantization, read_quantization_config(model_dir))
     files = safetensors_files(model_dir)
     with torch.device(device), default_dtype(dtype):
         model = LlamaForCausalLM(config)
+        if scheme is not None:
+            quantize_linears(model, scheme)
     try:
-        model.load_weights(iter_weights(files))
+        if scheme is None:
+            model.load_weights(iter_weights(files))
+        else:
+            load_fp8(model, iter_weights(files))
     except ValueError as exc:
         raise UnsupportedModelError(f"{model_dir}: {exc}") from exc
     model.eval()

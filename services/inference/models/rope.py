@@ -1,4 +1,4 @@
-"""Rotary position embeddings, with the `linear` and Llama 3 (`llama3`) frequency scalings.
+"""Rotary position embeddings, with the `linear`, Llama 3 (`llama3`) and Phi-3 (`longrope`) scalings.
 
 Frequencies are computed in float32 exactly as transformers does, so angles agree bit for bit.
 """
@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from services.inference.models.config import RopeConfig
+from loraplex.services.inference.models.config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -19,6 +19,14 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scale(inv_freq, rope)
+    if rope.rope_type == "longrope":
+        # Short factors only: config.check_context_length keeps the context within the original length.
+        factors = torch.tensor(rope.short_factor, dtype=torch.float32)
+        if factors.shape[0] != inv_freq.shape[0]:
+            raise ValueError(
+                f"longrope short_factor has {factors.shape[0]} entries, needs {inv_freq.shape[0]}"
+            )
+        return 1.0 / (factors * rope.theta**exponents)
     return inv_freq
 
 
@@ -41,7 +49,11 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(rope, head_dim), persistent=False)
+        self.attention_factor = rope.attention_factor  # longrope scales cos and sin (1.0 otherwise)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)

@@ -14,8 +14,8 @@ from multiprocessing.connection import Connection, wait
 
 import torch.multiprocessing as mp
 
-from services.inference.errors import BackendUnavailable
-from services.inference.parallel.worker import WorkerSpec, recv, send, worker_main
+from loraplex.services.inference.errors import BackendUnavailable
+from loraplex.services.inference.parallel.worker import WorkerSpec, recv, send, worker_main
 
 log = logging.getLogger(__name__)
 

@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernels.lora_expand import lora_expand
-from kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
-from services.inference.lora.adapter import AdapterWeights
-from services.inference.lora.backend import LoRABackend
-from services.inference.lora.pool import AdapterPool
-from services.inference.lora.shapes import ModelShapes
-from services.inference.lora.torch_backend import TorchLoRABackend
-from services.inference.parallel.partition import COLUMN_MODULES, ShardPlan
+from loraplex.kernels.lora_expand import lora_expand
+from loraplex.kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
+from loraplex.services.inference.lora.adapter import AdapterWeights
+from loraplex.services.inference.lora.backend import LoRABackend
+from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.shapes import ModelShapes
+from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
+from loraplex.services.inference.parallel.partition import COLUMN_MODULES, ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class TPTritonLoRABackend(LoRABackend):
     cuda_graph_safe = True
 
     def __init__(self, pool: AdapterPool, max_tokens: int):
-        from services.inference.lora.triton_backend import TritonLoRABackend
+        from loraplex.services.inference.lora.triton_backend import TritonLoRABackend
 
         self.pool = pool
         self.inner = TritonLoRABackend(pool, max_tokens)

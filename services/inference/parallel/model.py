@@ -10,6 +10,7 @@ runs over gloo (CPU) and NCCL (CUDA).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,10 +20,18 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
-from services.inference.models.llama import FusedLinear, LlamaForCausalLM
-from services.inference.models.loader import default_dtype, safetensors_files
-from services.inference.parallel.partition import ShardPlan
+from loraplex.services.inference.lora.shapes import FUSED_MODULES
+from loraplex.services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
+from loraplex.services.inference.models.llama import FusedLinear, LlamaForCausalLM
+from loraplex.services.inference.models.loader import default_dtype, safetensors_files
+from loraplex.services.inference.models.quantization.fp8_linear import (
+    SCALE_KINDS,
+    Fp8Linear,
+    load_fp8,
+    quantize_linears,
+)
+from loraplex.services.inference.models.quantization.scheme import read_quantization_config, resolve_scheme
+from loraplex.services.inference.parallel.partition import COLUMN_MODULES, ROW_MODULES, ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +43,17 @@ class RowParallelLinear(FusedLinear):
         out = F.linear(x, self.weight)
         dist.all_reduce(out)
         if self.bias is not None:  # whole on every rank: added once, after the sum
+            out += self.bias
+        return out
+
+
+class Fp8RowParallelLinear(Fp8Linear):
+    """The FP8 row-parallel linear: each rank's FP8 partial matmul, all-reduced, then the bias."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_matmul(x, None)
+        dist.all_reduce(out)
+        if self.bias is not None:
             out += self.bias
         return out
 
@@ -81,15 +101,46 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
         return torch.cat(parts, dim=-1)[:, : self.config.vocab_size]
 
 
-def _shard(name: str, f, plan: ShardPlan) -> torch.Tensor:
+def _shard_scale(sl, module: str, kind: str, plan: ShardPlan, block: tuple[int, int] | None) -> torch.Tensor:
+    """This rank's part of an FP8 scale: per-channel scales go with their weight rows, per-tensor
+    and input scales whole, block scales by block (the rank's rows or columns must start on one)."""
+    shape = sl.get_shape()
+    column = module in COLUMN_MODULES
+    if kind == "input_scale" or math.prod(shape) == 1 or not (column or module in ROW_MODULES):
+        return sl[:]
+    a, b = plan.module_range(module)
+    if kind == "weight_scale":  # per channel [out, 1]: rows of column modules, whole for row modules
+        return sl[a:b] if column else sl[:]
+    bn, bk = block
+    step = bn if column else bk
+    if a % step or (column and b % step):
+        raise ValueError(
+            f"block-wise FP8 ({bn}x{bk}) under --tp-size {plan.tp_size}: {module}'s shard "
+            f"[{a}, {b}) does not fall on {step}-element block boundaries; use a smaller --tp-size"
+        )
+    if column:
+        return sl[a // bn : b // bn]
+    return sl[:, a // bk : math.ceil(b / bk)]
+
+
+def _shard(name: str, f, plan: ShardPlan, block: tuple[int, int] | None = None) -> torch.Tensor:
     """Read only this rank's slice of checkpoint tensor `name`."""
     sl = f.get_slice(name)
     parts = name.split(".")
     module = parts[-2] if len(parts) >= 2 else ""
     kind = parts[-1]
+    if kind in SCALE_KINDS:
+        return _shard_scale(sl, module, kind, plan, block)
     if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
         a, b = plan.module_range(module)
         return sl[a:b]  # weight rows or bias entries
+    if module in FUSED_MODULES:  # Phi-3's fused tensors: this rank's rows of each part, still fused
+        parts, start, rows = FUSED_MODULES[module], 0, []
+        for part in parts:
+            a, b = plan.module_range(part)
+            rows.append(sl[start + a : start + b])
+            start += plan.full_width(part)
+        return torch.cat(rows)
     if module in ("o_proj", "down_proj") and kind == "weight":
         a, b = plan.module_range(module)
         return sl[:, a:b]
@@ -101,22 +152,35 @@ def _shard(name: str, f, plan: ShardPlan) -> torch.Tensor:
     return sl[:]
 
 
-def _iter_shards(files: list[Path], plan: ShardPlan) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_shards(
+    files: list[Path], plan: ShardPlan, block: tuple[int, int] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, _shard(name, f, plan)
+                yield name, _shard(name, f, plan, block)
 
 
 def load_tp_model(
-    model_dir: Path, plan: ShardPlan, device: torch.device, dtype: torch.dtype
+    model_dir: Path,
+    plan: ShardPlan,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str | None = None,
 ) -> TPLlamaForCausalLM:
-    """Build this rank's model on `device` and copy its slices of the checkpoint into it."""
+    """Build this rank's model on `device` and copy its slices of the checkpoint into it (FP8
+    linears as models/loader.py `load_model` picks them; their scales sharded with the weights)."""
     cfg = load_config(model_dir)
+    scheme = resolve_scheme(quantization, read_quantization_config(model_dir))
     with torch.device(device), default_dtype(dtype):
         model = TPLlamaForCausalLM(cfg, plan)
     try:
-        model.load_weights(_iter_shards(safetensors_files(model_dir), plan))
+        if scheme is None:
+            model.load_weights(_iter_shards(safetensors_files(model_dir), plan))
+        else:
+            with torch.device(device), default_dtype(dtype):
+                quantize_linears(model, scheme, {RowParallelLinear: Fp8RowParallelLinear})
+            load_fp8(model, _iter_shards(safetensors_files(model_dir), plan, scheme.block))
     except ValueError as exc:
         raise UnsupportedModelError(f"{model_dir}: {exc}") from exc
     model.eval()

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from services.inference.lora.shapes import ModelShapes
-from services.inference.models.config import ModelConfig
+from loraplex.services.inference.lora.shapes import ModelShapes
+from loraplex.services.inference.models.config import ModelConfig
 
 COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output split
 ROW_MODULES = ("o_proj", "down_proj")  # input split
@@ -47,6 +47,17 @@ class ShardPlan:
     inter: tuple[int, int]
     vocab: tuple[int, int]  # rows of the real vocabulary this rank holds
     vocab_per_rank: int  # rows of its (zero-padded) embedding / lm_head shard
+    total_heads: int = 0  # the whole model's query heads, KV heads, MLP width (fused tensors' offsets)
+    total_kv_heads: int = 0
+    total_inter: int = 0
+
+    def full_width(self, module: str) -> int:
+        """Output rows of a column module in the whole model."""
+        if module == "q_proj":
+            return self.total_heads * self.head_dim
+        if module in ("k_proj", "v_proj"):
+            return self.total_kv_heads * self.head_dim
+        return self.total_inter
 
     @property
     def num_heads(self) -> int:
@@ -126,6 +137,9 @@ def plan_shards(cfg: ModelConfig, tp_size: int) -> list[ShardPlan]:
             inter=inter_ranges[r],
             vocab=(min(r * per_rank, cfg.vocab_size), min((r + 1) * per_rank, cfg.vocab_size)),
             vocab_per_rank=per_rank,
+            total_heads=heads,
+            total_kv_heads=kv,
+            total_inter=cfg.intermediate_size,
         )
         for r in range(tp_size)
     ]

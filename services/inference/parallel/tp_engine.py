@@ -24,24 +24,24 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from services.inference.engine.async_engine import AsyncEngine, default_model_info
-from services.inference.engine.config import EngineConfig
-from services.inference.engine.engine import LLMEngine, LoadedModel
-from services.inference.engine.kv_cache import plan_num_blocks
-from services.inference.engine.types import RequestOutput, SamplingParams
-from services.inference.errors import BackendUnavailable
-from services.inference.lora.manager import LoRAManager
-from services.inference.lora.pool import AdapterPool
-from services.inference.lora.settings import LoRAConfig, LoRASettings
-from services.inference.lora.setup import local_source, resolve_lora_settings
-from services.inference.lora.shapes import ModelShapes
-from services.inference.models.config import ModelConfig, check_context_length, load_config
-from services.inference.models.loader import resolve_dtype, resolve_model_dir
-from services.inference.parallel.group import WorkerGroup
-from services.inference.parallel.lora import ShardedAdapterPool, make_tp_backend
-from services.inference.parallel.model import load_tp_model
-from services.inference.parallel.partition import ShardPlan, plan_shards
-from services.inference.parallel.worker import WorkerSpec, init_group
+from loraplex.services.inference.engine.async_engine import AsyncEngine, default_model_info
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.engine import LLMEngine, LoadedModel
+from loraplex.services.inference.engine.kv_cache import plan_num_blocks
+from loraplex.services.inference.engine.types import RequestOutput, SamplingParams
+from loraplex.services.inference.errors import BackendUnavailable
+from loraplex.services.inference.lora.manager import LoRAManager
+from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.settings import LoRAConfig, LoRASettings
+from loraplex.services.inference.lora.setup import local_source, resolve_lora_settings
+from loraplex.services.inference.lora.shapes import ModelShapes
+from loraplex.services.inference.models.config import ModelConfig, check_context_length, load_config
+from loraplex.services.inference.models.loader import resolve_dtype, resolve_model_dir
+from loraplex.services.inference.parallel.group import WorkerGroup
+from loraplex.services.inference.parallel.lora import ShardedAdapterPool, make_tp_backend
+from loraplex.services.inference.parallel.model import load_tp_model
+from loraplex.services.inference.parallel.partition import ShardPlan, plan_shards
+from loraplex.services.inference.parallel.worker import WorkerSpec, init_group
 
 log = logging.getLogger(__name__)
 

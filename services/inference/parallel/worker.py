@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from services.inference.engine.config import EngineConfig
-from services.inference.lora.settings import LoRASettings
+from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.lora.settings import LoRASettings
 
 log = logging.getLogger(__name__)
 
@@ -95,14 +95,14 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
 
 
 def _serve(spec: WorkerSpec, conn: Connection) -> None:
-    from services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
-    from services.inference.engine.model_runner import ModelRunner
-    from services.inference.lora.pool import AdapterPool
-    from services.inference.lora.shapes import ModelShapes
-    from services.inference.models.config import load_config
-    from services.inference.parallel.lora import make_tp_backend
-    from services.inference.parallel.model import load_tp_model
-    from services.inference.parallel.partition import plan_shards
+    from loraplex.services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
+    from loraplex.services.inference.engine.model_runner import ModelRunner
+    from loraplex.services.inference.lora.pool import AdapterPool
+    from loraplex.services.inference.lora.shapes import ModelShapes
+    from loraplex.services.inference.models.config import load_config
+    from loraplex.services.inference.parallel.lora import make_tp_backend
+    from loraplex.services.inference.parallel.model import load_tp_model
+    from loraplex.services.inference.parallel.partition import plan_shards
 
     config = spec.engine
     if spec.device_type == "cuda":
