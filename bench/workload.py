@@ -15,14 +15,21 @@ Three targets:
     --mode grpc    a running inference server (--target), streaming: TTFT = first streamed token;
                    N adapters = the first N the server lists, slots are the server's own flags
 
-Scenario names: `base`, or `POPULARITY:N[:K]` with POPULARITY zipf|uniform, N adapters and K =
-`--max-loras-per-batch` (absent = default flags). Report per scenario: completed, errors, cut,
-output tokens/s inside the window, TTFT / inter-token / end-to-end p50 p90 p99, mean running and
-waiting requests, adapter uploads and evictions, and ratios to the `base` scenario. Prints a
-markdown table, writes workload.json to --out DIR (bench/results.py).
+Scenario names: `base`, or `POPULARITY:N[:K][:pool=P]` with POPULARITY zipf|uniform, N adapters,
+K = `--max-loras-per-batch` and P = `--max-gpu-loras` (absent = default flags). Report per scenario:
+completed, errors, cut, output tokens/s inside the window, TTFT / inter-token / end-to-end p50 p90
+p99, mean running and waiting requests, adapter uploads and evictions, and ratios to the `base`
+scenario; for Zipf scenarios also the S hottest adapters' TTFT and the others' (S = K, else P, else
+8), queue time (arrival to first scheduled, from the engine) by popularity decile, and swaps
+(evictions: a resident adapter replaced, each costing an upload) per second. Prints markdown
+tables (the main one, issue 34's goal table, the deciles), writes workload.json to --out DIR
+(bench/results.py).
 
     PYTHONPATH=protos python3 -m loraplex.bench.workload --mode engine --window 40 --drain 15
     PYTHONPATH=protos python3 -m loraplex.bench.workload --mode cpu --rate 60 --window 20
+    # issue 34's scarce-slot scenarios (the H200 run of record: --window 45 --drain 10)
+    PYTHONPATH=protos python3 -m loraplex.bench.workload \
+        --scenarios base zipf:64:8 zipf:256:16 zipf:64:pool=16 zipf:64
 """
 
 from __future__ import annotations
@@ -45,7 +52,8 @@ from loraplex.bench.workload_targets import Target, open_target
 
 GPU_SCENARIOS = ("base", "zipf:8:8", "zipf:64:64", "zipf:64", "zipf:256", "zipf:64:8")
 CPU_SCENARIOS = ("base", "zipf:64", "zipf:64:8")
-HOT_ADAPTERS = 8  # the report's "hot" TTFT: requests of this many most popular Zipf adapters
+HOT_ADAPTERS = 8  # the report's "hot" TTFT: requests of the S most popular Zipf adapters, S = K, P or this
+DECILES = 10
 
 
 @dataclass(frozen=True)
@@ -62,16 +70,32 @@ class Scenario:
     popularity: str  # base | zipf | uniform
     num_adapters: int = 0
     max_loras_per_batch: int | None = None  # None: the server's default flags
+    max_gpu_loras: int | None = None  # None: the server's default pool bound
 
     @classmethod
     def parse(cls, text: str) -> Scenario:
         if text == "base":
             return cls("base", "base")
         parts = text.split(":")
-        if parts[0] not in ("zipf", "uniform") or len(parts) not in (2, 3):
-            raise ValueError(f"scenario {text!r}: use 'base' or 'zipf|uniform:N[:MAX_LORAS_PER_BATCH]'")
-        k = int(parts[2]) if len(parts) == 3 else None
-        return cls(text, parts[0], int(parts[1]), k)
+        usage = (
+            f"scenario {text!r}: use 'base' or 'zipf|uniform:N[:MAX_LORAS_PER_BATCH][:pool=MAX_GPU_LORAS]'"
+        )
+        if parts[0] not in ("zipf", "uniform") or not 2 <= len(parts) <= 4:
+            raise ValueError(usage)
+        k = pool = None
+        for part in parts[2:]:
+            if part.startswith("pool="):
+                pool = int(part.removeprefix("pool="))
+            elif part.isdigit() and k is None:
+                k = int(part)
+            else:
+                raise ValueError(usage)
+        return cls(text, parts[0], int(parts[1]), k, pool)
+
+    @property
+    def hot_count(self) -> int:
+        """S: the adapters counted as hot (the cap, else the pool bound, else HOT_ADAPTERS)."""
+        return self.max_loras_per_batch or self.max_gpu_loras or HOT_ADAPTERS
 
     def adapter_index(self, draw: float, exponent: float) -> int | None:
         if self.popularity == "base":
@@ -116,6 +140,7 @@ class Record:
     start: float = 0.0
     token_times: list[float] = field(default_factory=list)  # one entry per streamed message ...
     token_counts: list[int] = field(default_factory=list)  # ... and how many tokens it carried
+    queue_time: float | None = None  # arrival to first scheduled, as the engine measured it
     done: bool = False
     error: str | None = None
 
@@ -123,7 +148,9 @@ class Record:
 async def _one(target: Target, rid: str, arrival: Arrival, rec: Record, t0: float) -> None:
     rec.start = time.perf_counter() - t0
     try:
-        async for n in target.stream(rid, arrival.prompt_ids, rec.adapter, arrival.max_new_tokens):
+        async for n, queued in target.stream(rid, arrival.prompt_ids, rec.adapter, arrival.max_new_tokens):
+            if queued is not None and rec.queue_time is None:
+                rec.queue_time = queued
             if n:
                 rec.token_times.append(time.perf_counter() - t0)
                 rec.token_counts.append(n)
@@ -178,14 +205,22 @@ def summarize(
     samples: list[tuple[int, int]],
     window: float,
     counters: dict,
-    hot: frozenset[str] = frozenset(),
+    ranks: dict[str, int] | None = None,
+    hot_count: int = HOT_ADAPTERS,
+    elapsed: float | None = None,
 ) -> dict:
-    ttft, hot_ttft, itl, e2e, tokens_in_window = [], [], [], [], 0
+    """`ranks`: adapter name -> popularity rank (0 = most popular), for the hot / other / decile splits."""
+    ranks = ranks or {}
+    ttft, hot_ttft, other_ttft, itl, e2e, tokens_in_window = [], [], [], [], [], 0
+    deciles: list[list[float]] = [[] for _ in range(DECILES)]
     for r in records:
+        rank = ranks.get(r.adapter) if r.adapter is not None else None
         if r.token_times:
             ttft.append(r.token_times[0] - r.start)
-            if r.adapter in hot:
-                hot_ttft.append(ttft[-1])
+            if rank is not None:
+                (hot_ttft if rank < hot_count else other_ttft).append(ttft[-1])
+        if rank is not None and r.queue_time is not None:
+            deciles[rank * DECILES // len(ranks)].append(r.queue_time)
         last = None
         for t, n in zip(r.token_times, r.token_counts, strict=True):
             if t <= window:
@@ -199,6 +234,7 @@ def summarize(
     errors = sum(r.error is not None for r in records)
     running = [s[0] for s in samples]
     waiting = [s[1] for s in samples]
+    evictions = counters.get("evictions")
     return dict(
         requests=len(records),
         completed=done,
@@ -209,7 +245,12 @@ def summarize(
         ttft_ms=_pcts(ttft),
         itl_ms=_pcts(itl),
         e2e_ms=_pcts(e2e),
-        hot_ttft_ms=_pcts(hot_ttft),  # requests of the HOT_ADAPTERS most popular adapters
+        hot_adapters=hot_count if ranks else 0,
+        hot_ttft_ms=_pcts(hot_ttft),  # requests of the hot_adapters most popular adapters
+        other_ttft_ms=_pcts(other_ttft),  # every other adapter's requests
+        # queue time (arrival to first scheduled) of each popularity decile's requests, hottest first
+        queue_ms_by_decile=[_pcts(d) for d in deciles] if ranks else [],
+        swaps_per_s=round(evictions / elapsed, 2) if evictions is not None and elapsed else None,
         mean_running=round(float(np.mean(running)), 1) if running else None,
         mean_waiting=round(float(np.mean(waiting)), 1) if waiting else None,
         **counters,
@@ -226,6 +267,7 @@ def add_ratios(results: dict[str, dict]) -> None:
             "mean_running": _ratio(res["mean_running"], base["mean_running"]),
         }
         ratios["hot_ttft_ms_p99"] = _ratio(res["hot_ttft_ms"]["p99"], base["ttft_ms"]["p99"])
+        ratios["other_ttft_ms_p99"] = _ratio(res["other_ttft_ms"]["p99"], base["ttft_ms"]["p99"])
         for key in ("ttft_ms", "itl_ms", "e2e_ms"):
             for q in ("p50", "p90", "p99"):
                 ratios[f"{key}_{q}"] = _ratio(res[key][q], base[key][q])
@@ -246,7 +288,7 @@ def _fmt(v, ratio=None) -> str:
 def print_table(results: dict[str, dict]) -> None:
     print(
         "| scenario | done / sent | errors | cut | output tok/s (vs base) | TTFT p50 / p99 ms | "
-        f"{HOT_ADAPTERS} hottest TTFT p99 ms | inter-token p50 / p99 ms | e2e p50 / p99 ms | "
+        "S hottest TTFT p99 ms | inter-token p50 / p99 ms | e2e p50 / p99 ms | "
         "mean running / waiting | uploads / evictions |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -256,12 +298,45 @@ def print_table(results: dict[str, dict]) -> None:
             f"| {name} | {r['completed']}/{r['requests']} | {r['errors']} | {r['cut']} "
             f"| {_fmt(r['output_tok_s'], vs.get('output_tok_s'))} "
             f"| {_fmt(r['ttft_ms']['p50'])} / {_fmt(r['ttft_ms']['p99'], vs.get('ttft_ms_p99'))} "
-            f"| {_fmt(r['hot_ttft_ms']['p99'], vs.get('hot_ttft_ms_p99'))} "
+            f"| {_fmt(r['hot_ttft_ms']['p99'], vs.get('hot_ttft_ms_p99'))} (S={r.get('hot_adapters', 0)}) "
             f"| {_fmt(r['itl_ms']['p50'])} / {_fmt(r['itl_ms']['p99'])} "
             f"| {_fmt(r['e2e_ms']['p50'])} / {_fmt(r['e2e_ms']['p99'])} "
             f"| {_fmt(r['mean_running'])} / {_fmt(r['mean_waiting'])} "
             f"| {_fmt(r['uploads'])} / {_fmt(r['evictions'])} |"
         )
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def print_goal_table(results: dict[str, dict]) -> None:
+    """Issue 34's goal table: ratios to the base scenario of the same run."""
+    print(
+        "\n| scenario | tok/s | TTFT p99 | S hottest TTFT p99 | others' TTFT p99 | swaps/s | uploads |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
+    for name, r in results.items():
+        vs = r.get("vs_base", {})
+        print(
+            f"| {name} | {_x(vs.get('output_tok_s'))} | {_x(vs.get('ttft_ms_p99'))} "
+            f"| {_x(vs.get('hot_ttft_ms_p99'))} (S={r.get('hot_adapters', 0)}) "
+            f"| {_x(vs.get('other_ttft_ms_p99'))} | {_fmt(r.get('swaps_per_s'))} | {_fmt(r.get('uploads'))} |"
+        )
+
+
+def print_deciles(results: dict[str, dict]) -> None:
+    rows = {n: r["queue_ms_by_decile"] for n, r in results.items() if r.get("queue_ms_by_decile")}
+    if not rows:
+        return
+    print(
+        "\nqueue time (arrival to first scheduled) p50 / p99 ms by adapter popularity decile, hottest first\n"
+        "| scenario | " + " | ".join(f"d{i}" for i in range(DECILES)) + " |\n"
+        "| --- |" + " ---: |" * DECILES
+    )
+    for name, deciles in rows.items():
+        cells = " | ".join(f"{_fmt(d['p50'])} / {_fmt(d['p99'])}" for d in deciles)
+        print(f"| {name} | {cells} |")
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -346,7 +421,7 @@ async def run(opts: argparse.Namespace) -> dict:
         )
         for sc in scenarios:
             built = time.perf_counter()
-            async with factory.scenario(sc.num_adapters, sc.max_loras_per_batch) as target:
+            async with factory.scenario(sc.num_adapters, sc.max_loras_per_batch, sc.max_gpu_loras) as target:
                 build_s = time.perf_counter() - built
                 adapters = [
                     None
@@ -358,10 +433,9 @@ async def run(opts: argparse.Namespace) -> dict:
                 records, samples, elapsed = await drive(target, arrivals, adapters, opts.window, opts.drain)
                 after = target.counters()
                 counters = {k: (after[k] - before[k] if after[k] is not None else None) for k in after}
-                hot = (
-                    frozenset(target.adapter_names[:HOT_ADAPTERS]) if sc.popularity == "zipf" else frozenset()
-                )
-                res = summarize(records, samples, opts.window, counters, hot)
+                # Zipf index i is the i-th most popular adapter.
+                ranks = {n: i for i, n in enumerate(target.adapter_names)} if sc.popularity == "zipf" else {}
+                res = summarize(records, samples, opts.window, counters, ranks, sc.hot_count, elapsed)
                 res.update(
                     scenario=asdict(sc),
                     build_s=round(build_s, 1),
@@ -406,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         f"prompts {opts.prompt_len}, outputs {opts.output_len} tokens; {meta['date']}, {meta['machine']}"
     )
     print_table(results)
+    print_goal_table(results)
+    print_deciles(results)
     write_json(opts.out, "workload", {"meta": meta, "scenarios": results})
     return 0 if all(r["errors"] == 0 for r in results.values()) else 1
 

@@ -34,7 +34,7 @@ class Target(Protocol):
     def stream(
         self, rid: str, prompt_ids: list[int], adapter: str | None, max_new_tokens: int
     ) -> AsyncIterator[int]:
-        """Yields the number of tokens in each streamed increment."""
+        """Yields (tokens in each streamed increment, the request's queue time in seconds or None)."""
 
     def queue_sizes(self) -> tuple[int, int] | None: ...  # (running, waiting) now, when known
 
@@ -102,15 +102,16 @@ def _server_overrides(pairs: list[str]) -> dict:
 
 
 class EngineTarget:
-    def __init__(self, engine, lora, names: list[str]):
+    def __init__(self, engine, lora, names: list[str], max_gpu_loras: int | None = None):
         self.engine, self.lora, self.adapter_names = engine, lora, names
+        self.max_gpu_loras = max_gpu_loras
 
     async def stream(self, rid, prompt_ids, adapter, max_new_tokens):
         from loraplex.services.inference.engine.types import SamplingParams
 
         params = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
         async for out in self.engine.generate(rid, prompt_ids, adapter, params):
-            yield len(out.new_token_ids)
+            yield len(out.new_token_ids), out.queue_time if out.new_token_ids else None
 
     def queue_sizes(self):
         s = self.engine.stats()
@@ -128,6 +129,7 @@ class EngineTarget:
         s = self.lora.settings
         return dict(
             pool_slots=self.lora.pool.slots,
+            max_gpu_loras=self.max_gpu_loras,
             max_loras_per_batch=getattr(s, "max_loras_per_batch", None),
             max_lora_rank=s.max_lora_rank,
             target_modules=list(s.target_modules),
@@ -170,7 +172,7 @@ class EngineFactory:
         _ensure_files(self.root, self.shape, max_adapters, self.rank, self.device)
 
     @asynccontextmanager
-    async def scenario(self, n: int, max_loras_per_batch: int | None):
+    async def scenario(self, n: int, max_loras_per_batch: int | None, max_gpu_loras: int | None = None):
         from loraplex.services.inference.engine.async_engine import AsyncEngine
         from loraplex.services.inference.engine.build import build_llm_engine
         from loraplex.services.inference.server_args import ServerArgs
@@ -180,10 +182,12 @@ class EngineFactory:
         kw = dict(self.base_args, lora_paths=tuple(f"{a}={p}" for a, p in zip(names, paths, strict=True)))
         if max_loras_per_batch is not None:
             kw["max_loras_per_batch"] = max_loras_per_batch
+        if max_gpu_loras is not None:
+            kw["max_gpu_loras"] = max_gpu_loras
         args = ServerArgs.from_fields(**kw)
         llm, lora = build_llm_engine(args.engine, args.lora, loaded=self.loaded)
         engine = AsyncEngine(llm, lora_manager=lora.manager)
-        target = EngineTarget(engine, lora, names)
+        target = EngineTarget(engine, lora, names, kw.get("max_gpu_loras"))
         try:
             yield target
         finally:
@@ -209,7 +213,7 @@ class GrpcTarget:
         async for msg in self.client.generate_stream(
             text, adapter, max_new_tokens=max_new_tokens, ignore_eos=True, timeout=600
         ):
-            yield len(msg.token_ids)
+            yield len(msg.token_ids), None
 
     def queue_sizes(self):
         return None
@@ -232,11 +236,11 @@ class GrpcFactory:
             raise SystemExit(f"the server has {len(self.names)} adapters; a scenario wants {max_adapters}")
 
     @asynccontextmanager
-    async def scenario(self, n: int, max_loras_per_batch: int | None):
-        if max_loras_per_batch is not None:
+    async def scenario(self, n: int, max_loras_per_batch: int | None, max_gpu_loras: int | None = None):
+        if max_loras_per_batch is not None or max_gpu_loras is not None:
             raise SystemExit(
-                "grpc mode cannot change --max-loras-per-batch: start the server with it "
-                "and name the scenario zipf:N"
+                "grpc mode cannot change --max-loras-per-batch or --max-gpu-loras: start the server "
+                "with them and name the scenario zipf:N"
             )
         t = GrpcTarget(self.client, self.names[:n])
         t.client_target = self.target

@@ -187,6 +187,7 @@ class Metrics:
             "Triton kernel compilations after start-up (each stalls the engine thread; 0 in steady state)",
             registry=r,
         )
+        self._init_fairness(r)
         self._compiles_seen = 0
         self._last_location: dict[str, str] = {}
         self._fleet_names: set[str] = set()
@@ -241,6 +242,8 @@ class Metrics:
             self._last_evictions.pop(name, None)
             self._last_uploads.pop(name, None)
             self._fleet_names.discard(name)
+            self._fairness_seen.pop(name, None)
+            self._popularity.pop(name, None)
         return gone
 
     def adapter_series(self) -> int:
@@ -371,6 +374,50 @@ class Metrics:
         self.lora_info.labels(str(max_lora), ",".join(sorted(running)), ",".join(sorted(waiting))).set(
             time.time()
         )
+
+    # ----- adapter fairness (issue 34): queue time by popularity decile, swaps -----
+    # Bounded series: eleven decile labels ("0" hottest .. "9", "base"), however many adapters.
+
+    def _init_fairness(self, r: CollectorRegistry) -> None:
+        self.queue_by_decile = Histogram(
+            "loraplex_adapter_queue_seconds",
+            "Arrival to first scheduled, by the adapter's popularity decile on this replica "
+            "(0: the most requested tenth of adapters so far; base: no adapter)",
+            ["popularity_decile"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.swaps = Counter(
+            "loraplex_lora_swaps",
+            "Resident adapters replaced in a GPU slot (each costs an upload; rate() is swaps per second)",
+            registry=r,
+        )
+        self.uploads = Counter("loraplex_lora_uploads", "Adapters copied into a GPU slot", registry=r)
+        self._popularity: dict[str, int] = {}
+        self._fairness_seen: dict[str, tuple[int, int]] = {}  # name -> (evictions, uploads) last seen
+
+    def popularity_decile(self, adapter: str | None) -> str:
+        """Count one request of `adapter` and return its decile among adapters by requests so far."""
+        if not adapter:  # None or "" (the base model)
+            return "base"
+        counts = self._popularity
+        counts[adapter] = mine = counts.get(adapter, 0) + 1
+        ahead = sum(1 for c in counts.values() if c > mine)
+        return str(ahead * 10 // len(counts))
+
+    def observe_queue_time(self, adapter: str | None, seconds: float) -> None:
+        """One request's queue time (RequestOutput.queue_time), labelled by its adapter's decile."""
+        self.queue_by_decile.labels(self.popularity_decile(adapter)).observe(seconds)
+
+    def observe_swaps(self, adapters: list[AdapterInfo]) -> None:
+        """Follow the manager's per-adapter eviction and upload totals (an unloaded one's stay counted)."""
+        for info in adapters:
+            last_swaps, last_uploads = self._fairness_seen.get(info.name, (0, 0))
+            if info.evictions > last_swaps:
+                self.swaps.inc(info.evictions - last_swaps)
+            if info.uploads > last_uploads:
+                self.uploads.inc(info.uploads - last_uploads)
+            self._fairness_seen[info.name] = (info.evictions, info.uploads)
 
 
 def _remove(metric, *labels: str) -> None:

@@ -231,16 +231,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-loras-per-batch",
         type=int,
         default=lo.max_loras_per_batch,
-        help="at most this many distinct adapters in one batch (the GPU pool then has this many slots); "
-        "default: the pool is sized from free memory (see --max-gpu-loras) and every resident adapter "
-        "may share a batch. The base model takes no slot",
+        help="at most this many distinct adapters compute in one step: hot adapters keep places while "
+        "they have requests, the others take short turns (docs/architecture.md); it never sizes the GPU "
+        "pool (see --max-gpu-loras), so adapters stay resident between turns. Default: every resident "
+        "adapter may share a step. The base model takes no place",
     )
     a(
         "--max-gpu-loras",
         type=int,
         default=lo.max_gpu_loras,
-        help="upper bound on the adapter slots of a pool sized from memory (without "
-        f"--max-loras-per-batch); default {DEFAULT_MAX_GPU_LORAS['cuda']} on CUDA, "
+        help="upper bound on the adapter slots of the GPU pool, which is sized from memory; default "
+        f"{DEFAULT_MAX_GPU_LORAS['cuda']} on CUDA, "
         f"{DEFAULT_MAX_GPU_LORAS['cpu']} on CPU",
     )
     a(

@@ -143,6 +143,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 async for out in streams[k]:
                     if out.new_token_ids:
                         now = time.monotonic()
+                        if first:
+                            self.metrics.observe_queue_time(work[k].adapter, out.queue_time)
                         (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
                         last, first = now, False
                     if out.finished:

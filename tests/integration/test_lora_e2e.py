@@ -34,10 +34,21 @@ from tests.support.lora_reference import (
 
 
 def check_mixed_batch(
-    base: Path, adapters: dict[str, Path], batch: list[str | None], slots: int, **kw
+    base: Path, adapters: dict[str, Path], batch: list[str | None], slots: int, pool: int | None, **kw
 ) -> None:
+    """More adapters than `slots` distinct per step (--max-loras-per-batch), on a pool of `pool`
+    slots (--max-gpu-loras; None: sized from memory)."""
     assert len({a for a in batch if a}) > slots
-    engine = sync_engine(server_args(base, adapters, max_loras_per_batch=slots, **kw))
+    engine = sync_engine(server_args(base, adapters, max_loras_per_batch=slots, max_gpu_loras=pool, **kw))
+    step = engine.scheduler.schedule
+    distinct: list[int] = []
+
+    def counted():
+        batch = step()
+        distinct.append(len({r.adapter for r, _ in batch.entries if r.adapter}))
+        return batch
+
+    engine.scheduler.schedule = counted
     prompts = [engine.tokenizer(p).input_ids for p in PROMPTS[: len(batch)]]
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS), list(batch))
     expected = peft_greedy(base, adapters, list(zip(prompts, batch, strict=True)))
@@ -46,11 +57,15 @@ def check_mixed_batch(
     assert all(len(e) == NEW_TOKENS for e in expected), "every sequence runs the full 24+ tokens"
     # the adapters really change the output (else the comparison proves little)
     assert len({tuple(e) for e in expected[:5]}) == 5
-    assert engine.stats().lora_slots_total == slots
+    assert max(distinct) == slots
+    if pool is not None:
+        assert engine.stats().lora_slots_total == pool
 
 
 def test_mixed_batch_matches_peft_tiny(tiny_llama_path, adapter_factory):
-    check_mixed_batch(tiny_llama_path, make_adapters(adapter_factory, tiny_llama_path, "e2e-tiny"), BATCH, 2)
+    """Both limits scarce: 2 distinct adapters per step, 2 resident."""
+    adapters = make_adapters(adapter_factory, tiny_llama_path, "e2e-tiny")
+    check_mixed_batch(tiny_llama_path, adapters, BATCH, 2, 2)
 
 
 @pytest.mark.slow
@@ -60,6 +75,7 @@ def test_mixed_batch_matches_peft_smollm2(smollm2_path, adapter_factory):
         make_adapters(adapter_factory, smollm2_path, "e2e-smol"),
         [None, "r4", "r8rs", "r16", "r64"],
         3,
+        None,
         chunked_prefill_size=64,
         max_num_batched_tokens=256,
     )
@@ -101,8 +117,10 @@ def test_one_adapter_and_base_then_two_adapters(tiny_llama_path, tiny_adapters, 
             "torch",
         )
         printed = int(re.search(r"LoRA adapter pool: (\d+) bytes", caplog.text).group(1))
+        # the pool is sized from memory (64 slots on CPU); --max-loras-per-batch 2 only caps a step
+        assert (engine.stats().lora_slots_total, info.max_loras_per_batch) == (64, 2)
         assert printed == documented_pool_bytes(
-            tiny_llama_path, slots=2, rank=4, modules=info.lora_target_modules
+            tiny_llama_path, slots=64, rank=4, modules=info.lora_target_modules
         )
 
         async def flow():

@@ -81,7 +81,7 @@ def test_smollm2_with_pieces_matches_transformers(smollm2_path):
 def test_mixed_lora_batch_with_pieces_matches_peft(tiny_llama_path, adapter_factory):
     adapters = make_adapters(adapter_factory, tiny_llama_path, "mixed-pieces")
     engine = sync_engine(
-        server_args(tiny_llama_path, adapters, max_loras_per_batch=4, chunked_prefill_size=8)
+        server_args(tiny_llama_path, adapters, max_loras_per_batch=4, max_gpu_loras=4, chunked_prefill_size=8)
     )
     # Forced on after construction (ServerArgs has no CPU switch): pieces run eagerly, LoRA inside them.
     engine.runner.capture_mixed_graphs(64, use_graphs=False)

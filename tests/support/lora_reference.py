@@ -91,6 +91,8 @@ def server_args(base: Path, adapters: dict[str, Path] | None = None, **kw) -> Se
         max_num_batched_tokens=64,
         max_total_tokens=8192,
         context_length=1024,
+        # At most 2 distinct adapters per step (they take turns); the pool stays sized from memory.
+        # Tests of a scarce pool pass max_gpu_loras.
         max_loras_per_batch=2,
         lora_paths=tuple(f"{n}={p}" for n, p in (adapters or {}).items()),
     )

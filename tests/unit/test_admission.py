@@ -131,7 +131,7 @@ def test_greedy_outputs_match_peft_under_slot_rotation(
     tiny_llama_path, adapter_factory, slot_wait_s, one_torch_thread
 ):
     adapters = make_adapters(adapter_factory, tiny_llama_path, "e2e-tiny")
-    engine = sync_engine(server_args(tiny_llama_path, adapters, max_loras_per_batch=2))
+    engine = sync_engine(server_args(tiny_llama_path, adapters, max_loras_per_batch=None, max_gpu_loras=2))
     engine.adapter_slots.slot_wait_s = slot_wait_s
     names = [None, "r4", "r8rs", "r16", "r64", "r4", "r16", None, "r64", "r8rs"]
     prompts = [engine.tokenizer(p).input_ids for p in ["The capital of France is", "def f(n):", "1, 2, 3,"]]
@@ -143,24 +143,29 @@ def test_greedy_outputs_match_peft_under_slot_rotation(
     assert engine.adapter_slots.num_uploads >= 4  # four adapters rotated through two slots
 
 
-# ----- residency: a pool sized from memory unless --max-loras-per-batch is given -----
+# ----- residency: the pool is sized from memory; --max-loras-per-batch never sizes it -----
 
 
-def test_pool_sized_from_memory_unless_max_loras_per_batch_given(tiny_llama_path):
+def test_pool_sized_from_memory_whatever_the_per_batch_cap(tiny_llama_path):
     from loraplex.services.inference.lora.settings import DEFAULT_MAX_GPU_LORAS
     from tests.support.lora_reference import lora_settings
 
     shapes, cpu = ModelShapes.from_model_dir(tiny_llama_path), torch.device("cpu")
-    default = lora_settings(server_args(tiny_llama_path, max_loras_per_batch=None), shapes, cpu)
-    assert default.pool_sized_from_memory and default.max_loras_per_batch == DEFAULT_MAX_GPU_LORAS["cpu"]
-    bounded = lora_settings(
-        server_args(tiny_llama_path, max_loras_per_batch=None, max_gpu_loras=5), shapes, cpu
+    flags = dict(max_loras_per_batch=None, max_gpu_loras=None)
+    default = lora_settings(server_args(tiny_llama_path, **flags), shapes, cpu)
+    assert default.pool_slots == DEFAULT_MAX_GPU_LORAS["cpu"] == default.distinct_per_batch
+    assert default.max_loras_per_batch is None
+    bounded = lora_settings(server_args(tiny_llama_path, **dict(flags, max_gpu_loras=5)), shapes, cpu)
+    assert (bounded.pool_slots, bounded.distinct_per_batch) == (5, 5)
+    capped = lora_settings(
+        server_args(tiny_llama_path, max_loras_per_batch=3, max_gpu_loras=None), shapes, cpu
     )
-    assert bounded.pool_sized_from_memory and bounded.max_loras_per_batch == 5
-    capped = lora_settings(server_args(tiny_llama_path, max_loras_per_batch=3, max_gpu_loras=5), shapes, cpu)
-    assert not capped.pool_sized_from_memory and capped.max_loras_per_batch == 3
+    assert (capped.pool_slots, capped.max_loras_per_batch) == (DEFAULT_MAX_GPU_LORAS["cpu"], 3)
+    assert capped.distinct_per_batch == 3
+    over = lora_settings(server_args(tiny_llama_path, max_loras_per_batch=8, max_gpu_loras=5), shapes, cpu)
+    assert (over.pool_slots, over.distinct_per_batch) == (5, 5)
     with pytest.raises(ValueError, match="--max-gpu-loras"):
-        lora_settings(server_args(tiny_llama_path, max_loras_per_batch=None, max_gpu_loras=0), shapes, cpu)
+        lora_settings(server_args(tiny_llama_path, **dict(flags, max_gpu_loras=0)), shapes, cpu)
 
 
 def test_default_flags_put_every_adapter_in_one_batch(
@@ -174,7 +179,9 @@ def test_default_flags_put_every_adapter_in_one_batch(
         for i in range(20)
     }
     with caplog.at_level("INFO", logger="loraplex.services.inference.lora.setup"):
-        engine = sync_engine(server_args(tiny_llama_path, adapters, max_loras_per_batch=None))
+        engine = sync_engine(
+            server_args(tiny_llama_path, adapters, max_loras_per_batch=None, max_gpu_loras=None)
+        )
     assert "sized from memory" in caplog.text
     names = [None, *adapters]
     prompt = engine.tokenizer("The capital of France is").input_ids

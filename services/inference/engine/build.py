@@ -58,7 +58,7 @@ def build_engine(config: EngineConfig, lora_config: LoRAConfig) -> AsyncEngine:
     s = lora.settings
     info = dataclasses.replace(
         default_model_info(engine),
-        max_loras_per_batch=s.max_loras_per_batch,
+        max_loras_per_batch=s.distinct_per_batch,
         max_lora_rank=s.max_lora_rank,
         lora_target_modules=list(s.target_modules),
         lora_backend=s.backend,

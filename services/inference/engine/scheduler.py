@@ -6,7 +6,9 @@ requests of other adapters and of the base model behind them are still admitted)
 the token budget, the prefill budget, the request cap and the free KV blocks allow. When a
 running request needs a block and none is free, the most recently admitted request is
 preempted (its KV freed; it is recomputed when readmitted, from its cached prefix when the
-prefix cache is on).
+prefix cache is on). Under `--max-loras-per-batch` only the adapters the step's policy picks
+(engine/adapter_slices.py) compute: other adapters' running requests sit the step out, keeping
+their KV and slot, and their queued requests wait; base requests are never held back.
 
 With the prefix cache on (engine/prefix_cache.py, engine/block_manager.py), a request admitted
 starts from the longest run of cached full blocks computed by the same content (its adapter
@@ -22,6 +24,7 @@ import logging
 from collections import Counter, deque
 from typing import NamedTuple
 
+from loraplex.services.inference.engine.adapter_slices import DemandSlices
 from loraplex.services.inference.engine.block_manager import BlockManager
 from loraplex.services.inference.engine.config import SchedulerConfig
 from loraplex.services.inference.engine.prefix_cache import PrefixCache
@@ -98,6 +101,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_cache = PrefixCache(block_manager, adapter_slots, base_digest)
+        cap = adapter_slots.batch_cap()
+        self.adapter_slices = DemandSlices(cap) if cap is not None else None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -126,12 +131,18 @@ class Scheduler:
         entries: list[ScheduledEntry] = []
         finished: list[Request] = []
         page = self.blocks.page_size
+        allowed = self.adapter_slices.select(self.running, self.waiting) if self.adapter_slices else None
+        sitting_out = 0
 
         i = 0
         while i < len(self.running) and token_budget > 0:
             req = self.running[i]
             if req.kv_root is not None and req.num_computed_tokens >= (req.num_registered_blocks + 1) * page:
                 self.prefix_cache.register(req)
+            if allowed is not None and req.adapter is not None and req.adapter not in allowed:
+                i += 1  # not its adapter's turn: sits this step out, KV and slot kept
+                sitting_out += 1
+                continue
             want = req.num_uncomputed_tokens
             if want == 1 and req.num_computed_tokens < len(req.block_table) * page:
                 # The common decode step: its token fits the last block, nothing to allocate.
@@ -158,7 +169,7 @@ class Scheduler:
                 prefill_budget -= n
             i += 1
 
-        self._admit(entries, finished, token_budget, prefill_budget)
+        self._admit(entries, finished, token_budget, prefill_budget, allowed, sitting_out)
         self._report_queued()
         self._prefetch_upcoming()
         entries.sort(key=lambda e: e.num_tokens != 1)  # stable: decodes first
@@ -222,11 +233,20 @@ class Scheduler:
         req.lora_slot = -1
 
     def _admit(
-        self, entries: list[ScheduledEntry], finished: list[Request], token_budget: int, prefill_budget: int
+        self,
+        entries: list[ScheduledEntry],
+        finished: list[Request],
+        token_budget: int,
+        prefill_budget: int,
+        allowed: frozenset[str] | None = None,
+        sitting_out: int = 0,
     ) -> None:
+        """Admit waiting requests. `--max-running-requests` bounds the requests that compute in a step
+        (the decode batch): running requests sitting this step out (`sitting_out`: not their
+        adapter's place) hold KV but no place in it, so they do not count; KV bounds them."""
         skipped: list[Request] = []
         refused: set[str] = set()  # adapters with no slot for a new request this step
-        while self.waiting and len(self.running) < self.config.max_running_requests:
+        while self.waiting and len(self.running) - sitting_out < self.config.max_running_requests:
             want = min(self.waiting[0].num_uncomputed_tokens, token_budget)
             if want > 1:
                 want = min(want, prefill_budget)
@@ -235,6 +255,9 @@ class Scheduler:
             req = self.waiting.popleft()
             if req.adapter in refused and req.lora_slot < 0:
                 skipped.append(req)  # asked once this step already: others go first
+                continue
+            if allowed is not None and req.adapter is not None and req.adapter not in allowed:
+                skipped.append(req)  # not its adapter's turn (--max-loras-per-batch)
                 continue
             want, hit = self._admissible(req, self.prefix_cache.lookup(req), token_budget, prefill_budget)
             if want == 0:

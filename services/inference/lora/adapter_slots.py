@@ -74,6 +74,11 @@ class AdapterSlots(ABC):
     def note_queued(self, queued: Mapping[str, int]) -> None:  # noqa: B027 - optional, a no-op by default
         """Once a step: how many requests wait in the scheduler's queue per adapter (prices evictions)."""
 
+    def batch_cap(self) -> int | None:
+        """`--max-loras-per-batch`: the most distinct adapters one step may compute (None: as many
+        as are resident). It never sizes the pool; the scheduler's policy applies it."""
+        return None
+
     def slots_total(self) -> int:
         return 0
 

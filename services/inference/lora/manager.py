@@ -78,12 +78,14 @@ class LoRAManager(AdapterSlots):
         pool: AdapterPool,
         *,
         max_loaded_loras: int | None = None,
+        max_loras_per_batch: int | None = None,
         slot_wait_s: float = SLOT_WAIT_S,
         max_draining: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.pool = pool
         self.max_loaded_loras = max_loaded_loras
+        self.max_loras_per_batch = max_loras_per_batch
         self.slot_wait_s = slot_wait_s
         self.max_draining = max_draining or max(1, pool.slots // 4)
         self._clock = clock
@@ -181,6 +183,9 @@ class LoRAManager(AdapterSlots):
         with self._lock:
             version = self._slots[slot]
             return version.digest if version is not None else None
+
+    def batch_cap(self) -> int | None:
+        return self.max_loras_per_batch
 
     def slots_total(self) -> int:
         return self.pool.slots

@@ -75,9 +75,10 @@ class LoRAConfig:
     """The LoRA flags as given; None means "inferred or sized at start-up" (see lora/setup.py)."""
 
     lora_paths: tuple[str, ...] = ()  # NAME=SOURCE
-    # None: the pool is sized from memory and every resident adapter may share a batch.
+    # At most this many distinct adapters compute in one step (the scheduler's turns,
+    # engine/adapter_slices.py); never sizes the pool. None: every resident adapter may share a step.
     max_loras_per_batch: int | None = None
-    # Bound on a pool sized from memory; None: DEFAULT_MAX_GPU_LORAS for the device.
+    # Bound on the pool's slots (sized from memory); None: DEFAULT_MAX_GPU_LORAS for the device.
     max_gpu_loras: int | None = None
     lora_backend: str | None = None  # triton | torch; None: triton on CUDA, torch on CPU
     disable_lora_side_stream: bool = False  # triton on CUDA: decode deltas beside the base matmul
@@ -108,9 +109,15 @@ class LoRAConfig:
 class LoRASettings:
     """The LoRA flags resolved against the model and device: what every rank builds its pool from."""
 
-    max_loras_per_batch: int  # pool slots = the most distinct adapters in one batch
+    pool_slots: int  # adapters resident on the device at once (sized from memory, <= --max-gpu-loras)
     max_lora_rank: int
     target_modules: tuple[str, ...]
     max_loaded_loras: int | None
     backend: str  # "torch" | "triton"
-    pool_sized_from_memory: bool = False  # --max-loras-per-batch not given
+    max_loras_per_batch: int | None = None  # distinct adapters per step; None: up to pool_slots
+
+    @property
+    def distinct_per_batch(self) -> int:
+        """The most distinct adapters one step can hold (what GetModelInfo reports)."""
+        cap = self.max_loras_per_batch
+        return self.pool_slots if cap is None else min(cap, self.pool_slots)

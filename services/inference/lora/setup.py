@@ -5,9 +5,9 @@ Defaults (docs/architecture.md, "LoRA defaults"):
   largest rank, the union of targeted modules); with no `--lora-paths` either, rank 64 and all
   seven projections, so any common adapter can be loaded later without a restart.
 - `--lora-backend`: triton on CUDA, torch on CPU.
-- `--max-loras-per-batch` not given: the adapter pool is sized from memory (`pool_slots_from_memory`),
-  at most `--max-gpu-loras` slots, and every resident adapter may share a batch. Given: the pool
-  has exactly that many slots, so no batch holds more distinct adapters.
+- The adapter pool is sized from memory (`pool_slots_from_memory`), at most `--max-gpu-loras` slots.
+  `--max-loras-per-batch` never sizes it: it caps the distinct adapters of one step, which the
+  scheduler applies (engine/adapter_slices.py), so an adapter left out of a step stays resident.
 """
 
 from __future__ import annotations
@@ -98,15 +98,18 @@ def resolve_lora_settings(
         target_modules = parse_target_modules(modules) if modules else ALL_MODULES
     backend = lora.lora_backend or ("triton" if device.type == "cuda" else "torch")
     check_backend_device(backend, device)
-    if lora.max_loras_per_batch is not None:
-        slots, sized = lora.max_loras_per_batch, False
-    else:
-        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        slots = pool_slots_from_memory(
-            lora, shapes, max_rank, target_modules, dtype, device, mem_fraction_static
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    slots = pool_slots_from_memory(lora, shapes, max_rank, target_modules, dtype, device, mem_fraction_static)
+    cap = lora.max_loras_per_batch
+    if cap is not None and cap > slots:
+        log.warning(
+            "--max-loras-per-batch %d is more than the %d adapter slots memory allows: a step holds at "
+            "most %d distinct adapters",
+            cap,
+            slots,
+            slots,
         )
-        sized = True
-    return LoRASettings(slots, max_rank, target_modules, lora.max_loaded_loras, backend, sized)
+    return LoRASettings(slots, max_rank, target_modules, lora.max_loaded_loras, backend, cap)
 
 
 def pool_slots_from_memory(
@@ -146,7 +149,7 @@ def build_lora(
     )
     pool = AdapterPool(
         shapes,
-        slots=settings.max_loras_per_batch,
+        slots=settings.pool_slots,
         max_rank=settings.max_lora_rank,
         target_modules=settings.target_modules,
         dtype=dtype,
@@ -162,7 +165,9 @@ def build_lora(
         from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
 
         backend = TorchLoRABackend(pool)
-    manager = LoRAManager(pool, max_loaded_loras=settings.max_loaded_loras)
+    manager = LoRAManager(
+        pool, max_loaded_loras=settings.max_loaded_loras, max_loras_per_batch=settings.max_loras_per_batch
+    )
     for name, path in _local_paths(lora, resolve_source).items():
         manager.load_adapter(name, path)
     log.info(
@@ -174,10 +179,12 @@ def build_lora(
         ",".join(settings.target_modules),
         dtype,
         settings.backend,
-        f"sized from memory (--max-gpu-loras {lora.max_gpu_loras or 'default'}): every resident "
-        "adapter may share a batch"
-        if settings.pool_sized_from_memory
-        else f"--max-loras-per-batch {settings.max_loras_per_batch}: at most that many distinct "
-        "adapters per batch",
+        f"sized from memory (--max-gpu-loras {lora.max_gpu_loras or 'default'}); "
+        + (
+            "every resident adapter may share a step"
+            if settings.max_loras_per_batch is None
+            else f"--max-loras-per-batch {settings.max_loras_per_batch}: at most that many distinct "
+            "adapters per step, taking turns (resident adapters stay resident)"
+        ),
     )
     return LoRAStack(settings, pool, backend, manager)

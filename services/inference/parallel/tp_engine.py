@@ -209,7 +209,7 @@ def _build_rank0(
     model = load_tp_model(model_dir, plan, device, dtype, config.quantization)
     local_pool = AdapterPool(
         plan.local_shapes(shapes),
-        slots=lora.max_loras_per_batch,
+        slots=lora.pool_slots,
         max_rank=lora.max_lora_rank,
         target_modules=lora.target_modules,
         dtype=dtype,
@@ -234,7 +234,11 @@ def _build_rank0(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     loaded = LoadedModel(model, local_cfg, tokenizer, model_dir, device, dtype, context_length)
     pool = ShardedAdapterPool(shapes, plans, local_pool, workers.send_upload)
-    manager = LoRAManager(pool, max_loaded_loras=lora.max_loaded_loras)  # type: ignore[arg-type]
+    manager = LoRAManager(
+        pool,  # type: ignore[arg-type]
+        max_loaded_loras=lora.max_loaded_loras,
+        max_loras_per_batch=lora.max_loras_per_batch,
+    )
     for name, source in lora_config.path_map.items():
         path = local_source(name, source)
         if path is not None:  # the server loads the others through the adapter store
@@ -253,7 +257,7 @@ def _build_rank0(
     )
     info = dataclasses.replace(
         default_model_info(engine),
-        max_loras_per_batch=lora.max_loras_per_batch,
+        max_loras_per_batch=lora.distinct_per_batch,
         max_lora_rank=lora.max_lora_rank,
         lora_target_modules=list(lora.target_modules),
         lora_backend=lora.backend,

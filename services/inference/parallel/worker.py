@@ -124,7 +124,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
         )
         pool = AdapterPool(
             shapes,
-            slots=s.max_loras_per_batch,
+            slots=s.pool_slots,
             max_rank=s.max_lora_rank,
             target_modules=s.target_modules,
             dtype=spec.dtype,
