@@ -13,7 +13,7 @@ from loraplex.services.inference.engine.kv_cache import allocate_kv_cache
 from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.lora.backend_check import MODULE_SETS, random_adapter
 from loraplex.services.inference.lora.pool import AdapterPool
-from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ATTN_MODULES, ModelShapes
 from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
 from loraplex.services.inference.lora.triton_backend import TritonLoRABackend
 from loraplex.services.inference.models.config import ModelConfig, parse_config
@@ -139,7 +139,8 @@ def build_runner(
     lora_backend: str = "triton",
 ) -> ModelRunner:
     """A runner with `slots` random adapters of rank <= `rank` resident (slots 0: no LoRA backend).
-    `lora_backend` "torch": the CPU backend (no Triton interpreter needed)."""
+    `lora_backend` "torch": the CPU backend (no Triton interpreter needed). A mixture-of-experts
+    shape gets adapters on q/k/v/o, all that LoRA reaches on such a base."""
     cfg = model_config(shape, context_length)
     model = random_model(cfg, dtype, device, seed)
     blocks = num_blocks or (max_num_seqs + 4) * (-(-context_length // page_size))
@@ -153,12 +154,15 @@ def build_runner(
             q_size=cfg.q_size,
             kv_size=cfg.kv_size,
             fused_checkpoint=cfg.family.fused_checkpoint,
+            moe=cfg.is_moe,
         )
+        targets = ATTN_MODULES if cfg.is_moe else ALL_MODULES
         pool = AdapterPool(
-            shapes, slots=slots, max_rank=rank, target_modules=ALL_MODULES, dtype=dtype, device=device
+            shapes, slots=slots, max_rank=rank, target_modules=targets, dtype=dtype, device=device
         )
         for s in range(slots):
-            pool.upload(s, random_adapter(shapes, MODULE_SETS[s % len(MODULE_SETS)], rank, seed + s, dtype))
+            modules = list(ATTN_MODULES) if cfg.is_moe else MODULE_SETS[s % len(MODULE_SETS)]
+            pool.upload(s, random_adapter(shapes, modules, rank, seed + s, dtype))
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # uploads run on a side stream
         side = device.type == "cuda" if side_stream is None else side_stream
