@@ -93,3 +93,18 @@ def test_store_validates_moe_adapters_against_attention_only():
     base = shapes_from_config("qwen3-moe", {**QWEN3_MOE, "num_experts": 8})
     assert base.expected("q_proj") == (64, 64) and base.expected("k_proj") == (64, 32)
     assert base.expected("down_proj") is None and base.expected("gate_proj") is None
+
+
+def test_lora_settings_cover_attention_only_on_moe_bases():
+    import torch
+
+    from loraplex.services.inference.lora.settings import LoRAConfig
+    from loraplex.services.inference.lora.setup import resolve_lora_settings
+
+    shapes = ModelShapes.from_hf_config(MIXTRAL)
+    cpu = torch.device("cpu")
+    settings = resolve_lora_settings(LoRAConfig(max_loras_per_batch=2), shapes, cpu, mem_fraction_static=0.9)
+    assert settings.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")  # "all" on this base
+    wants_experts = LoRAConfig(max_loras_per_batch=2, lora_target_modules=("q_proj", "down_proj"))
+    with pytest.raises(ValueError, match="--lora-target-modules down_proj: this mixture-of-experts base"):
+        resolve_lora_settings(wants_experts, shapes, cpu, mem_fraction_static=0.9)
