@@ -5,9 +5,11 @@ floor, and 8 distinct attention adapters against the base model.
     PYTHONPATH=protos python3 -m loraplex.bench.moe --tiny      # CPU smoke run: tiny Qwen3-MoE and Mixtral
 
 The runner is bench/families.py's (random bf16 weights, `--adapters` random rank-16 adapters on
-q/k/v/o resident, the Triton LoRA backend on CUDA), eager: the torch expert path reads per-expert
-token counts on the host, so MoE runs without CUDA graphs (models/moe.py). Two floors are printed:
-the issue's (active parameters: attention, routers, `top_k` experts per layer, the lm_head; plus
+q/k/v/o resident, the Triton LoRA backend on CUDA), eager as the engine runs MoE models (their
+prefill path reads per-expert token counts on the host). `--graphs` captures the decode CUDA graphs
+anyway: batches up to models/moe.py's DENSE_MAX_TOKENS run the experts dense, without a host sync,
+so they should capture; this measures what turning graphs on for MoE decode would give. Two floors
+are printed: the issue's (active parameters: attention, routers, `top_k` experts per layer, the lm_head; plus
 K/V) and the one a batch really reads (the experts its tokens touch: at batch 64 x top-8 of 128
 nearly all of them). Goals (issue 39): base step <= 1.5x the active floor, 8 adapters >= 0.85x base.
 """
@@ -81,6 +83,8 @@ def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.
         lora_backend="triton" if device.type == "cuda" else "torch",
     )
     runner.kv_cache.zero_()
+    if device.type == "cuda" and opts.graphs:
+        runner.capture_cuda_graphs(opts.batch)
 
     def chunks(adapters: int) -> list[SeqChunk]:
         tables = [list(range(1 + b * pages, 1 + (b + 1) * pages)) for b in range(opts.batch)]
@@ -101,6 +105,7 @@ def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.
     row = dict(
         model=name,
         architecture=cfg.architecture,
+        cuda_graphs=bool(device.type == "cuda" and opts.graphs),
         batch=opts.batch,
         context=opts.context,
         adapters=opts.adapters,
@@ -129,6 +134,7 @@ def main() -> None:
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--context", type=int, default=1024, help="tokens per sequence (the decoded one included)")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--graphs", action="store_true", help="capture the decode CUDA graphs (batch <= 64)")
     p.add_argument("--tiny", action="store_true", help="tiny Qwen3-MoE and Mixtral on the CPU (smoke run)")
     add_out_argument(p)
     opts = p.parse_args()

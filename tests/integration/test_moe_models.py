@@ -4,13 +4,15 @@ prefix cache and preemption on (the same harness as test_model_families.py).
 
 The tiny models (tests/support/factories.py FAMILY_CONFIGS) have 8 experts, top-2: Mixtral
 renormalises the top-2 routing weights and windows every layer (12 tokens); Qwen3-MoE does not
-renormalise (`norm_topk_prob` false) and keeps a dense MLP in layer 1 (`mlp_only_layers`).
+renormalise (`norm_topk_prob` false) and keeps a dense MLP in layer 1 (`mlp_only_layers`). Both
+expert paths of models/moe.py run: dense (every expert, decode-sized steps) and sorted by expert.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from loraplex.services.inference.models import moe
 from tests.integration.test_model_families import PROMPTS, reference, run_engine
 from tests.support.factories import make_tiny_model
 from tests.support.lora_reference import server_args, sync_engine
@@ -28,8 +30,14 @@ def _one_thread(one_torch_thread):
     """Module-wide: see conftest.one_torch_thread."""
 
 
+@pytest.mark.parametrize("experts_path", ["dense", "sorted"])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_moe_matches_transformers_and_peft(arch, tmp_path_factory, smollm2_path, adapter_factory):
+def test_moe_matches_transformers_and_peft(
+    arch, experts_path, tmp_path_factory, smollm2_path, adapter_factory, monkeypatch
+):
+    # Every step here has <= 64 tokens: dense by default; DENSE_MAX_TOKENS 0 forces the sorted path.
+    if experts_path == "sorted":
+        monkeypatch.setattr(moe, "DENSE_MAX_TOKENS", 0)
     base = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch=arch, tokenizer_from=smollm2_path)
     adapters = {name: adapter_factory(base, f"moe-{arch}-{name}", **kw) for name, kw in ADAPTERS.items()}
     engine = sync_engine(
