@@ -21,7 +21,7 @@ import argparse
 import torch
 
 from loraplex.bench.families import PAGE, copy_bandwidth, kv_bytes, step_ms, weight_bytes
-from loraplex.bench.random_runner import TINY, build_runner
+from loraplex.bench.random_runner import TINY, TINY_FAMILIES, build_runner
 from loraplex.bench.results import add_out_argument, write_json
 from loraplex.services.inference.engine.scheduler import SeqChunk
 
@@ -40,18 +40,7 @@ QWEN3_30B_A3B = dict(
     vocab_size=151936,
     rope_theta=1000000.0,
 )
-TINY_MOE = {
-    "tiny-qwen3-moe": {
-        **TINY,
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "head_dim": 16,
-        "num_experts": 8,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 48,
-        "norm_topk_prob": True,
-    },
-    "tiny-mixtral": {**TINY, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8},
-}
+TINY_MOE = {f"tiny-{f}": {**TINY, **TINY_FAMILIES[f]} for f in ("qwen3_moe", "mixtral")}
 
 
 def expert_bytes(runner) -> tuple[int, int, int]:

@@ -60,6 +60,17 @@ TINY_FAMILIES = {
         rope_local_base_freq=100.0,
     ),
     "phi3": dict(architectures=["Phi3ForCausalLM"], sliding_window=8),
+    # mixture of experts: 8 experts, top-2; Qwen3-MoE with a dense layer 1 (`mlp_only_layers`)
+    "mixtral": dict(architectures=["MixtralForCausalLM"], num_local_experts=8, num_experts_per_tok=2),
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
 }
 # Real shapes of the families' common fine-tuning bases (random weights; the GPU benchmarks).
 FAMILY_SHAPES = {

@@ -34,3 +34,21 @@ def test_moe_block_matches_transformers(arch, tokens, tmp_path):
             other = block._sorted if tokens <= moe_module.DENSE_MAX_TOKENS else block._dense
             assert (other(x, weights, experts) - ref).abs().max().item() < 1e-5
             assert len(torch.unique(experts)) > 1  # the routing spreads over experts
+
+
+def test_a_missing_or_stray_expert_tensor_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from loraplex.services.inference.models.config import UnsupportedModelError
+
+    path = make_tiny_model(tmp_path / "mixtral", arch="mixtral", vocab_size=64)
+    tensors = load_file(path / "model.safetensors")
+    name = "model.layers.1.block_sparse_moe.experts.7.w3.weight"
+    missing = {k: v for k, v in tensors.items() if k != name}
+    save_file(missing, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match="missing 1 tensors.*layers.1.moe.gate_up.7.1"):
+        load_model(path, torch.device("cpu"), torch.float32)
+    stray = {**tensors, "model.layers.0.block_sparse_moe.experts.8.w1.weight": tensors[name].clone()}
+    save_file(stray, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match="experts.8.w1"):
+        load_model(path, torch.device("cpu"), torch.float32)
