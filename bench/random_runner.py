@@ -129,7 +129,9 @@ def random_model(
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         else:
-            p.data.normal_(0, 0.02 if p.dim() == 2 and p.shape[0] > 1024 else 0.2)
+            # small where a matmul sums over many inputs (a real model's scale), so activations stay finite
+            wide = (p.dim() == 2 and p.shape[0] > 1024) or (p.dim() == 3 and p.shape[-1] > 1024)  # 3: experts
+            p.data.normal_(0, 0.02 if wide else 0.2)
     return model
 
 
