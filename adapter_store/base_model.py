@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 MAX_BASE_CONFIG_BYTES = 16 * 2**20  # a model's config.json is a few KB
+MOE_ARCHITECTURES = {"MixtralForCausalLM", "Qwen3MoeForCausalLM"}
+MOE_MODEL_TYPES = {"mixtral", "qwen3_moe"}
 
 
 class BaseModelShapes(NamedTuple):
@@ -44,6 +46,9 @@ def shapes_from_config(name: str, config: dict) -> BaseModelShapes:
             "gate_up_proj": (hidden, 2 * inter),
             "down_proj": linears["down_proj"],
         }
+    if set(cfg.get("architectures") or []) & MOE_ARCHITECTURES or cfg.get("model_type") in MOE_MODEL_TYPES:
+        # Mixtral / Qwen3-MoE: the server applies LoRA to attention only (no expert LoRA yet).
+        linears = {m: linears[m] for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
     if "vocab_size" in cfg:
         linears["lm_head"] = (hidden, int(cfg["vocab_size"]))
     return BaseModelShapes(name, int(cfg["num_hidden_layers"]), linears)

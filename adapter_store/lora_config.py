@@ -22,7 +22,11 @@ UNSUPPORTED = {
     "modules_to_save": "modules_to_save (full module copies) are not supported",
     "fan_in_fan_out": "fan_in_fan_out is for Conv1D (GPT-2 style) layers; these models use nn.Linear",
     "layer_replication": "layer_replication is not supported",
-    "target_parameters": "target_parameters (LoRA on raw parameters) is not supported",
+    "target_parameters": (
+        "target_parameters (LoRA on raw parameters, which is how PEFT targets the stacked experts of "
+        "Mixtral / Qwen3-MoE: gate_up_proj, down_proj) is not supported; adapters of mixture-of-experts "
+        "bases may target attention (q_proj, k_proj, v_proj, o_proj)"
+    ),
     "trainable_token_indices": "trainable token embeddings are not supported",
     "use_qalora": "QALoRA is not supported",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",

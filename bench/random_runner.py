@@ -13,7 +13,7 @@ from loraplex.services.inference.engine.kv_cache import allocate_kv_cache
 from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.lora.backend_check import MODULE_SETS, random_adapter
 from loraplex.services.inference.lora.pool import AdapterPool
-from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.lora.shapes import ALL_MODULES, ATTN_MODULES, ModelShapes
 from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
 from loraplex.services.inference.lora.triton_backend import TritonLoRABackend
 from loraplex.services.inference.models.config import ModelConfig, parse_config
@@ -61,6 +61,17 @@ TINY_FAMILIES = {
         rope_local_base_freq=100.0,
     ),
     "phi3": dict(architectures=["Phi3ForCausalLM"], sliding_window=8),
+    # mixture of experts: 8 experts, top-2; Qwen3-MoE with a dense layer 1 (`mlp_only_layers`)
+    "mixtral": dict(architectures=["MixtralForCausalLM"], num_local_experts=8, num_experts_per_tok=2),
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+    ),
 }
 # Real shapes of the families' common fine-tuning bases (random weights; the GPU benchmarks).
 FAMILY_SHAPES = {
@@ -119,7 +130,9 @@ def random_model(
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         else:
-            p.data.normal_(0, 0.02 if p.dim() == 2 and p.shape[0] > 1024 else 0.2)
+            # small where a matmul sums over many inputs (a real model's scale), so activations stay finite
+            wide = (p.dim() == 2 and p.shape[0] > 1024) or (p.dim() == 3 and p.shape[-1] > 1024)  # 3: experts
+            p.data.normal_(0, 0.02 if wide else 0.2)
     return model
 
 
@@ -142,7 +155,8 @@ def build_runner(
 ) -> ModelRunner:
     """A runner with `slots` random adapters of rank <= `rank` resident (slots 0: no LoRA backend).
     `lora_backend` "torch": the CPU backend (no Triton interpreter needed). `fp8`: the base linears
-    quantized to FP8 E4M3 per output channel (models/quantization/), adapters in `dtype`."""
+    quantized to FP8 E4M3 per output channel (models/quantization/), adapters in `dtype`. A
+    mixture-of-experts shape gets adapters on q/k/v/o, all that LoRA reaches on such a base."""
     cfg = model_config(shape, context_length)
     model = random_model(cfg, dtype, device, seed)
     if fp8:
@@ -158,12 +172,15 @@ def build_runner(
             q_size=cfg.q_size,
             kv_size=cfg.kv_size,
             fused_checkpoint=cfg.family.fused_checkpoint,
+            moe=cfg.is_moe,
         )
+        targets = ATTN_MODULES if cfg.is_moe else ALL_MODULES
         pool = AdapterPool(
-            shapes, slots=slots, max_rank=rank, target_modules=ALL_MODULES, dtype=dtype, device=device
+            shapes, slots=slots, max_rank=rank, target_modules=targets, dtype=dtype, device=device
         )
         for s in range(slots):
-            pool.upload(s, random_adapter(shapes, MODULE_SETS[s % len(MODULE_SETS)], rank, seed + s, dtype))
+            modules = list(ATTN_MODULES) if cfg.is_moe else MODULE_SETS[s % len(MODULE_SETS)]
+            pool.upload(s, random_adapter(shapes, modules, rank, seed + s, dtype))
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # uploads run on a side stream
         side = device.type == "cuda" if side_stream is None else side_stream

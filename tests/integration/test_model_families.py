@@ -156,5 +156,5 @@ def test_every_family_on_the_cuda_path_kernels_under_the_interpreter():
         timeout=600,
     )
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
-    for family in ("llama", "qwen3", "gemma2", "gemma3", "phi3"):
+    for family in ("llama", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"):
         assert f"{family}: triton path vs torch path" in proc.stdout and "FAIL" not in proc.stdout

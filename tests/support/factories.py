@@ -81,7 +81,7 @@ def make_tiny_model(
     with torch.no_grad():
         # Larger-than-default weights so greedy decoding is not a flat argmax over ties.
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() in (2, 3):  # 3: transformers' stacked experts (saved per expert)
                 p.normal_(0, 0.2)
     model = model.to(torch.float32)
     path.mkdir(parents=True, exist_ok=True)
@@ -143,6 +143,26 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
                 "long_factor": [2.0 + i for i in range(8)],
                 "original_max_position_embeddings": 512,
             },
+        ),
+    ),
+    # Mixture-of-experts (2+ layers, 8 experts, top-2): Mixtral renormalises the top-2 weights and
+    # windows every layer; this Qwen3-MoE does not renormalise and keeps a dense MLP in layer 1.
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, sliding_window=12),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=False,
+            num_hidden_layers=3,
+            mlp_only_layers=[1],
         ),
     ),
 }

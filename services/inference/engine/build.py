@@ -30,7 +30,13 @@ def build_llm_engine(
     loaded = loaded or load(config)
     c = loaded.config
     shapes = ModelShapes(
-        c.num_layers, c.hidden_size, c.intermediate_size, c.q_size, c.kv_size, c.family.fused_checkpoint
+        c.num_layers,
+        c.hidden_size,
+        c.intermediate_size,
+        c.q_size,
+        c.kv_size,
+        c.family.fused_checkpoint,
+        c.is_moe,
     )
     # The pool is allocated before the KV cache is sized, so the KV cache gets what is left.
     lora = build_lora(

@@ -12,6 +12,7 @@ phase of a step ends, so a benchmark can split a step's time without patching th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -163,6 +164,10 @@ class LLMEngine:
             context_length=self.context_length,
             lora_backend=lora_backend,
         )
+        if loaded.config.is_moe and loaded.device.type == "cuda" and not config.disable_cuda_graph:
+            # models/moe.py reads each layer's per-expert token counts on the host: not capturable.
+            log.warning("%s is a mixture-of-experts model: CUDA graphs are off", loaded.config.architecture)
+            config = self.config = dataclasses.replace(config, disable_cuda_graph=True)
         if loaded.device.type == "cuda" and not config.disable_cuda_graph and config.cuda_graph_max_bs > 0:
             self.runner.capture_cuda_graphs(min(config.cuda_graph_max_bs, config.max_running_requests))
         if config.mixed_graphs_enabled:

@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid
-from loraplex.services.inference.lora.shapes import ALL_MODULES, FUSED_MODULES, all_module_paths, module_path
+from loraplex.services.inference.lora.shapes import (
+    ALL_MODULES,
+    ATTN_MODULES,
+    FUSED_MODULES,
+    all_module_paths,
+    module_path,
+)
 
 # PEFT features that change the forward beyond `B(A(x)) * scaling`; refused when set.
 _UNSUPPORTED: dict[str, str] = {
@@ -30,7 +36,11 @@ _UNSUPPORTED: dict[str, str] = {
     "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
     "lora_bias": "LoRA bias terms are not supported",
     "layer_replication": "layer_replication is not supported",
-    "target_parameters": "target_parameters (LoRA on raw parameters) is not supported",
+    "target_parameters": (
+        "target_parameters (LoRA on raw parameters, which is how PEFT targets the stacked experts of "
+        "Mixtral / Qwen3-MoE: gate_up_proj, down_proj) is not supported; adapters of mixture-of-experts "
+        "bases may target attention (q_proj, k_proj, v_proj, o_proj)"
+    ),
     "trainable_token_indices": "trainable token embeddings are not supported",
     "use_qalora": "QALoRA is not supported",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
@@ -199,6 +209,13 @@ def _pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
     return default
 
 
+def _moe_hint(hf_modules: tuple[str, ...]) -> str:
+    # lora/shapes.py: a mixture-of-experts base offers attention only (no expert LoRA yet)
+    return (
+        "; this mixture-of-experts base serves LoRA on attention only" if hf_modules == ATTN_MODULES else ""
+    )
+
+
 def resolve_targets(
     spec: AdapterSpec, num_layers: int, hf_modules: tuple[str, ...] = ALL_MODULES
 ) -> dict[tuple[int, str], ModuleLoRA]:
@@ -222,7 +239,8 @@ def resolve_targets(
         if key not in projections:
             raise _invalid(
                 "target_modules",
-                f"targets {key!r}, which is not one of the linear projections {', '.join(hf_modules)}",
+                f"targets {key!r}, which is not one of the linear projections {', '.join(hf_modules)}"
+                f"{_moe_hint(hf_modules)}",
             )
     if not isinstance(spec.target_modules, str):
         for name in spec.target_modules:
@@ -230,7 +248,7 @@ def resolve_targets(
                 raise _invalid(
                     "target_modules",
                     f"{name!r} is not a module of this model architecture "
-                    f"(LoRA can target {', '.join(hf_modules)})",
+                    f"(LoRA can target {', '.join(hf_modules)}{_moe_hint(hf_modules)})",
                 )
     if not matched:
         raise _invalid("target_modules", f"{spec.target_modules!r} matches no module of this model")

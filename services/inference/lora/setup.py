@@ -96,6 +96,14 @@ def resolve_lora_settings(
         target_modules = parse_target_modules(lora.lora_target_modules)
     else:
         target_modules = parse_target_modules(modules) if modules else ALL_MODULES
+    if shapes.moe:  # LoRA reaches attention only on a mixture-of-experts base (lora/shapes.py)
+        beyond = [m for m in target_modules if m not in shapes.hf_modules]
+        if lora.lora_target_modules is not None and beyond:
+            raise ValueError(
+                f"--lora-target-modules {' '.join(beyond)}: this mixture-of-experts base serves LoRA on "
+                f"attention only ({', '.join(shapes.hf_modules)}); LoRA on the experts is not supported"
+            )
+        target_modules = tuple(m for m in target_modules if m in shapes.hf_modules)
     backend = lora.lora_backend or ("triton" if device.type == "cuda" else "torch")
     check_backend_device(backend, device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)

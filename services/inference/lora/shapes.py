@@ -39,10 +39,15 @@ class ModelShapes:
     q_size: int  # num_heads * head_dim
     kv_size: int  # num_kv_heads * head_dim
     fused_checkpoint: bool = False  # the HF model has qkv_proj / gate_up_proj (Phi-3)
+    # A mixture-of-experts base (Mixtral, Qwen3-MoE): adapters may target attention only; LoRA on the
+    # experts' (or a dense layer's) projections is refused, naming them.
+    moe: bool = False
 
     @property
     def hf_modules(self) -> tuple[str, ...]:
         """The targetable linears of the HF module tree, as PEFT names them."""
+        if self.moe:
+            return ATTN_MODULES
         return HF_FUSED_MODULES if self.fused_checkpoint else ALL_MODULES
 
     @classmethod
@@ -59,6 +64,7 @@ class ModelShapes:
             q_size=heads * head_dim,
             kv_size=kv_heads * head_dim,
             fused_checkpoint=is_fused_architecture(get("architectures"), get("model_type")),
+            moe=is_moe_architecture(get("architectures"), get("model_type")),
         )
 
     @classmethod
@@ -89,6 +95,16 @@ class ModelShapes:
 
 def is_fused_architecture(architectures: list[str] | None, model_type: str | None) -> bool:
     return "Phi3ForCausalLM" in (architectures or []) or (not architectures and model_type == "phi3")
+
+
+MOE_ARCHITECTURES = {"MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+
+
+def is_moe_architecture(architectures: list[str] | None, model_type: str | None) -> bool:
+    archs = architectures or []
+    return any(a in MOE_ARCHITECTURES for a in archs) or (
+        not archs and model_type in MOE_ARCHITECTURES.values()
+    )
 
 
 def module_path(layer: int, module: str) -> str:

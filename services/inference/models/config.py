@@ -49,6 +49,43 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """The experts of a sparse MLP: each token goes to `top_k` of `num_experts` gated MLPs of width
+    `intermediate_size`, weighted by the router's softmax (over all experts, then the top k,
+    renormalised to sum 1 when `norm_topk_prob`: always for Mixtral, per config for Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or a dense MLP (Qwen3-MoE mlp_only_layers)
+
+
+def _moe_config(family: FamilyTraits, raw: dict[str, Any], num_layers: int) -> MoEConfig | None:
+    if family.moe is None:
+        return None
+    if family.moe == "mixtral":
+        experts, inter, norm = int(raw.get("num_local_experts", 8)), int(raw["intermediate_size"]), True
+        sparse = (True,) * num_layers
+    else:  # qwen3_moe: transformers' Qwen3MoeDecoderLayer picks experts or a dense MLP per layer
+        # the Hub's configs say num_experts; transformers 5 saves it as num_local_experts
+        experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+        inter = int(raw.get("moe_intermediate_size") or raw["intermediate_size"])
+        norm = bool(raw.get("norm_topk_prob", False))
+        step = int(raw.get("decoder_sparse_step", 1))
+        if step < 1:
+            raise UnsupportedModelError(f"decoder_sparse_step must be >= 1 (got {step})")
+        dense_only = {int(i) for i in raw.get("mlp_only_layers") or ()}
+        sparse = tuple(i not in dense_only and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    top_k = int(raw.get("num_experts_per_tok", 2))
+    if any(sparse) and not 1 <= top_k <= experts:
+        raise UnsupportedModelError(f"num_experts_per_tok {top_k} must be in [1, num_experts={experts}]")
+    if raw.get("shared_expert_intermediate_size"):
+        raise UnsupportedModelError("shared experts (shared_expert_intermediate_size) are not supported")
+    return MoEConfig(experts, top_k, inter, norm, sparse)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -76,6 +113,15 @@ class ModelConfig:
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
     final_softcap: float | None = None  # the same on the logits
     query_pre_attn_scalar: float | None = None  # attention scale is its -1/2 power (Gemma), else head_dim's
+    moe: MoEConfig | None = None  # a sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the experts (else a dense MLP of `intermediate_size`)."""
+        return self.moe is not None and self.moe.sparse_layers[layer]
 
     @property
     def attention_scale(self) -> float:
@@ -168,7 +214,8 @@ def _layer_windows(arch: str, raw: dict[str, Any], num_layers: int) -> tuple[int
     window = raw.get("sliding_window")
     if arch == "LlamaForCausalLM" or not window:
         return (None,) * num_layers
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+    qwens = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+    if arch in qwens and not raw.get("use_sliding_window", False):
         return (None,) * num_layers
     if raw.get("use_bidirectional_attention"):
         raise UnsupportedModelError("use_bidirectional_attention (an encoder) is not supported")
@@ -179,7 +226,7 @@ def _layer_windows(arch: str, raw: dict[str, Any], num_layers: int) -> tuple[int
                 f"layer_types must name {num_layers} layers, each one of {', '.join(LAYER_TYPES)} "
                 f"(got {types!r})"
             )
-    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    elif arch in qwens[:2]:  # Qwen3-MoE: every layer, like Mistral
         first = int(raw.get("max_window_layers", num_layers))
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     elif arch == "Gemma2ForCausalLM":
@@ -277,6 +324,7 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
         query_pre_attn_scalar=(
             float(raw.get("query_pre_attn_scalar") or 256) if family.name.startswith("gemma") else None
         ),
+        moe=_moe_config(family, raw, num_layers),
     )
 
 

@@ -31,6 +31,10 @@ class FamilyTraits:
     fused_checkpoint: bool = False
     # Sliding-window layers use their own rope base (`rope_local_base_freq`, Gemma 3).
     local_rope: bool = False
+    # A sparse mixture-of-experts MLP (models/moe.py) and its checkpoint layout: "mixtral"
+    # (`block_sparse_moe.{gate,experts.N.w1/w2/w3}`) or "qwen3_moe" (`mlp.{gate,experts.N.gate_proj/
+    # up_proj/down_proj}`); None: a dense MLP in every layer.
+    moe: str | None = None
     # checkpoint module name (under `model.layers.N.`) -> our module name, where they differ.
     checkpoint_renames: dict[str, str] = field(default_factory=dict)
 
@@ -68,6 +72,8 @@ FAMILIES: dict[str, FamilyTraits] = {
         checkpoint_renames=GEMMA_RENAMES,
     ),
     "Phi3ForCausalLM": FamilyTraits("phi3", fused_checkpoint=True),
+    "MixtralForCausalLM": FamilyTraits("mixtral", moe="mixtral"),
+    "Qwen3MoeForCausalLM": FamilyTraits("qwen3_moe", qk_norm=True, moe="qwen3_moe"),
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 # A config.json without `architectures` is loaded by transformers from `model_type`; so here.
@@ -79,6 +85,8 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # The activation names each family's config may give (`hidden_act` / `hidden_activation`).
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}

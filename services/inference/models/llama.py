@@ -27,6 +27,7 @@ from loraplex.kernels.fused_ops import add_rms_norm, qkv_rotary, qkv_rotary_ref,
 from loraplex.kernels.placement import triton_runs_on
 from loraplex.services.inference.models.config import ModelConfig
 from loraplex.services.inference.models.context import ForwardContext
+from loraplex.services.inference.models.moe import SparseMoE
 from loraplex.services.inference.models.rope import RotaryEmbedding
 
 
@@ -139,9 +140,18 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = FusedLinear(cfg.hidden_size, (cfg.q_size, cfg.kv_size, cfg.kv_size), cfg.qkv_bias)
         self.o_proj = FusedLinear(cfg.q_size, (cfg.hidden_size,), cfg.o_bias)
         inter = cfg.intermediate_size
-        self.gate_up_proj = FusedLinear(cfg.hidden_size, (inter, inter), cfg.mlp_bias)
-        self.down_proj = FusedLinear(inter, (cfg.hidden_size,), cfg.mlp_bias)
         self.inter = inter
+        # Mixtral / Qwen3-MoE: the experts in place of the dense MLP (Qwen3-MoE keeps a dense MLP in
+        # its `mlp_only_layers`); LoRA reaches attention only there (lora/shapes.py).
+        self.moe = None
+        if cfg.layer_is_sparse(index):
+            self.moe = SparseMoE(
+                cfg.hidden_size, cfg.moe, cfg.activation, float_weights=family.moe == "mixtral"
+            )
+            self.gate_up_proj = self.down_proj = None
+        else:
+            self.gate_up_proj = FusedLinear(cfg.hidden_size, (inter, inter), cfg.mlp_bias)
+            self.down_proj = FusedLinear(inter, (cfg.hidden_size,), cfg.mlp_bias)
 
     def _linear(self, group: str, module: FusedLinear, x: torch.Tensor, ctx: ForwardContext) -> Addend:
         lora = ctx.lora
@@ -200,6 +210,8 @@ class DecoderLayer(nn.Module):
         if self.attn_output_norm is not None:
             o = Addend(self.attn_output_norm(o.materialize()))
         h, x = self.post_attention_layernorm.add_forward(h, o, h_out=None if bufs is None else bufs.h)
+        if self.moe is not None:
+            return h, Addend(self.moe(x))
         gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx)
         if triton_runs_on(gate_up.out):  # SwiGLU or GeGLU, one launch
             act = silu_and_mul(gate_up.out, gate_up.delta, self.activation)
@@ -239,6 +251,9 @@ _LAYER_WEIGHTS = {
     "mlp.down_proj": ("down_proj", 0),
 }
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+# Mixtral `block_sparse_moe.experts.N.w1`, Qwen3-MoE `mlp.experts.N.gate_proj`; routers `.gate`.
+_EXPERT_RE = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)$")
+_ROUTERS = ("block_sparse_moe.gate", "mlp.gate")
 _LAYER_NORMS = {
     "input_layernorm",
     "post_attention_layernorm",
@@ -334,7 +349,15 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into our (fused) parameters; refuse gaps and strangers."""
-        expected = {name for name, _ in self.named_parameters()}
+        expected = {name for name, _ in self.named_parameters() if ".moe." not in name}
+        for i, layer in enumerate(self.layers):  # each expert's three projections, and the router
+            if layer.moe is not None:
+                expected.add(f"layers.{i}.moe.gate")
+                for e in range(layer.moe.num_experts):
+                    expected |= {
+                        f"layers.{i}.moe.{part}.{e}.{p}" for part, p in (("gate_up", 0), ("gate_up", 1))
+                    }
+                    expected.add(f"layers.{i}.moe.down.{e}.-1")
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
@@ -353,7 +376,15 @@ class LlamaForCausalLM(nn.Module):
             layer_idx, module_name, kind = int(match[1]), match[2], match[3]
             module_name = self.config.family.checkpoint_renames.get(module_name, module_name)
             layer = self.layers[layer_idx]
-            if module_name in _LAYER_WEIGHTS:
+            if layer.moe is not None and kind == "weight":
+                expert = _EXPERT_RE.match(module_name)
+                if expert:
+                    part = layer.moe.load_expert(int(expert[1]), expert[2], tensor, name)
+                    return f"layers.{layer_idx}.moe.{part}"
+                if module_name in _ROUTERS:
+                    _copy(layer.moe.gate, tensor, name)
+                    return f"layers.{layer_idx}.moe.gate"
+            if module_name in _LAYER_WEIGHTS and getattr(layer, _LAYER_WEIGHTS[module_name][0]) is not None:
                 attr, index = _LAYER_WEIGHTS[module_name]
                 fused: FusedLinear = getattr(layer, attr)
                 if index < 0:  # a fused checkpoint tensor: our stacks in the same order

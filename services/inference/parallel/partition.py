@@ -105,6 +105,11 @@ def plan_shards(cfg: ModelConfig, tp_size: int) -> list[ShardPlan]:
     """Every rank's plan, or ValueError saying why this model cannot run at `tp_size`."""
     if tp_size < 1:
         raise ValueError(f"--tp-size must be >= 1 (got {tp_size})")
+    if cfg.is_moe and tp_size > 1:
+        raise ValueError(
+            f"--tp-size {tp_size}: {cfg.architecture} is a mixture-of-experts model, whose experts are not "
+            "sharded across ranks yet; serve it with --tp-size 1"
+        )
     heads, kv = cfg.num_heads, cfg.num_kv_heads
     group = heads // kv
     if kv >= tp_size:

@@ -1,0 +1,154 @@
+"""Decode step of a random Qwen3-30B-A3B shaped mixture-of-experts model: batch 64 against the memory
+floor, and 8 distinct attention adapters against the base model.
+
+    PYTHONPATH=protos python3 -m loraplex.bench.moe [--batch 64] [--adapters 8] [--context 1024] [--out DIR]
+    PYTHONPATH=protos python3 -m loraplex.bench.moe --tiny      # CPU smoke run: tiny Qwen3-MoE and Mixtral
+
+The runner is bench/families.py's (random bf16 weights, `--adapters` random rank-16 adapters on
+q/k/v/o resident, the Triton LoRA backend on CUDA), eager as the engine runs MoE models (their
+prefill path reads per-expert token counts on the host). `--graphs` captures the decode CUDA graphs
+anyway: batches up to models/moe.py's DENSE_MAX_TOKENS run the experts dense, without a host sync,
+so they should capture; this measures what turning graphs on for MoE decode would give. Two floors
+are printed: the issue's (active parameters: attention, routers, `top_k` experts per layer, the lm_head; plus
+K/V) and the one a batch really reads (the experts its tokens touch: at batch 64 x top-8 of 128
+nearly all of them). Goals (issue 39): base step <= 1.5x the active floor, 8 adapters >= 0.85x base.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from loraplex.bench.families import PAGE, copy_bandwidth, kv_bytes, step_ms, weight_bytes
+from loraplex.bench.random_runner import TINY, TINY_FAMILIES, build_runner
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.services.inference.engine.scheduler import SeqChunk
+
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    hidden_size=2048,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    vocab_size=151936,
+    rope_theta=1000000.0,
+)
+TINY_MOE = {f"tiny-{f}": {**TINY, **TINY_FAMILIES[f]} for f in ("qwen3_moe", "mixtral")}
+
+
+def expert_bytes(runner) -> tuple[int, int, int]:
+    """(all experts' bytes, one expert's bytes per sparse layer, experts per layer)."""
+    total = one = 0
+    experts = 1
+    for layer in runner.model.layers:
+        if layer.moe is not None:
+            size = sum(p.numel() * p.element_size() for p in (layer.moe.gate_up, layer.moe.down))
+            total += size
+            experts = layer.moe.num_experts
+            one += size // experts
+    return total, one, experts
+
+
+def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.device) -> dict:
+    pages = -(-(opts.context + 1) // PAGE)
+    runner = build_runner(
+        shape,
+        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        device=device,
+        slots=opts.adapters,
+        rank=16,
+        max_num_tokens=opts.batch,
+        max_num_seqs=opts.batch,
+        context_length=pages * PAGE,
+        page_size=PAGE,
+        num_blocks=opts.batch * pages + 1,
+        lora_backend="triton" if device.type == "cuda" else "torch",
+    )
+    runner.kv_cache.zero_()
+    if device.type == "cuda" and opts.graphs:
+        runner.capture_cuda_graphs(opts.batch)
+
+    def chunks(adapters: int) -> list[SeqChunk]:
+        tables = [list(range(1 + b * pages, 1 + (b + 1) * pages)) for b in range(opts.batch)]
+        slots = [b % adapters if adapters else -1 for b in range(opts.batch)]
+        return [
+            SeqChunk([7 + b], opts.context - 1, t, s, True)  # distinct tokens: routed to many experts
+            for b, (t, s) in enumerate(zip(tables, slots, strict=True))
+        ]
+
+    base = step_ms(runner, chunks(0), opts.steps, device)
+    lora = step_ms(runner, chunks(opts.adapters), opts.steps, device)
+    cfg = runner.config
+    all_experts, one_expert, experts = expert_bytes(runner)
+    top_k = cfg.moe.top_k
+    dense = weight_bytes(runner) - all_experts
+    # expected distinct experts a layer's `batch * top_k` picks touch, routing uniformly at random
+    touched = experts * (1 - (1 - top_k / experts) ** opts.batch)
+    row = dict(
+        model=name,
+        architecture=cfg.architecture,
+        cuda_graphs=bool(device.type == "cuda" and opts.graphs),
+        batch=opts.batch,
+        context=opts.context,
+        adapters=opts.adapters,
+        base_ms=base,
+        adapters_ms=lora,
+        adapters_vs_base=base / lora,
+        active_weight_bytes=dense + top_k * one_expert,
+        touched_weight_bytes=int(dense + touched * one_expert),
+        kv_bytes=kv_bytes(runner, opts.batch, opts.context),
+    )
+    if device.type == "cuda":
+        kv = row["kv_bytes"]
+        row["active_floor_ms"] = (row["active_weight_bytes"] + kv) / opts.bandwidth * 1e3
+        row["touched_floor_ms"] = (row["touched_weight_bytes"] + kv) / opts.bandwidth * 1e3
+        row["base_vs_active_floor"] = base / row["active_floor_ms"]
+        row["base_vs_touched_floor"] = base / row["touched_floor_ms"]
+    del runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--context", type=int, default=1024, help="tokens per sequence (the decoded one included)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--graphs", action="store_true", help="capture the decode CUDA graphs (batch <= 64)")
+    p.add_argument("--tiny", action="store_true", help="tiny Qwen3-MoE and Mixtral on the CPU (smoke run)")
+    add_out_argument(p)
+    opts = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not opts.tiny else "cpu")
+    if opts.tiny:
+        models = TINY_MOE
+        opts.batch, opts.context, opts.steps = min(opts.batch, 8), min(opts.context, 40), min(opts.steps, 5)
+    else:
+        models = {"qwen3-30b-a3b": QWEN3_30B_A3B}
+        opts.bandwidth = copy_bandwidth(device)
+        print(f"copy bandwidth {opts.bandwidth / 1e12:.2f} TB/s")
+    rows = [bench_model(name, shape, opts, device) for name, shape in models.items()]
+    head = ("base ms", "act flr", "x act", "tch flr", "x tch", "adapt ms", "base/ad")
+    print(f"{'model':<16}{'batch':>6}{'ctx':>6}" + "".join(f"{h:>9}" for h in head))
+    for r in rows:
+        floors = "".join(
+            f"{r[k]:>9.2f}" if k in r else f"{'-':>9}"
+            for k in ("active_floor_ms", "base_vs_active_floor", "touched_floor_ms", "base_vs_touched_floor")
+        )
+        print(
+            f"{r['model']:<16}{r['batch']:>6}{r['context']:>6}{r['base_ms']:>9.2f}{floors}"
+            f"{r['adapters_ms']:>9.2f}{r['adapters_vs_base']:>9.2f}"
+        )
+    write_json(opts.out, "moe", dict(device=device.type, rows=rows))
+
+
+if __name__ == "__main__":
+    main()
