@@ -26,3 +26,10 @@ def test_compiles_count_as_stalls_only_between_engine_builds() -> None:
     counter._hook(fn=None)
     counter.mark_serving()
     assert (counter.total, counter.after_start) == (3, 1)
+
+
+def test_warm_up_prefills_use_ids_any_vocabulary_has() -> None:
+    """Warm-up steps feed the real model: a prefill of 400 tokens must not use ids up to 399 (a tiny
+    model's 128-row embedding table asserted on CUDA)."""
+    steps = warm_up_steps(2048, 8, 2, 8, 448, 16, torch.device("cpu"))
+    assert {t for step in steps for chunk in step for t in chunk.token_ids} == {0}

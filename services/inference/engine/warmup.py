@@ -70,7 +70,9 @@ def warm_up_steps(
         done = 0
         while done < num_prefill:
             size = min(max_chunk, num_prefill - done)
-            chunks.append(SeqChunk(list(range(size)), 0, [0] * -(-size // page_size), last, True))
+            # token 0 everywhere: only the shapes matter, and any id past a small vocabulary would be
+            # out of the embedding table
+            chunks.append(SeqChunk([0] * size, 0, [0] * -(-size // page_size), last, True))
             done += size
         return chunks
 
