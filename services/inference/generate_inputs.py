@@ -143,10 +143,12 @@ def _check_tokens(ids: list[int], where: str, context_length: int) -> None:
     """Right after each prompt is tokenized, so a request of many long prompts stops at the first
     that cannot fit instead of tokenizing them all (the engine checks each again, with the KV size)."""
     if context_length and len(ids) >= context_length:
-        raise InvalidRequest(
+        raise ContextLengthExceeded(
             f"{where}: the prompt has {len(ids)} tokens; this model's context is {context_length} tokens "
             "including at least one new token",
             field=where,
+            prompt_tokens=len(ids),
+            context_length=context_length,
         )
 
 

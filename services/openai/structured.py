@@ -117,7 +117,11 @@ def apply(req, params: pb.SamplingParams, response_format: Any = None) -> dict[s
 def rename_error(err: OpenAIError, fields: dict[str, str]) -> OpenAIError:
     """The server names `sampling_params.json_schema` (etc.); say the field the caller wrote."""
     for grpc_field, door_field in fields.items():
-        if err.param == grpc_field or (err.param is None and grpc_field in err.message):
+        # from_grpc may already have shortened `sampling_params.regex` to `regex`
+        short = grpc_field.removeprefix("sampling_params.")
+        if err.param in (grpc_field, short) or (err.param is None and grpc_field in err.message):
             err.param = door_field
             err.message = err.message.replace(grpc_field, door_field)
+            if err.message.startswith(short + " "):
+                err.message = door_field + err.message[len(short) :]
     return err
