@@ -276,7 +276,7 @@ def test_broken_files_leave_no_blob_or_staging_behind(stub, good):
     assert [a.name for a in listing.adapters] == ["served"]
     blobs = sorted(p.name for p in (stub.cache_dir / "blobs" / "sha256").iterdir())
     digest = listing.adapters[0].digest.removeprefix("sha256:")
-    assert blobs == [digest, digest + ".json"]
+    assert blobs == [digest, digest + ".records"]  # the blob and its per-name record files
     assert list((stub.cache_dir / "staging").iterdir()) == []
 
 
