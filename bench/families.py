@@ -72,7 +72,9 @@ def step_ms(runner, chunks: list[SeqChunk], steps: int, device: torch.device) ->
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.device) -> dict:
+def decode_runner(shape: dict, opts: argparse.Namespace, device: torch.device, graphs: bool):
+    """A random-weight ModelRunner of `shape` holding `opts.batch` sequences of `opts.context` tokens
+    (bench/moe.py uses it too); returns it with a sequence's page count."""
     pages = -(-(opts.context + 1) // PAGE)
     runner = build_runner(
         shape,
@@ -88,13 +90,27 @@ def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.
         lora_backend="triton" if device.type == "cuda" else "torch",
     )
     runner.kv_cache.zero_()
-    if device.type == "cuda":
+    if device.type == "cuda" and graphs:
         runner.capture_cuda_graphs(opts.batch)
+    return runner, pages
+
+
+def decode_chunks(opts: argparse.Namespace, pages: int, adapters: int, distinct_tokens: bool = False):
+    """One decode step of the batch, sequence b on adapter b % adapters (none when 0); with
+    `distinct_tokens` every sequence feeds its own token (an MoE routes them to many experts)."""
+    tables = [list(range(1 + b * pages, 1 + (b + 1) * pages)) for b in range(opts.batch)]
+    slots = [b % adapters if adapters else -1 for b in range(opts.batch)]
+    return [
+        SeqChunk([7 + b if distinct_tokens else 7], opts.context - 1, t, s, True)
+        for b, (t, s) in enumerate(zip(tables, slots, strict=True))
+    ]
+
+
+def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.device) -> dict:
+    runner, pages = decode_runner(shape, opts, device, graphs=True)
 
     def chunks(adapters: int) -> list[SeqChunk]:
-        tables = [list(range(1 + b * pages, 1 + (b + 1) * pages)) for b in range(opts.batch)]
-        slots = [b % adapters if adapters else -1 for b in range(opts.batch)]
-        return [SeqChunk([7], opts.context - 1, t, s, True) for t, s in zip(tables, slots, strict=True)]
+        return decode_chunks(opts, pages, adapters)
 
     base = step_ms(runner, chunks(0), opts.steps, device)
     lora = step_ms(runner, chunks(opts.adapters), opts.steps, device)

@@ -20,8 +20,15 @@ import argparse
 
 import torch
 
-from loraplex.bench.families import PAGE, copy_bandwidth, kv_bytes, step_ms, weight_bytes
-from loraplex.bench.random_runner import TINY, TINY_FAMILIES, build_runner
+from loraplex.bench.families import (
+    copy_bandwidth,
+    decode_chunks,
+    decode_runner,
+    kv_bytes,
+    step_ms,
+    weight_bytes,
+)
+from loraplex.bench.random_runner import TINY, TINY_FAMILIES
 from loraplex.bench.results import add_out_argument, write_json
 from loraplex.services.inference.engine.scheduler import SeqChunk
 
@@ -57,31 +64,10 @@ def expert_bytes(runner) -> tuple[int, int, int]:
 
 
 def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.device) -> dict:
-    pages = -(-(opts.context + 1) // PAGE)
-    runner = build_runner(
-        shape,
-        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-        device=device,
-        slots=opts.adapters,
-        rank=16,
-        max_num_tokens=opts.batch,
-        max_num_seqs=opts.batch,
-        context_length=pages * PAGE,
-        page_size=PAGE,
-        num_blocks=opts.batch * pages + 1,
-        lora_backend="triton" if device.type == "cuda" else "torch",
-    )
-    runner.kv_cache.zero_()
-    if device.type == "cuda" and opts.graphs:
-        runner.capture_cuda_graphs(opts.batch)
+    runner, pages = decode_runner(shape, opts, device, graphs=opts.graphs)
 
     def chunks(adapters: int) -> list[SeqChunk]:
-        tables = [list(range(1 + b * pages, 1 + (b + 1) * pages)) for b in range(opts.batch)]
-        slots = [b % adapters if adapters else -1 for b in range(opts.batch)]
-        return [
-            SeqChunk([7 + b], opts.context - 1, t, s, True)  # distinct tokens: routed to many experts
-            for b, (t, s) in enumerate(zip(tables, slots, strict=True))
-        ]
+        return decode_chunks(opts, pages, adapters, distinct_tokens=True)
 
     base = step_ms(runner, chunks(0), opts.steps, device)
     lora = step_ms(runner, chunks(opts.adapters), opts.steps, device)
