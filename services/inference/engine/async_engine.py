@@ -192,6 +192,7 @@ class AsyncEngine:
 
     async def unload_adapter(self, name: str) -> None:
         await asyncio.to_thread(self._manager().unload_adapter, name)
+        self.engine.forget_adapter(name)
 
     def list_adapters(self) -> list[AdapterInfo]:
         return [] if self.lora_manager is None else self.lora_manager.list_adapters()

@@ -546,6 +546,10 @@ class LLMEngine:
 
     # -- info -----------------------------------------------------------------------------
 
+    def forget_adapter(self, name: str) -> None:
+        """Per-adapter state the engine keeps beside the LoRA manager, dropped once `name` is unloaded."""
+        self.scheduler.prefix_cache.stats.forget(name)
+
     def stats(self) -> EngineStats:
         return EngineStats(
             waiting=len(self.scheduler.waiting),

@@ -86,6 +86,12 @@ class PrefixCacheStats:
         self.prompt_tokens[name] += prompt_tokens
         self.hit_tokens[name] += hit_tokens
 
+    def forget(self, adapter: str) -> None:
+        """Drop an unloaded adapter's counters: a server that lives on churn would otherwise keep one
+        entry per adapter name ever served (a name served again starts from 0; the metrics follow)."""
+        self.prompt_tokens.pop(adapter, None)
+        self.hit_tokens.pop(adapter, None)
+
 
 class PrefixCache:
     """The scheduler's side of the cache: finds a request's cached prefix at admission, registers
