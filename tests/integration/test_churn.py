@@ -24,7 +24,7 @@ from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
 from tests.support.store_helpers import start_store, write_random_adapter
 
-CHURN = int(os.environ.get("LORAPLEX_CHURN", "1000"))  # registered and deleted (3000: ~2 min here)
+CHURN = int(os.environ.get("LORAPLEX_CHURN", "2000"))  # registered and deleted (3000: ~2 min here)
 SERVE_EVERY = int(os.environ.get("LORAPLEX_CHURN_SERVE_EVERY", "8"))  # of which every 8th is served
 pytestmark = pytest.mark.timeout(300)
 
