@@ -1,4 +1,4 @@
-"""`python -m adapter_store [flags]`: run the adapter store (see adapter_store/cli/args.py)."""
+"""`python -m loraplex.adapter_store [flags]`: run the adapter store (see adapter_store/cli/args.py)."""
 
 from __future__ import annotations
 

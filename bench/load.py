@@ -117,7 +117,7 @@ def start_stack(opts, cache: Path) -> tuple[ServerProcess, ServerProcess, Path]:
     model = Path(opts.model_path) if opts.model_path else ensure_model()
     store = ServerProcess(
         "store",
-        "adapter_store",
+        "loraplex.adapter_store",
         ["--port", "0", "--cache-dir", str(cache / "store"), "--base-model", str(model)],
         echo=opts.echo,
     )

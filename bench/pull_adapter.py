@@ -3,7 +3,7 @@
     .venv/bin/python -m loraplex.bench.pull_adapter [--mb 100] [--reps 5] [--out DIR]
 
 Writes a random LoRA adapter in PEFT layout (fp32, Llama-shaped square projections), starts
-`python -m adapter_store --port 0` (embedded Redis) as a subprocess, registers the adapter
+`python -m loraplex.adapter_store --port 0` (embedded Redis) as a subprocess, registers the adapter
 (timing fetch + validation + hashing), then pulls it `--reps` times: the stream alone, the
 stream plus the client's sha256 check, and the shared-cache answer (a path, no data).
 Prints a table and writes JSON to --out DIR (bench/results.py).

@@ -71,7 +71,7 @@ class Fleet:
         self.ns, self.work = ns, work
         self.store = ServerProcess(
             "store",
-            "adapter_store",
+            "loraplex.adapter_store",
             ["--port", "0", "--cache-dir", str(work / "store"), "--base-model", ns.model_path],
             echo=False,
         )

@@ -116,7 +116,7 @@ def run(ns: argparse.Namespace) -> int:
     try:
         store = ServerProcess(
             "store",
-            "adapter_store",
+            "loraplex.adapter_store",
             [
                 "--host",
                 ns.host,

@@ -1,4 +1,4 @@
-"""Every flag of `python -m adapter_store`, parsed into one frozen StoreConfig."""
+"""Every flag of `python -m loraplex.adapter_store`, parsed into one frozen StoreConfig."""
 
 from __future__ import annotations
 
@@ -48,7 +48,9 @@ def _size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m adapter_store", description="loraplex adapter store (gRPC)")
+    p = argparse.ArgumentParser(
+        prog="python -m loraplex.adapter_store", description="loraplex adapter store (gRPC)"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50052, help="0 picks a free port (logged)")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="blobs, staging, embedded Redis")

@@ -80,6 +80,12 @@ def test_the_wheel_imports_outside_the_checkout(wheel, tmp_path):
     env = {"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
+    # the services start by their one name too (what `loraplex up` and docker-compose run)
+    for module in ("loraplex.adapter_store", "loraplex.services.inference", "loraplex.services.openai"):
+        run = subprocess.run(
+            [sys.executable, "-m", module, "--help"], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 0 and "usage" in run.stdout, (module, run.stderr[-2000:])
 
 
 def test_the_embedded_model_directory_is_plain(smollm2_path):

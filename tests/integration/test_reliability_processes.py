@@ -20,7 +20,7 @@ from pathlib import Path
 from loraplex.clients.processes import ServerProcess
 live = grpc.insecure_channel("127.0.0.1:9")  # grpc threads are running in this parent
 def store(cache):
-    return ServerProcess("store", "adapter_store", ["--port", "0", "--cache-dir", cache], echo=False)
+    return ServerProcess("store", "loraplex.adapter_store", ["--port", "0", "--cache-dir", cache], echo=False)
 first = store(sys.argv[1] + "/a")
 first.wait_serving(60)
 second = store(sys.argv[1] + "/b")

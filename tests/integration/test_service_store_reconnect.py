@@ -13,7 +13,7 @@ from tests.support.service_stack import STARTUP_S, start_inference
 
 def store_on(cache, port: int) -> ServerProcess:
     proc = ServerProcess(
-        "store", "adapter_store", ["--port", str(port), "--cache-dir", str(cache)], echo=False
+        "store", "loraplex.adapter_store", ["--port", str(port), "--cache-dir", str(cache)], echo=False
     )
     proc.wait_serving(STARTUP_S)
     return proc

@@ -261,7 +261,7 @@ def test_base_model_config_from_a_lying_endpoint_is_cut_off(hub, tmp_path, tiny_
     try:
         proc = ServerProcess(
             "store",
-            "adapter_store",
+            "loraplex.adapter_store",
             ["--port", "0", "--cache-dir", str(tmp_path / "cache"), "--base-model", "org/base-liar"],
             env={"HF_ENDPOINT": hub.endpoint, "HF_HOME": str(tmp_path / "hf"), "NO_PROXY": "127.0.0.1"},
             echo=False,

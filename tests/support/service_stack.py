@@ -56,7 +56,7 @@ def start_store(cache_dir: Path, base_model: Path | None = None) -> ServerProces
     args = ["--port", "0", "--cache-dir", str(cache_dir)]
     if base_model is not None:
         args += ["--base-model", str(base_model)]
-    proc = ServerProcess("store", "adapter_store", args, echo=False)
+    proc = ServerProcess("store", "loraplex.adapter_store", args, echo=False)
     try:
         proc.wait_serving(STARTUP_S)
     except Exception:

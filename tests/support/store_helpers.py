@@ -1,6 +1,6 @@
 """Helpers for the adapter store's tests (and anyone who needs a real store).
 
-- `start_store(cache_dir, *flags, env=...)`: a context manager running `python -m adapter_store
+- `start_store(cache_dir, *flags, env=...)`: a context manager running `python -m loraplex.adapter_store
   --port 0 --cache-dir DIR [flags]` as a subprocess, waiting for health SERVING, yielding the
   `loraplex.clients.processes.ServerProcess` (`.address` is "127.0.0.1:PORT", `.output()` its log) and
   stopping it with SIGTERM (asserting a clean exit 0) at the end.
@@ -62,7 +62,11 @@ def start_store_process(
     """Like `start_store`, for callers that manage the stop themselves (`proc.stop()`)."""
     env = {"NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost", **(env or {})}
     proc = ServerProcess(
-        "store", "adapter_store", ["--port", "0", "--cache-dir", str(cache_dir), *flags], env=env, echo=False
+        "store",
+        "loraplex.adapter_store",
+        ["--port", "0", "--cache-dir", str(cache_dir), *flags],
+        env=env,
+        echo=False,
     )
     try:
         if credentials is None:
