@@ -35,10 +35,6 @@ OTHER = "_other"  # adapter names start with a letter or digit, so no adapter is
 DEFAULT_MAX_ADAPTER_SERIES = 256
 
 
-def adapter_label(adapter: str | None) -> str:
-    return adapter or "base"
-
-
 class Metrics:
     """One registry per server; names are prefixed `loraplex_`."""
 
@@ -239,11 +235,11 @@ class Metrics:
             _remove(self.adapter_queued, self.replica, name)
             self._named.discard(name)
             self._last_location.pop(name, None)
-            self._last_evictions.pop(name, None)
-            self._last_uploads.pop(name, None)
             self._fleet_names.discard(name)
-            self._fairness_seen.pop(name, None)
-            self._popularity.pop(name, None)
+        # per-name totals are kept for every adapter, named series or not
+        for state in (self._last_evictions, self._last_uploads, self._fairness_seen, self._popularity):
+            for name in state.keys() - live:
+                del state[name]
         return gone
 
     def adapter_series(self) -> int:
@@ -322,9 +318,10 @@ class Metrics:
             delta = info.uploads - self._last_uploads.get(info.name, 0)
             if delta > 0:
                 self.adapter_uploads.labels(label).inc(delta)
-            if label != OTHER:
-                self._last_evictions[info.name] = info.evictions
-                self._last_uploads[info.name] = info.uploads
+            # kept for "_other" adapters too (else their whole total counts again every refresh);
+            # prune drops it once the adapter is gone
+            self._last_evictions[info.name] = info.evictions
+            self._last_uploads[info.name] = info.uploads
         for name in self._last_location:
             if name not in seen and name in self._named:
                 for gone in LOCATIONS:
