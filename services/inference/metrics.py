@@ -237,7 +237,7 @@ class Metrics:
             self._last_location.pop(name, None)
             self._fleet_names.discard(name)
         # per-name totals are kept for every adapter, named series or not
-        for state in (self._last_evictions, self._last_uploads, self._fairness_seen, self._popularity):
+        for state in (self._last_evictions, self._last_uploads, self._popularity):
             for name in state.keys() - live:
                 del state[name]
         return gone
@@ -315,9 +315,11 @@ class Metrics:
             delta = info.evictions - self._last_evictions.get(info.name, 0)
             if delta > 0:
                 self.adapter_evictions.labels(label).inc(delta)
+                self.swaps.inc(delta)
             delta = info.uploads - self._last_uploads.get(info.name, 0)
             if delta > 0:
                 self.adapter_uploads.labels(label).inc(delta)
+                self.uploads.inc(delta)
             # kept for "_other" adapters too (else their whole total counts again every refresh);
             # prune drops it once the adapter is gone
             self._last_evictions[info.name] = info.evictions
@@ -391,7 +393,6 @@ class Metrics:
         )
         self.uploads = Counter("loraplex_lora_uploads", "Adapters copied into a GPU slot", registry=r)
         self._popularity: dict[str, int] = {}
-        self._fairness_seen: dict[str, tuple[int, int]] = {}  # name -> (evictions, uploads) last seen
 
     def popularity_decile(self, adapter: str | None) -> str:
         """Count one request of `adapter` and return its decile among adapters by requests so far."""
@@ -405,16 +406,6 @@ class Metrics:
     def observe_queue_time(self, adapter: str | None, seconds: float) -> None:
         """One request's queue time (RequestOutput.queue_time), labelled by its adapter's decile."""
         self.queue_by_decile.labels(self.popularity_decile(adapter)).observe(seconds)
-
-    def observe_swaps(self, adapters: list[AdapterInfo]) -> None:
-        """Follow the manager's per-adapter eviction and upload totals (an unloaded one's stay counted)."""
-        for info in adapters:
-            last_swaps, last_uploads = self._fairness_seen.get(info.name, (0, 0))
-            if info.evictions > last_swaps:
-                self.swaps.inc(info.evictions - last_swaps)
-            if info.uploads > last_uploads:
-                self.uploads.inc(info.uploads - last_uploads)
-            self._fairness_seen[info.name] = (info.evictions, info.uploads)
 
 
 def _remove(metric, *labels: str) -> None:

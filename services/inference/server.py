@@ -218,7 +218,6 @@ class InferenceServer:
                 # Series of adapters neither loaded nor busy here (deleted, unloaded) go first.
                 self.metrics.prune({a.name for a in adapters} | set(resolver.in_flight))
                 self.metrics.observe_adapters(adapters)
-                self.metrics.observe_swaps(adapters)
                 store_names = self.store.known_names if self.store is not None else ()
                 self.metrics.observe_residency(
                     adapters, store_names, resolver.in_flight, stats.lora_slots_total

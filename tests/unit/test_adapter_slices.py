@@ -219,7 +219,7 @@ def test_fairness_metrics_queue_time_by_popularity_decile_and_swaps():
     def info(name, evictions, uploads):
         return AdapterInfo(name, 4, 8.0, ["q_proj"], "gpu", evictions=evictions, uploads=uploads)
 
-    metrics.observe_swaps([info("a", 2, 3), info("b", 0, 1)])
-    metrics.observe_swaps([info("a", 5, 6), info("b", 1, 2)])
-    metrics.observe_swaps([info("b", 1, 2)])  # "a" unloaded: its swaps stay counted
+    metrics.observe_adapters([info("a", 2, 3), info("b", 0, 1)])
+    metrics.observe_adapters([info("a", 5, 6), info("b", 1, 2)])
+    metrics.observe_adapters([info("b", 1, 2)])  # "a" unloaded: its swaps stay counted
     assert value("loraplex_lora_swaps_total") == 6 and value("loraplex_lora_uploads_total") == 8
