@@ -135,14 +135,20 @@ def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.
     return row
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def decode_parser(description: str, steps: int, tiny_help: str) -> argparse.ArgumentParser:
+    """The flags of a decode-step bench over random runners (this one and bench/moe.py)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--context", type=int, default=1024, help="tokens per sequence (the decoded one included)")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--tiny", action="store_true", help="tiny shapes of every family on the CPU (smoke run)")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--tiny", action="store_true", help=tiny_help)
     add_out_argument(p)
+    return p
+
+
+def main() -> None:
+    p = decode_parser(__doc__.split("\n")[0], 50, "tiny shapes of every family on the CPU (smoke run)")
     opts = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not opts.tiny else "cpu")
     if opts.tiny:

@@ -23,13 +23,14 @@ import torch
 from loraplex.bench.families import (
     copy_bandwidth,
     decode_chunks,
+    decode_parser,
     decode_runner,
     kv_bytes,
     step_ms,
     weight_bytes,
 )
 from loraplex.bench.random_runner import TINY, TINY_FAMILIES
-from loraplex.bench.results import add_out_argument, write_json
+from loraplex.bench.results import write_json
 from loraplex.services.inference.engine.scheduler import SeqChunk
 
 QWEN3_30B_A3B = dict(
@@ -104,14 +105,8 @@ def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--adapters", type=int, default=8)
-    p.add_argument("--context", type=int, default=1024, help="tokens per sequence (the decoded one included)")
-    p.add_argument("--steps", type=int, default=20)
+    p = decode_parser(__doc__.split("\n")[0], 20, "tiny Qwen3-MoE and Mixtral on the CPU (smoke run)")
     p.add_argument("--graphs", action="store_true", help="capture the decode CUDA graphs (batch <= 64)")
-    p.add_argument("--tiny", action="store_true", help="tiny Qwen3-MoE and Mixtral on the CPU (smoke run)")
-    add_out_argument(p)
     opts = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not opts.tiny else "cpu")
     if opts.tiny:
