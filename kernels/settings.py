@@ -30,12 +30,28 @@ class KernelSettings:
     """`TRITON_INTERPRET=1`: Triton runs kernels in its CPU interpreter (tests), so the Triton paths
     may serve CPU tensors (`loraplex.kernels.placement.run_triton_on_cpu`, `--lora-backend triton` on CPU)."""
 
+    moe_kernel: str = "grouped"
+    """`LORAPLEX_MOE_KERNEL`: how a mixture-of-experts layer runs its experts on CUDA. `grouped`: the
+    Triton grouped GEMM over tokens sorted by expert (kernels/moe_grouped.py; no host sync, so MoE
+    steps of any size capture in CUDA graphs); `torch`: models/moe.py's torch paths (every expert
+    dense up to 64 tokens, sorted with a host sync above; graphs only for decode batches <= 64).
+    The CPU always runs the torch paths."""
+
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> KernelSettings:
         return cls(
             lora_configs=env.get("LORAPLEX_LORA_CONFIGS") or None,
             triton_interpret=env.get("TRITON_INTERPRET") == "1",
+            moe_kernel=_choice(env, "LORAPLEX_MOE_KERNEL", ("grouped", "torch")),
         )
+
+
+def _choice(env: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str:
+    """`env[name]` if one of `allowed` (the first is the default when unset), else ValueError."""
+    value = env.get(name) or allowed[0]
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+    return value
 
 
 _current: list[KernelSettings] = []

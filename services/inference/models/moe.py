@@ -10,7 +10,10 @@ MLPs. Two ways to run the experts, the same numbers:
   matmuls, combined with the routing weights (zero for the experts a token did not pick). A decode
   batch of 64 x top-8 of 128 experts touches nearly every expert anyway, so the step reads the same
   weights with 2 launches instead of 2 per expert, and nothing syncs the host.
-The sorted path makes MoE models run without CUDA graphs (engine/engine.py says so at start).
+- grouped (CUDA, `LORAPLEX_MOE_KERNEL=grouped`, the default there): kernels/moe_grouped.py, a
+  Triton grouped GEMM over the pairs sorted by expert on the device, for every step size. Nothing
+  syncs the host, so MoE steps of any size capture in CUDA graphs (`graph_safe_max_tokens`).
+Without the grouped kernel the sorted path's host sync keeps prefill-sized steps out of graphs.
 
 Expert weights are stacked `[E, 2 * inter, hidden]` (gate rows, then up rows) and `[E, hidden,
 inter]`; `load_expert` copies one checkpoint tensor (`experts.N.w1` / `gate_proj` ...) into them.
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.kernels.settings import kernel_settings
 from loraplex.services.inference.models.config import MoEConfig
 
 # checkpoint expert projection -> (our stacked parameter, part: 0 gate rows, 1 up rows, -1 whole)
@@ -36,6 +40,19 @@ EXPERT_WEIGHTS = {
 # Up to this many tokens the experts run dense (see above): E x the FLOPs of the routed tokens, but
 # at decode sizes the step is bound by reading the expert weights, which both paths read.
 DENSE_MAX_TOKENS = 64
+# Tests only: run the grouped kernel on CPU tensors too (Triton's interpreter, TRITON_INTERPRET=1).
+MOE_GROUPED_ON_CPU = False
+
+
+def grouped_kernel_on(device: torch.device) -> bool:
+    """Whether MoE layers on `device` run kernels/moe_grouped.py."""
+    grouped = kernel_settings().moe_kernel == "grouped"
+    return grouped and (device.type == "cuda" or MOE_GROUPED_ON_CPU)
+
+
+def graph_safe_max_tokens(device: torch.device) -> int | None:
+    """The largest step whose MoE layers capture in a CUDA graph on `device` (None: any size)."""
+    return None if grouped_kernel_on(device) else DENSE_MAX_TOKENS
 
 
 class SparseMoE(nn.Module):
@@ -67,6 +84,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
+        if grouped_kernel_on(x.device):
+            return self._grouped(x, weights, experts)
         if x.shape[0] <= DENSE_MAX_TOKENS:
             return self._dense(x, weights, experts)
         return self._sorted(x, weights, experts)
@@ -80,6 +99,12 @@ class SparseMoE(nn.Module):
         # sum over experts of out[e] * w[t, e], in each family's dtype (as the sorted path rounds)
         scaled = (out * combine.t()[:, :, None]).to(x.dtype)
         return scaled.sum(dim=0)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """kernels/moe_grouped.py: each expert over its routed tokens, sorted on the device."""
+        from loraplex.kernels.moe_grouped import grouped_moe  # Triton: imported where it runs
+
+        return grouped_moe(x, self.gate_up, self.down, weights, experts, self.activation)
 
     def _sorted(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         flat = experts.flatten()
