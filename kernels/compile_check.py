@@ -18,6 +18,7 @@ from loraplex.kernels.fused_ops import _add_rms_norm_kernel, _qkv_rotary_kernel,
 from loraplex.kernels.lora_expand import _expand_kernel, _expand_token_kernel
 from loraplex.kernels.lora_meta import _segments_kernel
 from loraplex.kernels.lora_shrink import _shrink_kernel
+from loraplex.kernels.moe_grouped import _down_kernel, _gate_up_kernel
 
 # Pointer arguments by name; other pointers are int32 metadata, other scalars int32.
 POINTERS = {
@@ -37,6 +38,8 @@ POINTERS = {
     "q_ptr": "*bf16",
     "k_ptr": "*bf16",
     "v_ptr": "*bf16",
+    "act_ptr": "*bf16",
+    "weight_ptr": "*fp32",
 }
 SCALARS = {"eps": "fp32"}
 COMMON = dict(PRECISION="tf32", BLOCK_M=16)
@@ -91,6 +94,8 @@ KERNELS = {
         _qkv_rotary_kernel,
         dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64, HAS_DELTA=False),
     ),
+    "moe_gate_up": (_gate_up_kernel, dict(GELU=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),
+    "moe_down": (_down_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)),
 }
 
 

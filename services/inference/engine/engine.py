@@ -54,6 +54,7 @@ from loraplex.services.inference.errors import (
 )
 from loraplex.services.inference.lora.adapter_slots import AdapterSlots, NoAdapters
 from loraplex.services.inference.lora.backend import LoRABackend
+from loraplex.services.inference.models.moe import graph_safe_max_tokens
 
 log = logging.getLogger(__name__)
 
@@ -164,10 +165,20 @@ class LLMEngine:
             context_length=self.context_length,
             lora_backend=lora_backend,
         )
-        if loaded.config.is_moe and loaded.device.type == "cuda" and not config.disable_cuda_graph:
-            # models/moe.py reads each layer's per-expert token counts on the host: not capturable.
-            log.warning("%s is a mixture-of-experts model: CUDA graphs are off", loaded.config.architecture)
-            config = self.config = dataclasses.replace(config, disable_cuda_graph=True)
+        moe_graph_tokens = graph_safe_max_tokens(loaded.device) if loaded.config.is_moe else None
+        if moe_graph_tokens is not None and loaded.device.type == "cuda" and not config.disable_cuda_graph:
+            # The torch experts (LORAPLEX_MOE_KERNEL=torch) read per-expert token counts on the host
+            # above models/moe.py's DENSE_MAX_TOKENS: only decode batches up to it capture.
+            log.warning(
+                "%s with LORAPLEX_MOE_KERNEL=torch: decode CUDA graphs up to batch %d, mixed-step graphs off",
+                loaded.config.architecture,
+                moe_graph_tokens,
+            )
+            config = self.config = dataclasses.replace(
+                config,
+                cuda_graph_max_bs=min(config.cuda_graph_max_bs, moe_graph_tokens),
+                mixed_cuda_graph_max_tokens=0,
+            )
         if loaded.device.type == "cuda" and not config.disable_cuda_graph and config.cuda_graph_max_bs > 0:
             self.runner.capture_cuda_graphs(min(config.cuda_graph_max_bs, config.max_running_requests))
         if config.mixed_graphs_enabled:
