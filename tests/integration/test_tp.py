@@ -261,3 +261,23 @@ def test_new_families_tp2_match_tp1(arch, tmp_path_factory, smollm2_path, adapte
     got = outputs(tp_args(base, 2, adapters), jobs, 16, family=arch)
     assert got == want
     assert len({tuple(t) for t in want}) > 2
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_tp2_matches_tp1(arch, tmp_path_factory, smollm2_path, adapter_factory):
+    """Every expert split by its intermediate width (an odd 45 columns: 23 + 22), the router whole
+    on each rank, the partial expert outputs all-reduced; Qwen3-MoE's dense layer 1 is split as a
+    dense MLP beside its sparse layers. An attention adapter in the batch."""
+    width = {"moe_intermediate_size": 45} if arch == "qwen3_moe" else {"intermediate_size": 45}
+    base = make_tiny_model(
+        tmp_path_factory.mktemp(f"tp-{arch}"), arch=arch, tokenizer_from=smollm2_path, **width
+    )
+    adapters = {
+        "attn": adapter_factory(base, f"tp-{arch}-attn", r=8, target_modules=["q_proj", "o_proj"], seed=3)
+    }
+    jobs = [(PROMPTS[0], None), (PROMPTS[1], "attn"), (PROMPTS[2], None), (PROMPTS[3], "attn")]
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    want = outputs(tp_args(base, 1, adapters, lora_target_modules=attention), jobs, 12, family=arch)
+    got = outputs(tp_args(base, 2, adapters, lora_target_modules=attention), jobs, 12, family=arch)
+    assert got == want
+    assert len({tuple(t) for t in want}) > 2

@@ -3,8 +3,9 @@
 The model is `models/llama.py` built from the rank's local config (its heads, KV heads and
 MLP columns), so q/k/v and gate/up are column-parallel as built; `o_proj` and `down_proj`
 become row-parallel (partial matmul, all-reduce, then bias), and the embedding and lm_head
-hold a slice of the vocabulary. Collectives use the default process group: the same code
-runs over gloo (CPU) and NCCL (CUDA).
+hold a slice of the vocabulary. Mixture-of-experts layers hold every expert's slice of the
+intermediate width and all-reduce their output (`RowParallelMoE`). Collectives use the default
+process group: the same code runs over gloo (CPU) and NCCL (CUDA).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from loraplex.services.inference.lora.shapes import FUSED_MODULES
 from loraplex.services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
 from loraplex.services.inference.models.llama import FusedLinear, LlamaForCausalLM
 from loraplex.services.inference.models.loader import default_dtype, safetensors_files
+from loraplex.services.inference.models.moe import SparseMoE
 from loraplex.services.inference.models.quantization.fp8_linear import (
     SCALE_KINDS,
     Fp8Linear,
@@ -31,7 +33,13 @@ from loraplex.services.inference.models.quantization.fp8_linear import (
     quantize_linears,
 )
 from loraplex.services.inference.models.quantization.scheme import read_quantization_config, resolve_scheme
-from loraplex.services.inference.parallel.partition import COLUMN_MODULES, ROW_MODULES, ShardPlan
+from loraplex.services.inference.parallel.partition import (
+    COLUMN_MODULES,
+    EXPERT_ROW_PROJECTIONS,
+    EXPERT_TENSOR,
+    ROW_MODULES,
+    ShardPlan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +66,16 @@ class Fp8RowParallelLinear(Fp8Linear):
         return out
 
 
+class RowParallelMoE(SparseMoE):
+    """Every expert's slice of the intermediate width: each rank routes every token the same way
+    (whole router), runs its slices, and the partial down projections are all-reduced."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        out = super().forward(x, *args, **kwargs)
+        dist.all_reduce(out)
+        return out
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows `[start, start + rows)` of the (zero-padded) table; other ranks' ids give zeros."""
 
@@ -77,14 +95,20 @@ class VocabParallelEmbedding(nn.Module):
 
 class TPLlamaForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, plan: ShardPlan):
-        super().__init__(plan.local_config(cfg))
+        local = plan.local_config(cfg)
+        super().__init__(local)
         self.config = cfg  # whole vocab: the runner and graphs size logits by it
         self.plan = plan
         for layer in self.layers:
             for attr in ("o_proj", "down_proj"):
-                fused: FusedLinear = getattr(layer, attr)
+                fused: FusedLinear | None = getattr(layer, attr)
+                if fused is None:  # a sparse layer's experts: RowParallelMoE below
+                    continue
                 row = RowParallelLinear(fused.weight.shape[1], fused.out_sizes, fused.bias is not None)
                 setattr(layer, attr, row)
+            if layer.moe is not None:
+                moe = layer.moe  # built from `local`: this rank's expert width
+                layer.moe = RowParallelMoE(cfg.hidden_size, local.moe, moe.activation, moe.float_weights)
         self.embed_tokens = VocabParallelEmbedding(plan.vocab_per_rank, cfg.hidden_size, plan.vocab_start)
         if self.lm_head is not None:
             self.lm_head = nn.Parameter(
@@ -131,6 +155,10 @@ def _shard(name: str, f, plan: ShardPlan, block: tuple[int, int] | None = None) 
     kind = parts[-1]
     if kind in SCALE_KINDS:
         return _shard_scale(sl, module, kind, plan, block)
+    expert = EXPERT_TENSOR.search(name)
+    if expert is not None:  # every expert's slice of the intermediate width (partition.py)
+        a, b = plan.moe_inter
+        return sl[:, a:b] if expert[1] in EXPERT_ROW_PROJECTIONS else sl[a:b]
     if module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
         a, b = plan.module_range(module)
         return sl[a:b]  # weight rows or bias entries

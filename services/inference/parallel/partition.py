@@ -7,11 +7,16 @@ count are split unevenly (SmolLM2's 3 KV heads over 2 ranks: 2 + 1), which keeps
 ranks each KV head is replicated on `tp / kv_heads` ranks that split its query heads.
 The MLP's intermediate width is split unevenly too; the vocabulary is padded to a multiple
 of the rank count (padding rows are zero and cut from the gathered logits).
+Mixture-of-experts layers split every expert the same way, by its intermediate width: each rank
+holds every expert's slice of gate/up rows and down columns (`moe_inter`), routes every token
+itself (the router is whole on each rank) and all-reduces after the down projection, as the dense
+MLP does. Every rank then reads 1/tp of each expert a step touches: balanced whatever the routing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from loraplex.services.inference.lora.shapes import ModelShapes
@@ -19,6 +24,10 @@ from loraplex.services.inference.models.config import ModelConfig
 
 COLUMN_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output split
 ROW_MODULES = ("o_proj", "down_proj")  # input split
+# An expert's projection in a checkpoint: Mixtral `...experts.N.w1/w3` (column), `w2` (row);
+# Qwen3-MoE `...experts.N.gate_proj/up_proj` (column), `down_proj` (row).
+EXPERT_TENSOR = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_ROW_PROJECTIONS = ("w2", "down_proj")
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
@@ -50,6 +59,7 @@ class ShardPlan:
     total_heads: int = 0  # the whole model's query heads, KV heads, MLP width (fused tensors' offsets)
     total_kv_heads: int = 0
     total_inter: int = 0
+    moe_inter: tuple[int, int] = (0, 0)  # every expert's intermediate columns on this rank (MoE models)
 
     def full_width(self, module: str) -> int:
         """Output rows of a column module in the whole model."""
@@ -73,11 +83,15 @@ class ShardPlan:
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """The config this rank's model and KV cache are built from (vocab stays whole)."""
+        moe = cfg.moe
+        if moe is not None:
+            moe = dataclasses.replace(moe, intermediate_size=self.moe_inter[1] - self.moe_inter[0])
         return dataclasses.replace(
             cfg,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             intermediate_size=self.inter[1] - self.inter[0],
+            moe=moe,
         )
 
     def local_shapes(self, shapes: ModelShapes) -> ModelShapes:
@@ -105,11 +119,11 @@ def plan_shards(cfg: ModelConfig, tp_size: int) -> list[ShardPlan]:
     """Every rank's plan, or ValueError saying why this model cannot run at `tp_size`."""
     if tp_size < 1:
         raise ValueError(f"--tp-size must be >= 1 (got {tp_size})")
-    if cfg.is_moe and tp_size > 1:
-        raise ValueError(
-            f"--tp-size {tp_size}: {cfg.architecture} is a mixture-of-experts model, whose experts are not "
-            "sharded across ranks yet; serve it with --tp-size 1"
-        )
+    moe_ranges = [(0, 0)] * tp_size
+    if cfg.moe is not None:
+        if cfg.moe.intermediate_size < tp_size:
+            raise ValueError(f"--tp-size {tp_size} exceeds the experts' width {cfg.moe.intermediate_size}")
+        moe_ranges = _ranges(split_sizes(cfg.moe.intermediate_size, tp_size))
     heads, kv = cfg.num_heads, cfg.num_kv_heads
     group = heads // kv
     if kv >= tp_size:
@@ -145,6 +159,7 @@ def plan_shards(cfg: ModelConfig, tp_size: int) -> list[ShardPlan]:
             total_heads=heads,
             total_kv_heads=kv,
             total_inter=cfg.intermediate_size,
+            moe_inter=moe_ranges[r],
         )
         for r in range(tp_size)
     ]
