@@ -66,10 +66,16 @@ def test_unservable_moe_configs_are_refused_by_name(extra, words):
         parse_config({**MIXTRAL, **extra})
 
 
-def test_tensor_parallel_is_refused_for_moe():
-    with pytest.raises(ValueError, match="mixture-of-experts.*--tp-size 1"):
-        plan_shards(parse_config(MIXTRAL), 2)
-    assert len(plan_shards(parse_config(MIXTRAL), 1)) == 1
+def test_tensor_parallel_splits_every_expert_by_its_width():
+    cfg = parse_config({**QWEN3_MOE, "moe_intermediate_size": 33})
+    plans = plan_shards(cfg, 2)
+    assert [p.moe_inter for p in plans] == [(0, 17), (17, 33)]
+    assert [p.local_config(cfg).moe.intermediate_size for p in plans] == [17, 16]
+    experts = cfg.moe.num_experts
+    assert all(p.local_config(cfg).moe.num_experts == experts for p in plans)  # every rank: every expert
+    assert plans[0].local_config(cfg).intermediate_size == -(-cfg.intermediate_size // 2)  # dense layers
+    with pytest.raises(ValueError, match="experts' width 33"):
+        plan_shards(cfg, 34)
 
 
 def test_expert_adapters_are_refused_naming_the_experts():
