@@ -169,10 +169,14 @@ def _down_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-def _blocks(pairs: int, dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): 16-pair tiles at decode sizes (a few pairs per expert), 64 in prefill."""
-    block_m = 16 if pairs <= 1024 else 64
-    return block_m, 64, 64 if dim >= 64 else max(16, triton.next_power_of_2(dim))
+def default_config(pairs: int, dim: int) -> dict:
+    """Block sizes: 16-pair tiles at decode sizes (a few pairs per expert), 64 in prefill; K blocks
+    of 64 (less for tiny test widths). Not tuned yet: bench/moe_kernels.py sweeps them."""
+    return dict(
+        BLOCK_M=16 if pairs <= 1024 else 64,
+        BLOCK_N=64,
+        BLOCK_K=64 if dim >= 64 else max(16, triton.next_power_of_2(dim)),
+    )
 
 
 def grouped_moe(
@@ -182,11 +186,13 @@ def grouped_moe(
     weights: torch.Tensor,
     experts: torch.Tensor,
     activation: str = "silu",
+    config: dict | None = None,
 ) -> torch.Tensor:
     """The MoE output `[T, hidden]` in `x`'s dtype: sum over each token's k experts of
     `weight * down_e(act(gate_e x) * up_e x)`. `gate_up` `[E, 2 inter, hidden]` (gate rows, then up),
     `down` `[E, hidden, inter]`, `weights` / `experts` `[T, k]` (weights float32 or `x`'s dtype:
-    the product with the expert output is rounded to `x`'s dtype either way, as the torch paths do)."""
+    the product with the expert output is rounded to `x`'s dtype either way, as the torch paths do).
+    `config`: BLOCK_M, BLOCK_N, BLOCK_K, optionally num_warps, num_stages (default: `default_config`)."""
     tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
@@ -195,7 +201,9 @@ def grouped_moe(
     if tokens == 0:
         return torch.zeros_like(x)
     x, gate_up, down = x.contiguous(), gate_up.contiguous(), down.contiguous()
-    block_m, block_n, block_k = _blocks(pairs, min(hidden, inter))
+    config = config or default_config(pairs, min(hidden, inter))
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    launch = {k: v for k, v in config.items() if k in ("BLOCK_K", "num_warps", "num_stages")}
     order, tile_expert, tile_row, tile_end = moe_tiles(experts, num_experts, block_m)
     n_tiles = tile_expert.numel()
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
@@ -203,7 +211,7 @@ def grouped_moe(
         x, gate_up, act, order, tile_expert, tile_row, tile_end,
         num_experts, top_k, hidden, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        GELU=activation != "silu", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GELU=activation != "silu", BLOCK_M=block_m, BLOCK_N=block_n, **launch,
     )  # fmt: skip
     out = torch.empty(tokens, top_k, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.contiguous().view(-1)
@@ -211,7 +219,7 @@ def grouped_moe(
         act, down, flat_weights, out, order, tile_expert, tile_row, tile_end,
         num_experts, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), hidden,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, **launch,
     )  # fmt: skip
     return out.sum(dim=1)
 
