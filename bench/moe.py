@@ -3,6 +3,7 @@ floor, and 8 distinct attention adapters against the base model.
 
     PYTHONPATH=protos python3 -m loraplex.bench.moe [--batch 64] [--adapters 8] [--context 1024] [--out DIR]
     PYTHONPATH=protos python3 -m loraplex.bench.moe --tiny      # CPU smoke run: tiny Qwen3-MoE and Mixtral
+    PYTHONPATH=protos python3 -m loraplex.bench.moe --graphs [--moe-kernel both|grouped|torch]
 
 The runner is bench/families.py's (random bf16 weights, `--adapters` random rank-16 adapters on
 q/k/v/o resident, the Triton LoRA backend on CUDA), eager as the engine runs MoE models (their
@@ -12,11 +13,15 @@ so they should capture; this measures what turning graphs on for MoE decode woul
 are printed: the issue's (active parameters: attention, routers, `top_k` experts per layer, the lm_head; plus
 K/V) and the one a batch really reads (the experts its tokens touch: at batch 64 x top-8 of 128
 nearly all of them). Goals (issue 39): base step <= 1.5x the active floor, 8 adapters >= 0.85x base.
+`--moe-kernel` picks the experts' kernel per row (`LORAPLEX_MOE_KERNEL`): torch (dense at decode
+sizes) and/or kernels/moe_grouped.py's grouped GEMM; on CUDA bench/moe_step_check.py checks the
+grouped step against the torch one and its graph replay against eager first (ok / FAIL; exit 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
@@ -29,6 +34,7 @@ from loraplex.bench.families import (
     step_ms,
     weight_bytes,
 )
+from loraplex.bench.moe_step_check import KERNELS, check_step, use_moe_kernel
 from loraplex.bench.random_runner import TINY, TINY_FAMILIES
 from loraplex.bench.results import write_json
 from loraplex.services.inference.engine.scheduler import SeqChunk
@@ -64,12 +70,30 @@ def expert_bytes(runner) -> tuple[int, int, int]:
     return total, one, experts
 
 
-def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.device) -> dict:
-    runner, pages = decode_runner(shape, opts, device, graphs=opts.graphs)
+def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.device) -> list[dict]:
+    """One row per kernel of `opts.moe_kernel`, over one random model (checked first on CUDA)."""
+    runner, pages = decode_runner(shape, opts, device, graphs=False)
 
     def chunks(adapters: int) -> list[SeqChunk]:
         return decode_chunks(opts, pages, adapters, distinct_tokens=True)
 
+    kernels = KERNELS if opts.moe_kernel == "both" else (opts.moe_kernel,)
+    if device.type == "cuda" and "grouped" in kernels and check_step(runner, chunks(0), device, opts.graphs):
+        print(f"FAIL: {name}: the grouped experts' step is wrong; not timing")
+        sys.exit(1)
+    rows = []
+    for kernel in kernels:
+        use_moe_kernel(kernel)
+        if device.type == "cuda" and opts.graphs:
+            runner.capture_cuda_graphs(opts.batch)  # again: the captured kernels are this row's
+        rows.append(dict(moe_kernel=kernel, **time_model(name, runner, chunks, opts, device)))
+    del runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def time_model(name: str, runner, chunks, opts: argparse.Namespace, device: torch.device) -> dict:
     base = step_ms(runner, chunks(0), opts.steps, device)
     lora = step_ms(runner, chunks(opts.adapters), opts.steps, device)
     cfg = runner.config
@@ -98,15 +122,18 @@ def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.
         row["touched_floor_ms"] = (row["touched_weight_bytes"] + kv) / opts.bandwidth * 1e3
         row["base_vs_active_floor"] = base / row["active_floor_ms"]
         row["base_vs_touched_floor"] = base / row["touched_floor_ms"]
-    del runner
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     return row
 
 
 def main() -> None:
     p = decode_parser(__doc__.split("\n")[0], 20, "tiny Qwen3-MoE and Mixtral on the CPU (smoke run)")
     p.add_argument("--graphs", action="store_true", help="capture the decode CUDA graphs (batch <= 64)")
+    p.add_argument(
+        "--moe-kernel",
+        choices=("both", *KERNELS),
+        default="both",
+        help="the experts' kernel per row (LORAPLEX_MOE_KERNEL): torch, grouped (CUDA), or a row of each",
+    )
     opts = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not opts.tiny else "cpu")
     if opts.tiny:
@@ -116,16 +143,18 @@ def main() -> None:
         models = {"qwen3-30b-a3b": QWEN3_30B_A3B}
         opts.bandwidth = copy_bandwidth(device)
         print(f"copy bandwidth {opts.bandwidth / 1e12:.2f} TB/s")
-    rows = [bench_model(name, shape, opts, device) for name, shape in models.items()]
+    if device.type != "cuda":
+        opts.moe_kernel = "torch"  # the CPU runs the torch experts
+    rows = [row for name, shape in models.items() for row in bench_model(name, shape, opts, device)]
     head = ("base ms", "act flr", "x act", "tch flr", "x tch", "adapt ms", "base/ad")
-    print(f"{'model':<16}{'batch':>6}{'ctx':>6}" + "".join(f"{h:>9}" for h in head))
+    print(f"{'model':<16}{'kernel':>8}{'batch':>6}{'ctx':>6}" + "".join(f"{h:>9}" for h in head))
     for r in rows:
         floors = "".join(
             f"{r[k]:>9.2f}" if k in r else f"{'-':>9}"
             for k in ("active_floor_ms", "base_vs_active_floor", "touched_floor_ms", "base_vs_touched_floor")
         )
         print(
-            f"{r['model']:<16}{r['batch']:>6}{r['context']:>6}{r['base_ms']:>9.2f}{floors}"
+            f"{r['model']:<16}{r['moe_kernel']:>8}{r['batch']:>6}{r['context']:>6}{r['base_ms']:>9.2f}{floors}"
             f"{r['adapters_ms']:>9.2f}{r['adapters_vs_base']:>9.2f}"
         )
     write_json(opts.out, "moe", dict(device=device.type, rows=rows))
