@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO / 'protos'}{os.pathsep}{REPO}"}
 
@@ -61,3 +63,23 @@ def test_sparse_moe_grouped_path_matches_sorted_path():
     assert len(rows) == 6
     for r in rows:
         assert r["err"] < 1e-5 and r["forward_err"] < 1e-5, r
+
+
+def test_moe_steps_capture_at_any_size_only_with_the_grouped_kernel():
+    """What the engine reads to size its CUDA graphs for an MoE model (engine/engine.py)."""
+    import torch
+
+    from loraplex.kernels.settings import reload_kernel_settings
+    from loraplex.services.inference.models import moe
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    try:
+        reload_kernel_settings({})
+        assert moe.graph_safe_max_tokens(cuda) is None  # grouped is the default on CUDA
+        assert moe.graph_safe_max_tokens(cpu) == moe.DENSE_MAX_TOKENS  # the CPU runs torch
+        reload_kernel_settings({"LORAPLEX_MOE_KERNEL": "torch"})
+        assert moe.graph_safe_max_tokens(cuda) == moe.DENSE_MAX_TOKENS
+        with pytest.raises(ValueError, match="LORAPLEX_MOE_KERNEL"):
+            reload_kernel_settings({"LORAPLEX_MOE_KERNEL": "fast"})
+    finally:
+        reload_kernel_settings()
