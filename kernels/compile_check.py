@@ -18,6 +18,7 @@ from loraplex.kernels.fused_ops import _add_rms_norm_kernel, _qkv_rotary_kernel,
 from loraplex.kernels.lora_expand import _expand_kernel, _expand_token_kernel
 from loraplex.kernels.lora_meta import _segments_kernel
 from loraplex.kernels.lora_shrink import _shrink_kernel
+from loraplex.kernels.moe_align import _moe_align_kernel
 from loraplex.kernels.moe_grouped import _down_kernel, _gate_up_kernel
 
 # Pointer arguments by name; other pointers are int32 metadata, other scalars int32.
@@ -40,6 +41,7 @@ POINTERS = {
     "v_ptr": "*bf16",
     "act_ptr": "*bf16",
     "weight_ptr": "*fp32",
+    "experts_ptr": "*i64",
 }
 SCALARS = {"eps": "fp32"}
 COMMON = dict(PRECISION="tf32", BLOCK_M=16)
@@ -96,6 +98,7 @@ KERNELS = {
     ),
     "moe_gate_up": (_gate_up_kernel, dict(GELU=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),
     "moe_down": (_down_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)),
+    "moe_align": (_moe_align_kernel, dict(E_P2=128, BLOCK_M=16, BLOCK_P=32)),
 }
 
 

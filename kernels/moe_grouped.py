@@ -5,7 +5,8 @@ The (token, slot) pairs of a step are sorted by expert on the device and cut int
 with 40 gets three, one with none gets no tile. The number of tiles a step can need is bounded by
 its token count alone (`min(pairs, ceil(pairs / BLOCK_M) + experts)`), so the grid, the table and
 every buffer have shapes fixed by the token count: nothing is read on the host and the whole layer
-captures in a CUDA graph at any step size. Unused tiles (expert id == E) return at once.
+captures in a CUDA graph at any step size. Unused tiles (expert id == E) return at once. The
+kernels read the table `moe_align.py` builds in one launch; `moe_tiles` is its torch reference.
 
 Two kernels per layer:
 - gate_up: the tile's tokens gathered from `x`, times the expert's gate and up rows, SiLU(gate) *
@@ -23,12 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.moe_align import moe_tiles_triton
+
 
 def moe_tiles(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
     """(pair order sorted by expert, tile expert ids, tile first rows, tile row ends), on the device.
 
     `experts` `[T, k]`. Rows index the sorted pairs; `order[row]` is the pair's flat index
-    `token * k + slot`. Tiles past the last used one have expert id `num_experts`.
+    `token * k + slot`. Tiles past the last used one have expert id `num_experts` (their rows are
+    unspecified). The torch reference of `moe_align.moe_tiles_triton`.
     """
     flat = experts.flatten()
     pairs = flat.numel()
@@ -204,7 +208,8 @@ def grouped_moe(
     config = config or default_config(pairs, min(hidden, inter))
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     launch = {k: v for k, v in config.items() if k in ("BLOCK_K", "num_warps", "num_stages")}
-    order, tile_expert, tile_row, tile_end = moe_tiles(experts, num_experts, block_m)
+    max_tiles = max_tiles_for(pairs, num_experts, block_m)
+    order, tile_expert, tile_row, tile_end = moe_tiles_triton(experts, num_experts, block_m, max_tiles)
     n_tiles = tile_expert.numel()
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(n_tiles, triton.cdiv(inter, block_n))](

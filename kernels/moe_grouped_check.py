@@ -15,6 +15,7 @@ import json
 
 import torch
 
+from loraplex.kernels.moe_align import moe_tiles_triton
 from loraplex.kernels.moe_grouped import grouped_moe, grouped_moe_ref, max_tiles_for, moe_tiles
 
 
@@ -30,11 +31,19 @@ def skewed_routing(tokens: int, num_experts: int, top_k: int, gen: torch.Generat
 
 
 def check_tiles(experts: torch.Tensor, num_experts: int, block_m: int) -> bool:
-    """Every pair lies in exactly one tile of its own expert."""
+    """Every pair lies in exactly one tile of its own expert (torch table), and the Triton table
+    equals the torch one (the order exactly; the tiles in use)."""
     order, tile_expert, tile_row, tile_end = (t.cpu() for t in moe_tiles(experts, num_experts, block_m))
     flat = experts.flatten().cpu()
     seen = torch.zeros(flat.numel(), dtype=torch.int64)
-    assert tile_expert.numel() == max_tiles_for(flat.numel(), num_experts, block_m)
+    max_tiles = max_tiles_for(flat.numel(), num_experts, block_m)
+    assert tile_expert.numel() == max_tiles
+    got = [t.cpu() for t in moe_tiles_triton(experts, num_experts, block_m, max_tiles)]
+    used = tile_expert < num_experts
+    if not torch.equal(got[0], order) or not torch.equal(got[1], tile_expert):
+        return False
+    if not (torch.equal(got[2][used], tile_row[used]) and torch.equal(got[3][used], tile_end[used])):
+        return False
     for e, r0, r1 in zip(tile_expert.tolist(), tile_row.tolist(), tile_end.tolist(), strict=True):
         if e >= num_experts:
             continue
