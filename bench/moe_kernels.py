@@ -2,7 +2,8 @@
 token), the torch sorted path (host sync), and kernels/moe_grouped.py's Triton grouped GEMM, at
 Qwen3-30B-A3B and Mixtral-8x7B layer shapes from decode to prefill sizes, against the layer's
 floor (the experts the step's routing touches, read once, at the copy bandwidth); then a block-size
-sweep of the grouped kernel within `--budget-s`.
+sweep of the grouped kernel within `--budget-s`. `align` / `align pt`: the sort and tile table
+alone (kernels/moe_align.py's one launch, and its torch reference's ~25).
 
     PYTHONPATH=protos python3 -m loraplex.bench.moe_kernels [--budget-s 150] [--out DIR]
 
@@ -27,7 +28,8 @@ import torch
 from loraplex.bench.families import copy_bandwidth
 from loraplex.bench.graph_timing import capture, graph_time_us
 from loraplex.bench.results import add_out_argument, write_json
-from loraplex.kernels.moe_grouped import default_config, grouped_moe
+from loraplex.kernels.moe_align import moe_tiles_triton
+from loraplex.kernels.moe_grouped import default_config, grouped_moe, max_tiles_for, moe_tiles
 from loraplex.kernels.moe_grouped_check import CUDA_CASES, run_case
 from loraplex.services.inference.models.config import MoEConfig
 from loraplex.services.inference.models.moe import SparseMoE
@@ -123,6 +125,12 @@ def layer_rows(device: torch.device, bandwidth: float) -> list[dict]:
             row["sorted_us"] = eager_us(partial(block._sorted, x, w, e))
             if tokens <= DENSE_MAX:
                 row["dense_us"] = graph_time_us([partial(block._dense, x, w, e)])
+            # the sort + tile table alone: the one Triton launch the kernel uses vs its torch reference
+            pairs, experts = e.numel(), block.num_experts
+            bm = default_config(pairs, min(hidden, block.inter))["BLOCK_M"]
+            tiles = max_tiles_for(pairs, experts, bm)
+            row["align_us"] = graph_time_us([partial(moe_tiles_triton, e, experts, bm, tiles)])
+            row["align_torch_us"] = graph_time_us([partial(moe_tiles, e, experts, bm)])
             rows.append(row)
         del block
         torch.cuda.empty_cache()
@@ -183,14 +191,14 @@ def main() -> int:
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     rows = layer_rows(device, bandwidth)
-    print(
-        f"{'shape':<16}{'tokens':>7}{'floor us':>10}{'dense':>10}{'sorted':>10}{'grouped':>10}{'x floor':>9}"
-    )
+    head = ("floor us", "dense", "sorted", "grouped", "x floor", "align", "align pt")
+    print(f"{'shape':<16}{'tokens':>7}" + "".join(f"{h:>10}" for h in head))
     for r in rows:
         dense = f"{r['dense_us']:>10.1f}" if "dense_us" in r else f"{'-':>10}"
         print(
             f"{r['shape']:<16}{r['tokens']:>7}{r['floor_us']:>10.1f}{dense}{r['sorted_us']:>10.1f}"
-            f"{r['grouped_us']:>10.1f}{r['grouped_us'] / r['floor_us']:>9.2f}"
+            f"{r['grouped_us']:>10.1f}{r['grouped_us'] / r['floor_us']:>10.2f}"
+            f"{r['align_us']:>10.1f}{r['align_torch_us']:>10.1f}"
         )
     swept = sweep(device, start + opts.budget_s)
     print(f"{'shape':<16}{'tokens':>7}{'default us':>12}{'best us':>10}  best config (of tried)")
