@@ -41,6 +41,8 @@ def step_kernels() -> dict[str, object]:
         lora_expand,
         lora_meta,
         lora_shrink,
+        moe_align,
+        moe_grouped,
     )
 
     kernels = {}
@@ -52,6 +54,8 @@ def step_kernels() -> dict[str, object]:
         lora_expand,
         lora_meta,
         lora_shrink,
+        moe_align,
+        moe_grouped,
     ):
         for name, value in vars(module).items():
             if hasattr(value, "add_pre_run_hook") and hasattr(value, "fn"):

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The pair and tile counts change with every step's size: not specialised on (one compile per model).
+@triton.jit(do_not_specialize=["pairs", "max_tiles"])
 def _moe_align_kernel(
     experts_ptr,
     order_ptr,
@@ -76,9 +77,13 @@ def moe_tiles_triton(experts: torch.Tensor, num_experts: int, block_m: int, max_
     e_p2 = max(2, triton.next_power_of_2(num_experts))
     block_p = max(16, 4096 // e_p2)  # the one-hot chunk [BLOCK_P, E_P2] stays ~4K elements
     order = torch.empty(pairs, dtype=torch.int32, device=flat.device)
-    table = torch.empty(3, max_tiles, dtype=torch.int32, device=flat.device)
+    # three allocations, not rows of one: each pointer 16-byte aligned whatever max_tiles is (one
+    # specialisation key for every step size, kernels/compile_watch.py)
+    tile_expert, tile_row, tile_end = (
+        torch.empty(max_tiles, dtype=torch.int32, device=flat.device) for _ in range(3)
+    )
     _moe_align_kernel[(num_experts,)](
-        flat, order, table[0], table[1], table[2], pairs, num_experts, max_tiles,
+        flat, order, tile_expert, tile_row, tile_end, pairs, num_experts, max_tiles,
         E_P2=e_p2, BLOCK_M=block_m, BLOCK_P=block_p,
     )  # fmt: skip
-    return order, table[0], table[1], table[2]
+    return order, tile_expert, tile_row, tile_end
