@@ -18,9 +18,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO / 'protos'}{os.pathsep}{REPO}"}
 
-SPARSE_MOE_CHECK = """
+# One child for both checks (the interpreter's start-up and imports are most of the time).
+CHILD = """
 import json, torch
+from loraplex.kernels.moe_grouped_check import CPU_CASES, run_case
 from loraplex.services.inference.models import moe
+kernel = [run_case(*case, seed=i, device=torch.device("cpu")) for i, case in enumerate(CPU_CASES)]
 from loraplex.services.inference.models.config import MoEConfig
 torch.manual_seed(0)
 out = []
@@ -38,28 +41,29 @@ for arch, norm, float_weights in (("mixtral", True, True), ("qwen3_moe", False, 
         moe.MOE_GROUPED_ON_CPU = False
         err = ((grouped - sorted_).norm() / sorted_.norm()).item()
         out.append(dict(arch=arch, tokens=tokens, err=err, forward_err=(routed - sorted_).abs().max().item()))
-print(json.dumps(out))
+print(json.dumps(dict(kernel=kernel, sparse_moe=out)))
 """
 
 
-def _child(args: list[str]) -> str:
+@pytest.fixture(scope="module")
+def results() -> dict:
     proc = subprocess.run(
-        [sys.executable, *args], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", CHILD], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_grouped_kernel_matches_torch_reference():
-    rows = [json.loads(line) for line in _child(["-m", "loraplex.kernels.moe_grouped_check"]).splitlines()]
+def test_grouped_kernel_matches_torch_reference(results):
+    rows = results["kernel"]
     assert len(rows) == 4
     for r in rows:
         assert r["tiles_ok"] and r["shape_ok"], r
         assert r["rel_err"] < (1e-5 if r["dtype"] == "float32" else 2e-3), r
 
 
-def test_sparse_moe_grouped_path_matches_sorted_path():
-    rows = json.loads(_child(["-c", SPARSE_MOE_CHECK]).strip().splitlines()[-1])
+def test_sparse_moe_grouped_path_matches_sorted_path(results):
+    rows = results["sparse_moe"]
     assert len(rows) == 6
     for r in rows:
         assert r["err"] < 1e-5 and r["forward_err"] < 1e-5, r
