@@ -6,10 +6,9 @@ floor, and 8 distinct attention adapters against the base model.
     PYTHONPATH=protos python3 -m loraplex.bench.moe --graphs [--moe-kernel both|grouped|torch]
 
 The runner is bench/families.py's (random bf16 weights, `--adapters` random rank-16 adapters on
-q/k/v/o resident, the Triton LoRA backend on CUDA), eager as the engine runs MoE models (their
-prefill path reads per-expert token counts on the host). `--graphs` captures the decode CUDA graphs
-anyway: batches up to models/moe.py's DENSE_MAX_TOKENS run the experts dense, without a host sync,
-so they should capture; this measures what turning graphs on for MoE decode would give. Two floors
+q/k/v/o resident, the Triton LoRA backend on CUDA), eager unless `--graphs`, which captures the
+decode CUDA graphs as the engine does for MoE models (both experts' kernels capture at batch <= 64:
+the torch one runs dense there, the grouped one never syncs the host). Two floors
 are printed: the issue's (active parameters: attention, routers, `top_k` experts per layer, the lm_head; plus
 K/V) and the one a batch really reads (the experts its tokens touch: at batch 64 x top-8 of 128
 nearly all of them). Goals (issue 39): base step <= 1.5x the active floor, 8 adapters >= 0.85x base.
