@@ -49,8 +49,9 @@ SWEEP = [
 
 def make_block(name: str, device: torch.device) -> SparseMoE:
     hidden, inter, experts, top_k, norm, float_weights = SHAPES[name]
-    block = SparseMoE(hidden, MoEConfig(experts, top_k, inter, norm, (True,)), "silu", float_weights)
-    block = block.to(device, torch.bfloat16)
+    with torch.device(device):  # allocated on the GPU, not copied there
+        block = SparseMoE(hidden, MoEConfig(experts, top_k, inter, norm, (True,)), "silu", float_weights)
+    block = block.to(torch.bfloat16)
     for p in (block.gate, block.gate_up, block.down):
         p.data.normal_(0, p.shape[-1] ** -0.5)
     return block
