@@ -164,6 +164,12 @@ class LLMEngine:
             context_length=self.context_length,
             lora_backend=lora_backend,
         )
+        if getattr(lora_backend, "experts", None) is not None and not config.disable_cuda_graph:
+            # lora/expert_lora.py reads the step's adapter slots on the host: not capturable.
+            log.warning(
+                "LoRA on the experts is enabled (--lora-target-modules experts.*): CUDA graphs are off"
+            )
+            config = self.config = dataclasses.replace(config, disable_cuda_graph=True)
         if loaded.config.is_moe and loaded.device.type == "cuda" and not config.disable_cuda_graph:
             # models/moe.py reads each layer's per-expert token counts on the host: not capturable.
             log.warning("%s is a mixture-of-experts model: CUDA graphs are off", loaded.config.architecture)

@@ -20,7 +20,7 @@ import os
 import re
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,13 @@ from loraplex.services.inference.lora.config import (
     ModuleLoRA,
     parse_adapter_config,
     resolve_targets,
+)
+from loraplex.services.inference.lora.expert_targets import (
+    EXPERT_KEY,
+    per_expert,
+    resolve_expert_targets,
+    saved_shape,
+    tensor_keys,
 )
 from loraplex.services.inference.lora.shapes import FUSED_MODULES, FUSED_OF, ModelShapes, module_path
 
@@ -53,7 +60,8 @@ _KEY = re.compile(r"^base_model\.model\.(?P<path>.+)\.lora_(?P<ab>[AB])\.weight$
 
 @dataclass(frozen=True)
 class AdapterWeights:
-    """One adapter version in host memory: per-(layer, module) A `[r, in]` and B `[out, r]`."""
+    """One adapter version in host memory: per-(layer, module) A `[r, in]` and B `[out, r]`; on
+    the experts (lora/expert_targets.py) per-(layer, expert module) A `[E, r, in]` and B `[E, out, r]`."""
 
     spec: AdapterSpec
     targets: dict[tuple[int, str], ModuleLoRA]
@@ -61,14 +69,23 @@ class AdapterWeights:
     lora_b: dict[tuple[int, str], torch.Tensor]
     digest: str
     chat_template: str | None = None  # the adapter's own, read at load time (None: the model's)
+    expert_targets: dict[tuple[int, str], ModuleLoRA] = field(default_factory=dict)
+    expert_a: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    expert_b: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def all_targets(self) -> dict[tuple[int, str], ModuleLoRA]:
+        """The linear targets and the expert targets together (what the server's limits check)."""
+        return {**self.targets, **self.expert_targets}
 
     @property
     def max_rank(self) -> int:
-        return max(t.rank for t in self.targets.values())
+        return max(t.rank for t in self.all_targets.values())
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.lora_a, self.lora_b) for t in d.values())
+        tensors = (self.lora_a, self.lora_b, self.expert_a, self.expert_b)
+        return sum(t.numel() * t.element_size() for d in tensors for t in d.values())
 
 
 def _check_header_size(path: Path) -> None:
@@ -191,6 +208,10 @@ def load_adapter_weights(
     """
     spec, directory = read_config(directory)
     targets = resolve_targets(spec, shapes.num_layers, shapes.hf_modules)
+    expert_targets = resolve_expert_targets(spec, shapes)
+    expert_keys = tensor_keys(expert_targets)
+    expert_a: dict[tuple[int, str], torch.Tensor] = {}
+    expert_b: dict[tuple[int, str], torch.Tensor] = {}
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
         if any((directory / n).exists() for n in PICKLE_FILES):
@@ -218,6 +239,12 @@ def load_adapter_weights(
     with f:
         keys = list(f.keys())
         for key in keys:
+            if EXPERT_KEY.match(key):
+                t = _read_expert_tensor(f, key, expert_keys, expert_targets, shapes)
+                layer, module, ab = expert_keys[key]
+                t = t.to(dtype).contiguous()
+                (expert_a if ab == "A" else expert_b)[(layer, module)] = t.pin_memory() if pin_memory else t
+                continue
             m = _KEY.match(key)
             if m is None:
                 raise AdapterInvalid(
@@ -281,7 +308,11 @@ def load_adapter_weights(
             for ab, d in (("A", lora_a), ("B", lora_b))
             if (n, mod) not in d
         )
-    )
+    ) + [
+        key
+        for key, (n, mod, ab) in expert_keys.items()
+        if (n, mod) not in (expert_a if ab == "A" else expert_b)
+    ]
     if missing:
         raise AdapterInvalid(
             f"{WEIGHTS_FILE}: missing tensors for targeted modules: {', '.join(missing[:4])}"
@@ -296,4 +327,42 @@ def load_adapter_weights(
         lora_b=lora_b,
         digest=_digest(directory, side_files),
         chat_template=chat_template,
+        expert_targets=expert_targets,
+        expert_a=expert_a,
+        expert_b=expert_b,
     )
+
+
+def _read_expert_tensor(f, key: str, expected: dict, targets: dict, shapes: ModelShapes) -> torch.Tensor:
+    """One saved expert LoRA tensor, its name and shape checked (lora/expert_targets.py), as per-expert
+    factors: A `[E, r, in]`, B `[E, out, r]`."""
+    if key not in expected:
+        raise AdapterInvalid(
+            f"{WEIGHTS_FILE}: tensor {key!r} is for an expert parameter that adapter_config.json "
+            "target_parameters does not target",
+            field=WEIGHTS_FILE,
+        )
+    layer, module, ab = expected[key]
+    rank = targets[(layer, module)].rank
+    shape = tuple(f.get_slice(key).get_shape())
+    want = saved_shape(shapes, module, rank, ab)
+    if len(shape) != 2:
+        raise AdapterInvalid(f"{WEIGHTS_FILE}: {key!r} has shape {shape}, expected 2-D", field=WEIGHTS_FILE)
+    rank_axis = 0 if ab == "A" else 1
+    if (
+        shape != want
+        and shape[1 - rank_axis] == want[1 - rank_axis]
+        and shape[rank_axis] % shapes.num_experts == 0
+    ):
+        raise AdapterInvalid(
+            f"{WEIGHTS_FILE}: {key!r} ({module}) has rank {shape[rank_axis] // shapes.num_experts} per "
+            f"expert but adapter_config.json (r / rank_pattern) gives {rank}",
+            field="r",
+        )
+    if shape != want:
+        raise AdapterIncompatible(
+            f"{WEIGHTS_FILE}: {key!r} ({module}) has shape {shape}, this base model's "
+            f"{shapes.num_experts} experts need {want}: the adapter was trained for another base model",
+            field=WEIGHTS_FILE,
+        )
+    return per_expert(f.get_tensor(key), ab, shapes.num_experts, rank)

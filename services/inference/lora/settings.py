@@ -14,7 +14,7 @@ import torch
 
 from loraplex.kernels.settings import kernel_settings
 from loraplex.services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
-from loraplex.services.inference.lora.shapes import ALL_MODULES, FUSED_MODULES
+from loraplex.services.inference.lora.shapes import ALL_MODULES, EXPERT_MODULES, FUSED_MODULES
 
 LORA_BACKENDS = ("triton", "torch")
 # `--max-lora-rank` when neither it nor a local `--lora-paths` adapter gives one.
@@ -25,19 +25,22 @@ DEFAULT_MAX_GPU_LORAS = {"cuda": 256, "cpu": 64}
 
 def parse_target_modules(names: Iterable[str]) -> tuple[str, ...]:
     """`--lora-target-modules` values ('all' or projection names) in canonical order. Phi-3's fused
-    names stand for their parts (qkv_proj: q_proj k_proj v_proj; gate_up_proj: gate_proj up_proj)."""
+    names stand for their parts (qkv_proj: q_proj k_proj v_proj; gate_up_proj: gate_proj up_proj).
+    The experts of a mixture-of-experts base are named explicitly (experts.gate_up_proj,
+    experts.down_proj; 'all' is the seven projections): their buffers are large."""
     wanted = {part for n in names for part in FUSED_MODULES.get(n, (n,))}
+    experts = tuple(m for m in EXPERT_MODULES if m in wanted)
     if "all" in wanted:
-        return ALL_MODULES
-    unknown = sorted(wanted - set(ALL_MODULES))
+        return ALL_MODULES + experts
+    unknown = sorted(wanted - set(ALL_MODULES) - set(EXPERT_MODULES))
     if unknown:
         raise ValueError(
             f"--lora-target-modules: unknown {', '.join(unknown)}; use names from "
-            f"{' '.join(ALL_MODULES + tuple(FUSED_MODULES))} or 'all'"
+            f"{' '.join(ALL_MODULES + tuple(FUSED_MODULES) + EXPERT_MODULES)} or 'all'"
         )
     if not wanted:
         raise ValueError("--lora-target-modules needs at least one module name, or 'all'")
-    return tuple(m for m in ALL_MODULES if m in wanted)
+    return tuple(m for m in ALL_MODULES if m in wanted) + experts
 
 
 def parse_lora_paths(items: Iterable[str]) -> dict[str, str]:
