@@ -348,21 +348,11 @@ def _read_expert_tensor(f, key: str, expected: dict, targets: dict, shapes: Mode
     want = saved_shape(shapes, module, rank, ab)
     if len(shape) != 2:
         raise AdapterInvalid(f"{WEIGHTS_FILE}: {key!r} has shape {shape}, expected 2-D", field=WEIGHTS_FILE)
-    rank_axis = 0 if ab == "A" else 1
-    if (
-        shape != want
-        and shape[1 - rank_axis] == want[1 - rank_axis]
-        and shape[rank_axis] % shapes.num_experts == 0
-    ):
-        raise AdapterInvalid(
-            f"{WEIGHTS_FILE}: {key!r} ({module}) has rank {shape[rank_axis] // shapes.num_experts} per "
-            f"expert but adapter_config.json (r / rank_pattern) gives {rank}",
-            field="r",
-        )
-    if shape != want:
+    if shape != want:  # rows E*r: a wrong expert count and a wrong rank look alike
         raise AdapterIncompatible(
             f"{WEIGHTS_FILE}: {key!r} ({module}) has shape {shape}, this base model's "
-            f"{shapes.num_experts} experts need {want}: the adapter was trained for another base model",
+            f"{shapes.num_experts} experts need {want} at rank {rank} (adapter_config.json r / "
+            "rank_pattern): the adapter was trained for another base model, or its config disagrees",
             field=WEIGHTS_FILE,
         )
     return per_expert(f.get_tensor(key), ab, shapes.num_experts, rank)

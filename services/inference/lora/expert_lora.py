@@ -35,7 +35,6 @@ from loraplex.services.inference.lora.shapes import (
     expert_dims,
     sparse_layer_indices,
 )
-from loraplex.services.inference.models import moe as moe_module
 
 if TYPE_CHECKING:
     from loraplex.services.inference.lora.adapter import AdapterWeights
@@ -219,14 +218,14 @@ class LayerExpertLoRA:
     def __init__(self, lora: ExpertLoRA, row: int):
         self.lora, self.row = lora, row
 
-    def moe_forward(self, moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-        """SparseMoE's output with each LoRA token's routed experts adapted (the same two expert
-        paths as SparseMoE: dense for decode-sized steps, sorted by expert above)."""
+    def moe_forward(self, moe: SparseMoE, x: torch.Tensor, dense: bool) -> torch.Tensor:
+        """SparseMoE's output with each LoRA token's routed experts adapted, by SparseMoE's two torch
+        expert paths: `dense` (every expert over every token: decode-sized steps) or sorted by expert."""
         weights, experts = moe.route(x)
         plan = self.lora.pairs(experts)
         k, row = moe.top_k, self.row
         tok = plan.flat // k
-        if x.shape[0] <= moe_module.DENSE_MAX_TOKENS:
+        if dense:
             gate_up = torch.matmul(x, moe.gate_up.transpose(1, 2))  # [E, T, 2*inter]
             gate_up[plan.experts, tok] += self.lora.delta(row, GATE_UP, x[tok], plan, k)
             act = moe._act(gate_up)

@@ -67,7 +67,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_lora=None) -> torch.Tensor:
         if expert_lora is not None:  # LoRA on the experts: its own path (lora/expert_lora.py)
-            return expert_lora.moe_forward(self, x)
+            return expert_lora.moe_forward(self, x, dense=x.shape[0] <= DENSE_MAX_TOKENS)
         weights, experts = self.route(x)
         if x.shape[0] <= DENSE_MAX_TOKENS:
             return self._dense(x, weights, experts)
