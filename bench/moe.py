@@ -12,6 +12,9 @@ so they should capture; this measures what turning graphs on for MoE decode woul
 are printed: the issue's (active parameters: attention, routers, `top_k` experts per layer, the lm_head; plus
 K/V) and the one a batch really reads (the experts its tokens touch: at batch 64 x top-8 of 128
 nearly all of them). Goals (issue 39): base step <= 1.5x the active floor, 8 adapters >= 0.85x base.
+`--expert-adapters`: the adapters also carry LoRA on every expert (gate_up and down, ranks 16 and 8
+in turn; bench/moe_expert_lora.py), checked first against the per-expert loop; graphs are then off
+(as the engine runs expert LoRA), and the loop's step time is printed beside the grouped one.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from loraplex.bench.families import (
     step_ms,
     weight_bytes,
 )
+from loraplex.bench.moe_expert_lora import attach_expert_lora, check_expert_lora
 from loraplex.bench.random_runner import TINY, TINY_FAMILIES
 from loraplex.bench.results import write_json
 from loraplex.services.inference.engine.scheduler import SeqChunk
@@ -71,6 +75,18 @@ def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.
         return decode_chunks(opts, pages, adapters, distinct_tokens=True)
 
     base = step_ms(runner, chunks(0), opts.steps, device)
+    extra = {}
+    if opts.expert_adapters:
+        attach_expert_lora(runner, opts.adapters)
+        failures = check_expert_lora(runner, opts.adapters)
+        for line in failures:
+            print(line)
+        if failures:
+            raise SystemExit(1)
+        runner.lora_backend.experts.grouped = False
+        extra["expert_loop_ms"] = step_ms(runner, chunks(opts.adapters), opts.steps, device)
+        runner.lora_backend.experts.grouped = hasattr(torch.nn.functional, "grouped_mm")
+        extra["expert_lora"] = True
     lora = step_ms(runner, chunks(opts.adapters), opts.steps, device)
     cfg = runner.config
     all_experts, one_expert, experts = expert_bytes(runner)
@@ -91,6 +107,7 @@ def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.
         active_weight_bytes=dense + top_k * one_expert,
         touched_weight_bytes=int(dense + touched * one_expert),
         kv_bytes=kv_bytes(runner, opts.batch, opts.context),
+        **extra,
     )
     if device.type == "cuda":
         kv = row["kv_bytes"]
@@ -107,7 +124,13 @@ def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.
 def main() -> None:
     p = decode_parser(__doc__.split("\n")[0], 20, "tiny Qwen3-MoE and Mixtral on the CPU (smoke run)")
     p.add_argument("--graphs", action="store_true", help="capture the decode CUDA graphs (batch <= 64)")
+    p.add_argument(
+        "--expert-adapters", action="store_true", help="the adapters carry LoRA on every expert too"
+    )
     opts = p.parse_args()
+    if opts.expert_adapters and opts.graphs:
+        print("--expert-adapters: CUDA graphs off (expert LoRA reads the step's slots on the host)")
+        opts.graphs = False
     device = torch.device("cuda" if torch.cuda.is_available() and not opts.tiny else "cpu")
     if opts.tiny:
         models = TINY_MOE
@@ -127,6 +150,7 @@ def main() -> None:
         print(
             f"{r['model']:<16}{r['batch']:>6}{r['context']:>6}{r['base_ms']:>9.2f}{floors}"
             f"{r['adapters_ms']:>9.2f}{r['adapters_vs_base']:>9.2f}"
+            + (f"  (expert LoRA; loop {r['expert_loop_ms']:.2f} ms)" if "expert_loop_ms" in r else "")
         )
     write_json(opts.out, "moe", dict(device=device.type, rows=rows))
 

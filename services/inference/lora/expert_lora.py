@@ -208,8 +208,10 @@ class ExpertLoRA:
     def _use_grouped(self, xs: torch.Tensor, rank: int) -> bool:
         if not self.grouped:
             return False
-        # CUDA's grouped GEMM takes bfloat16 with 16-byte aligned strides.
-        return xs.device.type != "cuda" or (xs.dtype == torch.bfloat16 and rank % 8 == 0)
+        # CUDA's grouped GEMM takes bfloat16 with 16-byte aligned strides: the rank, the pool's row
+        # pitch (max rank) and the input width in multiples of 8 elements.
+        aligned = rank % 8 == 0 and self.pool.max_rank % 8 == 0 and xs.shape[1] % 8 == 0
+        return xs.device.type != "cuda" or (xs.dtype == torch.bfloat16 and aligned)
 
 
 class LayerExpertLoRA:
