@@ -116,3 +116,29 @@ def test_lora_settings_cover_attention_only_on_moe_bases():
     wants_experts = LoRAConfig(max_loras_per_batch=2, lora_target_modules=("q_proj", "down_proj"))
     with pytest.raises(ValueError, match="--lora-target-modules down_proj: this mixture-of-experts base"):
         resolve_lora_settings(wants_experts, shapes, cpu, mem_fraction_static=0.9)
+
+
+def test_expert_buffers_only_when_named_and_only_on_moe_bases():
+    import torch
+
+    from loraplex.services.inference.lora.pool import AdapterPool, pool_nbytes
+    from loraplex.services.inference.lora.settings import LoRAConfig
+    from loraplex.services.inference.lora.setup import resolve_lora_settings
+
+    shapes = ModelShapes.from_hf_config(MIXTRAL)
+    cpu = torch.device("cpu")
+    flags = ("q_proj", "experts.gate_up_proj", "experts.down_proj")
+    settings = resolve_lora_settings(
+        LoRAConfig(max_loras_per_batch=2, lora_target_modules=flags, max_lora_rank=4),
+        shapes,
+        cpu,
+        mem_fraction_static=0.9,
+    )
+    assert settings.target_modules == flags
+    pool = AdapterPool(shapes, slots=2, max_rank=4, target_modules=flags, dtype=torch.float32, device=cpu)
+    # 4 layers x 2 slots x 8 experts x rank 4 x ((64 + 256) + (128 + 64)) float32 beside q_proj's
+    assert pool.experts.nbytes == 4 * 2 * 8 * 4 * (320 + 192) * 4
+    assert pool.nbytes == pool_nbytes(shapes, 2, 4, flags, torch.float32)
+    dense = ModelShapes(num_layers=2, hidden_size=64, intermediate_size=96, q_size=64, kv_size=32)
+    with pytest.raises(ValueError, match="experts.gate_up_proj.*this base has no experts"):
+        resolve_lora_settings(LoRAConfig(lora_target_modules=flags), dense, cpu, mem_fraction_static=0.9)
