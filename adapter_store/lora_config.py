@@ -63,7 +63,8 @@ class LoraConfig(NamedTuple):
     def target_module_names(self) -> list[str]:
         if isinstance(self.target_modules, str):
             return [self.target_modules]
-        return list(self.target_modules)
+        # the experts a target_parameters adapter reaches are listed beside its modules
+        return list(self.target_modules) + [t for t in self.target_parameters if t not in self.target_modules]
 
 
 def _pattern_key(pattern: dict, module: str) -> str | None:

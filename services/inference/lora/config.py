@@ -288,10 +288,11 @@ def check_fits(
     outside = sorted({m for _, m in targets} - allowed)
     if outside:
         raise AdapterIncompatible(
-            f"adapter_config.json: target_modules: {', '.join(outside)} not in this server's "
+            f"adapter_config.json: targets {', '.join(outside)}, not in this server's "
             f"--lora-target-modules ({' '.join(sorted(allowed)) or 'none'}); restart with "
-            f"--lora-target-modules including them, or 'all'",
-            field="target_modules",
+            "--lora-target-modules including them"
+            + ("" if any(m.startswith("experts.") for m in outside) else ", or 'all'"),
+            field="target_parameters" if outside[0].startswith("experts.") else "target_modules",
         )
 
 
