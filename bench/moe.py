@@ -83,9 +83,12 @@ def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.
             print(line)
         if failures:
             raise SystemExit(1)
-        runner.lora_backend.experts.grouped = False
+        experts = runner.lora_backend.experts
+        experts.grouped = False
         extra["expert_loop_ms"] = step_ms(runner, chunks(opts.adapters), opts.steps, device)
-        runner.lora_backend.experts.grouped = hasattr(torch.nn.functional, "grouped_mm")
+        experts.grouped = experts.span = hasattr(torch.nn.functional, "grouped_mm")
+        extra["expert_span_ms"] = step_ms(runner, chunks(opts.adapters), opts.steps, device)
+        experts.span = False  # adapters_ms: the default mode, grouped per adapter
         extra["expert_lora"] = True
     lora = step_ms(runner, chunks(opts.adapters), opts.steps, device)
     cfg = runner.config
@@ -150,7 +153,11 @@ def main() -> None:
         print(
             f"{r['model']:<16}{r['batch']:>6}{r['context']:>6}{r['base_ms']:>9.2f}{floors}"
             f"{r['adapters_ms']:>9.2f}{r['adapters_vs_base']:>9.2f}"
-            + (f"  (expert LoRA; loop {r['expert_loop_ms']:.2f} ms)" if "expert_loop_ms" in r else "")
+            + (
+                f"  (expert LoRA grouped; span {r['expert_span_ms']:.2f}, loop {r['expert_loop_ms']:.2f} ms)"
+                if "expert_loop_ms" in r
+                else ""
+            )
         )
     write_json(opts.out, "moe", dict(device=device.type, rows=rows))
 

@@ -28,6 +28,8 @@ def attach_expert_lora(runner, slots: int, seed: int = 0, grouped: bool | None =
     gen = torch.Generator(device=pool.a[EXPERT_MODULES[0]].device).manual_seed(seed)
     for m in pool.modules:
         a, b = pool.a[m], pool.b[m]
+        a.zero_()  # zeros past each rank, as ExpertLoRAPool.upload writes them (the span mode reads them)
+        b.zero_()
         for s in range(slots):
             r = EXPERT_RANKS[s % len(EXPERT_RANKS)]
             d_in = a.shape[-1]
@@ -51,8 +53,8 @@ def check_expert_lora(runner, slots: int, tokens: int = 24) -> list[str]:
     outs = {}
     failures = []
     with torch.no_grad():
-        for grouped in (True, False):
-            lora = ExpertLoRA(backend.experts.pool, grouped=grouped)
+        for grouped in ("span", True, False):
+            lora = ExpertLoRA(backend.experts.pool, grouped=bool(grouped), span=grouped == "span")
             lora.prepare(token_slots)
             for dense in (True, False):
                 outs[(grouped, dense)] = lora.at(layer).moe_forward(moe, x, dense=dense).float()

@@ -86,9 +86,11 @@ EXPERT_ADAPTERS = {
 EXPERT_BATCH = [None, "e4", "a4", "e8", "e4", None]
 
 
-@pytest.mark.parametrize(("arch", "experts_path"), [("mixtral", "dense"), ("qwen3_moe", "sorted")])
+@pytest.mark.parametrize(
+    ("arch", "experts_path", "mode"), [("mixtral", "dense", "grouped"), ("qwen3_moe", "sorted", "span")]
+)
 def test_expert_lora_matches_transformers_and_peft(
-    arch, experts_path, tmp_path_factory, smollm2_path, adapter_factory, monkeypatch
+    arch, experts_path, mode, tmp_path_factory, smollm2_path, adapter_factory, monkeypatch
 ):
     if experts_path == "sorted":
         monkeypatch.setattr(moe, "DENSE_MAX_TOKENS", 0)
@@ -98,11 +100,18 @@ def test_expert_lora_matches_transformers_and_peft(
     }
     engine = sync_engine(
         server_args(
-            base, adapters, max_loras_per_batch=3, page_size=4, max_total_tokens=160, context_length=256
+            base,
+            adapters,
+            max_loras_per_batch=3,
+            page_size=4,
+            max_total_tokens=160,
+            context_length=256,
+            expert_lora_mode=mode,
         )
     )
     pool = engine.runner.lora_backend.pool
     assert pool.experts is not None and set(EXPERTS) <= set(pool.target_modules)
+    assert engine.runner.lora_backend.experts.span == (mode == "span")
     prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
     got = run_engine(engine, prompts, EXPERT_BATCH)
     expected = reference(base, adapters, list(zip(prompts, EXPERT_BATCH, strict=True)))

@@ -126,14 +126,14 @@ def _reference(moe: SparseMoE, x, slots, weights: dict[int, AdapterWeights], lay
     return out
 
 
-@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("grouped", ["span", True, False])
 @pytest.mark.parametrize("path", ["dense", "sorted"])
 def test_expert_lora_matches_per_expert_reference(grouped, path, monkeypatch):
     if grouped and not hasattr(torch.nn.functional, "grouped_mm"):
         pytest.skip("this torch has no grouped_mm")
     monkeypatch.setattr(moe_module, "DENSE_MAX_TOKENS", 64 if path == "dense" else 0)
     pool, weights = _pool()
-    lora = ExpertLoRA(pool, grouped=grouped)
+    lora = ExpertLoRA(pool, grouped=bool(grouped), span=grouped == "span")
     moe = _moe()
     # base, three expert adapters of mixed ranks, one without expert LoRA, interleaved
     slots = torch.tensor([-1, 0, 1, 0, 2, 3, 1, -1, 3, 0, 1, 1, 2, 0], dtype=torch.int32)

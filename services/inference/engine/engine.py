@@ -164,7 +164,11 @@ class LLMEngine:
             context_length=self.context_length,
             lora_backend=lora_backend,
         )
-        if getattr(lora_backend, "experts", None) is not None and not config.disable_cuda_graph:
+        if (
+            getattr(lora_backend, "experts", None) is not None
+            and loaded.device.type == "cuda"
+            and not config.disable_cuda_graph
+        ):
             # lora/expert_lora.py reads the step's adapter slots on the host: not capturable.
             log.warning(
                 "LoRA on the experts is enabled (--lora-target-modules experts.*): CUDA graphs are off"

@@ -16,8 +16,11 @@ LoRA (one host read, as the torch backend does); per layer the LoRA tokens' (tok
 are sorted by (slot, expert) on the device. Then per slot, with its own rank (no padding):
 - grouped (`F.grouped_mm`, where torch has it): one shrink and one expand over all its experts,
   group sizes as device offsets, so no host sync;
-- loop: one shrink and expand per (slot, expert) group (the per-group counts are read on the host).
-Both give the same numbers; the loop is the reference. The host read in `prepare` makes steps with
+- loop: one shrink and expand per (slot, expert) group (the per-group counts are read on the host);
+- span (opt-in, `span=True`): one shrink and one expand per layer and module over every expert of the
+  slots from the step's lowest to its highest expert slot, at the step's largest rank among them:
+  fewer launches, but a smaller rank is padded with the zeros `upload` writes past it.
+All give the same numbers; the loop is the reference. The host read in `prepare` makes steps with
 expert LoRA uncapturable: the engine turns CUDA graphs off when the pool holds expert buffers.
 """
 
@@ -106,6 +109,12 @@ class ExpertLoRAPool:
                 self.a[m][i, slot, :, :r].copy_(weights.expert_a[(layer, m)], non_blocking=True)
                 self.b[m][i, slot, :, :, :r].copy_(weights.expert_b[(layer, m)], non_blocking=True)
                 rank[i], scaling[i] = r, t.scaling
+                # zeros past the rank: the span computation (ExpertLoRA span=True) reads them
+                self.a[m][i, slot, :, r:].zero_()
+                self.b[m][i, slot, :, :, r:].zero_()
+            for i in torch.nonzero(rank == 0).flatten().tolist():
+                self.a[m][i, slot].zero_()
+                self.b[m][i, slot].zero_()
             self.host_rank[m][:, slot] = rank
             self.host_scaling[m][:, slot] = scaling
 
@@ -120,16 +129,19 @@ class PairPlan(NamedTuple):
     experts: torch.Tensor  # [P] its expert
     counts: torch.Tensor  # [runs, E] pairs per (run, expert), on the device
     offsets: torch.Tensor  # [runs, E] int32 cumulative counts within each run (grouped_mm's offs)
+    run: torch.Tensor  # [P] the pair's run (index into ExpertLoRA.runs)
 
 
 class ExpertLoRA:
     """The step's expert LoRA over an `ExpertLoRAPool` (see the module docstring).
 
-    `grouped`: None picks `F.grouped_mm` where torch has it (bfloat16 on CUDA), False the loop."""
+    `grouped`: None picks `F.grouped_mm` where torch has it (bfloat16 on CUDA), False the loop.
+    `span`: the grouped computation in one launch pair over the step's slot span (see above)."""
 
-    def __init__(self, pool: ExpertLoRAPool, grouped: bool | None = None):
+    def __init__(self, pool: ExpertLoRAPool, grouped: bool | None = None, span: bool = False):
         self.pool = pool
         self.grouped = hasattr(F, "grouped_mm") if grouped is None else grouped
+        self.span = span
         self.runs: list[tuple[int, int]] = []  # (slot, tokens) of the step's slots with expert LoRA
         self._tokens = self._run_of_token = None
         self._ranks: dict[str, list[list[int]]] = {}
@@ -154,6 +166,13 @@ class ExpertLoRA:
         used = [s for s, _ in runs]
         self._ranks = {m: self.pool.host_rank[m][:, used].tolist() for m in self.pool.modules}
         self._scales = {m: self.pool.host_scaling[m][:, used].tolist() for m in self.pool.modules}
+        if self.span:
+            self._scale_dev = {
+                m: self.pool.host_scaling[m][:, used].to(device, self.pool.a[m].dtype)
+                for m in self.pool.modules
+            }
+            rows = torch.tensor(used) - used[0]  # runs are in slot order (torch.unique sorts)
+            self._span_rows = (used[0], used[-1] + 1, rows.to(device))
 
     def at(self, layer: int) -> LayerExpertLoRA | None:
         """The hook SparseMoE.forward takes for `layer` (None: no expert LoRA in this step)."""
@@ -171,7 +190,7 @@ class ExpertLoRA:
         order = torch.argsort(key, stable=True)
         counts = torch.bincount(key, minlength=len(self.runs) * e).view(len(self.runs), e)
         offsets = counts.cumsum(dim=1).to(torch.int32)
-        return PairPlan(flat[order], chosen[order], counts, offsets)
+        return PairPlan(flat[order], chosen[order], counts, offsets, key[order] // e)
 
     def delta(self, row: int, module: str, xs: torch.Tensor, plan: PairPlan, top_k: int) -> torch.Tensor:
         """`[P, out]`: each pair's `scaling * B(A x)` for its slot and expert (0 where untargeted)."""
@@ -180,6 +199,10 @@ class ExpertLoRA:
         out = torch.zeros(xs.shape[0], out_width, dtype=xs.dtype, device=xs.device)
         if a is None:
             return out
+        if self.span:
+            rank = max(self._ranks[module][row], default=0)
+            if rank and self._use_grouped(xs, rank):
+                return self._span_delta(row, module, xs, plan, rank, out)
         counts_host = None
         start = 0
         for run, (slot, n_tokens) in enumerate(self.runs):
@@ -203,6 +226,21 @@ class ExpertLoRA:
                         F.linear(F.linear(xs[sel], a[row, slot, e, :r]), b[row, slot, e, :, :r]) * scale
                     )
                 lo += n
+        return out
+
+    def _span_delta(
+        self, row: int, module: str, xs: torch.Tensor, plan: PairPlan, rank: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        """One shrink and one expand over every expert of the slots lo..hi-1 (the step's span), at
+        `rank`, the largest of the step's; slots and experts without pairs are empty groups."""
+        lo, hi, rows = self._span_rows
+        e = self.pool.num_experts
+        counts = plan.counts.new_zeros(hi - lo, e).index_copy_(0, rows, plan.counts)
+        offs = counts.flatten().cumsum(0).to(torch.int32)
+        a = self.pool.a[module][row, lo:hi, :, :rank].reshape((hi - lo) * e, rank, -1)
+        b = self.pool.b[module][row, lo:hi, :, :, :rank].reshape((hi - lo) * e, -1, rank)
+        y = F.grouped_mm(xs, a.transpose(1, 2), offs=offs) * self._scale_dev[module][row][plan.run][:, None]
+        out.copy_(F.grouped_mm(y, b.transpose(1, 2), offs=offs))
         return out
 
     def _use_grouped(self, xs: torch.Tensor, rank: int) -> bool:

@@ -17,6 +17,9 @@ from loraplex.services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter
 from loraplex.services.inference.lora.shapes import ALL_MODULES, EXPERT_MODULES, FUSED_MODULES
 
 LORA_BACKENDS = ("triton", "torch")
+# How LoRA on the experts is computed (lora/expert_lora.py): grouped_mm per slot at its own rank
+# (loop where torch has no grouped_mm), one grouped_mm over the step's slot span, or the loop.
+EXPERT_LORA_MODES = ("grouped", "span", "loop")
 # `--max-lora-rank` when neither it nor a local `--lora-paths` adapter gives one.
 DEFAULT_MAX_LORA_RANK = 64
 # `--max-gpu-loras` when not given: the slot bound of a pool sized from memory, per device type.
@@ -88,6 +91,7 @@ class LoRAConfig:
     max_lora_rank: int | None = None  # None: the largest rank in lora_paths, else DEFAULT_MAX_LORA_RANK
     lora_target_modules: tuple[str, ...] | None = None  # None: the union of lora_paths' targets, else all
     max_loaded_loras: int | None = None  # host cache size; None = unbounded
+    expert_lora_mode: str = "grouped"  # one of EXPERT_LORA_MODES
 
     def __post_init__(self) -> None:
         _at_least_one("--max-loras-per-batch", self.max_loras_per_batch)
@@ -97,6 +101,11 @@ class LoRAConfig:
         if self.lora_backend is not None and self.lora_backend not in LORA_BACKENDS:
             raise ValueError(
                 f"--lora-backend must be one of {', '.join(LORA_BACKENDS)} (got {self.lora_backend!r})"
+            )
+        if self.expert_lora_mode not in EXPERT_LORA_MODES:
+            raise ValueError(
+                f"--expert-lora-mode must be one of {', '.join(EXPERT_LORA_MODES)} "
+                f"(got {self.expert_lora_mode!r})"
             )
         if self.lora_target_modules is not None:
             parse_target_modules(self.lora_target_modules)

@@ -183,7 +183,10 @@ def build_lora(
 
         backend = TorchLoRABackend(pool)
     if pool.experts is not None:
-        backend.experts = ExpertLoRA(pool.experts)
+        mode = lora.expert_lora_mode
+        backend.experts = ExpertLoRA(
+            pool.experts, grouped=False if mode == "loop" else None, span=mode == "span"
+        )
     manager = LoRAManager(
         pool, max_loaded_loras=settings.max_loaded_loras, max_loras_per_batch=settings.max_loras_per_batch
     )
