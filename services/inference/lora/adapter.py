@@ -35,9 +35,8 @@ from loraplex.services.inference.lora.config import (
 )
 from loraplex.services.inference.lora.expert_targets import (
     EXPERT_KEY,
-    per_expert,
+    read_expert_tensor,
     resolve_expert_targets,
-    saved_shape,
     tensor_keys,
 )
 from loraplex.services.inference.lora.shapes import FUSED_MODULES, FUSED_OF, ModelShapes, module_path
@@ -240,7 +239,7 @@ def load_adapter_weights(
         keys = list(f.keys())
         for key in keys:
             if EXPERT_KEY.match(key):
-                t = _read_expert_tensor(f, key, expert_keys, expert_targets, shapes)
+                t = read_expert_tensor(f, key, expert_keys, expert_targets, shapes)
                 layer, module, ab = expert_keys[key]
                 t = t.to(dtype).contiguous()
                 (expert_a if ab == "A" else expert_b)[(layer, module)] = t.pin_memory() if pin_memory else t
@@ -331,28 +330,3 @@ def load_adapter_weights(
         expert_a=expert_a,
         expert_b=expert_b,
     )
-
-
-def _read_expert_tensor(f, key: str, expected: dict, targets: dict, shapes: ModelShapes) -> torch.Tensor:
-    """One saved expert LoRA tensor, its name and shape checked (lora/expert_targets.py), as per-expert
-    factors: A `[E, r, in]`, B `[E, out, r]`."""
-    if key not in expected:
-        raise AdapterInvalid(
-            f"{WEIGHTS_FILE}: tensor {key!r} is for an expert parameter that adapter_config.json "
-            "target_parameters does not target",
-            field=WEIGHTS_FILE,
-        )
-    layer, module, ab = expected[key]
-    rank = targets[(layer, module)].rank
-    shape = tuple(f.get_slice(key).get_shape())
-    want = saved_shape(shapes, module, rank, ab)
-    if len(shape) != 2:
-        raise AdapterInvalid(f"{WEIGHTS_FILE}: {key!r} has shape {shape}, expected 2-D", field=WEIGHTS_FILE)
-    if shape != want:  # rows E*r: a wrong expert count and a wrong rank look alike
-        raise AdapterIncompatible(
-            f"{WEIGHTS_FILE}: {key!r} ({module}) has shape {shape}, this base model's "
-            f"{shapes.num_experts} experts need {want} at rank {rank} (adapter_config.json r / "
-            "rank_pattern): the adapter was trained for another base model, or its config disagrees",
-            field=WEIGHTS_FILE,
-        )
-    return per_expert(f.get_tensor(key), ab, shapes.num_experts, rank)

@@ -21,7 +21,7 @@ import re
 
 import torch
 
-from loraplex.services.inference.errors import AdapterInvalid
+from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid
 from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA, pattern_value
 from loraplex.services.inference.lora.shapes import (
     EXPERT_PARAMS,
@@ -30,6 +30,7 @@ from loraplex.services.inference.lora.shapes import (
     sparse_layer_indices,
 )
 
+WEIGHTS_FILE = "adapter_model.safetensors"
 EXPERT_KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?P<nest>(?:base_layer\.)*)"
     r"lora_(?P<ab>[AB])\.weight$"
@@ -110,3 +111,28 @@ def per_expert(t: torch.Tensor, ab: str, num_experts: int, rank: int) -> torch.T
     if ab == "A":
         return t.reshape(num_experts, rank, t.shape[-1]).contiguous()
     return t.reshape(t.shape[0], rank, num_experts).permute(2, 0, 1).contiguous()
+
+
+def read_expert_tensor(f, key: str, expected: dict, targets: dict, shapes: ModelShapes) -> torch.Tensor:
+    """One saved expert LoRA tensor from the open safetensors `f`, its name and shape checked, as per-expert
+    factors: A `[E, r, in]`, B `[E, out, r]`."""
+    if key not in expected:
+        raise AdapterInvalid(
+            f"{WEIGHTS_FILE}: tensor {key!r} is for an expert parameter that adapter_config.json "
+            "target_parameters does not target",
+            field=WEIGHTS_FILE,
+        )
+    layer, module, ab = expected[key]
+    rank = targets[(layer, module)].rank
+    shape = tuple(f.get_slice(key).get_shape())
+    want = saved_shape(shapes, module, rank, ab)
+    if len(shape) != 2:
+        raise AdapterInvalid(f"{WEIGHTS_FILE}: {key!r} has shape {shape}, expected 2-D", field=WEIGHTS_FILE)
+    if shape != want:  # rows E*r: a wrong expert count and a wrong rank look alike
+        raise AdapterIncompatible(
+            f"{WEIGHTS_FILE}: {key!r} ({module}) has shape {shape}, this base model's "
+            f"{shapes.num_experts} experts need {want} at rank {rank} (adapter_config.json r / "
+            "rank_pattern): the adapter was trained for another base model, or its config disagrees",
+            field=WEIGHTS_FILE,
+        )
+    return per_expert(f.get_tensor(key), ab, shapes.num_experts, rank)
