@@ -14,9 +14,9 @@ side stream's delta mode (what the engine runs) and in place; prefill in place. 
 of fused block sizes within the budget picks each group's best; then the layer (all groups in one
 graph per copy of the inputs, copies > 4x L2) is timed two-kernel vs fused-default vs fused-best.
 floor = A/B bytes of the step's adapters + activations (bench/lora_fused_sweep.py `floor_bytes`) at
-4.25 TB/s, the H200 copy rate. Writes lora_fused.json and lora_fused_configs.json (the chosen configs
-in FUSED_TABLE's format: `LORAPLEX_LORA_CONFIGS=.../lora_fused_configs.json`, or paste into
-kernels/lora_configs.py) to --out.
+4.25 TB/s, the H200 copy rate. Writes lora_fused.json, and lora_fused_configs.json: the chosen configs
+of the groups where fused beat the two launches in the engine's mode, in FUSED_TABLE's format
+(`LORAPLEX_LORA_CONFIGS=.../lora_fused_configs.json`, or paste into kernels/lora_configs.py).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from loraplex.bench.lora_fused_sweep import (
     group_launch,
     shrink_buffers,
     sweep_group,
+    time_or_inf,
     two_kernel_fn,
 )
 from loraplex.bench.lora_layer import DEVICE, GROUPS, make_copies, token_slots
@@ -90,10 +91,12 @@ def run_scenario(sc: dict, sweep_budget_s: float) -> tuple[dict, dict[str, list]
     segs = build_segments(token_slots(sc), alloc_segments(T, sc["distinct"], DEVICE))
     modes = ["in_place"] if sc["prefill"] else ["delta", "in_place"]
     res = dict(sc, copies=len(copies), floor_bytes=floor_b, floor_us=floor_b / H200_COPY_BW * 1e6, modes={})
-    ok, chosen, rows = True, {}, []
+    ok, chosen, rows, per_group = True, {}, [], {}
     default = fused_default_config(T)
-    for g in GROUPS:  # sweep in the mode the engine runs this step size in
-        cfg, us, r = sweep_group(sc, g, copies, segs, modes[0] == "delta", sweep_budget_s / len(GROUPS))
+    ys = shrink_buffers(sc)
+    engine_delta = modes[0] == "delta"  # sweep in the mode the engine runs this step size in
+    for g in GROUPS:
+        cfg, us, r = sweep_group(sc, g, copies, segs, engine_delta, sweep_budget_s / len(GROUPS))
         chosen[g] = cfg
         rows += r
         for name, c in (("default", default), ("best", cfg)):
@@ -101,8 +104,17 @@ def run_scenario(sc: dict, sweep_budget_s: float) -> tuple[dict, dict[str, list]
             if not err < TOL:
                 print(f"FAIL {sc['name']} {g} fused {name} {c}: rel err {err:.3g}", flush=True)
                 ok = False
-        print(f"  {sc['name']} {g}: best {tuple(cfg)} {us:.1f}us ({len(r)} timed)", flush=True)
-    ys = shrink_buffers(sc)
+        two = time_or_inf(
+            [two_kernel_fn(c, g, segs, group_launch(sc, g), ys[g], engine_delta) for c in copies]
+        )
+        per_group[g] = dict(
+            fused_best_us=us, two_kernel_us=two, floor_us=floor_bytes(sc, g) / H200_COPY_BW * 1e6
+        )
+        print(
+            f"  {sc['name']} {g}: fused best {tuple(cfg)} {us:.1f}us vs two-kernel {two:.1f}us"
+            f" (floor {per_group[g]['floor_us']:.1f}us; {len(r)} configs timed)",
+            flush=True,
+        )
     for mode in modes:
         delta = mode == "delta"
         paths = {
@@ -121,8 +133,14 @@ def run_scenario(sc: dict, sweep_budget_s: float) -> tuple[dict, dict[str, list]
             t = res["modes"][mode][name]["graph_us"]
             res["modes"][mode][name]["x_floor"] = t / res["floor_us"]
     res["chosen"] = {g: cfg._asdict() for g, cfg in chosen.items()}
+    res["per_group"] = per_group
     res["sweep"] = rows
-    configs = {fused_key(sc, g): list(cfg) for g, cfg in chosen.items()}
+    # Only where fused beat the two launches: under `auto` an entry switches its group to fused.
+    configs = {
+        fused_key(sc, g): list(cfg)
+        for g, cfg in chosen.items()
+        if per_group[g]["fused_best_us"] < per_group[g]["two_kernel_us"]
+    }
     del copies
     torch.cuda.empty_cache()
     return res, configs, ok
@@ -137,6 +155,15 @@ def print_table(results: list[dict]) -> None:
                     f"{r['name']:32} {mode:9} {name:14} {r['floor_us']:9.1f} {p['graph_us']:9.1f}"
                     f" {p['x_floor']:8.2f}"
                 )
+    print(
+        f"\n{'scenario (engine mode)':32} {'group':9} {'floor us':>9} {'two-kernel':>11} {'fused best':>11}"
+    )
+    for r in results:
+        for g, p in r["per_group"].items():
+            print(
+                f"{r['name']:32} {g:9} {p['floor_us']:9.1f} {p['two_kernel_us']:11.1f}"
+                f" {p['fused_best_us']:11.1f}"
+            )
 
 
 def main() -> int:
