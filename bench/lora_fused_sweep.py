@@ -95,23 +95,25 @@ def check_fused(c: dict, sc: dict, group: str, segs, cfg: FusedConfig) -> float:
 
 
 def candidates(sc: dict) -> list[FusedConfig]:
-    """The default first, then compiled variants (block sizes, warps) each over several chunk widths
-    (a runtime argument: no new compile), so a short budget still sees varied chunks."""
+    """The default first, then compiled variants (block sizes, warps, stages) each over several chunk
+    widths (a runtime argument: no new compile), so a short budget still sees varied chunks. Decode
+    variants lead with deep K tiles: few programs stream each adapter's A, so the bytes each keeps in
+    flight bound the bandwidth."""
     if family(sc["tokens"]) == "decode":
         variants = [
-            (16, 128, 128, 4),
-            (16, 256, 128, 4),
-            (16, 256, 256, 8),
-            (16, 128, 64, 4),
-            (16, 512, 128, 8),
+            (16, 256, 128, 4, 3),
+            (16, 512, 128, 8, 3),
+            (16, 1024, 128, 8, 2),
+            (16, 256, 256, 8, 4),
+            (16, 128, 64, 4, 3),
         ]
-        chunks = (512, 1024, 2048, 4096, 16384)
+        chunks = (16384, 4096, 2048, 1024, 512)
     else:
-        variants = [(64, 64, 128, 8), (64, 64, 128, 4), (128, 64, 128, 8), (64, 32, 256, 8)]
-        chunks = (2048, 4096, 16384)
+        variants = [(64, 64, 128, 8, 3), (64, 64, 128, 4, 3), (128, 64, 128, 8, 3), (64, 32, 256, 8, 3)]
+        chunks = (16384, 4096, 2048)
     out = [fused_default_config(sc["tokens"])]
-    for bm, bk, bn, nw in variants:
-        out += [FusedConfig(bm, bk, bn, ch, nw, 3) for ch in chunks if ch >= bn]
+    for bm, bk, bn, nw, ns in variants:
+        out += [FusedConfig(bm, bk, bn, ch, nw, ns) for ch in chunks if ch >= bn]
     return list(dict.fromkeys(out))
 
 
