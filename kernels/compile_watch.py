@@ -39,6 +39,7 @@ def step_kernels() -> dict[str, object]:
         attention_prefill,
         fused_ops,
         lora_expand,
+        lora_fused,
         lora_meta,
         lora_shrink,
     )
@@ -50,6 +51,7 @@ def step_kernels() -> dict[str, object]:
         attention_prefill,
         fused_ops,
         lora_expand,
+        lora_fused,
         lora_meta,
         lora_shrink,
     ):

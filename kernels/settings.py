@@ -17,6 +17,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+LORA_FUSED_MODES = ("auto", "on", "off")
+
 
 @dataclass(frozen=True)
 class KernelSettings:
@@ -30,11 +32,22 @@ class KernelSettings:
     """`TRITON_INTERPRET=1`: Triton runs kernels in its CPU interpreter (tests), so the Triton paths
     may serve CPU tensors (`loraplex.kernels.placement.run_triton_on_cpu`, `--lora-backend triton` on CPU)."""
 
+    lora_fused: str = "auto"
+    """`LORAPLEX_LORA_FUSED=auto|on|off`: each LoRA group's shrink and expand as one launch with the
+    rank-r intermediate on chip (`kernels/lora_fused.py`). auto: for steps of at most 256 tokens whose
+    group has a measured `FUSED_TABLE` entry (`kernels/lora_configs.py`); on: every step; off: never."""
+
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> KernelSettings:
+        fused = (env.get("LORAPLEX_LORA_FUSED") or "auto").strip().lower()
+        if fused not in LORA_FUSED_MODES:
+            raise ValueError(
+                f"LORAPLEX_LORA_FUSED must be one of {', '.join(LORA_FUSED_MODES)} (got {fused!r})"
+            )
         return cls(
             lora_configs=env.get("LORAPLEX_LORA_CONFIGS") or None,
             triton_interpret=env.get("TRITON_INTERPRET") == "1",
+            lora_fused=fused,
         )
 
 
