@@ -11,11 +11,21 @@ MOE_ARCHITECTURES = {"MixtralForCausalLM", "Qwen3MoeForCausalLM"}
 MOE_MODEL_TYPES = {"mixtral", "qwen3_moe"}
 
 
+class ExpertShapes(NamedTuple):
+    """The stacked experts of a mixture-of-experts base (transformers 5 `mlp.experts`)."""
+
+    num_experts: int
+    sparse_layers: tuple[bool, ...]
+    # parameter (gate_up_proj, down_proj) -> one expert's (in_features, out_features)
+    params: dict[str, tuple[int, int]]
+
+
 class BaseModelShapes(NamedTuple):
     name: str
     num_layers: int
     # module suffix (q_proj, ...) -> (in_features, out_features)
     linears: dict[str, tuple[int, int]]
+    experts: ExpertShapes | None = None  # None: not a mixture-of-experts base
 
     def expected(self, module_suffix: str) -> tuple[int, int] | None:
         return self.linears.get(module_suffix)
@@ -46,12 +56,33 @@ def shapes_from_config(name: str, config: dict) -> BaseModelShapes:
             "gate_up_proj": (hidden, 2 * inter),
             "down_proj": linears["down_proj"],
         }
+    experts = None
     if set(cfg.get("architectures") or []) & MOE_ARCHITECTURES or cfg.get("model_type") in MOE_MODEL_TYPES:
-        # Mixtral / Qwen3-MoE: the server applies LoRA to attention only (no expert LoRA yet).
+        # Mixtral / Qwen3-MoE: the server applies LoRA to attention and to the experts (target_parameters).
         linears = {m: linears[m] for m in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        experts = _experts(cfg, hidden)
     if "vocab_size" in cfg:
         linears["lm_head"] = (hidden, int(cfg["vocab_size"]))
-    return BaseModelShapes(name, int(cfg["num_hidden_layers"]), linears)
+    return BaseModelShapes(name, int(cfg["num_hidden_layers"]), linears, experts)
+
+
+def _experts(cfg: dict, hidden: int) -> ExpertShapes:
+    """As the inference server reads them (models/config.py): Mixtral's every layer; Qwen3-MoE's
+    `decoder_sparse_step` minus its `mlp_only_layers`."""
+    layers = int(cfg["num_hidden_layers"])
+    if "MixtralForCausalLM" in (cfg.get("architectures") or []) or cfg.get("model_type") == "mixtral":
+        count, inter, sparse = (
+            int(cfg.get("num_local_experts", 8)),
+            int(cfg["intermediate_size"]),
+            (True,) * layers,
+        )
+    else:
+        count = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        inter = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        step = max(1, int(cfg.get("decoder_sparse_step") or 1))
+        dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+        sparse = tuple(i not in dense and count > 0 and (i + 1) % step == 0 for i in range(layers))
+    return ExpertShapes(count, sparse, {"gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)})
 
 
 def load_base_model_shapes(

@@ -22,11 +22,6 @@ UNSUPPORTED = {
     "modules_to_save": "modules_to_save (full module copies) are not supported",
     "fan_in_fan_out": "fan_in_fan_out is for Conv1D (GPT-2 style) layers; these models use nn.Linear",
     "layer_replication": "layer_replication is not supported",
-    "target_parameters": (
-        "target_parameters (LoRA on raw parameters, which is how PEFT targets the stacked experts of "
-        "Mixtral / Qwen3-MoE: gate_up_proj, down_proj) is not supported; adapters of mixture-of-experts "
-        "bases may target attention (q_proj, k_proj, v_proj, o_proj)"
-    ),
     "trainable_token_indices": "trainable token embeddings are not supported",
     "use_qalora": "QALoRA is not supported",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
@@ -49,6 +44,8 @@ class LoraConfig(NamedTuple):
     base_model: str
     text: str
     digest: str
+    # PEFT's LoRA on raw parameters: the stacked experts of Mixtral / Qwen3-MoE (expert_check.py)
+    target_parameters: tuple[str, ...] = ()
 
     def rank_for(self, module: str) -> int:
         """The rank PEFT gives `module` (e.g. `model.layers.0.self_attn.q_proj`)."""
@@ -66,7 +63,8 @@ class LoraConfig(NamedTuple):
     def target_module_names(self) -> list[str]:
         if isinstance(self.target_modules, str):
             return [self.target_modules]
-        return list(self.target_modules)
+        # the experts a target_parameters adapter reaches are listed beside its modules
+        return list(self.target_modules) + [t for t in self.target_parameters if t not in self.target_modules]
 
 
 def _pattern_key(pattern: dict, module: str) -> str | None:
@@ -108,8 +106,17 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
         raise _bad(
             "lora_alpha", f"lora_alpha must be a positive number of at most {MAX_ALPHA:g}, got {alpha!r}"
         )
+    target_parameters = data.get("target_parameters") or []
+    if not isinstance(target_parameters, list) or not all(
+        isinstance(t, str) and t for t in target_parameters
+    ):
+        raise _bad(
+            "target_parameters", f"target_parameters must be a list of names, got {target_parameters!r}"
+        )
     targets = data.get("target_modules")
-    if isinstance(targets, str) and targets:
+    if targets in (None, [], "") and target_parameters:
+        targets = ()  # an adapter of the experts only
+    elif isinstance(targets, str) and targets:
         try:
             re.compile(targets)
         except re.error as e:
@@ -142,6 +149,7 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
         base_model=str(data.get("base_model_name_or_path") or ""),
         text=text,
         digest="sha256:" + hashlib.sha256(raw).hexdigest(),
+        target_parameters=tuple(target_parameters),
     )
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from loraplex.adapter_store.base_model import BaseModelShapes
 from loraplex.adapter_store.errors import InvalidArgument
+from loraplex.adapter_store.expert_check import check_expert_module, is_expert_module
 from loraplex.adapter_store.lora_config import LoraConfig
 from loraplex.adapter_store.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
@@ -103,6 +104,8 @@ def _check_module(
                 field=f"{WEIGHTS_FILE}:{other.name}",
             )
     a, b = ab["A"], ab["B"]
+    if is_expert_module(module):  # LoRA on the experts of a mixture-of-experts base (target_parameters)
+        return check_expert_module(module, a, b, config, base)
     if not config.targets(module):
         raise InvalidArgument(
             f"{WEIGHTS_FILE}:{a.name}: module {module} is not in target_modules {config.target_modules!r}",

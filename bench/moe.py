@@ -15,6 +15,9 @@ nearly all of them). Goals (issue 39): base step <= 1.5x the active floor, 8 ada
 `--moe-kernel` picks the experts' kernel per row (`LORAPLEX_MOE_KERNEL`): torch (dense at decode
 sizes) and/or kernels/moe_grouped.py's grouped GEMM; on CUDA bench/moe_step_check.py checks the
 grouped step against the torch one and its graph replay against eager first (ok / FAIL; exit 1).
+`--expert-adapters`: the adapters also carry LoRA on every expert (gate_up and down, ranks 16 and 8
+in turn; bench/moe_expert_lora.py), checked first against the per-expert loop; graphs are then off
+(as the engine runs expert LoRA), and the loop's step time is printed beside the grouped one.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from loraplex.bench.families import (
     step_ms,
     weight_bytes,
 )
+from loraplex.bench.moe_expert_lora import attach_expert_lora, check_expert_lora
 from loraplex.bench.moe_step_check import KERNELS, check_step, use_moe_kernel
 from loraplex.bench.random_runner import TINY, TINY_FAMILIES
 from loraplex.bench.results import write_json
@@ -77,6 +81,8 @@ def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.
         return decode_chunks(opts, pages, adapters, distinct_tokens=True)
 
     kernels = KERNELS if opts.moe_kernel == "both" else (opts.moe_kernel,)
+    if opts.expert_adapters:  # one row: expert LoRA runs its own experts' path (lora/expert_moe.py)
+        kernels = kernels[-1:]
     if device.type == "cuda" and "grouped" in kernels and check_step(runner, chunks(0), device, opts.graphs):
         print(f"FAIL: {name}: the grouped experts' step is wrong; not timing")
         sys.exit(1)
@@ -94,6 +100,21 @@ def bench_model(name: str, shape: dict, opts: argparse.Namespace, device: torch.
 
 def time_model(name: str, runner, chunks, opts: argparse.Namespace, device: torch.device) -> dict:
     base = step_ms(runner, chunks(0), opts.steps, device)
+    extra = {}
+    if opts.expert_adapters:
+        attach_expert_lora(runner, opts.adapters)
+        failures = check_expert_lora(runner, opts.adapters)
+        for line in failures:
+            print(line)
+        if failures:
+            raise SystemExit(1)
+        experts = runner.lora_backend.experts
+        experts.grouped = False
+        extra["expert_loop_ms"] = step_ms(runner, chunks(opts.adapters), opts.steps, device)
+        experts.grouped = experts.span = hasattr(torch.nn.functional, "grouped_mm")
+        extra["expert_span_ms"] = step_ms(runner, chunks(opts.adapters), opts.steps, device)
+        experts.span = False  # adapters_ms: the default mode, grouped per adapter
+        extra["expert_lora"] = True
     lora = step_ms(runner, chunks(opts.adapters), opts.steps, device)
     cfg = runner.config
     all_experts, one_expert, experts = expert_bytes(runner)
@@ -114,6 +135,7 @@ def time_model(name: str, runner, chunks, opts: argparse.Namespace, device: torc
         active_weight_bytes=dense + top_k * one_expert,
         touched_weight_bytes=int(dense + touched * one_expert),
         kv_bytes=kv_bytes(runner, opts.batch, opts.context),
+        **extra,
     )
     if device.type == "cuda":
         kv = row["kv_bytes"]
@@ -133,7 +155,13 @@ def main() -> None:
         default="both",
         help="the experts' kernel per row (LORAPLEX_MOE_KERNEL): torch, grouped (CUDA), or a row of each",
     )
+    p.add_argument(
+        "--expert-adapters", action="store_true", help="the adapters carry LoRA on every expert too"
+    )
     opts = p.parse_args()
+    if opts.expert_adapters and opts.graphs:
+        print("--expert-adapters: CUDA graphs off (expert LoRA reads the step's slots on the host)")
+        opts.graphs = False
     device = torch.device("cuda" if torch.cuda.is_available() and not opts.tiny else "cpu")
     if opts.tiny:
         models = TINY_MOE
@@ -155,6 +183,11 @@ def main() -> None:
         print(
             f"{r['model']:<16}{r['moe_kernel']:>8}{r['batch']:>6}{r['context']:>6}{r['base_ms']:>9.2f}{floors}"
             f"{r['adapters_ms']:>9.2f}{r['adapters_vs_base']:>9.2f}"
+            + (
+                f"  (expert LoRA grouped; span {r['expert_span_ms']:.2f}, loop {r['expert_loop_ms']:.2f} ms)"
+                if "expert_loop_ms" in r
+                else ""
+            )
         )
     write_json(opts.out, "moe", dict(device=device.type, rows=rows))
 

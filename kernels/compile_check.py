@@ -16,6 +16,7 @@ from triton.compiler import ASTSource
 
 from loraplex.kernels.fused_ops import _add_rms_norm_kernel, _qkv_rotary_kernel, _silu_mul_kernel
 from loraplex.kernels.lora_expand import _expand_kernel, _expand_token_kernel
+from loraplex.kernels.lora_fused import _fused_kernel
 from loraplex.kernels.lora_meta import _segments_kernel
 from loraplex.kernels.lora_shrink import _shrink_kernel
 from loraplex.kernels.moe_align import _moe_align_kernel
@@ -99,6 +100,32 @@ KERNELS = {
     "moe_gate_up": (_gate_up_kernel, dict(GELU=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),
     "moe_down": (_down_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)),
     "moe_align": (_moe_align_kernel, dict(E_P2=128, BLOCK_M=16, BLOCK_P=32)),
+    "fused_accumulate": (
+        _fused_kernel,
+        dict(
+            COMMON,
+            STRIDE_BLOCK_TOKENS=128,
+            EVEN_K=True,
+            EVEN_N=True,
+            ACCUMULATE=True,
+            BLOCK_R=16,
+            BLOCK_K=128,
+            BLOCK_N=128,
+        ),
+    ),
+    "fused_delta": (
+        _fused_kernel,
+        dict(
+            COMMON,
+            STRIDE_BLOCK_TOKENS=128,
+            EVEN_K=False,
+            EVEN_N=False,
+            ACCUMULATE=False,
+            BLOCK_R=64,
+            BLOCK_K=64,
+            BLOCK_N=256,
+        ),
+    ),
 }
 
 

@@ -21,8 +21,10 @@ from typing import NamedTuple
 from loraplex.kernels.lora_configs import (
     MANY_ADAPTERS,
     ExpandConfig,
+    FusedConfig,
     ShrinkConfig,
     expand_config,
+    fused_config,
     shrink_config,
     shrink_splits,
 )
@@ -45,6 +47,9 @@ class GroupLaunch(NamedTuple):
     # At most this many distinct slots among the step's tokens: the grids cover the token blocks
     # such a step can have (`num_blocks_bound`), not one partial block per pool slot.
     distinct_bound: int
+    # Set: one fused shrink->expand launch (`kernels/lora_fused.py`) with these blocks instead of the
+    # two above (LORAPLEX_LORA_FUSED; `lora_configs.fused_config`).
+    fused: FusedConfig | None = None
 
 
 class LoRAPlan(NamedTuple):
@@ -74,28 +79,36 @@ def tier_distinct_bound(tier: int, num_tokens: int) -> int:
     return MANY_ADAPTERS if tier == 1 else num_tokens
 
 
-def plan_group(shape: GroupShape, num_tokens: int, distinct_bound: int, many: bool = False) -> GroupLaunch:
+def plan_group(
+    shape: GroupShape, num_tokens: int, distinct_bound: int, many: bool = False, fused: str = "off"
+) -> GroupLaunch:
     """A group's launches for `num_tokens` tokens over at most `distinct_bound` distinct slots
-    (`many`: take the `decode_many` entries)."""
-    n_stack = len(shape.widths)
+    (`many`: take the `decode_many` entries; `fused`: the LORAPLEX_LORA_FUSED mode)."""
+    n_stack, width = len(shape.widths), sum(shape.widths)
     return GroupLaunch(
         splits=shrink_splits(shape.in_features, num_tokens, many),
         shrink=shrink_config(shape.in_features, n_stack, shape.max_rank, num_tokens),
-        expand=expand_config(sum(shape.widths), n_stack, shape.max_rank, num_tokens, many),
+        expand=expand_config(width, n_stack, shape.max_rank, num_tokens, many),
         distinct_bound=distinct_bound,
+        fused=fused_config(fused, shape.in_features, width, n_stack, shape.max_rank, num_tokens, many),
     )
 
 
 def plan_step(
-    shapes: Mapping[str, GroupShape], num_tokens: int, num_slots: int, max_distinct: int | None = None
+    shapes: Mapping[str, GroupShape],
+    num_tokens: int,
+    num_slots: int,
+    max_distinct: int | None = None,
+    fused: str = "off",
 ) -> LoRAPlan:
     """The plan of a step of `num_tokens` tokens over a pool of `num_slots` slots, with at most
-    `max_distinct` distinct adapters among the tokens (None: any of the pool's)."""
+    `max_distinct` distinct adapters among the tokens (None: any of the pool's). `fused`: the
+    LORAPLEX_LORA_FUSED mode (auto | on | off) that picks fused launches per group."""
     bound = num_slots if max_distinct is None else min(num_slots, max_distinct)
     many = many_adapters(max_distinct)
     return LoRAPlan(
         num_tokens=num_tokens,
         distinct_bound=bound,
         many_adapters=many,
-        groups={g: plan_group(shape, num_tokens, bound, many) for g, shape in shapes.items()},
+        groups={g: plan_group(shape, num_tokens, bound, many, fused) for g, shape in shapes.items()},
     )

@@ -17,6 +17,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+LORA_FUSED_MODES = ("auto", "on", "off")
+
 
 @dataclass(frozen=True)
 class KernelSettings:
@@ -37,12 +39,23 @@ class KernelSettings:
     dense up to 64 tokens, sorted with a host sync above; graphs only for decode batches <= 64).
     The CPU always runs the torch paths."""
 
+    lora_fused: str = "auto"
+    """`LORAPLEX_LORA_FUSED=auto|on|off`: each LoRA group's shrink and expand as one launch with the
+    rank-r intermediate on chip (`kernels/lora_fused.py`). auto: for steps of at most 256 tokens whose
+    group has a measured `FUSED_TABLE` entry (`kernels/lora_configs.py`); on: every step; off: never."""
+
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> KernelSettings:
+        fused = (env.get("LORAPLEX_LORA_FUSED") or "auto").strip().lower()
+        if fused not in LORA_FUSED_MODES:
+            raise ValueError(
+                f"LORAPLEX_LORA_FUSED must be one of {', '.join(LORA_FUSED_MODES)} (got {fused!r})"
+            )
         return cls(
             lora_configs=env.get("LORAPLEX_LORA_CONFIGS") or None,
             triton_interpret=env.get("TRITON_INTERPRET") == "1",
             moe_kernel=_choice(env, "LORAPLEX_MOE_KERNEL", ("grouped", "torch")),
+            lora_fused=fused,
         )
 
 

@@ -26,6 +26,7 @@ from loraplex.services.inference.lora.names import is_served_model_name
 from loraplex.services.inference.lora.settings import (
     DEFAULT_MAX_GPU_LORAS,
     DEFAULT_MAX_LORA_RANK,
+    EXPERT_LORA_MODES,
     LORA_BACKENDS,
     LoRAConfig,
     check_backend_device,
@@ -261,8 +262,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--lora-target-modules",
         nargs="*",
         default=lo.lora_target_modules,
-        help="q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or 'all'; default: the union of "
+        help="q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or 'all'; on a mixture-of-experts "
+        "base also experts.gate_up_proj experts.down_proj (not in 'all'); default: the union of "
         "--lora-paths' targets, else all",
+    )
+    a(
+        "--expert-lora-mode",
+        choices=EXPERT_LORA_MODES,
+        default=lo.expert_lora_mode,
+        help="LoRA on the experts: grouped (a grouped GEMM per adapter at its own rank), span (one over "
+        "the step's adapters at their largest rank), loop (per adapter and expert)",
     )
     a(
         "--disable-lora-side-stream",

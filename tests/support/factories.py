@@ -181,6 +181,7 @@ def make_peft_adapter(
     seed: int = 0,
     scale: float = 0.5,
     dtype: torch.dtype = torch.float32,
+    target_parameters: list[str] | None = None,
 ) -> Path:
     """Make a real PEFT LoRA adapter for the model at `base_path` with nonzero A and B.
 
@@ -198,6 +199,7 @@ def make_peft_adapter(
         use_rslora=use_rslora,
         rank_pattern=rank_pattern or {},
         alpha_pattern=alpha_pattern or {},
+        target_parameters=target_parameters,  # the stacked experts of MoE bases
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",

@@ -29,7 +29,11 @@ def test_reload_reads_an_explicit_mapping_and_applies_the_overrides(tmp_path, mo
     finally:
         interpret = "1" if before.triton_interpret else "0"
         reload_kernel_settings(
-            {"LORAPLEX_LORA_CONFIGS": before.lora_configs or "", "TRITON_INTERPRET": interpret}
+            {
+                "LORAPLEX_LORA_CONFIGS": before.lora_configs or "",
+                "TRITON_INTERPRET": interpret,
+                "LORAPLEX_LORA_FUSED": before.lora_fused,
+            }
         )
         lora_configs.clear_caches()
     assert kernel_settings() == before

@@ -3,15 +3,12 @@ what is refused by name (shared experts, TP, LoRA on the experts) in the engine 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from loraplex.adapter_store.base_model import shapes_from_config
-from loraplex.adapter_store.errors import InvalidArgument
-from loraplex.adapter_store.lora_config import parse_lora_config
 from loraplex.services.inference.errors import AdapterInvalid
 from loraplex.services.inference.lora.config import parse_adapter_config, resolve_targets
+from loraplex.services.inference.lora.expert_targets import resolve_expert_targets
 from loraplex.services.inference.lora.shapes import ModelShapes
 from loraplex.services.inference.models.config import UnsupportedModelError, parse_config
 from loraplex.services.inference.parallel.partition import plan_shards
@@ -78,17 +75,28 @@ def test_tensor_parallel_splits_every_expert_by_its_width():
         plan_shards(cfg, 34)
 
 
-def test_expert_adapters_are_refused_naming_the_experts():
-    with pytest.raises(AdapterInvalid, match="target_parameters.*gate_up_proj, down_proj"):
-        parse_adapter_config(EXPERT_ADAPTER)
-    with pytest.raises(InvalidArgument, match="target_parameters.*gate_up_proj, down_proj"):
-        parse_lora_config(json.dumps(EXPERT_ADAPTER).encode())
+def test_expert_adapters_resolve_to_every_sparse_layers_experts():
+    spec = parse_adapter_config({**EXPERT_ADAPTER, "rank_pattern": {"down_proj": 2}})
+    assert spec.target_parameters == ("down_proj", "gate_up_proj")
+    shapes = ModelShapes.from_hf_config(MIXTRAL)
+    assert (shapes.num_experts, shapes.expert_intermediate_size) == (8, 128)
+    targets = resolve_expert_targets(spec, shapes)
+    assert len(targets) == 8 and targets[(3, "experts.down_proj")].rank == 2
+    assert targets[(0, "experts.gate_up_proj")].rank == 4
+    qwen = ModelShapes.from_hf_config({**QWEN3_MOE, "num_experts": 8, "mlp_only_layers": [1]})
+    assert qwen.expert_intermediate_size == 32 and qwen.sparse_layers == (True, False, True, True)
+    assert {n for n, _ in resolve_expert_targets(spec, qwen)} == {0, 2, 3}
+    with pytest.raises(AdapterInvalid, match="target_parameters: 'w1' is not an expert parameter"):
+        resolve_expert_targets(parse_adapter_config({**EXPERT_ADAPTER, "target_parameters": ["w1"]}), qwen)
+    dense = ModelShapes(num_layers=2, hidden_size=64, intermediate_size=96, q_size=64, kv_size=32)
+    with pytest.raises(AdapterInvalid, match="this base model has no experts"):
+        resolve_expert_targets(spec, dense)
     # A per-expert adapter of older transformers (target_modules down_proj): not a module LoRA reaches
     shapes = ModelShapes.from_hf_config(MIXTRAL)
     assert shapes.moe and shapes.hf_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
     spec = parse_adapter_config({"peft_type": "LORA", "r": 4, "target_modules": ["q_proj", "down_proj"]})
     with pytest.raises(
-        AdapterInvalid, match="'down_proj'.*q_proj, k_proj, v_proj, o_proj; this mixture-of-experts"
+        AdapterInvalid, match="'down_proj'.*q_proj, k_proj, v_proj, o_proj; on this mixture-of-experts"
     ):
         resolve_targets(spec, shapes.num_layers, shapes.hf_modules)
     attention = parse_adapter_config({"peft_type": "LORA", "r": 4, "target_modules": ["q_proj", "o_proj"]})
@@ -114,3 +122,29 @@ def test_lora_settings_cover_attention_only_on_moe_bases():
     wants_experts = LoRAConfig(max_loras_per_batch=2, lora_target_modules=("q_proj", "down_proj"))
     with pytest.raises(ValueError, match="--lora-target-modules down_proj: this mixture-of-experts base"):
         resolve_lora_settings(wants_experts, shapes, cpu, mem_fraction_static=0.9)
+
+
+def test_expert_buffers_only_when_named_and_only_on_moe_bases():
+    import torch
+
+    from loraplex.services.inference.lora.pool import AdapterPool, pool_nbytes
+    from loraplex.services.inference.lora.settings import LoRAConfig
+    from loraplex.services.inference.lora.setup import resolve_lora_settings
+
+    shapes = ModelShapes.from_hf_config(MIXTRAL)
+    cpu = torch.device("cpu")
+    flags = ("q_proj", "experts.gate_up_proj", "experts.down_proj")
+    settings = resolve_lora_settings(
+        LoRAConfig(max_loras_per_batch=2, lora_target_modules=flags, max_lora_rank=4),
+        shapes,
+        cpu,
+        mem_fraction_static=0.9,
+    )
+    assert settings.target_modules == flags
+    pool = AdapterPool(shapes, slots=2, max_rank=4, target_modules=flags, dtype=torch.float32, device=cpu)
+    # 4 layers x 2 slots x 8 experts x rank 4 x ((64 + 256) + (128 + 64)) float32 beside q_proj's
+    assert pool.experts.nbytes == 4 * 2 * 8 * 4 * (320 + 192) * 4
+    assert pool.nbytes == pool_nbytes(shapes, 2, 4, flags, torch.float32)
+    dense = ModelShapes(num_layers=2, hidden_size=64, intermediate_size=96, q_size=64, kv_size=32)
+    with pytest.raises(ValueError, match="experts.gate_up_proj.*this base has no experts"):
+        resolve_lora_settings(LoRAConfig(lora_target_modules=flags), dense, cpu, mem_fraction_static=0.9)

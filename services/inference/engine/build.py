@@ -11,7 +11,7 @@ from loraplex.services.inference.engine.engine import LLMEngine, load
 from loraplex.services.inference.engine.loading import LoadedModel
 from loraplex.services.inference.lora.settings import LoRAConfig
 from loraplex.services.inference.lora.setup import LoRAStack, build_lora
-from loraplex.services.inference.lora.shapes import ModelShapes
+from loraplex.services.inference.lora.shapes import shapes_of_model
 
 log = logging.getLogger(__name__)
 
@@ -29,15 +29,7 @@ def build_llm_engine(
     """
     loaded = loaded or load(config)
     c = loaded.config
-    shapes = ModelShapes(
-        c.num_layers,
-        c.hidden_size,
-        c.intermediate_size,
-        c.q_size,
-        c.kv_size,
-        c.family.fused_checkpoint,
-        c.is_moe,
-    )
+    shapes = shapes_of_model(c)
     # The pool is allocated before the KV cache is sized, so the KV cache gets what is left.
     lora = build_lora(
         lora_config,

@@ -165,6 +165,16 @@ class LLMEngine:
             context_length=self.context_length,
             lora_backend=lora_backend,
         )
+        if (
+            getattr(lora_backend, "experts", None) is not None
+            and loaded.device.type == "cuda"
+            and not config.disable_cuda_graph
+        ):
+            # lora/expert_lora.py reads the step's adapter slots on the host: not capturable.
+            log.warning(
+                "LoRA on the experts is enabled (--lora-target-modules experts.*): CUDA graphs are off"
+            )
+            config = self.config = dataclasses.replace(config, disable_cuda_graph=True)
         moe_graph_tokens = graph_safe_max_tokens(loaded.device) if loaded.config.is_moe else None
         if moe_graph_tokens is not None and loaded.device.type == "cuda" and not config.disable_cuda_graph:
             # The torch experts (LORAPLEX_MOE_KERNEL=torch) read per-expert token counts on the host

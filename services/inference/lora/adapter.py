@@ -20,7 +20,7 @@ import os
 import re
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,12 @@ from loraplex.services.inference.lora.config import (
     ModuleLoRA,
     parse_adapter_config,
     resolve_targets,
+)
+from loraplex.services.inference.lora.expert_targets import (
+    EXPERT_KEY,
+    read_expert_tensor,
+    resolve_expert_targets,
+    tensor_keys,
 )
 from loraplex.services.inference.lora.shapes import FUSED_MODULES, FUSED_OF, ModelShapes, module_path
 
@@ -53,7 +59,8 @@ _KEY = re.compile(r"^base_model\.model\.(?P<path>.+)\.lora_(?P<ab>[AB])\.weight$
 
 @dataclass(frozen=True)
 class AdapterWeights:
-    """One adapter version in host memory: per-(layer, module) A `[r, in]` and B `[out, r]`."""
+    """One adapter version in host memory: per-(layer, module) A `[r, in]` and B `[out, r]`; on
+    the experts (lora/expert_targets.py) per-(layer, expert module) A `[E, r, in]` and B `[E, out, r]`."""
 
     spec: AdapterSpec
     targets: dict[tuple[int, str], ModuleLoRA]
@@ -61,14 +68,23 @@ class AdapterWeights:
     lora_b: dict[tuple[int, str], torch.Tensor]
     digest: str
     chat_template: str | None = None  # the adapter's own, read at load time (None: the model's)
+    expert_targets: dict[tuple[int, str], ModuleLoRA] = field(default_factory=dict)
+    expert_a: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    expert_b: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def all_targets(self) -> dict[tuple[int, str], ModuleLoRA]:
+        """The linear targets and the expert targets together (what the server's limits check)."""
+        return {**self.targets, **self.expert_targets}
 
     @property
     def max_rank(self) -> int:
-        return max(t.rank for t in self.targets.values())
+        return max(t.rank for t in self.all_targets.values())
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.lora_a, self.lora_b) for t in d.values())
+        tensors = (self.lora_a, self.lora_b, self.expert_a, self.expert_b)
+        return sum(t.numel() * t.element_size() for d in tensors for t in d.values())
 
 
 def _check_header_size(path: Path) -> None:
@@ -191,6 +207,10 @@ def load_adapter_weights(
     """
     spec, directory = read_config(directory)
     targets = resolve_targets(spec, shapes.num_layers, shapes.hf_modules)
+    expert_targets = resolve_expert_targets(spec, shapes)
+    expert_keys = tensor_keys(expert_targets)
+    expert_a: dict[tuple[int, str], torch.Tensor] = {}
+    expert_b: dict[tuple[int, str], torch.Tensor] = {}
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
         if any((directory / n).exists() for n in PICKLE_FILES):
@@ -218,6 +238,12 @@ def load_adapter_weights(
     with f:
         keys = list(f.keys())
         for key in keys:
+            if EXPERT_KEY.match(key):
+                t = read_expert_tensor(f, key, expert_keys, expert_targets, shapes)
+                layer, module, ab = expert_keys[key]
+                t = t.to(dtype).contiguous()
+                (expert_a if ab == "A" else expert_b)[(layer, module)] = t.pin_memory() if pin_memory else t
+                continue
             m = _KEY.match(key)
             if m is None:
                 raise AdapterInvalid(
@@ -281,7 +307,11 @@ def load_adapter_weights(
             for ab, d in (("A", lora_a), ("B", lora_b))
             if (n, mod) not in d
         )
-    )
+    ) + [
+        key
+        for key, (n, mod, ab) in expert_keys.items()
+        if (n, mod) not in (expert_a if ab == "A" else expert_b)
+    ]
     if missing:
         raise AdapterInvalid(
             f"{WEIGHTS_FILE}: missing tensors for targeted modules: {', '.join(missing[:4])}"
@@ -296,4 +326,7 @@ def load_adapter_weights(
         lora_b=lora_b,
         digest=_digest(directory, side_files),
         chat_template=chat_template,
+        expert_targets=expert_targets,
+        expert_a=expert_a,
+        expert_b=expert_b,
     )

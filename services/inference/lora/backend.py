@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from loraplex.services.inference.lora.expert_lora import ExpertLoRA, LayerExpertLoRA
     from loraplex.services.inference.lora.pool import AdapterPool
 
 # group -> the PEFT module names stacked in it, in output order.
@@ -46,6 +47,13 @@ class LoRABackend(ABC):
 
     cuda_graph_safe: bool = True
     pool: AdapterPool  # the slots it reads; its size decides which LoRA tiers a CUDA graph needs
+    # LoRA on the experts of a mixture-of-experts base (lora/expert_lora.py), when the pool holds
+    # expert buffers; `prepare` must call its `prepare` too.
+    experts: ExpertLoRA | None = None
+
+    def expert_layer(self, layer: int) -> LayerExpertLoRA | None:
+        """The expert-LoRA hook for SparseMoE.forward of `layer` (None: no expert LoRA this step)."""
+        return None if self.experts is None else self.experts.at(layer)
 
     @abstractmethod
     def prepare(self, token_slots: torch.Tensor, max_distinct: int | None = None) -> None: ...

@@ -36,11 +36,6 @@ _UNSUPPORTED: dict[str, str] = {
     "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
     "lora_bias": "LoRA bias terms are not supported",
     "layer_replication": "layer_replication is not supported",
-    "target_parameters": (
-        "target_parameters (LoRA on raw parameters, which is how PEFT targets the stacked experts of "
-        "Mixtral / Qwen3-MoE: gate_up_proj, down_proj) is not supported; adapters of mixture-of-experts "
-        "bases may target attention (q_proj, k_proj, v_proj, o_proj)"
-    ),
     "trainable_token_indices": "trainable token embeddings are not supported",
     "use_qalora": "QALoRA is not supported",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
@@ -76,6 +71,8 @@ class AdapterSpec:
     layers_pattern: tuple[str, ...] | None = None
     base_model_name_or_path: str | None = None
     all_linear: bool = False  # target_modules was "all-linear": every projection of the model's own tree
+    # PEFT's LoRA on raw parameters: the stacked experts of Mixtral / Qwen3-MoE (lora/expert_targets.py)
+    target_parameters: tuple[str, ...] = ()
 
     def scaling(self, rank: int, alpha: float) -> float:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
@@ -141,8 +138,15 @@ def parse_adapter_config(cfg: dict[str, Any]) -> AdapterSpec:
                 raise _invalid(name, f"key {key!r} is not a valid regular expression: {e}") from None
     ranks = {k: _positive_int(v, f"rank_pattern[{k!r}]") for k, v in rank_pattern.items()}
     alphas = {k: _positive_float(v, f"alpha_pattern[{k!r}]") for k, v in alpha_pattern.items()}
+    target_parameters = cfg.get("target_parameters") or ()
+    if not isinstance(target_parameters, list | tuple) or not all(
+        isinstance(t, str) and t for t in target_parameters
+    ):
+        raise _invalid("target_parameters", f"must be a list of parameter names (got {target_parameters!r})")
     if cfg.get("target_modules") in (None, [], ""):
-        raise _invalid("target_modules", "must name at least one module")
+        if not target_parameters:
+            raise _invalid("target_modules", "must name at least one module")
+        cfg = {**cfg, "target_modules": ()}  # experts only
     target = cfg["target_modules"]
     all_linear = isinstance(target, str) and target.lower() == "all-linear"
     if all_linear:
@@ -161,7 +165,7 @@ def parse_adapter_config(cfg: dict[str, Any]) -> AdapterSpec:
         r=r,
         lora_alpha=alpha,
         use_rslora=bool(cfg.get("use_rslora", False)),
-        target_modules=_str_list_or_regex(target, "target_modules"),
+        target_modules=_str_list_or_regex(target, "target_modules") if target else (),
         rank_pattern=ranks,
         alpha_pattern=alphas,
         exclude_modules=None if not exclude else _str_list_or_regex(exclude, "exclude_modules"),
@@ -169,6 +173,7 @@ def parse_adapter_config(cfg: dict[str, Any]) -> AdapterSpec:
         layers_pattern=tuple(layers_pattern) if layers_pattern else None,
         base_model_name_or_path=str(base) if base else None,
         all_linear=all_linear,
+        target_parameters=tuple(target_parameters),
     )
 
 
@@ -201,7 +206,7 @@ def _matches_target(spec: AdapterSpec, key: str) -> bool:
     return m is not None and int(m.group("idx")) in spec.layers_to_transform
 
 
-def _pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
+def pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
     """PEFT's `get_pattern_key`: the first pattern key matching a suffix of the module path."""
     for pattern, value in patterns.items():
         if re.match(rf"(.*\.)?({pattern})$", key):
@@ -210,9 +215,12 @@ def _pattern_value(patterns: dict[str, Any], key: str, default: Any) -> Any:
 
 
 def _moe_hint(hf_modules: tuple[str, ...]) -> str:
-    # lora/shapes.py: a mixture-of-experts base offers attention only (no expert LoRA yet)
+    # lora/shapes.py: a mixture-of-experts base offers attention modules, and its experts as parameters
     return (
-        "; this mixture-of-experts base serves LoRA on attention only" if hf_modules == ATTN_MODULES else ""
+        "; on this mixture-of-experts base target_modules may name attention projections, and "
+        "target_parameters the experts (experts.gate_up_proj, experts.down_proj)"
+        if hf_modules == ATTN_MODULES
+        else ""
     )
 
 
@@ -226,6 +234,8 @@ def resolve_targets(
     Raises AdapterInvalid when a target is an embedding/lm_head, not a linear projection, or
     names nothing in this model architecture.
     """
+    if spec.target_modules == ():  # an adapter of the experts only (target_parameters)
+        return {}
     if spec.all_linear:  # PEFT resolves it against the model: Phi-3's linears are the fused ones
         spec = dataclasses.replace(spec, target_modules=tuple(hf_modules))
     projections = {module_path(n, m): (n, m) for n in range(num_layers) for m in hf_modules}
@@ -254,8 +264,8 @@ def resolve_targets(
         raise _invalid("target_modules", f"{spec.target_modules!r} matches no module of this model")
     out: dict[tuple[int, str], ModuleLoRA] = {}
     for key in matched:
-        rank = _pattern_value(spec.rank_pattern, key, spec.r)
-        alpha = float(_pattern_value(spec.alpha_pattern, key, spec.lora_alpha))
+        rank = pattern_value(spec.rank_pattern, key, spec.r)
+        alpha = float(pattern_value(spec.alpha_pattern, key, spec.lora_alpha))
         layer, module = projections[key]
         for part in FUSED_MODULES.get(module, (module,)):
             out[(layer, part)] = ModuleLoRA(rank, alpha, spec.scaling(rank, alpha))
@@ -265,7 +275,8 @@ def resolve_targets(
 def check_fits(
     targets: dict[tuple[int, str], ModuleLoRA], max_lora_rank: int, lora_target_modules: Iterable[str]
 ) -> None:
-    """Raise AdapterIncompatible when the adapter exceeds this server's LoRA limits."""
+    """Raise AdapterIncompatible when the adapter exceeds this server's LoRA limits. `targets` may
+    hold expert targets too, keyed (layer, "experts.gate_up_proj") (lora/expert_targets.py)."""
     allowed = set(lora_target_modules)
     rank = max(t.rank for t in targets.values())
     if rank > max_lora_rank:
@@ -277,14 +288,15 @@ def check_fits(
     outside = sorted({m for _, m in targets} - allowed)
     if outside:
         raise AdapterIncompatible(
-            f"adapter_config.json: target_modules: {', '.join(outside)} not in this server's "
+            f"adapter_config.json: targets {', '.join(outside)}, not in this server's "
             f"--lora-target-modules ({' '.join(sorted(allowed)) or 'none'}); restart with "
-            f"--lora-target-modules including them, or 'all'",
-            field="target_modules",
+            "--lora-target-modules including them"
+            + ("" if any(m.startswith("experts.") for m in outside) else ", or 'all'"),
+            field="target_parameters" if outside[0].startswith("experts.") else "target_modules",
         )
 
 
 def modules_of(targets: dict[tuple[int, str], ModuleLoRA]) -> list[str]:
     """The targeted module names, in the canonical q,k,v,o,gate,up,down order."""
     present = {m for _, m in targets}
-    return [m for m in ALL_MODULES if m in present]
+    return [m for m in ALL_MODULES if m in present] + sorted(present - set(ALL_MODULES))

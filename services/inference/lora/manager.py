@@ -106,7 +106,7 @@ class LoRAManager(AdapterSlots):
         weights = load_adapter_weights(
             path, self.pool.shapes, dtype=self.pool.dtype, pin_memory=self.pool.device.type == "cuda"
         )
-        check_fits(weights.targets, self.pool.max_rank, self.pool.target_modules)
+        check_fits(weights.all_targets, self.pool.max_rank, self.pool.target_modules)
         with self._lock:
             old = self._active.get(name)
             if old is not None and old.digest == weights.digest:
@@ -120,7 +120,7 @@ class LoRAManager(AdapterSlots):
                     digest=weights.digest,
                     rank=weights.max_rank,
                     alpha=weights.spec.lora_alpha,
-                    modules=modules_of(weights.targets),
+                    modules=modules_of(weights.all_targets),
                     weights=weights,
                     chat_template=weights.chat_template,
                     last_used=self._clock(),

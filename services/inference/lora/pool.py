@@ -23,6 +23,7 @@ import torch
 
 from loraplex.services.inference.lora.adapter import AdapterWeights
 from loraplex.services.inference.lora.backend import GROUPS
+from loraplex.services.inference.lora.expert_lora import ExpertLoRAPool, expert_modules, expert_pool_nbytes
 from loraplex.services.inference.lora.shapes import ModelShapes
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,8 @@ def pool_nbytes(
     for g in allocated_groups(target_modules):
         n, d, w = len(GROUPS[g]), shapes.group_in(g), sum(shapes.group_widths(g))
         total += shapes.num_layers * slots * (max_rank * (n * d + w) * elem + n * _TABLE_BYTES)
-    return total
+    # LoRA on the experts (experts.gate_up_proj / experts.down_proj targeted): lora/expert_lora.py
+    return total + expert_pool_nbytes(shapes, slots, max_rank, target_modules, dtype)
 
 
 class AdapterPool:
@@ -84,6 +86,19 @@ class AdapterPool:
             self.host_rank[g] = torch.zeros(L, slots, n, dtype=torch.int32)
             self.host_scaling[g] = torch.zeros(L, slots, n, dtype=torch.float32)
             self.offsets[g] = tuple(sum(widths[:i]) for i in range(n + 1))
+        # The experts' buffers, when --lora-target-modules names them (lora/expert_lora.py).
+        self.experts = (
+            ExpertLoRAPool(
+                shapes,
+                slots=slots,
+                max_rank=max_rank,
+                modules=self.target_modules,
+                dtype=dtype,
+                device=self.device,
+            )
+            if expert_modules(self.target_modules)
+            else None
+        )
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._pending: dict[int, tuple[torch.cuda.Event, list]] = {}
@@ -95,7 +110,7 @@ class AdapterPool:
             t.numel() * t.element_size()
             for d in (self.lora_a, self.lora_b, self.rank, self.scaling)
             for t in d.values()
-        )
+        ) + (0 if self.experts is None else self.experts.nbytes)
 
     def upload(self, slot: int, weights: AdapterWeights) -> None:
         """Copy an adapter into `slot` (asynchronously on CUDA; see `ready`)."""
@@ -127,6 +142,8 @@ class AdapterPool:
                     tables += [rank, scaling]
                 self.rank[g][:, slot].copy_(rank, non_blocking=True)
                 self.scaling[g][:, slot].copy_(scaling, non_blocking=True)
+            if self.experts is not None:
+                self.experts.upload(slot, weights)
         if self._cuda:
             # The host tensors must outlive the asynchronous copies.
             self._pending[slot] = (self._stream.record_event(), keep + tables)

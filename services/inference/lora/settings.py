@@ -14,9 +14,12 @@ import torch
 
 from loraplex.kernels.settings import kernel_settings
 from loraplex.services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
-from loraplex.services.inference.lora.shapes import ALL_MODULES, FUSED_MODULES
+from loraplex.services.inference.lora.shapes import ALL_MODULES, EXPERT_MODULES, FUSED_MODULES
 
 LORA_BACKENDS = ("triton", "torch")
+# How LoRA on the experts is computed (lora/expert_lora.py): grouped_mm per slot at its own rank
+# (loop where torch has no grouped_mm), one grouped_mm over the step's slot span, or the loop.
+EXPERT_LORA_MODES = ("grouped", "span", "loop")
 # `--max-lora-rank` when neither it nor a local `--lora-paths` adapter gives one.
 DEFAULT_MAX_LORA_RANK = 64
 # `--max-gpu-loras` when not given: the slot bound of a pool sized from memory, per device type.
@@ -25,19 +28,22 @@ DEFAULT_MAX_GPU_LORAS = {"cuda": 256, "cpu": 64}
 
 def parse_target_modules(names: Iterable[str]) -> tuple[str, ...]:
     """`--lora-target-modules` values ('all' or projection names) in canonical order. Phi-3's fused
-    names stand for their parts (qkv_proj: q_proj k_proj v_proj; gate_up_proj: gate_proj up_proj)."""
+    names stand for their parts (qkv_proj: q_proj k_proj v_proj; gate_up_proj: gate_proj up_proj).
+    The experts of a mixture-of-experts base are named explicitly (experts.gate_up_proj,
+    experts.down_proj; 'all' is the seven projections): their buffers are large."""
     wanted = {part for n in names for part in FUSED_MODULES.get(n, (n,))}
+    experts = tuple(m for m in EXPERT_MODULES if m in wanted)
     if "all" in wanted:
-        return ALL_MODULES
-    unknown = sorted(wanted - set(ALL_MODULES))
+        return ALL_MODULES + experts
+    unknown = sorted(wanted - set(ALL_MODULES) - set(EXPERT_MODULES))
     if unknown:
         raise ValueError(
             f"--lora-target-modules: unknown {', '.join(unknown)}; use names from "
-            f"{' '.join(ALL_MODULES + tuple(FUSED_MODULES))} or 'all'"
+            f"{' '.join(ALL_MODULES + tuple(FUSED_MODULES) + EXPERT_MODULES)} or 'all'"
         )
     if not wanted:
         raise ValueError("--lora-target-modules needs at least one module name, or 'all'")
-    return tuple(m for m in ALL_MODULES if m in wanted)
+    return tuple(m for m in ALL_MODULES if m in wanted) + experts
 
 
 def parse_lora_paths(items: Iterable[str]) -> dict[str, str]:
@@ -85,6 +91,7 @@ class LoRAConfig:
     max_lora_rank: int | None = None  # None: the largest rank in lora_paths, else DEFAULT_MAX_LORA_RANK
     lora_target_modules: tuple[str, ...] | None = None  # None: the union of lora_paths' targets, else all
     max_loaded_loras: int | None = None  # host cache size; None = unbounded
+    expert_lora_mode: str = "grouped"  # one of EXPERT_LORA_MODES
 
     def __post_init__(self) -> None:
         _at_least_one("--max-loras-per-batch", self.max_loras_per_batch)
@@ -94,6 +101,11 @@ class LoRAConfig:
         if self.lora_backend is not None and self.lora_backend not in LORA_BACKENDS:
             raise ValueError(
                 f"--lora-backend must be one of {', '.join(LORA_BACKENDS)} (got {self.lora_backend!r})"
+            )
+        if self.expert_lora_mode not in EXPERT_LORA_MODES:
+            raise ValueError(
+                f"--expert-lora-mode must be one of {', '.join(EXPERT_LORA_MODES)} "
+                f"(got {self.expert_lora_mode!r})"
             )
         if self.lora_target_modules is not None:
             parse_target_modules(self.lora_target_modules)

@@ -22,6 +22,8 @@ import torch
 from loraplex.services.inference.lora.adapter import read_config
 from loraplex.services.inference.lora.backend import LoRABackend
 from loraplex.services.inference.lora.config import resolve_targets
+from loraplex.services.inference.lora.expert_lora import ExpertLoRA
+from loraplex.services.inference.lora.expert_targets import resolve_expert_targets
 from loraplex.services.inference.lora.manager import LoRAManager
 from loraplex.services.inference.lora.pool import AdapterPool, pool_nbytes
 from loraplex.services.inference.lora.settings import (
@@ -32,7 +34,7 @@ from loraplex.services.inference.lora.settings import (
     check_backend_device,
     parse_target_modules,
 )
-from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
+from loraplex.services.inference.lora.shapes import ALL_MODULES, EXPERT_MODULES, ModelShapes
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +90,8 @@ def resolve_lora_settings(
     modules: set[str] = set()
     for path in _local_paths(lora, resolve_source).values():
         spec, _ = read_config(path)
-        targets = resolve_targets(spec, shapes.num_layers, shapes.hf_modules)
+        targets = {**resolve_targets(spec, shapes.num_layers, shapes.hf_modules)}
+        targets.update(resolve_expert_targets(spec, shapes))
         ranks.append(max(t.rank for t in targets.values()))
         modules |= {m for _, m in targets}
     max_rank = lora.max_lora_rank or max(ranks, default=DEFAULT_MAX_LORA_RANK)
@@ -96,14 +99,20 @@ def resolve_lora_settings(
         target_modules = parse_target_modules(lora.lora_target_modules)
     else:
         target_modules = parse_target_modules(modules) if modules else ALL_MODULES
-    if shapes.moe:  # LoRA reaches attention only on a mixture-of-experts base (lora/shapes.py)
-        beyond = [m for m in target_modules if m not in shapes.hf_modules]
-        if lora.lora_target_modules is not None and beyond:
-            raise ValueError(
-                f"--lora-target-modules {' '.join(beyond)}: this mixture-of-experts base serves LoRA on "
-                f"attention only ({', '.join(shapes.hf_modules)}); LoRA on the experts is not supported"
+    # A mixture-of-experts base: LoRA reaches attention and the experts (lora/expert_lora.py), whose
+    # buffers are allocated only when named or needed by a --lora-paths adapter.
+    servable = shapes.hf_modules + EXPERT_MODULES if shapes.moe else ALL_MODULES
+    beyond = [m for m in target_modules if m not in servable]
+    if lora.lora_target_modules is not None and beyond:
+        raise ValueError(
+            f"--lora-target-modules {' '.join(beyond)}: "
+            + (
+                f"this mixture-of-experts base serves LoRA on {', '.join(servable)}"
+                if shapes.moe
+                else "this base has no experts"
             )
-        target_modules = tuple(m for m in target_modules if m in shapes.hf_modules)
+        )
+    target_modules = tuple(m for m in target_modules if m in servable)
     backend = lora.lora_backend or ("triton" if device.type == "cuda" else "torch")
     check_backend_device(backend, device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -173,6 +182,11 @@ def build_lora(
         from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
 
         backend = TorchLoRABackend(pool)
+    if pool.experts is not None:
+        mode = lora.expert_lora_mode
+        backend.experts = ExpertLoRA(
+            pool.experts, grouped=False if mode == "loop" else None, span=mode == "span"
+        )
     manager = LoRAManager(
         pool, max_loaded_loras=settings.max_loaded_loras, max_loras_per_batch=settings.max_loras_per_batch
     )

@@ -42,6 +42,11 @@ class ModelShapes:
     # A mixture-of-experts base (Mixtral, Qwen3-MoE): adapters may target attention only; LoRA on the
     # experts' (or a dense layer's) projections is refused, naming them.
     moe: bool = False
+    # The experts of a mixture-of-experts base, for LoRA on them (lora/expert_targets.py): how many
+    # per sparse layer, each expert's intermediate width, and which layers are sparse.
+    num_experts: int = 0
+    expert_intermediate_size: int = 0
+    sparse_layers: tuple[bool, ...] = ()
 
     @property
     def hf_modules(self) -> tuple[str, ...]:
@@ -57,14 +62,20 @@ class ModelShapes:
         heads = int(get("num_attention_heads"))
         kv_heads = int(get("num_key_value_heads") or heads)
         head_dim = int(get("head_dim") or hidden // heads)
+        moe = is_moe_architecture(get("architectures"), get("model_type"))
+        num_layers = int(get("num_hidden_layers"))
+        experts, expert_inter, sparse = _experts_of(get, num_layers) if moe else (0, 0, ())
         return cls(
-            num_layers=int(get("num_hidden_layers")),
+            num_layers=num_layers,
             hidden_size=hidden,
             intermediate_size=int(get("intermediate_size")),
             q_size=heads * head_dim,
             kv_size=kv_heads * head_dim,
             fused_checkpoint=is_fused_architecture(get("architectures"), get("model_type")),
-            moe=is_moe_architecture(get("architectures"), get("model_type")),
+            moe=moe,
+            num_experts=experts,
+            expert_intermediate_size=expert_inter,
+            sparse_layers=sparse,
         )
 
     @classmethod
@@ -91,6 +102,36 @@ class ModelShapes:
 
     def group_widths(self, group: str) -> tuple[int, ...]:
         return tuple(self.module_dims(m)[1] for m in GROUPS[group])
+
+
+def shapes_of_model(cfg: Any) -> ModelShapes:
+    """The shapes of a loaded `models.config.ModelConfig` (no config.json read)."""
+    moe = cfg.moe
+    return ModelShapes(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        q_size=cfg.q_size,
+        kv_size=cfg.kv_size,
+        fused_checkpoint=cfg.family.fused_checkpoint,
+        moe=moe is not None,
+        num_experts=moe.num_experts if moe else 0,
+        expert_intermediate_size=moe.intermediate_size if moe else 0,
+        sparse_layers=moe.sparse_layers if moe else (),
+    )
+
+
+def _experts_of(get: Any, num_layers: int) -> tuple[int, int, tuple[bool, ...]]:
+    """(experts, expert intermediate width, sparse layers) as models/config.py `_moe_config` reads
+    them: Mixtral's every layer; Qwen3-MoE's `decoder_sparse_step` minus its `mlp_only_layers`."""
+    if "MixtralForCausalLM" in (get("architectures") or []) or get("model_type") == "mixtral":
+        return int(get("num_local_experts")), int(get("intermediate_size")), (True,) * num_layers
+    experts = int(get("num_experts") or get("num_local_experts") or 0)
+    inter = int(get("moe_intermediate_size") or get("intermediate_size"))
+    step = max(1, int(get("decoder_sparse_step") or 1))
+    dense = {int(i) for i in get("mlp_only_layers") or ()}
+    sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    return experts, inter, sparse
 
 
 def is_fused_architecture(architectures: list[str] | None, model_type: str | None) -> bool:
@@ -128,3 +169,22 @@ def all_module_paths(num_layers: int, modules: tuple[str, ...] = ALL_MODULES) ->
         ]
         names += [module_path(n, m) for m in modules]
     return names
+
+
+# The experts' stacked parameters PEFT targets with `target_parameters` (transformers 5:
+# `mlp.experts.gate_up_proj` [E, 2*I, H] and `mlp.experts.down_proj` [E, H, I]), in the order the
+# experts module registers them (which decides PEFT's wrapper nesting, lora/expert_targets.py), and
+# the names `--lora-target-modules` gives them.
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+EXPERT_MODULES = tuple(f"experts.{p}" for p in EXPERT_PARAMS)
+
+
+def expert_dims(shapes: ModelShapes, param: str) -> tuple[int, int]:
+    """(in_features, out_features) of one expert's projection `param` (gate_up_proj, down_proj)."""
+    h, i = shapes.hidden_size, shapes.expert_intermediate_size
+    return {"gate_up_proj": (h, 2 * i), "down_proj": (i, h)}[param]
+
+
+def sparse_layer_indices(shapes: ModelShapes) -> list[int]:
+    """The layers whose MLP is the experts."""
+    return [n for n, sparse in enumerate(shapes.sparse_layers) if sparse]

@@ -13,6 +13,10 @@ and `finish` joins the streams and hands the delta back; the model adds it insid
 that reads the output next (`dtype(float(out) + delta)`, rounded as the in-place expand rounds).
 The fork and join are captured into the step's CUDA graph as parallel branches. Prefill
 steps run in place on the current stream: there both sides are compute-bound.
+
+Fused launches (`LORAPLEX_LORA_FUSED`, `kernels/lora_fused.py`): where the step's plan gives a group
+a fused config, that group's shrink and expand are one launch with the rank-r row kept on chip, in
+either mode (in place, or the side stream's delta); the segments stay the step's, built once.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import torch
 
 from loraplex.kernels.lora_configs import DECODE_MAX_TOKENS
 from loraplex.kernels.lora_expand import lora_expand
+from loraplex.kernels.lora_fused import lora_fused
 from loraplex.kernels.lora_meta import alloc_segments, build_segments
 from loraplex.kernels.lora_plan import GroupShape, LoRAPlan, plan_step
 from loraplex.kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
+from loraplex.kernels.settings import kernel_settings
 from loraplex.services.inference.lora.backend import GROUPS, LoRABackend
 from loraplex.services.inference.lora.pool import AdapterPool
 
@@ -33,10 +39,15 @@ from loraplex.services.inference.lora.pool import AdapterPool
 class TritonLoRABackend(LoRABackend):
     cuda_graph_safe = True
 
-    def __init__(self, pool: AdapterPool, max_tokens: int, side_stream: bool = False):
+    def __init__(
+        self, pool: AdapterPool, max_tokens: int, side_stream: bool = False, fused: str | None = None
+    ):
         """`side_stream`: compute decode steps' deltas beside the base matmul (see the module
-        docstring). On a CPU device the same delta path runs on the one stream (for tests)."""
+        docstring). On a CPU device the same delta path runs on the one stream (for tests).
+        `fused`: auto | on | off (None: LORAPLEX_LORA_FUSED); read at each `prepare`, so a change
+        applies from the next step (captured graphs keep the launches they were captured with)."""
         self.pool = pool
+        self.fused_mode = fused or kernel_settings().lora_fused
         self.max_tokens = max_tokens
         self.segments = alloc_segments(max_tokens, pool.slots, pool.device)
         max_d = max((pool.shapes.group_in(g) for g in pool.groups), default=1)
@@ -83,7 +94,11 @@ class TritonLoRABackend(LoRABackend):
 
     def prepare(self, token_slots: torch.Tensor, max_distinct: int | None = None) -> None:
         build_segments(token_slots, self.segments)
-        self._plan = plan_step(self.group_shapes, token_slots.shape[0], self.pool.slots, max_distinct)
+        if self.experts is not None:  # reads the slots on the host: graphs are off (engine.py)
+            self.experts.prepare(token_slots)
+        self._plan = plan_step(
+            self.group_shapes, token_slots.shape[0], self.pool.slots, max_distinct, self.fused_mode
+        )
         if self._uses_delta():
             # Rows of tokens without an adapter are never written by expand: they must read as 0.
             self._delta[: self._plan.num_tokens].zero_()
@@ -93,10 +108,13 @@ class TritonLoRABackend(LoRABackend):
 
     def _run(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
         pool, launch = self.pool, self._plan.groups[group]
-        n_cols = len(GROUPS[group]) * pool.max_rank
-        y = shrink_out_view(self._shrink_buf, launch.splits, self._plan.num_tokens)[..., :n_cols]
         ranks, widths = pool.rank[group][layer], self._widths[group]
         a, b, scaling = pool.lora_a[group][layer], pool.lora_b[group][layer], pool.scaling[group][layer]
+        if launch.fused is not None:
+            lora_fused(x, a, b, ranks, scaling, self.segments, out, widths, launch, accumulate=accumulate)
+            return
+        n_cols = len(GROUPS[group]) * pool.max_rank
+        y = shrink_out_view(self._shrink_buf, launch.splits, self._plan.num_tokens)[..., :n_cols]
         lora_shrink(x, a, ranks, self.segments, y, launch)
         lora_expand(y, b, ranks, scaling, self.segments, out, widths, launch, accumulate=accumulate)
 

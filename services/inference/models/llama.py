@@ -142,7 +142,7 @@ class DecoderLayer(nn.Module):
         inter = cfg.intermediate_size
         self.inter = inter
         # Mixtral / Qwen3-MoE: the experts in place of the dense MLP (Qwen3-MoE keeps a dense MLP in
-        # its `mlp_only_layers`); LoRA reaches attention only there (lora/shapes.py).
+        # its `mlp_only_layers`); LoRA reaches attention and the experts there (lora/expert_lora.py).
         self.moe = None
         if cfg.layer_is_sparse(index):
             self.moe = SparseMoE(
@@ -211,7 +211,7 @@ class DecoderLayer(nn.Module):
             o = Addend(self.attn_output_norm(o.materialize()))
         h, x = self.post_attention_layernorm.add_forward(h, o, h_out=None if bufs is None else bufs.h)
         if self.moe is not None:
-            return h, Addend(self.moe(x))
+            return h, Addend(self.moe(x, None if ctx.lora is None else ctx.lora.expert_layer(self.index)))
         gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx)
         if triton_runs_on(gate_up.out):  # SwiGLU or GeGLU, one launch
             act = silu_and_mul(gate_up.out, gate_up.delta, self.activation)

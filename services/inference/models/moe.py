@@ -82,7 +82,9 @@ class SparseMoE(nn.Module):
         gate, up = gate_up.split((self.inter, self.inter), dim=-1)
         return (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, expert_lora=None) -> torch.Tensor:
+        if expert_lora is not None:  # LoRA on the experts: its own path (lora/expert_lora.py)
+            return expert_lora.moe_forward(self, x, dense=x.shape[0] <= DENSE_MAX_TOKENS)
         weights, experts = self.route(x)
         if grouped_kernel_on(x.device):
             return self._grouped(x, weights, experts)
