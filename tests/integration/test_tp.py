@@ -281,3 +281,6 @@ def test_moe_tp2_matches_tp1(arch, tmp_path_factory, smollm2_path, adapter_facto
     got = outputs(tp_args(base, 2, adapters, lora_target_modules=attention), jobs, 12, family=arch)
     assert got == want
     assert len({tuple(t) for t in want}) > 2
+    if arch == "qwen3_moe":  # LoRA on the experts is not sharded: refused before any worker starts
+        with pytest.raises(ValueError, match="LoRA on the experts.*not sharded"):
+            async_engine(tp_args(base, 2, {}, lora_target_modules=(*attention, "experts.down_proj")))

@@ -34,7 +34,7 @@ from loraplex.services.inference.lora.manager import LoRAManager
 from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.settings import LoRAConfig, LoRASettings
 from loraplex.services.inference.lora.setup import local_source, resolve_lora_settings
-from loraplex.services.inference.lora.shapes import ModelShapes
+from loraplex.services.inference.lora.shapes import EXPERT_MODULES, ModelShapes, shapes_of_model
 from loraplex.services.inference.models.config import ModelConfig, check_context_length, load_config
 from loraplex.services.inference.models.loader import resolve_dtype, resolve_model_dir
 from loraplex.services.inference.parallel.group import WorkerGroup
@@ -155,15 +155,14 @@ def build_tp_engine(config: EngineConfig, lora_config: LoRAConfig) -> TPAsyncEng
     check_context_length(cfg, context_length)
     plans = plan_shards(cfg, tp)
     dtype = resolve_dtype(config.dtype, cfg.torch_dtype, device)
-    shapes = ModelShapes(
-        cfg.num_layers,
-        cfg.hidden_size,
-        cfg.intermediate_size,
-        cfg.q_size,
-        cfg.kv_size,
-        cfg.family.fused_checkpoint,
-    )
+    shapes = shapes_of_model(cfg)  # an MoE base's: LoRA on attention (and the experts, refused below)
     lora = resolve_lora_settings(lora_config, shapes, device, mem_fraction_static=config.mem_fraction_static)
+    experts = [m for m in lora.target_modules if m in EXPERT_MODULES]
+    if experts:
+        raise ValueError(
+            f"--tp-size {tp}: LoRA on the experts ({', '.join(experts)}) is not sharded across ranks yet; "
+            "serve expert adapters with --tp-size 1, or attention adapters only under tensor parallelism"
+        )
     setup = _Resolved(model_dir, cfg, plans, dtype, shapes, lora, context_length)
     store = dist.TCPStore(
         "127.0.0.1",
