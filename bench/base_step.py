@@ -136,7 +136,7 @@ def sweep(shape: dict, rows: int, budget_s: float, bw: float, device: torch.devi
                 continue
             us = graph_time_us([lambda x=x, w=w, cfg=cfg, fn=fn: fn(x, w, config=cfg)])
             r["tried"] += 1
-            if r["tried"] == 1:
+            if cfg == default_config(rows, r["n"], r["k"], r["gated"], device):
                 r["default_us"], r["default"] = us, list(cfg)
             if us < r.get("best_us", float("inf")):
                 r["best_us"], r["best"] = us, list(cfg)
@@ -160,7 +160,7 @@ def install(result: dict, rows: int) -> dict[str, list]:
     """The sweep's winners into SKINNY_TABLE (only where they beat the default config)."""
     entries = {}
     for r in result.values():
-        if "best" in r and r["best_us"] < r["default_us"]:
+        if "best" in r and r["best_us"] < r.get("default_us", float("inf")):
             key = SkinnyKey(rows_block(rows), r["n"], r["k"], r["gated"])
             skinny_gemm.SKINNY_TABLE[key] = SkinnyConfig(*r["best"])
             entries[repr(tuple(key))] = r["best"]
@@ -240,6 +240,7 @@ def main() -> int:
         print("bench.base_step needs a CUDA GPU")
         return 2
     start = time.perf_counter()
+    opts.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     shape = TINY if opts.tiny else LLAMA_8B
     if opts.tiny:
@@ -263,7 +264,6 @@ def main() -> int:
     if opts.sweep_budget_s > 0:
         res["sweep"], failures = sweep(shape, opts.batch, opts.sweep_budget_s, bw, device)
         res["skinny_table"] = install(res["sweep"], opts.batch)
-        opts.out.mkdir(parents=True, exist_ok=True)
         (opts.out / "skinny_table.json").write_text(json.dumps(res["skinny_table"], indent=1))
 
     run_opts = argparse.Namespace(batch=opts.batch, context=opts.context, adapters=0)
