@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -42,7 +43,7 @@ from loraplex.bench.results import add_out_argument, write_json
 from loraplex.bench.serving_setup import LLAMA_8B
 from loraplex.kernels import skinny_gemm
 from loraplex.kernels.fused_ops import silu_and_mul
-from loraplex.kernels.settings import kernel_settings, reload_kernel_settings
+from loraplex.kernels.settings import reload_kernel_settings
 from loraplex.kernels.skinny_gemm import SkinnyConfig, SkinnyKey, default_config, rows_block
 from loraplex.services.inference.engine.cuda_graph import DecodeGraphs
 
@@ -172,10 +173,9 @@ def install(result: dict, rows: int) -> dict[str, list]:
 
 
 def set_options(names: tuple[str, ...]) -> None:
-    env = {n: "1" for n in names}
-    if kernel_settings().triton_interpret:
-        env["TRITON_INTERPRET"] = "1"
-    reload_kernel_settings(env)
+    """The process environment (LORAPLEX_LORA_CONFIGS kept) with exactly these options on."""
+    env = {k: v for k, v in os.environ.items() if k not in (SKINNY, SILU, STORE, DIRECT)}
+    reload_kernel_settings(env | {n: "1" for n in names})
 
 
 def replay_once(
