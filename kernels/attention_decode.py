@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels.fused_ops import tanh
+from loraplex.kernels.settings import kernel_settings
 
 LOG2E = 1.4426950408889634
 
@@ -67,6 +68,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -122,6 +124,13 @@ def _decode_split_kernel(
     # An empty split (short context) leaves l_i = 0: it writes lse = -inf and weighs nothing.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if DIRECT:  # the only split: `mid_o` is the output (dtype, strides of `out`), no merge follows
+        tl.store(
+            mid_o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(mid_o_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
+        return
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
     tl.store(
         mid_o_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :],
@@ -242,10 +251,16 @@ def paged_decode_attention(
     # Triton specialises on) then follow the padded count, as the merge's compiled width does, so the
     # warm-up's one batch per (block_n, padded count) covers them (`decode_variants`).
     pad = triton.next_power_of_2(splits)
-    mid_o = torch.empty((batch, num_heads, pad, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, num_heads, pad), dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty_like(q)
+    # LORAPLEX_DECODE_DIRECT: one split writes the output itself (the same rounding as the merge's
+    # divide by one), saving the merge launch and the float32 partials' round trip.
+    direct = splits == 1 and kernel_settings().decode_direct
+    if direct:
+        mid_o, mid_lse = out.unsqueeze(2), out  # [B, heads, 1, head_dim] view; lse never written
+    else:
+        mid_o = torch.empty((batch, num_heads, pad, head_dim), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((batch, num_heads, pad), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q,
         k_cache,
@@ -280,9 +295,12 @@ def paged_decode_attention(
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         SOFTCAP=softcap is not None,
+        DIRECT=direct,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if direct:
+        return out
     _decode_merge_kernel[(batch, num_heads)](
         mid_o,
         mid_lse,

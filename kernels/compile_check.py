@@ -1,4 +1,4 @@
-"""Compile the LoRA (and their metadata) and fused element-wise Triton kernels for an sm_90 GPU on
+"""Compile the LoRA (and their metadata), fused element-wise and base-step Triton kernels for an sm_90 GPU on
 a machine without one.
 
 Triton's CPU interpreter runs the kernels' Python, not the compiler, so it misses what only
@@ -14,6 +14,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from loraplex.kernels.attention_decode import _decode_split_kernel
 from loraplex.kernels.fused_ops import _add_rms_norm_kernel, _qkv_rotary_kernel, _silu_mul_kernel
 from loraplex.kernels.lora_expand import _expand_kernel, _expand_token_kernel
 from loraplex.kernels.lora_fused import _fused_kernel
@@ -21,6 +22,7 @@ from loraplex.kernels.lora_meta import _segments_kernel
 from loraplex.kernels.lora_shrink import _shrink_kernel
 from loraplex.kernels.moe_align import _moe_align_kernel
 from loraplex.kernels.moe_grouped import _down_kernel, _gate_up_kernel
+from loraplex.kernels.skinny_gemm import _skinny_kernel
 
 # Pointer arguments by name; other pointers are int32 metadata, other scalars int32.
 POINTERS = {
@@ -43,8 +45,16 @@ POINTERS = {
     "act_ptr": "*bf16",
     "weight_ptr": "*fp32",
     "experts_ptr": "*i64",
+    # the base-step options (issue 38): fused KV store, skinny GEMM, direct decode output
+    "kc_ptr": "*bf16",
+    "vc_ptr": "*bf16",
+    "slots_ptr": "*i64",
+    "bias_ptr": "*bf16",
+    "part_ptr": "*fp32",
+    "mid_o_ptr": "*bf16",
+    "mid_lse_ptr": "*fp32",
 }
-SCALARS = {"eps": "fp32"}
+SCALARS = {"eps": "fp32", "scale_log2": "fp32", "scale": "fp32", "softcap": "fp32"}
 COMMON = dict(PRECISION="tf32", BLOCK_M=16)
 KERNELS = {
     "shrink": (
@@ -87,7 +97,7 @@ KERNELS = {
     "silu_mul_delta": (_silu_mul_kernel, dict(N=14336, BLOCK=1024, HAS_DELTA=True)),
     "qkv_rotary_delta": (
         _qkv_rotary_kernel,
-        dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64, HAS_DELTA=True),
+        dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64, HAS_DELTA=True, STORE_KV=False),
     ),
     "segments": (
         _segments_kernel,
@@ -95,7 +105,67 @@ KERNELS = {
     ),
     "qkv_rotary": (
         _qkv_rotary_kernel,
-        dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64, HAS_DELTA=False),
+        dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64, HAS_DELTA=False, STORE_KV=False),
+    ),
+    "qkv_rotary_store_kv": (
+        _qkv_rotary_kernel,
+        dict(
+            Q_HEADS=32,
+            KV_HEADS=8,
+            HALF=64,
+            BLOCK_H=32,
+            BLOCK_D=64,
+            HAS_DELTA=False,
+            QK_NORM=False,
+            UNIT_OFFSET=False,
+            STORE_KV=True,
+            PAGE_SIZE=16,
+        ),
+    ),
+    "skinny_split_k": (
+        _skinny_kernel,
+        dict(
+            N=4096,
+            K=14336,
+            K_PER=3584,
+            BLOCK_M=64,
+            BLOCK_N=64,
+            BLOCK_K=128,
+            SPLIT_K=4,
+            EVEN_K=True,
+            HAS_BIAS=False,
+            ACT=0,
+            PRECISION="tf32",
+        ),
+    ),
+    "skinny_silu": (
+        _skinny_kernel,
+        dict(
+            N=14336,
+            K=4096,
+            K_PER=4096,
+            BLOCK_M=16,
+            BLOCK_N=32,
+            BLOCK_K=128,
+            SPLIT_K=1,
+            EVEN_K=True,
+            HAS_BIAS=True,
+            ACT=1,
+            PRECISION="tf32",
+        ),
+    ),
+    "decode_split_direct": (
+        _decode_split_kernel,
+        dict(
+            GROUP=4,
+            GROUP_PAD=16,
+            HEAD_DIM=128,
+            BLOCK_D=128,
+            PAGE_SIZE=16,
+            BLOCK_N=32,
+            SOFTCAP=False,
+            DIRECT=True,
+        ),
     ),
     "moe_gate_up": (_gate_up_kernel, dict(GELU=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),
     "moe_down": (_down_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)),

@@ -187,12 +187,21 @@ def _qkv_rotary_kernel(
     v_ptr,
     qn_ptr,
     kn_ptr,
+    kc_ptr,
+    vc_ptr,
+    slots_ptr,
     stride_t,
     stride_dt,
     stride_ct,
     stride_qt,
     stride_kt,
     stride_vt,
+    stride_kcp,
+    stride_kct,
+    stride_kch,
+    stride_vcp,
+    stride_vct,
+    stride_vch,
     eps,
     Q_HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
@@ -202,6 +211,8 @@ def _qkv_rotary_kernel(
     HAS_DELTA: tl.constexpr,
     QK_NORM: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
+    STORE_KV: tl.constexpr = False,
+    PAGE_SIZE: tl.constexpr = 16,
 ):
     t = tl.program_id(0)
     part = tl.program_id(1)  # 0: q, 1: k (both rotated), 2: v (only its LoRA delta added)
@@ -219,9 +230,18 @@ def _qkv_rotary_kernel(
         x1 = (x1.to(tl.float32) + tl.load(d_ptr + t * stride_dt + cols, mask=mask, other=0.0)).to(dt)
         x2 = (x2.to(tl.float32) + tl.load(d_ptr + t * stride_dt + cols + HALF, mask=mask, other=0.0)).to(dt)
     heads_d = offs_h[:, None] * dim + offs_d[None, :]
+    if STORE_KV:  # LORAPLEX_FUSED_KV_STORE: k and v go to their cache slot (slot < 0: padding, skipped)
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        page = slot // PAGE_SIZE
+        kv_mask = mask & ((offs_h[:, None] * 0 + slot) >= 0)  # a broadcast mask (the interpreter)
     if part == 2:
-        tl.store(v_ptr + t * stride_vt + heads_d, x1, mask=mask)
-        tl.store(v_ptr + t * stride_vt + heads_d + HALF, x2, mask=mask)
+        if STORE_KV:
+            dst = vc_ptr + page * stride_vcp + (slot % PAGE_SIZE) * stride_vct + offs_h[:, None] * stride_vch
+            tl.store(dst + offs_d[None, :], x1.to(vc_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(dst + offs_d[None, :] + HALF, x2.to(vc_ptr.dtype.element_ty), mask=kv_mask)
+        else:
+            tl.store(v_ptr + t * stride_vt + heads_d, x1, mask=mask)
+            tl.store(v_ptr + t * stride_vt + heads_d + HALF, x2, mask=mask)
     else:
         if QK_NORM:  # Qwen3 / Gemma 3: each head of q and k RMS-normalised (over both halves) first
             f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
@@ -248,6 +268,10 @@ def _qkv_rotary_kernel(
         if part == 0:
             tl.store(q_ptr + t * stride_qt + heads_d, a, mask=mask)
             tl.store(q_ptr + t * stride_qt + heads_d + HALF, b, mask=mask)
+        elif STORE_KV:
+            dst = kc_ptr + page * stride_kcp + (slot % PAGE_SIZE) * stride_kct + offs_h[:, None] * stride_kch
+            tl.store(dst + offs_d[None, :], a.to(kc_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(dst + offs_d[None, :] + HALF, b.to(kc_ptr.dtype.element_ty), mask=kv_mask)
         else:
             tl.store(k_ptr + t * stride_kt + heads_d, a, mask=mask)
             tl.store(k_ptr + t * stride_kt + heads_d + HALF, b, mask=mask)
@@ -262,16 +286,27 @@ def qkv_rotary(
     delta: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Split the fused q/k/v projection `[T, (q_heads + 2 kv_heads) * head_dim]` (last dim contiguous)
     into q, k, v `[T, heads, head_dim]` with the half-split rotary applied to q and k (`cos`/`sin`
     `[T, head_dim/2]` in qkv's dtype), after adding the projection's float32 LoRA `delta` (same
     width, any row stride) when given. One launch. q and k are new tensors; v is a view of `qkv`
-    without a delta, else a new tensor. `out`: (q, k, v) to write instead (v is then always written)."""
+    without a delta, else a new tensor. `out`: (q, k, v) to write instead (v is then always written).
+    `kv_cache`: (k_cache, v_cache `[pages, page_size, kv_heads, head_dim]`, slot_mapping `[T]`): k and
+    v are written into the cache at each token's slot instead (slot < 0 skipped), and come back None."""
     tokens, width = qkv.shape
     dim = width // (q_heads + 2 * kv_heads)
     half = dim // 2
-    if out is not None:
+    if kv_cache is not None:
+        q = (
+            out[0]
+            if out is not None
+            else torch.empty((tokens, q_heads, dim), dtype=qkv.dtype, device=qkv.device)
+        )
+        k = v = None
+        k_cache, v_cache, slots = kv_cache
+    elif out is not None:
         q, k, v = out
     else:
         q = torch.empty((tokens, q_heads, dim), dtype=qkv.dtype, device=qkv.device)
@@ -284,23 +319,38 @@ def qkv_rotary(
         cos, sin = cos.contiguous(), sin.contiguous()
         d = qkv if delta is None else delta
         qn, kn, eps, unit_offset = qk_norm if qk_norm is not None else (qkv, qkv, 0.0, False)
-        # Program 2 writes v (plus its delta): needed with a delta, or when v is not a view of qkv.
-        _qkv_rotary_kernel[(tokens, 2 if delta is None and out is None else 3)](
+        store = kv_cache is not None
+        if store:
+            if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+                raise ValueError("the caches need a contiguous last dimension")
+            cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
+            page_size = k_cache.shape[1]
+        else:  # unused cache arguments: fixed dummies, so no new specialisation per token count
+            k_cache, v_cache, slots = q, q, qkv
+            cache_strides, page_size = (0,) * 6, 16
+        kk, vv = (q, q) if store else (k, v)
+        # Program 2 writes v (plus its delta): needed with a delta, when v is not a view of qkv, or
+        # into the cache.
+        _qkv_rotary_kernel[(tokens, 2 if delta is None and out is None and not store else 3)](
             qkv,
             d,
             cos,
             sin,
             q,
-            k,
-            v,
+            kk,
+            vv,
             qn,
             kn,
+            k_cache,
+            v_cache,
+            slots,
             qkv.stride(0),
             d.stride(0),
             cos.stride(0),
             q.stride(0),
-            k.stride(0),
-            v.stride(0),
+            kk.stride(0),
+            vv.stride(0),
+            *cache_strides,
             eps,
             Q_HEADS=q_heads,
             KV_HEADS=kv_heads,
@@ -310,6 +360,8 @@ def qkv_rotary(
             HAS_DELTA=delta is not None,
             QK_NORM=qk_norm is not None,
             UNIT_OFFSET=unit_offset,
+            STORE_KV=store,
+            PAGE_SIZE=page_size,
             num_warps=4,
         )
     return q, k, v
@@ -331,8 +383,10 @@ def qkv_rotary_ref(
     delta: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch code `qkv_rotary` replaces: in-place delta add, split, q/k norms, rotary of q and k."""
+    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The torch code `qkv_rotary` replaces: in-place delta add, split, q/k norms, rotary of q and k
+    (and, with `kv_cache`, the separate store of k and v, which then come back None)."""
     if delta is not None:
         qkv = qkv.clone().add_(delta)
     tokens, width = qkv.shape
@@ -343,6 +397,12 @@ def qkv_rotary_ref(
         qw, kw, eps, unit_offset = qk_norm
         q, k = rms_norm_ref(q, qw, eps, unit_offset), rms_norm_ref(k, kw, eps, unit_offset)
     result = (rotary_ref(q, cos, sin), rotary_ref(k, cos, sin), v.reshape(tokens, kv_heads, dim))
+    if kv_cache is not None:
+        from loraplex.kernels.attention_kv_store import store_kv_ref
+
+        store_kv_ref(result[1], result[2], *kv_cache)
+        q = result[0] if out is None else out[0].copy_(result[0])
+        return q, None, None
     if out is None:
         return result
     for dst, src in zip(out, result, strict=True):

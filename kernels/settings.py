@@ -44,6 +44,23 @@ class KernelSettings:
     rank-r intermediate on chip (`kernels/lora_fused.py`). auto: for steps of at most 256 tokens whose
     group has a measured `FUSED_TABLE` entry (`kernels/lora_configs.py`); on: every step; off: never."""
 
+    # The base decode step (issue 38), each off until measured faster on the GPU (bench/base_step.py).
+    skinny_gemm: bool = False
+    """`LORAPLEX_SKINNY_GEMM=1`: the model's linears (and the LM head) over at most 64 rows run the
+    Triton skinny GEMM of `kernels/skinny_gemm.py` instead of cuBLAS."""
+
+    skinny_silu: bool = False
+    """`LORAPLEX_SKINNY_SILU=1`: with no LoRA delta pending, the gate_up projection over at most 64
+    rows and its SiLU-and-mul run as one skinny GEMM launch with the activation in its epilogue."""
+
+    fused_kv_store: bool = False
+    """`LORAPLEX_FUSED_KV_STORE=1`: the q/k/v split-and-rotary launch writes the new K/V rows straight
+    into the paged cache (no separate store launch); an FP8 cache keeps the separate store."""
+
+    decode_direct: bool = False
+    """`LORAPLEX_DECODE_DIRECT=1`: a decode attention launch with a single split writes the final
+    output itself (no merge launch)."""
+
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> KernelSettings:
         fused = (env.get("LORAPLEX_LORA_FUSED") or "auto").strip().lower()
@@ -56,6 +73,10 @@ class KernelSettings:
             triton_interpret=env.get("TRITON_INTERPRET") == "1",
             moe_kernel=_choice(env, "LORAPLEX_MOE_KERNEL", ("grouped", "torch")),
             lora_fused=fused,
+            skinny_gemm=env.get("LORAPLEX_SKINNY_GEMM") == "1",
+            skinny_silu=env.get("LORAPLEX_SKINNY_SILU") == "1",
+            fused_kv_store=env.get("LORAPLEX_FUSED_KV_STORE") == "1",
+            decode_direct=env.get("LORAPLEX_DECODE_DIRECT") == "1",
         )
 
 

@@ -16,6 +16,7 @@ import torch
 from loraplex.kernels.attention_decode import paged_decode_attention
 from loraplex.kernels.attention_kv_store import store_kv
 from loraplex.kernels.attention_prefill import paged_prefill_attention
+from loraplex.kernels.settings import kernel_settings
 from loraplex.services.inference.engine.attention import AttentionMetadata
 from loraplex.services.inference.models.context import Attention
 
@@ -76,6 +77,14 @@ class TritonPagedAttention(Attention):
         """Write the step's new k/v rows into the cache (slot < 0: padding, skipped)."""
         slots = self.meta.slot_mapping if slot_mapping is None else slot_mapping
         store_kv(k, v, self.kv_cache[layer, 0], self.kv_cache[layer, 1], slots)
+
+    def fused_store_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """With LORAPLEX_FUSED_KV_STORE, the cache of `layer` and the step's slots, for the q/k/v split
+        launch to store into; None for an FP8 cache (its store scales and saturates: the separate
+        launch does that)."""
+        if not kernel_settings().fused_kv_store or self.kv_cache.element_size() == 1:
+            return None
+        return self.kv_cache[layer, 0], self.kv_cache[layer, 1], self.meta.slot_mapping
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the step's queries over the cache (their own k/v already stored):

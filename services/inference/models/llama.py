@@ -25,6 +25,7 @@ from torch import nn
 
 from loraplex.kernels.fused_ops import add_rms_norm, qkv_rotary, qkv_rotary_ref, rms_norm, silu_and_mul
 from loraplex.kernels.placement import triton_runs_on
+from loraplex.kernels.skinny_gemm import skinny_gated, skinny_linear, skinny_serves
 from loraplex.services.inference.models.config import ModelConfig
 from loraplex.services.inference.models.context import ForwardContext
 from loraplex.services.inference.models.moe import SparseMoE
@@ -46,6 +47,8 @@ class FusedLinear(nn.Module):
         self.bias = _empty_param(sum(out_sizes)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if skinny_serves(x, self.weight):  # LORAPLEX_SKINNY_GEMM, decode-sized batches
+            return skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def load_shard(self, index: int, kind: str, tensor: torch.Tensor) -> None:
@@ -172,8 +175,13 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, Addend]:
         """`addend`: the previous layer's down projection, added to `h` here (None for the first
         layer). Returns the residual stream and this layer's own down projection, not yet added."""
-        h, q, k, v = self.pre_attention(h, addend, cos, sin, ctx)
-        attn = ctx.attention.forward(self.index, q, k, v)
+        # LORAPLEX_FUSED_KV_STORE: the split-and-rotary launch stores k/v itself (None: not here)
+        target = ctx.attention.fused_store_target(self.index) if triton_runs_on(h) else None
+        h, q, k, v = self.pre_attention(h, addend, cos, sin, ctx, kv_cache=target)
+        if target is not None:
+            attn = ctx.attention.attend(self.index, q)
+        else:
+            attn = ctx.attention.forward(self.index, q, k, v)
         return self.post_attention(h, attn, ctx)
 
     def pre_attention(
@@ -184,9 +192,11 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         ctx: ForwardContext,
         bufs: StepBuffers | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Residual add + norm, q/k/v projection, split and rotary: (h, q, k, v). With `bufs`, h, q, k
-        and v are written into those static buffers (what a CUDA-graph piece leaves for the next)."""
+        and v are written into those static buffers (what a CUDA-graph piece leaves for the next).
+        `kv_cache` (Attention.fused_store_target): k and v go straight into the cache (k, v None)."""
         h, x = self.input_layernorm.add_forward(h, addend, h_out=None if bufs is None else bufs.h)
         qkv = self._linear("qkv", self.qkv_proj, x, ctx)
         if cos.dim() == 3:  # two rope tables (global, local): this layer's
@@ -198,7 +208,15 @@ class DecoderLayer(nn.Module):
         # Split, delta, q/k norms and rotary: one launch on CUDA, the torch code it replaces elsewhere.
         split_rotary = qkv_rotary if triton_runs_on(qkv.out) else qkv_rotary_ref
         q, k, v = split_rotary(
-            qkv.out, cos, sin, self.num_heads, self.num_kv_heads, qkv.delta, out=out, qk_norm=qk_norm
+            qkv.out,
+            cos,
+            sin,
+            self.num_heads,
+            self.num_kv_heads,
+            qkv.delta,
+            out=out,
+            qk_norm=qk_norm,
+            kv_cache=kv_cache,
         )
         return h, q, k, v
 
@@ -212,16 +230,28 @@ class DecoderLayer(nn.Module):
         h, x = self.post_attention_layernorm.add_forward(h, o, h_out=None if bufs is None else bufs.h)
         if self.moe is not None:
             return h, Addend(self.moe(x, None if ctx.lora is None else ctx.lora.expert_layer(self.index)))
+        weight = self.gate_up_proj.weight
+        if (
+            ctx.lora is None
+            and type(self.gate_up_proj) is FusedLinear
+            and skinny_serves(x, weight, gated=True)
+        ):
+            # LORAPLEX_SKINNY_SILU: the matmul and SwiGLU / GeGLU in one launch (no delta to add between)
+            act = skinny_gated(x, weight, self.gate_up_proj.bias, self.activation)
+            return h, self._down(act, ctx)
         gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx)
         if triton_runs_on(gate_up.out):  # SwiGLU or GeGLU, one launch
             act = silu_and_mul(gate_up.out, gate_up.delta, self.activation)
         else:
             gate, up = gate_up.materialize().split((self.inter, self.inter), dim=-1)
             act = (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
+        return h, self._down(act, ctx)
+
+    def _down(self, act: torch.Tensor, ctx: ForwardContext) -> Addend:
         down = self._linear("down", self.down_proj, act, ctx)
         if self.mlp_output_norm is not None:
             down = Addend(self.mlp_output_norm(down.materialize()))
-        return h, down
+        return down
 
 
 def _norm(cfg: ModelConfig, size: int) -> RMSNorm:
@@ -341,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits; `out`: write them there (one conversion kernel instead of a convert and a copy)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        logits = F.linear(hidden, weight)
+        logits = skinny_linear(hidden, weight) if skinny_serves(hidden, weight) else F.linear(hidden, weight)
         cap = self.config.final_softcap
         if cap is not None:  # Gemma 2, in the model dtype as transformers computes it
             logits = torch.tanh(logits / cap) * cap

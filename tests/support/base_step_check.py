@@ -1,0 +1,225 @@
+"""Child process of tests/unit/test_base_step_kernels.py (TRITON_INTERPRET=1): the base-step options
+of issue 38 against their torch references and against the path they replace.
+
+- skinny GEMM (`kernels/skinny_gemm.py`): random shapes, K splits, bias, SiLU / GeGLU epilogue,
+  float32 and float16 (the interpreter's bfloat16 dot is wrong: 16-bit coverage is float16);
+- q/k/v split with the fused KV store: q and the cache bit-identical to the split then the
+  separate store (padding slots -1 untouched), with and without a LoRA delta and q/k norms;
+- decode attention written directly by its single split: bit-identical to split + merge;
+- a tiny model's greedy decode (8 sequences, with LoRA on some) with every option on: the same
+  tokens as with every option off, and each option's path taken (launches counted).
+
+Prints one line per check and exits non-zero on a failure.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import torch
+
+from loraplex.kernels import attention_decode, skinny_gemm
+from loraplex.kernels.attention_decode import paged_decode_attention
+from loraplex.kernels.attention_kv_store import store_kv_ref
+from loraplex.kernels.fused_ops import qkv_rotary
+from loraplex.kernels.settings import reload_kernel_settings
+from loraplex.kernels.skinny_gemm import (
+    SkinnyConfig,
+    skinny_gated,
+    skinny_gated_ref,
+    skinny_linear,
+    skinny_linear_ref,
+)
+
+ALL_ON = {
+    "TRITON_INTERPRET": "1",
+    "LORAPLEX_SKINNY_GEMM": "1",
+    "LORAPLEX_SKINNY_SILU": "1",
+    "LORAPLEX_FUSED_KV_STORE": "1",
+    "LORAPLEX_DECODE_DIRECT": "1",
+}
+ALL_OFF = {"TRITON_INTERPRET": "1"}
+failures: list[str] = []
+
+
+def report(name: str, ok: bool, detail: str = "") -> None:
+    print(f"{name}: {'ok' if ok else 'FAIL'} {detail}", flush=True)
+    if not ok:
+        failures.append(name)
+
+
+def check_skinny(rnd: random.Random) -> None:
+    for case in range(8):
+        dtype = (torch.float32, torch.float16)[case % 2]
+        act = (None, "silu", "gelu_tanh")[case % 3]
+        m, n, k = rnd.randint(1, 64), rnd.randint(1, 80), rnd.randint(16, 300)
+        split = rnd.choice([1, 2, 3, 5])
+        cfg = SkinnyConfig(rnd.choice([16, 32]), rnd.choice([16, 32, 64]), split, 4, 2)
+        x = torch.randn(m, k, dtype=dtype)
+        w = torch.randn(n * (2 if act else 1), k, dtype=dtype) / k**0.5
+        b = torch.randn(w.shape[0], dtype=dtype) if case % 4 == 1 else None
+        if act:
+            got, want = skinny_gated(x, w, b, act, cfg), skinny_gated_ref(x, w, b, act)
+        else:
+            got, want = skinny_linear(x, w, b, cfg), skinny_linear_ref(x, w, b)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        err = float((got.float() - want.float()).abs().max())
+        ok = got.shape == want.shape and got.dtype == dtype and err <= tol * (1 + float(want.abs().max()))
+        report(f"skinny {dtype} {act} m={m} n={n} k={k} split={split}", ok, f"max err {err:.2e}")
+    # split-K again right after: the arrival counters were left at zero
+    x, w = torch.randn(5, 256), torch.randn(48, 256)
+    cfg = SkinnyConfig(16, 32, 4, 4, 2)
+    first, again = skinny_linear(x, w, config=cfg), skinny_linear(x, w, config=cfg)
+    counts = skinny_gemm._counter_buffer(x.device)
+    report("skinny split-K repeatable", torch.equal(first, again) and not counts.any())
+
+
+def check_fused_store(rnd: random.Random) -> None:
+    q_heads, kv_heads, dim, page, pages = 4, 2, 16, 4, 6
+    for case in range(4):
+        tokens = rnd.randint(1, 9)
+        qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim)
+        cos, sin = torch.randn(tokens, dim // 2), torch.randn(tokens, dim // 2)
+        delta = torch.randn_like(qkv) * 0.1 if case % 2 else None
+        norm = (torch.rand(dim) + 0.5, torch.rand(dim) + 0.5, 1e-6, False) if case >= 2 else None
+        slots = torch.tensor(rnd.sample(range(pages * page), tokens), dtype=torch.int64)
+        slots[rnd.randrange(tokens)] = -1  # a padding row: no write
+        caches = [torch.randn(pages, page, kv_heads, dim) for _ in range(2)]
+        want_k, want_v = (c.clone() for c in caches)
+        q_want, k, v = qkv_rotary(qkv, cos, sin, q_heads, kv_heads, delta, qk_norm=norm)
+        store_kv_ref(k, v, want_k, want_v, slots)
+        q_got, k_none, v_none = qkv_rotary(
+            qkv, cos, sin, q_heads, kv_heads, delta, qk_norm=norm, kv_cache=(caches[0], caches[1], slots)
+        )
+        ok = (
+            torch.equal(q_got, q_want)
+            and torch.equal(caches[0], want_k)
+            and torch.equal(caches[1], want_v)
+            and k_none is None
+            and v_none is None
+        )
+        report(f"fused kv store tokens={tokens} delta={delta is not None} qk_norm={norm is not None}", ok)
+
+
+def check_decode_direct(rnd: random.Random) -> None:
+    heads, kv_heads, dim, page, pages = 4, 2, 16, 4, 12
+    for batch in (1, 3):
+        k_cache, v_cache = torch.randn(2, pages, page, kv_heads, dim)
+        lens = torch.tensor([rnd.randint(0, 20) for _ in range(batch)], dtype=torch.int64)
+        lens[-1] = 0 if batch > 1 else lens[-1]  # a padding row: zeros either way
+        tables = torch.tensor([rnd.sample(range(pages), 5) for _ in range(batch)], dtype=torch.int64)
+        q = torch.randn(batch, heads, dim)
+        outs = []
+        for env in (ALL_OFF, ALL_ON):
+            reload_kernel_settings(env)
+            outs.append(paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25, num_splits=1))
+        report(f"decode direct batch={batch} lens={lens.tolist()}", torch.equal(outs[0], outs[1]))
+    reload_kernel_settings(ALL_OFF)
+
+
+class Counter:
+    """Wraps a launcher (a function, or a jitted kernel's `kernel[grid]`) and counts calls."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+    def __getitem__(self, grid):
+        self.calls += 1
+        return self.inner[grid]
+
+
+def greedy_tokens(env: dict[str, str], counters: dict[str, Counter]) -> list[list[int]]:
+    from loraplex.bench.random_runner import TINY, build_runner
+    from loraplex.kernels.placement import run_triton_on_cpu
+    from loraplex.services.inference.engine.scheduler import SeqChunk
+
+    reload_kernel_settings(env)
+    for c in counters.values():
+        c.calls = 0
+    run_triton_on_cpu(True)
+    try:
+        runner = build_runner(
+            TINY,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            slots=2,
+            rank=4,
+            max_num_tokens=96,
+            max_num_seqs=8,
+            context_length=32,
+            page_size=4,
+            num_blocks=80,
+        )
+        rnd = random.Random(3)
+        seqs = [[rnd.randrange(TINY["vocab_size"]) for _ in range(rnd.randint(2, 7))] for _ in range(8)]
+        lora = [-1, 0, -1, -1, 1, -1, -1, -1]
+        tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(8)]
+        new: list[list[int]] = [[] for _ in seqs]
+        for step in range(4):
+            if step == 0:
+                chunks = [
+                    SeqChunk(s, 0, t, slot, True) for s, t, slot in zip(seqs, tables, lora, strict=True)
+                ]
+            else:
+                chunks = [
+                    SeqChunk([s[-1]], len(s) - 1, t, slot, True)
+                    for s, t, slot in zip(seqs, tables, lora, strict=True)
+                ]
+                if step >= 3:  # the last steps without adapters: the fused SiLU path (no delta pending)
+                    chunks = [c._replace(lora_slot=-1) for c in chunks]
+            logits = runner.forward(chunks)
+            for i, tok in enumerate(logits.argmax(-1).tolist()):
+                seqs[i].append(tok)
+                new[i].append(tok)
+        return new
+    finally:
+        run_triton_on_cpu(False)
+        reload_kernel_settings(ALL_OFF)
+
+
+def check_greedy() -> None:
+    from loraplex.services.inference.engine import attention_triton
+
+    counters = {
+        "skinny": Counter(skinny_gemm._launch),
+        "store": Counter(attention_triton.store_kv),
+        "merge": Counter(attention_decode._decode_merge_kernel),
+    }
+    skinny_gemm._launch = counters["skinny"]
+    attention_triton.store_kv = counters["store"]
+    attention_decode._decode_merge_kernel = counters["merge"]
+    off = greedy_tokens(ALL_OFF, counters)
+    off_calls = {k: c.calls for k, c in counters.items()}
+    on = greedy_tokens(ALL_ON, counters)
+    on_calls = {k: c.calls for k, c in counters.items()}
+    report("greedy tokens, options on == off", on == off, f"{on[:2]}... vs {off[:2]}...")
+    # off: no skinny launch; on: every linear, the LM head (and no store, no merge at 8 x 2 programs)
+    taken = (
+        off_calls["skinny"] == 0
+        and on_calls["skinny"] > 0
+        and off_calls["store"] > 0
+        and on_calls["store"] == 0
+        and off_calls["merge"] > 0
+        and on_calls["merge"] == 0
+    )
+    report("each option's path taken", taken, f"off {off_calls} on {on_calls}")
+
+
+def main() -> int:
+    rnd = random.Random(0)
+    torch.manual_seed(0)
+    reload_kernel_settings(ALL_OFF)
+    check_skinny(rnd)
+    check_fused_store(rnd)
+    check_decode_direct(rnd)
+    check_greedy()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
