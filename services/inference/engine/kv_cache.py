@@ -169,11 +169,13 @@ class KVCacheScales:
     with torch's own rounding (kernels/attention_kv_store.py)."""
 
     def __init__(self, num_layers: int, device: torch.device):
-        self.scale = torch.ones((num_layers, 2), dtype=torch.float32, device=device)
-        self.inv = torch.ones_like(self.scale)
+        # Each value padded to 16 bytes: Triton specialises a pointer argument on 16-byte alignment,
+        # so packed scalars would compile a kernel variant for every other layer.
+        padded = torch.ones((2, num_layers, 2, 4), dtype=torch.float32, device=device)
+        self.scale, self.inv = padded[0, ..., 0], padded[1, ..., 0]  # [num_layers, 2] views
         # One-element views per layer, made once: (k scale, v scale, k inverse, v inverse).
         self.layers = [
-            (self.scale[i, 0:1], self.scale[i, 1:2], self.inv[i, 0:1], self.inv[i, 1:2])
+            (padded[0, i, 0, :1], padded[0, i, 1, :1], padded[1, i, 0, :1], padded[1, i, 1, :1])
             for i in range(num_layers)
         ]
 
