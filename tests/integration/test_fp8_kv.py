@@ -41,6 +41,25 @@ def test_triton_fp8_kv_engine_gives_the_torch_fp8_tokens(tiny_llama_path):
     assert proc.stdout.rstrip().endswith("ok"), proc.stdout
 
 
+def test_fp8_kv_kernels_compile_for_sm90(tmp_path):
+    # A child without TRITON_INTERPRET (kernels decorated under it would not compile) and a fresh cache.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}", "TRITON_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.support.fp8_kv_compile_check"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": ptx" in line)
+    assert set(lines) == {"store_kv_fp8", "decode_fp8", "prefill_fp8_softcap"}, proc.stdout
+    assert "div 0," in lines["store_kv_fp8"]  # a division would not be correctly rounded: not bit-exact
+    assert "e4m3 cvt 0" not in lines["decode_fp8"] and "e4m3 cvt 0" not in lines["prefill_fp8_softcap"]
+
+
 def test_fp8_cache_is_accepted_on_cuda():
     config = EngineConfig(model_path="m", device=torch.device("cuda"), kv_cache_dtype="fp8")
     assert config.kv_dtype(torch.bfloat16) == torch.float8_e4m3fn
