@@ -72,7 +72,7 @@ class TorchPagedAttention(Attention):
         self.scale = scale
         self.windows = windows
         self.softcap = softcap
-        self.kv_scales = kv_scales or kv_cache_scales(kv_cache)
+        self.kv_scales = kv_cache_scales(kv_cache, kv_scales)
         self.meta: AttentionMetadata | None = None
 
     def _to_cache(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

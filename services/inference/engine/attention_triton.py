@@ -48,7 +48,7 @@ class TritonPagedAttention(Attention):
         self.scale = scale
         self.windows = windows
         self.softcap = softcap
-        self.kv_scales = kv_scales or kv_cache_scales(kv_cache)
+        self.kv_scales = kv_cache_scales(kv_cache, kv_scales)
         # per layer: (k scale, v scale, k inverse, v inverse), or Nones for a float cache
         self._scales = self.kv_scales.layers if self.kv_scales is not None else None
         self.meta: AttentionMetadata | None = None

@@ -188,8 +188,9 @@ class KVCacheScales:
         self.inv.copy_(1.0 / scales)
 
 
-def kv_cache_scales(kv_cache: torch.Tensor) -> KVCacheScales | None:
-    """Unit scales for an FP8 cache `[num_layers, 2, ...]`; None for a cache in a float dtype."""
+def kv_cache_scales(kv_cache: torch.Tensor, given: KVCacheScales | None = None) -> KVCacheScales | None:
+    """The scales an attention object over `kv_cache` `[num_layers, 2, ...]` uses: `given`, or unit
+    scales, for an FP8 cache; None for a cache in a float dtype (which holds values unscaled)."""
     if kv_cache.dtype != torch.float8_e4m3fn:
         return None
-    return KVCacheScales(kv_cache.shape[0], kv_cache.device)
+    return given or KVCacheScales(kv_cache.shape[0], kv_cache.device)
