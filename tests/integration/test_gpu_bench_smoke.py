@@ -22,6 +22,7 @@ BENCHES = {
     "serving": ["--tiny", "--adapters", "8"],
     "mixed_step": ["--tiny", "--device", "cuda"],
     "prefix_cache": ["--mode", "gpu", "--tiny"],
+    "fp8_kv": ["--tiny", "--device", "cuda"],
 }
 
 
