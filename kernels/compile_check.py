@@ -160,6 +160,7 @@ KERNELS = {
             BLOCK_N=32,
             SOFTCAP=False,
             DIRECT=True,
+            KV_FP8=False,
         ),
     ),
     "fused_accumulate": (
