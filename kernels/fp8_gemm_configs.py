@@ -61,7 +61,7 @@ def _parse(raw: dict) -> dict[Fp8GemmKey, Fp8GemmConfig]:
     return table
 
 
-@lru_cache(maxsize=1)
+@lru_cache(maxsize=1)  # read once per path (the setting is read once per process)
 def _file_table(path: str | None) -> dict[Fp8GemmKey, Fp8GemmConfig]:
     return _parse(json.loads(Path(path).read_text())) if path else {}
 
