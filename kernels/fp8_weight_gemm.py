@@ -35,7 +35,8 @@ from loraplex.kernels.settings import kernel_settings
 WEIGHT_ONLY_MAX_ROWS = 64  # LORAPLEX_FP8_GEMM=auto: this GEMM up to here, torch._scaled_mm above
 
 
-@triton.jit
+# The rows (and what scales with them) are runtime values: a new batch size compiles nothing.
+@triton.jit(do_not_specialize=["M", "stride_osplit"])
 def _fp8_weight_gemm_kernel(
     x_ptr,
     w_ptr,
@@ -98,7 +99,7 @@ def _fp8_weight_gemm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["MN"])
 def _split_k_sum_kernel(
     part_ptr, out_ptr, bias_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
 ):
