@@ -204,8 +204,10 @@ def sweep(projections: dict, ops_by: dict, rows_list: list[int], budget_s: float
 
 def step_cases(a, bw: float, swept: dict) -> list[dict]:
     from loraplex.bench.fp8_step import decode_case
+    from loraplex.bench.fp8_step import parse as step_parse
 
-    args = argparse.Namespace(tiny=False, batch=64, ctx=1024, rank=16, repeats=a.step_repeats)
+    # fp8_step's own defaults (whatever cases it grows), at batch 64, ctx 1,024.
+    args = step_parse(["--batch", "64", "--ctx", "1024", "--repeats", str(a.step_repeats)])
     device = torch.device("cuda")
     rows = []
     for name, fp8, mode, overrides in (

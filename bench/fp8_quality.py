@@ -13,7 +13,7 @@ and each variant's own top-1 accuracy against the text. Variants:
   `tensor.to(torch.float8_e4m3fn)`), so a defect in our quantization shows as a difference;
 - + per-token FP8 activations: what the `torch._scaled_mm` path (LORAPLEX_FP8_GEMM=scaled_mm) computes;
 - block 128x128 and per-tensor scales (round trips); and lm_head (SmolLM2 ties it to the
-  embedding) quantized per channel too, which loraplex never does;
+  embedding) quantized per channel too, which loraplex never does; attention or MLP alone;
 - fp8 per-channel vs float32, both in float32: the quantization alone, without bf16's noise.
 
     PYTHONPATH=protos python3 -m loraplex.bench.fp8_quality              # CPU, ~5 min on 2 cores
@@ -83,14 +83,43 @@ def per_block(w: torch.Tensor, bn: int = 128, bk: int = 128) -> torch.Tensor:
     return out.to(w.dtype)
 
 
-def requantize_linears(model, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Replace every decoder linear's weight, each projection of a fused linear on its own (the
-    checkpoints scale q, k, v, gate and up separately)."""
-    for module in model.modules():
-        if isinstance(module, FusedLinear) and module.weight.dtype != E4M3:
+ATTENTION = ("qkv_proj", "o_proj")
+MLP = ("gate_up_proj", "down_proj")
+
+
+def requantize_linears(model, fn: Callable[[torch.Tensor], torch.Tensor], attrs=ATTENTION + MLP) -> None:
+    """Replace the decoder linears' weights (`attrs` of each layer), each projection of a fused
+    linear on its own (the checkpoints scale q, k, v, gate and up separately)."""
+    for layer in model.layers:
+        for module in (getattr(layer, attr) for attr in attrs):
             for start, size in zip(module.offsets, module.out_sizes, strict=True):
                 rows = module.weight.data[start : start + size]
                 rows.copy_(fn(rows))
+
+
+def weight_error(model) -> dict:
+    """Per scheme, over every decoder linear: relative RMS error of the E4M3 weights and the share of
+    elements that land on E4M3's subnormals (below 2^-6 after scaling: fewer than 3 mantissa bits)."""
+    out = {}
+    for name, fn in (("per-channel", per_channel), ("block 128x128", per_block), ("per-tensor", per_tensor)):
+        err = ref = 0.0
+        for layer in model.layers:
+            for attr in ATTENTION + MLP:
+                module = getattr(layer, attr)
+                for start, size in zip(module.offsets, module.out_sizes, strict=True):
+                    w = module.weight.data[start : start + size].float()
+                    err += (fn(w) - w).square().sum().item()
+                    ref += w.square().sum().item()
+        out[name] = dict(rel_rms_error=(err / ref) ** 0.5)
+    subnormal = total = 0
+    for layer in model.layers:
+        for attr in ATTENTION + MLP:
+            w = getattr(layer, attr).weight.data.float()
+            scaled = w.abs() / (w.abs().amax(dim=1, keepdim=True) / E4M3_MAX)
+            subnormal += int(((scaled < 2**-6) & (w != 0)).sum())
+            total += w.numel()
+    out["per-channel"]["subnormal_share"] = subnormal / total
+    return out
 
 
 def quantize_activations_per_token(model) -> None:
@@ -126,6 +155,12 @@ VARIANTS: dict[str, tuple[str, str, Callable | None]] = {
     "fp8 block 128x128": ("bf16", "bf16", lambda m: requantize_linears(m, per_block)),
     "fp8 per-tensor": ("bf16", "bf16", lambda m: requantize_linears(m, per_tensor)),
     "fp8 per-channel + lm_head fp8": ("bf16", "bf16", lambda m: (quantize_loaded(m), quantize_lm_head(m))),
+    "fp8 per-channel, attention only": (
+        "bf16",
+        "bf16",
+        lambda m: requantize_linears(m, per_channel, ATTENTION),
+    ),
+    "fp8 per-channel, MLP only": ("bf16", "bf16", lambda m: requantize_linears(m, per_channel, MLP)),
     "float32 (reference)": ("float32", "float32", None),
     "fp8 per-channel, float32 compute": ("float32", "float32", lambda m: quantize_loaded(m)),
 }
@@ -196,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     same = (served.argmax(-1) == independent.argmax(-1)).float().mean().item()
     diff = (served - independent).abs().max().item()
     print(f"served vs round trip: same top-1 at {same:.4f} of positions, max |logit diff| {diff:.3g}")
+    weights = weight_error(load_model(path, device, torch.bfloat16)[0])
+    for scheme, stats in weights.items():
+        print(f"weights {scheme}: " + ", ".join(f"{k} {v:.4f}" for k, v in stats.items()))
     write_json(
         a.out,
         "fp8_quality",
@@ -205,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             confident_threshold=a.confident,
             rows=rows,
             served_vs_round_trip=dict(top1_identical=same, max_abs_logit_diff=diff),
+            weight_error=weights,
         ),
     )
     return 0
