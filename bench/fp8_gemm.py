@@ -15,6 +15,7 @@ bf16 cuBLAS, a sweep of its configs, and the decode step with each FP8 GEMM (iss
    swept ones; x floor and ratio to bf16 (the issue's goals: <= 1.2x floor, <= 0.72x bf16).
 
     PYTHONPATH=protos python3 -m loraplex.bench.fp8_gemm                      # H100/H200, ~3 min
+    PYTHONPATH=protos python3 -m loraplex.bench.fp8_gemm --tiny --sweep-budget-s 5   # GPU smoke
     TRITON_INTERPRET=1 PYTHONPATH=protos python3 -m loraplex.bench.fp8_gemm --tiny  # CPU: checks only
 
 Writes fp8_gemm.json and fp8_gemm_configs.json (bench/results.py).
@@ -105,7 +106,7 @@ def check(name: str, ops: dict, rows: int, dtype: torch.dtype) -> bool:
 
 def copies_of(tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
     nbytes = sum(t.nbytes for t in tensors)
-    count = max(2, -(-COPY_BYTES // nbytes))
+    count = min(64, max(2, -(-COPY_BYTES // nbytes)))  # (tiny shapes stay in L2 regardless)
     return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(count - 1)]
 
 
@@ -206,8 +207,9 @@ def step_cases(a, bw: float, swept: dict) -> list[dict]:
     from loraplex.bench.fp8_step import decode_case
     from loraplex.bench.fp8_step import parse as step_parse
 
-    # fp8_step's own defaults (whatever cases it grows), at batch 64, ctx 1,024.
-    args = step_parse(["--batch", "64", "--ctx", "1024", "--repeats", str(a.step_repeats)])
+    # fp8_step's own defaults (whatever cases it grows), at batch 64, ctx 1,024 (--tiny: its tiny shape).
+    size = ["--tiny", "--device", "cuda"] if a.tiny else ["--batch", "64", "--ctx", "1024"]
+    args = step_parse([*size, "--repeats", str(a.step_repeats)])
     device = torch.device("cuda")
     rows = []
     for name, fp8, mode, overrides in (
@@ -282,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.skip_step:
         del ops_by
         torch.cuda.empty_cache()
-        print("\ndecode step, batch 64, ctx 1024, Llama-3.1-8B shape, no adapters")
+        print(
+            f"\ndecode step (bench.fp8_step's case), {'tiny' if a.tiny else 'Llama-3.1-8B'} shape, no adapters"
+        )
         steps = step_cases(a, bw, swept)
         print(f"{'case':<44}{'ms':>8}{'floor ms':>10}{'x floor':>9}{'vs bf16':>9}")
         for s in steps:

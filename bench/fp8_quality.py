@@ -52,6 +52,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--confident", type=float, default=0.5, help="bf16 top-1 probability called confident")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--only", default="", help="comma list of words: run the variants naming one (and the references)"
+    )
     add_out_argument(p)
     return p.parse_args(argv)
 
@@ -208,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{path.name}: {a.positions} positions, teacher forced in windows of {WINDOW}, on {device}")
     print(f"{'variant':<42}{'vs':>8}{'top-1':>8}{'mean KL':>10}{'confident':>14}{'flips<0.1':>11}", end="")
     print(f"{'text acc':>10}")
+    words = [w for w in a.only.split(",") if w]
     for name, (dtype_name, ref_name, prepare) in VARIANTS.items():
+        if words and "(reference)" not in name and not any(w in name for w in words):
+            continue
         start = time.perf_counter()
         model, cfg = load_model(path, device, DTYPES[dtype_name])
         if prepare is not None:
@@ -226,11 +232,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['text_accuracy']:>10.4f}",
             flush=True,
         )
-    served = logits["fp8 per-channel, served"]
-    independent = logits["fp8 per-channel, torch round trip"]
-    same = (served.argmax(-1) == independent.argmax(-1)).float().mean().item()
-    diff = (served - independent).abs().max().item()
-    print(f"served vs round trip: same top-1 at {same:.4f} of positions, max |logit diff| {diff:.3g}")
+    same = diff = None
+    served, independent = (
+        logits.get("fp8 per-channel, served"),
+        logits.get("fp8 per-channel, torch round trip"),
+    )
+    if served is not None and independent is not None:
+        same = (served.argmax(-1) == independent.argmax(-1)).float().mean().item()
+        diff = (served - independent).abs().max().item()
+        print(f"served vs round trip: same top-1 at {same:.4f} of positions, max |logit diff| {diff:.3g}")
     weights = weight_error(load_model(path, device, torch.bfloat16)[0])
     for scheme, stats in weights.items():
         print(f"weights {scheme}: " + ", ".join(f"{k} {v:.4f}" for k, v in stats.items()))
