@@ -284,9 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.skip_step:
         del ops_by
         torch.cuda.empty_cache()
-        print(
-            f"\ndecode step (bench.fp8_step's case), {'tiny' if a.tiny else 'Llama-3.1-8B'} shape, no adapters"
-        )
+        print(f"\ndecode step (fp8_step's case), {'tiny' if a.tiny else 'Llama-3.1-8B'} shape, no adapters")
         steps = step_cases(a, bw, swept)
         print(f"{'case':<44}{'ms':>8}{'floor ms':>10}{'x floor':>9}{'vs bf16':>9}")
         for s in steps:
