@@ -84,8 +84,9 @@ def operands(n: int, k: int, device: torch.device, seed: int) -> dict:
     return dict(w=w.to(torch.bfloat16), wq=wq, ws=ws, scale_row=ws.reshape(1, -1).contiguous(), bq=bq, bs=bs)
 
 
-def check(name: str, ops: dict, rows: int, dtype: torch.dtype) -> bool:
-    """Weight-only GEMM (per-channel and block scales) vs float32 over the dequantized weight."""
+def check(name: str, ops: dict, rows: int, dtype: torch.dtype, config: Fp8GemmConfig | None = None) -> bool:
+    """Weight-only GEMM (per-channel and block scales; `config` or the table's) vs float32 over the
+    dequantized weight."""
     n, k = ops["wq"].shape
     x = torch.randn(rows, k, device=ops["wq"].device).to(dtype)
     ok = True
@@ -96,11 +97,12 @@ def check(name: str, ops: dict, rows: int, dtype: torch.dtype) -> bool:
         deq = dequantize(w, s, block, torch.float32)
         ref = x.float() @ deq.T
         bound = (x.float().abs() @ deq.abs().T).clamp(min=1e-6)
-        out = fp8_weight_gemm(x, w, s, block)
+        out = fp8_weight_gemm(x, w, s, block, None, config)
         err = ((out.float() - ref).abs() / bound).max().item()
         good = out.dtype == dtype and bool(torch.isfinite(out).all()) and err < 2**-7
         ok &= good
-        print(f"check {name} rows {rows} {kind}: rel err {err:.1e} {'ok' if good else 'FAIL'}", flush=True)
+        what = f"{name} rows {rows} {kind}" + (f" config {tuple(config)}" if config else "")
+        print(f"check {what}: rel err {err:.1e} {'ok' if good else 'FAIL'}", flush=True)
     return ok
 
 
@@ -253,8 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     for ops in ops_by.values():
         ops["sets"] = [s[:2] for s in copies_of((ops["wq"], ops["ws"]))]
     swept = sweep(projections, ops_by, a.sweep_rows, a.sweep_budget_s) if a.sweep_rows else {}
+    names = {shape: name for name, shape in projections.items()}
     for key, cfg in swept.items():
         print(f"  swept {'|'.join(map(str, key))}: {tuple(cfg)}")
+        rows = int(key.rows) if key.rows != "prefill" else 128
+        if not check(names[(key.n, key.k)], ops_by[names[(key.n, key.k)]], rows, dtype, cfg):
+            print("FAIL: a swept config does not match the reference")
+            return 1
     kernels = []
     print(
         f"\n{'proj':<8}{'rows':>5}{'bf16 us':>9}{'xfl':>6}{'w8a8 us':>9}{'xfl':>6}{'wo us':>8}{'xfl':>6}",
