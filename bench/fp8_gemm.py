@@ -152,19 +152,21 @@ def time_projection(name: str, ops: dict, rows: int, bw: float, swept: Fp8GemmCo
 def candidates(rows: int, k: int, seed: int) -> list[Fp8GemmConfig]:
     block_m = max(16, 1 << (rows - 1).bit_length()) if rows <= 64 else 64
     first = []
-    for block_n in (32, 64, 128):
+    for block_n in (32, 64, 128, 256):
         for block_k in (64, 128, 256):
             for split in (1, 2, 3, 4, 6, 8, 12, 16):
-                if k // block_k // split >= 2:
-                    first.append(Fp8GemmConfig(block_m, block_n, block_k, split, 4, 4))
+                if k // block_k // split >= 2 and block_n * block_k <= 256 * 128:
+                    warps = 8 if block_n >= 128 else 4
+                    first.append(Fp8GemmConfig(block_m, block_n, block_k, split, warps, 4))
     random.Random(seed).shuffle(first)
     return first
 
 
 def sweep(projections: dict, ops_by: dict, rows_list: list[int], budget_s: float) -> dict:
     """Best config per (rows bucket, n, k) within the budget: first a shuffled pass over tiles and
-    K-splits at 4 warps / 4 stages, round-robin over the shapes, then warps and stages around each
-    shape's best. Candidates that do not compile or run (shared memory) are skipped."""
+    K-splits at 4 stages (8 warps for 128+ weight rows, else 4), round-robin over the shapes, then
+    warps and stages around each shape's best. Candidates that do not compile or run (shared
+    memory) are skipped."""
     deadline = time.perf_counter() + budget_s
     best: dict[Fp8GemmKey, tuple[float, Fp8GemmConfig]] = {}
     queues = []

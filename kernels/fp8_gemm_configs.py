@@ -6,9 +6,10 @@ bucket is the smallest of those at or above the rows), `prefill` above 64. Entri
 `LORAPLEX_FP8_GEMM_CONFIGS=path.json` (`loraplex.kernels.settings`), in the format
 `{"64|6144|4096": [block_m, block_n, block_k, split_k, num_warps, num_stages]}`, e.g. what
 `python -m loraplex.bench.fp8_gemm --sweep-budget-s 120` writes; without an entry, `default_config`'s
-rule: one rows tile, 64 weight rows per program, and enough K-splits that the grid covers the chip
-about twice (a batch-64 o_proj of the Llama-3.1-8B shape is 64 tiles of 64 rows otherwise: half an
-H100 idle, while the step is weight-bandwidth bound).
+rule: one rows tile, 64 or 128 weight rows per program, and enough K-splits that the grid covers
+the chip about twice (a batch-64 o_proj of the Llama-3.1-8B shape is 32 tiles of 128 rows
+otherwise: most of an H100 idle, while the step is weight-bandwidth bound). Not yet measured:
+bench/fp8_gemm.py's sweep is what should replace this rule.
 """
 
 from __future__ import annotations
@@ -86,12 +87,14 @@ def default_config(rows: int, n: int, k: int, device: torch.device) -> Fp8GemmCo
     if rows > ROWS_BUCKETS[-1]:
         return Fp8GemmConfig(block_m=64, block_n=128, block_k=64, split_k=1, num_warps=4, num_stages=3)
     block_m = max(16, 1 << (rows - 1).bit_length())
-    block_n, block_k = 64, 128
+    # Every program re-reads its rows of x (from L2) per weight tile: at 32-64 rows a 64-row weight
+    # tile would read twice its own bytes of x, so wider tiles there (and split-K for the grid).
+    block_n, block_k, warps = (64, 128, 4) if rows <= 16 else (128, 128, 8)
     tiles = -(-n // block_n) * -(-rows // block_m)
     k_steps = -(-k // block_k)
-    # Each split keeps at least 4 K steps (the pipeline needs some depth) and the grid ~2 waves.
-    split = max(1, min(-(-2 * _sm_count(device) // tiles), k_steps // 4))
-    return Fp8GemmConfig(block_m, block_n, block_k, split, num_warps=4, num_stages=4)
+    # The grid nearest 2 waves, each split keeping at least 4 K steps (the pipeline needs depth).
+    split = max(1, min(round(2 * _sm_count(device) / tiles), k_steps // 4))
+    return Fp8GemmConfig(block_m, block_n, block_k, split, num_warps=warps, num_stages=4)
 
 
 def fp8_gemm_config(rows: int, n: int, k: int, device: torch.device) -> Fp8GemmConfig:

@@ -66,12 +66,14 @@ def test_setting_is_typed_and_defaults_to_scaled_mm():
 
 
 def test_default_config_splits_k_until_the_grid_covers_the_chip():
-    # Llama-3.1-8B o_proj at batch 64: 64 tiles of 64 rows; split so >= 2 waves of 132 SMs.
-    cfg = default_config(64, 4096, 4096, CPU)
-    tiles = 4096 // cfg.block_n
-    assert cfg.split_k > 1 and tiles * cfg.split_k >= 2 * 132
-    assert 4096 // cfg.block_k // cfg.split_k >= 4  # each split keeps >= 4 K steps
-    assert default_config(64, 28672, 4096, CPU).split_k == 1  # gate_up: 448 tiles already
+    # Llama-3.1-8B at batch 64, tiles of 128 weight rows: o_proj and down_proj are 32 tiles, split
+    # 8 ways (nearest 2 waves of 132 SMs; o_proj's 32 K steps allow 8 splits of 4), gate_up 224
+    # tiles, not split; qkv 48 tiles, split 6.
+    o = default_config(64, 4096, 4096, CPU)
+    assert (o.block_n, o.split_k) == (128, 8) and 4096 // o.block_k // o.split_k >= 4
+    assert default_config(64, 4096, 14336, CPU).split_k == 8
+    assert default_config(64, 28672, 4096, CPU).split_k == 1
+    assert default_config(64, 6144, 4096, CPU).split_k == 6
     assert default_config(3, 64, 64, CPU).block_m == 16 and default_config(40, 64, 64, CPU).block_m == 64
     assert default_config(65, 4096, 4096, CPU).split_k == 1  # prefill
 
@@ -150,6 +152,8 @@ COMPILE_VARIANTS = {
     "per_channel_split": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, out="*fp32"),
     "per_channel_bias": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=True, EVEN_K=False, out="*bf16"),
     "block_128": dict(SCALE_BN=128, SCALE_BK=128, HAS_BIAS=False, EVEN_K=True, out="*bf16"),
+    # The default decode tile at 32-64 rows: 128 weight rows, 8 warps.
+    "per_channel_wide": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, out="*fp32", BLOCK_N=128),
 }
 
 
@@ -162,15 +166,16 @@ def _compile_checks() -> int:
 
     pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*bf16"}
     for name, variant in COMPILE_VARIANTS.items():
-        constexprs = {k: v for k, v in variant.items() if k != "out"}
-        constexprs |= dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)
+        constexprs = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)
+        constexprs |= {k: v for k, v in variant.items() if k != "out"}
         names = _fp8_weight_gemm_kernel.arg_names
         sig = {n: "constexpr" if n in constexprs else pointers.get(n, variant["out"]) for n in names}
         sig |= {n: "i32" for n in names if not n.endswith("_ptr") and n not in constexprs}
         src = ASTSource(
             _fp8_weight_gemm_kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}
         )
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+        options = {"num_warps": 8 if constexprs["BLOCK_N"] >= 128 else 4, "num_stages": 4}
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         print(f"{name}: cubin {len(kernel.asm['cubin'])} bytes", flush=True)
     names = _split_k_sum_kernel.arg_names
     constexprs = dict(SPLITS=4, HAS_BIAS=True, BLOCK=1024)
