@@ -23,6 +23,7 @@ BENCHES = {
     "mixed_step": ["--tiny", "--device", "cuda"],
     "prefix_cache": ["--mode", "gpu", "--tiny"],
     "fp8_kv": ["--tiny", "--device", "cuda"],
+    "fp8_gemm": ["--tiny", "--sweep-budget-s", "5", "--step-repeats", "3"],
 }
 
 
