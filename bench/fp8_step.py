@@ -15,8 +15,8 @@ torch._scaled_mm); on the CPU it is the dequantizing reference path.
     PYTHONPATH=protos python3 -m loraplex.bench.fp8_step                        # H200 (~5 min)
     PYTHONPATH=protos python3 -m loraplex.bench.fp8_step --tiny --device cpu    # smoke check
 
-`--kv-cache-dtype fp8` is not measured: it runs on the torch attention path only (the Triton kernels do
-not read an FP8 cache yet); its row says so. Writes fp8_step.json (bench/results.py).
+`--kv-cache-dtype fp8` is measured by bench/fp8_kv.py (fp8 weights + fp8 KV against bf16). Writes
+fp8_step.json (bench/results.py).
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         f"fp8 / {base}": ms[1] / ms[0],
         f"{a.adapters} adapters / base, both fp8 (throughput)": ms[1] / ms[2],
         f"{a.adapters} adapters / base, both {base} (throughput)": ms[0] / ms[3],
-        "fp8 KV cache": "not measured: --kv-cache-dtype fp8 runs on the torch attention path only",
+        "fp8 KV cache": "see bench/fp8_kv.py",
     }
     print(f"\ndecode step, batch {a.batch}, ctx {a.ctx}, {dtype} activations on {device}")
     if bw:

@@ -152,17 +152,19 @@ def build_runner(
     seed: int = 0,
     lora_backend: str = "triton",
     fp8: bool = False,
+    kv_dtype: torch.dtype | None = None,
 ) -> ModelRunner:
     """A runner with `slots` random adapters of rank <= `rank` resident (slots 0: no LoRA backend).
     `lora_backend` "torch": the CPU backend (no Triton interpreter needed). `fp8`: the base linears
     quantized to FP8 E4M3 per output channel (models/quantization/), adapters in `dtype`. A
-    mixture-of-experts shape gets adapters on q/k/v/o, all that LoRA reaches on such a base."""
+    mixture-of-experts shape gets adapters on q/k/v/o, all that LoRA reaches on such a base.
+    `kv_dtype`: the KV cache's element type (default `dtype`; torch.float8_e4m3fn: an FP8 cache)."""
     cfg = model_config(shape, context_length)
     model = random_model(cfg, dtype, device, seed)
     if fp8:
         quantize_loaded(model)
     blocks = num_blocks or (max_num_seqs + 4) * (-(-context_length // page_size))
-    kv_cache = allocate_kv_cache(cfg, blocks, page_size, dtype, device)
+    kv_cache = allocate_kv_cache(cfg, blocks, page_size, kv_dtype or dtype, device)
     backend = None
     if slots:
         shapes = ModelShapes(

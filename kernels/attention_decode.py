@@ -9,6 +9,11 @@ K/V byte is read once per step, not once per query head) over one contiguous sli
 context. `num_splits` depends only on the batch shape, never on the contexts, so the launch is
 the same for every step of a captured CUDA graph; the slice length is computed in the kernel
 from `context_lens`. A second kernel merges the splits by their log-sum-exp.
+
+An FP8 (E4M3) cache is read as FP8 (half the bytes of bf16) and converted to the query's dtype in
+registers (exact: every E4M3 value is a bf16/fp16 value); the layer's scales (one-element float32
+device tensors, so calibrated scales can change under a captured graph) are folded in after the
+dots: the K scale into the softmax scale, the V scale into the split's output.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ def _decode_split_kernel(
     lens_ptr,
     mid_o_ptr,
     mid_lse_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     num_splits,
     stride_qb,
@@ -69,10 +76,15 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DIRECT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    if KV_FP8:  # dequantize: q.(s_k k8) = s_k (q.k8)
+        k_scale = tl.load(k_scale_ptr)
+        scale = scale * k_scale
+        scale_log2 = scale_log2 * k_scale
     ctx = tl.load(lens_ptr + b)
     # A sliding window (window > 0) leaves the keys at positions > ctx - 1 - window: the splits
     # share that span, so a windowed layer reads at most `window` keys however long the context.
@@ -104,7 +116,7 @@ def _decode_split_kernel(
             k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
-        )
+        ).to(q.dtype)
         if SOFTCAP:
             s = soft_cap(tl.dot(q, tl.trans(k)) * scale, softcap) * 1.4426950408889634
         else:
@@ -118,9 +130,11 @@ def _decode_split_kernel(
             v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
-        )
+        ).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     # An empty split (short context) leaves l_i = 0: it writes lse = -inf and weighs nothing.
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
@@ -180,6 +194,17 @@ def _decode_merge_kernel(
     )
 
 
+def fp8_scales(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """(whether the cache is FP8, the scale pointers to pass): a float cache's are not read."""
+    if k_cache.dtype != torch.float8_e4m3fn:
+        return False, k_cache, k_cache
+    if k_scale is None or v_scale is None:
+        raise ValueError("an FP8 KV cache needs its k and v scales")
+    return True, k_scale, v_scale
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -226,10 +251,13 @@ def paged_decode_attention(
     num_stages: int = 2,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of `q` `[B, heads, head_dim]` over each sequence's paged K/V; returns `[B, heads, head_dim]`.
     `window`: only keys at positions > len - 1 - window (a sliding-window layer); `softcap`: scores
-    become `softcap * tanh(scores / softcap)`.
+    become `softcap * tanh(scores / softcap)`. An FP8 cache needs `k_scale` / `v_scale` (one-element
+    float32 device tensors: a cached value times its scale is the real one).
 
     `block_tables` `[B, max_pages]` int32, `context_lens` `[B]` int32 (0 = padding row: zeros out).
     No host sync: safe inside a captured CUDA graph.
@@ -261,6 +289,7 @@ def paged_decode_attention(
     else:
         mid_o = torch.empty((batch, num_heads, pad, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((batch, num_heads, pad), dtype=torch.float32, device=q.device)
+    kv_fp8, k_scale, v_scale = fp8_scales(k_cache, k_scale, v_scale)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q,
         k_cache,
@@ -269,6 +298,8 @@ def paged_decode_attention(
         context_lens,
         mid_o,
         mid_lse,
+        k_scale,
+        v_scale,
         scale * LOG2E,
         splits,
         q.stride(0),
@@ -296,6 +327,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         SOFTCAP=softcap is not None,
         DIRECT=direct,
+        KV_FP8=kv_fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )

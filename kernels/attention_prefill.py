@@ -5,7 +5,8 @@ Its K/V (earlier chunks and this chunk, already written) live in the paged cache
 (`[num_pages, page_size, kv_heads, head_dim]`, `block_tables[b]`), `kv_lens[b]` tokens long.
 Query row `i` of the chunk sits at position `kv_lens[b] - q_len + i` and sees keys up to it
 (causal). One program handles `BLOCK_M` queries of one head; heads vary fastest in the grid so
-the heads of one GQA group run side by side and share K/V tiles in L2.
+the heads of one GQA group run side by side and share K/V tiles in L2. An FP8 cache is dequantized
+in registers as in kernels/attention_decode.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.attention_decode import soft_cap
+from loraplex.kernels.attention_decode import fp8_scales, soft_cap
 
 LOG2E = 1.4426950408889634
 
@@ -30,6 +31,8 @@ def _prefill_kernel(
     tables_ptr,
     cu_q_ptr,
     kv_lens_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     stride_qt,
     stride_qh,
@@ -52,6 +55,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     h = tl.program_id(0)
     m_block = tl.program_id(1)
@@ -61,6 +65,10 @@ def _prefill_kernel(
     m0 = m_block * BLOCK_M
     if m0 >= q_len:
         return
+    if KV_FP8:  # dequantize: q.(s_k k8) = s_k (q.k8)
+        k_scale = tl.load(k_scale_ptr)
+        scale = scale * k_scale
+        scale_log2 = scale_log2 * k_scale
     kv_len = tl.load(kv_lens_ptr + b)
     kvh = h // GROUP
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -90,7 +98,7 @@ def _prefill_kernel(
             k_ptr + page[:, None] * stride_kp + slot[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
-        )
+        ).to(q.dtype)
         if SOFTCAP:
             s = soft_cap(tl.dot(q, tl.trans(k)) * scale, softcap) * 1.4426950408889634
         else:
@@ -108,9 +116,11 @@ def _prefill_kernel(
             v_ptr + page[:, None] * stride_vp + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
-        )
+        ).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
         out_ptr + (q_start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :],
@@ -136,13 +146,16 @@ def paged_prefill_attention(
     num_stages: int = 2,
     window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed chunk queries `q` `[T, heads, head_dim]` over the paged cache.
 
     `cu_q` `[B+1]` int32 query offsets, `kv_lens` `[B]` int32 (>= each chunk's length),
     `max_q_len` the longest chunk (host-side; it sizes the grid). Returns `[T, heads, head_dim]`.
     `window`: a query at position p sees keys at positions > p - window; `softcap`: scores become
-    `softcap * tanh(scores / softcap)` before the mask.
+    `softcap * tanh(scores / softcap)` before the mask. An FP8 cache needs `k_scale` / `v_scale`
+    (one-element float32 device tensors).
     """
     total, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -155,6 +168,7 @@ def paged_prefill_attention(
     batch = cu_q.shape[0] - 1
     if total == 0 or batch == 0:
         return out
+    kv_fp8, k_scale, v_scale = fp8_scales(k_cache, k_scale, v_scale)
     grid = (num_heads, triton.cdiv(max_q_len, block_m), batch)
     _prefill_kernel[grid](
         q,
@@ -164,6 +178,8 @@ def paged_prefill_attention(
         block_tables,
         cu_q,
         kv_lens,
+        k_scale,
+        v_scale,
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
@@ -186,6 +202,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         SOFTCAP=softcap is not None,
+        KV_FP8=kv_fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -165,6 +165,7 @@ KERNELS = {
             BLOCK_N=32,
             SOFTCAP=False,
             DIRECT=True,
+            KV_FP8=False,
         ),
     ),
     "moe_gate_up": (_gate_up_kernel, dict(GELU=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),

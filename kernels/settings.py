@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 LORA_FUSED_MODES = ("auto", "on", "off")
+FP8_GEMMS = ("scaled_mm", "weight_only", "auto")  # LORAPLEX_FP8_GEMM values
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,19 @@ class KernelSettings:
     """`LORAPLEX_DECODE_DIRECT=1`: a decode attention launch with a single split writes the final
     output itself (no merge launch)."""
 
+    fp8_gemm: str = "scaled_mm"
+    """`LORAPLEX_FP8_GEMM`: the GEMM of an FP8 base's linears on the GPU. `scaled_mm` (default):
+    activations quantized per token, `torch._scaled_mm`, block-scaled checkpoints re-quantized per
+    output channel at load. `weight_only`: `kernels/fp8_weight_gemm.py` for every batch (activations
+    stay in `--dtype`, E4M3 weights dequantized in registers, block scales kept as the checkpoint has
+    them). `auto`: weight-only up to 64 rows (decode), `torch._scaled_mm` above (block-scaled
+    checkpoints keep their block scales and take the weight-only GEMM for every batch)."""
+
+    fp8_gemm_configs: str | None = None
+    """`LORAPLEX_FP8_GEMM_CONFIGS`: path of a JSON file of the weight-only FP8 GEMM's tile sizes and
+    K-splits per (rows bucket, N, K) (format in `kernels/fp8_gemm_configs.py`), e.g. what
+    `python -m loraplex.bench.fp8_gemm` writes. Empty: the built-in rule."""
+
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> KernelSettings:
         fused = (env.get("LORAPLEX_LORA_FUSED") or "auto").strip().lower()
@@ -68,6 +82,9 @@ class KernelSettings:
             raise ValueError(
                 f"LORAPLEX_LORA_FUSED must be one of {', '.join(LORA_FUSED_MODES)} (got {fused!r})"
             )
+        fp8_gemm = env.get("LORAPLEX_FP8_GEMM") or "scaled_mm"
+        if fp8_gemm not in FP8_GEMMS:
+            raise ValueError(f"LORAPLEX_FP8_GEMM={fp8_gemm!r}: one of {', '.join(FP8_GEMMS)}")
         return cls(
             lora_configs=env.get("LORAPLEX_LORA_CONFIGS") or None,
             triton_interpret=env.get("TRITON_INTERPRET") == "1",
@@ -77,6 +94,8 @@ class KernelSettings:
             skinny_silu=env.get("LORAPLEX_SKINNY_SILU") == "1",
             fused_kv_store=env.get("LORAPLEX_FUSED_KV_STORE") == "1",
             decode_direct=env.get("LORAPLEX_DECODE_DIRECT") == "1",
+            fp8_gemm=fp8_gemm,
+            fp8_gemm_configs=env.get("LORAPLEX_FP8_GEMM_CONFIGS") or None,
         )
 
 

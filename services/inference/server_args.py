@@ -215,9 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-dtype",
         default=e.kv_cache_dtype,
         choices=KV_CACHE_DTYPES,
-        help="fp8: hold the paged KV cache in FP8 E4M3 (unscaled: values saturate at +-448), twice the "
-        "tokens of bf16 in the same memory. The torch attention path only (CPU); refused where the Triton "
-        "attention kernels run (CUDA), which do not read FP8 yet",
+        help="fp8: hold the paged KV cache in FP8 E4M3 with per-layer scales (1.0 by default; values "
+        "saturate at +-448 x scale), twice the blocks of bf16 in the same memory and half the KV bytes "
+        "a decode step reads (docs/operations.md, FP8 KV cache)",
     )
     a("--tp-size", type=int, default=e.tp_size)
     a("--seed", type=int, default=e.seed)

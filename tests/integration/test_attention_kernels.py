@@ -218,7 +218,10 @@ def _interpreter_checks() -> int:
             print(f"prefill {dtype} case {i}: rel err {err:.2e} {'ok' if ok else 'FAIL'}")
         failures += _check_windows_and_softcap(dtype)
         failures += _check_store(dtype) + _check_engine_backend(dtype) + _check_fused_ops(dtype)
-    cases = 2 * (len(DECODE_CASES) + len(PREFILL_CASES) + 6 + 2 * len(WINDOW_CASES))
+        failures += (
+            _check_fp8_store(dtype) + _check_fp8_attention(dtype) + _check_engine_backend(dtype, (0.05, 3.0))
+        )
+    cases = 2 * (len(DECODE_CASES) + len(PREFILL_CASES) + 6 + 2 * len(WINDOW_CASES) + 7)
     print(f"checked {cases} cases, {failures} failed")
     return failures
 
@@ -366,19 +369,27 @@ def _check_store(dtype: torch.dtype) -> int:
     return int(not ok)
 
 
-def _check_engine_backend(dtype: torch.dtype) -> int:
+def _check_engine_backend(dtype: torch.dtype, fp8_scales: tuple[float, float] | None = None) -> int:
     """The engine's Triton attention against its torch attention on one mixed step: two decodes,
-    a fresh prompt and a chunk after 21 cached tokens, with the same metadata."""
+    a fresh prompt and a chunk after 21 cached tokens, with the same metadata. `fp8_scales`: over an
+    FP8 cache with these (k, v) scales (the caches must then agree byte for byte)."""
+    from loraplex.kernels.attention_kv_store import quantize_fp8_ref
     from loraplex.services.inference.engine.attention import (
         AttentionMetadata,
         PrefillSegment,
         TorchPagedAttention,
     )
     from loraplex.services.inference.engine.attention_triton import TritonPagedAttention
+    from loraplex.services.inference.engine.kv_cache import KVCacheScales
 
     page, kvh, heads, dim = 4, 2, 4, 16
     gen = torch.Generator().manual_seed(5)
     cache = torch.randn((1, 2, 40, page, kvh, dim), generator=gen).to(dtype)
+    scales = None
+    if fp8_scales is not None:
+        scales = KVCacheScales(1, torch.device("cpu"))
+        scales.load_(torch.tensor([fp8_scales]))
+        cache = quantize_fp8_ref(cache, 1.0)
     tables = [[7, 3, 12], [5, 0], [9, 2, 30, 31], [1, 4, 6, 8, 10, 11, 13, 14]]
     starts, lens = [9, 5, 0, 21], [1, 1, 13, 9]  # tokens already cached, tokens this step
 
@@ -410,15 +421,139 @@ def _check_engine_backend(dtype: torch.dtype) -> int:
     for windows, softcap in (((), None), ((6,), 2.5)):
         outs = []
         for cls in (TritonPagedAttention, TorchPagedAttention):
-            attn = cls(cache.clone(), dim**-0.5, windows, softcap)
+            attn = cls(cache.clone(), dim**-0.5, windows, softcap, kv_scales=scales)
             attn.begin(meta)
-            outs.append((attn.forward(0, q, k, v).float(), attn.kv_cache))
+            outs.append((attn.forward(0, q, k, v).float(), attn.kv_cache.view(torch.uint8)))
         err = rel_err(outs[0][0], outs[1][0])
         ok = err < TOL[dtype] and torch.equal(outs[0][1], outs[1][1])
         failures += not ok
         print(
-            f"engine  {dtype} windows {windows} softcap {softcap}: triton vs torch attention rel err "
-            f"{err:.2e} {'ok' if ok else 'FAIL'}"
+            f"engine  {dtype} windows {windows} softcap {softcap}{f' fp8 {fp8_scales}' if scales else ''}: "
+            f"triton vs torch attention rel err {err:.2e} {'ok' if ok else 'FAIL'}"
+        )
+    return failures
+
+
+# ---- FP8 (E4M3) KV cache: quantize on store, dequantize in the attention kernels ----
+
+FP8_SCALES = ((1.0, 1.0), (0.05, 3.0))  # (k, v): unit (the default) and calibrated-looking scales
+
+
+def _scale_pair(
+    k_scale: float, v_scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k scale, v scale, k inverse, v inverse) as one-element float32 tensors, as KVCacheScales has them."""
+    ks, vs = torch.tensor([k_scale]), torch.tensor([v_scale])
+    return ks, vs, 1.0 / ks, 1.0 / vs
+
+
+def _fp8_rows(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Rows that exercise the rounding: exact E4M3 values, ties between neighbours (must go to the even
+    one) and a hair either side of them, subnormals, values past +-448 (saturated), scaled by `scale`."""
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    pool = torch.cat(
+        [
+            grid,
+            mids,
+            torch.nextafter(mids, grid[1:]),
+            torch.nextafter(mids, grid[:-1]),
+            torch.tensor([500.0, -1e4]),
+        ]
+    )
+    pick = pool[torch.randint(0, pool.numel(), shape, generator=gen)]
+    wide = (
+        torch.randn(shape, generator=gen)
+        * torch.tensor([0.003, 0.3, 30.0])[torch.randint(0, 3, shape, generator=gen)]
+    )
+    x = torch.where(torch.rand(shape, generator=gen) < 0.5, pick, wide) * scale
+    return x.to(dtype)
+
+
+def _check_fp8_store(dtype: torch.dtype) -> int:
+    """The store kernel writes the same bytes as torch's cast of the same float32 products (round to
+    nearest even, saturated), skips slot -1 and leaves every other slot alone."""
+    from loraplex.kernels.attention_kv_store import quantize_fp8_ref, store_kv, store_kv_ref
+
+    gen = torch.Generator().manual_seed(31)
+    failures = 0
+    for k_scale, v_scale in FP8_SCALES:
+        _, _, k_inv, v_inv = _scale_pair(k_scale, v_scale)
+        base = quantize_fp8_ref(torch.randn((2, 6, 4, 3, 24), generator=gen), 1.0)
+        caches = [base[0].clone(), base[1].clone(), base[0].clone(), base[1].clone()]
+        k = _fp8_rows(gen, (7, 3, 24), dtype, k_scale)
+        v = _fp8_rows(gen, (7, 3, 24), dtype, v_scale)
+        slots = torch.tensor([3, -1, 17, 0, 23, -1, 9])
+        store_kv(k, v, caches[0], caches[1], slots, k_inv, v_inv)
+        store_kv_ref(k, v, caches[2], caches[3], slots, k_inv, v_inv)
+        differ = sum(
+            int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
+            for a, b in zip(caches[:2], caches[2:], strict=True)
+        )
+        # the reference itself: what was stored reads back within half an E4M3 step of the input
+        stored = caches[2].view(-1, 3, 24)[slots[slots >= 0]].float() * k_scale
+        want = k[slots >= 0].float().clamp(-448 * k_scale, 448 * k_scale)
+        close = bool(((stored - want).abs() <= want.abs() / 16 + 2**-10 * k_scale).all())
+        ok = differ == 0 and close and not torch.equal(caches[0].view(torch.uint8), base[0].view(torch.uint8))
+        failures += not ok
+        print(
+            f"fp8     {dtype} store scales {k_scale}/{v_scale}: {differ} bytes differ "
+            f"{'ok' if ok else 'FAIL'}"
+        )
+    return failures
+
+
+def _fp8_case(lens: list[int], kvh: int, dim: int, page: int, seed: int, k_scale: float, v_scale: float):
+    """make_paged_case with the caches quantized to E4M3 with these scales (NaN poison stays NaN)."""
+    from loraplex.kernels.attention_kv_store import quantize_fp8_ref
+
+    case = make_paged_case(lens, kvh, dim, page, torch.float32, seed)
+    return case._replace(
+        k_cache=quantize_fp8_ref(case.k_cache * k_scale, 1.0 / k_scale),
+        v_cache=quantize_fp8_ref(case.v_cache * v_scale, 1.0 / v_scale),
+    )
+
+
+def _check_fp8_attention(dtype: torch.dtype) -> int:
+    """Decode and prefill kernels over an FP8 cache against the references that dequantize on gather."""
+    from loraplex.kernels.attention_decode import paged_decode_attention
+    from loraplex.kernels.attention_prefill import paged_prefill_attention
+
+    failures = 0
+    for i, (k_scale, v_scale) in enumerate(FP8_SCALES):
+        ks, vs, _, _ = _scale_pair(k_scale, v_scale)
+        softcap = 2.0 if i else None  # the calibrated case also soft-caps (the scale folds in before it)
+        lens = [1, 37, 70, 0]
+        case = _fp8_case(lens, 2, 32, 8, 60 + i, k_scale, v_scale)
+        q = torch.randn(len(lens), 8, 32).to(dtype)
+        ctx = torch.tensor(lens, dtype=torch.int32)
+        out = torch.full_like(q, float("nan"))
+        args = (q, case.k_cache, case.v_cache, case.block_tables, ctx, 0.2)
+        paged_decode_attention(*args, out=out, block_n=16, softcap=softcap, k_scale=ks, v_scale=vs)
+        ref = paged_decode_attention_ref(*args, softcap=softcap, k_scale=ks, v_scale=vs)
+        err = rel_err(out, ref)
+        ok = bool(torch.isfinite(out).all()) and err < TOL[dtype]
+        failures += not ok
+        print(
+            f"fp8     {dtype} decode scales {k_scale}/{v_scale}: rel err {err:.2e} {'ok' if ok else 'FAIL'}"
+        )
+        kv_lens, q_lens = [5, 70, 40], [5, 33, 1]
+        case = _fp8_case(kv_lens, 2, 32, 8, 70 + i, k_scale, v_scale)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        q = torch.randn(int(cu[-1]), 8, 32).to(dtype)
+        kv = torch.tensor(kv_lens, dtype=torch.int32)
+        out = torch.full_like(q, float("nan"))
+        args = (q, case.k_cache, case.v_cache, case.block_tables, cu, kv, 0.2)
+        paged_prefill_attention(
+            *args, max(q_lens), out=out, block_m=16, block_n=16, softcap=softcap, k_scale=ks, v_scale=vs
+        )
+        ref = paged_prefill_attention_ref(*args, softcap=softcap, k_scale=ks, v_scale=vs)
+        err = rel_err(out, ref)
+        ok = bool(torch.isfinite(out).all()) and err < TOL[dtype]
+        failures += not ok
+        print(
+            f"fp8     {dtype} prefill scales {k_scale}/{v_scale}: rel err {err:.2e} {'ok' if ok else 'FAIL'}"
         )
     return failures
 

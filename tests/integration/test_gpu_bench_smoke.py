@@ -22,6 +22,8 @@ BENCHES = {
     "serving": ["--tiny", "--adapters", "8"],
     "mixed_step": ["--tiny", "--device", "cuda"],
     "prefix_cache": ["--mode", "gpu", "--tiny"],
+    "fp8_kv": ["--tiny", "--device", "cuda"],
+    "fp8_gemm": ["--tiny", "--sweep-budget-s", "5", "--step-repeats", "3"],
 }
 
 

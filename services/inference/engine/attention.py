@@ -6,6 +6,8 @@ token at position p of a sequence lives in slot `block_table[p // page_size] * p
 p % page_size`. A step's tokens come decodes first (one query token each, batched over a
 gathered, padded context), then prefill chunks (one SDPA call each over their whole context).
 The Triton path (engine/attention_triton.py) implements `Attention` over the same metadata.
+An FP8 cache holds each layer's K and V divided by its scale (engine/kv_cache.py, KVCacheScales),
+rounded as kernels/attention_kv_store.py's reference does; reads multiply the scale back.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels.attention_kv_store import store_kv_ref
+from loraplex.kernels.attention_kv_store import FP8_E4M3, quantize_fp8_ref, store_kv_ref
+from loraplex.services.inference.engine.kv_cache import KVCacheScales, kv_cache_scales
 from loraplex.services.inference.models.config import ModelConfig
 from loraplex.services.inference.models.context import Attention
 
@@ -44,28 +47,17 @@ class AttentionMetadata(NamedTuple):
     prefill_ctx_slots: torch.Tensor  # [sum ctx_len] int64: cache slots of each segment's context
 
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)
-
-
-def to_cache_dtype(t: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """k or v in the cache's element type: an FP8 cache holds values unscaled, saturated at +-448
-    (a plain cast would turn them into NaN)."""
-    if cache.dtype == FP8 and t.dtype != FP8:
-        return t.clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return t.to(cache.dtype)
-
-
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """FP8 tensors as their bytes for `index_copy_`, which torch does not implement for FP8 on the CPU."""
-    return t.view(torch.uint8) if t.dtype == FP8 else t
+    return t.view(torch.uint8) if t.dtype == FP8_E4M3 else t
 
 
 class TorchPagedAttention(Attention):
     """`windows[layer]`: that layer's sliding window (a query at position p sees keys at positions
     > p - window) or None; `softcap`: scores become `softcap * tanh(scores / softcap)` before the
     mask (Gemma 2). The cache keeps every page either way, so the prefix cache and chunked prefill
-    see the same blocks as for a global layer; a window only narrows what is read."""
+    see the same blocks as for a global layer; a window only narrows what is read. `kv_scales`: an
+    FP8 cache's per-layer scales (default: unit scales)."""
 
     def __init__(
         self,
@@ -73,13 +65,28 @@ class TorchPagedAttention(Attention):
         scale: float,
         windows: tuple[int | None, ...] = (),
         softcap: float | None = None,
+        kv_scales: KVCacheScales | None = None,
     ):
         self.kv_cache = kv_cache
         self.page_size = kv_cache.shape[3]
         self.scale = scale
         self.windows = windows
         self.softcap = softcap
+        self.kv_scales = kv_cache_scales(kv_cache, kv_scales)
         self.meta: AttentionMetadata | None = None
+
+    def _to_cache(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v as the cache holds them (for an FP8 cache: quantized, as bytes)."""
+        if self.kv_scales is None:
+            return k.to(self.kv_cache.dtype), v.to(self.kv_cache.dtype)
+        _, _, k_inv, v_inv = self.kv_scales.layers[layer]
+        return quantize_fp8_ref(k, k_inv).view(torch.uint8), quantize_fp8_ref(v, v_inv).view(torch.uint8)
+
+    def _read(self, layer: int, kv: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Cached k (kv 0) or v (kv 1) rows in `dtype`: an FP8 cache's times the layer's scale."""
+        if self.kv_scales is None:
+            return rows.to(dtype)
+        return (rows.float() * self.kv_scales.layers[layer][kv]).to(dtype)
 
     def _window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -92,9 +99,8 @@ class TorchPagedAttention(Attention):
     ) -> None:
         """Write the step's new k/v rows into the cache (rows whose slot is < 0 are padding: skipped)."""
         slots = self.meta.slot_mapping if slot_mapping is None else slot_mapping
-        k, v = to_cache_dtype(k, self.kv_cache), to_cache_dtype(v, self.kv_cache)
-        k_cache, v_cache = _bytes(self.kv_cache[layer, 0]), _bytes(self.kv_cache[layer, 1])
-        store_kv_ref(_bytes(k), _bytes(v), k_cache, v_cache, slots[: k.shape[0]])
+        inv = self.kv_scales.layers[layer][2:] if self.kv_scales is not None else (None, None)
+        store_kv_ref(k, v, self.kv_cache[layer, 0], self.kv_cache[layer, 1], slots[: k.shape[0]], *inv)
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the step's queries over the cache (their own k/v already stored):
@@ -112,7 +118,11 @@ class TorchPagedAttention(Attention):
             q_seg = q[seg.q_start : seg.q_start + seg.q_len]
             slots = meta.prefill_ctx_slots[seg.ctx_start : seg.ctx_start + seg.ctx_len]
             out[seg.q_start : seg.q_start + seg.q_len] = self._prefill(
-                q_seg, k_flat[slots].to(q.dtype), v_flat[slots].to(q.dtype), seg, self._window(layer)
+                q_seg,
+                self._read(layer, 0, k_flat[slots], q.dtype),
+                self._read(layer, 1, v_flat[slots], q.dtype),
+                seg,
+                self._window(layer),
             )
         return out.reshape(q.shape[0], -1)
 
@@ -120,7 +130,7 @@ class TorchPagedAttention(Attention):
         meta = self.meta
         assert meta is not None, "begin() must bind the step's metadata first"
         kv_heads, head_dim = k.shape[1], k.shape[2]
-        k, v = _bytes(to_cache_dtype(k, self.kv_cache)), _bytes(to_cache_dtype(v, self.kv_cache))
+        k, v = self._to_cache(layer, k, v)
         _bytes(self.kv_cache[layer, 0]).view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         _bytes(self.kv_cache[layer, 1]).view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         return self.attend(layer, q)
@@ -166,7 +176,7 @@ class TorchPagedAttention(Attention):
         v = self.kv_cache[layer, 1][tables].reshape(b, -1, self.kv_cache.shape[4], head_dim)
         kv_heads = k.shape[2]
         qg = q.reshape(b, kv_heads, heads // kv_heads, head_dim).float()
-        scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * self.scale
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, self._read(layer, 0, k, torch.float32)) * self.scale
         if self.softcap is not None:
             scores = torch.tanh(scores / self.softcap) * self.softcap
         positions = torch.arange(k.shape[1], device=q.device)
@@ -176,5 +186,5 @@ class TorchPagedAttention(Attention):
             invalid |= positions[None, :] <= meta.decode_context_lens[:, None] - 1 - window
         scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
-        o = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
+        o = torch.einsum("bhgl,blhd->bhgd", probs, self._read(layer, 1, v, torch.float32))
         return o.reshape(b, heads, head_dim).to(q.dtype)

@@ -5,6 +5,8 @@ prefill chunks. Decodes go through the split-K paged decode kernel, all prefill 
 step through one paged prefill launch (chunked prefill over earlier pages included), and the
 new K/V through one store launch per layer that skips slot -1 (CUDA-graph padding rows).
 Per-step work (the prefill chunks' page tables) happens once in `begin`, never per layer.
+An FP8 cache: the store quantizes with the layer's inverse scale, the attention kernels read FP8
+and multiply the layer's scales back in registers (KVCacheScales: static buffers, graph-safe).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from loraplex.kernels.attention_kv_store import store_kv
 from loraplex.kernels.attention_prefill import paged_prefill_attention
 from loraplex.kernels.settings import kernel_settings
 from loraplex.services.inference.engine.attention import AttentionMetadata
+from loraplex.services.inference.engine.kv_cache import KVCacheScales, kv_cache_scales
 from loraplex.services.inference.models.context import Attention
 
 
@@ -30,7 +33,8 @@ class _PrefillBatch(NamedTuple):
 
 class TritonPagedAttention(Attention):
     """`windows` / `softcap`: as `TorchPagedAttention`'s (per-layer sliding windows, Gemma 2's
-    soft-capping); both are kernel arguments, so a windowed layer reads only its window's pages."""
+    soft-capping); both are kernel arguments, so a windowed layer reads only its window's pages.
+    `kv_scales`: an FP8 cache's per-layer scales (default: unit scales)."""
 
     def __init__(
         self,
@@ -38,12 +42,16 @@ class TritonPagedAttention(Attention):
         scale: float,
         windows: tuple[int | None, ...] = (),
         softcap: float | None = None,
+        kv_scales: KVCacheScales | None = None,
     ):
         self.kv_cache = kv_cache
         self.page_size = kv_cache.shape[3]
         self.scale = scale
         self.windows = windows
         self.softcap = softcap
+        self.kv_scales = kv_cache_scales(kv_cache, kv_scales)
+        # per layer: (k scale, v scale, k inverse, v inverse), or Nones for a float cache
+        self._scales = self.kv_scales.layers if self.kv_scales is not None else None
         self.meta: AttentionMetadata | None = None
         self.prefill: _PrefillBatch | None = None
 
@@ -76,7 +84,8 @@ class TritonPagedAttention(Attention):
     ) -> None:
         """Write the step's new k/v rows into the cache (slot < 0: padding, skipped)."""
         slots = self.meta.slot_mapping if slot_mapping is None else slot_mapping
-        store_kv(k, v, self.kv_cache[layer, 0], self.kv_cache[layer, 1], slots)
+        inv = self._scales[layer][2:] if self._scales is not None else (None, None)
+        store_kv(k, v, self.kv_cache[layer, 0], self.kv_cache[layer, 1], slots, *inv)
 
     def fused_store_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """With LORAPLEX_FUSED_KV_STORE, the cache of `layer` and the step's slots, for the q/k/v split
@@ -94,6 +103,8 @@ class TritonPagedAttention(Attention):
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         out = torch.empty_like(q) if out is None else out.view(q.shape)
         opts = {"window": self.windows[layer] if self.windows else None, "softcap": self.softcap}
+        if self._scales is not None:
+            opts["k_scale"], opts["v_scale"] = self._scales[layer][:2]
         nd = meta.num_decode_tokens
         if nd:
             paged_decode_attention(

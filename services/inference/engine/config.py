@@ -30,7 +30,7 @@ class SchedulerConfig:
 
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the activation dtype; fp8: E4M3 (torch attention path only)
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the activation dtype; fp8: E4M3, per-layer scales (kv_cache.py)
 QUANTIZATIONS = ("fp8",)  # models/quantization/scheme.py; a checkpoint's own quantization_config needs none
 DEVICES = ("auto", "cuda", "cpu")
 
@@ -88,11 +88,6 @@ class EngineConfig:
         _check(
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} (got {self.kv_cache_dtype!r})",
-        )
-        _check(
-            self.kv_cache_dtype != "fp8" or self.device.type != "cuda",
-            "--kv-cache-dtype fp8 is implemented in the torch attention path only (CPU): the Triton "
-            "attention kernels that serve CUDA do not read an FP8 cache yet",
         )
         _check(
             self.quantization in (None, *QUANTIZATIONS),

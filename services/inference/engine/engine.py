@@ -133,15 +133,9 @@ class LLMEngine:
             max_total_tokens=config.max_total_tokens,
             mem_fraction_static=config.mem_fraction_static,
             reserved_bytes=kv_reserved_bytes,
+            activation_dtype=loaded.dtype,  # an FP8 cache logs its gain in blocks
         )
         kv_cache = allocate_kv_cache(loaded.config, num_blocks, config.page_size, kv_dtype, loaded.device)
-        if kv_dtype != loaded.dtype:
-            log.info(
-                "KV cache in FP8 E4M3 (--kv-cache-dtype fp8): %dx the tokens a %s cache holds in the "
-                "same memory",
-                loaded.dtype.itemsize // kv_dtype.itemsize,
-                loaded.dtype,
-            )
         caching = not config.disable_prefix_cache
         self.block_manager = BlockManager(num_blocks, config.page_size, prefix_cache=caching)
         self.adapter_slots = adapter_slots or NoAdapters()

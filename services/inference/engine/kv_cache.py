@@ -1,4 +1,4 @@
-"""How big the paged KV cache is, and allocating it."""
+"""How big the paged KV cache is, allocating it, and the per-layer scales of an FP8 cache."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ def plan_num_blocks(
     max_total_tokens: int | None,
     mem_fraction_static: float,
     reserved_bytes: int = 0,
+    activation_dtype: torch.dtype | None = None,
 ) -> int:
     """Blocks for the cache: forced by `max_total_tokens`, else from memory.
 
@@ -36,8 +37,60 @@ def plan_num_blocks(
     `mem_fraction_static` of the total; what weights and anything already allocated use is
     measured, and `reserved_bytes` covers allocations still to come (the LoRA pool when it
     is created after the cache). On CPU: enough for every running request at full context,
-    capped at 512 MiB / 10% of RAM but never below one full context.
+    capped at 512 MiB / 10% of RAM but never below one full context. With `activation_dtype` unlike
+    `dtype` (an FP8 cache), the blocks the activation dtype would get are logged beside (the gain).
     """
+    sizing = dict(
+        page_size=page_size,
+        context_length=context_length,
+        max_running_requests=max_running_requests,
+        max_total_tokens=max_total_tokens,
+        mem_fraction_static=mem_fraction_static,
+        reserved_bytes=reserved_bytes,
+    )
+    num_blocks = _plan_blocks(cfg, dtype, device, **sizing)
+    per_token = kv_bytes_per_token(cfg, dtype)
+    log.info(
+        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
+        num_blocks,
+        page_size,
+        num_blocks * page_size,
+        num_blocks * page_size * per_token / 2**20,
+    )
+    if activation_dtype is not None and activation_dtype != dtype:
+        plain = _plan_blocks(cfg, activation_dtype, device, **sizing)
+        log.info(
+            "KV cache %s: %.1fx the blocks of %s (%d blocks, against %d)",
+            dtype_name(dtype),
+            num_blocks / plain,
+            dtype_name(activation_dtype),
+            num_blocks,
+            plain,
+        )
+    return num_blocks
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {
+        torch.float8_e4m3fn: "fp8",
+        torch.bfloat16: "bf16",
+        torch.float16: "fp16",
+        torch.float32: "fp32",
+    }.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _plan_blocks(
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    page_size: int,
+    context_length: int,
+    max_running_requests: int,
+    max_total_tokens: int | None,
+    mem_fraction_static: float,
+    reserved_bytes: int,
+) -> int:
     per_token = kv_bytes_per_token(cfg, dtype)
     if max_total_tokens is not None:
         tokens = max_total_tokens
@@ -60,15 +113,7 @@ def plan_num_blocks(
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         cap = min(CPU_KV_BYTES_CAP, ram // 10) // per_token
         tokens = max(min(max_running_requests * context_length, cap), context_length)
-    num_blocks = max(1, tokens // page_size)
-    log.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
-        num_blocks,
-        page_size,
-        num_blocks * page_size,
-        num_blocks * page_size * per_token / 2**20,
-    )
-    return num_blocks
+    return max(1, tokens // page_size)
 
 
 def largest_kv_tokens(
@@ -109,3 +154,43 @@ def allocate_kv_cache(
     """[num_layers, 2 (k, v), num_blocks, page_size, kv_heads, head_dim]."""
     shape = (cfg.num_layers, 2, num_blocks, page_size, cfg.num_kv_heads, cfg.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class KVCacheScales:
+    """Per-layer scales of an FP8 (E4M3) KV cache: the cache holds `round(x / scale)` and reads
+    back `cached * scale`, one scale for K and one for V per layer (`scale` `[num_layers, 2]`).
+
+    The default is 1.0 everywhere: E4M3 spans +-448 with 3 mantissa bits at every magnitude from
+    2^-6 up, and the K (after the projection and rotary) and V of real models sit far inside that
+    range (docs/operations.md, "--kv-cache-dtype"), so an unscaled cast loses only the mantissa
+    bits, as vLLM's and SGLang's uncalibrated FP8 caches do. Calibrated scales plug in with
+    `load_`. The kernels read both tensors through pointers, so a captured CUDA graph sees new
+    values; the store multiplies by `inv` (1 / scale, computed once here) so that it is bit-exact
+    with torch's own rounding (kernels/attention_kv_store.py)."""
+
+    def __init__(self, num_layers: int, device: torch.device):
+        # Each value padded to 16 bytes: Triton specialises a pointer argument on 16-byte alignment,
+        # so packed scalars would compile a kernel variant for every other layer.
+        padded = torch.ones((2, num_layers, 2, 4), dtype=torch.float32, device=device)
+        self.scale, self.inv = padded[0, ..., 0], padded[1, ..., 0]  # [num_layers, 2] views
+        # One-element views per layer, made once: (k scale, v scale, k inverse, v inverse).
+        self.layers = [
+            (padded[0, i, 0, :1], padded[0, i, 1, :1], padded[1, i, 0, :1], padded[1, i, 1, :1])
+            for i in range(num_layers)
+        ]
+
+    def load_(self, scales: torch.Tensor) -> None:
+        """Calibrated `[num_layers, 2]` (k, v) scales, copied into the buffers in place."""
+        scales = scales.to(device=self.scale.device, dtype=torch.float32)
+        if scales.shape != self.scale.shape or not bool(((scales > 0) & scales.isfinite()).all()):
+            raise ValueError(f"KV cache scales must be {tuple(self.scale.shape)}, positive and finite")
+        self.scale.copy_(scales)
+        self.inv.copy_(1.0 / scales)
+
+
+def kv_cache_scales(kv_cache: torch.Tensor, given: KVCacheScales | None = None) -> KVCacheScales | None:
+    """The scales an attention object over `kv_cache` `[num_layers, 2, ...]` uses: `given`, or unit
+    scales, for an FP8 cache; None for a cache in a float dtype (which holds values unscaled)."""
+    if kv_cache.dtype != torch.float8_e4m3fn:
+        return None
+    return given or KVCacheScales(kv_cache.shape[0], kv_cache.device)

@@ -26,6 +26,8 @@ from loraplex.kernels.fp8_matmul import (
     quantize_rows,
     scaled_mm_fits,
 )
+from loraplex.kernels.fp8_weight_gemm import fp8_weight_gemm, keeps_block_scales, weight_only_serves
+from loraplex.kernels.settings import kernel_settings
 from loraplex.services.inference.models.llama import _LAYER_WEIGHTS, FusedLinear, LlamaForCausalLM
 from loraplex.services.inference.models.quantization.scheme import Fp8Scheme
 
@@ -71,7 +73,10 @@ class Fp8Linear(FusedLinear):
         return self.base_matmul(x, self.bias)
 
     def base_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.scale_row is not None and scaled_mm_fits(x, self.weight):
+        scaled_mm_ready = self.scale_row is not None and scaled_mm_fits(x, self.weight)
+        if weight_only_serves(x, self.block, scaled_mm_ready):
+            return fp8_weight_gemm(x, self.weight, self.weight_scale, self.block, bias)
+        if scaled_mm_ready:
             return fp8_linear_mm(x, self.weight, self.scale_row, self.static_input_scale, bias)
         return fp8_linear_ref(x, self.weight, self.weight_scale, self.block, bias)
 
@@ -123,12 +128,13 @@ class Fp8Linear(FusedLinear):
 
     def finish(self, fast: bool) -> None:
         """Check every scale arrived; with `fast` (CUDA), ready the hardware GEMM's operands: a
-        block-scaled weight is re-quantized per output channel once (cuBLASLt's row-wise FP8 GEMM)."""
+        block-scaled weight is re-quantized per output channel once (cuBLASLt's row-wise FP8 GEMM),
+        unless the weight-only GEMM serves it with its own block scales (`LORAPLEX_FP8_GEMM`)."""
         if torch.isnan(self.weight_scale).any():
             raise ValueError("the checkpoint has an FP8 weight without its weight_scale")
         if self.scheme.static_activations and torch.isnan(self.input_scale).any():
             raise ValueError("the checkpoint declares static activations but has no input_scale")
-        if not fast:
+        if not fast or keeps_block_scales(self.block):
             return
         if self.block is not None:
             q, scale = quantize_rows(self.dequantized(torch.float32))
@@ -188,14 +194,19 @@ def finish_loading(model: LlamaForCausalLM) -> None:
         # (engine/kv_cache.py, from free device memory) would count as used.
         torch.cuda.empty_cache()
     scheme: Fp8Scheme = model.fp8_scheme
-    log.info(
-        "FP8 base linears (%s): %s",
-        scheme.name,
-        "torch._scaled_mm, per-token activation scales"
-        + (", block scales re-quantized per output channel" if scheme.block and fast else "")
-        if fast
-        else "dequantizing reference path (activations not quantized)",
-    )
+    gemm = kernel_settings().fp8_gemm
+    if not fast:
+        how = "dequantizing reference path (activations not quantized)"
+    elif keeps_block_scales(scheme.block):
+        how = f"weight-only FP8 GEMM with the checkpoint's block scales (LORAPLEX_FP8_GEMM={gemm})"
+    else:
+        how = "torch._scaled_mm, per-token activation scales" + (
+            ", block scales re-quantized per output channel" if scheme.block else ""
+        )
+        if gemm != "scaled_mm":
+            rows = "for every batch" if gemm == "weight_only" else "up to 64 rows"
+            how += f"; weight-only FP8 GEMM {rows} (LORAPLEX_FP8_GEMM={gemm})"
+    log.info("FP8 base linears (%s): %s", scheme.name, how)
 
 
 def quantize_loaded(model: LlamaForCausalLM, scheme: Fp8Scheme | None = None) -> LlamaForCausalLM:

@@ -75,7 +75,10 @@ def _compressed_tensors(qc: dict[str, Any]) -> Fp8Scheme:
         if "Linear" not in (group.get("targets") or []):
             raise _refuse(f"compressed-tensors targets {group.get('targets')} (group {name})")
     if qc.get("kv_cache_scheme"):
-        raise _refuse("a compressed-tensors kv_cache_scheme (use --kv-cache-dtype instead)")
+        raise UnsupportedModelError(
+            "the checkpoint's own KV cache scales (compressed-tensors kv_cache_scheme) are not supported: "
+            "remove kv_cache_scheme from config.json and pass --kv-cache-dtype fp8 (per-layer scales 1.0)"
+        )
     _check_ignore(qc.get("ignore") or [])
     return Fp8Scheme(
         "compressed-tensors float-quantized", prequantized=True, static_activations=True in static

@@ -1,0 +1,319 @@
+"""The weight-only FP8 GEMM (kernels/fp8_weight_gemm.py) per projection against `torch._scaled_mm` and
+bf16 cuBLAS, a sweep of its configs, and the decode step with each FP8 GEMM (issue 35).
+
+1. Correctness (first; FAIL lines and exit 1 on a mismatch): each Llama-3.1-8B projection (q/k/v
+   fused, o, gate/up fused, down) at every `--rows`, per-channel and 128x128 block scales, bf16
+   activations, against the float32 reference over the dequantized weight.
+2. Per projection and rows: microseconds of bf16 `F.linear`, the W8A8 path (per-token activation
+   quantize + `torch._scaled_mm`), the weight-only GEMM (default configs; block scales; swept), each
+   timed in one CUDA graph that cycles over enough weight copies (>= 256 MB) that L2 holds none,
+   and its ratio to the weight bytes' floor at the copy bandwidth measured in the same run.
+3. Sweep (`--sweep-budget-s`, rows `--sweep-rows`): tile sizes, K-splits, warps and stages per
+   projection; the best go to `DIR/fp8_gemm_configs.json` (`LORAPLEX_FP8_GEMM_CONFIGS`).
+4. Decode step, batch 64, ctx 1,024 (bench/fp8_step.py's case, CUDA graphs): bf16, FP8 with
+   `LORAPLEX_FP8_GEMM=scaled_mm` (the default), `auto` with the built-in configs, `auto` with the
+   swept ones; x floor and ratio to bf16 (the issue's goals: <= 1.2x floor, <= 0.72x bf16).
+
+    PYTHONPATH=protos python3 -m loraplex.bench.fp8_gemm                      # H100/H200, ~3 min
+    PYTHONPATH=protos python3 -m loraplex.bench.fp8_gemm --tiny --sweep-budget-s 5   # GPU smoke
+    TRITON_INTERPRET=1 PYTHONPATH=protos python3 -m loraplex.bench.fp8_gemm --tiny  # CPU: checks only
+
+Writes fp8_gemm.json and fp8_gemm_configs.json (bench/results.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.bench.results import add_out_argument, write_json
+from loraplex.kernels import fp8_gemm_configs
+from loraplex.kernels.fp8_gemm_configs import Fp8GemmConfig, Fp8GemmKey, fp8_gemm_config, rows_bucket
+from loraplex.kernels.fp8_matmul import dequantize, fp8_linear_mm, quantize_rows
+from loraplex.kernels.fp8_weight_gemm import fp8_weight_gemm
+from loraplex.kernels.settings import reload_kernel_settings
+
+PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+TINY_PROJECTIONS = {"qkv": (96, 64), "o": (64, 64), "gate_up": (192, 64), "down": (64, 96)}
+BLOCK = (128, 128)
+COPY_BYTES = 256 << 20  # weights cycled per timed graph: several times any L2
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loraplex.bench.fp8_gemm", description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes; on the CPU (interpreter) checks only")
+    p.add_argument("--rows", default="1,16,32,64,128", help="activation rows timed (comma list)")
+    p.add_argument("--sweep-rows", default="64", help="rows swept (comma list; empty: no sweep)")
+    p.add_argument("--sweep-budget-s", type=float, default=75.0)
+    p.add_argument("--step-repeats", type=int, default=30)
+    p.add_argument("--skip-step", action="store_true", help="kernels only, no decode step")
+    add_out_argument(p)
+    a = p.parse_args(argv)
+    a.rows = [int(r) for r in a.rows.split(",") if r]
+    a.sweep_rows = [int(r) for r in a.sweep_rows.split(",") if r]
+    return a
+
+
+def set_fp8_gemm(mode: str) -> None:
+    reload_kernel_settings({**os.environ, "LORAPLEX_FP8_GEMM": mode})
+
+
+def block_scales(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 weight and `[ceil(n/128), ceil(k/128)]` scales, as a block-wise checkpoint holds them."""
+    n, k = w.shape
+    bn, bk = BLOCK
+    padded = F.pad(w.float(), (0, -k % bk, 0, -n % bn))
+    blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).view_as(padded)[:n, :k].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale.contiguous()
+
+
+def operands(n: int, k: int, device: torch.device, seed: int) -> dict:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(n, k, generator=gen, device=device) * 0.02
+    wq, ws = quantize_rows(w)
+    bq, bs = block_scales(w)
+    return dict(w=w.to(torch.bfloat16), wq=wq, ws=ws, scale_row=ws.reshape(1, -1).contiguous(), bq=bq, bs=bs)
+
+
+def check(name: str, ops: dict, rows: int, dtype: torch.dtype, config: Fp8GemmConfig | None = None) -> bool:
+    """Weight-only GEMM (per-channel and block scales; `config` or the table's) vs float32 over the
+    dequantized weight."""
+    n, k = ops["wq"].shape
+    x = torch.randn(rows, k, device=ops["wq"].device).to(dtype)
+    ok = True
+    for kind, w, s, block in (
+        ("channel", ops["wq"], ops["ws"], None),
+        ("block", ops["bq"], ops["bs"], BLOCK),
+    ):
+        deq = dequantize(w, s, block, torch.float32)
+        ref = x.float() @ deq.T
+        bound = (x.float().abs() @ deq.abs().T).clamp(min=1e-6)
+        out = fp8_weight_gemm(x, w, s, block, None, config)
+        err = ((out.float() - ref).abs() / bound).max().item()
+        good = out.dtype == dtype and bool(torch.isfinite(out).all()) and err < 2**-7
+        ok &= good
+        what = f"{name} rows {rows} {kind}" + (f" config {tuple(config)}" if config else "")
+        print(f"check {what}: rel err {err:.1e} {'ok' if good else 'FAIL'}", flush=True)
+    return ok
+
+
+def copies_of(tensors: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+    nbytes = sum(t.nbytes for t in tensors)
+    count = min(64, max(2, -(-COPY_BYTES // nbytes)))  # (tiny shapes stay in L2 regardless)
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(count - 1)]
+
+
+def graph_us(call, sets: list[tuple[torch.Tensor, ...]], replays: int = 10) -> float:
+    """Median microseconds per call over one CUDA graph calling `call(*s)` for each weight set."""
+    from loraplex.bench.graph_timing import capture, replay_ms
+
+    graph = capture(lambda: [call(*s) for s in sets])
+    times = sorted(replay_ms(graph, replays))
+    del graph
+    return times[len(times) // 2] * 1e3 / len(sets)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    from loraplex.bench.fp8_step import copy_bandwidth as measure
+
+    return measure(device)
+
+
+def time_projection(name: str, ops: dict, rows: int, bw: float, swept: Fp8GemmConfig | None) -> dict:
+    n, k = ops["wq"].shape
+    x = torch.randn(rows, k, device=ops["wq"].device, dtype=torch.bfloat16)
+    fp8_sets = copies_of((ops["wq"], ops["ws"], ops["scale_row"]))
+    row = dict(projection=name, n=n, k=k, rows=rows, config=list(fp8_gemm_config(rows, n, k, x.device)))
+    row["bf16_us"] = graph_us(lambda w: F.linear(x, w), copies_of((ops["w"],)))
+    row["scaled_mm_us"] = graph_us(lambda wq, ws, sr: fp8_linear_mm(x, wq, sr), fp8_sets)
+    row["weight_only_us"] = graph_us(lambda wq, ws, sr: fp8_weight_gemm(x, wq, ws, None), fp8_sets)
+    row["weight_only_block_us"] = graph_us(
+        lambda bq, bs: fp8_weight_gemm(x, bq, bs, BLOCK), copies_of((ops["bq"], ops["bs"]))
+    )
+    if swept is not None:
+        row["swept_config"] = list(swept)
+        row["weight_only_swept_us"] = graph_us(
+            lambda wq, ws, sr: fp8_weight_gemm(x, wq, ws, None, None, swept), fp8_sets
+        )
+    row["fp8_floor_us"] = (n * k + rows * k * 2 + rows * n * 2) / bw * 1e6
+    row["bf16_floor_us"] = (n * k * 2 + rows * k * 2 + rows * n * 2) / bw * 1e6
+    return row
+
+
+def candidates(rows: int, k: int, seed: int) -> list[Fp8GemmConfig]:
+    block_m = max(16, 1 << (rows - 1).bit_length()) if rows <= 64 else 64
+    first = []
+    for block_n in (32, 64, 128, 256):
+        for block_k in (64, 128, 256):
+            for split in (1, 2, 3, 4, 6, 8, 12, 16):
+                if k // block_k // split >= 2 and block_n * block_k <= 256 * 128:
+                    warps = 8 if block_n >= 128 else 4
+                    first.append(Fp8GemmConfig(block_m, block_n, block_k, split, warps, 4))
+    random.Random(seed).shuffle(first)
+    return first
+
+
+def sweep(projections: dict, ops_by: dict, rows_list: list[int], budget_s: float) -> dict:
+    """Best config per (rows bucket, n, k) within the budget: first a shuffled pass over tiles and
+    K-splits at 4 stages (8 warps for 128+ weight rows, else 4), round-robin over the shapes, then
+    warps and stages around each shape's best. Candidates that do not compile or run (shared
+    memory) are skipped."""
+    deadline = time.perf_counter() + budget_s
+    best: dict[Fp8GemmKey, tuple[float, Fp8GemmConfig]] = {}
+    queues = []
+    for rows in rows_list:
+        for name, (n, k) in projections.items():
+            key = Fp8GemmKey(rows_bucket(rows), n, k)
+            default = fp8_gemm_config(rows, n, k, ops_by[name]["wq"].device)
+            queues.append((rows, name, key, [default, *candidates(rows, k, seed=n + k)]))
+    tried = 0
+
+    def run(rows, name, key, cfg) -> None:
+        nonlocal tried
+        ops = ops_by[name]
+        x = torch.randn(rows, ops["wq"].shape[1], device=ops["wq"].device, dtype=torch.bfloat16)
+        try:
+            us = graph_us(lambda wq, ws: fp8_weight_gemm(x, wq, ws, None, None, cfg), ops["sets"])
+        except Exception as exc:  # noqa: BLE001 - out of shared memory and the like: not a candidate
+            print(f"  sweep {name} rows {rows} {tuple(cfg)}: skipped ({type(exc).__name__})", flush=True)
+            return
+        tried += 1
+        if key not in best or us < best[key][0]:
+            best[key] = (us, cfg)
+
+    while any(q[3] for q in queues) and time.perf_counter() < deadline:
+        for rows, name, key, queue in queues:
+            if queue and time.perf_counter() < deadline:
+                run(rows, name, key, queue.pop(0))
+    for rows, name, key, _ in queues:
+        if key in best and time.perf_counter() < deadline:
+            base = best[key][1]
+            for warps, stages in ((4, 3), (4, 5), (8, 3), (8, 4), (2, 4)):
+                if time.perf_counter() < deadline:
+                    run(rows, name, key, base._replace(num_warps=warps, num_stages=stages))
+    print(
+        f"sweep: {tried} configs timed in {budget_s - max(0.0, deadline - time.perf_counter()):.0f} s",
+        flush=True,
+    )
+    return {key: cfg for key, (_, cfg) in best.items()}
+
+
+def step_cases(a, bw: float, swept: dict) -> list[dict]:
+    from loraplex.bench.fp8_step import decode_case
+    from loraplex.bench.fp8_step import parse as step_parse
+
+    # fp8_step's own defaults (whatever cases it grows), at batch 64, ctx 1,024 (--tiny: its tiny shape).
+    size = ["--tiny", "--device", "cuda"] if a.tiny else ["--batch", "64", "--ctx", "1024"]
+    args = step_parse([*size, "--repeats", str(a.step_repeats)])
+    device = torch.device("cuda")
+    rows = []
+    for name, fp8, mode, overrides in (
+        ("bf16 base", False, "scaled_mm", {}),
+        ("fp8 base, scaled_mm", True, "scaled_mm", {}),
+        ("fp8 base, weight-only (built-in configs)", True, "auto", {}),
+        ("fp8 base, weight-only (swept configs)", True, "auto", swept),
+    ):
+        if name.endswith("(swept configs)") and not swept:
+            continue
+        set_fp8_gemm(mode)
+        fp8_gemm_configs.OVERRIDES.clear()
+        fp8_gemm_configs.OVERRIDES.update(overrides)
+        rows.append(decode_case(args, name, device, torch.bfloat16, fp8, 0, bw))
+        print(f"  {name}: {rows[-1]['ms']:.3f} ms, x floor {rows[-1]['x_floor']:.2f}", flush=True)
+    fp8_gemm_configs.OVERRIDES.clear()
+    set_fp8_gemm(os.environ.get("LORAPLEX_FP8_GEMM", "scaled_mm"))
+    for r in rows:
+        r["vs_bf16"] = r["ms"] / rows[0]["ms"]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.type == "cuda"
+    if device.type == "cpu" and not (a.tiny and os.environ.get("TRITON_INTERPRET") == "1"):
+        sys.exit("needs CUDA; on the CPU: TRITON_INTERPRET=1 ... --tiny (correctness checks only)")
+    projections = TINY_PROJECTIONS if a.tiny else PROJECTIONS
+    dtype = torch.bfloat16 if cuda else torch.float16  # the interpreter's bf16 dot is wrong
+    ops_by = {name: operands(n, k, device, seed=i) for i, (name, (n, k)) in enumerate(projections.items())}
+    ok = all(check(name, ops, rows, dtype) for name, ops in ops_by.items() for rows in a.rows)
+    if not ok:
+        print("FAIL: the weight-only FP8 GEMM does not match its reference")
+        return 1
+    if not cuda:
+        print("checks passed (CPU: no timing)")
+        return 0
+    bw = copy_bandwidth(device)
+    print(f"{torch.cuda.get_device_name(device)}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    for ops in ops_by.values():
+        ops["sets"] = [s[:2] for s in copies_of((ops["wq"], ops["ws"]))]
+    swept = sweep(projections, ops_by, a.sweep_rows, a.sweep_budget_s) if a.sweep_rows else {}
+    names = {shape: name for name, shape in projections.items()}
+    for key, cfg in swept.items():
+        print(f"  swept {'|'.join(map(str, key))}: {tuple(cfg)}")
+        rows = int(key.rows) if key.rows != "prefill" else 128
+        if not check(names[(key.n, key.k)], ops_by[names[(key.n, key.k)]], rows, dtype, cfg):
+            print("FAIL: a swept config does not match the reference")
+            return 1
+    kernels = []
+    print(
+        f"\n{'proj':<8}{'rows':>5}{'bf16 us':>9}{'xfl':>6}{'w8a8 us':>9}{'xfl':>6}{'wo us':>8}{'xfl':>6}",
+        end="",
+    )
+    print(f"{'wo blk':>8}{'wo swept':>9}{'xfl':>6}{'wo/bf16':>9}")
+    for name, ops in ops_by.items():
+        n, k = ops["wq"].shape
+        for rows in a.rows:
+            r = time_projection(name, ops, rows, bw, swept.get(Fp8GemmKey(rows_bucket(rows), n, k)))
+            kernels.append(r)
+            best = min(r["weight_only_us"], r.get("weight_only_swept_us", float("inf")))
+            sw = r.get("weight_only_swept_us")
+            print(
+                f"{name:<8}{rows:>5}{r['bf16_us']:>9.1f}{r['bf16_us'] / r['bf16_floor_us']:>6.2f}"
+                f"{r['scaled_mm_us']:>9.1f}{r['scaled_mm_us'] / r['fp8_floor_us']:>6.2f}"
+                f"{r['weight_only_us']:>8.1f}{r['weight_only_us'] / r['fp8_floor_us']:>6.2f}"
+                f"{r['weight_only_block_us']:>8.1f}{sw if sw else float('nan'):>9.1f}"
+                f"{best / r['fp8_floor_us']:>6.2f}{best / r['bf16_us']:>9.3f}",
+                flush=True,
+            )
+    a.out.mkdir(parents=True, exist_ok=True)
+    configs_path = a.out / "fp8_gemm_configs.json"
+    configs_path.write_text(json.dumps(fp8_gemm_configs.table_json(swept), indent=1))
+    print(f"wrote {configs_path} (LORAPLEX_FP8_GEMM_CONFIGS={configs_path})")
+    steps = []
+    if not a.skip_step:
+        del ops_by
+        torch.cuda.empty_cache()
+        print(f"\ndecode step (fp8_step's case), {'tiny' if a.tiny else 'Llama-3.1-8B'} shape, no adapters")
+        steps = step_cases(a, bw, swept)
+        print(f"{'case':<44}{'ms':>8}{'floor ms':>10}{'x floor':>9}{'vs bf16':>9}")
+        for s in steps:
+            print(
+                f"{s['case']:<44}{s['ms']:>8.3f}{s['floor_ms']:>10.3f}{s['x_floor']:>9.2f}{s['vs_bf16']:>9.3f}"
+            )
+        print("goals (issue 35): fp8 step <= 1.2x its floor, <= 0.72x the bf16 step")
+    write_json(
+        a.out,
+        "fp8_gemm",
+        dict(
+            device=torch.cuda.get_device_name(device),
+            copy_bandwidth=bw,
+            kernels=kernels,
+            swept=fp8_gemm_configs.table_json(swept),
+            steps=steps,
+        ),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

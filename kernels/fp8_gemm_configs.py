@@ -1,0 +1,103 @@
+"""Tile sizes and K-splits of the weight-only FP8 GEMM (kernels/fp8_weight_gemm.py), chosen per shape
+without tuning at first use (Triton's autotuner would time candidates inside a CUDA-graph capture).
+
+A config is keyed on (rows bucket, N, K): rows bucket 16 / 32 / 64 for decode batches (the
+bucket is the smallest of those at or above the rows), `prefill` above 64. Entries come from
+`LORAPLEX_FP8_GEMM_CONFIGS=path.json` (`loraplex.kernels.settings`), in the format
+`{"64|6144|4096": [block_m, block_n, block_k, split_k, num_warps, num_stages]}`, e.g. what
+`python -m loraplex.bench.fp8_gemm --sweep-budget-s 120` writes; without an entry, `default_config`'s
+rule: one rows tile, 64 or 128 weight rows per program, and enough K-splits that the grid covers
+the chip about twice (a batch-64 o_proj of the Llama-3.1-8B shape is 32 tiles of 128 rows
+otherwise: most of an H100 idle, while the step is weight-bandwidth bound). Not yet measured:
+bench/fp8_gemm.py's sweep is what should replace this rule.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from loraplex.kernels.settings import kernel_settings
+
+ROWS_BUCKETS = (16, 32, 64)  # decode buckets; above the last: "prefill"
+_DEFAULT_SMS = 132  # H100 SXM; only used where no CUDA device says otherwise (the interpreter)
+
+
+class Fp8GemmKey(NamedTuple):
+    rows: str  # "16" | "32" | "64" | "prefill"
+    n: int  # output features (the weight's rows)
+    k: int  # input features
+
+
+class Fp8GemmConfig(NamedTuple):
+    block_m: int  # activation rows per program (>= 16: the MMA's smallest side)
+    block_n: int  # weight rows (output features) per program
+    block_k: int  # step over K (a block-scaled weight narrows it to divide the scale block)
+    split_k: int  # programs over K per tile; > 1 writes float32 partials that a second launch adds
+    num_warps: int
+    num_stages: int
+
+
+def rows_bucket(rows: int) -> str:
+    for bucket in ROWS_BUCKETS:
+        if rows <= bucket:
+            return str(bucket)
+    return "prefill"
+
+
+def _parse(raw: dict) -> dict[Fp8GemmKey, Fp8GemmConfig]:
+    table = {}
+    for key, value in raw.items():
+        rows, n, k = key.split("|")
+        if rows not in (*map(str, ROWS_BUCKETS), "prefill"):
+            raise ValueError(f"FP8 GEMM config key {key!r}: rows bucket must be one of 16, 32, 64, prefill")
+        cfg = Fp8GemmConfig(*(int(v) for v in value))
+        if cfg.block_m < 16 or cfg.block_n < 16 or cfg.block_k < 16 or cfg.split_k < 1:
+            raise ValueError(f"FP8 GEMM config {key!r}: {cfg} (blocks >= 16, split_k >= 1)")
+        table[Fp8GemmKey(rows, int(n), int(k))] = cfg
+    return table
+
+
+@lru_cache(maxsize=1)  # read once per path (the setting is read once per process)
+def _file_table(path: str | None) -> dict[Fp8GemmKey, Fp8GemmConfig]:
+    return _parse(json.loads(Path(path).read_text())) if path else {}
+
+
+# Entries set in-process (the bench's sweep), ahead of the file's.
+OVERRIDES: dict[Fp8GemmKey, Fp8GemmConfig] = {}
+
+
+def table_json(table: dict[Fp8GemmKey, Fp8GemmConfig]) -> dict[str, list[int]]:
+    """The JSON form `LORAPLEX_FP8_GEMM_CONFIGS` reads."""
+    return {"|".join(map(str, key)): list(cfg) for key, cfg in table.items()}
+
+
+@lru_cache(maxsize=8)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_config(rows: int, n: int, k: int, device: torch.device) -> Fp8GemmConfig:
+    if rows > ROWS_BUCKETS[-1]:
+        return Fp8GemmConfig(block_m=64, block_n=128, block_k=64, split_k=1, num_warps=4, num_stages=3)
+    block_m = max(16, 1 << (rows - 1).bit_length())
+    # Every program re-reads its rows of x (from L2) per weight tile: at 32-64 rows a 64-row weight
+    # tile would read twice its own bytes of x, so wider tiles there (and split-K for the grid).
+    block_n, block_k, warps = (64, 128, 4) if rows <= 16 else (128, 128, 8)
+    tiles = -(-n // block_n) * -(-rows // block_m)
+    k_steps = -(-k // block_k)
+    # The grid nearest 2 waves, each split keeping at least 4 K steps (the pipeline needs depth).
+    split = max(1, min(round(2 * _sm_count(device) / tiles), k_steps // 4))
+    return Fp8GemmConfig(block_m, block_n, block_k, split, num_warps=warps, num_stages=4)
+
+
+def fp8_gemm_config(rows: int, n: int, k: int, device: torch.device) -> Fp8GemmConfig:
+    key = Fp8GemmKey(rows_bucket(rows), n, k)
+    found = OVERRIDES.get(key) or _file_table(kernel_settings().fp8_gemm_configs).get(key)
+    return found or default_config(rows, n, k, device)

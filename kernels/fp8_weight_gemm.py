@@ -1,0 +1,235 @@
+"""Weight-only FP8 GEMM for few rows (decode): `x @ (weight * scale).T (+ bias)` with x in bf16/fp16,
+the E4M3 weight `[N, K]` read once and widened to x's dtype in registers, float32 accumulation.
+
+Why: at a batch of 64 the base matmuls are bound by the weight bytes, which FP8 halves; the
+W8A8 path (`torch._scaled_mm` after a per-token activation-quantize launch) pays a launch per
+projection and cuBLASLt's FP8 kernels do not reach copy bandwidth at 64 rows. Here activations are
+not quantized at all (also the more accurate of the two).
+
+Layout: each program computes a `[BLOCK_N, BLOCK_M]` tile of the output's transpose, so the
+weight (the big, widened operand) is the MMA's left side and the batch its narrow right side
+(a Hopper MMA is 64 rows of the left operand by 8..256 columns). Scales, as in
+kernels/fp8_matmul.py: per output channel `[N, 1]` (applied once, after the K loop) or per
+`(bn, bk)` block `[ceil(N/bn), ceil(K/bk)]` (the block-wise checkpoint format, applied per K step,
+whose length therefore divides bk). Split-K: `split_k` programs per tile each cover a range of K
+and write float32 partials `[split_k, M, N]`; a second launch adds them, adds the bias and casts,
+in a fixed order (no atomics: the result is deterministic, as the decode graphs' replays must be).
+
+No autotuning and no host syncs: configs come from kernels/fp8_gemm_configs.py, chosen from shapes
+alone, so the launches are captured in CUDA graphs as they are.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.kernels.fp8_gemm_configs import Fp8GemmConfig, fp8_gemm_config
+from loraplex.kernels.fp8_matmul import dequantize
+from loraplex.kernels.placement import triton_runs_on
+from loraplex.kernels.settings import kernel_settings
+
+WEIGHT_ONLY_MAX_ROWS = 64  # LORAPLEX_FP8_GEMM=auto: this GEMM up to here, torch._scaled_mm above
+
+
+# The rows (and what scales with them) are runtime values: a new batch size compiles nothing.
+@triton.jit(do_not_specialize=["M", "stride_osplit"])
+def _fp8_weight_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_sk,
+    stride_om,
+    stride_osplit,
+    SCALE_BN: tl.constexpr,  # 0: per-channel scales; else the scale block's rows
+    SCALE_BK: tl.constexpr,  # the scale block's columns (block scales only)
+    HAS_BIAS: tl.constexpr,  # add the bias here (only without split-K)
+    EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no K masks
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_ptrs = w_ptr + offs_n[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[None, :] * stride_xm + (k_start + offs_k)[:, None]  # x^T tile [BK, BM]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < K
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
+        w = w.to(xt.dtype)
+        if SCALE_BN == 0:
+            acc = tl.dot(w, xt, acc)
+        else:
+            # One scale per weight row for this K step (BLOCK_K divides SCALE_BK).
+            s = tl.load(s_ptr + (offs_n // SCALE_BN) * stride_sn + (k0 // SCALE_BK) * stride_sk, mask=n_mask)
+            acc += tl.dot(w, xt) * s[:, None]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if SCALE_BN == 0:
+        acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0)[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pid_k * stride_osplit + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["MN"])
+def _split_k_sum_kernel(
+    part_ptr, out_ptr, bias_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for i in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + i * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def block_k_for(config: Fp8GemmConfig, block: tuple[int, int] | None) -> int:
+    """The config's K step, narrowed for block scales to a power of two dividing the scale block's
+    columns (one scale per weight row per step); 0 where none of at least 16 does."""
+    if block is None:
+        return config.block_k
+    bk = min(config.block_k, block[1] & -block[1])  # largest power of two dividing block[1]
+    return bk if bk >= 16 else 0
+
+
+def supports(block: tuple[int, int] | None) -> bool:
+    """Whether this GEMM can serve a weight with these scales (block scales need a power-of-two
+    factor >= 16 in their column count; the published 128x128 format has it)."""
+    return block is None or (block[1] & -block[1]) >= 16
+
+
+def fp8_weight_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None,
+    config: Fp8GemmConfig | None = None,
+) -> torch.Tensor:
+    """`x [..., K]` (bf16/fp16; float32 in the interpreter) times the E4M3 `weight [N, K]` with
+    float32 `scale` (`[N, 1]`, or `[ceil(N/bn), ceil(K/bk)]` for `block = (bn, bk)`): `[..., N]` in
+    x's dtype. `config`: the tile sizes (default: kernels/fp8_gemm_configs.py's for this shape)."""
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    config = config or fp8_gemm_config(m, n, k, x.device)
+    block_k = block_k_for(config, block)
+    if not block_k or weight.stride(1) != 1:
+        raise ValueError(f"fp8_weight_gemm: weight {tuple(weight.shape)} with block {block} is not supported")
+    k_steps = -(-k // block_k)
+    k_per_split = -(-k_steps // config.split_k) * block_k
+    splits = -(-k // k_per_split)  # requested splits past K's end would have nothing to add
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), splits)
+    target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    has_bias = bias is not None
+    _fp8_weight_gemm_kernel[grid](
+        x2,
+        weight,
+        scale,
+        target,
+        bias if has_bias and splits == 1 else out,  # a dummy pointer when unused
+        m,
+        n,
+        k,
+        k_per_split,
+        x2.stride(0),
+        weight.stride(0),
+        scale.stride(0),
+        scale.stride(1) if scale.dim() == 2 else 0,
+        n,
+        m * n,
+        SCALE_BN=0 if block is None else block[0],
+        SCALE_BK=1 if block is None else block[1],
+        HAS_BIAS=has_bias and splits == 1,
+        EVEN_K=k % block_k == 0,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if splits > 1:
+        sum_block = 1024
+        bias_ptr = bias if has_bias else out
+        _split_k_sum_kernel[(triton.cdiv(m * n, sum_block),)](
+            target, out, bias_ptr, m * n, n, SPLITS=splits, HAS_BIAS=has_bias, BLOCK=sum_block
+        )
+    return out.reshape(*lead, n)
+
+
+def fp8_weight_gemm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference: the weight's real values (fp8 * scale) in float32, a float32 matmul (and bias),
+    one rounding to x's dtype at the end, as the kernel's float32 accumulator does."""
+    out = x.float() @ dequantize(weight, scale, block, torch.float32).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+@lru_cache(maxsize=8)
+def _has_fp8_hardware(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def weight_only_serves(x: torch.Tensor, block: tuple[int, int] | None, scaled_mm_ready: bool) -> bool:
+    """Whether an FP8 linear runs this GEMM for `x` (`LORAPLEX_FP8_GEMM`, kernels/settings.py):
+    never under `scaled_mm`; under `auto` up to WEIGHT_ONLY_MAX_ROWS rows, or for every batch where
+    the weight has no `torch._scaled_mm` operands (`scaled_mm_ready`: a block-scaled weight kept as
+    it is); under `weight_only` always. Only where Triton serves x (CUDA with FP8 conversions,
+    sm 8.9+, in bf16/fp16; CPU tensors under the interpreter, for the tests)."""
+    mode = kernel_settings().fp8_gemm
+    if mode == "scaled_mm" or not triton_runs_on(x) or not supports(block):
+        return False
+    if x.is_cuda and (x.dtype not in (torch.bfloat16, torch.float16) or not _has_fp8_hardware(x.device)):
+        return False
+    if mode == "weight_only" or not scaled_mm_ready:
+        return True
+    return x.numel() // x.shape[-1] <= WEIGHT_ONLY_MAX_ROWS
+
+
+def keeps_block_scales(block: tuple[int, int] | None) -> bool:
+    """Whether a block-scaled checkpoint is served with its own scales on the GPU (this GEMM) rather
+    than re-quantized per output channel at load for `torch._scaled_mm` (`LORAPLEX_FP8_GEMM=scaled_mm`)."""
+    return block is not None and kernel_settings().fp8_gemm != "scaled_mm" and supports(block)

@@ -1,0 +1,325 @@
+"""The weight-only FP8 GEMM (kernels/fp8_weight_gemm.py) against its torch reference, its config
+table and setting, and the FP8 linear's choice of GEMM.
+
+The kernel runs on the CPU under TRITON_INTERPRET=1, which Triton reads at import, so those checks
+run in a fresh subprocess (`python -m tests.integration.test_fp8_weight_gemm`): randomized shapes
+(K not a multiple of the K step, rows and columns not multiples of the tiles), per-channel and
+128x128-style block scales (small blocks here), split-K on and off, with and without bias, float32
+and float16 activations (the interpreter's bfloat16 tl.dot returns garbage; bfloat16 is checked on
+the GPU by bench/fp8_gemm.py), each against `fp8_weight_gemm_ref` (float32 over the dequantized
+weight). Another child compiles the kernels for sm_90 (the interpreter never runs the compiler).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex.kernels import fp8_gemm_configs
+from loraplex.kernels.fp8_gemm_configs import Fp8GemmConfig, Fp8GemmKey, default_config, fp8_gemm_config
+from loraplex.kernels.fp8_matmul import dequantize, quantize_rows
+from loraplex.kernels.settings import KernelSettings, kernel_settings, reload_kernel_settings
+from loraplex.services.inference.models.quantization.fp8_linear import Fp8Linear
+from loraplex.services.inference.models.quantization.scheme import Fp8Scheme
+
+REPO = Path(__file__).resolve().parents[2]
+CPU = torch.device("cpu")
+
+
+def _env(s: KernelSettings) -> dict[str, str]:
+    """The environment `KernelSettings.from_env` reads back as `s`."""
+    return {
+        "TRITON_INTERPRET": "1" if s.triton_interpret else "0",
+        "LORAPLEX_LORA_CONFIGS": s.lora_configs or "",
+        "LORAPLEX_FP8_GEMM": s.fp8_gemm,
+        "LORAPLEX_FP8_GEMM_CONFIGS": s.fp8_gemm_configs or "",
+    }
+
+
+@pytest.fixture
+def fp8_gemm_setting():
+    """`set(mode, configs=None)` re-reads the kernel settings with LORAPLEX_FP8_GEMM=mode; restored after."""
+    before = kernel_settings()
+
+    def set_mode(mode: str, configs: str | None = None) -> KernelSettings:
+        return reload_kernel_settings(
+            {**_env(before), "LORAPLEX_FP8_GEMM": mode, "LORAPLEX_FP8_GEMM_CONFIGS": configs or ""}
+        )
+
+    yield set_mode
+    reload_kernel_settings(_env(before))
+    assert kernel_settings() == before
+
+
+def test_setting_is_typed_and_defaults_to_scaled_mm():
+    assert KernelSettings.from_env({}).fp8_gemm == "scaled_mm"
+    assert KernelSettings.from_env({"LORAPLEX_FP8_GEMM": "auto"}).fp8_gemm == "auto"
+    with pytest.raises(ValueError, match="weight_only"):
+        KernelSettings.from_env({"LORAPLEX_FP8_GEMM": "weight-only"})
+
+
+def test_default_config_splits_k_until_the_grid_covers_the_chip():
+    # Llama-3.1-8B at batch 64, tiles of 128 weight rows: o_proj and down_proj are 32 tiles, split
+    # 8 ways (nearest 2 waves of 132 SMs; o_proj's 32 K steps allow 8 splits of 4), gate_up 224
+    # tiles, not split; qkv 48 tiles, split 6.
+    o = default_config(64, 4096, 4096, CPU)
+    assert (o.block_n, o.split_k) == (128, 8) and 4096 // o.block_k // o.split_k >= 4
+    assert default_config(64, 4096, 14336, CPU).split_k == 8
+    assert default_config(64, 28672, 4096, CPU).split_k == 1
+    assert default_config(64, 6144, 4096, CPU).split_k == 6
+    assert default_config(3, 64, 64, CPU).block_m == 16 and default_config(40, 64, 64, CPU).block_m == 64
+    assert default_config(65, 4096, 4096, CPU).split_k == 1  # prefill
+
+
+def test_configs_file_replaces_entries(tmp_path, fp8_gemm_setting):
+    path = tmp_path / "fp8.json"
+    entry = Fp8GemmConfig(16, 32, 64, 3, 2, 2)
+    path.write_text(json.dumps(fp8_gemm_configs.table_json({Fp8GemmKey("32", 4096, 4096): entry})))
+    fp8_gemm_setting("auto", str(path))
+    assert fp8_gemm_config(20, 4096, 4096, CPU) == entry  # rows 20: bucket 32
+    assert fp8_gemm_config(8, 4096, 4096, CPU) == default_config(8, 4096, 4096, CPU)
+    fp8_gemm_setting("auto", str(tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError):
+        fp8_gemm_config(20, 4096, 4096, CPU)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"128|4096|4096": [16, 32, 64, 3, 2, 2]}))
+    fp8_gemm_setting("auto", str(bad))
+    with pytest.raises(ValueError, match="rows bucket"):
+        fp8_gemm_config(20, 4096, 4096, CPU)
+
+
+def _block_linear() -> Fp8Linear:
+    lin = Fp8Linear(64, (32, 32), False, Fp8Scheme("fp8 block-wise 16x32", prequantized=True, block=(16, 32)))
+    gen = torch.Generator().manual_seed(0)
+    lin.weight.data.copy_(torch.randn(64, 64, generator=gen).to(torch.float8_e4m3fn))
+    lin.weight_scale.copy_(torch.rand(4, 2, generator=gen) + 0.5)
+    return lin
+
+
+@pytest.mark.parametrize("mode, kept", [("scaled_mm", False), ("auto", True), ("weight_only", True)])
+def test_block_scales_are_kept_unless_scaled_mm_serves(mode, kept, fp8_gemm_setting):
+    """At load on the GPU (`finish(fast=True)`), a block-scaled weight is re-quantized per channel
+    only for torch._scaled_mm; the weight-only GEMM serves the checkpoint's own block scales."""
+    fp8_gemm_setting(mode)
+    lin = _block_linear()
+    before = lin.dequantized()
+    lin.finish(fast=True)
+    assert (lin.block is not None) == kept
+    assert (lin.scale_row is None) == kept
+    after = lin.dequantized()
+    assert torch.equal(after, before) if kept else not torch.equal(after, before)
+
+
+def test_kernels_under_triton_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
+    env.pop("LORAPLEX_FP8_GEMM", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integration.test_fp8_weight_gemm"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"interpreter checks failed:\n{proc.stdout}\n{proc.stderr}"
+    assert "checked" in proc.stdout and "FAIL" not in proc.stdout, proc.stdout
+
+
+def test_kernels_compile_for_sm90(tmp_path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}", "TRITON_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.integration.test_fp8_weight_gemm", "--compile"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("cubin") == len(COMPILE_VARIANTS), proc.stdout
+    assert "wgmma 0" not in proc.stdout, proc.stdout
+
+
+# The kernels' variants a GPU serves: per-channel / block scales, split-K partials / direct bf16 out.
+COMPILE_VARIANTS = {
+    "per_channel_split": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, out="*fp32"),
+    "per_channel_bias": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=True, EVEN_K=False, out="*bf16"),
+    "block_128": dict(SCALE_BN=128, SCALE_BK=128, HAS_BIAS=False, EVEN_K=True, out="*bf16"),
+    # The default decode tile at 32-64 rows: 128 weight rows, 8 warps.
+    "per_channel_wide": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, out="*fp32", BLOCK_N=128),
+}
+
+
+def _compile_checks() -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from loraplex.kernels.fp8_weight_gemm import _fp8_weight_gemm_kernel, _split_k_sum_kernel
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*bf16"}
+    for name, variant in COMPILE_VARIANTS.items():
+        constexprs = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)
+        constexprs |= {k: v for k, v in variant.items() if k != "out"}
+        names = _fp8_weight_gemm_kernel.arg_names
+        sig = {n: "constexpr" if n in constexprs else pointers.get(n, variant["out"]) for n in names}
+        sig |= {n: "i32" for n in names if not n.endswith("_ptr") and n not in constexprs}
+        # As the JIT specialises a Llama shape: 16-aligned pointers and sizes (the pipelined path).
+        aligned = [
+            n for n in names if n.endswith("_ptr") or n in ("N", "K", "k_per_split", "stride_xm", "stride_wn")
+        ]
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        src = ASTSource(
+            _fp8_weight_gemm_kernel,
+            sig,
+            constexprs={(names.index(k),): v for k, v in constexprs.items()},
+            attrs=attrs,
+        )
+        options = {"num_warps": 8 if constexprs["BLOCK_N"] >= 128 else 4, "num_stages": 4}
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        wgmma = kernel.asm["ptx"].count("wgmma.mma_async")  # Hopper's MMA, the weight from registers
+        print(f"{name}: cubin {len(kernel.asm['cubin'])} bytes, wgmma {wgmma}", flush=True)
+    names = _split_k_sum_kernel.arg_names
+    constexprs = dict(SPLITS=4, HAS_BIAS=True, BLOCK=1024)
+    sig = {"part_ptr": "*fp32", "out_ptr": "*bf16", "bias_ptr": "*bf16", "MN": "i32", "N": "i32"}
+    sig |= {k: "constexpr" for k in constexprs}
+    src = ASTSource(
+        _split_k_sum_kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}
+    )
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    print(f"split_k_sum: {len(kernel.asm['cubin'])} bytes", flush=True)
+    return 0
+
+
+# ---- run in the subprocess, with TRITON_INTERPRET=1 ----
+
+
+def _random_case(gen: torch.Generator, block: tuple[int, int] | None):
+    m = int(torch.randint(1, 40, (), generator=gen))
+    n = int(torch.randint(8, 80, (), generator=gen))
+    k = int(torch.randint(20, 300, (), generator=gen))
+    w, scale = quantize_rows(torch.randn(n, k, generator=gen))
+    if block is not None:
+        # Block scales of spread magnitudes, so a block read from the wrong place shows (small
+        # enough that float16 outputs stay finite).
+        shape = (math.ceil(n / block[0]), math.ceil(k / block[1]))
+        scale = torch.exp2(torch.randint(-10, -3, shape, generator=gen).float())
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if torch.rand((), generator=gen) < 0.5 else None
+    return x, w, scale, bias
+
+
+def _check_gemm(seed: int, block, split_k: int, dtype: torch.dtype) -> bool:
+    from loraplex.kernels.fp8_weight_gemm import fp8_weight_gemm, fp8_weight_gemm_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    x, w, scale, bias = _random_case(gen, block)
+    x = x.to(dtype)
+    block_m = int(torch.tensor([16, 32])[torch.randint(0, 2, (), generator=gen)])
+    cfg = Fp8GemmConfig(block_m, 16 * int(torch.randint(1, 3, (), generator=gen)), 32, split_k, 4, 2)
+    out = fp8_weight_gemm(x, w, scale, block, bias, cfg)
+    # The reference in float32 from x as given: a float16 output differs by its own rounding only.
+    # Errors are measured against sum(|x| |w|) + |bias| (what bounds a sum's rounding error).
+    ref = fp8_weight_gemm_ref(x.float(), w, scale, block, None if bias is None else bias.float())
+    bound = x.float().abs() @ dequantize(w, scale, block, torch.float32).abs().T
+    bound = (bound + (0 if bias is None else bias.abs())).clamp(min=1e-6)
+    tol = 1e-6 if dtype == torch.float32 else 2**-10
+    err = ((out.float() - ref).abs() / bound).max().item()
+    ok = out.dtype == dtype and out.shape == ref.shape and err < tol
+    print(
+        f"gemm seed {seed} {tuple(x.shape)}x{tuple(w.shape)} block {block} split {split_k} {cfg[:2]} "
+        f"{dtype} bias {bias is not None}: rel err {err:.1e} {'ok' if ok else 'FAIL'}"
+    )
+    return ok
+
+
+def _check_linear_dispatch() -> int:
+    """Fp8Linear through the weight-only GEMM (run_triton_on_cpu) equals the reference path, and
+    `auto` takes it up to 64 rows where torch._scaled_mm operands exist, always where they don't."""
+    from loraplex.kernels import fp8_weight_gemm as gemm
+    from loraplex.kernels.placement import run_triton_on_cpu
+
+    failures = 0
+    calls = []
+    real = gemm.fp8_weight_gemm
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    import loraplex.services.inference.models.quantization.fp8_linear as fp8_linear
+
+    fp8_linear.fp8_weight_gemm = counting
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(7))
+    for mode, expect in (("scaled_mm", 0), ("weight_only", 1), ("auto", 1)):
+        reload_kernel_settings({"TRITON_INTERPRET": "1", "LORAPLEX_FP8_GEMM": mode})
+        lin = _block_linear()
+        ref = lin(x)  # CPU tensors without run_triton_on_cpu: the reference path
+        run_triton_on_cpu(True)
+        try:
+            calls.clear()
+            out = lin(x)
+        finally:
+            run_triton_on_cpu(False)
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+        ok = len(calls) == expect and err < 1e-5
+        failures += not ok
+        print(f"Fp8Linear {mode}: weight-only calls {len(calls)}, rel err {err:.1e} {'ok' if ok else 'FAIL'}")
+    run_triton_on_cpu(True)
+    try:
+        reload_kernel_settings({"TRITON_INTERPRET": "1", "LORAPLEX_FP8_GEMM": "auto"})
+        picks = [
+            gemm.weight_only_serves(torch.zeros(rows, 8), None, ready)
+            for rows, ready in ((64, 1), (65, 1), (65, 0))
+        ]
+        reload_kernel_settings({"TRITON_INTERPRET": "1", "LORAPLEX_FP8_GEMM": "scaled_mm"})
+        picks.append(gemm.weight_only_serves(torch.zeros(4, 8), None, False))
+    finally:
+        run_triton_on_cpu(False)
+    ok = picks == [True, False, True, False]
+    failures += not ok
+    print(f"auto picks (rows 64, 65, 65 without scaled_mm, scaled_mm mode) {picks} {'ok' if ok else 'FAIL'}")
+    return failures
+
+
+def _interpreter_checks() -> int:
+    failures = 0
+    seed = 0
+    for block in (None, (16, 32), (32, 64)):
+        for split_k in (1, 3):
+            for dtype in (torch.float32, torch.float16):
+                failures += not _check_gemm(seed, block, split_k, dtype)
+                seed += 1
+    # Block scales narrower than the config's K step (narrowed to 16), and the check discriminates:
+    # the same scales read upside down are caught.
+    from loraplex.kernels.fp8_weight_gemm import fp8_weight_gemm, fp8_weight_gemm_ref
+
+    gen = torch.Generator().manual_seed(99)
+    x, w, scale, _ = _random_case(gen, (16, 16))
+    out = fp8_weight_gemm(x, w, scale, (16, 16), None, Fp8GemmConfig(16, 16, 64, 2, 4, 2))
+    right = fp8_weight_gemm_ref(x, w, scale, (16, 16))
+    wrong = fp8_weight_gemm_ref(x, w, scale.flip(0), (16, 16))
+    ok = torch.allclose(out, right, rtol=1e-5, atol=1e-5) and not torch.allclose(
+        out, wrong, rtol=1e-3, atol=1e-3
+    )
+    failures += not ok
+    print(f"block 16x16 under a 64-wide K step; flipped scales caught: {'ok' if ok else 'FAIL'}")
+    failures += _check_linear_dispatch()
+    print("checked")
+    return failures
+
+
+if __name__ == "__main__":
+    if "--compile" in sys.argv:
+        sys.exit(_compile_checks())
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        sys.exit("set TRITON_INTERPRET=1 to run the kernels on the CPU")
+    sys.exit(1 if _interpreter_checks() else 0)
