@@ -12,32 +12,55 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 LORAPLEX = Path(sys.executable).parent / "loraplex"
 
 
-def test_up_starts_the_stack_and_stops_it(tmp_path, tiny_llama_path):
-    proc = subprocess.Popen(
+def launch_up(cache_dir: Path, model: Path, *flags: str, max_total_tokens: str) -> subprocess.Popen:
+    return subprocess.Popen(
         [
             str(LORAPLEX),
             "up",
+            *flags,
             "--port",
             "0",
             "--store-port",
             "0",
             "--openai-port",
-            "0",
+            "0",  # 8000 may be taken on a shared machine
             "--cache-dir",
-            str(tmp_path),
+            str(cache_dir),
             "--model-path",
-            str(tiny_llama_path),
+            str(model),
             "--",
             "--max-total-tokens",
-            "2048",
+            max_total_tokens,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+@pytest.fixture(scope="module")
+def stacks(tmp_path_factory, tiny_llama_path):
+    """Both tests' stacks, launched together so they load side by side (each test waits for its
+    own banner, drives it and stops it); (process, cache dir) by name."""
+    dirs = {name: tmp_path_factory.mktemp(f"up-{name}") for name in ("one", "replicas")}
+    procs = {
+        "one": launch_up(dirs["one"], tiny_llama_path, max_total_tokens="2048"),
+        "replicas": launch_up(dirs["replicas"], tiny_llama_path, "--replicas", "2", max_total_tokens="1024"),
+    }
+    yield {name: (procs[name], dirs[name]) for name in procs}
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_starts_the_stack_and_stops_it(stacks):
+    proc, _ = stacks["one"]
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 240
@@ -88,36 +111,13 @@ def test_up_starts_the_stack_and_stops_it(tmp_path, tiny_llama_path):
             proc.wait()
 
 
-def test_up_with_replicas_puts_the_router_in_front(tmp_path, tiny_llama_path):
+def test_up_with_replicas_puts_the_router_in_front(stacks):
     import grpc
 
     from loraplex.v1 import inference_pb2 as pb
     from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
-    proc = subprocess.Popen(
-        [
-            str(LORAPLEX),
-            "up",
-            "--replicas",
-            "2",
-            "--port",
-            "0",
-            "--store-port",
-            "0",
-            "--openai-port",
-            "0",  # 8000 may be taken on a shared machine
-            "--cache-dir",
-            str(tmp_path),
-            "--model-path",
-            str(tiny_llama_path),
-            "--",
-            "--max-total-tokens",
-            "1024",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc, tmp_path = stacks["replicas"]
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 240

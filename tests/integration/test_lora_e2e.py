@@ -33,6 +33,12 @@ from tests.support.lora_reference import (
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_torch_thread):
+    """Module-wide, as test_engine_correctness: see conftest.one_torch_thread (the engine and the
+    PEFT reference each run one torch thread instead of two fighting over the cores)."""
+
+
 def check_mixed_batch(
     base: Path, adapters: dict[str, Path], batch: list[str | None], slots: int, pool: int | None, **kw
 ) -> None:

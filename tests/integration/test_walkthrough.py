@@ -57,14 +57,16 @@ class Walk:
             STORE=f"127.0.0.1:{self.ports['50052']}",
         )
         self.servers: list[subprocess.Popen] = []
+        self.launched: dict[str, subprocess.Popen] = {}  # launched, not yet claimed by a section
         self.started, self.ran = 0, 0  # stacks started, blocks run
 
     def localize(self, code: str) -> str:
         code = re.sub(r"(?<!\d)(50051|50052|8000|50061|50062)(?!\d)", lambda m: self.ports[m.group(1)], code)
         return code.replace("/tmp/", f"{self.tmp}/")
 
-    def start(self, line: str) -> subprocess.Popen:
-        line = line.split("#")[0].strip()
+    def launch(self, line: str) -> subprocess.Popen:
+        """Popen a server line as the reader would run it in its own terminal (not waited for)."""
+        line = key = line.split("#")[0].strip()
         if line == "make run":
             p = self.ports
             line = (
@@ -80,6 +82,21 @@ class Walk:
             text=True,
             start_new_session=True,
         )
+        self.launched[key] = proc
+        return proc
+
+    def prelaunch(self, lines: list[str]) -> None:
+        """Launch every stack the document starts at once: they load side by side (the second
+        stack's own ports and cache dir keep it apart until its section uses it)."""
+        for line in lines:
+            self.launch(line)
+
+    def start(self, line: str) -> subprocess.Popen:
+        """The section's server line: the prelaunched stack (else a fresh one), once it is ready."""
+        key = line.split("#")[0].strip()
+        if key not in self.launched:
+            self.launch(line)
+        proc = self.launched.pop(key)
         self.servers.append(proc)
         self.started += 1
         seen: list[str] = []
@@ -134,6 +151,14 @@ def test_the_walkthrough_runs_as_written(tmp_path):
     walk = Walk(tmp_path)
     assert len(sections()) >= 7
     try:
+        walk.prelaunch(
+            [
+                m.group(0)
+                for _, blocks in sections()
+                for _, code in blocks
+                for m in SERVER_LINE.finditer(walk.localize(code))
+            ]
+        )
         for title, blocks in sections():
             for k, (lang, code) in enumerate(blocks):
                 code = walk.localize(code)
@@ -148,6 +173,6 @@ def test_the_walkthrough_runs_as_written(tmp_path):
                 walk.stop(proc)
             walk.servers = walk.servers[:1]
     finally:
-        for proc in walk.servers:
+        for proc in [*walk.servers, *walk.launched.values()]:
             walk.stop(proc)
     assert walk.started == 2 and walk.ran >= 18, (walk.started, walk.ran)  # §0's stack and §4's
