@@ -9,6 +9,7 @@ import os
 import torch
 
 from loraplex.kernels.settings import reload_kernel_settings
+from loraplex.services.inference.models import moe as moe_module
 from loraplex.services.inference.models.moe import DENSE_MAX_TOKENS
 
 KERNELS = ("torch", "grouped")
@@ -55,9 +56,19 @@ def check_step(runner, chunks, device: torch.device, graphs: bool) -> list[str]:
     fails = check_layer(runner, len(chunks), device)
     use_moe_kernel("torch")
     torch_logits = _eager(runner, chunks)
+    # Control: the two torch paths (dense, sorted) differ only in bf16 summation order; over 48 random
+    # layers top-k routing flips amplify that, so the grouped step is held to what torch vs torch shows.
+    moe_module.DENSE_MAX_TOKENS = 0
+    try:
+        sorted_logits = _eager(runner, chunks)
+    finally:
+        moe_module.DENSE_MAX_TOKENS = DENSE_MAX_TOKENS
+    control = rel_err(sorted_logits, torch_logits)
+    print(f"info: step torch sorted vs torch dense (control): {control:.2e}")
     use_moe_kernel("grouped")
     grouped = _eager(runner, chunks)
-    checks = [("step grouped vs torch experts (eager)", rel_err(grouped, torch_logits), 5e-2)]
+    tol = max(5e-2, 2 * control)
+    checks = [("step grouped vs torch experts (eager)", rel_err(grouped, torch_logits), tol)]
     # random weights give flat logits: bf16 rounding flips some argmaxes, so this one only informs
     agree = (grouped.argmax(-1) == torch_logits.argmax(-1)).float().mean().item()
     print(f"info: greedy tokens equal, grouped vs torch experts: {agree:.0%} of the batch")
