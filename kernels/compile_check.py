@@ -200,12 +200,14 @@ KERNELS = {
 }
 
 
-def compile_kernel(fn, constexprs: dict, arch: int = 90):
+def compile_kernel(fn, constexprs: dict, arch: int = 90, pointers: dict[str, str] | None = None):
+    """`fn` compiled for sm_`arch`; `pointers` overrides POINTERS' element types (an FP8 cache)."""
     names = fn.arg_names
+    pointer_types = POINTERS | (pointers or {})
     signature = {
         n: "constexpr"
         if n in constexprs
-        else POINTERS.get(n, "*i32")
+        else pointer_types.get(n, "*i32")
         if n.endswith("_ptr")
         else SCALARS.get(n, "i32")
         for n in names

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import sys
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 from loraplex.kernels.attention_decode import _decode_split_kernel
 from loraplex.kernels.attention_kv_store import _store_kv_kernel
 from loraplex.kernels.attention_prefill import _prefill_kernel
+from loraplex.kernels.compile_check import compile_kernel
 
-FLOATS = {"scale_log2": "fp32", "scale": "fp32", "softcap": "fp32"}
 SCALES = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
 FP8_CACHE = {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "q_ptr": "*bf16"}
 KERNELS = {
@@ -58,23 +54,9 @@ KERNELS = {
 }
 
 
-def compile_kernel(fn, pointers: dict[str, str], constexprs: dict):
-    names = fn.arg_names
-    signature = {
-        n: "constexpr"
-        if n in constexprs
-        else pointers.get(n, "*i32")
-        if n.endswith("_ptr")
-        else FLOATS.get(n, "i32")
-        for n in names
-    }
-    src = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32))
-
-
 def main() -> int:
     for name, (fn, pointers, constexprs) in KERNELS.items():
-        ptx = compile_kernel(fn, pointers, constexprs).asm["ptx"]
+        ptx = compile_kernel(fn, constexprs, pointers=pointers).asm["ptx"]
         print(
             f"{name}: ptx {len(ptx)} chars, div {ptx.count('div.')}, e4m3 cvt {ptx.count('e4m3')}", flush=True
         )
