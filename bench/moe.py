@@ -113,6 +113,8 @@ def time_model(name: str, runner, chunks, opts: argparse.Namespace, device: torc
         extra["expert_loop_ms"] = step_ms(runner, chunks(opts.adapters), opts.steps, device)
         experts.grouped = experts.span = hasattr(torch.nn.functional, "grouped_mm")
         extra["expert_span_ms"] = step_ms(runner, chunks(opts.adapters), opts.steps, device)
+        if not experts.span_active:  # too many (slot, expert) groups: that was the grouped path
+            extra["expert_span_ms"] = None
         experts.span = False  # adapters_ms: the default mode, grouped per adapter
         extra["expert_lora"] = True
     lora = step_ms(runner, chunks(opts.adapters), opts.steps, device)
@@ -144,6 +146,10 @@ def time_model(name: str, runner, chunks, opts: argparse.Namespace, device: torc
         row["base_vs_active_floor"] = base / row["active_floor_ms"]
         row["base_vs_touched_floor"] = base / row["touched_floor_ms"]
     return row
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def main() -> None:
@@ -184,7 +190,7 @@ def main() -> None:
             f"{r['model']:<16}{r['moe_kernel']:>8}{r['batch']:>6}{r['context']:>6}{r['base_ms']:>9.2f}{floors}"
             f"{r['adapters_ms']:>9.2f}{r['adapters_vs_base']:>9.2f}"
             + (
-                f"  (expert LoRA grouped; span {r['expert_span_ms']:.2f}, loop {r['expert_loop_ms']:.2f} ms)"
+                f"  (expert LoRA grouped; span {_ms(r['expert_span_ms'])}, loop {r['expert_loop_ms']:.2f} ms)"
                 if "expert_loop_ms" in r
                 else ""
             )

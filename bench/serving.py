@@ -119,6 +119,9 @@ def build(model_dir: Path, opts: argparse.Namespace, num_adapters: int):
         dtype="bfloat16",
         device="cuda" if torch.cuda.is_available() else "cpu",
         max_loras_per_batch=max(8, num_adapters),
+        # Every adapter resident: the rows time N distinct adapters in one batch, not slots taking
+        # turns (sized from memory, an H100 holds 50 all-module rank-16 slots beside this KV cache).
+        max_gpu_loras=max(8, num_adapters),
         max_lora_rank=16,
         lora_target_modules=("all",),
         max_running_requests=opts.max_bs,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loraplex.services.inference.lora import expert_lora as expert_lora_module
 from loraplex.services.inference.lora.adapter import AdapterWeights
 from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA
 from loraplex.services.inference.lora.expert_lora import DOWN, GATE_UP, ExpertLoRA, ExpertLoRAPool
@@ -146,6 +147,28 @@ def test_expert_lora_matches_per_expert_reference(grouped, path, monkeypatch):
     base = moe(x)
     assert not torch.allclose(got[1], base[1], atol=1e-3)  # the adapter changes its tokens
     torch.testing.assert_close(got[[0, 4, 7, 12]], base[[0, 4, 7, 12]], rtol=1e-5, atol=1e-6)
+
+
+def test_span_too_many_groups_for_cuda_takes_the_grouped_path(monkeypatch):
+    """A slot span of SPAN_MAX_GROUPS (slot, expert) groups or more is not sent to grouped_mm as one
+    call (CUDA refuses it): the step computes per slot, with the same numbers."""
+    if not hasattr(torch.nn.functional, "grouped_mm"):
+        pytest.skip("this torch has no grouped_mm")
+    pool, weights = _pool()
+    slots = torch.tensor([0, 3, 1, -1, 0, 3], dtype=torch.int32)  # span 0..3: 4 * E groups
+    x = torch.randn(slots.numel(), HIDDEN, generator=torch.Generator().manual_seed(4))
+    moe = _moe()
+    monkeypatch.setattr(expert_lora_module, "SPAN_MAX_GROUPS", 4 * E + 1)
+    fits = ExpertLoRA(pool, grouped=True, span=True)
+    fits.prepare(slots)
+    assert fits.span_active
+    monkeypatch.setattr(expert_lora_module, "SPAN_MAX_GROUPS", 4 * E)
+    lora = ExpertLoRA(pool, grouped=True, span=True)
+    lora.prepare(slots)
+    assert not lora.span_active
+    for layer in range(SHAPES.num_layers):
+        got = moe(x, expert_lora=lora.at(layer))
+        torch.testing.assert_close(got, _reference(moe, x, slots, weights, layer), rtol=1e-4, atol=1e-4)
 
 
 def test_no_expert_lora_in_the_step_takes_the_plain_path():

@@ -19,7 +19,9 @@ are sorted by (slot, expert) on the device. Then per slot, with its own rank (no
 - loop: one shrink and expand per (slot, expert) group (the per-group counts are read on the host);
 - span (opt-in, `span=True`): one shrink and one expand per layer and module over every expert of the
   slots from the step's lowest to its highest expert slot, at the step's largest rank among them:
-  fewer launches, but a smaller rank is padded with the zeros `upload` writes past it.
+  fewer launches, but a smaller rank is padded with the zeros `upload` writes past it. A span of
+  `SPAN_MAX_GROUPS` (slot, expert) groups or more takes the grouped path instead: CUDA's grouped GEMM
+  refuses that many groups.
 All give the same numbers; the loop is the reference. The host read in `prepare` makes steps with
 expert LoRA uncapturable: the engine turns CUDA graphs off when the pool holds expert buffers.
 """
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     from loraplex.services.inference.lora.adapter import AdapterWeights
 
 GATE_UP, DOWN = EXPERT_MODULES
+# torch 2.11's CUDA grouped_mm refused 8 slots x 128 experts ("Can't process more than 1024 groups")
+SPAN_MAX_GROUPS = 1024
 
 
 def expert_modules(target_modules: Iterable[str]) -> tuple[str, ...]:
@@ -144,6 +148,7 @@ class ExpertLoRA:
         self.span = span
         self.runs: list[tuple[int, int]] = []  # (slot, tokens) of the step's slots with expert LoRA
         self._tokens = self._run_of_token = None
+        self._span_rows = None  # (lo, hi, rows) of the step's slot span; None: no span this step
         self._ranks: dict[str, list[list[int]]] = {}
         self._scales: dict[str, list[list[float]]] = {}
 
@@ -157,6 +162,7 @@ class ExpertLoRA:
             runs.append((slot, tokens.numel()))
             groups.append(tokens)
         self.runs = runs
+        self._span_rows = None
         if not runs:
             return
         device = token_slots.device
@@ -166,13 +172,18 @@ class ExpertLoRA:
         used = [s for s, _ in runs]
         self._ranks = {m: self.pool.host_rank[m][:, used].tolist() for m in self.pool.modules}
         self._scales = {m: self.pool.host_scaling[m][:, used].tolist() for m in self.pool.modules}
-        if self.span:
+        if self.span and (runs[-1][0] + 1 - runs[0][0]) * self.pool.num_experts < SPAN_MAX_GROUPS:
             self._scale_dev = {
                 m: self.pool.host_scaling[m][:, used].to(device, self.pool.a[m].dtype)
                 for m in self.pool.modules
             }
             rows = torch.tensor(used) - used[0]  # runs are in slot order (torch.unique sorts)
             self._span_rows = (used[0], used[-1] + 1, rows.to(device))
+
+    @property
+    def span_active(self) -> bool:
+        """Whether this step runs the span computation (`span` and the span fits one grouped_mm)."""
+        return self._span_rows is not None
 
     def at(self, layer: int) -> LayerExpertLoRA | None:
         """The hook SparseMoE.forward takes for `layer` (None: no expert LoRA in this step)."""
@@ -199,7 +210,7 @@ class ExpertLoRA:
         out = torch.zeros(xs.shape[0], out_width, dtype=xs.dtype, device=xs.device)
         if a is None:
             return out
-        if self.span:
+        if self._span_rows is not None:
             rank = max(self._ranks[module][row], default=0)
             if rank and self._use_grouped(xs, rank):
                 return self._span_delta(row, module, xs, plan, rank, out)
