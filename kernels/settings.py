@@ -33,14 +33,14 @@ class KernelSettings:
     """`TRITON_INTERPRET=1`: Triton runs kernels in its CPU interpreter (tests), so the Triton paths
     may serve CPU tensors (`loraplex.kernels.placement.run_triton_on_cpu`, `--lora-backend triton` on CPU)."""
 
-    moe_kernel: str = "torch"
-    """`LORAPLEX_MOE_KERNEL`: how a mixture-of-experts layer runs its experts on CUDA. Default `torch`
-    until bench/moe.py's whole-model check of the grouped step has passed on a GPU (its layers match
-    the torch paths to 5e-3 there and are 1.2-1.3x faster at decode; docs/benchmarks.md). `grouped`: the
+    moe_kernel: str = "grouped"
+    """`LORAPLEX_MOE_KERNEL`: how a mixture-of-experts layer runs its experts on CUDA. `grouped`: the
     Triton grouped GEMM over tokens sorted by expert (kernels/moe_grouped.py; no host sync, so MoE
     steps of any size capture in CUDA graphs); `torch`: models/moe.py's torch paths (every expert
     dense up to 64 tokens, sorted with a host sync above; graphs only for decode batches <= 64).
-    The CPU always runs the torch paths."""
+    The CPU always runs the torch paths. Grouped is the default since its whole-model decode step
+    passed bench/moe.py's check on the H100 (within twice the torch-vs-torch control) at 27.4 ms
+    against torch's 33.5 ms (Qwen3-30B-A3B shape, batch 64, docs/benchmarks.md)."""
 
     lora_fused: str = "auto"
     """`LORAPLEX_LORA_FUSED=auto|on|off`: each LoRA group's shrink and expand as one launch with the
@@ -90,7 +90,7 @@ class KernelSettings:
         return cls(
             lora_configs=env.get("LORAPLEX_LORA_CONFIGS") or None,
             triton_interpret=env.get("TRITON_INTERPRET") == "1",
-            moe_kernel=_choice(env, "LORAPLEX_MOE_KERNEL", ("torch", "grouped")),
+            moe_kernel=_choice(env, "LORAPLEX_MOE_KERNEL", ("grouped", "torch")),
             lora_fused=fused,
             skinny_gemm=env.get("LORAPLEX_SKINNY_GEMM") == "1",
             skinny_silu=env.get("LORAPLEX_SKINNY_SILU") == "1",

@@ -78,11 +78,11 @@ def test_moe_steps_capture_at_any_size_only_with_the_grouped_kernel():
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     try:
-        reload_kernel_settings({})  # torch is the default until the grouped step is checked on a GPU
-        assert moe.graph_safe_max_tokens(cuda) == moe.DENSE_MAX_TOKENS
-        reload_kernel_settings({"LORAPLEX_MOE_KERNEL": "grouped"})
-        assert moe.graph_safe_max_tokens(cuda) is None
+        reload_kernel_settings({})
+        assert moe.graph_safe_max_tokens(cuda) is None  # grouped is the default on CUDA
         assert moe.graph_safe_max_tokens(cpu) == moe.DENSE_MAX_TOKENS  # the CPU runs torch
+        reload_kernel_settings({"LORAPLEX_MOE_KERNEL": "torch"})
+        assert moe.graph_safe_max_tokens(cuda) == moe.DENSE_MAX_TOKENS
         with pytest.raises(ValueError, match="LORAPLEX_MOE_KERNEL"):
             reload_kernel_settings({"LORAPLEX_MOE_KERNEL": "fast"})
     finally:

@@ -10,10 +10,9 @@ MLPs. Two ways to run the experts, the same numbers:
   matmuls, combined with the routing weights (zero for the experts a token did not pick). A decode
   batch of 64 x top-8 of 128 experts touches nearly every expert anyway, so the step reads the same
   weights with 2 launches instead of 2 per expert, and nothing syncs the host.
-- grouped (CUDA, `LORAPLEX_MOE_KERNEL=grouped`; not yet the default, see kernels/settings.py):
-  kernels/moe_grouped.py, a Triton grouped GEMM over the pairs sorted by expert on the device, for
-  every step size. Nothing syncs the host, so MoE steps of any size capture in CUDA graphs
-  (`graph_safe_max_tokens`).
+- grouped (CUDA, `LORAPLEX_MOE_KERNEL=grouped`, the default there): kernels/moe_grouped.py, a
+  Triton grouped GEMM over the pairs sorted by expert on the device, for every step size. Nothing
+  syncs the host, so MoE steps of any size capture in CUDA graphs (`graph_safe_max_tokens`).
 Without the grouped kernel the sorted path's host sync keeps prefill-sized steps out of graphs.
 
 Expert weights are stacked `[E, 2 * inter, hidden]` (gate rows, then up rows) and `[E, hidden,
