@@ -1,4 +1,8 @@
-"""LLMEngine: one `step()` = schedule, forward, sample, update, emit outputs.
+"""LLMEngine: admission, and one `step()` = schedule, forward, sample, update, emit outputs.
+
+The engine decides what runs and in which order; its parts do the work: the scheduler picks a
+step's requests, the model runner computes their logits, the OutputProcessor (request_outputs.py)
+samples them and turns the tokens into RequestOutputs. startup.py builds the parts.
 
 With overlap scheduling (EngineConfig.overlap_schedule; on by default on CUDA) a step launches
 its forward and sampling first and then processes the previous step's tokens (stop checks,
@@ -12,7 +16,6 @@ phase of a step ends, so a benchmark can split a step's time without patching th
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -21,25 +24,19 @@ from typing import NamedTuple, Protocol
 import torch
 
 from loraplex.kernels.compile_watch import compile_counter
-from loraplex.kernels.placement import triton_runs_on
-from loraplex.services.inference.engine.block_manager import BlockManager
 from loraplex.services.inference.engine.config import EngineConfig
 from loraplex.services.inference.engine.grammar import GrammarCache, GrammarState
-from loraplex.services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
 from loraplex.services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
 from loraplex.services.inference.engine.logprobs import StepLogprobs, rows_logprobs
 from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.overlap import InFlightStep, kv_fits_without_preemption
-from loraplex.services.inference.engine.prefix_cache import base_model_digest
 from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.request_outputs import OutputProcessor, take_prompt_logprobs
-from loraplex.services.inference.engine.scheduler import Scheduler
+from loraplex.services.inference.engine.startup import build_kv_cache, build_runner, build_scheduler
 from loraplex.services.inference.engine.types import EngineStats, RequestOutput, SamplingParams
-from loraplex.services.inference.engine.warmup import warm_up
 from loraplex.services.inference.errors import CapacityExceeded, ContextLengthExceeded, InvalidRequest
 from loraplex.services.inference.lora.adapter_slots import AdapterSlots, NoAdapters
 from loraplex.services.inference.lora.backend import LoRABackend
-from loraplex.services.inference.models.moe import graph_safe_max_tokens
 
 log = logging.getLogger(__name__)
 
@@ -91,101 +88,18 @@ class LLMEngine:
     ):
         compile_counter.install()
         compile_counter.mark_starting()
-        self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.context_length = loaded.context_length
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
-        kv_dtype = config.kv_dtype(loaded.dtype)
-        num_blocks = plan_num_blocks(
-            loaded.config,
-            kv_dtype,
-            loaded.device,
-            page_size=config.page_size,
-            context_length=self.context_length,
-            max_running_requests=config.max_running_requests,
-            max_total_tokens=config.max_total_tokens,
-            mem_fraction_static=config.mem_fraction_static,
-            reserved_bytes=kv_reserved_bytes,
-            activation_dtype=loaded.dtype,  # an FP8 cache logs its gain in blocks
-        )
-        kv_cache = allocate_kv_cache(loaded.config, num_blocks, config.page_size, kv_dtype, loaded.device)
-        caching = not config.disable_prefix_cache
-        self.block_manager = BlockManager(num_blocks, config.page_size, prefix_cache=caching)
+        kv_cache, self.block_manager = build_kv_cache(loaded, config, kv_reserved_bytes)
         self.adapter_slots = adapter_slots or NoAdapters()
-        base_digest = base_model_digest(loaded.model_dir, str(loaded.dtype)) if caching else "base:uncached"
-        self.scheduler = Scheduler(
-            config.scheduler_config(self.context_length),
-            self.block_manager,
-            self.adapter_slots,
-            base_digest=base_digest,
-        )
-        log.info(
-            "prefix cache: %s",
-            f"on (base model {base_digest[:21]})" if caching else "off (--disable-prefix-cache)",
-        )
-        self.runner = ModelRunner(
-            loaded.model,
-            loaded.config,
-            kv_cache,
-            max_num_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_running_requests,
-            context_length=self.context_length,
-            lora_backend=lora_backend,
-        )
-        if (
-            getattr(lora_backend, "experts", None) is not None
-            and loaded.device.type == "cuda"
-            and not config.disable_cuda_graph
-        ):
-            # lora/expert_lora.py reads the step's adapter slots on the host: not capturable.
-            log.warning(
-                "LoRA on the experts is enabled (--lora-target-modules experts.*): CUDA graphs are off"
-            )
-            config = self.config = dataclasses.replace(config, disable_cuda_graph=True)
-        moe_graph_tokens = graph_safe_max_tokens(loaded.device) if loaded.config.is_moe else None
-        if moe_graph_tokens is not None and loaded.device.type == "cuda" and not config.disable_cuda_graph:
-            # The torch experts (LORAPLEX_MOE_KERNEL=torch) read per-expert token counts on the host
-            # above models/moe.py's DENSE_MAX_TOKENS: only decode batches up to it capture.
-            log.warning(
-                "%s with LORAPLEX_MOE_KERNEL=torch: decode CUDA graphs up to batch %d, mixed-step graphs off",
-                loaded.config.architecture,
-                moe_graph_tokens,
-            )
-            config = self.config = dataclasses.replace(
-                config,
-                cuda_graph_max_bs=min(config.cuda_graph_max_bs, moe_graph_tokens),
-                mixed_cuda_graph_max_tokens=0,
-            )
-        if loaded.device.type == "cuda" and not config.disable_cuda_graph and config.cuda_graph_max_bs > 0:
-            self.runner.capture_cuda_graphs(min(config.cuda_graph_max_bs, config.max_running_requests))
-        if config.mixed_graphs_enabled:
-            # On CUDA with captured graphs; elsewhere the same pieces run eagerly (tests).
-            try:
-                self.runner.capture_mixed_graphs(
-                    min(config.mixed_cuda_graph_max_tokens, config.max_num_batched_tokens),
-                    use_graphs=loaded.device.type == "cuda" and not config.disable_cuda_graph,
-                )
-            except (RuntimeError, torch.OutOfMemoryError):
-                # Serving without them is slower, not wrong: say so loudly and go on eagerly.
-                log.exception(
-                    "could not capture the mixed-step CUDA graphs; steps with prefill chunks run "
-                    "eagerly (set --mixed-cuda-graph-max-tokens lower, or 0)"
-                )
-                self.runner.mixed_graphs = None
-        if triton_runs_on(loaded.device) and config.startup_warm_up:
-            # Compile every kernel variant a step can need now, not on the engine thread while serving.
-            warm_up(
-                self.runner,
-                max_num_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_running_requests,
-                context_length=self.context_length,
-            )
-            compile_counter.mark_serving()
+        self.scheduler = build_scheduler(loaded, config, self.block_manager, self.adapter_slots)
+        self.runner, self.config = build_runner(loaded, config, kv_cache, lora_backend)
         self.output_processor = OutputProcessor(
             self.tokenizer, self.eos_token_ids, loaded.config.vocab_size, self.scheduler
         )
-        self._seed_rng = random.Random(config.seed)
+        self._seed_rng = random.Random(self.config.seed)
         self._in_flight: InFlightStep | None = None  # overlap: the launched step not yet processed
         self.grammars = GrammarCache(
             self.tokenizer,
