@@ -16,7 +16,6 @@ phase of a step ends, so a benchmark can split a step's time without patching th
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from typing import NamedTuple, Protocol
@@ -37,8 +36,6 @@ from loraplex.services.inference.engine.types import EngineStats, RequestOutput,
 from loraplex.services.inference.errors import CapacityExceeded, ContextLengthExceeded, InvalidRequest
 from loraplex.services.inference.lora.adapter_slots import AdapterSlots, NoAdapters
 from loraplex.services.inference.lora.backend import LoRABackend
-
-log = logging.getLogger(__name__)
 
 
 def _admitted(entries) -> None:
