@@ -71,7 +71,7 @@ def test_random_schemas_validate_in_a_mixed_batch(engines, overlap):
     assert stopped >= NUM_SCHEMAS * 3 // 4, [o.finish_reason for o in outs]
     for free in outs[NUM_SCHEMAS:]:
         assert free.finish_reason in ("stop", "length")
-    assert engine._num_constrained == 0
+    assert engine.output_processor.num_constrained == 0
 
 
 def _free(n: int) -> SamplingParams:

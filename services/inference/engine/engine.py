@@ -1,4 +1,8 @@
-"""LLMEngine: one `step()` = schedule, forward, sample, update, emit outputs.
+"""LLMEngine: admission, and one `step()` = schedule, forward, sample, update, emit outputs.
+
+The engine decides what runs and in which order; its parts do the work: the scheduler picks a
+step's requests, the model runner computes their logits, the OutputProcessor (request_outputs.py)
+samples them and turns the tokens into RequestOutputs. startup.py builds the parts.
 
 With overlap scheduling (EngineConfig.overlap_schedule; on by default on CUDA) a step launches
 its forward and sampling first and then processes the previous step's tokens (stop checks,
@@ -12,8 +16,6 @@ phase of a step ends, so a benchmark can split a step's time without patching th
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import random
 import time
 from typing import NamedTuple, Protocol
@@ -21,46 +23,19 @@ from typing import NamedTuple, Protocol
 import torch
 
 from loraplex.kernels.compile_watch import compile_counter
-from loraplex.kernels.placement import triton_runs_on
-from loraplex.services.inference.engine.block_manager import BlockManager
 from loraplex.services.inference.engine.config import EngineConfig
-from loraplex.services.inference.engine.grammar import (
-    GrammarCache,
-    GrammarState,
-    allocate_bitmask,
-    mask_logits,
-)
-from loraplex.services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
+from loraplex.services.inference.engine.grammar import GrammarCache, GrammarState
 from loraplex.services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
-from loraplex.services.inference.engine.logprobs import StepLogprobs, record_prompt_logprobs, rows_logprobs
+from loraplex.services.inference.engine.logprobs import StepLogprobs, rows_logprobs
 from loraplex.services.inference.engine.model_runner import ModelRunner
-from loraplex.services.inference.engine.output import TextStream
-from loraplex.services.inference.engine.overlap import (
-    InFlightStep,
-    kv_fits_without_preemption,
-    strip_placeholders,
-)
-from loraplex.services.inference.engine.prefix_cache import base_model_digest
+from loraplex.services.inference.engine.overlap import InFlightStep, kv_fits_without_preemption
 from loraplex.services.inference.engine.request import Request
-from loraplex.services.inference.engine.sampler import SamplingInputs, sample_on_device
-from loraplex.services.inference.engine.scheduler import Scheduler
-from loraplex.services.inference.engine.types import EngineStats, RequestOutput, SamplingParams, TokenLogprob
-from loraplex.services.inference.engine.warmup import warm_up
-from loraplex.services.inference.errors import (
-    BackendUnavailable,
-    CapacityExceeded,
-    ContextLengthExceeded,
-    InvalidRequest,
-)
+from loraplex.services.inference.engine.request_outputs import OutputProcessor, take_prompt_logprobs
+from loraplex.services.inference.engine.startup import build_kv_cache, build_runner, build_scheduler
+from loraplex.services.inference.engine.types import EngineStats, RequestOutput, SamplingParams
+from loraplex.services.inference.errors import CapacityExceeded, ContextLengthExceeded, InvalidRequest
 from loraplex.services.inference.lora.adapter_slots import AdapterSlots, NoAdapters
 from loraplex.services.inference.lora.backend import LoRABackend
-from loraplex.services.inference.models.moe import graph_safe_max_tokens
-
-log = logging.getLogger(__name__)
-
-
-def _needs_history(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1 or bool(params.frequency_penalty) or bool(params.presence_penalty)
 
 
 def _admitted(entries) -> None:
@@ -69,13 +44,6 @@ def _admitted(entries) -> None:
     for req, _ in entries:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
-
-
-def _timing(req: Request) -> tuple[float, float, int]:
-    """RequestOutput's queue_time, time_to_first_token and cached_prompt_tokens for `req`."""
-    queued = req.first_scheduled_time - req.arrival_time if req.first_scheduled_time is not None else 0.0
-    first = req.first_token_time - req.arrival_time if req.first_token_time is not None else 0.0
-    return queued, first, req.num_cached_prompt_tokens
 
 
 class Completion(NamedTuple):
@@ -117,112 +85,35 @@ class LLMEngine:
     ):
         compile_counter.install()
         compile_counter.mark_starting()
-        self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.context_length = loaded.context_length
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
-        kv_dtype = config.kv_dtype(loaded.dtype)
-        num_blocks = plan_num_blocks(
-            loaded.config,
-            kv_dtype,
-            loaded.device,
-            page_size=config.page_size,
-            context_length=self.context_length,
-            max_running_requests=config.max_running_requests,
-            max_total_tokens=config.max_total_tokens,
-            mem_fraction_static=config.mem_fraction_static,
-            reserved_bytes=kv_reserved_bytes,
-            activation_dtype=loaded.dtype,  # an FP8 cache logs its gain in blocks
-        )
-        kv_cache = allocate_kv_cache(loaded.config, num_blocks, config.page_size, kv_dtype, loaded.device)
-        caching = not config.disable_prefix_cache
-        self.block_manager = BlockManager(num_blocks, config.page_size, prefix_cache=caching)
+        kv_cache, self.block_manager = build_kv_cache(loaded, config, kv_reserved_bytes)
         self.adapter_slots = adapter_slots or NoAdapters()
-        base_digest = base_model_digest(loaded.model_dir, str(loaded.dtype)) if caching else "base:uncached"
-        self.scheduler = Scheduler(
-            config.scheduler_config(self.context_length),
-            self.block_manager,
-            self.adapter_slots,
-            base_digest=base_digest,
+        self.scheduler = build_scheduler(loaded, config, self.block_manager, self.adapter_slots)
+        self.runner, self.config = build_runner(loaded, config, kv_cache, lora_backend)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.eos_token_ids, loaded.config.vocab_size, self.scheduler
         )
-        log.info(
-            "prefix cache: %s",
-            f"on (base model {base_digest[:21]})" if caching else "off (--disable-prefix-cache)",
-        )
-        self.runner = ModelRunner(
-            loaded.model,
-            loaded.config,
-            kv_cache,
-            max_num_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_running_requests,
-            context_length=self.context_length,
-            lora_backend=lora_backend,
-        )
-        if (
-            getattr(lora_backend, "experts", None) is not None
-            and loaded.device.type == "cuda"
-            and not config.disable_cuda_graph
-        ):
-            # lora/expert_lora.py reads the step's adapter slots on the host: not capturable.
-            log.warning(
-                "LoRA on the experts is enabled (--lora-target-modules experts.*): CUDA graphs are off"
-            )
-            config = self.config = dataclasses.replace(config, disable_cuda_graph=True)
-        moe_graph_tokens = graph_safe_max_tokens(loaded.device) if loaded.config.is_moe else None
-        if moe_graph_tokens is not None and loaded.device.type == "cuda" and not config.disable_cuda_graph:
-            # The torch experts (LORAPLEX_MOE_KERNEL=torch) read per-expert token counts on the host
-            # above models/moe.py's DENSE_MAX_TOKENS: only decode batches up to it capture.
-            log.warning(
-                "%s with LORAPLEX_MOE_KERNEL=torch: decode CUDA graphs up to batch %d, mixed-step graphs off",
-                loaded.config.architecture,
-                moe_graph_tokens,
-            )
-            config = self.config = dataclasses.replace(
-                config,
-                cuda_graph_max_bs=min(config.cuda_graph_max_bs, moe_graph_tokens),
-                mixed_cuda_graph_max_tokens=0,
-            )
-        if loaded.device.type == "cuda" and not config.disable_cuda_graph and config.cuda_graph_max_bs > 0:
-            self.runner.capture_cuda_graphs(min(config.cuda_graph_max_bs, config.max_running_requests))
-        if config.mixed_graphs_enabled:
-            # On CUDA with captured graphs; elsewhere the same pieces run eagerly (tests).
-            try:
-                self.runner.capture_mixed_graphs(
-                    min(config.mixed_cuda_graph_max_tokens, config.max_num_batched_tokens),
-                    use_graphs=loaded.device.type == "cuda" and not config.disable_cuda_graph,
-                )
-            except (RuntimeError, torch.OutOfMemoryError):
-                # Serving without them is slower, not wrong: say so loudly and go on eagerly.
-                log.exception(
-                    "could not capture the mixed-step CUDA graphs; steps with prefill chunks run "
-                    "eagerly (set --mixed-cuda-graph-max-tokens lower, or 0)"
-                )
-                self.runner.mixed_graphs = None
-        if triton_runs_on(loaded.device) and config.startup_warm_up:
-            # Compile every kernel variant a step can need now, not on the engine thread while serving.
-            warm_up(
-                self.runner,
-                max_num_tokens=config.max_num_batched_tokens,
-                max_num_seqs=config.max_running_requests,
-                context_length=self.context_length,
-            )
-            compile_counter.mark_serving()
-        self.requests: dict[str, Request] = {}
-        self._streams: dict[str, TextStream] = {}
-        self.errors: dict[str, Exception] = {}  # why a request ended with "abort", when not a client abort
-        self._seed_rng = random.Random(config.seed)
+        self._seed_rng = random.Random(self.config.seed)
         self._in_flight: InFlightStep | None = None  # overlap: the launched step not yet processed
-        self._num_penalized = 0  # requests whose sampling reads their history (no overlap then)
-        self._num_logprobs = 0  # requests that asked for log probabilities (none: the step skips them)
-        self._num_constrained = 0  # requests under a grammar (none: the step builds no token mask)
-        self._pending: InFlightStep | None = None  # overlap: the step whose tokens a mask may need first
         self.grammars = GrammarCache(
             self.tokenizer,
             loaded.config.vocab_size,
             sorted(self.eos_token_ids),
             tokenizer_name=str(loaded.model_dir),
         )
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The requests queued or running, by id (kept by `output_processor`, which ends them)."""
+        return self.output_processor.requests
+
+    @property
+    def errors(self) -> dict[str, Exception]:
+        """Why a request ended with "abort", when not a client abort; the caller pops it."""
+        return self.output_processor.errors
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> LLMEngine:
@@ -284,13 +175,7 @@ class LLMEngine:
             req.grammar = GrammarState(
                 grammar if grammar is not None else self.grammars.compile(params.constraint)
             )
-            self._num_constrained += 1
-        self.requests[request_id] = req
-        self._streams[request_id] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
-        if _needs_history(params):
-            self._num_penalized += 1
-        if params.logprobs is not None:
-            self._num_logprobs += 1
+        self.output_processor.add(req)
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -298,7 +183,7 @@ class LLMEngine:
         if req is None:
             return None
         self.scheduler.finish(req, "abort")
-        return self._final_output(req, [])
+        return self.output_processor.final_output(req, [])
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -315,14 +200,14 @@ class LLMEngine:
         if self._overlap:
             return self._step_overlapped()
         batch = self._phase("schedule", self.scheduler.schedule)
-        outputs = [self._final_output(req, []) for req in batch.finished]
+        outputs = [self.output_processor.final_output(req, []) for req in batch.finished]
         if not batch.entries:
             return outputs
         _admitted(batch.entries)
         chunks = batch.chunks()
         logits = self._phase("forward", self.runner.forward, chunks)
         sampled = [e.request for e in batch.entries if e.sample]
-        logits = self._take_prompt_logprobs(batch.entries, chunks, logits, len(sampled))
+        logits = take_prompt_logprobs(batch.entries, chunks, logits, len(sampled))
         tokens, logprobs = [], None
         if sampled:
             device_tokens, step_logprobs = self._phase("sample", self._sample, logits, sampled)
@@ -330,7 +215,7 @@ class LLMEngine:
             logprobs = rows_logprobs(step_logprobs, tokens)
         for req, n in batch.entries:
             req.num_computed_tokens += n
-        outputs.extend(self._phase("output", self._process_outputs, sampled, tokens, None, logprobs))
+        outputs.extend(self._phase("output", self.output_processor.process, sampled, tokens, None, logprobs))
         return outputs
 
     def _step_overlapped(self) -> list[RequestOutput]:
@@ -338,12 +223,13 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         pending, self._in_flight = self._in_flight, None
         if pending is not None and (
-            self._num_penalized or not kv_fits_without_preemption(self.scheduler.running, self.block_manager)
+            self.output_processor.num_penalized
+            or not kv_fits_without_preemption(self.scheduler.running, self.block_manager)
         ):
             outputs.extend(self._resolve(pending))
             pending = None
         batch = self._phase("schedule", self.scheduler.schedule)
-        outputs.extend(self._final_output(req, []) for req in batch.finished)
+        outputs.extend(self.output_processor.final_output(req, []) for req in batch.finished)
         if batch.entries:
             _admitted(batch.entries)
             chunks = batch.chunks()
@@ -351,17 +237,13 @@ class LLMEngine:
                 "forward", self.runner.forward, chunks, pending.device_tokens if pending else None
             )
             sampled = [e.request for e in batch.entries if e.sample]
-            logits = self._take_prompt_logprobs(batch.entries, chunks, logits, len(sampled))
+            logits = take_prompt_logprobs(batch.entries, chunks, logits, len(sampled))
             for req, n in batch.entries:
                 req.num_computed_tokens += n
             if sampled:
-                self._pending = pending
-                try:
-                    self._in_flight = InFlightStep(
-                        sampled, *self._phase("sample", self._sample, logits, sampled)
-                    )
-                finally:
-                    self._pending = None
+                self._in_flight = InFlightStep(
+                    sampled, *self._phase("sample", self._sample, logits, sampled, pending)
+                )
         if pending is not None:
             outputs.extend(self._resolve(pending))
         return outputs
@@ -370,10 +252,11 @@ class LLMEngine:
         """An in-flight step's outputs; rows of requests that ended since (finished, aborted) are dropped."""
         tokens = step.host_tokens()
         logprobs = rows_logprobs(step.logprobs, tokens)
-        live = [i for i, req in enumerate(step.requests) if self.requests.get(req.request_id) is req]
+        requests = self.requests
+        live = [i for i, req in enumerate(step.requests) if requests.get(req.request_id) is req]
         return self._phase(
             "output",
-            self._process_outputs,
+            self.output_processor.process,
             [step.requests[i] for i in live],
             [tokens[i] for i in live],
             [step.positions[i] for i in live],
@@ -389,175 +272,15 @@ class LLMEngine:
         self.step_timer(phase, started, result)
         return result
 
-    def _take_prompt_logprobs(self, entries, chunks, logits: torch.Tensor, num_sampled: int) -> torch.Tensor:
-        """The sampled rows of `logits`; the rows after them (chunks with `all_logits`) become their
-        requests' prompt log probabilities. Reads them on the host at once: only steps that prefill a
-        prompt asking for them pay that sync."""
-        if logits.shape[0] == num_sampled:
-            return logits
-        at = num_sampled
-        for (req, n), chunk in zip(entries, chunks, strict=True):
-            if chunk.all_logits:
-                record_prompt_logprobs(req, chunk.start_pos, logits[at : at + n])
-                at += n
-        return logits[:num_sampled]
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[torch.Tensor, StepLogprobs | None]:
-        """Token ids on the logits' device (no host sync for batches without penalties), and the
-        log probabilities of the rows that asked for them (None when none did; they are the model's,
-        before any grammar mask)."""
-        masked = logits
-        if self._num_constrained:
-            masked = self._phase("mask", self._mask_constrained, logits, reqs)
-        tokens = sample_on_device(masked, self._sampling_inputs(reqs))
-        if not self._num_logprobs:
-            return tokens, None
-        rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        if not rows:
-            return tokens, None
-        return tokens, StepLogprobs(logits, tokens, rows, [reqs[i].params.logprobs for i in rows])
-
-    def _mask_constrained(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """`logits` with the grammar mask applied to the rows of constrained requests. Under overlap
-        scheduling a constrained row's previous token is still on the device: wait for that step's
-        sampling (already done: this step's forward is queued behind it) and accept its tokens first."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if not rows:
-            return logits
-        pending = self._pending
-        if pending is not None and any(reqs[i].token_ids[-1] < 0 for i in rows):
-            tokens = pending.host_tokens()
-            for req, pos, token in zip(pending.requests, pending.positions, tokens, strict=True):
-                if req.grammar is not None and self.requests.get(req.request_id) is req:
-                    req.grammar.accept(pos - req.num_prompt_tokens, token)
-        bitmask = allocate_bitmask(len(rows), logits.shape[1], pin=logits.is_cuda)
-        for k, i in enumerate(rows):
-            reqs[i].grammar.fill(bitmask, k)
-        return mask_logits(logits, rows, bitmask)
-
-    def _process_outputs(
-        self,
-        reqs: list[Request],
-        tokens: list[int],
-        positions: list[int] | None = None,
-        logprobs: list[TokenLogprob | None] | None = None,
-    ) -> list[RequestOutput]:
-        """Stop checks, detokenization and finishing for one step's sampled tokens. `positions`:
-        where each token goes in its request's token_ids (overlap: over a placeholder); default: appended."""
-        where = positions if positions is not None else [None] * len(reqs)
-        lps = logprobs if logprobs is not None else [None] * len(reqs)
-        return [self._append_token(r, t, p, lp) for r, t, p, lp in zip(reqs, tokens, where, lps, strict=True)]
-
-    def _sampling_inputs(self, reqs: list[Request]) -> SamplingInputs:
-        ps = [r.params for r in reqs]
-        needs_history = self._num_penalized > 0 and any(_needs_history(p) for p in ps)
-        return SamplingInputs(
-            temperature=[p.temperature for p in ps],
-            top_k=[p.top_k for p in ps],
-            top_p=[p.top_p for p in ps],
-            min_p=[p.min_p for p in ps],
-            repetition_penalty=[p.repetition_penalty for p in ps],
-            frequency_penalty=[p.frequency_penalty for p in ps],
-            presence_penalty=[p.presence_penalty for p in ps],
-            generators=[r.generator for r in reqs],
-            prompt_ids=[r.prompt_ids for r in reqs] if needs_history else [[] for _ in reqs],
-            output_ids=[r.output_ids for r in reqs] if needs_history else [[] for _ in reqs],
-            banned=[self._banned(r) for r in reqs],
-        )
-
-    def _banned(self, req: Request) -> tuple[int, ...]:
-        """Token ids `req` may not sample now: its stop tokens while it is short of min_tokens (the
-        output count at sampling time includes an overlap placeholder, i.e. the tokens before this one)."""
-        params = req.params
-        if req.num_output_tokens >= params.min_tokens:
-            return ()
-        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
-        vocab = self.loaded.config.vocab_size  # a stop id outside the vocabulary can never be sampled
-        return eos + tuple(t for t in params.stop_token_ids if t < vocab)
-
-    def _append_token(
-        self, req: Request, token: int, position: int | None = None, logprob: TokenLogprob | None = None
-    ) -> RequestOutput:
-        if position is None:
-            position = len(req.token_ids)
-            req.token_ids.append(token)
-        else:
-            req.token_ids[position] = token
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        num_output_tokens = position + 1 - req.num_prompt_tokens
-        logprobs = [logprob] if logprob is not None else None
-        prompt_logprobs = None
-        if num_output_tokens == 1 and req.params.prompt_logprobs is not None:
-            prompt_logprobs = req.prompt_logprobs
-        stream = self._streams[req.request_id]
-        params = req.params
-        reason = None
-        if req.grammar is not None and not req.grammar.accept(num_output_tokens - 1, token):
-            # The mask allows only tokens the grammar accepts: this is an engine defect.
-            req.error = BackendUnavailable(f"the grammar rejected sampled token {token} (an engine defect)")
-            self.scheduler.finish(req, "abort")
-            return self._final_output(req, [token], logprobs, prompt_logprobs)
-        if (
-            (req.grammar is not None and req.grammar.terminated)  # the grammar ended with its EOS
-            or token in params.stop_token_ids
-            or (not params.ignore_eos and token in self.eos_token_ids)
-        ):
-            reason = "stop"  # the stop token's id is returned, its text is not
-        elif stream.add_token(token):
-            reason = "stop"
-        if reason is None and num_output_tokens >= req.max_new_tokens:
-            reason = "length"
-        if reason is None:
-            return RequestOutput(
-                req.request_id,
-                stream.take(False),
-                [token],
-                False,
-                None,
-                req.num_prompt_tokens,
-                num_output_tokens,
-                logprobs,
-                *_timing(req),
-                prompt_logprobs=prompt_logprobs,
-            )
-        self.scheduler.finish(req, reason)
-        return self._final_output(req, [token], logprobs, prompt_logprobs)
-
-    def _final_output(
-        self,
-        req: Request,
-        new_tokens: list[int],
-        logprobs: list[TokenLogprob] | None = None,
-        prompt_logprobs: list[TokenLogprob] | None = None,
-    ) -> RequestOutput:
-        stream = self._streams.pop(req.request_id)
-        self.requests.pop(req.request_id, None)
-        strip_placeholders(req)  # overlap: the next step's token, sampled before the request ended
-        if _needs_history(req.params):
-            self._num_penalized -= 1
-        if req.params.logprobs is not None:
-            self._num_logprobs -= 1
-            logprobs = logprobs or []
-        if req.grammar is not None:
-            self._num_constrained -= 1
-        if req.error is not None:
-            self.errors[req.request_id] = req.error
-        if req.finish_reason != "abort":
-            stream.finish()
-        text = stream.take(True) if req.finish_reason != "abort" else ""
-        return RequestOutput(
-            req.request_id,
-            text,
-            new_tokens,
-            True,
-            req.finish_reason,
-            req.num_prompt_tokens,
-            req.num_output_tokens,
-            logprobs,
-            *_timing(req),
-            prompt_logprobs=prompt_logprobs,
-        )
+    def _sample(
+        self, logits: torch.Tensor, reqs: list[Request], pending: InFlightStep | None = None
+    ) -> tuple[torch.Tensor, StepLogprobs | None]:
+        """`output_processor.sample`, after the grammar mask (its own step-timer phase) when a request is
+        constrained; `pending`: the overlapped step whose tokens that mask may need first."""
+        masked = None
+        if self.output_processor.num_constrained:
+            masked = self._phase("mask", self.output_processor.mask_constrained, logits, reqs, pending)
+        return self.output_processor.sample(logits, reqs, masked)
 
     # -- info -----------------------------------------------------------------------------
 

@@ -1,0 +1,250 @@
+"""OutputProcessor: the requests' side of a step, from the forward's logits to RequestOutputs.
+
+LLMEngine decides what runs and the model runner computes it; this module holds what only the
+requests know: each one's sampling settings, grammar and text stream. It builds a step's sampling
+inputs from them and, once the tokens are on the host, runs the stop checks and detokenization
+and ends the requests whose token finished them. The engine times and orders these calls
+(overlap scheduling processes step N's tokens during step N+1: engine/overlap.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from loraplex.services.inference.engine.grammar import allocate_bitmask, mask_logits
+from loraplex.services.inference.engine.logprobs import StepLogprobs, record_prompt_logprobs
+from loraplex.services.inference.engine.output import TextStream
+from loraplex.services.inference.engine.overlap import InFlightStep, strip_placeholders
+from loraplex.services.inference.engine.request import Request
+from loraplex.services.inference.engine.sampler import SamplingInputs, sample_on_device
+from loraplex.services.inference.engine.scheduler import Scheduler
+from loraplex.services.inference.engine.types import RequestOutput, SamplingParams, TokenLogprob
+from loraplex.services.inference.errors import BackendUnavailable
+
+
+def _needs_history(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1 or bool(params.frequency_penalty) or bool(params.presence_penalty)
+
+
+def _timing(req: Request) -> tuple[float, float, int]:
+    """RequestOutput's queue_time, time_to_first_token and cached_prompt_tokens for `req`."""
+    queued = req.first_scheduled_time - req.arrival_time if req.first_scheduled_time is not None else 0.0
+    first = req.first_token_time - req.arrival_time if req.first_token_time is not None else 0.0
+    return queued, first, req.num_cached_prompt_tokens
+
+
+def take_prompt_logprobs(entries, chunks, logits: torch.Tensor, num_sampled: int) -> torch.Tensor:
+    """The sampled rows of `logits`; the rows after them (chunks with `all_logits`) become their
+    requests' prompt log probabilities. Reads them on the host at once: only steps that prefill a
+    prompt asking for them pay that sync."""
+    if logits.shape[0] == num_sampled:
+        return logits
+    at = num_sampled
+    for (req, n), chunk in zip(entries, chunks, strict=True):
+        if chunk.all_logits:
+            record_prompt_logprobs(req, chunk.start_pos, logits[at : at + n])
+            at += n
+    return logits[:num_sampled]
+
+
+class OutputProcessor:
+    """The live requests' host state, and what a step does with it before and after sampling.
+
+    Contract (one engine thread; not thread-safe):
+    - `add(req)` when the engine queues a request; it is then in `requests` until its final output.
+    - `mask_constrained` then `sample` give one step's tokens for `reqs`, one row each, in order.
+    - `process` turns one step's host tokens into one RequestOutput per request; a token that ends
+      its request (stop token or string, grammar end, length) finishes it in `scheduler` and its
+      output is the final one.
+    - `final_output` is the final output of a request already finished in `scheduler` (aborted,
+      or ended by the scheduler itself). Each request gets exactly one final output: it then
+      leaves `requests`, and `errors` keeps why it failed, if it did, for the caller to pop.
+    """
+
+    def __init__(self, tokenizer, eos_token_ids: frozenset[int], vocab_size: int, scheduler: Scheduler):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.scheduler = scheduler
+        self.requests: dict[str, Request] = {}
+        self.errors: dict[str, Exception] = {}  # why a request ended with "abort", when not a client abort
+        self._streams: dict[str, TextStream] = {}
+        # Counts of live requests that need a costlier step; at 0 the step skips that work.
+        self.num_penalized = 0  # sampling reads their history (also: overlap resolves first)
+        self.num_logprobs = 0  # they asked for log probabilities
+        self.num_constrained = 0  # under a grammar: the step builds a token mask
+
+    def add(self, req: Request) -> None:
+        params = req.params
+        self.requests[req.request_id] = req
+        self._streams[req.request_id] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
+        if req.grammar is not None:
+            self.num_constrained += 1
+        if _needs_history(params):
+            self.num_penalized += 1
+        if params.logprobs is not None:
+            self.num_logprobs += 1
+
+    # -- before sampling --------------------------------------------------------------------
+
+    def mask_constrained(
+        self, logits: torch.Tensor, reqs: list[Request], pending: InFlightStep | None = None
+    ) -> torch.Tensor:
+        """`logits` with the grammar mask applied to the rows of constrained requests. Under overlap
+        scheduling (`pending`: the step launched before this one, its tokens not yet processed) a
+        constrained row's previous token is still on the device: wait for that step's sampling
+        (already done: this step's forward is queued behind it) and accept its tokens first."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if not rows:
+            return logits
+        if pending is not None and any(reqs[i].token_ids[-1] < 0 for i in rows):
+            tokens = pending.host_tokens()
+            for req, pos, token in zip(pending.requests, pending.positions, tokens, strict=True):
+                if req.grammar is not None and self.requests.get(req.request_id) is req:
+                    req.grammar.accept(pos - req.num_prompt_tokens, token)
+        bitmask = allocate_bitmask(len(rows), logits.shape[1], pin=logits.is_cuda)
+        for k, i in enumerate(rows):
+            reqs[i].grammar.fill(bitmask, k)
+        return mask_logits(logits, rows, bitmask)
+
+    def sample(
+        self, logits: torch.Tensor, reqs: list[Request], masked: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, StepLogprobs | None]:
+        """Token ids on the logits' device (no host sync for batches without penalties), drawn from
+        `masked` (`mask_constrained`'s result) when given, and the log probabilities of the rows
+        that asked for them (None when none did; they are the model's, before any grammar mask)."""
+        tokens = sample_on_device(masked if masked is not None else logits, self._sampling_inputs(reqs))
+        if not self.num_logprobs:
+            return tokens, None
+        rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if not rows:
+            return tokens, None
+        return tokens, StepLogprobs(logits, tokens, rows, [reqs[i].params.logprobs for i in rows])
+
+    def _sampling_inputs(self, reqs: list[Request]) -> SamplingInputs:
+        ps = [r.params for r in reqs]
+        needs_history = self.num_penalized > 0 and any(_needs_history(p) for p in ps)
+        return SamplingInputs(
+            temperature=[p.temperature for p in ps],
+            top_k=[p.top_k for p in ps],
+            top_p=[p.top_p for p in ps],
+            min_p=[p.min_p for p in ps],
+            repetition_penalty=[p.repetition_penalty for p in ps],
+            frequency_penalty=[p.frequency_penalty for p in ps],
+            presence_penalty=[p.presence_penalty for p in ps],
+            generators=[r.generator for r in reqs],
+            prompt_ids=[r.prompt_ids for r in reqs] if needs_history else [[] for _ in reqs],
+            output_ids=[r.output_ids for r in reqs] if needs_history else [[] for _ in reqs],
+            banned=[self._banned(r) for r in reqs],
+        )
+
+    def _banned(self, req: Request) -> tuple[int, ...]:
+        """Token ids `req` may not sample now: its stop tokens while it is short of min_tokens (the
+        output count at sampling time includes an overlap placeholder, i.e. the tokens before this one)."""
+        params = req.params
+        if req.num_output_tokens >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+        # a stop id outside the vocabulary can never be sampled
+        return eos + tuple(t for t in params.stop_token_ids if t < self.vocab_size)
+
+    # -- after sampling ---------------------------------------------------------------------
+
+    def process(
+        self,
+        reqs: list[Request],
+        tokens: list[int],
+        positions: list[int] | None = None,
+        logprobs: list[TokenLogprob | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Stop checks, detokenization and finishing for one step's sampled tokens. `positions`:
+        where each token goes in its request's token_ids (overlap: over a placeholder); default: appended."""
+        where = positions if positions is not None else [None] * len(reqs)
+        lps = logprobs if logprobs is not None else [None] * len(reqs)
+        return [self._append_token(r, t, p, lp) for r, t, p, lp in zip(reqs, tokens, where, lps, strict=True)]
+
+    def _append_token(
+        self, req: Request, token: int, position: int | None = None, logprob: TokenLogprob | None = None
+    ) -> RequestOutput:
+        if position is None:
+            position = len(req.token_ids)
+            req.token_ids.append(token)
+        else:
+            req.token_ids[position] = token
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        num_output_tokens = position + 1 - req.num_prompt_tokens
+        logprobs = [logprob] if logprob is not None else None
+        prompt_logprobs = None
+        if num_output_tokens == 1 and req.params.prompt_logprobs is not None:
+            prompt_logprobs = req.prompt_logprobs
+        stream = self._streams[req.request_id]
+        params = req.params
+        reason = None
+        if req.grammar is not None and not req.grammar.accept(num_output_tokens - 1, token):
+            # The mask allows only tokens the grammar accepts: this is an engine defect.
+            req.error = BackendUnavailable(f"the grammar rejected sampled token {token} (an engine defect)")
+            self.scheduler.finish(req, "abort")
+            return self.final_output(req, [token], logprobs, prompt_logprobs)
+        if (
+            (req.grammar is not None and req.grammar.terminated)  # the grammar ended with its EOS
+            or token in params.stop_token_ids
+            or (not params.ignore_eos and token in self.eos_token_ids)
+        ):
+            reason = "stop"  # the stop token's id is returned, its text is not
+        elif stream.add_token(token):
+            reason = "stop"
+        if reason is None and num_output_tokens >= req.max_new_tokens:
+            reason = "length"
+        if reason is None:
+            return RequestOutput(
+                req.request_id,
+                stream.take(False),
+                [token],
+                False,
+                None,
+                req.num_prompt_tokens,
+                num_output_tokens,
+                logprobs,
+                *_timing(req),
+                prompt_logprobs=prompt_logprobs,
+            )
+        self.scheduler.finish(req, reason)
+        return self.final_output(req, [token], logprobs, prompt_logprobs)
+
+    def final_output(
+        self,
+        req: Request,
+        new_tokens: list[int],
+        logprobs: list[TokenLogprob] | None = None,
+        prompt_logprobs: list[TokenLogprob] | None = None,
+    ) -> RequestOutput:
+        stream = self._streams.pop(req.request_id)
+        self.requests.pop(req.request_id, None)
+        strip_placeholders(req)  # overlap: the next step's token, sampled before the request ended
+        if _needs_history(req.params):
+            self.num_penalized -= 1
+        if req.params.logprobs is not None:
+            self.num_logprobs -= 1
+            logprobs = logprobs or []
+        if req.grammar is not None:
+            self.num_constrained -= 1
+        if req.error is not None:
+            self.errors[req.request_id] = req.error
+        if req.finish_reason != "abort":
+            stream.finish()
+        text = stream.take(True) if req.finish_reason != "abort" else ""
+        return RequestOutput(
+            req.request_id,
+            text,
+            new_tokens,
+            True,
+            req.finish_reason,
+            req.num_prompt_tokens,
+            req.num_output_tokens,
+            logprobs,
+            *_timing(req),
+            prompt_logprobs=prompt_logprobs,
+        )
