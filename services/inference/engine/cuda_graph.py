@@ -129,6 +129,12 @@ class DecodeGraphs:
         pool (benchmarks use it after switching a backend option)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        # The buffers hold the last replay's step. The eager warm-up below runs it again, at another
+        # size, tier or LoRA mode: it would write that step's KV slots over (a live request's last
+        # token; a block the prefix cache shares) and plan LoRA for more distinct adapters than a
+        # tier bounds. Capture runs write no KV and do no LoRA work, as the first capture's did.
+        self.slot_mapping.fill_(-1)
+        self.token_slots.fill_(-1)
         stream = torch.cuda.Stream()
         for bs, tier in keys:
             # Eager warm-up on a side stream (Triton compiles, cuBLAS picks kernels) before capture.
