@@ -17,7 +17,9 @@ sizes) and/or kernels/moe_grouped.py's grouped GEMM; on CUDA bench/moe_step_chec
 grouped step against the torch one and its graph replay against eager first (ok / FAIL; exit 1).
 `--expert-adapters`: the adapters also carry LoRA on every expert (gate_up and down, ranks 16 and 8
 in turn; bench/moe_expert_lora.py), checked first against the per-expert loop; graphs are then off
-(as the engine runs expert LoRA), and the loop's step time is printed beside the grouped one.
+(as the engine runs expert LoRA), and the loop's step time is printed beside the grouped one. With
+`--graphs` too, `--expert-lora-mode graphs` (lora/expert_lora_graph.py, no host read) is then timed
+eagerly and under decode CUDA graphs, after its replay is checked against its eager step.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from loraplex.bench.families import (
     step_ms,
     weight_bytes,
 )
-from loraplex.bench.moe_expert_lora import attach_expert_lora, check_expert_lora
-from loraplex.bench.moe_step_check import KERNELS, check_step, use_moe_kernel
+from loraplex.bench.moe_expert_lora import attach_expert_lora, check_expert_lora, time_graph_mode
+from loraplex.bench.moe_step_check import KERNELS, check_step, rel_err, use_moe_kernel
 from loraplex.bench.random_runner import TINY, TINY_FAMILIES
 from loraplex.bench.results import write_json
 from loraplex.services.inference.engine.scheduler import SeqChunk
@@ -118,6 +120,11 @@ def time_model(name: str, runner, chunks, opts: argparse.Namespace, device: torc
         experts.span = False  # adapters_ms: the default mode, grouped per adapter
         extra["expert_lora"] = True
     lora = step_ms(runner, chunks(opts.adapters), opts.steps, device)
+    if opts.expert_adapters and opts.expert_graphs and device.type == "cuda":
+        graph_row, failures = time_graph_mode(runner, chunks, opts, device, step_ms, rel_err)
+        if failures:
+            raise SystemExit(1)
+        extra.update(graph_row)
     cfg = runner.config
     all_experts, one_expert, experts = expert_bytes(runner)
     top_k = cfg.moe.top_k
@@ -165,8 +172,10 @@ def main() -> None:
         "--expert-adapters", action="store_true", help="the adapters carry LoRA on every expert too"
     )
     opts = p.parse_args()
-    if opts.expert_adapters and opts.graphs:
-        print("--expert-adapters: CUDA graphs off (expert LoRA reads the step's slots on the host)")
+    # --expert-adapters: the rows run eagerly (the default expert LoRA reads the step's slots on the
+    # host); with --graphs the graphs mode (no host read) is then timed under decode graphs too.
+    opts.expert_graphs = opts.expert_adapters and opts.graphs
+    if opts.expert_adapters:
         opts.graphs = False
     device = torch.device("cuda" if torch.cuda.is_available() and not opts.tiny else "cpu")
     if opts.tiny:
@@ -195,6 +204,12 @@ def main() -> None:
                 else ""
             )
         )
+        if "graphs_mode_base_ms" in r:
+            print(
+                f"  --expert-lora-mode graphs: eager {r['graphs_mode_eager_ms']:.2f} ms; decode graphs: base "
+                f"{r['graphs_mode_base_ms']:.2f} ms, adapters {r['graphs_mode_adapters_ms']:.2f} ms, "
+                f"base/ad {r['graphs_mode_adapters_vs_base']:.2f}"
+            )
     write_json(opts.out, "moe", dict(device=device.type, rows=rows))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.services.inference.lora.expert_lora import ExpertLoRA, ExpertLoRAPool
+from loraplex.services.inference.lora.expert_lora_graph import GraphExpertLoRA
 from loraplex.services.inference.lora.shapes import EXPERT_MODULES, shapes_of_model
 
 # Ranks of the adapters' expert LoRA, in turn (mixed: each adapter runs at its own rank).
@@ -37,6 +38,7 @@ def attach_expert_lora(runner, slots: int, seed: int = 0, grouped: bool | None =
             b[:, s, :, :, :r].normal_(0, 0.1 * r**-0.5, generator=gen)
             pool.host_rank[m][:, s] = r
             pool.host_scaling[m][:, s] = 2.0
+            pool.dev_scaling[m][:, s] = 2.0
     backend.experts = ExpertLoRA(pool, grouped=grouped)
     return pool
 
@@ -53,8 +55,13 @@ def check_expert_lora(runner, slots: int, tokens: int = 24) -> list[str]:
     outs = {}
     failures = []
     with torch.no_grad():
-        for grouped in ("span", True, False):
-            lora = ExpertLoRA(backend.experts.pool, grouped=bool(grouped), span=grouped == "span")
+        for grouped in ("span", True, False, "graphs"):
+            pool = backend.experts.pool
+            lora = (
+                GraphExpertLoRA(pool)
+                if grouped == "graphs"
+                else ExpertLoRA(pool, grouped=bool(grouped), span=grouped == "span")
+            )
             lora.prepare(token_slots)
             for dense in (True, False):
                 outs[(grouped, dense)] = lora.at(layer).moe_forward(moe, x, dense=dense).float()
@@ -73,3 +80,27 @@ def check_expert_lora(runner, slots: int, tokens: int = 24) -> list[str]:
     if (ref[~lora_rows] - base[~lora_rows]).abs().max().item() > 2e-2 * scale:
         failures.append("FAIL expert LoRA changes base tokens")
     return failures
+
+
+def time_graph_mode(runner, chunks, opts, device, step_ms, rel_err) -> tuple[dict, list[str]]:
+    """`--expert-lora-mode graphs` (lora/expert_lora_graph.py): its eager step, then decode CUDA graphs
+    captured with it, base and adapter steps, after checking the replay against the eager step."""
+    backend = runner.lora_backend
+    backend.experts = GraphExpertLoRA(backend.experts.pool)
+    adapters = chunks(opts.adapters)
+    eager_ms = step_ms(runner, adapters, opts.steps, device)
+    eager = runner.forward(adapters).clone()
+    runner.capture_cuda_graphs(opts.batch)
+    replay = runner.forward(adapters).clone()
+    err = rel_err(replay, eager)
+    failures = [] if err < 1e-2 else [f"FAIL expert LoRA graphs mode: graph replay vs eager {err:.3g}"]
+    print(f"{'ok' if not failures else 'FAIL'}: expert LoRA graphs mode, replay vs eager: {err:.2e} (< 0.01)")
+    if failures:
+        return {}, failures
+    row = dict(
+        graphs_mode_eager_ms=eager_ms,
+        graphs_mode_base_ms=step_ms(runner, chunks(0), opts.steps, device),
+        graphs_mode_adapters_ms=step_ms(runner, adapters, opts.steps, device),
+    )
+    row["graphs_mode_adapters_vs_base"] = row["graphs_mode_base_ms"] / row["graphs_mode_adapters_ms"]
+    return row, []

@@ -87,7 +87,8 @@ EXPERT_BATCH = [None, "e4", "a4", "e8", "e4", None]
 
 
 @pytest.mark.parametrize(
-    ("arch", "experts_path", "mode"), [("mixtral", "dense", "grouped"), ("qwen3_moe", "sorted", "span")]
+    ("arch", "experts_path", "mode"),
+    [("mixtral", "dense", "grouped"), ("qwen3_moe", "sorted", "span"), ("qwen3_moe", "dense", "graphs")],
 )
 def test_expert_lora_matches_transformers_and_peft(
     arch, experts_path, mode, tmp_path_factory, smollm2_path, adapter_factory, monkeypatch
@@ -111,7 +112,8 @@ def test_expert_lora_matches_transformers_and_peft(
     )
     pool = engine.runner.lora_backend.pool
     assert pool.experts is not None and set(EXPERTS) <= set(pool.target_modules)
-    assert engine.runner.lora_backend.experts.span == (mode == "span")
+    experts = engine.runner.lora_backend.experts
+    assert getattr(experts, "span", False) == (mode == "span") and experts.graph_safe == (mode == "graphs")
     prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
     got = run_engine(engine, prompts, EXPERT_BATCH)
     expected = reference(base, adapters, list(zip(prompts, EXPERT_BATCH, strict=True)))

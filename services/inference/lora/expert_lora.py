@@ -5,7 +5,8 @@ targeted expert module `m` (experts.gate_up_proj, experts.down_proj) of widths i
 `n` sparse layers, `R = max_lora_rank`:
 - `a[m]`: `[n, slots, E, R, in]`: expert e of a slot of rank r uses `[.., e, :r, :]`
 - `b[m]`: `[n, slots, E, out, R]`: it uses `[.., e, :, :r]`
-- host tables `rank[m]`, `scaling[m]`: `[n, slots]` (rank 0: the slot's adapter leaves m alone).
+- host tables `rank[m]`, `scaling[m]`: `[n, slots]` (rank 0: the slot's adapter leaves m alone),
+  and `dev_scaling[m]`, the scaling on the device (scaling 0 where the rank is 0).
 Padding past a slot's rank is stale: nothing reads it.
 
 Computation (`ExpertLoRA`): a token of slot s routed to expert e gets `scaling * B_se(A_se x)` added
@@ -89,6 +90,7 @@ class ExpertLoRAPool:
         self.b: dict[str, torch.Tensor] = {}
         self.host_rank: dict[str, torch.Tensor] = {}
         self.host_scaling: dict[str, torch.Tensor] = {}
+        self.dev_scaling: dict[str, torch.Tensor] = {}  # host_scaling's copy (lora/expert_lora_graph.py)
         for m in self.modules:
             d_in, d_out = expert_dims(shapes, m.removeprefix("experts."))
             # Uninitialised, as the adapter pool's: nothing reads past a slot's rank.
@@ -96,6 +98,7 @@ class ExpertLoRAPool:
             self.b[m] = torch.empty(n, slots, e, d_out, r, dtype=dtype, device=device)
             self.host_rank[m] = torch.zeros(n, slots, dtype=torch.int32)
             self.host_scaling[m] = torch.zeros(n, slots, dtype=torch.float32)
+            self.dev_scaling[m] = torch.zeros(n, slots, dtype=torch.float32, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -121,6 +124,7 @@ class ExpertLoRAPool:
                 self.b[m][i, slot].zero_()
             self.host_rank[m][:, slot] = rank
             self.host_scaling[m][:, slot] = scaling
+            self.dev_scaling[m][:, slot].copy_(scaling, non_blocking=True)
 
     def has_experts(self, slot: int) -> bool:
         return any(bool(self.host_rank[m][:, slot].any()) for m in self.modules)
@@ -141,6 +145,8 @@ class ExpertLoRA:
 
     `grouped`: None picks `F.grouped_mm` where torch has it (bfloat16 on CUDA), False the loop.
     `span`: the grouped computation in one launch pair over the step's slot span (see above)."""
+
+    graph_safe = False  # `prepare` reads the step's slots on the host (lora/expert_lora_graph.py does not)
 
     def __init__(self, pool: ExpertLoRAPool, grouped: bool | None = None, span: bool = False):
         self.pool = pool

@@ -19,7 +19,7 @@ from loraplex.services.inference.lora.shapes import ALL_MODULES, EXPERT_MODULES,
 LORA_BACKENDS = ("triton", "torch")
 # How LoRA on the experts is computed (lora/expert_lora.py): grouped_mm per slot at its own rank
 # (loop where torch has no grouped_mm), one grouped_mm over the step's slot span, or the loop.
-EXPERT_LORA_MODES = ("grouped", "span", "loop")
+EXPERT_LORA_MODES = ("grouped", "span", "loop", "graphs")
 # `--max-lora-rank` when neither it nor a local `--lora-paths` adapter gives one.
 DEFAULT_MAX_LORA_RANK = 64
 # `--max-gpu-loras` when not given: the slot bound of a pool sized from memory, per device type.

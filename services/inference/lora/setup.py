@@ -23,6 +23,7 @@ from loraplex.services.inference.lora.adapter import read_config
 from loraplex.services.inference.lora.backend import LoRABackend
 from loraplex.services.inference.lora.config import resolve_targets
 from loraplex.services.inference.lora.expert_lora import ExpertLoRA
+from loraplex.services.inference.lora.expert_lora_graph import GraphExpertLoRA
 from loraplex.services.inference.lora.expert_targets import resolve_expert_targets
 from loraplex.services.inference.lora.manager import LoRAManager
 from loraplex.services.inference.lora.pool import AdapterPool, pool_nbytes
@@ -184,8 +185,10 @@ def build_lora(
         backend = TorchLoRABackend(pool)
     if pool.experts is not None:
         mode = lora.expert_lora_mode
-        backend.experts = ExpertLoRA(
-            pool.experts, grouped=False if mode == "loop" else None, span=mode == "span"
+        backend.experts = (
+            GraphExpertLoRA(pool.experts)
+            if mode == "graphs"
+            else ExpertLoRA(pool.experts, grouped=False if mode == "loop" else None, span=mode == "span")
         )
     manager = LoRAManager(
         pool, max_loaded_loras=settings.max_loaded_loras, max_loras_per_batch=settings.max_loras_per_batch

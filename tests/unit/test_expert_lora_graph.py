@@ -1,0 +1,94 @@
+"""`--expert-lora-mode graphs` (lora/expert_lora_graph.py): the expert deltas from device tensors only
+match the per-expert reference, read the slots at run time (as a replayed CUDA graph's buffer
+changes under them), and split into grouped GEMM calls of fewer than SPAN_MAX_GROUPS groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.services.inference.lora import expert_lora as expert_lora_module
+from loraplex.services.inference.lora.expert_lora_graph import GraphExpertLoRA
+from loraplex.services.inference.models import moe as moe_module
+from tests.unit.test_expert_lora import HIDDEN, SHAPES, E, _moe, _pool, _reference
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(torch.nn.functional, "grouped_mm"), reason="this torch has no grouped_mm"
+)
+
+# base, three expert adapters of mixed ranks, one adapter without expert LoRA (slot 2), interleaved
+SLOTS = [-1, 0, 1, 0, 2, 3, 1, -1, 3, 0, 1, 1, 2, 0]
+
+
+def _check(lora: GraphExpertLoRA, moe, x, slots, weights) -> None:
+    for layer in range(SHAPES.num_layers):
+        got = moe(x, expert_lora=lora.at(layer))
+        torch.testing.assert_close(got, _reference(moe, x, slots, weights, layer), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", ["dense", "sorted"])
+def test_graph_expert_lora_matches_per_expert_reference(path, monkeypatch):
+    monkeypatch.setattr(moe_module, "DENSE_MAX_TOKENS", 64 if path == "dense" else 0)
+    pool, weights = _pool()
+    lora, moe = GraphExpertLoRA(pool), _moe()
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    x = torch.randn(slots.numel(), HIDDEN, generator=torch.Generator().manual_seed(9))
+    lora.prepare(slots)
+    _check(lora, moe, x, slots, weights)
+    base = moe(x)
+    got = moe(x, expert_lora=lora.at(0))
+    torch.testing.assert_close(got[[0, 4, 7, 12]], base[[0, 4, 7, 12]], rtol=1e-5, atol=1e-6)
+
+
+def test_slots_are_read_when_the_step_runs_not_at_prepare():
+    """A captured graph keeps the tensor `prepare` got and replays with the slots written into it later."""
+    pool, weights = _pool()
+    lora, moe = GraphExpertLoRA(pool), _moe()
+    buffer = torch.full((len(SLOTS),), -1, dtype=torch.int32)
+    lora.prepare(buffer)
+    x = torch.randn(len(SLOTS), HIDDEN, generator=torch.Generator().manual_seed(3))
+    for slots in (SLOTS, SLOTS[::-1], [3] * len(SLOTS)):
+        buffer.copy_(torch.tensor(slots, dtype=torch.int32))
+        _check(lora, moe, x, buffer.clone(), weights)
+
+
+def test_calls_of_fewer_than_span_max_groups_give_the_same_numbers(monkeypatch):
+    """With room for one slot a call (the prefix group of rows before a chunk counts too), every
+    slot's chunk is its own pair of grouped GEMMs."""
+    monkeypatch.setattr(expert_lora_module, "SPAN_MAX_GROUPS", E + 2)
+    calls = []
+    grouped_mm = torch.nn.functional.grouped_mm
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["offs"].numel())
+        return grouped_mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", counting)
+    pool, weights = _pool()
+    lora, moe = GraphExpertLoRA(pool), _moe()
+    slots = torch.tensor(SLOTS, dtype=torch.int32)
+    x = torch.randn(slots.numel(), HIDDEN, generator=torch.Generator().manual_seed(9))
+    lora.prepare(slots)
+    _check(lora, moe, x, slots, weights)
+    # 4 slots: 4 calls a module (shrink and expand), the first of E groups, the later of E + 1
+    assert calls[:8] == [E, E, E + 1, E + 1, E + 1, E + 1, E + 1, E + 1]
+
+
+@pytest.mark.parametrize("graph_safe", [True, False])
+def test_engine_keeps_decode_graphs_only_for_the_graphs_mode(graph_safe):
+    """engine/startup.py on CUDA: `--expert-lora-mode graphs` keeps decode graphs up to the dense MoE
+    path's size (mixed-step graphs off); the host-reading modes turn CUDA graphs off."""
+    from types import SimpleNamespace
+
+    from loraplex.services.inference.engine.config import EngineConfig
+    from loraplex.services.inference.engine.startup import _capturable
+
+    config = EngineConfig(device="cpu", cuda_graph_max_bs=256)
+    loaded = SimpleNamespace(device=torch.device("cuda"), config=SimpleNamespace(is_moe=False))
+    backend = SimpleNamespace(experts=SimpleNamespace(graph_safe=graph_safe))
+    got = _capturable(config, loaded, backend)
+    if graph_safe:
+        assert not got.disable_cuda_graph and got.cuda_graph_max_bs == moe_module.DENSE_MAX_TOKENS
+        assert got.mixed_cuda_graph_max_tokens == 0
+    else:
+        assert got.disable_cuda_graph
