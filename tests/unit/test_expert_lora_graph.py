@@ -26,15 +26,21 @@ def _check(lora: GraphExpertLoRA, moe, x, slots, weights) -> None:
         torch.testing.assert_close(got, _reference(moe, x, slots, weights, layer), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("path", ["dense", "sorted"])
-def test_graph_expert_lora_matches_per_expert_reference(path, monkeypatch):
-    monkeypatch.setattr(moe_module, "DENSE_MAX_TOKENS", 64 if path == "dense" else 0)
+def _run_on_slots() -> tuple[GraphExpertLoRA, torch.nn.Module, torch.Tensor]:
+    """The graphs mode over SLOTS, checked against the reference on every layer."""
     pool, weights = _pool()
     lora, moe = GraphExpertLoRA(pool), _moe()
     slots = torch.tensor(SLOTS, dtype=torch.int32)
     x = torch.randn(slots.numel(), HIDDEN, generator=torch.Generator().manual_seed(9))
     lora.prepare(slots)
     _check(lora, moe, x, slots, weights)
+    return lora, moe, x
+
+
+@pytest.mark.parametrize("path", ["dense", "sorted"])
+def test_graph_expert_lora_matches_per_expert_reference(path, monkeypatch):
+    monkeypatch.setattr(moe_module, "DENSE_MAX_TOKENS", 64 if path == "dense" else 0)
+    lora, moe, x = _run_on_slots()
     base = moe(x)
     got = moe(x, expert_lora=lora.at(0))
     torch.testing.assert_close(got[[0, 4, 7, 12]], base[[0, 4, 7, 12]], rtol=1e-5, atol=1e-6)
@@ -64,12 +70,7 @@ def test_calls_of_fewer_than_span_max_groups_give_the_same_numbers(monkeypatch):
         return grouped_mm(*args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "grouped_mm", counting)
-    pool, weights = _pool()
-    lora, moe = GraphExpertLoRA(pool), _moe()
-    slots = torch.tensor(SLOTS, dtype=torch.int32)
-    x = torch.randn(slots.numel(), HIDDEN, generator=torch.Generator().manual_seed(9))
-    lora.prepare(slots)
-    _check(lora, moe, x, slots, weights)
+    _run_on_slots()
     # 4 slots: 4 calls a module (shrink and expand), the first of E groups, the later of E + 1
     assert calls[:8] == [E, E, E + 1, E + 1, E + 1, E + 1, E + 1, E + 1]
 
