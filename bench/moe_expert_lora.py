@@ -65,6 +65,9 @@ def check_expert_lora(runner, slots: int, tokens: int = 24) -> list[str]:
             lora.prepare(token_slots)
             for dense in (True, False):
                 outs[(grouped, dense)] = lora.at(layer).moe_forward(moe, x, dense=dense).float()
+            if device.type == "cuda":  # the deltas inside kernels/moe_grouped.py (the default there)
+                hook = lora.at(layer)
+                outs[(grouped, "kernel")] = hook.moe_forward(moe, x, dense=False, grouped=True).float()
         base = moe(x).float()
     ref = outs[(False, False)]
     scale = ref.abs().max().item()
@@ -72,7 +75,7 @@ def check_expert_lora(runner, slots: int, tokens: int = 24) -> list[str]:
         err = (out - ref).abs().max().item()
         if err > 2e-2 * scale:
             failures.append(
-                f"FAIL expert LoRA grouped={key[0]} dense={key[1]}: max error {err:.3g} vs the loop"
+                f"FAIL expert LoRA mode={key[0]} base path={key[1]}: max error {err:.3g} vs the loop"
             )
     lora_rows = token_slots >= 0
     if (ref[lora_rows] - base[lora_rows]).abs().max().item() < 1e-3 * scale:

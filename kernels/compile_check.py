@@ -43,6 +43,7 @@ POINTERS = {
     "k_ptr": "*bf16",
     "v_ptr": "*bf16",
     "act_ptr": "*bf16",
+    "delta_ptr": "*bf16",
     "weight_ptr": "*fp32",
     "experts_ptr": "*i64",
     # the base-step options (issue 38): fused KV store, skinny GEMM, direct decode output
@@ -56,6 +57,7 @@ POINTERS = {
 }
 SCALARS = {"eps": "fp32", "scale_log2": "fp32", "scale": "fp32", "softcap": "fp32"}
 COMMON = dict(PRECISION="tf32", BLOCK_M=16)
+MOE_BLOCKS = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)
 KERNELS = {
     "shrink": (
         _shrink_kernel,
@@ -168,8 +170,10 @@ KERNELS = {
             KV_FP8=False,
         ),
     ),
-    "moe_gate_up": (_gate_up_kernel, dict(GELU=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)),
-    "moe_down": (_down_kernel, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)),
+    "moe_gate_up": (_gate_up_kernel, dict(MOE_BLOCKS, GELU=False, HAS_DELTA=False, BLOCK_M=16)),
+    "moe_down": (_down_kernel, dict(MOE_BLOCKS, HAS_DELTA=False)),
+    "moe_gate_up_lora": (_gate_up_kernel, dict(MOE_BLOCKS, GELU=False, HAS_DELTA=True, BLOCK_M=16)),
+    "moe_down_lora": (_down_kernel, dict(MOE_BLOCKS, HAS_DELTA=True)),
     "moe_align": (_moe_align_kernel, dict(E_P2=128, BLOCK_M=16, BLOCK_P=32)),
     "fused_accumulate": (
         _fused_kernel,

@@ -15,16 +15,34 @@ Two kernels per layer:
   at the pair's original (token, slot) index; the `[tokens, top_k, hidden]` result summed over
   slots is the MoE output in token order (a deterministic scatter-add: each pair written once).
 
+With LoRA on the experts (`lora=`, an `ExpertDeltas`), each pair's gate_up delta is added to the
+accumulators before the activation and its down delta before the routing weight (HAS_DELTA).
+
 `grouped_moe_ref` is the torch reference (float32 accumulation, the same roundings).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import triton
 import triton.language as tl
 
 from loraplex.kernels.moe_align import moe_tiles_triton
+
+
+class ExpertDeltas(Protocol):
+    """LoRA on the experts as `grouped_moe` takes it: each (token, slot) pair's delta, rows in pair
+    order (`token * top_k + slot`), in `x`'s dtype."""
+
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        """`[T * top_k, 2 * inter]` from the layer input `x` `[T, hidden]`."""
+        ...
+
+    def down(self, act: torch.Tensor) -> torch.Tensor:
+        """`[T * top_k, hidden]` from each pair's activation `act` `[T * top_k, inter]`."""
+        ...
 
 
 def moe_tiles(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
@@ -70,6 +88,7 @@ def _gate_up_kernel(
     tile_expert_ptr,
     tile_row_ptr,
     tile_end_ptr,
+    delta_ptr,
     num_experts,
     top_k,
     hidden,
@@ -78,7 +97,9 @@ def _gate_up_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    stride_dm,
     GELU: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -110,6 +131,11 @@ def _gate_up_kernel(
             wu = tl.load(w_base + (cols[None, :] + inter) * stride_wn + ks[:, None], mask=wmask, other=0.0)
             acc_gate = tl.dot(a, wg, acc_gate)
             acc_up = tl.dot(a, wu, acc_up)
+        if HAS_DELTA:  # LoRA on the expert: its delta, per (token, slot) pair, before the activation
+            dmask = rmask[:, None] & cmask[None, :]
+            d_row = delta_ptr + pair.to(tl.int64)[:, None] * stride_dm
+            acc_gate += tl.load(d_row + cols[None, :], mask=dmask, other=0.0).to(tl.float32)
+            acc_up += tl.load(d_row + inter + cols[None, :], mask=dmask, other=0.0).to(tl.float32)
         if GELU:  # tanh approximation; tanh(y) = 2 sigmoid(2y) - 1
             inner = 0.7978845608028654 * (acc_gate + 0.044715 * acc_gate * acc_gate * acc_gate)
             act = 0.5 * acc_gate * (2.0 * tl.sigmoid(2.0 * inner))
@@ -130,6 +156,7 @@ def _down_kernel(
     tile_expert_ptr,
     tile_row_ptr,
     tile_end_ptr,
+    delta_ptr,
     num_experts,
     hidden,
     inter,
@@ -137,6 +164,8 @@ def _down_kernel(
     stride_we,
     stride_wn,
     stride_op,
+    stride_dm,
+    HAS_DELTA: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -167,6 +196,9 @@ def _down_kernel(
                 other=0.0,
             )
             acc = tl.dot(a, w, acc)
+        if HAS_DELTA:  # LoRA on the expert: its delta before the routing weight
+            d = delta_ptr + pair[:, None] * stride_dm + cols[None, :]
+            acc += tl.load(d, mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
         weight = tl.load(weight_ptr + pair, mask=rmask, other=0.0).to(tl.float32)
         acc = acc * weight[:, None]
         out = out_ptr + pair[:, None] * stride_op + cols[None, :]
@@ -191,12 +223,15 @@ def grouped_moe(
     experts: torch.Tensor,
     activation: str = "silu",
     config: dict | None = None,
+    lora: ExpertDeltas | None = None,
 ) -> torch.Tensor:
     """The MoE output `[T, hidden]` in `x`'s dtype: sum over each token's k experts of
     `weight * down_e(act(gate_e x) * up_e x)`. `gate_up` `[E, 2 inter, hidden]` (gate rows, then up),
     `down` `[E, hidden, inter]`, `weights` / `experts` `[T, k]` (weights float32 or `x`'s dtype:
     the product with the expert output is rounded to `x`'s dtype either way, as the torch paths do).
-    `config`: BLOCK_M, BLOCK_N, BLOCK_K, optionally num_warps, num_stages (default: `default_config`)."""
+    `config`: BLOCK_M, BLOCK_N, BLOCK_K, optionally num_warps, num_stages (default: `default_config`).
+    `lora`: LoRA on the experts, its deltas added to each pair's gate_up output before the
+    activation and to its down output before the routing weight (`ExpertDeltas`)."""
     tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
@@ -212,19 +247,24 @@ def grouped_moe(
     order, tile_expert, tile_row, tile_end = moe_tiles_triton(experts, num_experts, block_m, max_tiles)
     n_tiles = tile_expert.numel()
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    delta = lora.gate_up(x).contiguous() if lora is not None else x  # x: a pointer nothing reads
     _gate_up_kernel[(n_tiles, triton.cdiv(inter, block_n))](
-        x, gate_up, act, order, tile_expert, tile_row, tile_end,
+        x, gate_up, act, order, tile_expert, tile_row, tile_end, delta,
         num_experts, top_k, hidden, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        GELU=activation != "silu", BLOCK_M=block_m, BLOCK_N=block_n, **launch,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0), delta.stride(0),
+        GELU=activation != "silu", HAS_DELTA=lora is not None, BLOCK_M=block_m, BLOCK_N=block_n, **launch,
     )  # fmt: skip
+    if lora is not None:
+        # act's rows are in expert order; the delta wants them by (token, slot) pair
+        by_pair = torch.empty_like(act).index_copy_(0, order[:pairs].to(torch.int64), act)
+        delta = lora.down(by_pair).contiguous()
     out = torch.empty(tokens, top_k, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.contiguous().view(-1)
     _down_kernel[(n_tiles, triton.cdiv(hidden, block_n))](
-        act, down, flat_weights, out, order, tile_expert, tile_row, tile_end,
+        act, down, flat_weights, out, order, tile_expert, tile_row, tile_end, delta,
         num_experts, hidden, inter,
-        act.stride(0), down.stride(0), down.stride(1), hidden,
-        BLOCK_M=block_m, BLOCK_N=block_n, **launch,
+        act.stride(0), down.stride(0), down.stride(1), hidden, delta.stride(0),
+        HAS_DELTA=lora is not None, BLOCK_M=block_m, BLOCK_N=block_n, **launch,
     )  # fmt: skip
     return out.sum(dim=1)
 

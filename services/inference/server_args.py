@@ -272,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=lo.expert_lora_mode,
         help="LoRA on the experts: grouped (a grouped GEMM per adapter at its own rank), span (one over "
         "the step's adapters at their largest rank), loop (per adapter and expert), graphs (no host "
-        "read, at the pool's max rank: decode CUDA graphs stay on up to batch 64; not yet measured)",
+        "read, at the pool's max rank: CUDA graphs stay on; not yet measured on a GPU); the others "
+        "turn CUDA graphs off",
     )
     a(
         "--disable-lora-side-stream",

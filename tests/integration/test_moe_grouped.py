@@ -41,7 +41,25 @@ for arch, norm, float_weights in (("mixtral", True, True), ("qwen3_moe", False, 
         moe.MOE_GROUPED_ON_CPU = False
         err = ((grouped - sorted_).norm() / sorted_.norm()).item()
         out.append(dict(arch=arch, tokens=tokens, err=err, forward_err=(routed - sorted_).abs().max().item()))
-print(json.dumps(dict(kernel=kernel, sparse_moe=out)))
+# LoRA on the experts through the grouped kernel's deltas, both expert LoRA modes, per-expert reference
+from loraplex.services.inference.lora.expert_lora import ExpertLoRA
+from loraplex.services.inference.lora.expert_lora_graph import GraphExpertLoRA
+from tests.unit.test_expert_lora import HIDDEN, SHAPES, _moe, _pool, _reference
+pool, weights = _pool()
+block = _moe()
+slots = torch.tensor([-1, 0, 1, 0, 2, 3, 1, -1, 3, 0, 1, 1, 2, 0], dtype=torch.int32)
+x = torch.randn(slots.numel(), HIDDEN, generator=torch.Generator().manual_seed(9))
+expert_lora = {}
+moe.MOE_GROUPED_ON_CPU = True
+for name, lora in (("grouped", ExpertLoRA(pool)), ("graphs", GraphExpertLoRA(pool))):
+    lora.prepare(slots)
+    errs = []
+    for layer in range(SHAPES.num_layers):
+        ref = _reference(block, x, slots, weights, layer)
+        errs.append(((block(x, expert_lora=lora.at(layer)) - ref).abs().max() / ref.abs().max()).item())
+    expert_lora[name] = max(errs)
+moe.MOE_GROUPED_ON_CPU = False
+print(json.dumps(dict(kernel=kernel, sparse_moe=out, expert_lora=expert_lora)))
 """
 
 
@@ -67,6 +85,13 @@ def test_sparse_moe_grouped_path_matches_sorted_path(results):
     assert len(rows) == 6
     for r in rows:
         assert r["err"] < 1e-5 and r["forward_err"] < 1e-5, r
+
+
+def test_expert_lora_deltas_in_the_grouped_kernel_match_the_per_expert_reference(results):
+    """Both expert LoRA modes hand their deltas to the grouped kernel (lora/expert_moe.py PairDeltas)."""
+    assert set(results["expert_lora"]) == {"grouped", "graphs"}
+    for name, err in results["expert_lora"].items():
+        assert err < 1e-5, (name, err)  # relative to the output's largest entry (float32)
 
 
 def test_moe_steps_capture_at_any_size_only_with_the_grouped_kernel():

@@ -76,9 +76,9 @@ def test_calls_of_fewer_than_span_max_groups_give_the_same_numbers(monkeypatch):
 
 
 @pytest.mark.parametrize("graph_safe", [True, False])
-def test_engine_keeps_decode_graphs_only_for_the_graphs_mode(graph_safe):
-    """engine/startup.py on CUDA: `--expert-lora-mode graphs` keeps decode graphs up to the dense MoE
-    path's size (mixed-step graphs off); the host-reading modes turn CUDA graphs off."""
+def test_engine_keeps_cuda_graphs_only_for_the_graphs_mode(graph_safe):
+    """engine/startup.py on CUDA: with `--expert-lora-mode graphs` the graphs stay as the base experts'
+    path allows (all of them with the grouped kernel); the host-reading modes turn them off."""
     from types import SimpleNamespace
 
     from loraplex.services.inference.engine.config import EngineConfig
@@ -88,8 +88,6 @@ def test_engine_keeps_decode_graphs_only_for_the_graphs_mode(graph_safe):
     loaded = SimpleNamespace(device=torch.device("cuda"), config=SimpleNamespace(is_moe=False))
     backend = SimpleNamespace(experts=SimpleNamespace(graph_safe=graph_safe))
     got = _capturable(config, loaded, backend)
-    if graph_safe:
-        assert not got.disable_cuda_graph and got.cuda_graph_max_bs == moe_module.DENSE_MAX_TOKENS
-        assert got.mixed_cuda_graph_max_tokens == 0
-    else:
-        assert got.disable_cuda_graph
+    assert got.disable_cuda_graph == (not graph_safe)
+    assert got.cuda_graph_max_bs == 256
+    assert got.mixed_cuda_graph_max_tokens == config.mixed_cuda_graph_max_tokens

@@ -23,7 +23,7 @@ from loraplex.services.inference.engine.scheduler import Scheduler
 from loraplex.services.inference.engine.warmup import warm_up
 from loraplex.services.inference.lora.adapter_slots import AdapterSlots
 from loraplex.services.inference.lora.backend import LoRABackend
-from loraplex.services.inference.models.moe import DENSE_MAX_TOKENS, graph_safe_max_tokens
+from loraplex.services.inference.models.moe import graph_safe_max_tokens
 
 log = logging.getLogger(__name__)
 
@@ -113,27 +113,19 @@ def build_runner(
 def _capturable(config: EngineConfig, loaded: LoadedModel, lora_backend: LoRABackend | None) -> EngineConfig:
     """`config` with the CUDA graphs turned off (and logged) that would read the step on the host."""
     experts = getattr(lora_backend, "experts", None)
-    if experts is not None and loaded.device.type == "cuda" and not config.disable_cuda_graph:
-        if experts.graph_safe:
-            # lora/expert_lora_graph.py reads no slot on the host, but a step with expert LoRA runs
-            # the base experts' torch paths, whose sorted one (longer steps) reads expert counts.
-            log.warning(
-                "LoRA on the experts (--expert-lora-mode graphs): decode CUDA graphs up to batch %d, "
-                "mixed-step graphs off",
-                DENSE_MAX_TOKENS,
-            )
-            config = dataclasses.replace(
-                config,
-                cuda_graph_max_bs=min(config.cuda_graph_max_bs, DENSE_MAX_TOKENS),
-                mixed_cuda_graph_max_tokens=0,
-            )
-        else:
-            # lora/expert_lora.py reads the step's adapter slots on the host: not capturable.
-            log.warning(
-                "LoRA on the experts is enabled (--lora-target-modules experts.*): CUDA graphs are off "
-                "(--expert-lora-mode graphs keeps decode graphs)"
-            )
-            config = dataclasses.replace(config, disable_cuda_graph=True)
+    if (
+        experts is not None
+        and not experts.graph_safe
+        and loaded.device.type == "cuda"
+        and not config.disable_cuda_graph
+    ):
+        # lora/expert_lora.py reads the step's adapter slots on the host: not capturable
+        # (lora/expert_lora_graph.py reads none: its steps capture as the base experts' path allows).
+        log.warning(
+            "LoRA on the experts is enabled (--lora-target-modules experts.*): CUDA graphs are off "
+            "(--expert-lora-mode graphs keeps them)"
+        )
+        config = dataclasses.replace(config, disable_cuda_graph=True)
     moe_graph_tokens = graph_safe_max_tokens(loaded.device) if loaded.config.is_moe else None
     if moe_graph_tokens is not None and loaded.device.type == "cuda" and not config.disable_cuda_graph:
         # The torch experts (LORAPLEX_MOE_KERNEL=torch) read per-expert token counts on the host

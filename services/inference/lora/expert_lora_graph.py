@@ -18,9 +18,11 @@ the graph's buffers:
   fewer than `SPAN_MAX_GROUPS` groups a call, so at 128 experts a chunk holds 7 slots.
 - `scaling` comes from the pool's device table (0 where a slot's adapter leaves the module alone,
   whose factors are zeros too).
-Same numbers as `ExpertLoRA` (tests/unit/test_expert_lora_graph.py). Steps of more than
-models/moe.py's DENSE_MAX_TOKENS tokens still run the base experts' sorted path, which reads
-expert counts on the host, so the engine captures decode graphs up to that size only.
+Same numbers as `ExpertLoRA` (tests/unit/test_expert_lora_graph.py). The base experts run as
+SparseMoE runs them: in the grouped kernel (CUDA's default; the deltas go into its two kernels, no
+host read at any step size) or in the torch paths, whose sorted one (steps of more than
+DENSE_MAX_TOKENS tokens) reads expert counts on the host, so the engine then captures decode graphs
+up to that size only (engine/startup.py).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The MoE forward of a step with LoRA on the experts (lora/expert_lora.py computes the deltas).
 
 `SparseMoE.forward(x, expert_lora=LayerExpertLoRA)` hands the whole MLP here: the base experts by
-SparseMoE's two torch paths, and each LoRA token's routed (token, expert) pairs get their adapter's
-expert delta on the gate_up output (before the activation) and on the down output (before the
-routing weight), as PEFT's merged `W_e + scaling * B_e @ A_e` gives.
+kernels/moe_grouped.py where SparseMoE runs it (the deltas go into its two kernels, `PairDeltas`),
+else by SparseMoE's two torch paths, and each LoRA token's routed (token, expert) pairs get their
+adapter's expert delta on the gate_up output (before the activation) and on the down output
+(before the routing weight), as PEFT's merged `W_e + scaling * B_e @ A_e` gives.
 """
 
 from __future__ import annotations
@@ -28,12 +29,20 @@ class LayerExpertLoRA:
     def __init__(self, lora: ExpertLoRA, row: int):
         self.lora, self.row = lora, row
 
-    def moe_forward(self, moe: SparseMoE, x: torch.Tensor, dense: bool) -> torch.Tensor:
-        """SparseMoE's output with each LoRA token's routed experts adapted, by SparseMoE's two torch
-        expert paths: `dense` (every expert over every token: decode-sized steps) or sorted by expert."""
+    def moe_forward(
+        self, moe: SparseMoE, x: torch.Tensor, dense: bool, grouped: bool = False
+    ) -> torch.Tensor:
+        """SparseMoE's output with each LoRA token's routed experts adapted: by the grouped kernel where
+        SparseMoE runs it (`grouped`), else by its two torch expert paths, `dense` (every expert over
+        every token: decode-sized steps) or sorted by expert."""
         weights, experts = moe.route(x)
         plan = self.lora.pairs(experts)
         k, row = moe.top_k, self.row
+        if grouped:
+            from loraplex.kernels.moe_grouped import grouped_moe  # Triton: imported where it runs
+
+            deltas = PairDeltas(self, plan, x.shape[0] * k, k)
+            return grouped_moe(x, moe.gate_up, moe.down, weights, experts, moe.activation, lora=deltas)
         tok = plan.flat // k
         if dense:
             gate_up = torch.matmul(x, moe.gate_up.transpose(1, 2))  # [E, T, 2*inter]
@@ -68,3 +77,23 @@ class LayerExpertLoRA:
         out[pos] += self.lora.delta(row, DOWN, act[pos], plan, k)
         scaled = (out * weights.flatten()[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, tokens, scaled)
+
+
+class PairDeltas:
+    """One layer's expert LoRA as kernels/moe_grouped.py takes it (`ExpertDeltas`): the plan's pair
+    deltas scattered to pair order (`token * top_k + slot`), zero for pairs without expert LoRA."""
+
+    def __init__(self, layer: LayerExpertLoRA, plan, pairs: int, top_k: int):
+        self.layer, self.plan, self.pairs, self.top_k = layer, plan, pairs, top_k
+
+    def _scatter(self, delta: torch.Tensor) -> torch.Tensor:
+        out = delta.new_zeros(self.pairs, delta.shape[1])
+        return out.index_copy_(0, self.plan.flat, delta)
+
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        xs = x[self.plan.flat // self.top_k]
+        return self._scatter(self.layer.lora.delta(self.layer.row, GATE_UP, xs, self.plan, self.top_k))
+
+    def down(self, act: torch.Tensor) -> torch.Tensor:
+        xs = act[self.plan.flat]
+        return self._scatter(self.layer.lora.delta(self.layer.row, DOWN, xs, self.plan, self.top_k))

@@ -84,7 +84,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_lora=None) -> torch.Tensor:
         if expert_lora is not None:  # LoRA on the experts: its own path (lora/expert_lora.py)
-            return expert_lora.moe_forward(self, x, dense=x.shape[0] <= DENSE_MAX_TOKENS)
+            return expert_lora.moe_forward(
+                self, x, dense=x.shape[0] <= DENSE_MAX_TOKENS, grouped=grouped_kernel_on(x.device)
+            )
         weights, experts = self.route(x)
         if grouped_kernel_on(x.device):
             return self._grouped(x, weights, experts)
