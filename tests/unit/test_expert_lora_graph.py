@@ -91,3 +91,29 @@ def test_engine_keeps_cuda_graphs_only_for_the_graphs_mode(graph_safe):
     assert got.disable_cuda_graph == (not graph_safe)
     assert got.cuda_graph_max_bs == 256
     assert got.mixed_cuda_graph_max_tokens == config.mixed_cuda_graph_max_tokens
+
+
+def test_warm_up_computes_expert_lora_in_its_steps_and_restores_the_mode():
+    """engine/warmup.py: the host-reading mode would skip expert LoRA with no adapter loaded, so the
+    warm-up runs the graphs mode over the same pool (compiling the grouped kernel's delta variant),
+    then puts the engine's mode back."""
+    from types import SimpleNamespace
+
+    from loraplex.services.inference.engine.warmup import warm_up
+    from loraplex.services.inference.lora.expert_lora import ExpertLoRA
+
+    pool, _ = _pool()
+    experts = ExpertLoRA(pool)
+    seen = []
+    backend = SimpleNamespace(pool=SimpleNamespace(slots=pool.slots), experts=experts)
+    runner = SimpleNamespace(
+        lora_backend=backend,
+        config=SimpleNamespace(num_kv_heads=2),
+        page_size=16,
+        device=torch.device("cpu"),
+        forward=lambda chunks: seen.append(backend.experts),
+    )
+    ran = warm_up(runner, max_num_tokens=64, max_num_seqs=8, context_length=128)
+    assert ran == len(seen) > 0
+    assert all(isinstance(e, GraphExpertLoRA) and e.pool is pool for e in seen)
+    assert backend.experts is experts

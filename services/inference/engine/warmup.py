@@ -8,7 +8,8 @@ The classes (what picks a compiled variant, see the kernels):
 - the decode count: the decode attention's (tile, padded split count) (`attention_decode.decode_variants`),
   as decodes beside a small prefill chunk (the eager mixed-step path; pure decode steps replay graphs,
   whose capture compiled theirs);
-- LoRA: none, up to MANY_ADAPTERS distinct adapters, more (when the pool has more slots).
+- LoRA: none, up to MANY_ADAPTERS distinct adapters, more (when the pool has more slots); with LoRA
+  on the experts, the grouped expert kernel's delta variant too (`_expert_lora_for_warm_up`).
 
 Steps write garbage into KV block 0 and read adapter slots that may be empty (rank 0: no work);
 nothing is served yet, and every request writes its KV before reading it.
@@ -107,8 +108,16 @@ def warm_up(runner: ModelRunner, *, max_num_tokens: int, max_num_seqs: int, cont
         runner.page_size,
         runner.device,
     )
-    for chunks in steps:
-        runner.forward(chunks)
+    backend = runner.lora_backend
+    experts = getattr(backend, "experts", None)
+    if experts is not None:
+        backend.experts = _expert_lora_for_warm_up(experts)
+    try:
+        for chunks in steps:
+            runner.forward(chunks)
+    finally:
+        if experts is not None:
+            backend.experts = experts
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     log.info(
@@ -119,3 +128,18 @@ def warm_up(runner: ModelRunner, *, max_num_tokens: int, max_num_seqs: int, cont
         time.perf_counter() - start,
     )
     return len(steps)
+
+
+def _expert_lora_for_warm_up(experts):
+    """Expert LoRA that computes in every LoRA step of the warm-up. The host-reading mode skips layers
+    whose step holds no expert adapter (none is loaded yet), so the grouped expert kernel's delta
+    variant would compile at the first served step with one; the graphs mode always computes (zero
+    deltas for empty slots) over the same pool."""
+    if experts.graph_safe:
+        return experts
+    from loraplex.services.inference.lora.expert_lora_graph import GraphExpertLoRA
+
+    try:
+        return GraphExpertLoRA(experts.pool)
+    except ValueError:  # not bfloat16, or a rank the grouped GEMM cannot take: nothing to warm
+        return experts
