@@ -39,7 +39,7 @@ from loraplex.bench.families import (
     weight_bytes,
 )
 from loraplex.bench.moe_expert_lora import attach_expert_lora, check_expert_lora, time_graph_mode
-from loraplex.bench.moe_step_check import KERNELS, check_step, rel_err, use_moe_kernel
+from loraplex.bench.moe_step_check import KERNELS, check_step, use_moe_kernel
 from loraplex.bench.random_runner import TINY, TINY_FAMILIES
 from loraplex.bench.results import write_json
 from loraplex.services.inference.engine.scheduler import SeqChunk
@@ -120,8 +120,8 @@ def time_model(name: str, runner, chunks, opts: argparse.Namespace, device: torc
         experts.span = False  # adapters_ms: the default mode, grouped per adapter
         extra["expert_lora"] = True
     lora = step_ms(runner, chunks(opts.adapters), opts.steps, device)
-    if opts.expert_adapters and opts.expert_graphs and device.type == "cuda":
-        graph_row, failures = time_graph_mode(runner, chunks, opts, device, step_ms, rel_err)
+    if opts.expert_graphs and device.type == "cuda":
+        graph_row, failures = time_graph_mode(runner, chunks, opts, device)
         if failures:
             raise SystemExit(1)
         extra.update(graph_row)

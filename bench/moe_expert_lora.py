@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from loraplex.bench.families import step_ms
+from loraplex.bench.moe_step_check import rel_err
 from loraplex.services.inference.lora.expert_lora import ExpertLoRA, ExpertLoRAPool
 from loraplex.services.inference.lora.expert_lora_graph import GraphExpertLoRA
 from loraplex.services.inference.lora.shapes import EXPERT_MODULES, shapes_of_model
@@ -54,9 +56,9 @@ def check_expert_lora(runner, slots: int, tokens: int = 24) -> list[str]:
     token_slots = torch.tensor([t % (slots + 1) - 1 for t in range(tokens)], dtype=torch.int32, device=device)
     outs = {}
     failures = []
+    pool = backend.experts.pool
     with torch.no_grad():
         for grouped in ("span", True, False, "graphs"):
-            pool = backend.experts.pool
             lora = (
                 GraphExpertLoRA(pool)
                 if grouped == "graphs"
@@ -85,7 +87,7 @@ def check_expert_lora(runner, slots: int, tokens: int = 24) -> list[str]:
     return failures
 
 
-def time_graph_mode(runner, chunks, opts, device, step_ms, rel_err) -> tuple[dict, list[str]]:
+def time_graph_mode(runner, chunks, opts, device) -> tuple[dict, list[str]]:
     """`--expert-lora-mode graphs` (lora/expert_lora_graph.py): its eager step, then decode CUDA graphs
     captured with it, base and adapter steps, after checking the replay against the eager step."""
     backend = runner.lora_backend

@@ -256,7 +256,7 @@ def grouped_moe(
     )  # fmt: skip
     if lora is not None:
         # act's rows are in expert order; the delta wants them by (token, slot) pair
-        by_pair = torch.empty_like(act).index_copy_(0, order[:pairs].to(torch.int64), act)
+        by_pair = torch.empty_like(act).index_copy_(0, order.long(), act)
         delta = lora.down(by_pair).contiguous()
     out = torch.empty(tokens, top_k, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.contiguous().view(-1)
