@@ -15,6 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from loraplex.kernels.attention_decode import _decode_split_kernel
+from loraplex.kernels.expert_lora_pairs import _pair_lora_kernel
 from loraplex.kernels.fused_ops import _add_rms_norm_kernel, _qkv_rotary_kernel, _silu_mul_kernel
 from loraplex.kernels.lora_expand import _expand_kernel, _expand_token_kernel
 from loraplex.kernels.lora_fused import _fused_kernel
@@ -54,6 +55,7 @@ POINTERS = {
     "part_ptr": "*fp32",
     "mid_o_ptr": "*bf16",
     "mid_lse_ptr": "*fp32",
+    "slot_scale_ptr": "*fp32",
 }
 SCALARS = {"eps": "fp32", "scale_log2": "fp32", "scale": "fp32", "softcap": "fp32"}
 COMMON = dict(PRECISION="tf32", BLOCK_M=16)
@@ -174,6 +176,8 @@ KERNELS = {
     "moe_down": (_down_kernel, dict(MOE_BLOCKS, HAS_DELTA=False)),
     "moe_gate_up_lora": (_gate_up_kernel, dict(MOE_BLOCKS, GELU=False, HAS_DELTA=True, BLOCK_M=16)),
     "moe_down_lora": (_down_kernel, dict(MOE_BLOCKS, HAS_DELTA=True)),
+    "expert_pair_lora_r16": (_pair_lora_kernel, dict(RANK=16, R_P2=16, BLOCK_K=128, BLOCK_N=64)),
+    "expert_pair_lora_r24": (_pair_lora_kernel, dict(RANK=24, R_P2=32, BLOCK_K=128, BLOCK_N=64)),
     "moe_align": (_moe_align_kernel, dict(E_P2=128, BLOCK_M=16, BLOCK_P=32)),
     "fused_accumulate": (
         _fused_kernel,

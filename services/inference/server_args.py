@@ -270,10 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--expert-lora-mode",
         choices=EXPERT_LORA_MODES,
         default=lo.expert_lora_mode,
-        help="LoRA on the experts: grouped (a grouped GEMM per adapter at its own rank), span (one over "
-        "the step's adapters at their largest rank), loop (per adapter and expert), graphs (no host "
-        "read, at the pool's max rank: CUDA graphs stay on; not yet measured on a GPU); the others "
-        "turn CUDA graphs off",
+        help="LoRA on the experts: auto (graphs on CUDA where it fits: bfloat16, a max rank that is a "
+        "multiple of 8; else grouped), grouped (a grouped GEMM per adapter at its own rank), span (one "
+        "over the step's adapters at their largest rank), loop (per adapter and expert), graphs (no "
+        "host read: CUDA graphs stay on; decode steps take a per-pair Triton kernel); the others turn "
+        "CUDA graphs off",
     )
     a(
         "--disable-lora-side-stream",

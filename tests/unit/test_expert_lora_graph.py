@@ -117,3 +117,26 @@ def test_warm_up_computes_expert_lora_in_its_steps_and_restores_the_mode():
     assert ran == len(seen) > 0
     assert all(isinstance(e, GraphExpertLoRA) and e.pool is pool for e in seen)
     assert backend.experts is experts
+
+
+def test_auto_mode_takes_graphs_on_cuda_where_it_fits_and_grouped_elsewhere():
+    """`--expert-lora-mode auto` (the default, lora/setup.py): graphs on CUDA with bfloat16 factors
+    at a rank that is a multiple of 8 (CUDA's grouped GEMM), grouped there otherwise and on the CPU;
+    a mode asked for by name is kept."""
+    from types import SimpleNamespace
+
+    from loraplex.services.inference.lora.setup import expert_lora_mode
+
+    def cuda_pool(dtype, rank):
+        factors = SimpleNamespace(device=torch.device("cuda"), dtype=dtype)
+        return SimpleNamespace(a={"experts.gate_up_proj": factors}, max_rank=rank)
+
+    cpu_pool, _ = _pool()
+    assert expert_lora_mode("auto", cpu_pool) == "grouped"
+    assert expert_lora_mode("graphs", cpu_pool) == "graphs"
+    assert expert_lora_mode("auto", cuda_pool(torch.bfloat16, 16)) == "graphs"
+    assert expert_lora_mode("auto", cuda_pool(torch.bfloat16, 12)) == "grouped"
+    assert expert_lora_mode("auto", cuda_pool(torch.float16, 16)) == "grouped"
+    assert expert_lora_mode("span", cuda_pool(torch.bfloat16, 16)) == "span"
+    with pytest.raises(ValueError, match="bfloat16"):
+        GraphExpertLoRA(cuda_pool(torch.float16, 16))

@@ -9,7 +9,8 @@ The classes (what picks a compiled variant, see the kernels):
   as decodes beside a small prefill chunk (the eager mixed-step path; pure decode steps replay graphs,
   whose capture compiled theirs);
 - LoRA: none, up to MANY_ADAPTERS distinct adapters, more (when the pool has more slots); with LoRA
-  on the experts, the grouped expert kernel's delta variant too (`_expert_lora_for_warm_up`).
+  on the experts, the grouped expert kernel's delta variant and the per-pair expert LoRA kernel
+  too (`_expert_lora_for_warm_up`).
 
 Steps write garbage into KV block 0 and read adapter slots that may be empty (rank 0: no work);
 nothing is served yet, and every request writes its KV before reading it.

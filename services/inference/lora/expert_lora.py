@@ -197,6 +197,11 @@ class ExpertLoRA:
             return None
         return LayerExpertLoRA(self, self.pool.layer_row[layer])
 
+    def direct_deltas(self, row: int, experts: torch.Tensor) -> None:
+        """None: this mode plans the pairs on the host (`pairs`); GraphExpertLoRA may compute the
+        grouped kernel's deltas without a plan."""
+        return None
+
     def pairs(self, experts: torch.Tensor) -> PairPlan:
         """Sort the LoRA tokens' (token, expert) pairs of one layer's routing `[T, k]` by (run, expert)."""
         k, e = experts.shape[1], self.pool.num_experts

@@ -16,6 +16,10 @@ the graph's buffers:
   chunk after the first starts with one more group, the previous slot's last expert, whose rows
   are every row before the chunk; those rows' outputs are discarded. CUDA's grouped GEMM takes
   fewer than `SPAN_MAX_GROUPS` groups a call, so at 128 experts a chunk holds 7 slots.
+- At decode-sized steps on the Triton path (up to `PAIR_KERNEL_MAX_PAIRS` routed pairs) the grouped
+  expert kernel takes its deltas from kernels/expert_lora_pairs.py instead: one program per pair
+  reads that pair's factors only (`direct_deltas`), where the grouped GEMMs above spend most of a
+  decode step on empty groups.
 - `scaling` comes from the pool's device table (0 where a slot's adapter leaves the module alone,
   whose factors are zeros too).
 Same numbers as `ExpertLoRA` (tests/unit/test_expert_lora_graph.py). The base experts run as
@@ -32,10 +36,16 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels.placement import triton_runs_on
 from loraplex.services.inference.lora import expert_lora
 from loraplex.services.inference.lora.expert_lora import ExpertLoRAPool
-from loraplex.services.inference.lora.expert_moe import LayerExpertLoRA
+from loraplex.services.inference.lora.expert_moe import DOWN, GATE_UP, LayerExpertLoRA
 from loraplex.services.inference.lora.shapes import expert_dims
+
+# Up to this many routed pairs a step takes the per-pair kernel (kernels/expert_lora_pairs.py), which
+# re-reads a group's factors for every pair of it; above, the groups repeat enough that the grouped
+# GEMMs (reading each once) win. Decode graphs (batch <= 256, top-8) stay below.
+PAIR_KERNEL_MAX_PAIRS = 2048
 
 
 class GraphPairPlan(NamedTuple):
@@ -47,6 +57,33 @@ class GraphPairPlan(NamedTuple):
     ends: torch.Tensor  # [slots * E] int32 cumulative end row of each group (grouped_mm's offs)
 
 
+class KernelPairDeltas:
+    """`ExpertDeltas` (kernels/moe_grouped.py) computed per routed pair by one Triton launch a module
+    (kernels/expert_lora_pairs.py): no sort, no empty groups, nothing read on the host."""
+
+    def __init__(self, lora: GraphExpertLoRA, row: int, experts: torch.Tensor):
+        self.lora, self.row, self.experts = lora, row, experts
+
+    def _run(self, module: str, x: torch.Tensor, per_pair_input: bool) -> torch.Tensor:
+        from loraplex.kernels.expert_lora_pairs import expert_pair_lora  # Triton: imported where it runs
+
+        pool, top_k = self.lora.pool, self.experts.shape[1]
+        if module not in pool.a:
+            out_width = expert_dims(pool.shapes, module.removeprefix("experts."))[1]
+            return x.new_zeros(self.experts.numel(), out_width)
+        groups = pool.slots * pool.num_experts
+        a = pool.a[module][self.row].view(groups, pool.max_rank, -1)
+        b = pool.b[module][self.row].view(groups, -1, pool.max_rank)
+        scale = pool.dev_scaling[module][self.row]
+        return expert_pair_lora(x, a, b, scale, self.experts, self.lora._slots, top_k, per_pair_input)
+
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        return self._run(GATE_UP, x, per_pair_input=False)
+
+    def down(self, act: torch.Tensor) -> torch.Tensor:
+        return self._run(DOWN, act, per_pair_input=True)
+
+
 class GraphExpertLoRA:
     """Expert LoRA over an `ExpertLoRAPool` from device tensors only (see the module docstring).
 
@@ -55,10 +92,16 @@ class GraphExpertLoRA:
 
     graph_safe = True
 
+    @staticmethod
+    def fits(pool: ExpertLoRAPool) -> bool:
+        """Whether this mode can serve `pool`: CUDA's grouped GEMM (the long steps' path) takes
+        bfloat16 with 16-byte aligned strides, the rank being one of them."""
+        factors = next(iter(pool.a.values()))
+        return factors.device.type != "cuda" or (pool.max_rank % 8 == 0 and factors.dtype == torch.bfloat16)
+
     def __init__(self, pool: ExpertLoRAPool):
         factors = next(iter(pool.a.values()))
-        # CUDA's grouped GEMM takes bfloat16 with 16-byte aligned strides (the rank is one of them).
-        if factors.device.type == "cuda" and (pool.max_rank % 8 or factors.dtype != torch.bfloat16):
+        if not self.fits(pool):
             raise ValueError(
                 "--expert-lora-mode graphs needs bfloat16 and --max-lora-rank a multiple of 8 on CUDA "
                 f"(got {factors.dtype}, rank {pool.max_rank})"
@@ -74,6 +117,14 @@ class GraphExpertLoRA:
         if self._slots is None or layer not in self.pool.layer_row:
             return None
         return LayerExpertLoRA(self, self.pool.layer_row[layer])
+
+    def direct_deltas(self, row: int, experts: torch.Tensor) -> KernelPairDeltas | None:
+        """The grouped expert kernel's deltas straight from each pair's factors
+        (kernels/expert_lora_pairs.py) at decode-sized steps on the Triton path; None elsewhere
+        (the caller plans the pairs and takes the grouped GEMMs below)."""
+        if experts.numel() > PAIR_KERNEL_MAX_PAIRS or not triton_runs_on(experts):
+            return None
+        return KernelPairDeltas(self, row, experts)
 
     def pairs(self, experts: torch.Tensor) -> GraphPairPlan:
         """Sort one layer's routed pairs `[T, k]` by (slot, expert), base tokens last."""

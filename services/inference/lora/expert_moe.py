@@ -36,13 +36,15 @@ class LayerExpertLoRA:
         SparseMoE runs it (`grouped`), else by its two torch expert paths, `dense` (every expert over
         every token: decode-sized steps) or sorted by expert."""
         weights, experts = moe.route(x)
-        plan = self.lora.pairs(experts)
         k, row = moe.top_k, self.row
         if grouped:
             from loraplex.kernels.moe_grouped import grouped_moe  # Triton: imported where it runs
 
-            deltas = PairDeltas(self, plan, x.shape[0] * k, k)
+            deltas = self.lora.direct_deltas(row, experts) or PairDeltas(
+                self, self.lora.pairs(experts), x.shape[0] * k, k
+            )
             return grouped_moe(x, moe.gate_up, moe.down, weights, experts, moe.activation, lora=deltas)
+        plan = self.lora.pairs(experts)
         tok = plan.flat // k
         if dense:
             gate_up = torch.matmul(x, moe.gate_up.transpose(1, 2))  # [E, T, 2*inter]

@@ -22,7 +22,7 @@ import torch
 from loraplex.services.inference.lora.adapter import read_config
 from loraplex.services.inference.lora.backend import LoRABackend
 from loraplex.services.inference.lora.config import resolve_targets
-from loraplex.services.inference.lora.expert_lora import ExpertLoRA
+from loraplex.services.inference.lora.expert_lora import ExpertLoRA, ExpertLoRAPool
 from loraplex.services.inference.lora.expert_lora_graph import GraphExpertLoRA
 from loraplex.services.inference.lora.expert_targets import resolve_expert_targets
 from loraplex.services.inference.lora.manager import LoRAManager
@@ -184,7 +184,7 @@ def build_lora(
 
         backend = TorchLoRABackend(pool)
     if pool.experts is not None:
-        mode = lora.expert_lora_mode
+        mode = expert_lora_mode(lora.expert_lora_mode, pool.experts)
         backend.experts = (
             GraphExpertLoRA(pool.experts)
             if mode == "graphs"
@@ -213,3 +213,15 @@ def build_lora(
         ),
     )
     return LoRAStack(settings, pool, backend, manager)
+
+
+def expert_lora_mode(asked: str, pool: ExpertLoRAPool) -> str:
+    """`--expert-lora-mode auto`: on CUDA the graphs mode where it fits the pool (decode CUDA graphs
+    stay on, and decode steps take the per-pair kernel: 0.86x the base step on the H100 at batch 64
+    over 8 adapters, against 0.21x for the eager grouped mode), else grouped. The CPU keeps grouped."""
+    if asked != "auto":
+        return asked
+    on_cuda = next(iter(pool.a.values())).device.type == "cuda"
+    mode = "graphs" if on_cuda and GraphExpertLoRA.fits(pool) else "grouped"
+    log.info("LoRA on the experts: --expert-lora-mode auto chose %s", mode)
+    return mode
