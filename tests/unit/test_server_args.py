@@ -174,3 +174,20 @@ def test_quantization_flag_reaches_the_engine_config():
     assert parse_args(["--model-path", "m"]).engine.quantization is None
     with pytest.raises(ValueError, match="--quantization must be one of fp8"):
         EngineConfig(quantization="int4")
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ({}, 256),
+        ({"max_num_batched_tokens": 128}, 128),  # a decode step never holds more tokens than this
+        ({"max_running_requests": 32}, 32),
+        ({"cuda_graph_max_bs": 64, "max_num_batched_tokens": 512}, 64),
+    ],
+)
+def test_decode_graphs_stop_at_the_largest_decode_step(flags, expected):
+    """engine/startup.py: capturing a decode graph larger than a step can be overran the runner's
+    buffers (found on the H100 with --max-num-batched-tokens 128)."""
+    from loraplex.services.inference.engine.startup import decode_graph_max_bs
+
+    assert decode_graph_max_bs(dataclasses.replace(EngineConfig(device="cpu"), **flags)) == expected

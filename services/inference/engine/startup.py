@@ -83,7 +83,7 @@ def build_runner(
     )
     config = _capturable(config, loaded, lora_backend)
     if loaded.device.type == "cuda" and not config.disable_cuda_graph and config.cuda_graph_max_bs > 0:
-        runner.capture_cuda_graphs(min(config.cuda_graph_max_bs, config.max_running_requests))
+        runner.capture_cuda_graphs(decode_graph_max_bs(config))
     if config.mixed_graphs_enabled:
         # On CUDA with captured graphs; elsewhere the same pieces run eagerly (tests).
         try:
@@ -108,6 +108,12 @@ def build_runner(
         )
         compile_counter.mark_serving()
     return runner, config
+
+
+def decode_graph_max_bs(config: EngineConfig) -> int:
+    """The largest decode batch worth a CUDA graph: a step holds at most --max-running-requests
+    sequences and --max-num-batched-tokens tokens (the runner's buffers are sized by both)."""
+    return min(config.cuda_graph_max_bs, config.max_running_requests, config.max_num_batched_tokens)
 
 
 def _capturable(config: EngineConfig, loaded: LoadedModel, lora_backend: LoRABackend | None) -> EngineConfig:
