@@ -73,6 +73,14 @@ def lora_tier(distinct: int) -> int:
     return 0 if not distinct else 1 if distinct <= MANY_ADAPTERS else 2
 
 
+def graph_tiers(max_distinct: int | None) -> tuple[int, ...]:
+    """The LoRA tiers CUDA graphs capture when a step holds at most `max_distinct` distinct adapters
+    (None: no LoRA backend): tier 2 only where a step can exceed MANY_ADAPTERS."""
+    if max_distinct is None:
+        return (0,)
+    return (0, 1, 2) if max_distinct > MANY_ADAPTERS else (0, 1)
+
+
 def tier_distinct_bound(tier: int, num_tokens: int) -> int:
     """The distinct-adapter bound a graph of `tier` (1 or 2) over `num_tokens` tokens is planned with:
     the most any step of that tier can have, since one graph serves them all."""

@@ -113,6 +113,7 @@ def test_expert_lora_matches_transformers_and_peft(
     pool = engine.runner.lora_backend.pool
     assert pool.experts is not None and set(EXPERTS) <= set(pool.target_modules)
     experts = engine.runner.lora_backend.experts
+    assert engine.runner.lora_backend.max_step_distinct() == 3  # --max-loras-per-batch (lora/setup.py)
     assert getattr(experts, "span", False) == (mode == "span") and experts.graph_safe == (mode == "graphs")
     prompts = [engine.tokenizer(p).input_ids for p in PROMPTS]
     got = run_engine(engine, prompts, EXPERT_BATCH)

@@ -105,7 +105,9 @@ def test_warm_up_computes_expert_lora_in_its_steps_and_restores_the_mode():
     pool, _ = _pool()
     experts = ExpertLoRA(pool)
     seen = []
-    backend = SimpleNamespace(pool=SimpleNamespace(slots=pool.slots), experts=experts)
+    backend = SimpleNamespace(
+        pool=SimpleNamespace(slots=pool.slots), experts=experts, max_step_distinct=lambda: pool.slots
+    )
     runner = SimpleNamespace(
         lora_backend=backend,
         config=SimpleNamespace(num_kv_heads=2),

@@ -155,3 +155,17 @@ def test_switching_the_side_stream_never_frees_a_buffer_a_graph_may_read():
         backend.set_side_stream(on)
         assert backend.side_stream is on
         assert backend._delta is not None and backend._delta.data_ptr() == buffer
+
+
+def test_a_step_holds_at_most_the_batch_cap_or_the_pool_of_distinct_adapters():
+    """LoRABackend.max_step_distinct: what the CUDA graphs' and the warm-up's LoRA tiers follow
+    (--max-loras-per-batch, set by lora/setup.py, where it is below the pool's slots)."""
+    pool = AdapterPool(
+        SHAPES, slots=24, max_rank=8, target_modules=["q_proj"], dtype=torch.float32, device="cpu"
+    )
+    backend = TorchLoRABackend(pool)
+    assert backend.max_step_distinct() == 24
+    backend.step_distinct_cap = 4
+    assert backend.max_step_distinct() == 4
+    backend.step_distinct_cap = 64
+    assert backend.max_step_distinct() == 24

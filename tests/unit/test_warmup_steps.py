@@ -33,3 +33,22 @@ def test_warm_up_prefills_use_ids_any_vocabulary_has() -> None:
     model's 128-row embedding table asserted on CUDA)."""
     steps = warm_up_steps(2048, 8, 2, 8, 448, 16, torch.device("cpu"))
     assert {t for step in steps for chunk in step for t in chunk.token_ids} == {0}
+
+
+def _most_distinct(steps) -> int:
+    return max(len({c.lora_slot for c in chunks if c.lora_slot >= 0}) for chunks in steps)
+
+
+def test_a_lora_tier_no_step_can_reach_is_neither_warmed_up_nor_captured() -> None:
+    """Under --max-loras-per-batch 4 over 64 slots no step holds more than 16 distinct adapters: the
+    warm-up builds no such step, and the CUDA graphs (engine/cuda_graph.py, mixed_graphs.py)
+    capture no tier-2 graph (kernels/lora_plan.py graph_tiers)."""
+    from loraplex.kernels.lora_configs import MANY_ADAPTERS
+    from loraplex.kernels.lora_plan import graph_tiers
+
+    assert _most_distinct(warm_up_steps(2048, 64, 64, 8, 4096, 16, torch.device("cpu"))) > MANY_ADAPTERS
+    capped = warm_up_steps(2048, 64, 64, 8, 4096, 16, torch.device("cpu"), max_distinct=4)
+    assert _most_distinct(capped) <= MANY_ADAPTERS
+    assert graph_tiers(None) == (0,)
+    assert graph_tiers(MANY_ADAPTERS) == (0, 1)
+    assert graph_tiers(MANY_ADAPTERS + 1) == (0, 1, 2)

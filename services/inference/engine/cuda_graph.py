@@ -11,6 +11,9 @@ tiers (`loraplex.kernels.lora_plan.lora_tier`): up to MANY_ADAPTERS distinct ada
 above it) more, whose launch plan takes the `decode_many` entries of kernels/lora_configs.py (the
 expand with one program per token: faster when tokens do not share adapters, slower when they do;
 docs/benchmarks.md). Each graph's `prepare` plans with its tier's bound (`tier_distinct_bound`).
+The upper tier is captured only where a step can hold more than MANY_ADAPTERS distinct adapters
+(`graph_tiers` of the backend's `max_step_distinct()`: the pool's slots, or --max-loras-per-batch
+below them); a step whose graph was not captured runs eagerly.
 
 Host work per step: fill two pinned buffers (numpy views), two host-to-device copies, one
 replay. Capture time and the memory the graphs took are logged.
@@ -24,7 +27,7 @@ import time
 import torch
 
 from loraplex.kernels.lora_configs import MANY_ADAPTERS
-from loraplex.kernels.lora_plan import lora_tier, tier_distinct_bound
+from loraplex.kernels.lora_plan import graph_tiers, lora_tier, tier_distinct_bound
 from loraplex.services.inference.engine.attention import AttentionMetadata
 from loraplex.services.inference.engine.attention_triton import TritonPagedAttention
 from loraplex.services.inference.engine.overlap import fill_placeholders
@@ -106,7 +109,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
-        tiers = (0, 1, 2) if self.lora is not None else (0,)
+        tiers = graph_tiers(None if self.lora is None else self.lora.max_step_distinct())
         self.recapture(
             [(bs, t) for bs in reversed(self.ladder) for t in tiers if t < 2 or bs > MANY_ADAPTERS]
         )
@@ -116,7 +119,7 @@ class DecodeGraphs:
             "captured %d decode CUDA graphs (batch sizes %s, LoRA %s) in %.1f s, %.0f MiB",
             len(self.graphs),
             self.ladder,
-            "off and on, 2 tiers" if self.lora is not None else "off",
+            f"off and on, {len(tiers) - 1} tier(s)" if self.lora is not None else "off",
             time.perf_counter() - start,
             taken / 2**20,
         )
@@ -177,7 +180,7 @@ class DecodeGraphs:
         """
         n = len(ids)
         key = self.key(n, distinct_adapters)
-        if key is None or max(map(len, tables)) > self.max_blocks:
+        if key is None or key not in self.graphs or max(map(len, tables)) > self.max_blocks:
             return None
         bs = key[0]
         if self._inputs_copied is not None:

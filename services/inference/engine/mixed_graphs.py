@@ -18,7 +18,7 @@ T tokens replays the smallest bucket >= T; rows T.. are padding (KV slot -1: no 
 slot -1: no LoRA work; attention leaves them alone). Buckets line up with the LoRA kernels'
 family boundaries (16, DECODE_MAX_TOKENS), so a graph launches the kernels the eager step would.
 LoRA tiers as in the decode graphs (engine/cuda_graph.py, `loraplex.kernels.lora_plan.lora_tier`): none,
-up to MANY_ADAPTERS distinct adapters, more.
+up to MANY_ADAPTERS distinct adapters, more (only where a step can hold more: `graph_tiers`).
 
 Memory: the graphs of all buckets share one pool, sized by the largest bucket's activations; the
 static buffers are sized by the largest bucket. Both are logged at capture; `max_tokens` (the
@@ -35,7 +35,7 @@ import time
 import torch
 
 from loraplex.kernels.lora_configs import DECODE_MAX_TOKENS, MANY_ADAPTERS
-from loraplex.kernels.lora_plan import lora_tier, tier_distinct_bound
+from loraplex.kernels.lora_plan import graph_tiers, lora_tier, tier_distinct_bound
 from loraplex.services.inference.engine.overlap import fill_placeholders
 from loraplex.services.inference.lora.backend import LoRABackend
 from loraplex.services.inference.models.context import Attention, ForwardContext
@@ -122,9 +122,7 @@ class MixedGraphs:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def tiers(self) -> tuple[int, ...]:
-        if self.lora is None:
-            return (0,)
-        return (0, 1, 2) if self.lora.pool.slots > MANY_ADAPTERS else (0, 1)
+        return graph_tiers(None if self.lora is None else self.lora.max_step_distinct())
 
     def bucket(self, num_tokens: int) -> int | None:
         return next((b for b in self.buckets if b >= num_tokens), None)

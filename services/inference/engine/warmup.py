@@ -60,8 +60,11 @@ def warm_up_steps(
     context_length: int,
     page_size: int,
     device: torch.device,
+    max_distinct: int | None = None,
 ) -> list[list[SeqChunk]]:
-    """The steps `warm_up` runs: every chunk on KV block 0, decodes first (as the runner wants)."""
+    """The steps `warm_up` runs: every chunk on KV block 0, decodes first (as the runner wants).
+    `max_distinct`: the most distinct adapters a step can hold (--max-loras-per-batch; None: the
+    slots): a LoRA tier above it is never served, so nothing of it is compiled."""
     max_chunk = max(2, context_length - 1)
 
     def step(num_decodes: int, num_prefill: int, distinct: int) -> list[SeqChunk]:
@@ -79,7 +82,8 @@ def warm_up_steps(
         return chunks
 
     steps = []
-    tiers = lora_tiers(min(num_slots, max_num_seqs))  # a step holds at most one adapter per sequence
+    # a step holds at most one adapter per sequence
+    tiers = lora_tiers(min(num_slots, max_num_seqs, num_slots if max_distinct is None else max_distinct))
     for n in token_classes(max_num_tokens, num_slots):
         for distinct in tiers:
             if n == 1:
@@ -97,8 +101,10 @@ def warm_up_steps(
 def warm_up(runner: ModelRunner, *, max_num_tokens: int, max_num_seqs: int, context_length: int) -> int:
     """Run every warm-up step on `runner` (eagerly: the decode graphs' capture warmed theirs);
     returns how many ran."""
-    pool = getattr(runner.lora_backend, "pool", None)
+    backend = runner.lora_backend
+    pool = getattr(backend, "pool", None)
     num_slots = pool.slots if pool is not None else 0
+    max_distinct = backend.max_step_distinct() if pool is not None else 0
     start = time.perf_counter()
     steps = warm_up_steps(
         max_num_tokens,
@@ -108,8 +114,8 @@ def warm_up(runner: ModelRunner, *, max_num_tokens: int, max_num_seqs: int, cont
         context_length,
         runner.page_size,
         runner.device,
+        max_distinct,
     )
-    backend = runner.lora_backend
     experts = getattr(backend, "experts", None)
     if experts is not None:
         backend.experts = _expert_lora_for_warm_up(experts)
@@ -125,7 +131,7 @@ def warm_up(runner: ModelRunner, *, max_num_tokens: int, max_num_seqs: int, cont
         "warmed up %d step shapes (token counts %s, LoRA tiers %s) in %.1f s",
         len(steps),
         token_classes(max_num_tokens, num_slots),
-        lora_tiers(num_slots),
+        lora_tiers(min(num_slots, max_distinct)),
         time.perf_counter() - start,
     )
     return len(steps)

@@ -46,10 +46,20 @@ class LoRABackend(ABC):
     """
 
     cuda_graph_safe: bool = True
-    pool: AdapterPool  # the slots it reads; its size decides which LoRA tiers a CUDA graph needs
+    pool: AdapterPool  # the slots it reads
+    # The most distinct adapters one step can hold: --max-loras-per-batch where it is below the
+    # pool's slots (lora/setup.py sets it), else None (the pool's slots). It decides which LoRA tiers
+    # the CUDA graphs capture and the warm-up compiles: a tier no step can reach is not captured.
+    step_distinct_cap: int | None = None
+
     # LoRA on the experts of a mixture-of-experts base (lora/expert_lora.py), when the pool holds
     # expert buffers; `prepare` must call its `prepare` too.
     experts: ExpertLoRA | None = None
+
+    def max_step_distinct(self) -> int:
+        """The most distinct adapters one step can hold (see `step_distinct_cap`)."""
+        cap = self.step_distinct_cap
+        return self.pool.slots if cap is None else min(cap, self.pool.slots)
 
     def expert_layer(self, layer: int) -> LayerExpertLoRA | None:
         """The expert-LoRA hook for SparseMoE.forward of `layer` (None: no expert LoRA this step)."""

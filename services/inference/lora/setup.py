@@ -183,6 +183,7 @@ def build_lora(
         from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
 
         backend = TorchLoRABackend(pool)
+    backend.step_distinct_cap = settings.max_loras_per_batch
     if pool.experts is not None:
         mode = expert_lora_mode(lora.expert_lora_mode, pool.experts)
         backend.experts = (
