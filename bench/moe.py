@@ -117,7 +117,7 @@ def time_model(name: str, runner, chunks, opts: argparse.Namespace, device: torc
         extra["expert_span_ms"] = step_ms(runner, chunks(opts.adapters), opts.steps, device)
         if not experts.span_active:  # too many (slot, expert) groups: that was the grouped path
             extra["expert_span_ms"] = None
-        experts.span = False  # adapters_ms: the default mode, grouped per adapter
+        experts.span = False  # adapters_ms: the eager grouped mode (the CPU's default), per adapter
         extra["expert_lora"] = True
     lora = step_ms(runner, chunks(opts.adapters), opts.steps, device)
     if opts.expert_graphs and device.type == "cuda":
@@ -172,8 +172,9 @@ def main() -> None:
         "--expert-adapters", action="store_true", help="the adapters carry LoRA on every expert too"
     )
     opts = p.parse_args()
-    # --expert-adapters: the rows run eagerly (the default expert LoRA reads the step's slots on the
-    # host); with --graphs the graphs mode (no host read) is then timed under decode graphs too.
+    # --expert-adapters: the rows run eagerly (the grouped expert LoRA reads the step's slots on the
+    # host); with --graphs the graphs mode (no host read; CUDA's default) is then timed under decode
+    # graphs too.
     opts.expert_graphs = opts.expert_adapters and opts.graphs
     if opts.expert_adapters:
         opts.graphs = False
