@@ -61,13 +61,13 @@ class KernelPairDeltas:
     """`ExpertDeltas` (kernels/moe_grouped.py) computed per routed pair by one Triton launch a module
     (kernels/expert_lora_pairs.py): no sort, no empty groups, nothing read on the host."""
 
-    def __init__(self, lora: GraphExpertLoRA, row: int, experts: torch.Tensor):
-        self.lora, self.row, self.experts = lora, row, experts
+    def __init__(self, pool: ExpertLoRAPool, token_slots: torch.Tensor, row: int, experts: torch.Tensor):
+        self.pool, self.token_slots, self.row, self.experts = pool, token_slots, row, experts
 
     def _run(self, module: str, x: torch.Tensor, per_pair_input: bool) -> torch.Tensor:
         from loraplex.kernels.expert_lora_pairs import expert_pair_lora  # Triton: imported where it runs
 
-        pool, top_k = self.lora.pool, self.experts.shape[1]
+        pool, top_k = self.pool, self.experts.shape[1]
         if module not in pool.a:
             out_width = expert_dims(pool.shapes, module.removeprefix("experts."))[1]
             return x.new_zeros(self.experts.numel(), out_width)
@@ -75,7 +75,7 @@ class KernelPairDeltas:
         a = pool.a[module][self.row].view(groups, pool.max_rank, -1)
         b = pool.b[module][self.row].view(groups, -1, pool.max_rank)
         scale = pool.dev_scaling[module][self.row]
-        return expert_pair_lora(x, a, b, scale, self.experts, self.lora._slots, top_k, per_pair_input)
+        return expert_pair_lora(x, a, b, scale, self.experts, self.token_slots, top_k, per_pair_input)
 
     def gate_up(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(GATE_UP, x, per_pair_input=False)
@@ -124,7 +124,7 @@ class GraphExpertLoRA:
         (the caller plans the pairs and takes the grouped GEMMs below)."""
         if experts.numel() > PAIR_KERNEL_MAX_PAIRS or not triton_runs_on(experts):
             return None
-        return KernelPairDeltas(self, row, experts)
+        return KernelPairDeltas(self.pool, self._slots, row, experts)
 
     def pairs(self, experts: torch.Tensor) -> GraphPairPlan:
         """Sort one layer's routed pairs `[T, k]` by (slot, expert), base tokens last."""
