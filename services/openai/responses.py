@@ -62,30 +62,49 @@ def _prompt_bytes(c) -> bytes:
     return c.prompt_first_token_bytes + b"".join(lp_mod.raw(lp) for lp in c.prompt_logprobs)
 
 
-def _completion_choice(k: int, c, asked: Asked) -> dict[str, Any]:
-    text, generated = c.text, list(c.logprobs)
-    reason = finish_reason(c.finish_reason)
+# `c` below is a Completion, or a stream's GenerateStreamResponse: the same fields carry the same
+# things, so a stream's chunks add up to the non-streaming body (prompt ones on a sample's first message).
+
+
+def generated(c, asked: Asked) -> tuple[str, list, str]:
+    """`c`'s generated text, its tokens' log probabilities and its finish reason. Scoring only
+    (max_tokens 0) there are none: the engine had to generate one token, the answer drops it and
+    finishes "length" (vLLM's convention)."""
     if asked.score_only:
-        text, generated, reason = "", [], "length"
+        return "", [], "length" if c.finish_reason else ""
+    return c.text, list(c.logprobs), c.finish_reason
+
+
+def echoed(c, asked: Asked, offsets: lp_mod.TextOffsets, then=()) -> tuple[str, dict[str, list] | None]:
+    """What echo puts first: the prompt's text (as the caller wrote it; decoded from its tokens' bytes
+    when given as ids) and, with logprobs, the legacy lists of its tokens (the first one's null)
+    followed by `then`'s (generated tokens), their text offsets counted by `offsets`."""
+    prompt = asked.prompts[c.index] if c.index < len(asked.prompts) else None
+    if prompt is None:
+        prompt = _prompt_bytes(c).decode("utf-8", errors="replace")
+    if asked.logprobs is None:
+        return prompt, None
+    lps = [*c.prompt_logprobs, *then]
+    return prompt, lp_mod.legacy(lps, offsets, asked.logprobs, first_prompt_token=c.prompt_first_token_bytes)
+
+
+def prompt_fields(c, asked: Asked) -> dict[str, Any]:
+    """vLLM's `prompt_logprobs` field when asked for, else nothing."""
+    if asked.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": lp_mod.prompt_logprobs(c.prompt_logprobs, asked.prompt_logprobs)}
+
+
+def _completion_choice(k: int, c, asked: Asked) -> dict[str, Any]:
+    text, lps, reason = generated(c, asked)
     logprobs = None
     if asked.echo:
-        prompt = asked.prompts[c.index] if c.index < len(asked.prompts) else None
-        if prompt is None:
-            prompt = _prompt_bytes(c).decode("utf-8", errors="replace")
+        prompt, logprobs = echoed(c, asked, lp_mod.TextOffsets(), lps)
         text = prompt + text
-        if asked.logprobs is not None:
-            logprobs = lp_mod.legacy(
-                [*c.prompt_logprobs, *generated],
-                lp_mod.TextOffsets(),
-                asked.logprobs,
-                first_prompt_token=c.prompt_first_token_bytes,
-            )
     elif asked.logprobs is not None:
-        logprobs = lp_mod.completion_logprobs(generated, 0, asked.logprobs)
-    choice = {"index": k, "text": text, "finish_reason": reason, "logprobs": logprobs}
-    if asked.prompt_logprobs is not None:
-        choice["prompt_logprobs"] = lp_mod.prompt_logprobs(c.prompt_logprobs, asked.prompt_logprobs)
-    return choice
+        logprobs = lp_mod.completion_logprobs(lps, 0, asked.logprobs)
+    choice = {"index": k, "text": text, "finish_reason": finish_reason(reason), "logprobs": logprobs}
+    return choice | prompt_fields(c, asked)
 
 
 def completion_body(resp: pb.GenerateResponse, model: str, asked: Asked) -> dict[str, Any]:
@@ -134,8 +153,6 @@ def chat_body(
         "choices": choices,
         "usage": _usage_of(resp.completions),
     }
-    if asked.prompt_logprobs is not None and resp.completions:  # vLLM: one list for the one prompt
-        body["prompt_logprobs"] = lp_mod.prompt_logprobs(
-            resp.completions[0].prompt_logprobs, asked.prompt_logprobs
-        )
+    if resp.completions:  # vLLM: one prompt_logprobs list for the one prompt, beside the choices
+        body |= prompt_fields(resp.completions[0], asked)
     return body
