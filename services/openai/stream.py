@@ -7,7 +7,16 @@ import time
 from typing import Any
 
 from loraplex.services.openai import logprobs as lp_mod
-from loraplex.services.openai.responses import Asked, assistant_message, finish_reason, new_id, usage
+from loraplex.services.openai.responses import (
+    Asked,
+    assistant_message,
+    echoed,
+    finish_reason,
+    generated,
+    new_id,
+    prompt_fields,
+    usage,
+)
 from loraplex.services.openai.tools import ToolPlan, tool_output
 from loraplex.v1 import inference_pb2 as pb
 
@@ -46,70 +55,75 @@ class StreamState:
             self.cached_tokens[msg.index] = max(
                 self.cached_tokens.get(msg.index, 0), msg.cached_prompt_tokens
             )
-            self.completion_tokens += msg.completion_tokens
-        if self.chat:
-            if k not in self.started:
-                self.started.add(k)
-                out.append(
-                    self._chunk(
-                        [
-                            {
-                                "index": k,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ]
-                    )
-                )
-            if self.tool_plan is not None and self.tool_plan.mode == "named":
-                out.extend(self._named_call_chunks(k, msg))
-                return out
-            if self.tool_plan is not None:
-                self.held_text.setdefault(k, []).append(msg.text)
-                self.held_logprobs.setdefault(k, []).extend(msg.logprobs)
-                if msg.finish_reason:
-                    out.extend(self._tool_chunks(k, msg.finish_reason))
-                return out
-            if msg.text or msg.logprobs:
-                k_top = self.asked.logprobs
-                lps = lp_mod.chat_logprobs(msg.logprobs, k_top) if k_top is not None else None
-                out.append(
-                    self._chunk(
-                        [{"index": k, "delta": {"content": msg.text}, "logprobs": lps, "finish_reason": None}]
-                    )
-                )
-            if msg.finish_reason:
-                out.append(
-                    self._chunk(
-                        [
-                            {
-                                "index": k,
-                                "delta": {},
-                                "logprobs": None,
-                                "finish_reason": finish_reason(msg.finish_reason),
-                            }
-                        ]
-                    )
-                )
+            # scoring only, the one generated token is dropped: none counted (as responses._usage_of)
+            self.completion_tokens += 0 if self.asked.score_only else msg.completion_tokens
+        # A sample's first message carries its prompt's log probabilities (the server sends them with
+        # the first generated token): what the body has of the prompt leads that choice's stream.
+        first = k not in self.started
+        self.started.add(k)
+        lead = prompt_fields(msg, self.asked) if first else {}
+        if not self.chat:
+            return self._completion_chunks(k, msg, first, lead)
+        if first:  # the body's prompt_logprobs sits beside its choices: here beside the role delta
+            role = {
+                "index": k,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            out.append(self._chunk([role]) | lead)
+        if self.tool_plan is not None and self.tool_plan.mode == "named":
+            out.extend(self._named_call_chunks(k, msg))
             return out
-        offsets = self.text_offset.setdefault(k, lp_mod.TextOffsets())
-        if msg.text or msg.logprobs or msg.finish_reason:
-            lps = None
-            if self.asked.logprobs is not None:
-                lps = lp_mod.legacy(msg.logprobs, offsets, self.asked.logprobs)
+        if self.tool_plan is not None:
+            self.held_text.setdefault(k, []).append(msg.text)
+            self.held_logprobs.setdefault(k, []).extend(msg.logprobs)
+            if msg.finish_reason:
+                out.extend(self._tool_chunks(k, msg.finish_reason))
+            return out
+        if msg.text or msg.logprobs:
+            k_top = self.asked.logprobs
+            lps = lp_mod.chat_logprobs(msg.logprobs, k_top) if k_top is not None else None
+            out.append(
+                self._chunk(
+                    [{"index": k, "delta": {"content": msg.text}, "logprobs": lps, "finish_reason": None}]
+                )
+            )
+        if msg.finish_reason:
             out.append(
                 self._chunk(
                     [
                         {
                             "index": k,
-                            "text": msg.text,
-                            "logprobs": lps,
+                            "delta": {},
+                            "logprobs": None,
                             "finish_reason": finish_reason(msg.finish_reason),
                         }
                     ]
                 )
             )
+        return out
+
+    def _completion_chunks(
+        self, k: int, msg: pb.GenerateStreamResponse, first: bool, lead: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        """With echo, a choice's first chunk is the prompt (and its tokens' log probabilities), as
+        vLLM streams it; the generated text follows, its offsets counted on from the prompt's."""
+        out = []
+        offsets = self.text_offset.setdefault(k, lp_mod.TextOffsets())
+        if first and self.asked.echo:
+            prompt, lps = echoed(msg, self.asked, offsets)
+            out.append(
+                self._chunk([{"index": k, "text": prompt, "logprobs": lps, "finish_reason": None} | lead])
+            )
+            lead = {}
+        text, generated_lps, reason = generated(msg, self.asked)
+        if text or generated_lps or reason or lead:
+            lps = None
+            if self.asked.logprobs is not None:
+                lps = lp_mod.legacy(generated_lps, offsets, self.asked.logprobs)
+            choice = {"index": k, "text": text, "logprobs": lps, "finish_reason": finish_reason(reason)}
+            out.append(self._chunk([choice | lead]))
         return out
 
     def _named_call_chunks(self, k: int, msg: pb.GenerateStreamResponse) -> list[dict[str, Any]]:
