@@ -20,7 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from loraplex.services.openai import responses, schema, structured
+from loraplex.services.openai import responses, schema, stream, structured
 from loraplex.services.openai.disconnect import unless_client_leaves
 from loraplex.services.openai.errors import OpenAIError, bad_request, from_grpc, model_not_found
 from loraplex.services.openai.inputs import (
@@ -252,7 +252,7 @@ def create_app(backend: Backend) -> FastAPI:
             first = await unless_client_leaves(request, call, call.read())
         except grpc.RpcError as exc:
             raise structured.rename_error(from_grpc(exc, parsed.model, chat), door_call.fields) from None
-        state = responses.StreamState(parsed.model, parsed.n, chat, asked, tool_plan)
+        state = stream.StreamState(parsed.model, parsed.n, chat, asked, tool_plan)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         return EventSourceResponse(_events(call, first, state, include_usage, parsed.model), ping=15)
 
@@ -281,7 +281,7 @@ async def _resolve(backend: Backend, request: Request, model: str) -> str:
 
 
 async def _events(
-    call, first, state: responses.StreamState, include_usage: bool, model: str
+    call, first, state: stream.StreamState, include_usage: bool, model: str
 ) -> AsyncIterator[str]:
     msg = first
     try:

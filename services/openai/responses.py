@@ -1,4 +1,4 @@
-"""GenerateResponse / GenerateStreamResponse -> OpenAI response bodies and stream chunks."""
+"""GenerateResponse -> OpenAI response bodies, and the helpers stream.py shares to build its chunks."""
 
 from __future__ import annotations
 
@@ -62,30 +62,49 @@ def _prompt_bytes(c) -> bytes:
     return c.prompt_first_token_bytes + b"".join(lp_mod.raw(lp) for lp in c.prompt_logprobs)
 
 
-def _completion_choice(k: int, c, asked: Asked) -> dict[str, Any]:
-    text, generated = c.text, list(c.logprobs)
-    reason = finish_reason(c.finish_reason)
+# `c` below is a Completion, or a stream's GenerateStreamResponse: the same fields carry the same
+# things, so a stream's chunks add up to the non-streaming body (prompt ones on a sample's first message).
+
+
+def generated(c, asked: Asked) -> tuple[str, list, str]:
+    """`c`'s generated text, its tokens' log probabilities and its finish reason. Scoring only
+    (max_tokens 0) there are none: the engine had to generate one token, the answer drops it and
+    finishes "length" (vLLM's convention)."""
     if asked.score_only:
-        text, generated, reason = "", [], "length"
+        return "", [], "length" if c.finish_reason else ""
+    return c.text, list(c.logprobs), c.finish_reason
+
+
+def echoed(c, asked: Asked, offsets: lp_mod.TextOffsets, then=()) -> tuple[str, dict[str, list] | None]:
+    """What echo puts first: the prompt's text (as the caller wrote it; decoded from its tokens' bytes
+    when given as ids) and, with logprobs, the legacy lists of its tokens (the first one's null)
+    followed by `then`'s (generated tokens), their text offsets counted by `offsets`."""
+    prompt = asked.prompts[c.index] if c.index < len(asked.prompts) else None
+    if prompt is None:
+        prompt = _prompt_bytes(c).decode("utf-8", errors="replace")
+    if asked.logprobs is None:
+        return prompt, None
+    lps = [*c.prompt_logprobs, *then]
+    return prompt, lp_mod.legacy(lps, offsets, asked.logprobs, first_prompt_token=c.prompt_first_token_bytes)
+
+
+def prompt_fields(c, asked: Asked) -> dict[str, Any]:
+    """vLLM's `prompt_logprobs` field when asked for, else nothing."""
+    if asked.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": lp_mod.prompt_logprobs(c.prompt_logprobs, asked.prompt_logprobs)}
+
+
+def _completion_choice(k: int, c, asked: Asked) -> dict[str, Any]:
+    text, lps, reason = generated(c, asked)
     logprobs = None
     if asked.echo:
-        prompt = asked.prompts[c.index] if c.index < len(asked.prompts) else None
-        if prompt is None:
-            prompt = _prompt_bytes(c).decode("utf-8", errors="replace")
+        prompt, logprobs = echoed(c, asked, lp_mod.TextOffsets(), lps)
         text = prompt + text
-        if asked.logprobs is not None:
-            logprobs = lp_mod.legacy(
-                [*c.prompt_logprobs, *generated],
-                lp_mod.TextOffsets(),
-                asked.logprobs,
-                first_prompt_token=c.prompt_first_token_bytes,
-            )
     elif asked.logprobs is not None:
-        logprobs = lp_mod.completion_logprobs(generated, 0, asked.logprobs)
-    choice = {"index": k, "text": text, "finish_reason": reason, "logprobs": logprobs}
-    if asked.prompt_logprobs is not None:
-        choice["prompt_logprobs"] = lp_mod.prompt_logprobs(c.prompt_logprobs, asked.prompt_logprobs)
-    return choice
+        logprobs = lp_mod.completion_logprobs(lps, 0, asked.logprobs)
+    choice = {"index": k, "text": text, "finish_reason": finish_reason(reason), "logprobs": logprobs}
+    return choice | prompt_fields(c, asked)
 
 
 def completion_body(resp: pb.GenerateResponse, model: str, asked: Asked) -> dict[str, Any]:
@@ -99,7 +118,7 @@ def completion_body(resp: pb.GenerateResponse, model: str, asked: Asked) -> dict
     }
 
 
-def _message(text: str, reason: str, tool_plan: ToolPlan | None) -> tuple[dict[str, Any], str]:
+def assistant_message(text: str, reason: str, tool_plan: ToolPlan | None) -> tuple[dict[str, Any], str]:
     """The assistant message and finish reason of one output (tool calls parsed when tools are on)."""
     if tool_plan is None or not tool_plan.parses:
         return {"role": "assistant", "content": text}, reason
@@ -115,7 +134,7 @@ def chat_body(
 ) -> dict[str, Any]:
     choices = []
     for k, c in enumerate(resp.completions):
-        message, reason = _message(c.text, c.finish_reason, tool_plan)
+        message, reason = assistant_message(c.text, c.finish_reason, tool_plan)
         choices.append(
             {
                 "index": k,
@@ -134,178 +153,6 @@ def chat_body(
         "choices": choices,
         "usage": _usage_of(resp.completions),
     }
-    if asked.prompt_logprobs is not None and resp.completions:  # vLLM: one list for the one prompt
-        body["prompt_logprobs"] = lp_mod.prompt_logprobs(
-            resp.completions[0].prompt_logprobs, asked.prompt_logprobs
-        )
+    if resp.completions:  # vLLM: one prompt_logprobs list for the one prompt, beside the choices
+        body |= prompt_fields(resp.completions[0], asked)
     return body
-
-
-class StreamState:
-    """Builds the chunks of one streamed call: choice index = input * n + sample, as OpenAI numbers them."""
-
-    def __init__(self, model: str, n: int, chat: bool, asked: Asked, tool_plan: ToolPlan | None = None):
-        self.id = new_id("chatcmpl" if chat else "cmpl")
-        # With tools (other than "none"): each choice's text is held until it ends (tools.py says why).
-        self.tool_plan = tool_plan if tool_plan is not None and tool_plan.parses else None
-        self.held_text: dict[int, list[str]] = {}
-        self.held_logprobs: dict[int, list] = {}
-        self.created = int(time.time())
-        self.model, self.n, self.chat, self.asked = model, n, chat, asked
-        self.started: set[int] = set()
-        self.text_offset: dict[int, lp_mod.TextOffsets] = {}
-        self.prompt_tokens: dict[int, int] = {}
-        self.cached_tokens: dict[int, int] = {}
-        self.completion_tokens = 0
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def chunks(self, msg: pb.GenerateStreamResponse) -> list[dict[str, Any]]:
-        k = msg.index * self.n + msg.sample
-        out = []
-        if msg.finish_reason:
-            self.prompt_tokens[msg.index] = msg.prompt_tokens
-            self.cached_tokens[msg.index] = max(
-                self.cached_tokens.get(msg.index, 0), msg.cached_prompt_tokens
-            )
-            self.completion_tokens += msg.completion_tokens
-        if self.chat:
-            if k not in self.started:
-                self.started.add(k)
-                out.append(
-                    self._chunk(
-                        [
-                            {
-                                "index": k,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ]
-                    )
-                )
-            if self.tool_plan is not None and self.tool_plan.mode == "named":
-                out.extend(self._named_call_chunks(k, msg))
-                return out
-            if self.tool_plan is not None:
-                self.held_text.setdefault(k, []).append(msg.text)
-                self.held_logprobs.setdefault(k, []).extend(msg.logprobs)
-                if msg.finish_reason:
-                    out.extend(self._tool_chunks(k, msg.finish_reason))
-                return out
-            if msg.text or msg.logprobs:
-                k_top = self.asked.logprobs
-                lps = lp_mod.chat_logprobs(msg.logprobs, k_top) if k_top is not None else None
-                out.append(
-                    self._chunk(
-                        [{"index": k, "delta": {"content": msg.text}, "logprobs": lps, "finish_reason": None}]
-                    )
-                )
-            if msg.finish_reason:
-                out.append(
-                    self._chunk(
-                        [
-                            {
-                                "index": k,
-                                "delta": {},
-                                "logprobs": None,
-                                "finish_reason": finish_reason(msg.finish_reason),
-                            }
-                        ]
-                    )
-                )
-            return out
-        offsets = self.text_offset.setdefault(k, lp_mod.TextOffsets())
-        if msg.text or msg.logprobs or msg.finish_reason:
-            lps = None
-            if self.asked.logprobs is not None:
-                lps = lp_mod.legacy(msg.logprobs, offsets, self.asked.logprobs)
-            out.append(
-                self._chunk(
-                    [
-                        {
-                            "index": k,
-                            "text": msg.text,
-                            "logprobs": lps,
-                            "finish_reason": finish_reason(msg.finish_reason),
-                        }
-                    ]
-                )
-            )
-        return out
-
-    def _named_call_chunks(self, k: int, msg: pb.GenerateStreamResponse) -> list[dict[str, Any]]:
-        """A forced function streams as OpenAI streams a call: its id and name first, then the
-        arguments as they are generated (the output is the arguments)."""
-        out = []
-        if k not in self.held_text:  # first message of this choice: the call's header
-            self.held_text[k] = []
-            call = tool_output(self.tool_plan, "", "stop")[1][0]
-            header = {"index": 0, **call, "function": {"name": call["function"]["name"], "arguments": ""}}
-            out.append(
-                self._chunk(
-                    [{"index": k, "delta": {"tool_calls": [header]}, "logprobs": None, "finish_reason": None}]
-                )
-            )
-        if msg.text or msg.logprobs:
-            delta = {"tool_calls": [{"index": 0, "function": {"arguments": msg.text}}]}
-            k_top = self.asked.logprobs
-            lps = lp_mod.chat_logprobs(msg.logprobs, k_top) if k_top is not None else None
-            out.append(self._chunk([{"index": k, "delta": delta, "logprobs": lps, "finish_reason": None}]))
-        if msg.finish_reason:
-            self.held_text.pop(k, None)
-            out.append(
-                self._chunk(
-                    [
-                        {
-                            "index": k,
-                            "delta": {},
-                            "logprobs": None,
-                            "finish_reason": finish_reason(msg.finish_reason),
-                        }
-                    ]
-                )
-            )
-        return out
-
-    def _tool_chunks(self, k: int, reason: str) -> list[dict[str, Any]]:
-        """A held choice's content or tool calls, then its finish chunk."""
-        message, reason = _message("".join(self.held_text.pop(k, [])), reason, self.tool_plan)
-        lps = self.held_logprobs.pop(k, [])
-        out = []
-        if message["content"] or lps:
-            out.append(
-                self._chunk(
-                    [
-                        {
-                            "index": k,
-                            "delta": {"content": message["content"] or ""},
-                            "logprobs": lp_mod.chat_logprobs(lps, self.asked.logprobs)
-                            if self.asked.logprobs is not None
-                            else None,
-                            "finish_reason": None,
-                        }
-                    ]
-                )
-            )
-        for i, call in enumerate(message.get("tool_calls", [])):
-            delta = {"tool_calls": [{"index": i, **call}]}
-            out.append(self._chunk([{"index": k, "delta": delta, "logprobs": None, "finish_reason": None}]))
-        out.append(
-            self._chunk([{"index": k, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)}])
-        )
-        return out
-
-    def usage_chunk(self) -> dict[str, Any]:
-        chunk = self._chunk([])
-        chunk["usage"] = usage(
-            sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached_tokens.values())
-        )
-        return chunk

@@ -210,11 +210,6 @@ def _logprobs(params: pb.SamplingParams, generated: int | None, prompt: int | No
     params.top_logprobs = max(generated or 0, prompt or 0)
 
 
-def _no_stream(req: _Common, name: str) -> None:
-    if req.stream:
-        raise bad_request(f"{name} with stream is not supported by this server", name)
-
-
 class DoorCall(NamedTuple):
     """A request as sent on, with what the answer needs: which log probabilities were asked for
     (and echo), the tool plan (chat with tools) and the constraint's field names, to name the
@@ -255,10 +250,6 @@ def completion_request(req: CompletionRequest, adapter: str) -> tuple[pb.Generat
         raise bad_request("best_of is not supported by this server (only best_of = n)", "best_of")
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens 0 scores the prompt: it needs echo: true", "max_tokens")
-    if req.echo:
-        _no_stream(req, "echo")
-    if req.prompt_logprobs is not None:
-        _no_stream(req, "prompt_logprobs")
     # max_tokens 0: the engine always generates one token; the answer leaves it out.
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # null: OpenAI's default too
     params = _sampling(req, 1 if max_tokens == 0 else max_tokens)
@@ -326,8 +317,6 @@ def chat_request(
     max_tokens (the engine stops at the context first), as OpenAI generates up to the context."""
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    if req.prompt_logprobs is not None:
-        _no_stream(req, "prompt_logprobs")
     params = _sampling(req, req.max_completion_tokens or req.max_tokens or max_new_tokens_limit)
     top = (req.top_logprobs or 0) if req.logprobs else None
     _logprobs(params, top, req.prompt_logprobs)

@@ -12,7 +12,8 @@ from transformers import AutoTokenizer
 from loraplex.services.inference.engine.chat import render_model_template
 from loraplex.services.openai import schema, tools
 from loraplex.services.openai.errors import OpenAIError
-from loraplex.services.openai.responses import Asked, StreamState
+from loraplex.services.openai.responses import Asked
+from loraplex.services.openai.stream import StreamState
 from loraplex.v1 import inference_pb2 as pb
 
 WEATHER = {
