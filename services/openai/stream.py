@@ -47,6 +47,12 @@ class StreamState:
             "choices": choices,
         }
 
+    def _finish_chunk(self, k: int, reason: str) -> dict[str, Any]:
+        """A chat choice's last chunk: an empty delta and why it ended."""
+        return self._chunk(
+            [{"index": k, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)}]
+        )
+
     def chunks(self, msg: pb.GenerateStreamResponse) -> list[dict[str, Any]]:
         k = msg.index * self.n + msg.sample
         out = []
@@ -90,18 +96,7 @@ class StreamState:
                 )
             )
         if msg.finish_reason:
-            out.append(
-                self._chunk(
-                    [
-                        {
-                            "index": k,
-                            "delta": {},
-                            "logprobs": None,
-                            "finish_reason": finish_reason(msg.finish_reason),
-                        }
-                    ]
-                )
-            )
+            out.append(self._finish_chunk(k, msg.finish_reason))
         return out
 
     def _completion_chunks(
@@ -146,18 +141,7 @@ class StreamState:
             out.append(self._chunk([{"index": k, "delta": delta, "logprobs": lps, "finish_reason": None}]))
         if msg.finish_reason:
             self.held_text.pop(k, None)
-            out.append(
-                self._chunk(
-                    [
-                        {
-                            "index": k,
-                            "delta": {},
-                            "logprobs": None,
-                            "finish_reason": finish_reason(msg.finish_reason),
-                        }
-                    ]
-                )
-            )
+            out.append(self._finish_chunk(k, msg.finish_reason))
         return out
 
     def _tool_chunks(self, k: int, reason: str) -> list[dict[str, Any]]:
@@ -183,9 +167,7 @@ class StreamState:
         for i, call in enumerate(message.get("tool_calls", [])):
             delta = {"tool_calls": [{"index": i, **call}]}
             out.append(self._chunk([{"index": k, "delta": delta, "logprobs": None, "finish_reason": None}]))
-        out.append(
-            self._chunk([{"index": k, "delta": {}, "logprobs": None, "finish_reason": finish_reason(reason)}])
-        )
+        out.append(self._finish_chunk(k, reason))
         return out
 
     def usage_chunk(self) -> dict[str, Any]:
