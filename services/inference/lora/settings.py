@@ -18,7 +18,8 @@ from loraplex.services.inference.lora.shapes import ALL_MODULES, EXPERT_MODULES,
 
 LORA_BACKENDS = ("triton", "torch")
 # How LoRA on the experts is computed (lora/expert_lora.py): grouped_mm per slot at its own rank
-# (loop where torch has no grouped_mm), one grouped_mm over the step's slot span, or the loop.
+# (loop where torch has no grouped_mm), one grouped_mm over the step's slot span, the loop, or with no
+# host read (lora/expert_lora_graph.py); auto picks graphs or grouped (lora/setup.py expert_lora_mode).
 EXPERT_LORA_MODES = ("auto", "grouped", "span", "loop", "graphs")
 # `--max-lora-rank` when neither it nor a local `--lora-paths` adapter gives one.
 DEFAULT_MAX_LORA_RANK = 64
@@ -91,7 +92,7 @@ class LoRAConfig:
     max_lora_rank: int | None = None  # None: the largest rank in lora_paths, else DEFAULT_MAX_LORA_RANK
     lora_target_modules: tuple[str, ...] | None = None  # None: the union of lora_paths' targets, else all
     max_loaded_loras: int | None = None  # host cache size; None = unbounded
-    expert_lora_mode: str = "auto"  # one of EXPERT_LORA_MODES; auto: lora/expert_lora_graph.py picks
+    expert_lora_mode: str = "auto"  # one of EXPERT_LORA_MODES
 
     def __post_init__(self) -> None:
         _at_least_one("--max-loras-per-batch", self.max_loras_per_batch)
