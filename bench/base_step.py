@@ -6,7 +6,7 @@ of a random Llama-3.1-8B-shaped model with each option off, alone and all on, ag
     PYTHONPATH=protos python3 -m loraplex.bench.base_step --tiny     # GPU smoke run: tiny shape, no sweep
 
 Options (kernels/settings.py): LORAPLEX_SKINNY_GEMM, LORAPLEX_SKINNY_SILU, LORAPLEX_FUSED_KV_STORE,
-LORAPLEX_DECODE_DIRECT. Steps, in order:
+LORAPLEX_DECODE_DIRECT, and cuBLASLt instead of cuBLAS for every matmul. Steps, in order:
 
 1. Skinny GEMM sweep (within --sweep-budget-s): for each decode linear of the shape at --batch rows
    (qkv, o, gate_up, gate_up with SiLU, down, lm_head) block sizes, K splits, warps and stages,
@@ -49,8 +49,12 @@ from loraplex.services.inference.engine.cuda_graph import DecodeGraphs
 
 SKINNY, SILU = "LORAPLEX_SKINNY_GEMM", "LORAPLEX_SKINNY_SILU"
 STORE, DIRECT = "LORAPLEX_FUSED_KV_STORE", "LORAPLEX_DECODE_DIRECT"
+LT = "cublaslt"  # not a kernel setting: torch's preferred BLAS library for every matmul
 VARIANTS = {
     "off": (),
+    "cublaslt": (LT,),
+    "silu + store + direct": (SILU, STORE, DIRECT),
+    "cublaslt + silu + store + direct": (LT, SILU, STORE, DIRECT),
     "skinny gemm": (SKINNY,),
     "skinny silu": (SILU,),
     "skinny gemm + silu": (SKINNY, SILU),
@@ -173,9 +177,11 @@ def install(result: dict, rows: int) -> dict[str, list]:
 
 
 def set_options(names: tuple[str, ...]) -> None:
-    """The process environment (LORAPLEX_LORA_CONFIGS kept) with exactly these options on."""
+    """The process environment (LORAPLEX_LORA_CONFIGS kept) with exactly these options on, and
+    cuBLASLt or cuBLAS for every matmul."""
     env = {k: v for k, v in os.environ.items() if k not in (SKINNY, SILU, STORE, DIRECT)}
-    reload_kernel_settings(env | {n: "1" for n in names})
+    reload_kernel_settings(env | {n: "1" if n in names else "0" for n in (SKINNY, SILU, STORE, DIRECT)})
+    torch.backends.cuda.preferred_blas_library("cublaslt" if LT in names else "cublas")
 
 
 def replay_once(
@@ -296,7 +302,7 @@ def main() -> int:
             options=list(names), ms=ms, x_floor=ms / floor_ms, vs_off=off / ms, check=check, ok=ok
         )
         print(f"{name:<22}{ms:>9.3f}{ms / floor_ms:>9.3f}{off / ms:>8.3f}  {'' if ok else 'FAIL '}{check}")
-        if not opts.no_profile and name in ("off", "all on"):
+        if not opts.no_profile and name in ("off", "all on", "cublaslt + silu + store + direct"):
             res["variants"][name]["kinds"] = prof = profile(
                 graphs.graphs[(opts.batch, 0)], opts.out / f"trace_{name.replace(' ', '_')}.json"
             )

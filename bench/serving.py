@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import random
 import sys
 import time
@@ -34,6 +35,7 @@ import torch
 from loraplex.bench import serving_setup as setup
 from loraplex.bench.results import add_out_argument, write_json
 from loraplex.bench.serving_engine import ForwardClock, graph_replay_ms, measure_decode, measure_prefill
+from loraplex.kernels.settings import kernel_settings, reload_kernel_settings
 
 log = logging.getLogger("loraplex.bench.serving")
 TINY = dict(
@@ -340,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "--blas",
         default="default",
         choices=["default", "cublas", "cublaslt"],
-        help="torch's preferred BLAS library for every matmul (decode_sweep measured cuBLASLt faster)",
+        help="torch's BLAS library for every matmul (default: the engine's, LORAPLEX_BLAS, cuBLASLt)",
     )
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -352,15 +354,18 @@ def main(argv: list[str] | None = None) -> int:
         opts.batches = [1, 4, 8, 32, 64] if opts.tiny else [1, 16, 32, 64, 256]
     opts.max_bs = max(opts.batches)
     opts.context_length = 2048 if not opts.tiny else 256
-    if opts.blas != "default" and torch.cuda.is_available():
-        torch.backends.cuda.preferred_blas_library(opts.blas)
+    if opts.blas != "default":
+        os.environ["LORAPLEX_BLAS"] = opts.blas  # the engine's model runner sets it (kernels/settings.py)
+        reload_kernel_settings()
+        if torch.cuda.is_available():
+            torch.backends.cuda.preferred_blas_library(opts.blas)
     res: dict = dict(
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         torch=torch.__version__,
         shape=shape,
         context=ctx,
         argv=sys.argv[1:],
-        blas=str(torch.backends.cuda.preferred_blas_library()),
+        blas=kernel_settings().blas,
     )
     res["copy_bw"], res["matmul_rate"] = ceilings() if torch.cuda.is_available() else (1e11, 1e12)
     if torch.cuda.is_available():

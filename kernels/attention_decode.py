@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels.fused_ops import tanh
-from loraplex.kernels.settings import kernel_settings
+from loraplex.kernels.settings import kernel_settings, switched_on
 
 LOG2E = 1.4426950408889634
 
@@ -283,7 +283,7 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     # LORAPLEX_DECODE_DIRECT: one split writes the output itself (the same rounding as the merge's
     # divide by one), saving the merge launch and the float32 partials' round trip.
-    direct = splits == 1 and kernel_settings().decode_direct
+    direct = splits == 1 and switched_on(kernel_settings().decode_direct, q.is_cuda)
     if direct:
         mid_o, mid_lse = out.unsqueeze(2), out  # [B, heads, 1, head_dim] view; lse never written
     else:

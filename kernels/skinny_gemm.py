@@ -31,7 +31,7 @@ import triton.language as tl
 
 from loraplex.kernels.fused_ops import silu_and_mul_ref, tanh
 from loraplex.kernels.placement import triton_runs_on
-from loraplex.kernels.settings import kernel_settings
+from loraplex.kernels.settings import kernel_settings, switched_on
 
 SKINNY_MAX_ROWS = 64
 MAX_SPLIT_K = 16
@@ -295,7 +295,7 @@ def skinny_serves(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) ->
     rows, weight in the activations' 16-bit dtype (float32 only where the interpreter runs, for tests;
     an FP8 linear has its own forward)."""
     s = kernel_settings()
-    if not (s.skinny_silu if gated else s.skinny_gemm):
+    if not (switched_on(s.skinny_silu, x.is_cuda) if gated else s.skinny_gemm):
         return False
     if x.dim() != 2 or not 0 < x.shape[0] <= SKINNY_MAX_ROWS or not triton_runs_on(x):
         return False

@@ -18,7 +18,7 @@ import torch
 from loraplex.kernels.attention_decode import paged_decode_attention
 from loraplex.kernels.attention_kv_store import store_kv
 from loraplex.kernels.attention_prefill import paged_prefill_attention
-from loraplex.kernels.settings import kernel_settings
+from loraplex.kernels.settings import kernel_settings, switched_on
 from loraplex.services.inference.engine.attention import AttentionMetadata
 from loraplex.services.inference.engine.kv_cache import KVCacheScales, kv_cache_scales
 from loraplex.services.inference.models.context import Attention
@@ -91,7 +91,8 @@ class TritonPagedAttention(Attention):
         """With LORAPLEX_FUSED_KV_STORE, the cache of `layer` and the step's slots, for the q/k/v split
         launch to store into; None for an FP8 cache (its store scales and saturates: the separate
         launch does that)."""
-        if not kernel_settings().fused_kv_store or self.kv_cache.element_size() == 1:
+        on = switched_on(kernel_settings().fused_kv_store, self.kv_cache.is_cuda)
+        if not on or self.kv_cache.element_size() == 1:
             return None
         return self.kv_cache[layer, 0], self.kv_cache[layer, 1], self.meta.slot_mapping
 
