@@ -63,7 +63,11 @@ MOE_BLOCKS = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)
 KERNELS = {
     "shrink": (
         _shrink_kernel,
-        dict(COMMON, R_BLOCKS=1, STRIDE_BLOCK_TOKENS=128, EVEN_K=True, BLOCK_R=16, BLOCK_K=256),
+        dict(COMMON, R_BLOCKS=1, STRIDE_BLOCK_TOKENS=128, EVEN_K=True, PDL=False, BLOCK_R=16, BLOCK_K=256),
+    ),
+    "shrink_pdl": (  # programmatic dependent launch (LORAPLEX_LORA_PDL): the grid-dependency wait
+        _shrink_kernel,
+        dict(COMMON, R_BLOCKS=1, STRIDE_BLOCK_TOKENS=128, EVEN_K=False, PDL=True, BLOCK_R=16, BLOCK_K=128),
     ),
     "expand_accumulate": (
         _expand_kernel,
@@ -73,6 +77,7 @@ KERNELS = {
             STRIDE_BLOCK_TOKENS=128,
             EVEN_N=True,
             ACCUMULATE=True,
+            PDL=True,
             BLOCK_N=256,
             BLOCK_R=16,
         ),
@@ -85,17 +90,18 @@ KERNELS = {
             STRIDE_BLOCK_TOKENS=128,
             EVEN_N=False,
             ACCUMULATE=False,
+            PDL=False,
             BLOCK_N=128,
             BLOCK_R=64,
         ),
     ),
     "expand_token_delta": (
         _expand_token_kernel,
-        dict(N_SPLITS=8, EVEN_N=True, ACCUMULATE=False, BLOCK_N=128, BLOCK_R=16),
+        dict(N_SPLITS=8, EVEN_N=True, ACCUMULATE=False, PDL=True, BLOCK_N=128, BLOCK_R=16),
     ),
     "expand_token_accumulate": (
         _expand_token_kernel,
-        dict(N_SPLITS=1, EVEN_N=False, ACCUMULATE=True, BLOCK_N=64, BLOCK_R=64),
+        dict(N_SPLITS=1, EVEN_N=False, ACCUMULATE=True, PDL=False, BLOCK_N=64, BLOCK_R=64),
     ),
     "add_rms_norm_delta": (_add_rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_DELTA=True)),
     "silu_mul_delta": (_silu_mul_kernel, dict(N=14336, BLOCK=1024, HAS_DELTA=True)),

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from loraplex.kernels.lora_meta import LoRASegments, num_blocks_bound
 from loraplex.kernels.lora_plan import GroupLaunch
+from loraplex.kernels.placement import pdl_launch
 
 MAX_STACK = 3
 
@@ -59,6 +60,33 @@ def _chunk_lora(
     rank = tl.load(ranks_ptr + slot * stride_ranks_slot + stack * stride_ranks_stack)
     scale = tl.load(scal_ptr + slot * stride_scal_slot + stack * stride_scal_stack)
     return stack, chunk, width, col0, rank, tl.where(rank > 0, scale, 0.0)
+
+
+@triton.jit
+def _b_tile(
+    b_base, col0, n0, n_end, k_load, k_real, stride_b_out, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """B's `[BLOCK_R, BLOCK_N]` tile at columns `n0..` of a stack starting at `col0` (columns past
+    the slot's rank zeroed), its global columns and column mask."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    cols = (col0 + offs_n).to(tl.int64)
+    n_mask = offs_n < n_end
+    b_ptrs = b_base + cols[None, :] * stride_b_out
+    if EVEN_N:  # every stack width is a multiple of BLOCK_N: no column mask
+        bt = tl.load(b_ptrs, mask=k_load[:, None], other=0.0)
+    else:
+        bt = tl.load(b_ptrs, mask=k_load[:, None] & n_mask[None, :], other=0.0)
+    return tl.where(k_real[:, None], bt, 0.0), cols, n_mask
+
+
+@triton.jit
+def _put_tile(o_rows, cols, o_mask, acc, scale, stride_out_col, ACCUMULATE: tl.constexpr):
+    o_ptrs = o_rows + cols[None, :] * stride_out_col
+    if ACCUMULATE:
+        prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
+        tl.store(o_ptrs, (prev.to(tl.float32) + scale * acc).to(o_rows.dtype.element_ty), mask=o_mask)
+    else:
+        tl.store(o_ptrs, (scale * acc).to(o_rows.dtype.element_ty), mask=o_mask)
 
 
 # stride_y_split (one K-split's rows: tokens x columns) follows the step's token count: a runtime
@@ -96,12 +124,16 @@ def _expand_kernel(
     PRECISION: tl.constexpr,
     EVEN_N: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_b = tl.program_id(1)
+    if PDL:
+        # Every program has started: the next kernel may launch and do what needs no output of ours.
+        tl.extra.cuda.gdc_launch_dependents()
     # Slot and tokens are independent loads: one memory round trip for the metadata.
     slot = tl.load(block_slot_ptr + pid_b)
     tok = tl.load(block_tokens_ptr + pid_b * STRIDE_BLOCK_TOKENS + tl.arange(0, BLOCK_M))
@@ -135,6 +167,14 @@ def _expand_kernel(
     rank8 = tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), max_rank)
     k_load = offs_k < rank8
     k_real = offs_k < rank
+    n_begin = chunk * chunk_n
+    n_end = tl.minimum(n_begin + chunk_n, width)
+    b_base = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_k[:, None] * stride_b_rank
+    # The first B tile before `y`: under programmatic dependent launch (PDL) this program may start
+    # while the shrink still runs, and B, the ranks and the step's segments were all written before it.
+    bt, cols, n_mask = _b_tile(b_base, col0, n_begin, n_end, k_load, k_real, stride_b_out, EVEN_N, BLOCK_N)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the shrink's `y` (and the base output, for the in-place add) is complete
     y_ptrs = y_ptr + tok[:, None] * stride_y_token + (stack * max_rank + offs_k)[None, :] * stride_y_col
     y_mask = m_mask[:, None] & k_load[None, :]
     yt = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -142,29 +182,15 @@ def _expand_kernel(
         yt += tl.load(y_ptrs + p * stride_y_split, mask=y_mask, other=0.0)
     yt = tl.where(k_real[None, :], yt, 0.0).to(b_ptr.dtype.element_ty)
 
-    n_begin = chunk * chunk_n
-    n_end = tl.minimum(n_begin + chunk_n, width)
-    b_base = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_k[:, None] * stride_b_rank
     o_rows = out_ptr + tok[:, None] * stride_out_token
-    for n0 in range(n_begin, n_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        cols = (col0 + offs_n).to(tl.int64)
-        b_ptrs = b_base + cols[None, :] * stride_b_out
-        if EVEN_N:  # every stack width is a multiple of BLOCK_N: no column mask
-            bt = tl.load(b_ptrs, mask=k_load[:, None], other=0.0)
-            o_mask = m_mask[:, None]
-        else:
-            n_mask = offs_n < n_end
-            bt = tl.load(b_ptrs, mask=k_load[:, None] & n_mask[None, :], other=0.0)
-            o_mask = m_mask[:, None] & n_mask[None, :]
-        bt = tl.where(k_real[:, None], bt, 0.0)
+    o_mask = m_mask[:, None] if EVEN_N else m_mask[:, None] & n_mask[None, :]
+    acc = tl.dot(yt, bt, input_precision=PRECISION)
+    _put_tile(o_rows, cols, o_mask, acc, scale, stride_out_col, ACCUMULATE)
+    for n0 in range(n_begin + BLOCK_N, n_end, BLOCK_N):
+        bt, cols, n_mask = _b_tile(b_base, col0, n0, n_end, k_load, k_real, stride_b_out, EVEN_N, BLOCK_N)
+        o_mask = m_mask[:, None] if EVEN_N else m_mask[:, None] & n_mask[None, :]
         acc = tl.dot(yt, bt, input_precision=PRECISION)
-        o_ptrs = o_rows + cols[None, :] * stride_out_col
-        if ACCUMULATE:
-            prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
-            tl.store(o_ptrs, (prev.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
-        else:
-            tl.store(o_ptrs, (scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
+        _put_tile(o_rows, cols, o_mask, acc, scale, stride_out_col, ACCUMULATE)
 
 
 @triton.jit(do_not_specialize=["stride_y_split"])
@@ -197,6 +223,7 @@ def _expand_token_kernel(
     N_SPLITS: tl.constexpr,
     EVEN_N: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
@@ -205,6 +232,9 @@ def _expand_token_kernel(
     over the rank in registers (fp32 sums of B-dtype products), no tensor-core tile or shared memory."""
     pid_n = tl.program_id(0)
     tok = tl.program_id(1)
+    if PDL:
+        # Every program has started: the next kernel may launch and do what needs no output of ours.
+        tl.extra.cuda.gdc_launch_dependents()
     slot = tl.load(slots_ptr + tok)
     if slot < 0:
         return
@@ -229,31 +259,48 @@ def _expand_token_kernel(
     rank8 = tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), max_rank)
     k_load = offs_k < rank8
     k_real = offs_k < rank
+    n_begin = chunk * chunk_n
+    n_end = tl.minimum(n_begin + chunk_n, width)
+    b_base = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_k[None, :] * stride_b_rank
+    # The first B tile before `y`, as in `_expand_kernel`.
+    bt, cols, n_mask = _b_row_tile(b_base, col0, n_begin, n_end, k_load, stride_b_out, EVEN_N, BLOCK_N)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the shrink's `y` (and the base output, for the in-place add) is complete
     y_row = y_ptr + tok.to(tl.int64) * stride_y_token + (stack * max_rank + offs_k) * stride_y_col
     yv = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for p in tl.static_range(N_SPLITS):
         yv += tl.load(y_row + p * stride_y_split, mask=k_load, other=0.0)
     yv = tl.where(k_real, yv, 0.0).to(b_ptr.dtype.element_ty).to(tl.float32)
-    n_begin = chunk * chunk_n
-    n_end = tl.minimum(n_begin + chunk_n, width)
-    b_base = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_k[None, :] * stride_b_rank
     o_row = out_ptr + tok.to(tl.int64) * stride_out_token
-    for n0 in range(n_begin, n_end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        cols = (col0 + offs_n).to(tl.int64)
-        n_mask = offs_n < n_end
-        b_ptrs = b_base + cols[:, None] * stride_b_out
-        if EVEN_N:
-            bt = tl.load(b_ptrs, mask=k_load[None, :], other=0.0)
-        else:
-            bt = tl.load(b_ptrs, mask=n_mask[:, None] & k_load[None, :], other=0.0)
+    acc = scale * tl.sum(tl.where(k_real[None, :], bt.to(tl.float32), 0.0) * yv[None, :], axis=1)
+    _put_row(o_row + cols * stride_out_col, n_mask, acc, ACCUMULATE)
+    for n0 in range(n_begin + BLOCK_N, n_end, BLOCK_N):
+        bt, cols, n_mask = _b_row_tile(b_base, col0, n0, n_end, k_load, stride_b_out, EVEN_N, BLOCK_N)
         acc = scale * tl.sum(tl.where(k_real[None, :], bt.to(tl.float32), 0.0) * yv[None, :], axis=1)
-        o_ptrs = o_row + cols * stride_out_col
-        if ACCUMULATE:
-            prev = tl.load(o_ptrs, mask=n_mask, other=0.0)
-            tl.store(o_ptrs, (prev.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=n_mask)
-        else:
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+        _put_row(o_row + cols * stride_out_col, n_mask, acc, ACCUMULATE)
+
+
+@triton.jit
+def _b_row_tile(b_base, col0, n0, n_end, k_load, stride_b_out, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """B's `[BLOCK_N, BLOCK_R]` tile at columns `n0..` of a stack starting at `col0`, for one token."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    cols = (col0 + offs_n).to(tl.int64)
+    n_mask = offs_n < n_end
+    b_ptrs = b_base + cols[:, None] * stride_b_out
+    if EVEN_N:
+        bt = tl.load(b_ptrs, mask=k_load[None, :], other=0.0)
+    else:
+        bt = tl.load(b_ptrs, mask=n_mask[:, None] & k_load[None, :], other=0.0)
+    return bt, cols, n_mask
+
+
+@triton.jit
+def _put_row(o_ptrs, n_mask, acc, ACCUMULATE: tl.constexpr):
+    if ACCUMULATE:
+        prev = tl.load(o_ptrs, mask=n_mask, other=0.0)
+        tl.store(o_ptrs, (prev.to(tl.float32) + acc).to(o_ptrs.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(o_ptrs, acc.to(o_ptrs.dtype.element_ty), mask=n_mask)
 
 
 def _check_widths(widths: tuple[int, ...], ranks: torch.Tensor, B: torch.Tensor, out: torch.Tensor) -> None:
@@ -317,10 +364,13 @@ def lora_expand(
         scalings.stride(0),
         scalings.stride(1),
     )
+    pdl = pdl_launch(out)
     common = dict(
         N_SPLITS=launch.splits,
         EVEN_N=all(wi % cfg.block_n == 0 for wi in widths),
         ACCUMULATE=accumulate,
+        PDL=pdl,
+        **({"launch_pdl": True} if pdl else {}),
         BLOCK_N=cfg.block_n,
         BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
         num_warps=cfg.num_warps,

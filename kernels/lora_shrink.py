@@ -22,6 +22,7 @@ import triton.language as tl
 from loraplex.kernels.lora_configs import DECODE_MAX_TOKENS, SPLITS_TABLE, shrink_splits
 from loraplex.kernels.lora_meta import LoRASegments, num_blocks_bound
 from loraplex.kernels.lora_plan import GroupLaunch
+from loraplex.kernels.placement import pdl_launch
 
 
 # stride_y_split (one K-split's rows: tokens x columns) follows the step's token count: a runtime
@@ -51,6 +52,7 @@ def _shrink_kernel(
     STRIDE_BLOCK_TOKENS: tl.constexpr,
     PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -58,6 +60,12 @@ def _shrink_kernel(
     pid_sr = tl.program_id(0)
     pid_b = tl.program_id(1)
     pid_k = tl.program_id(2)
+    if PDL:
+        # Programmatic dependent launch: the expand may launch once every program here has started
+        # (it reads only what was written before this kernel until it waits for our `y`); x, and
+        # anything the kernel before wrote, is complete only past the wait.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # Slot and tokens are independent loads: one memory round trip for the metadata.
     slot = tl.load(block_slot_ptr + pid_b)
     tok = tl.load(block_tokens_ptr + pid_b * STRIDE_BLOCK_TOKENS + tl.arange(0, BLOCK_M))
@@ -152,6 +160,7 @@ def lora_shrink(
     k_per_split = triton.cdiv(triton.cdiv(d, launch.splits), cfg.block_k) * cfg.block_k
     # Never past the blocks `build_segments` wrote for this step (the rest are stale).
     token_blocks = num_blocks_bound(num_tokens, min(launch.distinct_bound, segs.num_slots), cfg.block_m)
+    pdl = pdl_launch(x)
     _shrink_kernel[(n_stack * r_blocks, token_blocks, launch.splits)](
         x,
         A,
@@ -175,6 +184,8 @@ def lora_shrink(
         R_BLOCKS=r_blocks,
         STRIDE_BLOCK_TOKENS=btok.stride(0),
         EVEN_K=d % cfg.block_k == 0,
+        PDL=pdl,
+        **({"launch_pdl": True} if pdl else {}),
         # fp32 must stay fp32 (tl.dot defaults to TF32 on GPU); 16-bit inputs ignore it.
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg.block_m,

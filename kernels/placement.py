@@ -9,6 +9,8 @@ launches (kernels/compile_watch.py) and what it computes, without a GPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from loraplex.kernels.settings import kernel_settings
@@ -26,3 +28,17 @@ def triton_runs_on(t: torch.Tensor | torch.device) -> bool:
     """Whether the Triton kernels (rather than the torch references) serve tensors on this device."""
     is_cuda = t.type == "cuda" if isinstance(t, torch.device) else t.is_cuda
     return is_cuda or _on_cpu[0]
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_launch(t: torch.Tensor) -> bool:
+    """Whether the LoRA kernels launch on `t`'s device with programmatic dependent launch
+    (`LORAPLEX_LORA_PDL`, on unless `0`): a CUDA device of compute capability 9 or more (Hopper),
+    never the interpreter."""
+    if not t.is_cuda or kernel_settings().lora_pdl is False:
+        return False
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())[0] >= 9

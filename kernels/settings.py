@@ -47,22 +47,36 @@ class KernelSettings:
     rank-r intermediate on chip (`kernels/lora_fused.py`). auto: for steps of at most 256 tokens whose
     group has a measured `FUSED_TABLE` entry (`kernels/lora_configs.py`); on: every step; off: never."""
 
-    # The base decode step (issue 38), each off until measured faster on the GPU (bench/base_step.py).
+    lora_pdl: bool | None = None
+    """`LORAPLEX_LORA_PDL=1|0`: the LoRA shrink and expand launch with programmatic dependent launch
+    on Hopper or newer, so the expand's programs start, and read their first B tile, while the shrink
+    still runs (kernels/lora_expand.py). Unset: on for CUDA devices of compute capability >= 9, where
+    `bench/lora_pdl.py` measured the layer's LoRA 2-9% faster, bit-identical (2026-12-05, H100)."""
+
+    # The base decode step (issue 38). Unset (None): on for CUDA tensors, where bench/base_step.py measured
+    # them faster together (2026-12-05, H100: with cuBLASLt, 8.90 against 9.10 ms, docs/benchmarks.md),
+    # off elsewhere (the CPU tests' interpreter). "1" / "0" force them on or off, the interpreter included.
     skinny_gemm: bool = False
     """`LORAPLEX_SKINNY_GEMM=1`: the model's linears (and the LM head) over at most 64 rows run the
-    Triton skinny GEMM of `kernels/skinny_gemm.py` instead of cuBLAS."""
+    Triton skinny GEMM of `kernels/skinny_gemm.py` instead of cuBLAS (off: slower than cuBLAS on
+    every projection but the LM head)."""
 
-    skinny_silu: bool = False
-    """`LORAPLEX_SKINNY_SILU=1`: with no LoRA delta pending, the gate_up projection over at most 64
+    skinny_silu: bool | None = None
+    """`LORAPLEX_SKINNY_SILU=1|0`: with no LoRA delta pending, the gate_up projection over at most 64
     rows and its SiLU-and-mul run as one skinny GEMM launch with the activation in its epilogue."""
 
-    fused_kv_store: bool = False
-    """`LORAPLEX_FUSED_KV_STORE=1`: the q/k/v split-and-rotary launch writes the new K/V rows straight
+    fused_kv_store: bool | None = None
+    """`LORAPLEX_FUSED_KV_STORE=1|0`: the q/k/v split-and-rotary launch writes the new K/V rows straight
     into the paged cache (no separate store launch); an FP8 cache keeps the separate store."""
 
-    decode_direct: bool = False
-    """`LORAPLEX_DECODE_DIRECT=1`: a decode attention launch with a single split writes the final
+    decode_direct: bool | None = None
+    """`LORAPLEX_DECODE_DIRECT=1|0`: a decode attention launch with a single split writes the final
     output itself (no merge launch)."""
+
+    blas: str = "cublaslt"
+    """`LORAPLEX_BLAS=cublaslt|cublas`: torch's BLAS library for the matmuls on CUDA, set when a model
+    runner is built. cuBLASLt's decode GEMMs measured faster than cuBLAS's at every batch and LoRA mix
+    timed (docs/benchmarks.md, 2026-12-03 and 2026-12-05), never slower."""
 
     fp8_gemm: str = "scaled_mm"
     """`LORAPLEX_FP8_GEMM`: the GEMM of an FP8 base's linears on the GPU. `scaled_mm` (default):
@@ -92,10 +106,12 @@ class KernelSettings:
             triton_interpret=env.get("TRITON_INTERPRET") == "1",
             moe_kernel=_choice(env, "LORAPLEX_MOE_KERNEL", ("grouped", "torch")),
             lora_fused=fused,
+            lora_pdl=_on_off(env, "LORAPLEX_LORA_PDL"),
             skinny_gemm=env.get("LORAPLEX_SKINNY_GEMM") == "1",
-            skinny_silu=env.get("LORAPLEX_SKINNY_SILU") == "1",
-            fused_kv_store=env.get("LORAPLEX_FUSED_KV_STORE") == "1",
-            decode_direct=env.get("LORAPLEX_DECODE_DIRECT") == "1",
+            skinny_silu=_on_off(env, "LORAPLEX_SKINNY_SILU"),
+            fused_kv_store=_on_off(env, "LORAPLEX_FUSED_KV_STORE"),
+            decode_direct=_on_off(env, "LORAPLEX_DECODE_DIRECT"),
+            blas=_choice(env, "LORAPLEX_BLAS", ("cublaslt", "cublas")),
             fp8_gemm=fp8_gemm,
             fp8_gemm_configs=env.get("LORAPLEX_FP8_GEMM_CONFIGS") or None,
         )
@@ -107,6 +123,19 @@ def _choice(env: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ValueError(f"{name}={value!r}: expected one of {', '.join(allowed)}")
     return value
+
+
+def _on_off(env: Mapping[str, str], name: str) -> bool | None:
+    """`1` on, `0` off, unset or empty None (the field's own default: on for CUDA tensors)."""
+    value = (env.get(name) or "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name}={value!r}: expected 1 or 0 (unset: on for CUDA tensors)")
+    return None if value == "" else value == "1"
+
+
+def switched_on(option: bool | None, on_cuda: bool) -> bool:
+    """Whether an on/off option with an auto default applies to a tensor (`on_cuda`: it lives on CUDA)."""
+    return on_cuda if option is None else option
 
 
 _current: list[KernelSettings] = []

@@ -37,3 +37,33 @@ def test_reload_reads_an_explicit_mapping_and_applies_the_overrides(tmp_path, mo
         )
         lora_configs.clear_caches()
     assert kernel_settings() == before
+
+
+def test_base_step_options_are_on_for_cuda_unless_switched_and_cublaslt_is_the_default():
+    import pytest
+
+    from loraplex.kernels.settings import switched_on
+
+    auto = KernelSettings.from_env({})
+    assert (auto.skinny_silu, auto.fused_kv_store, auto.decode_direct) == (None, None, None)
+    assert auto.skinny_gemm is False
+    assert switched_on(auto.decode_direct, on_cuda=True)
+    assert not switched_on(auto.decode_direct, on_cuda=False)
+    forced = KernelSettings.from_env({"LORAPLEX_FUSED_KV_STORE": "1", "LORAPLEX_DECODE_DIRECT": "0"})
+    assert switched_on(forced.fused_kv_store, on_cuda=False)  # "1": the interpreter too (tests)
+    assert not switched_on(forced.decode_direct, on_cuda=True)
+    assert auto.blas == "cublaslt" and KernelSettings.from_env({"LORAPLEX_BLAS": "cublas"}).blas == "cublas"
+    with pytest.raises(ValueError, match="LORAPLEX_SKINNY_SILU"):
+        KernelSettings.from_env({"LORAPLEX_SKINNY_SILU": "yes"})
+    with pytest.raises(ValueError, match="LORAPLEX_BLAS"):
+        KernelSettings.from_env({"LORAPLEX_BLAS": "rocblas"})
+
+
+def test_lora_pdl_is_on_unless_switched_off_and_never_on_cpu_tensors():
+    import torch
+
+    from loraplex.kernels.placement import pdl_launch
+
+    assert KernelSettings.from_env({}).lora_pdl is None
+    assert KernelSettings.from_env({"LORAPLEX_LORA_PDL": "0"}).lora_pdl is False
+    assert not pdl_launch(torch.zeros(1))  # the interpreter has no grid dependency control
