@@ -219,8 +219,9 @@ def step_cases(a, bw: float, swept: dict) -> list[dict]:
     for name, fp8, mode, overrides in (
         ("bf16 base", False, "scaled_mm", {}),
         ("fp8 base, scaled_mm", True, "scaled_mm", {}),
-        ("fp8 base, weight-only (built-in configs)", True, "auto", {}),
-        ("fp8 base, weight-only (swept configs)", True, "auto", swept),
+        ("fp8 base, auto (built-in configs)", True, "auto", {}),
+        ("fp8 base, auto (swept configs)", True, "auto", swept),
+        ("fp8 base, weight-only (swept configs)", True, "weight_only", swept),
     ):
         if name.endswith("(swept configs)") and not swept:
             continue

@@ -32,7 +32,11 @@ from loraplex.kernels.fp8_matmul import dequantize
 from loraplex.kernels.placement import triton_runs_on
 from loraplex.kernels.settings import kernel_settings
 
-WEIGHT_ONLY_MAX_ROWS = 64  # LORAPLEX_FP8_GEMM=auto: this GEMM up to here, torch._scaled_mm above
+# LORAPLEX_FP8_GEMM=auto: this GEMM for weights [N, K] with N <= K up to WEIGHT_ONLY_MAX_ROWS rows, with
+# N <= 2K up to WEIGHT_ONLY_WIDE_ROWS, torch._scaled_mm elsewhere (measured per Llama-3.1-8B projection on
+# the H100, 2026-12-05: o and down won at 1-64 rows, q/k/v at 1-32, gate/up nowhere; docs/benchmarks.md).
+WEIGHT_ONLY_MAX_ROWS = 64
+WEIGHT_ONLY_WIDE_ROWS = 32
 
 
 # The rows (and what scales with them) are runtime values: a new batch size compiles nothing.
@@ -213,12 +217,18 @@ def _has_fp8_hardware(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def weight_only_serves(x: torch.Tensor, block: tuple[int, int] | None, scaled_mm_ready: bool) -> bool:
+def weight_only_serves(
+    x: torch.Tensor,
+    block: tuple[int, int] | None,
+    scaled_mm_ready: bool,
+    weight_shape: tuple[int, int] | None = None,
+) -> bool:
     """Whether an FP8 linear runs this GEMM for `x` (`LORAPLEX_FP8_GEMM`, kernels/settings.py):
-    never under `scaled_mm`; under `auto` up to WEIGHT_ONLY_MAX_ROWS rows, or for every batch where
-    the weight has no `torch._scaled_mm` operands (`scaled_mm_ready`: a block-scaled weight kept as
-    it is); under `weight_only` always. Only where Triton serves x (CUDA with FP8 conversions,
-    sm 8.9+, in bf16/fp16; CPU tensors under the interpreter, for the tests)."""
+    never under `scaled_mm`; under `weight_only` always; under `auto` (the default) for every batch
+    where the weight has no `torch._scaled_mm` operands (`scaled_mm_ready`), else by the weight's
+    shape `[N, K]` (None: any) where it measured faster than `torch._scaled_mm`: N <= K up to
+    WEIGHT_ONLY_MAX_ROWS rows, N <= 2K up to WEIGHT_ONLY_WIDE_ROWS. Only where Triton serves x (CUDA
+    with FP8 conversions, sm 8.9+, in bf16/fp16; CPU tensors under the interpreter, for the tests)."""
     mode = kernel_settings().fp8_gemm
     if mode == "scaled_mm" or not triton_runs_on(x) or not supports(block):
         return False
@@ -226,10 +236,15 @@ def weight_only_serves(x: torch.Tensor, block: tuple[int, int] | None, scaled_mm
         return False
     if mode == "weight_only" or not scaled_mm_ready:
         return True
-    return x.numel() // x.shape[-1] <= WEIGHT_ONLY_MAX_ROWS
+    rows = x.numel() // x.shape[-1]
+    if weight_shape is None:
+        return rows <= WEIGHT_ONLY_MAX_ROWS
+    n, k = weight_shape
+    return (rows <= WEIGHT_ONLY_MAX_ROWS and n <= k) or (rows <= WEIGHT_ONLY_WIDE_ROWS and n <= 2 * k)
 
 
 def keeps_block_scales(block: tuple[int, int] | None) -> bool:
-    """Whether a block-scaled checkpoint is served with its own scales on the GPU (this GEMM) rather
-    than re-quantized per output channel at load for `torch._scaled_mm` (`LORAPLEX_FP8_GEMM=scaled_mm`)."""
-    return block is not None and kernel_settings().fp8_gemm != "scaled_mm" and supports(block)
+    """Whether a block-scaled checkpoint is served with its own scales on the GPU (this GEMM for every
+    batch, `LORAPLEX_FP8_GEMM=weight_only`) rather than re-quantized per output channel at load for
+    `torch._scaled_mm` (`scaled_mm`, and `auto`, which picks between the two per shape)."""
+    return block is not None and kernel_settings().fp8_gemm == "weight_only" and supports(block)

@@ -58,9 +58,9 @@ def fp8_gemm_setting():
     assert kernel_settings() == before
 
 
-def test_setting_is_typed_and_defaults_to_scaled_mm():
-    assert KernelSettings.from_env({}).fp8_gemm == "scaled_mm"
-    assert KernelSettings.from_env({"LORAPLEX_FP8_GEMM": "auto"}).fp8_gemm == "auto"
+def test_setting_is_typed_and_defaults_to_auto():
+    assert KernelSettings.from_env({}).fp8_gemm == "auto"
+    assert KernelSettings.from_env({"LORAPLEX_FP8_GEMM": "scaled_mm"}).fp8_gemm == "scaled_mm"
     with pytest.raises(ValueError, match="weight_only"):
         KernelSettings.from_env({"LORAPLEX_FP8_GEMM": "weight-only"})
 
@@ -76,6 +76,18 @@ def test_default_config_splits_k_until_the_grid_covers_the_chip():
     assert default_config(64, 6144, 4096, CPU).split_k == 6
     assert default_config(3, 64, 64, CPU).block_m == 16 and default_config(40, 64, 64, CPU).block_m == 64
     assert default_config(65, 4096, 4096, CPU).split_k == 1  # prefill
+
+
+def test_built_in_table_serves_the_measured_shapes_and_a_file_comes_first(tmp_path, fp8_gemm_setting):
+    o = Fp8GemmKey("64", 4096, 4096)
+    assert fp8_gemm_config(64, 4096, 4096, CPU) == fp8_gemm_configs.TABLE[o]
+    assert fp8_gemm_config(64, 4096, 4096, CPU) != default_config(64, 4096, 4096, CPU)
+    assert fp8_gemm_config(16, 4096, 4096, CPU) == default_config(16, 4096, 4096, CPU)  # no entry
+    entry = Fp8GemmConfig(64, 32, 64, 2, 2, 2)
+    path = tmp_path / "fp8.json"
+    path.write_text(json.dumps(fp8_gemm_configs.table_json({o: entry})))
+    fp8_gemm_setting("auto", str(path))
+    assert fp8_gemm_config(64, 4096, 4096, CPU) == entry
 
 
 def test_configs_file_replaces_entries(tmp_path, fp8_gemm_setting):
@@ -103,10 +115,11 @@ def _block_linear() -> Fp8Linear:
     return lin
 
 
-@pytest.mark.parametrize("mode, kept", [("scaled_mm", False), ("auto", True), ("weight_only", True)])
+@pytest.mark.parametrize("mode, kept", [("scaled_mm", False), ("auto", False), ("weight_only", True)])
 def test_block_scales_are_kept_unless_scaled_mm_serves(mode, kept, fp8_gemm_setting):
     """At load on the GPU (`finish(fast=True)`), a block-scaled weight is re-quantized per channel
-    only for torch._scaled_mm; the weight-only GEMM serves the checkpoint's own block scales."""
+    where torch._scaled_mm may serve it (`scaled_mm`, `auto`); `weight_only` serves the checkpoint's
+    own block scales."""
     fp8_gemm_setting(mode)
     lin = _block_linear()
     before = lin.dequantized()
@@ -277,16 +290,25 @@ def _check_linear_dispatch() -> int:
     try:
         reload_kernel_settings({"TRITON_INTERPRET": "1", "LORAPLEX_FP8_GEMM": "auto"})
         picks = [
-            gemm.weight_only_serves(torch.zeros(rows, 8), None, ready)
-            for rows, ready in ((64, 1), (65, 1), (65, 0))
+            gemm.weight_only_serves(torch.zeros(rows, 8), None, ready, shape)
+            for rows, ready, shape in (
+                (64, 1, None),
+                (65, 1, None),
+                (65, 0, None),
+                (64, 1, (8, 8)),  # N <= K (o, down): up to 64 rows
+                (64, 1, (12, 8)),  # K < N <= 2K (q/k/v): up to 32 rows
+                (32, 1, (12, 8)),
+                (16, 1, (24, 8)),  # N > 2K (gate/up): torch._scaled_mm
+            )
         ]
         reload_kernel_settings({"TRITON_INTERPRET": "1", "LORAPLEX_FP8_GEMM": "scaled_mm"})
         picks.append(gemm.weight_only_serves(torch.zeros(4, 8), None, False))
     finally:
         run_triton_on_cpu(False)
-    ok = picks == [True, False, True, False]
+    ok = picks == [True, False, True, True, False, True, False, False]
     failures += not ok
-    print(f"auto picks (rows 64, 65, 65 without scaled_mm, scaled_mm mode) {picks} {'ok' if ok else 'FAIL'}")
+    cases = "rows 64, 65, 65 without scaled_mm, N<=K, N<=2K at 64 and 32 rows, N>2K, scaled_mm"
+    print(f"auto picks ({cases}) {picks} {'ok' if ok else 'FAIL'}")
     return failures
 
 

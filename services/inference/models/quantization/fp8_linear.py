@@ -74,7 +74,7 @@ class Fp8Linear(FusedLinear):
 
     def base_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         scaled_mm_ready = self.scale_row is not None and scaled_mm_fits(x, self.weight)
-        if weight_only_serves(x, self.block, scaled_mm_ready):
+        if weight_only_serves(x, self.block, scaled_mm_ready, tuple(self.weight.shape)):
             return fp8_weight_gemm(x, self.weight, self.weight_scale, self.block, bias)
         if scaled_mm_ready:
             return fp8_linear_mm(x, self.weight, self.scale_row, self.static_input_scale, bias)
