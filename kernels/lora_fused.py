@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.lora_expand import MAX_STACK, _check_widths, _chunk_lora, lora_expand_ref
+from loraplex.kernels.lora_expand import MAX_STACK, _check_widths, _chunk_lora, _put_tile, lora_expand_ref
 from loraplex.kernels.lora_meta import LoRASegments, num_blocks_bound
 from loraplex.kernels.lora_plan import GroupLaunch
 from loraplex.kernels.lora_shrink import lora_shrink_ref
@@ -150,12 +150,7 @@ def _fused_kernel(
             o_mask = m_mask[:, None] & n_mask[None, :]
         bt = tl.where(r_real[:, None], bt, 0.0)
         acc = tl.dot(hb, bt, input_precision=PRECISION)
-        o_ptrs = o_rows + cols[None, :] * stride_out_col
-        if ACCUMULATE:
-            prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
-            tl.store(o_ptrs, (prev.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
-        else:
-            tl.store(o_ptrs, (scale * acc).to(out_ptr.dtype.element_ty), mask=o_mask)
+        _put_tile(o_rows, cols, o_mask, acc, scale, stride_out_col, ACCUMULATE)
 
 
 def lora_fused(
