@@ -19,6 +19,11 @@ output: the delta can then be computed on a second stream while the base matmul 
 added afterwards (`out = dtype(float(base) + delta)`: the in-place sum's rounding, except that
 a GPU may contract the in-place `prev + scale * acc` into one fused multiply-add).
 Rows of tokens without an adapter are not written in either mode.
+
+A plan entry with `per_token` launches `kernels/lora_expand_token.py`'s kernel instead (one program per
+token and column chunk); the tiles both kernels share are in `kernels/lora_tiles.py`. On Hopper both
+launch with programmatic dependent launch (`LORAPLEX_LORA_PDL`): a program loads its first B tile, then
+waits for the shrink's `y`.
 """
 
 from __future__ import annotations
@@ -27,66 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.lora_expand_token import _expand_token_kernel
 from loraplex.kernels.lora_meta import LoRASegments, num_blocks_bound
 from loraplex.kernels.lora_plan import GroupLaunch
+from loraplex.kernels.lora_tiles import _b_tile, _chunk_lora, _put_tile
 from loraplex.kernels.placement import pdl_launch
 
 MAX_STACK = 3
-
-
-@triton.jit
-def _chunk_lora(
-    pid_n,
-    slot,
-    width0,
-    width1,
-    width2,
-    chunks0,
-    chunks1,
-    ranks_ptr,
-    scal_ptr,
-    stride_ranks_slot,
-    stride_ranks_stack,
-    stride_scal_slot,
-    stride_scal_stack,
-):
-    """For column chunk `pid_n` of a token (block) of `slot`: (stack, chunk within it, stack width,
-    stack's first column, the slot's rank for that stack, its scaling, 0 where the rank is 0).
-    Chunks never straddle two stacks: stack i owns chunks_i = cdiv(width_i, chunk_n) chunks."""
-    stack = (pid_n >= chunks0).to(tl.int32) + (pid_n >= chunks0 + chunks1).to(tl.int32)
-    chunk = pid_n - tl.where(stack == 0, 0, tl.where(stack == 1, chunks0, chunks0 + chunks1))
-    width = tl.where(stack == 0, width0, tl.where(stack == 1, width1, width2))
-    col0 = tl.where(stack == 0, 0, tl.where(stack == 1, width0, width0 + width1))
-    rank = tl.load(ranks_ptr + slot * stride_ranks_slot + stack * stride_ranks_stack)
-    scale = tl.load(scal_ptr + slot * stride_scal_slot + stack * stride_scal_stack)
-    return stack, chunk, width, col0, rank, tl.where(rank > 0, scale, 0.0)
-
-
-@triton.jit
-def _b_tile(
-    b_base, col0, n0, n_end, k_load, k_real, stride_b_out, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """B's `[BLOCK_R, BLOCK_N]` tile at columns `n0..` of a stack starting at `col0` (columns past
-    the slot's rank zeroed), its global columns and column mask."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    cols = (col0 + offs_n).to(tl.int64)
-    n_mask = offs_n < n_end
-    b_ptrs = b_base + cols[None, :] * stride_b_out
-    if EVEN_N:  # every stack width is a multiple of BLOCK_N: no column mask
-        bt = tl.load(b_ptrs, mask=k_load[:, None], other=0.0)
-    else:
-        bt = tl.load(b_ptrs, mask=k_load[:, None] & n_mask[None, :], other=0.0)
-    return tl.where(k_real[:, None], bt, 0.0), cols, n_mask
-
-
-@triton.jit
-def _put_tile(o_rows, cols, o_mask, acc, scale, stride_out_col, ACCUMULATE: tl.constexpr):
-    o_ptrs = o_rows + cols[None, :] * stride_out_col
-    if ACCUMULATE:
-        prev = tl.load(o_ptrs, mask=o_mask, other=0.0)
-        tl.store(o_ptrs, (prev.to(tl.float32) + scale * acc).to(o_rows.dtype.element_ty), mask=o_mask)
-    else:
-        tl.store(o_ptrs, (scale * acc).to(o_rows.dtype.element_ty), mask=o_mask)
 
 
 # stride_y_split (one K-split's rows: tokens x columns) follows the step's token count: a runtime
@@ -191,116 +143,6 @@ def _expand_kernel(
         o_mask = m_mask[:, None] if EVEN_N else m_mask[:, None] & n_mask[None, :]
         acc = tl.dot(yt, bt, input_precision=PRECISION)
         _put_tile(o_rows, cols, o_mask, acc, scale, stride_out_col, ACCUMULATE)
-
-
-@triton.jit(do_not_specialize=["stride_y_split"])
-def _expand_token_kernel(
-    y_ptr,
-    b_ptr,
-    out_ptr,
-    ranks_ptr,
-    scal_ptr,
-    slots_ptr,
-    max_rank,
-    width0,
-    width1,
-    width2,
-    chunks0,
-    chunks1,
-    chunk_n,
-    stride_y_split,
-    stride_y_token,
-    stride_y_col,
-    stride_b_slot,
-    stride_b_out,
-    stride_b_rank,
-    stride_out_token,
-    stride_out_col,
-    stride_ranks_slot,
-    stride_ranks_stack,
-    stride_scal_slot,
-    stride_scal_stack,
-    N_SPLITS: tl.constexpr,
-    EVEN_N: tl.constexpr,
-    ACCUMULATE: tl.constexpr,
-    PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """`_expand_kernel` with one program per (column chunk, token): the token's slot straight from
-    the step's slots (no segment map), its `y` row, and `[BLOCK_N, R]` tiles of its slot's B reduced
-    over the rank in registers (fp32 sums of B-dtype products), no tensor-core tile or shared memory."""
-    pid_n = tl.program_id(0)
-    tok = tl.program_id(1)
-    if PDL:
-        # Every program has started: the next kernel may launch and do what needs no output of ours.
-        tl.extra.cuda.gdc_launch_dependents()
-    slot = tl.load(slots_ptr + tok)
-    if slot < 0:
-        return
-    stack, chunk, width, col0, rank, scale = _chunk_lora(
-        pid_n,
-        slot,
-        width0,
-        width1,
-        width2,
-        chunks0,
-        chunks1,
-        ranks_ptr,
-        scal_ptr,
-        stride_ranks_slot,
-        stride_ranks_stack,
-        stride_scal_slot,
-        stride_scal_stack,
-    )
-    if ACCUMULATE and rank == 0:
-        return
-    offs_k = tl.arange(0, BLOCK_R)
-    rank8 = tl.minimum(tl.multiple_of((rank + 7) // 8 * 8, 8), max_rank)
-    k_load = offs_k < rank8
-    k_real = offs_k < rank
-    n_begin = chunk * chunk_n
-    n_end = tl.minimum(n_begin + chunk_n, width)
-    b_base = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_k[None, :] * stride_b_rank
-    # The first B tile before `y`, as in `_expand_kernel`.
-    bt, cols, n_mask = _b_row_tile(b_base, col0, n_begin, n_end, k_load, stride_b_out, EVEN_N, BLOCK_N)
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the shrink's `y` (and the base output, for the in-place add) is complete
-    y_row = y_ptr + tok.to(tl.int64) * stride_y_token + (stack * max_rank + offs_k) * stride_y_col
-    yv = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for p in tl.static_range(N_SPLITS):
-        yv += tl.load(y_row + p * stride_y_split, mask=k_load, other=0.0)
-    yv = tl.where(k_real, yv, 0.0).to(b_ptr.dtype.element_ty).to(tl.float32)
-    o_row = out_ptr + tok.to(tl.int64) * stride_out_token
-    acc = scale * tl.sum(tl.where(k_real[None, :], bt.to(tl.float32), 0.0) * yv[None, :], axis=1)
-    _put_row(o_row + cols * stride_out_col, n_mask, acc, ACCUMULATE)
-    for n0 in range(n_begin + BLOCK_N, n_end, BLOCK_N):
-        bt, cols, n_mask = _b_row_tile(b_base, col0, n0, n_end, k_load, stride_b_out, EVEN_N, BLOCK_N)
-        acc = scale * tl.sum(tl.where(k_real[None, :], bt.to(tl.float32), 0.0) * yv[None, :], axis=1)
-        _put_row(o_row + cols * stride_out_col, n_mask, acc, ACCUMULATE)
-
-
-@triton.jit
-def _b_row_tile(b_base, col0, n0, n_end, k_load, stride_b_out, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr):
-    """B's `[BLOCK_N, BLOCK_R]` tile at columns `n0..` of a stack starting at `col0`, for one token."""
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    cols = (col0 + offs_n).to(tl.int64)
-    n_mask = offs_n < n_end
-    b_ptrs = b_base + cols[:, None] * stride_b_out
-    if EVEN_N:
-        bt = tl.load(b_ptrs, mask=k_load[None, :], other=0.0)
-    else:
-        bt = tl.load(b_ptrs, mask=n_mask[:, None] & k_load[None, :], other=0.0)
-    return bt, cols, n_mask
-
-
-@triton.jit
-def _put_row(o_ptrs, n_mask, acc, ACCUMULATE: tl.constexpr):
-    if ACCUMULATE:
-        prev = tl.load(o_ptrs, mask=n_mask, other=0.0)
-        tl.store(o_ptrs, (prev.to(tl.float32) + acc).to(o_ptrs.dtype.element_ty), mask=n_mask)
-    else:
-        tl.store(o_ptrs, acc.to(o_ptrs.dtype.element_ty), mask=n_mask)
 
 
 def _check_widths(widths: tuple[int, ...], ranks: torch.Tensor, B: torch.Tensor, out: torch.Tensor) -> None:

@@ -28,10 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.lora_expand import MAX_STACK, _check_widths, _chunk_lora, _put_tile, lora_expand_ref
+from loraplex.kernels.lora_expand import MAX_STACK, _check_widths, lora_expand_ref
 from loraplex.kernels.lora_meta import LoRASegments, num_blocks_bound
 from loraplex.kernels.lora_plan import GroupLaunch
 from loraplex.kernels.lora_shrink import lora_shrink_ref
+from loraplex.kernels.lora_tiles import _chunk_lora, _put_tile
 
 
 @triton.jit
