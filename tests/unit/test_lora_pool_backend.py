@@ -169,3 +169,9 @@ def test_a_step_holds_at_most_the_batch_cap_or_the_pool_of_distinct_adapters():
     assert backend.max_step_distinct() == 4
     backend.step_distinct_cap = 64
     assert backend.max_step_distinct() == 24
+    # Under tensor parallelism the same cap (parallel/lora.py), for both backends.
+    from loraplex.services.inference.parallel.lora import make_tp_backend
+
+    for kind in ("torch", "triton"):
+        assert make_tp_backend(pool, kind, 64, 4).max_step_distinct() == 4
+        assert make_tp_backend(pool, kind, 64).max_step_distinct() == 24

@@ -36,11 +36,15 @@ log = logging.getLogger(__name__)
 ROW_GROUPS = ("o", "down")
 
 
-def make_tp_backend(pool: AdapterPool, backend: str, max_tokens: int) -> LoRABackend:
-    """`--lora-backend` under TP: `triton` (the kernels, GPU or TRITON_INTERPRET=1) or `torch`."""
-    if backend == "triton":
-        return TPTritonLoRABackend(pool, max_tokens)
-    return TPLoRABackend(pool)
+def make_tp_backend(
+    pool: AdapterPool, backend: str, max_tokens: int, max_distinct: int | None = None
+) -> LoRABackend:
+    """`--lora-backend` under TP: `triton` (the kernels, GPU or TRITON_INTERPRET=1) or `torch`.
+    `max_distinct`: --max-loras-per-batch (None: the pool's slots), the backend's `step_distinct_cap`
+    as lora/setup.py sets it for one GPU, so warm-up compiles no LoRA tier a step cannot reach."""
+    tp: LoRABackend = TPTritonLoRABackend(pool, max_tokens) if backend == "triton" else TPLoRABackend(pool)
+    tp.step_distinct_cap = max_distinct
+    return tp
 
 
 def shard_adapter(weights: AdapterWeights, plan: ShardPlan) -> AdapterWeights:

@@ -242,7 +242,9 @@ def _build_rank0(
         path = local_source(name, source)
         if path is not None:  # the server loads the others through the adapter store
             manager.load_adapter(name, path)
-    backend = make_tp_backend(local_pool, lora.backend, config.max_num_batched_tokens)
+    backend = make_tp_backend(
+        local_pool, lora.backend, config.max_num_batched_tokens, lora.max_loras_per_batch
+    )
     engine = TPEngine(loaded, config, workers, adapter_slots=manager, lora_backend=backend)
     log.info(
         "tensor-parallel engine ready: %s over %d ranks (%s, %s), %d KV blocks per rank, LoRA pool %d bytes "

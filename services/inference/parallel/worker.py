@@ -130,7 +130,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
             dtype=spec.dtype,
             device=device,
         )
-        backend = make_tp_backend(pool, s.backend, config.max_num_batched_tokens)
+        backend = make_tp_backend(pool, s.backend, config.max_num_batched_tokens, s.max_loras_per_batch)
     blocks = plan_num_blocks(
         local_cfg,
         config.kv_dtype(spec.dtype),
