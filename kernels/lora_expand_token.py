@@ -81,7 +81,9 @@ def _expand_token_kernel(
     n_end = tl.minimum(n_begin + chunk_n, width)
     b_base = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_k[None, :] * stride_b_rank
     # The first B tile before `y`, as in `_expand_kernel`.
-    bt, cols, n_mask = _b_row_tile(b_base, col0, n_begin, n_end, k_load, stride_b_out, EVEN_N, BLOCK_N)
+    bt, cols, n_mask = _b_row_tile(
+        b_base, col0, n_begin, n_end, k_load, k_real, stride_b_out, EVEN_N, BLOCK_N
+    )
     if PDL:
         tl.extra.cuda.gdc_wait()  # the shrink's `y` (and the base output, for the in-place add) is complete
     y_row = y_ptr + tok.to(tl.int64) * stride_y_token + (stack * max_rank + offs_k) * stride_y_col
@@ -90,9 +92,9 @@ def _expand_token_kernel(
         yv += tl.load(y_row + p * stride_y_split, mask=k_load, other=0.0)
     yv = tl.where(k_real, yv, 0.0).to(b_ptr.dtype.element_ty).to(tl.float32)
     o_row = out_ptr + tok.to(tl.int64) * stride_out_token
-    acc = scale * tl.sum(tl.where(k_real[None, :], bt.to(tl.float32), 0.0) * yv[None, :], axis=1)
+    acc = scale * tl.sum(bt * yv[None, :], axis=1)
     _put_row(o_row + cols * stride_out_col, n_mask, acc, ACCUMULATE)
     for n0 in range(n_begin + BLOCK_N, n_end, BLOCK_N):
-        bt, cols, n_mask = _b_row_tile(b_base, col0, n0, n_end, k_load, stride_b_out, EVEN_N, BLOCK_N)
-        acc = scale * tl.sum(tl.where(k_real[None, :], bt.to(tl.float32), 0.0) * yv[None, :], axis=1)
+        bt, cols, n_mask = _b_row_tile(b_base, col0, n0, n_end, k_load, k_real, stride_b_out, EVEN_N, BLOCK_N)
+        acc = scale * tl.sum(bt * yv[None, :], axis=1)
         _put_row(o_row + cols * stride_out_col, n_mask, acc, ACCUMULATE)

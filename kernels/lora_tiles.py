@@ -65,8 +65,11 @@ def _put_tile(o_rows, cols, o_mask, acc, scale, stride_out_col, ACCUMULATE: tl.c
 
 
 @triton.jit
-def _b_row_tile(b_base, col0, n0, n_end, k_load, stride_b_out, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr):
-    """B's `[BLOCK_N, BLOCK_R]` tile at columns `n0..` of a stack starting at `col0`, for one token."""
+def _b_row_tile(
+    b_base, col0, n0, n_end, k_load, k_real, stride_b_out, EVEN_N: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """B's `[BLOCK_N, BLOCK_R]` tile at columns `n0..` of a stack starting at `col0`, for one token, in
+    float32 (columns past the slot's rank zeroed), its global columns and column mask."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     cols = (col0 + offs_n).to(tl.int64)
     n_mask = offs_n < n_end
@@ -75,7 +78,7 @@ def _b_row_tile(b_base, col0, n0, n_end, k_load, stride_b_out, EVEN_N: tl.conste
         bt = tl.load(b_ptrs, mask=k_load[None, :], other=0.0)
     else:
         bt = tl.load(b_ptrs, mask=n_mask[:, None] & k_load[None, :], other=0.0)
-    return bt, cols, n_mask
+    return tl.where(k_real[None, :], bt.to(tl.float32), 0.0), cols, n_mask
 
 
 @triton.jit

@@ -83,7 +83,7 @@ def warm_up_steps(
 
     steps = []
     # a step holds at most one adapter per sequence
-    tiers = lora_tiers(min(num_slots, max_num_seqs, num_slots if max_distinct is None else max_distinct))
+    tiers = lora_tiers(min(num_slots if max_distinct is None else max_distinct, max_num_seqs))
     for n in token_classes(max_num_tokens, num_slots):
         for distinct in tiers:
             if n == 1:
@@ -131,7 +131,7 @@ def warm_up(runner: ModelRunner, *, max_num_tokens: int, max_num_seqs: int, cont
         "warmed up %d step shapes (token counts %s, LoRA tiers %s) in %.1f s",
         len(steps),
         token_classes(max_num_tokens, num_slots),
-        lora_tiers(min(num_slots, max_distinct)),
+        lora_tiers(max_distinct),
         time.perf_counter() - start,
     )
     return len(steps)
