@@ -1,18 +1,23 @@
-"""The weight-only FP8 GEMM (kernels/fp8_weight_gemm.py) per projection against `torch._scaled_mm` and
-bf16 cuBLAS, a sweep of its configs, and the decode step with each FP8 GEMM (issue 35).
+"""The Triton FP8 GEMMs (kernels/fp8_weight_gemm.py: weight-only and W8A8) per projection against
+`torch._scaled_mm` and bf16 cuBLAS, a sweep of their configs, the fastest per shape (`auto`'s
+choice), and the decode step with each FP8 GEMM (issue 35).
 
 1. Correctness (first; FAIL lines and exit 1 on a mismatch): each Llama-3.1-8B projection (q/k/v
    fused, o, gate/up fused, down) at every `--rows`, per-channel and 128x128 block scales, bf16
    activations, against the float32 reference over the dequantized weight.
-2. Per projection and rows: microseconds of bf16 `F.linear`, the W8A8 path (per-token activation
-   quantize + `torch._scaled_mm`), the weight-only GEMM (default configs; block scales; swept), each
-   timed in one CUDA graph that cycles over enough weight copies (>= 256 MB) that L2 holds none,
-   and its ratio to the weight bytes' floor at the copy bandwidth measured in the same run.
+2. Per projection and rows: microseconds of bf16 `F.linear`, `torch._scaled_mm` (per-token
+   activation quantize + the cuBLASLt GEMM), the weight-only GEMM (default configs; block scales;
+   swept), the Triton W8A8 GEMM (activation quantize included; default configs; swept), each timed in
+   one CUDA graph that cycles over enough weight copies (>= 256 MB) that L2 holds none, and its ratio
+   to the weight bytes' floor at the copy bandwidth measured in the same run. Per decode rows bucket
+   and projection the fastest FP8 GEMM becomes `auto`'s choice.
 3. Sweep (`--sweep-budget-s`, rows `--sweep-rows`): tile sizes, K-splits, warps and stages per
-   projection; the best go to `DIR/fp8_gemm_configs.json` (`LORAPLEX_FP8_GEMM_CONFIGS`).
+   projection and Triton kernel; the best and the choices go to `DIR/fp8_gemm_configs.json`
+   (`LORAPLEX_FP8_GEMM_CONFIGS`).
 4. Decode step, batch 64, ctx 1,024 (bench/fp8_step.py's case, CUDA graphs): bf16, FP8 with
-   `LORAPLEX_FP8_GEMM=scaled_mm` (the default), `auto` with the built-in configs, `auto` with the
-   swept ones; x floor and ratio to bf16 (the issue's goals: <= 1.2x floor, <= 0.72x bf16).
+   `LORAPLEX_FP8_GEMM=scaled_mm`, `auto` (the default) with the built-in tables, `auto` with the swept
+   tiles and measured choices, weight-only and W8A8 everywhere; x floor and ratio to bf16 (the issue's
+   goals: <= 1.2x floor, <= 0.72x bf16).
 
     PYTHONPATH=protos python3 -m loraplex.bench.fp8_gemm                      # H100/H200, ~3 min
     PYTHONPATH=protos python3 -m loraplex.bench.fp8_gemm --tiny --sweep-budget-s 5   # GPU smoke
@@ -37,7 +42,7 @@ from loraplex.bench.results import add_out_argument, write_json
 from loraplex.kernels import fp8_gemm_configs
 from loraplex.kernels.fp8_gemm_configs import Fp8GemmConfig, Fp8GemmKey, fp8_gemm_config, rows_bucket
 from loraplex.kernels.fp8_matmul import dequantize, fp8_linear_mm, quantize_rows
-from loraplex.kernels.fp8_weight_gemm import fp8_weight_gemm
+from loraplex.kernels.fp8_weight_gemm import fp8_w8a8_gemm, fp8_weight_gemm
 from loraplex.kernels.settings import reload_kernel_settings
 
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -84,24 +89,33 @@ def operands(n: int, k: int, device: torch.device, seed: int) -> dict:
     return dict(w=w.to(torch.bfloat16), wq=wq, ws=ws, scale_row=ws.reshape(1, -1).contiguous(), bq=bq, bs=bs)
 
 
-def check(name: str, ops: dict, rows: int, dtype: torch.dtype, config: Fp8GemmConfig | None = None) -> bool:
-    """Weight-only GEMM (per-channel and block scales; `config` or the table's) vs float32 over the
-    dequantized weight."""
+def check(
+    name: str,
+    ops: dict,
+    rows: int,
+    dtype: torch.dtype,
+    config: Fp8GemmConfig | None = None,
+    kernel: str = "weight_only",
+) -> bool:
+    """A Triton FP8 GEMM (per-channel and block scales; `config` or the table's) vs float32 over the
+    dequantized weight (the W8A8 GEMM: over the activations as it quantizes them, too)."""
     n, k = ops["wq"].shape
     x = torch.randn(rows, k, device=ops["wq"].device).to(dtype)
+    xq, xs = quantize_rows(x.float())
+    x_real = x.float() if kernel == "weight_only" else xq.float() * xs
     ok = True
     for kind, w, s, block in (
         ("channel", ops["wq"], ops["ws"], None),
         ("block", ops["bq"], ops["bs"], BLOCK),
     ):
         deq = dequantize(w, s, block, torch.float32)
-        ref = x.float() @ deq.T
-        bound = (x.float().abs() @ deq.abs().T).clamp(min=1e-6)
-        out = fp8_weight_gemm(x, w, s, block, None, config)
+        ref = x_real @ deq.T
+        bound = (x_real.abs() @ deq.abs().T).clamp(min=1e-6)
+        out = GEMMS[kernel](x, w, s, block, None, config)
         err = ((out.float() - ref).abs() / bound).max().item()
         good = out.dtype == dtype and bool(torch.isfinite(out).all()) and err < 2**-7
         ok &= good
-        what = f"{name} rows {rows} {kind}" + (f" config {tuple(config)}" if config else "")
+        what = f"{kernel} {name} rows {rows} {kind}" + (f" config {tuple(config)}" if config else "")
         print(f"check {what}: rel err {err:.1e} {'ok' if good else 'FAIL'}", flush=True)
     return ok
 
@@ -128,7 +142,11 @@ def copy_bandwidth(device: torch.device) -> float:
     return measure(device)
 
 
-def time_projection(name: str, ops: dict, rows: int, bw: float, swept: Fp8GemmConfig | None) -> dict:
+GEMMS = {"weight_only": fp8_weight_gemm, "w8a8": fp8_w8a8_gemm}
+
+
+def time_projection(name: str, ops: dict, rows: int, bw: float, swept: dict) -> dict:
+    """`swept`: the sweep's best tiles per kernel for this rows bucket and weight (may be empty)."""
     n, k = ops["wq"].shape
     x = torch.randn(rows, k, device=ops["wq"].device, dtype=torch.bfloat16)
     fp8_sets = copies_of((ops["wq"], ops["ws"], ops["scale_row"]))
@@ -139,23 +157,33 @@ def time_projection(name: str, ops: dict, rows: int, bw: float, swept: Fp8GemmCo
     row["weight_only_block_us"] = graph_us(
         lambda bq, bs: fp8_weight_gemm(x, bq, bs, BLOCK), copies_of((ops["bq"], ops["bs"]))
     )
-    if swept is not None:
-        row["swept_config"] = list(swept)
-        row["weight_only_swept_us"] = graph_us(
-            lambda wq, ws, sr: fp8_weight_gemm(x, wq, ws, None, None, swept), fp8_sets
+    row["w8a8_us"] = graph_us(lambda wq, ws, sr: fp8_w8a8_gemm(x, wq, ws, None), fp8_sets)
+    for kernel, cfg in swept.items():
+        row[f"{kernel}_swept_config"] = list(cfg)
+        row[f"{kernel}_swept_us"] = graph_us(
+            lambda wq, ws, sr, gemm=GEMMS[kernel], cfg=cfg: gemm(x, wq, ws, None, None, cfg), fp8_sets
         )
+    times = {
+        "scaled_mm": row["scaled_mm_us"],
+        **{kernel: min(row[f"{kernel}_us"], row.get(f"{kernel}_swept_us", float("inf"))) for kernel in GEMMS},
+    }
+    row["fastest"] = min(times, key=times.get)
+    row["fastest_us"] = times[row["fastest"]]
     row["fp8_floor_us"] = (n * k + rows * k * 2 + rows * n * 2) / bw * 1e6
     row["bf16_floor_us"] = (n * k * 2 + rows * k * 2 + rows * n * 2) / bw * 1e6
     return row
 
 
-def candidates(rows: int, k: int, seed: int) -> list[Fp8GemmConfig]:
+def candidates(rows: int, k: int, seed: int, kernel: str = "weight_only") -> list[Fp8GemmConfig]:
+    """Tiles and K-splits at 4 stages (8 warps for 128+ weight rows, else 4), shuffled. The W8A8 GEMM
+    keeps both operands in FP8 (half the bytes of a widened tile), so it also tries 512-deep K steps."""
     block_m = max(16, 1 << (rows - 1).bit_length()) if rows <= 64 else 64
+    w8a8 = kernel == "w8a8"
     first = []
     for block_n in (32, 64, 128, 256):
-        for block_k in (64, 128, 256):
+        for block_k in (64, 128, 256, 512) if w8a8 else (64, 128, 256):
             for split in (1, 2, 3, 4, 6, 8, 12, 16):
-                if k // block_k // split >= 2 and block_n * block_k <= 256 * 128:
+                if k // block_k // split >= 2 and block_n * block_k <= 256 * (256 if w8a8 else 128):
                     warps = 8 if block_n >= 128 else 4
                     first.append(Fp8GemmConfig(block_m, block_n, block_k, split, warps, 4))
     random.Random(seed).shuffle(first)
@@ -163,26 +191,28 @@ def candidates(rows: int, k: int, seed: int) -> list[Fp8GemmConfig]:
 
 
 def sweep(projections: dict, ops_by: dict, rows_list: list[int], budget_s: float) -> dict:
-    """Best config per (rows bucket, n, k) within the budget: first a shuffled pass over tiles and
-    K-splits at 4 stages (8 warps for 128+ weight rows, else 4), round-robin over the shapes, then
-    warps and stages around each shape's best. Candidates that do not compile or run (shared
-    memory) are skipped."""
+    """Best config per (rows bucket, n, k, Triton kernel) within the budget: first a shuffled pass
+    over tiles and K-splits at 4 stages (8 warps for 128+ weight rows, else 4), round-robin over the
+    shapes and kernels, then warps and stages around each one's best. Candidates that do not compile
+    or run (shared memory) are skipped."""
     deadline = time.perf_counter() + budget_s
     best: dict[Fp8GemmKey, tuple[float, Fp8GemmConfig]] = {}
     queues = []
     for rows in rows_list:
         for name, (n, k) in projections.items():
-            key = Fp8GemmKey(rows_bucket(rows), n, k)
-            default = fp8_gemm_config(rows, n, k, ops_by[name]["wq"].device)
-            queues.append((rows, name, key, [default, *candidates(rows, k, seed=n + k)]))
+            for kernel in GEMMS:
+                key = Fp8GemmKey(rows_bucket(rows), n, k, kernel)
+                default = fp8_gemm_config(rows, n, k, ops_by[name]["wq"].device, kernel)
+                queues.append((rows, name, key, [default, *candidates(rows, k, n + k, kernel)]))
     tried = 0
 
     def run(rows, name, key, cfg) -> None:
         nonlocal tried
         ops = ops_by[name]
         x = torch.randn(rows, ops["wq"].shape[1], device=ops["wq"].device, dtype=torch.bfloat16)
+        gemm = GEMMS[key.kernel]
         try:
-            us = graph_us(lambda wq, ws: fp8_weight_gemm(x, wq, ws, None, None, cfg), ops["sets"])
+            us = graph_us(lambda wq, ws: gemm(x, wq, ws, None, None, cfg), ops["sets"])
         except Exception as exc:  # noqa: BLE001 - out of shared memory and the like: not a candidate
             print(f"  sweep {name} rows {rows} {tuple(cfg)}: skipped ({type(exc).__name__})", flush=True)
             return
@@ -197,7 +227,7 @@ def sweep(projections: dict, ops_by: dict, rows_list: list[int], budget_s: float
     for rows, name, key, _ in queues:
         if key in best and time.perf_counter() < deadline:
             base = best[key][1]
-            for warps, stages in ((4, 3), (4, 5), (8, 3), (8, 4), (2, 4)):
+            for warps, stages in ((4, 3), (4, 5), (4, 6), (8, 3), (8, 4), (8, 5), (2, 4)):
                 if time.perf_counter() < deadline:
                     run(rows, name, key, base._replace(num_warps=warps, num_stages=stages))
     print(
@@ -219,11 +249,12 @@ def step_cases(a, bw: float, swept: dict) -> list[dict]:
     for name, fp8, mode, overrides in (
         ("bf16 base", False, "scaled_mm", {}),
         ("fp8 base, scaled_mm", True, "scaled_mm", {}),
-        ("fp8 base, auto (built-in configs)", True, "auto", {}),
-        ("fp8 base, auto (swept configs)", True, "auto", swept),
-        ("fp8 base, weight-only (swept configs)", True, "weight_only", swept),
+        ("fp8 base, auto (built-in tables)", True, "auto", {}),
+        ("fp8 base, auto (swept tiles, measured choice)", True, "auto", swept),
+        ("fp8 base, weight-only (swept tiles)", True, "weight_only", swept),
+        ("fp8 base, w8a8 (swept tiles)", True, "w8a8", swept),
     ):
-        if name.endswith("(swept configs)") and not swept:
+        if "swept" in name and not swept:
             continue
         set_fp8_gemm(mode)
         fp8_gemm_configs.OVERRIDES.clear()
@@ -237,6 +268,11 @@ def step_cases(a, bw: float, swept: dict) -> list[dict]:
     return rows
 
 
+def _cell(row: dict, key: str, floor: str = "fp8_floor_us") -> str:
+    us = row.get(key)
+    return f"{us:>7.1f} ({us / row[floor]:.2f})" if us else f"{'-':>13}"
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -246,9 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     projections = TINY_PROJECTIONS if a.tiny else PROJECTIONS
     dtype = torch.bfloat16 if cuda else torch.float16  # the interpreter's bf16 dot is wrong
     ops_by = {name: operands(n, k, device, seed=i) for i, (name, (n, k)) in enumerate(projections.items())}
-    ok = all(check(name, ops, rows, dtype) for name, ops in ops_by.items() for rows in a.rows)
+    ok = all(
+        check(name, ops, rows, dtype, None, kernel)
+        for name, ops in ops_by.items()
+        for rows in a.rows
+        for kernel in GEMMS
+    )
     if not ok:
-        print("FAIL: the weight-only FP8 GEMM does not match its reference")
+        print("FAIL: a Triton FP8 GEMM does not match its reference")
         return 1
     if not cuda:
         print("checks passed (CPU: no timing)")
@@ -262,30 +303,33 @@ def main(argv: list[str] | None = None) -> int:
     for key, cfg in swept.items():
         print(f"  swept {'|'.join(map(str, key))}: {tuple(cfg)}")
         rows = int(key.rows) if key.rows != "prefill" else 128
-        if not check(names[(key.n, key.k)], ops_by[names[(key.n, key.k)]], rows, dtype, cfg):
+        if not check(names[(key.n, key.k)], ops_by[names[(key.n, key.k)]], rows, dtype, cfg, key.kernel):
             print("FAIL: a swept config does not match the reference")
             return 1
     kernels = []
-    print(
-        f"\n{'proj':<8}{'rows':>5}{'bf16 us':>9}{'xfl':>6}{'w8a8 us':>9}{'xfl':>6}{'wo us':>8}{'xfl':>6}",
-        end="",
-    )
-    print(f"{'wo blk':>8}{'wo swept':>9}{'xfl':>6}{'wo/bf16':>9}")
+    choices: dict[Fp8GemmKey, str] = {}
+    print("\nus per projection (x its floor: bf16's bytes for bf16, FP8's for the rest)")
+    head = ["proj", "rows", "bf16", "scaled_mm", "wo", "wo swept", "w8a8", "w8a8 swept", "fastest", "vs bf16"]
+    print("".join(f"{h:>{w}}" for h, w in zip(head, (8, 5, 13, 13, 13, 13, 13, 13, 18, 8), strict=True)))
     for name, ops in ops_by.items():
         n, k = ops["wq"].shape
         for rows in a.rows:
-            r = time_projection(name, ops, rows, bw, swept.get(Fp8GemmKey(rows_bucket(rows), n, k)))
+            bucket = rows_bucket(rows)
+            tiles = {
+                kernel: swept[key] for kernel in GEMMS if (key := Fp8GemmKey(bucket, n, k, kernel)) in swept
+            }
+            r = time_projection(name, ops, rows, bw, tiles)
             kernels.append(r)
-            best = min(r["weight_only_us"], r.get("weight_only_swept_us", float("inf")))
-            sw = r.get("weight_only_swept_us")
+            if bucket != "prefill" and rows == int(bucket):
+                choices[Fp8GemmKey(bucket, n, k, "auto")] = r["fastest"]
             print(
-                f"{name:<8}{rows:>5}{r['bf16_us']:>9.1f}{r['bf16_us'] / r['bf16_floor_us']:>6.2f}"
-                f"{r['scaled_mm_us']:>9.1f}{r['scaled_mm_us'] / r['fp8_floor_us']:>6.2f}"
-                f"{r['weight_only_us']:>8.1f}{r['weight_only_us'] / r['fp8_floor_us']:>6.2f}"
-                f"{r['weight_only_block_us']:>8.1f}{sw if sw else float('nan'):>9.1f}"
-                f"{best / r['fp8_floor_us']:>6.2f}{best / r['bf16_us']:>9.3f}",
+                f"{name:<8}{rows:>5}{_cell(r, 'bf16_us', 'bf16_floor_us')}{_cell(r, 'scaled_mm_us')}"
+                f"{_cell(r, 'weight_only_us')}{_cell(r, 'weight_only_swept_us')}{_cell(r, 'w8a8_us')}"
+                f"{_cell(r, 'w8a8_swept_us')}{r['fastest']:>11}{r['fastest_us']:>7.1f}"
+                f"{r['fastest_us'] / r['bf16_us']:>8.3f}",
                 flush=True,
             )
+    swept = {**swept, **choices}
     a.out.mkdir(parents=True, exist_ok=True)
     configs_path = a.out / "fp8_gemm_configs.json"
     configs_path.write_text(json.dumps(fp8_gemm_configs.table_json(swept), indent=1))

@@ -1,12 +1,15 @@
-"""Tile sizes and K-splits of the weight-only FP8 GEMM (kernels/fp8_weight_gemm.py), chosen per shape
-without tuning at first use (Triton's autotuner would time candidates inside a CUDA-graph capture).
+"""Tile sizes and K-splits of the Triton FP8 GEMMs (kernels/fp8_weight_gemm.py: weight-only and W8A8),
+chosen per shape without tuning at first use (Triton's autotuner would time candidates inside a
+CUDA-graph capture), and the GEMM `LORAPLEX_FP8_GEMM=auto` takes per shape where one was measured.
 
-A config is keyed on (rows bucket, N, K): rows bucket 16 / 32 / 64 for decode batches (the
-bucket is the smallest of those at or above the rows), `prefill` above 64. Entries come from
-`LORAPLEX_FP8_GEMM_CONFIGS=path.json` (`loraplex.kernels.settings`), in the format
-`{"64|6144|4096": [block_m, block_n, block_k, split_k, num_warps, num_stages]}`, e.g. what
-`python -m loraplex.bench.fp8_gemm --sweep-budget-s 120` writes, then the built-in `TABLE` (swept on an
-H100 for the Llama-3.1-8B shapes); without an entry, `default_config`'s
+A config is keyed on (rows bucket, N, K, kernel): rows bucket 16 / 32 / 64 for decode batches (the
+bucket is the smallest of those at or above the rows), `prefill` above 64; kernel `weight_only` or
+`w8a8`. Entries come from `LORAPLEX_FP8_GEMM_CONFIGS=path.json` (`loraplex.kernels.settings`), in the
+format `{"64|6144|4096": [block_m, block_n, block_k, split_k, num_warps, num_stages],
+"64|6144|4096|w8a8": [...], "64|6144|4096|auto": "w8a8"}` (no kernel: `weight_only`; `auto`: the GEMM
+`auto` runs for that bucket and weight, one of weight_only, w8a8, scaled_mm), e.g. what
+`python -m loraplex.bench.fp8_gemm --sweep-budget-s 120` writes, then the built-in `TABLE` and `AUTO`
+(measured on an H100 for the Llama-3.1-8B shapes); without an entry, `default_config`'s
 rule: one rows tile, 64 or 128 weight rows per program, and enough K-splits that the grid covers
 the chip about twice (a batch-64 o_proj of the Llama-3.1-8B shape is 32 tiles of 128 rows
 otherwise: most of an H100 idle, while the step is weight-bandwidth bound).
@@ -27,10 +30,15 @@ ROWS_BUCKETS = (16, 32, 64)  # decode buckets; above the last: "prefill"
 _DEFAULT_SMS = 132  # H100 SXM; only used where no CUDA device says otherwise (the interpreter)
 
 
+TRITON_KERNELS = ("weight_only", "w8a8")  # the kernels with tiles here
+AUTO_KERNELS = (*TRITON_KERNELS, "scaled_mm")  # what an `auto` entry may name
+
+
 class Fp8GemmKey(NamedTuple):
     rows: str  # "16" | "32" | "64" | "prefill"
     n: int  # output features (the weight's rows)
     k: int  # input features
+    kernel: str = "weight_only"  # whose tiles: one of TRITON_KERNELS; "auto" in the choice table
 
 
 class Fp8GemmConfig(NamedTuple):
@@ -49,40 +57,82 @@ def rows_bucket(rows: int) -> str:
     return "prefill"
 
 
-def _parse(raw: dict) -> dict[Fp8GemmKey, Fp8GemmConfig]:
-    table = {}
+def _parse(raw: dict) -> dict[Fp8GemmKey, Fp8GemmConfig | str]:
+    table: dict[Fp8GemmKey, Fp8GemmConfig | str] = {}
     for key, value in raw.items():
-        rows, n, k = key.split("|")
+        rows, n, k, *kernel = key.split("|")
         if rows not in (*map(str, ROWS_BUCKETS), "prefill"):
             raise ValueError(f"FP8 GEMM config key {key!r}: rows bucket must be one of 16, 32, 64, prefill")
+        kernel = kernel[0] if kernel else "weight_only"
+        if kernel == "auto":
+            if value not in AUTO_KERNELS:
+                raise ValueError(
+                    f"FP8 GEMM config {key!r}: {value!r} is not one of {', '.join(AUTO_KERNELS)}"
+                )
+            table[Fp8GemmKey(rows, int(n), int(k), kernel)] = value
+            continue
+        if kernel not in TRITON_KERNELS:
+            raise ValueError(
+                f"FP8 GEMM config key {key!r}: kernel must be one of {', '.join(TRITON_KERNELS)}, auto"
+            )
         cfg = Fp8GemmConfig(*(int(v) for v in value))
         if cfg.block_m < 16 or cfg.block_n < 16 or cfg.block_k < 16 or cfg.split_k < 1:
             raise ValueError(f"FP8 GEMM config {key!r}: {cfg} (blocks >= 16, split_k >= 1)")
-        table[Fp8GemmKey(rows, int(n), int(k))] = cfg
+        table[Fp8GemmKey(rows, int(n), int(k), kernel)] = cfg
     return table
 
 
 @lru_cache(maxsize=1)  # read once per path (the setting is read once per process)
-def _file_table(path: str | None) -> dict[Fp8GemmKey, Fp8GemmConfig]:
+def _file_table(path: str | None) -> dict[Fp8GemmKey, Fp8GemmConfig | str]:
     return _parse(json.loads(Path(path).read_text())) if path else {}
 
 
-# Entries set in-process (the bench's sweep), ahead of the file's.
-OVERRIDES: dict[Fp8GemmKey, Fp8GemmConfig] = {}
+# Entries set in-process (the bench's sweep), ahead of the file's: tiles, and `auto` choices.
+OVERRIDES: dict[Fp8GemmKey, Fp8GemmConfig | str] = {}
 
-# Built-in entries, after the file's: `python -m loraplex.bench.fp8_gemm --sweep-budget-s 60` on an H100
-# (2026-12-05), Llama-3.1-8B projections at 64 rows (o 17.9 -> 14.8 us, down 39.8 -> 36.9 us over the rule).
+# Built-in entries, after the file's: `python -m loraplex.bench.fp8_gemm --sweep-rows 16,32,64
+# --sweep-budget-s 150` on an H100 (2026-12-06), Llama-3.1-8B projections, both Triton kernels.
 TABLE: dict[Fp8GemmKey, Fp8GemmConfig] = {
-    Fp8GemmKey("64", 6144, 4096): Fp8GemmConfig(64, 128, 128, 6, 8, 4),  # q/k/v
+    Fp8GemmKey("16", 6144, 4096): Fp8GemmConfig(16, 64, 64, 4, 4, 4),  # q/k/v
+    Fp8GemmKey("16", 4096, 4096): Fp8GemmConfig(16, 64, 64, 6, 4, 4),  # o
+    Fp8GemmKey("16", 28672, 4096): Fp8GemmConfig(16, 128, 128, 1, 8, 3),  # gate/up
+    Fp8GemmKey("16", 4096, 14336): Fp8GemmConfig(16, 64, 128, 4, 4, 4),  # down
+    Fp8GemmKey("32", 6144, 4096): Fp8GemmConfig(32, 64, 128, 4, 4, 3),  # q/k/v
+    Fp8GemmKey("32", 4096, 4096): Fp8GemmConfig(32, 64, 128, 4, 4, 3),  # o
+    Fp8GemmKey("32", 28672, 4096): Fp8GemmConfig(32, 128, 128, 1, 8, 3),  # gate/up
+    Fp8GemmKey("32", 4096, 14336): Fp8GemmConfig(32, 64, 128, 4, 4, 3),  # down
+    Fp8GemmKey("64", 6144, 4096): Fp8GemmConfig(64, 64, 128, 2, 4, 3),  # q/k/v
     Fp8GemmKey("64", 4096, 4096): Fp8GemmConfig(64, 64, 128, 4, 4, 3),  # o
     Fp8GemmKey("64", 28672, 4096): Fp8GemmConfig(64, 128, 128, 1, 8, 3),  # gate/up
     Fp8GemmKey("64", 4096, 14336): Fp8GemmConfig(64, 64, 128, 4, 4, 3),  # down
+    Fp8GemmKey("16", 6144, 4096, "w8a8"): Fp8GemmConfig(16, 64, 256, 1, 4, 5),  # q/k/v
+    Fp8GemmKey("16", 4096, 4096, "w8a8"): Fp8GemmConfig(16, 64, 512, 1, 4, 4),  # o
+    Fp8GemmKey("16", 28672, 4096, "w8a8"): Fp8GemmConfig(16, 64, 256, 1, 4, 4),  # gate/up
+    Fp8GemmKey("16", 4096, 14336, "w8a8"): Fp8GemmConfig(16, 64, 512, 1, 4, 5),  # down
+    Fp8GemmKey("32", 6144, 4096, "w8a8"): Fp8GemmConfig(32, 64, 256, 1, 4, 5),  # q/k/v
+    Fp8GemmKey("32", 4096, 4096, "w8a8"): Fp8GemmConfig(32, 64, 256, 1, 4, 6),  # o
+    Fp8GemmKey("32", 28672, 4096, "w8a8"): Fp8GemmConfig(32, 128, 256, 1, 8, 4),  # gate/up
+    Fp8GemmKey("32", 4096, 14336, "w8a8"): Fp8GemmConfig(32, 64, 512, 1, 4, 4),  # down
+    Fp8GemmKey("64", 6144, 4096, "w8a8"): Fp8GemmConfig(64, 64, 256, 1, 4, 5),  # q/k/v
+    Fp8GemmKey("64", 4096, 4096, "w8a8"): Fp8GemmConfig(64, 64, 256, 1, 4, 5),  # o
+    Fp8GemmKey("64", 28672, 4096, "w8a8"): Fp8GemmConfig(64, 128, 256, 1, 8, 4),  # gate/up
+    Fp8GemmKey("64", 4096, 14336, "w8a8"): Fp8GemmConfig(64, 64, 256, 2, 4, 5),  # down
 }
 
 
-def table_json(table: dict[Fp8GemmKey, Fp8GemmConfig]) -> dict[str, list[int]]:
-    """The JSON form `LORAPLEX_FP8_GEMM_CONFIGS` reads."""
-    return {"|".join(map(str, key)): list(cfg) for key, cfg in table.items()}
+# Built-in `auto` choices (kernel names), after the file's; where a shape has none, the shape rule of
+# kernels/fp8_gemm_choice.py decides.
+AUTO: dict[Fp8GemmKey, str] = {}
+
+
+def table_json(table: dict[Fp8GemmKey, Fp8GemmConfig | str]) -> dict[str, list[int] | str]:
+    """The JSON form `LORAPLEX_FP8_GEMM_CONFIGS` reads (a weight-only key without its kernel field)."""
+    return {
+        "|".join(map(str, key if key.kernel != "weight_only" else key[:3])): (
+            value if isinstance(value, str) else list(value)
+        )
+        for key, value in table.items()
+    }
 
 
 @lru_cache(maxsize=8)
@@ -92,10 +142,16 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_config(rows: int, n: int, k: int, device: torch.device) -> Fp8GemmConfig:
+def default_config(
+    rows: int, n: int, k: int, device: torch.device, kernel: str = "weight_only"
+) -> Fp8GemmConfig:
     if rows > ROWS_BUCKETS[-1]:
         return Fp8GemmConfig(block_m=64, block_n=128, block_k=64, split_k=1, num_warps=4, num_stages=3)
     block_m = max(16, 1 << (rows - 1).bit_length())
+    if kernel == "w8a8":
+        # What the 64-row sweep chose for every Llama-3.1-8B projection but gate/up (H100, 2026-12-06):
+        # deep FP8 K steps and a deep pipeline over 64 weight rows, split in two only for long K.
+        return Fp8GemmConfig(block_m, 64, 256, 2 if k >= 8192 else 1, num_warps=4, num_stages=5)
     # Every program re-reads its rows of x (from L2) per weight tile: at 32-64 rows a 64-row weight
     # tile would read twice its own bytes of x, so wider tiles there (and split-K for the grid).
     block_n, block_k, warps = (64, 128, 4) if rows <= 16 else (128, 128, 8)
@@ -106,7 +162,18 @@ def default_config(rows: int, n: int, k: int, device: torch.device) -> Fp8GemmCo
     return Fp8GemmConfig(block_m, block_n, block_k, split, num_warps=warps, num_stages=4)
 
 
-def fp8_gemm_config(rows: int, n: int, k: int, device: torch.device) -> Fp8GemmConfig:
-    key = Fp8GemmKey(rows_bucket(rows), n, k)
-    found = OVERRIDES.get(key) or _file_table(kernel_settings().fp8_gemm_configs).get(key) or TABLE.get(key)
-    return found or default_config(rows, n, k, device)
+def _lookup(key: Fp8GemmKey, built_in: dict) -> Fp8GemmConfig | str | None:
+    return OVERRIDES.get(key) or _file_table(kernel_settings().fp8_gemm_configs).get(key) or built_in.get(key)
+
+
+def fp8_gemm_config(
+    rows: int, n: int, k: int, device: torch.device, kernel: str = "weight_only"
+) -> Fp8GemmConfig:
+    """The tiles of `kernel` (one of TRITON_KERNELS) for `rows` times a weight `[N, K]`."""
+    found = _lookup(Fp8GemmKey(rows_bucket(rows), n, k, kernel), TABLE)
+    return found or default_config(rows, n, k, device, kernel)
+
+
+def auto_choice(rows: int, n: int, k: int) -> str | None:
+    """The GEMM measured fastest for this rows bucket and weight (an `auto` entry), or None."""
+    return _lookup(Fp8GemmKey(rows_bucket(rows), n, k, "auto"), AUTO)

@@ -1,10 +1,15 @@
-"""Weight-only FP8 GEMM for few rows (decode): `x @ (weight * scale).T (+ bias)` with x in bf16/fp16,
-the E4M3 weight `[N, K]` read once and widened to x's dtype in registers, float32 accumulation.
+"""FP8 GEMMs for few rows (decode): `x @ (weight * scale).T (+ bias)` over an E4M3 weight `[N, K]` read
+once, float32 accumulation, in two forms of one kernel:
+
+- weight-only (`fp8_weight_gemm`): x in bf16/fp16, the weight widened to x's dtype in registers;
+- W8A8 (`fp8_w8a8_gemm`): x quantized per token (kernels/fp8_matmul.py's `quantize_activations`, as
+  `torch._scaled_mm` has it) and an FP8 x FP8 MMA, the token scales applied after the K loop; with
+  split-K, unlike cuBLASLt's FP8 GEMMs, which leave most of an H100 idle at 64 rows of a narrow weight.
 
 Why: at a batch of 64 the base matmuls are bound by the weight bytes, which FP8 halves; the
-W8A8 path (`torch._scaled_mm` after a per-token activation-quantize launch) pays a launch per
-projection and cuBLASLt's FP8 kernels do not reach copy bandwidth at 64 rows. Here activations are
-not quantized at all (also the more accurate of the two).
+`torch._scaled_mm` path pays an activation-quantize launch per projection and cuBLASLt's FP8 kernels
+do not reach copy bandwidth at 64 rows. The weight-only form does not quantize activations at all
+(also the more accurate); the W8A8 form keeps the MMA in FP8 (no widening in registers).
 
 Layout: each program computes a `[BLOCK_N, BLOCK_M]` tile of the output's transpose, so the
 weight (the big, widened operand) is the MMA's left side and the batch its narrow right side
@@ -21,28 +26,19 @@ alone, so the launches are captured in CUDA graphs as they are.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import triton
 import triton.language as tl
 
 from loraplex.kernels.fp8_gemm_configs import Fp8GemmConfig, fp8_gemm_config
-from loraplex.kernels.fp8_matmul import dequantize
-from loraplex.kernels.placement import triton_runs_on
-from loraplex.kernels.settings import kernel_settings
-
-# LORAPLEX_FP8_GEMM=auto: this GEMM for weights [N, K] with N <= K up to WEIGHT_ONLY_MAX_ROWS rows, with
-# N <= 2K up to WEIGHT_ONLY_WIDE_ROWS, torch._scaled_mm elsewhere (measured per Llama-3.1-8B projection on
-# the H100, 2026-12-05: o and down won at 1-64 rows, q/k/v at 1-32, gate/up nowhere; docs/benchmarks.md).
-WEIGHT_ONLY_MAX_ROWS = 64
-WEIGHT_ONLY_WIDE_ROWS = 32
+from loraplex.kernels.fp8_matmul import dequantize, quantize_activations, quantize_rows
 
 
 # The rows (and what scales with them) are runtime values: a new batch size compiles nothing.
 @triton.jit(do_not_specialize=["M", "stride_osplit"])
 def _fp8_weight_gemm_kernel(
     x_ptr,
+    xs_ptr,  # X_FP8: float32 per-row scales of x
     w_ptr,
     s_ptr,
     out_ptr,
@@ -61,6 +57,7 @@ def _fp8_weight_gemm_kernel(
     SCALE_BK: tl.constexpr,  # the scale block's columns (block scales only)
     HAS_BIAS: tl.constexpr,  # add the bias here (only without split-K)
     EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no K masks
+    X_FP8: tl.constexpr,  # x is E4M3 (W8A8): an FP8 MMA, x's row scales applied at the end
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -86,7 +83,8 @@ def _fp8_weight_gemm_kernel(
             k_mask = (k0 + offs_k) < K
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=k_mask[:, None] & m_mask[None, :], other=0.0)
-        w = w.to(xt.dtype)
+        if not X_FP8:
+            w = w.to(xt.dtype)
         if SCALE_BN == 0:
             acc = tl.dot(w, xt, acc)
         else:
@@ -97,6 +95,8 @@ def _fp8_weight_gemm_kernel(
         x_ptrs += BLOCK_K
     if SCALE_BN == 0:
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0)[:, None]
+    if X_FP8:
+        acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + pid_k * stride_osplit + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -143,16 +143,52 @@ def fp8_weight_gemm(
     """`x [..., K]` (bf16/fp16; float32 in the interpreter) times the E4M3 `weight [N, K]` with
     float32 `scale` (`[N, 1]`, or `[ceil(N/bn), ceil(K/bk)]` for `block = (bn, bk)`): `[..., N]` in
     x's dtype. `config`: the tile sizes (default: kernels/fp8_gemm_configs.py's for this shape)."""
+    x2 = _rows(x)
+    config = config or fp8_gemm_config(x2.shape[0], *weight.shape, x.device)
+    return _gemm(x2, None, weight, scale, block, bias, config, x.dtype).reshape(
+        *x.shape[:-1], weight.shape[0]
+    )
+
+
+def fp8_w8a8_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None = None,
+    config: Fp8GemmConfig | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """As `fp8_weight_gemm`, with x quantized to E4M3 first: per token, or by the checkpoint's
+    static per-tensor `input_scale` (`quantize_activations`), the MMA in FP8."""
+    x2 = _rows(x)
+    config = config or fp8_gemm_config(x2.shape[0], *weight.shape, x.device, kernel="w8a8")
+    xq, xs = quantize_activations(x2, input_scale)
+    out = _gemm(xq, xs, weight, scale, block, bias, config, x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _gemm(
+    x2: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    bias: torch.Tensor | None,
+    config: Fp8GemmConfig,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """One launch (and the split-K sum) over `[M, K]` rows; `x_scale` (`[M, 1]` float32) for E4M3 x."""
     n, k = weight.shape
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
     if m == 0:
-        return out.reshape(*lead, n)
-    config = config or fp8_gemm_config(m, n, k, x.device)
+        return out
     block_k = block_k_for(config, block)
     if not block_k or weight.stride(1) != 1:
         raise ValueError(f"fp8_weight_gemm: weight {tuple(weight.shape)} with block {block} is not supported")
@@ -160,10 +196,11 @@ def fp8_weight_gemm(
     k_per_split = -(-k_steps // config.split_k) * block_k
     splits = -(-k // k_per_split)  # requested splits past K's end would have nothing to add
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), splits)
-    target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+    target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x2.device)
     has_bias = bias is not None
     _fp8_weight_gemm_kernel[grid](
         x2,
+        scale if x_scale is None else x_scale,  # a dummy pointer when unused
         weight,
         scale,
         target,
@@ -182,6 +219,7 @@ def fp8_weight_gemm(
         SCALE_BK=1 if block is None else block[1],
         HAS_BIAS=has_bias and splits == 1,
         EVEN_K=k % block_k == 0,
+        X_FP8=x_scale is not None,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=block_k,
@@ -194,7 +232,7 @@ def fp8_weight_gemm(
         _split_k_sum_kernel[(triton.cdiv(m * n, sum_block),)](
             target, out, bias_ptr, m * n, n, SPLITS=splits, HAS_BIAS=has_bias, BLOCK=sum_block
         )
-    return out.reshape(*lead, n)
+    return out
 
 
 def fp8_weight_gemm_ref(
@@ -212,39 +250,17 @@ def fp8_weight_gemm_ref(
     return out.to(x.dtype)
 
 
-@lru_cache(maxsize=8)
-def _has_fp8_hardware(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-def weight_only_serves(
+def fp8_w8a8_gemm_ref(
     x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
     block: tuple[int, int] | None,
-    scaled_mm_ready: bool,
-    weight_shape: tuple[int, int] | None = None,
-) -> bool:
-    """Whether an FP8 linear runs this GEMM for `x` (`LORAPLEX_FP8_GEMM`, kernels/settings.py):
-    never under `scaled_mm`; under `weight_only` always; under `auto` (the default) for every batch
-    where the weight has no `torch._scaled_mm` operands (`scaled_mm_ready`), else by the weight's
-    shape `[N, K]` (None: any) where it measured faster than `torch._scaled_mm`: N <= K up to
-    WEIGHT_ONLY_MAX_ROWS rows, N <= 2K up to WEIGHT_ONLY_WIDE_ROWS. Only where Triton serves x (CUDA
-    with FP8 conversions, sm 8.9+, in bf16/fp16; CPU tensors under the interpreter, for the tests)."""
-    mode = kernel_settings().fp8_gemm
-    if mode == "scaled_mm" or not triton_runs_on(x) or not supports(block):
-        return False
-    if x.is_cuda and (x.dtype not in (torch.bfloat16, torch.float16) or not _has_fp8_hardware(x.device)):
-        return False
-    if mode == "weight_only" or not scaled_mm_ready:
-        return True
-    rows = x.numel() // x.shape[-1]
-    if weight_shape is None:
-        return rows <= WEIGHT_ONLY_MAX_ROWS
-    n, k = weight_shape
-    return (rows <= WEIGHT_ONLY_MAX_ROWS and n <= k) or (rows <= WEIGHT_ONLY_WIDE_ROWS and n <= 2 * k)
-
-
-def keeps_block_scales(block: tuple[int, int] | None) -> bool:
-    """Whether a block-scaled checkpoint is served with its own scales on the GPU (this GEMM for every
-    batch, `LORAPLEX_FP8_GEMM=weight_only`) rather than re-quantized per output channel at load for
-    `torch._scaled_mm` (`scaled_mm`, and `auto`, which picks between the two per shape)."""
-    return block is not None and kernel_settings().fp8_gemm == "weight_only" and supports(block)
+    bias: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference of `fp8_w8a8_gemm`: x quantized in torch (`quantize_rows` per token, or the static
+    scale), then `fp8_weight_gemm_ref` over x's real values (fp8 * its row scale)."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    xq, xs = quantize_rows(x2) if input_scale is None else quantize_activations(x2, input_scale)
+    out = fp8_weight_gemm_ref(xq.float() * xs, weight, scale, block, bias).to(x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 LORA_FUSED_MODES = ("auto", "on", "off")
-FP8_GEMMS = ("scaled_mm", "weight_only", "auto")  # LORAPLEX_FP8_GEMM values
+FP8_GEMMS = ("scaled_mm", "weight_only", "w8a8", "auto")  # LORAPLEX_FP8_GEMM values
 
 
 @dataclass(frozen=True)
@@ -83,15 +83,18 @@ class KernelSettings:
     quantized per token, `torch._scaled_mm`, block-scaled checkpoints re-quantized per output channel
     at load. `weight_only`: `kernels/fp8_weight_gemm.py` for every batch (activations stay in
     `--dtype`, E4M3 weights dequantized in registers, block scales kept as the checkpoint has them).
-    `auto` (default): per-channel weights as `scaled_mm` has them, and per linear and batch the GEMM
-    that measured faster (`fp8_weight_gemm.weight_only_serves`: weight-only for decode batches of the
-    narrower projections, `torch._scaled_mm` otherwise); its batch-64 Llama-3.1-8B-shaped decode step
-    was 7.88 ms against 8.10 under `scaled_mm` (H100, 2026-12-05)."""
+    `w8a8`: the same file's W8A8 GEMM for every batch (activations quantized per token as for
+    `scaled_mm`, an FP8 MMA, split-K). `auto` (default): per-channel weights as `scaled_mm` has them,
+    and per linear and batch the GEMM that measured faster (`fp8_gemm_choice.fp8_gemm_kernel`: the
+    measured choice per shape, else weight-only for decode batches of the narrower projections and
+    `torch._scaled_mm` otherwise); its batch-64 Llama-3.1-8B-shaped decode step was 7.88 ms against
+    8.10 under `scaled_mm` (H100, 2026-12-05)."""
 
     fp8_gemm_configs: str | None = None
-    """`LORAPLEX_FP8_GEMM_CONFIGS`: path of a JSON file of the weight-only FP8 GEMM's tile sizes and
-    K-splits per (rows bucket, N, K) (format in `kernels/fp8_gemm_configs.py`), e.g. what
-    `python -m loraplex.bench.fp8_gemm` writes. Empty: the built-in rule."""
+    """`LORAPLEX_FP8_GEMM_CONFIGS`: path of a JSON file of the Triton FP8 GEMMs' tile sizes and
+    K-splits per (rows bucket, N, K, kernel), and `auto`'s GEMM per (rows bucket, N, K) (format in
+    `kernels/fp8_gemm_configs.py`), e.g. what `python -m loraplex.bench.fp8_gemm` writes. Empty: the
+    built-in tables and rules."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> KernelSettings:

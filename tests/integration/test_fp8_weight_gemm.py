@@ -1,5 +1,6 @@
-"""The weight-only FP8 GEMM (kernels/fp8_weight_gemm.py) against its torch reference, its config
-table and setting, and the FP8 linear's choice of GEMM.
+"""The Triton FP8 GEMMs (kernels/fp8_weight_gemm.py: weight-only and W8A8) against their torch
+references, their config table and setting, and the FP8 linear's choice of GEMM
+(kernels/fp8_gemm_choice.py).
 
 The kernel runs on the CPU under TRITON_INTERPRET=1, which Triton reads at import, so those checks
 run in a fresh subprocess (`python -m tests.integration.test_fp8_weight_gemm`): randomized shapes
@@ -7,7 +8,10 @@ run in a fresh subprocess (`python -m tests.integration.test_fp8_weight_gemm`): 
 128x128-style block scales (small blocks here), split-K on and off, with and without bias, float32
 and float16 activations (the interpreter's bfloat16 tl.dot returns garbage; bfloat16 is checked on
 the GPU by bench/fp8_gemm.py), each against `fp8_weight_gemm_ref` (float32 over the dequantized
-weight). Another child compiles the kernels for sm_90 (the interpreter never runs the compiler).
+weight). The W8A8 GEMM is fed activations on the E4M3 grid (the interpreter's cast to E4M3 does not
+round to nearest, kernels/fp8_quant.py), so its per-token quantization is exact and the reference is
+the float32 product. Another child compiles the kernels for sm_90 (the interpreter never runs the
+compiler).
 """
 
 from __future__ import annotations
@@ -82,7 +86,10 @@ def test_built_in_table_serves_the_measured_shapes_and_a_file_comes_first(tmp_pa
     o = Fp8GemmKey("64", 4096, 4096)
     assert fp8_gemm_config(64, 4096, 4096, CPU) == fp8_gemm_configs.TABLE[o]
     assert fp8_gemm_config(64, 4096, 4096, CPU) != default_config(64, 4096, 4096, CPU)
-    assert fp8_gemm_config(16, 4096, 4096, CPU) == default_config(16, 4096, 4096, CPU)  # no entry
+    assert fp8_gemm_config(16, 2048, 4096, CPU) == default_config(16, 2048, 4096, CPU)  # no entry
+    w8a8 = Fp8GemmKey("64", 4096, 4096, "w8a8")
+    assert fp8_gemm_config(64, 4096, 4096, CPU, kernel="w8a8") == fp8_gemm_configs.TABLE[w8a8]
+    assert fp8_gemm_config(64, 2048, 4096, CPU, kernel="w8a8") == default_config(64, 2048, 4096, CPU, "w8a8")
     entry = Fp8GemmConfig(64, 32, 64, 2, 2, 2)
     path = tmp_path / "fp8.json"
     path.write_text(json.dumps(fp8_gemm_configs.table_json({o: entry})))
@@ -96,7 +103,7 @@ def test_configs_file_replaces_entries(tmp_path, fp8_gemm_setting):
     path.write_text(json.dumps(fp8_gemm_configs.table_json({Fp8GemmKey("32", 4096, 4096): entry})))
     fp8_gemm_setting("auto", str(path))
     assert fp8_gemm_config(20, 4096, 4096, CPU) == entry  # rows 20: bucket 32
-    assert fp8_gemm_config(8, 4096, 4096, CPU) == default_config(8, 4096, 4096, CPU)
+    assert fp8_gemm_config(8, 4096, 4096, CPU) == fp8_gemm_configs.TABLE[Fp8GemmKey("16", 4096, 4096)]
     fp8_gemm_setting("auto", str(tmp_path / "missing.json"))
     with pytest.raises(FileNotFoundError):
         fp8_gemm_config(20, 4096, 4096, CPU)
@@ -107,6 +114,34 @@ def test_configs_file_replaces_entries(tmp_path, fp8_gemm_setting):
         fp8_gemm_config(20, 4096, 4096, CPU)
 
 
+def test_configs_file_holds_w8a8_tiles_and_auto_choices(tmp_path, fp8_gemm_setting):
+    from loraplex.kernels.fp8_gemm_configs import auto_choice
+
+    tiles = Fp8GemmConfig(64, 64, 128, 4, 4, 3)
+    path = tmp_path / "fp8.json"
+    path.write_text(
+        json.dumps(
+            fp8_gemm_configs.table_json(
+                {Fp8GemmKey("64", 4096, 4096, "w8a8"): tiles, Fp8GemmKey("64", 4096, 4096, "auto"): "w8a8"}
+            )
+        )
+    )
+    assert json.loads(path.read_text()) == {"64|4096|4096|w8a8": list(tiles), "64|4096|4096|auto": "w8a8"}
+    fp8_gemm_setting("auto", str(path))
+    assert fp8_gemm_config(64, 4096, 4096, CPU, kernel="w8a8") == tiles
+    assert fp8_gemm_config(64, 4096, 4096, CPU) == fp8_gemm_configs.TABLE[Fp8GemmKey("64", 4096, 4096)]
+    assert auto_choice(50, 4096, 4096) == "w8a8" and auto_choice(16, 4096, 4096) is None
+    for bad, message in (
+        ({"64|4096|4096|auto": "cublas"}, "not one of"),
+        ({"64|4096|4096|int8": [64, 64, 128, 4, 4, 3]}, "kernel must be"),
+    ):
+        path.write_text(json.dumps(bad))
+        fp8_gemm_configs._file_table.cache_clear()
+        with pytest.raises(ValueError, match=message):
+            fp8_gemm_config(64, 4096, 4096, CPU)
+    fp8_gemm_configs._file_table.cache_clear()
+
+
 def _block_linear() -> Fp8Linear:
     lin = Fp8Linear(64, (32, 32), False, Fp8Scheme("fp8 block-wise 16x32", prequantized=True, block=(16, 32)))
     gen = torch.Generator().manual_seed(0)
@@ -115,7 +150,9 @@ def _block_linear() -> Fp8Linear:
     return lin
 
 
-@pytest.mark.parametrize("mode, kept", [("scaled_mm", False), ("auto", False), ("weight_only", True)])
+@pytest.mark.parametrize(
+    "mode, kept", [("scaled_mm", False), ("auto", False), ("w8a8", False), ("weight_only", True)]
+)
 def test_block_scales_are_kept_unless_scaled_mm_serves(mode, kept, fp8_gemm_setting):
     """At load on the GPU (`finish(fast=True)`), a block-scaled weight is re-quantized per channel
     where torch._scaled_mm may serve it (`scaled_mm`, `auto`); `weight_only` serves the checkpoint's
@@ -168,6 +205,11 @@ COMPILE_VARIANTS = {
     "block_128": dict(SCALE_BN=128, SCALE_BK=128, HAS_BIAS=False, EVEN_K=True, out="*bf16"),
     # The default decode tile at 32-64 rows: 128 weight rows, 8 warps.
     "per_channel_wide": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, out="*fp32", BLOCK_N=128),
+    # W8A8: E4M3 x, an FP8 MMA (split-K partials; direct bf16 out with bias).
+    "w8a8_split": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, out="*fp32", X_FP8=True),
+    "w8a8_wide_bias": dict(
+        SCALE_BN=0, SCALE_BK=1, HAS_BIAS=True, EVEN_K=True, out="*bf16", X_FP8=True, BLOCK_N=128
+    ),
 }
 
 
@@ -178,10 +220,17 @@ def _compile_checks() -> int:
 
     from loraplex.kernels.fp8_weight_gemm import _fp8_weight_gemm_kernel, _split_k_sum_kernel
 
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*bf16"}
     for name, variant in COMPILE_VARIANTS.items():
-        constexprs = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128)
+        constexprs = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, X_FP8=False)
         constexprs |= {k: v for k, v in variant.items() if k != "out"}
+        x_type = "*fp8e4nv" if constexprs["X_FP8"] else "*bf16"
+        pointers = {
+            "x_ptr": x_type,
+            "xs_ptr": "*fp32",
+            "w_ptr": "*fp8e4nv",
+            "s_ptr": "*fp32",
+            "bias_ptr": "*bf16",
+        }
         names = _fp8_weight_gemm_kernel.arg_names
         sig = {n: "constexpr" if n in constexprs else pointers.get(n, variant["out"]) for n in names}
         sig |= {n: "i32" for n in names if not n.endswith("_ptr") and n not in constexprs}
@@ -254,25 +303,82 @@ def _check_gemm(seed: int, block, split_k: int, dtype: torch.dtype) -> bool:
     return ok
 
 
+def _on_e4m3_grid(gen: torch.Generator, m: int, k: int) -> torch.Tensor:
+    """`[m, k]` activations that per-token E4M3 quantization represents exactly: E4M3 values with a
+    448 in each row (so the row's scale is its power of two), times a power of two per row."""
+    q = torch.randn(m, k, generator=gen).to(torch.float8_e4m3fn).float()
+    q[:, int(torch.randint(0, k, (), generator=gen))] = 448.0
+    return q * torch.exp2(torch.randint(-12, -6, (m, 1), generator=gen).float())
+
+
+def _check_w8a8(seed: int, block, split_k: int, dtype: torch.dtype) -> bool:
+    from loraplex.kernels.fp8_weight_gemm import fp8_w8a8_gemm, fp8_w8a8_gemm_ref
+
+    gen = torch.Generator().manual_seed(1000 + seed)
+    x, w, scale, bias = _random_case(gen, block)
+    x = _on_e4m3_grid(gen, *x.shape).to(dtype)
+    cfg = Fp8GemmConfig(16, 16 * int(torch.randint(1, 3, (), generator=gen)), 32, split_k, 4, 2)
+    out = fp8_w8a8_gemm(x, w, scale, block, bias, cfg)
+    ref = fp8_w8a8_gemm_ref(x.float(), w, scale, block, None if bias is None else bias.float())
+    bound = x.float().abs() @ dequantize(w, scale, block, torch.float32).abs().T
+    bound = (bound + (0 if bias is None else bias.abs())).clamp(min=1e-6)
+    tol = 1e-6 if dtype == torch.float32 else 2**-10
+    err = ((out.float() - ref).abs() / bound).max().item()
+    ok = out.dtype == dtype and out.shape == ref.shape and err < tol
+    print(
+        f"w8a8 seed {seed} {tuple(x.shape)}x{tuple(w.shape)} block {block} split {split_k} {cfg[:2]} "
+        f"{dtype} bias {bias is not None}: rel err {err:.1e} {'ok' if ok else 'FAIL'}"
+    )
+    return ok
+
+
+def _check_w8a8_static_scale() -> bool:
+    """A static per-tensor input scale (compressed-tensors' static activations) quantizes every row
+    by that scale, not its own amax: the output differs from per-token quantization, as the
+    reference's does."""
+    from loraplex.kernels.fp8_weight_gemm import fp8_w8a8_gemm, fp8_w8a8_gemm_ref
+
+    gen = torch.Generator().manual_seed(5)
+    x, w, scale, _ = _random_case(gen, None)
+    x = _on_e4m3_grid(gen, *x.shape)
+    static = torch.tensor([2.0**-7])  # x / static stays on the E4M3 grid (powers of two), clipped at 448
+    out = fp8_w8a8_gemm(x, w, scale, None, None, Fp8GemmConfig(16, 16, 32, 2, 4, 2), static)
+    ref = fp8_w8a8_gemm_ref(x, w, scale, None, None, static)
+    dynamic = fp8_w8a8_gemm_ref(x, w, scale, None)
+    ok = torch.allclose(out, ref, rtol=1e-5, atol=1e-5) and not torch.allclose(ref, dynamic, rtol=1e-3)
+    print(f"w8a8 static input scale: {'ok' if ok else 'FAIL'}")
+    return ok
+
+
 def _check_linear_dispatch() -> int:
-    """Fp8Linear through the weight-only GEMM (run_triton_on_cpu) equals the reference path, and
-    `auto` takes it up to 64 rows where torch._scaled_mm operands exist, always where they don't."""
+    """Fp8Linear through the Triton GEMMs (run_triton_on_cpu) equals the reference path, and `auto`
+    takes the W8A8 GEMM up to 64 rows where torch._scaled_mm operands exist (torch._scaled_mm above),
+    the weight-only GEMM where they don't, and a measured choice where the tables have one."""
+    from loraplex.kernels import fp8_gemm_choice, fp8_gemm_configs
     from loraplex.kernels import fp8_weight_gemm as gemm
     from loraplex.kernels.placement import run_triton_on_cpu
 
     failures = 0
     calls = []
-    real = gemm.fp8_weight_gemm
 
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
+    def counting(name, real):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        return call
 
     import loraplex.services.inference.models.quantization.fp8_linear as fp8_linear
 
-    fp8_linear.fp8_weight_gemm = counting
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(7))
-    for mode, expect in (("scaled_mm", 0), ("weight_only", 1), ("auto", 1)):
+    fp8_linear.fp8_weight_gemm = counting("weight_only", gemm.fp8_weight_gemm)
+    fp8_linear.fp8_w8a8_gemm = counting("w8a8", gemm.fp8_w8a8_gemm)
+    x = _on_e4m3_grid(torch.Generator().manual_seed(7), 5, 64)  # W8A8 quantizes it exactly
+    for mode, expect in (
+        ("scaled_mm", []),
+        ("weight_only", ["weight_only"]),
+        ("w8a8", ["w8a8"]),
+        ("auto", ["weight_only"]),
+    ):
         reload_kernel_settings({"TRITON_INTERPRET": "1", "LORAPLEX_FP8_GEMM": mode})
         lin = _block_linear()
         ref = lin(x)  # CPU tensors without run_triton_on_cpu: the reference path
@@ -283,31 +389,42 @@ def _check_linear_dispatch() -> int:
         finally:
             run_triton_on_cpu(False)
         err = ((out - ref).abs().max() / ref.abs().max()).item()
-        ok = len(calls) == expect and err < 1e-5
+        ok = calls == expect and err < 1e-5
         failures += not ok
-        print(f"Fp8Linear {mode}: weight-only calls {len(calls)}, rel err {err:.1e} {'ok' if ok else 'FAIL'}")
+        print(f"Fp8Linear {mode}: Triton calls {calls}, rel err {err:.1e} {'ok' if ok else 'FAIL'}")
     run_triton_on_cpu(True)
+    choose = fp8_gemm_choice.fp8_gemm_kernel
     try:
         reload_kernel_settings({"TRITON_INTERPRET": "1", "LORAPLEX_FP8_GEMM": "auto"})
         picks = [
-            gemm.weight_only_serves(torch.zeros(rows, 8), None, ready, shape)
+            choose(torch.zeros(rows, 8), None, ready, shape)
             for rows, ready, shape in (
-                (64, 1, None),
-                (65, 1, None),
-                (65, 0, None),
-                (64, 1, (8, 8)),  # N <= K (o, down): up to 64 rows
-                (64, 1, (12, 8)),  # K < N <= 2K (q/k/v): up to 32 rows
-                (32, 1, (12, 8)),
-                (16, 1, (24, 8)),  # N > 2K (gate/up): torch._scaled_mm
+                (64, 1, None),  # decode rows: the W8A8 GEMM
+                (65, 1, None),  # above: torch._scaled_mm
+                (65, 0, None),  # no torch._scaled_mm operands: weight-only
+                (64, 1, (8, 8)),
+                (1, 1, (24, 8)),
             )
         ]
+        fp8_gemm_configs.OVERRIDES[Fp8GemmKey("64", 24, 8, "auto")] = "weight_only"  # measured choices
+        fp8_gemm_configs.OVERRIDES[Fp8GemmKey("64", 8, 8, "auto")] = "scaled_mm"
+        picks += [
+            choose(torch.zeros(40, 8), None, True, (24, 8)),
+            choose(torch.zeros(40, 8), None, True, (8, 8)),
+        ]
+        picks.append(choose(torch.zeros(40, 8), None, False, (8, 8)))  # no scaled_mm operands
+        picks.append(choose(torch.zeros(16, 8), None, True, (8, 8)))  # another bucket: the rule
         reload_kernel_settings({"TRITON_INTERPRET": "1", "LORAPLEX_FP8_GEMM": "scaled_mm"})
-        picks.append(gemm.weight_only_serves(torch.zeros(4, 8), None, False))
+        picks.append(choose(torch.zeros(4, 8), None, False))
+        picks.append(choose(torch.zeros(4, 8), None, True))
     finally:
+        fp8_gemm_configs.OVERRIDES.clear()
         run_triton_on_cpu(False)
-    ok = picks == [True, False, True, True, False, True, False, False]
+    want = ["w8a8", "scaled_mm", "weight_only", "w8a8", "w8a8"]
+    want += ["weight_only", "scaled_mm", "weight_only", "w8a8", "ref", "scaled_mm"]
+    ok = picks == want
     failures += not ok
-    cases = "rows 64, 65, 65 without scaled_mm, N<=K, N<=2K at 64 and 32 rows, N>2K, scaled_mm"
+    cases = "rows 64, 65, 65 without scaled_mm, two shapes, measured x3, another bucket, scaled_mm x2"
     print(f"auto picks ({cases}) {picks} {'ok' if ok else 'FAIL'}")
     return failures
 
@@ -319,7 +436,9 @@ def _interpreter_checks() -> int:
         for split_k in (1, 3):
             for dtype in (torch.float32, torch.float16):
                 failures += not _check_gemm(seed, block, split_k, dtype)
+                failures += not _check_w8a8(seed, block, split_k, dtype)
                 seed += 1
+    failures += not _check_w8a8_static_scale()
     # Block scales narrower than the config's K step (narrowed to 16), and the check discriminates:
     # the same scales read upside down are caught.
     from loraplex.kernels.fp8_weight_gemm import fp8_weight_gemm, fp8_weight_gemm_ref

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from loraplex.kernels.fp8_gemm_choice import fp8_gemm_kernel, keeps_block_scales
 from loraplex.kernels.fp8_matmul import (
     FP8_DTYPE,
     dequantize,
@@ -26,7 +27,7 @@ from loraplex.kernels.fp8_matmul import (
     quantize_rows,
     scaled_mm_fits,
 )
-from loraplex.kernels.fp8_weight_gemm import fp8_weight_gemm, keeps_block_scales, weight_only_serves
+from loraplex.kernels.fp8_weight_gemm import fp8_w8a8_gemm, fp8_weight_gemm
 from loraplex.kernels.settings import kernel_settings
 from loraplex.services.inference.models.llama import _LAYER_WEIGHTS, FusedLinear, LlamaForCausalLM
 from loraplex.services.inference.models.quantization.scheme import Fp8Scheme
@@ -74,9 +75,14 @@ class Fp8Linear(FusedLinear):
 
     def base_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         scaled_mm_ready = self.scale_row is not None and scaled_mm_fits(x, self.weight)
-        if weight_only_serves(x, self.block, scaled_mm_ready, tuple(self.weight.shape)):
+        kernel = fp8_gemm_kernel(x, self.block, scaled_mm_ready, tuple(self.weight.shape))
+        if kernel == "weight_only":
             return fp8_weight_gemm(x, self.weight, self.weight_scale, self.block, bias)
-        if scaled_mm_ready:
+        if kernel == "w8a8":
+            return fp8_w8a8_gemm(
+                x, self.weight, self.weight_scale, self.block, bias, None, self.static_input_scale
+            )
+        if kernel == "scaled_mm":
             return fp8_linear_mm(x, self.weight, self.scale_row, self.static_input_scale, bias)
         return fp8_linear_ref(x, self.weight, self.weight_scale, self.block, bias)
 
@@ -128,8 +134,8 @@ class Fp8Linear(FusedLinear):
 
     def finish(self, fast: bool) -> None:
         """Check every scale arrived; with `fast` (CUDA), ready the hardware GEMM's operands: a
-        block-scaled weight is re-quantized per output channel once (cuBLASLt's row-wise FP8 GEMM),
-        unless the weight-only GEMM serves it with its own block scales (`LORAPLEX_FP8_GEMM`)."""
+        block-scaled weight is re-quantized per output channel once (cuBLASLt's row-wise FP8 GEMM, the
+        W8A8 GEMM), unless the weight-only GEMM serves it with its own block scales (`LORAPLEX_FP8_GEMM`)."""
         if torch.isnan(self.weight_scale).any():
             raise ValueError("the checkpoint has an FP8 weight without its weight_scale")
         if self.scheme.static_activations and torch.isnan(self.input_scale).any():
@@ -203,9 +209,10 @@ def finish_loading(model: LlamaForCausalLM) -> None:
         how = "torch._scaled_mm, per-token activation scales" + (
             ", block scales re-quantized per output channel" if scheme.block else ""
         )
-        if gemm != "scaled_mm":
-            rows = "for every batch" if gemm == "weight_only" else "up to 64 rows"
-            how += f"; weight-only FP8 GEMM {rows} (LORAPLEX_FP8_GEMM={gemm})"
+        if gemm in ("weight_only", "w8a8"):
+            how += f"; Triton {gemm} FP8 GEMM for every batch (LORAPLEX_FP8_GEMM={gemm})"
+        elif gemm == "auto":
+            how += "; per shape the faster of it and the Triton FP8 GEMMs (LORAPLEX_FP8_GEMM=auto)"
     log.info("FP8 base linears (%s): %s", scheme.name, how)
 
 
