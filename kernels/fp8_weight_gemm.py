@@ -17,8 +17,11 @@ weight (the big, widened operand) is the MMA's left side and the batch its narro
 kernels/fp8_matmul.py: per output channel `[N, 1]` (applied once, after the K loop) or per
 `(bn, bk)` block `[ceil(N/bn), ceil(K/bk)]` (the block-wise checkpoint format, applied per K step,
 whose length therefore divides bk). Split-K: `split_k` programs per tile each cover a range of K
-and write float32 partials `[split_k, M, N]`; a second launch adds them, adds the bias and casts,
-in a fixed order (no atomics: the result is deterministic, as the decode graphs' replays must be).
+and write float32 partials `[split_k, M, N]`; the tile's last program to finish (a per-tile arrival
+counter) adds them in split order, adds the bias and casts. One launch, and the sum's order does not
+depend on which program came last: the result is deterministic, as the decode graphs' replays must be.
+The counters live in one int32 buffer per device, zero between launches (the last program resets its
+tile's), so launches that share it run one at a time (one stream), as a model's linears do.
 
 No autotuning and no host syncs: configs come from kernels/fp8_gemm_configs.py, chosen from shapes
 alone, so the launches are captured in CUDA graphs as they are.
@@ -43,6 +46,8 @@ def _fp8_weight_gemm_kernel(
     s_ptr,
     out_ptr,
     bias_ptr,
+    part_ptr,  # SPLIT: float32 partials [splits, M, N]
+    count_ptr,  # SPLIT: int32 arrivals per output tile, zero at launch and again at exit
     M,
     N,
     K,
@@ -55,7 +60,8 @@ def _fp8_weight_gemm_kernel(
     stride_osplit,
     SCALE_BN: tl.constexpr,  # 0: per-channel scales; else the scale block's rows
     SCALE_BK: tl.constexpr,  # the scale block's columns (block scales only)
-    HAS_BIAS: tl.constexpr,  # add the bias here (only without split-K)
+    HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,  # more than one program over K per tile: partials, the last one adds them
     EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no K masks
     X_FP8: tl.constexpr,  # x is E4M3 (W8A8): an FP8 MMA, x's row scales applied at the end
     BLOCK_M: tl.constexpr,
@@ -97,24 +103,44 @@ def _fp8_weight_gemm_kernel(
         acc = acc * tl.load(s_ptr + offs_n * stride_sn, mask=n_mask, other=0.0)[:, None]
     if X_FP8:
         acc = acc * tl.load(xs_ptr + offs_m, mask=m_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + pid_k * stride_osplit + offs_m[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+    tile_mask = n_mask[:, None] & m_mask[None, :]
+    tile_offs = offs_m[None, :] * stride_om + offs_n[:, None]
+    if SPLIT:
+        tl.store(part_ptr + pid_k * stride_osplit + tile_offs, acc, mask=tile_mask)
+        # Every thread's partial is written before the arrival is counted (release), and the last
+        # program reads the others' only after it (acquire), from L2.
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == tl.num_programs(2) - 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for i in range(0, tl.num_programs(2)):
+                part = part_ptr + i * stride_osplit + tile_offs
+                acc += tl.load(part, mask=tile_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + tile_offs, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
+            tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch (a graph replays this one)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + tile_offs, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
-@triton.jit(do_not_specialize=["MN"])
-def _split_k_sum_kernel(
-    part_ptr, out_ptr, bias_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for i in tl.static_range(1, SPLITS):
-        acc += tl.load(part_ptr + i * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's zeroed arrival counters, at least `tiles` of them. Grown outside CUDA-graph capture
+    only (a model's eager warm-up runs every shape its graphs capture first)."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"FP8 GEMM: {tiles} split-K tile counters first needed inside a CUDA-graph capture"
+            )
+        _COUNTERS[device] = have = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return have
 
 
 def block_k_for(config: Fp8GemmConfig, block: tuple[int, int] | None) -> int:
@@ -196,15 +222,19 @@ def _gemm(
     k_per_split = -(-k_steps // config.split_k) * block_k
     splits = -(-k // k_per_split)  # requested splits past K's end would have nothing to add
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), splits)
-    target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x2.device)
+    split = splits > 1
+    parts = torch.empty((splits, m, n), dtype=torch.float32, device=x2.device) if split else out
+    counters = tile_counters(x2.device, grid[0] * grid[1]) if split else out
     has_bias = bias is not None
     _fp8_weight_gemm_kernel[grid](
         x2,
-        scale if x_scale is None else x_scale,  # a dummy pointer when unused
+        scale if x_scale is None else x_scale,  # dummy pointers where unused
         weight,
         scale,
-        target,
-        bias if has_bias and splits == 1 else out,  # a dummy pointer when unused
+        out,
+        bias if has_bias else out,
+        parts,
+        counters,
         m,
         n,
         k,
@@ -217,7 +247,8 @@ def _gemm(
         m * n,
         SCALE_BN=0 if block is None else block[0],
         SCALE_BK=1 if block is None else block[1],
-        HAS_BIAS=has_bias and splits == 1,
+        HAS_BIAS=has_bias,
+        SPLIT=split,
         EVEN_K=k % block_k == 0,
         X_FP8=x_scale is not None,
         BLOCK_M=config.block_m,
@@ -226,12 +257,6 @@ def _gemm(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if splits > 1:
-        sum_block = 1024
-        bias_ptr = bias if has_bias else out
-        _split_k_sum_kernel[(triton.cdiv(m * n, sum_block),)](
-            target, out, bias_ptr, m * n, n, SPLITS=splits, HAS_BIAS=has_bias, BLOCK=sum_block
-        )
     return out
 
 

@@ -198,17 +198,18 @@ def test_kernels_compile_for_sm90(tmp_path) -> None:
     assert "wgmma 0" not in proc.stdout, proc.stdout
 
 
-# The kernels' variants a GPU serves: per-channel / block scales, split-K partials / direct bf16 out.
+# The kernel's variants a GPU serves: per-channel / block scales, split-K (partials, the last program
+# adds them) / direct, weight-only / W8A8.
 COMPILE_VARIANTS = {
-    "per_channel_split": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, out="*fp32"),
-    "per_channel_bias": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=True, EVEN_K=False, out="*bf16"),
-    "block_128": dict(SCALE_BN=128, SCALE_BK=128, HAS_BIAS=False, EVEN_K=True, out="*bf16"),
+    "per_channel_split": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, SPLIT=True),
+    "per_channel_bias": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=True, EVEN_K=False, SPLIT=False),
+    "block_128": dict(SCALE_BN=128, SCALE_BK=128, HAS_BIAS=False, EVEN_K=True, SPLIT=False),
     # The default decode tile at 32-64 rows: 128 weight rows, 8 warps.
-    "per_channel_wide": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, out="*fp32", BLOCK_N=128),
-    # W8A8: E4M3 x, an FP8 MMA (split-K partials; direct bf16 out with bias).
-    "w8a8_split": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, out="*fp32", X_FP8=True),
-    "w8a8_wide_bias": dict(
-        SCALE_BN=0, SCALE_BK=1, HAS_BIAS=True, EVEN_K=True, out="*bf16", X_FP8=True, BLOCK_N=128
+    "per_channel_wide": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, SPLIT=True, BLOCK_N=128),
+    # W8A8: E4M3 x, an FP8 MMA.
+    "w8a8_split_bias": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=True, EVEN_K=True, SPLIT=True, X_FP8=True),
+    "w8a8_wide": dict(
+        SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, SPLIT=False, X_FP8=True, BLOCK_N=128, BLOCK_K=256
     ),
 }
 
@@ -218,22 +219,23 @@ def _compile_checks() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from loraplex.kernels.fp8_weight_gemm import _fp8_weight_gemm_kernel, _split_k_sum_kernel
+    from loraplex.kernels.fp8_weight_gemm import _fp8_weight_gemm_kernel
 
     for name, variant in COMPILE_VARIANTS.items():
         constexprs = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, X_FP8=False)
-        constexprs |= {k: v for k, v in variant.items() if k != "out"}
-        x_type = "*fp8e4nv" if constexprs["X_FP8"] else "*bf16"
+        constexprs |= variant
         pointers = {
-            "x_ptr": x_type,
+            "x_ptr": "*fp8e4nv" if constexprs["X_FP8"] else "*bf16",
             "xs_ptr": "*fp32",
             "w_ptr": "*fp8e4nv",
             "s_ptr": "*fp32",
+            "out_ptr": "*bf16",
             "bias_ptr": "*bf16",
+            "part_ptr": "*fp32",
+            "count_ptr": "*i32",
         }
         names = _fp8_weight_gemm_kernel.arg_names
-        sig = {n: "constexpr" if n in constexprs else pointers.get(n, variant["out"]) for n in names}
-        sig |= {n: "i32" for n in names if not n.endswith("_ptr") and n not in constexprs}
+        sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
         # As the JIT specialises a Llama shape: 16-aligned pointers and sizes (the pipelined path).
         aligned = [
             n for n in names if n.endswith("_ptr") or n in ("N", "K", "k_per_split", "stride_xm", "stride_wn")
@@ -247,17 +249,13 @@ def _compile_checks() -> int:
         )
         options = {"num_warps": 8 if constexprs["BLOCK_N"] >= 128 else 4, "num_stages": 4}
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-        wgmma = kernel.asm["ptx"].count("wgmma.mma_async")  # Hopper's MMA, the weight from registers
-        print(f"{name}: cubin {len(kernel.asm['cubin'])} bytes, wgmma {wgmma}", flush=True)
-    names = _split_k_sum_kernel.arg_names
-    constexprs = dict(SPLITS=4, HAS_BIAS=True, BLOCK=1024)
-    sig = {"part_ptr": "*fp32", "out_ptr": "*bf16", "bias_ptr": "*bf16", "MN": "i32", "N": "i32"}
-    sig |= {k: "constexpr" for k in constexprs}
-    src = ASTSource(
-        _split_k_sum_kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}
-    )
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-    print(f"split_k_sum: {len(kernel.asm['cubin'])} bytes", flush=True)
+        ptx = kernel.asm["ptx"]
+        wgmma = ptx.count("wgmma.mma_async")  # Hopper's MMA
+        atomics = ptx.count("atom.")
+        print(f"{name}: cubin {len(kernel.asm['cubin'])} bytes, wgmma {wgmma}, atomics {atomics}", flush=True)
+        if (atomics > 0) != constexprs["SPLIT"]:
+            print(f"{name}: FAIL split-K arrival counting")
+            return 1
     return 0
 
 
@@ -329,6 +327,22 @@ def _check_w8a8(seed: int, block, split_k: int, dtype: torch.dtype) -> bool:
         f"w8a8 seed {seed} {tuple(x.shape)}x{tuple(w.shape)} block {block} split {split_k} {cfg[:2]} "
         f"{dtype} bias {bias is not None}: rel err {err:.1e} {'ok' if ok else 'FAIL'}"
     )
+    return ok
+
+
+def _check_split_counters() -> bool:
+    """Split-K's arrival counters are zero again after a launch (a replayed graph finds them so), and
+    a second launch gives the same bits."""
+    from loraplex.kernels import fp8_weight_gemm as gemm
+
+    gen = torch.Generator().manual_seed(11)
+    x, w, scale, bias = _random_case(gen, None)
+    cfg = Fp8GemmConfig(16, 16, 32, 3, 4, 2)
+    first = gemm.fp8_weight_gemm(x, w, scale, None, bias, cfg)
+    counters = gemm._COUNTERS[x.device]
+    again = gemm.fp8_weight_gemm(x, w, scale, None, bias, cfg)
+    ok = bool((counters == 0).all()) and torch.equal(first, again)
+    print(f"split-K counters reset, launches repeat bit for bit: {'ok' if ok else 'FAIL'}")
     return ok
 
 
@@ -439,6 +453,7 @@ def _interpreter_checks() -> int:
                 failures += not _check_w8a8(seed, block, split_k, dtype)
                 seed += 1
     failures += not _check_w8a8_static_scale()
+    failures += not _check_split_counters()
     # Block scales narrower than the config's K step (narrowed to 16), and the check discriminates:
     # the same scales read upside down are caught.
     from loraplex.kernels.fp8_weight_gemm import fp8_weight_gemm, fp8_weight_gemm_ref
