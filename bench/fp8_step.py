@@ -9,8 +9,9 @@ A/B when present) over the device copy bandwidth measured in the same run.
 
 Quality: next-token top-1 agreement and mean KL(bf16 || FP8) over `--positions` positions of real
 text (this repository's docs), teacher forced, on the embedded SmolLM2-135M and on a random
-Llama-8B-shape model. On the GPU the FP8 side is the served path (per-token FP8 activations,
-torch._scaled_mm); on the CPU it is the dequantizing reference path.
+Llama-8B-shape model. On the GPU the FP8 side is the served path (`LORAPLEX_FP8_GEMM`, by default
+per-token FP8 activations into the Triton W8A8 GEMM at decode rows, torch._scaled_mm above); on the
+CPU it is the dequantizing reference path.
 
     PYTHONPATH=protos python3 -m loraplex.bench.fp8_step                        # H200 (~5 min)
     PYTHONPATH=protos python3 -m loraplex.bench.fp8_step --tiny --device cpu    # smoke check
