@@ -6,7 +6,8 @@ there), so the CPU tests feed it values that land on the E4M3 grid.
 Why: the FP8 GEMM needs its activations in E4M3 with a scale per row, and torch's eager version
 (abs, amax, divide, clamp, divide, clamp, cast) is seven kernels before each of a layer's four
 linears: in a CUDA-graph decode step that is more time than the quantization saves. One program
-per row: a pass for the row's amax, a pass that scales, clamps and casts.
+per row: the row read once into registers (up to ONE_PASS_MAX wide; else a pass for the amax and a
+pass that scales), its amax, then scale, clamp and cast.
 """
 
 from __future__ import annotations
@@ -21,9 +22,29 @@ FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, s_ptr, stride_x, stride_q, K, fp8_max, min_scale, BLOCK: tl.constexpr
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    stride_x,
+    stride_q,
+    K,
+    fp8_max,
+    min_scale,
+    ONE_PASS: tl.constexpr,  # BLOCK covers the row: one read, kept in registers
+    PDL: tl.constexpr,  # let the GEMM after this launch start (it waits for our output)
+    BLOCK: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
+    if ONE_PASS:
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < K, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), 0) / fp8_max, min_scale)
+        tl.store(s_ptr + row, scale)
+        q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+        return
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, K, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -38,14 +59,32 @@ def _quantize_rows_kernel(
         tl.store(q_ptr + row * stride_q + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
 
 
-def quantize_rows_fused(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`quantize_rows` of a 2-D `x` (unit stride on the last dim): (E4M3 `[M, K]`, float32 `[M, 1]`)."""
+# Rows up to this wide are read once and held in registers (the Llama-3.1-8B down projection's 14,336
+# included); wider ones take two passes of 1,024.
+ONE_PASS_MAX = 16384
+
+
+def quantize_rows_fused(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` of a 2-D `x` (unit stride on the last dim): (E4M3 `[M, K]`, float32 `[M, 1]`).
+    `pdl`: the next launch is a programmatic dependent one (kernels/placement.fp8_pdl_launch)."""
     m, k = x.shape
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
     s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        block = min(1024, triton.next_power_of_2(k))
+        one_pass = k <= ONE_PASS_MAX
+        block = triton.next_power_of_2(k) if one_pass else 1024
         _quantize_rows_kernel[(m,)](
-            x, q, s, x.stride(0), q.stride(0), k, FP8_MAX, 1e-12, BLOCK=block, num_warps=4
+            x,
+            q,
+            s,
+            x.stride(0),
+            q.stride(0),
+            k,
+            FP8_MAX,
+            1e-12,
+            ONE_PASS=one_pass,
+            PDL=pdl,
+            BLOCK=block,
+            num_warps=8 if block > 4096 else 4,
         )
     return q, s

@@ -35,10 +35,20 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def pdl_launch(t: torch.Tensor) -> bool:
-    """Whether the LoRA kernels launch on `t`'s device with programmatic dependent launch
-    (`LORAPLEX_LORA_PDL`, on unless `0`): a CUDA device of compute capability 9 or more (Hopper),
-    never the interpreter."""
-    if not t.is_cuda or kernel_settings().lora_pdl is False:
+def _pdl_capable(t: torch.Tensor) -> bool:
+    """A CUDA device of compute capability 9 or more (Hopper): never the interpreter."""
+    if not t.is_cuda:
         return False
     return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def pdl_launch(t: torch.Tensor) -> bool:
+    """Whether the LoRA kernels launch on `t`'s device with programmatic dependent launch
+    (`LORAPLEX_LORA_PDL`, on unless `0`) where the device has it."""
+    return kernel_settings().lora_pdl is not False and _pdl_capable(t)
+
+
+def fp8_pdl_launch(t: torch.Tensor) -> bool:
+    """Whether the W8A8 FP8 GEMM launches on `t`'s device with programmatic dependent launch after its
+    activation quantization (`LORAPLEX_FP8_PDL`, on unless `0`) where the device has it."""
+    return kernel_settings().fp8_pdl is not False and _pdl_capable(t)

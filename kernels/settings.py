@@ -53,6 +53,11 @@ class KernelSettings:
     still runs (kernels/lora_expand.py). Unset: on for CUDA devices of compute capability >= 9, where
     `bench/lora_pdl.py` measured the layer's LoRA 2-9% faster, bit-identical (2026-12-05, H100)."""
 
+    fp8_pdl: bool | None = None
+    """`LORAPLEX_FP8_PDL=1|0`: the W8A8 FP8 GEMM launches with programmatic dependent launch after its
+    activation-quantize launch (Hopper or newer), so its launch and set-up overlap the quantization
+    (kernels/fp8_weight_gemm.py). Unset: on for CUDA devices of compute capability >= 9."""
+
     # The base decode step (issue 38). Unset (None): on for CUDA tensors, where bench/base_step.py measured
     # them faster together (2026-12-05, H100: with cuBLASLt, 8.90 against 9.10 ms, docs/benchmarks.md),
     # off elsewhere (the CPU tests' interpreter). "1" / "0" force them on or off, the interpreter included.
@@ -112,6 +117,7 @@ class KernelSettings:
             moe_kernel=_choice(env, "LORAPLEX_MOE_KERNEL", ("grouped", "torch")),
             lora_fused=fused,
             lora_pdl=_on_off(env, "LORAPLEX_LORA_PDL"),
+            fp8_pdl=_on_off(env, "LORAPLEX_FP8_PDL"),
             skinny_gemm=env.get("LORAPLEX_SKINNY_GEMM") == "1",
             skinny_silu=_on_off(env, "LORAPLEX_SKINNY_SILU"),
             fused_kv_store=_on_off(env, "LORAPLEX_FUSED_KV_STORE"),

@@ -102,7 +102,13 @@ def _interpreter_checks() -> int:
     from loraplex.kernels.placement import run_triton_on_cpu
 
     failures = 0
-    for rows, cols, dtype in ((5, 200, torch.float32), (3, 64, torch.float16), (1, 1030, torch.float32)):
+    # One pass up to ONE_PASS_MAX columns; two passes of 1,024 above (the last case).
+    for rows, cols, dtype in (
+        (5, 200, torch.float32),
+        (3, 64, torch.float16),
+        (1, 1030, torch.float32),
+        (2, 16500, torch.float32),
+    ):
         x = on_grid(rows, cols, seed=cols).to(dtype)
         q, s = quantize_rows_fused(x)
         rq, rs = quantize_rows(x)

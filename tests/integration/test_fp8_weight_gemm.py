@@ -194,7 +194,7 @@ def test_kernels_compile_for_sm90(tmp_path) -> None:
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("cubin") == len(COMPILE_VARIANTS), proc.stdout
+    assert proc.stdout.count("cubin") == len(COMPILE_VARIANTS) + 1, proc.stdout  # + the quantization
     assert "wgmma 0" not in proc.stdout, proc.stdout
 
 
@@ -211,6 +211,10 @@ COMPILE_VARIANTS = {
     "w8a8_wide": dict(
         SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, SPLIT=False, X_FP8=True, BLOCK_N=128, BLOCK_K=256
     ),
+    # The default W8A8 tile, launched after the quantization as a programmatic dependent launch.
+    "w8a8_pdl": dict(
+        SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, SPLIT=False, X_FP8=True, BLOCK_K=256, PDL=True
+    ),
 }
 
 
@@ -222,7 +226,7 @@ def _compile_checks() -> int:
     from loraplex.kernels.fp8_weight_gemm import _fp8_weight_gemm_kernel
 
     for name, variant in COMPILE_VARIANTS.items():
-        constexprs = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, X_FP8=False)
+        constexprs = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, X_FP8=False, PDL=False)
         constexprs |= variant
         pointers = {
             "x_ptr": "*fp8e4nv" if constexprs["X_FP8"] else "*bf16",
@@ -256,7 +260,32 @@ def _compile_checks() -> int:
         if (atomics > 0) != constexprs["SPLIT"]:
             print(f"{name}: FAIL split-K arrival counting")
             return 1
-    return 0
+        if ("griddepcontrol.wait" in ptx) != constexprs["PDL"]:
+            print(f"{name}: FAIL programmatic dependent launch wait")
+            return 1
+    return _compile_quantize()
+
+
+def _compile_quantize() -> int:
+    """The activation quantization before the W8A8 GEMM: one pass over a Llama-3.1-8B down row,
+    letting the GEMM launch early."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from loraplex.kernels.fp8_quant import _quantize_rows_kernel
+
+    names = _quantize_rows_kernel.arg_names
+    constexprs = dict(ONE_PASS=True, PDL=True, BLOCK=16384)
+    types = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "fp8_max": "fp32", "min_scale": "fp32"}
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    src = ASTSource(
+        _quantize_rows_kernel, sig, constexprs={(names.index(k),): v for k, v in constexprs.items()}
+    )
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    ok = "griddepcontrol.launch_dependents" in kernel.asm["ptx"]
+    print(f"quantize_rows one pass + PDL: cubin {len(kernel.asm['cubin'])} bytes {'ok' if ok else 'FAIL'}")
+    return 0 if ok else 1
 
 
 # ---- run in the subprocess, with TRITON_INTERPRET=1 ----

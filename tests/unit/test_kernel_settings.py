@@ -67,3 +67,17 @@ def test_lora_pdl_is_on_unless_switched_off_and_never_on_cpu_tensors():
     assert KernelSettings.from_env({}).lora_pdl is None
     assert KernelSettings.from_env({"LORAPLEX_LORA_PDL": "0"}).lora_pdl is False
     assert not pdl_launch(torch.zeros(1))  # the interpreter has no grid dependency control
+
+
+def test_fp8_pdl_is_on_unless_switched_off_and_never_on_cpu_tensors():
+    import pytest
+    import torch
+
+    from loraplex.kernels.placement import fp8_pdl_launch
+
+    assert KernelSettings.from_env({}).fp8_pdl is None
+    assert KernelSettings.from_env({"LORAPLEX_FP8_PDL": "0"}).fp8_pdl is False
+    assert KernelSettings.from_env({"LORAPLEX_FP8_PDL": "1"}).fp8_pdl is True
+    with pytest.raises(ValueError, match="LORAPLEX_FP8_PDL"):
+        KernelSettings.from_env({"LORAPLEX_FP8_PDL": "on"})
+    assert not fp8_pdl_launch(torch.zeros(1))
