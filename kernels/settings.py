@@ -56,7 +56,8 @@ class KernelSettings:
     fp8_pdl: bool | None = None
     """`LORAPLEX_FP8_PDL=1|0`: the W8A8 FP8 GEMM launches with programmatic dependent launch after its
     activation-quantize launch (Hopper or newer), so its launch and set-up overlap the quantization
-    (kernels/fp8_weight_gemm.py). Unset: on for CUDA devices of compute capability >= 9."""
+    (kernels/fp8_weight_gemm.py). `1` on for CUDA devices of compute capability >= 9; unset or `0`:
+    off, until `bench/fp8_step.py` with it on and off has timed it (not yet run on a GPU)."""
 
     # The base decode step (issue 38). Unset (None): on for CUDA tensors, where bench/base_step.py measured
     # them faster together (2026-12-05, H100: with cuBLASLt, 8.90 against 9.10 ms, docs/benchmarks.md),

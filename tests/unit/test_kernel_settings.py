@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from loraplex.kernels import lora_configs
 from loraplex.kernels.settings import KernelSettings, kernel_settings, reload_kernel_settings
@@ -69,7 +70,7 @@ def test_lora_pdl_is_on_unless_switched_off_and_never_on_cpu_tensors():
     assert not pdl_launch(torch.zeros(1))  # the interpreter has no grid dependency control
 
 
-def test_fp8_pdl_is_on_unless_switched_off_and_never_on_cpu_tensors():
+def test_fp8_pdl_is_off_unless_switched_on_and_never_on_cpu_tensors():
     import pytest
     import torch
 
@@ -81,3 +82,8 @@ def test_fp8_pdl_is_on_unless_switched_off_and_never_on_cpu_tensors():
     with pytest.raises(ValueError, match="LORAPLEX_FP8_PDL"):
         KernelSettings.from_env({"LORAPLEX_FP8_PDL": "on"})
     assert not fp8_pdl_launch(torch.zeros(1))
+    reload_kernel_settings({**os.environ, "LORAPLEX_FP8_PDL": "1"})
+    try:
+        assert not fp8_pdl_launch(torch.zeros(1))  # switched on, still never the interpreter
+    finally:
+        reload_kernel_settings(os.environ)
