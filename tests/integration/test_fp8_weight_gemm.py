@@ -316,16 +316,21 @@ def _check_gemm(seed: int, block, split_k: int, dtype: torch.dtype) -> bool:
     cfg = Fp8GemmConfig(block_m, 16 * int(torch.randint(1, 3, (), generator=gen)), 32, split_k, 4, 2)
     out = fp8_weight_gemm(x, w, scale, block, bias, cfg)
     # The reference in float32 from x as given: a float16 output differs by its own rounding only.
-    # Errors are measured against sum(|x| |w|) + |bias| (what bounds a sum's rounding error).
     ref = fp8_weight_gemm_ref(x.float(), w, scale, block, None if bias is None else bias.float())
+    return _matches(f"gemm seed {seed}", x, w, scale, block, bias, out, ref, f"split {split_k} {cfg[:2]}")
+
+
+def _matches(what: str, x, w, scale, block, bias, out: torch.Tensor, ref: torch.Tensor, detail: str) -> bool:
+    """`out` against the float32 `ref`, the error measured against sum(|x| |w|) + |bias| (what bounds
+    a sum's rounding error): float32 to 1e-6, a float16 output to its own rounding."""
     bound = x.float().abs() @ dequantize(w, scale, block, torch.float32).abs().T
     bound = (bound + (0 if bias is None else bias.abs())).clamp(min=1e-6)
-    tol = 1e-6 if dtype == torch.float32 else 2**-10
+    tol = 1e-6 if x.dtype == torch.float32 else 2**-10
     err = ((out.float() - ref).abs() / bound).max().item()
-    ok = out.dtype == dtype and out.shape == ref.shape and err < tol
+    ok = out.dtype == x.dtype and out.shape == ref.shape and err < tol
     print(
-        f"gemm seed {seed} {tuple(x.shape)}x{tuple(w.shape)} block {block} split {split_k} {cfg[:2]} "
-        f"{dtype} bias {bias is not None}: rel err {err:.1e} {'ok' if ok else 'FAIL'}"
+        f"{what} {tuple(x.shape)}x{tuple(w.shape)} block {block} {detail} {x.dtype} "
+        f"bias {bias is not None}: rel err {err:.1e} {'ok' if ok else 'FAIL'}"
     )
     return ok
 
@@ -347,16 +352,7 @@ def _check_w8a8(seed: int, block, split_k: int, dtype: torch.dtype) -> bool:
     cfg = Fp8GemmConfig(16, 16 * int(torch.randint(1, 3, (), generator=gen)), 32, split_k, 4, 2)
     out = fp8_w8a8_gemm(x, w, scale, block, bias, cfg)
     ref = fp8_w8a8_gemm_ref(x.float(), w, scale, block, None if bias is None else bias.float())
-    bound = x.float().abs() @ dequantize(w, scale, block, torch.float32).abs().T
-    bound = (bound + (0 if bias is None else bias.abs())).clamp(min=1e-6)
-    tol = 1e-6 if dtype == torch.float32 else 2**-10
-    err = ((out.float() - ref).abs() / bound).max().item()
-    ok = out.dtype == dtype and out.shape == ref.shape and err < tol
-    print(
-        f"w8a8 seed {seed} {tuple(x.shape)}x{tuple(w.shape)} block {block} split {split_k} {cfg[:2]} "
-        f"{dtype} bias {bias is not None}: rel err {err:.1e} {'ok' if ok else 'FAIL'}"
-    )
-    return ok
+    return _matches(f"w8a8 seed {seed}", x, w, scale, block, bias, out, ref, f"split {split_k} {cfg[:2]}")
 
 
 def _check_split_counters() -> bool:
