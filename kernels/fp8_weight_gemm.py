@@ -3,8 +3,8 @@ once, float32 accumulation, in two forms of one kernel:
 
 - weight-only (`fp8_weight_gemm`): x in bf16/fp16, the weight widened to x's dtype in registers;
 - W8A8 (`fp8_w8a8_gemm`): x quantized per token (kernels/fp8_matmul.py's `quantize_activations`, as
-  `torch._scaled_mm` has it) and an FP8 x FP8 MMA, the token scales applied after the K loop; with
-  split-K, unlike cuBLASLt's FP8 GEMMs, which leave most of an H100 idle at 64 rows of a narrow weight.
+  `torch._scaled_mm` has it) and an FP8 x FP8 MMA, the token scales applied after the K loop (deep
+  pipelined K steps; split-K where the sweep found it pays, the down projection's long K).
 
 Why: at a batch of 64 the base matmuls are bound by the weight bytes, which FP8 halves; the
 `torch._scaled_mm` path pays an activation-quantize launch per projection and cuBLASLt's FP8 kernels
