@@ -8,8 +8,9 @@ bucket is the smallest of those at or above the rows), `prefill` above 64; kerne
 format `{"64|6144|4096": [block_m, block_n, block_k, split_k, num_warps, num_stages],
 "64|6144|4096|w8a8": [...], "64|6144|4096|auto": "w8a8"}` (no kernel: `weight_only`; `auto`: the GEMM
 `auto` runs for that bucket and weight, one of weight_only, w8a8, scaled_mm), e.g. what
-`python -m loraplex.bench.fp8_gemm --sweep-budget-s 120` writes, then the built-in `TABLE` and `AUTO`
-(measured on an H100 for the Llama-3.1-8B shapes); without an entry, `default_config`'s
+`python -m loraplex.bench.fp8_gemm --sweep-budget-s 120` writes, then the built-in `TABLE` (tiles
+measured on an H100 for the Llama-3.1-8B shapes; `auto` choices come from the file or the bench only,
+else kernels/fp8_gemm_choice.py's rule); without a tile entry, `default_config`'s
 rule: one rows tile, 64 or 128 weight rows per program, and enough K-splits that the grid covers
 the chip about twice (a batch-64 o_proj of the Llama-3.1-8B shape is 32 tiles of 128 rows
 otherwise: most of an H100 idle, while the step is weight-bandwidth bound).
@@ -120,11 +121,6 @@ TABLE: dict[Fp8GemmKey, Fp8GemmConfig] = {
 }
 
 
-# Built-in `auto` choices (kernel names), after the file's; where a shape has none, the shape rule of
-# kernels/fp8_gemm_choice.py decides.
-AUTO: dict[Fp8GemmKey, str] = {}
-
-
 def table_json(table: dict[Fp8GemmKey, Fp8GemmConfig | str]) -> dict[str, list[int] | str]:
     """The JSON form `LORAPLEX_FP8_GEMM_CONFIGS` reads (a weight-only key without its kernel field)."""
     return {
@@ -162,18 +158,18 @@ def default_config(
     return Fp8GemmConfig(block_m, block_n, block_k, split, num_warps=warps, num_stages=4)
 
 
-def _lookup(key: Fp8GemmKey, built_in: dict) -> Fp8GemmConfig | str | None:
-    return OVERRIDES.get(key) or _file_table(kernel_settings().fp8_gemm_configs).get(key) or built_in.get(key)
+def _lookup(key: Fp8GemmKey) -> Fp8GemmConfig | str | None:
+    return OVERRIDES.get(key) or _file_table(kernel_settings().fp8_gemm_configs).get(key) or TABLE.get(key)
 
 
 def fp8_gemm_config(
     rows: int, n: int, k: int, device: torch.device, kernel: str = "weight_only"
 ) -> Fp8GemmConfig:
     """The tiles of `kernel` (one of TRITON_KERNELS) for `rows` times a weight `[N, K]`."""
-    found = _lookup(Fp8GemmKey(rows_bucket(rows), n, k, kernel), TABLE)
+    found = _lookup(Fp8GemmKey(rows_bucket(rows), n, k, kernel))
     return found or default_config(rows, n, k, device, kernel)
 
 
 def auto_choice(rows: int, n: int, k: int) -> str | None:
     """The GEMM measured fastest for this rows bucket and weight (an `auto` entry), or None."""
-    return _lookup(Fp8GemmKey(rows_bucket(rows), n, k, "auto"), AUTO)
+    return _lookup(Fp8GemmKey(rows_bucket(rows), n, k, "auto"))
