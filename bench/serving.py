@@ -66,13 +66,12 @@ def kernel_check(shape: dict) -> dict[str, float]:
     from loraplex.kernels.fused_ops import (
         add_rms_norm,
         add_rms_norm_ref,
-        qkv_rotary,
-        qkv_rotary_ref,
         rms_norm,
         rms_norm_ref,
         silu_and_mul,
         silu_and_mul_ref,
     )
+    from loraplex.kernels.qkv_rotary import qkv_rotary, qkv_rotary_ref
 
     def err(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.double() - b.double()).norm() / b.double().norm())

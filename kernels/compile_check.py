@@ -16,7 +16,7 @@ from triton.compiler import ASTSource
 
 from loraplex.kernels.attention_decode import _decode_split_kernel
 from loraplex.kernels.expert_lora_pairs import _pair_lora_kernel
-from loraplex.kernels.fused_ops import _add_rms_norm_kernel, _qkv_rotary_kernel, _silu_mul_kernel
+from loraplex.kernels.fused_ops import _add_rms_norm_kernel, _silu_mul_kernel
 from loraplex.kernels.lora_expand import _expand_kernel
 from loraplex.kernels.lora_expand_token import _expand_token_kernel
 from loraplex.kernels.lora_fused import _fused_kernel
@@ -24,6 +24,7 @@ from loraplex.kernels.lora_meta import _segments_kernel
 from loraplex.kernels.lora_shrink import _shrink_kernel
 from loraplex.kernels.moe_align import _moe_align_kernel
 from loraplex.kernels.moe_grouped import _down_kernel, _gate_up_kernel
+from loraplex.kernels.qkv_rotary import _qkv_rotary_kernel
 from loraplex.kernels.skinny_gemm import _skinny_kernel
 
 # Pointer arguments by name; other pointers are int32 metadata, other scalars int32.

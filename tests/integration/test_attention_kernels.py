@@ -277,13 +277,12 @@ def _check_fused_ops(dtype: torch.dtype) -> int:
     from loraplex.kernels.fused_ops import (
         add_rms_norm,
         add_rms_norm_ref,
-        qkv_rotary,
-        qkv_rotary_ref,
         rms_norm,
         rms_norm_ref,
         silu_and_mul,
         silu_and_mul_ref,
     )
+    from loraplex.kernels.qkv_rotary import qkv_rotary, qkv_rotary_ref
 
     gen = torch.Generator().manual_seed(7)
     x, w = torch.randn((5, 100), generator=gen).to(dtype), torch.randn(100, generator=gen).to(dtype)

@@ -22,7 +22,7 @@ import torch
 from loraplex.kernels import attention_decode, skinny_gemm
 from loraplex.kernels.attention_decode import paged_decode_attention
 from loraplex.kernels.attention_kv_store import store_kv_ref
-from loraplex.kernels.fused_ops import qkv_rotary
+from loraplex.kernels.qkv_rotary import qkv_rotary
 from loraplex.kernels.settings import reload_kernel_settings
 from loraplex.kernels.skinny_gemm import (
     SkinnyConfig,

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraplex.kernels.fused_ops import add_rms_norm, qkv_rotary, qkv_rotary_ref, rms_norm, silu_and_mul
+from loraplex.kernels.fused_ops import add_rms_norm, rms_norm, silu_and_mul
 from loraplex.kernels.placement import triton_runs_on
+from loraplex.kernels.qkv_rotary import qkv_rotary, qkv_rotary_ref
 from loraplex.kernels.skinny_gemm import skinny_gated, skinny_linear, skinny_serves
 from loraplex.services.inference.models.config import ModelConfig
 from loraplex.services.inference.models.context import ForwardContext
