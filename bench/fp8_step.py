@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from loraplex.bench.mixed_step import Layout, fill_contexts, make_step, time_ste
 from loraplex.bench.random_runner import TINY, build_runner, model_config, random_model
 from loraplex.bench.results import add_out_argument, write_json
 from loraplex.bench.serving_setup import LLAMA_8B
+from loraplex.kernels.settings import reload_kernel_settings
 from loraplex.services.inference.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.scheduler import SeqChunk
@@ -56,6 +58,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--positions", type=int, default=None, help="quality positions (default 2000; --tiny 200)")
     p.add_argument("--repeats", type=int, default=None, help="timed steps per case (default 50; --tiny 3)")
     p.add_argument("--skip-quality", action="store_true")
+    p.add_argument(
+        "--fp8-variant",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE[,NAME=VALUE]",
+        help="also time the FP8 base step under these kernel settings (kernels/settings.py), e.g. "
+        "LORAPLEX_FP8_FUSED_QUANT=0 or LORAPLEX_FP8_PDL=1; repeatable, one case each",
+    )
     p.add_argument(
         "--tokenizer",
         default=None,
@@ -235,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         (f"{base} base + {a.adapters} adapters", False, a.adapters),
     ]
     rows = [decode_case(a, name, device, dtype, fp8, n, bw) for name, fp8, n in cases]
+    for variant in a.fp8_variant:
+        overlay = dict(item.split("=", 1) for item in variant.split(","))
+        reload_kernel_settings({**os.environ, **overlay})
+        try:
+            rows.append(decode_case(a, f"fp8 base, {variant}", device, dtype, True, 0, bw))
+        finally:
+            reload_kernel_settings()
+        rows[-1]["x_fp8_default"] = rows[-1]["ms"] / rows[1]["ms"]
     ms = [r["ms"] for r in rows]
     ratios = {
         "fp8 / its floor": rows[1]["x_floor"],
@@ -246,10 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ndecode step, batch {a.batch}, ctx {a.ctx}, {dtype} activations on {device}")
     if bw:
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'case':<34}{'ms':>9}{'weights GB':>12}{'read GB':>10}{'floor ms':>10}{'x floor':>9}")
+    print(f"{'case':<58}{'ms':>9}{'weights GB':>12}{'read GB':>10}{'floor ms':>10}{'x floor':>9}")
     for r in rows:
         floor = f"{r['floor_ms']:>10.2f}{r['x_floor']:>9.2f}" if r["floor_ms"] else f"{'-':>10}{'-':>9}"
-        print(f"{r['case']:<34}{r['ms']:>9.3f}{r['weight_gb']:>12.3f}{r['read_gb']:>10.3f}{floor}")
+        print(f"{r['case']:<58}{r['ms']:>9.3f}{r['weight_gb']:>12.3f}{r['read_gb']:>10.3f}{floor}")
+    for r in rows[4:]:
+        print(f"  {r['case']} / fp8 base: {r['x_fp8_default']:.3f}")
     for k, v in ratios.items():
         print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v if v is not None else '-'}")
     quality = []

@@ -16,7 +16,7 @@ from triton.compiler import ASTSource
 
 from loraplex.kernels.attention_decode import _decode_split_kernel
 from loraplex.kernels.expert_lora_pairs import _pair_lora_kernel
-from loraplex.kernels.fused_ops import _add_rms_norm_kernel, _silu_mul_kernel
+from loraplex.kernels.fused_ops import _add_rms_norm_kernel, _rms_norm_kernel, _silu_mul_kernel
 from loraplex.kernels.lora_expand import _expand_kernel
 from loraplex.kernels.lora_expand_token import _expand_token_kernel
 from loraplex.kernels.lora_fused import _fused_kernel
@@ -58,8 +58,17 @@ POINTERS = {
     "mid_o_ptr": "*bf16",
     "mid_lse_ptr": "*fp32",
     "slot_scale_ptr": "*fp32",
+    "xq_ptr": "*fp8e4nv",
+    "xs_ptr": "*fp32",
 }
-SCALARS = {"eps": "fp32", "scale_log2": "fp32", "scale": "fp32", "softcap": "fp32"}
+SCALARS = {
+    "eps": "fp32",
+    "scale_log2": "fp32",
+    "scale": "fp32",
+    "softcap": "fp32",
+    "fp8_max": "fp32",
+    "min_scale": "fp32",
+}
 COMMON = dict(PRECISION="tf32", BLOCK_M=16)
 MOE_BLOCKS = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)
 KERNELS = {
@@ -105,8 +114,15 @@ KERNELS = {
         _expand_token_kernel,
         dict(N_SPLITS=1, EVEN_N=False, ACCUMULATE=True, PDL=False, BLOCK_N=64, BLOCK_R=64),
     ),
-    "add_rms_norm_delta": (_add_rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_DELTA=True)),
-    "silu_mul_delta": (_silu_mul_kernel, dict(N=14336, BLOCK=1024, HAS_DELTA=True)),
+    "add_rms_norm_delta": (_add_rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_DELTA=True, QUANT=False)),
+    "silu_mul_delta": (_silu_mul_kernel, dict(N=14336, BLOCK=1024, HAS_DELTA=True, QUANT=False)),
+    # An FP8 base's W8A8 GEMM input, quantized by the launch that makes it (LORAPLEX_FP8_FUSED_QUANT)
+    "add_rms_norm_quant": (_add_rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_DELTA=False, QUANT=True)),
+    "rms_norm_quant": (_rms_norm_kernel, dict(N=4096, BLOCK=4096, UNIT_OFFSET=False, QUANT=True)),
+    "silu_mul_quant": (
+        _silu_mul_kernel,
+        dict(N=14336, BLOCK=16384, HAS_DELTA=False, GELU_TANH=False, QUANT=True),
+    ),
     "qkv_rotary_delta": (
         _qkv_rotary_kernel,
         dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64, HAS_DELTA=True, STORE_KV=False),

@@ -16,17 +16,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loraplex.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, quantize_rows_fused
+from loraplex.kernels.fp8_quant import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_rows_fused
 from loraplex.kernels.placement import triton_runs_on
-
-_MIN_SCALE = 1e-12  # an all-zero row still gets a finite scale
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric E4M3 quantization, round to nearest: (fp8 `[R, C]`, float32 scale `[R, 1]`)
     with scale = amax / 448 (what the published FP8 checkpoints use)."""
     xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from loraplex.kernels.fp8_gemm_configs import Fp8GemmConfig, fp8_gemm_config
 from loraplex.kernels.fp8_matmul import dequantize, quantize_activations, quantize_rows
+from loraplex.kernels.fp8_quant import QuantizedRows
 from loraplex.kernels.placement import fp8_pdl_launch
 
 
@@ -188,13 +189,15 @@ def fp8_w8a8_gemm(
     bias: torch.Tensor | None = None,
     config: Fp8GemmConfig | None = None,
     input_scale: torch.Tensor | None = None,
+    xq: QuantizedRows | None = None,
 ) -> torch.Tensor:
     """As `fp8_weight_gemm`, with x quantized to E4M3 first: per token, or by the checkpoint's
-    static per-tensor `input_scale` (`quantize_activations`), the MMA in FP8."""
+    static per-tensor `input_scale` (`quantize_activations`), the MMA in FP8. `xq`: x already
+    quantized per token by the op that made it (kernels/fused_ops.py), so no quantization launch."""
     x2 = _rows(x)
     config = config or fp8_gemm_config(x2.shape[0], *weight.shape, x.device, kernel="w8a8")
-    pdl = fp8_pdl_launch(x2)
-    xq, xs = quantize_activations(x2, input_scale, pdl)
+    pdl = xq is None and fp8_pdl_launch(x2)
+    xq, xs = quantize_activations(x2, input_scale, pdl) if xq is None else xq
     out = _gemm(xq, xs, weight, scale, block, bias, config, x.dtype, pdl)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.fp8_quant import FP8_MAX, MIN_SCALE, ONE_PASS_MAX, QuantizedRows, store_row_fp8
+
 
 @triton.jit
 def tanh(x):
@@ -37,12 +39,18 @@ def _rms_norm_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    xq_ptr,
+    xs_ptr,
     stride_x,
     stride_o,
+    stride_xq,
     eps,
+    fp8_max,
+    min_scale,
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
+    QUANT: tl.constexpr,  # also store the output as E4M3 with its row scale (an FP8 GEMM's input)
 ):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -52,11 +60,21 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     out = _scale_normed(x, rstd, w, out_ptr.dtype.element_ty, UNIT_OFFSET)
     tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+    if QUANT:
+        q_row = xq_ptr + row * stride_xq
+        store_row_fp8(out.to(tl.float32), offs, mask, q_row, xs_ptr + row, fp8_max, min_scale)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool = False,
+    quant: QuantizedRows | None = None,
+) -> torch.Tensor:
     """`weight * (x / rms(x)).to(x.dtype)` over the last dim of a 2-D `x`, as transformers computes it
-    (`unit_offset`: Gemma's `((x / rms(x)) * (1 + weight)).to(x.dtype)`)."""
+    (`unit_offset`: Gemma's `((x / rms(x)) * (1 + weight)).to(x.dtype)`). `quant`: buffers that also
+    receive the result quantized per row (`quantize_rows_fused` of it, bit for bit)."""
     rows, n = x.shape
     out = torch.empty_like(x)
     if rows:
@@ -65,15 +83,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
             x,
             weight,
             out,
+            *_quant_pointers(quant, out),
             x.stride(0),
             out.stride(0),
+            _quant_stride(quant),
             eps,
+            FP8_MAX,
+            MIN_SCALE,
             N=n,
             BLOCK=block,
             UNIT_OFFSET=unit_offset,
+            QUANT=quant is not None,
             num_warps=min(16, max(1, block // 256)),
         )
     return out
+
+
+def _quant_pointers(quant: QuantizedRows | None, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (dummy, dummy) if quant is None else (quant.q, quant.scale)
+
+
+def _quant_stride(quant: QuantizedRows | None) -> int:
+    return 0 if quant is None else quant.q.stride(0)
+
+
+def fuses_quant(width: int) -> bool:
+    """Whether this file's kernels can quantize a `width`-wide output row (held whole in registers)."""
+    return width <= ONE_PASS_MAX
 
 
 @triton.jit
@@ -84,16 +120,22 @@ def _add_rms_norm_kernel(
     w_ptr,
     h_out_ptr,
     out_ptr,
+    xq_ptr,
+    xs_ptr,
     stride_h,
     stride_y,
     stride_d,
     stride_ho,
     stride_o,
+    stride_xq,
     eps,
+    fp8_max,
+    min_scale,
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     UNIT_OFFSET: tl.constexpr,
+    QUANT: tl.constexpr,  # also store the normed row as E4M3 with its row scale (an FP8 GEMM's input)
 ):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -108,7 +150,12 @@ def _add_rms_norm_kernel(
     x = s.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, _scale_normed(x, rstd, w, dt, UNIT_OFFSET), mask=mask)
+    normed = _scale_normed(x, rstd, w, dt, UNIT_OFFSET)
+    tl.store(out_ptr + row * stride_o + offs, normed, mask=mask)
+    if QUANT:
+        store_row_fp8(
+            normed.to(tl.float32), offs, mask, xq_ptr + row * stride_xq, xs_ptr + row, fp8_max, min_scale
+        )
 
 
 def add_rms_norm(
@@ -120,10 +167,12 @@ def add_rms_norm(
     h_out: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     unit_offset: bool = False,
+    quant: QuantizedRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`h + y` (y plus its float32 LoRA `delta` first, when given) and `rms_norm` of that, in one
     launch: the residual add before each RMSNorm of a decoder layer. Returns (new h, normed).
-    `h_out` / `out`: write them there (`h_out` may be `h`: each row is read before it is written)."""
+    `h_out` / `out`: write them there (`h_out` may be `h`: each row is read before it is written).
+    `quant`: buffers that also receive `normed` quantized per row, as `rms_norm`'s."""
     rows, n = h.shape
     h_out = torch.empty_like(h) if h_out is None else h_out
     out = torch.empty_like(h) if out is None else out
@@ -137,16 +186,21 @@ def add_rms_norm(
             weight,
             h_out,
             out,
+            *_quant_pointers(quant, out),
             h.stride(0),
             y.stride(0),
             d.stride(0),
             h_out.stride(0),
             out.stride(0),
+            _quant_stride(quant),
             eps,
+            FP8_MAX,
+            MIN_SCALE,
             N=n,
             BLOCK=block,
             HAS_DELTA=delta is not None,
             UNIT_OFFSET=unit_offset,
+            QUANT=quant is not None,
             num_warps=min(16, max(1, block // 256)),
         )
     return h_out, out
@@ -181,13 +235,19 @@ def _silu_mul_kernel(
     x_ptr,
     d_ptr,
     out_ptr,
+    xq_ptr,
+    xs_ptr,
     stride_x,
     stride_d,
     stride_o,
+    stride_xq,
+    fp8_max,
+    min_scale,
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_DELTA: tl.constexpr,
     GELU_TANH: tl.constexpr,
+    QUANT: tl.constexpr,  # BLOCK covers the row: also store it as E4M3 with its row scale
 ):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -202,33 +262,49 @@ def _silu_mul_kernel(
         act = (0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))).to(dt).to(tl.float32)
     else:
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # torch's silu rounds before the mul
-    tl.store(out_ptr + row * stride_o + offs, (act * u).to(dt), mask=mask)
+    out = (act * u).to(dt)
+    tl.store(out_ptr + row * stride_o + offs, out, mask=mask)
+    if QUANT:
+        q_row = xq_ptr + row * stride_xq
+        store_row_fp8(out.to(tl.float32), offs, mask, q_row, xs_ptr + row, fp8_max, min_scale)
 
 
 def silu_and_mul(
-    gate_up: torch.Tensor, delta: torch.Tensor | None = None, activation: str = "silu"
+    gate_up: torch.Tensor,
+    delta: torch.Tensor | None = None,
+    activation: str = "silu",
+    quant: QuantizedRows | None = None,
 ) -> torch.Tensor:
     """`silu(gate) * up` for `gate_up` = `[T, 2 * inter]` (gate first, as the fused linear stacks them),
     plus its float32 LoRA `delta` (same shape) first, when given. `activation` "gelu_tanh": GeGLU,
-    `gelu(gate, approximate="tanh") * up` (Gemma)."""
+    `gelu(gate, approximate="tanh") * up` (Gemma). `quant`: buffers that also receive the result
+    quantized per row, as `rms_norm`'s (rows up to `ONE_PASS_MAX` wide: one program per row)."""
     rows, width = gate_up.shape
     n = width // 2
     out = torch.empty((rows, n), dtype=gate_up.dtype, device=gate_up.device)
+    if quant is not None and not fuses_quant(n):
+        raise ValueError(f"silu_and_mul quantizes rows up to {ONE_PASS_MAX} wide (got {n})")
     if rows:
-        block = 1024
+        # A row's amax needs the whole row in one program; otherwise 1,024 columns per program.
+        block = 1024 if quant is None else triton.next_power_of_2(n)
         d = delta if delta is not None else gate_up
         _silu_mul_kernel[(rows, triton.cdiv(n, block))](
             gate_up,
             d,
             out,
+            *_quant_pointers(quant, out),
             gate_up.stride(0),
             d.stride(0),
             out.stride(0),
+            _quant_stride(quant),
+            FP8_MAX,
+            MIN_SCALE,
             N=n,
             BLOCK=block,
             HAS_DELTA=delta is not None,
             GELU_TANH=activation == "gelu_tanh",
-            num_warps=4,
+            QUANT=quant is not None,
+            num_warps=4 if block <= 1024 else min(16, block // 512),
         )
     return out
 

@@ -59,6 +59,12 @@ class KernelSettings:
     (kernels/fp8_weight_gemm.py). `1` on for CUDA devices of compute capability >= 9; unset or `0`:
     off, until `bench/fp8_step.py` with it on and off has timed it (not yet run on a GPU)."""
 
+    fp8_fused_quant: bool | None = None
+    """`LORAPLEX_FP8_FUSED_QUANT=1|0`: where the W8A8 FP8 GEMM serves a linear (`LORAPLEX_FP8_GEMM`),
+    the RMSNorm before q/k/v and gate/up and the SiLU-and-mul before down also write their output
+    quantized per token, in the same launch, instead of a quantization launch before each of those
+    GEMMs (96 fewer launches a Llama-3.1-8B step). Unset: on for CUDA tensors."""
+
     # The base decode step (issue 38). Unset (None): on for CUDA tensors, where bench/base_step.py measured
     # them faster together (2026-12-05, H100: with cuBLASLt, 8.90 against 9.10 ms, docs/benchmarks.md),
     # off elsewhere (the CPU tests' interpreter). "1" / "0" force them on or off, the interpreter included.
@@ -119,6 +125,7 @@ class KernelSettings:
             lora_fused=fused,
             lora_pdl=_on_off(env, "LORAPLEX_LORA_PDL"),
             fp8_pdl=_on_off(env, "LORAPLEX_FP8_PDL"),
+            fp8_fused_quant=_on_off(env, "LORAPLEX_FP8_FUSED_QUANT"),
             skinny_gemm=env.get("LORAPLEX_SKINNY_GEMM") == "1",
             skinny_silu=_on_off(env, "LORAPLEX_SKINNY_SILU"),
             fused_kv_store=_on_off(env, "LORAPLEX_FUSED_KV_STORE"),

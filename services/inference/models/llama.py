@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from functools import partial
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.kernels.fp8_quant import QuantizedRows
 from loraplex.kernels.fused_ops import add_rms_norm, rms_norm, silu_and_mul
 from loraplex.kernels.placement import triton_runs_on
 from loraplex.kernels.qkv_rotary import qkv_rotary, qkv_rotary_ref
@@ -82,9 +84,12 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset  # Gemma: scale by (1 + weight) in float32, then cast
         self.weight = _empty_param(size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quant: QuantizedRows | None = None) -> torch.Tensor:
+        """`quant`: buffers the fused launch also writes the result into, quantized per token
+        (`Fp8Linear.input_quant`, which offers them only where that launch runs)."""
         if triton_runs_on(x) and x.dim() == 2:  # one fused launch instead of seven (kernels/fused_ops.py)
-            return rms_norm(x, self.weight, self.eps, self.unit_offset)
+            return rms_norm(x, self.weight, self.eps, self.unit_offset, quant)
+        _no_quant_here(quant)
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
@@ -98,13 +103,15 @@ class RMSNorm(nn.Module):
         addend: Addend | None,
         h_out: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        quant: QuantizedRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(h + addend, norm of it); one launch on CUDA (kernels/fused_ops.py `add_rms_norm`).
-        `h_out` / `out`: static buffers to write the two results into (`h_out` may be `h`)."""
+        `h_out` / `out`: static buffers to write the two results into (`h_out` may be `h`).
+        `quant`: as `forward`'s."""
         if addend is None:
             if h_out is not None and h_out is not h:
                 h = h_out.copy_(h)
-            normed = self(h)
+            normed = self(h, quant)
             return h, normed if out is None else out.copy_(normed)
         if triton_runs_on(h) and h.dim() == 2:
             return add_rms_norm(
@@ -116,12 +123,19 @@ class RMSNorm(nn.Module):
                 h_out=h_out,
                 out=out,
                 unit_offset=self.unit_offset,
+                quant=quant,
             )
+        _no_quant_here(quant)
         h = h + addend.materialize()
         if h_out is not None:
             h = h_out.copy_(h)
         normed = self(h)
         return h, normed if out is None else out.copy_(normed)
+
+
+def _no_quant_here(quant: QuantizedRows | None) -> None:
+    if quant is not None:
+        raise ValueError("quantized outputs come only from the fused Triton launch (2-D rows)")
 
 
 class DecoderLayer(nn.Module):
@@ -157,14 +171,29 @@ class DecoderLayer(nn.Module):
             self.gate_up_proj = FusedLinear(cfg.hidden_size, (inter, inter), cfg.mlp_bias)
             self.down_proj = FusedLinear(inter, (cfg.hidden_size,), cfg.mlp_bias)
 
-    def _linear(self, group: str, module: FusedLinear, x: torch.Tensor, ctx: ForwardContext) -> Addend:
+    def _linear(
+        self,
+        group: str,
+        module: FusedLinear,
+        x: torch.Tensor,
+        ctx: ForwardContext,
+        xq: QuantizedRows | None = None,
+    ) -> Addend:
+        """`xq`: x quantized per token for an FP8 base's GEMM (`_input_quant`), filled with x."""
         lora = ctx.lora
+        base = module if xq is None else partial(module, xq=xq)
         if lora is None:
-            return Addend(module(x))
+            return Addend(base(x))
         # The backend may compute the delta while the base matmul runs (lora/triton_backend.py).
         started = lora.begin(self.index, group, x)
-        out = module(x)
+        out = base(x)
         return Addend(out, lora.finish(self.index, group, x, out, started))
+
+    @staticmethod
+    def _input_quant(module: FusedLinear, x_like: torch.Tensor) -> QuantizedRows | None:
+        """Buffers for the op before `module` to write its input into, quantized (FP8 bases only)."""
+        input_quant = getattr(module, "input_quant", None)
+        return None if input_quant is None else input_quant(x_like)
 
     def forward(
         self,
@@ -198,8 +227,9 @@ class DecoderLayer(nn.Module):
         """Residual add + norm, q/k/v projection, split and rotary: (h, q, k, v). With `bufs`, h, q, k
         and v are written into those static buffers (what a CUDA-graph piece leaves for the next).
         `kv_cache` (Attention.fused_store_target): k and v go straight into the cache (k, v None)."""
-        h, x = self.input_layernorm.add_forward(h, addend, h_out=None if bufs is None else bufs.h)
-        qkv = self._linear("qkv", self.qkv_proj, x, ctx)
+        xq = self._input_quant(self.qkv_proj, h)
+        h, x = self.input_layernorm.add_forward(h, addend, h_out=None if bufs is None else bufs.h, quant=xq)
+        qkv = self._linear("qkv", self.qkv_proj, x, ctx, xq)
         if cos.dim() == 3:  # two rope tables (global, local): this layer's
             cos, sin = cos[self.rope_table], sin[self.rope_table]
         out = None if bufs is None else (bufs.q, bufs.k, bufs.v)
@@ -228,7 +258,10 @@ class DecoderLayer(nn.Module):
         o = self._linear("o", self.o_proj, attn, ctx)
         if self.attn_output_norm is not None:
             o = Addend(self.attn_output_norm(o.materialize()))
-        h, x = self.post_attention_layernorm.add_forward(h, o, h_out=None if bufs is None else bufs.h)
+        xq = None if self.moe is not None else self._input_quant(self.gate_up_proj, h)
+        h, x = self.post_attention_layernorm.add_forward(
+            h, o, h_out=None if bufs is None else bufs.h, quant=xq
+        )
         if self.moe is not None:
             return h, Addend(self.moe(x, None if ctx.lora is None else ctx.lora.expert_layer(self.index)))
         weight = self.gate_up_proj.weight
@@ -240,16 +273,18 @@ class DecoderLayer(nn.Module):
             # LORAPLEX_SKINNY_SILU: the matmul and SwiGLU / GeGLU in one launch (no delta to add between)
             act = skinny_gated(x, weight, self.gate_up_proj.bias, self.activation)
             return h, self._down(act, ctx)
-        gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx)
+        gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx, xq)
+        xq = None
         if triton_runs_on(gate_up.out):  # SwiGLU or GeGLU, one launch
-            act = silu_and_mul(gate_up.out, gate_up.delta, self.activation)
+            xq = self._input_quant(self.down_proj, gate_up.out)
+            act = silu_and_mul(gate_up.out, gate_up.delta, self.activation, xq)
         else:
             gate, up = gate_up.materialize().split((self.inter, self.inter), dim=-1)
             act = (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
-        return h, self._down(act, ctx)
+        return h, self._down(act, ctx, xq)
 
-    def _down(self, act: torch.Tensor, ctx: ForwardContext) -> Addend:
-        down = self._linear("down", self.down_proj, act, ctx)
+    def _down(self, act: torch.Tensor, ctx: ForwardContext, xq: QuantizedRows | None = None) -> Addend:
+        down = self._linear("down", self.down_proj, act, ctx, xq)
         if self.mlp_output_norm is not None:
             down = Addend(self.mlp_output_norm(down.materialize()))
         return down

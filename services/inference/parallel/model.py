@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from loraplex.kernels.fp8_quant import QuantizedRows
 from loraplex.services.inference.lora.shapes import FUSED_MODULES
 from loraplex.services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
 from loraplex.services.inference.models.llama import FusedLinear, LlamaForCausalLM
@@ -58,8 +59,8 @@ class RowParallelLinear(FusedLinear):
 class Fp8RowParallelLinear(Fp8Linear):
     """The FP8 row-parallel linear: each rank's FP8 partial matmul, all-reduced, then the bias."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base_matmul(x, None)
+    def forward(self, x: torch.Tensor, xq: QuantizedRows | None = None) -> torch.Tensor:
+        out = self.base_matmul(x, None, xq)
         dist.all_reduce(out)
         if self.bias is not None:
             out += self.bias

@@ -27,8 +27,10 @@ from loraplex.kernels.fp8_matmul import (
     quantize_rows,
     scaled_mm_fits,
 )
+from loraplex.kernels.fp8_quant import QuantizedRows, empty_quantized
 from loraplex.kernels.fp8_weight_gemm import fp8_w8a8_gemm, fp8_weight_gemm
-from loraplex.kernels.settings import kernel_settings
+from loraplex.kernels.fused_ops import fuses_quant
+from loraplex.kernels.settings import kernel_settings, switched_on
 from loraplex.services.inference.models.llama import _LAYER_WEIGHTS, FusedLinear, LlamaForCausalLM
 from loraplex.services.inference.models.quantization.scheme import Fp8Scheme
 
@@ -70,17 +72,36 @@ class Fp8Linear(FusedLinear):
     def replacing(cls, module: FusedLinear, scheme: Fp8Scheme) -> Fp8Linear:
         return cls(module.weight.shape[1], module.out_sizes, module.bias is not None, scheme)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base_matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, xq: QuantizedRows | None = None) -> torch.Tensor:
+        return self.base_matmul(x, self.bias, xq)
 
-    def base_matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _kernel(self, x: torch.Tensor) -> str:
         scaled_mm_ready = self.scale_row is not None and scaled_mm_fits(x, self.weight)
-        kernel = fp8_gemm_kernel(x, self.block, scaled_mm_ready, tuple(self.weight.shape))
+        return fp8_gemm_kernel(x, self.block, scaled_mm_ready, tuple(self.weight.shape))
+
+    def input_quant(self, x_like: torch.Tensor) -> QuantizedRows | None:
+        """Empty buffers for this linear's input quantized per token, for the op that makes the input
+        (a norm, SiLU-and-mul: kernels/fused_ops.py) to fill in the same launch; None where the GEMM
+        for an input of `x_like`'s rows, dtype and device does not take per-token E4M3 activations
+        (only the W8A8 GEMM does), or `LORAPLEX_FP8_FUSED_QUANT` is off. Saves a launch per linear."""
+        rows = x_like.numel() // x_like.shape[-1]
+        width = self.weight.shape[1]
+        if not switched_on(kernel_settings().fp8_fused_quant, x_like.is_cuda) or not fuses_quant(width):
+            return None
+        if self.static_input_scale is not None or self._kernel(x_like) != "w8a8":
+            return None
+        return empty_quantized(rows, width, x_like.device)
+
+    def base_matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None, xq: QuantizedRows | None = None
+    ) -> torch.Tensor:
+        """`xq`: x already quantized per token (`input_quant`'s buffers, filled)."""
+        kernel = self._kernel(x)
         if kernel == "weight_only":
             return fp8_weight_gemm(x, self.weight, self.weight_scale, self.block, bias)
         if kernel == "w8a8":
             return fp8_w8a8_gemm(
-                x, self.weight, self.weight_scale, self.block, bias, None, self.static_input_scale
+                x, self.weight, self.weight_scale, self.block, bias, None, self.static_input_scale, xq
             )
         if kernel == "scaled_mm":
             return fp8_linear_mm(x, self.weight, self.scale_row, self.static_input_scale, bias)
