@@ -6,7 +6,9 @@ bf16 results are checked against the torch references first (the CPU interpreter
 bf16), then each kernel configuration is timed as replays of a CUDA graph that calls it once per
 layer over distinct per-layer caches (so the L2 does not hold the KV and launch gaps shrink),
 against the floor: KV bytes over the copy bandwidth measured here (decode), FLOPs over the
-measured bf16 matmul rate (prefill). Prints a table; writes attention_kernels.json to --out DIR.
+measured bf16 matmul rate (prefill). Decode runs over a bf16 and an FP8 (E4M3) cache, with the
+default split count and the configs' own; `--decode-only` skips prefill. Prints a table; writes
+attention_kernels.json to --out DIR.
 """
 
 from __future__ import annotations
@@ -70,14 +72,26 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def check_decode(gen: torch.Generator) -> float:
+def as_fp8(caches: list) -> list:
+    """The caches in E4M3 with unit scales (their bf16 values are within E4M3's range)."""
+    one = torch.ones(1, device=DEV)
+    return [(k.to(FP8), v.to(FP8), one, one) for k, v in caches]
+
+
+def decode_args(cache: tuple) -> tuple[tuple, dict]:
+    """(k_cache, v_cache) positional, the FP8 scales (when present) as keywords."""
+    return cache[:2], ({"k_scale": cache[2], "v_scale": cache[3]} if len(cache) == 4 else {})
+
+
+def check_decode(gen: torch.Generator, fp8: bool, **config) -> float:
     lens = torch.randint(1, 1500, (16,), generator=torch.Generator().manual_seed(0))
     lens[0], lens[1] = 1, 0
     caches, tables = paged_kv(16, 1500, 1, gen)
+    kv, scales = decode_args(as_fp8(caches)[0] if fp8 else caches[0])
     q = torch.randn(16, HEADS, HEAD_DIM, device=DEV, dtype=DT, generator=gen)
     ctx = lens.to(DEV, torch.int32)
-    out = paged_decode_attention(q, *caches[0], tables, ctx, HEAD_DIM**-0.5)
-    ref = paged_decode_attention_ref(q, *caches[0], tables, ctx, HEAD_DIM**-0.5)
+    out = paged_decode_attention(q, *kv, tables, ctx, HEAD_DIM**-0.5, **scales, **config)
+    ref = paged_decode_attention_ref(q, *kv, tables, ctx, HEAD_DIM**-0.5, **scales)
     return rel_err(out, ref)
 
 
@@ -92,14 +106,21 @@ def check_prefill(gen: torch.Generator) -> float:
     return rel_err(out, ref)
 
 
-DECODE_CONFIGS = [  # block_n, num_warps, num_stages
-    (64, 4, 2),
-    (32, 4, 2),
-    (128, 4, 2),
-    (64, 8, 2),
-    (64, 4, 3),
-    (32, 2, 3),
+DECODE_CONFIGS = [  # block_n (None: the default for the batch and cache), num_warps, num_stages, splits
+    (None, 4, 2, None),
+    (64, 4, 2, None),
+    (32, 4, 2, None),
+    (128, 4, 2, None),
+    (64, 8, 2, None),
+    (64, 4, 3, None),
+    (32, 2, 3, None),
+    (128, 4, 3, None),
+    (128, 8, 3, None),
+    (64, 4, 2, 2),
+    (128, 4, 2, 2),
+    (64, 4, 3, 4),
 ]
+FP8 = torch.float8_e4m3fn
 PREFILL_CONFIGS = [  # block_m, block_n, num_warps, num_stages
     (64, 64, 4, 2),
     (128, 64, 8, 2),
@@ -114,43 +135,41 @@ def bench_decode(bw: float, gen: torch.Generator) -> list[dict]:
     rows = []
     for batch in (1, 16, 64, 256):
         ctx_len = 1024
-        layer_bytes = batch * ctx_len * KV_HEADS * HEAD_DIM * 2 * 2
-        layers = max(2, min(32, (2 << 30) // layer_bytes))
-        caches, tables = paged_kv(batch, ctx_len, layers, gen)
+        bf16_bytes = batch * ctx_len * KV_HEADS * HEAD_DIM * 2 * 2
+        layers = max(2, min(32, (2 << 30) // bf16_bytes))
+        bf16_caches, tables = paged_kv(batch, ctx_len, layers, gen)
         ctx = torch.full((batch,), ctx_len, device=DEV, dtype=torch.int32)
         q = torch.randn(batch, HEADS, HEAD_DIM, device=DEV, dtype=DT, generator=gen)
         outs = [torch.empty_like(q) for _ in range(layers)]
-        floor_us = layer_bytes / bw * 1e6
-        for block_n, warps, stages in DECODE_CONFIGS:
+        for kv_dtype, caches in (("bf16", bf16_caches), ("fp8", as_fp8(bf16_caches))):
+            floor_us = bf16_bytes / (2 if kv_dtype == "fp8" else 1) / bw * 1e6
+            for block_n, warps, stages, splits in DECODE_CONFIGS:
+                config = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
 
-            def call(i, bn=block_n, w=warps, s=stages, q=q, caches=caches, tables=tables, ctx=ctx, outs=outs):
-                paged_decode_attention(
-                    q,
-                    *caches[i],
-                    tables,
-                    ctx,
-                    HEAD_DIM**-0.5,
-                    out=outs[i],
-                    block_n=bn,
-                    num_warps=w,
-                    num_stages=s,
-                )
+                def call(i, config=config, q=q, caches=caches, tables=tables, ctx=ctx, outs=outs):
+                    kv, scales = decode_args(caches[i])
+                    paged_decode_attention(
+                        q, *kv, tables, ctx, HEAD_DIM**-0.5, out=outs[i], **scales, **config
+                    )
 
-            us = graph_time_per_call(call, layers) * 1e3
-            rows.append(
-                dict(
-                    kind="decode",
-                    batch=batch,
-                    ctx=ctx_len,
-                    block_n=block_n,
-                    warps=warps,
-                    stages=stages,
-                    us=us,
-                    floor_us=floor_us,
-                    ratio=us / floor_us,
+                us = graph_time_per_call(call, layers) * 1e3
+                rows.append(
+                    dict(
+                        kind="decode",
+                        kv=kv_dtype,
+                        batch=batch,
+                        ctx=ctx_len,
+                        block_n=block_n or "auto",
+                        warps=warps,
+                        stages=stages,
+                        splits=splits or "auto",
+                        us=us,
+                        floor_us=floor_us,
+                        ratio=us / floor_us,
+                    )
                 )
-            )
-        del caches
+            del caches
+        del bf16_caches
         torch.cuda.empty_cache()
     return rows
 
@@ -225,19 +244,27 @@ def bench_prefill(rate: float, gen: torch.Generator) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--decode-only", action="store_true", help="skip the prefill kernel")
     add_out_argument(parser)
     args = parser.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
     bw, rate = copy_bandwidth(), matmul_rate()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
-    errs = {"decode_bf16": check_decode(gen), "prefill_bf16": check_prefill(gen)}
+    errs = {"decode_bf16": check_decode(gen, False), "prefill_bf16": check_prefill(gen)}
+    for block_n, warps, stages, splits in DECODE_CONFIGS:  # every timed FP8 config, checked first
+        config = dict(block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
+        errs[f"decode_fp8 {block_n}/{warps}/{stages}/{splits}"] = check_decode(gen, True, **config)
     ok = all(e < 2e-2 for e in errs.values())
-    print("bf16 check vs torch reference:", {k: f"{v:.2e}" for k, v in errs.items()}, "ok" if ok else "FAIL")
-    rows = bench_decode(bw, gen) + bench_prefill(rate, gen)
+    print("check vs torch reference:", {k: f"{v:.2e}" for k, v in errs.items()}, "ok" if ok else "FAIL")
+    if not ok:
+        return 1
+    rows = bench_decode(bw, gen) + ([] if args.decode_only else bench_prefill(rate, gen))
+    print("decode config: block_n/warps/stages/splits; prefill: block_m/block_n/warps/stages")
     print(f"{'kernel':<34}{'config':<18}{'us':>9}{'floor us':>10}{'x floor':>9}")
     for r in rows:
-        label = f"decode B={r['batch']} ctx={r['ctx']}" if r["kind"] == "decode" else f"prefill {r['case']}"
-        cfg = "/".join(str(r[k]) for k in ("block_m", "block_n", "warps", "stages") if k in r)
+        decode = r["kind"] == "decode"
+        label = f"decode {r['kv']} B={r['batch']} ctx={r['ctx']}" if decode else f"prefill {r['case']}"
+        cfg = "/".join(str(r[k]) for k in ("block_m", "block_n", "warps", "stages", "splits") if k in r)
         print(f"{label:<34}{cfg:<18}{r['us']:>9.1f}{r['floor_us']:>10.1f}{r['ratio']:>9.2f}")
     result = dict(device=torch.cuda.get_device_name(), copy_bw=bw, matmul_rate=rate, errors=errs, rows=rows)
     write_json(args.out, "attention_kernels", result)
