@@ -77,6 +77,7 @@ def _decode_split_kernel(
     SOFTCAP: tl.constexpr,
     DIRECT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    F16_DOT: tl.constexpr,  # an FP8 cache's dots in fp16 (E4M3 -> fp16 is one instruction, -> bf16 three)
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -103,6 +104,8 @@ def _decode_split_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    if F16_DOT:  # K and V convert to q's dtype below; fp16 holds every E4M3 value exactly
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
@@ -220,19 +223,22 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
     return max(1, min(MAX_SPLITS, triton.cdiv(2 * sms, programs)))
 
 
-def decode_block_n(batch: int, num_kv_heads: int) -> int:
-    """Keys per tile: 32 once there are >= 1024 (sequence, kv head) programs, where 32-token tiles
-    beat 64 at Llama-3.1-8B shapes; 64 below that (docs/benchmarks.md, "Facts behind defaults")."""
-    return 32 if batch * num_kv_heads >= 1024 else 64
+def decode_block_n(batch: int, num_kv_heads: int, kv_fp8: bool = False) -> int:
+    """Keys per tile: over a bf16 cache 32 once there are >= 1024 (sequence, kv head) programs, where
+    32-token tiles beat 64 at Llama-3.1-8B shapes, 64 below that; over an FP8 cache (half the bytes a
+    tile) 64 at every batch (docs/benchmarks.md, "Facts behind defaults")."""
+    return 32 if batch * num_kv_heads >= 1024 and not kv_fp8 else 64
 
 
-def decode_variants(max_batch: int, num_kv_heads: int, device: torch.device) -> dict[tuple[int, int], int]:
+def decode_variants(
+    max_batch: int, num_kv_heads: int, device: torch.device, kv_fp8: bool = False
+) -> dict[tuple[int, int], int]:
     """The compiled variants (block_n, padded split count) a decode batch of 1..`max_batch` can
     launch, each with the smallest batch size that launches it: what a warm-up must run."""
     out: dict[tuple[int, int], int] = {}
     for b in range(1, max_batch + 1):
         splits = decode_num_splits(b, num_kv_heads, device)
-        out.setdefault((decode_block_n(b, num_kv_heads), triton.next_power_of_2(splits)), b)
+        out.setdefault((decode_block_n(b, num_kv_heads, kv_fp8), triton.next_power_of_2(splits)), b)
     return out
 
 
@@ -253,11 +259,13 @@ def paged_decode_attention(
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    f16_dot: bool | None = None,
 ) -> torch.Tensor:
     """Attention of `q` `[B, heads, head_dim]` over each sequence's paged K/V; returns `[B, heads, head_dim]`.
     `window`: only keys at positions > len - 1 - window (a sliding-window layer); `softcap`: scores
     become `softcap * tanh(scores / softcap)`. An FP8 cache needs `k_scale` / `v_scale` (one-element
-    float32 device tensors: a cached value times its scale is the real one).
+    float32 device tensors: a cached value times its scale is the real one); `f16_dot` (None: on for
+    an FP8 cache and bf16 q) runs its dots in fp16, q rounded to fp16 and clamped to its range.
 
     `block_tables` `[B, max_pages]` int32, `context_lens` `[B]` int32 (0 = padding row: zeros out).
     No host sync: safe inside a captured CUDA graph.
@@ -272,8 +280,9 @@ def paged_decode_attention(
     splits = num_splits or decode_num_splits(batch, num_kv_heads, q.device)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {splits}")
+    kv_fp8, k_scale, v_scale = fp8_scales(k_cache, k_scale, v_scale)
     if block_n is None:
-        block_n = decode_block_n(batch, num_kv_heads)
+        block_n = decode_block_n(batch, num_kv_heads, kv_fp8)
     block_d = triton.next_power_of_2(head_dim)
     # Partials sized for the padded split count: their strides (kernel arguments whose value class
     # Triton specialises on) then follow the padded count, as the merge's compiled width does, so the
@@ -289,7 +298,6 @@ def paged_decode_attention(
     else:
         mid_o = torch.empty((batch, num_heads, pad, head_dim), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((batch, num_heads, pad), dtype=torch.float32, device=q.device)
-    kv_fp8, k_scale, v_scale = fp8_scales(k_cache, k_scale, v_scale)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q,
         k_cache,
@@ -328,6 +336,7 @@ def paged_decode_attention(
         SOFTCAP=softcap is not None,
         DIRECT=direct,
         KV_FP8=kv_fp8,
+        F16_DOT=kv_fp8 and (q.dtype == torch.bfloat16 if f16_dot is None else f16_dot),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -194,6 +194,7 @@ KERNELS = {
             SOFTCAP=False,
             DIRECT=True,
             KV_FP8=False,
+            F16_DOT=False,
         ),
     ),
     "moe_gate_up": (_gate_up_kernel, dict(MOE_BLOCKS, GELU=False, HAS_DELTA=False, BLOCK_M=16)),

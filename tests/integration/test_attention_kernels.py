@@ -527,16 +527,21 @@ def _check_fp8_attention(dtype: torch.dtype) -> int:
         case = _fp8_case(lens, 2, 32, 8, 60 + i, k_scale, v_scale)
         q = torch.randn(len(lens), 8, 32).to(dtype)
         ctx = torch.tensor(lens, dtype=torch.int32)
-        out = torch.full_like(q, float("nan"))
         args = (q, case.k_cache, case.v_cache, case.block_tables, ctx, 0.2)
-        paged_decode_attention(*args, out=out, block_n=16, softcap=softcap, k_scale=ks, v_scale=vs)
         ref = paged_decode_attention_ref(*args, softcap=softcap, k_scale=ks, v_scale=vs)
-        err = rel_err(out, ref)
-        ok = bool(torch.isfinite(out).all()) and err < TOL[dtype]
-        failures += not ok
-        print(
-            f"fp8     {dtype} decode scales {k_scale}/{v_scale}: rel err {err:.2e} {'ok' if ok else 'FAIL'}"
-        )
+        for f16_dot in (True, False):  # fp16 dots (the default for bf16 q) and q's dtype's
+            out = torch.full_like(q, float("nan"))
+            paged_decode_attention(
+                *args, out=out, block_n=16, softcap=softcap, k_scale=ks, v_scale=vs, f16_dot=f16_dot
+            )
+            err = rel_err(out, ref)
+            ok = bool(torch.isfinite(out).all()) and err < TOL[dtype]
+            failures += not ok
+            dots = "fp16" if f16_dot else "q's dtype"
+            print(
+                f"fp8     {dtype} decode scales {k_scale}/{v_scale} {dots} dots: rel err {err:.2e} "
+                f"{'ok' if ok else 'FAIL'}"
+            )
         kv_lens, q_lens = [5, 70, 40], [5, 33, 1]
         case = _fp8_case(kv_lens, 2, 32, 8, 70 + i, k_scale, v_scale)
         cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)

@@ -32,9 +32,10 @@ KERNELS = {
             HEAD_DIM=128,
             BLOCK_D=128,
             PAGE_SIZE=16,
-            BLOCK_N=32,
+            BLOCK_N=64,
             SOFTCAP=False,
             KV_FP8=True,
+            F16_DOT=True,
         ),
     ),
     "prefill_fp8_softcap": (

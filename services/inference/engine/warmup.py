@@ -61,10 +61,12 @@ def warm_up_steps(
     page_size: int,
     device: torch.device,
     max_distinct: int | None = None,
+    kv_fp8: bool = False,
 ) -> list[list[SeqChunk]]:
     """The steps `warm_up` runs: every chunk on KV block 0, decodes first (as the runner wants).
     `max_distinct`: the most distinct adapters a step can hold (--max-loras-per-batch; None: the
-    slots): a LoRA tier above it is never served, so nothing of it is compiled."""
+    slots): a LoRA tier above it is never served, so nothing of it is compiled. `kv_fp8`: the cache
+    is FP8 (its decode attention tiles differ)."""
     max_chunk = max(2, context_length - 1)
 
     def step(num_decodes: int, num_prefill: int, distinct: int) -> list[SeqChunk]:
@@ -90,7 +92,7 @@ def warm_up_steps(
                 steps.append(step(1, 0, min(distinct, 1)))
             elif distinct < n:  # the decodes carry distinct - 1 adapters, the prefill (>= 2 tokens) one more
                 steps.append(step(max(distinct - 1, 0), n - max(distinct - 1, 0), distinct))
-    for b in decode_variants(min(max_num_seqs, max_num_tokens - 2), num_kv_heads, device).values():
+    for b in decode_variants(min(max_num_seqs, max_num_tokens - 2), num_kv_heads, device, kv_fp8).values():
         for distinct in tiers[:2]:
             # b decodes beside a 2-token prefill, unless that would be one sequence too many
             steps.append(step(b, 2 if b < max_num_seqs else 0, distinct))
@@ -115,6 +117,7 @@ def warm_up(runner: ModelRunner, *, max_num_tokens: int, max_num_seqs: int, cont
         runner.page_size,
         runner.device,
         max_distinct,
+        runner.kv_cache.element_size() == 1,
     )
     experts = getattr(backend, "experts", None)
     if experts is not None:
