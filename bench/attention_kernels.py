@@ -107,7 +107,7 @@ def check_prefill(gen: torch.Generator) -> float:
 
 
 DECODE_CONFIGS = [  # block_n (None: the default for the batch and cache), num_warps, num_stages, splits
-    (None, 4, 2, None),
+    (None, 4, None, None),
     (64, 4, 2, None),
     (32, 4, 2, None),
     (128, 4, 2, None),
@@ -161,7 +161,7 @@ def bench_decode(bw: float, gen: torch.Generator) -> list[dict]:
                         ctx=ctx_len,
                         block_n=block_n or "auto",
                         warps=warps,
-                        stages=stages,
+                        stages=stages or "auto",
                         splits=splits or "auto",
                         us=us,
                         floor_us=floor_us,

@@ -226,8 +226,17 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
 def decode_block_n(batch: int, num_kv_heads: int, kv_fp8: bool = False) -> int:
     """Keys per tile: over a bf16 cache 32 once there are >= 1024 (sequence, kv head) programs, where
     32-token tiles beat 64 at Llama-3.1-8B shapes, 64 below that; over an FP8 cache (half the bytes a
-    tile) 64 at every batch (docs/benchmarks.md, "Facts behind defaults")."""
-    return 32 if batch * num_kv_heads >= 1024 and not kv_fp8 else 64
+    tile) 128 from 128 programs (batch 16 at 8 kv heads), 64 below (docs/benchmarks.md, "Facts
+    behind defaults")."""
+    if kv_fp8:
+        return 128 if batch * num_kv_heads >= 128 else 64
+    return 32 if batch * num_kv_heads >= 1024 else 64
+
+
+def decode_num_stages(block_n: int, kv_fp8: bool) -> int:
+    """Pipeline depth: 3 for an FP8 cache's 128-key tiles (measured fastest with fp16 dots at batch
+    64 and 256), else 2."""
+    return 3 if kv_fp8 and block_n >= 128 else 2
 
 
 def decode_variants(
@@ -254,7 +263,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
     k_scale: torch.Tensor | None = None,
@@ -283,6 +292,8 @@ def paged_decode_attention(
     kv_fp8, k_scale, v_scale = fp8_scales(k_cache, k_scale, v_scale)
     if block_n is None:
         block_n = decode_block_n(batch, num_kv_heads, kv_fp8)
+    if num_stages is None:
+        num_stages = decode_num_stages(block_n, kv_fp8)
     block_d = triton.next_power_of_2(head_dim)
     # Partials sized for the padded split count: their strides (kernel arguments whose value class
     # Triton specialises on) then follow the padded count, as the merge's compiled width does, so the
