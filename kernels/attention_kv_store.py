@@ -43,7 +43,8 @@ def fp8_e4m3_bits(x):
 
 
 @triton.jit
-def _quantize_fp8(x, inv_scale):
+def quantize_fp8(x, inv_scale):
+    """E4M3 bytes (uint8) of `x * inv_scale`, saturated at +-448, round to nearest even."""
     y = x.to(tl.float32) * inv_scale
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     return fp8_e4m3_bits(y).to(tl.uint8)
@@ -87,8 +88,8 @@ def _store_kv_kernel(
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     if FP8:  # the caches come as uint8 views: the bytes are written as computed
-        k = _quantize_fp8(k, tl.load(k_inv_scale_ptr))
-        v = _quantize_fp8(v, tl.load(v_inv_scale_ptr))
+        k = quantize_fp8(k, tl.load(k_inv_scale_ptr))
+        v = quantize_fp8(v, tl.load(v_inv_scale_ptr))
     tl.store(
         k_cache_ptr + page * stride_cp + offset * stride_ct + offs_h[:, None] * stride_ch + offs_d[None, :],
         k,

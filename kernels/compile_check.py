@@ -125,7 +125,16 @@ KERNELS = {
     ),
     "qkv_rotary_delta": (
         _qkv_rotary_kernel,
-        dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64, HAS_DELTA=True, STORE_KV=False),
+        dict(
+            Q_HEADS=32,
+            KV_HEADS=8,
+            HALF=64,
+            BLOCK_H=32,
+            BLOCK_D=64,
+            HAS_DELTA=True,
+            STORE_KV=False,
+            KV_FP8=False,
+        ),
     ),
     "segments": (
         _segments_kernel,
@@ -133,7 +142,16 @@ KERNELS = {
     ),
     "qkv_rotary": (
         _qkv_rotary_kernel,
-        dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64, HAS_DELTA=False, STORE_KV=False),
+        dict(
+            Q_HEADS=32,
+            KV_HEADS=8,
+            HALF=64,
+            BLOCK_H=32,
+            BLOCK_D=64,
+            HAS_DELTA=False,
+            STORE_KV=False,
+            KV_FP8=False,
+        ),
     ),
     "qkv_rotary_store_kv": (
         _qkv_rotary_kernel,
@@ -148,6 +166,7 @@ KERNELS = {
             UNIT_OFFSET=False,
             STORE_KV=True,
             PAGE_SIZE=16,
+            KV_FP8=False,
         ),
     ),
     "skinny_split_k": (

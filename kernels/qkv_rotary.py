@@ -1,7 +1,8 @@
 """The q/k/v split with rotary embedding in one launch on CUDA: the fused linear's output (plus its
 LoRA delta) split into q, k and v, Qwen3 / Gemma 3's per-head q/k norms, rotary on q and k, and
-optionally k and v stored straight into the paged cache; `qkv_rotary_ref` is the torch code it
-replaces (services/inference/models/llama.py, rope.py), rounding where it rounds.
+optionally k and v stored straight into the paged cache (an FP8 cache too: the bytes the separate
+store, kernels/attention_kv_store.py, would write); `qkv_rotary_ref` is the torch code it replaces
+(services/inference/models/llama.py, rope.py), rounding where it rounds.
 """
 
 from __future__ import annotations
@@ -10,7 +11,16 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.attention_kv_store import FP8_E4M3, quantize_fp8, store_kv_ref
 from loraplex.kernels.fused_ops import _scale_normed, rms_norm_ref
+
+
+@triton.jit
+def _cache_value(x, inv_ptr, cache_ptr, KV_FP8: tl.constexpr):
+    """`x` as the cache stores it: E4M3 bytes of `x * inv_scale` for an FP8 cache, else cast."""
+    if KV_FP8:
+        return quantize_fp8(x, tl.load(inv_ptr))
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -27,6 +37,8 @@ def _qkv_rotary_kernel(
     kc_ptr,
     vc_ptr,
     slots_ptr,
+    k_inv_ptr,
+    v_inv_ptr,
     stride_t,
     stride_dt,
     stride_ct,
@@ -50,6 +62,7 @@ def _qkv_rotary_kernel(
     UNIT_OFFSET: tl.constexpr,
     STORE_KV: tl.constexpr = False,
     PAGE_SIZE: tl.constexpr = 16,
+    KV_FP8: tl.constexpr = False,  # the caches are uint8 views of E4M3: values scaled, rounded, saturated
 ):
     t = tl.program_id(0)
     part = tl.program_id(1)  # 0: q, 1: k (both rotated), 2: v (only its LoRA delta added)
@@ -74,8 +87,8 @@ def _qkv_rotary_kernel(
     if part == 2:
         if STORE_KV:
             dst = vc_ptr + page * stride_vcp + (slot % PAGE_SIZE) * stride_vct + offs_h[:, None] * stride_vch
-            tl.store(dst + offs_d[None, :], x1.to(vc_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(dst + offs_d[None, :] + HALF, x2.to(vc_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(dst + offs_d[None, :], _cache_value(x1, v_inv_ptr, vc_ptr, KV_FP8), mask=kv_mask)
+            tl.store(dst + offs_d[None, :] + HALF, _cache_value(x2, v_inv_ptr, vc_ptr, KV_FP8), mask=kv_mask)
         else:
             tl.store(v_ptr + t * stride_vt + heads_d, x1, mask=mask)
             tl.store(v_ptr + t * stride_vt + heads_d + HALF, x2, mask=mask)
@@ -107,8 +120,8 @@ def _qkv_rotary_kernel(
             tl.store(q_ptr + t * stride_qt + heads_d + HALF, b, mask=mask)
         elif STORE_KV:
             dst = kc_ptr + page * stride_kcp + (slot % PAGE_SIZE) * stride_kct + offs_h[:, None] * stride_kch
-            tl.store(dst + offs_d[None, :], a.to(kc_ptr.dtype.element_ty), mask=kv_mask)
-            tl.store(dst + offs_d[None, :] + HALF, b.to(kc_ptr.dtype.element_ty), mask=kv_mask)
+            tl.store(dst + offs_d[None, :], _cache_value(a, k_inv_ptr, kc_ptr, KV_FP8), mask=kv_mask)
+            tl.store(dst + offs_d[None, :] + HALF, _cache_value(b, k_inv_ptr, kc_ptr, KV_FP8), mask=kv_mask)
         else:
             tl.store(k_ptr + t * stride_kt + heads_d, a, mask=mask)
             tl.store(k_ptr + t * stride_kt + heads_d + HALF, b, mask=mask)
@@ -123,15 +136,16 @@ def qkv_rotary(
     delta: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
-    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kv_cache: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Split the fused q/k/v projection `[T, (q_heads + 2 kv_heads) * head_dim]` (last dim contiguous)
     into q, k, v `[T, heads, head_dim]` with the half-split rotary applied to q and k (`cos`/`sin`
     `[T, head_dim/2]` in qkv's dtype), after adding the projection's float32 LoRA `delta` (same
     width, any row stride) when given. One launch. q and k are new tensors; v is a view of `qkv`
     without a delta, else a new tensor. `out`: (q, k, v) to write instead (v is then always written).
-    `kv_cache`: (k_cache, v_cache `[pages, page_size, kv_heads, head_dim]`, slot_mapping `[T]`): k and
-    v are written into the cache at each token's slot instead (slot < 0 skipped), and come back None."""
+    `kv_cache`: (k_cache, v_cache `[pages, page_size, kv_heads, head_dim]`, slot_mapping `[T]`, and for
+    an FP8 cache k_inv_scale, v_inv_scale as `store_kv` takes them): k and v are written into the
+    cache at each token's slot instead (slot < 0 skipped), and come back None."""
     tokens, width = qkv.shape
     dim = width // (q_heads + 2 * kv_heads)
     half = dim // 2
@@ -142,7 +156,7 @@ def qkv_rotary(
             else torch.empty((tokens, q_heads, dim), dtype=qkv.dtype, device=qkv.device)
         )
         k = v = None
-        k_cache, v_cache, slots = kv_cache
+        k_cache, v_cache, slots, *inv_scales = kv_cache
     elif out is not None:
         q, k, v = out
     else:
@@ -162,9 +176,16 @@ def qkv_rotary(
                 raise ValueError("the caches need a contiguous last dimension")
             cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3])
             page_size = k_cache.shape[1]
+            kv_fp8 = k_cache.dtype == FP8_E4M3
+            if kv_fp8:
+                if len(inv_scales) != 2:
+                    raise ValueError("an FP8 KV cache needs its k and v inverse scales")
+                k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+            else:
+                inv_scales = (slots, slots)  # not read
         else:  # unused cache arguments: fixed dummies, so no new specialisation per token count
             k_cache, v_cache, slots = q, q, qkv
-            cache_strides, page_size = (0,) * 6, 16
+            cache_strides, page_size, kv_fp8, inv_scales = (0,) * 6, 16, False, (qkv, qkv)
         kk, vv = (q, q) if store else (k, v)
         # Program 2 writes v (plus its delta): needed with a delta, when v is not a view of qkv, or
         # into the cache.
@@ -181,6 +202,7 @@ def qkv_rotary(
             k_cache,
             v_cache,
             slots,
+            *inv_scales,
             qkv.stride(0),
             d.stride(0),
             cos.stride(0),
@@ -199,6 +221,7 @@ def qkv_rotary(
             UNIT_OFFSET=unit_offset,
             STORE_KV=store,
             PAGE_SIZE=page_size,
+            KV_FP8=kv_fp8,
             num_warps=4,
         )
     return q, k, v
@@ -220,7 +243,7 @@ def qkv_rotary_ref(
     delta: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,
-    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kv_cache: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The torch code `qkv_rotary` replaces: in-place delta add, split, q/k norms, rotary of q and k
     (and, with `kv_cache`, the separate store of k and v, which then come back None)."""
@@ -235,8 +258,6 @@ def qkv_rotary_ref(
         q, k = rms_norm_ref(q, qw, eps, unit_offset), rms_norm_ref(k, kw, eps, unit_offset)
     result = (rotary_ref(q, cos, sin), rotary_ref(k, cos, sin), v.reshape(tokens, kv_heads, dim))
     if kv_cache is not None:
-        from loraplex.kernels.attention_kv_store import store_kv_ref
-
         store_kv_ref(result[1], result[2], *kv_cache)
         q = result[0] if out is None else out[0].copy_(result[0])
         return q, None, None

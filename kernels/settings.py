@@ -79,7 +79,7 @@ class KernelSettings:
 
     fused_kv_store: bool | None = None
     """`LORAPLEX_FUSED_KV_STORE=1|0`: the q/k/v split-and-rotary launch writes the new K/V rows straight
-    into the paged cache (no separate store launch); an FP8 cache keeps the separate store."""
+    into the paged cache (no separate store launch), an FP8 cache's scaled E4M3 bytes included."""
 
     decode_direct: bool | None = None
     """`LORAPLEX_DECODE_DIRECT=1|0`: a decode attention launch with a single split writes the final

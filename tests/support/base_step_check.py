@@ -3,8 +3,9 @@ of issue 38 against their torch references and against the path they replace.
 
 - skinny GEMM (`kernels/skinny_gemm.py`): random shapes, K splits, bias, SiLU / GeGLU epilogue,
   float32 and float16 (the interpreter's bfloat16 dot is wrong: 16-bit coverage is float16);
-- q/k/v split with the fused KV store: q and the cache bit-identical to the split then the
-  separate store (padding slots -1 untouched), with and without a LoRA delta and q/k norms;
+- q/k/v split with the fused KV store: q and the cache (float, and FP8's bytes) bit-identical to
+  the split then the separate store (padding slots -1 untouched), with and without a LoRA delta
+  and q/k norms;
 - decode attention written directly by its single split: bit-identical to split + merge;
 - a tiny model's greedy decode (8 sequences, with LoRA on some) with every option on: the same
   tokens as with every option off, and each option's path taken (launches counted).
@@ -100,6 +101,29 @@ def check_fused_store(rnd: random.Random) -> None:
             and v_none is None
         )
         report(f"fused kv store tokens={tokens} delta={delta is not None} qk_norm={norm is not None}", ok)
+    # An FP8 cache: the same bytes as the separate store's rounding (values off the E4M3 grid, some
+    # past 448 after scaling, so saturation and ties are exercised), padding rows untouched.
+    for k_scale, v_scale in ((1.0, 1.0), (0.01, 3.0)):
+        tokens = 7
+        qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * dim) * 3
+        cos, sin = torch.randn(tokens, dim // 2), torch.randn(tokens, dim // 2)
+        slots = torch.tensor(rnd.sample(range(pages * page), tokens), dtype=torch.int64)
+        slots[rnd.randrange(tokens)] = -1
+        inv = (torch.tensor([1 / k_scale]), torch.tensor([1 / v_scale]))
+        caches = [torch.randint(0, 120, (pages, page, kv_heads, dim), dtype=torch.uint8) for _ in range(2)]
+        caches = [c.view(torch.float8_e4m3fn) for c in caches]
+        want_k, want_v = (c.clone() for c in caches)
+        q_want, k, v = qkv_rotary(qkv, cos, sin, q_heads, kv_heads)
+        store_kv_ref(k, v, want_k, want_v, slots, *inv)
+        q_got, _, _ = qkv_rotary(
+            qkv, cos, sin, q_heads, kv_heads, kv_cache=(caches[0], caches[1], slots, *inv)
+        )
+        ok = (
+            torch.equal(q_got, q_want)
+            and torch.equal(caches[0].view(torch.uint8), want_k.view(torch.uint8))
+            and torch.equal(caches[1].view(torch.uint8), want_v.view(torch.uint8))
+        )
+        report(f"fused kv store into an FP8 cache, scales {k_scale}/{v_scale}", ok)
 
 
 def check_decode_direct(rnd: random.Random) -> None:

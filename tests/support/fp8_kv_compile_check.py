@@ -13,6 +13,7 @@ from loraplex.kernels.attention_decode import _decode_split_kernel
 from loraplex.kernels.attention_kv_store import _store_kv_kernel
 from loraplex.kernels.attention_prefill import _prefill_kernel
 from loraplex.kernels.compile_check import compile_kernel
+from loraplex.kernels.qkv_rotary import _qkv_rotary_kernel
 
 SCALES = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
 FP8_CACHE = {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "q_ptr": "*bf16"}
@@ -36,6 +37,23 @@ KERNELS = {
             SOFTCAP=False,
             KV_FP8=True,
             F16_DOT=True,
+        ),
+    ),
+    "qkv_rotary_store_fp8": (
+        _qkv_rotary_kernel,
+        {"kc_ptr": "*u8", "vc_ptr": "*u8", "k_inv_ptr": "*fp32", "v_inv_ptr": "*fp32"},
+        dict(
+            Q_HEADS=32,
+            KV_HEADS=8,
+            HALF=64,
+            BLOCK_H=32,
+            BLOCK_D=64,
+            HAS_DELTA=False,
+            QK_NORM=False,
+            UNIT_OFFSET=False,
+            STORE_KV=True,
+            PAGE_SIZE=16,
+            KV_FP8=True,
         ),
     ),
     "prefill_fp8_softcap": (

@@ -87,14 +87,13 @@ class TritonPagedAttention(Attention):
         inv = self._scales[layer][2:] if self._scales is not None else (None, None)
         store_kv(k, v, self.kv_cache[layer, 0], self.kv_cache[layer, 1], slots, *inv)
 
-    def fused_store_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """With LORAPLEX_FUSED_KV_STORE, the cache of `layer` and the step's slots, for the q/k/v split
-        launch to store into; None for an FP8 cache (its store scales and saturates: the separate
-        launch does that)."""
-        on = switched_on(kernel_settings().fused_kv_store, self.kv_cache.is_cuda)
-        if not on or self.kv_cache.element_size() == 1:
+    def fused_store_target(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        """With LORAPLEX_FUSED_KV_STORE, the cache of `layer` and the step's slots (and an FP8 cache's
+        inverse scales), for the q/k/v split launch to store into."""
+        if not switched_on(kernel_settings().fused_kv_store, self.kv_cache.is_cuda):
             return None
-        return self.kv_cache[layer, 0], self.kv_cache[layer, 1], self.meta.slot_mapping
+        target = (self.kv_cache[layer, 0], self.kv_cache[layer, 1], self.meta.slot_mapping)
+        return target + tuple(self._scales[layer][2:]) if self._scales is not None else target
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the step's queries over the cache (their own k/v already stored):

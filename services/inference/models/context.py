@@ -33,9 +33,10 @@ class Attention(ABC):
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def fused_store_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(k_cache, v_cache, slot_mapping) of `layer` for the q/k/v split launch to write the new
-        k/v into itself (then `attend` follows, not `forward`); None: `forward` stores them."""
+    def fused_store_target(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        """(k_cache, v_cache, slot_mapping) of `layer`, plus (k_inv_scale, v_inv_scale) for an FP8
+        cache, for the q/k/v split launch to write the new k/v into itself (then `attend` follows,
+        not `forward`); None: `forward` stores them."""
         return None
 
 
