@@ -50,6 +50,6 @@ def pdl_launch(t: torch.Tensor) -> bool:
 
 def fp8_pdl_launch(t: torch.Tensor) -> bool:
     """Whether the W8A8 FP8 GEMM launches on `t`'s device with programmatic dependent launch after its
-    activation quantization (`LORAPLEX_FP8_PDL=1`; off by default until measured) where the device
+    activation quantization (`LORAPLEX_FP8_PDL=1`; off by default, measured slower) where the device
     has it."""
     return kernel_settings().fp8_pdl is True and _pdl_capable(t)

@@ -57,13 +57,14 @@ class KernelSettings:
     """`LORAPLEX_FP8_PDL=1|0`: the W8A8 FP8 GEMM launches with programmatic dependent launch after its
     activation-quantize launch (Hopper or newer), so its launch and set-up overlap the quantization
     (kernels/fp8_weight_gemm.py). `1` on for CUDA devices of compute capability >= 9; unset or `0`:
-    off, until `bench/fp8_step.py` with it on and off has timed it (not yet run on a GPU)."""
+    off, as `bench/fp8_step.py` timed the batch-64 FP8 step 1.031x slower with it (H100, 2026-12-06)."""
 
     fp8_fused_quant: bool | None = None
     """`LORAPLEX_FP8_FUSED_QUANT=1|0`: where the W8A8 FP8 GEMM serves a linear (`LORAPLEX_FP8_GEMM`),
     the RMSNorm before q/k/v and gate/up and the SiLU-and-mul before down also write their output
     quantized per token, in the same launch, instead of a quantization launch before each of those
-    GEMMs (96 fewer launches a Llama-3.1-8B step). Unset: on for CUDA tensors."""
+    GEMMs (96 fewer launches a Llama-3.1-8B step; its batch-64 FP8 step 7.25 against 7.44 ms, H100,
+    `bench/fp8_step.py`, 2026-12-06). Unset: on for CUDA tensors."""
 
     # The base decode step (issue 38). Unset (None): on for CUDA tensors, where bench/base_step.py measured
     # them faster together (2026-12-05, H100: with cuBLASLt, 8.90 against 9.10 ms, docs/benchmarks.md),
