@@ -71,6 +71,9 @@ SCALARS = {
 }
 COMMON = dict(PRECISION="tf32", BLOCK_M=16)
 MOE_BLOCKS = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)
+# The q/k/v split-and-rotary launch at Llama-3.1-8B's heads; + storing k/v into the cache.
+QKV_LLAMA_8B = dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64)
+QKV_STORE = dict(QKV_LLAMA_8B, HAS_DELTA=False, QK_NORM=False, UNIT_OFFSET=False, STORE_KV=True, PAGE_SIZE=16)
 KERNELS = {
     "shrink": (
         _shrink_kernel,
@@ -125,50 +128,14 @@ KERNELS = {
     ),
     "qkv_rotary_delta": (
         _qkv_rotary_kernel,
-        dict(
-            Q_HEADS=32,
-            KV_HEADS=8,
-            HALF=64,
-            BLOCK_H=32,
-            BLOCK_D=64,
-            HAS_DELTA=True,
-            STORE_KV=False,
-            KV_FP8=False,
-        ),
+        dict(QKV_LLAMA_8B, HAS_DELTA=True, STORE_KV=False, KV_FP8=False),
     ),
     "segments": (
         _segments_kernel,
         dict(S=64, BLOCK_S=128, BLOCK_T=256, BLOCK_B=32, M0=16, M1=32, M2=64, M3=128),
     ),
-    "qkv_rotary": (
-        _qkv_rotary_kernel,
-        dict(
-            Q_HEADS=32,
-            KV_HEADS=8,
-            HALF=64,
-            BLOCK_H=32,
-            BLOCK_D=64,
-            HAS_DELTA=False,
-            STORE_KV=False,
-            KV_FP8=False,
-        ),
-    ),
-    "qkv_rotary_store_kv": (
-        _qkv_rotary_kernel,
-        dict(
-            Q_HEADS=32,
-            KV_HEADS=8,
-            HALF=64,
-            BLOCK_H=32,
-            BLOCK_D=64,
-            HAS_DELTA=False,
-            QK_NORM=False,
-            UNIT_OFFSET=False,
-            STORE_KV=True,
-            PAGE_SIZE=16,
-            KV_FP8=False,
-        ),
-    ),
+    "qkv_rotary": (_qkv_rotary_kernel, dict(QKV_LLAMA_8B, HAS_DELTA=False, STORE_KV=False, KV_FP8=False)),
+    "qkv_rotary_store_kv": (_qkv_rotary_kernel, dict(QKV_STORE, KV_FP8=False)),
     "skinny_split_k": (
         _skinny_kernel,
         dict(

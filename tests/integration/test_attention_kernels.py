@@ -10,17 +10,14 @@ bf16 is checked on the GPU (bench/attention_kernels.py): the interpreter gets bf
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from loraplex.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.interpreter import assert_interpreter_checks_pass
 
 
 class PagedCase(NamedTuple):
@@ -133,17 +130,7 @@ def test_cuda_graph_lora_tiers() -> None:
 
 
 def test_kernels_under_triton_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.test_attention_kernels"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"interpreter checks failed:\n{proc.stdout}\n{proc.stderr}"
-    assert "checked" in proc.stdout and "FAIL" not in proc.stdout, proc.stdout
+    assert_interpreter_checks_pass("tests.integration.test_attention_kernels")
 
 
 # ---- run in the subprocess, with TRITON_INTERPRET=1 ----

@@ -11,30 +11,18 @@ subprocess (`python -m tests.integration.test_fp8_fused_quant`).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.interpreter import assert_interpreter_checks_pass
 
 
 def test_fused_quantization_under_triton_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
-    for name in ("LORAPLEX_FP8_GEMM", "LORAPLEX_FP8_FUSED_QUANT"):
-        env.pop(name, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.test_fp8_fused_quant"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    assert_interpreter_checks_pass(
+        "tests.integration.test_fp8_fused_quant", drop_env=("LORAPLEX_FP8_GEMM", "LORAPLEX_FP8_FUSED_QUANT")
     )
-    assert proc.returncode == 0, f"interpreter checks failed:\n{proc.stdout}\n{proc.stderr}"
-    assert "checked" in proc.stdout and "FAIL" not in proc.stdout, proc.stdout
 
 
 # ---- run in the subprocess, with TRITON_INTERPRET=1 ----

@@ -9,15 +9,12 @@ The interpreter's cast to E4M3 does not round to nearest, so its inputs lie on t
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
 from loraplex.kernels.fp8_matmul import FP8_DTYPE, dequantize, expand_scale, quantize_rows
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.interpreter import assert_interpreter_checks_pass
 
 
 def on_grid(rows: int, cols: int, seed: int, scale: float = 2.0**-6) -> torch.Tensor:
@@ -80,17 +77,7 @@ def test_torch_attention_over_an_fp8_cache_equals_a_float_cache_of_the_same_valu
 
 
 def test_kernels_under_triton_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.test_fp8_kernels"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"interpreter checks failed:\n{proc.stdout}\n{proc.stderr}"
-    assert "checked" in proc.stdout and "FAIL" not in proc.stdout, proc.stdout
+    assert_interpreter_checks_pass("tests.integration.test_fp8_kernels")
 
 
 # ---- run in the subprocess, with TRITON_INTERPRET=1 ----

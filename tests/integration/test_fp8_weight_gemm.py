@@ -32,6 +32,7 @@ from loraplex.kernels.fp8_matmul import dequantize, quantize_rows
 from loraplex.kernels.settings import KernelSettings, kernel_settings, reload_kernel_settings
 from loraplex.services.inference.models.quantization.fp8_linear import Fp8Linear
 from loraplex.services.inference.models.quantization.scheme import Fp8Scheme
+from tests.support.interpreter import assert_interpreter_checks_pass
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -168,18 +169,7 @@ def test_block_scales_are_kept_unless_scaled_mm_serves(mode, kept, fp8_gemm_sett
 
 
 def test_kernels_under_triton_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
-    env.pop("LORAPLEX_FP8_GEMM", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.test_fp8_weight_gemm"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"interpreter checks failed:\n{proc.stdout}\n{proc.stderr}"
-    assert "checked" in proc.stdout and "FAIL" not in proc.stdout, proc.stdout
+    assert_interpreter_checks_pass("tests.integration.test_fp8_weight_gemm", drop_env=("LORAPLEX_FP8_GEMM",))
 
 
 def test_kernels_compile_for_sm90(tmp_path) -> None:

@@ -12,7 +12,7 @@ import sys
 from loraplex.kernels.attention_decode import _decode_split_kernel
 from loraplex.kernels.attention_kv_store import _store_kv_kernel
 from loraplex.kernels.attention_prefill import _prefill_kernel
-from loraplex.kernels.compile_check import compile_kernel
+from loraplex.kernels.compile_check import QKV_STORE, compile_kernel
 from loraplex.kernels.qkv_rotary import _qkv_rotary_kernel
 
 SCALES = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
@@ -42,19 +42,7 @@ KERNELS = {
     "qkv_rotary_store_fp8": (
         _qkv_rotary_kernel,
         {"kc_ptr": "*u8", "vc_ptr": "*u8", "k_inv_ptr": "*fp32", "v_inv_ptr": "*fp32"},
-        dict(
-            Q_HEADS=32,
-            KV_HEADS=8,
-            HALF=64,
-            BLOCK_H=32,
-            BLOCK_D=64,
-            HAS_DELTA=False,
-            QK_NORM=False,
-            UNIT_OFFSET=False,
-            STORE_KV=True,
-            PAGE_SIZE=16,
-            KV_FP8=True,
-        ),
+        dict(QKV_STORE, KV_FP8=True),
     ),
     "prefill_fp8_softcap": (
         _prefill_kernel,
