@@ -87,3 +87,15 @@ def test_fp8_pdl_is_off_unless_switched_on_and_never_on_cpu_tensors():
         assert not fp8_pdl_launch(torch.zeros(1))  # switched on, still never the interpreter
     finally:
         reload_kernel_settings(os.environ)
+
+
+def test_fp8_fused_quantization_is_on_for_cuda_and_pdl_off_unless_set():
+    from loraplex.kernels.settings import switched_on
+
+    auto = KernelSettings.from_env({})
+    assert auto.fp8_fused_quant is None and auto.fp8_pdl is None
+    assert switched_on(auto.fp8_fused_quant, on_cuda=True) and not switched_on(
+        auto.fp8_fused_quant, on_cuda=False
+    )
+    off = KernelSettings.from_env({"LORAPLEX_FP8_FUSED_QUANT": "0", "LORAPLEX_FP8_PDL": "1"})
+    assert not switched_on(off.fp8_fused_quant, on_cuda=True) and off.fp8_pdl is True
