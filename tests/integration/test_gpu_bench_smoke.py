@@ -24,6 +24,14 @@ BENCHES = {
     "prefix_cache": ["--mode", "gpu", "--tiny"],
     "fp8_kv": ["--tiny", "--device", "cuda"],
     "fp8_gemm": ["--tiny", "--sweep-budget-s", "5", "--step-repeats", "3"],
+    "fp8_step": [
+        "--tiny",
+        "--device",
+        "cuda",
+        "--skip-quality",
+        "--fp8-variant",
+        "LORAPLEX_FP8_FUSED_QUANT=0",
+    ],
     "lora_pdl": ["--no-step"],  # the layer's LoRA with and without PDL, bit-identical (Hopper+)
 }
 
