@@ -115,6 +115,10 @@ DECODE_CONFIGS = [  # block_n (None: the default for the batch and cache), num_w
     (64, 4, 3, None),
     (128, 4, 3, None),
     (64, 4, 2, 2),
+    (128, 4, 3, 2),
+    (128, 4, 4, None),
+    (256, 4, 3, None),
+    (256, 8, 3, None),
 ]
 # FP8 caches also time each config with the dots in bf16 (the default is fp16).
 BF16_DOT = {"f16_dot": False}
@@ -129,9 +133,9 @@ PREFILL_CONFIGS = [  # block_m, block_n, num_warps, num_stages
 ]
 
 
-def bench_decode(bw: float, gen: torch.Generator) -> list[dict]:
+def bench_decode(bw: float, gen: torch.Generator, batches: tuple[int, ...] = (1, 16, 64, 256)) -> list[dict]:
     rows = []
-    for batch in (1, 16, 64, 256):
+    for batch in batches:
         ctx_len = 1024
         bf16_bytes = batch * ctx_len * KV_HEADS * HEAD_DIM * 2 * 2
         layers = max(2, min(32, (2 << 30) // bf16_bytes))
@@ -245,6 +249,7 @@ def bench_prefill(rate: float, gen: torch.Generator) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill kernel")
+    parser.add_argument("--batches", default="1,16,64,256", help="decode batch sizes (comma list)")
     add_out_argument(parser)
     args = parser.parse_args()
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -259,7 +264,8 @@ def main() -> int:
     print("check vs torch reference:", {k: f"{v:.2e}" for k, v in errs.items()}, "ok" if ok else "FAIL")
     if not ok:
         return 1
-    rows = bench_decode(bw, gen) + ([] if args.decode_only else bench_prefill(rate, gen))
+    batches = tuple(int(b) for b in args.batches.split(","))
+    rows = bench_decode(bw, gen, batches) + ([] if args.decode_only else bench_prefill(rate, gen))
     print("decode config: block_n/warps/stages/splits; prefill: block_m/block_n/warps/stages")
     print(f"{'kernel':<34}{'config':<18}{'us':>9}{'floor us':>10}{'x floor':>9}")
     for r in rows:
