@@ -113,6 +113,7 @@ def test_warm_up_computes_expert_lora_in_its_steps_and_restores_the_mode():
         config=SimpleNamespace(num_kv_heads=2),
         page_size=16,
         device=torch.device("cpu"),
+        kv_cache=torch.empty(0, dtype=torch.bfloat16),  # a float cache (FP8's decode tiles differ)
         forward=lambda chunks: seen.append(backend.experts),
     )
     ran = warm_up(runner, max_num_tokens=64, max_num_seqs=8, context_length=128)
