@@ -7,6 +7,9 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/loraplex/v1/*.proto)
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist; 0: one process). Whole files go to one worker, so a module's
+# fixtures (servers, models) are built once.
+PYTEST_WORKERS ?= 2
 
 .PHONY: run test test-fast venv model protos check-protos lint tools bench-cpu clean
 
@@ -16,7 +19,7 @@ run: $(STAMP) model
 test: $(STAMP) model tools
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The unit tier: in-process, no server or subprocess (under a minute).
 test-fast: $(STAMP) model

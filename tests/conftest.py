@@ -10,6 +10,18 @@ import pytest
 from tests.support.factories import make_peft_adapter, make_tiny_model
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs two workers on CI's two cores) each worker's torch takes
+    one thread: two processes with a thread per core each fight for the cores (see
+    `one_torch_thread`)."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need CUDA: skipped, with the reason, on machines without it (CI, the dev box)."""
     import torch
