@@ -49,6 +49,11 @@ class FusedLinear(nn.Module):
         self.weight = _empty_param(sum(out_sizes), in_features)
         self.bias = _empty_param(sum(out_sizes)) if bias else None
 
+    def input_quant(self, x_like: torch.Tensor) -> QuantizedRows | None:
+        """Buffers for the op that makes this linear's input to write it into quantized as well (an
+        FP8 base's W8A8 GEMM: models/quantization/fp8_linear.py); None: the input as it is."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if skinny_serves(x, self.weight):  # LORAPLEX_SKINNY_GEMM, decode-sized batches
             return skinny_linear(x, self.weight, self.bias)
@@ -179,7 +184,7 @@ class DecoderLayer(nn.Module):
         ctx: ForwardContext,
         xq: QuantizedRows | None = None,
     ) -> Addend:
-        """`xq`: x quantized per token for an FP8 base's GEMM (`_input_quant`), filled with x."""
+        """`xq`: x quantized per token for an FP8 base's GEMM (`module.input_quant`), filled with x."""
         lora = ctx.lora
         base = module if xq is None else partial(module, xq=xq)
         if lora is None:
@@ -188,12 +193,6 @@ class DecoderLayer(nn.Module):
         started = lora.begin(self.index, group, x)
         out = base(x)
         return Addend(out, lora.finish(self.index, group, x, out, started))
-
-    @staticmethod
-    def _input_quant(module: FusedLinear, x_like: torch.Tensor) -> QuantizedRows | None:
-        """Buffers for the op before `module` to write its input into, quantized (FP8 bases only)."""
-        input_quant = getattr(module, "input_quant", None)
-        return None if input_quant is None else input_quant(x_like)
 
     def forward(
         self,
@@ -227,7 +226,7 @@ class DecoderLayer(nn.Module):
         """Residual add + norm, q/k/v projection, split and rotary: (h, q, k, v). With `bufs`, h, q, k
         and v are written into those static buffers (what a CUDA-graph piece leaves for the next).
         `kv_cache` (Attention.fused_store_target): k and v go straight into the cache (k, v None)."""
-        xq = self._input_quant(self.qkv_proj, h)
+        xq = self.qkv_proj.input_quant(h)
         h, x = self.input_layernorm.add_forward(h, addend, h_out=None if bufs is None else bufs.h, quant=xq)
         qkv = self._linear("qkv", self.qkv_proj, x, ctx, xq)
         if cos.dim() == 3:  # two rope tables (global, local): this layer's
@@ -258,7 +257,7 @@ class DecoderLayer(nn.Module):
         o = self._linear("o", self.o_proj, attn, ctx)
         if self.attn_output_norm is not None:
             o = Addend(self.attn_output_norm(o.materialize()))
-        xq = None if self.moe is not None else self._input_quant(self.gate_up_proj, h)
+        xq = None if self.moe is not None else self.gate_up_proj.input_quant(h)
         h, x = self.post_attention_layernorm.add_forward(
             h, o, h_out=None if bufs is None else bufs.h, quant=xq
         )
@@ -276,7 +275,7 @@ class DecoderLayer(nn.Module):
         gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx, xq)
         xq = None
         if triton_runs_on(gate_up.out):  # SwiGLU or GeGLU, one launch
-            xq = self._input_quant(self.down_proj, gate_up.out)
+            xq = self.down_proj.input_quant(gate_up.out)
             act = silu_and_mul(gate_up.out, gate_up.delta, self.activation, xq)
         else:
             gate, up = gate_up.materialize().split((self.inter, self.inter), dim=-1)

@@ -84,19 +84,19 @@ class Fp8Linear(FusedLinear):
         (a norm, SiLU-and-mul: kernels/fused_ops.py) to fill in the same launch; None where the GEMM
         for an input of `x_like`'s rows, dtype and device does not take per-token E4M3 activations
         (only the W8A8 GEMM does), or `LORAPLEX_FP8_FUSED_QUANT` is off. Saves a launch per linear."""
-        rows = x_like.numel() // x_like.shape[-1]
         width = self.weight.shape[1]
         if not switched_on(kernel_settings().fp8_fused_quant, x_like.is_cuda) or not fuses_quant(width):
             return None
         if self.static_input_scale is not None or self._kernel(x_like) != "w8a8":
             return None
-        return empty_quantized(rows, width, x_like.device)
+        return empty_quantized(x_like.numel() // x_like.shape[-1], width, x_like.device)
 
     def base_matmul(
         self, x: torch.Tensor, bias: torch.Tensor | None, xq: QuantizedRows | None = None
     ) -> torch.Tensor:
-        """`xq`: x already quantized per token (`input_quant`'s buffers, filled)."""
-        kernel = self._kernel(x)
+        """`xq`: x already quantized per token (`input_quant`'s buffers, filled: offered only where
+        the W8A8 GEMM serves x, so the choice is not made again)."""
+        kernel = "w8a8" if xq is not None else self._kernel(x)
         if kernel == "weight_only":
             return fp8_weight_gemm(x, self.weight, self.weight_scale, self.block, bias)
         if kernel == "w8a8":
