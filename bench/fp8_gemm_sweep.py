@@ -8,7 +8,13 @@ import time
 
 import torch
 
-from loraplex.kernels.fp8_gemm_configs import Fp8GemmConfig, Fp8GemmKey, fp8_gemm_config, rows_bucket
+from loraplex.kernels.fp8_gemm_configs import (
+    WEIGHT_ONLY_MAX_ROWS,
+    Fp8GemmConfig,
+    Fp8GemmKey,
+    fp8_gemm_config,
+    rows_bucket,
+)
 from loraplex.kernels.fp8_weight_gemm import fp8_w8a8_gemm, fp8_weight_gemm
 
 COPY_BYTES = 256 << 20  # weights cycled per timed graph: several times any L2
@@ -33,16 +39,25 @@ def graph_us(call, sets: list[tuple[torch.Tensor, ...]], replays: int = 10) -> f
 
 
 def candidates(rows: int, k: int, seed: int, kernel: str = "weight_only") -> list[Fp8GemmConfig]:
-    """Tiles and K-splits at 4 stages (8 warps for 128+ weight rows, else 4), shuffled. The W8A8 GEMM
-    keeps both operands in FP8 (half the bytes of a widened tile), so it also tries 512-deep K steps."""
-    block_m = max(16, 1 << (rows - 1).bit_length()) if rows <= 64 else 64
+    """Tiles and K-splits at 4 stages (8 warps for 128+ weight rows or a large accumulator, else 4),
+    shuffled. The W8A8 GEMM keeps both operands in FP8 (half the bytes of a widened tile), so it also
+    tries 512-deep K steps, and above 64 rows rows tiles of 64 and 128 as well as one over all rows."""
+    whole = max(16, 1 << (rows - 1).bit_length())
     w8a8 = kernel == "w8a8"
+    block_ms = (whole,) if rows <= WEIGHT_ONLY_MAX_ROWS else (64, 128, whole) if w8a8 else (64,)
     first = []
-    for block_n in (32, 64, 128, 256):
-        for block_k in (64, 128, 256, 512) if w8a8 else (64, 128, 256):
-            for split in (1, 2, 3, 4, 6, 8, 12, 16):
-                if k // block_k // split >= 2 and block_n * block_k <= 256 * (256 if w8a8 else 128):
-                    warps = 8 if block_n >= 128 else 4
+    for block_m in sorted(set(block_ms)):
+        for block_n in (32, 64, 128, 256):
+            for block_k in (64, 128, 256, 512) if w8a8 else (64, 128, 256):
+                for split in (1, 2, 3, 4, 6, 8, 12, 16):
+                    if k // block_k // split < 2 or block_n * block_k > 256 * (256 if w8a8 else 128):
+                        continue
+                    # 4 stages of both operands in shared memory; the float32 accumulator in registers.
+                    if 4 * (block_n + block_m) * block_k * (1 if w8a8 else 2) > 200 * 1024:
+                        continue
+                    if block_n * block_m > 128 * 128:
+                        continue
+                    warps = 8 if block_n >= 128 or block_n * block_m >= 64 * 128 else 4
                     first.append(Fp8GemmConfig(block_m, block_n, block_k, split, warps, 4))
     random.Random(seed).shuffle(first)
     return first
@@ -59,6 +74,8 @@ def sweep(projections: dict, ops_by: dict, rows_list: list[int], budget_s: float
     for rows in rows_list:
         for name, (n, k) in projections.items():
             for kernel in GEMMS:
+                if kernel == "weight_only" and rows > WEIGHT_ONLY_MAX_ROWS:
+                    continue  # one prefill config there (kernels/fp8_gemm_configs.py)
                 key = Fp8GemmKey(rows_bucket(rows), n, k, kernel)
                 default = fp8_gemm_config(rows, n, k, ops_by[name]["wq"].device, kernel)
                 queues.append((rows, name, key, [default, *candidates(rows, k, n + k, kernel)]))

@@ -20,9 +20,11 @@ from loraplex.kernels.settings import kernel_settings
 
 # The rule where no choice was measured: the W8A8 GEMM up to W8A8_MAX_ROWS rows, torch._scaled_mm above
 # (per Llama-3.1-8B projection, 2026-12-06, bench/fp8_gemm.py: the W8A8 GEMM fastest of the three at
-# 1-64 rows on q/k/v, o, gate/up and down, 0.54-0.82x bf16 on an H100 and 0.57-0.94x on an H200;
-# torch._scaled_mm at 128 rows, where both Triton GEMMs ran at 1.4-4.8x its time; docs/benchmarks.md).
-W8A8_MAX_ROWS = 64
+# 1-64 rows on q/k/v, o, gate/up and down, 0.54-0.82x bf16 on an H100 and 0.57-0.94x on an H200; with
+# tiles of its own at 128 and 256 rows it beat torch._scaled_mm on the H200 at 128-256 rows on o and
+# down and at 128-192 on q/k/v, 0.69-0.95x its time; the exceptions are built-in `auto` entries in
+# kernels/fp8_gemm_configs.py; docs/benchmarks.md).
+W8A8_MAX_ROWS = 256
 
 
 @lru_cache(maxsize=8)

@@ -2,14 +2,16 @@
 chosen per shape without tuning at first use (Triton's autotuner would time candidates inside a
 CUDA-graph capture), and the GEMM `LORAPLEX_FP8_GEMM=auto` takes per shape where one was measured.
 
-A config is keyed on (rows bucket, N, K, kernel): rows bucket 16 / 32 / 64 for decode batches (the
-bucket is the smallest of those at or above the rows), `prefill` above 64; kernel `weight_only` or
-`w8a8`. Entries come from `LORAPLEX_FP8_GEMM_CONFIGS=path.json` (`loraplex.kernels.settings`), in the
+A config is keyed on (rows bucket, N, K, kernel): rows bucket 16 / 32 / 64 / 128 / 256 for decode
+batches (the bucket is the smallest of those at or above the rows), `prefill` above 256; kernel
+`weight_only` or `w8a8`. The weight-only GEMM has tiles for decode up to 64 rows only (it widens every
+weight element per row tile, so past 64 rows it runs one prefill config). Entries come from
+`LORAPLEX_FP8_GEMM_CONFIGS=path.json` (`loraplex.kernels.settings`), in the
 format `{"64|6144|4096": [block_m, block_n, block_k, split_k, num_warps, num_stages],
 "64|6144|4096|w8a8": [...], "64|6144|4096|auto": "w8a8"}` (no kernel: `weight_only`; `auto`: the GEMM
 `auto` runs for that bucket and weight, one of weight_only, w8a8, scaled_mm), e.g. what
 `python -m loraplex.bench.fp8_gemm --sweep-budget-s 120` writes, then the built-in `TABLE` (tiles
-measured on an H100 for the Llama-3.1-8B shapes; `auto` choices come from the file or the bench only,
+measured for the Llama-3.1-8B shapes, and `auto` choices where the rule below was measured wrong;
 else kernels/fp8_gemm_choice.py's rule); without a tile entry, `default_config`'s
 rule: one rows tile, 64 or 128 weight rows per program, and enough K-splits that the grid covers
 the chip about twice (a batch-64 o_proj of the Llama-3.1-8B shape is 32 tiles of 128 rows
@@ -27,7 +29,8 @@ import torch
 
 from loraplex.kernels.settings import kernel_settings
 
-ROWS_BUCKETS = (16, 32, 64)  # decode buckets; above the last: "prefill"
+ROWS_BUCKETS = (16, 32, 64, 128, 256)  # decode buckets; above the last: "prefill"
+WEIGHT_ONLY_MAX_ROWS = 64  # the weight-only GEMM's last decode bucket
 _DEFAULT_SMS = 132  # H100 SXM; only used where no CUDA device says otherwise (the interpreter)
 
 
@@ -36,7 +39,7 @@ AUTO_KERNELS = (*TRITON_KERNELS, "scaled_mm")  # what an `auto` entry may name
 
 
 class Fp8GemmKey(NamedTuple):
-    rows: str  # "16" | "32" | "64" | "prefill"
+    rows: str  # "16" | "32" | "64" | "128" | "256" | "prefill"
     n: int  # output features (the weight's rows)
     k: int  # input features
     kernel: str = "weight_only"  # whose tiles: one of TRITON_KERNELS; "auto" in the choice table
@@ -63,7 +66,10 @@ def _parse(raw: dict) -> dict[Fp8GemmKey, Fp8GemmConfig | str]:
     for key, value in raw.items():
         rows, n, k, *kernel = key.split("|")
         if rows not in (*map(str, ROWS_BUCKETS), "prefill"):
-            raise ValueError(f"FP8 GEMM config key {key!r}: rows bucket must be one of 16, 32, 64, prefill")
+            raise ValueError(
+                f"FP8 GEMM config key {key!r}: rows bucket must be one of "
+                f"{', '.join(map(str, ROWS_BUCKETS))}, prefill"
+            )
         kernel = kernel[0] if kernel else "weight_only"
         if kernel == "auto":
             if value not in AUTO_KERNELS:
@@ -92,8 +98,10 @@ def _file_table(path: str | None) -> dict[Fp8GemmKey, Fp8GemmConfig | str]:
 OVERRIDES: dict[Fp8GemmKey, Fp8GemmConfig | str] = {}
 
 # Built-in entries, after the file's: `python -m loraplex.bench.fp8_gemm --sweep-rows 16,32,64
-# --sweep-budget-s 150` on an H100 (2026-12-06), Llama-3.1-8B projections, both Triton kernels.
-TABLE: dict[Fp8GemmKey, Fp8GemmConfig] = {
+# --sweep-budget-s 150` on an H100 (2026-12-06), Llama-3.1-8B projections, both Triton kernels; the
+# 128 and 256 rows buckets (W8A8 only) and their `auto` choices from `--rows 64,128,192,256
+# --sweep-rows 128,256 --sweep-budget-s 170` on an H200 (2026-12-06, docs/benchmarks.md).
+TABLE: dict[Fp8GemmKey, Fp8GemmConfig | str] = {
     Fp8GemmKey("16", 6144, 4096): Fp8GemmConfig(16, 64, 64, 4, 4, 4),  # q/k/v
     Fp8GemmKey("16", 4096, 4096): Fp8GemmConfig(16, 64, 64, 6, 4, 4),  # o
     Fp8GemmKey("16", 28672, 4096): Fp8GemmConfig(16, 128, 128, 1, 8, 3),  # gate/up
@@ -118,6 +126,19 @@ TABLE: dict[Fp8GemmKey, Fp8GemmConfig] = {
     Fp8GemmKey("64", 4096, 4096, "w8a8"): Fp8GemmConfig(64, 64, 256, 1, 4, 5),  # o
     Fp8GemmKey("64", 28672, 4096, "w8a8"): Fp8GemmConfig(64, 128, 256, 1, 8, 4),  # gate/up
     Fp8GemmKey("64", 4096, 14336, "w8a8"): Fp8GemmConfig(64, 64, 256, 2, 4, 5),  # down
+    Fp8GemmKey("128", 6144, 4096, "w8a8"): Fp8GemmConfig(128, 64, 256, 1, 8, 4),  # q/k/v
+    Fp8GemmKey("128", 4096, 4096, "w8a8"): Fp8GemmConfig(64, 64, 256, 1, 4, 5),  # o
+    Fp8GemmKey("128", 28672, 4096, "w8a8"): Fp8GemmConfig(128, 128, 128, 1, 8, 3),  # gate/up
+    Fp8GemmKey("128", 4096, 14336, "w8a8"): Fp8GemmConfig(64, 64, 256, 1, 4, 5),  # down
+    Fp8GemmKey("256", 6144, 4096, "w8a8"): Fp8GemmConfig(256, 64, 128, 1, 8, 5),  # q/k/v
+    Fp8GemmKey("256", 4096, 4096, "w8a8"): Fp8GemmConfig(128, 64, 256, 1, 8, 4),  # o
+    Fp8GemmKey("256", 28672, 4096, "w8a8"): Fp8GemmConfig(256, 64, 128, 1, 8, 5),  # gate/up
+    Fp8GemmKey("256", 4096, 14336, "w8a8"): Fp8GemmConfig(128, 64, 256, 1, 8, 4),  # down
+    # Where torch._scaled_mm measured faster than the swept W8A8 tiles (activation quantization
+    # included in both): the wide gate/up from 128 rows, q/k/v at 256.
+    Fp8GemmKey("128", 28672, 4096, "auto"): "scaled_mm",
+    Fp8GemmKey("256", 28672, 4096, "auto"): "scaled_mm",
+    Fp8GemmKey("256", 6144, 4096, "auto"): "scaled_mm",
 }
 
 
@@ -141,9 +162,13 @@ def _sm_count(device: torch.device) -> int:
 def default_config(
     rows: int, n: int, k: int, device: torch.device, kernel: str = "weight_only"
 ) -> Fp8GemmConfig:
-    if rows > ROWS_BUCKETS[-1]:
+    if rows > (ROWS_BUCKETS[-1] if kernel == "w8a8" else WEIGHT_ONLY_MAX_ROWS):
         return Fp8GemmConfig(block_m=64, block_n=128, block_k=64, split_k=1, num_warps=4, num_stages=3)
     block_m = max(16, 1 << (rows - 1).bit_length())
+    if kernel == "w8a8" and rows > WEIGHT_ONLY_MAX_ROWS:
+        # What the H200 sweep chose for q/k/v at 128 and 256 rows (2026-12-06): 64 weight rows per
+        # program over all of x's rows (each program reads x once, from L2), 8 warps, no K split.
+        return Fp8GemmConfig(block_m, 64, 256 if block_m <= 128 else 128, 1, 8, 4 if block_m <= 128 else 5)
     if kernel == "w8a8":
         # What the 64-row sweep chose for every Llama-3.1-8B projection but gate/up (H100, 2026-12-06):
         # deep FP8 K steps and a deep pipeline over 64 weight rows, split in two only for long K.

@@ -83,6 +83,26 @@ def test_default_config_splits_k_until_the_grid_covers_the_chip():
     assert default_config(65, 4096, 4096, CPU).split_k == 1  # prefill
 
 
+def test_w8a8_has_decode_tiles_up_to_256_rows_and_weight_only_up_to_64():
+    prefill = default_config(300, 4096, 4096, CPU)
+    # The weight-only GEMM past 64 rows, and both past 256: the one prefill config.
+    assert default_config(128, 4096, 4096, CPU) == prefill == default_config(257, 4096, 4096, CPU, "w8a8")
+    for rows, block_m in ((65, 128), (128, 128), (200, 256), (256, 256)):
+        cfg = default_config(rows, 2048, 4096, CPU, "w8a8")  # (a shape without a table entry)
+        assert cfg != prefill and cfg.block_m == block_m  # one rows tile: x read once per program
+    assert fp8_gemm_configs.rows_bucket(65) == "128" and fp8_gemm_configs.rows_bucket(256) == "256"
+    assert fp8_gemm_configs.rows_bucket(257) == "prefill"
+
+
+def test_auto_takes_w8a8_up_to_256_rows_but_where_scaled_mm_measured_faster():
+    from loraplex.kernels.fp8_gemm_configs import auto_choice
+
+    assert auto_choice(200, 28672, 4096) == "scaled_mm" and auto_choice(100, 28672, 4096) == "scaled_mm"
+    assert auto_choice(64, 28672, 4096) is None  # the rule: W8A8
+    assert auto_choice(256, 6144, 4096) == "scaled_mm" and auto_choice(128, 6144, 4096) is None
+    assert auto_choice(256, 4096, 14336) is None
+
+
 def test_built_in_table_serves_the_measured_shapes_and_a_file_comes_first(tmp_path, fp8_gemm_setting):
     o = Fp8GemmKey("64", 4096, 4096)
     assert fp8_gemm_config(64, 4096, 4096, CPU) == fp8_gemm_configs.TABLE[o]
@@ -109,7 +129,7 @@ def test_configs_file_replaces_entries(tmp_path, fp8_gemm_setting):
     with pytest.raises(FileNotFoundError):
         fp8_gemm_config(20, 4096, 4096, CPU)
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"128|4096|4096": [16, 32, 64, 3, 2, 2]}))
+    bad.write_text(json.dumps({"512|4096|4096": [16, 32, 64, 3, 2, 2]}))
     fp8_gemm_setting("auto", str(bad))
     with pytest.raises(ValueError, match="rows bucket"):
         fp8_gemm_config(20, 4096, 4096, CPU)
@@ -200,6 +220,10 @@ COMPILE_VARIANTS = {
     "w8a8_split_bias": dict(SCALE_BN=0, SCALE_BK=1, HAS_BIAS=True, EVEN_K=True, SPLIT=True, X_FP8=True),
     "w8a8_wide": dict(
         SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, SPLIT=False, X_FP8=True, BLOCK_N=128, BLOCK_K=256
+    ),
+    # W8A8 at 65-256 rows: 128 rows of x per program.
+    "w8a8_rows_128": dict(
+        SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, SPLIT=True, X_FP8=True, BLOCK_M=128, BLOCK_N=128
     ),
     # The default W8A8 tile, launched after the quantization as a programmatic dependent launch.
     "w8a8_pdl": dict(
@@ -429,7 +453,8 @@ def _check_linear_dispatch() -> int:
             choose(torch.zeros(rows, 8), None, ready, shape)
             for rows, ready, shape in (
                 (64, 1, None),  # decode rows: the W8A8 GEMM
-                (65, 1, None),  # above: torch._scaled_mm
+                (256, 1, None),  # its tiles go up to 256 rows
+                (257, 1, None),  # above: torch._scaled_mm
                 (65, 0, None),  # no torch._scaled_mm operands: weight-only
                 (64, 1, (8, 8)),
                 (1, 1, (24, 8)),
@@ -449,11 +474,11 @@ def _check_linear_dispatch() -> int:
     finally:
         fp8_gemm_configs.OVERRIDES.clear()
         run_triton_on_cpu(False)
-    want = ["w8a8", "scaled_mm", "weight_only", "w8a8", "w8a8"]
+    want = ["w8a8", "w8a8", "scaled_mm", "weight_only", "w8a8", "w8a8"]
     want += ["weight_only", "scaled_mm", "weight_only", "w8a8", "ref", "scaled_mm"]
     ok = picks == want
     failures += not ok
-    cases = "rows 64, 65, 65 without scaled_mm, two shapes, measured x3, another bucket, scaled_mm x2"
+    cases = "rows 64, 256, 257, 65 without scaled_mm, two shapes, measured x3, another bucket, scaled_mm x2"
     print(f"auto picks ({cases}) {picks} {'ok' if ok else 'FAIL'}")
     return failures
 
