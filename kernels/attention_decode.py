@@ -224,19 +224,21 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
 
 
 def decode_block_n(batch: int, num_kv_heads: int, kv_fp8: bool = False) -> int:
-    """Keys per tile: over a bf16 cache 32 once there are >= 1024 (sequence, kv head) programs, where
-    32-token tiles beat 64 at Llama-3.1-8B shapes, 64 below that; over an FP8 cache (half the bytes a
-    tile) 128 from 128 programs (batch 16 at 8 kv heads), 64 below (docs/benchmarks.md, "Facts
-    behind defaults")."""
+    """Keys per tile: over a bf16 cache 64 (with 3 stages, at least as fast as 32-key tiles at every
+    batch, 7-10% faster at batch 256); over an FP8 cache (half the bytes a tile) 128 from 128 programs
+    (batch 16 at 8 kv heads), 64 below (docs/benchmarks.md, "Facts behind defaults")."""
     if kv_fp8:
         return 128 if batch * num_kv_heads >= 128 else 64
-    return 32 if batch * num_kv_heads >= 1024 else 64
+    return 64
 
 
-def decode_num_stages(block_n: int, kv_fp8: bool) -> int:
-    """Pipeline depth: 3 for an FP8 cache's 128-key tiles (measured fastest with fp16 dots at batch
-    64 and 256), else 2."""
-    return 3 if kv_fp8 and block_n >= 128 else 2
+def decode_num_stages(block_n: int, kv_fp8: bool, head_dim: int = 128) -> int:
+    """Pipeline depth: 3 for an FP8 cache's 128-key tiles and a bf16 cache's 64-key tiles up to head
+    dim 128 (both measured fastest at batch 16-256), else 2 (three stages of 64 keys at head dim 256
+    would ask for more shared memory than some GPUs have)."""
+    if kv_fp8:
+        return 3 if block_n >= 128 else 2
+    return 3 if block_n <= 64 and head_dim <= 128 else 2
 
 
 def decode_variants(
@@ -293,7 +295,7 @@ def paged_decode_attention(
     if block_n is None:
         block_n = decode_block_n(batch, num_kv_heads, kv_fp8)
     if num_stages is None:
-        num_stages = decode_num_stages(block_n, kv_fp8)
+        num_stages = decode_num_stages(block_n, kv_fp8, head_dim)
     block_d = triton.next_power_of_2(head_dim)
     # Partials sized for the padded split count: their strides (kernel arguments whose value class
     # Triton specialises on) then follow the padded count, as the merge's compiled width does, so the

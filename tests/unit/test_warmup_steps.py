@@ -56,21 +56,18 @@ def test_a_lora_tier_no_step_can_reach_is_neither_warmed_up_nor_captured() -> No
 
 def test_an_fp8_cache_has_its_own_decode_tiles_and_the_warm_up_covers_them() -> None:
     """Over an FP8 cache decode attention takes 128-key tiles and 3 stages from 128 (sequence, kv
-    head) programs (bf16: 32-key tiles from 1024); each (tile, padded split count) a decode batch can
-    launch over either cache is among the batches the warm-up runs for that cache."""
+    head) programs (bf16: 64-key tiles at 3 stages, 2 past head dim 128); each (tile, padded split
+    count) a decode batch can launch over either cache is among the batches the warm-up runs for it."""
     from loraplex.kernels.attention_decode import decode_block_n, decode_num_stages, decode_variants
 
     assert [decode_block_n(b, 8, kv_fp8=True) for b in (1, 15, 16, 256)] == [64, 64, 128, 128]
-    assert [decode_block_n(b, 8) for b in (1, 127, 128, 256)] == [64, 64, 32, 32]
-    assert (decode_num_stages(128, True), decode_num_stages(64, True), decode_num_stages(128, False)) == (
-        3,
-        2,
-        2,
-    )
+    assert [decode_block_n(b, 8) for b in (1, 127, 128, 256)] == [64, 64, 64, 64]
+    assert [decode_num_stages(128, True), decode_num_stages(64, True)] == [3, 2]
+    assert [decode_num_stages(64, False), decode_num_stages(64, False, head_dim=256)] == [3, 2]
     cpu = torch.device("cpu")
     for fp8 in (False, True):
         variants = decode_variants(256, 8, cpu, kv_fp8=fp8)
-        assert {block for block, _ in variants} == ({64, 128} if fp8 else {32, 64})
+        assert {block for block, _ in variants} == ({64, 128} if fp8 else {64})
         steps = warm_up_steps(2048, 256, 0, 8, 4096, 16, cpu, kv_fp8=fp8)
         decode_batches = {sum(1 for c in chunks if len(c.token_ids) == 1) for chunks in steps}
         assert set(variants.values()) <= decode_batches
