@@ -187,12 +187,46 @@ def _lookup(key: Fp8GemmKey) -> Fp8GemmConfig | str | None:
     return OVERRIDES.get(key) or _file_table(kernel_settings().fp8_gemm_configs).get(key) or TABLE.get(key)
 
 
+@lru_cache(maxsize=8)
+def max_shared_memory(device: torch.device) -> int | None:
+    """Bytes of shared memory one program may use on `device` (what Triton checks a launch against);
+    None off CUDA (the interpreter has no limit)."""
+    if device.type != "cuda":
+        return None
+    from triton.runtime import driver
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def shared_memory_bytes(config: Fp8GemmConfig, kernel: str) -> int:
+    """An upper bound on what the pipelined K loop keeps in shared memory: every stage's weight tile
+    (E4M3) and x tile (E4M3 for W8A8, bf16/fp16 for weight-only)."""
+    x_bytes = 1 if kernel == "w8a8" else 2
+    return config.num_stages * config.block_k * (config.block_n + config.block_m * x_bytes)
+
+
+def fit_shared_memory(config: Fp8GemmConfig, kernel: str, limit: int | None) -> Fp8GemmConfig:
+    """`config` with fewer stages (down to 2), then shorter K steps (down to 32), until it fits in
+    `limit` bytes: the tables were measured on H100/H200 (227 KB a program), where the deepest
+    entries take 200 KB; an Ada GPU (sm_89, FP8 too) allows about 100 KB."""
+    if limit is None:
+        return config
+    while shared_memory_bytes(config, kernel) > limit and config.num_stages > 2:
+        config = config._replace(num_stages=config.num_stages - 1)
+    while shared_memory_bytes(config, kernel) > limit and config.block_k > 32:
+        config = config._replace(block_k=config.block_k // 2)
+    return config
+
+
 def fp8_gemm_config(
     rows: int, n: int, k: int, device: torch.device, kernel: str = "weight_only"
 ) -> Fp8GemmConfig:
-    """The tiles of `kernel` (one of TRITON_KERNELS) for `rows` times a weight `[N, K]`."""
+    """The tiles of `kernel` (one of TRITON_KERNELS) for `rows` times a weight `[N, K]`, fitted to
+    the device's shared memory."""
     found = _lookup(Fp8GemmKey(rows_bucket(rows), n, k, kernel))
-    return found or default_config(rows, n, k, device, kernel)
+    config = found or default_config(rows, n, k, device, kernel)
+    return fit_shared_memory(config, kernel, max_shared_memory(device))
 
 
 def auto_choice(rows: int, n: int, k: int) -> str | None:

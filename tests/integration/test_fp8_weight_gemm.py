@@ -94,6 +94,26 @@ def test_w8a8_has_decode_tiles_up_to_256_rows_and_weight_only_up_to_64():
     assert fp8_gemm_configs.rows_bucket(257) == "prefill"
 
 
+def test_configs_are_fitted_to_the_devices_shared_memory():
+    """The tables' deepest entries take 200 KB of shared memory: they stand as they are on an H100 or
+    H200 (227 KB a program), and an Ada GPU's ~99 KB gets fewer stages, then shorter K steps."""
+    from loraplex.kernels.fp8_gemm_configs import fit_shared_memory, max_shared_memory, shared_memory_bytes
+
+    hopper, ada = 232448, 101376
+    tiles = {k: v for k, v in fp8_gemm_configs.TABLE.items() if not isinstance(v, str)}
+    assert max(shared_memory_bytes(cfg, key.kernel) for key, cfg in tiles.items()) > ada
+    for key, cfg in tiles.items():
+        assert fit_shared_memory(cfg, key.kernel, hopper) == cfg
+        fitted = fit_shared_memory(cfg, key.kernel, ada)
+        assert shared_memory_bytes(fitted, key.kernel) <= ada and fitted.num_stages >= 2
+        assert fitted._replace(num_stages=0, block_k=0) == cfg._replace(num_stages=0, block_k=0)
+    deep = Fp8GemmConfig(256, 64, 512, 1, 8, 5)  # 160 KB a stage: 2 stages and 128-deep K steps
+    assert fit_shared_memory(deep, "w8a8", ada) == Fp8GemmConfig(256, 64, 128, 1, 8, 2)
+    assert max_shared_memory(CPU) is None and fp8_gemm_config(64, 4096, 14336, CPU, "w8a8") == tiles[
+        Fp8GemmKey("64", 4096, 14336, "w8a8")
+    ]
+
+
 def test_auto_takes_w8a8_up_to_256_rows_but_where_scaled_mm_measured_faster():
     from loraplex.kernels.fp8_gemm_configs import auto_choice
 
