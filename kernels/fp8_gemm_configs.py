@@ -196,7 +196,10 @@ def max_shared_memory(device: torch.device) -> int | None:
     from triton.runtime import driver
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    try:
+        return driver.active.utils.get_device_properties(index)["max_shared_mem"]
+    except (AttributeError, KeyError):  # a Triton without this query: torch's figure, if it has one
+        return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
 
 
 def shared_memory_bytes(config: Fp8GemmConfig, kernel: str) -> int:
