@@ -109,9 +109,10 @@ def test_configs_are_fitted_to_the_devices_shared_memory():
         assert fitted._replace(num_stages=0, block_k=0) == cfg._replace(num_stages=0, block_k=0)
     deep = Fp8GemmConfig(256, 64, 512, 1, 8, 5)  # 160 KB a stage: 2 stages and 128-deep K steps
     assert fit_shared_memory(deep, "w8a8", ada) == Fp8GemmConfig(256, 64, 128, 1, 8, 2)
-    assert max_shared_memory(CPU) is None and fp8_gemm_config(64, 4096, 14336, CPU, "w8a8") == tiles[
-        Fp8GemmKey("64", 4096, 14336, "w8a8")
-    ]
+    assert (
+        max_shared_memory(CPU) is None
+        and fp8_gemm_config(64, 4096, 14336, CPU, "w8a8") == tiles[Fp8GemmKey("64", 4096, 14336, "w8a8")]
+    )
 
 
 def test_auto_takes_w8a8_up_to_256_rows_but_where_scaled_mm_measured_faster():
@@ -252,41 +253,71 @@ COMPILE_VARIANTS = {
 }
 
 
-def _compile_checks() -> int:
+def _compile(constexprs: dict, num_warps: int, num_stages: int, arch: int = 90):
+    """The GEMM kernel compiled for sm_`arch` with these constexprs (defaults filled in)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from loraplex.kernels.fp8_weight_gemm import _fp8_weight_gemm_kernel
 
+    constexprs = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, X_FP8=False, PDL=False) | constexprs
+    pointers = {
+        "x_ptr": "*fp8e4nv" if constexprs["X_FP8"] else "*bf16",
+        "xs_ptr": "*fp32",
+        "w_ptr": "*fp8e4nv",
+        "s_ptr": "*fp32",
+        "out_ptr": "*bf16",
+        "bias_ptr": "*bf16",
+        "part_ptr": "*fp32",
+        "count_ptr": "*i32",
+    }
+    names = _fp8_weight_gemm_kernel.arg_names
+    sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
+    # As the JIT specialises a Llama shape: 16-aligned pointers and sizes (the pipelined path).
+    sizes = ("N", "K", "k_per_split", "stride_xm", "stride_wn")
+    aligned = [n for n in names if n.endswith("_ptr") or n in sizes]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(
+        _fp8_weight_gemm_kernel,
+        sig,
+        constexprs={(names.index(k),): v for k, v in constexprs.items()},
+        attrs=attrs,
+    )
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _compile_fitted() -> int:
+    """The deepest built-in tiles compile within `shared_memory_bytes`' bound: as measured for sm_90,
+    and fitted to an Ada GPU's 99 KB for sm_89 (so the fit's bound is one Triton keeps)."""
+    from loraplex.kernels.fp8_gemm_configs import TABLE, fit_shared_memory, shared_memory_bytes
+
+    failures = 0
+    deepest = sorted(
+        ((key, cfg) for key, cfg in TABLE.items() if not isinstance(cfg, str)),
+        key=lambda item: -shared_memory_bytes(item[1], item[0].kernel),
+    )[:3]
+    for arch, limit in ((90, 232448), (89, 101376)):
+        for key, cfg in deepest:
+            cfg = fit_shared_memory(cfg, key.kernel, limit)
+            constexprs = dict(
+                SCALE_BN=0, SCALE_BK=1, HAS_BIAS=False, EVEN_K=True, SPLIT=cfg.split_k > 1,
+                X_FP8=key.kernel == "w8a8", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            )  # fmt: skip
+            shared = _compile(constexprs, cfg.num_warps, cfg.num_stages, arch).metadata.shared
+            bound = shared_memory_bytes(cfg, key.kernel)
+            ok = shared <= bound <= limit
+            failures += not ok
+            print(f"sm_{arch} {'|'.join(map(str, key))} {tuple(cfg)}: shared {shared} <= {bound} <= {limit} "
+                  f"{'ok' if ok else 'FAIL'}", flush=True)  # fmt: skip
+    return failures
+
+
+def _compile_checks() -> int:
     for name, variant in COMPILE_VARIANTS.items():
-        constexprs = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, X_FP8=False, PDL=False)
-        constexprs |= variant
-        pointers = {
-            "x_ptr": "*fp8e4nv" if constexprs["X_FP8"] else "*bf16",
-            "xs_ptr": "*fp32",
-            "w_ptr": "*fp8e4nv",
-            "s_ptr": "*fp32",
-            "out_ptr": "*bf16",
-            "bias_ptr": "*bf16",
-            "part_ptr": "*fp32",
-            "count_ptr": "*i32",
-        }
-        names = _fp8_weight_gemm_kernel.arg_names
-        sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in names}
-        # As the JIT specialises a Llama shape: 16-aligned pointers and sizes (the pipelined path).
-        aligned = [
-            n for n in names if n.endswith("_ptr") or n in ("N", "K", "k_per_split", "stride_xm", "stride_wn")
-        ]
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-        src = ASTSource(
-            _fp8_weight_gemm_kernel,
-            sig,
-            constexprs={(names.index(k),): v for k, v in constexprs.items()},
-            attrs=attrs,
-        )
-        options = {"num_warps": 8 if constexprs["BLOCK_N"] >= 128 else 4, "num_stages": 4}
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        constexprs = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, X_FP8=False, PDL=False) | variant
+        kernel = _compile(constexprs, 8 if constexprs["BLOCK_N"] >= 128 else 4, 4)
         ptx = kernel.asm["ptx"]
         wgmma = ptx.count("wgmma.mma_async")  # Hopper's MMA
         atomics = ptx.count("atom.")
@@ -297,7 +328,7 @@ def _compile_checks() -> int:
         if ("griddepcontrol.wait" in ptx) != constexprs["PDL"]:
             print(f"{name}: FAIL programmatic dependent launch wait")
             return 1
-    return _compile_quantize()
+    return _compile_quantize() + _compile_fitted()
 
 
 def _compile_quantize() -> int:
