@@ -137,9 +137,13 @@ class AdapterCache:
         total = 0
         for entry in os.scandir(self.root):
             if entry.is_dir() and is_content_dir_name(entry.name):
+                try:
+                    mtime = entry.stat().st_mtime
+                except FileNotFoundError:
+                    continue  # removed since the scan by a concurrent pull's discard or eviction
                 size = _content_bytes(Path(entry.path))
                 total += size
-                dirs.append((entry.stat().st_mtime, entry.name, size))
+                dirs.append((mtime, entry.name, size))
         if total + need <= self.max_bytes:
             return []
         used = (self.in_use() if in_use is None else in_use) | {keep}
