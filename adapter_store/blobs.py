@@ -199,7 +199,10 @@ class BlobCache:
         total = 0
         for entry in os.scandir(self.blob_dir):
             if entry.is_file() and len(entry.name) == 64:
-                total += entry.stat().st_size
+                try:
+                    total += entry.stat().st_size
+                except FileNotFoundError:
+                    pass  # removed since the scan (a delete or GC on another thread): not stored
         return total
 
     @contextmanager

@@ -1,6 +1,7 @@
-"""The inference adapter cache's eviction scan while a concurrent pull removes a directory: a
-directory listed and gone before its stat is skipped, not an INTERNAL error (CI saw
-`FileNotFoundError` in `make_room` when two loads of one name raced a replace in the store)."""
+"""The adapter caches' scans while another thread removes what they listed (the inference cache: a
+concurrent pull's discard or eviction; the store: a delete or GC): an entry listed and gone before
+its stat is skipped, not an INTERNAL error (CI saw `FileNotFoundError` in `make_room` when two loads
+of one name raced a replace in the store)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,23 @@ def test_a_directory_removed_during_the_scan_is_skipped(tmp_path, monkeypatch):
     # 400 bytes remain (the vanished 400 no longer count): 700 more need the old one evicted.
     assert cache.make_room(700, "new", in_use=set()) == [old.name]
     assert not old.exists() and not gone.exists()
+
+
+def test_the_store_budget_scan_skips_a_blob_removed_during_it(tmp_path, monkeypatch):
+    """The store's `BlobCache.total_bytes` under the same race (a delete or GC on another thread)."""
+    from loraplex.adapter_store import blobs
+
+    cache = blobs.BlobCache(tmp_path)
+    kept, gone = cache.blob_dir / ("a" * 64), cache.blob_dir / ("b" * 64)
+    kept.write_bytes(b"x" * 300)
+    gone.write_bytes(b"x" * 500)
+    real_scandir = os.scandir
+
+    def scandir_racing_a_delete(path=".", _real=real_scandir):
+        entries = list(_real(path))
+        if Path(path) == cache.blob_dir and gone.exists():
+            gone.unlink()
+        return iter(entries)
+
+    monkeypatch.setattr(blobs.os, "scandir", scandir_racing_a_delete)
+    assert cache.total_bytes() == 300
