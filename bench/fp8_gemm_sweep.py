@@ -14,6 +14,7 @@ from loraplex.kernels.fp8_gemm_configs import (
     Fp8GemmKey,
     fp8_gemm_config,
     rows_bucket,
+    shared_memory_bytes,
 )
 from loraplex.kernels.fp8_weight_gemm import fp8_w8a8_gemm, fp8_weight_gemm
 
@@ -52,13 +53,12 @@ def candidates(rows: int, k: int, seed: int, kernel: str = "weight_only") -> lis
                 for split in (1, 2, 3, 4, 6, 8, 12, 16):
                     if k // block_k // split < 2 or block_n * block_k > 256 * (256 if w8a8 else 128):
                         continue
-                    # 4 stages of both operands in shared memory; the float32 accumulator in registers.
-                    if 4 * (block_n + block_m) * block_k * (1 if w8a8 else 2) > 200 * 1024:
-                        continue
-                    if block_n * block_m > 128 * 128:
-                        continue
                     warps = 8 if block_n >= 128 or block_n * block_m >= 64 * 128 else 4
-                    first.append(Fp8GemmConfig(block_m, block_n, block_k, split, warps, 4))
+                    cfg = Fp8GemmConfig(block_m, block_n, block_k, split, warps, 4)
+                    # Both operands' 4 stages in shared memory; the float32 accumulator in registers.
+                    if shared_memory_bytes(cfg, kernel) > 200 * 1024 or block_n * block_m > 128 * 128:
+                        continue
+                    first.append(cfg)
     random.Random(seed).shuffle(first)
     return first
 

@@ -20,22 +20,29 @@ def _content_dir(root: Path, tag: str, size: int) -> Path:
     return path
 
 
+def _scandir_removing(listed: Path, victim: Path, remove):
+    """`os.scandir` that, for `listed`, lists it first and then `remove`s `victim` before its entries
+    are handed out (every other call, rmtree's by descriptor included, is the real one)."""
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if isinstance(path, int) or Path(path) != listed:
+            return real_scandir(path)
+        entries = list(real_scandir(path))
+        if victim.exists():
+            remove(victim)
+        return iter(entries)
+
+    return scandir
+
+
 def test_a_directory_removed_during_the_scan_is_skipped(tmp_path, monkeypatch):
     cache = AdapterCache(tmp_path, max_bytes=1000)
     old = _content_dir(tmp_path, "a", 400)
     gone = _content_dir(tmp_path, "b", 400)
     os.utime(old, (1, 1))  # the least recently used
-    real_scandir = os.scandir
-
-    def scandir_racing_a_discard(path=".", _real=real_scandir):
-        if isinstance(path, int) or Path(path) != tmp_path:  # (rmtree scans by descriptor)
-            return _real(path)
-        entries = list(_real(path))
-        if gone.exists():
-            shutil.rmtree(gone)  # listed, then removed before make_room stats it
-        return iter(entries)
-
-    monkeypatch.setattr(adapter_cache.os, "scandir", scandir_racing_a_discard)
+    # Listed, then removed (another pull's discard) before make_room stats it.
+    monkeypatch.setattr(adapter_cache.os, "scandir", _scandir_removing(tmp_path, gone, shutil.rmtree))
     # 400 bytes remain (the vanished 400 no longer count): 700 more need the old one evicted.
     assert cache.make_room(700, "new", in_use=set()) == [old.name]
     assert not old.exists() and not gone.exists()
@@ -49,13 +56,5 @@ def test_the_store_budget_scan_skips_a_blob_removed_during_it(tmp_path, monkeypa
     kept, gone = cache.blob_dir / ("a" * 64), cache.blob_dir / ("b" * 64)
     kept.write_bytes(b"x" * 300)
     gone.write_bytes(b"x" * 500)
-    real_scandir = os.scandir
-
-    def scandir_racing_a_delete(path=".", _real=real_scandir):
-        entries = list(_real(path))
-        if Path(path) == cache.blob_dir and gone.exists():
-            gone.unlink()
-        return iter(entries)
-
-    monkeypatch.setattr(blobs.os, "scandir", scandir_racing_a_delete)
+    monkeypatch.setattr(blobs.os, "scandir", _scandir_removing(cache.blob_dir, gone, Path.unlink))
     assert cache.total_bytes() == 300
