@@ -22,6 +22,7 @@ import triton.language as tl
 from loraplex.kernels.lora_configs import DECODE_MAX_TOKENS, SPLITS_TABLE, shrink_splits
 from loraplex.kernels.lora_meta import LoRASegments, num_blocks_bound
 from loraplex.kernels.lora_plan import GroupLaunch
+from loraplex.kernels.lora_tiles import _shrink_acc
 from loraplex.kernels.placement import pdl_launch
 
 
@@ -83,22 +84,21 @@ def _shrink_kernel(
     rows = stack * max_rank + offs_r
 
     k_begin = pid_k * k_per_split
-    k_end = tl.minimum(k_begin + k_per_split, d)
-    x_rows = x_ptr + tok[:, None] * stride_x_token
-    a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + rows[None, :].to(tl.int64) * stride_a_row
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k in range(k_begin, k_end, BLOCK_K):
-        offs_k = k + tl.arange(0, BLOCK_K)
-        x_ptrs = x_rows + offs_k[None, :] * stride_x_in
-        a_ptrs = a_rows + offs_k[:, None] * stride_a_in
-        if EVEN_K:  # d is a multiple of BLOCK_K: a K mask would only cost vector width
-            xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-            at = tl.load(a_ptrs, mask=r_mask[None, :], other=0.0)
-        else:
-            k_mask = offs_k < k_end
-            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            at = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-        acc = tl.dot(xt, at, acc, input_precision=PRECISION)
+    acc = _shrink_acc(
+        x_ptr + tok[:, None] * stride_x_token,
+        a_ptr + slot.to(tl.int64) * stride_a_slot + rows[None, :].to(tl.int64) * stride_a_row,
+        k_begin,
+        tl.minimum(k_begin + k_per_split, d),
+        m_mask,
+        r_mask,
+        stride_x_in,
+        stride_a_in,
+        PRECISION,
+        EVEN_K,
+        BLOCK_M,
+        BLOCK_R,
+        BLOCK_K,
+    )
     y_ptrs = y_ptr + pid_k * stride_y_split + tok[:, None] * stride_y_token + rows[None, :] * stride_y_col
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & r_mask[None, :])
 

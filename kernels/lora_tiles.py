@@ -1,5 +1,6 @@
-"""Building blocks of the LoRA expand kernels (kernels/lora_expand.py, kernels/lora_expand_token.py) and
-the fused shrink->expand (kernels/lora_fused.py): which stack a column chunk belongs to, B tiles with the
+"""Building blocks of the LoRA kernels (kernels/lora_shrink.py, kernels/lora_expand.py,
+kernels/lora_expand_token.py, the fused shrink->expand kernels/lora_fused.py and the one-launch
+kernels/lora_handoff.py): the shrink's K loop, which stack a column chunk belongs to, B tiles with the
 rank mask, and the output store (the in-place add, or the side stream's delta).
 """
 
@@ -88,3 +89,38 @@ def _put_row(o_ptrs, n_mask, acc, ACCUMULATE: tl.constexpr):
         tl.store(o_ptrs, (prev.to(tl.float32) + acc).to(o_ptrs.dtype.element_ty), mask=n_mask)
     else:
         tl.store(o_ptrs, acc.to(o_ptrs.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _shrink_acc(
+    x_rows,
+    a_rows,
+    k_begin,
+    k_end,
+    m_mask,
+    r_mask,
+    stride_x_in,
+    stride_a_in,
+    PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """`x[tokens, k_begin:k_end] @ A[rows, k_begin:k_end]^T` in float32 (`x_rows`: the tokens' row
+    pointers `[BLOCK_M, 1]`; `a_rows`: the rank rows' `[1, BLOCK_R]`; EVEN_K: the input width is a
+    multiple of BLOCK_K, so no K mask)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k in range(k_begin, k_end, BLOCK_K):
+        offs_k = k + tl.arange(0, BLOCK_K)
+        x_ptrs = x_rows + offs_k[None, :] * stride_x_in
+        a_ptrs = a_rows + offs_k[:, None] * stride_a_in
+        if EVEN_K:  # a K mask would only cost vector width
+            xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            at = tl.load(a_ptrs, mask=r_mask[None, :], other=0.0)
+        else:
+            k_mask = offs_k < k_end
+            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        acc = tl.dot(xt, at, acc, input_precision=PRECISION)
+    return acc
