@@ -20,6 +20,7 @@ from loraplex.kernels.fused_ops import _add_rms_norm_kernel, _rms_norm_kernel, _
 from loraplex.kernels.lora_expand import _expand_kernel
 from loraplex.kernels.lora_expand_token import _expand_token_kernel
 from loraplex.kernels.lora_fused import _fused_kernel
+from loraplex.kernels.lora_handoff import _handoff_kernel
 from loraplex.kernels.lora_meta import _segments_kernel
 from loraplex.kernels.lora_shrink import _shrink_kernel
 from loraplex.kernels.moe_align import _moe_align_kernel
@@ -73,6 +74,9 @@ COMMON = dict(PRECISION="tf32", BLOCK_M=16)
 MOE_BLOCKS = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)
 # The q/k/v split-and-rotary launch at Llama-3.1-8B's heads; + storing k/v into the cache.
 QKV_LLAMA_8B = dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64)
+# The one-launch shrink + expand (kernels/lora_handoff.py) at decode's rank-16 blocks.
+HANDOFF = dict(COMMON, N_SPLITS=8, R_BLOCKS=1, N_STACK=3, STRIDE_BLOCK_TOKENS=128, EVEN_K=True, EVEN_N=True)
+HANDOFF_BLOCKS = dict(SHRINK_BLOCK_R=16, BLOCK_K=128, BLOCK_N=128, BLOCK_R=16)
 QKV_STORE = dict(QKV_LLAMA_8B, HAS_DELTA=False, QK_NORM=False, UNIT_OFFSET=False, STORE_KV=True, PAGE_SIZE=16)
 KERNELS = {
     "shrink": (
@@ -215,6 +219,14 @@ KERNELS = {
             BLOCK_K=64,
             BLOCK_N=256,
         ),
+    ),
+    "handoff_block_delta_pdl": (
+        _handoff_kernel,
+        dict(HANDOFF, **HANDOFF_BLOCKS, ACCUMULATE=False, PDL=True, PER_TOKEN=False),
+    ),
+    "handoff_token_accumulate": (
+        _handoff_kernel,
+        dict(HANDOFF, **HANDOFF_BLOCKS, ACCUMULATE=True, PDL=False, PER_TOKEN=True),
     ),
 }
 
