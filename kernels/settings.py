@@ -53,6 +53,11 @@ class KernelSettings:
     still runs (kernels/lora_expand.py). Unset: on for CUDA devices of compute capability >= 9, where
     `bench/lora_pdl.py` measured the layer's LoRA 2-9% faster, bit-identical (2026-12-05, H100)."""
 
+    lora_handoff: bool | None = None
+    """`LORAPLEX_LORA_HANDOFF=1|0`: a decode-sized step's LoRA shrink and expand per group as one
+    launch (`kernels/lora_handoff.py`): the expand's programs wait on counters for the shrink's
+    partials instead of a kernel boundary. Unset: off (not yet measured faster on a GPU)."""
+
     fp8_pdl: bool | None = None
     """`LORAPLEX_FP8_PDL=1|0`: the W8A8 FP8 GEMM launches with programmatic dependent launch after its
     activation-quantize launch (Hopper or newer), so its launch and set-up overlap the quantization
@@ -125,6 +130,7 @@ class KernelSettings:
             moe_kernel=_choice(env, "LORAPLEX_MOE_KERNEL", ("grouped", "torch")),
             lora_fused=fused,
             lora_pdl=_on_off(env, "LORAPLEX_LORA_PDL"),
+            lora_handoff=_on_off(env, "LORAPLEX_LORA_HANDOFF"),
             fp8_pdl=_on_off(env, "LORAPLEX_FP8_PDL"),
             fp8_fused_quant=_on_off(env, "LORAPLEX_FP8_FUSED_QUANT"),
             skinny_gemm=env.get("LORAPLEX_SKINNY_GEMM") == "1",

@@ -40,8 +40,10 @@ def _counting_fused(*args, **kwargs):
     return _real_fused(*args, **kwargs)
 
 
-def greedy(fused: str, side_stream: bool) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Each prompt's greedy continuation and every step's logits."""
+def greedy(
+    fused: str, side_stream: bool, handoff: bool = False
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each prompt's greedy continuation and every step's logits (`handoff`: LORAPLEX_LORA_HANDOFF)."""
     runner = build_runner(
         TINY,
         dtype=torch.float32,
@@ -56,6 +58,7 @@ def greedy(fused: str, side_stream: bool) -> tuple[list[list[int]], list[torch.T
         side_stream=side_stream,
     )
     runner.lora_backend.fused_mode = fused
+    runner.lora_backend.handoff = handoff
     runner.capture_mixed_graphs(64, use_graphs=False)
     tables = [list(range(1 + i * PAGES_PER_SEQ, 1 + (i + 1) * PAGES_PER_SEQ)) for i in range(len(PROMPTS))]
     seqs = [list(ids) for ids, _ in PROMPTS]
