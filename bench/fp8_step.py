@@ -67,6 +67,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "LORAPLEX_FP8_FUSED_QUANT=0 or LORAPLEX_FP8_PDL=1; repeatable, one case each",
     )
     p.add_argument(
+        "--variant-adapters",
+        action="store_true",
+        help="time each --fp8-variant with --adapters distinct adapters too (a LoRA kernel setting)",
+    )
+    p.add_argument(
         "--tokenizer",
         default=None,
         help="tokenizer dir for the random model's quality text (default: the embedded model's; a GPU "
@@ -250,9 +255,14 @@ def main(argv: list[str] | None = None) -> int:
         reload_kernel_settings({**os.environ, **overlay})
         try:
             rows.append(decode_case(a, f"fp8 base, {variant}", device, dtype, True, 0, bw))
+            rows[-1]["x_fp8_default"] = rows[-1]["ms"] / rows[1]["ms"]
+            if a.variant_adapters:
+                name = f"fp8 base + {a.adapters} adapters, {variant}"
+                rows.append(decode_case(a, name, device, dtype, True, a.adapters, bw))
+                rows[-1]["x_fp8_default"] = rows[-1]["ms"] / rows[2]["ms"]
+                rows[-1]["adapters_over_base"] = rows[-2]["ms"] / rows[-1]["ms"]
         finally:
             reload_kernel_settings()
-        rows[-1]["x_fp8_default"] = rows[-1]["ms"] / rows[1]["ms"]
     ms = [r["ms"] for r in rows]
     ratios = {
         "fp8 / its floor": rows[1]["x_floor"],
@@ -269,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         floor = f"{r['floor_ms']:>10.2f}{r['x_floor']:>9.2f}" if r["floor_ms"] else f"{'-':>10}{'-':>9}"
         print(f"{r['case']:<58}{r['ms']:>9.3f}{r['weight_gb']:>12.3f}{r['read_gb']:>10.3f}{floor}")
     for r in rows[4:]:
-        print(f"  {r['case']} / fp8 base: {r['x_fp8_default']:.3f}")
+        default = "fp8 base + adapters" if "adapters_over_base" in r else "fp8 base"
+        print(f"  {r['case']} / {default}: {r['x_fp8_default']:.3f}")
+        if "adapters_over_base" in r:
+            print(f"    adapters / base under this variant (throughput): {r['adapters_over_base']:.3f}")
     for k, v in ratios.items():
         print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v if v is not None else '-'}")
     quality = []

@@ -31,8 +31,12 @@ BENCHES = {
         "--skip-quality",
         "--fp8-variant",
         "LORAPLEX_FP8_FUSED_QUANT=0",
+        "--fp8-variant",
+        "LORAPLEX_LORA_HANDOFF=1",
+        "--variant-adapters",
     ],
     "lora_pdl": ["--no-step"],  # the layer's LoRA with and without PDL, bit-identical (Hopper+)
+    "lora_handoff": ["--no-step"],  # the GPU handoff cases and the layer's LoRA in one launch
 }
 
 
