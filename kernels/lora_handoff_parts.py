@@ -20,11 +20,12 @@ def _count_shrink(cnt_ptr, tok, m_mask, stack):
 
 @triton.jit
 def _await_shrink(cnt_ptr, tok, m_mask, stack, expected):
-    seen = tl.where(m_mask, tl.atomic_add(cnt_ptr + tok * 4 + stack, 0, mask=m_mask, sem="acquire"), expected)
-    while tl.min(seen) < expected:
-        seen = tl.where(
-            m_mask, tl.atomic_add(cnt_ptr + tok * 4 + stack, 0, mask=m_mask, sem="acquire"), expected
-        )
+    # The loop carries a scalar: Triton 3.6 fails to lay out a while loop that carries a tensor.
+    ptrs = cnt_ptr + tok * 4 + stack
+    short = tl.min(tl.where(m_mask, tl.atomic_add(ptrs, 0, mask=m_mask, sem="acquire"), expected)) < expected
+    while short:
+        seen = tl.atomic_add(ptrs, 0, mask=m_mask, sem="acquire")
+        short = tl.min(tl.where(m_mask, seen, expected)) < expected
 
 
 @triton.jit
