@@ -4,6 +4,9 @@ a machine without one.
 Triton's CPU interpreter runs the kernels' Python, not the compiler, so it misses what only
 the compiler refuses (a value retyped inside an if-block, say). `python -m loraplex.kernels.compile_check`
 lowers each kernel to PTX and a cubin for `cuda:90` and prints one line per kernel; tests run it.
+Each entry names every constexpr without a default. Run it with the GPU image's Triton too (its wheel
+on PYTHONPATH: `pip install --no-deps --target DIR triton==3.6.0`): the two versions' compilers refuse
+different things (3.6 failed on a while loop carrying a tensor that 3.9 compiles).
 """
 
 from __future__ import annotations
@@ -132,13 +135,16 @@ KERNELS = {
     ),
     "qkv_rotary_delta": (
         _qkv_rotary_kernel,
-        dict(QKV_LLAMA_8B, HAS_DELTA=True, STORE_KV=False, KV_FP8=False),
+        dict(QKV_LLAMA_8B, HAS_DELTA=True, QK_NORM=False, UNIT_OFFSET=False, STORE_KV=False, KV_FP8=False),
     ),
     "segments": (
         _segments_kernel,
         dict(S=64, BLOCK_S=128, BLOCK_T=256, BLOCK_B=32, M0=16, M1=32, M2=64, M3=128),
     ),
-    "qkv_rotary": (_qkv_rotary_kernel, dict(QKV_LLAMA_8B, HAS_DELTA=False, STORE_KV=False, KV_FP8=False)),
+    "qkv_rotary": (
+        _qkv_rotary_kernel,
+        dict(QKV_LLAMA_8B, HAS_DELTA=False, QK_NORM=False, UNIT_OFFSET=False, STORE_KV=False, KV_FP8=False),
+    ),
     "qkv_rotary_store_kv": (_qkv_rotary_kernel, dict(QKV_STORE, KV_FP8=False)),
     "skinny_split_k": (
         _skinny_kernel,
