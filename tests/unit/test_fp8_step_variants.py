@@ -1,0 +1,46 @@
+"""bench/fp8_step.py's kernel-setting variants at the tiny CPU size: `--fp8-variant` adds an FP8 base
+row per variant, `--variant-adapters` an FP8 + adapters row beside it with its ratios, each reading
+the bytes of the default row it is compared with."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_bench(tmp_path: Path, *extra: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'protos'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    args = ["--tiny", "--device", "cpu", "--skip-quality", "--repeats", "2", "--out", str(tmp_path), *extra]
+    run = subprocess.run(
+        [sys.executable, "-m", "loraplex.bench.fp8_step", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((tmp_path / "fp8_step.json").read_text())
+
+
+def test_variant_adapters_add_a_row_per_variant_beside_its_default(tmp_path):
+    variant = "LORAPLEX_LORA_HANDOFF=1"
+    steps = run_bench(tmp_path, "--fp8-variant", variant, "--variant-adapters")["steps"]
+    by_case = {s["case"]: s for s in steps}
+    base, lora = by_case[f"fp8 base, {variant}"], by_case[f"fp8 base + 4 adapters, {variant}"]
+    assert len(steps) == 6
+    assert base["read_gb"] == by_case["fp8 base"]["read_gb"]
+    assert lora["read_gb"] == by_case["fp8 base + 4 adapters"]["read_gb"] > base["read_gb"]
+    assert lora["x_fp8_default"] == lora["ms"] / by_case["fp8 base + 4 adapters"]["ms"]
+    assert lora["adapters_over_base"] == base["ms"] / lora["ms"]
+
+
+def test_variants_without_adapters_time_the_base_only(tmp_path):
+    steps = run_bench(tmp_path, "--fp8-variant", "LORAPLEX_FP8_FUSED_QUANT=0")["steps"]
+    assert [s["case"] for s in steps[4:]] == ["fp8 base, LORAPLEX_FP8_FUSED_QUANT=0"]
+    assert "adapters_over_base" not in steps[4]
