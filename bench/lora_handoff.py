@@ -125,7 +125,7 @@ def decode_step(opts: argparse.Namespace, device: torch.device) -> tuple[dict, b
     result["identical"] = torch.equal(a, b)
     result["logits_max_abs_diff"] = (a - b).abs().max().item()
     result["argmax_agree"] = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-    result["counters_zero"] = not backend._counters.any().item()
+    result["counters_zero"] = not backend.handoff_counters.any().item()
     ok = result["argmax_agree"] == 1.0 and result["counters_zero"]
     del runner
     torch.cuda.empty_cache()

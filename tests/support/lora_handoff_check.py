@@ -5,7 +5,7 @@
    adapters, K-splits, block and per-token expands, in-place and delta modes, counters left zero).
 2. A tiny random Llama with three adapters, greedy over a mixed prefill then decodes, through the Triton
    LoRA backend with the handoff on against off, with the side stream's delta mode and without: the same
-   tokens and logits, and the handoff kernel really ran.
+   tokens and logits, the handoff kernel really ran, and every launch left the counters zero.
 
 Prints JSON lines for the kernel cases, then one `engine ...` line per mode; exits non-zero on a failure.
 """
@@ -19,12 +19,15 @@ from loraplex.kernels import lora_handoff_check
 from tests.support.lora_fused_check import greedy
 
 CALLS = [0]
+DIRTY = [0]  # launches that left the backend's counters non-zero
 _real = triton_backend.lora_handoff
 
 
 def _counting(*args, **kwargs):
     CALLS[0] += 1
-    return _real(*args, **kwargs)
+    out = _real(*args, **kwargs)
+    DIRTY[0] += bool(args[10].any())  # the counters (lora_handoff's 11th argument)
+    return out
 
 
 def engine_check() -> int:
@@ -38,11 +41,12 @@ def engine_check() -> int:
             got, got_logits = greedy("off", side, handoff=True)
             calls_on = CALLS[0] - calls_off
             err = max(float((g - w).norm() / w.norm()) for g, w in zip(got_logits, want_logits, strict=True))
-            ok = got == want and err == 0.0 and calls_off == 0 and calls_on > 0
+            ok = got == want and err == 0.0 and calls_off == 0 and calls_on > 0 and DIRTY[0] == 0
             failures += not ok
             print(
                 f"engine side_stream={side}: tokens equal {got == want}, logits rel err {err:.2e},"
-                f" handoff launches {calls_on} (off: {calls_off}) {'ok' if ok else 'FAIL'}",
+                f" handoff launches {calls_on} (off: {calls_off}), counters left non-zero {DIRTY[0]}"
+                f" {'ok' if ok else 'FAIL'}",
                 flush=True,
             )
     finally:

@@ -103,6 +103,11 @@ class TritonLoRABackend(LoRABackend):
         return buffers + sum(t.numel() * t.element_size() for t in self.segments)
 
     @property
+    def handoff_counters(self) -> torch.Tensor:
+        """The handoff launches' counters: all zero whenever no launch is in flight."""
+        return self._counters
+
+    @property
     def plan(self) -> LoRAPlan:
         """The launch plan `prepare` made for the current step."""
         return self._plan
