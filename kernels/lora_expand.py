@@ -28,6 +28,8 @@ waits for the shrink's `y`.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -152,6 +154,19 @@ def _check_widths(widths: tuple[int, ...], ranks: torch.Tensor, B: torch.Tensor,
         raise ValueError(f"widths {widths} sum to {sum(widths)}; B has {B.shape[1]}, out {out.shape[1]} rows")
 
 
+class ColumnChunks(NamedTuple):
+    widths: tuple[int, ...]  # the stacks' widths, padded with 0 to MAX_STACK
+    chunk_n: int  # columns per program, a multiple of the block width
+    per_stack: tuple[int, ...]  # each stack's chunks (a chunk never straddles two stacks)
+
+
+def column_chunks(widths: tuple[int, ...], chunk_n: int, block_n: int) -> ColumnChunks:
+    """How a group's output columns split into programs (the expand, fused and handoff grids)."""
+    w = tuple(widths) + (0,) * (MAX_STACK - len(widths))
+    chunk = max(chunk_n // block_n, 1) * block_n
+    return ColumnChunks(w, chunk, tuple(triton.cdiv(wi, chunk) for wi in w))
+
+
 def lora_expand(
     y: torch.Tensor,
     B: torch.Tensor,
@@ -180,10 +195,8 @@ def lora_expand(
     if num_tokens == 0:
         return out
     max_rank = B.shape[2]
-    w = tuple(widths) + (0,) * (MAX_STACK - len(widths))
     cfg = launch.expand
-    chunk_n = max(cfg.chunk_n // cfg.block_n, 1) * cfg.block_n
-    n_chunks = [triton.cdiv(wi, chunk_n) for wi in w]
+    w, chunk_n, n_chunks = column_chunks(widths, cfg.chunk_n, cfg.block_n)
     # Arguments after the slot metadata, the same for both kernels.
     shape_args = (
         max_rank,

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.lora_expand import MAX_STACK, _check_widths, lora_expand_ref
+from loraplex.kernels.lora_expand import _check_widths, column_chunks, lora_expand_ref
 from loraplex.kernels.lora_meta import LoRASegments, num_blocks_bound
 from loraplex.kernels.lora_plan import GroupLaunch
 from loraplex.kernels.lora_shrink import lora_shrink_ref
@@ -184,9 +184,7 @@ def lora_fused(
     if num_tokens == 0:
         return out
     max_rank = B.shape[2]
-    w = tuple(widths) + (0,) * (MAX_STACK - len(widths))
-    chunk_n = max(cfg.chunk_n // cfg.block_n, 1) * cfg.block_n
-    n_chunks = [triton.cdiv(wi, chunk_n) for wi in w]
+    w, chunk_n, n_chunks = column_chunks(widths, cfg.chunk_n, cfg.block_n)
     bslot, btok = segs.blocks_for(cfg.block_m)
     # Never past the blocks `build_segments` wrote for this step (the rest are stale).
     distinct = min(launch.distinct_bound, segs.num_slots)

@@ -18,7 +18,7 @@ from loraplex.kernels.lora_check import Case, _rel, _segments, _token_slots
 from loraplex.kernels.lora_configs import FusedConfig
 from loraplex.kernels.lora_expand import lora_expand
 from loraplex.kernels.lora_fused import lora_fused, lora_fused_ref
-from loraplex.kernels.lora_meta import BLOCK_MS
+from loraplex.kernels.lora_meta import BLOCK_MS, LoRASegments
 from loraplex.kernels.lora_plan import GroupShape, plan_group
 from loraplex.kernels.lora_shrink import lora_shrink
 
@@ -40,9 +40,20 @@ class FusedResult(NamedTuple):
     delta_norm: float  # the reference delta's norm (0 only when no token has work)
 
 
-def run_fused_case(fc: FusedCase, device: str = "cpu", seed: int = 0) -> FusedResult:
-    case, cfg = fc.case, fc.config
-    gen = torch.Generator().manual_seed(seed)
+class GroupInputs(NamedTuple):
+    x: torch.Tensor  # [T, d]
+    A: torch.Tensor  # [slots, n*R, d]
+    B: torch.Tensor  # [slots, sum(widths), R]
+    ranks: torch.Tensor  # int32 [slots, n]
+    scalings: torch.Tensor  # float32 [slots, n]
+    slots: torch.Tensor  # each token's slot (-1: none)
+    segs: LoRASegments
+    out0: torch.Tensor  # the base output [T, sum(widths)]
+
+
+def poisoned_inputs(case: Case, device: str, gen: torch.Generator) -> GroupInputs:
+    """A case's random inputs, the pool's padding past each slot's rank NaN (it is stale memory
+    there: reading it shows)."""
     dtype = getattr(torch, case.dtype)
     n, num_slots, R, T = len(case.widths), len(case.ranks), case.max_rank, case.num_tokens
 
@@ -52,22 +63,29 @@ def run_fused_case(fc: FusedCase, device: str = "cpu", seed: int = 0) -> FusedRe
     x = rand(T, case.d)
     A = rand(num_slots, n * R, case.d, scale=case.d**-0.5)
     B = rand(num_slots, sum(case.widths), R, scale=R**-0.5)
-    # The pool's padding past a slot's rank is stale memory: NaN here, so reading it shows.
-    ranks_l = torch.tensor(case.ranks, dtype=torch.int64)
-    for s in range(num_slots):
+    for s, slot_ranks in enumerate(case.ranks):
         off = 0
         for i, w in enumerate(case.widths):
-            A[s, i * R + int(ranks_l[s, i]) : (i + 1) * R] = float("nan")
-            B[s, off : off + w, int(ranks_l[s, i]) :] = float("nan")
+            A[s, i * R + slot_ranks[i] : (i + 1) * R] = float("nan")
+            B[s, off : off + w, slot_ranks[i] :] = float("nan")
             off += w
-    ranks = ranks_l.to(device=device, dtype=torch.int32)
+    ranks = torch.tensor(case.ranks, dtype=torch.int32, device=device)
     scalings = (torch.rand(num_slots, n, generator=gen) + 0.5).to(device)
     slots = _token_slots(case, num_slots, gen).to(device)
     segs = _segments(slots, T + 3, num_slots, device)
+    return GroupInputs(x, A, B, ranks, scalings, slots, segs, rand(T, sum(case.widths)))
+
+
+def run_fused_case(fc: FusedCase, device: str = "cpu", seed: int = 0) -> FusedResult:
+    case, cfg = fc.case, fc.config
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, case.dtype)
+    n, num_slots, R, T = len(case.widths), len(case.ranks), case.max_rank, case.num_tokens
+
+    x, A, B, ranks, scalings, slots, segs, out0 = poisoned_inputs(case, device, gen)
     launch = plan_group(GroupShape(case.d, case.widths, R), T, distinct_bound=num_slots)
     launch = launch._replace(fused=cfg, splits=1)
 
-    out0 = rand(T, sum(case.widths))
     out, out_ref = out0.clone(), out0.clone()
     lora_fused(x, A, B, ranks, scalings, segs, out, case.widths, launch)
     lora_fused_ref(x, A, B, ranks, scalings, segs, out_ref, case.widths)

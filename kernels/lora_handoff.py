@@ -26,10 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.lora_expand import MAX_STACK, _check_widths
+from loraplex.kernels.lora_expand import _check_widths, column_chunks
 from loraplex.kernels.lora_handoff_parts import _expand_part, _shrink_part
-from loraplex.kernels.lora_meta import LoRASegments, num_blocks_bound
+from loraplex.kernels.lora_meta import LoRASegments
 from loraplex.kernels.lora_plan import GroupLaunch, handoff_fits
+from loraplex.kernels.lora_shrink import shrink_grid
 from loraplex.kernels.placement import pdl_launch
 
 # Counter columns per token: one per stacked module (MAX_STACK), padded to 4.
@@ -222,13 +223,9 @@ def lora_handoff(
     n_stack, max_rank = ranks.shape[1], B.shape[2]
     sc, ec = launch.shrink, launch.expand
     bslot, btok = segs.blocks_for(sc.block_m)
-    r_blocks = triton.cdiv(max_rank, sc.block_r)
-    k_per_split = triton.cdiv(triton.cdiv(d, launch.splits), sc.block_k) * sc.block_k
-    token_blocks = num_blocks_bound(num_tokens, min(launch.distinct_bound, segs.num_slots), sc.block_m)
+    r_blocks, k_per_split, token_blocks = shrink_grid(num_tokens, d, max_rank, segs, launch)
     n_shrink = n_stack * r_blocks * token_blocks * launch.splits
-    w = tuple(widths) + (0,) * (MAX_STACK - len(widths))
-    chunk_n = max(ec.chunk_n // ec.block_n, 1) * ec.block_n
-    n_chunks = [triton.cdiv(wi, chunk_n) for wi in w]
+    w, chunk_n, n_chunks = column_chunks(widths, ec.chunk_n, ec.block_n)
     expand_rows = num_tokens if ec.per_token else token_blocks
     pdl = pdl_launch(out)
     _handoff_kernel[(n_shrink + sum(n_chunks) * expand_rows,)](

@@ -15,9 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from loraplex.kernels.lora_check import Case, _rel, _segments, _token_slots
+from loraplex.kernels.lora_check import Case, _rel
 from loraplex.kernels.lora_configs import ExpandConfig, ShrinkConfig
 from loraplex.kernels.lora_expand import lora_expand, lora_expand_ref
+from loraplex.kernels.lora_fused_check import poisoned_inputs
 from loraplex.kernels.lora_handoff import alloc_handoff_counters, lora_handoff
 from loraplex.kernels.lora_plan import GroupShape, plan_group
 from loraplex.kernels.lora_shrink import lora_shrink, lora_shrink_ref
@@ -47,26 +48,9 @@ class HandoffResult(NamedTuple):
 def run_handoff_case(hc: HandoffCase, device: str = "cpu", seed: int = 0) -> HandoffResult:
     case = hc.case
     gen = torch.Generator().manual_seed(seed)
-    dtype = getattr(torch, case.dtype)
     n, num_slots, R, T = len(case.widths), len(case.ranks), case.max_rank, case.num_tokens
 
-    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
-
-    x = rand(T, case.d)
-    A = rand(num_slots, n * R, case.d, scale=case.d**-0.5)
-    B = rand(num_slots, sum(case.widths), R, scale=R**-0.5)
-    ranks_l = torch.tensor(case.ranks, dtype=torch.int64)
-    for s in range(num_slots):  # the pool's padding past a slot's rank is stale memory: NaN here
-        off = 0
-        for i, w in enumerate(case.widths):
-            A[s, i * R + int(ranks_l[s, i]) : (i + 1) * R] = float("nan")
-            B[s, off : off + w, int(ranks_l[s, i]) :] = float("nan")
-            off += w
-    ranks = ranks_l.to(device=device, dtype=torch.int32)
-    scalings = (torch.rand(num_slots, n, generator=gen) + 0.5).to(device)
-    slots = _token_slots(case, num_slots, gen).to(device)
-    segs = _segments(slots, T + 3, num_slots, device)
+    x, A, B, ranks, scalings, slots, segs, out0 = poisoned_inputs(case, device, gen)
     launch = plan_group(GroupShape(case.d, case.widths, R), T, distinct_bound=num_slots)
     launch = launch._replace(splits=hc.splits, shrink=hc.shrink, expand=hc.expand)
     counters = alloc_handoff_counters(T + 3, device)
@@ -74,7 +58,6 @@ def run_handoff_case(hc: HandoffCase, device: str = "cpu", seed: int = 0) -> Han
     def y_buf() -> torch.Tensor:
         return torch.zeros(hc.splits, T, n * R, dtype=torch.float32, device=device)
 
-    out0 = rand(T, sum(case.widths))
     got, two, ref = out0.clone(), out0.clone(), out0.clone()
     lora_handoff(x, A, B, ranks, scalings, segs, y_buf(), got, case.widths, launch, counters)
     zero = bool((counters == 0).all())

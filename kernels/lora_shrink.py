@@ -15,6 +15,8 @@ per step with the step plan's split count (`loraplex.kernels.lora_plan`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -129,6 +131,25 @@ def shrink_out_view(buf: torch.Tensor, splits: int, num_tokens: int) -> torch.Te
     return buf[: splits * num_tokens].view(splits, num_tokens, buf.shape[1])
 
 
+class ShrinkGrid(NamedTuple):
+    r_blocks: int  # rank blocks per stacked module
+    k_per_split: int  # input columns per K-split, a multiple of block_k
+    token_blocks: int  # token blocks the step can have
+
+
+def shrink_grid(
+    num_tokens: int, d: int, max_rank: int, segs: LoRASegments, launch: GroupLaunch
+) -> ShrinkGrid:
+    """The shrink's program grid per stacked module (the shrink and handoff grids)."""
+    cfg = launch.shrink
+    return ShrinkGrid(
+        r_blocks=triton.cdiv(max_rank, cfg.block_r),
+        k_per_split=triton.cdiv(triton.cdiv(d, launch.splits), cfg.block_k) * cfg.block_k,
+        # Never past the blocks `build_segments` wrote for this step (the rest are stale).
+        token_blocks=num_blocks_bound(num_tokens, min(launch.distinct_bound, segs.num_slots), cfg.block_m),
+    )
+
+
 def lora_shrink(
     x: torch.Tensor,
     A: torch.Tensor,
@@ -156,10 +177,7 @@ def lora_shrink(
         return y
     cfg = launch.shrink
     bslot, btok = segs.blocks_for(cfg.block_m)
-    r_blocks = triton.cdiv(max_rank, cfg.block_r)
-    k_per_split = triton.cdiv(triton.cdiv(d, launch.splits), cfg.block_k) * cfg.block_k
-    # Never past the blocks `build_segments` wrote for this step (the rest are stale).
-    token_blocks = num_blocks_bound(num_tokens, min(launch.distinct_bound, segs.num_slots), cfg.block_m)
+    r_blocks, k_per_split, token_blocks = shrink_grid(num_tokens, d, max_rank, segs, launch)
     pdl = pdl_launch(x)
     _shrink_kernel[(n_stack * r_blocks, token_blocks, launch.splits)](
         x,
