@@ -10,7 +10,8 @@ delta: added in place, or (the side-stream backend) handed back as a float32 `Ad
 that the next fused kernel adds (the q/k/v split with rotary, the RMSNorm after the residual
 add, SiLU-and-mul). A layer returns its down projection unadded, so the residual add fuses with
 the next layer's norm.
-Checkpoint tensors are copied straight into the fused parameters by `load_weights`.
+The linears, norms and `Addend` are models/layers.py's. Checkpoint tensors are copied straight into the
+fused parameters by `load_weights`.
 """
 
 from __future__ import annotations
@@ -25,122 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from loraplex.kernels.fp8_quant import QuantizedRows
-from loraplex.kernels.fused_ops import add_rms_norm, rms_norm, silu_and_mul
+from loraplex.kernels.fused_ops import silu_and_mul
 from loraplex.kernels.placement import triton_runs_on
 from loraplex.kernels.qkv_rotary import qkv_rotary, qkv_rotary_ref
 from loraplex.kernels.skinny_gemm import skinny_gated, skinny_linear, skinny_serves
 from loraplex.services.inference.models.config import ModelConfig
 from loraplex.services.inference.models.context import ForwardContext
+from loraplex.services.inference.models.layers import Addend, FusedLinear, RMSNorm, empty_param
 from loraplex.services.inference.models.moe import SparseMoE
 from loraplex.services.inference.models.rope import RotaryEmbedding
-
-
-def _empty_param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
-class FusedLinear(nn.Module):
-    """One matmul for several stacked output blocks (e.g. q, k, v) that share an input."""
-
-    def __init__(self, in_features: int, out_sizes: tuple[int, ...], bias: bool):
-        super().__init__()
-        self.out_sizes = out_sizes
-        self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
-        self.weight = _empty_param(sum(out_sizes), in_features)
-        self.bias = _empty_param(sum(out_sizes)) if bias else None
-
-    def input_quant(self, x_like: torch.Tensor) -> QuantizedRows | None:
-        """Buffers for the op that makes this linear's input to write it into quantized as well (an
-        FP8 base's W8A8 GEMM: models/quantization/fp8_linear.py); None: the input as it is."""
-        return None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if skinny_serves(x, self.weight):  # LORAPLEX_SKINNY_GEMM, decode-sized batches
-            return skinny_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-    def load_shard(self, index: int, kind: str, tensor: torch.Tensor) -> None:
-        target = self.weight if kind == "weight" else self.bias
-        if target is None:
-            raise ValueError(f"checkpoint has a {kind} this layer was not built with")
-        start, size = self.offsets[index], self.out_sizes[index]
-        dest = target.data[start : start + size]
-        if dest.shape != tensor.shape:
-            raise ValueError(f"shape {tuple(tensor.shape)} does not fit {tuple(dest.shape)}")
-        dest.copy_(tensor)
-
-
-class Addend(NamedTuple):
-    """A linear's output and the float32 LoRA delta still to be added to it (None: nothing pending)."""
-
-    out: torch.Tensor
-    delta: torch.Tensor | None = None
-
-    def materialize(self) -> torch.Tensor:
-        if self.delta is not None:
-            self.out.add_(self.delta)  # dtype(float(out) + delta), as the in-place expand rounds
-        return self.out
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, unit_offset: bool = False):
-        super().__init__()
-        self.eps = eps
-        self.unit_offset = unit_offset  # Gemma: scale by (1 + weight) in float32, then cast
-        self.weight = _empty_param(size)
-
-    def forward(self, x: torch.Tensor, quant: QuantizedRows | None = None) -> torch.Tensor:
-        """`quant`: buffers the fused launch also writes the result into, quantized per token
-        (`Fp8Linear.input_quant`, which offers them only where that launch runs)."""
-        if triton_runs_on(x) and x.dim() == 2:  # one fused launch instead of seven (kernels/fused_ops.py)
-            return rms_norm(x, self.weight, self.eps, self.unit_offset, quant)
-        _no_quant_here(quant)
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (h * (1.0 + self.weight.float())).to(x.dtype)
-        # Llama: cast back before the weight, as transformers does.
-        return self.weight * h.to(x.dtype)
-
-    def add_forward(
-        self,
-        h: torch.Tensor,
-        addend: Addend | None,
-        h_out: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-        quant: QuantizedRows | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + addend, norm of it); one launch on CUDA (kernels/fused_ops.py `add_rms_norm`).
-        `h_out` / `out`: static buffers to write the two results into (`h_out` may be `h`).
-        `quant`: as `forward`'s."""
-        if addend is None:
-            if h_out is not None and h_out is not h:
-                h = h_out.copy_(h)
-            normed = self(h, quant)
-            return h, normed if out is None else out.copy_(normed)
-        if triton_runs_on(h) and h.dim() == 2:
-            return add_rms_norm(
-                h,
-                addend.out,
-                self.weight,
-                self.eps,
-                addend.delta,
-                h_out=h_out,
-                out=out,
-                unit_offset=self.unit_offset,
-                quant=quant,
-            )
-        _no_quant_here(quant)
-        h = h + addend.materialize()
-        if h_out is not None:
-            h = h_out.copy_(h)
-        normed = self(h)
-        return h, normed if out is None else out.copy_(normed)
-
-
-def _no_quant_here(quant: QuantizedRows | None) -> None:
-    if quant is not None:
-        raise ValueError("quantized outputs come only from the fused Triton launch (2-D rows)")
 
 
 class DecoderLayer(nn.Module):
@@ -341,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = _norm(cfg, cfg.hidden_size)
-        self.lm_head = None if cfg.tie_word_embeddings else _empty_param(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else empty_param(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim)
         self.local_rotary = None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope, cfg.head_dim)
         self.embed_scale = cfg.hidden_size**0.5 if cfg.family.embed_scale else None

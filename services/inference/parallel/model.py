@@ -24,7 +24,8 @@ from torch import nn
 from loraplex.kernels.fp8_quant import QuantizedRows
 from loraplex.services.inference.lora.shapes import FUSED_MODULES
 from loraplex.services.inference.models.config import ModelConfig, UnsupportedModelError, load_config
-from loraplex.services.inference.models.llama import FusedLinear, LlamaForCausalLM
+from loraplex.services.inference.models.layers import FusedLinear
+from loraplex.services.inference.models.llama import LlamaForCausalLM
 from loraplex.services.inference.models.loader import default_dtype, safetensors_files
 from loraplex.services.inference.models.moe import SparseMoE
 from loraplex.services.inference.models.quantization.fp8_linear import (

@@ -31,7 +31,8 @@ from loraplex.kernels.fp8_quant import QuantizedRows, empty_quantized
 from loraplex.kernels.fp8_weight_gemm import fp8_w8a8_gemm, fp8_weight_gemm
 from loraplex.kernels.fused_ops import fuses_quant
 from loraplex.kernels.settings import kernel_settings, switched_on
-from loraplex.services.inference.models.llama import _LAYER_WEIGHTS, FusedLinear, LlamaForCausalLM
+from loraplex.services.inference.models.layers import FusedLinear
+from loraplex.services.inference.models.llama import _LAYER_WEIGHTS, LlamaForCausalLM
 from loraplex.services.inference.models.quantization.scheme import Fp8Scheme
 
 log = logging.getLogger(__name__)
