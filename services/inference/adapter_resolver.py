@@ -12,6 +12,7 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.services.inference.engine.api import Engine
@@ -25,6 +26,12 @@ from loraplex.services.inference.store_client import PulledAdapter, StoreClient,
 
 log = logging.getLogger(__name__)
 LIST_PAGE_MAX = 1000  # adapters per ListAdapters page (the store's page limit too)
+
+
+@dataclass(eq=False)
+class _NameLock:
+    lock: asyncio.Lock
+    users: int = 0  # holder and waiters
 
 
 class AdapterResolver:
@@ -46,7 +53,7 @@ class AdapterResolver:
         # the swap waits for the calls already running, so one call sees one version per name.
         self._swapping: dict[str, asyncio.Event] = {}
         # LoadAdapter calls for one name run one at a time: each response reports what it loaded.
-        self._load_locks: dict[str, asyncio.Lock] = {}
+        self._load_locks: dict[str, _NameLock] = {}
 
     # -- requests in flight ---------------------------------------------------------------
     def acquire(self, name: str) -> None:
@@ -109,12 +116,17 @@ class AdapterResolver:
 
     @contextlib.asynccontextmanager
     async def _load_lock(self, name: str) -> AsyncIterator[None]:
-        lock = self._load_locks.setdefault(name, asyncio.Lock())
+        # The entry counts its holder and waiters, and goes only when the last leaves. `lock.locked()`
+        # cannot tell: between a release and the woken waiter's acquire it is False, and a lock
+        # dropped then let the next caller make a fresh one and run beside that waiter.
+        entry = self._load_locks.setdefault(name, _NameLock(asyncio.Lock()))
+        entry.users += 1
         try:
-            async with lock:
+            async with entry.lock:
                 yield
         finally:
-            if not lock.locked() and self._load_locks.get(name) is lock:
+            entry.users -= 1
+            if entry.users == 0:
                 del self._load_locks[name]
 
     async def _ensure_one(self, name: str) -> None:
