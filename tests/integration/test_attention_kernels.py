@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels.attention_ref import paged_decode_attention_ref, paged_prefill_attention_ref
-from tests.support.interpreter import assert_interpreter_checks_pass
+from tests.support.child import assert_interpreter_checks_pass
 
 
 class PagedCase(NamedTuple):

@@ -7,27 +7,12 @@ when the kernels are decorated); the keys are Triton's own (kernels/compile_watc
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.child import REPO, child_env, last_json, run_child
 
 
 def test_varied_steps_after_warm_up_compile_nothing():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "support" / "compile_after_warmup_check.py")],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    script = str(REPO / "tests" / "support" / "compile_after_warmup_check.py")
+    result = last_json(run_child([script], env=child_env(interpret=True), timeout=600).stdout)
     assert result["served_keys"] > 10, result  # the steps did launch the step kernels
     assert result["new_after_warmup"] == [], result
     # A step outside the warm-up's range does show up as new keys: the check can see a new shape class.

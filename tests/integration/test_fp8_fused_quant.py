@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from tests.support.interpreter import assert_interpreter_checks_pass
+from tests.support.child import assert_interpreter_checks_pass
 
 
 def test_fused_quantization_under_triton_interpreter() -> None:

@@ -14,7 +14,7 @@ import sys
 import torch
 
 from loraplex.kernels.fp8_matmul import FP8_DTYPE, dequantize, expand_scale, quantize_rows
-from tests.support.interpreter import assert_interpreter_checks_pass
+from tests.support.child import assert_interpreter_checks_pass
 
 
 def on_grid(rows: int, cols: int, seed: int, scale: float = 2.0**-6) -> torch.Tensor:

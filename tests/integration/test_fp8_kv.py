@@ -11,10 +11,6 @@ own KV cache scales are refused in one line.
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,37 +19,19 @@ from loraplex.services.inference.engine.config import EngineConfig
 from loraplex.services.inference.engine.kv_cache import KVCacheScales, plan_num_blocks
 from loraplex.services.inference.models.config import UnsupportedModelError, parse_config
 from loraplex.services.inference.models.quantization.scheme import resolve_scheme
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.child import child_env, run_child
 
 
 def test_triton_fp8_kv_engine_gives_the_torch_fp8_tokens(tiny_llama_path):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.fp8_kv_engine_check", str(tiny_llama_path)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-4000:]}"
+    argv = ["-m", "tests.support.fp8_kv_engine_check", str(tiny_llama_path)]
+    proc = run_child(argv, env=child_env(interpret=True))
     assert proc.stdout.rstrip().endswith("ok"), proc.stdout
 
 
 def test_fp8_kv_kernels_compile_for_sm90(tmp_path):
     # A child without TRITON_INTERPRET (kernels decorated under it would not compile) and a fresh cache.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env |= {"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}", "TRITON_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.fp8_kv_compile_check"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    env = child_env(interpret=False, TRITON_CACHE_DIR=str(tmp_path))
+    proc = run_child(["-m", "tests.support.fp8_kv_compile_check"], env=env)
     lines = dict(line.split(": ", 1) for line in proc.stdout.splitlines() if ": ptx" in line)
     assert set(lines) == {"store_kv_fp8", "qkv_rotary_store_fp8", "decode_fp8", "prefill_fp8_softcap"}, (
         proc.stdout

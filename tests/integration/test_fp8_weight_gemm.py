@@ -19,9 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,9 +30,8 @@ from loraplex.kernels.fp8_matmul import dequantize, quantize_rows
 from loraplex.kernels.settings import KernelSettings, kernel_settings, reload_kernel_settings
 from loraplex.services.inference.models.quantization.fp8_linear import Fp8Linear
 from loraplex.services.inference.models.quantization.scheme import Fp8Scheme
-from tests.support.interpreter import assert_interpreter_checks_pass
+from tests.support.child import assert_interpreter_checks_pass, child_env, run_child
 
-REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 
 
@@ -214,17 +211,8 @@ def test_kernels_under_triton_interpreter() -> None:
 
 
 def test_kernels_compile_for_sm90(tmp_path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env |= {"PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}", "TRITON_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.test_fp8_weight_gemm", "--compile"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    env = child_env(interpret=False, TRITON_CACHE_DIR=str(tmp_path))
+    proc = run_child(["-m", "tests.integration.test_fp8_weight_gemm", "--compile"], env=env)
     assert proc.stdout.count("cubin") == len(COMPILE_VARIANTS) + 1, proc.stdout  # + the quantization
     assert "wgmma 0" not in proc.stdout, proc.stdout
 

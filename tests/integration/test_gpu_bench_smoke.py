@@ -6,14 +6,10 @@ illegal memory access instead of in the middle of a measurement run. (On the GPU
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.child import run_child
 
 pytestmark = pytest.mark.gpu
 
@@ -46,14 +42,5 @@ def test_bench_runs_end_to_end_on_cuda(bench, tmp_path):
 
     if bench == "lora_pdl" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9 or more")
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'protos'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run(
-        [sys.executable, "-m", f"loraplex.bench.{bench}", *BENCHES[bench], "--out", str(tmp_path)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-6000:])
+    run_child(["-m", f"loraplex.bench.{bench}", *BENCHES[bench], "--out", str(tmp_path)], timeout=900)
     assert json.loads((tmp_path / f"{bench}.json").read_text())

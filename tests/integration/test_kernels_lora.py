@@ -9,33 +9,18 @@ brief §9); the GPU benchmark checks bf16 before timing.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from loraplex.kernels.lora_check import CASES
+from tests.support.child import child_env, json_lines, run_child
 
-REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "-m", "loraplex.kernels.lora_check"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    proc = run_child(["-m", "loraplex.kernels.lora_check"], env=child_env(interpret=True))
+    rows = json_lines(proc.stdout)
     return {row.get("name") or "segments: " + row["segments"]: row for row in rows}
 
 

@@ -12,19 +12,16 @@ attention.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from loraplex.services.inference.engine.types import SamplingParams
+from tests.support.child import REPO, child_env, run_child
 from tests.support.factories import make_tiny_model
 from tests.support.lora_reference import server_args, sync_engine
 
-REPO = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 24
 # Phi-3's adapters target its fused modules (one A, one B over the whole fused output).
 ADAPTERS = {
@@ -146,15 +143,7 @@ def test_family_matches_transformers_and_peft(arch, tmp_path_factory, smollm2_pa
 def test_every_family_on_the_cuda_path_kernels_under_the_interpreter():
     """The fused kernels, the windowed / soft-capped Triton attention and the Triton LoRA backend
     give each family's torch-path logits (tests/support/family_triton_check.py, TRITON_INTERPRET=1)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "support" / "family_triton_check.py")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
+    script = str(REPO / "tests" / "support" / "family_triton_check.py")
+    proc = run_child([script], env=child_env(interpret=True), timeout=600)
     for family in ("llama", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe"):
         assert f"{family}: triton path vs torch path" in proc.stdout and "FAIL" not in proc.stdout

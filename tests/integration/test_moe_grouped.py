@@ -8,16 +8,9 @@ no token, a single-token step; float32 and float16, SiLU and tanh-GELU, float32 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO / 'protos'}{os.pathsep}{REPO}"}
+from tests.support.child import child_env, last_json, run_child
 
 # One child for both checks (the interpreter's start-up and imports are most of the time).
 CHILD = """
@@ -103,11 +96,7 @@ print(json.dumps(dict(kernel=kernel, sparse_moe=out, expert_lora=expert_lora, pa
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD], env=ENV, cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return last_json(run_child(["-c", CHILD], env=child_env(interpret=True), timeout=120).stdout)
 
 
 def test_grouped_kernel_matches_torch_reference(results):

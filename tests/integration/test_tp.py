@@ -7,23 +7,19 @@ adapters, the engine built through `build_engine` (the server's path).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from loraplex.services.inference.engine.types import SamplingParams
 from loraplex.services.inference.errors import BackendUnavailable
 from loraplex.services.inference.server_args import ServerArgs
+from tests.support.child import child_env, last_json, run_child
 from tests.support.factories import make_tiny_model
 from tests.support.lora_reference import async_engine
 
-REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "1, 2, 3, 4,"]
 
 
@@ -211,23 +207,17 @@ def test_unrunnable_tp_sizes_are_refused_before_any_worker_starts(tiny_llama_pat
 def test_triton_lora_kernels_under_tp2_match_torch_tp1(tiny_llama_path, adapter_factory):
     """The Triton LoRA path with the row-parallel shrink all-reduce, on Triton's CPU interpreter."""
     adapters = mixed_adapters(adapter_factory, tiny_llama_path)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}"}
-    proc = subprocess.run(
+    proc = run_child(
         [
-            sys.executable,
             "-m",
             "tests.support.tp_triton_check",
             str(tiny_llama_path),
             *(f"{n}={p}" for n, p in adapters.items()),
         ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
+        env=child_env(interpret=True),
         timeout=240,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = last_json(proc.stdout)
     assert result["tp2_triton"] == result["tp1_torch"]
     assert result["tp1_triton"] == result["tp1_torch"]
     assert len({tuple(t) for t in result["tp1_torch"]}) > 3

@@ -9,27 +9,15 @@ a shared CI machine, so a policy that starves hot or cold adapters, or collapses
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.child import child_env, run_child
 
 
 def run_workload(tmp_path, args: list[str]) -> dict:
     args = [*args, "--workdir", str(tmp_path / "files"), "--out", str(tmp_path)]
     # One torch thread: on a shared 2-core machine two threads fighting for the cores are much slower.
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "loraplex.bench.workload", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    env = child_env(OMP_NUM_THREADS="1")
+    proc = run_child(["-m", "loraplex.bench.workload", *args], env=env, timeout=600)
     assert "| scenario |" in proc.stdout  # the table
     return json.loads((tmp_path / "workload.json").read_text())["scenarios"]
 

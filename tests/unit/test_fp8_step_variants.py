@@ -5,26 +5,14 @@ the bytes of the default row it is compared with."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.child import run_child
 
 
 def run_bench(tmp_path: Path, *extra: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'protos'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     args = ["--tiny", "--device", "cpu", "--skip-quality", "--repeats", "2", "--out", str(tmp_path), *extra]
-    run = subprocess.run(
-        [sys.executable, "-m", "loraplex.bench.fp8_step", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_child(["-m", "loraplex.bench.fp8_step", *args])
     return json.loads((tmp_path / "fp8_step.json").read_text())
 
 

@@ -5,10 +5,6 @@ the engine with LORAPLEX_LORA_FUSED=on, and the setting's choice of launches."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,27 +12,13 @@ from loraplex.kernels import lora_configs
 from loraplex.kernels.lora_configs import FusedConfig, FusedKey, fused_config
 from loraplex.kernels.lora_plan import GroupShape, plan_step
 from loraplex.kernels.settings import KernelSettings
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.child import REPO, child_env, json_lines, run_child
 
 
 def test_fused_kernel_matches_reference_and_engine_tokens_match_unfused():
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}",
-        "LORAPLEX_LORA_FUSED": "off",  # the child sets each backend's mode itself
-    }
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "support" / "lora_fused_check.py")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
-    cases = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    env = child_env(interpret=True, LORAPLEX_LORA_FUSED="off")  # the child sets each backend's mode itself
+    proc = run_child([str(REPO / "tests" / "support" / "lora_fused_check.py")], env=env)
+    cases = json_lines(proc.stdout)
     assert len(cases) >= 12 and all(c["ok"] for c in cases), cases
     assert max(c["num_slots"] for c in cases) == 256 and min(c["num_slots"] for c in cases) == 1
     assert any(c["delta_norm"] > 0 for c in cases) and any(c["delta_norm"] == 0 for c in cases)

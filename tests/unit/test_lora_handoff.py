@@ -5,19 +5,13 @@ tests/support/lora_handoff_check.py), and which launches the plan hands off."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from loraplex.kernels.lora_configs import DECODE_MAX_TOKENS, MANY_ADAPTERS
 from loraplex.kernels.lora_plan import GroupShape, handoff_fits, plan_group, plan_step
 from loraplex.kernels.settings import KernelSettings
+from tests.support.child import child_env, json_lines, run_child
 
-REPO = Path(__file__).resolve().parents[2]
 SHAPES = {
     "qkv": GroupShape(4096, (4096, 1024, 1024), 16),
     "o": GroupShape(4096, (4096,), 16),
@@ -27,23 +21,10 @@ SHAPES = {
 
 
 def test_handoff_matches_two_kernels_and_engine_tokens_match():
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'protos'}",
-        "LORAPLEX_LORA_FUSED": "off",
-        "LORAPLEX_LORA_HANDOFF": "0",  # the child sets each backend's mode itself
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.lora_handoff_check"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr[-3000:]}"
-    cases = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    # the child sets each backend's mode itself
+    env = child_env(interpret=True, LORAPLEX_LORA_FUSED="off", LORAPLEX_LORA_HANDOFF="0")
+    proc = run_child(["-m", "tests.support.lora_handoff_check"], env=env)
+    cases = json_lines(proc.stdout)
     assert len(cases) >= 12 and all(c["ok"] for c in cases), cases
     assert max(c["num_slots"] for c in cases) == 256 and min(c["num_slots"] for c in cases) == 1
     assert any(c["per_token"] for c in cases) and any(not c["per_token"] for c in cases)
