@@ -1,6 +1,6 @@
 """LoRAManager: the adapter registry, host cache and GPU slot allocator (the engine's AdapterSlots).
 
-Invariants
+Invariants (the choices themselves, eviction, queue order and drains: lora/slot_choice.py)
 - A name maps to one *active* version (what new requests get). Loading the name with other
   content makes the old version *retiring*; new requests for the name wait (`acquire` -> None)
   until the retiring version's running requests finish, so no request mixes two versions and
@@ -41,13 +41,14 @@ from loraplex.services.inference.lora.adapter import AdapterWeights, load_adapte
 from loraplex.services.inference.lora.adapter_slots import AdapterInfo, AdapterSlots
 from loraplex.services.inference.lora.config import check_fits, modules_of
 from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.slot_choice import cheapest_busy_slots, evictable_slot, next_waiter
 
 log = logging.getLogger(__name__)
 
 # A slot handed to a waiting adapter is kept for it this long even before its request takes it.
 RESERVE_S = 2.0
 # How long a waiter in the slot queue waits for a slot to free by itself before one is drained for it;
-# also what one queued request is worth in the queue's order (see _next_waiter).
+# also what one queued request is worth in the queue's order (see slot_choice.next_waiter).
 SLOT_WAIT_S = 1.0
 
 
@@ -298,19 +299,7 @@ class LoRAManager(AdapterSlots):
         version.weights = None
 
     def _evictable_slot(self) -> int | None:
-        """An empty slot, else the idle (refcount 0, unpinned, unreserved) slot whose adapter has
-        the fewest queued requests, least recently used among ties; None when every slot is busy."""
-        now = self._clock()
-        best, best_key = None, None
-        for slot, v in enumerate(self._slots):
-            if v is None:
-                return slot
-            if v.refs or v.pinned or slot in self._draining or v.reserved_until > now:
-                continue
-            key = (self._queued.get(v.name, 0), v.last_used)
-            if best_key is None or key < best_key:
-                best, best_key = slot, key
-        return best
+        return evictable_slot(self._slots, self._queued, self._draining, self._clock())
 
     def _place(self, version: _Version, slot: int) -> bool:
         """Upload `version` into `slot`, evicting its occupant (refcount 0). False if unreadable."""
@@ -367,23 +356,11 @@ class LoRAManager(AdapterSlots):
         aged = sum(1 for since in self._waiting.values() if since <= deadline)
         need = min(aged, self.max_draining) - len(self._draining)
         if need > 0:
-            for slot in self._cheapest_busy_slots(need):
+            for slot in cheapest_busy_slots(self._slots, self._queued, self._draining, need):
                 self._draining.add(slot)
 
     def _next_waiter(self) -> str:
-        """The waiting adapter served next: the longest waiting, where each queued request counts
-        as `slot_wait_s` of waiting (a popular adapter overtakes cold ones; a cold one still ages
-        to the front, as a later arrival must have more queued requests than seconds since)."""
-        return min(self._waiting, key=lambda n: self._waiting[n] - self.slot_wait_s * self._queued.get(n, 0))
-
-    def _cheapest_busy_slots(self, count: int) -> list[int]:
-        """Busy unpinned slots whose loss costs least: fewest queued requests, then fewest running."""
-        busy = [
-            ((self._queued.get(v.name, 0), v.refs, v.last_used), s)
-            for s, v in enumerate(self._slots)
-            if v is not None and v.refs and not v.pinned and s not in self._draining
-        ]
-        return [s for _, s in sorted(busy)[:count]]
+        return next_waiter(self._waiting, self._queued, self.slot_wait_s)
 
     def _trim_host_cache(self) -> None:
         """Keep at most `max_loaded_loras` host copies: drop LRU ones no request or pin needs."""

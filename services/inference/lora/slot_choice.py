@@ -1,0 +1,59 @@
+"""Which slot to give up and which waiting adapter to serve: LoRAManager's choices, as pure functions.
+
+Each reads the slot table (a version per slot, or None), the scheduler's last report of queued
+requests per adapter and the set of draining slots; none changes anything, so the manager keeps
+every write under its lock and these stay testable with plain records."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+
+class SlotHolder(Protocol):
+    """What the choices read of an adapter version in a slot."""
+
+    name: str
+    refs: int  # running requests on it
+    pinned: bool
+    last_used: float
+    reserved_until: float  # a slot handed to a waiter is kept for it until then
+
+
+def evictable_slot(
+    slots: Sequence[SlotHolder | None], queued: Mapping[str, int], draining: set[int], now: float
+) -> int | None:
+    """An empty slot, else the idle (refcount 0, unpinned, unreserved, not draining) slot whose
+    adapter has the fewest queued requests, least recently used among ties; None when every
+    slot is busy."""
+    best, best_key = None, None
+    for slot, v in enumerate(slots):
+        if v is None:
+            return slot
+        if v.refs or v.pinned or slot in draining or v.reserved_until > now:
+            continue
+        key = (queued.get(v.name, 0), v.last_used)
+        if best_key is None or key < best_key:
+            best, best_key = slot, key
+    return best
+
+
+def next_waiter(waiting: Mapping[str, float], queued: Mapping[str, int], slot_wait_s: float) -> str:
+    """The waiting adapter served next: the longest waiting, where each queued request counts as
+    `slot_wait_s` of waiting (a popular adapter overtakes cold ones; a cold one still ages to the
+    front, as a later arrival must have more queued requests than seconds since).
+    `waiting` maps a name to when it started waiting."""
+    return min(waiting, key=lambda n: waiting[n] - slot_wait_s * queued.get(n, 0))
+
+
+def cheapest_busy_slots(
+    slots: Sequence[SlotHolder | None], queued: Mapping[str, int], draining: set[int], count: int
+) -> list[int]:
+    """Up to `count` busy unpinned slots, not yet draining, whose loss costs least: fewest queued
+    requests, then fewest running, then least recently used."""
+    busy = [
+        ((queued.get(v.name, 0), v.refs, v.last_used), s)
+        for s, v in enumerate(slots)
+        if v is not None and v.refs and not v.pinned and s not in draining
+    ]
+    return [s for _, s in sorted(busy)[:count]]
