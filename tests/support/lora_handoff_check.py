@@ -12,6 +12,7 @@ Prints JSON lines for the kernel cases, then one `engine ...` line per mode; exi
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import loraplex.services.inference.lora.triton_backend as triton_backend
@@ -21,12 +22,13 @@ from tests.support.lora_fused_check import greedy
 CALLS = [0]
 DIRTY = [0]  # launches that left the backend's counters non-zero
 _real = triton_backend.lora_handoff
+_SIGNATURE = inspect.signature(_real)  # finds `counters` however the backend passes it
 
 
 def _counting(*args, **kwargs):
     CALLS[0] += 1
     out = _real(*args, **kwargs)
-    DIRTY[0] += bool(args[10].any())  # the counters (lora_handoff's 11th argument)
+    DIRTY[0] += bool(_SIGNATURE.bind(*args, **kwargs).arguments["counters"].any())
     return out
 
 
