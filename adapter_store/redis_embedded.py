@@ -24,6 +24,9 @@ SUPERVISE_S = 0.5
 
 # Each call retries a little (a Redis restart takes ~100 ms), then fails fast as UNAVAILABLE;
 # the pool reconnects on the next call, so the store recovers by itself when Redis is back.
+# A burst of more concurrent calls than connections (300 watchers subscribing at once) waits up to
+# POOL_WAIT_S for a free one rather than failing at once as "Too many connections".
+POOL_WAIT_S = 10.0
 _CLIENT_OPTIONS = dict(
     decode_responses=True,
     socket_connect_timeout=2.0,
@@ -54,7 +57,7 @@ class EmbeddedRedis:
         )
 
     def client(self) -> aioredis.Redis:
-        return aioredis.Redis(unix_socket_path=self.socket_path, **_CLIENT_OPTIONS)
+        return connect(f"unix://{self.socket_path}")
 
     def alive(self) -> bool:
         import psutil
@@ -121,7 +124,9 @@ class EmbeddedRedis:
 
 
 def connect(redis_url: str) -> aioredis.Redis:
-    return aioredis.from_url(redis_url, **_CLIENT_OPTIONS)
+    """A client on a blocking pool: calls beyond its connections queue instead of failing."""
+    pool = aioredis.BlockingConnectionPool.from_url(redis_url, timeout=POOL_WAIT_S, **_CLIENT_OPTIONS)
+    return aioredis.Redis.from_pool(pool)
 
 
 def describe(redis_url: str | None) -> str:
