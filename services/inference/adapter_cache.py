@@ -17,6 +17,8 @@ import hashlib
 import logging
 import os
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,6 +86,8 @@ class AdapterCache:
         # names of content directories a loaded adapter may read again (host copy dropped)
         self.in_use = in_use
         self.evictions = 0
+        self._stamp_lock = threading.Lock()  # touch runs on worker threads
+        self._last_stamp = 0
 
     def too_big(self, what: str, need: int) -> CapacityExceeded:
         return CapacityExceeded(
@@ -115,8 +119,14 @@ class AdapterCache:
         return False
 
     def touch(self, path: Path) -> None:
+        """Mark a content directory used now. The stamp comes from the fine clock and rises
+        strictly: the kernel stamps files from its coarse clock (one tick, 1-4 ms), so an adapter
+        pulled right after another's hit would tie with it and eviction would fall to name order."""
+        with self._stamp_lock:
+            stamp = max(time.time_ns(), self._last_stamp + 1)
+            self._last_stamp = stamp
         try:
-            os.utime(path)
+            os.utime(path, ns=(stamp, stamp))
         except OSError:
             pass  # best effort: only the eviction order suffers
 
@@ -138,7 +148,7 @@ class AdapterCache:
         for entry in os.scandir(self.root):
             if entry.is_dir() and is_content_dir_name(entry.name):
                 try:
-                    mtime = entry.stat().st_mtime
+                    mtime = entry.stat().st_mtime_ns
                 except FileNotFoundError:
                     continue  # removed since the scan by a concurrent pull's discard or eviction
                 size = _content_bytes(Path(entry.path))

@@ -295,6 +295,7 @@ class StoreClient:
             except OSError:
                 if not (target / WEIGHTS_FILE).exists():  # lost a race with a complete copy: fine
                     raise
+            self.cache.touch(target)  # its last use, on the same clock as the hits' (see touch)
             self.pulls += 1
             if self._on_pull is not None:
                 self._on_pull(nbytes)
