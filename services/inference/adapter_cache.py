@@ -148,17 +148,17 @@ class AdapterCache:
         for entry in os.scandir(self.root):
             if entry.is_dir() and is_content_dir_name(entry.name):
                 try:
-                    mtime = entry.stat().st_mtime_ns
+                    used_ns = entry.stat().st_mtime_ns  # its last use (see touch)
                 except FileNotFoundError:
                     continue  # removed since the scan by a concurrent pull's discard or eviction
                 size = _content_bytes(Path(entry.path))
                 total += size
-                dirs.append((mtime, entry.name, size))
+                dirs.append((used_ns, entry.name, size))
         if total + need <= self.max_bytes:
             return []
         used = (self.in_use() if in_use is None else in_use) | {keep}
         evicted = []
-        for _mtime, name, size in sorted(dirs):
+        for _used_ns, name, size in sorted(dirs):
             if total + need <= self.max_bytes:
                 break
             if name in used:

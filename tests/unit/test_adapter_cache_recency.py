@@ -5,17 +5,8 @@ keep the wrong adapter: a pull landing right after a hit tied with it and the na
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from loraplex.services.inference import adapter_cache
 from loraplex.services.inference.adapter_cache import AdapterCache
-
-
-def _content_dir(root: Path, tag: str, size: int = 100) -> Path:
-    path = root / f"{tag * 64}-{'0' * 64}"
-    path.mkdir(parents=True)
-    (path / adapter_cache.WEIGHTS_FILE).write_bytes(b"x" * size)
-    return path
+from tests.unit.test_adapter_cache_race import _content_dir
 
 
 def test_the_earlier_use_is_evicted_within_one_clock_tick(tmp_path):
@@ -23,7 +14,7 @@ def test_the_earlier_use_is_evicted_within_one_clock_tick(tmp_path):
         root = tmp_path / str(round_)
         cache = AdapterCache(root, max_bytes=250)
         # "f..." sorts after "0...": a tie would evict the later-used "0..." first.
-        used_first, used_last = _content_dir(root, "f"), _content_dir(root, "0")
+        used_first, used_last = _content_dir(root, "f", 100), _content_dir(root, "0", 100)
         cache.touch(used_first)
         cache.touch(used_last)
         assert cache.make_room(100, "a third adapter") == [used_first.name]
@@ -31,7 +22,7 @@ def test_the_earlier_use_is_evicted_within_one_clock_tick(tmp_path):
 
 def test_stamps_rise_strictly(tmp_path):
     cache = AdapterCache(tmp_path, max_bytes=10_000)
-    dirs = [_content_dir(tmp_path, tag) for tag in "0123456789"]
+    dirs = [_content_dir(tmp_path, tag, 100) for tag in "0123456789"]
     for d in dirs:
         cache.touch(d)
     stamps = [d.stat().st_mtime_ns for d in dirs]
