@@ -181,7 +181,10 @@ def test_copy_stops_at_the_byte_limit_and_when_told(tmp_path):
 _STALLED_PULL = """
 import sys, time, grpc
 from loraplex.v1 import adapter_store_pb2 as pb, adapter_store_pb2_grpc as pb_grpc
-stub = pb_grpc.AdapterStoreStub(grpc.insecure_channel(sys.argv[1]))
+# No BDP probing: the receive window stays near 64 KiB. With it, a loaded machine's long round trips
+# grew the window past the whole file, the pull finished before the kill, and nothing ended early.
+channel = grpc.insecure_channel(sys.argv[1], options=[("grpc.http2.bdp_probe", 0)])
+stub = pb_grpc.AdapterStoreStub(channel)
 stream = stub.PullAdapter(pb.PullAdapterRequest(name="big"))
 next(stream)
 print("pulling", flush=True)
