@@ -31,6 +31,8 @@ def _local_text(source: str) -> str:
                 f"file:// URI with a remote host {parsed.netloc[:100]!r} is not supported", field="source"
             )
         text = unquote(parsed.path)
+        if "\0" in text:  # %00: no path holds a NUL, and the OS calls refuse one with a ValueError
+            raise InvalidRequest(f"source {source[:200]!r} decodes to a path with a NUL byte", field="source")
     return text
 
 
