@@ -91,7 +91,9 @@ def parse_source(source: str, revision: str, allowed_dirs: tuple[Path, ...] = ()
             )
         path = unquote(parsed.path)
         if "\0" in path:  # %00: no path holds a NUL, and the OS calls refuse one with a ValueError
-            raise InvalidArgument(f"source {source[:200]!r} decodes to a path with a NUL byte", field="source")
+            raise InvalidArgument(
+                f"source {source[:200]!r} decodes to a path with a NUL byte", field="source"
+            )
         return _local_spec(Path(path), revision, allowed_dirs)
     if source.startswith(("/", "./", "../", "~")):
         return _local_spec(Path(source).expanduser(), revision, allowed_dirs)
