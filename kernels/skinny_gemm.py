@@ -16,11 +16,11 @@ captured CUDA graph keeps its address), the workspace is allocated per call, as 
 attention's partials are.
 
 It serves gate_up wherever Triton runs and no LoRA delta is pending (`skinny_serves`): with the fused
-KV store and the direct single-split decode it made the batch-64 step 8.90 against 9.10 ms (H100,
+KV store, the direct single-split decode and cuBLASLt it made the batch-64 step 8.90 against 9.10 ms (H100,
 2026-12-05). The same kernel as a plain linear (no activation) was slower than cuBLAS on every
 projection but the LM head and made the step 0.89-0.95x as fast, so it was removed (docs/benchmarks.md,
-"Facts behind defaults"). `SKINNY_TABLE` holds tuned configs per shape, the heuristic
-`default_config` covers the rest.
+"Facts behind defaults"). Block sizes and K splits come from `default_config`'s rule (the per-shape
+table it once had was never filled in, and went with the sweep that would have filled it).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from loraplex.kernels.settings import kernel_settings
 
 SKINNY_MAX_ROWS = 64
 MAX_SPLIT_K = 16
-COUNTER_SLOTS = 1 << 16  # column tiles a split-K launch may have (lm_head at BLOCK_N 16: 8,016)
+COUNTER_SLOTS = 1 << 16  # column tiles a split-K launch may have
 ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
 
 
@@ -49,16 +49,6 @@ class SkinnyConfig(NamedTuple):
     split_k: int
     num_warps: int = 4
     num_stages: int = 4
-
-
-class SkinnyKey(NamedTuple):
-    rows_block: int  # 16 or 64 (`rows_block`)
-    n: int  # output columns: the activation's width, half the weight's rows
-    k: int
-
-
-# Tuned per GPU and model shape by bench/base_step.py's sweep; empty: `default_config` everywhere.
-SKINNY_TABLE: dict[SkinnyKey, SkinnyConfig] = {}
 
 
 def rows_block(rows: int) -> int:
@@ -83,11 +73,6 @@ def default_config(rows: int, n: int, k: int, device: torch.device) -> SkinnyCon
     if tiles < target:
         split = max(1, min(triton.cdiv(target, tiles), k // (4 * block_k), MAX_SPLIT_K))
     return SkinnyConfig(block_n, block_k, split)
-
-
-def skinny_config(rows: int, n: int, k: int, device: torch.device) -> SkinnyConfig:
-    key = SkinnyKey(rows_block(rows), n, k)
-    return SKINNY_TABLE.get(key) or default_config(rows, n, k, device)
 
 
 _counters: dict[str, torch.Tensor] = {}
@@ -203,7 +188,7 @@ def _launch(
         raise ValueError(f"skinny GEMM takes 1..{SKINNY_MAX_ROWS} rows, got {rows}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1 or weight.shape[1] != k:
         raise ValueError("x and weight need a contiguous last dimension of the same width")
-    cfg = config or skinny_config(rows, n, k, x.device)
+    cfg = config or default_config(rows, n, k, x.device)
     split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
     k_per = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per)  # no empty slices

@@ -64,6 +64,7 @@ def test_no_variable_picks_a_kernel_variant_and_each_setting_is_documented():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
+
     def read(folders: tuple[str, ...]) -> set[str]:
         paths = [path for folder in folders for path in (root / folder).rglob("*.py")]
         return {name for path in paths for name in re.findall(r"LORAPLEX_[A-Z0-9_]+", path.read_text())}
