@@ -1,5 +1,10 @@
 """The kernels' environment settings, typed and read in one place.
 
+Operator settings only, each documented in docs/operations.md with why a user would set it (tables
+for a GPU or model shape the built-in ones were not measured on; the FP8 GEMM where speed is not the
+only concern). Which kernel variant does a job is not a setting: each job runs the one measured
+fastest on the H100 and H200, and the losers were deleted (docs/benchmarks.md, "Facts behind defaults").
+
 Read once, at first use (`kernel_settings()`); modules of `kernels/` and the services read
 these fields instead of `os.environ`. Triton reads `TRITON_INTERPRET` itself when a kernel is
 decorated, so it must be set before the first kernel module is imported: the field here only
