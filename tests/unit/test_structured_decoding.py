@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from loraplex.bench.random_schemas import random_schema
-from loraplex.services.inference.engine.grammar import GrammarCache
+from loraplex.services.inference.engine.grammar_cache import GrammarCache
 from loraplex.services.inference.engine.types import MAX_CONSTRAINT_CHARS, Constraint, SamplingParams
 from loraplex.services.inference.errors import InvalidRequest
 from tests.support.lora_reference import server_args, sync_engine
