@@ -122,6 +122,16 @@ def test_vllm_spellings_on_completions(client, base_name, extra):  # noqa: F811
             "response_format.json_schema.schema",
         ),
         (dict(extra_body={"guided_choice": ["a"], "guided_regex": "a"}), "guided_choice"),
+        (dict(extra_body={"guided_grammar": "root ::= root"}), "guided_grammar"),  # admits nothing
+        (
+            dict(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "string", "not": {"const": "a"}}},
+                }
+            ),
+            "response_format.json_schema.schema",
+        ),
         (dict(response_format={"type": "xml"}), "response_format.type"),
     ],
 )

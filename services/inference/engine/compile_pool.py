@@ -116,6 +116,11 @@ class CompilePool:
         with self._lock:
             return sum(len(q) for q in self._queues.values())
 
+    def idle(self) -> bool:
+        """Nothing queued and no compile thread running (overdue ones included)."""
+        with self._lock:
+            return not self._queues and not self._running
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -79,8 +79,8 @@ class GrammarCache:
     """Compiled grammars for one tokenizer, by constraint digest, compiled off the caller's thread.
 
     `compile_fn(constraint)`: the compiler (default: xgrammar on this tokenizer); tests pass a
-    slow one to exercise the pool. `owner` in `submit` / `compile_async`: who asks (the servicer's
-    call), for the pool's fairness."""
+    slow one to exercise the pool. `pool_limits`: CompilePool's `workers`, `per_owner`, ...
+    `owner` in `submit` / `compile_async`: who asks (the servicer's call), for the pool's fairness."""
 
     def __init__(
         self,
@@ -95,6 +95,7 @@ class GrammarCache:
         max_bytes: int = CACHE_MAX_BYTES,
         max_grammar_bytes: int = GRAMMAR_MAX_BYTES,
         compile_fn: Callable[[Constraint], object] | None = None,
+        compiler=None,
         **pool_limits,
     ):
         self._tokenizer = tokenizer
@@ -108,7 +109,9 @@ class GrammarCache:
         self.max_grammar_bytes = min(max_grammar_bytes, max_bytes)
         self._compile_fn = compile_fn or self._xgr_compile
         self._lock = threading.Lock()
-        self._compiler = None  # built on first use (reads the whole vocabulary: ~0.2 s)
+        # xgrammar's compiler on this tokenizer: built on first use (it reads the whole vocabulary:
+        # ~0.2 s), or another cache's on the same tokenizer (`compiler`: tests share one).
+        self._compiler = compiler
         self._done: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()
         self.bytes_held = 0
         self._too_slow: OrderedDict[tuple[str, str], None] = OrderedDict()
@@ -214,6 +217,10 @@ class GrammarCache:
         return self._timeout_error(job.context)
 
     # -- xgrammar ---------------------------------------------------------------------------
+
+    def prepare(self):
+        """Build xgrammar's compiler on this tokenizer now (~0.2 s; else the first compile does)."""
+        return self._xgr_compiler()
 
     def _xgr_compiler(self):
         import xgrammar as xgr
