@@ -217,6 +217,7 @@ class AsyncEngine:
         self._stopped.set()
         self._wake.set()
         self._templates.close()  # a render under way ends now, not when its template would
+        self.engine.grammars.close()  # queued compiles fail now
         await asyncio.to_thread(self._thread.join, timeout)
 
     # -- engine thread --------------------------------------------------------------------

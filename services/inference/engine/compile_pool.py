@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraplex.services.inference.errors import CapacityExceeded
+from loraplex.services.inference.errors import BackendUnavailable, CapacityExceeded
 
 COMPILE_WORKERS = 2  # compiles running at once within their time limit
 PER_OWNER = 1  # compiles one caller may run at once
@@ -122,9 +122,15 @@ class CompilePool:
             return not self._queues and not self._running
 
     def close(self) -> None:
+        """Start nothing more; queued compiles fail now (running ones end on their own)."""
         with self._lock:
             self._closed = True
+            queued = [job for queue in self._queues.values() for job in queue]
             self._queues.clear()
+            for job in queued:
+                self._jobs.pop(job.key, None)
+        for job in queued:
+            job.future.set_exception(BackendUnavailable("the engine shut down"))
 
     # -- scheduling (under the lock) ---------------------------------------------------------
 
