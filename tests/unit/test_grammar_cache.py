@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from loraplex.services.inference.engine import grammar_cache
 from loraplex.services.inference.engine.grammar_cache import GrammarCache
 from loraplex.services.inference.engine.types import Constraint
 from loraplex.services.inference.errors import CapacityExceeded, InvalidRequest
@@ -179,7 +180,7 @@ def test_a_grammar_over_the_size_bound_is_refused_and_not_kept(tokenizer):
         cache.close()
 
 
-def test_a_compile_refused_as_too_slow_keeps_nothing(tokenizer):
+def test_a_compile_refused_as_too_slow_keeps_nothing(tokenizer, monkeypatch):
     held = Held()
     cache = _cache(tokenizer, held, compile_timeout_s=0.2)
     try:
@@ -189,6 +190,10 @@ def test_a_compile_refused_as_too_slow_keeps_nothing(tokenizer):
         held.release.set()  # the compile now ends in the background
         _wait_for(lambda: cache.pool.idle())
         assert not cache.cached(slow) and cache.bytes_held == 0
+        with pytest.raises(InvalidRequest, match="longer than"):
+            cache.submit(slow)  # refused at once for a while ...
+        monkeypatch.setattr(grammar_cache, "TOO_SLOW_FOR_S", 0.0)
+        assert cache.compile(slow) is not None  # ... not for good (now it is fast)
     finally:
         held.release.set()
         cache.close()

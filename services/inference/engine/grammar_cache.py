@@ -3,8 +3,9 @@ for the next request with the same constraint, within a byte bound.
 
 - Compiles run on `CompilePool` (engine/compile_pool.py): fair across callers, each compile under
   `compile_timeout_s` of its own running time. A compile past it is refused, and the same grammar
-  is then refused at once (the time was the grammar's own). A caller that waited longer than
-  `queue_timeout_s` for a worker gets CapacityExceeded (retry later); that refusal is not kept.
+  is then refused at once for `TOO_SLOW_FOR_S` (the time was the grammar's own). A caller that
+  waited longer than `queue_timeout_s` for a worker gets CapacityExceeded (retry later); that
+  refusal is not kept.
 - The cache keeps compiled grammars by the digest of (tokenizer, constraint), least recently used
   dropped first, at most `max_bytes` in all (xgrammar's `memory_size_bytes`: its token masks) and
   `max_entries` of them. A grammar over `max_grammar_bytes` is refused, and kept by nothing.
@@ -21,6 +22,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -35,6 +37,8 @@ CACHE_ENTRIES = 512
 CACHE_MAX_BYTES = 512 * 2**20  # all compiled grammars kept (--grammar-cache-max-bytes)
 GRAMMAR_MAX_BYTES = 64 * 2**20  # one compiled grammar (--grammar-max-bytes)
 TOO_SLOW_KEPT = 4096  # digests of grammars refused as too slow, remembered to refuse them at once
+# ... for this long: a compile slowed by a loaded CPU rather than by its grammar is not refused for good.
+TOO_SLOW_FOR_S = 600.0
 # "Any JSON object", written the way json_schema output is (", " and ": ", no other whitespace)
 # and with numbers of at most 16 integer and 16 fraction digits: xgrammar's built-in JSON grammar
 # lets a small model write digits for ever (seen on SmolLM2: "population": 2000000000...).
@@ -114,7 +118,7 @@ class GrammarCache:
         self._compiler = compiler
         self._done: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()
         self.bytes_held = 0
-        self._too_slow: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._too_slow: OrderedDict[tuple[str, str], float] = OrderedDict()  # key -> when refused
         self.pool = CompilePool(compile_timeout_s, self._finished, self._overdue, **pool_limits)
 
     def key(self, c: Constraint) -> tuple[str, str]:
@@ -128,8 +132,11 @@ class GrammarCache:
         c.validate()
         key = self.key(c)
         with self._lock:
-            if key in self._too_slow:
-                raise self._timeout_error(c)
+            refused_at = self._too_slow.get(key)
+            if refused_at is not None:
+                if time.monotonic() - refused_at < TOO_SLOW_FOR_S:
+                    raise self._timeout_error(c)
+                del self._too_slow[key]
             hit = self._done.get(key)
             if hit is not None:
                 self._done.move_to_end(key)
@@ -211,7 +218,8 @@ class GrammarCache:
 
     def _overdue(self, job: CompileJob) -> InvalidRequest:
         with self._lock:
-            self._too_slow[job.key] = None
+            self._too_slow[job.key] = time.monotonic()
+            self._too_slow.move_to_end(job.key)
             while len(self._too_slow) > TOO_SLOW_KEPT:
                 self._too_slow.popitem(last=False)
         return self._timeout_error(job.context)
