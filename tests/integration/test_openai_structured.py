@@ -145,6 +145,20 @@ def test_invalid_constraints_are_400_naming_the_field(client, base_name, kwargs,
         assert info.value.type == "invalid_request_error"
 
 
+def test_min_tokens_past_the_constraints_end_is_400(client, base_name):  # noqa: F811
+    """Found while decoding (the choice ends after one word, min_tokens wants five): a 400 naming
+    min_tokens, never a 200 with finish_reason "abort"."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=base_name,
+            messages=ASK,
+            max_tokens=8,
+            extra_body={"guided_choice": ["yes", "no"], "min_tokens": 5},
+        )
+    assert info.value.status_code == 400 and info.value.param == "min_tokens", info.value.message
+    assert "ends after" in info.value.message
+
+
 def test_tool_choice_required_and_named(client, base_name):  # noqa: F811
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     resp = client.chat.completions.create(
