@@ -238,6 +238,10 @@ UNENFORCED = [
     ({"type": "object", "properties": {"a": {"$dynamicRef": "#n"}}}, "'$dynamicRef' at #/properties/a"),
     ({"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]}, "'oneOf' at #"),
     (
+        {"type": "object", "properties": {"v": {"oneOf": [{"enum": [1, 2]}, {"enum": [2, 3]}]}}},
+        "'oneOf' at #/properties/v",
+    ),
+    (
         {"type": "array", "items": {"anyOf": [{"type": "string", "not": {"const": "x"}}]}},
         "'not' at #/items/anyOf/0",
     ),
@@ -266,6 +270,7 @@ def test_what_xgrammar_enforces_still_compiles(tokenizer):
         {"$defs": {"n": {"type": "integer"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}},
         {"allOf": [{"type": "integer", "minimum": 3}]},
         {"oneOf": [{"type": "string"}, {"type": "integer"}]},
+        {"oneOf": [{"enum": ["a", "b"]}, {"const": "c"}]},
         {
             "$defs": {"Cat": {**cat, "required": ["kind"]}, "Dog": {**dog, "required": ["kind"]}},
             "oneOf": [{"$ref": "#/$defs/Cat"}, {"$ref": "#/$defs/Dog"}],
@@ -278,3 +283,32 @@ def test_what_xgrammar_enforces_still_compiles(tokenizer):
             assert cache.compile(Constraint("json_schema", json.dumps(schema))) is not None, schema
     finally:
         cache.close()
+
+
+IGNORED_BY_XGRAMMAR = [
+    ({"type": "string", "not": {"const": "a"}}, '"a"'),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, '"x"'),
+    ({"type": "integer", "if": {"minimum": 10}, "then": {"multipleOf": 2}}, "11"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "[1]"),
+    ({"oneOf": [{"type": "integer"}, {"type": "integer", "minimum": 0}]}, "5"),
+    (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}},
+        '{"a": 1}',
+    ),
+]
+
+
+@pytest.mark.parametrize(("schema", "breaking"), IGNORED_BY_XGRAMMAR)
+def test_the_refused_keywords_are_ones_xgrammar_lets_through(tokenizer, schema, breaking):
+    """Why they are refused (and a canary for an xgrammar upgrade that enforces one: then lift its
+    refusal): compiled as is, the grammar accepts an output the schema rejects."""
+    import jsonschema
+    import xgrammar as xgr
+
+    assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(breaking))
+    compiled = tokenizer.xgr_compiler.compile_json_schema(
+        json.dumps(schema), any_whitespace=False, strict_mode=True
+    )
+    matcher = xgr.GrammarMatcher(compiled)
+    assert matcher.accept_string(breaking) and matcher.is_completed()

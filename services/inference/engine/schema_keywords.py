@@ -136,24 +136,29 @@ def _types(node: dict) -> set[str] | None:
     return types
 
 
+def _values(node) -> list | None:
+    """The values `node` allows, when it lists them (const / enum)."""
+    if not isinstance(node, dict):
+        return None
+    if "const" in node:
+        return [node["const"]]
+    enum = node.get("enum")
+    return list(enum) if isinstance(enum, list) else None
+
+
 def _tag_values(node: dict, name: str) -> list | None:
     """The values a required property `name` of `node` may take, when it says (const / enum)."""
     if name not in (node.get("required") or ()):
         return None
-    prop = (node.get("properties") or {}).get(name)
-    if not isinstance(prop, dict):
-        return None
-    if "const" in prop:
-        return [prop["const"]]
-    enum = prop.get("enum")
-    return list(enum) if isinstance(enum, list) else None
+    return _values((node.get("properties") or {}).get(name))
 
 
 def _disjoint(a: dict, b: dict) -> bool:
     ta, tb = _types(a), _types(b)
     if ta is not None and tb is not None and not ta & tb:
         return True
-    if "const" in a and "const" in b and a["const"] != b["const"]:
+    va, vb = _values(a), _values(b)
+    if va is not None and vb is not None and not any(x == y for x in va for y in vb):
         return True
     for name in set(a.get("required") or ()) & set(b.get("required") or ()):
         va, vb = _tag_values(a, name), _tag_values(b, name)
