@@ -184,16 +184,22 @@ class CompilePool:
         with self._lock:
             in_time = not job.overdue
             job.done = True
-            if in_time and self._jobs.get(job.key) is job:
-                del self._jobs[job.key]
-        outcome = self._on_result(job, value) if in_time else None  # an overdue result is dropped
+        outcome = None
+        try:
+            if in_time:  # (an overdue result is dropped: its waiters were already refused)
+                outcome = self._on_result(job, value)  # kept in the cache before the job leaves
+        except Exception as exc:  # noqa: BLE001 - a bug in the callback still frees the worker
+            outcome = exc
+        finally:
+            with self._lock:
+                if self._jobs.get(job.key) is job:
+                    del self._jobs[job.key]
+                self._release(job)
         if in_time:
             if isinstance(outcome, BaseException):
                 job.future.set_exception(outcome)
             else:
                 job.future.set_result(outcome)
-        with self._lock:
-            self._release(job)
 
     def _expire(self, job: CompileJob) -> None:
         with self._lock:
