@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.services.inference.engine.types import SamplingParams
-from loraplex.services.inference.errors import BackendUnavailable, InvalidRequest, LoraplexError
+from loraplex.services.inference.errors import InvalidRequest
 
 
 class GrammarState:
@@ -43,9 +43,9 @@ class GrammarState:
             self.num_accepted += 1
         return ok
 
-    def dead_end_error(self, params: SamplingParams, produced: int, vocab_size: int) -> LoraplexError:
+    def dead_end_error(self, params: SamplingParams, produced: int, vocab_size: int) -> InvalidRequest | None:
         """Why this grammar rejected the token sampled after `produced` accepted tokens: the mask
-        allowed nothing, or allowed only stop tokens that min_tokens banned."""
+        allowed nothing, or allowed only stop tokens that min_tokens banned (None: neither)."""
         constraint = params.constraint
         if not self._matcher.is_terminated():
             bitmask = allocate_bitmask(1, vocab_size, pin=False)
@@ -62,7 +62,7 @@ class GrammarState:
                     f"ends after {produced} tokens; lower min_tokens or widen the constraint",
                     field="sampling_params.min_tokens",
                 )
-        return BackendUnavailable(f"the grammar rejected a sampled token after {produced} (an engine defect)")
+        return None
 
     @property
     def terminated(self) -> bool:

@@ -21,6 +21,7 @@ from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.sampler import SamplingInputs, sample_on_device
 from loraplex.services.inference.engine.scheduler import Scheduler
 from loraplex.services.inference.engine.types import RequestOutput, SamplingParams, TokenLogprob
+from loraplex.services.inference.errors import BackendUnavailable
 
 
 def _needs_history(params: SamplingParams) -> bool:
@@ -185,6 +186,8 @@ class OutputProcessor:
         if req.grammar is not None and not req.grammar.accept(num_output_tokens - 1, token):
             # The mask allowed no token (or min_tokens banned the only ones): an error, never OK.
             error = req.grammar.dead_end_error(params, num_output_tokens - 1, self.vocab_size)
+            if error is None:  # the mask allows only tokens the grammar accepts: an engine defect
+                error = BackendUnavailable(f"the grammar rejected sampled token {token} (an engine defect)")
             self.scheduler.finish(req, "abort", error)
             return self.final_output(req, [token], logprobs, prompt_logprobs)
         if (
