@@ -113,6 +113,7 @@ class GrammarCache:
         self.max_grammar_bytes = min(max_grammar_bytes, max_bytes)
         self._compile_fn = compile_fn or self._xgr_compile
         self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()
         # xgrammar's compiler on this tokenizer: built on first use (it reads the whole vocabulary:
         # ~0.2 s), or another cache's on the same tokenizer (`compiler`: tests share one).
         self._compiler = compiler
@@ -233,7 +234,9 @@ class GrammarCache:
     def _xgr_compiler(self):
         import xgrammar as xgr
 
-        with self._lock:
+        # Its own lock: building the table takes a while, and submit() (on the event loop) must
+        # not wait for it.
+        with self._compiler_lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
