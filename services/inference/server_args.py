@@ -347,6 +347,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill every request from its first token instead of reusing the cached KV of a prefix "
         "that the same base model or adapter content computed before (on by default)",
     )
+    a(
+        "--grammar-cache-max-bytes",
+        type=byte_size,
+        default=e.grammar_cache_max_bytes,
+        help="bound on the compiled grammars kept for reuse (K/M/G suffixes; their token masks, as "
+        "xgrammar measures them); least recently used dropped first",
+    )
+    a(
+        "--grammar-max-bytes",
+        type=byte_size,
+        default=e.grammar_max_bytes,
+        help="bound on one compiled grammar (K/M/G suffixes): a constraint that compiles to more is "
+        "refused with INVALID_ARGUMENT (at most --grammar-cache-max-bytes)",
+    )
     a("--max-new-tokens-limit", type=int, default=e.max_new_tokens_limit)
     a("--default-max-new-tokens", type=int, default=s.default_max_new_tokens)
     a("--max-inputs-per-request", type=int, default=s.max_inputs_per_request)

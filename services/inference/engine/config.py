@@ -80,6 +80,9 @@ class EngineConfig:
     # --disable-overlap-schedule; True forces it on (tests).
     overlap_schedule: bool | None = None
     disable_prefix_cache: bool = False  # reuse cached KV of shared prompt prefixes (engine/prefix_cache.py)
+    # Compiled grammars kept for reuse, all together and one alone (engine/grammar_cache.py).
+    grammar_cache_max_bytes: int = 512 * 2**20
+    grammar_max_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):
@@ -106,6 +109,8 @@ class EngineConfig:
             ("--cuda-graph-max-bs", self.cuda_graph_max_bs, 0),
             ("--mixed-cuda-graph-max-tokens", self.mixed_cuda_graph_max_tokens, 0),
             ("--decode-prefill-budget", self.decode_prefill_budget, 0),
+            ("--grammar-cache-max-bytes", self.grammar_cache_max_bytes, 1),
+            ("--grammar-max-bytes", self.grammar_max_bytes, 1),
         ):
             _check(value is None or value >= low, f"{flag} must be >= {low} (got {value})")
         _check(

@@ -24,7 +24,8 @@ import torch
 
 from loraplex.kernels.compile_watch import compile_counter
 from loraplex.services.inference.engine.config import EngineConfig
-from loraplex.services.inference.engine.grammar import GrammarCache, GrammarState
+from loraplex.services.inference.engine.grammar import GrammarState
+from loraplex.services.inference.engine.grammar_cache import GrammarCache
 from loraplex.services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
 from loraplex.services.inference.engine.logprobs import StepLogprobs, rows_logprobs
 from loraplex.services.inference.engine.model_runner import ModelRunner
@@ -103,6 +104,8 @@ class LLMEngine:
             loaded.config.vocab_size,
             sorted(self.eos_token_ids),
             tokenizer_name=str(loaded.model_dir),
+            max_bytes=self.config.grammar_cache_max_bytes,
+            max_grammar_bytes=self.config.grammar_max_bytes,
         )
 
     @property

@@ -184,9 +184,11 @@ class OutputProcessor:
         params = req.params
         reason = None
         if req.grammar is not None and not req.grammar.accept(num_output_tokens - 1, token):
-            # The mask allows only tokens the grammar accepts: this is an engine defect.
-            req.error = BackendUnavailable(f"the grammar rejected sampled token {token} (an engine defect)")
-            self.scheduler.finish(req, "abort")
+            # The mask allowed no token (or min_tokens banned the only ones): an error, never OK.
+            error = req.grammar.dead_end_error(params, num_output_tokens - 1, self.vocab_size)
+            if error is None:  # the mask allows only tokens the grammar accepts: an engine defect
+                error = BackendUnavailable(f"the grammar rejected sampled token {token} (an engine defect)")
+            self.scheduler.finish(req, "abort", error)
             return self.final_output(req, [token], logprobs, prompt_logprobs)
         if (
             (req.grammar is not None and req.grammar.terminated)  # the grammar ended with its EOS

@@ -121,7 +121,8 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        request.error = error
+        if error is not None:  # an error set before (`req.error = ...; finish(req, "abort")`) stays
+            request.error = error
 
     def schedule(self) -> ScheduledBatch:
         token_budget = self.config.max_num_batched_tokens
