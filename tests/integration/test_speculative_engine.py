@@ -211,3 +211,19 @@ def test_sampled_outputs_follow_the_targets_distribution(tiny_llama_path, one_to
     stat = sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs.values(), strict=True))
     p_value = float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2.0), torch.tensor(stat / 2.0)))
     assert p_value > 1e-3, (counts, probs)
+
+
+def test_speculation_through_preemption(tiny_llama_path, adapters, one_torch_thread):
+    """A KV cache too small for the batch preempts requests mid-run (drafts dropped, KV recomputed):
+    outputs still equal speculation off."""
+    kw = dict(max_total_tokens=64, page_size=4)
+    off = sync_engine(server_args(tiny_llama_path, adapters, **kw))
+    on = sync_engine(server_args(tiny_llama_path, adapters, speculative_algorithm="ngram", **kw))
+    prompts = [off.tokenizer(p).input_ids for p in PROMPTS]
+    names = [None, "a", "b", "a"]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    want = _run(off, prompts, params, names)
+    _with_oracle(on, prompts, want, names)
+    assert _run(on, prompts, params, names) == want
+    assert on.scheduler.num_preemptions > 0, "no preemption: the test proves nothing"
+    assert sum(on.stats().spec_accepted_tokens.values()) > 0
