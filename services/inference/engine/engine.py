@@ -32,6 +32,7 @@ from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.overlap import InFlightStep, kv_fits_without_preemption
 from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.request_outputs import OutputProcessor, take_prompt_logprobs
+from loraplex.services.inference.engine.speculative import Speculator, verify_step
 from loraplex.services.inference.engine.startup import build_kv_cache, build_runner, build_scheduler
 from loraplex.services.inference.engine.types import EngineStats, RequestOutput, SamplingParams
 from loraplex.services.inference.errors import CapacityExceeded, ContextLengthExceeded, InvalidRequest
@@ -98,6 +99,15 @@ class LLMEngine:
             self.tokenizer, self.eos_token_ids, loaded.config.vocab_size, self.scheduler
         )
         self._seed_rng = random.Random(self.config.seed)
+        self.speculator = (
+            Speculator(
+                self.config.speculative_num_draft_tokens,
+                self.config.speculative_disable_batch_size,
+                self.context_length,
+            )
+            if self.config.speculative_algorithm
+            else None
+        )
         self._in_flight: InFlightStep | None = None  # overlap: the launched step not yet processed
         self.grammars = GrammarCache(
             self.tokenizer,
@@ -202,6 +212,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._overlap:
             return self._step_overlapped()
+        if self.speculator is not None:
+            self.speculator.draft(self.scheduler.running)
         batch = self._phase("schedule", self.scheduler.schedule)
         outputs = [self.output_processor.final_output(req, []) for req in batch.finished]
         if not batch.entries:
@@ -209,6 +221,11 @@ class LLMEngine:
         _admitted(batch.entries)
         chunks = batch.chunks()
         logits = self._phase("forward", self.runner.forward, chunks)
+        if any(c.verify for c in chunks):
+            rows = sum(len(c.token_ids) if c.verify else 1 for c in chunks if c.sample)
+            logits = take_prompt_logprobs(batch.entries, chunks, logits, rows)
+            outputs.extend(verify_step(self, batch.entries, chunks, logits))
+            return outputs
         sampled = [e.request for e in batch.entries if e.sample]
         logits = take_prompt_logprobs(batch.entries, chunks, logits, len(sampled))
         tokens, logprobs = [], None
@@ -290,6 +307,8 @@ class LLMEngine:
     def forget_adapter(self, name: str) -> None:
         """Per-adapter state the engine keeps beside the LoRA manager, dropped once `name` is unloaded."""
         self.scheduler.prefix_cache.stats.forget(name)
+        if self.speculator is not None:
+            self.speculator.stats.forget(name)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -306,6 +325,8 @@ class LLMEngine:
             prefix_cache_evictions=self.block_manager.num_evictions,
             prefix_cache_prompt_tokens=dict(self.scheduler.prefix_cache.stats.prompt_tokens),
             prefix_cache_hit_tokens=dict(self.scheduler.prefix_cache.stats.hit_tokens),
+            spec_draft_tokens=dict(self.speculator.stats.drafted) if self.speculator else {},
+            spec_accepted_tokens=dict(self.speculator.stats.accepted) if self.speculator else {},
         )
 
     def generate(
