@@ -24,13 +24,15 @@ import torch
 
 from loraplex.kernels.compile_watch import compile_counter
 from loraplex.services.inference.engine.config import EngineConfig
-from loraplex.services.inference.engine.grammar import GrammarCache, GrammarState
+from loraplex.services.inference.engine.grammar import GrammarState
+from loraplex.services.inference.engine.grammar_cache import GrammarCache
 from loraplex.services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
 from loraplex.services.inference.engine.logprobs import StepLogprobs, rows_logprobs
 from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.overlap import InFlightStep, kv_fits_without_preemption
 from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.request_outputs import OutputProcessor, take_prompt_logprobs
+from loraplex.services.inference.engine.speculative import Speculator, verify_step
 from loraplex.services.inference.engine.startup import build_kv_cache, build_runner, build_scheduler
 from loraplex.services.inference.engine.types import EngineStats, RequestOutput, SamplingParams
 from loraplex.services.inference.errors import CapacityExceeded, ContextLengthExceeded, InvalidRequest
@@ -97,12 +99,23 @@ class LLMEngine:
             self.tokenizer, self.eos_token_ids, loaded.config.vocab_size, self.scheduler
         )
         self._seed_rng = random.Random(self.config.seed)
+        self.speculator = (
+            Speculator(
+                self.config.speculative_num_draft_tokens,
+                self.config.speculative_disable_batch_size,
+                self.context_length,
+            )
+            if self.config.speculative_algorithm
+            else None
+        )
         self._in_flight: InFlightStep | None = None  # overlap: the launched step not yet processed
         self.grammars = GrammarCache(
             self.tokenizer,
             loaded.config.vocab_size,
             sorted(self.eos_token_ids),
             tokenizer_name=str(loaded.model_dir),
+            max_bytes=self.config.grammar_cache_max_bytes,
+            max_grammar_bytes=self.config.grammar_max_bytes,
         )
 
     @property
@@ -199,6 +212,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._overlap:
             return self._step_overlapped()
+        if self.speculator is not None:
+            self.speculator.draft(self.scheduler.running)
         batch = self._phase("schedule", self.scheduler.schedule)
         outputs = [self.output_processor.final_output(req, []) for req in batch.finished]
         if not batch.entries:
@@ -206,6 +221,11 @@ class LLMEngine:
         _admitted(batch.entries)
         chunks = batch.chunks()
         logits = self._phase("forward", self.runner.forward, chunks)
+        if any(c.verify for c in chunks):
+            rows = sum(len(c.token_ids) if c.verify else 1 for c in chunks if c.sample)
+            logits = take_prompt_logprobs(batch.entries, chunks, logits, rows)
+            outputs.extend(verify_step(self, batch.entries, chunks, logits))
+            return outputs
         sampled = [e.request for e in batch.entries if e.sample]
         logits = take_prompt_logprobs(batch.entries, chunks, logits, len(sampled))
         tokens, logprobs = [], None
@@ -287,6 +307,8 @@ class LLMEngine:
     def forget_adapter(self, name: str) -> None:
         """Per-adapter state the engine keeps beside the LoRA manager, dropped once `name` is unloaded."""
         self.scheduler.prefix_cache.stats.forget(name)
+        if self.speculator is not None:
+            self.speculator.stats.forget(name)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -303,6 +325,8 @@ class LLMEngine:
             prefix_cache_evictions=self.block_manager.num_evictions,
             prefix_cache_prompt_tokens=dict(self.scheduler.prefix_cache.stats.prompt_tokens),
             prefix_cache_hit_tokens=dict(self.scheduler.prefix_cache.stats.hit_tokens),
+            spec_draft_tokens=dict(self.speculator.stats.drafted) if self.speculator else {},
+            spec_accepted_tokens=dict(self.speculator.stats.accepted) if self.speculator else {},
         )
 
     def generate(

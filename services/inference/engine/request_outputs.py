@@ -49,6 +49,20 @@ def take_prompt_logprobs(entries, chunks, logits: torch.Tensor, num_sampled: int
     return logits[:num_sampled]
 
 
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one (the last one's state, every token, all the text)."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    logprobs = None if last.logprobs is None else [lp for o in outs for lp in o.logprobs or []]
+    return last._replace(
+        new_text="".join(o.new_text for o in outs),
+        new_token_ids=[t for o in outs for t in o.new_token_ids],
+        logprobs=logprobs,
+        prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None),
+    )
+
+
 class OutputProcessor:
     """The live requests' host state, and what a step does with it before and after sampling.
 
@@ -115,7 +129,7 @@ class OutputProcessor:
         """Token ids on the logits' device (no host sync for batches without penalties), drawn from
         `masked` (`mask_constrained`'s result) when given, and the log probabilities of the rows
         that asked for them (None when none did; they are the model's, before any grammar mask)."""
-        tokens = sample_on_device(masked if masked is not None else logits, self._sampling_inputs(reqs))
+        tokens = sample_on_device(masked if masked is not None else logits, self.sampling_inputs(reqs))
         if not self.num_logprobs:
             return tokens, None
         rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
@@ -123,7 +137,7 @@ class OutputProcessor:
             return tokens, None
         return tokens, StepLogprobs(logits, tokens, rows, [reqs[i].params.logprobs for i in rows])
 
-    def _sampling_inputs(self, reqs: list[Request]) -> SamplingInputs:
+    def sampling_inputs(self, reqs: list[Request]) -> SamplingInputs:
         ps = [r.params for r in reqs]
         needs_history = self.num_penalized > 0 and any(_needs_history(p) for p in ps)
         return SamplingInputs(
@@ -165,6 +179,18 @@ class OutputProcessor:
         lps = logprobs if logprobs is not None else [None] * len(reqs)
         return [self._append_token(r, t, p, lp) for r, t, p, lp in zip(reqs, tokens, where, lps, strict=True)]
 
+    def process_run(
+        self, req: Request, tokens: list[int], logprobs: list[TokenLogprob | None] | None = None
+    ) -> RequestOutput:
+        """Several tokens of one request from one step (a verified speculative run), appended one at
+        a time with every stop check, as one output. Tokens after one that ends the request are dropped."""
+        outs = []
+        for j, token in enumerate(tokens):
+            outs.append(self._append_token(req, token, None, logprobs[j] if logprobs else None))
+            if outs[-1].finished:
+                break
+        return merge_outputs(outs)
+
     def _append_token(
         self, req: Request, token: int, position: int | None = None, logprob: TokenLogprob | None = None
     ) -> RequestOutput:
@@ -184,9 +210,11 @@ class OutputProcessor:
         params = req.params
         reason = None
         if req.grammar is not None and not req.grammar.accept(num_output_tokens - 1, token):
-            # The mask allows only tokens the grammar accepts: this is an engine defect.
-            req.error = BackendUnavailable(f"the grammar rejected sampled token {token} (an engine defect)")
-            self.scheduler.finish(req, "abort")
+            # The mask allowed no token (or min_tokens banned the only ones): an error, never OK.
+            error = req.grammar.dead_end_error(params, num_output_tokens - 1, self.vocab_size)
+            if error is None:  # the mask allows only tokens the grammar accepts: an engine defect
+                error = BackendUnavailable(f"the grammar rejected sampled token {token} (an engine defect)")
+            self.scheduler.finish(req, "abort", error)
             return self.final_output(req, [token], logprobs, prompt_logprobs)
         if (
             (req.grammar is not None and req.grammar.terminated)  # the grammar ended with its EOS

@@ -212,3 +212,6 @@ class EngineStats(NamedTuple):
     prefix_cache_evictions: int = 0
     prefix_cache_prompt_tokens: dict[str, int] = {}  # noqa: RUF012 - never mutated; each snapshot has its own
     prefix_cache_hit_tokens: dict[str, int] = {}  # noqa: RUF012
+    # Speculative decoding, per adapter ("" = base): draft tokens verified, and how many were accepted.
+    spec_draft_tokens: dict[str, int] = {}  # noqa: RUF012
+    spec_accepted_tokens: dict[str, int] = {}  # noqa: RUF012
