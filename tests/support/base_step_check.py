@@ -169,7 +169,7 @@ def greedy_tokens(triton: bool, counters: dict[str, Counter]) -> list[list[int]]
         lora = [-1, 0, -1, -1, 1, -1, -1, -1]
         tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(8)]
         new: list[list[int]] = [[] for _ in seqs]
-        for step in range(4):
+        for step in range(3):
             if step == 0:
                 chunks = [
                     SeqChunk(s, 0, t, slot, True) for s, t, slot in zip(seqs, tables, lora, strict=True)
@@ -179,7 +179,7 @@ def greedy_tokens(triton: bool, counters: dict[str, Counter]) -> list[list[int]]
                     SeqChunk([s[-1]], len(s) - 1, t, slot, True)
                     for s, t, slot in zip(seqs, tables, lora, strict=True)
                 ]
-                if step >= 3:  # the last steps without adapters: the fused SiLU path (no delta pending)
+                if step == 2:  # the last step without adapters: the fused SiLU path (no delta pending)
                     chunks = [c._replace(lora_slot=-1) for c in chunks]
             logits = runner.forward(chunks)
             for i, tok in enumerate(logits.argmax(-1).tolist()):
