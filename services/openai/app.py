@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path, PurePosixPath
@@ -140,6 +141,17 @@ def _json_response(build, *args) -> JSONResponse:
     return JSONResponse(build(*args))  # the body is encoded here, in the constructor
 
 
+def _refused(exc: grpc.RpcError, parsed, door_call: schema.DoorCall, chat: bool) -> OpenAIError:
+    """The server's refusal in the caller's words: the constraint's field as written (structured.py),
+    and `max_completion_tokens` where the caller wrote that rather than `max_tokens`."""
+    err = structured.rename_error(from_grpc(exc, parsed.model, chat), door_call.fields)
+    if chat and parsed.max_completion_tokens is not None and parsed.max_tokens is None:
+        err.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", err.message)
+        if err.param == "max_tokens":
+            err.param = "max_completion_tokens"
+    return err
+
+
 def create_app(backend: Backend) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -251,9 +263,6 @@ def create_app(backend: Backend) -> FastAPI:
     ) -> Response:
         md = _metadata(request, adapter)
         grpc_request, tool_plan, asked = door_call.request, door_call.tool_plan, door_call.asked
-        fields = door_call.fields
-        if chat and parsed.max_completion_tokens is not None:  # the caller's name for max_new_tokens
-            fields = {**fields, "max_tokens": "max_completion_tokens"}
         if tool_plan is not None and tool_plan.mode == "named" and (parsed.stop or parsed.stop_token_ids):
             tool_plan = tool_plan._replace(held=True)  # tools.py: a stop could cut the arguments
         if not parsed.stream:
@@ -261,7 +270,7 @@ def create_app(backend: Backend) -> FastAPI:
             try:
                 resp = await unless_client_leaves(request, call)
             except grpc.RpcError as exc:
-                raise structured.rename_error(from_grpc(exc, parsed.model, chat), fields) from None
+                raise _refused(exc, parsed, door_call, chat) from None
             if chat:
                 return await asyncio.to_thread(
                     _json_response, responses.chat_body, resp, parsed.model, asked, tool_plan
@@ -273,7 +282,7 @@ def create_app(backend: Backend) -> FastAPI:
         try:  # the first message (or the error) before the 200: a refused call gets its status
             first = await unless_client_leaves(request, call, call.read())
         except grpc.RpcError as exc:
-            raise structured.rename_error(from_grpc(exc, parsed.model, chat), fields) from None
+            raise _refused(exc, parsed, door_call, chat) from None
         state = stream.StreamState(parsed.model, parsed.n, chat, asked, tool_plan)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         return EventSourceResponse(_events(call, first, state, include_usage, parsed.model), ping=15)

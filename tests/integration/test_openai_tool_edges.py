@@ -247,3 +247,22 @@ def test_openai_sdk_gets_bad_request_for_a_bad_history(client, base_name):  # no
             model=base_name, messages=_history("get_weather"), tools=[WEATHER], max_tokens=2
         )
     assert err.value.param == "messages[1].tool_calls[0].function"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"max_completion_tokens": 5000}, "max_completion_tokens", "max_completion_tokens 5000 exceeds"),
+        ({"max_completion_tokens": 2, "min_tokens": 5}, "min_tokens", "[0, max_completion_tokens]"),
+        ({"max_tokens": 2, "min_tokens": 5}, "min_tokens", "[0, max_tokens]"),
+    ],
+)
+def test_server_limits_are_named_as_the_caller_wrote_them(http, base_name, body, param, says):  # noqa: F811
+    # Issue 59 L3's sweep of the door's limit messages: the server's max_new_tokens was reported as
+    # max_tokens to a caller who wrote max_completion_tokens, and min_tokens' bound named max_new_tokens.
+    resp = chat(http, base_name, **body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert (
+        error["param"] == param and says in error["message"] and "max_new_tokens" not in error["message"]
+    ), error
