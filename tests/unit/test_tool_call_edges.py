@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import pytest
 
 from loraplex.services.inference.engine.chat_tools import parse_tool_calls, parse_tools
+from loraplex.services.inference.engine.types import Constraint
 from loraplex.services.inference.errors import InvalidRequest
 from loraplex.services.openai import schema, structured, tools
 from loraplex.services.openai.errors import OpenAIError
@@ -281,3 +282,14 @@ def test_schema_text_that_is_no_schema_is_400_with_a_reason(field, value):
         structured.apply(req, pb.SamplingParams(), req.response_format)
     assert err.value.param == want and err.value.message.startswith(want + " ")
     assert len(err.value.message) > len(want) + 12, err.value.message
+
+
+@pytest.mark.parametrize(
+    ("value", "got"), [("1e999", "a number"), ("[1]", "an array"), ("true", "a boolean")]
+)
+def test_grpc_schema_text_that_is_no_schema_says_why(value, got):
+    # Issue 59 L3 over gRPC: json_schema "1e999" reached xgrammar, whose refusal had no text.
+    with pytest.raises(InvalidRequest) as err:
+        Constraint("json_schema", value).validate()
+    assert err.value.field == "sampling_params.json_schema"
+    assert err.value.message == f"sampling_params.json_schema must be a JSON schema (an object); got {got}"
