@@ -94,7 +94,9 @@ def _from_response_format(rf: Any) -> tuple[str, Any, str] | None:
             )
         strict = spec.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise bad_request("response_format.json_schema.strict must be a boolean", "response_format")
+            raise bad_request(
+                "response_format.json_schema.strict must be a boolean", "response_format.json_schema.strict"
+            )
         return ("json", spec["schema"], "response_format.json_schema.schema")
     raise bad_request(
         f"response_format.type must be text, json_object or json_schema (got {kind!r})",

@@ -19,25 +19,25 @@ CALL_SHAPE = '{"id": ..., "type": "function", "function": {"name": ..., "argumen
 
 
 def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
+    return "null" if value is None else f"a {type(value).__name__}"
 
 
 def _check_call(where: str, call: Any) -> None:
     if not isinstance(call, dict):
-        raise bad_request(f"{where} must be a tool call {CALL_SHAPE} (got a {_kind(call)})", where)
+        raise bad_request(f"{where} must be a tool call {CALL_SHAPE} (got {_kind(call)})", where)
     if "id" in call and not isinstance(call["id"], str):
-        raise bad_request(f"{where}.id must be a string (got a {_kind(call['id'])})", f"{where}.id")
+        raise bad_request(f"{where}.id must be a string (got {_kind(call['id'])})", f"{where}.id")
     if call.get("type", "function") != "function":
         raise bad_request(f'{where}.type must be "function"', f"{where}.type")
     fn = call.get("function")
     if not isinstance(fn, dict):
         raise bad_request(
-            f'{where}.function must be an object {{"name": ..., "arguments": ...}} (got a {_kind(fn)})',
+            f'{where}.function must be an object {{"name": ..., "arguments": ...}} (got {_kind(fn)})',
             f"{where}.function",
         )
     name = fn.get("name")
     if not isinstance(name, str) or not TOOL_NAME_RULE.fullmatch(name):
-        got = f"{name[:80]!r}" if isinstance(name, str) else f"a {_kind(name)}"
+        got = f"{name[:80]!r}" if isinstance(name, str) else _kind(name)
         raise bad_request(
             f"{where}.function.name must be a tool name: 1 to 64 letters, digits, underscores or "
             f"dashes (got {got})",
@@ -46,7 +46,7 @@ def _check_call(where: str, call: Any) -> None:
     args = fn.get("arguments")
     if not isinstance(args, str | dict):
         raise bad_request(
-            f"{where}.function.arguments must be the arguments as JSON text (got a {_kind(args)})",
+            f"{where}.function.arguments must be the arguments as JSON text (got {_kind(args)})",
             f"{where}.function.arguments",
         )
 
@@ -59,11 +59,11 @@ def check(i: int, role: str, extra: dict[str, Any]) -> None:
         if role != "assistant":
             raise bad_request(f"{where}: only an assistant message makes tool calls (this is {role})", where)
         if not isinstance(calls, list):
-            raise bad_request(f"{where} must be a list of tool calls (got a {_kind(calls)})", where)
+            raise bad_request(f"{where} must be a list of tool calls (got {_kind(calls)})", where)
         for k, call in enumerate(calls):
             _check_call(f"{where}[{k}]", call)
     for key in ("tool_call_id", "name"):
         value = extra.get(key)
         if value is not None and not isinstance(value, str):
             where = f"messages[{i}].{key}"
-            raise bad_request(f"{where} must be a string (got a {_kind(value)})", where)
+            raise bad_request(f"{where} must be a string (got {_kind(value)})", where)

@@ -293,3 +293,12 @@ def test_grpc_schema_text_that_is_no_schema_says_why(value, got):
         Constraint("json_schema", value).validate()
     assert err.value.field == "sampling_params.json_schema"
     assert err.value.message == f"sampling_params.json_schema must be a JSON schema (an object); got {got}"
+
+
+def test_strict_of_a_json_schema_is_named_itself():
+    # Issue 59 L3's sweep: a wrong `strict` was reported as `response_format`.
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}, "strict": "yes"}}
+    req = schema.parse(schema.ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    with pytest.raises(OpenAIError) as err:
+        structured.apply(req, pb.SamplingParams(), rf)
+    assert err.value.param == "response_format.json_schema.strict"
