@@ -32,6 +32,7 @@ from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.overlap import InFlightStep, kv_fits_without_preemption
 from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.request_outputs import OutputProcessor, take_prompt_logprobs
+from loraplex.services.inference.engine.sampler import read_sampled
 from loraplex.services.inference.engine.speculative import Speculator, verify_step
 from loraplex.services.inference.engine.startup import build_kv_cache, build_runner, build_scheduler
 from loraplex.services.inference.engine.types import EngineStats, RequestOutput, SamplingParams
@@ -228,14 +229,18 @@ class LLMEngine:
             return outputs
         sampled = [e.request for e in batch.entries if e.sample]
         logits = take_prompt_logprobs(batch.entries, chunks, logits, len(sampled))
-        tokens, logprobs = [], None
+        tokens, logprobs, nonfinite = [], None, None
         if sampled:
-            device_tokens, step_logprobs = self._phase("sample", self._sample, logits, sampled)
-            tokens = device_tokens.tolist()
+            device_tokens, step_logprobs, device_nonfinite = self._phase(
+                "sample", self._sample, logits, sampled
+            )
+            tokens, nonfinite = read_sampled(device_tokens, device_nonfinite)
             logprobs = rows_logprobs(step_logprobs, tokens)
         for req, n in batch.entries:
             req.num_computed_tokens += n
-        outputs.extend(self._phase("output", self.output_processor.process, sampled, tokens, None, logprobs))
+        outputs.extend(
+            self._phase("output", self.output_processor.process, sampled, tokens, None, logprobs, nonfinite)
+        )
         return outputs
 
     def _step_overlapped(self) -> list[RequestOutput]:
@@ -271,6 +276,7 @@ class LLMEngine:
     def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
         """An in-flight step's outputs; rows of requests that ended since (finished, aborted) are dropped."""
         tokens = step.host_tokens()
+        nonfinite = step.host_nonfinite()
         logprobs = rows_logprobs(step.logprobs, tokens)
         requests = self.requests
         live = [i for i, req in enumerate(step.requests) if requests.get(req.request_id) is req]
@@ -281,6 +287,7 @@ class LLMEngine:
             [tokens[i] for i in live],
             [step.positions[i] for i in live],
             [logprobs[i] for i in live] if logprobs else None,
+            [nonfinite[i] for i in live],
         )
 
     def _phase(self, phase: str, fn, *args):
@@ -294,7 +301,7 @@ class LLMEngine:
 
     def _sample(
         self, logits: torch.Tensor, reqs: list[Request], pending: InFlightStep | None = None
-    ) -> tuple[torch.Tensor, StepLogprobs | None]:
+    ) -> tuple[torch.Tensor, StepLogprobs | None, torch.Tensor]:
         """`output_processor.sample`, after the grammar mask (its own step-timer phase) when a request is
         constrained; `pending`: the overlapped step whose tokens that mask may need first."""
         masked = None

@@ -122,6 +122,18 @@ def filtered_probs(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
     return _filter(logits / temps[:, None], inp).softmax(dim=-1)
 
 
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """bool `[B]` on the logits' device: the rows holding a NaN or Inf logit (one batched reduction,
+    no host sync; the engine reads it with the sampled ids, `read_sampled`)."""
+    return ~torch.isfinite(logits).all(dim=-1)
+
+
+def read_sampled(tokens: torch.Tensor, nonfinite: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """The sampled ids and the rows' non-finite flags on the host, in one copy (one sync)."""
+    both = torch.stack((tokens, nonfinite.to(tokens.dtype))).tolist()
+    return both[0], [bool(b) for b in both[1]]
+
+
 def sample(logits: torch.Tensor, inp: SamplingInputs) -> list[int]:
     """logits: [B, vocab] float32 -> one token id per row (waits for the device)."""
     return sample_on_device(logits, inp).tolist()

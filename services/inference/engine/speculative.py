@@ -36,7 +36,13 @@ import torch
 
 from loraplex.services.inference.engine.logprobs import StepLogprobs, rows_logprobs
 from loraplex.services.inference.engine.request import Request
-from loraplex.services.inference.engine.sampler import MIN_TEMPERATURE, SamplingInputs, filtered_probs
+from loraplex.services.inference.engine.sampler import (
+    MIN_TEMPERATURE,
+    SamplingInputs,
+    filtered_probs,
+    nonfinite_rows,
+    read_sampled,
+)
 
 NGRAM_MAX = 4  # longest suffix looked up
 NGRAM_MIN = 1  # shortest
@@ -247,17 +253,25 @@ def verify_step(engine, entries, chunks, logits: torch.Tensor) -> list:
     outputs = []
     if plain:
         index = torch.tensor(plain_rows, dtype=torch.int64).to(device, non_blocking=True)
-        device_tokens, step_logprobs = engine._sample(logits.index_select(0, index), plain)
-        tokens = device_tokens.tolist()
-        outputs.extend(processor.process(plain, tokens, None, rows_logprobs(step_logprobs, tokens)))
+        device_tokens, step_logprobs, device_nonfinite = engine._sample(logits.index_select(0, index), plain)
+        tokens, nonfinite = read_sampled(device_tokens, device_nonfinite)
+        lps = rows_logprobs(step_logprobs, tokens)
+        outputs.extend(processor.process(plain, tokens, None, lps, nonfinite))
     index = torch.tensor(spec_rows, dtype=torch.int64).to(device, non_blocking=True)
     spec_logits = logits.index_select(0, index)
     expanded = [req for req, draft in spec for _ in range(len(draft) + 1)]
     verified = verify(spec_logits, [d for _, d in spec], processor.sampling_inputs(expanded))
     logprobs = _run_logprobs(spec_logits, spec, verified)
+    bad_rows = nonfinite_rows(spec_logits).tolist()
+    at = 0
     for (req, draft), run, lps in zip(spec, verified, logprobs, strict=True):
         req.num_computed_tokens += 1 + run.accepted
         req.draft_ids = []
+        bad = any(bad_rows[at : at + len(draft) + 1])
+        at += len(draft) + 1
+        if bad:  # a NaN or Inf in any of its positions' logits: the request ends with an error
+            outputs.extend(processor.process([req], [0], None, None, [True]))
+            continue
         engine.speculator.record(req, len(draft), run.accepted)
         outputs.append(processor.process_run(req, run.tokens, lps))
     return outputs

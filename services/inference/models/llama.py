@@ -35,6 +35,7 @@ from loraplex.services.inference.models.context import ForwardContext
 from loraplex.services.inference.models.layers import Addend, FusedLinear, RMSNorm, empty_param
 from loraplex.services.inference.models.moe import SparseMoE
 from loraplex.services.inference.models.rope import RotaryEmbedding
+from loraplex.services.inference.models.value_checks import check_finite
 
 
 class DecoderLayer(nn.Module):
@@ -337,6 +338,7 @@ class LlamaForCausalLM(nn.Module):
                     part = layer.moe.load_expert(int(expert[1]), expert[2], tensor, name)
                     return f"layers.{layer_idx}.moe.{part}"
                 if module_name in _ROUTERS:
+                    check_finite(name, tensor)
                     _copy(layer.moe.gate, tensor, name)
                     return f"layers.{layer_idx}.moe.gate"
             if module_name in _LAYER_WEIGHTS and getattr(layer, _LAYER_WEIGHTS[module_name][0]) is not None:

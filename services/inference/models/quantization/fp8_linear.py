@@ -34,6 +34,7 @@ from loraplex.kernels.settings import kernel_settings
 from loraplex.services.inference.models.layers import FusedLinear
 from loraplex.services.inference.models.llama import _LAYER_WEIGHTS, LlamaForCausalLM
 from loraplex.services.inference.models.quantization.scheme import Fp8Scheme
+from loraplex.services.inference.models.value_checks import check_scale
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,7 @@ def route_scales(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
         match = _SCALE_RE.match(name)
         if match and match[2] in _LAYER_WEIGHTS:
             attr, index = _LAYER_WEIGHTS[match[2]]
+            check_scale(name, tensor)  # finite and positive (models/value_checks.py)
             getattr(model.layers[int(match[1])], attr).load_scale(index, match[3], tensor)
             continue
         if name.endswith(SCALE_KINDS) or name.endswith((".k_scale", ".v_scale", ".output_scale")):
