@@ -202,6 +202,11 @@ def _key(text: str) -> tuple:
 def load_overrides(path: str) -> None:
     """Merge a JSON file of table entries (format in the module docstring) into the tables."""
     data = json.loads(Path(path).read_text())
+    unknown = sorted(set(data) - {"splits", "shrink", "expand"})
+    if unknown:  # a misspelt table, or "fused" from before that kernel was removed: never ignored
+        raise ValueError(
+            f"LORAPLEX_LORA_CONFIGS={path}: unknown tables {unknown}; expected splits, shrink, expand"
+        )
     SPLITS_TABLE.update({SplitsKey(*_key(k)): int(v) for k, v in data.get("splits", {}).items()})
     SHRINK_TABLE.update({ShrinkKey(*_key(k)): ShrinkConfig(*v) for k, v in data.get("shrink", {}).items()})
     EXPAND_TABLE.update({ExpandKey(*_key(k)): ExpandConfig(*v) for k, v in data.get("expand", {}).items()})

@@ -38,6 +38,17 @@ def test_reload_reads_an_explicit_mapping_and_applies_the_overrides(tmp_path, mo
     assert kernel_settings() == before
 
 
+def test_overrides_file_with_an_unknown_table_is_refused(tmp_path):
+    import pytest
+
+    path = tmp_path / "configs.json"
+    for table in ("fused", "shrnk"):  # a removed kernel's table, a typo: refused, not ignored
+        path.write_text(json.dumps({"splits": {"decode|4096": 5}, table: {}}))
+        with pytest.raises(ValueError, match=f"unknown tables \\['{table}'\\]"):
+            lora_configs.load_overrides(str(path))
+    lora_configs.clear_caches()
+
+
 # Every LORAPLEX_* variable the code reads: each is an operator setting documented in
 # docs/operations.md. A variable that only picked a kernel variant was removed with its losing branch
 # (issue 54; docs/benchmarks.md, "Facts behind defaults"): one measured path per job, no switch.
