@@ -64,7 +64,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         metavar="NAME=VALUE[,NAME=VALUE]",
         help="also time the FP8 base step under these kernel settings (kernels/settings.py), e.g. "
-        "LORAPLEX_FP8_FUSED_QUANT=0 or LORAPLEX_FP8_PDL=1; repeatable, one case each",
+        "LORAPLEX_FP8_GEMM=scaled_mm; repeatable, one case each",
     )
     p.add_argument(
         "--variant-adapters",

@@ -12,7 +12,7 @@ the torch one runs dense there, the grouped one never syncs the host). Two floor
 are printed: the issue's (active parameters: attention, routers, `top_k` experts per layer, the lm_head; plus
 K/V) and the one a batch really reads (the experts its tokens touch: at batch 64 x top-8 of 128
 nearly all of them). Goals (issue 39): base step <= 1.5x the active floor, 8 adapters >= 0.85x base.
-`--moe-kernel` picks the experts' kernel per row (`LORAPLEX_MOE_KERNEL`): torch (dense at decode
+`--moe-kernel` picks the experts' kernel per row (models/moe.py's MOE_TORCH_ON_CUDA): torch (dense at decode
 sizes) and/or kernels/moe_grouped.py's grouped GEMM; on CUDA bench/moe_step_check.py checks the
 grouped step against the torch one and its graph replay against eager first (ok / FAIL; exit 1).
 `--expert-adapters`: the adapters also carry LoRA on every expert (gate_up and down, ranks 16 and 8
@@ -166,7 +166,7 @@ def main() -> None:
         "--moe-kernel",
         choices=("both", *KERNELS),
         default="both",
-        help="the experts' kernel per row (LORAPLEX_MOE_KERNEL): torch, grouped (CUDA), or a row of each",
+        help="the experts' kernel per row: torch, grouped (CUDA), or a row of each",
     )
     p.add_argument(
         "--expert-adapters", action="store_true", help="the adapters carry LoRA on every expert too"

@@ -1,14 +1,11 @@
 """bench/moe.py's correctness checks and kernel switch: which kernel runs the experts
-(`LORAPLEX_MOE_KERNEL`, re-read here), and before timing, on CUDA, that the grouped kernel's decode
+(`models/moe.py`'s MOE_TORCH_ON_CUDA, set here), and before timing, on CUDA, that the grouped kernel's decode
 step equals the torch experts' and that its CUDA-graph replay equals its eager run."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from loraplex.kernels.settings import reload_kernel_settings
 from loraplex.services.inference.models import moe as moe_module
 from loraplex.services.inference.models.moe import DENSE_MAX_TOKENS
 
@@ -17,7 +14,7 @@ KERNELS = ("torch", "grouped")
 
 def use_moe_kernel(kernel: str) -> None:
     """Run MoE layers with `kernel` (grouped / torch) from now on."""
-    reload_kernel_settings({**os.environ, "LORAPLEX_MOE_KERNEL": kernel})
+    moe_module.MOE_TORCH_ON_CUDA = kernel == "torch"
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,7 +1,7 @@
 """Serving benchmark on one GPU, one process, one run.
 
     PYTHONPATH=protos python3 -m loraplex.bench.serving [--adapters 64] [--skip-compile] [--tiny]
-        [--tp-size N] [--blas cublaslt] [--out DIR]
+        [--tp-size N] [--out DIR]
 
 1. measures the copy bandwidth and bf16 matmul rate of this GPU;
 2. writes a Llama-3.1-8B-shaped HF directory (random bf16 weights) and N random rank-16 PEFT
@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
 import random
 import sys
 import time
@@ -35,7 +34,6 @@ import torch
 from loraplex.bench import serving_setup as setup
 from loraplex.bench.results import add_out_argument, write_json
 from loraplex.bench.serving_engine import ForwardClock, graph_replay_ms, measure_decode, measure_prefill
-from loraplex.kernels.settings import kernel_settings, reload_kernel_settings
 
 log = logging.getLogger("loraplex.bench.serving")
 TINY = dict(
@@ -337,12 +335,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--tiny", action="store_true", help="a 2-layer model (smoke test of this script)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one GPU each; gloo on CPU)")
-    p.add_argument(
-        "--blas",
-        default="default",
-        choices=["default", "cublas", "cublaslt"],
-        help="torch's BLAS library for every matmul (default: the engine's, LORAPLEX_BLAS, cuBLASLt)",
-    )
     opts = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     shape = TINY if opts.tiny else setup.LLAMA_8B
@@ -353,18 +345,13 @@ def main(argv: list[str] | None = None) -> int:
         opts.batches = [1, 4, 8, 32, 64] if opts.tiny else [1, 16, 32, 64, 256]
     opts.max_bs = max(opts.batches)
     opts.context_length = 2048 if not opts.tiny else 256
-    if opts.blas != "default":
-        os.environ["LORAPLEX_BLAS"] = opts.blas  # the engine's model runner sets it (kernels/settings.py)
-        reload_kernel_settings()
-        if torch.cuda.is_available():
-            torch.backends.cuda.preferred_blas_library(opts.blas)
     res: dict = dict(
         device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         torch=torch.__version__,
         shape=shape,
         context=ctx,
         argv=sys.argv[1:],
-        blas=kernel_settings().blas,
+        blas="cublaslt",  # the engine's model runner sets it (services/inference/engine/model_runner.py)
     )
     res["copy_bw"], res["matmul_rate"] = ceilings() if torch.cuda.is_available() else (1e11, 1e12)
     if torch.cuda.is_available():

@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from loraplex.kernels.placement import triton_runs_on
-from loraplex.kernels.settings import kernel_settings
 from loraplex.services.inference.engine.attention import (
     AttentionMetadata,
     PrefillSegment,
@@ -50,8 +49,9 @@ class ModelRunner:
         self.page_size = kv_cache.shape[3]
         self.lora_backend = lora_backend
         if self.device.type == "cuda":
-            # Process-wide, before any graph captures a matmul (LORAPLEX_BLAS: cuBLASLt by default).
-            torch.backends.cuda.preferred_blas_library(kernel_settings().blas)
+            # Process-wide, before any graph captures a matmul: cuBLASLt's decode GEMMs were never slower
+            # than cuBLAS's in any run that timed both (docs/benchmarks.md, "Facts behind defaults").
+            torch.backends.cuda.preferred_blas_library("cublaslt")
         scale = model_config.attention_scale
         windows = effective_windows(model_config, context_length)
         if triton_runs_on(self.device):  # Triton kernels (kernels/attention_*.py); torch reference on CPU

@@ -17,7 +17,7 @@ def run_bench(tmp_path: Path, *extra: str) -> dict:
 
 
 def test_variant_adapters_add_a_row_per_variant_beside_its_default(tmp_path):
-    variant = "LORAPLEX_LORA_HANDOFF=1"
+    variant = "LORAPLEX_FP8_GEMM=weight_only"
     steps = run_bench(tmp_path, "--fp8-variant", variant, "--variant-adapters")["steps"]
     by_case = {s["case"]: s for s in steps}
     base, lora = by_case[f"fp8 base, {variant}"], by_case[f"fp8 base + 4 adapters, {variant}"]
@@ -29,6 +29,6 @@ def test_variant_adapters_add_a_row_per_variant_beside_its_default(tmp_path):
 
 
 def test_variants_without_adapters_time_the_base_only(tmp_path):
-    steps = run_bench(tmp_path, "--fp8-variant", "LORAPLEX_FP8_FUSED_QUANT=0")["steps"]
-    assert [s["case"] for s in steps[4:]] == ["fp8 base, LORAPLEX_FP8_FUSED_QUANT=0"]
+    steps = run_bench(tmp_path, "--fp8-variant", "LORAPLEX_FP8_GEMM=scaled_mm")["steps"]
+    assert [s["case"] for s in steps[4:]] == ["fp8 base, LORAPLEX_FP8_GEMM=scaled_mm"]
     assert "adapters_over_base" not in steps[4]
