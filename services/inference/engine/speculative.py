@@ -28,6 +28,7 @@ each position changes) and ones still short of `min_tokens`.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -104,6 +105,26 @@ class Speculator:
         self.context_length = context_length
         self.stats = SpecStats({}, {})
         self.num_steps = 0
+        # Measurement only (`force_acceptance`): each draft token accepted with this probability
+        # whatever the target says, so random weights (which never agree with a draft) show the
+        # mechanics of a given acceptance rate. None when serving.
+        self.forced_rate: float | None = None
+        self._forced_rng = random.Random(0)
+
+    def force_acceptance(self, rate: float, seed: int = 0) -> None:
+        """Benchmarks: draft K copies of the last token and accept each with probability `rate`
+        (stopping at the first rejection). Outputs are then meaningless; step costs are real."""
+        self.forced_rate = rate
+        self._forced_rng = random.Random(seed)
+        self.propose = lambda token_ids, k: [token_ids[-1]] * k
+
+    def forced(self, draft: list[int], run: Verified) -> Verified:
+        """`run` replaced by a forced-acceptance run of `draft` (see `force_acceptance`)."""
+        accepted = 0
+        while accepted < len(draft) and self._forced_rng.random() < self.forced_rate:
+            accepted += 1
+        nxt = draft[accepted] if accepted < len(draft) else run.tokens[-1]
+        return Verified(draft[:accepted] + [nxt], accepted)
 
     def eligible(self, req: Request) -> bool:
         p = req.params
@@ -261,6 +282,8 @@ def verify_step(engine, entries, chunks, logits: torch.Tensor) -> list:
     spec_logits = logits.index_select(0, index)
     expanded = [req for req, draft in spec for _ in range(len(draft) + 1)]
     verified = verify(spec_logits, [d for _, d in spec], processor.sampling_inputs(expanded))
+    if engine.speculator.forced_rate is not None:
+        verified = [engine.speculator.forced(d, run) for (_, d), run in zip(spec, verified, strict=True)]
     logprobs = _run_logprobs(spec_logits, spec, verified)
     bad_rows = nonfinite_rows(spec_logits).tolist()
     at = 0
