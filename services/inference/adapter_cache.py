@@ -2,10 +2,14 @@
 
 One directory per adapter content, `<weights hex>-<config hex>/` under `--adapter-cache-dir`.
 The cache holds at most `--adapter-cache-max-bytes` (default: half of what the directory's
-filesystem had free at start, plus what the cache already held). Before a pull, directories
-that no loaded adapter uses are evicted least recently used first (a directory's mtime is its
-last use) until the new adapter fits; an adapter that does not fit even so, or a write the disk
-refuses, is RESOURCE_EXHAUSTED naming the directory and the bound. A hit is used only after both
+filesystem had free at start, plus what the cache already held). A pull reserves its bytes
+before it writes any (`reserve`, once the header tells its size): directories that no loaded
+adapter uses are evicted least recently used first (a directory's mtime is its last use) until
+what the cache holds plus every reservation fits, so pulls running at once cannot overshoot the
+bound together. A pull that fits only once another finishes waits for that one's `release`; an
+adapter that cannot fit even so, or a write the disk refuses, is RESOURCE_EXHAUSTED naming the
+directory and the bound. Reservations are this process's: servers sharing one directory each
+keep their own bound. A hit is used only after both
 files hash to the digests the store recorded; a mismatch (a file rewritten on disk) drops the
 directory and the adapter is pulled again.
 """
@@ -20,6 +24,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from loraplex.services.inference.errors import CapacityExceeded
@@ -77,6 +82,15 @@ def _content_bytes(path: Path) -> int:
     return total
 
 
+@dataclass(eq=False)
+class Reservation:
+    """Bytes a pull in progress will write, and the content directory it will fill (never evicted
+    while the pull runs)."""
+
+    nbytes: int
+    dir_name: str
+
+
 class AdapterCache:
     """Blocking file work; the store client calls it from worker threads."""
 
@@ -88,6 +102,10 @@ class AdapterCache:
         self.evictions = 0
         self._stamp_lock = threading.Lock()  # touch runs on worker threads
         self._last_stamp = 0
+        # One reservation at a time scans, evicts and books; `release` only takes the short lock.
+        self._reserve_lock = threading.Lock()
+        self._booked_lock = threading.Lock()
+        self._reservations: set[Reservation] = set()
 
     def too_big(self, what: str, need: int) -> CapacityExceeded:
         return CapacityExceeded(
@@ -137,10 +155,48 @@ class AdapterCache:
         shutil.rmtree(self.root / dir_name, ignore_errors=True)
         return True
 
-    def make_room(self, need: int, what: str, keep: str = "", in_use: set[str] | None = None) -> list[str]:
-        """Evict unused directories, least recently used first, until `need` more bytes fit under
-        the bound; CapacityExceeded if they cannot. `in_use`: `self.in_use()` taken by the caller
-        (on the event loop, where the engine is asked), else asked here."""
+    def reserved_bytes(self) -> int:
+        with self._booked_lock:
+            return sum(r.nbytes for r in self._reservations)
+
+    def reserve(
+        self, need: int, what: str, dir_name: str = "", in_use: set[str] | None = None
+    ) -> Reservation | None:
+        """Book `need` bytes for a pull into `dir_name`, evicting unused directories until they fit
+        beside what the cache holds and what other pulls booked. None: they fit only once a pull in
+        progress releases its booking (wait for a `release`, then ask again); CapacityExceeded if
+        they cannot fit even with no other pull running."""
+        with self._reserve_lock:
+            with self._booked_lock:
+                booked = list(self._reservations)
+            try:
+                self.make_room(
+                    need + sum(r.nbytes for r in booked),
+                    what,
+                    keep={dir_name, *(r.dir_name for r in booked)},
+                    in_use=in_use,
+                )
+            except CapacityExceeded:
+                if need > self.max_bytes or not booked:
+                    raise self.too_big(what, need) from None
+                return None
+            reservation = Reservation(need, dir_name)
+            with self._booked_lock:
+                self._reservations.add(reservation)
+            return reservation
+
+    def release(self, reservation: Reservation) -> None:
+        """The pull finished (its directory now counts on disk) or failed (nothing of it stays)."""
+        with self._booked_lock:
+            self._reservations.discard(reservation)
+
+    def make_room(
+        self, need: int, what: str, keep: str | set[str] = "", in_use: set[str] | None = None
+    ) -> list[str]:
+        """Evict unused directories (never those named in `keep`), least recently used first, until
+        `need` more bytes fit under the bound; CapacityExceeded if they cannot. `in_use`:
+        `self.in_use()` taken by the caller (on the event loop, where the engine is asked), else
+        asked here."""
         if need > self.max_bytes:
             raise self.too_big(what, need)
         dirs = []
@@ -156,7 +212,7 @@ class AdapterCache:
                 dirs.append((used_ns, entry.name, size))
         if total + need <= self.max_bytes:
             return []
-        used = (self.in_use() if in_use is None else in_use) | {keep}
+        used = (self.in_use() if in_use is None else in_use) | ({keep} if isinstance(keep, str) else keep)
         evicted = []
         for _used_ns, name, size in sorted(dirs):
             if total + need <= self.max_bytes:

@@ -2,10 +2,11 @@
 
 `fetch(name)` asks the store (`GetAdapter`), and unless the content is already in the local
 cache (`<cache>/<weights hex>-<config hex>/`: an adapter is its weights *and* its config) and
-hashes to the record's digests, makes room under the cache's byte bound (adapter_cache.py) and
-streams `PullAdapter`, checks the sha256 of both files against the record and renames a
-finished temp dir into place, so a reader never sees a half-written adapter. Concurrent fetches
-of one name share one pull (single flight).
+hashes to the record's digests, streams `PullAdapter`: once its header tells the size, the pull
+reserves its bytes under the cache's byte bound (adapter_cache.py; waiting while other pulls'
+reservations leave no room) before writing any, checks the sha256 of both files against the
+record and renames a finished temp dir into place, so a reader never sees a half-written adapter.
+Concurrent fetches of one name share one pull (single flight).
 `watch(on_event)` follows `WatchAdapters`, reconnecting with backoff.
 """
 
@@ -28,6 +29,7 @@ from loraplex.services.inference.adapter_cache import (
     DISK_FULL_ERRNOS,
     WEIGHTS_FILE,
     AdapterCache,
+    Reservation,
     default_max_bytes,
 )
 from loraplex.services.inference.errors import (
@@ -160,6 +162,8 @@ class StoreClient:
             self._channel = grpc.aio.secure_channel(target, credentials, options=STORE_CHANNEL_OPTIONS)
         self._stub = pb_grpc.AdapterStoreStub(self._channel)
         self._inflight: dict[str, asyncio.Future[PulledAdapter]] = {}
+        # Set (and replaced) whenever a pull gives back its cache reservation: pulls waiting for room.
+        self._room_freed = asyncio.Event()
         self._on_pull = on_pull
         self.pulls = 0  # completed PullAdapter streams, for metrics and tests
         # Names the store has, kept by `watch` (listed once when it connects, then its events):
@@ -254,13 +258,8 @@ class StoreClient:
             self.cache.verified, local, record.digest, record.config_digest
         ):
             return PulledAdapter(name, local, record)
-        await asyncio.to_thread(
-            self.cache.make_room,
-            record.size_bytes,
-            f"adapter {name!r}",
-            local.name if local else "",
-            self.cache.in_use(),
-        )
+        if record.size_bytes > self.cache.max_bytes:  # no pull for what can never fit
+            raise self.cache.too_big(f"adapter {name!r}", record.size_bytes)
         # A stream cut halfway or bytes that do not hash to the record are retried from the
         # start; the partial copy is never renamed into the cache, so no half adapter is loaded.
         for attempt in range(1, PULL_ATTEMPTS + 1):
@@ -279,11 +278,44 @@ class StoreClient:
                 await asyncio.sleep(PULL_RETRY_S * attempt)
         raise AssertionError("unreachable")
 
+    async def _reserve(self, name: str, need: int, dir_name: str) -> Reservation:
+        """Book `need` bytes of the cache, waiting while other pulls' bookings leave no room."""
+        while True:
+            freed = self._room_freed  # taken first: a release during the attempt wakes the wait
+            what, in_use = f"adapter {name!r}", self.cache.in_use()
+            attempt = asyncio.ensure_future(
+                asyncio.to_thread(self.cache.reserve, need, what, dir_name, in_use)
+            )
+            try:
+                reservation = await asyncio.shield(attempt)
+            except asyncio.CancelledError:
+                attempt.add_done_callback(self._release_abandoned)  # booked for a caller that left
+                raise
+            if reservation is not None:
+                return reservation
+            await freed.wait()
+
+    def _release_abandoned(self, attempt: asyncio.Future) -> None:
+        if not attempt.cancelled() and attempt.exception() is None and attempt.result() is not None:
+            self._release(attempt.result())
+
+    def _release(self, reservation: Reservation) -> None:
+        self.cache.release(reservation)
+        self._room_freed.set()
+        self._room_freed = asyncio.Event()
+
     async def _pull(self, name: str) -> PulledAdapter:
         tmp = Path(tempfile.mkdtemp(prefix=f".pull-{os.getpid()}-", dir=self.cache_dir))
+        reservation: Reservation | None = None
+
+        async def book(record: pb.AdapterRecord, config: bytes) -> None:
+            nonlocal reservation
+            dir_name = content_dir_name(record.digest, hashlib.sha256(config).hexdigest())
+            reservation = await self._reserve(name, record.size_bytes + len(config), dir_name)
+
         try:
             try:
-                record, nbytes = await self._stream_into(name, tmp)
+                record, nbytes = await self._stream_into(name, tmp, book)
             except OSError as err:
                 if err.errno in DISK_FULL_ERRNOS:
                     raise self.cache.disk_full(f"adapter {name!r}", err) from None
@@ -304,8 +336,14 @@ class StoreClient:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+            if reservation is not None:  # after the rename: its bytes now count on disk
+                self._release(reservation)
 
-    async def _stream_into(self, name: str, tmp: Path) -> tuple[pb.AdapterRecord, int]:
+    async def _stream_into(
+        self, name: str, tmp: Path, book: Callable[[pb.AdapterRecord, bytes], Awaitable[None]]
+    ) -> tuple[pb.AdapterRecord, int]:
+        """The pull's files into `tmp`; `book(record, config)` runs once the header arrives, before
+        anything is written."""
         record: pb.AdapterRecord | None = None
         weights = hashlib.sha256()
         nbytes = 0
@@ -315,6 +353,11 @@ class StoreClient:
                     pb.PullAdapterRequest(name=name), timeout=600.0, metadata=self._metadata
                 ):
                     if chunk.WhichOneof("payload") == "header":
+                        if record is not None:
+                            raise BackendUnavailable(
+                                f"adapter store sent a second header for {name!r}; pull abandoned",
+                                adapter=name,
+                            )
                         record = chunk.header.record
                         config = chunk.header.adapter_config_json.encode()
                         if record.config_digest and hashlib.sha256(config).hexdigest() != _hex(
@@ -323,6 +366,7 @@ class StoreClient:
                             raise AdapterInvalid(
                                 f"adapter {name!r}: adapter_config.json digest mismatch", adapter=name
                             )
+                        await book(record, config)
                         (tmp / CONFIG_FILE).write_bytes(config)
                     else:
                         # Counted as it arrives: a store (or whatever answers in its place) that sends
