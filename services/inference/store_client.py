@@ -7,7 +7,10 @@ reserves its bytes under the cache's byte bound (adapter_cache.py; waiting while
 reservations leave no room) before writing any, checks the sha256 of both files against the
 record and renames a finished temp dir into place, so a reader never sees a half-written adapter.
 Concurrent fetches of one name share one pull (single flight).
-`watch(on_event)` follows `WatchAdapters`, reconnecting with backoff.
+`watch(on_event)` follows `WatchAdapters`, reconnecting with backoff from the last event seen;
+when the store says its stream no longer holds every event since then (a `resync` event: it
+keeps only the latest ~10,000), the adapters are listed again and the differences handed on as
+events, so a replica cut off for long misses no delete or replacement.
 """
 
 from __future__ import annotations
@@ -248,6 +251,7 @@ class StoreClient:
 
     async def _fetch(self, name: str) -> PulledAdapter:
         record = await self.get(name)
+        self.known_names.add(name)  # a resync then sees it go even if no event about it arrived
         # A record without a config digest (an older store) cannot name its content: always pull.
         local = (
             self.cache_dir / content_dir_name(record.digest, record.config_digest)
@@ -395,8 +399,8 @@ class StoreClient:
         return record, nbytes
 
     async def watch(self, on_event: Callable[[str, str, str, str], Awaitable[None]]) -> None:
-        """Follow store events forever, calling `on_event(type, name, digest, config_digest)` for each;
-        reconnects with backoff."""
+        """Follow store events forever, calling `on_event(type, name, digest, config_digest)` for each
+        ("registered" or "deleted"); reconnects with backoff."""
         last_id = ""
         backoff = 0.5
         while True:
@@ -410,6 +414,10 @@ class StoreClient:
                     self.known_names = {r.name for r in await self.list()}
                 async for event in stream:
                     backoff = 0.5
+                    if event.type == "resync":
+                        await self._resync(on_event, last_id)
+                        last_id = event.id or last_id  # only once re-listed: a failed listing retries
+                        continue
                     last_id = event.id or last_id
                     if event.type == "registered":
                         self.known_names.add(event.name)
@@ -434,3 +442,24 @@ class StoreClient:
                 log.exception("WatchAdapters handler failed; reconnecting")
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10.0)
+
+    async def _resync(self, on_event: Callable[[str, str, str, str], Awaitable[None]], since: str) -> None:
+        """The store no longer holds every event since `since`: list what it has now and hand on the
+        differences as events - "deleted" for each name known here that it no longer has,
+        "registered" for each it has (the handler ignores content it already serves)."""
+        records = await self.list()
+        listed = {r.name for r in records}
+        gone = sorted(self.known_names - listed)
+        log.warning(
+            "WatchAdapters on %s: events since %s are gone from the store's stream; re-listed %d "
+            "adapters (%d gone meanwhile)",
+            self.target,
+            since,
+            len(records),
+            len(gone),
+        )
+        self.known_names = listed
+        for name in gone:
+            await on_event("deleted", name, "", "")
+        for r in records:
+            await on_event("registered", r.name, r.digest, r.config_digest)
