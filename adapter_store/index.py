@@ -38,12 +38,13 @@ if gen ~= tonumber(ARGV[1]) then return -1 end
 gen = gen + 1
 redis.call('HSET', KEYS[6], ARGV[2], gen)
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'generation', gen, unpack(ARGV, 7))
+redis.call('HSET', KEYS[1], 'generation', gen, unpack(ARGV, 8))
 redis.call('ZADD', KEYS[2], 0, ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
 redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'registered', 'name', ARGV[2],
-           'digest', ARGV[3], 'config_digest', ARGV[6], 'generation', gen, 'time', ARGV[4])
+           'digest', ARGV[3], 'config_digest', ARGV[6], 'files_digest', ARGV[7], 'generation', gen,
+           'time', ARGV[4])
 redis.call('INCR', KEYS[7])
 return gen
 """
@@ -52,12 +53,14 @@ _DELETE = """
 local digest = redis.call('HGET', KEYS[3], ARGV[1])
 if not digest then return false end
 local config_digest = redis.call('HGET', KEYS[1], 'config_digest') or ''
+local files_digest = redis.call('HGET', KEYS[1], 'files_digest') or ''
 local gen = redis.call('HINCRBY', KEYS[6], ARGV[1], 1)
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[3], '*', 'type', 'deleted', 'name', ARGV[1],
-           'digest', digest, 'config_digest', config_digest, 'generation', gen, 'time', ARGV[2])
+           'digest', digest, 'config_digest', config_digest, 'files_digest', files_digest,
+           'generation', gen, 'time', ARGV[2])
 redis.call('INCR', KEYS[7])
 return {digest, gen}
 """
@@ -91,6 +94,7 @@ class Event(NamedTuple):
     generation: int
     time: float
     config_digest: str = ""
+    files_digest: str = ""
 
 
 class AdapterIndex:
@@ -144,6 +148,7 @@ class AdapterIndex:
             record.last_used_at,
             self.events_max_len,
             record.config_digest,
+            record.files_digest,
             *flat,
         ]
         return int(await self._commit(keys=self._keys(record.name), args=args))
@@ -293,6 +298,7 @@ class AdapterIndex:
                         int(f["generation"]),
                         float(f["time"]),
                         f.get("config_digest", ""),
+                        f.get("files_digest", ""),
                     )
                 )
         return events

@@ -26,7 +26,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from loraplex.adapter_store import errors
+from loraplex.adapter_store import errors, tokenizer_files
 from loraplex.adapter_store.index import stream_position
 from loraplex.adapter_store.records import StoreRecord
 from loraplex.adapter_store.registry import AdapterRegistry
@@ -69,6 +69,7 @@ def record_to_proto(r: StoreRecord) -> pb.AdapterRecord:
         last_used_at=r.last_used_at,
         generation=r.generation,
         config_digest=r.config_digest,
+        files_digest=r.files_digest,
     )
 
 
@@ -235,7 +236,12 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
         try:
             async with self.registry.open_pull(request.name) as handle:
                 header = pb.AdapterHeader(
-                    record=record_to_proto(handle.record), adapter_config_json=handle.record.config_json
+                    record=record_to_proto(handle.record),
+                    adapter_config_json=handle.record.config_json,
+                    files=[
+                        pb.AdapterFile(name=n, content=data)
+                        for n, data in sorted(tokenizer_files.decode(handle.record.files_json).items())
+                    ],
                 )
                 if request.shared_cache:
                     header.local_safetensors_path = str(handle.path)
@@ -308,4 +314,5 @@ def _event_proto(ev) -> pb.AdapterEvent:
         generation=ev.generation,
         time=ev.time,
         config_digest=ev.config_digest,
+        files_digest=ev.files_digest,
     )

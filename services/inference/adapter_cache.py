@@ -1,6 +1,8 @@
 """The inference side's on-disk adapter cache: a byte bound, LRU eviction, checked hits.
 
-One directory per adapter content, `<weights hex>-<config hex>/` under `--adapter-cache-dir`.
+One directory per adapter content, `<weights hex>-<config hex>/` under `--adapter-cache-dir`, or
+`<weights hex>-<config hex>-<tokenizer files hex>/` for an adapter that ships tokenizer files
+(its chat template: `CARRIED_FILES`, which the store carries in the PullAdapter header).
 The cache holds at most `--adapter-cache-max-bytes` (default: half of what the directory's
 filesystem had free at start, plus what the cache already held). A pull reserves its bytes
 before it writes any (`reserve`, once the header tells its size): directories that no loaded
@@ -9,7 +11,7 @@ what the cache holds plus every reservation fits, so pulls running at once canno
 bound together. A pull that fits only once another finishes waits for that one's `release`; an
 adapter that cannot fit even so, or a write the disk refuses, is RESOURCE_EXHAUSTED naming the
 directory and the bound. Reservations are this process's: servers sharing one directory each
-keep their own bound. A hit is used only after both
+keep their own bound. A hit is used only after its
 files hash to the digests the store recorded; a mismatch (a file rewritten on disk) drops the
 directory and the adapter is pulled again.
 """
@@ -33,6 +35,10 @@ log = logging.getLogger(__name__)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+# Tokenizer files an adapter may ship, as the store carries them (adapter_store/tokenizer_files.py):
+# nothing else is written into a cached copy. lora/adapter.py reads the chat template from them.
+CARRIED_FILES = ("chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json")
+MAX_CARRIED_FILE_BYTES = 4 * 2**20
 DEFAULT_FREE_SHARE = 0.5
 _HEX = set("0123456789abcdef")
 # A disk that refuses a write: full, over quota, or over the process's file size limit.
@@ -40,8 +46,21 @@ DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def is_content_dir_name(name: str) -> bool:
-    a, sep, b = name.partition("-")
-    return bool(sep) and len(a) == 64 and len(b) == 64 and set(a) <= _HEX and set(b) <= _HEX
+    parts = name.split("-")
+    return len(parts) in (2, 3) and all(len(p) == 64 and set(p) <= _HEX for p in parts)
+
+
+def tokenizer_files_digest(files: dict[str, bytes]) -> str:
+    """ "sha256:<hex>" over each file's name and sha256, in name order ("" for none): the store's
+    `files_digest`, computed the same way (adapter_store/tokenizer_files.py)."""
+    if not files:
+        return ""
+    lines = "".join(f"{name}\0{hashlib.sha256(files[name]).hexdigest()}\n" for name in sorted(files))
+    return "sha256:" + hashlib.sha256(lines.encode()).hexdigest()
+
+
+def read_carried_files(path: Path) -> dict[str, bytes]:
+    return {n: (path / n).read_bytes() for n in CARRIED_FILES if (path / n).is_file()}
 
 
 def file_sha256(path: Path) -> str:
@@ -124,12 +143,16 @@ class AdapterCache:
     def total_bytes(self) -> int:
         return dir_bytes(self.root)
 
-    def verified(self, path: Path, weights_digest: str, config_digest: str) -> bool:
-        """Both files present and hashing to the recorded digests; a directory that fails is removed."""
+    def verified(self, path: Path, weights_digest: str, config_digest: str, files_digest: str = "") -> bool:
+        """Every file present and hashing to the recorded digests; a directory that fails is removed."""
         weights, config = path / WEIGHTS_FILE, path / CONFIG_FILE
         if not (weights.is_file() and config.is_file()):
             return False
-        if file_sha256(weights) == _digest(weights_digest) and file_sha256(config) == _digest(config_digest):
+        if (
+            file_sha256(weights) == _digest(weights_digest)
+            and file_sha256(config) == _digest(config_digest)
+            and tokenizer_files_digest(read_carried_files(path)) == files_digest
+        ):
             self.touch(path)
             return True
         log.warning("cached adapter %s does not hash to the store's digests; dropping it to pull again", path)

@@ -28,12 +28,16 @@ from typing import NamedTuple
 import grpc
 
 from loraplex.services.inference.adapter_cache import (
+    CARRIED_FILES,
     CONFIG_FILE,
     DISK_FULL_ERRNOS,
+    MAX_CARRIED_FILE_BYTES,
     WEIGHTS_FILE,
     AdapterCache,
     Reservation,
     default_max_bytes,
+    read_carried_files,
+    tokenizer_files_digest,
 )
 from loraplex.services.inference.errors import (
     AdapterIncompatible,
@@ -83,10 +87,12 @@ def _hex(digest: str) -> str:
     return digest.split(":", 1)[1] if ":" in digest else digest
 
 
-def content_dir_name(weights_digest: str, config_digest: str) -> str:
-    """The cache directory of one adapter content: both digests, so the same weights under
-    another adapter_config.json (another lora_alpha, rank_pattern, ...) never share a copy."""
-    return f"{_hex(weights_digest)}-{_hex(config_digest)}"
+def content_dir_name(weights_digest: str, config_digest: str, files_digest: str = "") -> str:
+    """The cache directory of one adapter content: every digest, so the same weights under another
+    adapter_config.json (another lora_alpha, rank_pattern, ...) or another chat template never
+    share a copy."""
+    name = f"{_hex(weights_digest)}-{_hex(config_digest)}"
+    return f"{name}-{_hex(files_digest)}" if files_digest else name
 
 
 def _map_rpc_error(err: grpc.RpcError, name: str, what: str) -> LoraplexError:
@@ -132,6 +138,23 @@ def remove_stale_pulls(cache_dir: Path) -> list[str]:
     if removed:
         log.info("removed %d leftover pulls from %s", len(removed), cache_dir)
     return removed
+
+
+def _header_files(name: str, header: pb.AdapterHeader, record: pb.AdapterRecord) -> dict[str, bytes]:
+    """The tokenizer files of a PullAdapter header, checked: known names only (never a path), each
+    once and bounded, hashing to the record's files_digest."""
+    files: dict[str, bytes] = {}
+    for f in header.files:
+        if f.name not in CARRIED_FILES or f.name in files or len(f.content) > MAX_CARRIED_FILE_BYTES:
+            raise AdapterInvalid(
+                f"adapter {name!r}: the store sent a file {f.name[:64]!r} ({len(f.content)} bytes) that is "
+                f"not one of {', '.join(CARRIED_FILES)} at most {MAX_CARRIED_FILE_BYTES} bytes, once each",
+                adapter=name,
+            )
+        files[f.name] = f.content
+    if tokenizer_files_digest(files) != record.files_digest:
+        raise AdapterInvalid(f"adapter {name!r}: tokenizer files digest mismatch", adapter=name)
+    return files
 
 
 def _size(record: pb.AdapterRecord | None) -> str:
@@ -254,12 +277,12 @@ class StoreClient:
         self.known_names.add(name)  # a resync then sees it go even if no event about it arrived
         # A record without a config digest (an older store) cannot name its content: always pull.
         local = (
-            self.cache_dir / content_dir_name(record.digest, record.config_digest)
+            self.cache_dir / content_dir_name(record.digest, record.config_digest, record.files_digest)
             if record.config_digest
             else None
         )
         if local is not None and await asyncio.to_thread(
-            self.cache.verified, local, record.digest, record.config_digest
+            self.cache.verified, local, record.digest, record.config_digest, record.files_digest
         ):
             return PulledAdapter(name, local, record)
         if record.size_bytes > self.cache.max_bytes:  # no pull for what can never fit
@@ -312,10 +335,12 @@ class StoreClient:
         tmp = Path(tempfile.mkdtemp(prefix=f".pull-{os.getpid()}-", dir=self.cache_dir))
         reservation: Reservation | None = None
 
-        async def book(record: pb.AdapterRecord, config: bytes) -> None:
+        async def book(record: pb.AdapterRecord, config: bytes, files: dict[str, bytes]) -> None:
             nonlocal reservation
-            dir_name = content_dir_name(record.digest, hashlib.sha256(config).hexdigest())
-            reservation = await self._reserve(name, record.size_bytes + len(config), dir_name)
+            config_hex, files_digest = hashlib.sha256(config).hexdigest(), tokenizer_files_digest(files)
+            dir_name = content_dir_name(record.digest, config_hex, files_digest)
+            need = record.size_bytes + len(config) + sum(map(len, files.values()))
+            reservation = await self._reserve(name, need, dir_name)
 
         try:
             try:
@@ -325,7 +350,8 @@ class StoreClient:
                     raise self.cache.disk_full(f"adapter {name!r}", err) from None
                 raise
             config_digest = "sha256:" + hashlib.sha256((tmp / CONFIG_FILE).read_bytes()).hexdigest()
-            target = self.cache_dir / content_dir_name(record.digest, config_digest)
+            files_digest = tokenizer_files_digest(read_carried_files(tmp))
+            target = self.cache_dir / content_dir_name(record.digest, config_digest, files_digest)
             try:
                 os.rename(tmp, target)
             except OSError:
@@ -344,10 +370,13 @@ class StoreClient:
                 self._release(reservation)
 
     async def _stream_into(
-        self, name: str, tmp: Path, book: Callable[[pb.AdapterRecord, bytes], Awaitable[None]]
+        self,
+        name: str,
+        tmp: Path,
+        book: Callable[[pb.AdapterRecord, bytes, dict[str, bytes]], Awaitable[None]],
     ) -> tuple[pb.AdapterRecord, int]:
-        """The pull's files into `tmp`; `book(record, config)` runs once the header arrives, before
-        anything is written."""
+        """The pull's files into `tmp`; `book(record, config, tokenizer files)` runs once the header
+        arrives, before anything is written."""
         record: pb.AdapterRecord | None = None
         weights = hashlib.sha256()
         nbytes = 0
@@ -370,8 +399,11 @@ class StoreClient:
                             raise AdapterInvalid(
                                 f"adapter {name!r}: adapter_config.json digest mismatch", adapter=name
                             )
-                        await book(record, config)
+                        files = _header_files(name, chunk.header, record)
+                        await book(record, config, files)
                         (tmp / CONFIG_FILE).write_bytes(config)
+                        for file_name, data in files.items():
+                            (tmp / file_name).write_bytes(data)
                     else:
                         # Counted as it arrives: a store (or whatever answers in its place) that sends
                         # more than the record says would otherwise fill this server's disk.
@@ -398,9 +430,9 @@ class StoreClient:
             )
         return record, nbytes
 
-    async def watch(self, on_event: Callable[[str, str, str, str], Awaitable[None]]) -> None:
-        """Follow store events forever, calling `on_event(type, name, digest, config_digest)` for each
-        ("registered" or "deleted"); reconnects with backoff."""
+    async def watch(self, on_event: Callable[[str, str, str, str, str], Awaitable[None]]) -> None:
+        """Follow store events forever, calling `on_event(type, name, digest, config_digest,
+        files_digest)` for each ("registered" or "deleted"); reconnects with backoff."""
         last_id = ""
         backoff = 0.5
         while True:
@@ -423,7 +455,9 @@ class StoreClient:
                         self.known_names.add(event.name)
                     elif event.type == "deleted":
                         self.known_names.discard(event.name)
-                    await on_event(event.type, event.name, event.digest, event.config_digest)
+                    await on_event(
+                        event.type, event.name, event.digest, event.config_digest, event.files_digest
+                    )
             except asyncio.CancelledError:
                 raise
             except LoraplexError as err:  # the listing after (re)connecting failed
@@ -443,7 +477,9 @@ class StoreClient:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 10.0)
 
-    async def _resync(self, on_event: Callable[[str, str, str, str], Awaitable[None]], since: str) -> None:
+    async def _resync(
+        self, on_event: Callable[[str, str, str, str, str], Awaitable[None]], since: str
+    ) -> None:
         """The store no longer holds every event since `since`: list what it has now and hand on the
         differences as events - "deleted" for each name known here that it no longer has,
         "registered" for each it has (the handler ignores content it already serves)."""
@@ -460,6 +496,6 @@ class StoreClient:
         )
         self.known_names = listed
         for name in gone:
-            await on_event("deleted", name, "", "")
+            await on_event("deleted", name, "", "", "")
         for r in records:
-            await on_event("registered", r.name, r.digest, r.config_digest)
+            await on_event("registered", r.name, r.digest, r.config_digest, r.files_digest)

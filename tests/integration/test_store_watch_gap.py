@@ -94,7 +94,7 @@ def test_a_watcher_cut_off_past_the_trim_re_lists_and_sees_the_delete(store, tmp
     proxy = CuttingProxy(address)
     events: list[tuple[str, str]] = []
 
-    async def on_event(kind: str, name: str, digest: str, config_digest: str) -> None:
+    async def on_event(kind: str, name: str, digest: str, config_digest: str, files_digest: str) -> None:
         events.append((kind, name))
 
     async def scenario() -> None:
