@@ -190,7 +190,9 @@ class SourceFetcher:
             )
         weights_file = self._pick_weights_file(files, f"Hub repo {spec.location}")
         tokenizer_files = tuple(n for n in CARRIED_FILES if n in files)
-        return ResolvedSource(spec, info.sha, info.sha, weights_file, tokenizer_files)
+        # The files read count too: a record made before tokenizer files were carried is fetched again.
+        fingerprint = "|".join((info.sha, *tokenizer_files))
+        return ResolvedSource(spec, info.sha, fingerprint, weights_file, tokenizer_files)
 
     def _pick_weights_file(self, files: set[str], where: str) -> str:
         if WEIGHTS_FILE in files:
