@@ -8,12 +8,13 @@ filesystem had free at start, plus what the cache already held). A pull reserves
 before it writes any (`reserve`, once the header tells its size): directories that no loaded
 adapter uses are evicted least recently used first (a directory's mtime is its last use) until
 what the cache holds plus every reservation fits, so pulls running at once cannot overshoot the
-bound together. A pull that fits only once another finishes waits for that one's `release`; an
-adapter that cannot fit even so, or a write the disk refuses, is RESOURCE_EXHAUSTED naming the
-directory and the bound. Reservations are this process's: servers sharing one directory each
-keep their own bound. A hit is used only after its
-files hash to the digests the store recorded; a mismatch (a file rewritten on disk) drops the
-directory and the adapter is pulled again.
+bound together. A directory handed to a caller that is loading it is held (`hold`, taken in the
+same step as the pull's booking is released) and never evicted until the load ends. A pull that
+fits only once another finishes, or a load ends, waits for that; an adapter that cannot fit even
+so, or a write the disk refuses, is RESOURCE_EXHAUSTED naming the directory and the bound.
+Reservations are this process's: servers sharing one directory each keep their own bound. A hit
+is used only after its files hash to the digests the store recorded; a mismatch (a file
+rewritten on disk) drops the directory and the adapter is pulled again.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 import shutil
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +127,8 @@ class AdapterCache:
         self._reserve_lock = threading.Lock()
         self._booked_lock = threading.Lock()
         self._reservations: set[Reservation] = set()
+        # Directories handed to a caller that is loading them (`hold`): never evicted meanwhile.
+        self._held: Counter[str] = Counter()
 
     def too_big(self, what: str, need: int) -> CapacityExceeded:
         return CapacityExceeded(
@@ -173,7 +177,9 @@ class AdapterCache:
 
     def discard(self, dir_name: str, in_use: set[str]) -> bool:
         """Remove one content directory (its adapter was deleted) unless a loaded adapter uses it."""
-        if not is_content_dir_name(dir_name) or dir_name in in_use:
+        with self._booked_lock:
+            held = dir_name in self._held
+        if not is_content_dir_name(dir_name) or dir_name in in_use or held:
             return False
         shutil.rmtree(self.root / dir_name, ignore_errors=True)
         return True
@@ -185,22 +191,22 @@ class AdapterCache:
     def reserve(
         self, need: int, what: str, dir_name: str = "", in_use: set[str] | None = None
     ) -> Reservation | None:
-        """Book `need` bytes for a pull into `dir_name`, evicting unused directories until they fit
-        beside what the cache holds and what other pulls booked. None: they fit only once a pull in
-        progress releases its booking (wait for a `release`, then ask again); CapacityExceeded if
-        they cannot fit even with no other pull running."""
+        """Book `need` bytes for a pull into `dir_name`, evicting unused directories (never booked or
+        held ones) until they fit beside what the cache holds and what other pulls booked. None:
+        they fit only once a pull in progress releases its booking or a load its hold (wait for
+        that, then ask again); CapacityExceeded if they cannot fit even with neither."""
         with self._reserve_lock:
             with self._booked_lock:
-                booked = list(self._reservations)
+                booked, held = list(self._reservations), set(self._held)
             try:
                 self.make_room(
                     need + sum(r.nbytes for r in booked),
                     what,
-                    keep={dir_name, *(r.dir_name for r in booked)},
+                    keep={dir_name, *(r.dir_name for r in booked), *held},
                     in_use=in_use,
                 )
             except CapacityExceeded:
-                if need > self.max_bytes or not booked:
+                if need > self.max_bytes or not (booked or held):
                     raise self.too_big(what, need) from None
                 return None
             reservation = Reservation(need, dir_name)
@@ -208,10 +214,25 @@ class AdapterCache:
                 self._reservations.add(reservation)
             return reservation
 
-    def release(self, reservation: Reservation) -> None:
-        """The pull finished (its directory now counts on disk) or failed (nothing of it stays)."""
+    def release(self, reservation: Reservation, hold: str = "") -> None:
+        """The pull finished (its directory now counts on disk) or failed (nothing of it stays).
+        `hold`: the finished directory, held in the same step, so no eviction sees it unprotected."""
         with self._booked_lock:
             self._reservations.discard(reservation)
+            if hold:
+                self._held[hold] += 1
+
+    def hold(self, dir_name: str, times: int = 1) -> None:
+        """Keep `dir_name` from eviction until as many `unhold`s: a caller is about to load it."""
+        if times > 0:
+            with self._booked_lock:
+                self._held[dir_name] += times
+
+    def unhold(self, dir_name: str) -> None:
+        with self._booked_lock:
+            self._held[dir_name] -= 1
+            if self._held[dir_name] <= 0:
+                del self._held[dir_name]
 
     def make_room(
         self, need: int, what: str, keep: str | set[str] = "", in_use: set[str] | None = None

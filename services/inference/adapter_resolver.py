@@ -157,7 +157,8 @@ class AdapterResolver:
 
     async def _pull_and_load(self, name: str, *, pin: bool) -> AdapterInfo:
         assert self.store is not None
-        return await self._load_pulled(await self.store.fetch(name), pin)
+        async with self.store.held(name) as pulled:  # not evicted before the engine has read it
+            return await self._load_pulled(pulled, pin)
 
     async def _load_pulled(self, pulled: PulledAdapter, pin: bool) -> AdapterInfo:
         record = pulled.record
@@ -219,20 +220,22 @@ class AdapterResolver:
                 # The store reads it; honour the allow-list by sending the very path that was checked.
                 source = str(check_allowed(source, self.allowed_dirs))
             record = await self.store.register(name, source, revision)
-            pulled = await self.store.fetch(name)
-            if _content(pulled.record) != _content(record):
-                pulled = await self.store.fetch(name)  # joined a pull of the content it replaced
-            async with self._swap(name):
-                await self._unload_if_loaded(name)
-                try:
-                    return await self._load_pulled(pulled, pin)
-                except LoraplexError as exc:
-                    # Kept on purpose: the store is shared, and other servers' limits may admit it.
-                    exc.message += (
-                        f" (the adapter store keeps {name!r} registered for servers that can serve "
-                        "it; DeleteAdapter there removes it)"
-                    )
-                    raise
+            async with contextlib.AsyncExitStack() as held:  # not evicted before the engine has read it
+                pulled = await held.enter_async_context(self.store.held(name))
+                if _content(pulled.record) != _content(record):
+                    # joined a pull of the content it replaced
+                    pulled = await held.enter_async_context(self.store.held(name))
+                async with self._swap(name):
+                    await self._unload_if_loaded(name)
+                    try:
+                        return await self._load_pulled(pulled, pin)
+                    except LoraplexError as exc:
+                        # Kept on purpose: the store is shared, and other servers' limits may admit it.
+                        exc.message += (
+                            f" (the adapter store keeps {name!r} registered for servers that can serve "
+                            "it; DeleteAdapter there removes it)"
+                        )
+                        raise
 
     async def _unload_if_loaded(self, name: str) -> None:
         if self.engine.has_adapter(name):

@@ -16,12 +16,14 @@ events, so a replica cut off for long misses no delete or replacement.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -63,6 +65,12 @@ PULL_ATTEMPTS = 3
 PULL_RETRY_S = 0.5
 # How long a cold lookup waits for the store's connection before answering UNAVAILABLE.
 CONNECT_WAIT_S = 3.0
+
+
+@dataclass(eq=False)
+class _Flight:
+    future: asyncio.Future[PulledAdapter]
+    joiners: int = 0  # callers waiting on it: each gets a hold of the directory
 
 
 class PulledAdapter(NamedTuple):
@@ -187,7 +195,7 @@ class StoreClient:
         else:
             self._channel = grpc.aio.secure_channel(target, credentials, options=STORE_CHANNEL_OPTIONS)
         self._stub = pb_grpc.AdapterStoreStub(self._channel)
-        self._inflight: dict[str, asyncio.Future[PulledAdapter]] = {}
+        self._inflight: dict[str, _Flight] = {}
         # Set (and replaced) whenever a pull gives back its cache reservation: pulls waiting for room.
         self._room_freed = asyncio.Event()
         self._on_pull = on_pull
@@ -255,19 +263,43 @@ class StoreClient:
 
     async def fetch(self, name: str) -> PulledAdapter:
         """The adapter's local directory, pulling it from the store if needed (one pull per name at a
-        time)."""
-        pending = self._inflight.get(name)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future: asyncio.Future[PulledAdapter] = asyncio.get_running_loop().create_future()
-        self._inflight[name] = future
+        time). Not held: a caller about to load it uses `held`."""
+        async with self.held(name) as pulled:
+            return pulled
+
+    @contextlib.asynccontextmanager
+    async def held(self, name: str) -> AsyncIterator[PulledAdapter]:
+        """`fetch`, the directory kept from eviction until the block exits (from before a pull gives
+        back its booking): a pull waiting for room cannot take it while the engine reads it."""
+        pulled = await self._fetch_held(name)
         try:
-            result = await self._fetch(name)
-            future.set_result(result)
+            yield pulled
+        finally:
+            self._unhold(pulled.path.name)
+
+    async def _fetch_held(self, name: str) -> PulledAdapter:
+        """One fetch per name at a time; each caller returns holding the directory once."""
+        flight = self._inflight.get(name)
+        if flight is not None:
+            flight.joiners += 1
+            try:
+                return await asyncio.shield(flight.future)
+            except asyncio.CancelledError:
+                if not flight.future.done():
+                    flight.joiners -= 1  # no hold is taken for this caller
+                elif not flight.future.cancelled() and flight.future.exception() is None:
+                    self._unhold(flight.future.result().path.name)  # taken for it: give it back
+                raise
+        flight = _Flight(asyncio.get_running_loop().create_future())
+        self._inflight[name] = flight
+        try:
+            result = await self._fetch(name)  # held once, for this caller
+            self.cache.hold(result.path.name, flight.joiners)
+            flight.future.set_result(result)
             return result
         except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # mark retrieved: waiters re-raise it, nobody else must
+            flight.future.set_exception(exc)
+            flight.future.exception()  # mark retrieved: waiters re-raise it, nobody else must
             raise
         finally:
             self._inflight.pop(name, None)
@@ -284,6 +316,7 @@ class StoreClient:
         if local is not None and await asyncio.to_thread(
             self.cache.verified, local, record.digest, record.config_digest, record.files_digest
         ):
+            self.cache.hold(local.name)
             return PulledAdapter(name, local, record)
         if record.size_bytes > self.cache.max_bytes:  # no pull for what can never fit
             raise self.cache.too_big(f"adapter {name!r}", record.size_bytes)
@@ -326,14 +359,20 @@ class StoreClient:
         if not attempt.cancelled() and attempt.exception() is None and attempt.result() is not None:
             self._release(attempt.result())
 
-    def _release(self, reservation: Reservation) -> None:
-        self.cache.release(reservation)
+    def _release(self, reservation: Reservation, hold: str = "") -> None:
+        self.cache.release(reservation, hold)
+        self._room_freed.set()
+        self._room_freed = asyncio.Event()
+
+    def _unhold(self, dir_name: str) -> None:
+        self.cache.unhold(dir_name)
         self._room_freed.set()
         self._room_freed = asyncio.Event()
 
     async def _pull(self, name: str) -> PulledAdapter:
         tmp = Path(tempfile.mkdtemp(prefix=f".pull-{os.getpid()}-", dir=self.cache_dir))
         reservation: Reservation | None = None
+        done = ""  # the finished directory: held as the booking goes
 
         async def book(record: pb.AdapterRecord, config: bytes, files: dict[str, bytes]) -> None:
             nonlocal reservation
@@ -362,12 +401,15 @@ class StoreClient:
             if self._on_pull is not None:
                 self._on_pull(nbytes)
             log.info("pulled adapter %s (%s, %d bytes) into %s", name, record.digest, nbytes, target)
+            done = target.name
             return PulledAdapter(name, target, record)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
             if reservation is not None:  # after the rename: its bytes now count on disk
-                self._release(reservation)
+                self._release(reservation, done)
+            elif done:
+                self.cache.hold(done)
 
     async def _stream_into(
         self,

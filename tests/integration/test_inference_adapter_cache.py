@@ -8,6 +8,7 @@ A real store subprocess, real gRPC, the real StoreClient; tiny real PEFT adapter
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import subprocess
@@ -217,3 +218,37 @@ def test_concurrent_pulls_stay_under_the_bound(store, tmp_path):
     assert samples and max(samples) <= bound, (max(samples), bound)
     assert disk_bytes(cache_dir) <= bound and len(content_dirs(cache_dir)) <= 2
     assert not [n for n in os.listdir(cache_dir) if n.startswith(".pull-")]  # no pull left behind
+
+
+def test_a_held_directory_is_not_evicted_while_it_is_loaded(store, tmp_path):
+    """Pulls waiting for room are woken when one finishes; they must not evict that one's directory
+    while its caller (the engine's load) still reads it. Eight loads at once on a bound of two:
+    each holds its directory (`StoreClient.held`) across a read spread over loop turns, and every
+    read finds its files whole; the bound holds throughout."""
+    address, records = store
+    bound = int(2.5 * (adapter_bytes(records, "c0") + 1024))
+    cache_dir = tmp_path / "c"
+    names = [f"c{i}" for i in range(8)]
+
+    async def run():
+        client = StoreClient(address, cache_dir, cache_max_bytes=bound)
+        client.cache.in_use = set  # nothing loaded: only the holds protect
+        peak = 0
+
+        async def load(name):
+            nonlocal peak
+            async with client.held(name) as pulled:
+                for _ in range(5):  # an engine load reads across several loop turns
+                    await asyncio.sleep(0.02)
+                    peak = max(peak, disk_bytes(cache_dir))
+                weights = (pulled.path / WEIGHTS_FILE).read_bytes()
+                return hashlib.sha256(weights).hexdigest() == pulled.record.digest.split(":")[1]
+
+        try:
+            return await asyncio.gather(*(load(n) for n in names), return_exceptions=True), peak
+        finally:
+            await client.close()
+
+    results, peak = asyncio.run(run())
+    assert results == [True] * len(names), results
+    assert peak <= bound and disk_bytes(cache_dir) <= bound

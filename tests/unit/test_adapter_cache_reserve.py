@@ -32,3 +32,15 @@ def test_with_nothing_booked_a_pull_that_cannot_fit_is_refused(tmp_path):
     with pytest.raises(CapacityExceeded, match="needs 1001 bytes"):
         cache.reserve(1001, "adapter 'y'", in_use=set())
     assert cache.reserved_bytes() == 0
+
+
+def test_a_held_directory_is_kept_and_waited_for(tmp_path):
+    """A directory handed to a loading caller (`hold`) is never evicted: a pull that fits only
+    without it waits (None) until the hold ends, and a deleted adapter's discard leaves it too."""
+    cache = AdapterCache(tmp_path, max_bytes=1000)
+    loading = _content_dir(tmp_path, "a", 600)
+    cache.hold(loading.name)
+    assert cache.reserve(500, "next", in_use=set()) is None and loading.exists()
+    assert not cache.discard(loading.name, in_use=set()) and loading.exists()
+    cache.unhold(loading.name)
+    assert cache.reserve(500, "next", in_use=set()) is not None and not loading.exists()
