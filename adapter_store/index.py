@@ -8,7 +8,8 @@ Keys (all under the configured prefix P):
   P lru              zset   digest -> last use (unix seconds)
   P lock:<name>      string redis-py Lock held while one registration of <name> fetches
   P events           stream registered / deleted events (XADD MAXLEN ~, `--events-max-len`)
-  P events_added     string how many events were ever added (with XLEN: whether any were trimmed)
+  P events_added     string how many events were ever added (with XLEN: whether any were trimmed;
+                           a stream older than the count starts it past its length)
 Writes that must agree (record + names + digests + generation + event) run in one Lua script,
 and a commit names the generation it started from, so a registration whose lock expired
 cannot overwrite a newer one.
@@ -42,6 +43,10 @@ redis.call('HSET', KEYS[1], 'generation', gen, unpack(ARGV, 8))
 redis.call('ZADD', KEYS[2], 0, ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
 redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
+-- A stream from before events were counted may have been trimmed: count one more than it holds.
+if redis.call('EXISTS', KEYS[7]) == 0 and redis.call('EXISTS', KEYS[5]) == 1 then
+  redis.call('SET', KEYS[7], redis.call('XLEN', KEYS[5]) + 1)
+end
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'registered', 'name', ARGV[2],
            'digest', ARGV[3], 'config_digest', ARGV[6], 'files_digest', ARGV[7], 'generation', gen,
            'time', ARGV[4])
@@ -58,6 +63,10 @@ local gen = redis.call('HINCRBY', KEYS[6], ARGV[1], 1)
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
+-- A stream from before events were counted may have been trimmed: count one more than it holds.
+if redis.call('EXISTS', KEYS[7]) == 0 and redis.call('EXISTS', KEYS[5]) == 1 then
+  redis.call('SET', KEYS[7], redis.call('XLEN', KEYS[5]) + 1)
+end
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[3], '*', 'type', 'deleted', 'name', ARGV[1],
            'digest', digest, 'config_digest', config_digest, 'files_digest', files_digest,
            'generation', gen, 'time', ARGV[2])

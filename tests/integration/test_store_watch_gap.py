@@ -37,7 +37,7 @@ def store(tmp_path_factory):
     try:
         flags = ("--redis-url", server.url, "--events-max-len", str(MAX_LEN))
         with start_store(root / "store", *flags) as proc:
-            yield proc.address, str(source)
+            yield proc.address, str(source), server
     finally:
         server.close()
 
@@ -63,7 +63,7 @@ def first_events(stub, last_event_id: str, n: int) -> list[pb.AdapterEvent]:
 
 
 def test_a_resume_from_a_trimmed_id_is_told_to_resync(store):
-    address, source = store
+    address, source, _ = store
     with store_stub(address) as stub:
         stub.RegisterAdapter(pb.RegisterAdapterRequest(name="early", source=source), timeout=30)
         (seen,) = first_events(stub, "0", 1)  # the oldest event still held
@@ -90,7 +90,7 @@ async def _wait(predicate, what: str, timeout: float = 30.0) -> None:
 
 
 def test_a_watcher_cut_off_past_the_trim_re_lists_and_sees_the_delete(store, tmp_path):
-    address, source = store
+    address, source, _ = store
     proxy = CuttingProxy(address)
     events: list[tuple[str, str]] = []
 
@@ -131,3 +131,22 @@ def test_a_watcher_cut_off_past_the_trim_re_lists_and_sees_the_delete(store, tmp
 def _churn_at(address: str, source: str, events: int) -> None:
     with store_stub(address) as stub:
         churn(stub, source, events)
+
+
+def test_a_stream_older_than_the_event_count_is_never_taken_for_untrimmed(store):
+    """A store upgraded over a stream that has no count yet (or a count lost) starts the count past
+    the stream's length: "added == length" (nothing trimmed) must never hold by coincidence while
+    the count catches up, or a watcher resuming from a trimmed id would skip the gap."""
+    address, source, server = store
+    r = redis.Redis(unix_socket_path=str(server.socket), decode_responses=True)
+    with store_stub(address) as stub:
+        churn(stub, source, 2)  # "churn" deleted
+        r.delete("loraplex:events_added")  # a stream from before events were counted
+        for i in range(12):
+            if i % 2 == 0:
+                stub.RegisterAdapter(pb.RegisterAdapterRequest(name="churn", source=source), timeout=30)
+            else:
+                stub.DeleteAdapter(pb.DeleteAdapterRequest(name="churn"), timeout=30)
+            assert int(r.get("loraplex:events_added")) > r.xlen("loraplex:events"), "counted as untrimmed"
+        # A resume from before the stream's first entry is still told to resync.
+        assert first_events(stub, "1-0", 1)[0].type == "resync"
