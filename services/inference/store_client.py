@@ -7,10 +7,7 @@ reserves its bytes under the cache's byte bound (adapter_cache.py; waiting while
 reservations leave no room) before writing any, checks the sha256 of both files against the
 record and renames a finished temp dir into place, so a reader never sees a half-written adapter.
 Concurrent fetches of one name share one pull (single flight).
-`watch(on_event)` follows `WatchAdapters`, reconnecting with backoff from the last event seen;
-when the store says its stream no longer holds every event since then (a `resync` event: it
-keeps only the latest ~10,000), the adapters are listed again and the differences handed on as
-events, so a replica cut off for long misses no delete or replacement.
+`open_watch` starts a `WatchAdapters` stream; store_watch.py follows it.
 """
 
 from __future__ import annotations
@@ -472,72 +469,7 @@ class StoreClient:
             )
         return record, nbytes
 
-    async def watch(self, on_event: Callable[[str, str, str, str, str], Awaitable[None]]) -> None:
-        """Follow store events forever, calling `on_event(type, name, digest, config_digest,
-        files_digest)` for each ("registered" or "deleted"); reconnects with backoff."""
-        last_id = ""
-        backoff = 0.5
-        while True:
-            try:
-                req = pb.WatchAdaptersRequest(last_event_id=last_id)
-                stream = self._stub.WatchAdapters(req, metadata=self._metadata)
-                if not last_id:
-                    # Subscribed first (headers come once it is), listed second: an event racing the
-                    # listing is applied after it, and events are idempotent on a set.
-                    await stream.initial_metadata()
-                    self.known_names = {r.name for r in await self.list()}
-                async for event in stream:
-                    backoff = 0.5
-                    if event.type == "resync":
-                        await self._resync(on_event, last_id)
-                        last_id = event.id or last_id  # only once re-listed: a failed listing retries
-                        continue
-                    last_id = event.id or last_id
-                    if event.type == "registered":
-                        self.known_names.add(event.name)
-                    elif event.type == "deleted":
-                        self.known_names.discard(event.name)
-                    await on_event(
-                        event.type, event.name, event.digest, event.config_digest, event.files_digest
-                    )
-            except asyncio.CancelledError:
-                raise
-            except LoraplexError as err:  # the listing after (re)connecting failed
-                log.warning(
-                    "listing the store %s failed: %s; reconnecting in %.1fs", self.target, err, backoff
-                )
-            except grpc.RpcError as err:
-                log.warning(
-                    "WatchAdapters on %s: %s (%s); reconnecting in %.1fs",
-                    self.target,
-                    err.code().name,
-                    err.details(),
-                    backoff,
-                )
-            except Exception:
-                log.exception("WatchAdapters handler failed; reconnecting")
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
-
-    async def _resync(
-        self, on_event: Callable[[str, str, str, str, str], Awaitable[None]], since: str
-    ) -> None:
-        """The store no longer holds every event since `since`: list what it has now and hand on the
-        differences as events - "deleted" for each name known here that it no longer has,
-        "registered" for each it has (the handler ignores content it already serves)."""
-        records = await self.list()
-        listed = {r.name for r in records}
-        gone = sorted(self.known_names - listed)
-        log.warning(
-            "WatchAdapters on %s: events since %s are gone from the store's stream; re-listed %d "
-            "adapters (%d gone meanwhile)",
-            self.target,
-            since,
-            len(records),
-            len(gone),
-        )
-        self.known_names = listed
-        for name in gone:
-            await on_event("deleted", name, "", "", "")
-        for r in records:
-            await on_event("registered", r.name, r.digest, r.config_digest, r.files_digest)
+    def open_watch(self, last_event_id: str) -> grpc.aio.UnaryStreamCall:
+        """A WatchAdapters stream from `last_event_id` (store_watch.py follows it)."""
+        req = pb.WatchAdaptersRequest(last_event_id=last_event_id)
+        return self._stub.WatchAdapters(req, metadata=self._metadata)

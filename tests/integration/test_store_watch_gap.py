@@ -16,6 +16,7 @@ import grpc
 import pytest
 import redis
 
+from loraplex.services.inference import store_watch
 from loraplex.services.inference.store_client import StoreClient
 from loraplex.v1 import adapter_store_pb2 as pb
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
@@ -102,7 +103,7 @@ def test_a_watcher_cut_off_past_the_trim_re_lists_and_sees_the_delete(store, tmp
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.AdapterStoreStub(channel)
             await stub.RegisterAdapter(pb.RegisterAdapterRequest(name="gone", source=source), timeout=30)
-            watch = asyncio.create_task(client.watch(on_event))
+            watch = asyncio.create_task(store_watch.watch(client, on_event))
             try:
                 await _wait(lambda: "gone" in client.known_names, "the first listing")
                 await stub.RegisterAdapter(pb.RegisterAdapterRequest(name="seen", source=source), timeout=30)
