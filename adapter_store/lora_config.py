@@ -17,7 +17,6 @@ MAX_ALPHA = 3e38
 # PEFT features that change the forward beyond B(A(x)) * scaling. The inference server refuses
 # the same list (services/inference/lora/config.py); the store must not record what it refuses.
 UNSUPPORTED = {
-    "use_dora": "DoRA adapters are not supported (only plain LoRA A/B weights)",
     "lora_bias": "LoRA bias terms are not supported (only plain LoRA A/B weights)",
     "modules_to_save": "modules_to_save (full module copies) are not supported",
     "fan_in_fan_out": "fan_in_fan_out is for Conv1D (GPT-2 style) layers; these models use nn.Linear",
@@ -46,6 +45,8 @@ class LoraConfig(NamedTuple):
     digest: str
     # PEFT's LoRA on raw parameters: the stacked experts of Mixtral / Qwen3-MoE (expert_check.py)
     target_parameters: tuple[str, ...] = ()
+    # DoRA: a lora_magnitude_vector per targeted module (kinds_check.py)
+    use_dora: bool = False
 
     def rank_for(self, module: str) -> int:
         """The rank PEFT gives `module` (e.g. `model.layers.0.self_attn.q_proj`)."""
@@ -134,6 +135,11 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
         raise _bad("bias", f"only bias 'none' is supported, got {data.get('bias')!r}")
     if data.get("init_lora_weights") == "mica":
         raise _bad("init_lora_weights", "the MiCA variant is not supported")
+    use_dora = data.get("use_dora") or False
+    if not isinstance(use_dora, bool):
+        raise _bad("use_dora", f"use_dora must be true or false, got {use_dora!r}")
+    if use_dora and target_parameters:
+        raise _bad("use_dora", "DoRA on the experts (target_parameters) is not supported")
     use_rslora = data.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise _bad("use_rslora", f"use_rslora must be true or false, got {use_rslora!r}")
@@ -150,6 +156,7 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
         text=text,
         digest="sha256:" + hashlib.sha256(raw).hexdigest(),
         target_parameters=tuple(target_parameters),
+        use_dora=use_dora,
     )
 
 

@@ -44,7 +44,8 @@ BASE_CFG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q
     "change, field",
     [
         ({"bias": "all"}, "bias"),
-        ({"use_dora": True}, "use_dora"),
+        ({"use_dora": "yes"}, "use_dora"),
+        ({"use_dora": True, "target_parameters": ["experts.down_proj"]}, "use_dora"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"fan_in_fan_out": True}, "fan_in_fan_out"),
         ({"peft_type": "IA3"}, "peft_type"),
@@ -171,9 +172,10 @@ def test_rank_and_alpha_pattern_against_peft(tiny_llama_path, adapter_factory, s
 def test_file_level_refusals(base_adapter, shapes, tmp_path):
     with pytest.raises(AdapterNotFound):
         load_adapter_weights(tmp_path / "absent", shapes)
-    with pytest.raises(AdapterInvalid) as e:
+    # DoRA without its magnitudes
+    with pytest.raises(AdapterInvalid, match="lora_magnitude_vector") as e:
         load_adapter_weights(edited_copy(base_adapter, tmp_path / "dora", use_dora=True), shapes)
-    assert e.value.field == "use_dora"
+    assert e.value.field == "adapter_model.safetensors"
     # rank in the config disagrees with the tensors: malformed
     with pytest.raises(AdapterInvalid) as e:
         load_adapter_weights(edited_copy(base_adapter, tmp_path / "r8", r=8), shapes)

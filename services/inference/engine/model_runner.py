@@ -167,7 +167,9 @@ class ModelRunner:
             num_ctx += ctx_len
 
         distinct = len({s for s in token_slots if s >= 0})  # picks the LoRA graph tier and kernels
-        if self.cuda_graphs is not None and not segments and not all_rows:
+        # A step with a DoRA adapter's tokens runs eagerly: the graphs hold no DoRA scaling (lora/dora.py)
+        dora = distinct > 0 and self.lora_backend is not None and self.lora_backend.step_has_dora(token_slots)
+        if self.cuda_graphs is not None and not segments and not all_rows and not dora:
             logits = self.cuda_graphs.run(
                 ids,
                 positions,
@@ -183,7 +185,9 @@ class ModelRunner:
                 return logits
         num_tokens = len(ids)
         mixed_key = (
-            None if self.mixed_graphs is None or not segments else self.mixed_graphs.key(num_tokens, distinct)
+            None
+            if self.mixed_graphs is None or not segments or dora
+            else self.mixed_graphs.key(num_tokens, distinct)
         )
         if mixed_key is None:
             input_ids = self._upload(self.input_ids, ids)
@@ -213,10 +217,15 @@ class ModelRunner:
             return self.model.compute_logits(hidden[rows])
         lora = None
         if self.lora_backend is not None and distinct:
+            self.lora_backend.dora_step = dora
             self.lora_backend.prepare(self._upload(self.token_slots, token_slots), distinct)
             lora = self.lora_backend
         ctx = ForwardContext(self.attention, lora)
-        hidden = self.model(input_ids, pos_t, ctx)
+        try:
+            hidden = self.model(input_ids, pos_t, ctx)
+        finally:
+            if lora is not None:  # graphs captured later must not see a DoRA step's flag
+                lora.dora_step = False
         assert hidden.shape[0] == num_tokens
         if all_rows:  # rare (prompt log probabilities): a fresh index tensor, past the sized buffer
             rows = torch.tensor(sample_rows + all_rows, dtype=torch.int64).to(self.device, non_blocking=True)

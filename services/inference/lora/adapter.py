@@ -33,6 +33,7 @@ from loraplex.services.inference.lora.config import (
     parse_adapter_config,
     resolve_targets,
 )
+from loraplex.services.inference.lora.dora import MAGNITUDE_KEY, read_magnitude
 from loraplex.services.inference.lora.expert_targets import (
     EXPERT_KEY,
     read_expert_tensor,
@@ -71,6 +72,10 @@ class AdapterWeights:
     expert_targets: dict[tuple[int, str], ModuleLoRA] = field(default_factory=dict)
     expert_a: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     expert_b: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    # DoRA (lora/dora.py): per-(layer, module) magnitude `[out]` float32, as read; and the factor
+    # `m / ||W + sBA||` per row, filled once from the base weights (`dora.fill_factors`) before upload.
+    dora_magnitude: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    dora_factor: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
 
     @property
     def all_targets(self) -> dict[tuple[int, str], ModuleLoRA]:
@@ -83,7 +88,14 @@ class AdapterWeights:
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.lora_a, self.lora_b, self.expert_a, self.expert_b)
+        tensors = (
+            self.lora_a,
+            self.lora_b,
+            self.expert_a,
+            self.expert_b,
+            self.dora_magnitude,
+            self.dora_factor,
+        )
         return sum(t.numel() * t.element_size() for d in tensors for t in d.values())
 
 
@@ -229,6 +241,7 @@ def load_adapter_weights(
     by_path = {module_path(n, hf_module(m)): (n, hf_module(m)) for (n, m) in targets}
     lora_a: dict[tuple[int, str], torch.Tensor] = {}
     lora_b: dict[tuple[int, str], torch.Tensor] = {}
+    magnitude: dict[tuple[int, str], torch.Tensor] = {}
     try:
         f = safe_open(str(weights_path), framework="pt")
     except Exception as e:  # safetensors raises its own error types for bad headers
@@ -243,6 +256,10 @@ def load_adapter_weights(
                 layer, module, ab = expert_keys[key]
                 t = t.to(dtype).contiguous()
                 (expert_a if ab == "A" else expert_b)[(layer, module)] = t.pin_memory() if pin_memory else t
+                continue
+            mag = MAGNITUDE_KEY.match(key)
+            if mag is not None and mag.group("path") in by_path:
+                _read_magnitudes(f, key, by_path[mag.group("path")], shapes, spec.use_dora, magnitude)
                 continue
             m = _KEY.match(key)
             if m is None:
@@ -300,18 +317,26 @@ def load_adapter_weights(
                 if pin_memory:
                     piece = piece.pin_memory()
                 (lora_a if m.group("ab") == "A" else lora_b)[(layer, part)] = piece
-    missing = list(
-        dict.fromkeys(
-            module_path(n, hf_module(mod)) + ".lora_" + ab
-            for (n, mod) in targets
-            for ab, d in (("A", lora_a), ("B", lora_b))
-            if (n, mod) not in d
+    missing = (
+        list(
+            dict.fromkeys(
+                module_path(n, hf_module(mod)) + ".lora_" + ab
+                for (n, mod) in targets
+                for ab, d in (("A", lora_a), ("B", lora_b))
+                if (n, mod) not in d
+            )
         )
-    ) + [
-        key
-        for key, (n, mod, ab) in expert_keys.items()
-        if (n, mod) not in (expert_a if ab == "A" else expert_b)
-    ]
+        + [
+            module_path(n, hf_module(mod)) + ".lora_magnitude_vector"
+            for (n, mod) in (targets if spec.use_dora else ())
+            if (n, mod) not in magnitude
+        ]
+        + [
+            key
+            for key, (n, mod, ab) in expert_keys.items()
+            if (n, mod) not in (expert_a if ab == "A" else expert_b)
+        ]
+    )
     if missing:
         raise AdapterInvalid(
             f"{WEIGHTS_FILE}: missing tensors for targeted modules: {', '.join(missing[:4])}"
@@ -329,4 +354,17 @@ def load_adapter_weights(
         expert_targets=expert_targets,
         expert_a=expert_a,
         expert_b=expert_b,
+        dora_magnitude=magnitude,
     )
+
+
+def _read_magnitudes(
+    f, key: str, target: tuple[int, str], shapes: ModelShapes, use_dora: bool, out: dict
+) -> None:
+    """A DoRA magnitude `[out]` of (layer, HF module), split into its parts' rows for a fused module."""
+    layer, module = target
+    parts = FUSED_MODULES.get(module, (module,))
+    widths = [shapes.module_dims(p)[1] for p in parts]
+    t = read_magnitude(f, key, sum(widths), use_dora)
+    for part, piece in zip(parts, t.split(widths), strict=True):
+        out[(layer, part)] = piece.contiguous()

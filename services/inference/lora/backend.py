@@ -56,6 +56,46 @@ class LoRABackend(ABC):
     # expert buffers; `prepare` must call its `prepare` too.
     experts: ExpertLoRA | None = None
 
+    # DoRA (lora/dora.py): True for a step holding a DoRA adapter's tokens, set by the model runner
+    # before `prepare` (from the host slot list: `step_has_dora`) and cleared after the forward. Such
+    # a step runs eagerly; graphs are captured with it False, so steps without DoRA pay nothing.
+    dora_step: bool = False
+    _dora_index: torch.Tensor | None = None
+
+    def step_has_dora(self, token_slots: list[int]) -> bool:
+        """Whether any of the step's slots (host ints, -1 = none) holds a DoRA adapter."""
+        flags = self.pool.host_dora
+        return bool(flags.any()) and any(s >= 0 and bool(flags[s]) for s in set(token_slots))
+
+    def prepare_dora(self, token_slots: torch.Tensor) -> None:
+        """Each token's row of the pool's DoRA tables: its slot where that slot is DoRA, else the
+        row of ones. Device ops only. Backends call it from `prepare` when `dora_step`."""
+        slots = token_slots.to(torch.int64)
+        is_dora = (slots >= 0) & self.pool.dora_flag[slots.clamp(min=0)]
+        self._dora_index = torch.where(is_dora, slots, self.pool.slots)
+
+    def dora(
+        self,
+        layer: int,
+        group: str,
+        out: torch.Tensor,
+        delta: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The group's output with DoRA applied: `f * (W x + delta) + b` per token's row, where `out`
+        is `W x + b` (plus the delta, when `delta` is None: added in place) and `f` the token's
+        factors (ones for tokens of other adapters or none). PEFT adds the bias after the scale."""
+        factor = self.pool.dora[group][layer].index_select(0, self._dora_index[: out.shape[0]])
+        y = out.to(torch.float32)
+        if bias is not None:
+            y = y - bias.to(torch.float32)
+        if delta is not None:
+            y = y + delta
+        y = y * factor
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        return y.to(out.dtype)
+
     def max_step_distinct(self) -> int:
         """The most distinct adapters one step can hold (see `step_distinct_cap`)."""
         cap = self.step_distinct_cap

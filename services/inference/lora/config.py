@@ -2,7 +2,7 @@
 
 Two error classes, as the gRPC layer needs them:
 - `AdapterInvalid` (INVALID_ARGUMENT): the adapter itself is malformed or uses a PEFT feature
-  this engine cannot run (DoRA, biases, modules_to_save, ...). No server flags would help.
+  this engine cannot run (biases, modules_to_save, ...). No server flags would help.
 - `AdapterIncompatible` (FAILED_PRECONDITION): well-formed, but this server was started with
   limits it exceeds (rank, target modules) or it belongs to another base model (shapes).
 Every refusal names the offending field.
@@ -31,7 +31,6 @@ from loraplex.services.inference.lora.shapes import (
 
 # PEFT features that change the forward beyond `B(A(x)) * scaling`; refused when set.
 _UNSUPPORTED: dict[str, str] = {
-    "use_dora": "DoRA adapters are not supported",
     "fan_in_fan_out": "fan_in_fan_out is for Conv1D (GPT-2 style) layers; these models use nn.Linear",
     "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
     "lora_bias": "LoRA bias terms are not supported",
@@ -73,6 +72,8 @@ class AdapterSpec:
     all_linear: bool = False  # target_modules was "all-linear": every projection of the model's own tree
     # PEFT's LoRA on raw parameters: the stacked experts of Mixtral / Qwen3-MoE (lora/expert_targets.py)
     target_parameters: tuple[str, ...] = ()
+    # DoRA (`use_dora`): a learned magnitude per output row of every targeted linear (lora/dora.py)
+    use_dora: bool = False
 
     def scaling(self, rank: int, alpha: float) -> float:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
@@ -161,6 +162,11 @@ def parse_adapter_config(cfg: dict[str, Any]) -> AdapterSpec:
     if isinstance(layers_pattern, str):
         layers_pattern = [layers_pattern]
     base = cfg.get("base_model_name_or_path")
+    use_dora = cfg.get("use_dora") or False
+    if not isinstance(use_dora, bool):
+        raise _invalid("use_dora", f"must be true or false (got {use_dora!r})")
+    if use_dora and target_parameters:
+        raise _invalid("use_dora", "DoRA on the experts (target_parameters) is not supported")
     return AdapterSpec(
         r=r,
         lora_alpha=alpha,
@@ -174,6 +180,7 @@ def parse_adapter_config(cfg: dict[str, Any]) -> AdapterSpec:
         base_model_name_or_path=str(base) if base else None,
         all_linear=all_linear,
         target_parameters=tuple(target_parameters),
+        use_dora=use_dora,
     )
 
 

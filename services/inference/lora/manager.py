@@ -40,6 +40,7 @@ from loraplex.services.inference.errors import AdapterNotFound, CapacityExceeded
 from loraplex.services.inference.lora.adapter import AdapterWeights, load_adapter_weights
 from loraplex.services.inference.lora.adapter_slots import AdapterInfo, AdapterSlots
 from loraplex.services.inference.lora.config import check_fits, modules_of
+from loraplex.services.inference.lora.dora import BaseWeight, fill_factors
 from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.slot_choice import cheapest_busy_slots, evictable_slot, next_waiter
 
@@ -83,8 +84,12 @@ class LoRAManager(AdapterSlots):
         slot_wait_s: float = SLOT_WAIT_S,
         max_draining: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        base_weight: BaseWeight | None = None,
     ):
+        """`base_weight`: the base model's projection rows, for DoRA's norms (None: DoRA adapters
+        are refused, as under tensor parallelism)."""
         self.pool = pool
+        self.base_weight = base_weight
         self.max_loaded_loras = max_loaded_loras
         self.max_loras_per_batch = max_loras_per_batch
         self.slot_wait_s = slot_wait_s
@@ -108,6 +113,7 @@ class LoRAManager(AdapterSlots):
             path, self.pool.shapes, dtype=self.pool.dtype, pin_memory=self.pool.device.type == "cuda"
         )
         check_fits(weights.all_targets, self.pool.max_rank, self.pool.target_modules)
+        fill_factors(weights, self.base_weight)  # DoRA: once, here, not on every upload
         with self._lock:
             old = self._active.get(name)
             if old is not None and old.digest == weights.digest:
@@ -312,6 +318,7 @@ class LoRAManager(AdapterSlots):
                     dtype=self.pool.dtype,
                     pin_memory=self.pool.device.type == "cuda",
                 )
+                fill_factors(weights, self.base_weight)
             except LoraplexError as e:
                 log.error("adapter %s: cannot re-read %s: %s", version.name, version.source, e.message)
                 weights = None

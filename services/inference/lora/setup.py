@@ -22,6 +22,7 @@ import torch
 from loraplex.services.inference.lora.adapter import read_config
 from loraplex.services.inference.lora.backend import LoRABackend
 from loraplex.services.inference.lora.config import resolve_targets
+from loraplex.services.inference.lora.dora import BaseWeight
 from loraplex.services.inference.lora.expert_lora import ExpertLoRA, ExpertLoRAPool
 from loraplex.services.inference.lora.expert_lora_graph import GraphExpertLoRA
 from loraplex.services.inference.lora.expert_targets import resolve_expert_targets
@@ -160,8 +161,10 @@ def build_lora(
     max_tokens: int,
     mem_fraction_static: float,
     resolve_source: Callable[[str, str], str | None] = local_source,
+    base_weight: BaseWeight | None = None,
 ) -> LoRAStack:
-    """Allocate the pool (call before sizing the KV cache), pick the backend, load `--lora-paths`."""
+    """Allocate the pool (call before sizing the KV cache), pick the backend, load `--lora-paths`.
+    `base_weight`: the model's projection rows, for DoRA adapters (lora/dora.py; None refuses them)."""
     settings = resolve_lora_settings(
         lora, shapes, device, resolve_source, dtype, mem_fraction_static=mem_fraction_static
     )
@@ -192,7 +195,10 @@ def build_lora(
             else ExpertLoRA(pool.experts, grouped=False if mode == "loop" else None, span=mode == "span")
         )
     manager = LoRAManager(
-        pool, max_loaded_loras=settings.max_loaded_loras, max_loras_per_batch=settings.max_loras_per_batch
+        pool,
+        max_loaded_loras=settings.max_loaded_loras,
+        max_loras_per_batch=settings.max_loras_per_batch,
+        base_weight=base_weight,
     )
     for name, path in _local_paths(lora, resolve_source).items():
         manager.load_adapter(name, path)

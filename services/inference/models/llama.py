@@ -86,7 +86,10 @@ class DecoderLayer(nn.Module):
         # The backend may compute the delta while the base matmul runs (lora/triton_backend.py).
         started = lora.begin(self.index, group, x)
         out = base(x)
-        return Addend(out, lora.finish(self.index, group, x, out, started))
+        delta = lora.finish(self.index, group, x, out, started)
+        if lora.dora_step:  # a step holding a DoRA adapter's tokens (lora/dora.py)
+            return Addend(lora.dora(self.index, group, out, delta, module.bias))
+        return Addend(out, delta)
 
     def forward(
         self,
@@ -209,6 +212,7 @@ _LAYER_WEIGHTS = {
     "mlp.up_proj": ("gate_up_proj", 1),
     "mlp.down_proj": ("down_proj", 0),
 }
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # Mixtral `block_sparse_moe.experts.N.w1`, Qwen3-MoE `mlp.experts.N.gate_proj`; routers `.gate`.
 _EXPERT_RE = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)$")
@@ -296,6 +300,16 @@ class LlamaForCausalLM(nn.Module):
         """The last layer after its attention and the final norm, into `out` `[T, hidden]`."""
         h, addend = self.layers[-1].post_attention(bufs.h, attn, ctx, bufs)
         self.norm.add_forward(h, addend, h_out=bufs.h, out=out)
+
+    def lora_base_weight(self, layer: int, module: str) -> torch.Tensor:
+        """The base rows `[out, in]` of one LoRA-targetable projection (`q_proj`, ...; an FP8 base's
+        dequantized to float32): what DoRA's per-row norms are computed from (lora/dora.py)."""
+        attr, index = _LAYER_WEIGHTS[f"{'mlp' if module in _MLP_MODULES else 'self_attn'}.{module}"]
+        fused: FusedLinear = getattr(self.layers[layer], attr)
+        dequantized = getattr(fused, "dequantized", None)  # models/quantization/fp8_linear.py
+        weight = fused.weight if dequantized is None else dequantized(torch.float32)
+        start = fused.offsets[index]
+        return weight[start : start + fused.out_sizes[index]]
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits; `out`: write them there (one conversion kernel instead of a convert and a copy)."""

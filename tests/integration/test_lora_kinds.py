@@ -1,0 +1,76 @@
+"""Adapters as people train them, against PEFT (float32, CPU): DoRA beside plain adapters and the base
+model in one continuous batch. Greedy tokens equal PEFT's and each token's log probability is within
+1e-4 of PEFT's (its own logits, one sequence at a time)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.child import REPO, child_env, json_lines, run_child
+from tests.support.lora_kinds import engine_run, peft_reference
+from tests.support.lora_reference import PROMPTS, server_args, sync_engine
+
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_torch_thread):
+    """See conftest.one_torch_thread."""
+
+
+def check_batch(
+    base: Path, adapters: dict[str, Path], batch: list[str | None], **kw
+) -> list[tuple[list[int], list[float]]]:
+    """Our tokens and log probabilities (torch backend) against PEFT's; returns ours."""
+    engine = sync_engine(server_args(base, adapters, max_loras_per_batch=len(adapters), **kw))
+    prompts = [engine.tokenizer(p).input_ids for p in PROMPTS[: len(batch)]]
+    ours = engine_run(engine, prompts, batch)
+    expected = peft_reference(base, adapters, list(zip(prompts, batch, strict=True)))
+    for (tokens, logprobs), (ref_tokens, ref_logprobs), name in zip(ours, expected, batch, strict=True):
+        assert tokens == ref_tokens[: len(tokens)], f"adapter {name}: engine {tokens} != PEFT {ref_tokens}"
+        assert len(tokens) == len(ref_tokens) or tokens[-1] == engine.tokenizer.eos_token_id
+        worst = max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=False))
+        assert worst < LOGPROB_TOL, f"adapter {name}: logprobs differ by {worst}"
+    # every adapter really changes its prompt's output (else the comparison proves little)
+    rows = [i for i, name in enumerate(batch) if name is not None]
+    base_only = peft_reference(base, adapters, [(prompts[i], None) for i in rows])
+    for i, (tokens, _) in zip(rows, base_only, strict=True):
+        assert expected[i][0] != tokens, f"adapter {batch[i]} leaves prompt {i} as the base model does"
+    return ours
+
+
+def check_triton_backend(
+    base: Path, adapters: dict[str, Path], batch: list[str | None], torch_backend: list
+) -> None:
+    """The Triton backend (interpreter, child process) gives the torch backend's tokens and logprobs."""
+    script = str(REPO / "tests" / "support" / "lora_kinds_triton_check.py")
+    argv = [script, str(base), *(f"{n}={p}" for n, p in adapters.items()), ",".join(n or "-" for n in batch)]
+    got = json_lines(run_child(argv, env=child_env(interpret=True), timeout=600).stdout)
+    assert len(got) == len(batch)
+    for row, (tokens, logprobs), name in zip(got, torch_backend, batch, strict=True):
+        assert row["tokens"] == tokens, f"adapter {name}: triton {row['tokens']} != torch {tokens}"
+        worst = max(abs(a - b) for a, b in zip(row["logprobs"], logprobs, strict=True))
+        assert worst < LOGPROB_TOL, f"adapter {name}: triton logprobs differ by {worst}"
+
+
+def test_dora_beside_plain_and_base_qwen2(tiny_qwen2_path, adapter_factory):
+    """Qwen2 has q/k/v biases: PEFT adds them after the magnitude scale."""
+    adapters = {
+        "dora": adapter_factory(
+            tiny_qwen2_path,
+            "kinds-dora",
+            r=4,
+            lora_alpha=8,
+            target_modules="all-linear",
+            use_dora=True,
+            seed=5,
+        ),
+        "plain": adapter_factory(
+            tiny_qwen2_path, "kinds-plain", r=8, target_modules=["q_proj", "v_proj"], seed=6
+        ),
+    }
+    batch = [None, "dora", "plain", "dora"]
+    ours = check_batch(tiny_qwen2_path, adapters, batch)
+    check_triton_backend(tiny_qwen2_path, adapters, batch, ours)
