@@ -3,6 +3,10 @@ same tensors: services/inference/lora/dora.py).
 
 - DoRA (`use_dora: true`): one `lora_magnitude_vector` `[out]` per targeted module, beside its A/B
   pair; every value finite and positive (a zero or negative magnitude flips or kills a row).
+- LoRA on `embed_tokens` (`lora_embedding_A` `[r, vocab]`, `lora_embedding_B` `[hidden, r]`) and on
+  `lm_head` (`lora_A.weight` `[r, hidden]`, `lora_B.weight` `[vocab, r]`), and PEFT's copies of those
+  base layers (`base_layer.weight` `[vocab, hidden]`, not used): targeted, ranked as the config says,
+  and (with --base-model) the base's vocabulary and width.
 
 `split_kind_tensors` takes these tensors out of the header's list before the A/B pairs are checked;
 `check_kind_tensors` checks them against the pairs, and `check_kind_values` their values (one small
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loraplex.adapter_store.base_model import BaseModelShapes
 from loraplex.adapter_store.errors import InvalidArgument
 from loraplex.adapter_store.lora_config import LoraConfig
 from loraplex.adapter_store.safetensors_header import SafetensorsHeader, TensorInfo
@@ -23,6 +28,12 @@ from loraplex.adapter_store.safetensors_header import SafetensorsHeader, TensorI
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAGNITUDE_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_magnitude_vector(?:\.weight)?$")
 _NUMPY = {"F32": "<f4", "F16": "<f2"}
+
+
+VOCAB_RE = re.compile(
+    r"^base_model\.model\.(?P<module>model\.embed_tokens|lm_head)\."
+    r"(?P<kind>lora_embedding_A|lora_embedding_B|lora_A\.weight|lora_B\.weight|base_layer\.weight)$"
+)
 
 
 def split_kind_tensors(tensors: tuple[TensorInfo, ...]) -> tuple[list[TensorInfo], dict[str, TensorInfo]]:
@@ -36,6 +47,82 @@ def split_kind_tensors(tensors: tuple[TensorInfo, ...]) -> tuple[list[TensorInfo
         else:
             magnitudes[m["module"]] = t
     return rest, magnitudes
+
+
+def split_vocab_tensors(tensors: list[TensorInfo]) -> tuple[list[TensorInfo], list[TensorInfo]]:
+    """(the other tensors, those of embed_tokens / lm_head LoRA and PEFT's base-layer copies)."""
+    rest = [t for t in tensors if VOCAB_RE.match(t.name) is None]
+    return rest, [t for t in tensors if VOCAB_RE.match(t.name) is not None]
+
+
+def check_vocab_tensors(tensors: list[TensorInfo], config: LoraConfig, base: BaseModelShapes | None) -> int:
+    """Check the embed_tokens / lm_head tensors; returns their largest rank (0: none)."""
+    vocab_hidden = None
+    if base is not None and "lm_head" in base.linears:
+        hidden, vocab = base.linears["lm_head"]
+        vocab_hidden = (vocab, hidden)
+    found: dict[str, set[str]] = {}
+    max_rank = 0
+    for t in tensors:
+        m = VOCAB_RE.match(t.name)
+        module, kind = m["module"], m["kind"].removesuffix(".weight")
+        where = f"{WEIGHTS_FILE}:{t.name}"
+        if len(t.shape) != 2 or 0 in t.shape:
+            raise InvalidArgument(
+                f"{where}: shape {list(t.shape)} is not a non-empty matrix", field=f"{where}.shape"
+            )
+        if kind == "base_layer":
+            if vocab_hidden is not None and tuple(t.shape) != vocab_hidden:
+                raise InvalidArgument(
+                    f"{where}: shape {list(t.shape)} != {list(vocab_hidden)} (vocabulary, hidden) of "
+                    f"base model {base.name}",
+                    field=f"{where}.shape",
+                )
+            continue
+        if not config.targets(module):
+            raise InvalidArgument(
+                f"{where}: module {module} is not in target_modules {config.target_modules!r}", field=where
+            )
+        if (module == "lm_head") == kind.startswith("lora_embedding"):
+            raise InvalidArgument(
+                f"{where}: {module} takes "
+                + ("lora_A / lora_B" if module == "lm_head" else "lora_embedding_A / lora_embedding_B")
+                + " tensors",
+                field=where,
+            )
+        is_a = kind.endswith("A")
+        rank = config.rank_for(module)
+        got = t.shape[0 if is_a else 1]
+        if got != rank:
+            raise InvalidArgument(
+                f"{where}: shape {list(t.shape)} has rank {got}, but adapter_config.json "
+                f"gives {module} rank {rank} (r / rank_pattern)",
+                field=f"{where}.shape",
+            )
+        if vocab_hidden is not None:
+            vocab, hidden = vocab_hidden
+            other = {
+                ("model.embed_tokens", True): vocab,
+                ("model.embed_tokens", False): hidden,
+                ("lm_head", True): hidden,
+                ("lm_head", False): vocab,
+            }[(module, is_a)]
+            if t.shape[1 if is_a else 0] != other:
+                raise InvalidArgument(
+                    f"{where}: shape {list(t.shape)} does not fit base model {base.name} "
+                    f"(vocabulary {vocab}, hidden {hidden})",
+                    field=f"{where}.shape",
+                )
+        found.setdefault(module, set()).add("A" if is_a else "B")
+        max_rank = max(max_rank, rank)
+    for module, sides in sorted(found.items()):
+        if sides != {"A", "B"}:
+            missing = "B" if "A" in sides else "A"
+            raise InvalidArgument(
+                f"{WEIGHTS_FILE}: {module} has no matching lora_{missing} tensor",
+                field=f"{WEIGHTS_FILE}:base_model.model.{module}",
+            )
+    return max_rank
 
 
 def check_kind_tensors(

@@ -17,7 +17,13 @@ import numpy as np
 from loraplex.adapter_store.base_model import BaseModelShapes
 from loraplex.adapter_store.errors import InvalidArgument
 from loraplex.adapter_store.expert_check import check_expert_module, is_expert_module
-from loraplex.adapter_store.kinds_check import check_kind_tensors, check_kind_values, split_kind_tensors
+from loraplex.adapter_store.kinds_check import (
+    check_kind_tensors,
+    check_kind_values,
+    check_vocab_tensors,
+    split_kind_tensors,
+    split_vocab_tensors,
+)
 from loraplex.adapter_store.lora_config import LoraConfig
 from loraplex.adapter_store.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
@@ -71,6 +77,7 @@ def check_tensors(
     pairs: dict[str, dict[str, TensorInfo]] = {}
     dtypes = set()
     tensors, magnitudes = split_kind_tensors(header.tensors)  # DoRA's, checked after the pairs
+    tensors, vocab = split_vocab_tensors(tensors)  # embed_tokens / lm_head LoRA
     for t in tensors:
         where = f"{WEIGHTS_FILE}:{t.name}"
         m = TENSOR_NAME_RE.match(t.name)
@@ -94,7 +101,8 @@ def check_tensors(
     for module, ab in sorted(pairs.items()):
         max_rank = max(max_rank, _check_module(module, ab, config, base))
     check_kind_tensors(magnitudes, pairs, config)
-    return dtypes.pop(), max_rank
+    max_rank = max(max_rank, check_vocab_tensors(vocab, config, base))
+    return (dtypes.pop() if dtypes else vocab[0].dtype), max_rank
 
 
 def _check_module(

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.child import REPO, child_env, json_lines, run_child
+from tests.support.factories import make_tiny_model
 from tests.support.lora_kinds import engine_run, peft_reference
 from tests.support.lora_reference import PROMPTS, server_args, sync_engine
 
@@ -74,3 +75,38 @@ def test_dora_beside_plain_and_base_qwen2(tiny_qwen2_path, adapter_factory):
     batch = [None, "dora", "plain", "dora"]
     ours = check_batch(tiny_qwen2_path, adapters, batch)
     check_triton_backend(tiny_qwen2_path, adapters, batch, ours)
+
+
+def test_embedding_and_lm_head_lora_beside_dora_plain_and_base(tiny_llama_path, adapter_factory):
+    """LoRA on embed_tokens (with q_proj) and on lm_head (with v_proj), DoRA and a plain adapter and
+    the base model, all in one batch. The adapters carry PEFT's copies of the base layers."""
+    base = tiny_llama_path
+    adapters = {
+        "emb": adapter_factory(base, "kinds-emb", r=4, target_modules=["embed_tokens", "q_proj"], seed=7),
+        "head": adapter_factory(base, "kinds-head", r=8, target_modules=["lm_head", "v_proj"], seed=8),
+        "dora": adapter_factory(
+            base, "kinds-dora-l", r=4, target_modules=["o_proj", "up_proj"], use_dora=True
+        ),
+        "plain": adapter_factory(base, "kinds-plain-l", r=4, target_modules=["q_proj", "k_proj"], seed=9),
+    }
+    batch = [None, "emb", "head", "dora", "plain", "emb"]
+    check_batch(base, adapters, batch)
+
+
+@pytest.fixture(scope="module")
+def tied_llama_path(tmp_path_factory, smollm2_path) -> Path:
+    """The tiny Llama with tied embeddings (lm_head is the embedding matrix), as SmolLM2 has."""
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny-tied"), tokenizer_from=smollm2_path, tie_word_embeddings=True, seed=3
+    )
+
+
+def test_lm_head_and_embedding_lora_over_tied_embeddings(tied_llama_path, adapter_factory):
+    """Each is its own adapter over the one shared weight, as PEFT serves them."""
+    adapters = {
+        "head": adapter_factory(tied_llama_path, "kinds-tied-head", r=4, target_modules=["lm_head"], seed=11),
+        "both": adapter_factory(
+            tied_llama_path, "kinds-tied-both", r=4, target_modules=["lm_head", "embed_tokens"], seed=12
+        ),
+    }
+    check_batch(tied_llama_path, adapters, [None, "head", "both"])

@@ -212,7 +212,9 @@ def make_peft_adapter(
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
+            if "lora_embedding_" in name:  # embed_tokens: A [r, vocab], B [hidden, r]
+                param.copy_(torch.randn(param.shape, generator=gen) * scale / min(param.shape) ** 0.5)
+            elif "lora_A" in name or "lora_B" in name:
                 fan = param.shape[1]
                 param.copy_(torch.randn(param.shape, generator=gen) * scale / fan**0.5)
             elif "lora_magnitude_vector" in name:

@@ -13,7 +13,12 @@ from safetensors.torch import load_file, save_file
 
 from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid, AdapterNotFound
 from loraplex.services.inference.lora.adapter import load_adapter_weights
-from loraplex.services.inference.lora.config import check_fits, parse_adapter_config, resolve_targets
+from loraplex.services.inference.lora.config import (
+    check_fits,
+    parse_adapter_config,
+    resolve_embedding_targets,
+    resolve_targets,
+)
 from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
 
 
@@ -72,11 +77,8 @@ def test_parse_refusals_name_the_field(change, field):
 @pytest.mark.parametrize(
     "targets, why",
     [
-        (["embed_tokens"], "embedding"),
-        (["lm_head"], "embedding"),
         (["q_proj", "wq"], "'wq'"),
         (["mlp"], "not one of the linear projections"),
-        (".*embed_tokens", "embedding"),
         ("nothing_here", "matches no module"),
     ],
 )
@@ -85,6 +87,22 @@ def test_target_refusals(targets, why):
     with pytest.raises(AdapterInvalid) as e:
         resolve_targets(spec, num_layers=2)
     assert e.value.field == "target_modules" and why in e.value.message
+
+
+def test_embedding_and_lm_head_targets_resolve_apart_from_the_linears():
+    spec = parse_adapter_config(
+        {**BASE_CFG, "target_modules": ["embed_tokens", "lm_head", "q_proj"], "rank_pattern": {"lm_head": 2}}
+    )
+    assert set(resolve_targets(spec, num_layers=2)) == {(0, "q_proj"), (1, "q_proj")}
+    got = resolve_embedding_targets(spec, num_layers=2)
+    assert got == {"model.embed_tokens": (8, 16.0, 2.0), "lm_head": (2, 16.0, 8.0)}
+    only = parse_adapter_config({**BASE_CFG, "target_modules": ".*embed_tokens"})
+    assert resolve_targets(only, num_layers=2) == {}
+    assert list(resolve_embedding_targets(only, num_layers=2)) == ["model.embed_tokens"]
+    # PEFT's all-linear leaves the output layer out
+    assert (
+        resolve_embedding_targets(parse_adapter_config({**BASE_CFG, "target_modules": "all-linear"}), 2) == {}
+    )
 
 
 def test_targets_list_regex_patterns_match_peft_semantics():

@@ -142,3 +142,14 @@ def test_factor_applies_to_dora_rows_only_in_both_handovers(
     factor = manager.pool.dora["qkv"][0, slots["dora"]]
     torch.testing.assert_close(got_in_place[:2], (in_place[:2] - bias) * factor + bias)
     torch.testing.assert_close(got_in_place[2:], in_place[2:])  # plain adapter and no adapter untouched
+
+
+def test_embedding_lora_refused_under_tensor_parallelism(tiny_llama_path, adapter_factory, shapes):
+    """A manager without the base weights is a sharded model's: the vocabulary is split across ranks."""
+    vocab = adapter_factory(tiny_llama_path, "dora-unit-vocab", r=4, target_modules=["lm_head", "q_proj"])
+    pool = AdapterPool(
+        shapes, slots=2, max_rank=8, target_modules=ALL_MODULES, dtype=torch.float32, device="cpu"
+    )
+    with pytest.raises(AdapterIncompatible, match="vocabulary is sharded") as e:
+        LoRAManager(pool).load_adapter("v", vocab)
+    assert e.value.field == "target_modules"

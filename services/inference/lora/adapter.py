@@ -31,9 +31,15 @@ from loraplex.services.inference.lora.config import (
     AdapterSpec,
     ModuleLoRA,
     parse_adapter_config,
+    resolve_embedding_targets,
     resolve_targets,
 )
 from loraplex.services.inference.lora.dora import MAGNITUDE_KEY, read_magnitude
+from loraplex.services.inference.lora.embedding_lora import (
+    EmbeddingLoRA,
+    finish_embedding_lora,
+    read_embedding_tensor,
+)
 from loraplex.services.inference.lora.expert_targets import (
     EXPERT_KEY,
     read_expert_tensor,
@@ -76,6 +82,13 @@ class AdapterWeights:
     # `m / ||W + sBA||` per row, filled once from the base weights (`dora.fill_factors`) before upload.
     dora_magnitude: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     dora_factor: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    # LoRA on "model.embed_tokens" / "lm_head" (lora/embedding_lora.py)
+    embedding: dict[str, EmbeddingLoRA] = field(default_factory=dict)
+
+    @property
+    def has_vocab_parts(self) -> bool:
+        """Whether the adapter changes the embedding or lm_head (served on one device only)."""
+        return bool(self.embedding)
 
     @property
     def all_targets(self) -> dict[tuple[int, str], ModuleLoRA]:
@@ -84,7 +97,10 @@ class AdapterWeights:
 
     @property
     def max_rank(self) -> int:
-        return max(t.rank for t in self.all_targets.values())
+        ranks = [t.rank for t in self.all_targets.values()] + [
+            int(e.a.shape[0]) for e in self.embedding.values()
+        ]
+        return max(ranks)
 
     @property
     def nbytes(self) -> int:
@@ -96,7 +112,10 @@ class AdapterWeights:
             self.dora_magnitude,
             self.dora_factor,
         )
-        return sum(t.numel() * t.element_size() for d in tensors for t in d.values())
+        vocab_parts = [t for e in self.embedding.values() for t in (e.a, e.b)]
+        return sum(t.numel() * t.element_size() for d in tensors for t in d.values()) + sum(
+            t.numel() * t.element_size() for t in vocab_parts
+        )
 
 
 def _check_header_size(path: Path) -> None:
@@ -219,6 +238,8 @@ def load_adapter_weights(
     """
     spec, directory = read_config(directory)
     targets = resolve_targets(spec, shapes.num_layers, shapes.hf_modules)
+    embedding_targets = check_embedding_targets(spec, shapes)
+    embedding_read: dict[str, dict[str, torch.Tensor]] = {}
     expert_targets = resolve_expert_targets(spec, shapes)
     expert_keys = tensor_keys(expert_targets)
     expert_a: dict[tuple[int, str], torch.Tensor] = {}
@@ -256,6 +277,10 @@ def load_adapter_weights(
                 layer, module, ab = expert_keys[key]
                 t = t.to(dtype).contiguous()
                 (expert_a if ab == "A" else expert_b)[(layer, module)] = t.pin_memory() if pin_memory else t
+                continue
+            if read_embedding_tensor(
+                f, key, embedding_targets, shapes.vocab_size, shapes.hidden_size, dtype, embedding_read
+            ):
                 continue
             mag = MAGNITUDE_KEY.match(key)
             if mag is not None and mag.group("path") in by_path:
@@ -343,6 +368,7 @@ def load_adapter_weights(
             + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""),
             field=WEIGHTS_FILE,
         )
+    embedding = finish_embedding_lora(embedding_targets, embedding_read)
     chat_template, side_files = read_chat_template(directory)
     return AdapterWeights(
         spec=spec,
@@ -355,7 +381,26 @@ def load_adapter_weights(
         expert_a=expert_a,
         expert_b=expert_b,
         dora_magnitude=magnitude,
+        embedding=embedding,
     )
+
+
+def check_embedding_targets(spec: AdapterSpec, shapes: ModelShapes) -> dict[str, ModuleLoRA]:
+    """The embedding / lm_head targets, refused where this engine cannot serve them."""
+    targets = resolve_embedding_targets(spec, shapes.num_layers)
+    if targets and spec.use_dora:
+        raise AdapterInvalid(
+            "adapter_config.json: use_dora: DoRA on embed_tokens / lm_head is not supported "
+            "(DoRA on the linear projections is)",
+            field="use_dora",
+        )
+    if targets and not shapes.vocab_size:
+        raise AdapterIncompatible(
+            "adapter_config.json: target_modules: the base model's vocabulary size is unknown here, "
+            "so LoRA on embed_tokens / lm_head cannot be checked",
+            field="target_modules",
+        )
+    return targets
 
 
 def _read_magnitudes(

@@ -44,7 +44,7 @@ _UNSUPPORTED: dict[str, str] = {
     "velora_config": "VeLoRA is not supported",
     "monteclora_config": "MonteCLoRA is not supported",
 }
-_EMBEDDING_PATHS = ("model.embed_tokens", "lm_head")
+EMBEDDING_PATHS = ("model.embed_tokens", "lm_head")
 
 
 class ModuleLoRA(NamedTuple):
@@ -238,8 +238,8 @@ def resolve_targets(
 
     `hf_modules`: the model's targetable linears (`ModelShapes.hf_modules`); a targeted fused one
     (Phi-3's qkv_proj, gate_up_proj) comes back as its parts, each with the fused module's rank.
-    Raises AdapterInvalid when a target is an embedding/lm_head, not a linear projection, or
-    names nothing in this model architecture.
+    Raises AdapterInvalid when a target is not a linear projection (or the embedding / lm_head,
+    resolved by `resolve_embedding_targets`), or names nothing in this model architecture.
     """
     if spec.target_modules == ():  # an adapter of the experts only (target_parameters)
         return {}
@@ -249,10 +249,8 @@ def resolve_targets(
     paths = all_module_paths(num_layers, hf_modules)
     matched = [k for k in paths if k and _matches_target(spec, k)]
     for key in matched:
-        if key in _EMBEDDING_PATHS:
-            raise _invalid(
-                "target_modules", f"targets {key!r}: embedding and lm_head adapters are not supported"
-            )
+        if key in EMBEDDING_PATHS:  # lora/embedding_lora.py reads these
+            continue
         if key not in projections:
             raise _invalid(
                 "target_modules",
@@ -271,11 +269,28 @@ def resolve_targets(
         raise _invalid("target_modules", f"{spec.target_modules!r} matches no module of this model")
     out: dict[tuple[int, str], ModuleLoRA] = {}
     for key in matched:
+        if key in EMBEDDING_PATHS:
+            continue
         rank = pattern_value(spec.rank_pattern, key, spec.r)
         alpha = float(pattern_value(spec.alpha_pattern, key, spec.lora_alpha))
         layer, module = projections[key]
         for part in FUSED_MODULES.get(module, (module,)):
             out[(layer, part)] = ModuleLoRA(rank, alpha, spec.scaling(rank, alpha))
+    return out
+
+
+def resolve_embedding_targets(spec: AdapterSpec, num_layers: int) -> dict[str, ModuleLoRA]:
+    """The embedding / lm_head targets ("model.embed_tokens", "lm_head") with PEFT's rank and scaling."""
+    if spec.target_modules == ():
+        return {}
+    if spec.all_linear:  # PEFT's all-linear leaves the output layer out
+        return {}
+    out = {}
+    for key in EMBEDDING_PATHS:
+        if _matches_target(spec, key):
+            rank = pattern_value(spec.rank_pattern, key, spec.r)
+            alpha = float(pattern_value(spec.alpha_pattern, key, spec.lora_alpha))
+            out[key] = ModuleLoRA(rank, alpha, spec.scaling(rank, alpha))
     return out
 
 
@@ -285,7 +300,7 @@ def check_fits(
     """Raise AdapterIncompatible when the adapter exceeds this server's LoRA limits. `targets` may
     hold expert targets too, keyed (layer, "experts.gate_up_proj") (lora/expert_targets.py)."""
     allowed = set(lora_target_modules)
-    rank = max(t.rank for t in targets.values())
+    rank = max((t.rank for t in targets.values()), default=0)
     if rank > max_lora_rank:
         raise AdapterIncompatible(
             f"adapter_config.json: r: adapter rank {rank} exceeds this server's --max-lora-rank "

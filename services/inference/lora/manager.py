@@ -36,11 +36,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.services.inference.errors import AdapterNotFound, CapacityExceeded, LoraplexError
+from loraplex.services.inference.errors import (
+    AdapterIncompatible,
+    AdapterNotFound,
+    CapacityExceeded,
+    LoraplexError,
+)
 from loraplex.services.inference.lora.adapter import AdapterWeights, load_adapter_weights
 from loraplex.services.inference.lora.adapter_slots import AdapterInfo, AdapterSlots
 from loraplex.services.inference.lora.config import check_fits, modules_of
 from loraplex.services.inference.lora.dora import BaseWeight, fill_factors
+from loraplex.services.inference.lora.embedding_lora import TP_REFUSAL as VOCAB_TP_REFUSAL
 from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.slot_choice import cheapest_busy_slots, evictable_slot, next_waiter
 
@@ -86,8 +92,8 @@ class LoRAManager(AdapterSlots):
         clock: Callable[[], float] = time.monotonic,
         base_weight: BaseWeight | None = None,
     ):
-        """`base_weight`: the base model's projection rows, for DoRA's norms (None: DoRA adapters
-        are refused, as under tensor parallelism)."""
+        """`base_weight`: the base model's projection rows, for DoRA's norms (None: the model is
+        sharded, tensor parallelism: DoRA and embedding / lm_head adapters are refused)."""
         self.pool = pool
         self.base_weight = base_weight
         self.max_loaded_loras = max_loaded_loras
@@ -114,6 +120,8 @@ class LoRAManager(AdapterSlots):
         )
         check_fits(weights.all_targets, self.pool.max_rank, self.pool.target_modules)
         fill_factors(weights, self.base_weight)  # DoRA: once, here, not on every upload
+        if weights.has_vocab_parts and self.base_weight is None:
+            raise AdapterIncompatible(VOCAB_TP_REFUSAL, field="target_modules")
         with self._lock:
             old = self._active.get(name)
             if old is not None and old.digest == weights.digest:

@@ -25,6 +25,7 @@ import torch
 
 from loraplex.services.inference.lora.adapter import AdapterWeights
 from loraplex.services.inference.lora.backend import GROUPS
+from loraplex.services.inference.lora.embedding_lora import SlotEmbeddingLoRA
 from loraplex.services.inference.lora.expert_lora import ExpertLoRAPool, expert_modules, expert_pool_nbytes
 from loraplex.services.inference.lora.shapes import ModelShapes
 
@@ -105,6 +106,9 @@ class AdapterPool:
         self.host_dora = torch.zeros(slots, dtype=torch.bool)
         self.dora_flag = torch.zeros(slots, dtype=torch.bool, device=self.device)
         self.dora: dict[str, torch.Tensor] = {}
+        # LoRA on the embedding / lm_head (lora/embedding_lora.py): per slot, the adapter's own tensors
+        self.vocab_lora: list[SlotEmbeddingLoRA | None] = [None] * slots
+        self.host_vocab = torch.zeros(slots, dtype=torch.bool)
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._pending: dict[int, tuple[torch.cuda.Event, list]] = {}
@@ -151,9 +155,19 @@ class AdapterPool:
             if self.experts is not None:
                 self.experts.upload(slot, weights)
             self._upload_dora(slot, weights, tables)
+            self.vocab_lora[slot] = (
+                SlotEmbeddingLoRA.upload(weights.embedding, self.device, self._cuda)
+                if weights.embedding
+                else None
+            )
+            self.host_vocab[slot] = bool(weights.embedding)
         if self._cuda:
             # The host tensors must outlive the asynchronous copies.
             self._pending[slot] = (self._stream.record_event(), keep + tables)
+
+    def eager_slot(self, slot: int) -> bool:
+        """Whether a step holding `slot`'s tokens must run eagerly (DoRA, embedding / lm_head LoRA)."""
+        return bool(self.host_dora[slot]) or bool(self.host_vocab[slot])
 
     @property
     def dora_nbytes(self) -> int:

@@ -94,7 +94,8 @@ def resolve_lora_settings(
         spec, _ = read_config(path)
         targets = {**resolve_targets(spec, shapes.num_layers, shapes.hf_modules)}
         targets.update(resolve_expert_targets(spec, shapes))
-        ranks.append(max(t.rank for t in targets.values()))
+        if targets:  # none: an adapter of the embedding / lm_head only (its own rank, not the pool's)
+            ranks.append(max(t.rank for t in targets.values()))
         modules |= {m for _, m in targets}
     max_rank = lora.max_lora_rank or max(ranks, default=DEFAULT_MAX_LORA_RANK)
     if lora.lora_target_modules is not None:

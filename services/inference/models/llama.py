@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from functools import partial
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,9 @@ from loraplex.services.inference.models.context import ForwardContext
 from loraplex.services.inference.models.layers import Addend, FusedLinear, RMSNorm, empty_param
 from loraplex.services.inference.models.moe import SparseMoE
 from loraplex.services.inference.models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from loraplex.services.inference.lora.backend import LoRABackend
 
 
 class DecoderLayer(nn.Module):
@@ -244,8 +247,12 @@ class LlamaForCausalLM(nn.Module):
         self.local_rotary = None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope, cfg.head_dim)
         self.embed_scale = cfg.hidden_size**0.5 if cfg.family.embed_scale else None
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, lora: LoRABackend | None = None) -> torch.Tensor:
+        """`lora`: an eager step's backend, whose embedding LoRA deltas are added before a Gemma's
+        scale (PEFT scales them too); None where the step has none."""
         h = self.embed_tokens(input_ids)
+        if lora is not None:
+            h = lora.add_embedding(h, input_ids)
         if self.embed_scale is not None:  # Gemma: times sqrt(hidden) rounded to the model dtype
             # (a host scalar: no device tensor is made inside a CUDA-graph capture)
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
@@ -262,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
-        h = self.embed(input_ids)
+        h = self.embed(input_ids, ctx.lora)
         cos, sin = self.rope_tables(positions, h.dtype)
         addend = None
         for layer in self.layers:
@@ -311,10 +318,15 @@ class LlamaForCausalLM(nn.Module):
         start = fused.offsets[index]
         return weight[start : start + fused.out_sizes[index]]
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits; `out`: write them there (one conversion kernel instead of a convert and a copy)."""
+    def compute_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None, lora: LoRABackend | None = None
+    ) -> torch.Tensor:
+        """float32 logits; `out`: write them there (one conversion kernel instead of a convert and a copy).
+        `lora`: an eager step's backend, whose lm_head LoRA deltas are added before the soft-cap."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         logits = skinny_linear(hidden, weight) if skinny_serves(hidden, weight) else F.linear(hidden, weight)
+        if lora is not None:
+            logits = lora.add_head(logits, hidden)
         cap = self.config.final_softcap
         if cap is not None:  # Gemma 2, in the model dtype as transformers computes it
             logits = torch.tanh(logits / cap) * cap
