@@ -26,13 +26,15 @@ from loraplex.adapter_store.lora_config import LoraConfig
 from loraplex.adapter_store.safetensors_header import SafetensorsHeader, TensorInfo
 
 WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
 MAGNITUDE_RE = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_magnitude_vector(?:\.weight)?$")
 _NUMPY = {"F32": "<f4", "F16": "<f2"}
 
 
 VOCAB_RE = re.compile(
     r"^base_model\.model\.(?P<module>model\.embed_tokens|lm_head)\."
-    r"(?P<kind>lora_embedding_A|lora_embedding_B|lora_A\.weight|lora_B\.weight|base_layer\.weight)$"
+    r"(?P<kind>lora_embedding_A|lora_embedding_B|lora_A\.weight|lora_B\.weight|base_layer\.weight"
+    r"|token_adapter\.trainable_tokens_delta)$"
 )
 
 
@@ -71,6 +73,9 @@ def check_vocab_tensors(tensors: list[TensorInfo], config: LoraConfig, base: Bas
             raise InvalidArgument(
                 f"{where}: shape {list(t.shape)} is not a non-empty matrix", field=f"{where}.shape"
             )
+        if kind == "token_adapter.trainable_tokens_delta":
+            _check_token_rows(t, module, config, base, vocab_hidden)
+            continue
         if kind == "base_layer":
             if vocab_hidden is not None and tuple(t.shape) != vocab_hidden:
                 raise InvalidArgument(
@@ -115,6 +120,16 @@ def check_vocab_tensors(tensors: list[TensorInfo], config: LoraConfig, base: Bas
                 )
         found.setdefault(module, set()).add("A" if is_a else "B")
         max_rank = max(max_rank, rank)
+    for module in config.trainable_tokens:
+        if not any(VOCAB_RE.match(t.name)["module"] == module and "token_adapter" in t.name for t in tensors):
+            # with tied embeddings PEFT saves the embedding's rows only, which lm_head shares
+            if module == "lm_head" and "model.embed_tokens" in config.trainable_tokens:
+                continue
+            raise InvalidArgument(
+                f"{WEIGHTS_FILE}: trainable_token_indices lists {module} but it has no "
+                "token_adapter.trainable_tokens_delta",
+                field=f"{WEIGHTS_FILE}:base_model.model.{module}.token_adapter.trainable_tokens_delta",
+            )
     for module, sides in sorted(found.items()):
         if sides != {"A", "B"}:
             missing = "B" if "A" in sides else "A"
@@ -153,6 +168,35 @@ def check_kind_tensors(
                 + (f" (and {len(missing) - 1} more modules)" if len(missing) > 1 else ""),
                 field=f"{WEIGHTS_FILE}:{missing[0]}.lora_magnitude_vector",
             )
+
+
+def _check_token_rows(
+    t: TensorInfo,
+    module: str,
+    config: LoraConfig,
+    base: BaseModelShapes | None,
+    vocab_hidden: tuple[int, int] | None,
+) -> None:
+    """Trainable-token rows: listed in the config, `[n ids, hidden]`, ids within the vocabulary."""
+    where = f"{WEIGHTS_FILE}:{t.name}"
+    ids = config.trainable_tokens.get(module)
+    if ids is None:
+        raise InvalidArgument(
+            f"{where}: trainable-token rows of {module}, which trainable_token_indices does not list",
+            field=where,
+        )
+    if t.shape[0] != len(ids) or (vocab_hidden is not None and t.shape[1] != vocab_hidden[1]):
+        raise InvalidArgument(
+            f"{where}: shape {list(t.shape)} does not fit {len(ids)} token ids"
+            + ("" if vocab_hidden is None else f" of hidden {vocab_hidden[1]} (base model {base.name})"),
+            field=f"{where}.shape",
+        )
+    if vocab_hidden is not None and max(ids) >= vocab_hidden[0]:
+        raise InvalidArgument(
+            f"{CONFIG_FILE}: trainable_token_indices: token id {max(ids)} is past the vocabulary of "
+            f"{vocab_hidden[0]} of base model {base.name} (an adapter of a resized embedding)",
+            field=f"{CONFIG_FILE}:trainable_token_indices",
+        )
 
 
 def check_kind_values(path: Path, header: SafetensorsHeader, magnitudes: dict[str, TensorInfo]) -> None:

@@ -110,3 +110,53 @@ def test_lm_head_and_embedding_lora_over_tied_embeddings(tied_llama_path, adapte
         ),
     }
     check_batch(tied_llama_path, adapters, [None, "head", "both"])
+
+
+def prompt_token_ids(base: Path, count: int) -> list[int]:
+    """Ids that occur in the test prompts (so trainable rows are looked up), most frequent first."""
+    from collections import Counter
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    counts = Counter(t for p in PROMPTS for t in tok(p).input_ids)
+    return [t for t, _ in counts.most_common(count)]
+
+
+def test_trainable_tokens_over_tied_embeddings_beside_dora_plain_and_base(tied_llama_path, adapter_factory):
+    """The rows replace the embedding's and, the base being tied, lm_head's, for the adapter's requests."""
+    ids = prompt_token_ids(tied_llama_path, 6) + [7, 100]
+    adapters = {
+        "tokens": adapter_factory(
+            tied_llama_path,
+            "kinds-tokens",
+            r=4,
+            target_modules=["q_proj"],
+            trainable_token_indices=ids,
+            seed=13,
+        ),
+        "dora": adapter_factory(
+            tied_llama_path, "kinds-tied-dora", r=4, target_modules=["v_proj"], use_dora=True
+        ),
+        "plain": adapter_factory(
+            tied_llama_path, "kinds-tied-plain", r=4, target_modules=["o_proj"], seed=14
+        ),
+    }
+    check_batch(tied_llama_path, adapters, [None, "tokens", "dora", "plain", "tokens"])
+
+
+def test_trainable_tokens_of_embedding_and_lm_head_untied(tiny_llama_path, adapter_factory):
+    ids = prompt_token_ids(tiny_llama_path, 6)
+    layers = {"embed_tokens": ids, "lm_head": ids[:3] + [11, 12]}
+    adapters = {
+        "tokens": adapter_factory(
+            tiny_llama_path,
+            "kinds-tokens-u",
+            r=4,
+            target_modules=["k_proj"],
+            trainable_token_indices=layers,
+            seed=15,
+        ),
+        "plain": adapter_factory(tiny_llama_path, "kinds-plain-u", r=4, target_modules=["q_proj"], seed=16),
+    }
+    check_batch(tiny_llama_path, adapters, [None, "tokens", "plain"])

@@ -4,6 +4,7 @@ PEFT's copies of the base layers) accepted; each broken variant refused naming t
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -94,3 +95,30 @@ def test_untargeted_lm_head_is_refused(tiny_llama_path, adapter_factory, tmp_pat
 
     with pytest.raises(InvalidArgument, match="not in target_modules"):
         validate(edited(plain, tmp_path / "head", add_head), tiny_llama_path)
+
+
+@pytest.fixture(scope="module")
+def tokens_adapter(tiny_llama_path, adapter_factory) -> Path:
+    layers = {"embed_tokens": [3, 5, 9], "lm_head": [3, 7]}
+    return adapter_factory(
+        tiny_llama_path, "store-kinds-tokens", r=4, target_modules=["q_proj"], trainable_token_indices=layers
+    )
+
+
+def test_trainable_tokens_accepted_and_checked(tokens_adapter, tiny_llama_path, tmp_path):
+    assert validate(tokens_adapter, tiny_llama_path).rank == 4
+    rows = "base_model.model.lm_head.token_adapter.trainable_tokens_delta"
+    with pytest.raises(InvalidArgument) as e:
+        validate(
+            edited(tokens_adapter, tmp_path / "rows", lambda t: t.update({rows: torch.ones(3, 64)})),
+            tiny_llama_path,
+        )
+    assert e.value.field == f"{WEIGHTS}:{rows}.shape"
+    beyond = tmp_path / "beyond"
+    shutil.copytree(tokens_adapter, beyond)
+    cfg = json.loads((beyond / "adapter_config.json").read_text())
+    cfg["trainable_token_indices"]["lm_head"] = [3, 49152]  # the tiny model's vocabulary is 49152
+    (beyond / "adapter_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidArgument, match="past the vocabulary") as e:
+        validate(beyond, tiny_llama_path)
+    assert e.value.field == "adapter_config.json:trainable_token_indices"

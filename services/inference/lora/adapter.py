@@ -47,6 +47,13 @@ from loraplex.services.inference.lora.expert_targets import (
     tensor_keys,
 )
 from loraplex.services.inference.lora.shapes import FUSED_MODULES, FUSED_OF, ModelShapes, module_path
+from loraplex.services.inference.lora.trainable_tokens import (
+    TokenRows,
+    check_added_tokens,
+    check_token_layers,
+    finish_token_rows,
+    read_token_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +91,13 @@ class AdapterWeights:
     dora_factor: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     # LoRA on "model.embed_tokens" / "lm_head" (lora/embedding_lora.py)
     embedding: dict[str, EmbeddingLoRA] = field(default_factory=dict)
+    # trainable tokens (lora/trainable_tokens.py): per "model.embed_tokens" / "lm_head", its own rows
+    token_rows: dict[str, TokenRows] = field(default_factory=dict)
 
     @property
     def has_vocab_parts(self) -> bool:
         """Whether the adapter changes the embedding or lm_head (served on one device only)."""
-        return bool(self.embedding)
+        return bool(self.embedding) or bool(self.token_rows)
 
     @property
     def all_targets(self) -> dict[tuple[int, str], ModuleLoRA]:
@@ -113,6 +122,7 @@ class AdapterWeights:
             self.dora_factor,
         )
         vocab_parts = [t for e in self.embedding.values() for t in (e.a, e.b)]
+        vocab_parts += [r.values for r in self.token_rows.values()]
         return sum(t.numel() * t.element_size() for d in tensors for t in d.values()) + sum(
             t.numel() * t.element_size() for t in vocab_parts
         )
@@ -240,6 +250,8 @@ def load_adapter_weights(
     targets = resolve_targets(spec, shapes.num_layers, shapes.hf_modules)
     embedding_targets = check_embedding_targets(spec, shapes)
     embedding_read: dict[str, dict[str, torch.Tensor]] = {}
+    token_layers = check_token_layers(spec.trainable_tokens, shapes.vocab_size, shapes.tie_word_embeddings)
+    token_read: dict[str, TokenRows] = {}
     expert_targets = resolve_expert_targets(spec, shapes)
     expert_keys = tensor_keys(expert_targets)
     expert_a: dict[tuple[int, str], torch.Tensor] = {}
@@ -277,6 +289,8 @@ def load_adapter_weights(
                 layer, module, ab = expert_keys[key]
                 t = t.to(dtype).contiguous()
                 (expert_a if ab == "A" else expert_b)[(layer, module)] = t.pin_memory() if pin_memory else t
+                continue
+            if read_token_rows(f, key, token_layers, shapes.hidden_size, dtype, token_read):
                 continue
             if read_embedding_tensor(
                 f, key, embedding_targets, shapes.vocab_size, shapes.hidden_size, dtype, embedding_read
@@ -369,6 +383,16 @@ def load_adapter_weights(
             field=WEIGHTS_FILE,
         )
     embedding = finish_embedding_lora(embedding_targets, embedding_read)
+    token_rows = finish_token_rows(token_layers, token_read, shapes.tie_word_embeddings)
+    both = sorted(set(token_rows) & set(embedding))
+    if both:
+        raise AdapterInvalid(
+            f"adapter_config.json: trainable_token_indices: {both[0]} has both trainable token rows and "
+            "LoRA; serve one of them",
+            field="trainable_token_indices",
+        )
+    if token_rows or embedding:  # its tokenizer must not need rows the base does not have
+        check_added_tokens(directory, shapes.vocab_size, _read_side_file)
     chat_template, side_files = read_chat_template(directory)
     return AdapterWeights(
         spec=spec,
@@ -382,6 +406,7 @@ def load_adapter_weights(
         expert_b=expert_b,
         dora_magnitude=magnitude,
         embedding=embedding,
+        token_rows=token_rows,
     )
 
 

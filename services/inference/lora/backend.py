@@ -83,10 +83,10 @@ class LoRABackend(ABC):
             device = self.pool.device
             for slot in sorted({s for s in token_slots if s >= 0 and bool(self.pool.host_vocab[s])}):
                 lora = self.pool.vocab_lora[slot]
-                if lora.embed_a_t is not None:
+                if lora.has_embedding:
                     rows = [i for i, s in enumerate(token_slots) if s == slot]
                     self._embed_segments.append((lora, torch.tensor(rows, device=device)))
-                if lora.head_a_t is not None:
+                if lora.has_head:
                     rows = [j for j, i in enumerate(logit_rows) if token_slots[i] == slot]
                     if rows:
                         self._head_segments.append((lora, torch.tensor(rows, device=device)))

@@ -28,6 +28,7 @@ from loraplex.services.inference.lora.shapes import (
     all_module_paths,
     module_path,
 )
+from loraplex.services.inference.lora.trainable_tokens import parse_trainable_tokens
 
 # PEFT features that change the forward beyond `B(A(x)) * scaling`; refused when set.
 _UNSUPPORTED: dict[str, str] = {
@@ -35,7 +36,6 @@ _UNSUPPORTED: dict[str, str] = {
     "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
     "lora_bias": "LoRA bias terms are not supported",
     "layer_replication": "layer_replication is not supported",
-    "trainable_token_indices": "trainable token embeddings are not supported",
     "use_qalora": "QALoRA is not supported",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
     "use_bdlora": "BD-LoRA is not supported",
@@ -74,6 +74,8 @@ class AdapterSpec:
     target_parameters: tuple[str, ...] = ()
     # DoRA (`use_dora`): a learned magnitude per output row of every targeted linear (lora/dora.py)
     use_dora: bool = False
+    # PEFT's trainable_token_indices: {"model.embed_tokens" / "lm_head": token ids} (lora/trainable_tokens.py)
+    trainable_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def scaling(self, rank: int, alpha: float) -> float:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
@@ -181,6 +183,7 @@ def parse_adapter_config(cfg: dict[str, Any]) -> AdapterSpec:
         all_linear=all_linear,
         target_parameters=tuple(target_parameters),
         use_dora=use_dora,
+        trainable_tokens=parse_trainable_tokens(cfg.get("trainable_token_indices")),
     )
 
 

@@ -156,11 +156,13 @@ class AdapterPool:
                 self.experts.upload(slot, weights)
             self._upload_dora(slot, weights, tables)
             self.vocab_lora[slot] = (
-                SlotEmbeddingLoRA.upload(weights.embedding, self.device, self._cuda)
-                if weights.embedding
+                SlotEmbeddingLoRA.upload(
+                    weights.embedding, weights.token_rows, self.shapes.vocab_size, self.device, self._cuda
+                )
+                if weights.has_vocab_parts
                 else None
             )
-            self.host_vocab[slot] = bool(weights.embedding)
+            self.host_vocab[slot] = weights.has_vocab_parts
         if self._cuda:
             # The host tensors must outlive the asynchronous copies.
             self._pending[slot] = (self._stream.record_event(), keep + tables)

@@ -81,7 +81,10 @@ class ModelShapes:
             expert_intermediate_size=expert_inter,
             sparse_layers=sparse,
             vocab_size=int(get("vocab_size") or 0),
-            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            # absent: tied for Gemma, as models/config.py reads it
+            tie_word_embeddings=bool(
+                get("tie_word_embeddings", str(get("model_type") or "").startswith("gemma"))
+            ),
         )
 
     @classmethod
