@@ -25,6 +25,8 @@ from loraplex.services.inference.models.quantization.scheme import Fp8Scheme
 from tests.integration.test_engine_correctness import PROMPTS, hf_greedy, make_engine
 from tests.support.child import assert_interpreter_checks_pass
 from tests.support.fp8_checkpoints import dequantize_checkpoint, write_fp8_checkpoint
+from tests.support.lora_kinds import engine_run, peft_reference
+from tests.support.lora_reference import server_args, sync_engine
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -47,6 +49,28 @@ def test_partial_edge_blocks_match_the_dequantized_reference(tiny_llama_path, tm
     """48x48 blocks over 64-, 32- and 128-row projections and 64/128 columns: partial blocks on
     both axes, and k/v (32 rows) a single partial block."""
     check_matches_reference(tiny_llama_path, tmp_path, (48, 48), len(PROMPTS), 24)
+
+
+def test_dora_over_a_partial_block_base_matches_peft_over_its_dequantized_weights(
+    tiny_llama_path, adapter_factory, tmp_path
+):
+    """DoRA's norms come from the FP8 base's dequantized rows (`lora_base_weight`), as PEFT's come
+    from the float weights it runs on."""
+    ckpt = write_fp8_checkpoint(tiny_llama_path, tmp_path / "fp8", "fp8-block", block=(48, 48))
+    ref = dequantize_checkpoint(ckpt, tmp_path / "ref")
+    adapters = {
+        "dora": adapter_factory(
+            tiny_llama_path, "fp8-dora", r=4, target_modules=["q_proj", "k_proj", "down_proj"], use_dora=True
+        )
+    }
+    engine = sync_engine(server_args(ckpt, adapters, max_loras_per_batch=1))
+    prompts = [engine.tokenizer(p).input_ids for p in PROMPTS[:3]]
+    batch = [None, "dora", "dora"]
+    ours = engine_run(engine, prompts, batch)
+    expected = peft_reference(ref, adapters, list(zip(prompts, batch, strict=True)))
+    for (tokens, logprobs), (want, want_lp) in zip(ours, expected, strict=True):
+        assert tokens == want[: len(tokens)]
+        assert max(abs(a - b) for a, b in zip(logprobs, want_lp, strict=False)) < 1e-4
 
 
 @pytest.mark.slow
