@@ -34,7 +34,7 @@ from loraplex.services.inference.lora.config import (
     resolve_embedding_targets,
     resolve_targets,
 )
-from loraplex.services.inference.lora.dora import MAGNITUDE_KEY, read_magnitude
+from loraplex.services.inference.lora.dora import MAGNITUDE_KEY, read_magnitudes
 from loraplex.services.inference.lora.embedding_lora import (
     EmbeddingLoRA,
     finish_embedding_lora,
@@ -298,7 +298,7 @@ def load_adapter_weights(
                 continue
             mag = MAGNITUDE_KEY.match(key)
             if mag is not None and mag.group("path") in by_path:
-                _read_magnitudes(f, key, by_path[mag.group("path")], shapes, spec.use_dora, magnitude)
+                read_magnitudes(f, key, by_path[mag.group("path")], shapes, spec.use_dora, magnitude)
                 continue
             m = _KEY.match(key)
             if m is None:
@@ -426,15 +426,3 @@ def check_embedding_targets(spec: AdapterSpec, shapes: ModelShapes) -> dict[str,
             field="target_modules",
         )
     return targets
-
-
-def _read_magnitudes(
-    f, key: str, target: tuple[int, str], shapes: ModelShapes, use_dora: bool, out: dict
-) -> None:
-    """A DoRA magnitude `[out]` of (layer, HF module), split into its parts' rows for a fused module."""
-    layer, module = target
-    parts = FUSED_MODULES.get(module, (module,))
-    widths = [shapes.module_dims(p)[1] for p in parts]
-    t = read_magnitude(f, key, sum(widths), use_dora)
-    for part, piece in zip(parts, t.split(widths), strict=True):
-        out[(layer, part)] = piece.contiguous()

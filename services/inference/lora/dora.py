@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid
+from loraplex.services.inference.lora.shapes import FUSED_MODULES, ModelShapes
 
 if TYPE_CHECKING:
     from loraplex.services.inference.lora.adapter import AdapterWeights
@@ -89,6 +90,18 @@ def dora_factor(
             field=WEIGHTS_FILE,
         )
     return factor
+
+
+def read_magnitudes(
+    f: Any, key: str, target: tuple[int, str], shapes: ModelShapes, use_dora: bool, out: dict
+) -> None:
+    """A DoRA magnitude `[out]` of (layer, HF module), split into its parts' rows for a fused module."""
+    layer, module = target
+    parts = FUSED_MODULES.get(module, (module,))
+    widths = [shapes.module_dims(p)[1] for p in parts]
+    t = read_magnitude(f, key, sum(widths), use_dora)
+    for part, piece in zip(parts, t.split(widths), strict=True):
+        out[(layer, part)] = piece.contiguous()
 
 
 # (layer, module) -> that projection's base rows `[out, in]` on the device (LlamaForCausalLM.lora_base_weight)
