@@ -321,6 +321,18 @@ def test_broken_files_leave_no_blob_or_staging_behind(stub, good):
     assert list((stub.cache_dir / "staging").iterdir()) == []
 
 
+def test_dora_adapter_is_accepted(stub, tiny_llama_path, adapter_factory):
+    """A PEFT DoRA adapter (lora_magnitude_vector beside each pair) registers and pulls intact."""
+    dora = adapter_factory(
+        tiny_llama_path, "store-dora", r=4, target_modules=["q_proj", "v_proj"], use_dora=True
+    )
+    record = stub.RegisterAdapter(pb.RegisterAdapterRequest(name="ok-dora", source=str(dora)), timeout=60)
+    assert record.rank == 4
+    _, data = pull(stub, "ok-dora")
+    assert data == (dora / WEIGHTS).read_bytes()
+    stub.DeleteAdapter(pb.DeleteAdapterRequest(name="ok-dora"))
+
+
 def test_good_bf16_and_fp16_adapters_are_accepted(stub, good, tmp_path):
     f16 = copy_adapter(good, tmp_path / "f16")
     tensors_edit(lambda t: t.update({k: v.astype(np.float16) for k, v in t.items()}))(f16)
