@@ -20,6 +20,7 @@ import os
 import re
 import stat
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -240,11 +241,14 @@ def load_adapter_weights(
     *,
     dtype: torch.dtype = torch.float32,
     pin_memory: bool = False,
+    base_tokens: Mapping[str, int] | None = None,
 ) -> AdapterWeights:
     """Validate config and weights against `shapes`; return host tensors in `dtype`.
 
     AdapterInvalid: malformed config, missing/unexpected tensors, rank disagreeing with the config.
     AdapterIncompatible: layer indices or widths of another base model.
+    `base_tokens`: the base tokenizer's token -> id, which an adapter changing the embedding or
+    lm_head must agree with on every token its own tokenizer adds (lora/trainable_tokens.py).
     """
     spec, directory = read_config(directory)
     targets = resolve_targets(spec, shapes.num_layers, shapes.hf_modules)
@@ -392,7 +396,7 @@ def load_adapter_weights(
             field="trainable_token_indices",
         )
     if token_rows or embedding:  # its tokenizer must not need rows the base does not have
-        check_added_tokens(directory, shapes.vocab_size, _read_side_file)
+        check_added_tokens(directory, shapes.vocab_size, _read_side_file, base_tokens)
     chat_template, side_files = read_chat_template(directory)
     return AdapterWeights(
         spec=spec,
