@@ -27,7 +27,7 @@ TINY = dict(
     vocab_size=512,
 )
 ADAPTER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-DISTINCT_WEIGHTS = 128  # adapters with weights of their own; the rest link to these
+DISTINCT_WEIGHTS = 64  # adapters with weights of their own; the rest link to these
 
 
 class Target(Protocol):
