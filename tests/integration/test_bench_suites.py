@@ -118,3 +118,12 @@ def test_goals_command_prints_and_writes_every_row(tmp_path):
     for name, res in scenarios.items():
         assert (res["completed"], res["errors"]) == (res["requests"], 0), (name, res)
     assert scenarios["1024"]["setup"]["pool_slots"] < 128  # the tiny 1,024 row: 128 adapters, fewer slots
+    assert scenarios["1024"]["hot_adapters"] == 8  # zipf:128:hot=8 (the full row's hottest 64)
+    # adapters past the 64 written share their weights file (a hard link) under a config of their own
+    adapters = tmp_path / "files" / "adapters-r8"
+    linked, own = adapters / "adapter100", adapters / f"adapter{100 % 64:02d}"
+    assert (linked / "adapter_model.safetensors").stat().st_ino == (
+        own / "adapter_model.safetensors"
+    ).stat().st_ino
+    alphas = [json.loads((d / "adapter_config.json").read_text())["lora_alpha"] for d in (own, linked)]
+    assert alphas[1] == alphas[0] + 1
