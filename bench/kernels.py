@@ -1,7 +1,7 @@
 """The kernels suite (GPU): one decoder layer's LoRA shrink + expand and the paged attention kernels at
 Llama-3.1-8B shapes, each against its floor.
 
-    PYTHONPATH=protos python3 -m loraplex.bench.kernels [--parts lora,attention] [--out DIR]
+    PYTHONPATH=protos python3 -m loraplex.bench.kernels [--parts lora,attention,fp8] [--out DIR]
     PYTHONPATH=protos python3 -m loraplex.bench.kernels --tiny    # GPU smoke size: a few cases
 
 - lora: per scenario (decode batches 16/64/256 over 1/8/64 distinct adapters, prefill 8x512 over 8;
@@ -13,7 +13,11 @@ Llama-3.1-8B shapes, each against its floor.
 - attention: the paged decode kernel over bf16 and FP8 caches (batches 1/16/64/256 at context
   1,024) against the KV bytes over the bandwidth, the prefill kernel (8x1024; 8x512 after 1,024
   cached) against its FLOPs over the matmul rate; each checked against its torch reference first,
-  timed as replays of a graph calling it once per layer over distinct per-layer caches.
+  timed as replays of a graph calling it once per layer over distinct per-layer caches;
+- fp8: one decoder layer's four FP8 linears (q/k/v, o, gate/up, down; per-channel scales, the GEMM
+  the engine picks for each row count) at 1/16/64/256 rows, each checked against float32 over its
+  dequantized weight (max error over the |x| |w| bound < 2^-4: the W8A8 GEMM quantizes activations
+  to E4M3, 3 mantissa bits), then timed against the layer's FP8 weight bytes over the bandwidth.
 A failed check exits 1 before timing. On the CPU it says it needs CUDA (the interpreter checks are
 tests/integration/test_kernels_lora.py and test_attention_kernels.py). Writes kernels.json.
 """
@@ -224,9 +228,41 @@ def attention_rows(bw: float, rate: float, gen: torch.Generator, tiny: bool) -> 
     return rows
 
 
+def fp8_layer(bw: float, tiny: bool) -> tuple[list[dict], list[str]]:
+    """(rows, failures): a random Llama-3.1-8B layer's linears quantized as `--quantization fp8` does."""
+    from loraplex.bench.random_runner import model_config, random_model
+    from loraplex.bench.serving_setup import LLAMA_8B
+    from loraplex.services.inference.models.quantization.fp8_linear import quantize_loaded
+
+    model = quantize_loaded(
+        random_model(model_config({**LLAMA_8B, "num_hidden_layers": 1}, 2048), DT, DEVICE)
+    )
+    linears = {a: getattr(model.layers[0], a) for a in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+    nbytes = sum(m.weight.nbytes + m.weight_scale.nbytes for m in linears.values())
+    rows, failed = [], []
+    for n in (16,) if tiny else (1, 16, 64, 256):
+        for name, m in linears.items():
+            x = torch.randn(n, m.weight.shape[1], device=DEVICE, dtype=DT)
+            w = m.dequantized()
+            err = (
+                (m(x).float() - x.float() @ w.T).abs() / (x.float().abs() @ w.abs().T).clamp(min=1e-6)
+            ).max()
+            if not err < 2**-4:
+                failed.append(f"fp8 {name} rows {n}: error {err:.2e} of the bound")
+        xs = [torch.randn(n, m.weight.shape[1], device=DEVICE, dtype=DT) for m in linears.values()]
+        us = graph_time_us([lambda xs=xs: [m(x) for m, x in zip(linears.values(), xs, strict=True)]])
+        rows.append(dict(rows=n, us=us, floor_us=nbytes / bw * 1e6, x_floor=us / (nbytes / bw * 1e6)))
+        h.log(f"fp8 layer, {n} rows: {us:.1f} us, x floor {rows[-1]['x_floor']:.2f}")
+    del model
+    torch.cuda.empty_cache()
+    return rows, failed
+
+
 def main(argv: list[str] | None = None) -> int:
     p = h.suite_parser("kernels", __doc__.split("\n")[0])
-    p.add_argument("--parts", default="lora,attention", help="comma-separated subset of lora,attention")
+    p.add_argument(
+        "--parts", default="lora,attention,fp8", help="comma-separated subset of lora,attention,fp8"
+    )
     add_out_argument(p)
     o = p.parse_args(argv)
     device = h.pick_device(o.device)
@@ -266,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
                 ["kernel", "floor us", "us", "x floor"],
                 [[r["kernel"], r["floor_us"], r["us"], r["x_floor"]] for r in rows],
             )
+    if "fp8" in o.parts:
+        result["fp8"], fp8_failed = fp8_layer(bw, o.tiny)
+        failed += fp8_failed
+        print("\none decoder layer's four FP8 linears (per-channel scales), CUDA graph replays")
+        rows = [[r["rows"], r["floor_us"], r["us"], r["x_floor"]] for r in result["fp8"]]
+        h.print_table(["rows", "floor us", "us", "x floor"], rows)
     result["failed"] = failed
     write_json(o.out, "kernels", result)
     for f in failed:
