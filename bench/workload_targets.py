@@ -174,7 +174,7 @@ class EngineFactory:
         self.num_adapters = 0
         self.model, _ = _ensure_files(self.root, self.shape, 0, self.rank, self.device)
         base = dict(model_path=str(self.model), device=self.device, dtype="float32" if cpu else "bfloat16")
-        if cpu:
+        if self.shape is TINY:  # a KV cache sized from GPU memory would hold millions of tiny pages
             base.update(context_length=1024, max_total_tokens=65536)
         base.update(_server_overrides(opts.server_arg))
         self.base_args = base
