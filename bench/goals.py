@@ -244,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         f"workload window {o.window:g} s at {o.rate:g} req/s"
     )
     print_table(rows)
+    if o.tiny:
+        print("tiny size: the workload rows at an eighth of the adapters and slots (hottest 8, not 64)")
+    if not cuda:
+        print(
+            "CPU: the float base is fp32 and FP8 runs the dequantizing reference: not the goals' conditions"
+        )
     report()
     h.log(f"done in {time.perf_counter() - started:.0f} s")
     return 1 if any(v["status"].startswith("error") for v in measured.values()) else 0
