@@ -33,7 +33,7 @@ from loraplex.bench import harness as h
 from loraplex.bench.graph_timing import capture, graph_time_us, replay_ms
 from loraplex.bench.lora_layer import DEVICE, GROUPS, floor_of, launch_of, make_copies, token_slots
 from loraplex.bench.results import add_out_argument, write_json
-from loraplex.kernels.lora_configs import expand_config, shrink_config, shrink_splits
+from loraplex.kernels.lora_configs import MANY_ADAPTERS, expand_config, shrink_config, shrink_splits
 from loraplex.kernels.lora_expand import lora_expand, lora_expand_ref
 from loraplex.kernels.lora_meta import alloc_segments, build_segments
 from loraplex.kernels.lora_shrink import lora_shrink, lora_shrink_ref
@@ -57,13 +57,13 @@ def lora_scenarios(tiny: bool) -> list[dict]:
 
 
 def lora_launches(sc: dict) -> dict:
-    """group -> the launch the engine's tables pick for this many tokens and this rank."""
-    out = {}
+    """group -> the launch the engine's tables pick for this many tokens, adapters and rank (over
+    MANY_ADAPTERS distinct: the `decode_many` entries, as kernels/lora_plan.py plans them)."""
+    out, many = {}, sc["distinct"] > MANY_ADAPTERS
     for g, (d, widths) in GROUPS.items():
         n, r, t = len(widths), sc["rank"], sc["tokens"]
-        out[g] = launch_of(
-            sc, shrink_config(d, n, r, t), shrink_splits(d, t), expand_config(sum(widths), n, r, t)
-        )
+        shrink, expand = shrink_config(d, n, r, t), expand_config(sum(widths), n, r, t, many)
+        out[g] = launch_of(sc, shrink, shrink_splits(d, t, many), expand)
     return out
 
 
