@@ -12,8 +12,10 @@ from loraplex.adapter_store.errors import InvalidArgument
 
 CONFIG_FILE = "adapter_config.json"
 MAX_CONFIG_BYTES = 1 * 2**20
-# Scalings (alpha / r) live in float32 tables on the inference side: a larger alpha would crash its step.
-MAX_ALPHA = 3e38
+# The largest lora_alpha (and alpha_pattern value) kept: float16's largest value, as the inference
+# server's. Real adapters use alphas of 1 to a few thousand; 1e30 is finite in the server's float32
+# scaling table but scales every delta past any activation's range (Inf, then NaN logits).
+MAX_ALPHA = 65504.0
 # PEFT features that change the forward beyond B(A(x)) * scaling. The inference server refuses
 # the same list (services/inference/lora/config.py); the store must not record what it refuses.
 UNSUPPORTED = {
@@ -160,7 +162,9 @@ def _positive_map(value: object, field: str, *, integer: bool) -> dict:
         ok = isinstance(v, int) if integer else isinstance(v, int | float)
         if isinstance(v, bool) or not ok or not 0 < v < math.inf or (not integer and v > MAX_ALPHA):
             raise _bad(
-                f"{field}.{key}", f"{field}[{key!r}] must be a positive {'integer' if integer else 'number'}"
+                f"{field}.{key}",
+                f"{field}[{key!r}] must be a positive "
+                + ("integer" if integer else f"number of at most {MAX_ALPHA:g}"),
             )
         try:
             re.compile(key)

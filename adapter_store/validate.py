@@ -40,6 +40,12 @@ MODULE_GROUP = {
 HASH_CHUNK = 8 * 2**20
 # Exponent-all-ones masks: a value is NaN or Inf exactly when (bits & mask) == mask.
 _NONFINITE = {"F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80)}
+# The largest magnitude a LoRA weight may have: float16's largest value (the inference server's
+# bound, services/inference/lora/tensor_checks.py). Past it a value is no trained LoRA weight and
+# overflows a float16 pool to Inf. Per dtype: (sign-clearing mask, bits of the largest value allowed);
+# NaN and Inf are past it too, so one comparison finds both kinds of bad value.
+MAX_WEIGHT_ABS = 65504.0
+_MAGNITUDE = {"F32": (0x7FFFFFFF, 0x477FE000), "F16": (0x7FFF, 0x7BFF), "BF16": (0x7FFF, 0x477F)}
 
 
 class AdapterSummary(NamedTuple):
@@ -183,7 +189,8 @@ def _check_against_base(
 
 
 def hash_and_check_finite(path: Path, header: SafetensorsHeader) -> str:
-    """One sequential read: sha256 of the whole file, and NaN/Inf refused tensor by tensor."""
+    """One sequential read: sha256 of the whole file, and NaN, Inf and values past MAX_WEIGHT_ABS
+    refused tensor by tensor."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         h.update(f.read(header.data_start))
@@ -198,10 +205,21 @@ def hash_and_check_finite(path: Path, header: SafetensorsHeader) -> str:
                     raise InvalidArgument(f"{WEIGHTS_FILE}: file shrank while reading", field=WEIGHTS_FILE)
                 remaining -= len(data)
                 h.update(data)
-                bits = np.frombuffer(data, dtype=uint)
-                if np.any((bits & mask) == mask):
-                    raise InvalidArgument(
-                        f"{WEIGHTS_FILE}:{t.name}: contains NaN or Inf values",
-                        field=f"{WEIGHTS_FILE}:{t.name}.values",
-                    )
+                check_weight_values(t, np.frombuffer(data, dtype=uint), mask)
     return "sha256:" + h.hexdigest()
+
+
+def check_weight_values(t: TensorInfo, bits: np.ndarray, nonfinite_mask: int) -> None:
+    """Refuse a NaN, an Inf, or a value of magnitude past MAX_WEIGHT_ABS among `bits` (`t`'s raw values)."""
+    abs_mask, limit = _MAGNITUDE[t.dtype]
+    if not np.any((bits & abs_mask) > limit):
+        return
+    if np.any((bits & nonfinite_mask) == nonfinite_mask):
+        raise InvalidArgument(
+            f"{WEIGHTS_FILE}:{t.name}: contains NaN or Inf values", field=f"{WEIGHTS_FILE}:{t.name}.values"
+        )
+    raise InvalidArgument(
+        f"{WEIGHTS_FILE}:{t.name}: holds a value of magnitude past {MAX_WEIGHT_ABS:g}, the most any LoRA "
+        "weight may have (float16's range)",
+        field=f"{WEIGHTS_FILE}:{t.name}.values",
+    )

@@ -8,6 +8,7 @@
 | AdapterIncompatible   | FAILED_PRECONDITION  |
 | CapacityExceeded      | RESOURCE_EXHAUSTED   |
 | BackendUnavailable    | UNAVAILABLE          |
+| NonFiniteLogits       | INTERNAL             |
 """
 
 from __future__ import annotations
@@ -58,3 +59,8 @@ class CapacityExceeded(LoraplexError):
 class BackendUnavailable(LoraplexError):
     """The engine (shut down, still loading, a failed step or TP worker) or the adapter store
     cannot serve the call now; retrying later, or on another replica, may succeed."""
+
+
+class NonFiniteLogits(LoraplexError):
+    """A request's logits turned NaN or Inf (its adapter's or the model's weights overflow): that
+    request ends with this error, the rest of its batch goes on. Retrying gives the same."""

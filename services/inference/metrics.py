@@ -167,6 +167,18 @@ class Metrics:
             ["adapter"],
             registry=r,
         )
+        self.spec_draft_tokens = Counter(
+            "loraplex_spec_draft_tokens",
+            "Speculative draft tokens verified (--speculative-algorithm)",
+            ["adapter"],
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "loraplex_spec_accepted_tokens",
+            "Speculative draft tokens accepted by verification",
+            ["adapter"],
+            registry=r,
+        )
         self.store_adapters = Gauge(
             "loraplex_store_adapters",
             "Adapters the store has that are neither loaded here nor have requests here",
@@ -217,6 +229,8 @@ class Metrics:
             self.adapter_requests,
             self.prefix_cache_prompt_tokens,
             self.prefix_cache_hit_tokens,
+            self.spec_draft_tokens,
+            self.spec_accepted_tokens,
         )
 
     def prune(self, live: set[str]) -> list[str]:
@@ -282,6 +296,8 @@ class Metrics:
         for kind, metric, totals in (
             ("prompt:", self.prefix_cache_prompt_tokens, stats.prefix_cache_prompt_tokens),
             ("hit:", self.prefix_cache_hit_tokens, stats.prefix_cache_hit_tokens),
+            ("drafted:", self.spec_draft_tokens, stats.spec_draft_tokens),
+            ("accepted:", self.spec_accepted_tokens, stats.spec_accepted_tokens),
         ):
             for name, total in totals.items():
                 key = kind + name

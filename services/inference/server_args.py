@@ -20,6 +20,7 @@ from loraplex.services.inference.engine.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
+    SPECULATIVE_ALGORITHMS,
     EngineConfig,
 )
 from loraplex.services.inference.lora.names import is_served_model_name
@@ -346,6 +347,40 @@ def build_parser() -> argparse.ArgumentParser:
         default=e.disable_prefix_cache,
         help="prefill every request from its first token instead of reusing the cached KV of a prefix "
         "that the same base model or adapter content computed before (on by default)",
+    )
+    a(
+        "--grammar-cache-max-bytes",
+        type=byte_size,
+        default=e.grammar_cache_max_bytes,
+        help="bound on the compiled grammars kept for reuse (K/M/G suffixes; their token masks, as "
+        "xgrammar measures them); least recently used dropped first",
+    )
+    a(
+        "--grammar-max-bytes",
+        type=byte_size,
+        default=e.grammar_max_bytes,
+        help="bound on one compiled grammar (K/M/G suffixes): a constraint that compiles to more is "
+        "refused with INVALID_ARGUMENT (at most --grammar-cache-max-bytes)",
+    )
+    a(
+        "--speculative-algorithm",
+        choices=SPECULATIVE_ALGORITHMS,
+        default=e.speculative_algorithm,
+        help="speculative decoding: 'ngram' drafts each request's next tokens from its own prompt and "
+        "output and verifies them in one step, each position with its request's adapter (off by default; "
+        "turns overlap scheduling off)",
+    )
+    a(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=e.speculative_num_draft_tokens,
+        help="draft tokens verified per request per step (K)",
+    )
+    a(
+        "--speculative-disable-batch-size",
+        type=int,
+        default=e.speculative_disable_batch_size,
+        help="no speculation in a step with more running requests than this",
     )
     a("--max-new-tokens-limit", type=int, default=e.max_new_tokens_limit)
     a("--default-max-new-tokens", type=int, default=s.default_max_new_tokens)

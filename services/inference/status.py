@@ -21,6 +21,7 @@ CODE_OF: dict[type[errors.LoraplexError], grpc.StatusCode] = {
     errors.AdapterIncompatible: grpc.StatusCode.FAILED_PRECONDITION,
     errors.CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.BackendUnavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.NonFiniteLogits: grpc.StatusCode.INTERNAL,
 }
 
 # Retrying the same call later can succeed only for these.

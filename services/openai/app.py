@@ -1,5 +1,9 @@
 """The FastAPI app: each HTTP call is one gRPC call to `--target`; streams are server-sent events.
 
+Work whose time grows with a request (reading its JSON body, building and encoding the answer,
+parsing tool calls out of the output) runs in worker threads, never on the event loop, so one caller's
+big request or long output cannot hold up the others (`/health` included).
+
 The gRPC call carries `x-loraplex-adapter` (the adapter, "" for the base model) so a router in
 front of several servers can send an adapter's calls where it is resident, and the caller's
 `Authorization` header so a server started with --api-token checks it.
@@ -7,8 +11,10 @@ front of several servers can send an adapter's calls where it is resident, and t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path, PurePosixPath
@@ -121,10 +127,29 @@ def _metadata(request: Request, adapter: str | None = None) -> tuple[tuple[str, 
     return tuple(md)
 
 
-async def _body(request: Request):
-    body = parse_json(await request.body())
+def _checked_json(raw: bytes):
+    body = parse_json(raw)
     check_strings(body)
     return body
+
+
+async def _body(request: Request):
+    return await asyncio.to_thread(_checked_json, await request.body())
+
+
+def _json_response(build, *args) -> JSONResponse:
+    return JSONResponse(build(*args))  # the body is encoded here, in the constructor
+
+
+def _refused(exc: grpc.RpcError, parsed, door_call: schema.DoorCall, chat: bool) -> OpenAIError:
+    """The server's refusal in the caller's words: the constraint's field as written (structured.py),
+    and `max_completion_tokens` where the caller wrote that rather than `max_tokens`."""
+    err = structured.rename_error(from_grpc(exc, parsed.model, chat), door_call.fields)
+    if chat and parsed.max_completion_tokens is not None and parsed.max_tokens is None:
+        err.message = re.sub(r"\bmax_tokens\b", "max_completion_tokens", err.message)
+        if err.param == "max_tokens":
+            err.param = "max_completion_tokens"
+    return err
 
 
 def create_app(backend: Backend) -> FastAPI:
@@ -238,36 +263,42 @@ def create_app(backend: Backend) -> FastAPI:
     ) -> Response:
         md = _metadata(request, adapter)
         grpc_request, tool_plan, asked = door_call.request, door_call.tool_plan, door_call.asked
+        if tool_plan is not None and tool_plan.mode == "named" and (parsed.stop or parsed.stop_token_ids):
+            tool_plan = tool_plan._replace(held=True)  # tools.py: a stop could cut the arguments
         if not parsed.stream:
             call = backend.stub.Generate(grpc_request, metadata=md, timeout=backend.timeout_s)
             try:
                 resp = await unless_client_leaves(request, call)
             except grpc.RpcError as exc:
-                raise structured.rename_error(from_grpc(exc, parsed.model, chat), door_call.fields) from None
+                raise _refused(exc, parsed, door_call, chat) from None
             if chat:
-                return JSONResponse(responses.chat_body(resp, parsed.model, asked, tool_plan))
-            return JSONResponse(responses.completion_body(resp, parsed.model, asked))
+                return await asyncio.to_thread(
+                    _json_response, responses.chat_body, resp, parsed.model, asked, tool_plan
+                )
+            return await asyncio.to_thread(
+                _json_response, responses.completion_body, resp, parsed.model, asked
+            )
         call = backend.stub.GenerateStream(grpc_request, metadata=md, timeout=backend.timeout_s)
         try:  # the first message (or the error) before the 200: a refused call gets its status
             first = await unless_client_leaves(request, call, call.read())
         except grpc.RpcError as exc:
-            raise structured.rename_error(from_grpc(exc, parsed.model, chat), door_call.fields) from None
+            raise _refused(exc, parsed, door_call, chat) from None
         state = stream.StreamState(parsed.model, parsed.n, chat, asked, tool_plan)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
         return EventSourceResponse(_events(call, first, state, include_usage, parsed.model), ping=15)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        parsed = schema.parse(schema.CompletionRequest, await _body(request))
+        parsed = await asyncio.to_thread(schema.parse, schema.CompletionRequest, await _body(request))
         adapter = await _resolve(backend, request, parsed.model)
-        door_call = schema.completion_call(parsed, adapter)
+        door_call = await asyncio.to_thread(schema.completion_call, parsed, adapter)
         return await generate(request, parsed, door_call, adapter, False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        parsed = schema.parse(schema.ChatRequest, await _body(request))
+        parsed = await asyncio.to_thread(schema.parse, schema.ChatRequest, await _body(request))
         adapter = await _resolve(backend, request, parsed.model)
-        door_call = schema.chat_call(parsed, adapter, backend.max_new_tokens_limit)
+        door_call = await asyncio.to_thread(schema.chat_call, parsed, adapter, backend.max_new_tokens_limit)
         return await generate(request, parsed, door_call, adapter, True)
 
     return app
@@ -280,14 +311,22 @@ async def _resolve(backend: Backend, request: Request, model: str) -> str:
         raise from_grpc(exc, model) from None
 
 
+def _encoded(state: stream.StreamState, msg) -> list[str]:
+    return [json.dumps(chunk) for chunk in state.chunks(msg)]
+
+
 async def _events(
     call, first, state: stream.StreamState, include_usage: bool, model: str
 ) -> AsyncIterator[str]:
     msg = first
     try:
         while msg is not grpc.aio.EOF:
-            for chunk in state.chunks(msg):
-                yield json.dumps(chunk)
+            # a choice's end may parse its whole held output (tool calls): in a thread
+            events = (
+                await asyncio.to_thread(_encoded, state, msg) if msg.finish_reason else _encoded(state, msg)
+            )
+            for event in events:
+                yield event
             msg = await call.read()
         if include_usage:
             yield json.dumps(state.usage_chunk())

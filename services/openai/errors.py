@@ -65,7 +65,7 @@ SAMPLING_PARAM = {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs"}
 def request_param(field: str, chat: bool) -> str:
     """The HTTP request's field for a gRPC field violation: `sampling_params.max_new_tokens` ->
     `max_tokens`, `inputs[0]` / `text[0]` -> `prompt` (or `messages`), `inputs[0].messages[2].role`
-    -> `messages.2.role`."""
+    -> `messages[2].role`, `inputs[0].tools_json` -> `tools`."""
     if field.startswith("adapter") or field.endswith(".adapter"):
         return "model"
     field = re.sub(r"^inputs\[\d+\]\.(?=sampling_params)", "", field)
@@ -75,8 +75,11 @@ def request_param(field: str, chat: bool) -> str:
             return "top_logprobs"
         return SAMPLING_PARAM.get(name, name)
     message = re.match(r"^inputs\[\d+\]\.messages\[(\d+)\](.*)$", field)
-    if message:
-        return f"messages.{message.group(1)}{message.group(2)}"
+    if message:  # the door's spelling (pydantic's errors read the same): messages[2].tool_calls
+        rest = re.sub(r"^\.tool_calls_json", ".tool_calls", message.group(2))
+        return f"messages[{message.group(1)}]{rest}"
+    if re.match(r"^inputs\[\d+\]\.tools_json", field):
+        return "tools"
     if re.match(r"^(inputs|text)(\[\d+\]|$)", field):
         return "messages" if chat else "prompt"
     return field
@@ -162,6 +165,8 @@ def from_grpc(error: grpc.RpcError, model: str, chat: bool = False) -> OpenAIErr
     param = request_param(fields[0], chat) if fields else None
     if param is not None:  # say it in the request's words
         message = message.replace(fields[0], param)
+    if fields and fields[0].endswith("sampling_params.min_tokens"):  # "must be in [0, max_new_tokens]"
+        message = message.replace("max_new_tokens", "max_tokens")
     return OpenAIError(
         status,
         message,

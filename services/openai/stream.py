@@ -17,7 +17,8 @@ from loraplex.services.openai.responses import (
     prompt_fields,
     usage,
 )
-from loraplex.services.openai.tools import ToolPlan, tool_output
+from loraplex.services.openai.tool_parse import call as tool_call
+from loraplex.services.openai.tools import ToolPlan
 from loraplex.v1 import inference_pb2 as pb
 
 
@@ -78,7 +79,7 @@ class StreamState:
                 "finish_reason": None,
             }
             out.append(self._chunk([role]) | lead)
-        if self.tool_plan is not None and self.tool_plan.mode == "named":
+        if self.tool_plan is not None and self.tool_plan.mode == "named" and not self.tool_plan.held:
             out.extend(self._named_call_chunks(k, msg))
             return out
         if self.tool_plan is not None:
@@ -127,7 +128,7 @@ class StreamState:
         out = []
         if k not in self.held_text:  # first message of this choice: the call's header
             self.held_text[k] = []
-            call = tool_output(self.tool_plan, "", "stop")[1][0]
+            call = tool_call(self.tool_plan.name, "")
             header = {"index": 0, **call, "function": {"name": call["function"]["name"], "arguments": ""}}
             out.append(
                 self._chunk(

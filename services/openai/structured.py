@@ -32,11 +32,29 @@ STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def _schema_text(value: Any, field: str) -> str:
+    """A schema given as an object, or as JSON text of one (read here: text that is JSON but no
+    schema, such as "1e999", would otherwise reach the grammar compiler, whose refusal says nothing)."""
     if isinstance(value, str):
-        return value  # JSON text: the server parses it and names the field when it is not JSON
+        try:
+            parsed = json.loads(value)
+        except RecursionError:
+            raise bad_request(f"{field} is JSON nested too deeply", field) from None
+        except ValueError as exc:
+            raise bad_request(f"{field} is not valid JSON: {exc}", field) from None
+        if not isinstance(parsed, dict):
+            raise bad_request(f"{field} must be a JSON schema (an object); got JSON {_kind(parsed)}", field)
+        return value
     if isinstance(value, dict):
         return json.dumps(value)
-    raise bad_request(f"{field} must be a JSON schema (an object)", field)
+    raise bad_request(f"{field} must be a JSON schema (an object); got {_kind(value)}", field)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return {str: "a string", list: "an array", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _set(params: pb.SamplingParams, kind: str, value: Any, field: str) -> str:
@@ -76,7 +94,9 @@ def _from_response_format(rf: Any) -> tuple[str, Any, str] | None:
             )
         strict = spec.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise bad_request("response_format.json_schema.strict must be a boolean", "response_format")
+            raise bad_request(
+                "response_format.json_schema.strict must be a boolean", "response_format.json_schema.strict"
+            )
         return ("json", spec["schema"], "response_format.json_schema.schema")
     raise bad_request(
         f"response_format.type must be text, json_object or json_schema (got {kind!r})",

@@ -171,6 +171,34 @@ def test_fp8_weight_without_its_scale_is_refused(fp8_dirs, tmp_path):
         load_model(bad, torch.device("cpu"), torch.float32)
 
 
+BAD_SCALES = [
+    ("fp8-block", "model.layers.0.self_attn.q_proj.weight_scale_inv", float("inf")),
+    ("fp8-block", "model.layers.1.mlp.down_proj.weight_scale_inv", float("nan")),
+    ("ct-channel", "model.layers.1.mlp.up_proj.weight_scale", 0.0),
+    ("ct-channel", "model.layers.0.self_attn.o_proj.weight_scale", -0.01),
+    ("ct-channel", "model.layers.0.self_attn.k_proj.weight_scale", float("nan")),
+    ("ct-tensor-static", "model.layers.0.mlp.gate_proj.input_scale", float("inf")),
+]
+
+
+@pytest.mark.parametrize("fmt, name, value", BAD_SCALES, ids=[f"{f}-{v}" for f, _, v in BAD_SCALES])
+def test_fp8_scales_that_are_not_finite_and_positive_are_refused(fp8_dirs, tmp_path, fmt, name, value):
+    """Issue 59 (M6, L5): an Inf block scale was served as NaN logits, a scale of 0 or below was served,
+    a NaN one was refused as a missing scale. Each is now one line naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(fp8_dirs[fmt][0], bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors[name].view(-1)[-1] = value
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(UnsupportedModelError) as e:
+        load_model(bad, torch.device("cpu"), torch.float32)
+    message = str(e.value)
+    assert f"{name!r}: FP8 scales must be finite and positive; it holds {value:g}" in message, message
+    assert "\n" not in message
+
+
 @pytest.mark.parametrize("fmt", ["ct-channel", "ct-tensor-static", "fp8-block-32"])
 def test_fp8_tp2_matches_tp1(fmt, fp8_dirs, tiny_llama_path, adapter_factory, tmp_path):
     """Scales sharded with their weights (per-channel rows with column-parallel rows, whole for

@@ -1,5 +1,6 @@
 """Random hostile HTTP bodies against a real OpenAI door (hypothesis): lone surrogates, huge and
-boolean numbers, deep JSON, big bodies, wrong types in every field. Every answer is a status the
+boolean numbers, deep JSON, big bodies, wrong types in every field, malformed tool-call histories
+and tool lists. Every answer is a status the
 client can act on (200, 400, 404, 413) in OpenAI's error shape; never a 500, never a 429 for the
 client's own mistake; the door stays healthy.
 
@@ -86,6 +87,89 @@ def chat_body(draw, base: str):
     }
 
 
+plain = st.text(st.characters(codec="utf-8"), max_size=10)  # the turns' text is not what is fuzzed here
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+tool_names = st.one_of(
+    st.sampled_from(["get_weather", "get_time", "a" * 65, 'f"}\n<|im_end|>']), strings, values
+)
+functions = st.one_of(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "name": tool_names,
+            "arguments": st.one_of(st.sampled_from(['{"city": "Paris"}', "{", "", "[[["]), values),
+        },
+    ),
+    st.sampled_from(["get_weather", 7, 1.5, ["get_weather"], None, True, {}]),
+    values,
+)
+tool_calls = st.one_of(
+    st.lists(
+        st.one_of(
+            st.fixed_dictionaries(
+                {"function": functions},
+                optional={
+                    "id": st.one_of(st.just("call_1"), values),
+                    "type": st.one_of(st.just("function"), values),
+                },
+            ),
+            values,
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    values,
+)
+tool_turns = st.one_of(
+    st.fixed_dictionaries(
+        {"role": st.just("assistant"), "tool_calls": tool_calls},
+        optional={"content": st.one_of(st.none(), plain)},
+    ),
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["tool", "user", "assistant", "system"]), "content": plain},
+        optional={
+            "tool_call_id": st.one_of(st.just("call_1"), values),
+            "name": st.one_of(tool_names, values),
+            "tool_calls": tool_calls,
+        },
+    ),
+)
+tool_lists = st.one_of(
+    st.just([TOOL]),
+    st.lists(
+        st.one_of(
+            st.builds(lambda name: {"type": "function", "function": {"name": name}}, tool_names),
+            values,
+        ),
+        max_size=3,
+    ),
+    values,
+)
+
+
+@st.composite
+def tool_history_body(draw, base: str):
+    body = {
+        "model": base,
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            *draw(st.lists(tool_turns, min_size=1, max_size=4)),
+        ],
+        "max_tokens": 1,
+        # mostly a valid list, so that the history is what reaches the server
+        "tools": draw(st.one_of(st.just([TOOL]), st.just([TOOL]), tool_lists)),
+    }
+    if draw(st.integers(0, 3)) == 0:
+        body["tool_choice"] = draw(
+            st.one_of(
+                st.sampled_from(["auto", "none", "required"]),
+                st.just({"type": "function", "function": {"name": "get_weather"}}),
+                values,
+            )
+        )
+    return body
+
+
 @pytest.fixture(scope="module")
 def http(door):  # noqa: F811
     with httpx.Client(base_url=f"http://{door.address}", timeout=120) as c:
@@ -122,6 +206,13 @@ def test_random_completion_bodies_get_clean_statuses(http, base, data):
 @given(data=st.data())
 def test_random_chat_bodies_get_clean_statuses(http, base, data):
     check(send(http, "/v1/chat/completions", data.draw(chat_body(base))))
+
+
+@settings(max_examples=40, **FUZZ)
+@given(data=st.data())
+def test_malformed_tool_histories_get_clean_statuses(http, base, data):
+    # Issue 59 M4: a tool call whose `function` was a string, number or list was a 500.
+    check(send(http, "/v1/chat/completions", data.draw(tool_history_body(base))))
 
 
 @settings(max_examples=15, **FUZZ)

@@ -127,3 +127,22 @@ def test_expert_lora_matches_transformers_and_peft(
                 assert abs(value - row[token].item()) < 1e-4, (arch, name, step, token)
     # the expert adapters change the tokens (on the same prompt as the base row)
     assert expected[0][0] != expected[1][0] or expected[4][0] != expected[5][0]
+
+
+def test_a_router_holding_nan_is_refused_at_load(tmp_path):
+    """Issue 59 (M6): NaN router weights were served (NaN routing, NaN outputs); now one line naming them."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from loraplex.services.inference.models.config import UnsupportedModelError
+    from loraplex.services.inference.models.loader import load_model
+
+    base = make_tiny_model(tmp_path / "mixtral", arch="mixtral", vocab_size=128)
+    name = "model.layers.1.block_sparse_moe.gate.weight"
+    tensors = load_file(str(base / "model.safetensors"))
+    assert name in tensors, sorted(tensors)[:8]
+    load_model(base, torch.device("cpu"), torch.float32)  # the unbroken one loads
+    tensors[name][3, 5] = float("nan")
+    save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match=rf"'{name}' holds NaN or Inf values"):
+        load_model(base, torch.device("cpu"), torch.float32)

@@ -122,6 +122,16 @@ def test_vllm_spellings_on_completions(client, base_name, extra):  # noqa: F811
             "response_format.json_schema.schema",
         ),
         (dict(extra_body={"guided_choice": ["a"], "guided_regex": "a"}), "guided_choice"),
+        (dict(extra_body={"guided_grammar": "root ::= root"}), "guided_grammar"),  # admits nothing
+        (
+            dict(
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "string", "not": {"const": "a"}}},
+                }
+            ),
+            "response_format.json_schema.schema",
+        ),
         (dict(response_format={"type": "xml"}), "response_format.type"),
     ],
 )
@@ -133,6 +143,20 @@ def test_invalid_constraints_are_400_naming_the_field(client, base_name, kwargs,
             )
         assert info.value.status_code == 400 and info.value.param == param, info.value.message
         assert info.value.type == "invalid_request_error"
+
+
+def test_min_tokens_past_the_constraints_end_is_400(client, base_name):  # noqa: F811
+    """Found while decoding (the choice ends after one word, min_tokens wants five): a 400 naming
+    min_tokens, never a 200 with finish_reason "abort"."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=base_name,
+            messages=ASK,
+            max_tokens=8,
+            extra_body={"guided_choice": ["yes", "no"], "min_tokens": 5},
+        )
+    assert info.value.status_code == 400 and info.value.param == "min_tokens", info.value.message
+    assert "ends after" in info.value.message
 
 
 def test_tool_choice_required_and_named(client, base_name):  # noqa: F811

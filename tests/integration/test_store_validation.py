@@ -228,6 +228,26 @@ BROKEN = [
         "Inf",
     ),
     ("nan-bf16", bf16_nan, f"{WEIGHTS}:{Q0}.lora_B.weight.values", "NaN"),
+    # issue 59: finite but past float16's range (the inference server's bound): NaN logits when served
+    (
+        "huge-lora-b",
+        tensors_edit(set_value(f"{Q0}.lora_B.weight", 1e30)),
+        f"{WEIGHTS}:{Q0}.lora_B.weight.values",
+        "magnitude past 65504",
+    ),
+    (
+        "huge-negative-lora-a-f16-range",
+        tensors_edit(set_value(f"{Q0}.lora_A.weight", -70000.0)),
+        f"{WEIGHTS}:{Q0}.lora_A.weight.values",
+        "magnitude past 65504",
+    ),
+    ("config-alpha-huge", lambda d: edit_config(d, lora_alpha=1e30), f"{CONFIG}:lora_alpha", "65504"),
+    (
+        "config-alpha-pattern-huge",
+        lambda d: edit_config(d, alpha_pattern={"q_proj": 1e30}),
+        f"{CONFIG}:alpha_pattern.q_proj",
+        "65504",
+    ),
     ("pickle-only", pickle_only, "adapter_model.bin", "--allow-pickle"),
     ("too-big", grow, "size_bytes", "--max-adapter-bytes"),
     ("config-not-json", lambda d: (d / CONFIG).write_text("{r: 4"), f"{CONFIG}:json", "JSON"),
@@ -294,5 +314,10 @@ def test_good_bf16_and_fp16_adapters_are_accepted(stub, good, tmp_path):
     (bf16_ok / WEIGHTS).write_bytes(bytes(raw))
     record = stub.RegisterAdapter(pb.RegisterAdapterRequest(name="ok-bf16", source=str(bf16_ok)), timeout=60)
     assert record.dtype == "BF16"
-    for name in ("ok-f16", "ok-bf16"):
+    # The largest weight and alpha allowed (float16's largest value) are accepted.
+    edge = copy_adapter(good, tmp_path / "edge")
+    tensors_edit(set_value(f"{Q0}.lora_B.weight", -65504.0))(edge)
+    edit_config(edge, lora_alpha=65504)
+    stub.RegisterAdapter(pb.RegisterAdapterRequest(name="ok-edge", source=str(edge)), timeout=60)
+    for name in ("ok-f16", "ok-bf16", "ok-edge"):
         stub.DeleteAdapter(pb.DeleteAdapterRequest(name=name))

@@ -1,6 +1,8 @@
 """Constrained decoding over real gRPC on the embedded SmolLM2 (shares test_service_inference's
 server): a JSON-schema input under an adapter beside free-text and choice inputs in one batch,
-streamed and unary; invalid constraints are INVALID_ARGUMENT naming the field."""
+streamed and unary; invalid constraints (a constraint that admits nothing, a schema keyword the
+grammar engine does not enforce, min_tokens past the grammar's end) are INVALID_ARGUMENT naming
+the field, never OK."""
 
 from __future__ import annotations
 
@@ -81,10 +83,29 @@ def test_n_samples_each_match(stub):  # noqa: F811
         (pb.SamplingParams(json_schema="{oops"), "sampling_params.json_schema", "not valid JSON"),
         (pb.SamplingParams(grammar="root ::= nope"), "sampling_params.grammar", "nope"),
         (pb.SamplingParams(choice=pb.Choices()), "sampling_params.choice", "1-1024"),
+        (pb.SamplingParams(grammar="root ::= root"), "sampling_params.grammar", "admits no output"),
+        (
+            pb.SamplingParams(json_schema='{"$ref": "#"}'),
+            "sampling_params.json_schema",
+            "admits no output",
+        ),
+        (
+            pb.SamplingParams(json_schema='{"type": "string", "not": {"const": "a"}}'),
+            "sampling_params.json_schema",
+            "uses 'not' at #",
+        ),
+        # Found while decoding: the grammar ends after "yes" / "no", min_tokens wants more.
+        (
+            pb.SamplingParams(max_new_tokens=8, min_tokens=5, choice=pb.Choices(choices=["yes", "no"])),
+            "sampling_params.min_tokens",
+            "ends after",
+        ),
     ],
 )
 def test_invalid_constraint_is_invalid_argument(stub, params, field, words):  # noqa: F811
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Generate(pb.GenerateRequest(text=[PROMPT], sampling_params=params))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert field in err.value.details() and words in err.value.details()
+    request = pb.GenerateRequest(text=[PROMPT], sampling_params=params)
+    for call in (stub.Generate, lambda r: list(stub.GenerateStream(r))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(request)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in err.value.details() and words in err.value.details()

@@ -139,3 +139,20 @@ def test_kv_cache_sizing():
     assert one * 16 == 8192  # one request at full context
     big = plan_num_blocks(cfg, torch.float32, cpu, max_running_requests=256, max_total_tokens=None, **common)
     assert big * 16 * per_token <= CPU_KV_BYTES_CAP and big * 16 >= 8192
+
+
+def test_finish_keeps_an_error_set_before_it():
+    """`req.error = ...; finish(req, "abort")` must not return the request as a success: finish
+    used to reset the error to None (a grammar dead end came back OK, issue 59 M1)."""
+    from loraplex.services.inference.errors import InvalidRequest
+
+    scheduler = make_scheduler(16)
+    first, second = (Request(rid, [1, 2, 3], SamplingParams(max_new_tokens=4)) for rid in ("a", "b"))
+    for req in (first, second):
+        scheduler.add(req)
+    error = InvalidRequest("why")
+    first.error = error
+    scheduler.finish(first, "abort")
+    scheduler.finish(second, "abort", error)
+    assert first.error is error and second.error is error
+    assert first.finished and second.finished

@@ -53,6 +53,8 @@ BASE_CFG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q
         ({"lora_alpha": -1}, "lora_alpha"),
         ({"lora_alpha": float("nan")}, "lora_alpha"),
         ({"lora_alpha": 1e308}, "lora_alpha"),  # finite, but not as a float32 scaling
+        ({"lora_alpha": 1e30}, "lora_alpha"),  # a float32 scaling, but every delta Inf (issue 59)
+        ({"alpha_pattern": {"q_proj": 65505}}, "alpha_pattern['q_proj']"),  # past float16's range
         ({"alpha_pattern": {"q_proj": 1e300}}, "alpha_pattern['q_proj']"),
         ({"rank_pattern": {"q_proj": 0}}, "rank_pattern['q_proj']"),
         ({"alpha_pattern": {"q_proj": "x"}}, "alpha_pattern['q_proj']"),

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from loraplex.bench.random_schemas import random_schema
-from loraplex.services.inference.engine.grammar import GrammarCache
+from loraplex.services.inference.engine.grammar_cache import GrammarCache
 from loraplex.services.inference.engine.types import MAX_CONSTRAINT_CHARS, Constraint, SamplingParams
 from loraplex.services.inference.errors import InvalidRequest
 from tests.support.lora_reference import server_args, sync_engine
@@ -197,3 +197,31 @@ def test_a_stop_string_is_the_callers_cut(engines):
     params = SamplingParams(max_new_tokens=20, stop=(",",), constraint=Constraint("regex", "abc,def"))
     out = engine.generate([prompt], params)[0]
     assert (out.text, out.finish_reason) == ("abc", "stop")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_dead_end_is_an_error_never_ok(engines, overlap, temperature):
+    """A grammar that admits its first token and then nothing, and min_tokens past the end of a
+    grammar, leave no token to sample: the request fails naming the field (it used to end "abort"
+    with status OK and token 0). Its free-text neighbour in the batch runs on unharmed."""
+    engine = engines[overlap]
+    prompt = engine.tokenizer("Answer:").input_ids
+    cases = [
+        (_params(Constraint("grammar", 'root ::= "a" rest\nrest ::= rest'), temperature, 1), "grammar"),
+        (_params(Constraint("choice", choices=("yes", "no")), temperature, 2, min_tokens=5), "min_tokens"),
+    ]
+    for params, field in cases:
+        free = _free(8)
+        for rid, p in (("dead", params), ("free", free)):
+            engine.add_request(rid, prompt, p)
+        done = {}
+        while len(done) < 2:
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        assert done["dead"].finish_reason == "abort"
+        error = engine.errors.pop("dead")
+        assert isinstance(error, InvalidRequest) and error.field == f"sampling_params.{field}", error
+        assert done["free"].finish_reason in ("stop", "length") and "free" not in engine.errors
+    assert engine.output_processor.num_constrained == 0

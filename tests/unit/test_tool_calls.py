@@ -33,18 +33,23 @@ TOOL_TEMPLATE = (
 )
 
 
+NAMES = frozenset({"get_weather", "a", "b"})
+
+
 def test_parse_hermes_qwen_blocks():
     text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-    content, calls = tools.parse_auto(text)
+    content, calls = tools.parse_auto(text, NAMES)
     assert content == "Let me check."
     assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
 
 
 def test_parse_llama31_json_calls():
-    content, calls = tools.parse_auto('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}')
+    content, calls = tools.parse_auto(
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}', NAMES
+    )
     assert content is None and json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
-    _, two = tools.parse_auto('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}')
+    _, two = tools.parse_auto('{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}', NAMES)
     assert [c["function"]["name"] for c in two] == ["a", "b"]
 
 
@@ -52,7 +57,7 @@ def test_parse_llama31_json_calls():
     "text", ["Paris is sunny.", '{"city": "Paris"}', "<tool_call>not json</tool_call>", "{"]
 )
 def test_plain_answers_stay_content(text):
-    assert tools.parse_auto(text) == (text, [])
+    assert tools.parse_auto(text, NAMES) == (text, [])
 
 
 def test_required_and_named_outputs():
@@ -68,15 +73,16 @@ def test_required_and_named_outputs():
     named = tools.plan([WEATHER], {"type": "function", "function": {"name": "get_weather"}})
     content, calls, reason = tools.tool_output(named, '{"city": "Rome"}', "stop")
     assert calls[0]["function"]["arguments"] == '{"city": "Rome"}' and reason == "stop"
-    # Cut short: the text as it is, no half call.
-    assert tools.tool_output(named, '{"city": "Ro', "length") == ('{"city": "Ro', [], "length")
+    # Cut short by max_tokens: the partial arguments, and "length" says so (as OpenAI answers).
+    content, calls, reason = tools.tool_output(named, '{"city": "Ro', "length")
+    assert content is None and calls[0]["function"]["arguments"] == '{"city": "Ro' and reason == "length"
 
 
 @pytest.mark.parametrize(
     ("tools_", "choice", "param"),
     [
-        ([{"type": "function"}], None, "tools.0"),
-        ([{"type": "function", "function": {"name": ""}}], None, "tools.0.function.name"),
+        ([{"type": "function"}], None, "tools[0]"),
+        ([{"type": "function", "function": {"name": ""}}], None, "tools[0].function.name"),
         ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
         ([WEATHER], "sometimes", "tool_choice"),
         (None, "required", "tool_choice"),

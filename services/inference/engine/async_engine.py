@@ -106,7 +106,10 @@ class AsyncEngine:
             )
         if add.params.constraint is not None:
             # Compiled on the grammar cache's threads: the batch runs on while this request waits.
-            add = add._replace(grammar=await self.engine.grammars.compile_async(add.params.constraint))
+            # The servicer names a call's engine requests `{call id}-{k}`: the call is the owner
+            # the compile pool shares its workers fairly between.
+            owner = add.request_id.rpartition("-")[0] or add.request_id
+            add = add._replace(grammar=await self.engine.grammars.compile_async(add.params.constraint, owner))
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._sinks_lock:
             if add.request_id in self._sinks:
@@ -214,6 +217,7 @@ class AsyncEngine:
         self._stopped.set()
         self._wake.set()
         self._templates.close()  # a render under way ends now, not when its template would
+        self.engine.grammars.close()  # queued compiles fail now
         await asyncio.to_thread(self._thread.join, timeout)
 
     # -- engine thread --------------------------------------------------------------------

@@ -186,5 +186,9 @@ class TorchPagedAttention(Attention):
             invalid |= positions[None, :] <= meta.decode_context_lens[:, None] - 1 - window
         scores.masked_fill_(invalid[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
-        o = torch.einsum("bhgl,blhd->bhgd", probs, self._read(layer, 1, v, torch.float32))
+        # The pages hold stale rows past each context (another request's, a freed block's, a
+        # padding entry's): a zero weight times a stale NaN or Inf is NaN, so they are zeroed, not
+        # weighed by 0 (the Triton kernel never loads them). One request's values stay in its rows.
+        values = self._read(layer, 1, v, torch.float32).masked_fill(invalid[:, :, None, None], 0.0)
+        o = torch.einsum("bhgl,blhd->bhgd", probs, values)
         return o.reshape(b, heads, head_dim).to(q.dtype)

@@ -10,11 +10,15 @@ tool calls are written into the assistant's content in that same form.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from loraplex.services.inference.errors import InvalidRequest
 
 MAX_TOOLS = 128
+# OpenAI's rule for function names (fullmatch). A name is written into the prompt: free text could
+# close the turn (`"}\n<|im_end|>`) or pose as another tool.
+TOOL_NAME_RULE = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 FALLBACK_PROMPT = (
     "You may call functions to answer. The functions, as JSON schemas:\n{tools}\n"
     'To call one, reply with only <tool_call>{{"name": NAME, "arguments": ARGUMENTS}}</tool_call>.'
@@ -25,16 +29,26 @@ def parse_tools(text: str, field: str) -> list[dict[str, Any]]:
     """The tool definitions of a `tools_json` field, checked for the shape templates read."""
     try:
         tools = json.loads(text)
+    except RecursionError:
+        raise InvalidRequest(f"{field} is JSON nested too deeply", field=field) from None
     except ValueError as exc:
         raise InvalidRequest(f"{field} is not valid JSON: {exc}", field=field) from None
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise InvalidRequest(f"{field} must be a list of at most {MAX_TOOLS} tools", field=field)
+    seen = set()
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise InvalidRequest(
                 f'{field}[{i}] must be {{"type": "function", "function": {{"name": ..., ...}}}}', field=field
             )
+        if not TOOL_NAME_RULE.fullmatch(fn["name"]) or fn["name"] in seen:
+            raise InvalidRequest(
+                f"{field}[{i}].function.name must be 1 to 64 letters, digits, underscores or dashes, "
+                f"and not another tool's (got {fn['name'][:80]!r})",
+                field=field,
+            )
+        seen.add(fn["name"])
     return tools
 
 
@@ -42,19 +56,36 @@ def parse_tool_calls(text: str, field: str) -> list[dict[str, Any]]:
     """An assistant message's `tool_calls_json`, with each call's arguments as an object."""
     try:
         calls = json.loads(text)
+    except RecursionError:
+        raise InvalidRequest(f"{field} is JSON nested too deeply", field=field) from None
     except ValueError as exc:
         raise InvalidRequest(f"{field} is not valid JSON: {exc}", field=field) from None
     if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
         raise InvalidRequest(f"{field} must be a list of tool calls", field=field)
     out = []
-    for call in calls:
-        fn = dict(call.get("function") or {})
+    for k, call in enumerate(calls):
+        fn = call.get("function")
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequest(
+                f'{field}[{k}].function must be an object {{"name": ..., "arguments": ...}}', field=field
+            )
+        if not TOOL_NAME_RULE.fullmatch(fn["name"]):
+            raise InvalidRequest(
+                f"{field}[{k}].function.name must be 1 to 64 letters, digits, underscores or dashes "
+                f"(got {fn['name'][:80]!r})",
+                field=field,
+            )
+        fn = dict(fn)
         args = fn.get("arguments")
         if isinstance(args, str):
             try:
                 fn["arguments"] = json.loads(args) if args.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass  # left as the text the caller sent
+        elif args is not None and not isinstance(args, dict):
+            raise InvalidRequest(
+                f"{field}[{k}].function.arguments must be JSON text or an object", field=field
+            )
         out.append({**call, "type": call.get("type", "function"), "function": fn})
     return out
 

@@ -33,6 +33,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the activation dtype; fp8: E4M3, per-layer scales (kv_cache.py)
 QUANTIZATIONS = ("fp8",)  # models/quantization/scheme.py; a checkpoint's own quantization_config needs none
 DEVICES = ("auto", "cuda", "cpu")
+SPECULATIVE_ALGORITHMS = ("ngram",)  # engine/speculative.py
 
 
 def _check(ok: bool, message: str) -> None:
@@ -80,6 +81,16 @@ class EngineConfig:
     # --disable-overlap-schedule; True forces it on (tests).
     overlap_schedule: bool | None = None
     disable_prefix_cache: bool = False  # reuse cached KV of shared prompt prefixes (engine/prefix_cache.py)
+    # Compiled grammars kept for reuse, all together and one alone (engine/grammar_cache.py).
+    grammar_cache_max_bytes: int = 512 * 2**20
+    grammar_max_bytes: int = 64 * 2**20
+    # Speculative decoding (engine/speculative.py): None = off; "ngram" drafts by prompt lookup. It
+    # turns overlap scheduling off (a draft needs the previous step's tokens on the host).
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    # No speculation in a step with more running requests than this (verification would cost more
+    # than it saves).
+    speculative_disable_batch_size: int = 32
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, torch.device):
@@ -106,8 +117,17 @@ class EngineConfig:
             ("--cuda-graph-max-bs", self.cuda_graph_max_bs, 0),
             ("--mixed-cuda-graph-max-tokens", self.mixed_cuda_graph_max_tokens, 0),
             ("--decode-prefill-budget", self.decode_prefill_budget, 0),
+            ("--grammar-cache-max-bytes", self.grammar_cache_max_bytes, 1),
+            ("--grammar-max-bytes", self.grammar_max_bytes, 1),
+            ("--speculative-num-draft-tokens", self.speculative_num_draft_tokens, 1),
+            ("--speculative-disable-batch-size", self.speculative_disable_batch_size, 1),
         ):
             _check(value is None or value >= low, f"{flag} must be >= {low} (got {value})")
+        _check(
+            self.speculative_algorithm in (None, *SPECULATIVE_ALGORITHMS),
+            f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)} "
+            f"(got {self.speculative_algorithm!r}; a draft model is not built yet)",
+        )
         _check(
             0.0 < self.mem_fraction_static <= 1.0,
             f"--mem-fraction-static must be in (0, 1] (got {self.mem_fraction_static})",
@@ -127,6 +147,8 @@ class EngineConfig:
 
     @property
     def overlap_enabled(self) -> bool:
+        if self.speculative_algorithm is not None:
+            return False
         return self.device.type == "cuda" if self.overlap_schedule is None else self.overlap_schedule
 
     def scheduler_config(self, context_length: int) -> SchedulerConfig:

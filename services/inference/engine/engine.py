@@ -24,13 +24,16 @@ import torch
 
 from loraplex.kernels.compile_watch import compile_counter
 from loraplex.services.inference.engine.config import EngineConfig
-from loraplex.services.inference.engine.grammar import GrammarCache, GrammarState
+from loraplex.services.inference.engine.grammar import GrammarState
+from loraplex.services.inference.engine.grammar_cache import GrammarCache
 from loraplex.services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
 from loraplex.services.inference.engine.logprobs import StepLogprobs, rows_logprobs
 from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.overlap import InFlightStep, kv_fits_without_preemption
 from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.request_outputs import OutputProcessor, take_prompt_logprobs
+from loraplex.services.inference.engine.sampler import read_sampled
+from loraplex.services.inference.engine.speculative import Speculator, verify_step
 from loraplex.services.inference.engine.startup import build_kv_cache, build_runner, build_scheduler
 from loraplex.services.inference.engine.types import EngineStats, RequestOutput, SamplingParams
 from loraplex.services.inference.errors import CapacityExceeded, ContextLengthExceeded, InvalidRequest
@@ -97,12 +100,23 @@ class LLMEngine:
             self.tokenizer, self.eos_token_ids, loaded.config.vocab_size, self.scheduler
         )
         self._seed_rng = random.Random(self.config.seed)
+        self.speculator = (
+            Speculator(
+                self.config.speculative_num_draft_tokens,
+                self.config.speculative_disable_batch_size,
+                self.context_length,
+            )
+            if self.config.speculative_algorithm
+            else None
+        )
         self._in_flight: InFlightStep | None = None  # overlap: the launched step not yet processed
         self.grammars = GrammarCache(
             self.tokenizer,
             loaded.config.vocab_size,
             sorted(self.eos_token_ids),
             tokenizer_name=str(loaded.model_dir),
+            max_bytes=self.config.grammar_cache_max_bytes,
+            max_grammar_bytes=self.config.grammar_max_bytes,
         )
 
     @property
@@ -199,6 +213,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._overlap:
             return self._step_overlapped()
+        if self.speculator is not None:
+            self.speculator.draft(self.scheduler.running)
         batch = self._phase("schedule", self.scheduler.schedule)
         outputs = [self.output_processor.final_output(req, []) for req in batch.finished]
         if not batch.entries:
@@ -206,16 +222,25 @@ class LLMEngine:
         _admitted(batch.entries)
         chunks = batch.chunks()
         logits = self._phase("forward", self.runner.forward, chunks)
+        if any(c.verify for c in chunks):
+            rows = sum(len(c.token_ids) if c.verify else 1 for c in chunks if c.sample)
+            logits = take_prompt_logprobs(batch.entries, chunks, logits, rows)
+            outputs.extend(verify_step(self, batch.entries, chunks, logits))
+            return outputs
         sampled = [e.request for e in batch.entries if e.sample]
         logits = take_prompt_logprobs(batch.entries, chunks, logits, len(sampled))
-        tokens, logprobs = [], None
+        tokens, logprobs, nonfinite = [], None, None
         if sampled:
-            device_tokens, step_logprobs = self._phase("sample", self._sample, logits, sampled)
-            tokens = device_tokens.tolist()
+            device_tokens, step_logprobs, device_nonfinite = self._phase(
+                "sample", self._sample, logits, sampled
+            )
+            tokens, nonfinite = read_sampled(device_tokens, device_nonfinite)
             logprobs = rows_logprobs(step_logprobs, tokens)
         for req, n in batch.entries:
             req.num_computed_tokens += n
-        outputs.extend(self._phase("output", self.output_processor.process, sampled, tokens, None, logprobs))
+        outputs.extend(
+            self._phase("output", self.output_processor.process, sampled, tokens, None, logprobs, nonfinite)
+        )
         return outputs
 
     def _step_overlapped(self) -> list[RequestOutput]:
@@ -251,6 +276,7 @@ class LLMEngine:
     def _resolve(self, step: InFlightStep) -> list[RequestOutput]:
         """An in-flight step's outputs; rows of requests that ended since (finished, aborted) are dropped."""
         tokens = step.host_tokens()
+        nonfinite = step.host_nonfinite()
         logprobs = rows_logprobs(step.logprobs, tokens)
         requests = self.requests
         live = [i for i, req in enumerate(step.requests) if requests.get(req.request_id) is req]
@@ -261,6 +287,7 @@ class LLMEngine:
             [tokens[i] for i in live],
             [step.positions[i] for i in live],
             [logprobs[i] for i in live] if logprobs else None,
+            [nonfinite[i] for i in live],
         )
 
     def _phase(self, phase: str, fn, *args):
@@ -274,7 +301,7 @@ class LLMEngine:
 
     def _sample(
         self, logits: torch.Tensor, reqs: list[Request], pending: InFlightStep | None = None
-    ) -> tuple[torch.Tensor, StepLogprobs | None]:
+    ) -> tuple[torch.Tensor, StepLogprobs | None, torch.Tensor]:
         """`output_processor.sample`, after the grammar mask (its own step-timer phase) when a request is
         constrained; `pending`: the overlapped step whose tokens that mask may need first."""
         masked = None
@@ -287,6 +314,8 @@ class LLMEngine:
     def forget_adapter(self, name: str) -> None:
         """Per-adapter state the engine keeps beside the LoRA manager, dropped once `name` is unloaded."""
         self.scheduler.prefix_cache.stats.forget(name)
+        if self.speculator is not None:
+            self.speculator.stats.forget(name)
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -303,6 +332,8 @@ class LLMEngine:
             prefix_cache_evictions=self.block_manager.num_evictions,
             prefix_cache_prompt_tokens=dict(self.scheduler.prefix_cache.stats.prompt_tokens),
             prefix_cache_hit_tokens=dict(self.scheduler.prefix_cache.stats.hit_tokens),
+            spec_draft_tokens=dict(self.speculator.stats.drafted) if self.speculator else {},
+            spec_accepted_tokens=dict(self.speculator.stats.accepted) if self.speculator else {},
         )
 
     def generate(

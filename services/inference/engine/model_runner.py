@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from loraplex.kernels.placement import triton_runs_on
-from loraplex.kernels.settings import kernel_settings
 from loraplex.services.inference.engine.attention import (
     AttentionMetadata,
     PrefillSegment,
@@ -50,8 +49,9 @@ class ModelRunner:
         self.page_size = kv_cache.shape[3]
         self.lora_backend = lora_backend
         if self.device.type == "cuda":
-            # Process-wide, before any graph captures a matmul (LORAPLEX_BLAS: cuBLASLt by default).
-            torch.backends.cuda.preferred_blas_library(kernel_settings().blas)
+            # Process-wide, before any graph captures a matmul: cuBLASLt's decode GEMMs were never slower
+            # than cuBLAS's in any run that timed both (docs/benchmarks.md, "Facts behind defaults").
+            torch.backends.cuda.preferred_blas_library("cublaslt")
         scale = model_config.attention_scale
         windows = effective_windows(model_config, context_length)
         if triton_runs_on(self.device):  # Triton kernels (kernels/attention_*.py); torch reference on CPU
@@ -72,7 +72,8 @@ class ModelRunner:
             max_num_seqs, self.max_blocks_per_seq, dtype=torch.int64, device=dev
         )
         self.decode_context_lens = torch.zeros(max_num_seqs, dtype=torch.int64, device=dev)
-        self.sample_indices = torch.zeros(max_num_seqs, dtype=torch.int64, device=dev)
+        # A row per sequence, or per token of speculative verify chunks: sized by the token budget.
+        self.sample_indices = torch.zeros(max(max_num_seqs, max_num_tokens), dtype=torch.int64, device=dev)
         self._pin = dev.type == "cuda"
 
     def _upload(self, buffer: torch.Tensor, values: list[int]) -> torch.Tensor:
@@ -115,7 +116,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Chunks must come decodes (single token) first. Returns [num sampled, vocab] float32, then,
+        """Chunks must come decodes (single token) first. Returns [num sampled, vocab] float32 (a
+        `verify` chunk samples every one of its tokens' rows), then,
         for the chunks with `all_logits`, one row per token of each (in chunk order).
 
         `prev_tokens` (overlap scheduling): the previous step's sampled ids, still on the device;
@@ -160,7 +162,9 @@ class ModelRunner:
             ctx = (blocks[:, None] * page + np.arange(page)).reshape(-1)[:ctx_len]
             slots.extend(ctx[start:].tolist())
             token_slots.extend([chunk.lora_slot] * n)
-            if chunk.sample:
+            if chunk.verify:
+                sample_rows.extend(range(q_start, q_start + n))
+            elif chunk.sample:
                 sample_rows.append(q_start + n - 1)
             segments.append(PrefillSegment(q_start, n, num_ctx, ctx_len))
             ctx_parts.append(ctx)

@@ -24,28 +24,43 @@ from loraplex.services.inference.engine.request import Request
 
 class InFlightStep:
     """A launched step's sampled tokens (and log probabilities, when asked), still on the device,
-    and where they go."""
+    and where they go; with them, which rows' logits held a NaN or Inf (`nonfinite`, copied to the
+    host in the same copy as the ids)."""
 
-    def __init__(self, requests: list[Request], tokens: torch.Tensor, logprobs: StepLogprobs | None = None):
+    def __init__(
+        self,
+        requests: list[Request],
+        tokens: torch.Tensor,
+        logprobs: StepLogprobs | None = None,
+        nonfinite: torch.Tensor | None = None,
+    ):
         self.requests = requests
         self.logprobs = logprobs
         self.positions = [len(req.token_ids) for req in requests]  # each placeholder's index
         for row, req in enumerate(requests):
             req.token_ids.append(-1 - row)
         self.device_tokens = tokens
+        flags = torch.zeros_like(tokens) if nonfinite is None else nonfinite.to(tokens.dtype)
+        both = torch.stack((tokens, flags))  # row 0 the ids, row 1 the non-finite flags
         if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
+            self._host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            self._host.copy_(both, non_blocking=True)
             self._ready: torch.cuda.Event | None = torch.cuda.Event()
             self._ready.record()
         else:
-            self._host, self._ready = tokens, None
+            self._host, self._ready = both, None
 
     def host_tokens(self) -> list[int]:
         """The sampled ids (waits for the step's sampling, not for anything queued after it)."""
         if self._ready is not None:
             self._ready.synchronize()
-        return self._host.tolist()
+        return self._host[0].tolist()
+
+    def host_nonfinite(self) -> list[bool]:
+        """Per row: its logits held a NaN or Inf (waits as `host_tokens`)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return [bool(b) for b in self._host[1].tolist()]
 
 
 def kv_fits_without_preemption(running: list[Request], blocks: BlockManager) -> bool:

@@ -55,6 +55,12 @@ class Request:
     num_registered_blocks: int = 0
     # Constrained decoding (engine/grammar.py): the matcher of params.constraint, else None.
     grammar: GrammarState | None = None
+    # Speculative decoding (engine/speculative.py): this step's draft tokens (after token_ids, not in
+    # it), the drafted and accepted counts since the last back-off, and the step it drafts again at.
+    draft_ids: list[int] = field(default_factory=list)
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_paused_until: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -9,6 +9,7 @@ and ends the requests whose token finished them. The engine times and orders the
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -18,10 +19,12 @@ from loraplex.services.inference.engine.logprobs import StepLogprobs, record_pro
 from loraplex.services.inference.engine.output import TextStream
 from loraplex.services.inference.engine.overlap import InFlightStep, strip_placeholders
 from loraplex.services.inference.engine.request import Request
-from loraplex.services.inference.engine.sampler import SamplingInputs, sample_on_device
+from loraplex.services.inference.engine.sampler import SamplingInputs, nonfinite_rows, sample_on_device
 from loraplex.services.inference.engine.scheduler import Scheduler
 from loraplex.services.inference.engine.types import RequestOutput, SamplingParams, TokenLogprob
-from loraplex.services.inference.errors import BackendUnavailable
+from loraplex.services.inference.errors import BackendUnavailable, NonFiniteLogits
+
+log = logging.getLogger(__name__)
 
 
 def _needs_history(params: SamplingParams) -> bool:
@@ -47,6 +50,20 @@ def take_prompt_logprobs(entries, chunks, logits: torch.Tensor, num_sampled: int
             record_prompt_logprobs(req, chunk.start_pos, logits[at : at + n])
             at += n
     return logits[:num_sampled]
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one (the last one's state, every token, all the text)."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    logprobs = None if last.logprobs is None else [lp for o in outs for lp in o.logprobs or []]
+    return last._replace(
+        new_text="".join(o.new_text for o in outs),
+        new_token_ids=[t for o in outs for t in o.new_token_ids],
+        logprobs=logprobs,
+        prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs is not None), None),
+    )
 
 
 class OutputProcessor:
@@ -111,19 +128,21 @@ class OutputProcessor:
 
     def sample(
         self, logits: torch.Tensor, reqs: list[Request], masked: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, StepLogprobs | None]:
+    ) -> tuple[torch.Tensor, StepLogprobs | None, torch.Tensor]:
         """Token ids on the logits' device (no host sync for batches without penalties), drawn from
-        `masked` (`mask_constrained`'s result) when given, and the log probabilities of the rows
-        that asked for them (None when none did; they are the model's, before any grammar mask)."""
-        tokens = sample_on_device(masked if masked is not None else logits, self._sampling_inputs(reqs))
+        `masked` (`mask_constrained`'s result) when given, the log probabilities of the rows
+        that asked for them (None when none did; they are the model's, before any grammar mask),
+        and which rows' raw logits hold a NaN or Inf (bool, on the device: read with the ids)."""
+        tokens = sample_on_device(masked if masked is not None else logits, self.sampling_inputs(reqs))
+        nonfinite = nonfinite_rows(logits)
         if not self.num_logprobs:
-            return tokens, None
+            return tokens, None, nonfinite
         rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if not rows:
-            return tokens, None
-        return tokens, StepLogprobs(logits, tokens, rows, [reqs[i].params.logprobs for i in rows])
+            return tokens, None, nonfinite
+        return tokens, StepLogprobs(logits, tokens, rows, [reqs[i].params.logprobs for i in rows]), nonfinite
 
-    def _sampling_inputs(self, reqs: list[Request]) -> SamplingInputs:
+    def sampling_inputs(self, reqs: list[Request]) -> SamplingInputs:
         ps = [r.params for r in reqs]
         needs_history = self.num_penalized > 0 and any(_needs_history(p) for p in ps)
         return SamplingInputs(
@@ -158,12 +177,50 @@ class OutputProcessor:
         tokens: list[int],
         positions: list[int] | None = None,
         logprobs: list[TokenLogprob | None] | None = None,
+        nonfinite: list[bool] | None = None,
     ) -> list[RequestOutput]:
         """Stop checks, detokenization and finishing for one step's sampled tokens. `positions`:
-        where each token goes in its request's token_ids (overlap: over a placeholder); default: appended."""
+        where each token goes in its request's token_ids (overlap: over a placeholder); default: appended.
+        `nonfinite`: the rows whose logits held a NaN or Inf: those requests end with an error instead."""
         where = positions if positions is not None else [None] * len(reqs)
         lps = logprobs if logprobs is not None else [None] * len(reqs)
-        return [self._append_token(r, t, p, lp) for r, t, p, lp in zip(reqs, tokens, where, lps, strict=True)]
+        bad = nonfinite if nonfinite is not None else [False] * len(reqs)
+        return [
+            self._end_nonfinite(r, p) if b else self._append_token(r, t, p, lp)
+            for r, t, p, lp, b in zip(reqs, tokens, where, lps, bad, strict=True)
+        ]
+
+    def _end_nonfinite(self, req: Request, position: int | None) -> RequestOutput:
+        """End `req`, whose logits turned NaN or Inf, with NonFiniteLogits (INTERNAL) and a log line
+        naming its adapter; its token (argmax over NaN: id 0) is never appended or returned."""
+        index = (len(req.token_ids) if position is None else position) - req.num_prompt_tokens
+        who = f"adapter {req.adapter!r}" if req.adapter else "the base model"
+        log.error(
+            "request %s (%s): non-finite logits (NaN or Inf) at output token %d; ending it with an "
+            "error, the rest of its batch goes on",
+            req.request_id,
+            who,
+            index,
+        )
+        error = NonFiniteLogits(
+            f"the model's logits turned non-finite (NaN or Inf) at output token {index} ({who}); "
+            "the request was ended",
+            adapter=req.adapter,
+        )
+        self.scheduler.finish(req, "abort", error)
+        return self.final_output(req, [])
+
+    def process_run(
+        self, req: Request, tokens: list[int], logprobs: list[TokenLogprob | None] | None = None
+    ) -> RequestOutput:
+        """Several tokens of one request from one step (a verified speculative run), appended one at
+        a time with every stop check, as one output. Tokens after one that ends the request are dropped."""
+        outs = []
+        for j, token in enumerate(tokens):
+            outs.append(self._append_token(req, token, None, logprobs[j] if logprobs else None))
+            if outs[-1].finished:
+                break
+        return merge_outputs(outs)
 
     def _append_token(
         self, req: Request, token: int, position: int | None = None, logprob: TokenLogprob | None = None
@@ -184,9 +241,11 @@ class OutputProcessor:
         params = req.params
         reason = None
         if req.grammar is not None and not req.grammar.accept(num_output_tokens - 1, token):
-            # The mask allows only tokens the grammar accepts: this is an engine defect.
-            req.error = BackendUnavailable(f"the grammar rejected sampled token {token} (an engine defect)")
-            self.scheduler.finish(req, "abort")
+            # The mask allowed no token (or min_tokens banned the only ones): an error, never OK.
+            error = req.grammar.dead_end_error(params, num_output_tokens - 1, self.vocab_size)
+            if error is None:  # the mask allows only tokens the grammar accepts: an engine defect
+                error = BackendUnavailable(f"the grammar rejected sampled token {token} (an engine defect)")
+            self.scheduler.finish(req, "abort", error)
             return self.final_output(req, [token], logprobs, prompt_logprobs)
         if (
             (req.grammar is not None and req.grammar.terminated)  # the grammar ended with its EOS

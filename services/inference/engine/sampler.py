@@ -112,6 +112,28 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
+def filtered_probs(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
+    """Each row's sampling distribution: temperature (greedy rows at 1), then top-k, top-p, min-p."""
+    # Host tensors moved with non_blocking: a blocking copy (or torch.tensor(..., device=cuda)) waits
+    # for the whole stream, i.e. for the step queued after this one under overlap scheduling.
+    temps = torch.tensor(
+        [t if t >= MIN_TEMPERATURE else 1.0 for t in inp.temperature], dtype=logits.dtype
+    ).to(logits.device, non_blocking=True)
+    return _filter(logits / temps[:, None], inp).softmax(dim=-1)
+
+
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """bool `[B]` on the logits' device: the rows holding a NaN or Inf logit (one batched reduction,
+    no host sync; the engine reads it with the sampled ids, `read_sampled`)."""
+    return ~torch.isfinite(logits).all(dim=-1)
+
+
+def read_sampled(tokens: torch.Tensor, nonfinite: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """The sampled ids and the rows' non-finite flags on the host, in one copy (one sync)."""
+    both = torch.stack((tokens, nonfinite.to(tokens.dtype))).tolist()
+    return both[0], [bool(b) for b in both[1]]
+
+
 def sample(logits: torch.Tensor, inp: SamplingInputs) -> list[int]:
     """logits: [B, vocab] float32 -> one token id per row (waits for the device)."""
     return sample_on_device(logits, inp).tolist()
@@ -125,12 +147,7 @@ def sample_on_device(logits: torch.Tensor, inp: SamplingInputs) -> torch.Tensor:
     random_rows = [i for i, t in enumerate(inp.temperature) if t >= MIN_TEMPERATURE]
     if not random_rows:
         return greedy_tokens
-    # Host tensors moved with non_blocking: a blocking copy (or torch.tensor(..., device=cuda)) waits
-    # for the whole stream, i.e. for the step queued after this one under overlap scheduling.
-    temps = torch.tensor(
-        [t if t >= MIN_TEMPERATURE else 1.0 for t in inp.temperature], dtype=logits.dtype
-    ).to(logits.device, non_blocking=True)
-    probs = _filter(logits / temps[:, None], inp).softmax(dim=-1)
+    probs = filtered_probs(logits, inp)
     races = torch.ones_like(probs)
     for i in random_rows:
         races[i].exponential_(generator=inp.generators[i])

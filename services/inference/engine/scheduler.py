@@ -47,6 +47,9 @@ class SeqChunk(NamedTuple):
     lora_slot: int
     sample: bool  # the chunk reaches the end of the sequence: sample the next token
     all_logits: bool = False  # also return every token's logits (prompt log probabilities)
+    # Speculative verification: token_ids ends with the request's draft tokens, and every token's
+    # logits are sampled rows (engine/speculative.py).
+    verify: bool = False
 
 
 class ScheduledEntry(NamedTuple):
@@ -55,7 +58,8 @@ class ScheduledEntry(NamedTuple):
 
     @property
     def sample(self) -> bool:
-        return self.request.num_computed_tokens + self.num_tokens == len(self.request.token_ids)
+        # `>`: a verify chunk runs past the sequence's end into the draft tokens
+        return self.request.num_computed_tokens + self.num_tokens >= len(self.request.token_ids)
 
 
 class ScheduledBatch(NamedTuple):
@@ -66,18 +70,13 @@ class ScheduledBatch(NamedTuple):
         out = []
         for req, n in self.entries:
             start = req.num_computed_tokens
-            sample = start + n == len(req.token_ids)
+            ids = req.token_ids[start : start + n]
+            verify = len(ids) < n  # the rest are draft tokens
+            if verify:
+                ids = ids + req.draft_ids[: n - len(ids)]
+            sample = start + n >= len(req.token_ids)
             all_logits = req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1
-            out.append(
-                SeqChunk(
-                    req.token_ids[start : start + n],
-                    start,
-                    req.block_table,
-                    req.lora_slot,
-                    sample,
-                    all_logits,
-                )
-            )
+            out.append(SeqChunk(ids, start, req.block_table, req.lora_slot, sample, all_logits, verify))
         return out
 
     @property
@@ -121,7 +120,8 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        request.error = error
+        if error is not None:  # an error set before (`req.error = ...; finish(req, "abort")`) stays
+            request.error = error
 
     def schedule(self) -> ScheduledBatch:
         token_budget = self.config.max_num_batched_tokens
@@ -144,6 +144,14 @@ class Scheduler:
                 sitting_out += 1
                 continue
             want = req.num_uncomputed_tokens
+            if want == 1 and req.draft_ids:
+                n = self._verify_tokens(req, token_budget)
+                if n > 1:  # its last token and its drafts, verified in one chunk
+                    self.blocks.allocate(req.block_table, req.num_computed_tokens + n)
+                    entries.append(ScheduledEntry(req, n))
+                    token_budget -= n
+                    i += 1
+                    continue
             if want == 1 and req.num_computed_tokens < len(req.block_table) * page:
                 # The common decode step: its token fits the last block, nothing to allocate.
                 entries.append(ScheduledEntry(req, 1))
@@ -191,6 +199,15 @@ class Scheduler:
                 seen.add(req.adapter)
                 self.adapter_slots.prefetch(req.adapter)
 
+    def _verify_tokens(self, req: Request, token_budget: int) -> int:
+        """Tokens of a decoding request with a draft to compute this step: its last token and as many
+        draft tokens as the budget and the free KV blocks allow (a draft never preempts anything).
+        Trims `req.draft_ids` to what is scheduled."""
+        room = self.blocks.max_tokens(req.block_table) - req.num_computed_tokens
+        n = min(1 + len(req.draft_ids), token_budget, room)
+        req.draft_ids = req.draft_ids[: max(n - 1, 0)]
+        return n
+
     def _make_room(self, req: Request, want: int) -> int:
         """Tokens (<= want) of `req` that fit, preempting later-admitted requests if needed.
 
@@ -211,6 +228,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.draft_ids = []
         # KV goes, the adapter reference stays: the request resumes on the version it started
         # with even if its adapter is reloaded meanwhile (no request mixes two versions).
         self.prefix_cache.register(req)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -70,6 +71,31 @@ class Constraint:
             raise InvalidRequest(
                 f"{self.field} is {size} characters; at most {MAX_CONSTRAINT_CHARS}", field=self.field
             )
+        if self.kind == "json_schema":
+            self._check_schema_text()
+
+    def _check_schema_text(self) -> None:
+        """JSON that is no schema object ("1e999", "[1]") would reach the compiler, whose refusal of
+        it has no text: say why here."""
+        try:
+            schema = json.loads(self.value)
+        except (ValueError, RecursionError):
+            return  # not JSON: the compile step says where it breaks
+        if not isinstance(schema, dict):
+            got = _JSON_KINDS.get(type(schema), "no object")
+            raise InvalidRequest(
+                f"{self.field} must be a JSON schema (an object); got {got}", field=self.field
+            )
+
+
+_JSON_KINDS = {
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    str: "a string",
+    list: "an array",
+    type(None): "null",
+}
 
 
 @dataclass(frozen=True)
@@ -212,3 +238,6 @@ class EngineStats(NamedTuple):
     prefix_cache_evictions: int = 0
     prefix_cache_prompt_tokens: dict[str, int] = {}  # noqa: RUF012 - never mutated; each snapshot has its own
     prefix_cache_hit_tokens: dict[str, int] = {}  # noqa: RUF012
+    # Speculative decoding, per adapter ("" = base): draft tokens verified, and how many were accepted.
+    spec_draft_tokens: dict[str, int] = {}  # noqa: RUF012
+    spec_accepted_tokens: dict[str, int] = {}  # noqa: RUF012

@@ -40,6 +40,7 @@ from loraplex.services.inference.lora.expert_targets import (
     tensor_keys,
 )
 from loraplex.services.inference.lora.shapes import FUSED_MODULES, FUSED_OF, ModelShapes, module_path
+from loraplex.services.inference.lora.tensor_checks import read_checked
 
 log = logging.getLogger(__name__)
 
@@ -287,7 +288,7 @@ def load_adapter_weights(
                     f"{expected}: the adapter was trained for another base model",
                     field=WEIGHTS_FILE,
                 )
-            t = f.get_tensor(key).to(dtype)
+            t = read_checked(f, key).to(dtype)  # dtype, finite, magnitude (lora/tensor_checks.py)
             parts = FUSED_MODULES.get(module, (module,))
             # A fused module's parts share its A; each takes its rows of B.
             pieces = (

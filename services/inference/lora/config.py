@@ -88,8 +88,10 @@ def _positive_int(value: Any, field_name: str) -> int:
     return value
 
 
-# The scaling (alpha / r) lives in a float32 table: an alpha past float32's range would crash the step.
-MAX_ALPHA = 3e38
+# The largest lora_alpha (and alpha_pattern value) served: float16's largest value. Real adapters use
+# alphas of 1 to a few thousand; an alpha of 1e30 is finite in the float32 scaling table but scales
+# every delta past any activation's range (Inf, then NaN logits). The store applies the same bound.
+MAX_ALPHA = 65504.0
 
 
 def _positive_float(value: Any, field_name: str) -> float:

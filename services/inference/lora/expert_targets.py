@@ -29,6 +29,7 @@ from loraplex.services.inference.lora.shapes import (
     expert_dims,
     sparse_layer_indices,
 )
+from loraplex.services.inference.lora.tensor_checks import read_checked
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 EXPERT_KEY = re.compile(
@@ -135,4 +136,4 @@ def read_expert_tensor(f, key: str, expected: dict, targets: dict, shapes: Model
             "rank_pattern): the adapter was trained for another base model, or its config disagrees",
             field=WEIGHTS_FILE,
         )
-    return per_expert(f.get_tensor(key), ab, shapes.num_experts, rank)
+    return per_expert(read_checked(f, key), ab, shapes.num_experts, rank)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loraplex.services.inference.models.config_checks import check_config_ranges
+from loraplex.services.inference.models.errors import UnsupportedModelError
 from loraplex.services.inference.models.families import (
     ACTIVATIONS,
     ARCHITECTURE_OF_MODEL_TYPE,
@@ -27,11 +29,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 _ROPE_ALIASES = {"su": "longrope"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
-__all__ = ["ARCHITECTURE_OF_MODEL_TYPE", "SUPPORTED_ARCHITECTURES"]
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint cannot be served by this engine; the message says why and what to do."""
+__all__ = ["ARCHITECTURE_OF_MODEL_TYPE", "SUPPORTED_ARCHITECTURES", "UnsupportedModelError"]
 
 
 @dataclass(frozen=True)
@@ -266,6 +264,7 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     family = FAMILIES[arch]
+    check_config_ranges(raw)  # each number in range before anything is sized from it
     # Gemma's configs name the MLP activation `hidden_activation` (`hidden_act` is a legacy key).
     act_key = (
         "hidden_activation"
@@ -293,8 +292,6 @@ def parse_config(raw: dict[str, Any], generation: dict[str, Any] | None = None) 
     if generation:
         eos = tuple(dict.fromkeys(eos + _as_ids(generation.get("eos_token_id"))))
     max_pos = int(raw.get("max_position_embeddings", 4096))
-    if not math.isfinite(float(raw.get("rms_norm_eps", 1e-6))):
-        raise UnsupportedModelError("rms_norm_eps must be finite")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(raw["vocab_size"]),

@@ -29,12 +29,13 @@ from loraplex.kernels.fp8_quant import QuantizedRows
 from loraplex.kernels.fused_ops import silu_and_mul
 from loraplex.kernels.placement import triton_runs_on
 from loraplex.kernels.qkv_rotary import qkv_rotary, qkv_rotary_ref
-from loraplex.kernels.skinny_gemm import skinny_gated, skinny_linear, skinny_serves
+from loraplex.kernels.skinny_gemm import skinny_gated, skinny_serves
 from loraplex.services.inference.models.config import ModelConfig
 from loraplex.services.inference.models.context import ForwardContext
 from loraplex.services.inference.models.layers import Addend, FusedLinear, RMSNorm, empty_param
 from loraplex.services.inference.models.moe import SparseMoE
 from loraplex.services.inference.models.rope import RotaryEmbedding
+from loraplex.services.inference.models.value_checks import check_finite
 
 
 class DecoderLayer(nn.Module):
@@ -98,7 +99,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, Addend]:
         """`addend`: the previous layer's down projection, added to `h` here (None for the first
         layer). Returns the residual stream and this layer's own down projection, not yet added."""
-        # LORAPLEX_FUSED_KV_STORE: the split-and-rotary launch stores k/v itself (None: not here)
+        # The split-and-rotary launch stores k/v itself where Triton runs (None: not here)
         target = ctx.attention.fused_store_target(self.index) if triton_runs_on(h) else None
         h, q, k, v = self.pre_attention(h, addend, cos, sin, ctx, kv_cache=target)
         if target is not None:
@@ -158,12 +159,8 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             return h, Addend(self.moe(x, None if ctx.lora is None else ctx.lora.expert_layer(self.index)))
         weight = self.gate_up_proj.weight
-        if (
-            ctx.lora is None
-            and type(self.gate_up_proj) is FusedLinear
-            and skinny_serves(x, weight, gated=True)
-        ):
-            # LORAPLEX_SKINNY_SILU: the matmul and SwiGLU / GeGLU in one launch (no delta to add between)
+        if ctx.lora is None and type(self.gate_up_proj) is FusedLinear and skinny_serves(x, weight):
+            # The matmul and SwiGLU / GeGLU in one launch (no delta to add between)
             act = skinny_gated(x, weight, self.gate_up_proj.bias, self.activation)
             return h, self._down(act, ctx)
         gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx, xq)
@@ -300,7 +297,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits; `out`: write them there (one conversion kernel instead of a convert and a copy)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        logits = skinny_linear(hidden, weight) if skinny_serves(hidden, weight) else F.linear(hidden, weight)
+        logits = F.linear(hidden, weight)
         cap = self.config.final_softcap
         if cap is not None:  # Gemma 2, in the model dtype as transformers computes it
             logits = torch.tanh(logits / cap) * cap
@@ -341,6 +338,7 @@ class LlamaForCausalLM(nn.Module):
                     part = layer.moe.load_expert(int(expert[1]), expert[2], tensor, name)
                     return f"layers.{layer_idx}.moe.{part}"
                 if module_name in _ROUTERS:
+                    check_finite(name, tensor)
                     _copy(layer.moe.gate, tensor, name)
                     return f"layers.{layer_idx}.moe.gate"
             if module_name in _LAYER_WEIGHTS and getattr(layer, _LAYER_WEIGHTS[module_name][0]) is not None:

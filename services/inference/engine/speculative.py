@@ -1,0 +1,302 @@
+"""Speculative decoding: draft a few tokens cheaply, verify them in one target step.
+
+Drafting (`--speculative-algorithm ngram`, prompt lookup): the draft for a request is what followed
+the most recent earlier occurrence of its last n tokens (n from `NGRAM_MAX` down to `NGRAM_MIN`)
+in its own prompt and output. It costs no model and no adapter: each request's draft follows what
+its own adapter has written so far.
+
+Verification: a request with a draft computes its last token and its K draft tokens in one chunk
+of the step (each position with the request's adapter, like any prefill chunk), and the runner
+returns the logits of all K+1 positions. Greedy rows accept draft tokens while each equals the
+argmax of the position before it; sampled rows use rejection sampling (the draft is one token
+with probability 1, so token d at a position with target distribution p is accepted with
+probability p(d), and a rejection samples from p with d removed, renormalized). Either way the
+first mismatch is replaced by the target's own token and, when every draft token is accepted,
+one more token is sampled from the last position: each step emits 1..K+1 tokens, distributed
+exactly as the target's one-token-at-a-time decoding (the random draws differ, so a seed gives a
+different, equally distributed, output than without speculation).
+
+Back-off (`Speculator.draft`): no speculation in a step where more than `disable_batch_size`
+requests are running (verification then costs more compute than the steps it saves); per request,
+after `BACKOFF_MIN_DRAFTED` drafted tokens, a request whose acceptance rate stays below
+`BACKOFF_RATE` drafts nothing for `BACKOFF_STEPS` steps, then tries again.
+
+Requests that need the sampling of one token at a time keep it (no draft): constrained ones (the
+grammar would have to advance through the draft), penalized ones (the penalty reads the history
+each position changes) and ones still short of `min_tokens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from loraplex.services.inference.engine.logprobs import StepLogprobs, rows_logprobs
+from loraplex.services.inference.engine.request import Request
+from loraplex.services.inference.engine.sampler import (
+    MIN_TEMPERATURE,
+    SamplingInputs,
+    filtered_probs,
+    nonfinite_rows,
+    read_sampled,
+)
+
+NGRAM_MAX = 4  # longest suffix looked up
+NGRAM_MIN = 1  # shortest
+# How far back the lookup searches (tokens): bounds a step's host work on long contexts.
+NGRAM_WINDOW = 4096
+BACKOFF_MIN_DRAFTED = 16
+BACKOFF_RATE = 0.2
+BACKOFF_STEPS = 32
+
+
+def propose_ngram(token_ids: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
+    """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix (n_max down
+    to n_min tokens) of `token_ids`; [] when no suffix recurs."""
+    total = len(token_ids)
+    lo = max(0, total - NGRAM_WINDOW)
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        suffix = token_ids[total - n :]
+        first = suffix[0]
+        # The latest start i < total - n with token_ids[i:i+n] == suffix (scan backwards).
+        for i in range(total - n - 1, lo - 1, -1):
+            if token_ids[i] == first and token_ids[i : i + n] == suffix:
+                return token_ids[i + n : i + n + k]
+    return []
+
+
+@dataclass
+class SpecStats:
+    """Cumulative draft and accepted tokens, per adapter ("" = the base model), for metrics."""
+
+    drafted: dict[str, int]
+    accepted: dict[str, int]
+
+    def add(self, adapter: str | None, drafted: int, accepted: int) -> None:
+        key = adapter or ""
+        self.drafted[key] = self.drafted.get(key, 0) + drafted
+        self.accepted[key] = self.accepted.get(key, 0) + accepted
+
+    def forget(self, adapter: str) -> None:
+        self.drafted.pop(adapter, None)
+        self.accepted.pop(adapter, None)
+
+
+class Speculator:
+    """Decides each step's drafts (`draft`) and accounts for what verification accepted (`record`).
+
+    `propose(token_ids, k) -> up to k draft tokens`: `propose_ngram` when serving; tests and the
+    benchmark's forced-acceptance mode give their own (random weights never repeat themselves)."""
+
+    def __init__(
+        self,
+        num_draft_tokens: int,
+        disable_batch_size: int,
+        context_length: int,
+        propose: Callable[[list[int], int], list[int]] = propose_ngram,
+    ):
+        self.propose = propose
+        self.k = num_draft_tokens
+        self.disable_batch_size = disable_batch_size
+        self.context_length = context_length
+        self.stats = SpecStats({}, {})
+        self.num_steps = 0
+
+    def eligible(self, req: Request) -> bool:
+        p = req.params
+        return (
+            req.grammar is None
+            and p.repetition_penalty == 1
+            and not p.frequency_penalty
+            and not p.presence_penalty
+            and req.num_output_tokens >= p.min_tokens
+            and req.num_output_tokens >= 1
+        )
+
+    def draft(self, running: list[Request]) -> None:
+        """Set `draft_ids` on the running requests about to decode ([] for the others)."""
+        self.num_steps += 1
+        speculate = len(running) <= self.disable_batch_size
+        for req in running:
+            req.draft_ids = []
+            if not speculate or req.num_uncomputed_tokens != 1 or not self.eligible(req):
+                continue
+            if req.spec_paused_until > self.num_steps:
+                continue
+            # Room: the output's remaining tokens (the bonus token is one of them) and the context.
+            room = min(
+                self.k,
+                req.max_new_tokens - req.num_output_tokens - 1,
+                self.context_length - len(req.token_ids) - 1,
+            )
+            if room > 0:
+                req.draft_ids = self.propose(req.token_ids, room)
+
+    def record(self, req: Request, drafted: int, accepted: int) -> None:
+        self.stats.add(req.adapter, drafted, accepted)
+        req.spec_drafted += drafted
+        req.spec_accepted += accepted
+        if req.spec_drafted >= BACKOFF_MIN_DRAFTED and req.spec_accepted < BACKOFF_RATE * req.spec_drafted:
+            req.spec_paused_until = self.num_steps + BACKOFF_STEPS
+            req.spec_drafted = req.spec_accepted = 0  # judged afresh after the pause
+
+
+class Verified(NamedTuple):
+    """One request's verification: the tokens to emit (accepted drafts, then the target's own)."""
+
+    tokens: list[int]
+    accepted: int  # draft tokens among them
+
+
+def verify(logits: torch.Tensor, drafts: list[list[int]], inp: SamplingInputs) -> list[Verified]:
+    """Rejection-sample each request's draft against its K+1 rows of `logits` (in order; row j of a
+    request is the target's distribution for the token after its j-th chunk position).
+
+    `inp` has one entry per row (each request's settings repeated over its rows). One host read."""
+    device = logits.device
+    greedy = torch.tensor([t < MIN_TEMPERATURE for t in inp.temperature])
+    if bool(greedy.all()):
+        best = logits.max(dim=-1).indices.tolist()
+        return _accept_greedy(best, drafts)
+    probs = filtered_probs(logits, inp)
+    rows = probs.shape[0]
+    # Each row's draft token (the bonus row has none: use token 0 with its probability not removed).
+    draft_col = torch.zeros(rows, dtype=torch.int64)
+    has_draft = torch.zeros(rows, dtype=torch.bool)
+    at = 0
+    for d in drafts:
+        draft_col[at : at + len(d)] = torch.tensor(d, dtype=torch.int64)
+        has_draft[at : at + len(d)] = True
+        at += len(d) + 1
+    draft_col, has_draft_d = draft_col.to(device), has_draft.to(device)
+    p_draft = probs.gather(1, draft_col[:, None])[:, 0]
+    residual = probs.scatter(1, draft_col[:, None], 0.0)
+    residual = torch.where(has_draft_d[:, None], residual, probs)
+    # One uniform and one exponential race per row, from each request's own generator.
+    uniforms = torch.zeros(rows, device=device)
+    races = torch.ones_like(probs)
+    for i, g in enumerate(inp.generators):
+        if not greedy[i]:
+            uniforms[i : i + 1].uniform_(generator=g)
+            races[i].exponential_(generator=g)
+    drawn = (residual / races).max(dim=-1).indices
+    best = logits.max(dim=-1).indices
+    host = torch.stack([p_draft, uniforms]).tolist()
+    drawn_l, best_l = drawn.tolist(), best.tolist()
+    out: list[Verified] = []
+    at = 0
+    for d in drafts:
+        tokens: list[int] = []
+        for j in range(len(d) + 1):
+            row = at + j
+            if greedy[row]:
+                target = best_l[row]
+                if j < len(d) and d[j] == target:
+                    tokens.append(target)
+                    continue
+                tokens.append(target)
+                break
+            if j < len(d) and host[1][row] < host[0][row]:
+                tokens.append(d[j])
+                continue
+            tokens.append(drawn_l[row])
+            break
+        out.append(Verified(tokens, len(tokens) - 1))
+        at += len(d) + 1
+    return out
+
+
+def _accept_greedy(best: list[int], drafts: list[list[int]]) -> list[Verified]:
+    out, at = [], 0
+    for d in drafts:
+        tokens = []
+        for j in range(len(d) + 1):
+            tokens.append(best[at + j])
+            if j == len(d) or d[j] != best[at + j]:
+                break
+        out.append(Verified(tokens, len(tokens) - 1))
+        at += len(d) + 1
+    return out
+
+
+def verify_step(engine, entries, chunks, logits: torch.Tensor) -> list:
+    """The outputs of a step with verify chunks (`engine`: the LLMEngine that ran its forward).
+
+    `logits` has one row per sampled chunk, K+1 for a verify chunk, in chunk order. Rows of other
+    requests are sampled as in any step; verify chunks are accepted (`verify`), their requests' KV
+    kept for the last token and the accepted drafts only (the rejected positions' KV is overwritten
+    when they are computed again, and never offered to the prefix cache, which registers computed
+    tokens only), and their tokens processed as one run each."""
+    processor = engine.output_processor
+    plain_rows: list[int] = []
+    plain: list[Request] = []
+    spec: list[tuple[Request, list[int]]] = []
+    spec_rows: list[int] = []
+    at = 0
+    for (req, n), chunk in zip(entries, chunks, strict=True):
+        if not chunk.verify:
+            req.num_computed_tokens += n
+        if not chunk.sample:
+            continue
+        if chunk.verify:
+            spec.append((req, list(chunk.token_ids[1:])))
+            spec_rows.extend(range(at, at + n))
+            at += n
+        else:
+            plain_rows.append(at)
+            plain.append(req)
+            at += 1
+    device = logits.device
+    outputs = []
+    if plain:
+        index = torch.tensor(plain_rows, dtype=torch.int64).to(device, non_blocking=True)
+        device_tokens, step_logprobs, device_nonfinite = engine._sample(logits.index_select(0, index), plain)
+        tokens, nonfinite = read_sampled(device_tokens, device_nonfinite)
+        lps = rows_logprobs(step_logprobs, tokens)
+        outputs.extend(processor.process(plain, tokens, None, lps, nonfinite))
+    index = torch.tensor(spec_rows, dtype=torch.int64).to(device, non_blocking=True)
+    spec_logits = logits.index_select(0, index)
+    expanded = [req for req, draft in spec for _ in range(len(draft) + 1)]
+    verified = verify(spec_logits, [d for _, d in spec], processor.sampling_inputs(expanded))
+    logprobs = _run_logprobs(spec_logits, spec, verified)
+    bad_rows = nonfinite_rows(spec_logits).tolist()
+    at = 0
+    for (req, draft), run, lps in zip(spec, verified, logprobs, strict=True):
+        req.num_computed_tokens += 1 + run.accepted
+        req.draft_ids = []
+        bad = any(bad_rows[at : at + len(draft) + 1])
+        at += len(draft) + 1
+        if bad:  # a NaN or Inf in any of its positions' logits: the request ends with an error
+            outputs.extend(processor.process([req], [0], None, None, [True]))
+            continue
+        engine.speculator.record(req, len(draft), run.accepted)
+        outputs.append(processor.process_run(req, run.tokens, lps))
+    return outputs
+
+
+def _run_logprobs(logits: torch.Tensor, spec, verified: list[Verified]) -> list[list | None]:
+    """Per verified request that asked for log probabilities, one TokenLogprob per emitted token
+    (each from its own position's row); None for the others."""
+    rows, tops, at = [], [], 0
+    row_tokens = [0] * logits.shape[0]
+    for (req, draft), run in zip(spec, verified, strict=True):
+        if req.params.logprobs is not None:
+            for j, token in enumerate(run.tokens):
+                rows.append(at + j)
+                tops.append(req.params.logprobs)
+                row_tokens[at + j] = token
+        at += len(draft) + 1
+    if not rows:
+        return [None] * len(spec)
+    tokens = torch.tensor(row_tokens, dtype=torch.int64).to(logits.device, non_blocking=True)
+    by_row = StepLogprobs(logits, tokens, rows, tops).per_row(row_tokens)
+    out, at = [], 0
+    for (req, draft), run in zip(spec, verified, strict=True):
+        out.append(
+            [by_row[at + j] for j in range(len(run.tokens))] if req.params.logprobs is not None else None
+        )
+        at += len(draft) + 1
+    return out

@@ -1,0 +1,229 @@
+"""The engine with speculative decoding on gives the outputs it gives with it off: greedy tokens and
+log probabilities, base and adapters in one batch, stops inside an accepted run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loraplex.services.inference.engine.types import SamplingParams
+from tests.support.lora_reference import server_args, sync_engine
+
+PROMPTS = [
+    "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,",
+    "the cat sat on the mat. the cat sat on the",
+    "def f(x): return x\ndef g(x): return",
+    "Hello Hello Hello Hello",
+]
+
+
+def _run(engine, prompts, params, adapters):
+    outs = engine.generate(prompts, params, adapters)
+    return [o.token_ids for o in outs]
+
+
+def oracle(continuations: dict[tuple[int, ...], list[int]], wrong_every: int = 3):
+    """A proposer for random weights (which never repeat, so n-grams find nothing): the known
+    continuation of the request's prompt, with every `wrong_every`-th draft position corrupted, so
+    verification both accepts and rejects."""
+    calls = [0]
+
+    def propose(token_ids: list[int], k: int) -> list[int]:
+        for prompt, cont in continuations.items():
+            if tuple(token_ids[: len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                draft = list(cont[done : done + k])
+                calls[0] += 1
+                if draft and calls[0] % wrong_every == 0:
+                    draft[-1] = (draft[-1] + 1) % 1000
+                return draft
+        return []
+
+    return propose
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_path, adapter_factory):
+    return {
+        "a": adapter_factory(tiny_llama_path, "spec-a", r=8, target_modules=["q_proj", "v_proj"], seed=3),
+        "b": adapter_factory(tiny_llama_path, "spec-b", r=4, target_modules=["o_proj", "down_proj"], seed=4),
+    }
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_path, adapters):
+    off = sync_engine(server_args(tiny_llama_path, adapters))
+    on = sync_engine(server_args(tiny_llama_path, adapters, speculative_algorithm="ngram"))
+    return off, on
+
+
+def _with_oracle(on, prompts, want, names):
+    conts = {tuple(p): w for p, w, name in zip(prompts, want, names, strict=True)}
+    on.speculator.propose = oracle(conts)
+
+
+def test_greedy_outputs_equal_with_and_without_speculation(engines, one_torch_thread):
+    """Base and two adapters in one batch, greedy, with log probabilities: speculation changes only how
+    many tokens a step emits (and it did emit several: drafts were accepted and rejected)."""
+    off, on = engines
+    prompts = [off.tokenizer(p).input_ids for p in PROMPTS]
+    names = [None, "a", "b", "a"]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=2)
+    want_outs = off.generate(prompts, params, names)
+    want = [o.token_ids for o in want_outs]
+    _with_oracle(on, prompts, want, names)
+    before = on.stats()
+    got = on.generate(prompts, params, names)
+    assert [o.token_ids for o in got] == want
+    stats = on.stats()
+    drafted = sum(stats.spec_draft_tokens.values()) - sum(before.spec_draft_tokens.values())
+    accepted = sum(stats.spec_accepted_tokens.values()) - sum(before.spec_accepted_tokens.values())
+    assert 0 < accepted < drafted, (accepted, drafted)
+    assert set(stats.spec_draft_tokens) == {"", "a", "b"}
+
+
+def test_logprobs_equal_with_and_without_speculation(engines, one_torch_thread):
+    off, on = engines
+    prompts = [off.tokenizer(p).input_ids for p in PROMPTS[:2]]
+    names = [None, "b"]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    want = _run(off, prompts, params, names)
+    _with_oracle(on, prompts, want, names)
+    rid = "lp"
+    for engine in (off, on):
+        engine.add_request(
+            rid, prompts[1], SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=3), "b"
+        )
+    got = {}
+    for name, engine in (("off", off), ("on", on)):
+        lps = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                lps.extend(out.logprobs or [])
+        got[name] = lps
+    assert [lp.token_id for lp in got["on"]] == want[1]
+    assert len(got["on"]) == len(got["off"]) == 12
+    for a, b in zip(got["on"], got["off"], strict=True):
+        assert a.token_id == b.token_id
+        assert abs(a.logprob - b.logprob) < 1e-4
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_stops_inside_an_accepted_run(engines, one_torch_thread):
+    """max_new_tokens and stop token ids end a request in the middle of a verified run exactly where
+    they end it without speculation."""
+    off, on = engines
+    prompts = [off.tokenizer(p).input_ids for p in PROMPTS]
+    names = [None, "a", "b", None]
+    free = _run(off, prompts, SamplingParams(max_new_tokens=16, ignore_eos=True), names)
+    _with_oracle(on, prompts, free, names)
+    for n in (1, 2, 5, 7):
+        params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+        assert _run(on, prompts, params, names) == [f[:n] for f in free]
+    stop_at = free[0][9]  # a token the base request emits 10th (maybe earlier, too)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, stop_token_ids=(stop_at,))
+    want = _run(off, prompts, params, names)
+    assert _run(on, prompts, params, names) == want
+    assert len(want[0]) <= 10 and want[0][-1] == stop_at
+
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+    "How vexingly quick daft zebras jump!"
+)
+CODE = (
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+    + "def mul(a, b):\n    return a * b\n"
+)
+COPY_HEAVY = [
+    "Repeat this text exactly:\n" + TEXT,
+    "Rename the function add to plus in this code and print the whole code:\n" + CODE,
+    "Summarize in one sentence, reusing its words: " + TEXT,
+]
+
+
+def test_ngram_acceptance_on_the_embedded_model(smollm2_path, adapter_factory, one_torch_thread):
+    """Prompt lookup on real weights and copy-heavy prompts (repeat, edit, summarize), base and two
+    adapters: at K = 4 at least half the draft tokens are accepted (each adapter's own output is what
+    its drafts copy from), and greedy outputs equal speculation off."""
+    adapters = {
+        name: adapter_factory(smollm2_path, f"spec-{name}", r=8, seed=seed, scale=0.05)
+        for name, seed in (("x", 51), ("y", 52))
+    }
+    kw = dict(max_num_batched_tokens=512, chunked_prefill_size=512)
+    off = sync_engine(server_args(smollm2_path, adapters, **kw))
+    on = sync_engine(server_args(smollm2_path, adapters, speculative_algorithm="ngram", **kw))
+    prompts = [
+        off.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        for p in COPY_HEAVY
+    ]
+    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+    names = [None, "x", "y"]
+    params = SamplingParams(max_new_tokens=48)
+    assert _run(on, prompts, params, names) == _run(off, prompts, params, names)
+    stats = on.stats()
+    rates = {a: stats.spec_accepted_tokens[a] / stats.spec_draft_tokens[a] for a in stats.spec_draft_tokens}
+    print("n-gram acceptance per adapter at K=4:", rates)
+    assert set(rates) == {"", "x", "y"}
+    total = sum(stats.spec_accepted_tokens.values()) / sum(stats.spec_draft_tokens.values())
+    assert total >= 0.5, rates
+
+
+def test_sampled_outputs_follow_the_targets_distribution(tiny_llama_path, one_torch_thread):
+    """Sampling with speculation on: the token after a verified draft is distributed as the target
+    says. Many seeded requests (top_k 4, so the support is small) draft the same token after their
+    first one; the second token's counts, among requests whose first token was the most common one,
+    pass a chi-square test against that context's top-4 distribution read from the model."""
+    kw = dict(max_num_batched_tokens=4096, chunked_prefill_size=4096, max_running_requests=1024)
+    spec = dict(speculative_algorithm="ngram", speculative_disable_batch_size=4096)
+    on = sync_engine(server_args(tiny_llama_path, None, **spec, **kw))
+    off = sync_engine(server_args(tiny_llama_path, None, **kw))
+    prompt = on.tokenizer("Once upon a time").input_ids
+    # max_new_tokens 3: the draft after the first token leaves room for the verification's bonus token
+    params = [SamplingParams(max_new_tokens=3, temperature=1.0, top_k=4, seed=s) for s in range(800)]
+    # The first token's likeliest value (top 4 of the prompt's last row).
+    off.add_request("p", prompt, SamplingParams(max_new_tokens=1, logprobs=4))
+    top = []
+    while off.has_unfinished():
+        for out in off.step():
+            top = out.logprobs[0].top if out.logprobs else top
+    assert top
+    t1 = top[0][0]
+    # The target for the second token given prompt + t1, and a draft that is accepted about half the time.
+    target = {}
+    off.add_request("q", prompt + [t1], SamplingParams(max_new_tokens=1, logprobs=4))
+    while off.has_unfinished():
+        for out in off.step():
+            target = dict(out.logprobs[0].top) if out.logprobs else target
+    norm = sum(math.exp(v) for v in target.values())
+    probs = {t: math.exp(v) / norm for t, v in target.items()}
+    draft = max(probs, key=probs.get)
+    on.speculator.propose = lambda ids, k: [draft] if len(ids) == len(prompt) + 1 else []
+    outs = on.generate([prompt] * len(params), params)
+    seconds = [o.token_ids[1] for o in outs if o.token_ids[0] == t1]
+    assert len(seconds) > 200, len(seconds)
+    assert sum(on.stats().spec_draft_tokens.values()) > 0
+    counts = [seconds.count(t) for t in probs]
+    assert sum(counts) == len(seconds), "a token outside the top 4 was emitted"
+    n = len(seconds)
+    stat = sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs.values(), strict=True))
+    p_value = float(torch.special.gammaincc(torch.tensor((len(probs) - 1) / 2.0), torch.tensor(stat / 2.0)))
+    assert p_value > 1e-3, (counts, probs)
+
+
+def test_speculation_through_preemption(tiny_llama_path, adapters, one_torch_thread):
+    """A KV cache too small for the batch preempts requests mid-run (drafts dropped, KV recomputed):
+    outputs still equal speculation off."""
+    kw = dict(max_total_tokens=64, page_size=4)
+    off = sync_engine(server_args(tiny_llama_path, adapters, **kw))
+    on = sync_engine(server_args(tiny_llama_path, adapters, speculative_algorithm="ngram", **kw))
+    prompts = [off.tokenizer(p).input_ids for p in PROMPTS]
+    names = [None, "a", "b", "a"]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    want = _run(off, prompts, params, names)
+    _with_oracle(on, prompts, want, names)
+    assert _run(on, prompts, params, names) == want
+    assert on.scheduler.num_preemptions > 0, "no preemption: the test proves nothing"
+    assert sum(on.stats().spec_accepted_tokens.values()) > 0
