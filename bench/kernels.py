@@ -3,6 +3,7 @@ Llama-3.1-8B shapes, each against its floor.
 
     PYTHONPATH=protos python3 -m loraplex.bench.kernels [--parts lora,attention,fp8] [--out DIR]
     PYTHONPATH=protos python3 -m loraplex.bench.kernels --tiny    # GPU smoke size: a few cases
+    PYTHONPATH=protos python3 -m loraplex.bench.kernels --tune-lora --parts lora   # another GPU or shape
 
 - lora: per scenario (decode batches 16/64/256 over 1/8/64 distinct adapters, prefill 8x512 over 8;
   ranks 16 and 64) the layer's LoRA work (qkv, o, gate_up, down; shrink then expand, the configs the
@@ -20,6 +21,8 @@ Llama-3.1-8B shapes, each against its floor.
   to E4M3, 3 mantissa bits), then timed against the layer's FP8 weight bytes over the bandwidth.
 A failed check exits 1 before timing. On the CPU it says it needs CUDA (the interpreter checks are
 tests/integration/test_kernels_lora.py and test_attention_kernels.py). Writes kernels.json.
+`--tune-lora` first sweeps the decode LoRA configuration (bench/lora_sweep.py) and writes
+lora_configs.json for LORAPLEX_LORA_CONFIGS; the FP8 GEMMs' tuner is `python -m loraplex.bench.fp8_gemm`.
 """
 
 from __future__ import annotations
@@ -263,6 +266,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--parts", default="lora,attention,fp8", help="comma-separated subset of lora,attention,fp8"
     )
+    p.add_argument(
+        "--tune-lora",
+        action="store_true",
+        help="first choose the decode K-splits and block sizes for 64 tokens over 8 and over 64 adapters "
+        "at once (another GPU or model shape); writes lora_configs.json (LORAPLEX_LORA_CONFIGS) to --out "
+        "and measures with it",
+    )
     add_out_argument(p)
     o = p.parse_args(argv)
     device = h.pick_device(o.device)
@@ -275,6 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     result.update(bandwidth=bw, matmul_rate=rate)
     h.log(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
     failed = []
+    if o.tune_lora:
+        from loraplex.bench.lora_sweep import joint_sweep
+        from loraplex.kernels.lora_configs import load_overrides
+
+        chosen, result["lora_tuning"] = joint_sweep([lora_scenario(64, 8, 16), lora_scenario(64, 64, 16)])
+        load_overrides(str(write_json(o.out, "lora_configs", chosen)))
+        h.log(f"LoRA tuning chose {chosen}; the lora part below runs with it")
     if "lora" in o.parts:
         result["lora"] = rows = []
         for sc in lora_scenarios(o.tiny):

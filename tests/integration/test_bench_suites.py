@@ -82,6 +82,14 @@ def test_kernels_suite_says_it_needs_cuda(tmp_path):
     assert result["skipped"] == "needs CUDA" and "needs CUDA" in out
 
 
+def test_fp8_gemm_tuner_checks_its_kernels_under_the_interpreter(tmp_path):
+    env = child_env(interpret=True, OMP_NUM_THREADS="1")
+    args = ["-m", "loraplex.bench.fp8_gemm", "--tiny", "--rows", "1,16", "--out", str(tmp_path)]
+    out = run_child(args, env=env, timeout=600).stdout
+    assert "checks passed (CPU: no timing)" in out and "FAIL" not in out
+    assert out.count(" ok\n") == 2 * 2 * 4 * 2  # kernels x rows x projections x scale kinds
+
+
 def test_quality_suite_compares_fp8_with_bf16(tmp_path):
     _, result = run_bench("quality", tmp_path, ["--positions", "32", "--only", "served"])
     served = next(r for r in result["rows"] if r["variant"] == "fp8 per-channel, served")

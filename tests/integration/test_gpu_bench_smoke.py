@@ -18,6 +18,7 @@ BENCHES = {
     "step": ["--tiny", "--device", "cuda"],
     "kernels": ["--tiny"],
     "mixed_graph_check": ["--device", "cuda"],
+    "fp8_gemm": ["--tiny", "--sweep-budget-s", "5"],
     "workload": ["--mode", "engine", "--tiny", "--window", "2", "--drain", "20", "--rate", "15"]
     + ["--prompt-len", "8,24", "--output-len", "4,12", "--scenarios", "base", "zipf:8:pool=2", "zipf:8"],
 }
