@@ -41,8 +41,8 @@ def test_cpu_smoke_of_the_scarce_slot_goal_row(tmp_path):
     assert capped["uploads"] <= 64 and capped["evictions"] == 0  # left out of steps, never evicted
     vs = capped["vs_base"]
     # Tokens inside a 6 s window: cold requests decode in a share of steps, so more of their tokens
-    # land after it than the base model's (0.84x over 60 s on the H200 model, bench/slot_policies);
-    # the drain-rule collapse this guards against was 0.30x.
+    # land after it than the base model's (0.84x over 60 s on the H200 model; docs/benchmarks.md,
+    # "Scarce slots"); the drain-rule collapse this guards against was 0.30x.
     assert vs["output_tok_s"] >= 0.4, vs
     assert vs["hot_ttft_ms_p99"] <= 25, vs  # the 8 hottest (the goal on the H200: 2x)
     assert vs["other_ttft_ms_p99"] <= 50, vs  # the other 56 (goal on the H200: 15x)
