@@ -1,6 +1,6 @@
-"""What the OpenAI-compatible door adds to the time to first token, against gRPC directly.
+"""The door suite: what the OpenAI-compatible door adds to the time to first token, against gRPC directly.
 
-    PYTHONPATH=protos .venv/bin/python -m loraplex.bench.openai_overhead [--requests 100] [--out DIR]
+    PYTHONPATH=protos .venv/bin/python -m loraplex.bench.door [--requests 100] [--out DIR]
     (or against running servers: --target HOST:PORT --door HOST:PORT)
 
 Without --target it starts `python -m loraplex.services.inference` on the embedded SmolLM2 (CPU unless
@@ -10,7 +10,7 @@ and alternating the two paths so both see the same machine, it streams the same 
 and takes the time from sending the request to the first token (the first stream message /
 the first `data:` event). Minimal clients on both sides (a sync gRPC stub; http.client), so
 the difference is the door's own: HTTP parsing, JSON, the gRPC hop, SSE framing.
-Prints a table and writes openai_overhead.json to --out DIR (bench/results.py).
+Prints a table and writes door.json to --out DIR (bench/results.py).
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def main() -> None:
     )
     write_json(
         args.out,
-        "openai_overhead",
+        "door",
         {
             "requests": args.requests,
             "model": model,

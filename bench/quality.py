@@ -1,4 +1,4 @@
-"""What FP8 weights cost in next-token quality, and whether a shortfall is ours or E4M3's.
+"""The quality suite: what FP8 weights cost in next-token quality, and whether a shortfall is ours or E4M3's.
 
 Teacher forced over `--positions` positions of real text (this repository's docs), on the embedded
 SmolLM2-135M (or `--model DIR`), every variant against the bf16 model: next-token top-1 agreement,
@@ -16,10 +16,10 @@ and each variant's own top-1 accuracy against the text. Variants:
   embedding) quantized per channel too, which loraplex never does; attention or MLP alone;
 - fp8 per-channel vs float32, both in float32: the quantization alone, without bf16's noise.
 
-    PYTHONPATH=protos python3 -m loraplex.bench.fp8_quality              # CPU, ~5 min on 2 cores
-    PYTHONPATH=protos python3 -m loraplex.bench.fp8_quality --positions 200  # smoke
+    PYTHONPATH=protos python3 -m loraplex.bench.quality              # CPU, ~5 min on 2 cores
+    PYTHONPATH=protos python3 -m loraplex.bench.quality --positions 200  # smoke
 
-Writes fp8_quality.json (bench/results.py).
+Writes quality.json (bench/results.py).
 """
 
 from __future__ import annotations
@@ -33,20 +33,45 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from loraplex.bench.fp8_step import all_logits, text_ids
 from loraplex.bench.results import add_out_argument, write_json
+from loraplex.services.inference.engine.kv_cache import allocate_kv_cache
+from loraplex.services.inference.engine.model_runner import ModelRunner
+from loraplex.services.inference.engine.scheduler import SeqChunk
 from loraplex.services.inference.models.llama import FusedLinear
 from loraplex.services.inference.models.quantization.fp8_linear import quantize_loaded
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 WINDOW = 512
+REPO = Path(__file__).resolve().parents[1]
+TEXT_FILES = ["docs/architecture.md", "docs/operations.md", "docs/walkthrough.md", "README.md"]
+
+
+def text_ids(tokenizer, positions: int) -> list[int]:
+    """The first `positions + 1` tokens of this repository's docs: real text every checkout has."""
+    text = "\n\n".join((REPO / f).read_text() for f in TEXT_FILES if (REPO / f).exists())
+    ids = tokenizer(text).input_ids
+    if len(ids) < positions + 1:
+        raise SystemExit(f"only {len(ids)} tokens of text in {TEXT_FILES}; pass --positions {len(ids) - 1}")
+    return ids[: positions + 1]
+
+
+@torch.inference_mode()
+def all_logits(model, cfg, ids: list[int], device, dtype: torch.dtype, window: int) -> torch.Tensor:
+    """Teacher-forced logits `[len(ids) - 1, vocab]` (float32), in independent windows of `window`."""
+    blocks = -(-window // 16) + 1
+    kv = allocate_kv_cache(cfg, blocks, 16, dtype, device)
+    runner = ModelRunner(model, cfg, kv, max_num_tokens=window, max_num_seqs=1, context_length=window + 16)
+    outs = []
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : min(start + window, len(ids) - 1)]
+        logits = runner.forward([SeqChunk(chunk, 0, list(range(blocks)), -1, True, True)])
+        outs.append(logits[1:].float())  # row 0: the sampled row; then one per token
+    return torch.cat(outs)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m loraplex.bench.fp8_quality", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m loraplex.bench.quality", description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, default=None, help="model dir (default: the embedded SmolLM2-135M)")
     p.add_argument("--positions", type=int, default=2000)
     p.add_argument("--device", default="cpu")
@@ -246,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"weights {scheme}: " + ", ".join(f"{k} {v:.4f}" for k, v in stats.items()))
     write_json(
         a.out,
-        "fp8_quality",
+        "quality",
         dict(
             model=path.name,
             positions=a.positions,
