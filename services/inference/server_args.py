@@ -368,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=e.speculative_algorithm,
         help="speculative decoding: 'ngram' drafts each request's next tokens from its own prompt and "
         "output and verifies them in one step, each position with its request's adapter (off by default; "
-        "turns overlap scheduling off)",
+        "a step that drafts runs without overlap scheduling)",
     )
     a(
         "--speculative-num-draft-tokens",

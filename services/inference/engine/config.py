@@ -84,8 +84,9 @@ class EngineConfig:
     # Compiled grammars kept for reuse, all together and one alone (engine/grammar_cache.py).
     grammar_cache_max_bytes: int = 512 * 2**20
     grammar_max_bytes: int = 64 * 2**20
-    # Speculative decoding (engine/speculative.py): None = off; "ngram" drafts by prompt lookup. It
-    # turns overlap scheduling off (a draft needs the previous step's tokens on the host).
+    # Speculative decoding (engine/speculative.py): None = off; "ngram" drafts by prompt lookup. A step
+    # that speculates runs without overlap (a draft needs the previous step's tokens on the host); the
+    # others keep it.
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
     # No speculation in a step with more running requests than this (verification would cost more
@@ -147,8 +148,6 @@ class EngineConfig:
 
     @property
     def overlap_enabled(self) -> bool:
-        if self.speculative_algorithm is not None:
-            return False
         return self.device.type == "cuda" if self.overlap_schedule is None else self.overlap_schedule
 
     def scheduler_config(self, context_length: int) -> SchedulerConfig:

@@ -16,8 +16,10 @@ one more token is sampled from the last position: each step emits 1..K+1 tokens,
 exactly as the target's one-token-at-a-time decoding (the random draws differ, so a seed gives a
 different, equally distributed, output than without speculation).
 
-Back-off (`Speculator.draft`): no speculation in a step where more than `disable_batch_size`
-requests are running (verification then costs more compute than the steps it saves); per request,
+Back-off (`Speculator.speculates`, `draft`): no speculation in a step where more than
+`disable_batch_size` requests are running (verification then costs more compute than the steps it
+saves), nor for `QUIET_STEPS` steps after one where no request found a draft (a drafting step gives
+up overlap scheduling, the others keep it); per request,
 after `BACKOFF_MIN_DRAFTED` drafted tokens, a request whose acceptance rate stays below
 `BACKOFF_RATE` drafts nothing for `BACKOFF_STEPS` steps, then tries again.
 
@@ -52,6 +54,9 @@ NGRAM_WINDOW = 4096
 BACKOFF_MIN_DRAFTED = 16
 BACKOFF_RATE = 0.2
 BACKOFF_STEPS = 32
+# After a step in which no request had a draft, this many steps run without speculation (and so
+# with overlap scheduling, which a drafting step gives up).
+QUIET_STEPS = 8
 
 
 def propose_ngram(token_ids: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
@@ -105,6 +110,7 @@ class Speculator:
         self.context_length = context_length
         self.stats = SpecStats({}, {})
         self.num_steps = 0
+        self._quiet_until = 0  # no speculation before this step (a step found nothing to draft)
         # Measurement only (`force_acceptance`): each draft token accepted with this probability
         # whatever the target says, so random weights (which never agree with a draft) show the
         # mechanics of a given acceptance rate. None when serving.
@@ -137,15 +143,24 @@ class Speculator:
             and req.num_output_tokens >= 1
         )
 
-    def draft(self, running: list[Request]) -> None:
-        """Set `draft_ids` on the running requests about to decode ([] for the others)."""
+    def speculates(self, running: list[Request]) -> bool:
+        """Whether the next step drafts: few enough requests run and one of them may draft. A step
+        that does not keeps overlap scheduling (the engine's choice, per step)."""
         self.num_steps += 1
-        speculate = len(running) <= self.disable_batch_size
+        if self.num_steps < self._quiet_until:
+            return False
+        return len(running) <= self.disable_batch_size and any(self._may_draft(r) for r in running)
+
+    def _may_draft(self, req: Request) -> bool:
+        return req.spec_paused_until <= self.num_steps and self.eligible(req)
+
+    def draft(self, running: list[Request]) -> None:
+        """Set `draft_ids` on the running requests about to decode ([] for the others); the engine
+        calls it after `speculates` said yes (and after resolving an in-flight step)."""
+        drafted = False
         for req in running:
             req.draft_ids = []
-            if not speculate or req.num_uncomputed_tokens != 1 or not self.eligible(req):
-                continue
-            if req.spec_paused_until > self.num_steps:
+            if req.num_uncomputed_tokens != 1 or not self._may_draft(req):
                 continue
             # Room: the output's remaining tokens (the bonus token is one of them) and the context.
             room = min(
@@ -155,6 +170,9 @@ class Speculator:
             )
             if room > 0:
                 req.draft_ids = self.propose(req.token_ids, room)
+                drafted = drafted or bool(req.draft_ids)
+        if not drafted:  # nothing to draft: the next steps keep overlap scheduling
+            self._quiet_until = self.num_steps + QUIET_STEPS
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         self.stats.add(req.adapter, drafted, accepted)
