@@ -2,7 +2,7 @@
 adapters of which 2 DoRA and 2 with embedding and lm_head LoRA, against the same step over 8 plain
 adapters, on a random-weight Llama-3.1-8B shape.
 
-    PYTHONPATH=protos python3 -m loraplex.bench.adapter_kinds [--batch 64] [--out DIR]
+    PYTHONPATH=protos python3 -m loraplex.bench.adapter_kinds [--out DIR]
     PYTHONPATH=protos python3 -m loraplex.bench.adapter_kinds --tiny   # CPU smoke run
 
 Every adapter has random A/B of rank <= 16 on a module set of lora/backend_check.py; DoRA slots get
@@ -18,10 +18,8 @@ import dataclasses
 
 import torch
 
-from loraplex.bench.families import decode_chunks, decode_parser, decode_runner, step_ms
-from loraplex.bench.random_runner import TINY
-from loraplex.bench.results import write_json
-from loraplex.bench.serving_setup import LLAMA_8B
+from loraplex.bench import harness as h
+from loraplex.bench.results import add_out_argument, write_json
 from loraplex.services.inference.lora.adapter import AdapterWeights
 from loraplex.services.inference.lora.backend_check import MODULE_SETS, random_adapter
 from loraplex.services.inference.lora.embedding_lora import EMBED_PATH, HEAD_PATH, EmbeddingLoRA
@@ -47,42 +45,58 @@ def special_adapter(base: AdapterWeights, kind: str, vocab: int, hidden: int, se
     return dataclasses.replace(base, embedding=embedding)
 
 
-def main() -> None:
-    p = decode_parser(__doc__.split("\n")[0], 50, "the tiny shape on the CPU (smoke run)")
-    opts = p.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() and not opts.tiny else "cpu")
-    shape = TINY if opts.tiny else LLAMA_8B
-    if opts.tiny:
-        opts.batch, opts.context, opts.steps = min(opts.batch, 8), min(opts.context, 40), min(opts.steps, 5)
-    runner, pages = decode_runner(shape, opts, device, graphs=True)
-    chunks = decode_chunks(opts, pages, opts.adapters)
-    plain = step_ms(runner, chunks, opts.steps, device)
+def measure(tiny: bool, device: torch.device, batch: int = 64, adapters: int = 8, repeats: int = 50) -> dict:
+    """The plain and the mixed decode step on one runner (the mixed one after four of its adapters are
+    re-uploaded as DoRA / embedding+lm_head adapters), side by side."""
+    shape = h.model_shape(tiny)
+    context = 40 if tiny else 1024
+    if tiny:
+        batch, repeats = min(batch, 8), min(repeats, 5)
+    runner, pages = h.step_runner(shape, device, batch=batch, context=context, adapters=adapters)
+    chunks = h.decode_chunks(batch, context, pages, adapters)
+    plain = h.time_step(runner, chunks, repeats)
     pool = runner.lora_backend.pool
     cfg = runner.config
-    dtype = pool.dtype
     for slot, kind in ((0, "dora"), (1, "dora"), (2, "vocab"), (3, "vocab")):
         modules = MODULE_SETS[slot % len(MODULE_SETS)]
-        base = random_adapter(pool.shapes, modules, 16, slot, dtype)
+        base = random_adapter(pool.shapes, modules, 16, slot, pool.dtype)
         pool.upload(slot, special_adapter(base, kind, cfg.vocab_size, cfg.hidden_size, slot))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    mixed = step_ms(runner, chunks, opts.steps, device)
-    row = dict(
-        batch=opts.batch,
-        adapters=opts.adapters,
-        context=opts.context,
+    mixed = h.time_step(runner, chunks, repeats)
+    del runner
+    h.free(device)
+    return dict(
+        batch=batch,
+        adapters=adapters,
+        context=context,
         plain_ms=plain,
         mixed_ms=mixed,
         mixed_vs_plain=plain / mixed,
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     )
-    print(
-        f"{'batch':>6}{'adapters':>9}{'plain ms':>10}{'mixed ms':>10}{'ratio':>8}"
-        "  (2 DoRA + 2 embedding/lm_head of the adapters)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = h.suite_parser("adapter_kinds", __doc__.split("\n")[0])
+    add_out_argument(p)
+    o = p.parse_args(argv)
+    device = h.pick_device(o.device)
+    row = measure(o.tiny, device)
+    h.print_table(
+        ["batch", "adapters", "plain ms", "mixed ms", "plain / mixed"],
+        [
+            [
+                row["batch"],
+                row["adapters"],
+                h.fmt(row["plain_ms"]),
+                h.fmt(row["mixed_ms"]),
+                h.fmt(row["mixed_vs_plain"]),
+            ]
+        ],
     )
-    print(f"{opts.batch:>6}{opts.adapters:>9}{plain:>10.2f}{mixed:>10.2f}{plain / mixed:>8.2f}")
-    write_json(opts.out, "adapter_kinds", row)
+    write_json(o.out, "adapter_kinds", dict(row, meta=h.meta(device, o.tiny)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

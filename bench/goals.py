@@ -10,6 +10,10 @@ The measures run in turn, each within its budget (a measure that no longer fits 
   Llama-3.1-8B-shaped random model (bench/step.py's cases), against each other and the memory floor;
 - lora_layer: one decoder layer's LoRA at 64 tokens over 8 rank-16 adapters against its floor
   (bench/kernels.py; CUDA only);
+- adapter_kinds: issue 56's decode step, batch 64 over 8 adapters of which 2 DoRA and 2 with
+  embedding / lm_head LoRA, against 8 plain adapters (bench/adapter_kinds.py);
+- speculation: issue 58's inter-token latency with n-gram speculation on / off at batch 1 / 8 / 32,
+  base and 8 adapters, and batch-64 throughput, acceptance forced to 0.7 at K = 4 (bench/speculation.py);
 - workload: the open-loop workload of issue 57 (bench/workload.py, --mode engine: Poisson 25 req/s,
   prompts 256-768, outputs 64-256, rank-16 q/k/v/o adapters, Zipf 1), base then 64 Zipf adapters on
   16 slots, 256 on 32, 1,024 at default flags, 64 and 256 at default flags. The window is SHORTER
@@ -75,10 +79,7 @@ def workload_args(o: argparse.Namespace, cuda: bool) -> list[str]:
         args += ["--prompt-len", "8,24", "--output-len", "4,12"] + (["--tiny"] if cuda else [])
     else:
         args += ["--prompt-len", "256,768", "--output-len", "64,256", "--adapter-rank", "16"]
-    workdir = o.workdir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "loraplex" / (
-        f"goals-{'tiny' if o.tiny else 'full'}-{'cuda' if cuda else 'cpu'}"
-    )
-    return [*args, "--workdir", str(workdir)]
+    return [*args, "--workdir", str(goals_workdir(o, cuda))]
 
 
 def measure_workload(ctx: Context) -> dict:
@@ -118,10 +119,31 @@ def measure_workload(ctx: Context) -> dict:
     return dict(ctx.partial)
 
 
+def goals_workdir(o: argparse.Namespace, cuda: bool) -> Path:
+    """Where the random model and adapters live (written once, shared by the measures that serve)."""
+    return o.workdir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "loraplex" / (
+        f"goals-{'tiny' if o.tiny else 'full'}-{'cuda' if cuda else 'cpu'}"
+    )
+
+
+def measure_speculation(ctx: Context) -> dict:
+    from loraplex.bench.speculation import run
+
+    return run(goals_workdir(ctx.opts, ctx.device.type == "cuda"), ctx.opts.tiny, ctx.device)
+
+
+def measure_adapter_kinds(ctx: Context) -> dict:
+    from loraplex.bench.adapter_kinds import measure
+
+    return measure(ctx.opts.tiny, ctx.device)
+
+
 MEASURES = [
     Measure("decode", 90, False, measure_decode),
     Measure("lora_layer", 30, True, measure_lora_layer),
-    Measure("workload", 380, False, measure_workload),
+    Measure("adapter_kinds", 40, False, measure_adapter_kinds),
+    Measure("speculation", 100, False, measure_speculation),
+    Measure("workload", 300, False, measure_workload),
 ]
 
 
@@ -167,7 +189,7 @@ def print_table(rows: list[dict]) -> None:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = h.suite_parser("goals", __doc__.split("\n")[0])
-    p.add_argument("--budget-s", type=float, default=None, help="whole-run budget (default 510; --tiny 600)")
+    p.add_argument("--budget-s", type=float, default=None, help="whole-run budget (default 540; --tiny 600)")
     p.add_argument(
         "--window", type=float, default=None, help="workload seconds of arrivals (default 12; --tiny 2)"
     )
@@ -181,7 +203,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     add_out_argument(p)
     o = p.parse_args(argv)
-    o.budget_s = o.budget_s or (600 if o.tiny else 510)
+    o.budget_s = o.budget_s or (600 if o.tiny else 540)
     o.window = o.window or (2 if o.tiny else 12)
     o.drain = o.drain or (20 if o.tiny else 10)
     o.rate = o.rate or (15 if o.tiny else 25)

@@ -1,7 +1,7 @@
 """Every benchmark suite end to end on the CPU at its tiny size, run the one way users run them
 (`python -m loraplex.bench.NAME` from the repo root): the serving suite's open-loop workload
 (bench/workload.py), step, quality, door, kernels (which says it needs CUDA) and the goals command,
-whose table and JSON are exercised for real (rows that need CUDA say so; unbuilt rows say 'not built').
+whose table and JSON are exercised for real (rows that need CUDA say so).
 
 The workload's first test asserts completion only (every request of every scenario finishes without
 error, none cut). The second is the CPU smoke version of issue 34's first goal row (64 Zipf adapters
@@ -110,17 +110,21 @@ def test_goals_command_prints_and_writes_every_row(tmp_path):
     for r in rows:
         by_status.setdefault(r["status"], []).append(r)
         assert f"| {r['issue']} | {r['row']} | {r['goal']} |" in out  # the printed table
-    # measured on the CPU: the FP8 step ratios and every workload ratio, each judged against its goal
+    # measured on the CPU: the FP8 step ratios, the adapter kinds' step, speculation and every workload
+    # ratio, each judged against its goal
     measured = by_status.get("met", []) + by_status.get("missed", [])
-    assert {r["measure"] for r in measured} == {"decode", "workload"}
-    assert len(measured) == sum(g.measure in ("decode", "workload") for g in GOALS) - 1
+    on_cpu = ("decode", "adapter_kinds", "speculation", "workload")
+    assert {r["measure"] for r in measured} == set(on_cpu)
+    assert len(measured) == sum(g.measure in on_cpu for g in GOALS) - 1
     assert all(r["value"] > 0 for r in measured)
     assert [r["row"] for r in by_status["needs CUDA"]] == [
         "bf16 decode step vs its memory floor",  # no bandwidth measured on the CPU
         "LoRA per layer, 64 tokens x 8 adapters r16, vs floor",
     ]
-    assert all(r["value"] is None and r["measure"] is None for r in by_status["not built"])
-    assert {r["issue"] for r in by_status["not built"]} == {56, 58}
+    assert "not built" not in by_status
+    spec = result["measures"]["speculation"]["result"]
+    assert all(spec[case]["drafted"] > 0 for case in ("base_1", "lora_8", "base_32"))
+    assert spec["base_64"]["drafted"] == 0  # above --speculative-disable-batch-size it backs off
     scenarios = result["measures"]["workload"]["result"]
     assert set(scenarios) == {"base", "64/16", "256/32", "1024", "64", "256"}
     for name, res in scenarios.items():

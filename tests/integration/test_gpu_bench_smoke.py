@@ -19,6 +19,8 @@ BENCHES = {
     "kernels": ["--tiny"],
     "mixed_graph_check": ["--device", "cuda"],
     "fp8_gemm": ["--tiny", "--sweep-budget-s", "5"],
+    "adapter_kinds": ["--tiny", "--device", "cuda"],
+    "speculation": ["--tiny", "--device", "cuda"],
     "workload": ["--mode", "engine", "--tiny", "--window", "2", "--drain", "20", "--rate", "15"]
     + ["--prompt-len", "8,24", "--output-len", "4,12", "--scenarios", "base", "zipf:8:pool=2", "zipf:8"],
 }
