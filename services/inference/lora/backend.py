@@ -77,8 +77,11 @@ class LoRABackend(ABC):
         """Before a step (host): set `dora_step` and the embedding / lm_head segments from the step's
         token slots and the token index of each logits row. True when the step must run eagerly
         (a graph holds none of these parts). `clear_eager_parts` after the step's logits."""
-        self.dora_step = self.step_has_dora(token_slots)
         self._embed_segments, self._head_segments = [], []
+        if getattr(self, "pool", None) is None:  # a backend with no pool (a test's recorder) has none
+            self.dora_step = False
+            return False
+        self.dora_step = self.step_has_dora(token_slots)
         if bool(self.pool.host_vocab.any()):
             device = self.pool.device
             for slot in sorted({s for s in token_slots if s >= 0 and bool(self.pool.host_vocab[s])}):
