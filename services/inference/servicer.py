@@ -264,10 +264,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     )
                     if out.prompt_logprobs is not None:
                         msg.prompt_first_token_bytes = first_token_bytes(engine, work[k])
+                    # the counts so far on every message (the door's continuous usage), final on the last
+                    msg.prompt_tokens = out.prompt_tokens
+                    msg.completion_tokens = out.completion_tokens
                     if out.finished:
                         msg.finish_reason = out.finish_reason or ""
-                        msg.prompt_tokens = out.prompt_tokens
-                        msg.completion_tokens = out.completion_tokens
                         for name, value in timing_fields(out).items():
                             setattr(msg, name, value)
                     yield msg

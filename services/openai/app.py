@@ -20,7 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from loraplex.services.openai import responses, schema, stream, structured
+from loraplex.services.openai import reply, responses, schema, stream, structured
 from loraplex.services.openai.disconnect import unless_client_leaves
 from loraplex.services.openai.errors import OpenAIError, bad_request, from_grpc, model_not_found
 from loraplex.services.openai.inputs import (
@@ -245,8 +245,10 @@ def create_app(backend: Backend) -> FastAPI:
             except grpc.RpcError as exc:
                 raise structured.rename_error(from_grpc(exc, parsed.model, chat), door_call.fields) from None
             if chat:
-                return JSONResponse(responses.chat_body(resp, parsed.model, asked, tool_plan))
-            return JSONResponse(responses.completion_body(resp, parsed.model, asked))
+                body = responses.chat_body(resp, parsed.model, asked, tool_plan)
+            else:
+                body = responses.completion_body(resp, parsed.model, asked)
+            return JSONResponse(reply.finish_body(body, door_call.reply))
         call = backend.stub.GenerateStream(grpc_request, metadata=md, timeout=backend.timeout_s)
         try:  # the first message (or the error) before the 200: a refused call gets its status
             first = await unless_client_leaves(request, call, call.read())
@@ -254,7 +256,10 @@ def create_app(backend: Backend) -> FastAPI:
             raise structured.rename_error(from_grpc(exc, parsed.model, chat), door_call.fields) from None
         state = stream.StreamState(parsed.model, parsed.n, chat, asked, tool_plan)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-        return EventSourceResponse(_events(call, first, state, include_usage, parsed.model), ping=15)
+        finisher = reply.StreamReply(door_call.reply, asked.score_only)
+        return EventSourceResponse(
+            _events(call, first, state, include_usage, parsed.model, finisher), ping=15
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -265,9 +270,9 @@ def create_app(backend: Backend) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        parsed = schema.parse(schema.ChatRequest, await _body(request))
+        parsed, legacy = schema.parse_chat(await _body(request))
         adapter = await _resolve(backend, request, parsed.model)
-        door_call = schema.chat_call(parsed, adapter, backend.max_new_tokens_limit)
+        door_call = schema.chat_call(parsed, adapter, backend.max_new_tokens_limit, legacy)
         return await generate(request, parsed, door_call, adapter, True)
 
     return app
@@ -281,16 +286,17 @@ async def _resolve(backend: Backend, request: Request, model: str) -> str:
 
 
 async def _events(
-    call, first, state: stream.StreamState, include_usage: bool, model: str
+    call, first, state: stream.StreamState, include_usage: bool, model: str, finisher: reply.StreamReply
 ) -> AsyncIterator[str]:
     msg = first
     try:
         while msg is not grpc.aio.EOF:
+            finisher.observe(msg)
             for chunk in state.chunks(msg):
-                yield json.dumps(chunk)
+                yield json.dumps(finisher.finish(chunk))
             msg = await call.read()
         if include_usage:
-            yield json.dumps(state.usage_chunk())
+            yield json.dumps(finisher.finish(state.usage_chunk()))
     except grpc.RpcError as exc:  # after the 200: the error travels as an event, as OpenAI's streams do
         err = from_grpc(exc, model, state.chat)
         yield json.dumps(

@@ -74,6 +74,9 @@ def request_param(field: str, chat: bool) -> str:
         if chat and name == "top_logprobs":
             return "top_logprobs"
         return SAMPLING_PARAM.get(name, name)
+    chat_field = re.match(r"^inputs\[\d+\]\.(chat_template_kwargs|continue_final_message)", field)
+    if chat_field:
+        return chat_field.group(1)
     message = re.match(r"^inputs\[\d+\]\.messages\[(\d+)\](.*)$", field)
     if message:
         return f"messages.{message.group(1)}{message.group(2)}"

@@ -15,6 +15,8 @@ cheaper than llguidance's on this tokenizer, and both compile a schema in millis
 
 JSON is compiled without free whitespace (`any_whitespace=False`: "," and ":" are followed by one
 space, nothing else): a small model that may emit spaces keeps emitting them and ends on "length".
+A request may ask for free whitespace (`Constraint.any_whitespace`, vLLM's
+`disable_any_whitespace: false`).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
 def constraint_digest(c: Constraint) -> str:
     h = hashlib.sha256(c.kind.encode())
     h.update(b"\0" + c.value.encode())
+    if c.any_whitespace:
+        h.update(b"\0any_whitespace")
     for choice in c.choices:
         h.update(b"\0" + choice.encode())
     return h.hexdigest()
@@ -167,8 +171,12 @@ class GrammarCache:
                     json.loads(c.value)
                 except ValueError as exc:
                     raise InvalidRequest(f"{c.field} is not valid JSON: {exc}", field=c.field) from None
-                return compiler.compile_json_schema(c.value, any_whitespace=False, strict_mode=True)
+                return compiler.compile_json_schema(
+                    c.value, any_whitespace=c.any_whitespace, strict_mode=True
+                )
             if c.kind == "json_object":
+                if c.any_whitespace:
+                    return compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
                 return compiler.compile_grammar(JSON_OBJECT_GRAMMAR)
             if c.kind == "regex":
                 return compiler.compile_regex(c.value)
