@@ -96,7 +96,8 @@ def _samples(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [dataclasses.replace(params, seed=(params.seed + j) & SEED_MASK) for j in range(n)]
 
 
-def _prompt_of_input(engine: Engine, inp: pb.Input, adapter: str, i: int) -> list[int]:
+def prompt_of_input(engine: Engine, inp: pb.Input, adapter: str, i: int) -> list[int]:
+    """Input `i`'s prompt ids (text, ids or rendered messages); Tokenize renders with it too."""
     where = f"inputs[{i}]"
     given = [
         name
@@ -249,7 +250,7 @@ def engine_work(engine: Engine, request: pb.GenerateRequest, args: ServerArgs) -
             inp = request.inputs[i]
             where = f"inputs[{i}]"
             _check_length(len(inp.text) + sum(len(m.content) for m in inp.messages), where, context_length)
-            ids = _prompt_of_input(engine, inp, adapters[i], i)
+            ids = prompt_of_input(engine, inp, adapters[i], i)
         else:
             where = f"text[{i}]"
             if not request.text[i]:

@@ -20,8 +20,16 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from loraplex.services.openai import reply, responses, schema, stream, structured
+from loraplex.services.openai import (
+    reply,
+    responses,
+    schema,
+    stream,
+    structured,
+    vllm_routes,
+)
 from loraplex.services.openai.disconnect import unless_client_leaves
+from loraplex.services.openai.door_metrics import DoorMetrics
 from loraplex.services.openai.errors import OpenAIError, bad_request, from_grpc, model_not_found
 from loraplex.services.openai.inputs import (
     check_adapter_model,
@@ -75,6 +83,7 @@ class Backend:
         self._channel = None
         self._base_names: tuple[str, ...] | None = None
         self.max_new_tokens_limit = 0  # the server's --max-new-tokens-limit, learnt with the names
+        self.context_length = 0  # the model's, learnt with the names
 
     @property
     def stub(self) -> pb_grpc.InferenceStub:
@@ -100,6 +109,7 @@ class Backend:
             first = self.served_model_name or PurePosixPath(info.model.rstrip("/")).name or info.model
             self._base_names = (first, info.model)
             self.max_new_tokens_limit = info.max_new_tokens_limit
+            self.context_length = info.context_length
         return self._base_names
 
     async def adapter_for(self, model: str, metadata) -> str:
@@ -127,7 +137,9 @@ async def _body(request: Request):
     return body
 
 
-def create_app(backend: Backend) -> FastAPI:
+def create_app(backend: Backend, admin_token: str | None = None) -> FastAPI:
+    """The door's routes; `admin_token` ($LORAPLEX_ADMIN_TOKEN) switches on vLLM's adapter routes."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -141,6 +153,7 @@ def create_app(backend: Backend) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.backend = backend
+    app.add_middleware(DoorMetrics)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
@@ -179,6 +192,13 @@ def create_app(backend: Backend) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = _door_metrics(app).exposition()
+        return Response(body, media_type=content_type)
+
+    vllm_routes.add_routes(app, backend, _metadata, _body, admin_token)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -276,6 +296,16 @@ def create_app(backend: Backend) -> FastAPI:
         return await generate(request, parsed, door_call, adapter, True)
 
     return app
+
+
+def _door_metrics(app: FastAPI) -> DoorMetrics:
+    """The metrics middleware instance of `app` (built by Starlette when the app starts)."""
+    layer = app.middleware_stack
+    while layer is not None and not isinstance(layer, DoorMetrics):
+        layer = getattr(layer, "app", None)
+    if layer is None:
+        raise RuntimeError("the door's metrics middleware is not in the stack")
+    return layer
 
 
 async def _resolve(backend: Backend, request: Request, model: str) -> str:
