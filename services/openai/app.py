@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from loraplex.services.openai import (
     reply,
     responses,
+    responses_route,
     schema,
     stream,
     structured,
@@ -199,6 +200,7 @@ def create_app(backend: Backend, admin_token: str | None = None) -> FastAPI:
         return Response(body, media_type=content_type)
 
     vllm_routes.add_routes(app, backend, _metadata, _body, admin_token)
+    responses_route.add_route(app, backend, _metadata, _body, _resolve)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
