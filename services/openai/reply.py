@@ -73,5 +73,10 @@ class StreamReply:
         if options.continuous_usage and chunk["choices"] and "usage" not in chunk:
             chunk["usage"] = self.running_usage()
         if options.obfuscation and chunk["choices"]:
-            chunk["obfuscation"] = "".join(secrets.choice(_PAD) for _ in range(secrets.randbelow(16) + 1))
+            chunk["obfuscation"] = padding()
         return chunk
+
+
+def padding() -> str:
+    """OpenAI's `obfuscation`: random characters of random length, so sizes tell nothing of the text."""
+    return "".join(secrets.choice(_PAD) for _ in range(secrets.randbelow(16) + 1))

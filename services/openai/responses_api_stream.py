@@ -16,11 +16,13 @@ import copy
 from typing import Any
 
 from loraplex.services.openai import responses_api as api
+from loraplex.services.openai.reply import padding
 
 
 class ResponseEvents:
-    def __init__(self, body: dict[str, Any], model: str):
+    def __init__(self, body: dict[str, Any], model: str, obfuscation: bool = False):
         self.response = api.shell(body, model, api.new_id("resp"))
+        self.obfuscation = obfuscation  # stream_options.include_obfuscation: padding on delta events
         self.seq = 0
         self.message: dict[str, Any] | None = None  # the open message item
         self.message_index = -1
@@ -30,6 +32,8 @@ class ResponseEvents:
     def _event(self, kind: str, **fields) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
+        if self.obfuscation and kind.endswith(".delta"):
+            event["obfuscation"] = padding()
         return event
 
     def _snapshot(self) -> dict[str, Any]:

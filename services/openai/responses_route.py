@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from loraplex.services.openai import responses, responses_api, schema, stream, structured
 from loraplex.services.openai.disconnect import unless_client_leaves
-from loraplex.services.openai.errors import OpenAIError, bad_request, from_grpc
+from loraplex.services.openai.errors import OpenAIError, from_grpc
 from loraplex.services.openai.responses_api_stream import ResponseEvents
 
 
@@ -25,8 +25,6 @@ def add_route(app: FastAPI, backend, metadata_of, body_of, resolve) -> None:
         body = await body_of(request)
         try:
             parsed, _ = schema.parse_chat(responses_api.chat_body(body))
-            if parsed.n != 1:
-                raise bad_request("n is not a Responses field", "n")
             adapter = await resolve(backend, request, parsed.model)
             door_call = schema.chat_call(parsed, adapter, backend.max_new_tokens_limit)
         except OpenAIError as err:
@@ -53,7 +51,8 @@ def add_route(app: FastAPI, backend, metadata_of, body_of, resolve) -> None:
         except grpc.RpcError as exc:
             raise failed(exc) from None
         state = stream.StreamState(parsed.model, 1, True, door_call.asked, door_call.tool_plan)
-        events = ResponseEvents(body, parsed.model)
+        obfuscation = bool(parsed.stream_options and parsed.stream_options.include_obfuscation)
+        events = ResponseEvents(body, parsed.model, obfuscation)
         return EventSourceResponse(_events(call, first, state, events, failed), ping=15)
 
 

@@ -158,3 +158,16 @@ def test_events_add_up_to_the_object():
     done = out[-1]["response"]
     assert done["output"][0]["content"][0]["text"] == "Hello" and done["usage"]["output_tokens"] == 2
     assert out[0]["response"]["status"] == "in_progress" and out[0]["response"]["output"] == []
+
+
+def test_obfuscation_pads_delta_events_only_when_asked():
+    chunk = {"choices": [{"index": 0, "delta": {"content": "a"}, "logprobs": None, "finish_reason": None}]}
+    padded = ResponseEvents({}, "m", obfuscation=True)
+    events = padded.start() + padded.chunk(chunk)
+    assert all(("obfuscation" in e) == e["type"].endswith(".delta") for e in events)
+    plain = ResponseEvents({}, "m")
+    assert not any("obfuscation" in e for e in plain.start() + plain.chunk(chunk))
+    body = api.chat_body(
+        {"model": "m", "input": "hi", "stream": True, "stream_options": {"include_obfuscation": True}}
+    )
+    assert body["stream_options"] == {"include_obfuscation": True, "include_usage": True}
