@@ -151,10 +151,19 @@ def test_cache_salt_isolates_the_prefix_cache(tiny):
     assert cached(dataclasses.replace(salted, cache_salt="tenant-b")) == 0
 
 
-def test_any_whitespace_is_its_own_grammar():
-    compact = Constraint("json_schema", '{"type": "object"}')
-    loose = Constraint("json_schema", '{"type": "object"}', any_whitespace=True)
-    assert constraint_digest(compact) != constraint_digest(loose)
+def test_any_whitespace_is_its_own_grammar(tiny):
+    import xgrammar as xgr
+
+    engine, _ = tiny
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    spaced = '{\n  "a" :  1\n}'
+    for kind, value in (("json_schema", schema), ("json_object", "")):
+        compact = Constraint(kind, value)
+        loose = Constraint(kind, value, any_whitespace=True)
+        assert constraint_digest(compact) != constraint_digest(loose)
+        assert xgr.GrammarMatcher(engine.grammars.compile(loose)).accept_string(spaced)
+        assert not xgr.GrammarMatcher(engine.grammars.compile(compact)).accept_string(spaced)
+        assert xgr.GrammarMatcher(engine.grammars.compile(compact)).accept_string('{"a": 1}')
 
 
 def test_template_kwargs_reach_the_template_and_continue_final_message(tiny):
