@@ -121,10 +121,15 @@ def prompt_of_input(engine: Engine, inp: pb.Input, adapter: str, i: int) -> list
     for name in ("tools_json", "chat_template_kwargs_json", "continue_final_message"):
         if getattr(inp, name) and not inp.messages:
             raise InvalidRequest(f"{where}.{name} applies to messages only", field=f"{where}.{name}")
+    if inp.HasField("add_special_tokens") and not inp.text:
+        raise InvalidRequest(
+            f"{where}.add_special_tokens applies to text only", field=f"{where}.add_special_tokens"
+        )
     if inp.token_ids:
         return list(inp.token_ids)
     if inp.text:
-        return engine.tokenize(inp.text)
+        add_special = inp.add_special_tokens if inp.HasField("add_special_tokens") else True
+        return engine.tokenize(inp.text, add_special)
     if len(inp.messages) > MAX_CHAT_MESSAGES:
         raise InvalidRequest(
             f"{where}.messages has {len(inp.messages)} entries; at most {MAX_CHAT_MESSAGES}",

@@ -38,6 +38,8 @@ async def tokenize(engine: Engine, resolver: AdapterResolver, request: pb.Tokeni
         check_adapter_name(adapter, field="adapter")
         await resolver.ensure({adapter})  # NOT_FOUND for an unknown name; its template is then loaded
     add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+    if inp.HasField("add_special_tokens"):
+        add_special = inp.add_special_tokens
     if inp.text:
         return await asyncio.to_thread(engine.tokenize, inp.text, add_special)
     if adapter:

@@ -90,6 +90,12 @@ def template_kwargs(req) -> dict[str, Any]:
 
 
 def apply_chat(req, inp: pb.Input) -> None:
+    if req.add_special_tokens:
+        raise bad_request(
+            "add_special_tokens true is not available on chat: the chat template writes the special "
+            "tokens (send false, the default)",
+            "add_special_tokens",
+        )
     other = [m for m in req.modalities or [] if m != "text"]
     if other:
         raise bad_request(

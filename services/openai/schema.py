@@ -94,6 +94,7 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(default=16, ge=0, le=UINT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (BOS) on text prompts
     suffix: str | None = None
     best_of: int | None = None
     response_format: Any = None
@@ -145,6 +146,7 @@ class ChatRequest(_Common):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    add_special_tokens: bool = False  # vLLM's chat default: the template writes them
 
 
 class Prediction(BaseModel):
@@ -325,6 +327,10 @@ def completion_request(req: CompletionRequest, adapter: str) -> tuple[pb.Generat
         req.prompt_logprobs if not req.echo else max(req.logprobs or 0, req.prompt_logprobs or 0),
     )
     inputs = _prompt_inputs(req.prompt)
+    if not req.add_special_tokens:
+        for inp in inputs:
+            if inp.text:
+                inp.add_special_tokens = False
     texts = tuple(i.text or None for i in inputs)
     asked = Asked(
         req.logprobs,

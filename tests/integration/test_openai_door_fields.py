@@ -143,7 +143,12 @@ def test_vllm_prompt_and_stop_fields(http, base_name):  # noqa: F811
         },
     )
     assert status == 200 and cut["usage"]["prompt_tokens"] == 3 and cut["id"] == "cmpl-abc-1"
-    for body in ({"priority": -5}, {"priority": 7}, {"guided_decoding_backend": "auto"}):
+    for body in (
+        {"priority": -5},
+        {"priority": 7},
+        {"guided_decoding_backend": "auto"},
+        {"add_special_tokens": False},  # SmolLM2's tokenizer adds none: the same prompt
+    ):
         status, got = post(
             http, "/v1/completions", {"model": base_name, "prompt": PROMPTS[0], **body, **GREEDY}
         )
@@ -291,3 +296,19 @@ def test_functions_as_tools(http, base_name):  # noqa: F811
         http, "/v1/chat/completions", {"model": base_name, "messages": history, "functions": [fn], **GREEDY}
     )
     assert status == 200, got
+
+
+def test_grpc_add_special_tokens_is_for_text(stub):  # noqa: F811
+    import grpc
+
+    from loraplex.v1 import inference_pb2 as pb
+
+    text = pb.Input(text=PROMPTS[1], add_special_tokens=False)
+    params = pb.SamplingParams(max_new_tokens=1)
+    done = stub.Generate(pb.GenerateRequest(inputs=[text], sampling_params=params)).completions[0]
+    assert done.prompt_tokens == len(stub.Tokenize(pb.TokenizeRequest(text=PROMPTS[1])).token_ids)
+    chat = pb.Input(messages=[pb.ChatMessage(role="user", content="hi")], add_special_tokens=False)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(pb.GenerateRequest(inputs=[chat], sampling_params=params))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "inputs[0].add_special_tokens" in info.value.details()

@@ -192,3 +192,11 @@ def test_chat_echo_leads_with_the_final_assistant_message():
     }
     assert reply.finish_body(body, options)["choices"][0]["message"]["content"] == "The answer is 42"
     assert _chat(echo=True).reply.echo == ""  # the final message is the user's: nothing to echo
+
+
+def test_add_special_tokens():
+    inputs = _completion(prompt=["a", "b"], add_special_tokens=False).request.inputs
+    assert all(i.HasField("add_special_tokens") and not i.add_special_tokens for i in inputs)
+    assert not _completion().request.inputs[0].HasField("add_special_tokens")  # the tokenizer's default
+    assert _chat(add_special_tokens=False).request == _chat().request
+    _refused(_chat, "add_special_tokens", "chat template writes", add_special_tokens=True)

@@ -112,7 +112,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls_json: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Input(_message.Message):
-    __slots__ = ("text", "token_ids", "messages", "add_generation_prompt", "adapter", "sampling_params", "tools_json", "chat_template_kwargs_json", "continue_final_message")
+    __slots__ = ("text", "token_ids", "messages", "add_generation_prompt", "adapter", "sampling_params", "tools_json", "chat_template_kwargs_json", "continue_final_message", "add_special_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class Input(_message.Message):
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -131,7 +132,8 @@ class Input(_message.Message):
     tools_json: str
     chat_template_kwargs_json: str
     continue_final_message: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., adapter: _Optional[str] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., tools_json: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
+    add_special_tokens: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., adapter: _Optional[str] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., tools_json: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., continue_final_message: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "adapter", "sampling_params", "inputs")
