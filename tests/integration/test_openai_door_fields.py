@@ -312,3 +312,45 @@ def test_grpc_add_special_tokens_is_for_text(stub):  # noqa: F811
         stub.Generate(pb.GenerateRequest(inputs=[chat], sampling_params=params))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "inputs[0].add_special_tokens" in info.value.details()
+
+
+ACCEPTED = {  # advisory fields, on both endpoints: 200 and the same text as without them
+    "store": False,
+    "metadata": {"k": "v"},
+    "prompt_cache_key": "k",
+    "prompt_cache_retention": "in-memory",
+    "safety_identifier": "s",
+    "user": "u",
+    "service_tier": "flex",
+    "spaces_between_special_tokens": False,
+    "stream_options": None,
+}
+REFUSED = [  # (path, field, value): 400 naming the field, saying why
+    ("/v1/completions", "suffix", "tail"),
+    ("/v1/completions", "best_of", 2),
+    ("/v1/chat/completions", "audio", {"voice": "alloy", "format": "wav"}),
+    ("/v1/chat/completions", "web_search_options", {"search_context_size": "low"}),
+    ("/v1/chat/completions", "modalities", ["audio"]),
+    ("/v1/completions", "structured_outputs", {"json": {}, "whitespace_pattern": " "}),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_advisory_fields_over_raw_http(http, base_name, path):  # noqa: F811
+    body = {"model": base_name, "max_tokens": 4, "temperature": 0}
+    body |= {"prompt": PROMPTS[1]} if path == "/v1/completions" else {"messages": CHAT}
+    status, plain = post(http, path, body)
+    status_advised, advised = post(http, path, {**body, **ACCEPTED})
+    assert status == status_advised == 200, advised
+    key = "text" if path == "/v1/completions" else "message"
+    assert advised["choices"][0][key] == plain["choices"][0][key]
+    assert advised["service_tier"] == "default" and "service_tier" not in plain
+
+
+@pytest.mark.parametrize(("path", "field", "value"), REFUSED, ids=[r[1] for r in REFUSED])
+def test_refused_fields_over_raw_http(http, base_name, path, field, value):  # noqa: F811
+    body = {"model": base_name, "max_tokens": 2, field: value}
+    body |= {"prompt": "hi"} if path == "/v1/completions" else {"messages": CHAT}
+    status, err = post(http, path, body)
+    assert status == 400 and err["error"]["param"].startswith(field), err
+    assert "not available" in err["error"]["message"] or "not supported" in err["error"]["message"], err
