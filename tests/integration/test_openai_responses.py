@@ -55,6 +55,16 @@ def test_text_equals_the_chat_answer(client, base_name):  # noqa: F811
         temperature=0,
     )
     assert messages.output[0].type == "message" and messages.output_text
+    scored = client.responses.create(
+        model=base_name,
+        input=CHAT[0]["content"],
+        max_output_tokens=4,
+        temperature=0,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
+    lps = scored.output[0].content[0].logprobs
+    assert len(lps) == scored.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in lps)
 
 
 def test_tools_and_a_round_trip(client, base_name):  # noqa: F811
@@ -170,6 +180,8 @@ def test_langchain_use_responses_api(door, base_name):  # noqa: F811
     )
     msg = llm.invoke("What is the capital of France?")
     assert msg.text
+    streamed = "".join(chunk.text for chunk in llm.stream("What is the capital of France?"))
+    assert streamed == msg.text
     tooled = llm.bind_tools(
         [{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description", "parameters")}}],
         tool_choice="get_weather",
