@@ -120,8 +120,9 @@ class ChatMessage(BaseModel):
 
     @model_validator(mode="after")
     def _known_extras(self):
-        for name in self.model_extra or {}:
-            if name not in MESSAGE_EXTRAS:
+        # null counts as not given (an SDK's message object sends back `"audio": null` and the like)
+        for name, value in (self.model_extra or {}).items():
+            if name not in MESSAGE_EXTRAS and value is not None:
                 raise ValueError(f"unknown field {name[:100]!r} in a message")
         return self
 

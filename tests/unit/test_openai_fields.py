@@ -125,6 +125,8 @@ def test_nested_unknown_keys_are_refused_like_top_level_ones():
         messages=[{"role": "user", "content": [{"type": "text", "text": "x", "bogus": 1}]}],
     )
     _refused(_chat, "prediction.bogus", "", prediction={"type": "content", "content": "x", "bogus": 1})
+    # null is not given, as at the top level (an SDK's message object sent back as it came)
+    _chat(messages=[*USER, {"role": "assistant", "content": "x", "audio": None, "function_call": None}])
 
 
 def test_whitespace_controls():
