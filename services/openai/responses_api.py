@@ -6,7 +6,7 @@ A Responses body is read into a chat completions body (`chat_body`): `instructio
 the chat shape, `text.format` as `response_format`, `text.verbosity` and `reasoning.effort` as the
 chat template's variables, `max_output_tokens` as `max_tokens`. That body then takes the chat path
 (schema.py: one parser, one set of checks), and the chat answer is written back as a Response
-object (`response_object`): a `message` item with one `output_text` part, one `function_call` item
+object (responses_api_output.py): a `message` item with one `output_text` part, one `function_call` item
 per tool call, usage as input / output tokens, `status` "incomplete" (reason `max_output_tokens`)
 when the output was cut. Streams are responses_api_stream.py.
 
@@ -16,8 +16,6 @@ to continue from or to retrieve); send the whole conversation as `input` items i
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any
 
 from loraplex.services.openai.errors import OpenAIError, bad_request
@@ -54,10 +52,6 @@ CHAT_TO_RESPONSES = {
     "verbosity": "text.verbosity",
     "top_logprobs": "top_logprobs",
 }
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _known(obj: Any, names: tuple[str, ...], where: str) -> dict:
@@ -273,102 +267,3 @@ def rename(err: OpenAIError) -> OpenAIError:
                 err.param = resp + err.param[len(chat) :]
                 break
     return err
-
-
-def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "input_tokens": chat_usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
-        "output_tokens": chat_usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": chat_usage["total_tokens"],
-    }
-
-
-def text_logprobs(chat_logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
-    return list((chat_logprobs or {}).get("content") or [])
-
-
-def message_item(text: str, logprobs: list, item_id: str, status: str = "completed") -> dict[str, Any]:
-    return {
-        "type": "message",
-        "id": item_id,
-        "status": status,
-        "role": "assistant",
-        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}],
-    }
-
-
-def call_item(call: dict[str, Any], item_id: str, status: str = "completed") -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": item_id,
-        "call_id": call["id"],
-        "name": call["function"]["name"],
-        "arguments": call["function"]["arguments"],
-        "status": status,
-    }
-
-
-def shell(body: dict[str, Any], model: str, response_id: str, created: int | None = None) -> dict[str, Any]:
-    """The Response object's fields that come from the request (status and output filled later)."""
-    text = body.get("text") or {}
-    return {
-        "id": response_id,
-        "object": "response",
-        "created_at": created or int(time.time()),
-        "status": "in_progress",
-        "background": False,
-        "error": None,
-        "incomplete_details": None,
-        "instructions": body.get("instructions"),
-        "max_output_tokens": body.get("max_output_tokens"),
-        "max_tool_calls": body.get("max_tool_calls"),
-        "model": model,
-        "output": [],
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "previous_response_id": None,
-        "reasoning": {"effort": (body.get("reasoning") or {}).get("effort"), "summary": None},
-        "service_tier": "default",
-        "store": False,
-        "temperature": body.get("temperature", 1.0),
-        "text": {
-            "format": text.get("format") or {"type": "text"},
-            "verbosity": text.get("verbosity", "medium"),
-        },
-        "tool_choice": body.get("tool_choice", "auto"),
-        "tools": body.get("tools") or [],
-        "top_logprobs": body.get("top_logprobs", 0),
-        "top_p": body.get("top_p", 1.0),
-        "truncation": "disabled",
-        "usage": None,
-        "user": body.get("user"),
-        "metadata": body.get("metadata") or {},
-    }
-
-
-def finish(response: dict[str, Any], finish_reason: str | None, chat_usage: dict[str, Any] | None) -> None:
-    """Status, incomplete details and usage, once the output is known (in place)."""
-    cut = finish_reason == "length"
-    response["status"] = "incomplete" if cut else "completed"
-    response["incomplete_details"] = {"reason": "max_output_tokens"} if cut else None
-    if chat_usage is not None:
-        response["usage"] = usage(chat_usage)
-
-
-def response_object(body: dict[str, Any], model: str, chat: dict[str, Any]) -> dict[str, Any]:
-    """A chat completion (n = 1) as the Response object."""
-    response = shell(body, model, new_id("resp"))
-    choice = chat["choices"][0]
-    message = choice["message"]
-    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-    if message.get("content") or not message.get("tool_calls"):
-        response["output"].append(
-            message_item(
-                message.get("content") or "", text_logprobs(choice.get("logprobs")), new_id("msg"), status
-            )
-        )
-    for call in message.get("tool_calls") or []:
-        response["output"].append(call_item(call, new_id("fc"), status))
-    finish(response, choice["finish_reason"], chat["usage"])
-    return response

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from loraplex.services.openai import responses_api as api
+from loraplex.services.openai import responses_api_output as api
 from loraplex.services.openai.reply import padding
 
 

@@ -11,7 +11,14 @@ from fastapi import FastAPI, Request
 from sse_starlette.sse import EventSourceResponse
 from starlette.responses import JSONResponse, Response
 
-from loraplex.services.openai import responses, responses_api, schema, stream, structured
+from loraplex.services.openai import (
+    responses,
+    responses_api,
+    responses_api_output,
+    schema,
+    stream,
+    structured,
+)
 from loraplex.services.openai.disconnect import unless_client_leaves
 from loraplex.services.openai.errors import OpenAIError, from_grpc
 from loraplex.services.openai.responses_api_stream import ResponseEvents
@@ -44,7 +51,7 @@ def add_route(app: FastAPI, backend, metadata_of, body_of, resolve) -> None:
             except grpc.RpcError as exc:
                 raise failed(exc) from None
             chat = responses.chat_body(resp, parsed.model, door_call.asked, door_call.tool_plan)
-            return JSONResponse(responses_api.response_object(body, parsed.model, chat))
+            return JSONResponse(responses_api_output.response_object(body, parsed.model, chat))
         call = backend.stub.GenerateStream(grpc_request, metadata=md, timeout=backend.timeout_s)
         try:
             first = await unless_client_leaves(request, call, call.read())

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from loraplex.services.openai import responses_api as api
+from loraplex.services.openai import responses_api_output as output
 from loraplex.services.openai import schema
 from loraplex.services.openai.errors import OpenAIError
 from loraplex.services.openai.responses_api_stream import ResponseEvents
@@ -109,7 +110,7 @@ def _chat(content, calls=None, reason="stop"):
 
 def test_response_object():
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    resp = api.response_object({"metadata": {"k": "v"}}, "m", _chat(None, [call], "tool_calls"))
+    resp = output.response_object({"metadata": {"k": "v"}}, "m", _chat(None, [call], "tool_calls"))
     assert [o["type"] for o in resp["output"]] == ["function_call"] and resp["output"][0][
         "call_id"
     ] == "call_1"
@@ -121,7 +122,7 @@ def test_response_object():
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 8,
     }
-    cut = api.response_object({}, "m", _chat("Hel", reason="length"))
+    cut = output.response_object({}, "m", _chat("Hel", reason="length"))
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
     assert cut["output"][0]["content"][0]["text"] == "Hel"
 
