@@ -116,7 +116,7 @@ def replica_went_away(code: grpc.StatusCode, message: str) -> bool:
     """INTERNAL "RST_STREAM with error code 2" is what grpc reports when a proxy resets the
     stream after its upstream died; loraplex itself never answers INTERNAL that way.
 
-    Safe to retry: Generate (nothing was returned), GetModelInfo, ListAdapters, Tokenize,
+    Safe to retry: Generate (nothing was returned), GetModelInfo, ListAdapters, Tokenize, Detokenize,
     LoadAdapter (same name and source give the same adapter). GenerateStream only when no message
     had arrived yet; after that, a retry regenerates text the caller already has."""
     return code == grpc.StatusCode.INTERNAL and "RST_STREAM" in message

@@ -12,6 +12,7 @@ uses seed + j, so sample 0 is exactly what the same input with n = 1 gives.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
@@ -70,13 +71,33 @@ def _params(p: pb.SamplingParams, args: ServerArgs, prefix: str = "") -> tuple[S
     return params, max(1, p.n)
 
 
+def _bad_words_ids(engine: Engine, words) -> tuple[tuple[int, ...], ...]:
+    """vLLM's reading of bad_words: each word as tokenized alone and after a space (a word inside a
+    sentence is usually its spaced form), without special tokens; duplicates once."""
+    out: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for form in (word, word if word.startswith(" ") else " " + word):
+            ids = tuple(engine.tokenize(form, add_special_tokens=False))
+            if ids:
+                out[ids] = None
+    return tuple(out)
+
+
+def _with_prompt_options(engine: Engine, p: pb.SamplingParams, params: SamplingParams) -> SamplingParams:
+    """The options that need the tokenizer (bad_words)."""
+    if not p.bad_words:
+        return params
+    return dataclasses.replace(params, bad_words_ids=_bad_words_ids(engine, p.bad_words))
+
+
 def _samples(params: SamplingParams, n: int) -> list[SamplingParams]:
     if n == 1 or params.seed is None:
         return [params] * n
     return [dataclasses.replace(params, seed=(params.seed + j) & SEED_MASK) for j in range(n)]
 
 
-def _prompt_of_input(engine: Engine, inp: pb.Input, adapter: str, i: int) -> list[int]:
+def prompt_of_input(engine: Engine, inp: pb.Input, adapter: str, i: int) -> list[int]:
+    """Input `i`'s prompt ids (text, ids or rendered messages); Tokenize renders with it too."""
     where = f"inputs[{i}]"
     given = [
         name
@@ -97,12 +118,18 @@ def _prompt_of_input(engine: Engine, inp: pb.Input, adapter: str, i: int) -> lis
         raise InvalidRequest(
             f"{where}.add_generation_prompt applies to messages only", field=f"{where}.add_generation_prompt"
         )
-    if inp.tools_json and not inp.messages:
-        raise InvalidRequest(f"{where}.tools_json applies to messages only", field=f"{where}.tools_json")
+    for name in ("tools_json", "chat_template_kwargs_json", "continue_final_message"):
+        if getattr(inp, name) and not inp.messages:
+            raise InvalidRequest(f"{where}.{name} applies to messages only", field=f"{where}.{name}")
+    if inp.HasField("add_special_tokens") and not inp.text:
+        raise InvalidRequest(
+            f"{where}.add_special_tokens applies to text only", field=f"{where}.add_special_tokens"
+        )
     if inp.token_ids:
         return list(inp.token_ids)
     if inp.text:
-        return engine.tokenize(inp.text)
+        add_special = inp.add_special_tokens if inp.HasField("add_special_tokens") else True
+        return engine.tokenize(inp.text, add_special)
     if len(inp.messages) > MAX_CHAT_MESSAGES:
         raise InvalidRequest(
             f"{where}.messages has {len(inp.messages)} entries; at most {MAX_CHAT_MESSAGES}",
@@ -126,7 +153,25 @@ def _prompt_of_input(engine: Engine, inp: pb.Input, adapter: str, i: int) -> lis
         messages.append(message)
     add = inp.add_generation_prompt if inp.HasField("add_generation_prompt") else True
     tools = parse_tools(inp.tools_json, f"{where}.tools_json") if inp.tools_json else None
-    return engine.render_chat(messages, adapter or None, add, tools)
+    kwargs = _template_kwargs(inp.chat_template_kwargs_json, f"{where}.chat_template_kwargs_json")
+    try:
+        return engine.render_chat(messages, adapter or None, add, tools, kwargs, inp.continue_final_message)
+    except InvalidRequest as exc:
+        if exc.field in ("chat_template_kwargs", "continue_final_message"):
+            raise InvalidRequest(f"{where}.{exc.message}", field=f"{where}.{exc.field}") from None
+        raise
+
+
+def _template_kwargs(text: str, field: str) -> dict | None:
+    if not text:
+        return None
+    try:
+        kwargs = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"{field} is not valid JSON: {exc}", field=field) from None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest(f"{field} must be a JSON object", field=field)
+    return kwargs
 
 
 def _check_length(text_chars: int, where: str, context_length: int) -> None:
@@ -173,6 +218,10 @@ def engine_work(engine: Engine, request: pb.GenerateRequest, args: ServerArgs) -
         else shared
         for i, inp in enumerate(request.inputs)
     ] or [shared] * n_inputs
+    protos = [
+        inp.sampling_params if inp.HasField("sampling_params") else request.sampling_params
+        for inp in request.inputs
+    ] or [request.sampling_params] * n_inputs
     total = sum(n for _, n, _ in per_input)
     if total > args.max_inputs_per_request:
         raise InvalidRequest(
@@ -206,15 +255,18 @@ def engine_work(engine: Engine, request: pb.GenerateRequest, args: ServerArgs) -
             inp = request.inputs[i]
             where = f"inputs[{i}]"
             _check_length(len(inp.text) + sum(len(m.content) for m in inp.messages), where, context_length)
-            ids = _prompt_of_input(engine, inp, adapters[i], i)
+            ids = prompt_of_input(engine, inp, adapters[i], i)
         else:
             where = f"text[{i}]"
             if not request.text[i]:
                 raise InvalidRequest(f"text[{i}] is empty", field=where)
             _check_length(len(request.text[i]), where, context_length)
             ids = engine.tokenize(request.text[i])
+        if protos[i].truncate_prompt_tokens:  # vLLM's: keep the prompt's last k tokens
+            ids = ids[-protos[i].truncate_prompt_tokens :]
         _check_tokens(ids, where, context_length)
         params, n, params_where = per_input[i]
+        params = _with_prompt_options(engine, protos[i], params)
         work.extend(
             EngineWork(i, j, ids, adapters[i], p, where, params_where)
             for j, p in enumerate(_samples(params, n))

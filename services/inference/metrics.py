@@ -17,10 +17,14 @@ Adapters that live only in the store get residency rows only while they have req
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from loraplex.services.inference.engine.types import EngineStats
 from loraplex.services.inference.lora.adapter_slots import AdapterInfo
@@ -268,8 +272,12 @@ class Metrics:
         return sum(len(m._metrics) for m in families)  # prometheus_client keeps one child per label set
 
     def serve(self, host: str, port: int) -> int:
-        """Start the HTTP exporter on a daemon thread; returns the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Start the HTTP exporter on a daemon thread; returns the bound port. It answers
+        `GET /metrics` only (404 elsewhere: a health check pointed at it must not read 200)."""
+        server_class = _IPv6Server if ":" in host else ThreadingWSGIServer
+        app = metrics_only(make_wsgi_app(self.registry))
+        server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         return server.server_port
 
     def observe_compiles(self, after_start: int) -> None:
@@ -429,3 +437,24 @@ def _remove(metric, *labels: str) -> None:
         metric.remove(*labels)
     except KeyError:
         pass
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 - the base class's name
+        """No access log on stderr (as prometheus_client's own exporter)."""
+
+
+class _IPv6Server(ThreadingWSGIServer):
+    address_family = socket.AF_INET6
+
+
+def metrics_only(app):
+    """A WSGI app that passes `/metrics` to `app` and answers 404 to every other path."""
+
+    def route(environ, start_response):
+        if environ.get("PATH_INFO", "") in ("/metrics", "/metrics/"):
+            return app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"not found: this port serves GET /metrics only\n"]
+
+    return route

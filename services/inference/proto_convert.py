@@ -10,7 +10,13 @@ from __future__ import annotations
 import re
 
 from loraplex.services.inference.engine.api import Engine
-from loraplex.services.inference.engine.types import Constraint, RequestOutput, SamplingParams, TokenLogprob
+from loraplex.services.inference.engine.types import (
+    MAX_BAD_WORDS,
+    Constraint,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from loraplex.services.inference.errors import InvalidRequest
 from loraplex.services.inference.lora.adapter_slots import AdapterInfo
 from loraplex.services.inference.lora.names import ADAPTER_NAME_RULE, is_adapter_name
@@ -80,12 +86,22 @@ def _constraint(p: pb.SamplingParams) -> Constraint | None:
     """The `constraint` oneof as the engine's Constraint (the engine checks and compiles it)."""
     kind = p.WhichOneof("constraint")
     if kind is None or (kind == "json_object" and not p.json_object):
+        if p.json_any_whitespace:
+            raise InvalidRequest(
+                "sampling_params.json_any_whitespace applies to json_schema / json_object only",
+                field="sampling_params.json_any_whitespace",
+            )
         return None
     if kind == "choice":
         return Constraint("choice", choices=tuple(p.choice.choices))
     if kind == "json_object":
-        return Constraint("json_object")
-    return Constraint(kind, getattr(p, kind))
+        return Constraint("json_object", any_whitespace=p.json_any_whitespace)
+    if p.json_any_whitespace and kind != "json_schema":
+        raise InvalidRequest(
+            f"sampling_params.json_any_whitespace applies to json_schema / json_object, not {kind}",
+            field="sampling_params.json_any_whitespace",
+        )
+    return Constraint(kind, getattr(p, kind), any_whitespace=p.json_any_whitespace)
 
 
 def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
@@ -110,7 +126,23 @@ def to_engine_params(p: pb.SamplingParams, args: ServerArgs) -> SamplingParams:
         constraint=_constraint(p),
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
         min_tokens=p.min_tokens,
-    )
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        allowed_token_ids=tuple(p.allowed_token_ids),
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        priority=p.priority,
+        cache_salt=p.cache_salt,
+    )  # bad_words are tokenized with the prompt (generate_inputs.py), truncate_prompt_tokens applied there
+    if len(p.bad_words) > MAX_BAD_WORDS or any(not w or len(w) > MAX_STOP_CHARS for w in p.bad_words):
+        raise InvalidRequest(
+            f"sampling_params.bad_words must be at most {MAX_BAD_WORDS} non-empty words of at most "
+            f"{MAX_STOP_CHARS} characters",
+            field="sampling_params.bad_words",
+        )
+    if len(p.cache_salt) > MAX_STOP_CHARS:
+        raise InvalidRequest(
+            f"sampling_params.cache_salt is {len(p.cache_salt)} characters; at most {MAX_STOP_CHARS}",
+            field="sampling_params.cache_salt",
+        )
     if p.top_logprobs and not (p.logprobs or p.prompt_logprobs):
         raise InvalidRequest(
             "sampling_params.top_logprobs needs sampling_params.logprobs or prompt_logprobs",

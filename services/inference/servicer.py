@@ -18,15 +18,15 @@ from typing import NamedTuple
 
 import grpc
 
+from loraplex.services.inference import tokenize_rpc
 from loraplex.services.inference.adapter_resolver import AdapterResolver
 from loraplex.services.inference.engine.api import Engine
 from loraplex.services.inference.engine.types import RequestOutput
-from loraplex.services.inference.errors import BackendUnavailable, InvalidRequest, LoraplexError
+from loraplex.services.inference.errors import BackendUnavailable, LoraplexError
 from loraplex.services.inference.generate_inputs import EngineWork, engine_work, open_streams
 from loraplex.services.inference.local_sources import public_model_name
 from loraplex.services.inference.metrics import Metrics
 from loraplex.services.inference.proto_convert import (
-    MAX_CHARS_PER_TOKEN,
     adapter_proto,
     first_token_bytes,
     logprobs_proto,
@@ -264,10 +264,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     )
                     if out.prompt_logprobs is not None:
                         msg.prompt_first_token_bytes = first_token_bytes(engine, work[k])
+                    # the counts so far on every message (the door's continuous usage), final on the last
+                    msg.prompt_tokens = out.prompt_tokens
+                    msg.completion_tokens = out.completion_tokens
                     if out.finished:
                         msg.finish_reason = out.finish_reason or ""
-                        msg.prompt_tokens = out.prompt_tokens
-                        msg.completion_tokens = out.completion_tokens
                         for name, value in timing_fields(out).items():
                             setattr(msg, name, value)
                     yield msg
@@ -341,21 +342,27 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
         return await self._simple(context, "GetModelInfo", work)
 
+    async def _own_tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            # Our own copy: the engine's tokenizers belong to its threads.
+            path = self.args.engine.model_path
+            self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
+        return self._tokenizer
+
     async def Tokenize(self, request, context):
         async def work(engine, resolver):
-            limit = engine.model_info().context_length * MAX_CHARS_PER_TOKEN
-            if limit and len(request.text) > limit:
-                raise InvalidRequest(
-                    f"text has {len(request.text)} characters; Tokenize accepts at most {limit}", field="text"
-                )
-            ids = await asyncio.to_thread(engine.tokenize, request.text)
-            if self._tokenizer is None:
-                from transformers import AutoTokenizer
-
-                # Our own copy: the engine's tokenizers belong to its threads.
-                self._tokenizer = await asyncio.to_thread(
-                    AutoTokenizer.from_pretrained, self.args.engine.model_path
-                )
-            return pb.TokenizeResponse(token_ids=ids, tokens=self._tokenizer.convert_ids_to_tokens(ids))
+            ids = await tokenize_rpc.tokenize(engine, resolver, request)
+            tokenizer = await self._own_tokenizer()
+            return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
 
         return await self._simple(context, "Tokenize", work)
+
+    async def Detokenize(self, request, context):
+        async def work(engine, resolver):
+            tokenizer = await self._own_tokenizer()
+            text = await asyncio.to_thread(tokenize_rpc.detokenize, tokenizer, request)
+            return pb.DetokenizeResponse(text=text)
+
+        return await self._simple(context, "Detokenize", work)

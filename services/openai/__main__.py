@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -94,7 +95,9 @@ async def serve(args: argparse.Namespace) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     backend = Backend(args.target, args.served_model_name, args.timeout, args.tls_ca, args.max_body_bytes)
-    app = BodyLimit(create_app(backend), args.max_body_bytes, args.body_timeout)
+    # vLLM's adapter routes answer only with this token (the environment keeps it out of `ps`)
+    admin_token = os.environ.get("LORAPLEX_ADMIN_TOKEN") or None
+    app = BodyLimit(create_app(backend, admin_token), args.max_body_bytes, args.body_timeout)
     protocol = header_timeout_protocol(import_from_string(HTTP_PROTOCOLS[args.http]), args.header_timeout)
     soft, _ = raise_open_file_limit()
     if soft < args.max_concurrency + 64:

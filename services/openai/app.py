@@ -26,8 +26,17 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from loraplex.services.openai import responses, schema, stream, structured
+from loraplex.services.openai import (
+    reply,
+    responses,
+    responses_route,
+    schema,
+    stream,
+    structured,
+    vllm_routes,
+)
 from loraplex.services.openai.disconnect import unless_client_leaves
+from loraplex.services.openai.door_metrics import DoorMetrics
 from loraplex.services.openai.errors import OpenAIError, bad_request, from_grpc, model_not_found
 from loraplex.services.openai.inputs import (
     check_adapter_model,
@@ -81,6 +90,7 @@ class Backend:
         self._channel = None
         self._base_names: tuple[str, ...] | None = None
         self.max_new_tokens_limit = 0  # the server's --max-new-tokens-limit, learnt with the names
+        self.context_length = 0  # the model's, learnt with the names
 
     @property
     def stub(self) -> pb_grpc.InferenceStub:
@@ -106,6 +116,7 @@ class Backend:
             first = self.served_model_name or PurePosixPath(info.model.rstrip("/")).name or info.model
             self._base_names = (first, info.model)
             self.max_new_tokens_limit = info.max_new_tokens_limit
+            self.context_length = info.context_length
         return self._base_names
 
     async def adapter_for(self, model: str, metadata) -> str:
@@ -137,10 +148,6 @@ async def _body(request: Request):
     return await asyncio.to_thread(_checked_json, await request.body())
 
 
-def _json_response(build, *args) -> JSONResponse:
-    return JSONResponse(build(*args))  # the body is encoded here, in the constructor
-
-
 def _refused(exc: grpc.RpcError, parsed, door_call: schema.DoorCall, chat: bool) -> OpenAIError:
     """The server's refusal in the caller's words: the constraint's field as written (structured.py),
     and `max_completion_tokens` where the caller wrote that rather than `max_tokens`."""
@@ -152,7 +159,9 @@ def _refused(exc: grpc.RpcError, parsed, door_call: schema.DoorCall, chat: bool)
     return err
 
 
-def create_app(backend: Backend) -> FastAPI:
+def create_app(backend: Backend, admin_token: str | None = None) -> FastAPI:
+    """The door's routes; `admin_token` ($LORAPLEX_ADMIN_TOKEN) switches on vLLM's adapter routes."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
@@ -166,6 +175,7 @@ def create_app(backend: Backend) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.backend = backend
+    app.add_middleware(DoorMetrics)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError) -> Response:
@@ -204,6 +214,14 @@ def create_app(backend: Backend) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = _door_metrics(app).exposition()
+        return Response(body, media_type=content_type)
+
+    vllm_routes.add_routes(app, backend, _metadata, _body, admin_token)
+    responses_route.add_route(app, backend, _metadata, _body, _resolve)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -272,12 +290,18 @@ def create_app(backend: Backend) -> FastAPI:
             except grpc.RpcError as exc:
                 raise _refused(exc, parsed, door_call, chat) from None
             if chat:
-                return await asyncio.to_thread(
-                    _json_response, responses.chat_body, resp, parsed.model, asked, tool_plan
-                )
-            return await asyncio.to_thread(
-                _json_response, responses.completion_body, resp, parsed.model, asked
-            )
+
+                def build() -> JSONResponse:  # the body is built and encoded here, off the event loop
+                    body = responses.chat_body(resp, parsed.model, asked, tool_plan)
+                    return JSONResponse(reply.finish_body(body, door_call.reply))
+
+                return await asyncio.to_thread(build)
+
+            def build_completion() -> JSONResponse:
+                body = responses.completion_body(resp, parsed.model, asked)
+                return JSONResponse(reply.finish_body(body, door_call.reply))
+
+            return await asyncio.to_thread(build_completion)
         call = backend.stub.GenerateStream(grpc_request, metadata=md, timeout=backend.timeout_s)
         try:  # the first message (or the error) before the 200: a refused call gets its status
             first = await unless_client_leaves(request, call, call.read())
@@ -285,7 +309,10 @@ def create_app(backend: Backend) -> FastAPI:
             raise _refused(exc, parsed, door_call, chat) from None
         state = stream.StreamState(parsed.model, parsed.n, chat, asked, tool_plan)
         include_usage = bool(parsed.stream_options and parsed.stream_options.include_usage)
-        return EventSourceResponse(_events(call, first, state, include_usage, parsed.model), ping=15)
+        finisher = reply.StreamReply(door_call.reply, asked.score_only)
+        return EventSourceResponse(
+            _events(call, first, state, include_usage, parsed.model, finisher), ping=15
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -296,12 +323,24 @@ def create_app(backend: Backend) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        parsed = await asyncio.to_thread(schema.parse, schema.ChatRequest, await _body(request))
+        parsed, legacy = await asyncio.to_thread(schema.parse_chat, await _body(request))
         adapter = await _resolve(backend, request, parsed.model)
-        door_call = await asyncio.to_thread(schema.chat_call, parsed, adapter, backend.max_new_tokens_limit)
+        door_call = await asyncio.to_thread(
+            schema.chat_call, parsed, adapter, backend.max_new_tokens_limit, legacy
+        )
         return await generate(request, parsed, door_call, adapter, True)
 
     return app
+
+
+def _door_metrics(app: FastAPI) -> DoorMetrics:
+    """The metrics middleware instance of `app` (built by Starlette when the app starts)."""
+    layer = app.middleware_stack
+    while layer is not None and not isinstance(layer, DoorMetrics):
+        layer = getattr(layer, "app", None)
+    if layer is None:
+        raise RuntimeError("the door's metrics middleware is not in the stack")
+    return layer
 
 
 async def _resolve(backend: Backend, request: Request, model: str) -> str:
@@ -311,25 +350,28 @@ async def _resolve(backend: Backend, request: Request, model: str) -> str:
         raise from_grpc(exc, model) from None
 
 
-def _encoded(state: stream.StreamState, msg) -> list[str]:
-    return [json.dumps(chunk) for chunk in state.chunks(msg)]
+def _encoded(state: stream.StreamState, msg, finisher: reply.StreamReply) -> list[str]:
+    return [json.dumps(finisher.finish(chunk)) for chunk in state.chunks(msg)]
 
 
 async def _events(
-    call, first, state: stream.StreamState, include_usage: bool, model: str
+    call, first, state: stream.StreamState, include_usage: bool, model: str, finisher: reply.StreamReply
 ) -> AsyncIterator[str]:
     msg = first
     try:
         while msg is not grpc.aio.EOF:
+            finisher.observe(msg)
             # a choice's end may parse its whole held output (tool calls): in a thread
             events = (
-                await asyncio.to_thread(_encoded, state, msg) if msg.finish_reason else _encoded(state, msg)
+                await asyncio.to_thread(_encoded, state, msg, finisher)
+                if msg.finish_reason
+                else _encoded(state, msg, finisher)
             )
             for event in events:
                 yield event
             msg = await call.read()
         if include_usage:
-            yield json.dumps(state.usage_chunk())
+            yield json.dumps(finisher.finish(state.usage_chunk()))
     except grpc.RpcError as exc:  # after the 200: the error travels as an event, as OpenAI's streams do
         err = from_grpc(exc, model, state.chat)
         yield json.dumps(

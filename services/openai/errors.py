@@ -74,6 +74,9 @@ def request_param(field: str, chat: bool) -> str:
         if chat and name == "top_logprobs":
             return "top_logprobs"
         return SAMPLING_PARAM.get(name, name)
+    chat_field = re.match(r"^inputs\[\d+\]\.(chat_template_kwargs|continue_final_message)", field)
+    if chat_field:
+        return chat_field.group(1)
     message = re.match(r"^inputs\[\d+\]\.messages\[(\d+)\](.*)$", field)
     if message:  # the door's spelling (pydantic's errors read the same): messages[2].tool_calls
         rest = re.sub(r"^\.tool_calls_json", ".tool_calls", message.group(2))

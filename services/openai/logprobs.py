@@ -46,15 +46,25 @@ class TextOffsets:
         return here
 
 
-def _top_dict(top, k: int | None) -> dict[str, float]:
+def name(lp, legacy: bool = False, ids: bool = False) -> str:
+    """A token's name in an answer: its text, or vLLM's `token_id:N` (return_tokens_as_token_ids)."""
+    return f"token_id:{lp.token_id}" if ids else token_text(raw(lp), legacy)
+
+
+def _top_dict(top, k: int | None, ids: bool = False) -> dict[str, float]:
     out: dict[str, float] = {}
     for t in list(top)[:k] if k is not None else top:
-        out.setdefault(token_text(raw(t), legacy=True), t.logprob)  # most likely first: keep it
+        out.setdefault(name(t, True, ids), t.logprob)  # most likely first: keep it
     return out
 
 
 def legacy(
-    lps, offsets: TextOffsets, k: int | None = None, *, first_prompt_token: bytes | None = None
+    lps,
+    offsets: TextOffsets,
+    k: int | None = None,
+    *,
+    first_prompt_token: bytes | None = None,
+    ids: bool = False,
 ) -> dict[str, list]:
     """The completions `logprobs` object's lists for `lps` (at most `k` alternatives each);
     `first_prompt_token` (echo) leads with the prompt's first token, which has no log probability
@@ -67,27 +77,27 @@ def legacy(
         text_offset.append(offsets.add(first_prompt_token))
     for lp in lps:
         b = raw(lp)
-        tokens.append(token_text(b, legacy=True))
+        tokens.append(name(lp, True, ids))
         values.append(lp.logprob)
-        tops.append(_top_dict(lp.top, k))
+        tops.append(_top_dict(lp.top, k, ids))
         text_offset.append(offsets.add(b))
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": text_offset}
 
 
-def completion_logprobs(lps, offset: int = 0, k: int | None = None) -> dict[str, Any]:
+def completion_logprobs(lps, offset: int = 0, k: int | None = None, ids: bool = False) -> dict[str, Any]:
     """The legacy completions `logprobs` object for generated tokens starting at character `offset`."""
-    return legacy(lps, TextOffsets(offset), k)
+    return legacy(lps, TextOffsets(offset), k, ids=ids)
 
 
-def chat_logprobs(lps, k: int | None = None) -> dict[str, Any]:
+def chat_logprobs(lps, k: int | None = None, ids: bool = False) -> dict[str, Any]:
     return {
         "content": [
             {
-                "token": token_text(raw(lp)),
+                "token": name(lp, ids=ids),
                 "logprob": lp.logprob,
                 "bytes": list(raw(lp)),
                 "top_logprobs": [
-                    {"token": token_text(raw(t)), "logprob": t.logprob, "bytes": list(raw(t))}
+                    {"token": name(t, ids=ids), "logprob": t.logprob, "bytes": list(raw(t))}
                     for t in list(lp.top)[:k]
                 ],
             }

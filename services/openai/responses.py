@@ -46,6 +46,7 @@ class Asked(NamedTuple):
     echo: bool = False  # completions: the prompt leads the text (and its tokens the logprobs)
     score_only: bool = False  # max_tokens 0 with echo: the one token generated is dropped
     prompts: tuple[str | None, ...] = ()  # per input: its text prompt (echo); None when given as ids
+    token_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N"
 
 
 def _usage_of(completions, score_only: bool = False) -> dict[str, Any]:
@@ -85,7 +86,9 @@ def echoed(c, asked: Asked, offsets: lp_mod.TextOffsets, then=()) -> tuple[str, 
     if asked.logprobs is None:
         return prompt, None
     lps = [*c.prompt_logprobs, *then]
-    return prompt, lp_mod.legacy(lps, offsets, asked.logprobs, first_prompt_token=c.prompt_first_token_bytes)
+    return prompt, lp_mod.legacy(
+        lps, offsets, asked.logprobs, first_prompt_token=c.prompt_first_token_bytes, ids=asked.token_ids
+    )
 
 
 def prompt_fields(c, asked: Asked) -> dict[str, Any]:
@@ -102,7 +105,7 @@ def _completion_choice(k: int, c, asked: Asked) -> dict[str, Any]:
         prompt, logprobs = echoed(c, asked, lp_mod.TextOffsets(), lps)
         text = prompt + text
     elif asked.logprobs is not None:
-        logprobs = lp_mod.completion_logprobs(lps, 0, asked.logprobs)
+        logprobs = lp_mod.completion_logprobs(lps, 0, asked.logprobs, asked.token_ids)
     choice = {"index": k, "text": text, "finish_reason": finish_reason(reason), "logprobs": logprobs}
     return choice | prompt_fields(c, asked)
 
@@ -140,7 +143,7 @@ def chat_body(
                 "index": k,
                 "message": message,
                 "finish_reason": finish_reason(reason),
-                "logprobs": lp_mod.chat_logprobs(c.logprobs, asked.logprobs)
+                "logprobs": lp_mod.chat_logprobs(c.logprobs, asked.logprobs, asked.token_ids)
                 if asked.logprobs is not None
                 else None,
             }

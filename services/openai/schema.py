@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from loraplex.services.openai import structured, tools
+from loraplex.services.openai import extensions, legacy_functions, structured, tools
 from loraplex.services.openai.errors import bad_request
 from loraplex.services.openai.responses import Asked
 from loraplex.v1 import inference_pb2 as pb
@@ -25,9 +25,13 @@ STRICT = ConfigDict(strict=True)
 
 
 class StreamOptions(BaseModel):
-    model_config = STRICT
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
+    # vLLM's: usage on every chunk (its running counts), not only in the last one
+    continuous_usage_stats: bool = False
+    # OpenAI's: random padding on each delta chunk (the `obfuscation` field) to even out sizes
+    include_obfuscation: bool = False
 
 
 class _Common(BaseModel):
@@ -46,7 +50,14 @@ class _Common(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    # Advisory (docs/operations.md says what each means here): labels, caching and storage hints.
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in-memory", "in_memory", "24h"] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     # vLLM's extensions, as vLLM defines them (top_k -1 or 0 = off).
     top_k: int | None = Field(default=None, ge=-1, le=UINT32_MAX)
     min_p: float | None = Field(default=None, ge=0, le=1)
@@ -56,6 +67,17 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    priority: int = Field(default=0, ge=-(1 << 31), le=(1 << 31) - 1)
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    cache_salt: str | None = None
+    return_tokens_as_token_ids: bool = False
+    spaces_between_special_tokens: bool = True
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     # vLLM's structured-output extensions (services/openai/structured.py reads and checks them).
     guided_json: Any = None
     guided_regex: Any = None
@@ -72,23 +94,37 @@ class CompletionRequest(_Common):
     max_tokens: int | None = Field(default=16, ge=0, le=UINT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens (BOS) on text prompts
     suffix: str | None = None
     best_of: int | None = None
+    response_format: Any = None
 
 
 class TextPart(BaseModel):
-    model_config = STRICT
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
     text: str
 
 
+# What a message may carry besides role and content: tool fields (services/openai/tools.py reads
+# them as extras) and the assistant fields clients send back unchanged (no effect on the prompt).
+MESSAGE_EXTRAS = frozenset({"tool_calls", "tool_call_id", "name", "refusal", "annotations"})
+
+
 class ChatMessage(BaseModel):
-    # tool_calls, tool_call_id and name travel as extras (services/openai/tools.py reads them)
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: ChatRole
     content: str | list[TextPart] | None = None
+
+    @model_validator(mode="after")
+    def _known_extras(self):
+        # null counts as not given (an SDK's message object sends back `"audio": null` and the like)
+        for name, value in (self.model_extra or {}).items():
+            if name not in MESSAGE_EXTRAS and value is not None:
+                raise ValueError(f"unknown field {name[:100]!r} in a message")
+        return self
 
 
 class ChatRequest(_Common):
@@ -100,24 +136,36 @@ class ChatRequest(_Common):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: Any = None
+    # OpenAI's chat-only fields: modalities ["text"] only; `prediction` accepted (no speculation
+    # here, so no effect); reasoning_effort / verbosity reach the chat template as variables.
+    modalities: list[str] | None = None
+    prediction: Prediction | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    # vLLM's chat extensions
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    add_special_tokens: bool = False  # vLLM's chat default: the template writes them
 
 
-# OpenAI fields this server does not implement: refused when given a value. null, [] and {} count
-# as not given (SDKs and frameworks send them so). Add a name here, or a field to a model above.
-UNSUPPORTED = frozenset(
-    {
-        "functions",
-        "function_call",
-        "audio",
-        "modalities",
-        "prediction",
-        "web_search_options",
-        "reasoning_effort",
-        "service_tier",
-        "store",
-        "metadata",
-    }
-)
+class Prediction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+
+ChatRequest.model_rebuild()
+
+# OpenAI fields this server cannot give: refused, with the reason, when given a value. null, []
+# and {} count as not given (SDKs and frameworks send them so). `functions` / `function_call` are
+# rewritten as tools before parsing (services/openai/legacy_functions.py).
+UNSUPPORTED = {
+    "audio": "audio output is not available: this server generates text only",
+    "web_search_options": "web search is not available on this server",
+}
 
 
 def check_fields(model: type[BaseModel], body: Any) -> Any:
@@ -132,7 +180,7 @@ def check_fields(model: type[BaseModel], body: Any) -> Any:
             out[name] = value
         elif name in UNSUPPORTED:
             if value not in (None, [], {}):
-                raise bad_request(f"{name} is not supported by this server", name)
+                raise bad_request(f"{name} is not supported: {UNSUPPORTED[name]}", name)
         else:
             raise bad_request(
                 f"unknown field {name[:100]!r}: this server honours OpenAI's fields and vLLM's extensions "
@@ -140,6 +188,13 @@ def check_fields(model: type[BaseModel], body: Any) -> Any:
                 name[:100],
             )
     return out
+
+
+def parse_chat(body: Any) -> tuple[ChatRequest, bool]:
+    """A chat body parsed, `functions` / `function_call` read as tools first; True when it used them
+    (the answer then takes their shape)."""
+    legacy = isinstance(body, dict) and legacy_functions.rewrite(body)
+    return parse(ChatRequest, body), legacy
 
 
 # What pydantic puts in an error's location for a union's branch: not a field of the request.
@@ -173,8 +228,6 @@ def parse(model: type[BaseModel], body: Any):
 
 
 def _sampling(req: _Common, max_tokens: int | None) -> pb.SamplingParams:
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", "logit_bias")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     stop_ids = list(req.stop_token_ids or [])
     if any(not 0 <= t <= UINT32_MAX for t in stop_ids):
@@ -198,6 +251,7 @@ def _sampling(req: _Common, max_tokens: int | None) -> pb.SamplingParams:
         params.skip_special_tokens = req.skip_special_tokens
     if req.seed is not None:
         params.seed = req.seed & ((1 << 64) - 1)
+    extensions.apply_sampling(req, params)
     return params
 
 
@@ -219,16 +273,21 @@ class DoorCall(NamedTuple):
     asked: Asked
     tool_plan: tools.ToolPlan | None = None
     fields: dict[str, str] = {}  # noqa: RUF012 - never mutated
+    reply: extensions.ReplyOptions = extensions.ReplyOptions()
 
 
 def completion_call(req: CompletionRequest, adapter: str) -> DoorCall:
     request, asked = completion_request(req, adapter)
-    return DoorCall(request, asked, None, structured.apply(req, request.sampling_params))
+    fields = structured.apply(req, request.sampling_params, req.response_format)
+    return DoorCall(request, asked, None, fields, extensions.reply_options(req, chat=False))
 
 
-def chat_call(req: ChatRequest, adapter: str, max_new_tokens_limit: int = 0) -> DoorCall:
+def chat_call(
+    req: ChatRequest, adapter: str, max_new_tokens_limit: int = 0, legacy_functions: bool = False
+) -> DoorCall:
     request, asked = chat_request(req, adapter, max_new_tokens_limit)
     params = request.sampling_params
+    extensions.apply_chat(req, request.inputs[0])
     fields = structured.apply(req, params, req.response_format)
     tool_plan = tools.plan(req.tools, req.tool_choice)
     if tool_plan is not None:
@@ -240,14 +299,23 @@ def chat_call(req: ChatRequest, adapter: str, max_new_tokens_limit: int = 0) -> 
             )
         fields = fields or tools.constrain(tool_plan, params)
         request.inputs[0].tools_json = tools.tools_json(tool_plan.tools)
-    return DoorCall(request, asked, tool_plan, fields)
+    reply = extensions.reply_options(req, chat=True, legacy_functions=legacy_functions)
+    return DoorCall(request, asked, tool_plan, fields, reply)
 
 
 def completion_request(req: CompletionRequest, adapter: str) -> tuple[pb.GenerateRequest, Asked]:
     if req.suffix:
-        raise bad_request("suffix is not supported by this server", "suffix")
+        raise bad_request(
+            "suffix is not available: this server generates after the prompt only (no insertion)", "suffix"
+        )
+    if req.best_of is not None and req.best_of < req.n:
+        raise bad_request(f"best_of ({req.best_of}) must be at least n ({req.n})", "best_of")
     if req.best_of not in (None, req.n):
-        raise bad_request("best_of is not supported by this server (only best_of = n)", "best_of")
+        raise bad_request(
+            "best_of > n is not available: this server returns every sample it generates (ask n "
+            "samples with logprobs and pick on your side)",
+            "best_of",
+        )
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens 0 scores the prompt: it needs echo: true", "max_tokens")
     # max_tokens 0: the engine always generates one token; the answer leaves it out.
@@ -260,8 +328,19 @@ def completion_request(req: CompletionRequest, adapter: str) -> tuple[pb.Generat
         req.prompt_logprobs if not req.echo else max(req.logprobs or 0, req.prompt_logprobs or 0),
     )
     inputs = _prompt_inputs(req.prompt)
+    if not req.add_special_tokens:
+        for inp in inputs:
+            if inp.text:
+                inp.add_special_tokens = False
     texts = tuple(i.text or None for i in inputs)
-    asked = Asked(req.logprobs, req.prompt_logprobs, req.echo, req.max_tokens == 0, texts)
+    asked = Asked(
+        req.logprobs,
+        req.prompt_logprobs,
+        req.echo,
+        req.max_tokens == 0,
+        texts,
+        req.return_tokens_as_token_ids,
+    )
     return pb.GenerateRequest(inputs=inputs, adapter=[adapter], sampling_params=params), asked
 
 
@@ -324,4 +403,4 @@ def chat_request(
     request = pb.GenerateRequest(
         inputs=[pb.Input(messages=messages)], adapter=[adapter], sampling_params=params
     )
-    return request, Asked(top, req.prompt_logprobs)
+    return request, Asked(top, req.prompt_logprobs, token_ids=req.return_tokens_as_token_ids)

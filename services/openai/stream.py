@@ -90,7 +90,9 @@ class StreamState:
             return out
         if msg.text or msg.logprobs:
             k_top = self.asked.logprobs
-            lps = lp_mod.chat_logprobs(msg.logprobs, k_top) if k_top is not None else None
+            lps = (
+                lp_mod.chat_logprobs(msg.logprobs, k_top, self.asked.token_ids) if k_top is not None else None
+            )
             out.append(
                 self._chunk(
                     [{"index": k, "delta": {"content": msg.text}, "logprobs": lps, "finish_reason": None}]
@@ -117,7 +119,7 @@ class StreamState:
         if text or generated_lps or reason or lead:
             lps = None
             if self.asked.logprobs is not None:
-                lps = lp_mod.legacy(generated_lps, offsets, self.asked.logprobs)
+                lps = lp_mod.legacy(generated_lps, offsets, self.asked.logprobs, ids=self.asked.token_ids)
             choice = {"index": k, "text": text, "logprobs": lps, "finish_reason": finish_reason(reason)}
             out.append(self._chunk([choice | lead]))
         return out
@@ -138,7 +140,9 @@ class StreamState:
         if msg.text or msg.logprobs:
             delta = {"tool_calls": [{"index": 0, "function": {"arguments": msg.text}}]}
             k_top = self.asked.logprobs
-            lps = lp_mod.chat_logprobs(msg.logprobs, k_top) if k_top is not None else None
+            lps = (
+                lp_mod.chat_logprobs(msg.logprobs, k_top, self.asked.token_ids) if k_top is not None else None
+            )
             out.append(self._chunk([{"index": k, "delta": delta, "logprobs": lps, "finish_reason": None}]))
         if msg.finish_reason:
             self.held_text.pop(k, None)
@@ -157,7 +161,7 @@ class StreamState:
                         {
                             "index": k,
                             "delta": {"content": message["content"] or ""},
-                            "logprobs": lp_mod.chat_logprobs(lps, self.asked.logprobs)
+                            "logprobs": lp_mod.chat_logprobs(lps, self.asked.logprobs, self.asked.token_ids)
                             if self.asked.logprobs is not None
                             else None,
                             "finish_reason": None,

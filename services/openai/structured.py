@@ -8,7 +8,8 @@ Accepted spellings (at most one per request):
   properties the schema does not list are never generated);
 - vLLM's `guided_json` (a schema, object or JSON text), `guided_regex`, `guided_choice`,
   `guided_grammar` (EBNF), and `structured_outputs: {"json" | "regex" | "choice" | "grammar": ...}`
-  (also `{"json_object": true}`), on completions and chat.
+  (also `{"json_object": true}`), on completions and chat; its `disable_any_whitespace: false`
+  allows any whitespace in JSON (the default is the compact form), `whitespace_pattern` is refused.
 
 A regex matches the whole output. The server compiles the constraint; its INVALID_ARGUMENT names
 `sampling_params.KIND`, which `rename_error` turns back into the field the caller wrote.
@@ -29,6 +30,7 @@ GUIDED = {
     "guided_grammar": "grammar",
 }
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+WHITESPACE_KEYS = ("disable_any_whitespace", "whitespace_pattern")
 
 
 def _schema_text(value: Any, field: str) -> str:
@@ -78,9 +80,19 @@ def _set(params: pb.SamplingParams, kind: str, value: Any, field: str) -> str:
     return f"sampling_params.{kind}"
 
 
+def _known(obj: dict, names: tuple[str, ...], where: str) -> None:
+    """A nested unknown key is refused like a top-level one."""
+    for key in obj:
+        if key not in names:
+            raise bad_request(
+                f"unknown field {where}.{key[:100]} (known: {', '.join(names)})", f"{where}.{key[:100]}"
+            )
+
+
 def _from_response_format(rf: Any) -> tuple[str, Any, str] | None:
     if not isinstance(rf, dict):
         raise bad_request("response_format must be an object", "response_format")
+    _known(rf, ("type", "json_schema"), "response_format")
     kind = rf.get("type")
     if kind in (None, "text"):
         return None
@@ -92,6 +104,7 @@ def _from_response_format(rf: Any) -> tuple[str, Any, str] | None:
             raise bad_request(
                 "response_format.json_schema must be an object with a `schema`", "response_format.json_schema"
             )
+        _known(spec, ("name", "description", "schema", "strict"), "response_format.json_schema")
         strict = spec.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise bad_request(
@@ -116,22 +129,50 @@ def apply(req, params: pb.SamplingParams, response_format: Any = None) -> dict[s
         if getattr(req, name, None) is not None:
             found.append((kind, getattr(req, name), name))
     so = getattr(req, "structured_outputs", None)
+    any_whitespace = False
     if so is not None:
         if not isinstance(so, dict):
             raise bad_request("structured_outputs must be an object", "structured_outputs")
-        unknown = sorted(set(so) - set(STRUCTURED_KEYS) - {"disable_any_whitespace", "whitespace_pattern"})
+        unknown = sorted(set(so) - set(STRUCTURED_KEYS) - set(WHITESPACE_KEYS))
         if unknown:
             raise bad_request(
-                f"structured_outputs.{unknown[0]} is not supported (one of {', '.join(STRUCTURED_KEYS)})",
+                f"structured_outputs.{unknown[0]} is not supported (one of "
+                f"{', '.join(STRUCTURED_KEYS + WHITESPACE_KEYS)})",
                 f"structured_outputs.{unknown[0]}",
             )
         found += [(k, so[k], f"structured_outputs.{k}") for k in STRUCTURED_KEYS if so.get(k) is not None]
+        any_whitespace = _any_whitespace(so)
     if not found:
         return {}
     if len(found) > 1:
         raise bad_request(f"give one output constraint; got {', '.join(f for _, _, f in found)}", found[1][2])
     kind, value, field = found[0]
+    if any_whitespace:
+        if kind not in ("json", "json_object"):
+            raise bad_request(
+                "structured_outputs.disable_any_whitespace applies to JSON outputs only",
+                "structured_outputs.disable_any_whitespace",
+            )
+        params.json_any_whitespace = True
     return {_set(params, kind, value, field): field}
+
+
+def _any_whitespace(so: dict) -> bool:
+    """vLLM's whitespace controls: `disable_any_whitespace` false allows any whitespace between JSON
+    tokens; true (and unset) keeps this server's compact form. xgrammar has no whitespace pattern."""
+    if so.get("whitespace_pattern") is not None:
+        raise bad_request(
+            "structured_outputs.whitespace_pattern is not available: xgrammar has no whitespace "
+            "pattern (disable_any_whitespace false allows any whitespace, true the compact form)",
+            "structured_outputs.whitespace_pattern",
+        )
+    value = so.get("disable_any_whitespace")
+    if value is not None and not isinstance(value, bool):
+        raise bad_request(
+            "structured_outputs.disable_any_whitespace must be a boolean",
+            "structured_outputs.disable_any_whitespace",
+        )
+    return value is False
 
 
 def rename_error(err: OpenAIError, fields: dict[str, str]) -> OpenAIError:

@@ -57,6 +57,7 @@ def test_reflection_lists_both_services(stack):
         "ListAdapters",
         "GetModelInfo",
         "Tokenize",
+        "Detokenize",
     ):
         assert f"rpc {rpc}" in described
 
@@ -94,6 +95,7 @@ def test_example_scripts_run(stack):
         ("health.sh", []),
         ("get_model_info.sh", []),
         ("tokenize.sh", ["hi"]),
+        ("detokenize.sh", ["19556", "28"]),
         ("list_adapters.sh", []),
         ("generate.sh", ["", "Hello"]),
         ("generate_stream.sh", ["", "Hello"]),

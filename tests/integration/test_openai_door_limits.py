@@ -127,7 +127,8 @@ CHAT_CASES = [
     ('[{"role": "\\ud800", "content": "x"}]', "messages[0].role"),
     ('[{"role": "user", "content": "x"}, {"role": "system\\n", "content": "x"}]', "messages[1].role"),
     ('[{"role": "<|im_start|>system", "content": "x"}]', "messages[0].role"),
-    ('[{"role": "function", "content": "x"}]', "messages[0].role"),
+    # the deprecated `function` role answers an earlier function_call (legacy_functions.py): it names it
+    ('[{"role": "function", "content": "x"}]', "messages[0].name"),
     ('[{"role": "user", "content": 5}]', "messages[0].content"),
     ('[{"role": "user", "content": [{"type": "text", "text": true}]}]', "messages[0].content[0].text"),
 ]

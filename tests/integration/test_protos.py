@@ -45,6 +45,7 @@ def test_contract_names():
         "ListAdapters",
         "GetModelInfo",
         "Tokenize",
+        "Detokenize",
     }
     store = adapter_store_pb2.DESCRIPTOR.services_by_name["AdapterStore"]
     assert {m.name for m in store.methods} == {

@@ -23,3 +23,20 @@ def test_other_adapters_count_each_upload_once_and_leave_no_state():
     assert value("loraplex_adapter_evictions_total", {"adapter": OTHER}) == 1
     metrics.prune({"named"})  # "overflow" unloaded
     assert "overflow" not in metrics._last_uploads and "overflow" not in metrics._last_evictions
+
+
+def test_metrics_port_answers_metrics_only():
+    """A health check pointed at the metrics port must not read 200 (it answered every path)."""
+    import urllib.error
+    import urllib.request
+
+    port = Metrics().serve("127.0.0.1", 0)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        assert resp.status == 200 and b"loraplex_" in resp.read()
+    for path in ("/health", "/", "/metricsx"):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10)
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 404
+        else:
+            raise AssertionError(f"{path} answered 200")

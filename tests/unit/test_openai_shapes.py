@@ -20,10 +20,10 @@ def test_unknown_fields_are_refused_by_name():
         _parse(schema.CompletionRequest, prompt="hi", foo_bar=1)
     assert info.value.status == 400 and info.value.param == "foo_bar" and "foo_bar" in info.value.message
     with pytest.raises(OpenAIError) as info:
-        _parse(schema.ChatRequest, messages=[{"role": "user", "content": "x"}], function_call="auto")
-    assert info.value.param == "function_call" and "not supported" in info.value.message
+        _parse(schema.ChatRequest, messages=[{"role": "user", "content": "x"}], web_search_options={"a": 1})
+    assert info.value.param == "web_search_options" and "web search is not available" in info.value.message
     # OpenAI fields this server lacks pass when empty, as SDKs send them
-    _parse(schema.ChatRequest, messages=[{"role": "user", "content": "x"}], functions=None, metadata={})
+    _parse(schema.ChatRequest, messages=[{"role": "user", "content": "x"}], audio=None, metadata={})
 
 
 def test_vllm_extensions_reach_the_sampling_params():

@@ -70,6 +70,11 @@ class InferenceStub:
                 request_serializer=loraplex_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=loraplex_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/loraplex.v1.Inference/Detokenize',
+                request_serializer=loraplex_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=loraplex_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -120,6 +125,12 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Detokenize(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +168,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=loraplex_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
                     response_serializer=loraplex_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=loraplex_dot_v1_dot_inference__pb2.DetokenizeRequest.FromString,
+                    response_serializer=loraplex_dot_v1_dot_inference__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +365,33 @@ class Inference:
             '/loraplex.v1.Inference/Tokenize',
             loraplex_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
             loraplex_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/loraplex.v1.Inference/Detokenize',
+            loraplex_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+            loraplex_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

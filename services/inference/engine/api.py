@@ -44,8 +44,9 @@ class Engine(Protocol):
 
     # -- text -------------------------------------------------------------------------------
 
-    def tokenize(self, text: str) -> list[int]:
-        """The prompt ids of `text` (no special tokens beyond what the tokenizer adds itself)."""
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The prompt ids of `text` (no special tokens beyond what the tokenizer adds itself; none
+        at all with `add_special_tokens` False)."""
         ...
 
     def render_chat(
@@ -54,9 +55,13 @@ class Engine(Protocol):
         adapter: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Prompt ids of chat `messages`: the adapter's own chat template when its directory ships
-        one, else the model's; `tools` (OpenAI tool definitions) as engine/chat_tools.py renders them.
+        one, else the model's; `tools` (OpenAI tool definitions) as engine/chat_tools.py renders them;
+        `template_kwargs` extra template variables (never the renderer's own names);
+        `continue_final_message` leaves the last message open (needs add_generation_prompt False).
         Raises `InvalidRequest` when the template cannot render them."""
         ...
 

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 from typing import NamedTuple
 
 from loraplex.services.inference.engine.chat import (
+    check_template_kwargs,
+    continue_final,
     render_adapter_template,
     render_model_template,
 )
@@ -137,9 +139,9 @@ class AsyncEngine:
         """Stop a request and free its KV blocks and adapter reference (its stream ends with 'abort')."""
         self._send(_Abort(request_id))
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         with self._tokenizer_lock:
-            return list(self._tokenizer(text).input_ids)
+            return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def render_chat(
         self,
@@ -147,13 +149,21 @@ class AsyncEngine:
         adapter: str | None = None,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Prompt ids of chat `messages` (engine/chat.py); an adapter's own template when it ships one."""
+        kwargs = dict(template_kwargs or {})
+        check_template_kwargs(kwargs, frozenset(self._template_variables))
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequest(
+                "continue_final_message needs add_generation_prompt false", field="continue_final_message"
+            )
         # Read with the adapter's weights at load time (lora/adapter.py), never from its directory now.
         template = self.lora_manager.chat_template(adapter) if adapter and self.lora_manager else None
         # Rendered outside the tokenizer lock: a slow template must not hold every other request.
         if template is None:
-            text = render_model_template(self._tokenizer, messages, add_generation_prompt, tools)
+            text = render_model_template(self._tokenizer, messages, add_generation_prompt, tools, kwargs)
         else:
             text = render_adapter_template(
                 self._templates,
@@ -161,10 +171,12 @@ class AsyncEngine:
                 adapter or "",
                 messages,
                 add_generation_prompt,
-                self._template_variables,
+                {**self._template_variables, **kwargs},
                 self.engine.context_length,
                 tools,
             )
+        if continue_final_message:
+            text = continue_final(text, messages)
         with self._tokenizer_lock:
             return list(self._tokenizer(text, add_special_tokens=False).input_ids)
 

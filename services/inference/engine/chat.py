@@ -24,6 +24,36 @@ from loraplex.services.inference.errors import InvalidRequest
 MAX_RENDERED_CHARS_PER_TOKEN = 64
 
 
+# Names a request's chat_template_kwargs may not set: what the renderer itself passes.
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "continue_final_message", "documents", "tokenize"}
+)
+
+
+def check_template_kwargs(kwargs: dict, reserved: frozenset[str] = frozenset()) -> None:
+    """A request's extra template variables may add names, never replace the renderer's own."""
+    for name in kwargs:
+        if name in RESERVED_TEMPLATE_NAMES or name in reserved:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {name!r} (the server sets it)",
+                field="chat_template_kwargs",
+            )
+
+
+def continue_final(text: str, messages: list[dict]) -> str:
+    """`text` (rendered without a generation prompt) cut right after the final message's content,
+    so the output continues that message (transformers' continue_final_message)."""
+    content = (messages[-1].get("content") or "").strip() if messages else ""
+    at = text.rfind(content) if content else -1
+    if at < 0:
+        raise InvalidRequest(
+            "continue_final_message: the chat template does not write the final message's content "
+            "as it was given, so it cannot be continued",
+            field="messages",
+        )
+    return text[: at + len(content)]
+
+
 def _with_tools(template: str | None, messages: list[dict], tools: list[dict] | None):
     """(messages, tools) as `template` can take them: a template that does not render tools gets
     them (and earlier calls) written into the messages instead."""
@@ -36,7 +66,11 @@ def _with_tools(template: str | None, messages: list[dict], tools: list[dict] | 
 
 
 def render_model_template(
-    tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> str:
     """The text of `messages` in the model's own template (the operator's: rendered in-process)."""
     source = getattr(tokenizer, "chat_template", None)
@@ -47,7 +81,11 @@ def render_model_template(
     messages, tools = _with_tools(source if isinstance(source, str) else None, messages, tools)
     try:
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            tools=tools,
+            **(template_kwargs or {}),
         )
     except Exception as exc:  # noqa: BLE001 - a template error is the request's (e.g. roles it refuses)
         raise InvalidRequest(f"the chat template refused these messages: {exc}", field="messages") from None

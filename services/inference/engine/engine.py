@@ -146,6 +146,7 @@ class LLMEngine:
         vocab = self.loaded.config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise InvalidRequest(f"prompt token ids must be in [0, {vocab})", field="text")
+        params.check_token_ids(vocab)
         if len(prompt_ids) >= self.context_length:
             raise ContextLengthExceeded(
                 f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.context_length} "

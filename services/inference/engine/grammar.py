@@ -12,6 +12,8 @@ engine/grammar_cache.py compiles a request's Constraint (off the engine thread, 
 
 JSON is compiled without free whitespace (`any_whitespace=False`: "," and ":" are followed by one
 space, nothing else): a small model that may emit spaces keeps emitting them and ends on "length".
+A request may ask for free whitespace (`Constraint.any_whitespace`, vLLM's
+`disable_any_whitespace: false`).
 """
 
 from __future__ import annotations

@@ -70,6 +70,8 @@ def choice_grammar(choices: tuple[str, ...]) -> str:
 def constraint_digest(c: Constraint) -> str:
     h = hashlib.sha256(c.kind.encode())
     h.update(b"\0" + c.value.encode())
+    if c.any_whitespace:
+        h.update(b"\0any_whitespace")
     for choice in c.choices:
         h.update(b"\0" + choice.encode())
     return h.hexdigest()
@@ -254,9 +256,14 @@ class GrammarCache:
                 except ValueError as exc:
                     raise InvalidRequest(f"{c.field} is not valid JSON: {exc}", field=c.field) from None
                 check_schema_keywords(schema, c.field)
-                compiled = compiler.compile_json_schema(c.value, any_whitespace=False, strict_mode=True)
+                compiled = compiler.compile_json_schema(
+                    c.value, any_whitespace=c.any_whitespace, strict_mode=True
+                )
             elif c.kind == "json_object":
-                compiled = compiler.compile_grammar(JSON_OBJECT_GRAMMAR)
+                if c.any_whitespace:
+                    compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
+                else:
+                    compiled = compiler.compile_grammar(JSON_OBJECT_GRAMMAR)
             elif c.kind == "regex":
                 compiled = compiler.compile_regex(c.value)
             elif c.kind == "choice":

@@ -11,8 +11,11 @@ from loraplex.services.inference.engine.detokenizer import IncrementalDetokenize
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: tuple[str, ...], skip_special_tokens: bool = True):
+    def __init__(
+        self, tokenizer, stop: tuple[str, ...], skip_special_tokens: bool = True, include_stop: bool = False
+    ):
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.include_stop = include_stop  # a matched stop string stays in the text
         self.stop = tuple(s for s in stop if s)
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""  # the output text so far, cut before a matched stop string
@@ -40,8 +43,9 @@ class TextStream:
             return False
         search_from = max(0, len(self.text) - self.holdback)
         self.text += delta
-        hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, search_from), s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            at, length = min(hits)
+            self.text = self.text[: at + length if self.include_stop else at]
             self.stopped = True
         return self.stopped

@@ -4,7 +4,8 @@ A block's key chains SHA-256 over its parent's key and its own token ids; the ch
 the *root* of the request, a hash of the content digest of what computes its KV (the adapter
 version the request acquired, or the base model). So two blocks share a key only when the same
 weights computed the same tokens after the same prefix: a reloaded adapter (new content, same
-name) starts a new chain, two names with equal content share one. The hash is cryptographic so
+name) starts a new chain, two names with equal content share one. A request's `cache_salt`
+is folded into its root, so only requests of the same salt share blocks. The hash is cryptographic so
 keys cannot collide by accident or by a crafted prompt.
 """
 
@@ -26,6 +27,14 @@ ROOT_TAG = b"loraplex-kv-v1\0"
 
 def root_key(content_digest: str) -> bytes:
     return hashlib.sha256(ROOT_TAG + content_digest.encode()).digest()
+
+
+def salted(root: bytes, salt: str) -> bytes:
+    """A request's root with its `cache_salt` folded in: requests of different salts (or one
+    with a salt and one without) never share a key, so never each other's cached KV."""
+    if not salt:
+        return root
+    return hashlib.sha256(root + b"\x00cache_salt\x00" + salt.encode()).digest()
 
 
 def extend_block_keys(
@@ -113,12 +122,12 @@ class PrefixCache:
         if not self.enabled or req.block_table:
             return []
         if req.adapter is None:
-            root = self.base_root
+            root = salted(self.base_root, req.params.cache_salt)
         elif req.lora_slot >= 0:
-            root = req.kv_root  # fixed when its slot was acquired
+            root = req.kv_root  # fixed (and salted) when its slot was acquired
         else:  # a hint until acquire: `confirm_root` checks it against the slot's version
             digest = self.adapter_slots.content_digest(req.adapter)
-            root = root_key(digest) if digest else None
+            root = salted(root_key(digest), req.params.cache_salt) if digest else None
         _set_root(req, root)
         if root is None:
             return []
@@ -139,7 +148,7 @@ class PrefixCache:
         if not self.enabled:
             return True
         digest = self.adapter_slots.slot_digest(req.lora_slot)
-        root = root_key(digest) if digest else None
+        root = salted(root_key(digest), req.params.cache_salt) if digest else None
         if root == req.kv_root:
             return True
         _set_root(req, root)

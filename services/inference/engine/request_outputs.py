@@ -28,7 +28,25 @@ log = logging.getLogger(__name__)
 
 
 def _needs_history(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1 or bool(params.frequency_penalty) or bool(params.presence_penalty)
+    """Sampling reads the request's output ids on the host (penalties, bad words): under overlap
+    scheduling the step before is resolved first, so no placeholder is read."""
+    return (
+        params.repetition_penalty != 1
+        or bool(params.frequency_penalty)
+        or bool(params.presence_penalty)
+        or bool(params.bad_words_ids)
+    )
+
+
+def _bad_word_ends(req: Request) -> tuple[int, ...]:
+    """The last id of each bad word whose other ids end the output so far (vLLM's rule)."""
+    out = req.output_ids
+    ends = []
+    for word in req.params.bad_words_ids:
+        head = list(word[:-1])
+        if not head or (len(out) >= len(head) and out[len(out) - len(head) :] == head):
+            ends.append(word[-1])
+    return tuple(ends)
 
 
 def _timing(req: Request) -> tuple[float, float, int]:
@@ -92,17 +110,22 @@ class OutputProcessor:
         self.num_penalized = 0  # sampling reads their history (also: overlap resolves first)
         self.num_logprobs = 0  # they asked for log probabilities
         self.num_constrained = 0  # under a grammar: the step builds a token mask
+        self.num_masking = 0  # logit_bias / allowed_token_ids / bad_words: sampling biases or masks rows
 
     def add(self, req: Request) -> None:
         params = req.params
         self.requests[req.request_id] = req
-        self._streams[req.request_id] = TextStream(self.tokenizer, params.stop, params.skip_special_tokens)
+        self._streams[req.request_id] = TextStream(
+            self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+        )
         if req.grammar is not None:
             self.num_constrained += 1
         if _needs_history(params):
             self.num_penalized += 1
         if params.logprobs is not None:
             self.num_logprobs += 1
+        if params.masks_tokens:
+            self.num_masking += 1
 
     # -- before sampling --------------------------------------------------------------------
 
@@ -157,17 +180,20 @@ class OutputProcessor:
             prompt_ids=[r.prompt_ids for r in reqs] if needs_history else [[] for _ in reqs],
             output_ids=[r.output_ids for r in reqs] if needs_history else [[] for _ in reqs],
             banned=[self._banned(r) for r in reqs],
+            bias=[r.params.logit_bias for r in reqs] if self.num_masking else None,
+            allowed=[r.params.allowed_token_ids for r in reqs] if self.num_masking else None,
         )
 
     def _banned(self, req: Request) -> tuple[int, ...]:
         """Token ids `req` may not sample now: its stop tokens while it is short of min_tokens (the
         output count at sampling time includes an overlap placeholder, i.e. the tokens before this one)."""
         params = req.params
+        bad = _bad_word_ends(req) if params.bad_words_ids else ()
         if req.num_output_tokens >= params.min_tokens:
-            return ()
+            return bad
         eos = () if params.ignore_eos else tuple(self.eos_token_ids)
         # a stop id outside the vocabulary can never be sampled
-        return eos + tuple(t for t in params.stop_token_ids if t < self.vocab_size)
+        return bad + eos + tuple(t for t in params.stop_token_ids if t < self.vocab_size)
 
     # -- after sampling ---------------------------------------------------------------------
 
@@ -252,7 +278,9 @@ class OutputProcessor:
             or token in params.stop_token_ids
             or (not params.ignore_eos and token in self.eos_token_ids)
         ):
-            reason = "stop"  # the stop token's id is returned, its text is not
+            reason = "stop"  # the stop token's id is returned, its text only when asked (as vLLM)
+            if params.include_stop_str_in_output:
+                stream.add_token(token)
         elif stream.add_token(token):
             reason = "stop"
         if reason is None and num_output_tokens >= req.max_new_tokens:
@@ -290,6 +318,8 @@ class OutputProcessor:
             logprobs = logprobs or []
         if req.grammar is not None:
             self.num_constrained -= 1
+        if req.params.masks_tokens:
+            self.num_masking -= 1
         if req.error is not None:
             self.errors[req.request_id] = req.error
         if req.finish_reason != "abort":

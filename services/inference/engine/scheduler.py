@@ -1,8 +1,8 @@
 """Continuous batching: decides which requests compute how many tokens this step. No tensors.
 
 Every step: running requests first (decodes and unfinished chunked prefills, in admission
-order), then waiting requests (FCFS, skipping those whose adapter has no slot for them yet:
-requests of other adapters and of the base model behind them are still admitted) while
+order), then waiting requests (by `priority`, then FCFS, skipping those whose adapter has no
+slot for them yet: requests of other adapters and of the base model behind them are still admitted) while
 the token budget, the prefill budget, the request cap and the free KV blocks allow. When a
 running request needs a block and none is free, the most recently admitted request is
 preempted (its KV freed; it is recomputed when readmitted, from its cached prefix when the
@@ -104,7 +104,16 @@ class Scheduler:
         self.adapter_slices = DemandSlices(cap) if cap is not None else None
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        """Queue behind every waiting request of the same or a lower `priority` value (lower goes
+        first; equal ones keep arrival order). Preempted requests go back to the front (`_preempt`)."""
+        priority = request.params.priority
+        if not self.waiting or self.waiting[-1].params.priority <= priority:
+            self.waiting.append(request)
+            return
+        at = len(self.waiting)
+        while at > 0 and self.waiting[at - 1].params.priority > priority:
+            at -= 1
+        self.waiting.insert(at, request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

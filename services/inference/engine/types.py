@@ -30,6 +30,11 @@ CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # compile time grows with it, and a caller who needs more is better served by a smaller grammar.
 MAX_CONSTRAINT_CHARS = 64 * 1024
 MAX_CHOICES = 1024
+# OpenAI's bounds for logit_bias: at most this many entries, each bias in [-100, 100].
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
+MAX_BAD_WORDS = 256
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,8 @@ class Constraint:
     kind: str
     value: str = ""
     choices: tuple[str, ...] = ()
+    # JSON kinds: any whitespace between tokens instead of the compact form (xgrammar's any_whitespace).
+    any_whitespace: bool = False
 
     @property
     def field(self) -> str:
@@ -123,9 +130,57 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     # EOS (unless ignore_eos) and stop_token_ids are masked out of sampling before this many new tokens.
     min_tokens: int = 0
+    # (token id, bias) added to the row's logits before sampling (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Non-empty: only these ids can be sampled (vLLM's allowed_token_ids).
+    allowed_token_ids: tuple[int, ...] = ()
+    # Token sequences that must not be generated: the last id is masked when the output ends with
+    # the others (vLLM's bad_words, tokenized by the servicer).
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    include_stop_str_in_output: bool = False  # the matched stop string (or stop token's text) stays
+    priority: int = 0  # lower is admitted first among waiting requests; ties keep arrival order
+    cache_salt: str = ""  # prefix-cache reuse only between requests of the same salt
+
+    @property
+    def masks_tokens(self) -> bool:
+        """Whether sampling adds a per-row bias or mask for this request."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_ids)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """The ids the caller gave for biasing and masking exist in the vocabulary."""
+        for name, ids in (
+            ("logit_bias", [t for t, _ in self.logit_bias]),
+            ("allowed_token_ids", self.allowed_token_ids),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"sampling_params.{name} has token id {bad[0]}: ids must be in [0, {vocab_size})",
+                    field=f"sampling_params.{name}",
+                )
+
+    def _validate_masks(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(
+                f"sampling_params.logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}",
+                field="sampling_params.logit_bias",
+            )
+        low, high = LOGIT_BIAS_RANGE
+        for token, bias in self.logit_bias:
+            if not (math.isfinite(bias) and low <= bias <= high):
+                raise InvalidRequest(
+                    f"sampling_params.logit_bias[{token}] is {bias}: a bias is in [{low:g}, {high:g}]",
+                    field="sampling_params.logit_bias",
+                )
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise InvalidRequest(
+                f"sampling_params.allowed_token_ids has {len(self.allowed_token_ids)} entries",
+                field="sampling_params.allowed_token_ids",
+            )
 
     def validate(self, max_new_tokens_limit: int | None = None) -> None:
         """Raise InvalidRequest naming the field when a value is out of range."""
+        self._validate_masks()
         for name in (
             "temperature",
             "top_p",
