@@ -367,8 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SPECULATIVE_ALGORITHMS,
         default=e.speculative_algorithm,
         help="speculative decoding: 'ngram' drafts each request's next tokens from its own prompt and "
-        "output and verifies them in one step, each position with its request's adapter (off by default; "
-        "turns overlap scheduling off)",
+        "output, 'draft' with --speculative-draft-model-path; the drafts are verified in one step, each "
+        "position with its request's adapter (off by default; turns overlap scheduling off)",
+    )
+    a(
+        "--speculative-draft-model-path",
+        default=e.speculative_draft_model_path,
+        help="the draft model of --speculative-algorithm draft: a smaller model with this model's "
+        "tokenizer (a local directory or a Hub id; its vocabulary size must match)",
     )
     a(
         "--speculative-num-draft-tokens",

@@ -33,7 +33,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the activation dtype; fp8: E4M3, per-layer scales (kv_cache.py)
 QUANTIZATIONS = ("fp8",)  # models/quantization/scheme.py; a checkpoint's own quantization_config needs none
 DEVICES = ("auto", "cuda", "cpu")
-SPECULATIVE_ALGORITHMS = ("ngram",)  # engine/speculative.py
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # engine/speculative.py, engine/draft_runner.py
 
 
 def _check(ok: bool, message: str) -> None:
@@ -84,9 +84,11 @@ class EngineConfig:
     # Compiled grammars kept for reuse, all together and one alone (engine/grammar_cache.py).
     grammar_cache_max_bytes: int = 512 * 2**20
     grammar_max_bytes: int = 64 * 2**20
-    # Speculative decoding (engine/speculative.py): None = off; "ngram" drafts by prompt lookup. It
-    # turns overlap scheduling off (a draft needs the previous step's tokens on the host).
+    # Speculative decoding (engine/speculative.py): None = off; "ngram" drafts by prompt lookup,
+    # "draft" with the model at speculative_draft_model_path (same tokenizer). It turns overlap
+    # scheduling off (a draft needs the previous step's tokens on the host).
     speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
     speculative_num_draft_tokens: int = 4
     # No speculation in a step with more running requests than this (verification would cost more
     # than it saves).
@@ -126,7 +128,17 @@ class EngineConfig:
         _check(
             self.speculative_algorithm in (None, *SPECULATIVE_ALGORITHMS),
             f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)} "
-            f"(got {self.speculative_algorithm!r}; a draft model is not built yet)",
+            f"(got {self.speculative_algorithm!r})",
+        )
+        _check(
+            (self.speculative_algorithm == "draft") == bool(self.speculative_draft_model_path),
+            "--speculative-draft-model-path is needed by --speculative-algorithm draft and by nothing "
+            f"else (got algorithm {self.speculative_algorithm!r}, "
+            f"path {self.speculative_draft_model_path!r})",
+        )
+        _check(
+            self.speculative_algorithm != "draft" or self.tp_size == 1,
+            "--speculative-algorithm draft runs on one device: it is not built for --tp-size > 1",
         )
         _check(
             0.0 < self.mem_fraction_static <= 1.0,

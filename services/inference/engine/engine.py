@@ -24,6 +24,7 @@ import torch
 
 from loraplex.kernels.compile_watch import compile_counter
 from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.draft_runner import load_draft_for
 from loraplex.services.inference.engine.grammar import GrammarState
 from loraplex.services.inference.engine.grammar_cache import GrammarCache
 from loraplex.services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
@@ -92,7 +93,10 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.context_length = loaded.context_length
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
-        kv_cache, self.block_manager = build_kv_cache(loaded, config, kv_reserved_bytes)
+        draft = load_draft_for(loaded, config)  # weights before the KV cache takes what is left
+        kv_cache, self.block_manager = build_kv_cache(
+            loaded, config, kv_reserved_bytes, draft.kv_bytes_per_token() if draft else 0
+        )
         self.adapter_slots = adapter_slots or NoAdapters()
         self.scheduler = build_scheduler(loaded, config, self.block_manager, self.adapter_slots)
         self.runner, self.config = build_runner(loaded, config, kv_cache, lora_backend)
@@ -105,6 +109,8 @@ class LLMEngine:
                 self.config.speculative_num_draft_tokens,
                 self.config.speculative_disable_batch_size,
                 self.context_length,
+                draft_runner=draft.runner(self.config, self.block_manager.num_blocks) if draft else None,
+                sampling_inputs=self.output_processor.sampling_inputs,
             )
             if self.config.speculative_algorithm
             else None

@@ -58,6 +58,8 @@ class Request:
     # Speculative decoding (engine/speculative.py): this step's draft tokens (after token_ids, not in
     # it), the drafted and accepted counts since the last back-off, and the step it drafts again at.
     draft_ids: list[int] = field(default_factory=list)
+    # A draft model's distribution q of each draft token ([len(draft_ids), vocab]); None: one-hot.
+    draft_probs: torch.Tensor | None = None
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_paused_until: int = 0
