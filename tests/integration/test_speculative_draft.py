@@ -134,7 +134,41 @@ def test_a_draft_model_of_another_vocabulary_is_refused(tiny_llama_path, tmp_pat
 
 
 def test_draft_flags_are_checked_together():
+    with pytest.raises(
+        ValueError, match="--speculative-draft-lora-paths needs --speculative-algorithm draft"
+    ):
+        server_args("m", None, speculative_draft_lora_paths=("d=x",))
     with pytest.raises(ValueError, match="--speculative-draft-model-path is needed"):
         server_args("m", None, speculative_algorithm="draft")
     with pytest.raises(ValueError, match="--speculative-draft-model-path is needed"):
         server_args("m", None, speculative_algorithm="ngram", speculative_draft_model_path="d")
+
+
+def test_draft_adapters_batched_in_one_draft_step(tiny_llama_path, adapters, off, one_torch_thread):
+    """The target as its own draft, with the target's adapters as draft adapters: requests whose
+    draft adapter is their target adapter accept (nearly) every draft token, with two different draft
+    adapters and none in the same draft steps, and greedy outputs equal speculation off."""
+    draft_paths = tuple(f"d{name}={path}" for name, path in adapters.items())
+    on = _draft_engine(tiny_llama_path, adapters, tiny_llama_path, speculative_draft_lora_paths=draft_paths)
+    assert set(on.speculator.draft_runner.adapter_slots) == {"da", "db"}
+    prompts = [off.tokenizer(p).input_ids for p in PROMPTS[:3]]
+    names, drafts = [None, "a", "b"], [None, "da", "db"]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    want = [o.token_ids for o in off.generate(prompts, params, names)]
+    assert [o.token_ids for o in on.generate(prompts, params, names, drafts)] == want
+    drafted, accepted = _spec_counts(on)
+    for name in ("", "a", "b"):
+        assert drafted[name] > 10 and accepted[name] / drafted[name] >= 0.95, (name, drafted, accepted)
+
+
+def test_unknown_draft_adapters_are_refused(tiny_llama_path, adapters, off):
+    from loraplex.services.inference.errors import AdapterNotFound, InvalidRequest
+
+    prompt = off.tokenizer("hi").input_ids
+    with pytest.raises(InvalidRequest, match="draft_adapter 'x': this server has no draft adapters") as exc:
+        off.generate([prompt], SamplingParams(max_new_tokens=1), None, ["x"])
+    assert exc.value.field == "draft_adapter"
+    draft_paths = (f"da={adapters['a']}",)
+    on = _draft_engine(tiny_llama_path, adapters, tiny_llama_path, speculative_draft_lora_paths=draft_paths)
+    with pytest.raises(AdapterNotFound, match="draft_adapter 'x' is not one of .* \\(da\\)"):
+        on.generate([prompt], SamplingParams(max_new_tokens=1), None, ["x"])

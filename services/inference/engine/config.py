@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.services.inference.lora.settings import parse_lora_paths
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -89,6 +91,9 @@ class EngineConfig:
     # scheduling off (a draft needs the previous step's tokens on the host).
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
+    # NAME=DIR LoRA adapters of the draft model, loaded at start; a request names one as its
+    # `draft_adapter` (engine/draft_runner.py).
+    speculative_draft_lora_paths: tuple[str, ...] = ()
     speculative_num_draft_tokens: int = 4
     # No speculation in a step with more running requests than this (verification would cost more
     # than it saves).
@@ -136,6 +141,11 @@ class EngineConfig:
             f"else (got algorithm {self.speculative_algorithm!r}, "
             f"path {self.speculative_draft_model_path!r})",
         )
+        _check(
+            not self.speculative_draft_lora_paths or self.speculative_algorithm == "draft",
+            "--speculative-draft-lora-paths needs --speculative-algorithm draft",
+        )
+        parse_lora_paths(self.speculative_draft_lora_paths, flag="--speculative-draft-lora-paths")
         _check(
             self.speculative_algorithm != "draft" or self.tp_size == 1,
             "--speculative-algorithm draft runs on one device: it is not built for --tp-size > 1",

@@ -14,6 +14,12 @@ KV it holds; a step's drafting:
    samples from the draft's distribution q (its own temperature, top-k, top-p, min-p, from its
    own generator), and q's row is kept for verification's rejection sampling (speculative.verify).
 
+Draft adapters (`--speculative-draft-lora-paths NAME=DIR`): LoRA adapters of the draft model,
+loaded at start into a pool of their own (lora/setup.py's machinery, over the draft's shapes),
+each holding its slot for good. A request names one as its `draft_adapter`; its draft chunks compute
+with that slot, so requests with different draft adapters (and none) share each draft step, as
+requests with different adapters share a target step.
+
 A request's draft state goes when it is no longer running (finished, aborted, preempted): a
 preempted one catches up again from its first token, like the target's recompute.
 """
@@ -33,6 +39,10 @@ from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.sampler import MIN_TEMPERATURE, SamplingInputs, filtered_probs
 from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.errors import AdapterNotFound, InvalidRequest
+from loraplex.services.inference.lora.settings import LoRAConfig, parse_lora_paths
+from loraplex.services.inference.lora.setup import LoRAStack, build_lora
+from loraplex.services.inference.lora.shapes import shapes_of_model
 from loraplex.services.inference.models.config import ModelConfig, check_context_length, load_config
 from loraplex.services.inference.models.llama import LlamaForCausalLM
 from loraplex.services.inference.models.loader import load_model, resolve_model_dir
@@ -50,6 +60,8 @@ class LoadedDraft:
     device: torch.device
     dtype: torch.dtype  # the target's activations; also the draft KV's element type
     context_length: int
+    lora: LoRAStack | None = None  # the draft adapters' pool and backend
+    adapter_slots: dict[str, int] = field(default_factory=dict)  # draft adapter name -> its pool slot
 
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.config, self.dtype)
@@ -65,13 +77,36 @@ class LoadedDraft:
         )
 
 
+def build_draft_adapters(draft: LoadedDraft, config: EngineConfig) -> None:
+    """Load --speculative-draft-lora-paths into a pool sized for them alone, each in its own slot
+    for good (before the target's KV cache is sized, so that takes what is left)."""
+    paths = config.speculative_draft_lora_paths
+    if not paths:
+        return
+    draft.lora = build_lora(
+        LoRAConfig(lora_paths=paths, max_gpu_loras=len(paths)),
+        shapes_of_model(draft.config),
+        dtype=draft.dtype,
+        device=draft.device,
+        max_tokens=config.max_num_batched_tokens,
+        mem_fraction_static=config.mem_fraction_static,
+    )
+    for name in parse_lora_paths(paths):
+        slot = draft.lora.manager.acquire(name)
+        if slot is None:  # the pool has a slot per adapter: only a pool memory cannot hold gets here
+            raise ValueError(f"--speculative-draft-lora-paths {name}: no pool slot for it (device memory)")
+        draft.adapter_slots[name] = slot
+
+
 def load_draft_for(loaded: LoadedModel, config: EngineConfig) -> LoadedDraft | None:
     """The draft model `config` names (--speculative-draft-model-path), or None."""
     if config.speculative_algorithm != "draft":
         return None
-    return load_draft(
+    draft = load_draft(
         config.speculative_draft_model_path, loaded.config, loaded.context_length, loaded.device, loaded.dtype
     )
+    build_draft_adapters(draft, config)
+    return draft
 
 
 def load_draft(path: str, target: ModelConfig, context_length: int, device, dtype) -> LoadedDraft:
@@ -134,7 +169,9 @@ class DraftRunner:
             max_num_tokens=max_num_tokens,
             max_num_seqs=max_num_seqs,
             context_length=draft.context_length,
+            lora_backend=draft.lora.backend if draft.lora is not None else None,
         )
+        self.adapter_slots = draft.adapter_slots
         self.max_num_tokens = max_num_tokens
         self.seqs: dict[str, _DraftSeq] = {}
 
@@ -162,7 +199,7 @@ class DraftRunner:
                 seq = seqs[i]
                 pos = seq.num_computed
                 seq.tokens[pos:] = [last[i]]
-                chunks.append(SeqChunk([last[i]], pos, seq.block_table, -1, True))
+                chunks.append(SeqChunk([last[i]], pos, seq.block_table, self._slot(reqs[i]), True))
                 seq.num_computed += 1
             logits = self.runner.forward(chunks)
             tokens, q = _draw(logits, _rows(inp, rows))
@@ -172,6 +209,9 @@ class DraftRunner:
                 if q is not None and q[j] is not None:
                     probs[i].append(q[j])
         return Drafts(ids, [torch.stack(p) if p else None for p in probs])
+
+    def _slot(self, req: Request) -> int:
+        return self.adapter_slots[req.draft_adapter] if req.draft_adapter else -1
 
     def _sync(self, req: Request, room: int) -> _DraftSeq | None:
         """The request's draft state, its computed count cut back to where its tokens still agree with
@@ -203,12 +243,32 @@ class DraftRunner:
                     break
                 start = seq.num_computed
                 end = min(len(req.token_ids) - 1, start + budget)
-                chunks.append(SeqChunk(req.token_ids[start:end], start, seq.block_table, -1, False))
+                ids = req.token_ids[start:end]
+                chunks.append(SeqChunk(ids, start, seq.block_table, self._slot(req), False))
                 budget -= end - start
                 seq.num_computed = end
             chunks.sort(key=lambda c: len(c.token_ids) != 1)
             self.runner.forward(chunks)
             todo = [(req, seq) for req, seq in todo if seq.num_computed < len(req.token_ids) - 1]
+
+
+def check_draft_adapter(runner: DraftRunner | None, name: str | None) -> None:
+    """Raise InvalidRequest (no draft adapters here) / AdapterNotFound for a request's draft adapter."""
+    if not name:
+        return
+    if runner is None or not runner.adapter_slots:
+        raise InvalidRequest(
+            f"draft_adapter {name!r}: this server has no draft adapters (they need "
+            "--speculative-algorithm draft and --speculative-draft-lora-paths)",
+            field="draft_adapter",
+        )
+    if name not in runner.adapter_slots:
+        raise AdapterNotFound(
+            f"draft_adapter {name!r} is not one of this server's --speculative-draft-lora-paths "
+            f"({', '.join(sorted(runner.adapter_slots))})",
+            field="draft_adapter",
+            adapter=name,
+        )
 
 
 def _rows(inp: SamplingInputs, rows: list[int]) -> SamplingInputs:

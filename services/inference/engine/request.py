@@ -32,6 +32,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
+    draft_adapter: str | None = None  # the draft model's adapter (--speculative-draft-lora-paths)
     lora_slot: int = -1  # adapter slot while running; -1 = base model / not acquired
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
