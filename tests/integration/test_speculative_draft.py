@@ -172,3 +172,50 @@ def test_unknown_draft_adapters_are_refused(tiny_llama_path, adapters, off):
     on = _draft_engine(tiny_llama_path, adapters, tiny_llama_path, speculative_draft_lora_paths=draft_paths)
     with pytest.raises(AdapterNotFound, match="draft_adapter 'x' is not one of .* \\(da\\)"):
         on.generate([prompt], SamplingParams(max_new_tokens=1), None, ["x"])
+
+
+def test_draft_adapter_over_grpc(tiny_llama_path, adapters):
+    """The flags as the server reads them, and `draft_adapter` on a Generate request (for all inputs,
+    or one input's own): greedy outputs equal the same call without draft adapters; an unknown name
+    is NOT_FOUND naming it."""
+    import grpc
+
+    from loraplex.v1 import inference_pb2 as pb
+    from loraplex.v1 import inference_pb2_grpc as pb_grpc
+    from tests.support.service_stack import start_inference
+
+    proc = start_inference(
+        tiny_llama_path,
+        "--lora-paths",
+        f"a={adapters['a']}",
+        "--speculative-algorithm",
+        "draft",
+        "--speculative-draft-model-path",
+        str(tiny_llama_path),
+        "--speculative-draft-lora-paths",
+        f"da={adapters['a']}",
+        f"db={adapters['b']}",
+    )
+    try:
+        with grpc.insecure_channel(proc.address) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            params = pb.SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+
+            def call(draft: str, per_input: tuple[str, str] = ("", "")):
+                inputs = [
+                    pb.Input(text=t, draft_adapter=d) for t, d in zip(PROMPTS[:2], per_input, strict=True)
+                ]
+                req = pb.GenerateRequest(
+                    inputs=inputs, adapter=["a"], sampling_params=params, draft_adapter=draft
+                )
+                return [list(c.token_ids) for c in stub.Generate(req).completions]
+
+            plain = call("")
+            assert call("da") == plain
+            assert call("da", ("", "db")) == plain
+            with pytest.raises(grpc.RpcError) as info:
+                call("nope")
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "draft_adapter 'nope'" in info.value.details()
+    finally:
+        proc.stop()

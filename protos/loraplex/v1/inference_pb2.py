@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bloraplex/v1/inference.proto\x12\x0bloraplex.v1\"\xb3\x04\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\t\n\x01n\x18\r \x01(\r\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x12 \x01(\r\x12\x15\n\x0bjson_schema\x18\x1e \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x1f \x01(\x08H\x00\x12\x0f\n\x05regex\x18  \x01(\tH\x00\x12&\n\x06\x63hoice\x18! \x01(\x0b\x32\x14.loraplex.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\" \x01(\tH\x00\x42\x0c\n\nconstraintB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\n \x01(\t\x12\x14\n\x0ctool_call_id\x18\x0b \x01(\t\x12\x0c\n\x04name\x18\x0c \x01(\t\"\xed\x01\n\x05Input\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.loraplex.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12\x34\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x12\n\ntools_json\x18\x14 \x01(\tB\x18\n\x16_add_generation_prompt\"\x8a\x01\n\x0fGenerateRequest\x12\x0c\n\x04text\x18\x01 \x03(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x03(\t\x12\x34\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\"\n\x06inputs\x18\x04 \x03(\x0b\x32\x12.loraplex.v1.Input\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"{\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.loraplex.v1.TopLogprob\x12\x13\n\x0btoken_bytes\x18\x05 \x01(\x0c\"\xfc\x02\n\nCompletion\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\x12\r\n\x05index\x18\x07 \x01(\r\x12\x0e\n\x06sample\x18\x08 \x01(\r\x12+\n\x08logprobs\x18\t \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x14\n\x0cqueue_time_s\x18\n \x01(\x02\x12\x1d\n\x15time_to_first_token_s\x18\x0b \x01(\x02\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0c \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12 \n\x18prompt_first_token_bytes\x18\x0e \x01(\x0c\"@\n\x10GenerateResponse\x12,\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x17.loraplex.v1.Completion\"\xf7\x02\n\x16GenerateStreamResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x0e\n\x06sample\x18\x07 \x01(\r\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x14\n\x0cqueue_time_s\x18\t \x01(\x02\x12\x1d\n\x15time_to_first_token_s\x18\n \x01(\x02\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12 \n\x18prompt_first_token_bytes\x18\r \x01(\x0c\"Q\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x0b\n\x03pin\x18\x04 \x01(\x08\"@\n\x13LoadAdapterResponse\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplex.v1.AdapterInfo\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"%\n\x15UnloadAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\"<\n\x13ListAdaptersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"\xda\x01\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\r\n\x05\x61lpha\x18\x03 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12.\n\x08location\x18\x05 \x01(\x0e\x32\x1c.loraplex.v1.AdapterLocation\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\x12\x1a\n\x12requests_in_flight\x18\x07 \x01(\r\x12\x0e\n\x06source\x18\x08 \x01(\t\x12\x0e\n\x06\x64igest\x18\t \x01(\t\x12\x0c\n\x04slot\x18\n \x01(\x05\"[\n\x14ListAdaptersResponse\x12*\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x18.loraplex.v1.AdapterInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xad\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x1b\n\x13max_loras_per_batch\x18\x04 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x05 \x01(\r\x12\x1b\n\x13lora_target_modules\x18\x06 \x03(\t\x12\x14\n\x0clora_backend\x18\x07 \x01(\t\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\t \x01(\r\x12\x1c\n\x14max_new_tokens_limit\x18\n \x01(\r\x12\x1e\n\x16max_inputs_per_request\x18\x0b \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\x0c \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\r \x01(\t\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t*\x84\x01\n\x0f\x41\x64\x61pterLocation\x12 \n\x1c\x41\x44\x41PTER_LOCATION_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41\x44\x41PTER_LOCATION_GPU\x10\x01\x12\x19\n\x15\x41\x44\x41PTER_LOCATION_HOST\x10\x02\x12\x1a\n\x16\x41\x44\x41PTER_LOCATION_STORE\x10\x03\x32\xbd\x04\n\tInference\x12G\n\x08Generate\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1d.loraplex.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.loraplex.v1.GenerateRequest\x1a#.loraplex.v1.GenerateStreamResponse0\x01\x12P\n\x0bLoadAdapter\x12\x1f.loraplex.v1.LoadAdapterRequest\x1a .loraplex.v1.LoadAdapterResponse\x12V\n\rUnloadAdapter\x12!.loraplex.v1.UnloadAdapterRequest\x1a\".loraplex.v1.UnloadAdapterResponse\x12S\n\x0cListAdapters\x12 .loraplex.v1.ListAdaptersRequest\x1a!.loraplex.v1.ListAdaptersResponse\x12H\n\x0cGetModelInfo\x12 .loraplex.v1.GetModelInfoRequest\x1a\x16.loraplex.v1.ModelInfo\x12G\n\x08Tokenize\x12\x1c.loraplex.v1.TokenizeRequest\x1a\x1d.loraplex.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bloraplex/v1/inference.proto\x12\x0bloraplex.v1\"\xb3\x04\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\t\n\x01n\x18\r \x01(\r\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x10 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x12 \x01(\r\x12\x15\n\x0bjson_schema\x18\x1e \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x1f \x01(\x08H\x00\x12\x0f\n\x05regex\x18  \x01(\tH\x00\x12&\n\x06\x63hoice\x18! \x01(\x0b\x32\x14.loraplex.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\" \x01(\tH\x00\x42\x0c\n\nconstraintB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"i\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\n \x01(\t\x12\x14\n\x0ctool_call_id\x18\x0b \x01(\t\x12\x0c\n\x04name\x18\x0c \x01(\t\"\x84\x02\n\x05Input\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.loraplex.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x0f\n\x07\x61\x64\x61pter\x18\x05 \x01(\t\x12\x34\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\x12\n\ntools_json\x18\x14 \x01(\t\x12\x15\n\rdraft_adapter\x18\x15 \x01(\tB\x18\n\x16_add_generation_prompt\"\xa1\x01\n\x0fGenerateRequest\x12\x0c\n\x04text\x18\x01 \x03(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x03(\t\x12\x34\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1b.loraplex.v1.SamplingParams\x12\"\n\x06inputs\x18\x04 \x03(\x0b\x32\x12.loraplex.v1.Input\x12\x15\n\rdraft_adapter\x18\x05 \x01(\t\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"{\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.loraplex.v1.TopLogprob\x12\x13\n\x0btoken_bytes\x18\x05 \x01(\x0c\"\xfc\x02\n\nCompletion\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rprompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x05 \x01(\r\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\x12\r\n\x05index\x18\x07 \x01(\r\x12\x0e\n\x06sample\x18\x08 \x01(\r\x12+\n\x08logprobs\x18\t \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x14\n\x0cqueue_time_s\x18\n \x01(\x02\x12\x1d\n\x15time_to_first_token_s\x18\x0b \x01(\x02\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0c \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\r \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12 \n\x18prompt_first_token_bytes\x18\x0e \x01(\x0c\"@\n\x10GenerateResponse\x12,\n\x0b\x63ompletions\x18\x01 \x03(\x0b\x32\x17.loraplex.v1.Completion\"\xf7\x02\n\x16GenerateStreamResponse\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x06 \x01(\r\x12\x0e\n\x06sample\x18\x07 \x01(\r\x12+\n\x08logprobs\x18\x08 \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12\x14\n\x0cqueue_time_s\x18\t \x01(\x02\x12\x1d\n\x15time_to_first_token_s\x18\n \x01(\x02\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x0c \x03(\x0b\x32\x19.loraplex.v1.TokenLogprob\x12 \n\x18prompt_first_token_bytes\x18\r \x01(\x0c\"Q\n\x12LoadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x0b\n\x03pin\x18\x04 \x01(\x08\"@\n\x13LoadAdapterResponse\x12)\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x18.loraplex.v1.AdapterInfo\"$\n\x14UnloadAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"%\n\x15UnloadAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\"<\n\x13ListAdaptersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"\xda\x01\n\x0b\x41\x64\x61pterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\r\n\x05\x61lpha\x18\x03 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\x12.\n\x08location\x18\x05 \x01(\x0e\x32\x1c.loraplex.v1.AdapterLocation\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\x12\x1a\n\x12requests_in_flight\x18\x07 \x01(\r\x12\x0e\n\x06source\x18\x08 \x01(\t\x12\x0e\n\x06\x64igest\x18\t \x01(\t\x12\x0c\n\x04slot\x18\n \x01(\x05\"[\n\x14ListAdaptersResponse\x12*\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x18.loraplex.v1.AdapterInfo\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xad\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x1b\n\x13max_loras_per_batch\x18\x04 \x01(\r\x12\x15\n\rmax_lora_rank\x18\x05 \x01(\r\x12\x1b\n\x13lora_target_modules\x18\x06 \x03(\t\x12\x14\n\x0clora_backend\x18\x07 \x01(\t\x12\x0f\n\x07tp_size\x18\x08 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\t \x01(\r\x12\x1c\n\x14max_new_tokens_limit\x18\n \x01(\r\x12\x1e\n\x16max_inputs_per_request\x18\x0b \x01(\r\x12\x14\n\x0c\x61rchitecture\x18\x0c \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\r \x01(\t\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\t*\x84\x01\n\x0f\x41\x64\x61pterLocation\x12 \n\x1c\x41\x44\x41PTER_LOCATION_UNSPECIFIED\x10\x00\x12\x18\n\x14\x41\x44\x41PTER_LOCATION_GPU\x10\x01\x12\x19\n\x15\x41\x44\x41PTER_LOCATION_HOST\x10\x02\x12\x1a\n\x16\x41\x44\x41PTER_LOCATION_STORE\x10\x03\x32\xbd\x04\n\tInference\x12G\n\x08Generate\x12\x1c.loraplex.v1.GenerateRequest\x1a\x1d.loraplex.v1.GenerateResponse\x12U\n\x0eGenerateStream\x12\x1c.loraplex.v1.GenerateRequest\x1a#.loraplex.v1.GenerateStreamResponse0\x01\x12P\n\x0bLoadAdapter\x12\x1f.loraplex.v1.LoadAdapterRequest\x1a .loraplex.v1.LoadAdapterResponse\x12V\n\rUnloadAdapter\x12!.loraplex.v1.UnloadAdapterRequest\x1a\".loraplex.v1.UnloadAdapterResponse\x12S\n\x0cListAdapters\x12 .loraplex.v1.ListAdaptersRequest\x1a!.loraplex.v1.ListAdaptersResponse\x12H\n\x0cGetModelInfo\x12 .loraplex.v1.GetModelInfoRequest\x1a\x16.loraplex.v1.ModelInfo\x12G\n\x08Tokenize\x12\x1c.loraplex.v1.TokenizeRequest\x1a\x1d.loraplex.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loraplex.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ADAPTERLOCATION']._serialized_start=3181
-  _globals['_ADAPTERLOCATION']._serialized_end=3313
+  _globals['_ADAPTERLOCATION']._serialized_start=3227
+  _globals['_ADAPTERLOCATION']._serialized_end=3359
   _globals['_SAMPLINGPARAMS']._serialized_start=45
   _globals['_SAMPLINGPARAMS']._serialized_end=608
   _globals['_CHOICES']._serialized_start=610
@@ -40,41 +40,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=638
   _globals['_CHATMESSAGE']._serialized_end=743
   _globals['_INPUT']._serialized_start=746
-  _globals['_INPUT']._serialized_end=983
-  _globals['_GENERATEREQUEST']._serialized_start=986
-  _globals['_GENERATEREQUEST']._serialized_end=1124
-  _globals['_TOPLOGPROB']._serialized_start=1126
-  _globals['_TOPLOGPROB']._serialized_end=1209
-  _globals['_TOKENLOGPROB']._serialized_start=1211
-  _globals['_TOKENLOGPROB']._serialized_end=1334
-  _globals['_COMPLETION']._serialized_start=1337
-  _globals['_COMPLETION']._serialized_end=1717
-  _globals['_GENERATERESPONSE']._serialized_start=1719
-  _globals['_GENERATERESPONSE']._serialized_end=1783
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1786
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2161
-  _globals['_LOADADAPTERREQUEST']._serialized_start=2163
-  _globals['_LOADADAPTERREQUEST']._serialized_end=2244
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=2246
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=2310
-  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2312
-  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2348
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2350
-  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2387
-  _globals['_LISTADAPTERSREQUEST']._serialized_start=2389
-  _globals['_LISTADAPTERSREQUEST']._serialized_end=2449
-  _globals['_ADAPTERINFO']._serialized_start=2452
-  _globals['_ADAPTERINFO']._serialized_end=2670
-  _globals['_LISTADAPTERSRESPONSE']._serialized_start=2672
-  _globals['_LISTADAPTERSRESPONSE']._serialized_end=2763
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2765
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2786
-  _globals['_MODELINFO']._serialized_start=2789
-  _globals['_MODELINFO']._serialized_end=3090
-  _globals['_TOKENIZEREQUEST']._serialized_start=3092
-  _globals['_TOKENIZEREQUEST']._serialized_end=3123
-  _globals['_TOKENIZERESPONSE']._serialized_start=3125
-  _globals['_TOKENIZERESPONSE']._serialized_end=3178
-  _globals['_INFERENCE']._serialized_start=3316
-  _globals['_INFERENCE']._serialized_end=3889
+  _globals['_INPUT']._serialized_end=1006
+  _globals['_GENERATEREQUEST']._serialized_start=1009
+  _globals['_GENERATEREQUEST']._serialized_end=1170
+  _globals['_TOPLOGPROB']._serialized_start=1172
+  _globals['_TOPLOGPROB']._serialized_end=1255
+  _globals['_TOKENLOGPROB']._serialized_start=1257
+  _globals['_TOKENLOGPROB']._serialized_end=1380
+  _globals['_COMPLETION']._serialized_start=1383
+  _globals['_COMPLETION']._serialized_end=1763
+  _globals['_GENERATERESPONSE']._serialized_start=1765
+  _globals['_GENERATERESPONSE']._serialized_end=1829
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1832
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2207
+  _globals['_LOADADAPTERREQUEST']._serialized_start=2209
+  _globals['_LOADADAPTERREQUEST']._serialized_end=2290
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=2292
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=2356
+  _globals['_UNLOADADAPTERREQUEST']._serialized_start=2358
+  _globals['_UNLOADADAPTERREQUEST']._serialized_end=2394
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_start=2396
+  _globals['_UNLOADADAPTERRESPONSE']._serialized_end=2433
+  _globals['_LISTADAPTERSREQUEST']._serialized_start=2435
+  _globals['_LISTADAPTERSREQUEST']._serialized_end=2495
+  _globals['_ADAPTERINFO']._serialized_start=2498
+  _globals['_ADAPTERINFO']._serialized_end=2716
+  _globals['_LISTADAPTERSRESPONSE']._serialized_start=2718
+  _globals['_LISTADAPTERSRESPONSE']._serialized_end=2809
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2811
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2832
+  _globals['_MODELINFO']._serialized_start=2835
+  _globals['_MODELINFO']._serialized_end=3136
+  _globals['_TOKENIZEREQUEST']._serialized_start=3138
+  _globals['_TOKENIZEREQUEST']._serialized_end=3169
+  _globals['_TOKENIZERESPONSE']._serialized_start=3171
+  _globals['_TOKENIZERESPONSE']._serialized_end=3224
+  _globals['_INFERENCE']._serialized_start=3362
+  _globals['_INFERENCE']._serialized_end=3935
 # @@protoc_insertion_point(module_scope)
