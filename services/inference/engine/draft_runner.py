@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from loraplex.kernels.placement import triton_runs_on
 from loraplex.services.inference.engine.block_manager import BlockManager
 from loraplex.services.inference.engine.config import EngineConfig
 from loraplex.services.inference.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token
@@ -39,6 +40,7 @@ from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.sampler import MIN_TEMPERATURE, SamplingInputs, filtered_probs
 from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.engine.warmup import warm_up
 from loraplex.services.inference.errors import AdapterNotFound, InvalidRequest
 from loraplex.services.inference.lora.settings import LoRAConfig, parse_lora_paths
 from loraplex.services.inference.lora.setup import LoRAStack, build_lora
@@ -67,14 +69,23 @@ class LoadedDraft:
         return kv_bytes_per_token(self.config, self.dtype)
 
     def runner(self, config: EngineConfig, num_blocks: int) -> DraftRunner:
-        """The draft runner over a KV cache of `num_blocks` pages (the target's count)."""
-        return DraftRunner(
+        """The draft runner over a KV cache of `num_blocks` pages (the target's count), its Triton
+        kernels compiled now (engine/warmup.py) where they run, so none compiles while serving."""
+        draft_runner = DraftRunner(
             self,
             num_blocks=num_blocks,
             page_size=config.page_size,
             max_num_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_running_requests,
         )
+        if triton_runs_on(self.device) and config.startup_warm_up:
+            warm_up(
+                draft_runner.runner,
+                max_num_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_running_requests,
+                context_length=self.context_length,
+            )
+        return draft_runner
 
 
 def build_draft_adapters(draft: LoadedDraft, config: EngineConfig) -> None:

@@ -97,6 +97,8 @@ class LLMEngine:
         kv_cache, self.block_manager = build_kv_cache(
             loaded, config, kv_reserved_bytes, draft.kv_bytes_per_token() if draft else 0
         )
+        # Built (and warmed up) before the target's runner marks the end of start-up.
+        draft_runner = draft.runner(config, self.block_manager.num_blocks) if draft else None
         self.adapter_slots = adapter_slots or NoAdapters()
         self.scheduler = build_scheduler(loaded, config, self.block_manager, self.adapter_slots)
         self.runner, self.config = build_runner(loaded, config, kv_cache, lora_backend)
@@ -109,7 +111,7 @@ class LLMEngine:
                 self.config.speculative_num_draft_tokens,
                 self.config.speculative_disable_batch_size,
                 self.context_length,
-                draft_runner=draft.runner(self.config, self.block_manager.num_blocks) if draft else None,
+                draft_runner=draft_runner,
                 sampling_inputs=self.output_processor.sampling_inputs,
             )
             if self.config.speculative_algorithm
