@@ -7,7 +7,9 @@ Keys (all under the configured prefix P):
   P generations      hash   name -> generation (survives delete, so generations never repeat)
   P lru              zset   digest -> last use (unix seconds)
   P lock:<name>      string redis-py Lock held while one registration of <name> fetches
-  P events           stream registered / deleted events (XADD MAXLEN ~)
+  P events           stream registered / deleted events (XADD MAXLEN ~, `--events-max-len`)
+  P events_added     string how many events were ever added (with XLEN: whether any were trimmed;
+                           a stream older than the count starts it past its length)
 Writes that must agree (record + names + digests + generation + event) run in one Lua script,
 and a commit names the generation it started from, so a registration whose lock expired
 cannot overwrite a newer one.
@@ -37,12 +39,18 @@ if gen ~= tonumber(ARGV[1]) then return -1 end
 gen = gen + 1
 redis.call('HSET', KEYS[6], ARGV[2], gen)
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'generation', gen, unpack(ARGV, 7))
+redis.call('HSET', KEYS[1], 'generation', gen, unpack(ARGV, 8))
 redis.call('ZADD', KEYS[2], 0, ARGV[2])
 redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
 redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
+-- A stream from before events were counted may have been trimmed: count one more than it holds.
+if redis.call('EXISTS', KEYS[7]) == 0 and redis.call('EXISTS', KEYS[5]) == 1 then
+  redis.call('SET', KEYS[7], redis.call('XLEN', KEYS[5]) + 1)
+end
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'type', 'registered', 'name', ARGV[2],
-           'digest', ARGV[3], 'config_digest', ARGV[6], 'generation', gen, 'time', ARGV[4])
+           'digest', ARGV[3], 'config_digest', ARGV[6], 'files_digest', ARGV[7], 'generation', gen,
+           'time', ARGV[4])
+redis.call('INCR', KEYS[7])
 return gen
 """
 
@@ -50,12 +58,19 @@ _DELETE = """
 local digest = redis.call('HGET', KEYS[3], ARGV[1])
 if not digest then return false end
 local config_digest = redis.call('HGET', KEYS[1], 'config_digest') or ''
+local files_digest = redis.call('HGET', KEYS[1], 'files_digest') or ''
 local gen = redis.call('HINCRBY', KEYS[6], ARGV[1], 1)
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
+-- A stream from before events were counted may have been trimmed: count one more than it holds.
+if redis.call('EXISTS', KEYS[7]) == 0 and redis.call('EXISTS', KEYS[5]) == 1 then
+  redis.call('SET', KEYS[7], redis.call('XLEN', KEYS[5]) + 1)
+end
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[3], '*', 'type', 'deleted', 'name', ARGV[1],
-           'digest', digest, 'config_digest', config_digest, 'generation', gen, 'time', ARGV[2])
+           'digest', digest, 'config_digest', config_digest, 'files_digest', files_digest,
+           'generation', gen, 'time', ARGV[2])
+redis.call('INCR', KEYS[7])
 return {digest, gen}
 """
 
@@ -74,6 +89,12 @@ return 1
 """
 
 
+def stream_position(event_id: str) -> tuple[int, int]:
+    """A stream id ("1700000000000-3", or its milliseconds alone) as a comparable pair."""
+    ms, _, seq = event_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 class Event(NamedTuple):
     id: str
     type: str
@@ -82,13 +103,21 @@ class Event(NamedTuple):
     generation: int
     time: float
     config_digest: str = ""
+    files_digest: str = ""
 
 
 class AdapterIndex:
-    def __init__(self, client: aioredis.Redis, prefix: str = "loraplex:", lock_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str = "loraplex:",
+        lock_timeout_s: float = 30.0,
+        events_max_len: int = EVENTS_MAXLEN,
+    ):
         self.r = client
         self.p = prefix
         self.lock_timeout_s = lock_timeout_s
+        self.events_max_len = events_max_len
         self._commit = client.register_script(_COMMIT)
         self._delete = client.register_script(_DELETE)
         self._restore = client.register_script(_RESTORE)
@@ -96,7 +125,15 @@ class AdapterIndex:
 
     def _keys(self, name: str) -> list[str]:
         p = self.p
-        return [f"{p}adapter:{name}", f"{p}names", f"{p}digests", f"{p}lru", f"{p}events", f"{p}generations"]
+        return [
+            f"{p}adapter:{name}",
+            f"{p}names",
+            f"{p}digests",
+            f"{p}lru",
+            f"{p}events",
+            f"{p}generations",
+            f"{p}events_added",
+        ]
 
     async def ping(self) -> None:
         await self.r.ping()
@@ -118,15 +155,16 @@ class AdapterIndex:
             record.name,
             record.digest,
             record.last_used_at,
-            EVENTS_MAXLEN,
+            self.events_max_len,
             record.config_digest,
+            record.files_digest,
             *flat,
         ]
         return int(await self._commit(keys=self._keys(record.name), args=args))
 
     async def delete(self, name: str) -> tuple[str, int] | None:
         """Remove the name; return (digest it pointed at, new generation), or None if absent."""
-        out = await self._delete(keys=self._keys(name), args=[name, time.time(), EVENTS_MAXLEN])
+        out = await self._delete(keys=self._keys(name), args=[name, time.time(), self.events_max_len])
         return (out[0], int(out[1])) if out else None
 
     async def restore(self, record: StoreRecord) -> bool:
@@ -233,6 +271,27 @@ class AdapterIndex:
         last = await self.r.xrevrange(f"{self.p}events", count=1)
         return last[0][0] if last else "0-0"
 
+    async def events_missing_after(self, after: str) -> bool:
+        """Whether the stream may no longer hold every event after `after`: older events are trimmed
+        (it keeps about `events_max_len`), or the stream is not the one `after` came from (Redis lost
+        it). A watcher resuming from `after` must then re-list instead of trusting the stream."""
+        key = f"{self.p}events"
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.xrange(key, count=1)
+            pipe.xrevrange(key, count=1)
+            pipe.xlen(key)
+            pipe.get(f"{self.p}events_added")
+            first, last, length, added = await pipe.execute()
+        position = stream_position(after)
+        if not last:
+            return position > (0, 0)  # events were seen that this (empty) stream never had
+        if position > stream_position(last[0][0]):
+            return True  # an id from past this stream's end: the stream was lost and begun again
+        if added is not None and int(added) == length:
+            return False  # nothing was ever trimmed
+        # Trimmed (or a stream older than the count): the caller is covered only from its first entry.
+        return position < stream_position(first[0][0])
+
     async def read_events(self, after: str, block_ms: int | None = 5000) -> list[Event]:
         """Up to 100 events after `after`; `block_ms` None returns at once."""
         got = await self.r.xread({f"{self.p}events": after}, count=100, block=block_ms)
@@ -248,6 +307,7 @@ class AdapterIndex:
                         int(f["generation"]),
                         float(f["time"]),
                         f.get("config_digest", ""),
+                        f.get("files_digest", ""),
                     )
                 )
         return events

@@ -19,12 +19,10 @@ MAX_ALPHA = 65504.0
 # PEFT features that change the forward beyond B(A(x)) * scaling. The inference server refuses
 # the same list (services/inference/lora/config.py); the store must not record what it refuses.
 UNSUPPORTED = {
-    "use_dora": "DoRA adapters are not supported (only plain LoRA A/B weights)",
     "lora_bias": "LoRA bias terms are not supported (only plain LoRA A/B weights)",
     "modules_to_save": "modules_to_save (full module copies) are not supported",
     "fan_in_fan_out": "fan_in_fan_out is for Conv1D (GPT-2 style) layers; these models use nn.Linear",
     "layer_replication": "layer_replication is not supported",
-    "trainable_token_indices": "trainable token embeddings are not supported",
     "use_qalora": "QALoRA is not supported",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
     "use_bdlora": "BD-LoRA is not supported",
@@ -48,6 +46,10 @@ class LoraConfig(NamedTuple):
     digest: str
     # PEFT's LoRA on raw parameters: the stacked experts of Mixtral / Qwen3-MoE (expert_check.py)
     target_parameters: tuple[str, ...] = ()
+    # DoRA: a lora_magnitude_vector per targeted module (kinds_check.py)
+    use_dora: bool = False
+    # trainable_token_indices: {"model.embed_tokens" / "lm_head": token ids} (kinds_check.py)
+    trainable_tokens: dict[str, tuple[int, ...]] = {}
 
     def rank_for(self, module: str) -> int:
         """The rank PEFT gives `module` (e.g. `model.layers.0.self_attn.q_proj`)."""
@@ -136,6 +138,12 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
         raise _bad("bias", f"only bias 'none' is supported, got {data.get('bias')!r}")
     if data.get("init_lora_weights") == "mica":
         raise _bad("init_lora_weights", "the MiCA variant is not supported")
+    use_dora = data.get("use_dora") or False
+    if not isinstance(use_dora, bool):
+        raise _bad("use_dora", f"use_dora must be true or false, got {use_dora!r}")
+    if use_dora and target_parameters:
+        raise _bad("use_dora", "DoRA on the experts (target_parameters) is not supported")
+    trainable_tokens = _trainable_tokens(data.get("trainable_token_indices"))
     use_rslora = data.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise _bad("use_rslora", f"use_rslora must be true or false, got {use_rslora!r}")
@@ -152,7 +160,41 @@ def parse_lora_config(raw: bytes) -> LoraConfig:
         text=text,
         digest="sha256:" + hashlib.sha256(raw).hexdigest(),
         target_parameters=tuple(target_parameters),
+        use_dora=use_dora,
+        trainable_tokens=trainable_tokens,
     )
+
+
+_TOKEN_LAYERS = {
+    "embed_tokens": "model.embed_tokens",
+    "model.embed_tokens": "model.embed_tokens",
+    "lm_head": "lm_head",
+}
+
+
+def _trainable_tokens(value: object) -> dict[str, tuple[int, ...]]:
+    """PEFT's trainable_token_indices: a list of ids (the embedding's) or an object layer -> ids."""
+    if value is None or value == [] or value == {}:
+        return {}
+    layers = {"embed_tokens": value} if isinstance(value, list) else value
+    if not isinstance(layers, dict):
+        raise _bad("trainable_token_indices", f"must be a list of token ids or an object, got {value!r}")
+    out = {}
+    for name, ids in layers.items():
+        if name not in _TOKEN_LAYERS:
+            raise _bad(
+                "trainable_token_indices", f"layer {name!r}: only embed_tokens and lm_head rows are served"
+            )
+        ok = (
+            isinstance(ids, list) and ids and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        )
+        if not ok or min(ids) < 0 or len(set(ids)) != len(ids):
+            raise _bad(
+                "trainable_token_indices",
+                f"{name}: must be a non-empty list of distinct non-negative token ids, got {ids!r}",
+            )
+        out[_TOKEN_LAYERS[name]] = tuple(ids)
+    return out
 
 
 def _positive_map(value: object, field: str, *, integer: bool) -> dict:

@@ -26,12 +26,15 @@ class StoreRecord:
     requested_revision: str = ""
     fingerprint: str = ""
     generation: int = 0
+    # The tokenizer files it ships (tokenizer_files.py): name -> text as JSON, and their digest.
+    files_json: str = field(default="", repr=False)
+    files_digest: str = ""
 
     @property
-    def content(self) -> tuple[str, str]:
-        """The adapter's identity: its weights and its config (the same weights with another
-        lora_alpha are another adapter)."""
-        return self.digest, self.config_digest
+    def content(self) -> tuple[str, str, str]:
+        """The adapter's identity: its weights, its config (the same weights with another
+        lora_alpha are another adapter) and its tokenizer files (another chat template)."""
+        return self.digest, self.config_digest, self.files_digest
 
     def with_(self, **changes) -> StoreRecord:
         return replace(self, **changes)
@@ -68,6 +71,8 @@ class StoreRecord:
             requested_revision=data.get("requested_revision", ""),
             fingerprint=data.get("fingerprint", ""),
             generation=int(data.get("generation", 0)),
+            files_json=data.get("files_json", ""),
+            files_digest=data.get("files_digest", ""),
         )
 
     def to_json(self) -> dict:

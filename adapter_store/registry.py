@@ -25,6 +25,7 @@ from loraplex.adapter_store.lora_config import parse_lora_config
 from loraplex.adapter_store.names import check_name, check_not_base_model
 from loraplex.adapter_store.records import StoreRecord
 from loraplex.adapter_store.sources import ResolvedSource, SourceFetcher, parse_source
+from loraplex.adapter_store.tokenizer_files import check_file, encode, files_digest
 from loraplex.adapter_store.validate import validate_adapter
 
 log = logging.getLogger(__name__)
@@ -150,6 +151,7 @@ class AdapterRegistry:
         with self.blobs.staging_dir() as staging:
             fetched = self.fetcher.fetch(resolved, staging, stop)
             config = parse_lora_config(fetched.config_raw)
+            tokenizer_texts = {n: check_file(n, data) for n, data in fetched.tokenizer_files.items()}
             summary = validate_adapter(config, fetched.weights, self.base)
             self.blobs.put(fetched.weights, summary.digest)
         now = time.time()
@@ -171,6 +173,8 @@ class AdapterRegistry:
             config_json=config.text,
             requested_revision=spec.revision,
             fingerprint=resolved.fingerprint,
+            files_json=encode(tokenizer_texts),
+            files_digest=files_digest(fetched.tokenizer_files),
         )
 
     def _sidecar_add(self, record: StoreRecord) -> None:

@@ -34,7 +34,7 @@ async def serve(config: StoreConfig) -> None:
     blobs.clean_staging()
     embedded = EmbeddedRedis(config.cache_dir / "redis") if not config.redis_url else None
     client = embedded.client() if embedded else connect(config.redis_url)
-    index = AdapterIndex(client, config.key_prefix, config.lock_timeout_s)
+    index = AdapterIndex(client, config.key_prefix, config.lock_timeout_s, config.events_max_len)
     base = None
     if config.base_model:
         base = await asyncio.to_thread(

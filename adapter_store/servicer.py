@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import re
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -25,10 +26,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from loraplex.adapter_store import errors
+from loraplex.adapter_store import errors, tokenizer_files
+from loraplex.adapter_store.index import stream_position
 from loraplex.adapter_store.records import StoreRecord
 from loraplex.adapter_store.registry import AdapterRegistry
-from loraplex.adapter_store.watch_hub import WatchHub, stream_id
+from loraplex.adapter_store.watch_hub import WatchHub
 from loraplex.v1 import adapter_store_pb2 as pb
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 
@@ -37,6 +39,8 @@ CHUNK_BYTES = 1 << 20
 # How long one XREAD waits: also the longest a shutdown waits for open watch streams.
 WATCH_BLOCK_MS = 1000
 EVENT_ID_RE = re.compile(r"^\d+(-\d+)?$")
+# The event a resuming watcher gets when the stream no longer holds every event after its id.
+RESYNC = "resync"
 
 _CODES = {
     errors.InvalidArgument: code_pb2.INVALID_ARGUMENT,
@@ -65,6 +69,7 @@ def record_to_proto(r: StoreRecord) -> pb.AdapterRecord:
         last_used_at=r.last_used_at,
         generation=r.generation,
         config_digest=r.config_digest,
+        files_digest=r.files_digest,
     )
 
 
@@ -231,7 +236,12 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
         try:
             async with self.registry.open_pull(request.name) as handle:
                 header = pb.AdapterHeader(
-                    record=record_to_proto(handle.record), adapter_config_json=handle.record.config_json
+                    record=record_to_proto(handle.record),
+                    adapter_config_json=handle.record.config_json,
+                    files=[
+                        pb.AdapterFile(name=n, content=data)
+                        for n, data in sorted(tokenizer_files.decode(handle.record.files_json).items())
+                    ],
                 )
                 if request.shared_cache:
                     header.local_safetensors_path = str(handle.path)
@@ -254,7 +264,7 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
         try:
             if request.last_event_id and (
                 not EVENT_ID_RE.fullmatch(request.last_event_id)
-                or max(stream_id(request.last_event_id)) >= 2**64
+                or max(stream_position(request.last_event_id)) >= 2**64
             ):
                 raise errors.InvalidArgument(
                     f"last_event_id {request.last_event_id[:64]!r} is not a Redis stream id (like "
@@ -268,6 +278,12 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
                 last = request.last_event_id or await index.last_event_id()
                 if last == "0":
                     last = "0-0"
+                if request.last_event_id and await index.events_missing_after(last):
+                    # A gap the stream cannot fill: say so, and carry on from its end once the
+                    # caller has re-listed (events from here on are delivered after the marker).
+                    gap_from, last = last, await index.last_event_id()
+                    log.info("WatchAdapters from %s: events since were trimmed; resync at %s", gap_from, last)
+                    yield pb.AdapterEvent(id=last, type=RESYNC, time=time.time())
                 # The backlog, in short non-blocking reads; then the shared reader's live feed,
                 # which starts no later than where the backlog ends (duplicates are skipped).
                 while batch := await index.read_events(last, block_ms=None):
@@ -281,7 +297,7 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
                         raise errors.Unavailable(
                             f"{e.message}; reconnect with last_event_id={last}"
                         ) from None
-                    if stream_id(ev.id) > stream_id(last):
+                    if stream_position(ev.id) > stream_position(last):
                         last = ev.id
                         yield _event_proto(ev)
         except Exception as e:  # noqa: BLE001
@@ -298,4 +314,5 @@ def _event_proto(ev) -> pb.AdapterEvent:
         generation=ev.generation,
         time=ev.time,
         config_digest=ev.config_digest,
+        files_digest=ev.files_digest,
     )

@@ -5,7 +5,7 @@ Accepted sources:
   (revision = branch, tag or commit; HF_TOKEN / HF_ENDPOINT honoured);
 - `file:///abs/dir`, `/abs/dir`, `./dir`, `~/dir` — a local PEFT adapter directory.
 Only `adapter_config.json` and `adapter_model.safetensors` (or, with --allow-pickle,
-`adapter_model.bin`) are read.
+`adapter_model.bin`) are read, and the small tokenizer files of tokenizer_files.py when present.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from loraplex.adapter_store.local_files import Stopped, check_allowed, copy_regu
 from loraplex.adapter_store.lora_config import CONFIG_FILE
 from loraplex.adapter_store.pickle_convert import PICKLE_FILE, convert_pickle_to_safetensors
 from loraplex.adapter_store.progress import DownloadBudget, bounded_progress
+from loraplex.adapter_store.tokenizer_files import CARRIED_FILES
 from loraplex.adapter_store.validate import WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
@@ -55,12 +56,14 @@ class ResolvedSource(NamedTuple):
     # Changes whenever the content may have changed: the commit for the Hub, sizes+mtimes locally.
     fingerprint: str
     weights_file: str  # WEIGHTS_FILE or PICKLE_FILE
+    tokenizer_files: tuple[str, ...] = ()  # those of CARRIED_FILES the source has
 
 
 class FetchedAdapter(NamedTuple):
     config_raw: bytes
     weights: Path  # a safetensors file inside the staging dir
     revision: str
+    tokenizer_files: dict[str, bytes]  # unchecked: registry.py checks them with the rest
 
 
 def parse_source(source: str, revision: str, allowed_dirs: tuple[Path, ...] = ()) -> SourceSpec:
@@ -161,14 +164,16 @@ class SourceFetcher:
             raise InvalidArgument(
                 f"{directory} has no {CONFIG_FILE}: not a PEFT adapter directory", field="source"
             )
-        weights_file = self._pick_weights_file({p.name for p in directory.iterdir()}, str(directory))
+        names = {p.name for p in directory.iterdir()}
+        weights_file = self._pick_weights_file(names, str(directory))
+        tokenizer_files = tuple(n for n in CARRIED_FILES if n in names)
         parts, total = [], 0
-        for name in (CONFIG_FILE, weights_file):
+        for name in (CONFIG_FILE, weights_file, *tokenizer_files):
             _real, st = resolve_file(directory / name, self.config.allowed_local_dirs)
             total += st.st_size
             parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}")
         self._check_size(total, str(directory))
-        return ResolvedSource(spec, "", "|".join(parts), weights_file)
+        return ResolvedSource(spec, "", "|".join(parts), weights_file, tokenizer_files)
 
     def _resolve_hub(self, spec: SourceSpec) -> ResolvedSource:
         from huggingface_hub import HfApi
@@ -184,7 +189,10 @@ class SourceFetcher:
                 field="source",
             )
         weights_file = self._pick_weights_file(files, f"Hub repo {spec.location}")
-        return ResolvedSource(spec, info.sha, info.sha, weights_file)
+        tokenizer_files = tuple(n for n in CARRIED_FILES if n in files)
+        # The files read count too: a record made before tokenizer files were carried is fetched again.
+        fingerprint = "|".join((info.sha, *tokenizer_files))
+        return ResolvedSource(spec, info.sha, fingerprint, weights_file, tokenizer_files)
 
     def _pick_weights_file(self, files: set[str], where: str) -> str:
         if WEIGHTS_FILE in files:
@@ -219,7 +227,7 @@ class SourceFetcher:
             self._download_hub(resolved, staging, stop)
         else:
             budget = self.config.max_adapter_bytes
-            for name in (CONFIG_FILE, resolved.weights_file):
+            for name in (CONFIG_FILE, resolved.weights_file, *resolved.tokenizer_files):
                 src = Path(resolved.spec.location) / name
                 try:
                     # Resolved again: the directory may have changed since `resolve`.
@@ -234,10 +242,12 @@ class SourceFetcher:
             convert_pickle_to_safetensors(staging / PICKLE_FILE, weights)
             (staging / PICKLE_FILE).unlink()
         # Sizes again: a local file may have grown since resolve, a Hub file may be bigger than listed.
-        self._check_size(
-            (staging / CONFIG_FILE).stat().st_size + weights.stat().st_size, resolved.spec.canonical
-        )
-        return FetchedAdapter((staging / CONFIG_FILE).read_bytes(), weights, resolved.revision)
+        others = [staging / n for n in (CONFIG_FILE, *resolved.tokenizer_files)]
+        total = sum(p.stat().st_size for p in others) + weights.stat().st_size
+        self._check_size(total, resolved.spec.canonical)
+        tokenizer_files = {n: (staging / n).read_bytes() for n in resolved.tokenizer_files}
+        config_raw = (staging / CONFIG_FILE).read_bytes()
+        return FetchedAdapter(config_raw, weights, resolved.revision, tokenizer_files)
 
     def _download_hub(
         self, resolved: ResolvedSource, staging: Path, stop: Callable[[], bool] | None = None
@@ -269,7 +279,7 @@ class SourceFetcher:
                 dry_run=dry_run,
             )
 
-        names = (CONFIG_FILE, resolved.weights_file)
+        names = (CONFIG_FILE, resolved.weights_file, *resolved.tokenizer_files)
         total = sum(self._hub_call(spec, lambda n=n: download(n, dry_run=True)).file_size or 0 for n in names)
         self._check_size(total, where)
         for name in names:

@@ -17,6 +17,13 @@ import numpy as np
 from loraplex.adapter_store.base_model import BaseModelShapes
 from loraplex.adapter_store.errors import InvalidArgument
 from loraplex.adapter_store.expert_check import check_expert_module, is_expert_module
+from loraplex.adapter_store.kinds_check import (
+    check_kind_tensors,
+    check_kind_values,
+    check_vocab_tensors,
+    split_kind_tensors,
+    split_vocab_tensors,
+)
 from loraplex.adapter_store.lora_config import LoraConfig
 from loraplex.adapter_store.safetensors_header import SafetensorsHeader, TensorInfo, read_header
 
@@ -63,6 +70,7 @@ def validate_adapter(
     header = read_header(weights, WEIGHTS_FILE)
     dtype, rank = check_tensors(header, config, base)
     digest = hash_and_check_finite(weights, header)
+    check_kind_values(weights, header, split_kind_tensors(header.tensors)[1])
     return AdapterSummary(digest, header.file_size, dtype, rank, len(header.tensors))
 
 
@@ -74,7 +82,9 @@ def check_tensors(
         raise InvalidArgument(f"{WEIGHTS_FILE}: contains no tensors", field=WEIGHTS_FILE)
     pairs: dict[str, dict[str, TensorInfo]] = {}
     dtypes = set()
-    for t in header.tensors:
+    tensors, magnitudes = split_kind_tensors(header.tensors)  # DoRA's, checked after the pairs
+    tensors, vocab = split_vocab_tensors(tensors)  # embed_tokens / lm_head LoRA
+    for t in tensors:
         where = f"{WEIGHTS_FILE}:{t.name}"
         m = TENSOR_NAME_RE.match(t.name)
         if m is None:
@@ -96,7 +106,9 @@ def check_tensors(
     max_rank = 0
     for module, ab in sorted(pairs.items()):
         max_rank = max(max_rank, _check_module(module, ab, config, base))
-    return dtypes.pop(), max_rank
+    check_kind_tensors(magnitudes, pairs, config)
+    max_rank = max(max_rank, check_vocab_tensors(vocab, config, base))
+    return (dtypes.pop() if dtypes else vocab[0].dtype), max_rank
 
 
 def _check_module(

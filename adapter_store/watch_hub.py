@@ -23,11 +23,6 @@ log = logging.getLogger(__name__)
 MAX_BACKLOG = 10_000
 
 
-def stream_id(event_id: str) -> tuple[int, int]:
-    ms, _, seq = event_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 class Subscription:
     def __init__(self) -> None:
         self.queue: asyncio.Queue[Event | StoreError] = asyncio.Queue()

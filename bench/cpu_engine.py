@@ -48,9 +48,12 @@ class OurEngine:
         from loraplex.services.inference.engine.engine import LLMEngine
 
         config = EngineConfig(
-            model_path=str(model_dir), device=torch.device("cpu"), dtype="float32",
-            max_total_tokens=16384, context_length=2048,
-        )  # fmt: skip
+            model_path=str(model_dir),
+            device=torch.device("cpu"),
+            dtype="float32",
+            max_total_tokens=16384,
+            context_length=2048,
+        )
         self.engine = LLMEngine.from_config(config)
 
     def run(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -76,9 +79,13 @@ class Transformers:
         with torch.no_grad():
             start = time.perf_counter()
             out = self.model.generate(
-                ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=self.pad,
-            )  # fmt: skip
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=self.pad,
+            )
             elapsed = time.perf_counter() - start
         return elapsed, out[:, width:].tolist()
 
@@ -125,7 +132,7 @@ def main() -> None:
                 transformers_tok_s=tokens / hf_s,
                 speedup=hf_s / ours_s,
                 greedy_equal=f"{same}/{batch}",
-            )  # fmt: skip
+            )
         )
     print(
         "| batch | new tokens | engine tok/s | transformers tok/s | speedup | greedy outputs equal (to EOS) |"
@@ -139,8 +146,11 @@ def main() -> None:
     meta = dict(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         machine=f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        torch=torch.__version__, threads=torch.get_num_threads(), repeats=args.repeats, model=str(model_dir),
-    )  # fmt: skip
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        repeats=args.repeats,
+        model=str(model_dir),
+    )
     print(f"\n{meta}")
     write_json(args.out, "cpu_engine", {"meta": meta, "rows": rows})
 

@@ -1,25 +1,19 @@
-"""The Triton FP8 GEMMs (kernels/fp8_weight_gemm.py: weight-only and W8A8) per projection against
-`torch._scaled_mm` and bf16 cuBLAS, a sweep of their configs, the fastest per shape (`auto`'s
-choice), and the decode step with each FP8 GEMM (issue 35).
+"""Tunes the Triton FP8 GEMMs (kernels/fp8_weight_gemm.py: weight-only and W8A8) for a card or model
+shape the built-in tables were not measured on, and writes `fp8_gemm_configs.json`, which
+`LORAPLEX_FP8_GEMM_CONFIGS` loads (docs/operations.md).
 
 1. Correctness (first; FAIL lines and exit 1 on a mismatch): each Llama-3.1-8B projection (q/k/v
    fused, o, gate/up fused, down) at every `--rows`, per-channel and 128x128 block scales, bf16
    activations, against the float32 reference over the dequantized weight.
-2. Per projection and rows: microseconds of bf16 `F.linear`, `torch._scaled_mm` (per-token
-   activation quantize + the cuBLASLt GEMM), the weight-only GEMM (default configs; block scales;
-   swept), the Triton W8A8 GEMM (activation quantize included; default configs; swept), each timed in
-   one CUDA graph that cycles over enough weight copies (>= 256 MB) that L2 holds none, and its ratio
-   to the weight bytes' floor at the copy bandwidth measured in the same run. Per decode rows bucket
-   and projection the fastest FP8 GEMM becomes `auto`'s choice.
-3. Sweep (`--sweep-budget-s`, rows `--sweep-rows`): tile sizes, K-splits, warps and stages per
-   projection and Triton kernel; the best and the choices go to `DIR/fp8_gemm_configs.json`
-   (`LORAPLEX_FP8_GEMM_CONFIGS`).
-4. Decode step, batch 64, ctx 1,024 (bench/fp8_step.py's case, CUDA graphs): bf16, FP8 with
-   `LORAPLEX_FP8_GEMM=scaled_mm`, `auto` (the default) with the built-in tables, `auto` with the swept
-   tiles and measured choices, weight-only and W8A8 everywhere; x floor and ratio to bf16 (the issue's
-   goals: <= 1.2x floor, <= 0.72x bf16).
+2. Sweep (`--sweep-budget-s`, rows `--sweep-rows`): tile sizes, K-splits, warps and stages per
+   projection and Triton kernel (bench/fp8_gemm_sweep.py), each winner checked like step 1.
+3. Per projection and rows: microseconds of bf16 `F.linear`, `torch._scaled_mm`, the weight-only and
+   the W8A8 GEMM (default and swept tiles), each in one CUDA graph cycling over enough weight copies
+   that L2 holds none, against the weight bytes' floor; per decode rows bucket the fastest becomes
+   `auto`'s choice. The swept tiles and the choices go to `DIR/fp8_gemm_configs.json`.
+The decode step with FP8 weights against bf16 and its floor: `python -m loraplex.bench.step`.
 
-    PYTHONPATH=protos python3 -m loraplex.bench.fp8_gemm                      # H100/H200, ~3 min
+    PYTHONPATH=protos python3 -m loraplex.bench.fp8_gemm                      # H100/H200, ~2 min
     PYTHONPATH=protos python3 -m loraplex.bench.fp8_gemm --tiny --sweep-budget-s 5   # GPU smoke
     TRITON_INTERPRET=1 PYTHONPATH=protos python3 -m loraplex.bench.fp8_gemm --tiny  # CPU: checks only
 
@@ -36,13 +30,13 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from loraplex.bench import harness as h
 from loraplex.bench.fp8_gemm_sweep import GEMMS, copies_of, graph_us, sweep
 from loraplex.bench.results import add_out_argument, write_json
 from loraplex.kernels import fp8_gemm_configs
 from loraplex.kernels.fp8_gemm_configs import Fp8GemmConfig, Fp8GemmKey, fp8_gemm_config, rows_bucket
 from loraplex.kernels.fp8_matmul import dequantize, fp8_linear_mm, quantize_rows
 from loraplex.kernels.fp8_weight_gemm import fp8_w8a8_gemm, fp8_weight_gemm
-from loraplex.kernels.settings import reload_kernel_settings
 
 PROJECTIONS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 TINY_PROJECTIONS = {"qkv": (96, 64), "o": (64, 64), "gate_up": (192, 64), "down": (64, 96)}
@@ -55,17 +49,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rows", default="1,16,32,64,128", help="activation rows timed (comma list)")
     p.add_argument("--sweep-rows", default="64", help="rows swept (comma list; empty: no sweep)")
     p.add_argument("--sweep-budget-s", type=float, default=75.0)
-    p.add_argument("--step-repeats", type=int, default=30)
-    p.add_argument("--skip-step", action="store_true", help="kernels only, no decode step")
     add_out_argument(p)
     a = p.parse_args(argv)
     a.rows = [int(r) for r in a.rows.split(",") if r]
     a.sweep_rows = [int(r) for r in a.sweep_rows.split(",") if r]
     return a
-
-
-def set_fp8_gemm(mode: str) -> None:
-    reload_kernel_settings({**os.environ, "LORAPLEX_FP8_GEMM": mode})
 
 
 def block_scales(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,12 +106,6 @@ def check(
     return ok
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    from loraplex.bench.fp8_step import copy_bandwidth as measure
-
-    return measure(device)
-
-
 def time_projection(name: str, ops: dict, rows: int, bw: float, swept: dict) -> dict:
     """`swept`: the sweep's best tiles per kernel for this rows bucket and weight (may be empty)."""
     n, k = ops["wq"].shape
@@ -153,37 +135,6 @@ def time_projection(name: str, ops: dict, rows: int, bw: float, swept: dict) -> 
     return row
 
 
-def step_cases(a, bw: float, swept: dict) -> list[dict]:
-    from loraplex.bench.fp8_step import decode_case
-    from loraplex.bench.fp8_step import parse as step_parse
-
-    # fp8_step's own defaults (whatever cases it grows), at batch 64, ctx 1,024 (--tiny: its tiny shape).
-    size = ["--tiny", "--device", "cuda"] if a.tiny else ["--batch", "64", "--ctx", "1024"]
-    args = step_parse([*size, "--repeats", str(a.step_repeats)])
-    device = torch.device("cuda")
-    rows = []
-    for name, fp8, mode, overrides in (
-        ("bf16 base", False, "scaled_mm", {}),
-        ("fp8 base, scaled_mm", True, "scaled_mm", {}),
-        ("fp8 base, auto (built-in tables)", True, "auto", {}),
-        ("fp8 base, auto (swept tiles, measured choice)", True, "auto", swept),
-        ("fp8 base, weight-only (swept tiles)", True, "weight_only", swept),
-        ("fp8 base, w8a8 (swept tiles)", True, "w8a8", swept),
-    ):
-        if "swept" in name and not swept:
-            continue
-        set_fp8_gemm(mode)
-        fp8_gemm_configs.OVERRIDES.clear()
-        fp8_gemm_configs.OVERRIDES.update(overrides)
-        rows.append(decode_case(args, name, device, torch.bfloat16, fp8, 0, bw))
-        print(f"  {name}: {rows[-1]['ms']:.3f} ms, x floor {rows[-1]['x_floor']:.2f}", flush=True)
-    fp8_gemm_configs.OVERRIDES.clear()
-    set_fp8_gemm(os.environ.get("LORAPLEX_FP8_GEMM", "scaled_mm"))
-    for r in rows:
-        r["vs_bf16"] = r["ms"] / rows[0]["ms"]
-    return rows
-
-
 def _cell(row: dict, key: str, floor: str = "fp8_floor_us") -> str:
     us = row.get(key)
     return f"{us:>7.1f} ({us / row[floor]:.2f})" if us else f"{'-':>13}"
@@ -210,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda:
         print("checks passed (CPU: no timing)")
         return 0
-    bw = copy_bandwidth(device)
+    bw = h.copy_bandwidth(device)
     print(f"{torch.cuda.get_device_name(device)}, copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     for ops in ops_by.values():
         ops["sets"] = [s[:2] for s in copies_of((ops["wq"], ops["ws"]))]
@@ -250,18 +201,6 @@ def main(argv: list[str] | None = None) -> int:
     configs_path = a.out / "fp8_gemm_configs.json"
     configs_path.write_text(json.dumps(fp8_gemm_configs.table_json(swept), indent=1))
     print(f"wrote {configs_path} (LORAPLEX_FP8_GEMM_CONFIGS={configs_path})")
-    steps = []
-    if not a.skip_step:
-        del ops_by
-        torch.cuda.empty_cache()
-        print(f"\ndecode step (fp8_step's case), {'tiny' if a.tiny else 'Llama-3.1-8B'} shape, no adapters")
-        steps = step_cases(a, bw, swept)
-        print(f"{'case':<44}{'ms':>8}{'floor ms':>10}{'x floor':>9}{'vs bf16':>9}")
-        for s in steps:
-            print(
-                f"{s['case']:<44}{s['ms']:>8.3f}{s['floor_ms']:>10.3f}{s['x_floor']:>9.2f}{s['vs_bf16']:>9.3f}"
-            )
-        print("goals (issue 35): fp8 step <= 1.2x its floor, <= 0.72x the bf16 step")
     write_json(
         a.out,
         "fp8_gemm",
@@ -270,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
             copy_bandwidth=bw,
             kernels=kernels,
             swept=fp8_gemm_configs.table_json(swept),
-            steps=steps,
         ),
     )
     return 0

@@ -1,4 +1,4 @@
-"""Block-size sweeps for bench/lora_kernels.py (`--sweep`, `--joint-sweep`): time candidate
+"""Block-size sweeps for `python -m loraplex.bench.kernels --tune-lora` (`joint_sweep`): time candidate
 configurations with CUDA-graph replays and return the best, plus every timed row."""
 
 from __future__ import annotations

@@ -8,9 +8,9 @@
    tokens must be identical, or part only where the eager run's top two logits were a near-tie
    (bf16 matmuls of a padded bucket may round differently from the unpadded step's).
 
-Used by bench/mixed_step.py before it times anything (GPU), and standalone on the CPU (tiny model,
-pieces run eagerly): `PYTHONPATH=protos python3 -m loraplex.bench.mixed_graph_check [--out DIR]`, which
-prints a table and writes mixed_graph_check.json.
+Run on a tiny random model: `PYTHONPATH=protos python3 -m loraplex.bench.mixed_graph_check [--device cuda]
+[--out DIR]` (CPU: the pieces run eagerly; CUDA: captured, bf16), which prints a table and writes
+mixed_graph_check.json.
 """
 
 from __future__ import annotations
@@ -246,12 +246,14 @@ def print_table(result: dict) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu (pieces run eagerly) or cuda (captured, bf16)")
     add_out_argument(parser)
     args = parser.parse_args()
+    cuda = args.device == "cuda"
     runner = build_runner(
         TINY,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
+        dtype=torch.bfloat16 if cuda else torch.float32,
+        device=torch.device(args.device),
         slots=20,
         rank=8,
         max_num_tokens=128,
@@ -259,9 +261,9 @@ def main() -> int:
         context_length=1024,
         page_size=PAGE,
         num_blocks=4096,
-        lora_backend="torch",
+        lora_backend="triton" if cuda else "torch",
     )
-    runner.capture_mixed_graphs(128, use_graphs=False)
+    runner.capture_mixed_graphs(128, use_graphs=cuda)
     result = run_all(runner, 0, 20, chunk=24)
     print_table(result)
     write_json(args.out, "mixed_graph_check", result)

@@ -71,6 +71,7 @@ class Scenario:
     num_adapters: int = 0
     max_loras_per_batch: int | None = None  # None: the server's default flags
     max_gpu_loras: int | None = None  # None: the server's default pool bound
+    hot: int | None = None  # S of the hottest-S TTFT (None: K, else P, else HOT_ADAPTERS)
 
     @classmethod
     def parse(cls, text: str) -> Scenario:
@@ -78,24 +79,27 @@ class Scenario:
             return cls("base", "base")
         parts = text.split(":")
         usage = (
-            f"scenario {text!r}: use 'base' or 'zipf|uniform:N[:MAX_LORAS_PER_BATCH][:pool=MAX_GPU_LORAS]'"
+            f"scenario {text!r}: use 'base' or "
+            "'zipf|uniform:N[:MAX_LORAS_PER_BATCH][:pool=MAX_GPU_LORAS][:hot=S]'"
         )
-        if parts[0] not in ("zipf", "uniform") or not 2 <= len(parts) <= 4:
+        if parts[0] not in ("zipf", "uniform") or not 2 <= len(parts) <= 5:
             raise ValueError(usage)
-        k = pool = None
+        k = pool = hot = None
         for part in parts[2:]:
             if part.startswith("pool="):
                 pool = int(part.removeprefix("pool="))
+            elif part.startswith("hot="):
+                hot = int(part.removeprefix("hot="))
             elif part.isdigit() and k is None:
                 k = int(part)
             else:
                 raise ValueError(usage)
-        return cls(text, parts[0], int(parts[1]), k, pool)
+        return cls(text, parts[0], int(parts[1]), k, pool, hot)
 
     @property
     def hot_count(self) -> int:
-        """S: the adapters counted as hot (the cap, else the pool bound, else HOT_ADAPTERS)."""
-        return self.max_loras_per_batch or self.max_gpu_loras or HOT_ADAPTERS
+        """S: the adapters counted as hot (hot=S, else the cap, else the pool bound, else HOT_ADAPTERS)."""
+        return self.hot or self.max_loras_per_batch or self.max_gpu_loras or HOT_ADAPTERS
 
     def adapter_index(self, draw: float, exponent: float) -> int | None:
         if self.popularity == "base":
@@ -351,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("--mode", choices=["engine", "cpu", "grpc"], default="engine")
+    a("--tiny", action="store_true", help="engine mode with the tiny random model (a GPU smoke run)")
     a(
         "--scenarios",
         nargs="*",
@@ -403,7 +408,9 @@ MODE_DEFAULTS = {  # rate, prompt, output, rank
 }
 
 
-async def run(opts: argparse.Namespace) -> dict:
+async def run(opts: argparse.Namespace, on_scenario=None) -> dict:
+    """Every scenario in turn; `on_scenario(name, result)` (optional) is called after each and returns
+    False to stop there (bench/goals.py: a time budget)."""
     rate, prompt_len, output_len, rank = MODE_DEFAULTS[opts.mode]
     opts.rate = opts.rate or rate
     opts.prompt_len = opts.prompt_len or prompt_len
@@ -451,6 +458,8 @@ async def run(opts: argparse.Namespace) -> dict:
                     f"(built in {build_s:.0f} s, {res['setup']})",
                     flush=True,
                 )
+            if on_scenario is not None and not on_scenario(sc.name, res):
+                break
     add_ratios(results)
     return results
 

@@ -8,6 +8,7 @@ the model weights once); `factory.scenario(n, k)` yields a Target serving n adap
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -26,6 +27,7 @@ TINY = dict(
     vocab_size=512,
 )
 ADAPTER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+DISTINCT_WEIGHTS = 64  # adapters with weights of their own; the rest link to these
 
 
 class Target(Protocol):
@@ -47,11 +49,14 @@ def _workdir(opts) -> Path:
     if opts.workdir is not None:
         return opts.workdir
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "loraplex" / f"workload-{opts.mode}"
+    return cache / "loraplex" / f"workload-{opts.mode}{'-tiny' if getattr(opts, 'tiny', False) else ''}"
 
 
 def _ensure_files(root: Path, shape: dict, count: int, rank: int, device: str) -> tuple[Path, list[Path]]:
-    """The random model and `count` random adapters under `root`, written once and reused."""
+    """The random model and `count` random adapters under `root`, written once and reused. Past
+    DISTINCT_WEIGHTS, adapter i's weights file is a hard link to adapter i % DISTINCT_WEIGHTS's (1,024
+    adapters of an 8B shape would be 27 GB to write), with its own config (another lora_alpha), so
+    each is still another adapter to the server: its own digest, slot, uploads and prefix cache."""
     from loraplex.bench.serving_setup import write_adapters, write_model_dir
 
     model = root / "model"
@@ -60,11 +65,21 @@ def _ensure_files(root: Path, shape: dict, count: int, rank: int, device: str) -
         write_model_dir(model, shape, device=device)
     adapters = root / f"adapters-r{rank}"
     have = sorted(p.parent for p in adapters.glob("adapter*/adapter_config.json"))
-    if len(have) < count:
-        log.warning("writing %d random rank-%d adapters to %s", count, rank, adapters)
+    distinct = min(count, DISTINCT_WEIGHTS)
+    if len(have) < distinct:
+        log.warning("writing %d random rank-%d adapters to %s", distinct, rank, adapters)
         have = write_adapters(
-            adapters, model, count, shape=shape, rank=rank, device=device, modules=ADAPTER_MODULES
+            adapters, model, distinct, shape=shape, rank=rank, device=device, modules=ADAPTER_MODULES
         )
+    for i in range(len(have), count):
+        src, dst = adapters / f"adapter{i % DISTINCT_WEIGHTS:02d}", adapters / f"adapter{i:02d}"
+        dst.mkdir(exist_ok=True)
+        if not (dst / "adapter_model.safetensors").exists():
+            os.link(src / "adapter_model.safetensors", dst / "adapter_model.safetensors")
+        config = json.loads((src / "adapter_config.json").read_text())
+        config["lora_alpha"] += i // DISTINCT_WEIGHTS
+        (dst / "adapter_config.json").write_text(json.dumps(config, indent=1))
+        have.append(dst)
     return model, sorted(have)[:count]
 
 
@@ -151,7 +166,7 @@ class EngineFactory:
         if not cpu and not torch.cuda.is_available():
             raise SystemExit("--mode engine needs a CUDA device (use --mode cpu on the CPU)")
         self.cpu = cpu
-        self.shape = TINY if cpu else LLAMA_8B
+        self.shape = TINY if cpu or getattr(opts, "tiny", False) else LLAMA_8B
         self.device = "cpu" if cpu else "cuda"
         self.root = _workdir(opts)
         self.rank = opts.adapter_rank
@@ -159,7 +174,7 @@ class EngineFactory:
         self.num_adapters = 0
         self.model, _ = _ensure_files(self.root, self.shape, 0, self.rank, self.device)
         base = dict(model_path=str(self.model), device=self.device, dtype="float32" if cpu else "bfloat16")
-        if cpu:
+        if self.shape is TINY:  # a KV cache sized from GPU memory would hold millions of tiny pages
             base.update(context_length=1024, max_total_tokens=65536)
         base.update(_server_overrides(opts.server_arg))
         self.base_args = base

@@ -3,7 +3,7 @@
 Renders deploy/nginx/loraplex.conf (its one variable, the listen address) with the replicas
 list beside it and a minimal main nginx.conf that keeps every path (pid, temp dirs) inside a
 work directory, then runs `nginx -g 'daemon off;'` as a child: no root, no /etc/nginx, no
-/var/log. Used by `loraplex up --replicas N`, the tests and bench/router.py.
+/var/log. Used by `loraplex up --replicas N` and the tests.
 """
 
 from __future__ import annotations

@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels.fused_ops import tanh
-from loraplex.kernels.settings import kernel_settings, switched_on
 
 LOG2E = 1.4426950408889634
 
@@ -303,9 +302,9 @@ def paged_decode_attention(
     pad = triton.next_power_of_2(splits)
     if out is None:
         out = torch.empty_like(q)
-    # LORAPLEX_DECODE_DIRECT: one split writes the output itself (the same rounding as the merge's
-    # divide by one), saving the merge launch and the float32 partials' round trip.
-    direct = splits == 1 and switched_on(kernel_settings().decode_direct, q.is_cuda)
+    # One split writes the output itself (the same rounding as the merge's divide by one), saving the
+    # merge launch and the float32 partials' round trip.
+    direct = splits == 1
     if direct:
         mid_o, mid_lse = out.unsqueeze(2), out  # [B, heads, 1, head_dim] view; lse never written
     else:

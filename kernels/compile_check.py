@@ -6,7 +6,7 @@ the compiler refuses (a value retyped inside an if-block, say). `python -m lorap
 lowers each kernel to PTX and a cubin for `cuda:90` and prints one line per kernel; tests run it.
 Each entry names every constexpr without a default. Run it with the GPU image's Triton too (its wheel
 on PYTHONPATH: `pip install --no-deps --target DIR triton==3.6.0`): the two versions' compilers refuse
-different things (3.6 failed on a while loop carrying a tensor that 3.9 compiles).
+different things (3.6 failed on a while loop carrying a tensor that 3.9 compiles, in a kernel since removed).
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from loraplex.kernels.expert_lora_pairs import _pair_lora_kernel
 from loraplex.kernels.fused_ops import _add_rms_norm_kernel, _rms_norm_kernel, _silu_mul_kernel
 from loraplex.kernels.lora_expand import _expand_kernel
 from loraplex.kernels.lora_expand_token import _expand_token_kernel
-from loraplex.kernels.lora_fused import _fused_kernel
-from loraplex.kernels.lora_handoff import _handoff_kernel
 from loraplex.kernels.lora_meta import _segments_kernel
 from loraplex.kernels.lora_shrink import _shrink_kernel
 from loraplex.kernels.moe_align import _moe_align_kernel
@@ -53,7 +51,7 @@ POINTERS = {
     "delta_ptr": "*bf16",
     "weight_ptr": "*fp32",
     "experts_ptr": "*i64",
-    # the base-step options (issue 38): fused KV store, skinny GEMM, direct decode output
+    # the base step's fused launches (issue 38): fused KV store, skinny gated GEMM, direct decode output
     "kc_ptr": "*bf16",
     "vc_ptr": "*bf16",
     "slots_ptr": "*i64",
@@ -77,16 +75,13 @@ COMMON = dict(PRECISION="tf32", BLOCK_M=16)
 MOE_BLOCKS = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)
 # The q/k/v split-and-rotary launch at Llama-3.1-8B's heads; + storing k/v into the cache.
 QKV_LLAMA_8B = dict(Q_HEADS=32, KV_HEADS=8, HALF=64, BLOCK_H=32, BLOCK_D=64)
-# The one-launch shrink + expand (kernels/lora_handoff.py) at decode's rank-16 blocks.
-HANDOFF = dict(COMMON, N_SPLITS=8, R_BLOCKS=1, N_STACK=3, STRIDE_BLOCK_TOKENS=128, EVEN_K=True, EVEN_N=True)
-HANDOFF_BLOCKS = dict(SHRINK_BLOCK_R=16, BLOCK_K=128, BLOCK_N=128, BLOCK_R=16)
 QKV_STORE = dict(QKV_LLAMA_8B, HAS_DELTA=False, QK_NORM=False, UNIT_OFFSET=False, STORE_KV=True, PAGE_SIZE=16)
 KERNELS = {
     "shrink": (
         _shrink_kernel,
         dict(COMMON, R_BLOCKS=1, STRIDE_BLOCK_TOKENS=128, EVEN_K=True, PDL=False, BLOCK_R=16, BLOCK_K=256),
     ),
-    "shrink_pdl": (  # programmatic dependent launch (LORAPLEX_LORA_PDL): the grid-dependency wait
+    "shrink_pdl": (  # programmatic dependent launch (compute capability >= 9): the grid-dependency wait
         _shrink_kernel,
         dict(COMMON, R_BLOCKS=1, STRIDE_BLOCK_TOKENS=128, EVEN_K=False, PDL=True, BLOCK_R=16, BLOCK_K=128),
     ),
@@ -126,7 +121,7 @@ KERNELS = {
     ),
     "add_rms_norm_delta": (_add_rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_DELTA=True, QUANT=False)),
     "silu_mul_delta": (_silu_mul_kernel, dict(N=14336, BLOCK=1024, HAS_DELTA=True, QUANT=False)),
-    # An FP8 base's W8A8 GEMM input, quantized by the launch that makes it (LORAPLEX_FP8_FUSED_QUANT)
+    # An FP8 base's W8A8 GEMM input, quantized by the launch that makes it
     "add_rms_norm_quant": (_add_rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_DELTA=False, QUANT=True)),
     "rms_norm_quant": (_rms_norm_kernel, dict(N=4096, BLOCK=4096, UNIT_OFFSET=False, QUANT=True)),
     "silu_mul_quant": (
@@ -146,19 +141,19 @@ KERNELS = {
         dict(QKV_LLAMA_8B, HAS_DELTA=False, QK_NORM=False, UNIT_OFFSET=False, STORE_KV=False, KV_FP8=False),
     ),
     "qkv_rotary_store_kv": (_qkv_rotary_kernel, dict(QKV_STORE, KV_FP8=False)),
-    "skinny_split_k": (
+    "skinny_geglu_split_k": (  # a smaller model's gate_up: few column tiles, so K splits
         _skinny_kernel,
         dict(
-            N=4096,
-            K=14336,
-            K_PER=3584,
+            N=2048,
+            K=4096,
+            K_PER=1024,
             BLOCK_M=64,
-            BLOCK_N=64,
+            BLOCK_N=32,
             BLOCK_K=128,
             SPLIT_K=4,
             EVEN_K=True,
             HAS_BIAS=False,
-            ACT=0,
+            ACT=2,
             PRECISION="tf32",
         ),
     ),
@@ -200,40 +195,6 @@ KERNELS = {
     "expert_pair_lora_r16": (_pair_lora_kernel, dict(RANK=16, R_P2=16, BLOCK_K=128, BLOCK_N=64)),
     "expert_pair_lora_r24": (_pair_lora_kernel, dict(RANK=24, R_P2=32, BLOCK_K=128, BLOCK_N=64)),
     "moe_align": (_moe_align_kernel, dict(E_P2=128, BLOCK_M=16, BLOCK_P=32)),
-    "fused_accumulate": (
-        _fused_kernel,
-        dict(
-            COMMON,
-            STRIDE_BLOCK_TOKENS=128,
-            EVEN_K=True,
-            EVEN_N=True,
-            ACCUMULATE=True,
-            BLOCK_R=16,
-            BLOCK_K=128,
-            BLOCK_N=128,
-        ),
-    ),
-    "fused_delta": (
-        _fused_kernel,
-        dict(
-            COMMON,
-            STRIDE_BLOCK_TOKENS=128,
-            EVEN_K=False,
-            EVEN_N=False,
-            ACCUMULATE=False,
-            BLOCK_R=64,
-            BLOCK_K=64,
-            BLOCK_N=256,
-        ),
-    ),
-    "handoff_block_delta_pdl": (
-        _handoff_kernel,
-        dict(HANDOFF, **HANDOFF_BLOCKS, ACCUMULATE=False, PDL=True, PER_TOKEN=False),
-    ),
-    "handoff_token_accumulate": (
-        _handoff_kernel,
-        dict(HANDOFF, **HANDOFF_BLOCKS, ACCUMULATE=True, PDL=False, PER_TOKEN=True),
-    ),
 }
 
 

@@ -67,13 +67,12 @@ def scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def quantize_activations(
-    x: torch.Tensor, input_scale: torch.Tensor | None, pdl: bool = False
+    x: torch.Tensor, input_scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`[M, K]` activations to E4M3 with a float32 `[M, 1]` scale: per token (dynamic), or the
-    checkpoint's static per-tensor `input_scale` repeated per row. `pdl`: the GEMM after it launches
-    as a programmatic dependent launch (the Triton quantization lets it start early)."""
+    checkpoint's static per-tensor `input_scale` repeated per row."""
     if input_scale is None:
-        return quantize_rows_fused(x, pdl) if triton_runs_on(x) else quantize_rows(x)
+        return quantize_rows_fused(x) if triton_runs_on(x) else quantize_rows(x)
     scale = input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale

@@ -44,11 +44,8 @@ def _quantize_rows_kernel(
     fp8_max,
     min_scale,
     ONE_PASS: tl.constexpr,  # BLOCK covers the row: one read, kept in registers
-    PDL: tl.constexpr,  # let the GEMM after this launch start (it waits for our output)
     BLOCK: tl.constexpr,
 ):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     if ONE_PASS:
         offs = tl.arange(0, BLOCK)
@@ -90,9 +87,8 @@ def empty_quantized(rows: int, cols: int, device: torch.device) -> QuantizedRows
     )
 
 
-def quantize_rows_fused(x: torch.Tensor, pdl: bool = False) -> QuantizedRows:
-    """`quantize_rows` of a 2-D `x` (unit stride on the last dim): (E4M3 `[M, K]`, float32 `[M, 1]`).
-    `pdl`: the next launch is a programmatic dependent one (kernels/placement.fp8_pdl_launch)."""
+def quantize_rows_fused(x: torch.Tensor) -> QuantizedRows:
+    """`quantize_rows` of a 2-D `x` (unit stride on the last dim): (E4M3 `[M, K]`, float32 `[M, 1]`)."""
     m, k = x.shape
     q, s = empty_quantized(m, k, x.device)
     if m:
@@ -108,7 +104,6 @@ def quantize_rows_fused(x: torch.Tensor, pdl: bool = False) -> QuantizedRows:
             FP8_MAX,
             MIN_SCALE,
             ONE_PASS=one_pass,
-            PDL=pdl,
             BLOCK=block,
             num_warps=8 if block > 4096 else 4,
         )

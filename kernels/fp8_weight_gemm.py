@@ -36,7 +36,6 @@ import triton.language as tl
 from loraplex.kernels.fp8_gemm_configs import Fp8GemmConfig, fp8_gemm_config
 from loraplex.kernels.fp8_matmul import dequantize, quantize_activations, quantize_rows
 from loraplex.kernels.fp8_quant import QuantizedRows
-from loraplex.kernels.placement import fp8_pdl_launch
 
 
 # The rows (and what scales with them) are runtime values: a new batch size compiles nothing.
@@ -66,13 +65,10 @@ def _fp8_weight_gemm_kernel(
     SPLIT: tl.constexpr,  # more than one program over K per tile: partials, the last one adds them
     EVEN_K: tl.constexpr,  # K is a multiple of BLOCK_K: no K masks
     X_FP8: tl.constexpr,  # x is E4M3 (W8A8): an FP8 MMA, x's row scales applied at the end
-    PDL: tl.constexpr,  # launched while the quantization before it runs: wait for its output first
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -196,9 +192,8 @@ def fp8_w8a8_gemm(
     quantized per token by the op that made it (kernels/fused_ops.py), so no quantization launch."""
     x2 = _rows(x)
     config = config or fp8_gemm_config(x2.shape[0], *weight.shape, x.device, kernel="w8a8")
-    pdl = xq is None and fp8_pdl_launch(x2)
-    xq, xs = quantize_activations(x2, input_scale, pdl) if xq is None else xq
-    out = _gemm(xq, xs, weight, scale, block, bias, config, x.dtype, pdl)
+    xq, xs = quantize_activations(x2, input_scale) if xq is None else xq
+    out = _gemm(xq, xs, weight, scale, block, bias, config, x.dtype)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
@@ -216,10 +211,8 @@ def _gemm(
     bias: torch.Tensor | None,
     config: Fp8GemmConfig,
     out_dtype: torch.dtype,
-    pdl: bool = False,
 ) -> torch.Tensor:
-    """One launch over `[M, K]` rows; `x_scale` (`[M, 1]` float32) for E4M3 x; `pdl`: as a programmatic
-    dependent launch (the kernel waits for its predecessor before it reads anything)."""
+    """One launch over `[M, K]` rows; `x_scale` (`[M, 1]` float32) for E4M3 x."""
     n, k = weight.shape
     m = x2.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=x2.device)
@@ -261,8 +254,6 @@ def _gemm(
         SPLIT=split,
         EVEN_K=k % block_k == 0,
         X_FP8=x_scale is not None,
-        PDL=pdl,
-        **({"launch_pdl": True} if pdl else {}),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=block_k,

@@ -20,8 +20,7 @@ rules in `shrink_splits` / `shrink_config` / `expand_config`. The interpreter ig
 `LORAPLEX_LORA_CONFIGS=path.json` (`loraplex.kernels.settings`) replaces entries at import, in the format
 `{"splits": {"decode|4096": 8}, "shrink": {"decode|4096|3|16": [block_m, block_r, block_k, num_warps,
 num_stages]}, "expand": {"decode|6144|3|16": [block_m, block_n, chunk_n, num_warps, num_stages(,
-per_token)]}, "fused": {"decode|4096|6144|3|16": [block_m, block_k, block_n, chunk_n, num_warps,
-num_stages]}}` (keys: the key tuples' fields joined by `|`; values: the config fields in order).
+per_token)]}}` (keys: the key tuples' fields joined by `|`; values: the config fields in order).
 """
 
 from __future__ import annotations
@@ -195,30 +194,6 @@ EXPAND_TABLE: dict[ExpandKey, ExpandConfig] = {
 }
 
 
-class FusedConfig(NamedTuple):
-    """Block sizes of the fused shrink->expand (`kernels/lora_fused.py`)."""
-
-    block_m: int  # tokens per program (one of lora_meta.BLOCK_MS)
-    block_k: int  # step over d in the shrink phase
-    block_n: int  # output columns per loop step in the expand phase
-    chunk_n: int  # output columns per program: each program recomputes its tokens' rank-r row
-    num_warps: int
-    num_stages: int
-
-
-class FusedKey(NamedTuple):
-    family: str  # decode | decode_many (more than MANY_ADAPTERS distinct) | prefill
-    in_features: int  # d
-    out_features: int  # sum of the stacked modules' output widths
-    n_stack: int
-    max_rank: int  # the pool's max rank (or its bucket, 16 or 64)
-
-
-# Measured entries only (`python -m loraplex.bench.lora_fused` writes them as lora_fused_configs.json):
-# under LORAPLEX_LORA_FUSED=auto a group runs fused exactly where this table has its entry.
-FUSED_TABLE: dict[FusedKey, FusedConfig] = {}
-
-
 def _key(text: str) -> tuple:
     """A table key from its JSON form (`decode|4096|3|16`)."""
     return tuple(part if not part.isdigit() else int(part) for part in text.split("|"))
@@ -227,16 +202,20 @@ def _key(text: str) -> tuple:
 def load_overrides(path: str) -> None:
     """Merge a JSON file of table entries (format in the module docstring) into the tables."""
     data = json.loads(Path(path).read_text())
+    unknown = sorted(set(data) - {"splits", "shrink", "expand"})
+    if unknown:  # a misspelt table, or "fused" from before that kernel was removed: never ignored
+        raise ValueError(
+            f"LORAPLEX_LORA_CONFIGS={path}: unknown tables {unknown}; expected splits, shrink, expand"
+        )
     SPLITS_TABLE.update({SplitsKey(*_key(k)): int(v) for k, v in data.get("splits", {}).items()})
     SHRINK_TABLE.update({ShrinkKey(*_key(k)): ShrinkConfig(*v) for k, v in data.get("shrink", {}).items()})
     EXPAND_TABLE.update({ExpandKey(*_key(k)): ExpandConfig(*v) for k, v in data.get("expand", {}).items()})
-    FUSED_TABLE.update({FusedKey(*_key(k)): FusedConfig(*v) for k, v in data.get("fused", {}).items()})
     clear_caches()
 
 
 def clear_caches() -> None:
     """Forget cached lookups: call after changing a table in place (`load_overrides` does)."""
-    for fn in (shrink_splits, shrink_config, expand_config, fused_table_config):
+    for fn in (shrink_splits, shrink_config, expand_config):
         fn.cache_clear()
 
 
@@ -295,41 +274,6 @@ def expand_config(
     if fam == "decode":
         return _e(block_m=16, block_n=256, chunk_n=1024, num_warps=4, num_stages=2)
     return _e(block_m=64, block_n=128, chunk_n=512, num_warps=4, num_stages=2)
-
-
-@lru_cache(maxsize=1024)
-def fused_table_config(
-    d: int, width: int, n_stack: int, max_rank: int, num_tokens: int, many: bool = False
-) -> FusedConfig | None:
-    """FUSED_TABLE's entry for a group at this step size (`decode_many` first when `many`), or None."""
-    fam = family(num_tokens)
-    fams = ("decode_many", fam) if many and fam == "decode" else (fam,)
-    for f in fams:
-        for r in (max_rank, _rank_bucket(max_rank)):
-            hit = FUSED_TABLE.get(FusedKey(f, d, width, n_stack, r))
-            if hit is not None:
-                return hit
-    return None
-
-
-def fused_default_config(num_tokens: int) -> FusedConfig:
-    """What `LORAPLEX_LORA_FUSED=on` runs where the table has no entry (unmeasured)."""
-    if family(num_tokens) == "decode":
-        return FusedConfig(block_m=16, block_k=128, block_n=128, chunk_n=1024, num_warps=4, num_stages=3)
-    return FusedConfig(block_m=64, block_k=64, block_n=128, chunk_n=4096, num_warps=8, num_stages=3)
-
-
-def fused_config(
-    mode: str, d: int, width: int, n_stack: int, max_rank: int, num_tokens: int, many: bool = False
-) -> FusedConfig | None:
-    """The fused launch's blocks for a group at this step under `LORAPLEX_LORA_FUSED=mode`, or None
-    for the two-kernel path. auto: steps of at most DECODE_MAX_TOKENS tokens with a table entry."""
-    if mode == "off":
-        return None
-    hit = fused_table_config(d, width, n_stack, max_rank, num_tokens, many)
-    if mode == "on":
-        return hit or fused_default_config(num_tokens)
-    return hit if num_tokens <= DECODE_MAX_TOKENS else None
 
 
 def apply_settings() -> None:

@@ -22,7 +22,7 @@ Rows of tokens without an adapter are not written in either mode.
 
 A plan entry with `per_token` launches `kernels/lora_expand_token.py`'s kernel instead (one program per
 token and column chunk); the tiles both kernels share are in `kernels/lora_tiles.py`. On Hopper both
-launch with programmatic dependent launch (`LORAPLEX_LORA_PDL`): a program loads its first B tile, then
+launch with programmatic dependent launch: a program loads its first B tile, then
 waits for the shrink's `y`.
 """
 
@@ -161,7 +161,7 @@ class ColumnChunks(NamedTuple):
 
 
 def column_chunks(widths: tuple[int, ...], chunk_n: int, block_n: int) -> ColumnChunks:
-    """How a group's output columns split into programs (the expand, fused and handoff grids)."""
+    """How a group's output columns split into programs (the expand grid)."""
     w = tuple(widths) + (0,) * (MAX_STACK - len(widths))
     chunk = max(chunk_n // block_n, 1) * block_n
     return ColumnChunks(w, chunk, tuple(triton.cdiv(wi, chunk) for wi in w))

@@ -19,13 +19,10 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from loraplex.kernels.lora_configs import (
-    DECODE_MAX_TOKENS,
     MANY_ADAPTERS,
     ExpandConfig,
-    FusedConfig,
     ShrinkConfig,
     expand_config,
-    fused_config,
     shrink_config,
     shrink_splits,
 )
@@ -48,12 +45,6 @@ class GroupLaunch(NamedTuple):
     # At most this many distinct slots among the step's tokens: the grids cover the token blocks
     # such a step can have (`num_blocks_bound`), not one partial block per pool slot.
     distinct_bound: int
-    # Set: one fused shrink->expand launch (`kernels/lora_fused.py`) with these blocks instead of the
-    # two above (LORAPLEX_LORA_FUSED; `lora_configs.fused_config`).
-    fused: FusedConfig | None = None
-    # Set: the shrink and expand above as one launch, the partials handed over through memory
-    # (`kernels/lora_handoff.py`, LORAPLEX_LORA_HANDOFF; decode-sized steps only).
-    handoff: bool = False
 
 
 class LoRAPlan(NamedTuple):
@@ -96,29 +87,16 @@ def plan_group(
     num_tokens: int,
     distinct_bound: int,
     many: bool = False,
-    fused: str = "off",
-    handoff: bool = False,
 ) -> GroupLaunch:
     """A group's launches for `num_tokens` tokens over at most `distinct_bound` distinct slots
-    (`many`: take the `decode_many` entries; `fused`: the LORAPLEX_LORA_FUSED mode; `handoff`:
-    one launch for shrink and expand where a decode-sized step's blocks allow it)."""
+    (`many`: take the `decode_many` entries)."""
     n_stack, width = len(shape.widths), sum(shape.widths)
-    launch = GroupLaunch(
+    return GroupLaunch(
         splits=shrink_splits(shape.in_features, num_tokens, many),
         shrink=shrink_config(shape.in_features, n_stack, shape.max_rank, num_tokens),
         expand=expand_config(width, n_stack, shape.max_rank, num_tokens, many),
         distinct_bound=distinct_bound,
-        fused=fused_config(fused, shape.in_features, width, n_stack, shape.max_rank, num_tokens, many),
     )
-    if handoff and launch.fused is None and num_tokens <= DECODE_MAX_TOKENS and handoff_fits(launch):
-        return launch._replace(handoff=True)
-    return launch
-
-
-def handoff_fits(launch: GroupLaunch) -> bool:
-    """Whether a group's shrink and expand can run as one handoff launch: the expand's token blocks
-    are the shrink's, or it takes one token per program."""
-    return bool(launch.expand.per_token) or launch.expand.block_m == launch.shrink.block_m
 
 
 def plan_step(
@@ -126,18 +104,14 @@ def plan_step(
     num_tokens: int,
     num_slots: int,
     max_distinct: int | None = None,
-    fused: str = "off",
-    handoff: bool = False,
 ) -> LoRAPlan:
     """The plan of a step of `num_tokens` tokens over a pool of `num_slots` slots, with at most
-    `max_distinct` distinct adapters among the tokens (None: any of the pool's). `fused`: the
-    LORAPLEX_LORA_FUSED mode (auto | on | off) that picks fused launches per group; `handoff`: one
-    launch per group for decode-sized steps (LORAPLEX_LORA_HANDOFF)."""
+    `max_distinct` distinct adapters among the tokens (None: any of the pool's)."""
     bound = num_slots if max_distinct is None else min(num_slots, max_distinct)
     many = many_adapters(max_distinct)
     return LoRAPlan(
         num_tokens=num_tokens,
         distinct_bound=bound,
         many_adapters=many,
-        groups={g: plan_group(shape, num_tokens, bound, many, fused, handoff) for g, shape in shapes.items()},
+        groups={g: plan_group(shape, num_tokens, bound, many) for g, shape in shapes.items()},
     )

@@ -140,7 +140,7 @@ class ShrinkGrid(NamedTuple):
 def shrink_grid(
     num_tokens: int, d: int, max_rank: int, segs: LoRASegments, launch: GroupLaunch
 ) -> ShrinkGrid:
-    """The shrink's program grid per stacked module (the shrink and handoff grids)."""
+    """The shrink's program grid per stacked module."""
     cfg = launch.shrink
     return ShrinkGrid(
         r_blocks=triton.cdiv(max_rank, cfg.block_r),

@@ -1,6 +1,5 @@
 """Building blocks of the LoRA kernels (kernels/lora_shrink.py, kernels/lora_expand.py,
-kernels/lora_expand_token.py, the fused shrink->expand kernels/lora_fused.py and the one-launch
-kernels/lora_handoff.py): the shrink's K loop, which stack a column chunk belongs to, B tiles with the
+kernels/lora_expand_token.py): the shrink's K loop, which stack a column chunk belongs to, B tiles with the
 rank mask, and the output store (the in-place add, or the side stream's delta).
 """
 

@@ -43,13 +43,7 @@ def _pdl_capable(t: torch.Tensor) -> bool:
 
 
 def pdl_launch(t: torch.Tensor) -> bool:
-    """Whether the LoRA kernels launch on `t`'s device with programmatic dependent launch
-    (`LORAPLEX_LORA_PDL`, on unless `0`) where the device has it."""
-    return kernel_settings().lora_pdl is not False and _pdl_capable(t)
-
-
-def fp8_pdl_launch(t: torch.Tensor) -> bool:
-    """Whether the W8A8 FP8 GEMM launches on `t`'s device with programmatic dependent launch after its
-    activation quantization (`LORAPLEX_FP8_PDL=1`; off by default, measured slower) where the device
-    has it."""
-    return kernel_settings().fp8_pdl is True and _pdl_capable(t)
+    """Whether the LoRA kernels launch on `t`'s device with programmatic dependent launch: wherever the
+    device has it (the layer's LoRA 0.83-1.00x the time without, bit-identical, H100, 2026-12-05;
+    docs/benchmarks.md, "Facts behind defaults")."""
+    return _pdl_capable(t)

@@ -80,7 +80,7 @@ def _qkv_rotary_kernel(
         x1 = (x1.to(tl.float32) + tl.load(d_ptr + t * stride_dt + cols, mask=mask, other=0.0)).to(dt)
         x2 = (x2.to(tl.float32) + tl.load(d_ptr + t * stride_dt + cols + HALF, mask=mask, other=0.0)).to(dt)
     heads_d = offs_h[:, None] * dim + offs_d[None, :]
-    if STORE_KV:  # LORAPLEX_FUSED_KV_STORE: k and v go to their cache slot (slot < 0: padding, skipped)
+    if STORE_KV:  # the fused KV store: k and v go to their cache slot (slot < 0: padding, skipped)
         slot = tl.load(slots_ptr + t).to(tl.int64)
         page = slot // PAGE_SIZE
         kv_mask = mask & ((offs_h[:, None] * 0 + slot) >= 0)  # a broadcast mask (the interpreter)

@@ -1,5 +1,6 @@
-"""Skinny GEMM for decode-sized batches: `x [M, K] @ weight[N, K].T` with M <= 64 rows, the weight
-streamed once from memory in bf16, optionally with SiLU(gate) * up (or GeGLU) fused into the epilogue.
+"""Skinny gated GEMM for decode-sized batches: `act(x @ gate.T) * (x @ up.T)` (SwiGLU or GeGLU) for
+`x [M, K]` with M <= 64 rows, the stacked gate_up weight streamed once from memory in bf16 and the
+activation in the epilogue, so the MLP's gate_up projection and its SiLU-and-mul are one launch.
 
 Why: at batch 64 a decode step's matmuls are pure weight streaming (64 rows against 4096-14336
 columns), and cuBLAS reaches ~3.6 of the H200's 4.25 TB/s on them (docs/benchmarks.md, "Where the
@@ -14,9 +15,12 @@ next launch. The counters live as long as the process (one buffer per device, ne
 captured CUDA graph keeps its address), the workspace is allocated per call, as the decode
 attention's partials are.
 
-Behind `LORAPLEX_SKINNY_GEMM` / `LORAPLEX_SKINNY_SILU` (kernels/settings.py); `SKINNY_TABLE` holds
-tuned configs per shape (bench/base_step.py's sweep prints entries for it), the heuristic
-`default_config` covers the rest.
+It serves gate_up wherever Triton runs and no LoRA delta is pending (`skinny_serves`): with the fused
+KV store, the direct single-split decode and cuBLASLt it made the batch-64 step 8.90 against 9.10 ms (H100,
+2026-12-05). The same kernel as a plain linear (no activation) was slower than cuBLAS on every
+projection but the LM head and made the step 0.89-0.95x as fast, so it was removed (docs/benchmarks.md,
+"Facts behind defaults"). Block sizes and K splits come from `default_config`'s rule (the per-shape
+table it once had was never filled in, and went with the sweep that would have filled it).
 """
 
 from __future__ import annotations
@@ -31,12 +35,12 @@ import triton.language as tl
 
 from loraplex.kernels.fused_ops import silu_and_mul_ref, tanh
 from loraplex.kernels.placement import triton_runs_on
-from loraplex.kernels.settings import kernel_settings, switched_on
+from loraplex.kernels.settings import kernel_settings
 
 SKINNY_MAX_ROWS = 64
 MAX_SPLIT_K = 16
-COUNTER_SLOTS = 1 << 16  # column tiles a split-K launch may have (lm_head at BLOCK_N 16: 8,016)
-ACTIVATIONS = {None: 0, "silu": 1, "gelu_tanh": 2}
+COUNTER_SLOTS = 1 << 16  # column tiles a split-K launch may have
+ACTIVATIONS = {"silu": 1, "gelu_tanh": 2}
 
 
 class SkinnyConfig(NamedTuple):
@@ -45,17 +49,6 @@ class SkinnyConfig(NamedTuple):
     split_k: int
     num_warps: int = 4
     num_stages: int = 4
-
-
-class SkinnyKey(NamedTuple):
-    rows_block: int  # 16 or 64 (`rows_block`)
-    n: int  # output columns (gated: the activation's width, half the weight's rows)
-    k: int
-    gated: bool
-
-
-# Tuned per GPU and model shape by bench/base_step.py's sweep; empty: `default_config` everywhere.
-SKINNY_TABLE: dict[SkinnyKey, SkinnyConfig] = {}
 
 
 def rows_block(rows: int) -> int:
@@ -70,21 +63,16 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
 
 
-def default_config(rows: int, n: int, k: int, gated: bool, device: torch.device) -> SkinnyConfig:
-    """64 columns per tile (32 gated: two accumulators), 128-wide K steps, and as many K slices as
+def default_config(rows: int, n: int, k: int, device: torch.device) -> SkinnyConfig:
+    """32 columns per tile (two accumulators: gate and up), 128-wide K steps, and as many K slices as
     bring the grid to about two programs per SM (each slice at least four K steps)."""
-    block_n, block_k = (32, 128) if gated else (64, 128)
+    block_n, block_k = 32, 128
     tiles = triton.cdiv(n, block_n)
     target = 2 * _num_sms(device)
     split = 1
     if tiles < target:
         split = max(1, min(triton.cdiv(target, tiles), k // (4 * block_k), MAX_SPLIT_K))
     return SkinnyConfig(block_n, block_k, split)
-
-
-def skinny_config(rows: int, n: int, k: int, gated: bool, device: torch.device) -> SkinnyConfig:
-    key = SkinnyKey(rows_block(rows), n, k, gated)
-    return SKINNY_TABLE.get(key) or default_config(rows, n, k, gated, device)
 
 
 _counters: dict[str, torch.Tensor] = {}
@@ -122,7 +110,7 @@ def _skinny_kernel(
     SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr,
+    ACT: tl.constexpr,  # 1: SiLU, 2: tanh-GELU (GeGLU)
     PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -150,16 +138,15 @@ def _skinny_kernel(
         w_mask = n_mask[:, None] & k_mask[None, :]
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
         acc = tl.dot(w, x, acc, input_precision=PRECISION)
-        if ACT != 0:  # the up half: rows N.. of the stacked gate_up weight
-            wu = tl.load(w_ptr + (N + offs_n)[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
-            acc_up = tl.dot(wu, x, acc_up, input_precision=PRECISION)
+        # the up half: rows N.. of the stacked gate_up weight
+        wu = tl.load(w_ptr + (N + offs_n)[:, None] * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+        acc_up = tl.dot(wu, x, acc_up, input_precision=PRECISION)
     if SPLIT_K > 1:
         # partials [SPLIT_K, 2, BLOCK_M, N] float32: slice pid_k's tile, then the arrival count
         tile = offs_m[None, :] * N + offs_n[:, None]
         base = part_ptr + pid_k * (2 * BLOCK_M * N)
         tl.store(base + tile, acc, mask=n_mask[:, None])
-        if ACT != 0:
-            tl.store(base + BLOCK_M * N + tile, acc_up, mask=n_mask[:, None])
+        tl.store(base + BLOCK_M * N + tile, acc_up, mask=n_mask[:, None])
         tl.debug_barrier()  # every thread's partial written before the release below
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if arrived < SPLIT_K - 1:
@@ -170,30 +157,19 @@ def _skinny_kernel(
         for s in tl.static_range(SPLIT_K):  # in slice order: the sum is the same whoever came last
             src = part_ptr + s * (2 * BLOCK_M * N)
             acc += tl.load(src + tile, mask=n_mask[:, None], other=0.0, cache_modifier=".cg")
-            if ACT != 0:
-                acc_up += tl.load(
-                    src + BLOCK_M * N + tile, mask=n_mask[:, None], other=0.0, cache_modifier=".cg"
-                )
+            acc_up += tl.load(src + BLOCK_M * N + tile, mask=n_mask[:, None], other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        if ACT != 0:
-            acc_up += tl.load(bias_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        acc_up += tl.load(bias_ptr + N + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     dt = out_ptr.dtype.element_ty
-    if ACT == 0:
-        y = acc.to(dt)
+    # Round where the unfused path rounds: the matmul's output, the activation, the product.
+    g = acc.to(dt).to(tl.float32)
+    u = acc_up.to(dt).to(tl.float32)
+    if ACT == 2:
+        act = (0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))).to(dt).to(tl.float32)
     else:
-        # Round where the unfused path rounds: the matmul's output, the activation, the product.
-        g = acc.to(dt).to(tl.float32)
-        u = acc_up.to(dt).to(tl.float32)
-        if ACT == 2:
-            act = (
-                (0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))))
-                .to(dt)
-                .to(tl.float32)
-            )
-        else:
-            act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        y = (act * u).to(dt)
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    y = (act * u).to(dt)
     tl.store(
         out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], y, mask=m_mask[None, :] & n_mask[:, None]
     )
@@ -204,7 +180,7 @@ def _launch(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     n: int,
-    activation: str | None,
+    activation: str,
     config: SkinnyConfig | None,
 ) -> torch.Tensor:
     rows, k = x.shape
@@ -212,8 +188,7 @@ def _launch(
         raise ValueError(f"skinny GEMM takes 1..{SKINNY_MAX_ROWS} rows, got {rows}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1 or weight.shape[1] != k:
         raise ValueError("x and weight need a contiguous last dimension of the same width")
-    gated = activation is not None
-    cfg = config or skinny_config(rows, n, k, gated, x.device)
+    cfg = config or default_config(rows, n, k, x.device)
     split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
     k_per = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per)  # no empty slices
@@ -255,16 +230,6 @@ def _launch(
     return out
 
 
-def skinny_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    config: SkinnyConfig | None = None,
-) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for `x` `[M <= 64, K]`, one launch."""
-    return _launch(x, weight, bias, weight.shape[0], None, config)
-
-
 def skinny_gated(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -278,25 +243,17 @@ def skinny_gated(
     return _launch(x, weight, bias, weight.shape[0] // 2, activation, config)
 
 
-def skinny_linear_ref(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    return F.linear(x, weight, bias)
-
-
 def skinny_gated_ref(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "silu"
 ) -> torch.Tensor:
     return silu_and_mul_ref(F.linear(x, weight, bias), activation=activation)
 
 
-def skinny_serves(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """Whether the setting sends this matmul to the skinny GEMM: switched on, a Triton device, 1..64
-    rows, weight in the activations' 16-bit dtype (float32 only where the interpreter runs, for tests;
-    an FP8 linear has its own forward)."""
+def skinny_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the gated matmul of `x` by the stacked gate_up `weight` runs as one skinny launch: a
+    Triton device, 1..64 rows, weight in the activations' 16-bit dtype (float32 only where the
+    interpreter runs, for tests; an FP8 linear has its own forward)."""
     s = kernel_settings()
-    if not (switched_on(s.skinny_silu, x.is_cuda) if gated else s.skinny_gemm):
-        return False
     if x.dim() != 2 or not 0 < x.shape[0] <= SKINNY_MAX_ROWS or not triton_runs_on(x):
         return False
     dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if s.triton_interpret else ())

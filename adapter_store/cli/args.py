@@ -34,6 +34,7 @@ class StoreConfig:
     tls_key: Path | None = None
     tls_ca: Path | None = None  # given: clients must present a certificate it signed (mutual TLS)
     max_watchers: int = 1024  # open WatchAdapters streams; one Redis reader serves them all
+    events_max_len: int = 10_000  # events the Redis stream keeps (about: whole nodes are trimmed)
 
 
 def _size(text: str) -> int:
@@ -91,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=StoreConfig.max_watchers,
         help="open WatchAdapters streams at most (more get RESOURCE_EXHAUSTED)",
     )
+    p.add_argument(
+        "--events-max-len",
+        type=int,
+        default=StoreConfig.events_max_len,
+        help="events the stream keeps (about); a watcher resuming from a trimmed id is told to re-list",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -119,9 +126,12 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[StoreConfig, str]:
         tls_key=a.tls_key,
         tls_ca=a.tls_ca,
         max_watchers=a.max_watchers,
+        events_max_len=a.events_max_len,
     )
     if bool(config.tls_cert) != bool(config.tls_key) or (config.tls_ca and not config.tls_cert):
         build_parser().error("--tls-cert and --tls-key go together; --tls-ca needs both")
     if config.max_watchers < 1:
         build_parser().error("--max-watchers must be at least 1")
+    if config.events_max_len < 1:
+        build_parser().error("--events-max-len must be at least 1")
     return config, a.log_level

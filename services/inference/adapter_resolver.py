@@ -34,6 +34,10 @@ class _NameLock:
     users: int = 0  # holder and waiters
 
 
+def _content(record) -> tuple[str, str, str]:
+    return record.digest, record.config_digest, record.files_digest
+
+
 class AdapterResolver:
     def __init__(
         self, engine: Engine, store: StoreClient | None, metrics: Metrics, allowed_dirs: tuple[str, ...] = ()
@@ -46,9 +50,9 @@ class AdapterResolver:
         self._idle: dict[str, asyncio.Event] = {}
         self._loading: dict[str, asyncio.Task] = {}
         self._deleting: dict[str, asyncio.Task] = {}
-        # name -> (source, weights digest, config digest) as the user and the store know them, not
-        # the local cache path; the two digests together are the adapter's content
-        self._origin: dict[str, tuple[str, str, str]] = {}
+        # name -> (source, weights digest, config digest, tokenizer files digest) as the user and the
+        # store know them, not the local cache path; the three digests together are the adapter's content
+        self._origin: dict[str, tuple[str, str, str, str]] = {}
         # A name whose version is being replaced: calls naming it wait until the swap is done, and
         # the swap waits for the calls already running, so one call sees one version per name.
         self._swapping: dict[str, asyncio.Event] = {}
@@ -153,12 +157,13 @@ class AdapterResolver:
 
     async def _pull_and_load(self, name: str, *, pin: bool) -> AdapterInfo:
         assert self.store is not None
-        return await self._load_pulled(await self.store.fetch(name), pin)
+        async with self.store.held(name) as pulled:  # not evicted before the engine has read it
+            return await self._load_pulled(pulled, pin)
 
     async def _load_pulled(self, pulled: PulledAdapter, pin: bool) -> AdapterInfo:
         record = pulled.record
         info = await self._engine_load(pulled.name, pulled.path, pin)
-        self._origin[pulled.name] = (record.source, record.digest, record.config_digest)
+        self._origin[pulled.name] = (record.source, record.digest, record.config_digest, record.files_digest)
         return self._with_origin(info)
 
     def _with_origin(self, info: AdapterInfo) -> AdapterInfo:
@@ -209,26 +214,28 @@ class AdapterResolver:
                 async with self._swap(name):
                     await self._unload_if_loaded(name)
                     info = await self._engine_load(name, path, pin)
-                    self._origin[name] = (source, "", "")
+                    self._origin[name] = (source, "", "", "")
                     return self._with_origin(info)
             if looks_local(source) and self.allowed_dirs:
                 # The store reads it; honour the allow-list by sending the very path that was checked.
                 source = str(check_allowed(source, self.allowed_dirs))
             record = await self.store.register(name, source, revision)
-            pulled = await self.store.fetch(name)
-            if (pulled.record.digest, pulled.record.config_digest) != (record.digest, record.config_digest):
-                pulled = await self.store.fetch(name)  # joined a pull of the content it replaced
-            async with self._swap(name):
-                await self._unload_if_loaded(name)
-                try:
-                    return await self._load_pulled(pulled, pin)
-                except LoraplexError as exc:
-                    # Kept on purpose: the store is shared, and other servers' limits may admit it.
-                    exc.message += (
-                        f" (the adapter store keeps {name!r} registered for servers that can serve "
-                        "it; DeleteAdapter there removes it)"
-                    )
-                    raise
+            async with contextlib.AsyncExitStack() as held:  # not evicted before the engine has read it
+                pulled = await held.enter_async_context(self.store.held(name))
+                if _content(pulled.record) != _content(record):
+                    # joined a pull of the content it replaced
+                    pulled = await held.enter_async_context(self.store.held(name))
+                async with self._swap(name):
+                    await self._unload_if_loaded(name)
+                    try:
+                        return await self._load_pulled(pulled, pin)
+                    except LoraplexError as exc:
+                        # Kept on purpose: the store is shared, and other servers' limits may admit it.
+                        exc.message += (
+                            f" (the adapter store keeps {name!r} registered for servers that can serve "
+                            "it; DeleteAdapter there removes it)"
+                        )
+                        raise
 
     async def _unload_if_loaded(self, name: str) -> None:
         if self.engine.has_adapter(name):
@@ -257,10 +264,13 @@ class AdapterResolver:
                 if self.store is None:
                     raise  # with a store, the delete's watch event may have unloaded it first
 
-    async def on_store_event(self, kind: str, name: str, digest: str, config_digest: str = "") -> None:
-        """A store delete, or a re-register with new content (weights or config), drops the adapter
-        here once its running requests finish; the next request then pulls what the store has now."""
-        content = (digest, config_digest)
+    async def on_store_event(
+        self, kind: str, name: str, digest: str, config_digest: str = "", files_digest: str = ""
+    ) -> None:
+        """A store delete, or a re-register with new content (weights, config or tokenizer files),
+        drops the adapter here once its running requests finish; the next request then pulls what
+        the store has now."""
+        content = (digest, config_digest, files_digest)
         if kind == "registered":
             known = self._origin.get(name)
             # An event without a config digest (an older store) cannot prove the content unchanged.
@@ -274,12 +284,12 @@ class AdapterResolver:
         self._deleting[name] = task
         task.add_done_callback(lambda _t: self._deleting.pop(name, None))
 
-    async def _drop_when_idle(self, name: str, new_content: tuple[str, str] | None) -> None:
+    async def _drop_when_idle(self, name: str, new_content: tuple[str, str, str] | None) -> None:
         async with self._swap(name):
             if (
                 new_content is not None
                 and new_content[1]
-                and self._origin.get(name, ("", "", ""))[1:] == new_content
+                and self._origin.get(name, ("", "", "", ""))[1:] == new_content
             ):
                 return  # meanwhile this server loaded the new content itself
             try:
@@ -293,9 +303,7 @@ class AdapterResolver:
             if origin is not None and origin[1] and origin[2] and self.store is not None:
                 # Its files go too, unless another loaded adapter reads the same content.
                 in_use = self.cache_dirs_in_use()
-                await asyncio.to_thread(
-                    self.store.cache.discard, content_dir_name(origin[1], origin[2]), in_use
-                )
+                await asyncio.to_thread(self.store.cache.discard, content_dir_name(*origin[1:]), in_use)
 
     async def list(self, page_size: int = 0, after: str = "") -> tuple[list[AdapterInfo], str]:
         """One page, in name order, of the adapters loaded here and those only in the store, and the

@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from loraplex.kernels.compile_watch import compile_counter
-from loraplex.services.inference import auth
+from loraplex.services.inference import auth, store_watch
 from loraplex.services.inference.adapter_resolver import AdapterResolver
 from loraplex.services.inference.default_model import default_cache_dir
 from loraplex.services.inference.engine.api import Engine
@@ -187,7 +187,7 @@ class InferenceServer:
                 return
         if self.store is not None:
             self.store.cache.in_use = resolver.cache_dirs_in_use
-            self._tasks.append(asyncio.create_task(self.store.watch(resolver.on_store_event)))
+            self._tasks.append(asyncio.create_task(store_watch.watch(self.store, resolver.on_store_event)))
         self._tasks.append(asyncio.create_task(self._refresh_metrics()))
         if not self.state.draining:
             await self._set_health(True)

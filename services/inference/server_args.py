@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=e.decode_prefill_budget,
         help="prefill tokens per step while decodes are running (so they keep their cadence); "
-        "0 = --chunked-prefill-size. Pick it from bench/mixed_step.py's step time vs chunk size",
+        "0 = --chunked-prefill-size. Measure a choice with bench/workload.py (inter-token p99 vs TTFT)",
     )
     a("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens)
     a("--max-running-requests", type=int, default=e.max_running_requests)
@@ -368,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=e.speculative_algorithm,
         help="speculative decoding: 'ngram' drafts each request's next tokens from its own prompt and "
         "output, 'draft' with --speculative-draft-model-path; the drafts are verified in one step, each "
-        "position with its request's adapter (off by default; turns overlap scheduling off)",
+        "position with its request's adapter (off by default; a step that drafts runs without overlap "
+        "scheduling)",
     )
     a(
         "--speculative-draft-model-path",

@@ -2,33 +2,41 @@
 
 `fetch(name)` asks the store (`GetAdapter`), and unless the content is already in the local
 cache (`<cache>/<weights hex>-<config hex>/`: an adapter is its weights *and* its config) and
-hashes to the record's digests, makes room under the cache's byte bound (adapter_cache.py) and
-streams `PullAdapter`, checks the sha256 of both files against the record and renames a
-finished temp dir into place, so a reader never sees a half-written adapter. Concurrent fetches
-of one name share one pull (single flight).
-`watch(on_event)` follows `WatchAdapters`, reconnecting with backoff.
+hashes to the record's digests, streams `PullAdapter`: once its header tells the size, the pull
+reserves its bytes under the cache's byte bound (adapter_cache.py; waiting while other pulls'
+reservations leave no room) before writing any, checks the sha256 of both files against the
+record and renames a finished temp dir into place, so a reader never sees a half-written adapter.
+Concurrent fetches of one name share one pull (single flight).
+`open_watch` starts a `WatchAdapters` stream; store_watch.py follows it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import grpc
 
 from loraplex.services.inference.adapter_cache import (
+    CARRIED_FILES,
     CONFIG_FILE,
     DISK_FULL_ERRNOS,
+    MAX_CARRIED_FILE_BYTES,
     WEIGHTS_FILE,
     AdapterCache,
+    Reservation,
     default_max_bytes,
+    read_carried_files,
+    tokenizer_files_digest,
 )
 from loraplex.services.inference.errors import (
     AdapterIncompatible,
@@ -56,6 +64,12 @@ PULL_RETRY_S = 0.5
 CONNECT_WAIT_S = 3.0
 
 
+@dataclass(eq=False)
+class _Flight:
+    future: asyncio.Future[PulledAdapter]
+    joiners: int = 0  # callers waiting on it: each gets a hold of the directory
+
+
 class PulledAdapter(NamedTuple):
     name: str
     path: Path
@@ -78,10 +92,12 @@ def _hex(digest: str) -> str:
     return digest.split(":", 1)[1] if ":" in digest else digest
 
 
-def content_dir_name(weights_digest: str, config_digest: str) -> str:
-    """The cache directory of one adapter content: both digests, so the same weights under
-    another adapter_config.json (another lora_alpha, rank_pattern, ...) never share a copy."""
-    return f"{_hex(weights_digest)}-{_hex(config_digest)}"
+def content_dir_name(weights_digest: str, config_digest: str, files_digest: str = "") -> str:
+    """The cache directory of one adapter content: every digest, so the same weights under another
+    adapter_config.json (another lora_alpha, rank_pattern, ...) or another chat template never
+    share a copy."""
+    name = f"{_hex(weights_digest)}-{_hex(config_digest)}"
+    return f"{name}-{_hex(files_digest)}" if files_digest else name
 
 
 def _map_rpc_error(err: grpc.RpcError, name: str, what: str) -> LoraplexError:
@@ -129,6 +145,23 @@ def remove_stale_pulls(cache_dir: Path) -> list[str]:
     return removed
 
 
+def _header_files(name: str, header: pb.AdapterHeader, record: pb.AdapterRecord) -> dict[str, bytes]:
+    """The tokenizer files of a PullAdapter header, checked: known names only (never a path), each
+    once and bounded, hashing to the record's files_digest."""
+    files: dict[str, bytes] = {}
+    for f in header.files:
+        if f.name not in CARRIED_FILES or f.name in files or len(f.content) > MAX_CARRIED_FILE_BYTES:
+            raise AdapterInvalid(
+                f"adapter {name!r}: the store sent a file {f.name[:64]!r} ({len(f.content)} bytes) that is "
+                f"not one of {', '.join(CARRIED_FILES)} at most {MAX_CARRIED_FILE_BYTES} bytes, once each",
+                adapter=name,
+            )
+        files[f.name] = f.content
+    if tokenizer_files_digest(files) != record.files_digest:
+        raise AdapterInvalid(f"adapter {name!r}: tokenizer files digest mismatch", adapter=name)
+    return files
+
+
 def _size(record: pb.AdapterRecord | None) -> str:
     return "(no header yet) size" if record is None else f"{record.size_bytes} bytes"
 
@@ -159,7 +192,9 @@ class StoreClient:
         else:
             self._channel = grpc.aio.secure_channel(target, credentials, options=STORE_CHANNEL_OPTIONS)
         self._stub = pb_grpc.AdapterStoreStub(self._channel)
-        self._inflight: dict[str, asyncio.Future[PulledAdapter]] = {}
+        self._inflight: dict[str, _Flight] = {}
+        # Set (and replaced) whenever a pull gives back its cache reservation: pulls waiting for room.
+        self._room_freed = asyncio.Event()
         self._on_pull = on_pull
         self.pulls = 0  # completed PullAdapter streams, for metrics and tests
         # Names the store has, kept by `watch` (listed once when it connects, then its events):
@@ -225,42 +260,63 @@ class StoreClient:
 
     async def fetch(self, name: str) -> PulledAdapter:
         """The adapter's local directory, pulling it from the store if needed (one pull per name at a
-        time)."""
-        pending = self._inflight.get(name)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future: asyncio.Future[PulledAdapter] = asyncio.get_running_loop().create_future()
-        self._inflight[name] = future
+        time). Not held: a caller about to load it uses `held`."""
+        async with self.held(name) as pulled:
+            return pulled
+
+    @contextlib.asynccontextmanager
+    async def held(self, name: str) -> AsyncIterator[PulledAdapter]:
+        """`fetch`, the directory kept from eviction until the block exits (from before a pull gives
+        back its booking): a pull waiting for room cannot take it while the engine reads it."""
+        pulled = await self._fetch_held(name)
         try:
-            result = await self._fetch(name)
-            future.set_result(result)
+            yield pulled
+        finally:
+            self._unhold(pulled.path.name)
+
+    async def _fetch_held(self, name: str) -> PulledAdapter:
+        """One fetch per name at a time; each caller returns holding the directory once."""
+        flight = self._inflight.get(name)
+        if flight is not None:
+            flight.joiners += 1
+            try:
+                return await asyncio.shield(flight.future)
+            except asyncio.CancelledError:
+                if not flight.future.done():
+                    flight.joiners -= 1  # no hold is taken for this caller
+                elif not flight.future.cancelled() and flight.future.exception() is None:
+                    self._unhold(flight.future.result().path.name)  # taken for it: give it back
+                raise
+        flight = _Flight(asyncio.get_running_loop().create_future())
+        self._inflight[name] = flight
+        try:
+            result = await self._fetch(name)  # held once, for this caller
+            self.cache.hold(result.path.name, flight.joiners)
+            flight.future.set_result(result)
             return result
         except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # mark retrieved: waiters re-raise it, nobody else must
+            flight.future.set_exception(exc)
+            flight.future.exception()  # mark retrieved: waiters re-raise it, nobody else must
             raise
         finally:
             self._inflight.pop(name, None)
 
     async def _fetch(self, name: str) -> PulledAdapter:
         record = await self.get(name)
+        self.known_names.add(name)  # a resync then sees it go even if no event about it arrived
         # A record without a config digest (an older store) cannot name its content: always pull.
         local = (
-            self.cache_dir / content_dir_name(record.digest, record.config_digest)
+            self.cache_dir / content_dir_name(record.digest, record.config_digest, record.files_digest)
             if record.config_digest
             else None
         )
         if local is not None and await asyncio.to_thread(
-            self.cache.verified, local, record.digest, record.config_digest
+            self.cache.verified, local, record.digest, record.config_digest, record.files_digest
         ):
+            self.cache.hold(local.name)
             return PulledAdapter(name, local, record)
-        await asyncio.to_thread(
-            self.cache.make_room,
-            record.size_bytes,
-            f"adapter {name!r}",
-            local.name if local else "",
-            self.cache.in_use(),
-        )
+        if record.size_bytes > self.cache.max_bytes:  # no pull for what can never fit
+            raise self.cache.too_big(f"adapter {name!r}", record.size_bytes)
         # A stream cut halfway or bytes that do not hash to the record are retried from the
         # start; the partial copy is never renamed into the cache, so no half adapter is loaded.
         for attempt in range(1, PULL_ATTEMPTS + 1):
@@ -279,17 +335,59 @@ class StoreClient:
                 await asyncio.sleep(PULL_RETRY_S * attempt)
         raise AssertionError("unreachable")
 
+    async def _reserve(self, name: str, need: int, dir_name: str) -> Reservation:
+        """Book `need` bytes of the cache, waiting while other pulls' bookings leave no room."""
+        while True:
+            freed = self._room_freed  # taken first: a release during the attempt wakes the wait
+            what, in_use = f"adapter {name!r}", self.cache.in_use()
+            attempt = asyncio.ensure_future(
+                asyncio.to_thread(self.cache.reserve, need, what, dir_name, in_use)
+            )
+            try:
+                reservation = await asyncio.shield(attempt)
+            except asyncio.CancelledError:
+                attempt.add_done_callback(self._release_abandoned)  # booked for a caller that left
+                raise
+            if reservation is not None:
+                return reservation
+            await freed.wait()
+
+    def _release_abandoned(self, attempt: asyncio.Future) -> None:
+        if not attempt.cancelled() and attempt.exception() is None and attempt.result() is not None:
+            self._release(attempt.result())
+
+    def _release(self, reservation: Reservation, hold: str = "") -> None:
+        self.cache.release(reservation, hold)
+        self._room_freed.set()
+        self._room_freed = asyncio.Event()
+
+    def _unhold(self, dir_name: str) -> None:
+        self.cache.unhold(dir_name)
+        self._room_freed.set()
+        self._room_freed = asyncio.Event()
+
     async def _pull(self, name: str) -> PulledAdapter:
         tmp = Path(tempfile.mkdtemp(prefix=f".pull-{os.getpid()}-", dir=self.cache_dir))
+        reservation: Reservation | None = None
+        done = ""  # the finished directory: held as the booking goes
+
+        async def book(record: pb.AdapterRecord, config: bytes, files: dict[str, bytes]) -> None:
+            nonlocal reservation
+            config_hex, files_digest = hashlib.sha256(config).hexdigest(), tokenizer_files_digest(files)
+            dir_name = content_dir_name(record.digest, config_hex, files_digest)
+            need = record.size_bytes + len(config) + sum(map(len, files.values()))
+            reservation = await self._reserve(name, need, dir_name)
+
         try:
             try:
-                record, nbytes = await self._stream_into(name, tmp)
+                record, nbytes = await self._stream_into(name, tmp, book)
             except OSError as err:
                 if err.errno in DISK_FULL_ERRNOS:
                     raise self.cache.disk_full(f"adapter {name!r}", err) from None
                 raise
             config_digest = "sha256:" + hashlib.sha256((tmp / CONFIG_FILE).read_bytes()).hexdigest()
-            target = self.cache_dir / content_dir_name(record.digest, config_digest)
+            files_digest = tokenizer_files_digest(read_carried_files(tmp))
+            target = self.cache_dir / content_dir_name(record.digest, config_digest, files_digest)
             try:
                 os.rename(tmp, target)
             except OSError:
@@ -300,12 +398,24 @@ class StoreClient:
             if self._on_pull is not None:
                 self._on_pull(nbytes)
             log.info("pulled adapter %s (%s, %d bytes) into %s", name, record.digest, nbytes, target)
+            done = target.name
             return PulledAdapter(name, target, record)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
+            if reservation is not None:  # after the rename: its bytes now count on disk
+                self._release(reservation, done)
+            elif done:
+                self.cache.hold(done)
 
-    async def _stream_into(self, name: str, tmp: Path) -> tuple[pb.AdapterRecord, int]:
+    async def _stream_into(
+        self,
+        name: str,
+        tmp: Path,
+        book: Callable[[pb.AdapterRecord, bytes, dict[str, bytes]], Awaitable[None]],
+    ) -> tuple[pb.AdapterRecord, int]:
+        """The pull's files into `tmp`; `book(record, config, tokenizer files)` runs once the header
+        arrives, before anything is written."""
         record: pb.AdapterRecord | None = None
         weights = hashlib.sha256()
         nbytes = 0
@@ -315,6 +425,11 @@ class StoreClient:
                     pb.PullAdapterRequest(name=name), timeout=600.0, metadata=self._metadata
                 ):
                     if chunk.WhichOneof("payload") == "header":
+                        if record is not None:
+                            raise BackendUnavailable(
+                                f"adapter store sent a second header for {name!r}; pull abandoned",
+                                adapter=name,
+                            )
                         record = chunk.header.record
                         config = chunk.header.adapter_config_json.encode()
                         if record.config_digest and hashlib.sha256(config).hexdigest() != _hex(
@@ -323,7 +438,11 @@ class StoreClient:
                             raise AdapterInvalid(
                                 f"adapter {name!r}: adapter_config.json digest mismatch", adapter=name
                             )
+                        files = _header_files(name, chunk.header, record)
+                        await book(record, config, files)
                         (tmp / CONFIG_FILE).write_bytes(config)
+                        for file_name, data in files.items():
+                            (tmp / file_name).write_bytes(data)
                     else:
                         # Counted as it arrives: a store (or whatever answers in its place) that sends
                         # more than the record says would otherwise fill this server's disk.
@@ -350,43 +469,7 @@ class StoreClient:
             )
         return record, nbytes
 
-    async def watch(self, on_event: Callable[[str, str, str, str], Awaitable[None]]) -> None:
-        """Follow store events forever, calling `on_event(type, name, digest, config_digest)` for each;
-        reconnects with backoff."""
-        last_id = ""
-        backoff = 0.5
-        while True:
-            try:
-                req = pb.WatchAdaptersRequest(last_event_id=last_id)
-                stream = self._stub.WatchAdapters(req, metadata=self._metadata)
-                if not last_id:
-                    # Subscribed first (headers come once it is), listed second: an event racing the
-                    # listing is applied after it, and events are idempotent on a set.
-                    await stream.initial_metadata()
-                    self.known_names = {r.name for r in await self.list()}
-                async for event in stream:
-                    backoff = 0.5
-                    last_id = event.id or last_id
-                    if event.type == "registered":
-                        self.known_names.add(event.name)
-                    elif event.type == "deleted":
-                        self.known_names.discard(event.name)
-                    await on_event(event.type, event.name, event.digest, event.config_digest)
-            except asyncio.CancelledError:
-                raise
-            except LoraplexError as err:  # the listing after (re)connecting failed
-                log.warning(
-                    "listing the store %s failed: %s; reconnecting in %.1fs", self.target, err, backoff
-                )
-            except grpc.RpcError as err:
-                log.warning(
-                    "WatchAdapters on %s: %s (%s); reconnecting in %.1fs",
-                    self.target,
-                    err.code().name,
-                    err.details(),
-                    backoff,
-                )
-            except Exception:
-                log.exception("WatchAdapters handler failed; reconnecting")
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
+    def open_watch(self, last_event_id: str) -> grpc.aio.UnaryStreamCall:
+        """A WatchAdapters stream from `last_event_id` (store_watch.py follows it)."""
+        req = pb.WatchAdaptersRequest(last_event_id=last_event_id)
+        return self._stub.WatchAdapters(req, metadata=self._metadata)

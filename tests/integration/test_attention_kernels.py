@@ -4,7 +4,7 @@ The Triton kernels run on the CPU under TRITON_INTERPRET=1. That variable is rea
 imported, and pytest imports every test module into one process, so the interpreter checks run
 in a fresh subprocess (`python -m tests.integration.test_attention_kernels`) with the variable set. The
 references are themselves checked against torch's scaled_dot_product_attention here.
-bf16 is checked on the GPU (bench/attention_kernels.py): the interpreter gets bf16 math wrong.
+bf16 is checked on the GPU (bench/kernels.py): the interpreter gets bf16 math wrong.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """FP8 activations quantized by the launch that makes them (kernels/fused_ops.py's RMSNorms and
-SiLU-and-mul with `quant` buffers; `LORAPLEX_FP8_FUSED_QUANT`), under the Triton interpreter.
+SiLU-and-mul with `quant` buffers, `Fp8Linear.input_quant`), under the Triton interpreter.
 
 Each op's quantized output must be, bit for bit, what the separate quantization launch
 (`quantize_rows_fused`) makes of its unquantized output; a decoder over an FP8 base served by the
-W8A8 GEMM must give the same hidden states with the fusion on and off while launching a quarter of
-the quantizations. The interpreter reads TRITON_INTERPRET at import, so the checks run in a fresh
-subprocess (`python -m tests.integration.test_fp8_fused_quant`).
+W8A8 GEMM must give the same hidden states as with a quantization launch before each GEMM (the
+linears' `input_quant` offering no buffers) while launching a quarter of the quantizations. The
+interpreter reads TRITON_INTERPRET at import, so the checks run in a fresh subprocess
+(`python -m tests.integration.test_fp8_fused_quant`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ from tests.support.child import assert_interpreter_checks_pass
 
 
 def test_fused_quantization_under_triton_interpreter() -> None:
-    assert_interpreter_checks_pass(
-        "tests.integration.test_fp8_fused_quant", drop_env=("LORAPLEX_FP8_GEMM", "LORAPLEX_FP8_FUSED_QUANT")
-    )
+    assert_interpreter_checks_pass("tests.integration.test_fp8_fused_quant", drop_env=("LORAPLEX_FP8_GEMM",))
 
 
 # ---- run in the subprocess, with TRITON_INTERPRET=1 ----
@@ -100,7 +99,7 @@ def _check_model(device: torch.device) -> int:
     from loraplex.kernels.placement import run_triton_on_cpu
     from loraplex.kernels.settings import reload_kernel_settings
     from loraplex.services.inference.models.context import ForwardContext
-    from loraplex.services.inference.models.quantization.fp8_linear import quantize_loaded
+    from loraplex.services.inference.models.quantization.fp8_linear import Fp8Linear, quantize_loaded
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = quantize_loaded(random_model(model_config(TINY, 64), dtype, device))
@@ -116,21 +115,19 @@ def _check_model(device: torch.device) -> int:
     ctx = ForwardContext(attention=_TorchAttention(), lora=None)
     results = {}
     interpret = os.environ.get("TRITON_INTERPRET", "0")
+    served_quant = Fp8Linear.input_quant
     run_triton_on_cpu(device.type == "cpu")
+    reload_kernel_settings({"TRITON_INTERPRET": interpret, "LORAPLEX_FP8_GEMM": "w8a8"})
     try:
         for fused in ("0", "1"):
-            reload_kernel_settings(
-                {
-                    "TRITON_INTERPRET": interpret,
-                    "LORAPLEX_FP8_GEMM": "w8a8",
-                    "LORAPLEX_FP8_FUSED_QUANT": fused,
-                }
-            )
+            # unfused: no linear offers its input's buffers, so each W8A8 GEMM quantizes x itself
+            Fp8Linear.input_quant = served_quant if fused == "1" else (lambda self, x_like: None)
             launches.clear()
             with torch.inference_mode():
                 positions = torch.arange(len(ids), device=device)
                 results[fused] = (model(ids, positions, ctx), len(launches))
     finally:
+        Fp8Linear.input_quant = served_quant
         run_triton_on_cpu(False)
         reload_kernel_settings()
         fp8_matmul.quantize_rows_fused = real

@@ -8,10 +8,12 @@ A real store subprocess, real gRPC, the real StoreClient; tiny real PEFT adapter
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,7 @@ pytestmark = pytest.mark.timeout(180)
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("cache-store")
     sources = {}
-    for i in range(4):
+    for i in range(8):
         sources[f"c{i}"] = write_random_adapter(root / "src" / f"c{i}", hidden=64, layers=2, r=4, seed=i)
     with start_store(root / "store") as proc, store_stub(proc.address) as stub:
         records = {
@@ -155,3 +157,98 @@ def test_a_rewritten_cache_hit_is_pulled_again(store, tmp_path):
     assert client.pulls == 1
     assert (again.path / WEIGHTS_FILE).read_bytes() == original
     assert again.record.digest == records["c0"].digest
+
+
+def disk_bytes(cache_dir: Path) -> int:
+    """Every file under the cache, pulls in progress (`.pull-*`) included: one listing of the root,
+    so a directory renamed into place during the scan is counted once at most."""
+    total = 0
+    for entry in list(os.scandir(cache_dir)):
+        try:
+            total += sum(f.stat().st_size for f in os.scandir(entry.path) if f.is_file())
+        except FileNotFoundError:
+            pass  # removed (evicted, or renamed into place) since the listing
+    return total
+
+
+def test_concurrent_pulls_stay_under_the_bound(store, tmp_path):
+    """Issue 59 M5: eight pulls at once into a cache that fits two. Each pull reserves its bytes
+    (weights and config, known from the header) before writing, evicting for the reservation, so
+    the cache never holds more than the bound: not after each pull, not at the end, and not at any
+    moment a sampler thread looks (pulls in progress counted)."""
+    address, records = store
+    size = adapter_bytes(records, "c0")
+    bound = int(2.5 * (size + 1024))  # two adapters fit, three do not
+    cache_dir = tmp_path / "c"
+    cache_dir.mkdir()
+    names = [f"c{i}" for i in range(8)]
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append(disk_bytes(cache_dir))
+
+    async def run():
+        client = StoreClient(address, cache_dir, cache_max_bytes=bound)
+        client.cache.in_use = set  # nothing loaded: every finished adapter may be evicted
+        after_each: list[int] = []
+
+        async def one(name):
+            pulled = await client.fetch(name)
+            after_each.append(disk_bytes(cache_dir))
+            return pulled
+
+        try:
+            results = await asyncio.gather(*(one(n) for n in names), return_exceptions=True)
+        finally:
+            await client.close()
+        return results, after_each, client
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        results, after_each, client = asyncio.run(run())
+    finally:
+        stop.set()
+        sampler.join()
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    assert client.pulls == len(names)
+    assert len(after_each) == len(names) and max(after_each) <= bound, (after_each, bound)
+    assert samples and max(samples) <= bound, (max(samples), bound)
+    assert disk_bytes(cache_dir) <= bound and len(content_dirs(cache_dir)) <= 2
+    assert not [n for n in os.listdir(cache_dir) if n.startswith(".pull-")]  # no pull left behind
+
+
+def test_a_held_directory_is_not_evicted_while_it_is_loaded(store, tmp_path):
+    """Pulls waiting for room are woken when one finishes; they must not evict that one's directory
+    while its caller (the engine's load) still reads it. Eight loads at once on a bound of two:
+    each holds its directory (`StoreClient.held`) across a read spread over loop turns, and every
+    read finds its files whole; the bound holds throughout."""
+    address, records = store
+    bound = int(2.5 * (adapter_bytes(records, "c0") + 1024))
+    cache_dir = tmp_path / "c"
+    names = [f"c{i}" for i in range(8)]
+
+    async def run():
+        client = StoreClient(address, cache_dir, cache_max_bytes=bound)
+        client.cache.in_use = set  # nothing loaded: only the holds protect
+        peak = 0
+
+        async def load(name):
+            nonlocal peak
+            async with client.held(name) as pulled:
+                for _ in range(5):  # an engine load reads across several loop turns
+                    await asyncio.sleep(0.02)
+                    peak = max(peak, disk_bytes(cache_dir))
+                weights = (pulled.path / WEIGHTS_FILE).read_bytes()
+                return hashlib.sha256(weights).hexdigest() == pulled.record.digest.split(":")[1]
+
+        try:
+            return await asyncio.gather(*(load(n) for n in names), return_exceptions=True), peak
+        finally:
+            await client.close()
+
+    results, peak = asyncio.run(run())
+    assert results == [True] * len(names), results
+    assert peak <= bound and disk_bytes(cache_dir) <= bound

@@ -135,17 +135,13 @@ def test_moe_steps_capture_at_any_size_only_with_the_grouped_kernel():
     """What the engine reads to size its CUDA graphs for an MoE model (engine/engine.py)."""
     import torch
 
-    from loraplex.kernels.settings import reload_kernel_settings
     from loraplex.services.inference.models import moe
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert moe.graph_safe_max_tokens(cuda) is None  # the grouped kernel: the experts' path on CUDA
+    assert moe.graph_safe_max_tokens(cpu) == moe.DENSE_MAX_TOKENS  # the CPU runs torch
     try:
-        reload_kernel_settings({})
-        assert moe.graph_safe_max_tokens(cuda) is None  # grouped is the default on CUDA
-        assert moe.graph_safe_max_tokens(cpu) == moe.DENSE_MAX_TOKENS  # the CPU runs torch
-        reload_kernel_settings({"LORAPLEX_MOE_KERNEL": "torch"})
+        moe.MOE_TORCH_ON_CUDA = True  # bench/moe.py's control row
         assert moe.graph_safe_max_tokens(cuda) == moe.DENSE_MAX_TOKENS
-        with pytest.raises(ValueError, match="LORAPLEX_MOE_KERNEL"):
-            reload_kernel_settings({"LORAPLEX_MOE_KERNEL": "fast"})
     finally:
-        reload_kernel_settings()
+        moe.MOE_TORCH_ON_CUDA = False

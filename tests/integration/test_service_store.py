@@ -176,3 +176,46 @@ def test_same_weights_with_another_config_are_another_adapter(client, adapters, 
     while _served(client, "s-twin") != (1.0, want_low):  # the watch event drops the old version
         assert time.monotonic() < deadline, "still serving the old config"
         time.sleep(0.3)
+
+
+CHAT = [{"role": "user", "content": "What is 2 + 2?"}]
+OWN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}ANSWER:{% endif %}"
+)
+
+
+def _chat_prompt_tokens(client, name: str) -> int:
+    return client.chat(CHAT, name, max_new_tokens=1, temperature=0)[0].prompt_tokens
+
+
+def test_an_adapter_chat_template_travels_through_the_store(client, stack, adapters, reference, tmp_path):
+    """Issue 59 L4: LoadAdapter of a directory with its own chat template, on a server with a store,
+    registers it there; the template travels with the pull (PullAdapter header) and is the one the
+    server renders chats with. A re-registration that changes the template alone is new content:
+    the watch event drops the old version and the next chat renders with the new template."""
+    own = copy_adapter(adapters["s-one"], tmp_path / "templated")
+    (own / "chat_template.jinja").write_text(OWN_TEMPLATE)
+
+    def tokens_with(template: str) -> int:
+        text = reference.tokenizer.apply_chat_template(
+            CHAT, add_generation_prompt=True, tokenize=False, chat_template=template
+        )
+        return len(reference.tokenizer(text, add_special_tokens=False).input_ids)
+
+    plain = client.register_adapter("s-untemplated", str(adapters["s-one"]))
+    model_tokens = _chat_prompt_tokens(client, "s-untemplated")
+    client.load_adapter("s-templated", str(own))
+    record = client.get_adapter("s-templated")
+    assert record.files_digest.startswith("sha256:") and not plain.files_digest
+    assert record.digest == plain.digest  # the same weights: only the template differs
+    assert _chat_prompt_tokens(client, "s-templated") == tokens_with(OWN_TEMPLATE) != model_tokens
+
+    longer = OWN_TEMPLATE.replace("ANSWER:", "THE ANSWER, BRIEFLY:")
+    (own / "chat_template.jinja").write_text(longer)
+    again = client.register_adapter("s-templated", str(own))
+    assert again.files_digest != record.files_digest and again.config_digest == record.config_digest
+    deadline = time.monotonic() + 15
+    while _chat_prompt_tokens(client, "s-templated") != tokens_with(longer):
+        assert time.monotonic() < deadline, "still rendering with the old template"
+        time.sleep(0.3)

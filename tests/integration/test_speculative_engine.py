@@ -227,3 +227,52 @@ def test_speculation_through_preemption(tiny_llama_path, adapters, one_torch_thr
     assert _run(on, prompts, params, names) == want
     assert on.scheduler.num_preemptions > 0, "no preemption: the test proves nothing"
     assert sum(on.stats().spec_accepted_tokens.values()) > 0
+
+
+@pytest.mark.parametrize("rate, per_step", [(1.0, 5), (0.0, 1)])
+def test_forced_acceptance_sets_the_tokens_per_step(tiny_llama_path, rate, per_step, one_torch_thread):
+    """The benchmarks' measurement mode: with every draft forced accepted a decode step emits K+1
+    tokens, with none 1 (the step's cost is real, its tokens are not the model's)."""
+    engine = sync_engine(server_args(tiny_llama_path, None, speculative_algorithm="ngram"))
+    engine.speculator.force_acceptance(rate)
+    ids = engine.tokenizer("Once upon a time").input_ids
+    engine.add_request("f", ids, SamplingParams(max_new_tokens=21, ignore_eos=True))
+    sizes = []
+    while engine.has_unfinished():
+        sizes.extend(len(out.new_token_ids) for out in engine.step() if out.new_token_ids)
+    assert sizes[0] == 1  # the prefill's token
+    assert sizes[1:] == [per_step] * (20 // per_step)
+
+
+def test_speculation_beside_overlap_scheduling(tiny_llama_path, adapters, one_torch_thread):
+    """With overlap scheduling on, drafting steps resolve the in-flight step and run without overlap,
+    and steps with nothing to draft keep it (the oracle drafts only now and then): outputs still equal
+    speculation off, and both kinds of steps ran."""
+    off = sync_engine(server_args(tiny_llama_path, adapters))
+    on = sync_engine(
+        server_args(tiny_llama_path, adapters, speculative_algorithm="ngram", overlap_schedule=True)
+    )
+    prompts = [off.tokenizer(p).input_ids for p in PROMPTS]
+    names = [None, "a", "b", "a"]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    want = _run(off, prompts, params, names)
+    conts = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
+    full = oracle(conts)
+    calls = [0]
+
+    def sometimes(token_ids, k):
+        calls[0] += 1
+        return full(token_ids, k) if (calls[0] // 8) % 2 else []
+
+    on.speculator.propose = sometimes
+    overlapped = [0]
+    real = on._step_overlapped
+
+    def counting():
+        overlapped[0] += 1
+        return real()
+
+    on._step_overlapped = counting
+    assert _run(on, prompts, params, names) == want
+    assert overlapped[0] > 0, "no overlapped step: the switch is untested"
+    assert sum(on.stats().spec_accepted_tokens.values()) > 0

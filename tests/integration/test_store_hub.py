@@ -79,6 +79,25 @@ def test_register_from_hub_records_commit_and_pulls(stub, hub, adapters):
     assert all(f"/resolve/{sha}/" in p for p in gets)
 
 
+def test_a_hub_adapter_chat_template_is_fetched_and_pulled(stub, hub, adapters):
+    """Issue 59 L4: the tokenizer files a Hub repo has beside the adapter travel with it, at the
+    resolved commit; other files are not fetched."""
+    template = b"{% for m in messages %}{{ m.content }}{% endfor %}"
+    files = {**adapter_files(adapters["v1"]), "chat_template.jinja": template, "README.md": b"# hi"}
+    sha = hub.add_commit("org/templated", files)
+    record = register(stub, "hub-templated", "org/templated")
+    assert record.revision == sha and record.files_digest.startswith("sha256:")
+    header, _ = pull(stub, "hub-templated")
+    assert {f.name: f.content for f in header.files} == {"chat_template.jinja": template}
+    gets = [
+        r.path
+        for r in hub.requests
+        if r.method == "GET" and "/resolve/" in r.path and "org/templated" in r.path
+    ]
+    fetched = sorted(p.rsplit("/", 1)[1] for p in gets)
+    assert fetched == ["adapter_config.json", WEIGHTS, "chat_template.jinja"]
+
+
 def test_revision_pinning_branch_tag_and_commit(stub, hub, adapters):
     sha1 = hub.add_commit("org/pinned", adapter_files(adapters["v1"]), refs=("main", "v1.0"))
     sha2 = hub.add_commit("org/pinned", adapter_files(adapters["v2"]), refs=("main",))

@@ -85,6 +85,19 @@ def not_json_header(d: Path) -> None:
     (d / WEIGHTS).write_bytes(bytes(raw))
 
 
+def with_magnitudes(q0_value: float):
+    """A DoRA magnitude (ones) beside every lora_B, with `q0_value` in q_proj of layer 0."""
+
+    def change(t: dict) -> None:
+        for key in [k for k in t if k.endswith(".lora_B.weight")]:
+            magnitude = np.ones(t[key].shape[0], np.float32)
+            if key.startswith(Q0 + "."):
+                magnitude[5] = q0_value
+            t[key.removesuffix(".lora_B.weight") + ".lora_magnitude_vector"] = magnitude
+
+    return change
+
+
 def set_value(key: str, value: float, dtype=np.float32):
     def change(t: dict) -> None:
         arr = t[key].astype(dtype)
@@ -260,7 +273,35 @@ BROKEN = [
         f"{CONFIG}:target_modules",
         "non-empty",
     ),
-    ("config-dora", lambda d: edit_config(d, use_dora=True), f"{CONFIG}:use_dora", "DoRA"),
+    ("config-dora-not-bool", lambda d: edit_config(d, use_dora="yes"), f"{CONFIG}:use_dora", "true or false"),
+    (
+        "dora-without-magnitudes",
+        lambda d: edit_config(d, use_dora=True),
+        f"{WEIGHTS}:model.layers.0.self_attn.q_proj.lora_magnitude_vector",
+        "use_dora is true",
+    ),
+    (
+        "magnitude-without-dora",
+        tensors_edit(with_magnitudes(1.0)),
+        f"{WEIGHTS}:{Q0}.lora_magnitude_vector",
+        "use_dora is not true",
+    ),
+    (
+        "dora-negative-magnitude",
+        lambda d: (edit_config(d, use_dora=True), tensors_edit(with_magnitudes(-0.5))(d)),
+        f"{WEIGHTS}:{Q0}.lora_magnitude_vector.values",
+        "finite and positive",
+    ),
+    (
+        "dora-magnitude-shape",
+        lambda d: (
+            edit_config(d, use_dora=True),
+            tensors_edit(with_magnitudes(1.0))(d),
+            tensors_edit(lambda t: t.update({f"{Q0}.lora_magnitude_vector": np.ones(63, np.float32)}))(d),
+        ),
+        f"{WEIGHTS}:{Q0}.lora_magnitude_vector.shape",
+        "64 output rows",
+    ),
     (
         "config-bad-rank-pattern",
         lambda d: edit_config(d, rank_pattern={"q_proj": -1}),
@@ -298,6 +339,18 @@ def test_broken_files_leave_no_blob_or_staging_behind(stub, good):
     digest = listing.adapters[0].digest.removeprefix("sha256:")
     assert blobs == [digest, digest + ".records"]  # the blob and its per-name record files
     assert list((stub.cache_dir / "staging").iterdir()) == []
+
+
+def test_dora_adapter_is_accepted(stub, tiny_llama_path, adapter_factory):
+    """A PEFT DoRA adapter (lora_magnitude_vector beside each pair) registers and pulls intact."""
+    dora = adapter_factory(
+        tiny_llama_path, "store-dora", r=4, target_modules=["q_proj", "v_proj"], use_dora=True
+    )
+    record = stub.RegisterAdapter(pb.RegisterAdapterRequest(name="ok-dora", source=str(dora)), timeout=60)
+    assert record.rank == 4
+    _, data = pull(stub, "ok-dora")
+    assert data == (dora / WEIGHTS).read_bytes()
+    stub.DeleteAdapter(pb.DeleteAdapterRequest(name="ok-dora"))
 
 
 def test_good_bf16_and_fp16_adapters_are_accepted(stub, good, tmp_path):

@@ -182,11 +182,15 @@ def make_peft_adapter(
     scale: float = 0.5,
     dtype: torch.dtype = torch.float32,
     target_parameters: list[str] | None = None,
+    use_dora: bool = False,
+    trainable_token_indices: list[int] | dict[str, list[int]] | None = None,
 ) -> Path:
     """Make a real PEFT LoRA adapter for the model at `base_path` with nonzero A and B.
 
     PEFT initialises B to zero (the adapter is then a no-op); we overwrite A and B with
-    seeded random values so the adapter changes the output, then `save_pretrained`.
+    seeded random values so the adapter changes the output, then `save_pretrained`. With
+    `use_dora`, PEFT's magnitudes (initialised to the rows' norms, a no-op) are scaled by random
+    factors in [0.5, 1.5) too; `trainable_token_indices` rows get random values.
     """
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -203,14 +207,22 @@ def make_peft_adapter(
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
+        use_dora=use_dora,
+        trainable_token_indices=trainable_token_indices,
     )
     model = get_peft_model(base, config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "lora_A" in name or "lora_B" in name:
+            if "lora_embedding_" in name:  # embed_tokens: A [r, vocab], B [hidden, r]
+                param.copy_(torch.randn(param.shape, generator=gen) * scale / min(param.shape) ** 0.5)
+            elif "lora_A" in name or "lora_B" in name:
                 fan = param.shape[1]
                 param.copy_(torch.randn(param.shape, generator=gen) * scale / fan**0.5)
+            elif "trainable_tokens_delta" in name:  # the rows' new values (PEFT starts from the base's)
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+            elif "lora_magnitude_vector" in name:
+                param.mul_(0.5 + torch.rand(param.shape, generator=gen))
     model = model.to(dtype)
     out_path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_path, safe_serialization=True)

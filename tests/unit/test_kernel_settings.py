@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 from loraplex.kernels import lora_configs
 from loraplex.kernels.settings import KernelSettings, kernel_settings, reload_kernel_settings
@@ -33,69 +32,71 @@ def test_reload_reads_an_explicit_mapping_and_applies_the_overrides(tmp_path, mo
             {
                 "LORAPLEX_LORA_CONFIGS": before.lora_configs or "",
                 "TRITON_INTERPRET": interpret,
-                "LORAPLEX_LORA_FUSED": before.lora_fused,
             }
         )
         lora_configs.clear_caches()
     assert kernel_settings() == before
 
 
-def test_base_step_options_are_on_for_cuda_unless_switched_and_cublaslt_is_the_default():
+def test_overrides_file_with_an_unknown_table_is_refused(tmp_path):
     import pytest
 
-    from loraplex.kernels.settings import switched_on
-
-    auto = KernelSettings.from_env({})
-    assert (auto.skinny_silu, auto.fused_kv_store, auto.decode_direct) == (None, None, None)
-    assert auto.skinny_gemm is False
-    assert switched_on(auto.decode_direct, on_cuda=True)
-    assert not switched_on(auto.decode_direct, on_cuda=False)
-    forced = KernelSettings.from_env({"LORAPLEX_FUSED_KV_STORE": "1", "LORAPLEX_DECODE_DIRECT": "0"})
-    assert switched_on(forced.fused_kv_store, on_cuda=False)  # "1": the interpreter too (tests)
-    assert not switched_on(forced.decode_direct, on_cuda=True)
-    assert auto.blas == "cublaslt" and KernelSettings.from_env({"LORAPLEX_BLAS": "cublas"}).blas == "cublas"
-    with pytest.raises(ValueError, match="LORAPLEX_SKINNY_SILU"):
-        KernelSettings.from_env({"LORAPLEX_SKINNY_SILU": "yes"})
-    with pytest.raises(ValueError, match="LORAPLEX_BLAS"):
-        KernelSettings.from_env({"LORAPLEX_BLAS": "rocblas"})
+    path = tmp_path / "configs.json"
+    for table in ("fused", "shrnk"):  # a removed kernel's table, a typo: refused, not ignored
+        path.write_text(json.dumps({"splits": {"decode|4096": 5}, table: {}}))
+        with pytest.raises(ValueError, match=f"unknown tables \\['{table}'\\]"):
+            lora_configs.load_overrides(str(path))
+    lora_configs.clear_caches()
 
 
-def test_lora_pdl_is_on_unless_switched_off_and_never_on_cpu_tensors():
+# Every LORAPLEX_* variable the code reads: each is an operator setting documented in
+# docs/operations.md. A variable that only picked a kernel variant was removed with its losing branch
+# (issue 54; docs/benchmarks.md, "Facts behind defaults"): one measured path per job, no switch.
+OPERATOR_SETTINGS = {
+    "LORAPLEX_ADMIN_TOKEN",
+    "LORAPLEX_API_TOKEN",
+    "LORAPLEX_CACHE",
+    "LORAPLEX_FP8_GEMM",
+    "LORAPLEX_FP8_GEMM_CONFIGS",
+    "LORAPLEX_LORA_CONFIGS",
+    "LORAPLEX_ROUTER_LISTEN",
+    "LORAPLEX_STORE",
+    "LORAPLEX_STORE_TOKEN",
+    "LORAPLEX_TARGET",
+    "LORAPLEX_TLS_CA",
+    "LORAPLEX_TLS_CERT",
+    "LORAPLEX_TLS_KEY",
+    "LORAPLEX_TOKEN",
+}
+
+
+def test_no_variable_picks_a_kernel_variant_and_each_setting_is_documented():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+
+    def read(folders: tuple[str, ...]) -> set[str]:
+        paths = [path for folder in folders for path in (root / folder).rglob("*.py")]
+        return {name for path in paths for name in re.findall(r"LORAPLEX_[A-Z0-9_]+", path.read_text())}
+
+    names = read(("kernels", "services", "clients", "adapter_store"))
+    assert names <= OPERATOR_SETTINGS, sorted(names - OPERATOR_SETTINGS)
+    kernel_names = read(("kernels",))
+    assert kernel_names == {"LORAPLEX_LORA_CONFIGS", "LORAPLEX_FP8_GEMM", "LORAPLEX_FP8_GEMM_CONFIGS"}
+    operations = (root / "docs" / "operations.md").read_text()
+    assert all(f"`{name}=" in operations for name in kernel_names)
+    assert set(KernelSettings.__dataclass_fields__) == {
+        "lora_configs",
+        "triton_interpret",
+        "fp8_gemm",
+        "fp8_gemm_configs",
+    }
+
+
+def test_lora_pdl_never_on_cpu_tensors():
     import torch
 
     from loraplex.kernels.placement import pdl_launch
 
-    assert KernelSettings.from_env({}).lora_pdl is None
-    assert KernelSettings.from_env({"LORAPLEX_LORA_PDL": "0"}).lora_pdl is False
     assert not pdl_launch(torch.zeros(1))  # the interpreter has no grid dependency control
-
-
-def test_fp8_pdl_is_off_unless_switched_on_and_never_on_cpu_tensors():
-    import pytest
-    import torch
-
-    from loraplex.kernels.placement import fp8_pdl_launch
-
-    assert KernelSettings.from_env({}).fp8_pdl is None
-    assert KernelSettings.from_env({"LORAPLEX_FP8_PDL": "0"}).fp8_pdl is False
-    assert KernelSettings.from_env({"LORAPLEX_FP8_PDL": "1"}).fp8_pdl is True
-    with pytest.raises(ValueError, match="LORAPLEX_FP8_PDL"):
-        KernelSettings.from_env({"LORAPLEX_FP8_PDL": "on"})
-    assert not fp8_pdl_launch(torch.zeros(1))
-    reload_kernel_settings({**os.environ, "LORAPLEX_FP8_PDL": "1"})
-    try:
-        assert not fp8_pdl_launch(torch.zeros(1))  # switched on, still never the interpreter
-    finally:
-        reload_kernel_settings(os.environ)
-
-
-def test_fp8_fused_quantization_is_on_for_cuda_and_pdl_off_unless_set():
-    from loraplex.kernels.settings import switched_on
-
-    auto = KernelSettings.from_env({})
-    assert auto.fp8_fused_quant is None and auto.fp8_pdl is None
-    assert switched_on(auto.fp8_fused_quant, on_cuda=True) and not switched_on(
-        auto.fp8_fused_quant, on_cuda=False
-    )
-    off = KernelSettings.from_env({"LORAPLEX_FP8_FUSED_QUANT": "0", "LORAPLEX_FP8_PDL": "1"})
-    assert not switched_on(off.fp8_fused_quant, on_cuda=True) and off.fp8_pdl is True

@@ -13,7 +13,12 @@ from safetensors.torch import load_file, save_file
 
 from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid, AdapterNotFound
 from loraplex.services.inference.lora.adapter import load_adapter_weights
-from loraplex.services.inference.lora.config import check_fits, parse_adapter_config, resolve_targets
+from loraplex.services.inference.lora.config import (
+    check_fits,
+    parse_adapter_config,
+    resolve_embedding_targets,
+    resolve_targets,
+)
 from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
 
 
@@ -44,7 +49,8 @@ BASE_CFG = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q
     "change, field",
     [
         ({"bias": "all"}, "bias"),
-        ({"use_dora": True}, "use_dora"),
+        ({"use_dora": "yes"}, "use_dora"),
+        ({"use_dora": True, "target_parameters": ["experts.down_proj"]}, "use_dora"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"fan_in_fan_out": True}, "fan_in_fan_out"),
         ({"peft_type": "IA3"}, "peft_type"),
@@ -73,11 +79,8 @@ def test_parse_refusals_name_the_field(change, field):
 @pytest.mark.parametrize(
     "targets, why",
     [
-        (["embed_tokens"], "embedding"),
-        (["lm_head"], "embedding"),
         (["q_proj", "wq"], "'wq'"),
         (["mlp"], "not one of the linear projections"),
-        (".*embed_tokens", "embedding"),
         ("nothing_here", "matches no module"),
     ],
 )
@@ -86,6 +89,22 @@ def test_target_refusals(targets, why):
     with pytest.raises(AdapterInvalid) as e:
         resolve_targets(spec, num_layers=2)
     assert e.value.field == "target_modules" and why in e.value.message
+
+
+def test_embedding_and_lm_head_targets_resolve_apart_from_the_linears():
+    spec = parse_adapter_config(
+        {**BASE_CFG, "target_modules": ["embed_tokens", "lm_head", "q_proj"], "rank_pattern": {"lm_head": 2}}
+    )
+    assert set(resolve_targets(spec, num_layers=2)) == {(0, "q_proj"), (1, "q_proj")}
+    got = resolve_embedding_targets(spec, num_layers=2)
+    assert got == {"model.embed_tokens": (8, 16.0, 2.0), "lm_head": (2, 16.0, 8.0)}
+    only = parse_adapter_config({**BASE_CFG, "target_modules": ".*embed_tokens"})
+    assert resolve_targets(only, num_layers=2) == {}
+    assert list(resolve_embedding_targets(only, num_layers=2)) == ["model.embed_tokens"]
+    # PEFT's all-linear leaves the output layer out
+    assert (
+        resolve_embedding_targets(parse_adapter_config({**BASE_CFG, "target_modules": "all-linear"}), 2) == {}
+    )
 
 
 def test_targets_list_regex_patterns_match_peft_semantics():
@@ -173,9 +192,10 @@ def test_rank_and_alpha_pattern_against_peft(tiny_llama_path, adapter_factory, s
 def test_file_level_refusals(base_adapter, shapes, tmp_path):
     with pytest.raises(AdapterNotFound):
         load_adapter_weights(tmp_path / "absent", shapes)
-    with pytest.raises(AdapterInvalid) as e:
+    # DoRA without its magnitudes
+    with pytest.raises(AdapterInvalid, match="lora_magnitude_vector") as e:
         load_adapter_weights(edited_copy(base_adapter, tmp_path / "dora", use_dora=True), shapes)
-    assert e.value.field == "use_dora"
+    assert e.value.field == "adapter_model.safetensors"
     # rank in the config disagrees with the tensors: malformed
     with pytest.raises(AdapterInvalid) as e:
         load_adapter_weights(edited_copy(base_adapter, tmp_path / "r8", r=8), shapes)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1floraplex/v1/adapter_store.proto\x12\x0bloraplex.v1\"\xa4\x02\n\rAdapterRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x12\n\nbase_model\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\r\n\x05\x61lpha\x18\x07 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x08 \x03(\t\x12\x12\n\nuse_rslora\x18\t \x01(\x08\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x12\n\nsize_bytes\x18\x0b \x01(\x04\x12\x12\n\ncreated_at\x18\x0c \x01(\x01\x12\x14\n\x0clast_used_at\x18\r \x01(\x01\x12\x12\n\ngeneration\x18\x0e \x01(\x04\x12\x15\n\rconfig_digest\x18\x0f \x01(\t\"H\n\x16RegisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\"!\n\x11GetAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"A\n\x18ListStoreAdaptersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"b\n\x19ListStoreAdaptersResponse\x12,\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1a.loraplex.v1.AdapterRecord\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"$\n\x14\x44\x65leteAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"6\n\x15\x44\x65leteAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65leted\x18\x02 \x01(\x08\"8\n\x12PullAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cshared_cache\x18\x02 \x01(\x08\"x\n\rAdapterHeader\x12*\n\x06record\x18\x01 \x01(\x0b\x32\x1a.loraplex.v1.AdapterRecord\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x02 \x01(\t\x12\x1e\n\x16local_safetensors_path\x18\x03 \x01(\t\"W\n\x0c\x41\x64\x61pterChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.loraplex.v1.AdapterHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\t\n\x07payload\"-\n\x14WatchAdaptersRequest\x12\x15\n\rlast_event_id\x18\x01 \x01(\t\"\x7f\n\x0c\x41\x64\x61pterEvent\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x0c\n\x04time\x18\x06 \x01(\x01\x12\x15\n\rconfig_digest\x18\x07 \x01(\t2\x81\x04\n\x0c\x41\x64\x61pterStore\x12R\n\x0fRegisterAdapter\x12#.loraplex.v1.RegisterAdapterRequest\x1a\x1a.loraplex.v1.AdapterRecord\x12H\n\nGetAdapter\x12\x1e.loraplex.v1.GetAdapterRequest\x1a\x1a.loraplex.v1.AdapterRecord\x12]\n\x0cListAdapters\x12%.loraplex.v1.ListStoreAdaptersRequest\x1a&.loraplex.v1.ListStoreAdaptersResponse\x12V\n\rDeleteAdapter\x12!.loraplex.v1.DeleteAdapterRequest\x1a\".loraplex.v1.DeleteAdapterResponse\x12K\n\x0bPullAdapter\x12\x1f.loraplex.v1.PullAdapterRequest\x1a\x19.loraplex.v1.AdapterChunk0\x01\x12O\n\rWatchAdapters\x12!.loraplex.v1.WatchAdaptersRequest\x1a\x19.loraplex.v1.AdapterEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1floraplex/v1/adapter_store.proto\x12\x0bloraplex.v1\"\xba\x02\n\rAdapterRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x12\n\nbase_model\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\r\n\x05\x61lpha\x18\x07 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x08 \x03(\t\x12\x12\n\nuse_rslora\x18\t \x01(\x08\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x12\n\nsize_bytes\x18\x0b \x01(\x04\x12\x12\n\ncreated_at\x18\x0c \x01(\x01\x12\x14\n\x0clast_used_at\x18\r \x01(\x01\x12\x12\n\ngeneration\x18\x0e \x01(\x04\x12\x15\n\rconfig_digest\x18\x0f \x01(\t\x12\x14\n\x0c\x66iles_digest\x18\x10 \x01(\t\"H\n\x16RegisterAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\"!\n\x11GetAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"A\n\x18ListStoreAdaptersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"b\n\x19ListStoreAdaptersResponse\x12,\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1a.loraplex.v1.AdapterRecord\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"$\n\x14\x44\x65leteAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"6\n\x15\x44\x65leteAdapterResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65leted\x18\x02 \x01(\x08\"8\n\x12PullAdapterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0cshared_cache\x18\x02 \x01(\x08\"\xa1\x01\n\rAdapterHeader\x12*\n\x06record\x18\x01 \x01(\x0b\x32\x1a.loraplex.v1.AdapterRecord\x12\x1b\n\x13\x61\x64\x61pter_config_json\x18\x02 \x01(\t\x12\x1e\n\x16local_safetensors_path\x18\x03 \x01(\t\x12\'\n\x05\x66iles\x18\x04 \x03(\x0b\x32\x18.loraplex.v1.AdapterFile\",\n\x0b\x41\x64\x61pterFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\x0c\"W\n\x0c\x41\x64\x61pterChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.loraplex.v1.AdapterHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\t\n\x07payload\"-\n\x14WatchAdaptersRequest\x12\x15\n\rlast_event_id\x18\x01 \x01(\t\"\x95\x01\n\x0c\x41\x64\x61pterEvent\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04type\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x0e\n\x06\x64igest\x18\x04 \x01(\t\x12\x12\n\ngeneration\x18\x05 \x01(\x04\x12\x0c\n\x04time\x18\x06 \x01(\x01\x12\x15\n\rconfig_digest\x18\x07 \x01(\t\x12\x14\n\x0c\x66iles_digest\x18\x08 \x01(\t2\x81\x04\n\x0c\x41\x64\x61pterStore\x12R\n\x0fRegisterAdapter\x12#.loraplex.v1.RegisterAdapterRequest\x1a\x1a.loraplex.v1.AdapterRecord\x12H\n\nGetAdapter\x12\x1e.loraplex.v1.GetAdapterRequest\x1a\x1a.loraplex.v1.AdapterRecord\x12]\n\x0cListAdapters\x12%.loraplex.v1.ListStoreAdaptersRequest\x1a&.loraplex.v1.ListStoreAdaptersResponse\x12V\n\rDeleteAdapter\x12!.loraplex.v1.DeleteAdapterRequest\x1a\".loraplex.v1.DeleteAdapterResponse\x12K\n\x0bPullAdapter\x12\x1f.loraplex.v1.PullAdapterRequest\x1a\x19.loraplex.v1.AdapterChunk0\x01\x12O\n\rWatchAdapters\x12!.loraplex.v1.WatchAdaptersRequest\x1a\x19.loraplex.v1.AdapterEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,29 +32,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'loraplex.v1.adapter_store_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ADAPTERRECORD']._serialized_start=49
-  _globals['_ADAPTERRECORD']._serialized_end=341
-  _globals['_REGISTERADAPTERREQUEST']._serialized_start=343
-  _globals['_REGISTERADAPTERREQUEST']._serialized_end=415
-  _globals['_GETADAPTERREQUEST']._serialized_start=417
-  _globals['_GETADAPTERREQUEST']._serialized_end=450
-  _globals['_LISTSTOREADAPTERSREQUEST']._serialized_start=452
-  _globals['_LISTSTOREADAPTERSREQUEST']._serialized_end=517
-  _globals['_LISTSTOREADAPTERSRESPONSE']._serialized_start=519
-  _globals['_LISTSTOREADAPTERSRESPONSE']._serialized_end=617
-  _globals['_DELETEADAPTERREQUEST']._serialized_start=619
-  _globals['_DELETEADAPTERREQUEST']._serialized_end=655
-  _globals['_DELETEADAPTERRESPONSE']._serialized_start=657
-  _globals['_DELETEADAPTERRESPONSE']._serialized_end=711
-  _globals['_PULLADAPTERREQUEST']._serialized_start=713
-  _globals['_PULLADAPTERREQUEST']._serialized_end=769
-  _globals['_ADAPTERHEADER']._serialized_start=771
-  _globals['_ADAPTERHEADER']._serialized_end=891
-  _globals['_ADAPTERCHUNK']._serialized_start=893
-  _globals['_ADAPTERCHUNK']._serialized_end=980
-  _globals['_WATCHADAPTERSREQUEST']._serialized_start=982
-  _globals['_WATCHADAPTERSREQUEST']._serialized_end=1027
-  _globals['_ADAPTEREVENT']._serialized_start=1029
-  _globals['_ADAPTEREVENT']._serialized_end=1156
-  _globals['_ADAPTERSTORE']._serialized_start=1159
-  _globals['_ADAPTERSTORE']._serialized_end=1672
+  _globals['_ADAPTERRECORD']._serialized_end=363
+  _globals['_REGISTERADAPTERREQUEST']._serialized_start=365
+  _globals['_REGISTERADAPTERREQUEST']._serialized_end=437
+  _globals['_GETADAPTERREQUEST']._serialized_start=439
+  _globals['_GETADAPTERREQUEST']._serialized_end=472
+  _globals['_LISTSTOREADAPTERSREQUEST']._serialized_start=474
+  _globals['_LISTSTOREADAPTERSREQUEST']._serialized_end=539
+  _globals['_LISTSTOREADAPTERSRESPONSE']._serialized_start=541
+  _globals['_LISTSTOREADAPTERSRESPONSE']._serialized_end=639
+  _globals['_DELETEADAPTERREQUEST']._serialized_start=641
+  _globals['_DELETEADAPTERREQUEST']._serialized_end=677
+  _globals['_DELETEADAPTERRESPONSE']._serialized_start=679
+  _globals['_DELETEADAPTERRESPONSE']._serialized_end=733
+  _globals['_PULLADAPTERREQUEST']._serialized_start=735
+  _globals['_PULLADAPTERREQUEST']._serialized_end=791
+  _globals['_ADAPTERHEADER']._serialized_start=794
+  _globals['_ADAPTERHEADER']._serialized_end=955
+  _globals['_ADAPTERFILE']._serialized_start=957
+  _globals['_ADAPTERFILE']._serialized_end=1001
+  _globals['_ADAPTERCHUNK']._serialized_start=1003
+  _globals['_ADAPTERCHUNK']._serialized_end=1090
+  _globals['_WATCHADAPTERSREQUEST']._serialized_start=1092
+  _globals['_WATCHADAPTERSREQUEST']._serialized_end=1137
+  _globals['_ADAPTEREVENT']._serialized_start=1140
+  _globals['_ADAPTEREVENT']._serialized_end=1289
+  _globals['_ADAPTERSTORE']._serialized_start=1292
+  _globals['_ADAPTERSTORE']._serialized_end=1805
 # @@protoc_insertion_point(module_scope)

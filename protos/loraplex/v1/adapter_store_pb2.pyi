@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class AdapterRecord(_message.Message):
-    __slots__ = ("name", "source", "revision", "digest", "base_model", "rank", "alpha", "target_modules", "use_rslora", "dtype", "size_bytes", "created_at", "last_used_at", "generation", "config_digest")
+    __slots__ = ("name", "source", "revision", "digest", "base_model", "rank", "alpha", "target_modules", "use_rslora", "dtype", "size_bytes", "created_at", "last_used_at", "generation", "config_digest", "files_digest")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class AdapterRecord(_message.Message):
     LAST_USED_AT_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FILES_DIGEST_FIELD_NUMBER: _ClassVar[int]
     name: str
     source: str
     revision: str
@@ -38,7 +39,8 @@ class AdapterRecord(_message.Message):
     last_used_at: float
     generation: int
     config_digest: str
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., revision: _Optional[str] = ..., digest: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., use_rslora: _Optional[bool] = ..., dtype: _Optional[str] = ..., size_bytes: _Optional[int] = ..., created_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., generation: _Optional[int] = ..., config_digest: _Optional[str] = ...) -> None: ...
+    files_digest: str
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[str] = ..., revision: _Optional[str] = ..., digest: _Optional[str] = ..., base_model: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ..., use_rslora: _Optional[bool] = ..., dtype: _Optional[str] = ..., size_bytes: _Optional[int] = ..., created_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., generation: _Optional[int] = ..., config_digest: _Optional[str] = ..., files_digest: _Optional[str] = ...) -> None: ...
 
 class RegisterAdapterRequest(_message.Message):
     __slots__ = ("name", "source", "revision")
@@ -95,14 +97,24 @@ class PullAdapterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shared_cache: _Optional[bool] = ...) -> None: ...
 
 class AdapterHeader(_message.Message):
-    __slots__ = ("record", "adapter_config_json", "local_safetensors_path")
+    __slots__ = ("record", "adapter_config_json", "local_safetensors_path", "files")
     RECORD_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SAFETENSORS_PATH_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
     record: AdapterRecord
     adapter_config_json: str
     local_safetensors_path: str
-    def __init__(self, record: _Optional[_Union[AdapterRecord, _Mapping]] = ..., adapter_config_json: _Optional[str] = ..., local_safetensors_path: _Optional[str] = ...) -> None: ...
+    files: _containers.RepeatedCompositeFieldContainer[AdapterFile]
+    def __init__(self, record: _Optional[_Union[AdapterRecord, _Mapping]] = ..., adapter_config_json: _Optional[str] = ..., local_safetensors_path: _Optional[str] = ..., files: _Optional[_Iterable[_Union[AdapterFile, _Mapping]]] = ...) -> None: ...
+
+class AdapterFile(_message.Message):
+    __slots__ = ("name", "content")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    content: bytes
+    def __init__(self, name: _Optional[str] = ..., content: _Optional[bytes] = ...) -> None: ...
 
 class AdapterChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -119,7 +131,7 @@ class WatchAdaptersRequest(_message.Message):
     def __init__(self, last_event_id: _Optional[str] = ...) -> None: ...
 
 class AdapterEvent(_message.Message):
-    __slots__ = ("id", "type", "name", "digest", "generation", "time", "config_digest")
+    __slots__ = ("id", "type", "name", "digest", "generation", "time", "config_digest", "files_digest")
     ID_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +139,7 @@ class AdapterEvent(_message.Message):
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FILES_DIGEST_FIELD_NUMBER: _ClassVar[int]
     id: str
     type: str
     name: str
@@ -134,4 +147,5 @@ class AdapterEvent(_message.Message):
     generation: int
     time: float
     config_digest: str
-    def __init__(self, id: _Optional[str] = ..., type: _Optional[str] = ..., name: _Optional[str] = ..., digest: _Optional[str] = ..., generation: _Optional[int] = ..., time: _Optional[float] = ..., config_digest: _Optional[str] = ...) -> None: ...
+    files_digest: str
+    def __init__(self, id: _Optional[str] = ..., type: _Optional[str] = ..., name: _Optional[str] = ..., digest: _Optional[str] = ..., generation: _Optional[int] = ..., time: _Optional[float] = ..., config_digest: _Optional[str] = ..., files_digest: _Optional[str] = ...) -> None: ...

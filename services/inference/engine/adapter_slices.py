@@ -18,7 +18,7 @@ slices, stride scheduling over adapters), in three sentences:
 
 Measured against the policy the issue first proposed (K/2 places kept by the hottest adapters
 while they have requests, K/2 turn places rotating over the rest in arrival order, 4 steps a
-turn) with bench/slot_policies.py (docs/benchmarks.md, "Scarce slots"): turns advance cold
+turn) on a virtual clock (docs/benchmarks.md, "Scarce slots"): turns advance cold
 requests only in their turns, so they pile up; 64 Zipf adapters on 8, TTFT p99 8.7x base and
 the 8 hottest 7.8x, against 3.7x and 1.4x here. Why time slices at all, not slot drains: with Zipf
 traffic the hottest K adapters have requests nearly always, so waiting for an adapter's requests

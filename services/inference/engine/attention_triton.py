@@ -18,7 +18,6 @@ import torch
 from loraplex.kernels.attention_decode import paged_decode_attention
 from loraplex.kernels.attention_kv_store import store_kv
 from loraplex.kernels.attention_prefill import paged_prefill_attention
-from loraplex.kernels.settings import kernel_settings, switched_on
 from loraplex.services.inference.engine.attention import AttentionMetadata
 from loraplex.services.inference.engine.kv_cache import KVCacheScales, kv_cache_scales
 from loraplex.services.inference.models.context import Attention
@@ -88,10 +87,8 @@ class TritonPagedAttention(Attention):
         store_kv(k, v, self.kv_cache[layer, 0], self.kv_cache[layer, 1], slots, *inv)
 
     def fused_store_target(self, layer: int) -> tuple[torch.Tensor, ...] | None:
-        """With LORAPLEX_FUSED_KV_STORE, the cache of `layer` and the step's slots (and an FP8 cache's
-        inverse scales), for the q/k/v split launch to store into."""
-        if not switched_on(kernel_settings().fused_kv_store, self.kv_cache.is_cuda):
-            return None
+        """The cache of `layer` and the step's slots (and an FP8 cache's inverse scales), for the q/k/v
+        split launch to store into (one launch fewer per layer than a separate store)."""
         target = (self.kv_cache[layer, 0], self.kv_cache[layer, 1], self.meta.slot_mapping)
         return target + tuple(self._scales[layer][2:]) if self._scales is not None else target
 

@@ -208,10 +208,13 @@ class CompilePool:
             job.overdue = True
             if self._jobs.get(job.key) is job:
                 del self._jobs[job.key]
-            if self._overdue < self.max_overdue:
+        # Its waiters are refused before its worker slot can go to the next job (a loaded machine
+        # could otherwise run that job to its end first).
+        job.future.set_exception(self._on_overdue(job))
+        with self._lock:
+            if not job.done and job.holds_slot and self._overdue < self.max_overdue:
                 # Its worker slot goes to the queue; the thread runs on, counted apart.
                 job.holds_slot = False
                 self._slots_used -= 1
                 self._overdue += 1
                 self._dispatch()
-        job.future.set_exception(self._on_overdue(job))

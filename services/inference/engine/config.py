@@ -87,8 +87,8 @@ class EngineConfig:
     grammar_cache_max_bytes: int = 512 * 2**20
     grammar_max_bytes: int = 64 * 2**20
     # Speculative decoding (engine/speculative.py): None = off; "ngram" drafts by prompt lookup,
-    # "draft" with the model at speculative_draft_model_path (same tokenizer). It turns overlap
-    # scheduling off (a draft needs the previous step's tokens on the host).
+    # "draft" with the model at speculative_draft_model_path (same tokenizer). A step that speculates
+    # runs without overlap (a draft needs the previous step's tokens on the host); the others keep it.
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     # NAME=DIR LoRA adapters of the draft model, loaded at start; a request names one as its
@@ -169,8 +169,6 @@ class EngineConfig:
 
     @property
     def overlap_enabled(self) -> bool:
-        if self.speculative_algorithm is not None:
-            return False
         return self.device.type == "cuda" if self.overlap_schedule is None else self.overlap_schedule
 
     def scheduler_config(self, context_length: int) -> SchedulerConfig:

@@ -226,12 +226,17 @@ class LLMEngine:
         return self.config.overlap_enabled and isinstance(self.runner, ModelRunner)
 
     def step(self) -> list[RequestOutput]:
-        if self._overlap:
-            return self._step_overlapped()
-        if self.speculator is not None:
+        outputs: list[RequestOutput] = []
+        if self.speculator is not None and self.speculator.speculates(self.scheduler.running):
+            # A draft needs every running request's tokens on the host: the in-flight step first.
+            if self._in_flight is not None:
+                pending, self._in_flight = self._in_flight, None
+                outputs.extend(self._resolve(pending))
             self.speculator.draft(self.scheduler.running)
+        elif self._overlap:
+            return self._step_overlapped()
         batch = self._phase("schedule", self.scheduler.schedule)
-        outputs = [self.output_processor.final_output(req, []) for req in batch.finished]
+        outputs.extend(self.output_processor.final_output(req, []) for req in batch.finished)
         if not batch.entries:
             return outputs
         _admitted(batch.entries)

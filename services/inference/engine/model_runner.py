@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from loraplex.kernels.placement import triton_runs_on
-from loraplex.kernels.settings import kernel_settings
 from loraplex.services.inference.engine.attention import (
     AttentionMetadata,
     PrefillSegment,
@@ -50,8 +49,9 @@ class ModelRunner:
         self.page_size = kv_cache.shape[3]
         self.lora_backend = lora_backend
         if self.device.type == "cuda":
-            # Process-wide, before any graph captures a matmul (LORAPLEX_BLAS: cuBLASLt by default).
-            torch.backends.cuda.preferred_blas_library(kernel_settings().blas)
+            # Process-wide, before any graph captures a matmul: cuBLASLt's decode GEMMs were never slower
+            # than cuBLAS's in any run that timed both (docs/benchmarks.md, "Facts behind defaults").
+            torch.backends.cuda.preferred_blas_library("cublaslt")
         scale = model_config.attention_scale
         windows = effective_windows(model_config, context_length)
         if triton_runs_on(self.device):  # Triton kernels (kernels/attention_*.py); torch reference on CPU
@@ -171,7 +171,14 @@ class ModelRunner:
             num_ctx += ctx_len
 
         distinct = len({s for s in token_slots if s >= 0})  # picks the LoRA graph tier and kernels
-        if self.cuda_graphs is not None and not segments and not all_rows:
+        # A step with a DoRA or embedding / lm_head adapter's tokens runs eagerly: the graphs hold none
+        # of those parts (lora/dora.py, lora/embedding_lora.py); other steps are unchanged.
+        eager = (
+            distinct > 0
+            and self.lora_backend is not None
+            and self.lora_backend.plan_eager_parts(token_slots, sample_rows + all_rows)
+        )
+        if self.cuda_graphs is not None and not segments and not all_rows and not eager:
             logits = self.cuda_graphs.run(
                 ids,
                 positions,
@@ -187,7 +194,9 @@ class ModelRunner:
                 return logits
         num_tokens = len(ids)
         mixed_key = (
-            None if self.mixed_graphs is None or not segments else self.mixed_graphs.key(num_tokens, distinct)
+            None
+            if self.mixed_graphs is None or not segments or eager
+            else self.mixed_graphs.key(num_tokens, distinct)
         )
         if mixed_key is None:
             input_ids = self._upload(self.input_ids, ids)
@@ -220,10 +229,16 @@ class ModelRunner:
             self.lora_backend.prepare(self._upload(self.token_slots, token_slots), distinct)
             lora = self.lora_backend
         ctx = ForwardContext(self.attention, lora)
-        hidden = self.model(input_ids, pos_t, ctx)
-        assert hidden.shape[0] == num_tokens
-        if all_rows:  # rare (prompt log probabilities): a fresh index tensor, past the sized buffer
-            rows = torch.tensor(sample_rows + all_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        else:
-            rows = self._upload(self.sample_indices, sample_rows)
-        return self.model.compute_logits(hidden[rows])
+        try:
+            hidden = self.model(input_ids, pos_t, ctx)
+            assert hidden.shape[0] == num_tokens
+            if all_rows:  # rare (prompt log probabilities): a fresh index tensor, past the sized buffer
+                rows = torch.tensor(sample_rows + all_rows, dtype=torch.int64).to(
+                    self.device, non_blocking=True
+                )
+            else:
+                rows = self._upload(self.sample_indices, sample_rows)
+            return self.model.compute_logits(hidden[rows], lora=lora if eager else None)
+        finally:
+            if eager:  # graphs captured later must see none of this step's parts
+                self.lora_backend.clear_eager_parts()

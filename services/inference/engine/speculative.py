@@ -19,8 +19,10 @@ one more token is sampled from the last position: each step emits 1..K+1 tokens,
 exactly as the target's one-token-at-a-time decoding (the random draws differ, so a seed gives a
 different, equally distributed, output than without speculation).
 
-Back-off (`Speculator.draft`): no speculation in a step where more than `disable_batch_size`
-requests are running (verification then costs more compute than the steps it saves); per request,
+Back-off (`Speculator.speculates`, `draft`): no speculation in a step where more than
+`disable_batch_size` requests are running (verification then costs more compute than the steps it
+saves), nor for `QUIET_STEPS` steps after one where no request found a draft (a drafting step gives
+up overlap scheduling, the others keep it); per request,
 after `BACKOFF_MIN_DRAFTED` drafted tokens, a request whose acceptance rate stays below
 `BACKOFF_RATE` drafts nothing for `BACKOFF_STEPS` steps, then tries again.
 
@@ -31,6 +33,7 @@ each position changes) and ones still short of `min_tokens`.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -55,6 +58,9 @@ NGRAM_WINDOW = 4096
 BACKOFF_MIN_DRAFTED = 16
 BACKOFF_RATE = 0.2
 BACKOFF_STEPS = 32
+# After a step in which no request had a draft, this many steps run without speculation (and so
+# with overlap scheduling, which a drafting step gives up).
+QUIET_STEPS = 8
 
 
 def propose_ngram(token_ids: list[int], k: int, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> list[int]:
@@ -114,6 +120,27 @@ class Speculator:
         self.context_length = context_length
         self.stats = SpecStats({}, {})
         self.num_steps = 0
+        self._quiet_until = 0  # no speculation before this step (a step found nothing to draft)
+        # Measurement only (`force_acceptance`): each draft token accepted with this probability
+        # whatever the target says, so random weights (which never agree with a draft) show the
+        # mechanics of a given acceptance rate. None when serving.
+        self.forced_rate: float | None = None
+        self._forced_rng = random.Random(0)
+
+    def force_acceptance(self, rate: float, seed: int = 0) -> None:
+        """Benchmarks: draft K copies of the last token and accept each with probability `rate`
+        (stopping at the first rejection). Outputs are then meaningless; step costs are real."""
+        self.forced_rate = rate
+        self._forced_rng = random.Random(seed)
+        self.propose = lambda token_ids, k: [token_ids[-1]] * k
+
+    def forced(self, draft: list[int], run: Verified) -> Verified:
+        """`run` replaced by a forced-acceptance run of `draft` (see `force_acceptance`)."""
+        accepted = 0
+        while accepted < len(draft) and self._forced_rng.random() < self.forced_rate:
+            accepted += 1
+        nxt = draft[accepted] if accepted < len(draft) else run.tokens[-1]
+        return Verified(draft[:accepted] + [nxt], accepted)
 
     def eligible(self, req: Request) -> bool:
         p = req.params
@@ -126,17 +153,28 @@ class Speculator:
             and req.num_output_tokens >= 1
         )
 
-    def draft(self, running: list[Request]) -> None:
-        """Set `draft_ids` on the running requests about to decode ([] for the others)."""
+    def speculates(self, running: list[Request]) -> bool:
+        """Whether the next step drafts: few enough requests run and one of them may draft. A step
+        that does not keeps overlap scheduling (the engine's choice, per step)."""
         self.num_steps += 1
-        speculate = len(running) <= self.disable_batch_size
+        if self.draft_runner is not None:
+            self.draft_runner.release_others(running)  # every step: finished requests' draft KV goes
+        if self.num_steps < self._quiet_until:
+            return False
+        return len(running) <= self.disable_batch_size and any(self._may_draft(r) for r in running)
+
+    def _may_draft(self, req: Request) -> bool:
+        return req.spec_paused_until <= self.num_steps and self.eligible(req)
+
+    def draft(self, running: list[Request]) -> None:
+        """Set `draft_ids` on the running requests about to decode ([] for the others); the engine
+        calls it after `speculates` said yes (and after resolving an in-flight step)."""
+        drafted = False
         batch: list[tuple[Request, int]] = []
         for req in running:
             req.draft_ids = []
             req.draft_probs = None
-            if not speculate or req.num_uncomputed_tokens != 1 or not self.eligible(req):
-                continue
-            if req.spec_paused_until > self.num_steps:
+            if req.num_uncomputed_tokens != 1 or not self._may_draft(req):
                 continue
             # Room: the output's remaining tokens (the bonus token is one of them) and the context.
             room = min(
@@ -148,15 +186,17 @@ class Speculator:
                 continue
             if self.draft_runner is None:
                 req.draft_ids = self.propose(req.token_ids, room)
+                drafted = drafted or bool(req.draft_ids)
             else:
                 batch.append((req, room))
-        if self.draft_runner is not None:
-            self.draft_runner.release_others(running)
-            if batch:
-                reqs = [r for r, _ in batch]
-                drafts = self.draft_runner.propose(reqs, [n for _, n in batch], self.sampling_inputs(reqs))
-                for req, ids, q in zip(reqs, drafts, drafts.probs, strict=True):
-                    req.draft_ids, req.draft_probs = ids, q
+        if batch:  # the draft model proposes for all of them at once
+            reqs = [r for r, _ in batch]
+            drafts = self.draft_runner.propose(reqs, [n for _, n in batch], self.sampling_inputs(reqs))
+            for req, ids, q in zip(reqs, drafts, drafts.probs, strict=True):
+                req.draft_ids, req.draft_probs = ids, q
+                drafted = drafted or bool(ids)
+        if not drafted:  # nothing to draft: the next steps keep overlap scheduling
+            self._quiet_until = self.num_steps + QUIET_STEPS
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         self.stats.add(req.adapter, drafted, accepted)
@@ -317,6 +357,8 @@ def verify_step(engine, entries, chunks, logits: torch.Tensor) -> list:
         processor.sampling_inputs(expanded),
         [req.draft_probs for req, _ in spec],
     )
+    if engine.speculator.forced_rate is not None:
+        verified = [engine.speculator.forced(d, run) for (_, d), run in zip(spec, verified, strict=True)]
     logprobs = _run_logprobs(spec_logits, spec, verified)
     bad_rows = nonfinite_rows(spec_logits).tolist()
     at = 0

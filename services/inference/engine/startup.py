@@ -143,10 +143,10 @@ def _capturable(config: EngineConfig, loaded: LoadedModel, lora_backend: LoRABac
         config = dataclasses.replace(config, disable_cuda_graph=True)
     moe_graph_tokens = graph_safe_max_tokens(loaded.device) if loaded.config.is_moe else None
     if moe_graph_tokens is not None and loaded.device.type == "cuda" and not config.disable_cuda_graph:
-        # The torch experts (LORAPLEX_MOE_KERNEL=torch) read per-expert token counts on the host
+        # The torch experts (bench/moe.py's control row) read per-expert token counts on the host
         # above models/moe.py's DENSE_MAX_TOKENS: only decode batches up to it capture.
         log.warning(
-            "%s with LORAPLEX_MOE_KERNEL=torch: decode CUDA graphs up to batch %d, mixed-step graphs off",
+            "%s with the torch experts: decode CUDA graphs up to batch %d, mixed-step graphs off",
             loaded.config.architecture,
             moe_graph_tokens,
         )

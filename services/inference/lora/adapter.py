@@ -20,6 +20,7 @@ import os
 import re
 import stat
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,14 @@ from loraplex.services.inference.lora.config import (
     AdapterSpec,
     ModuleLoRA,
     parse_adapter_config,
+    resolve_embedding_targets,
     resolve_targets,
+)
+from loraplex.services.inference.lora.dora import MAGNITUDE_KEY, read_magnitudes
+from loraplex.services.inference.lora.embedding_lora import (
+    EmbeddingLoRA,
+    finish_embedding_lora,
+    read_embedding_tensor,
 )
 from loraplex.services.inference.lora.expert_targets import (
     EXPERT_KEY,
@@ -41,6 +49,13 @@ from loraplex.services.inference.lora.expert_targets import (
 )
 from loraplex.services.inference.lora.shapes import FUSED_MODULES, FUSED_OF, ModelShapes, module_path
 from loraplex.services.inference.lora.tensor_checks import read_checked
+from loraplex.services.inference.lora.trainable_tokens import (
+    TokenRows,
+    check_added_tokens,
+    check_token_layers,
+    finish_token_rows,
+    read_token_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +87,19 @@ class AdapterWeights:
     expert_targets: dict[tuple[int, str], ModuleLoRA] = field(default_factory=dict)
     expert_a: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
     expert_b: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    # DoRA (lora/dora.py): per-(layer, module) magnitude `[out]` float32, as read; and the factor
+    # `m / ||W + sBA||` per row, filled once from the base weights (`dora.fill_factors`) before upload.
+    dora_magnitude: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    dora_factor: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    # LoRA on "model.embed_tokens" / "lm_head" (lora/embedding_lora.py)
+    embedding: dict[str, EmbeddingLoRA] = field(default_factory=dict)
+    # trainable tokens (lora/trainable_tokens.py): per "model.embed_tokens" / "lm_head", its own rows
+    token_rows: dict[str, TokenRows] = field(default_factory=dict)
+
+    @property
+    def has_vocab_parts(self) -> bool:
+        """Whether the adapter changes the embedding or lm_head (served on one device only)."""
+        return bool(self.embedding) or bool(self.token_rows)
 
     @property
     def all_targets(self) -> dict[tuple[int, str], ModuleLoRA]:
@@ -80,12 +108,26 @@ class AdapterWeights:
 
     @property
     def max_rank(self) -> int:
-        return max(t.rank for t in self.all_targets.values())
+        ranks = [t.rank for t in self.all_targets.values()] + [
+            int(e.a.shape[0]) for e in self.embedding.values()
+        ]
+        return max(ranks)
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.lora_a, self.lora_b, self.expert_a, self.expert_b)
-        return sum(t.numel() * t.element_size() for d in tensors for t in d.values())
+        tensors = (
+            self.lora_a,
+            self.lora_b,
+            self.expert_a,
+            self.expert_b,
+            self.dora_magnitude,
+            self.dora_factor,
+        )
+        vocab_parts = [t for e in self.embedding.values() for t in (e.a, e.b)]
+        vocab_parts += [r.values for r in self.token_rows.values()]
+        return sum(t.numel() * t.element_size() for d in tensors for t in d.values()) + sum(
+            t.numel() * t.element_size() for t in vocab_parts
+        )
 
 
 def _check_header_size(path: Path) -> None:
@@ -200,14 +242,21 @@ def load_adapter_weights(
     *,
     dtype: torch.dtype = torch.float32,
     pin_memory: bool = False,
+    base_tokens: Mapping[str, int] | None = None,
 ) -> AdapterWeights:
     """Validate config and weights against `shapes`; return host tensors in `dtype`.
 
     AdapterInvalid: malformed config, missing/unexpected tensors, rank disagreeing with the config.
     AdapterIncompatible: layer indices or widths of another base model.
+    `base_tokens`: the base tokenizer's token -> id, which an adapter changing the embedding or
+    lm_head must agree with on every token its own tokenizer adds (lora/trainable_tokens.py).
     """
     spec, directory = read_config(directory)
     targets = resolve_targets(spec, shapes.num_layers, shapes.hf_modules)
+    embedding_targets = check_embedding_targets(spec, shapes)
+    embedding_read: dict[str, dict[str, torch.Tensor]] = {}
+    token_layers = check_token_layers(spec.trainable_tokens, shapes.vocab_size, shapes.tie_word_embeddings)
+    token_read: dict[str, TokenRows] = {}
     expert_targets = resolve_expert_targets(spec, shapes)
     expert_keys = tensor_keys(expert_targets)
     expert_a: dict[tuple[int, str], torch.Tensor] = {}
@@ -230,6 +279,7 @@ def load_adapter_weights(
     by_path = {module_path(n, hf_module(m)): (n, hf_module(m)) for (n, m) in targets}
     lora_a: dict[tuple[int, str], torch.Tensor] = {}
     lora_b: dict[tuple[int, str], torch.Tensor] = {}
+    magnitude: dict[tuple[int, str], torch.Tensor] = {}
     try:
         f = safe_open(str(weights_path), framework="pt")
     except Exception as e:  # safetensors raises its own error types for bad headers
@@ -244,6 +294,16 @@ def load_adapter_weights(
                 layer, module, ab = expert_keys[key]
                 t = t.to(dtype).contiguous()
                 (expert_a if ab == "A" else expert_b)[(layer, module)] = t.pin_memory() if pin_memory else t
+                continue
+            if read_token_rows(f, key, token_layers, shapes.hidden_size, dtype, token_read):
+                continue
+            if read_embedding_tensor(
+                f, key, embedding_targets, shapes.vocab_size, shapes.hidden_size, dtype, embedding_read
+            ):
+                continue
+            mag = MAGNITUDE_KEY.match(key)
+            if mag is not None and mag.group("path") in by_path:
+                read_magnitudes(f, key, by_path[mag.group("path")], shapes, spec.use_dora, magnitude)
                 continue
             m = _KEY.match(key)
             if m is None:
@@ -301,24 +361,43 @@ def load_adapter_weights(
                 if pin_memory:
                     piece = piece.pin_memory()
                 (lora_a if m.group("ab") == "A" else lora_b)[(layer, part)] = piece
-    missing = list(
-        dict.fromkeys(
-            module_path(n, hf_module(mod)) + ".lora_" + ab
-            for (n, mod) in targets
-            for ab, d in (("A", lora_a), ("B", lora_b))
-            if (n, mod) not in d
+    missing = (
+        list(
+            dict.fromkeys(
+                module_path(n, hf_module(mod)) + ".lora_" + ab
+                for (n, mod) in targets
+                for ab, d in (("A", lora_a), ("B", lora_b))
+                if (n, mod) not in d
+            )
         )
-    ) + [
-        key
-        for key, (n, mod, ab) in expert_keys.items()
-        if (n, mod) not in (expert_a if ab == "A" else expert_b)
-    ]
+        + [
+            module_path(n, hf_module(mod)) + ".lora_magnitude_vector"
+            for (n, mod) in (targets if spec.use_dora else ())
+            if (n, mod) not in magnitude
+        ]
+        + [
+            key
+            for key, (n, mod, ab) in expert_keys.items()
+            if (n, mod) not in (expert_a if ab == "A" else expert_b)
+        ]
+    )
     if missing:
         raise AdapterInvalid(
             f"{WEIGHTS_FILE}: missing tensors for targeted modules: {', '.join(missing[:4])}"
             + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""),
             field=WEIGHTS_FILE,
         )
+    embedding = finish_embedding_lora(embedding_targets, embedding_read)
+    token_rows = finish_token_rows(token_layers, token_read, shapes.tie_word_embeddings)
+    both = sorted(set(token_rows) & set(embedding))
+    if both:
+        raise AdapterInvalid(
+            f"adapter_config.json: trainable_token_indices: {both[0]} has both trainable token rows and "
+            "LoRA; serve one of them",
+            field="trainable_token_indices",
+        )
+    if token_rows or embedding:  # its tokenizer must not need rows the base does not have
+        check_added_tokens(directory, shapes.vocab_size, _read_side_file, base_tokens)
     chat_template, side_files = read_chat_template(directory)
     return AdapterWeights(
         spec=spec,
@@ -330,4 +409,25 @@ def load_adapter_weights(
         expert_targets=expert_targets,
         expert_a=expert_a,
         expert_b=expert_b,
+        dora_magnitude=magnitude,
+        embedding=embedding,
+        token_rows=token_rows,
     )
+
+
+def check_embedding_targets(spec: AdapterSpec, shapes: ModelShapes) -> dict[str, ModuleLoRA]:
+    """The embedding / lm_head targets, refused where this engine cannot serve them."""
+    targets = resolve_embedding_targets(spec, shapes.num_layers)
+    if targets and spec.use_dora:
+        raise AdapterInvalid(
+            "adapter_config.json: use_dora: DoRA on embed_tokens / lm_head is not supported "
+            "(DoRA on the linear projections is)",
+            field="use_dora",
+        )
+    if targets and not shapes.vocab_size:
+        raise AdapterIncompatible(
+            "adapter_config.json: target_modules: the base model's vocabulary size is unknown here, "
+            "so LoRA on embed_tokens / lm_head cannot be checked",
+            field="target_modules",
+        )
+    return targets

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loraplex.services.inference.lora.embedding_lora import add_embedding_deltas, add_head_deltas
+
 if TYPE_CHECKING:
     from loraplex.services.inference.lora.expert_lora import ExpertLoRA, LayerExpertLoRA
     from loraplex.services.inference.lora.pool import AdapterPool
@@ -55,6 +57,85 @@ class LoRABackend(ABC):
     # LoRA on the experts of a mixture-of-experts base (lora/expert_lora.py), when the pool holds
     # expert buffers; `prepare` must call its `prepare` too.
     experts: ExpertLoRA | None = None
+
+    # DoRA (lora/dora.py): True for a step holding a DoRA adapter's tokens, set by the model runner
+    # before `prepare` (from the host slot list: `step_has_dora`) and cleared after the forward. Such
+    # a step runs eagerly; graphs are captured with it False, so steps without DoRA pay nothing.
+    dora_step: bool = False
+    _dora_index: torch.Tensor | None = None
+    # LoRA on the embedding / lm_head (lora/embedding_lora.py): per distinct such adapter of the step,
+    # its slot's tensors and its token rows / logits rows (device indices). Set by `plan_eager_parts`.
+    _embed_segments: list = []
+    _head_segments: list = []
+
+    def step_has_dora(self, token_slots: list[int]) -> bool:
+        """Whether any of the step's slots (host ints, -1 = none) holds a DoRA adapter."""
+        flags = self.pool.host_dora
+        return bool(flags.any()) and any(s >= 0 and bool(flags[s]) for s in set(token_slots))
+
+    def plan_eager_parts(self, token_slots: list[int], logit_rows: list[int]) -> bool:
+        """Before a step (host): set `dora_step` and the embedding / lm_head segments from the step's
+        token slots and the token index of each logits row. True when the step must run eagerly
+        (a graph holds none of these parts). `clear_eager_parts` after the step's logits."""
+        self.dora_step = self.step_has_dora(token_slots)
+        self._embed_segments, self._head_segments = [], []
+        if bool(self.pool.host_vocab.any()):
+            device = self.pool.device
+            for slot in sorted({s for s in token_slots if s >= 0 and bool(self.pool.host_vocab[s])}):
+                lora = self.pool.vocab_lora[slot]
+                if lora.has_embedding:
+                    rows = [i for i, s in enumerate(token_slots) if s == slot]
+                    self._embed_segments.append((lora, torch.tensor(rows, device=device)))
+                if lora.has_head:
+                    rows = [j for j, i in enumerate(logit_rows) if token_slots[i] == slot]
+                    if rows:
+                        self._head_segments.append((lora, torch.tensor(rows, device=device)))
+        return self.dora_step or bool(self._embed_segments) or bool(self._head_segments)
+
+    def clear_eager_parts(self) -> None:
+        """After the step: graphs captured later must see none of its parts."""
+        self.dora_step = False
+        self._embed_segments, self._head_segments = [], []
+
+    def add_embedding(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The looked-up embeddings plus the step's embedding LoRA deltas (lora/embedding_lora.py)."""
+        return add_embedding_deltas(h, input_ids, self._embed_segments)
+
+    def add_head(self, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits rows plus the step's lm_head LoRA deltas (lora/embedding_lora.py)."""
+        return add_head_deltas(logits, hidden, self._head_segments)
+
+    def prepare_dora(self, token_slots: torch.Tensor) -> None:
+        """Each token's row of the pool's DoRA tables: its slot where that slot is DoRA, else the
+        row of ones. Device ops only. Backends call it from `prepare` when `dora_step`."""
+        slots = token_slots.to(torch.int64)
+        is_dora = (slots >= 0) & self.pool.dora_flag[slots.clamp(min=0)]
+        self._dora_index = torch.where(is_dora, slots, self.pool.slots)
+
+    def dora(
+        self,
+        layer: int,
+        group: str,
+        out: torch.Tensor,
+        delta: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The group's output with DoRA applied: `f * (W x + delta) + b` per token's row, where `out`
+        is `W x + b` (plus the delta, when `delta` is None: added in place) and `f` the token's
+        factors (ones for tokens of other adapters or none). PEFT adds the bias after the scale."""
+        table = self.pool.dora.get(group)
+        if table is None:  # a group outside --lora-target-modules: no adapter targets it
+            return out if delta is None else out.add_(delta)
+        factor = table[layer].index_select(0, self._dora_index[: out.shape[0]])
+        y = out.to(torch.float32)
+        if bias is not None:
+            y = y - bias.to(torch.float32)
+        if delta is not None:
+            y = y + delta
+        y = y * factor
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        return y.to(out.dtype)
 
     def max_step_distinct(self) -> int:
         """The most distinct adapters one step can hold (see `step_distinct_cap`)."""

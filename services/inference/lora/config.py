@@ -2,7 +2,7 @@
 
 Two error classes, as the gRPC layer needs them:
 - `AdapterInvalid` (INVALID_ARGUMENT): the adapter itself is malformed or uses a PEFT feature
-  this engine cannot run (DoRA, biases, modules_to_save, ...). No server flags would help.
+  this engine cannot run (biases, modules_to_save, ...). No server flags would help.
 - `AdapterIncompatible` (FAILED_PRECONDITION): well-formed, but this server was started with
   limits it exceeds (rank, target modules) or it belongs to another base model (shapes).
 Every refusal names the offending field.
@@ -28,15 +28,14 @@ from loraplex.services.inference.lora.shapes import (
     all_module_paths,
     module_path,
 )
+from loraplex.services.inference.lora.trainable_tokens import parse_trainable_tokens
 
 # PEFT features that change the forward beyond `B(A(x)) * scaling`; refused when set.
 _UNSUPPORTED: dict[str, str] = {
-    "use_dora": "DoRA adapters are not supported",
     "fan_in_fan_out": "fan_in_fan_out is for Conv1D (GPT-2 style) layers; these models use nn.Linear",
     "modules_to_save": "modules_to_save (fully trained extra modules) is not supported",
     "lora_bias": "LoRA bias terms are not supported",
     "layer_replication": "layer_replication is not supported",
-    "trainable_token_indices": "trainable token embeddings are not supported",
     "use_qalora": "QALoRA is not supported",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
     "use_bdlora": "BD-LoRA is not supported",
@@ -45,7 +44,7 @@ _UNSUPPORTED: dict[str, str] = {
     "velora_config": "VeLoRA is not supported",
     "monteclora_config": "MonteCLoRA is not supported",
 }
-_EMBEDDING_PATHS = ("model.embed_tokens", "lm_head")
+EMBEDDING_PATHS = ("model.embed_tokens", "lm_head")
 
 
 class ModuleLoRA(NamedTuple):
@@ -73,6 +72,10 @@ class AdapterSpec:
     all_linear: bool = False  # target_modules was "all-linear": every projection of the model's own tree
     # PEFT's LoRA on raw parameters: the stacked experts of Mixtral / Qwen3-MoE (lora/expert_targets.py)
     target_parameters: tuple[str, ...] = ()
+    # DoRA (`use_dora`): a learned magnitude per output row of every targeted linear (lora/dora.py)
+    use_dora: bool = False
+    # PEFT's trainable_token_indices: {"model.embed_tokens" / "lm_head": token ids} (lora/trainable_tokens.py)
+    trainable_tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def scaling(self, rank: int, alpha: float) -> float:
         return alpha / math.sqrt(rank) if self.use_rslora else alpha / rank
@@ -163,6 +166,11 @@ def parse_adapter_config(cfg: dict[str, Any]) -> AdapterSpec:
     if isinstance(layers_pattern, str):
         layers_pattern = [layers_pattern]
     base = cfg.get("base_model_name_or_path")
+    use_dora = cfg.get("use_dora") or False
+    if not isinstance(use_dora, bool):
+        raise _invalid("use_dora", f"must be true or false (got {use_dora!r})")
+    if use_dora and target_parameters:
+        raise _invalid("use_dora", "DoRA on the experts (target_parameters) is not supported")
     return AdapterSpec(
         r=r,
         lora_alpha=alpha,
@@ -176,6 +184,8 @@ def parse_adapter_config(cfg: dict[str, Any]) -> AdapterSpec:
         base_model_name_or_path=str(base) if base else None,
         all_linear=all_linear,
         target_parameters=tuple(target_parameters),
+        use_dora=use_dora,
+        trainable_tokens=parse_trainable_tokens(cfg.get("trainable_token_indices")),
     )
 
 
@@ -233,8 +243,8 @@ def resolve_targets(
 
     `hf_modules`: the model's targetable linears (`ModelShapes.hf_modules`); a targeted fused one
     (Phi-3's qkv_proj, gate_up_proj) comes back as its parts, each with the fused module's rank.
-    Raises AdapterInvalid when a target is an embedding/lm_head, not a linear projection, or
-    names nothing in this model architecture.
+    Raises AdapterInvalid when a target is not a linear projection (or the embedding / lm_head,
+    resolved by `resolve_embedding_targets`), or names nothing in this model architecture.
     """
     if spec.target_modules == ():  # an adapter of the experts only (target_parameters)
         return {}
@@ -244,10 +254,8 @@ def resolve_targets(
     paths = all_module_paths(num_layers, hf_modules)
     matched = [k for k in paths if k and _matches_target(spec, k)]
     for key in matched:
-        if key in _EMBEDDING_PATHS:
-            raise _invalid(
-                "target_modules", f"targets {key!r}: embedding and lm_head adapters are not supported"
-            )
+        if key in EMBEDDING_PATHS:  # lora/embedding_lora.py reads these
+            continue
         if key not in projections:
             raise _invalid(
                 "target_modules",
@@ -266,11 +274,28 @@ def resolve_targets(
         raise _invalid("target_modules", f"{spec.target_modules!r} matches no module of this model")
     out: dict[tuple[int, str], ModuleLoRA] = {}
     for key in matched:
+        if key in EMBEDDING_PATHS:
+            continue
         rank = pattern_value(spec.rank_pattern, key, spec.r)
         alpha = float(pattern_value(spec.alpha_pattern, key, spec.lora_alpha))
         layer, module = projections[key]
         for part in FUSED_MODULES.get(module, (module,)):
             out[(layer, part)] = ModuleLoRA(rank, alpha, spec.scaling(rank, alpha))
+    return out
+
+
+def resolve_embedding_targets(spec: AdapterSpec, num_layers: int) -> dict[str, ModuleLoRA]:
+    """The embedding / lm_head targets ("model.embed_tokens", "lm_head") with PEFT's rank and scaling."""
+    if spec.target_modules == ():
+        return {}
+    if spec.all_linear:  # PEFT's all-linear leaves the output layer out
+        return {}
+    out = {}
+    for key in EMBEDDING_PATHS:
+        if _matches_target(spec, key):
+            rank = pattern_value(spec.rank_pattern, key, spec.r)
+            alpha = float(pattern_value(spec.alpha_pattern, key, spec.lora_alpha))
+            out[key] = ModuleLoRA(rank, alpha, spec.scaling(rank, alpha))
     return out
 
 
@@ -280,7 +305,7 @@ def check_fits(
     """Raise AdapterIncompatible when the adapter exceeds this server's LoRA limits. `targets` may
     hold expert targets too, keyed (layer, "experts.gate_up_proj") (lora/expert_targets.py)."""
     allowed = set(lora_target_modules)
-    rank = max(t.rank for t in targets.values())
+    rank = max((t.rank for t in targets.values()), default=0)
     if rank > max_lora_rank:
         raise AdapterIncompatible(
             f"adapter_config.json: r: adapter rank {rank} exceeds this server's --max-lora-rank "

@@ -36,10 +36,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.services.inference.errors import AdapterNotFound, CapacityExceeded, LoraplexError
+from loraplex.services.inference.errors import (
+    AdapterIncompatible,
+    AdapterNotFound,
+    CapacityExceeded,
+    LoraplexError,
+)
 from loraplex.services.inference.lora.adapter import AdapterWeights, load_adapter_weights
 from loraplex.services.inference.lora.adapter_slots import AdapterInfo, AdapterSlots
 from loraplex.services.inference.lora.config import check_fits, modules_of
+from loraplex.services.inference.lora.dora import BaseWeight, fill_factors
+from loraplex.services.inference.lora.embedding_lora import TP_REFUSAL as VOCAB_TP_REFUSAL
 from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.slot_choice import cheapest_busy_slots, evictable_slot, next_waiter
 
@@ -83,8 +90,15 @@ class LoRAManager(AdapterSlots):
         slot_wait_s: float = SLOT_WAIT_S,
         max_draining: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        base_weight: BaseWeight | None = None,
+        base_tokens: Mapping[str, int] | None = None,
     ):
+        """`base_weight`: the base model's projection rows, for DoRA's norms (None: the model is
+        sharded, tensor parallelism: DoRA and embedding / lm_head adapters are refused).
+        `base_tokens`: the base tokenizer's token -> id (lora/trainable_tokens.py `check_added_tokens`)."""
         self.pool = pool
+        self.base_weight = base_weight
+        self.base_tokens = base_tokens
         self.max_loaded_loras = max_loaded_loras
         self.max_loras_per_batch = max_loras_per_batch
         self.slot_wait_s = slot_wait_s
@@ -105,9 +119,16 @@ class LoRAManager(AdapterSlots):
     def load_adapter(self, name: str, path: str | Path, pin: bool = False) -> AdapterInfo:
         """Validate and register; replaces a same-named adapter once its running requests finish."""
         weights = load_adapter_weights(
-            path, self.pool.shapes, dtype=self.pool.dtype, pin_memory=self.pool.device.type == "cuda"
+            path,
+            self.pool.shapes,
+            dtype=self.pool.dtype,
+            pin_memory=self.pool.device.type == "cuda",
+            base_tokens=self.base_tokens,
         )
         check_fits(weights.all_targets, self.pool.max_rank, self.pool.target_modules)
+        fill_factors(weights, self.base_weight)  # DoRA: once, here, not on every upload
+        if weights.has_vocab_parts and self.base_weight is None:
+            raise AdapterIncompatible(VOCAB_TP_REFUSAL, field="target_modules")
         with self._lock:
             old = self._active.get(name)
             if old is not None and old.digest == weights.digest:
@@ -311,7 +332,9 @@ class LoRAManager(AdapterSlots):
                     self.pool.shapes,
                     dtype=self.pool.dtype,
                     pin_memory=self.pool.device.type == "cuda",
+                    base_tokens=self.base_tokens,
                 )
+                fill_factors(weights, self.base_weight)
             except LoraplexError as e:
                 log.error("adapter %s: cannot re-read %s: %s", version.name, version.source, e.message)
                 weights = None

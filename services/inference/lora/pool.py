@@ -5,6 +5,8 @@ output widths `w_i` and input width `d`, `R = max_lora_rank`:
 - `lora_a[g]`: `[L, slots, n*R, d]`; stack `i` uses rows `[i*R, i*R + r)`
 - `lora_b[g]`: `[L, slots, sum(w), R]`; stack `i` uses rows `[off_i, off_i + w_i)`, cols `[0, r)`
 - `rank[g]`: `[L, slots, n]` int32 (0 = not targeted), `scaling[g]`: `[L, slots, n]` float32
+- `dora[g]` (allocated with the first DoRA adapter, lora/dora.py): `[L, slots + 1, sum(w)]` float32,
+  the per-row factor `m / ||W + sBA||` of a DoRA slot; row `slots` is all ones (non-DoRA tokens)
 Groups with no module in `--lora-target-modules` are not allocated. Padding beyond a slot's
 rank is uninitialised or stale: readers must honour `rank`.
 
@@ -23,6 +25,7 @@ import torch
 
 from loraplex.services.inference.lora.adapter import AdapterWeights
 from loraplex.services.inference.lora.backend import GROUPS
+from loraplex.services.inference.lora.embedding_lora import SlotEmbeddingLoRA
 from loraplex.services.inference.lora.expert_lora import ExpertLoRAPool, expert_modules, expert_pool_nbytes
 from loraplex.services.inference.lora.shapes import ModelShapes
 
@@ -99,6 +102,13 @@ class AdapterPool:
             if expert_modules(self.target_modules)
             else None
         )
+        # DoRA: which slots hold a DoRA adapter (host, for the step's choice; device, for the index)
+        self.host_dora = torch.zeros(slots, dtype=torch.bool)
+        self.dora_flag = torch.zeros(slots, dtype=torch.bool, device=self.device)
+        self.dora: dict[str, torch.Tensor] = {}
+        # LoRA on the embedding / lm_head (lora/embedding_lora.py): per slot, the adapter's own tensors
+        self.vocab_lora: list[SlotEmbeddingLoRA | None] = [None] * slots
+        self.host_vocab = torch.zeros(slots, dtype=torch.bool)
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._pending: dict[int, tuple[torch.cuda.Event, list]] = {}
@@ -144,9 +154,54 @@ class AdapterPool:
                 self.scaling[g][:, slot].copy_(scaling, non_blocking=True)
             if self.experts is not None:
                 self.experts.upload(slot, weights)
+            self._upload_dora(slot, weights, tables)
+            self.vocab_lora[slot] = (
+                SlotEmbeddingLoRA.upload(
+                    weights.embedding, weights.token_rows, self.shapes.vocab_size, self.device, self._cuda
+                )
+                if weights.has_vocab_parts
+                else None
+            )
+            self.host_vocab[slot] = weights.has_vocab_parts
         if self._cuda:
             # The host tensors must outlive the asynchronous copies.
             self._pending[slot] = (self._stream.record_event(), keep + tables)
+
+    def eager_slot(self, slot: int) -> bool:
+        """Whether a step holding `slot`'s tokens must run eagerly (DoRA, embedding / lm_head LoRA)."""
+        return bool(self.host_dora[slot]) or bool(self.host_vocab[slot])
+
+    @property
+    def dora_nbytes(self) -> int:
+        """Bytes of the DoRA factor tables (none until the first DoRA adapter is uploaded)."""
+        return sum(t.numel() * t.element_size() for t in self.dora.values())
+
+    def _upload_dora(self, slot: int, weights: AdapterWeights, tables: list) -> None:
+        """The slot's DoRA factors (ones for a module it does not target) and its flag."""
+        is_dora = bool(weights.dora_factor)
+        if is_dora and not self.dora:
+            log.info("DoRA adapter in the pool: allocating its per-row factor tables")
+            for g in self.groups:
+                width = self.offsets[g][-1]
+                t = torch.empty(self.shapes.num_layers, self.slots + 1, width, device=self.device)
+                self.dora[g] = t.fill_(1.0)
+        if is_dora:
+            for g in self.groups:
+                factor = torch.ones(self.shapes.num_layers, self.offsets[g][-1])
+                for (layer, module), f in weights.dora_factor.items():
+                    if module in GROUPS[g]:
+                        i = GROUPS[g].index(module)
+                        factor[layer, self.offsets[g][i] : self.offsets[g][i + 1]] = f
+                if self._cuda:
+                    factor = factor.pin_memory()
+                    tables.append(factor)
+                self.dora[g][:, slot].copy_(factor, non_blocking=True)
+        self.host_dora[slot] = is_dora
+        flag = torch.tensor([is_dora])
+        if self._cuda:
+            flag = flag.pin_memory()
+            tables.append(flag)
+        self.dora_flag[slot : slot + 1].copy_(flag, non_blocking=True)
 
     def ready(self, slot: int) -> bool:
         """True when the slot's last upload has landed (never blocks)."""

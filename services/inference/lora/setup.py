@@ -13,7 +13,7 @@ Defaults (docs/architecture.md, "LoRA defaults"):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -22,6 +22,7 @@ import torch
 from loraplex.services.inference.lora.adapter import read_config
 from loraplex.services.inference.lora.backend import LoRABackend
 from loraplex.services.inference.lora.config import resolve_targets
+from loraplex.services.inference.lora.dora import BaseWeight
 from loraplex.services.inference.lora.expert_lora import ExpertLoRA, ExpertLoRAPool
 from loraplex.services.inference.lora.expert_lora_graph import GraphExpertLoRA
 from loraplex.services.inference.lora.expert_targets import resolve_expert_targets
@@ -93,7 +94,8 @@ def resolve_lora_settings(
         spec, _ = read_config(path)
         targets = {**resolve_targets(spec, shapes.num_layers, shapes.hf_modules)}
         targets.update(resolve_expert_targets(spec, shapes))
-        ranks.append(max(t.rank for t in targets.values()))
+        if targets:  # none: an adapter of the embedding / lm_head only (its own rank, not the pool's)
+            ranks.append(max(t.rank for t in targets.values()))
         modules |= {m for _, m in targets}
     max_rank = lora.max_lora_rank or max(ranks, default=DEFAULT_MAX_LORA_RANK)
     if lora.lora_target_modules is not None:
@@ -160,8 +162,12 @@ def build_lora(
     max_tokens: int,
     mem_fraction_static: float,
     resolve_source: Callable[[str, str], str | None] = local_source,
+    base_weight: BaseWeight | None = None,
+    base_tokens: Mapping[str, int] | None = None,
 ) -> LoRAStack:
-    """Allocate the pool (call before sizing the KV cache), pick the backend, load `--lora-paths`."""
+    """Allocate the pool (call before sizing the KV cache), pick the backend, load `--lora-paths`.
+    `base_weight`: the model's projection rows, for DoRA adapters (lora/dora.py; None refuses them).
+    `base_tokens`: the base tokenizer's token -> id (lora/trainable_tokens.py)."""
     settings = resolve_lora_settings(
         lora, shapes, device, resolve_source, dtype, mem_fraction_static=mem_fraction_static
     )
@@ -192,7 +198,11 @@ def build_lora(
             else ExpertLoRA(pool.experts, grouped=False if mode == "loop" else None, span=mode == "span")
         )
     manager = LoRAManager(
-        pool, max_loaded_loras=settings.max_loaded_loras, max_loras_per_batch=settings.max_loras_per_batch
+        pool,
+        max_loaded_loras=settings.max_loaded_loras,
+        max_loras_per_batch=settings.max_loras_per_batch,
+        base_weight=base_weight,
+        base_tokens=base_tokens,
     )
     for name, path in _local_paths(lora, resolve_source).items():
         manager.load_adapter(name, path)

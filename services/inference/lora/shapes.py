@@ -47,6 +47,10 @@ class ModelShapes:
     num_experts: int = 0
     expert_intermediate_size: int = 0
     sparse_layers: tuple[bool, ...] = ()
+    # The vocabulary (embedding and lm_head rows), for LoRA on embed_tokens / lm_head and trainable
+    # tokens (lora/embedding_lora.py); 0: unknown (such adapters are refused).
+    vocab_size: int = 0
+    tie_word_embeddings: bool = False
 
     @property
     def hf_modules(self) -> tuple[str, ...]:
@@ -76,6 +80,11 @@ class ModelShapes:
             num_experts=experts,
             expert_intermediate_size=expert_inter,
             sparse_layers=sparse,
+            vocab_size=int(get("vocab_size") or 0),
+            # absent: tied for Gemma, as models/config.py reads it
+            tie_word_embeddings=bool(
+                get("tie_word_embeddings", str(get("model_type") or "").startswith("gemma"))
+            ),
         )
 
     @classmethod
@@ -118,6 +127,8 @@ def shapes_of_model(cfg: Any) -> ModelShapes:
         num_experts=moe.num_experts if moe else 0,
         expert_intermediate_size=moe.intermediate_size if moe else 0,
         sparse_layers=moe.sparse_layers if moe else (),
+        vocab_size=cfg.vocab_size,
+        tie_word_embeddings=cfg.tie_word_embeddings,
     )
 
 

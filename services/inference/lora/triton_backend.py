@@ -14,12 +14,9 @@ that reads the output next (`dtype(float(out) + delta)`, rounded as the in-place
 The fork and join are captured into the step's CUDA graph as parallel branches. Prefill
 steps run in place on the current stream: there both sides are compute-bound.
 
-Handoff launches (`LORAPLEX_LORA_HANDOFF`, `kernels/lora_handoff.py`): a decode-sized step's shrink and
-expand per group as one launch, the expand's programs waiting on counters for the shrink's partials.
-
-Fused launches (`LORAPLEX_LORA_FUSED`, `kernels/lora_fused.py`): where the step's plan gives a group
-a fused config, that group's shrink and expand are one launch with the rank-r row kept on chip, in
-either mode (in place, or the side stream's delta); the segments stay the step's, built once.
+Two one-launch forms of shrink + expand (a fused kernel with the rank-r row on chip, and a handoff
+through per-token counters) were built and measured slower than these two launches on the H100
+(docs/benchmarks.md, "Facts behind defaults"), so they were removed.
 """
 
 from __future__ import annotations
@@ -30,12 +27,9 @@ import torch
 
 from loraplex.kernels.lora_configs import DECODE_MAX_TOKENS
 from loraplex.kernels.lora_expand import lora_expand
-from loraplex.kernels.lora_fused import lora_fused
-from loraplex.kernels.lora_handoff import alloc_handoff_counters, lora_handoff
 from loraplex.kernels.lora_meta import alloc_segments, build_segments
 from loraplex.kernels.lora_plan import GroupShape, LoRAPlan, plan_step
 from loraplex.kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
-from loraplex.kernels.settings import kernel_settings
 from loraplex.services.inference.lora.backend import GROUPS, LoRABackend
 from loraplex.services.inference.lora.pool import AdapterPool
 
@@ -48,26 +42,16 @@ class TritonLoRABackend(LoRABackend):
         pool: AdapterPool,
         max_tokens: int,
         side_stream: bool = False,
-        fused: str | None = None,
-        handoff: bool | None = None,
     ):
         """`side_stream`: compute decode steps' deltas beside the base matmul (see the module
-        docstring). On a CPU device the same delta path runs on the one stream (for tests).
-        `fused`: auto | on | off (None: LORAPLEX_LORA_FUSED); read at each `prepare`, so a change
-        applies from the next step (captured graphs keep the launches they were captured with).
-        `handoff`: one launch per group for decode-sized steps (None: LORAPLEX_LORA_HANDOFF, off
-        unless set); read at each `prepare`, as `fused`."""
+        docstring). On a CPU device the same delta path runs on the one stream (for tests)."""
         self.pool = pool
-        self.fused_mode = fused or kernel_settings().lora_fused
-        self.handoff = bool(kernel_settings().lora_handoff) if handoff is None else handoff
         self.max_tokens = max_tokens
         self.segments = alloc_segments(max_tokens, pool.slots, pool.device)
         max_d = max((pool.shapes.group_in(g) for g in pool.groups), default=1)
         max_stack = max((len(GROUPS[g]) for g in pool.groups), default=1)
         # One float32 shrink buffer shared by all groups (they run one after another).
         self._shrink_buf = alloc_shrink_out(max_tokens, max_stack, pool.max_rank, max_d, pool.device)
-        # The handoff launches' counters, zero between launches (each launch leaves them so).
-        self._counters = alloc_handoff_counters(min(max_tokens, DECODE_MAX_TOKENS), pool.device)
         self._widths = {g: pool.shapes.group_widths(g) for g in pool.groups}
         self.group_shapes = {
             g: GroupShape(pool.shapes.group_in(g), self._widths[g], pool.max_rank) for g in pool.groups
@@ -99,13 +83,8 @@ class TritonLoRABackend(LoRABackend):
     def nbytes(self) -> int:
         """Device bytes of the per-step buffers (metadata, the shrink output, the delta buffer)."""
         delta = 0 if self._delta is None else self._delta.numel() * 4
-        buffers = self._shrink_buf.numel() * 4 + self._counters.numel() * 4 + delta
+        buffers = self._shrink_buf.numel() * 4 + delta
         return buffers + sum(t.numel() * t.element_size() for t in self.segments)
-
-    @property
-    def handoff_counters(self) -> torch.Tensor:
-        """The handoff launches' counters: all zero whenever no launch is in flight."""
-        return self._counters
 
     @property
     def plan(self) -> LoRAPlan:
@@ -114,16 +93,11 @@ class TritonLoRABackend(LoRABackend):
 
     def prepare(self, token_slots: torch.Tensor, max_distinct: int | None = None) -> None:
         build_segments(token_slots, self.segments)
+        if self.dora_step:
+            self.prepare_dora(token_slots)
         if self.experts is not None:  # reads the slots on the host: graphs are off (engine.py)
             self.experts.prepare(token_slots)
-        self._plan = plan_step(
-            self.group_shapes,
-            token_slots.shape[0],
-            self.pool.slots,
-            max_distinct,
-            self.fused_mode,
-            self.handoff,
-        )
+        self._plan = plan_step(self.group_shapes, token_slots.shape[0], self.pool.slots, max_distinct)
         if self._uses_delta():
             # Rows of tokens without an adapter are never written by expand: they must read as 0.
             self._delta[: self._plan.num_tokens].zero_()
@@ -135,16 +109,8 @@ class TritonLoRABackend(LoRABackend):
         pool, launch = self.pool, self._plan.groups[group]
         ranks, widths = pool.rank[group][layer], self._widths[group]
         a, b, scaling = pool.lora_a[group][layer], pool.lora_b[group][layer], pool.scaling[group][layer]
-        if launch.fused is not None:
-            lora_fused(x, a, b, ranks, scaling, self.segments, out, widths, launch, accumulate=accumulate)
-            return
         n_cols = len(GROUPS[group]) * pool.max_rank
         y = shrink_out_view(self._shrink_buf, launch.splits, self._plan.num_tokens)[..., :n_cols]
-        if launch.handoff:
-            lora_handoff(
-                x, a, b, ranks, scaling, self.segments, y, out, widths, launch, self._counters, accumulate
-            )
-            return
         lora_shrink(x, a, ranks, self.segments, y, launch)
         lora_expand(y, b, ranks, scaling, self.segments, out, widths, launch, accumulate=accumulate)
 

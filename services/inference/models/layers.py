@@ -14,7 +14,6 @@ from torch import nn
 from loraplex.kernels.fp8_quant import QuantizedRows
 from loraplex.kernels.fused_ops import add_rms_norm, rms_norm
 from loraplex.kernels.placement import triton_runs_on
-from loraplex.kernels.skinny_gemm import skinny_linear, skinny_serves
 
 
 def empty_param(*shape: int) -> nn.Parameter:
@@ -37,8 +36,6 @@ class FusedLinear(nn.Module):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if skinny_serves(x, self.weight):  # LORAPLEX_SKINNY_GEMM, decode-sized batches
-            return skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def load_shard(self, index: int, kind: str, tensor: torch.Tensor) -> None:

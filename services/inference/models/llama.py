@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from functools import partial
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,13 +29,16 @@ from loraplex.kernels.fp8_quant import QuantizedRows
 from loraplex.kernels.fused_ops import silu_and_mul
 from loraplex.kernels.placement import triton_runs_on
 from loraplex.kernels.qkv_rotary import qkv_rotary, qkv_rotary_ref
-from loraplex.kernels.skinny_gemm import skinny_gated, skinny_linear, skinny_serves
+from loraplex.kernels.skinny_gemm import skinny_gated, skinny_serves
 from loraplex.services.inference.models.config import ModelConfig
 from loraplex.services.inference.models.context import ForwardContext
 from loraplex.services.inference.models.layers import Addend, FusedLinear, RMSNorm, empty_param
 from loraplex.services.inference.models.moe import SparseMoE
 from loraplex.services.inference.models.rope import RotaryEmbedding
 from loraplex.services.inference.models.value_checks import check_finite
+
+if TYPE_CHECKING:
+    from loraplex.services.inference.lora.backend import LoRABackend
 
 
 class DecoderLayer(nn.Module):
@@ -87,7 +90,10 @@ class DecoderLayer(nn.Module):
         # The backend may compute the delta while the base matmul runs (lora/triton_backend.py).
         started = lora.begin(self.index, group, x)
         out = base(x)
-        return Addend(out, lora.finish(self.index, group, x, out, started))
+        delta = lora.finish(self.index, group, x, out, started)
+        if lora.dora_step:  # a step holding a DoRA adapter's tokens (lora/dora.py)
+            return Addend(lora.dora(self.index, group, out, delta, module.bias))
+        return Addend(out, delta)
 
     def forward(
         self,
@@ -99,7 +105,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, Addend]:
         """`addend`: the previous layer's down projection, added to `h` here (None for the first
         layer). Returns the residual stream and this layer's own down projection, not yet added."""
-        # LORAPLEX_FUSED_KV_STORE: the split-and-rotary launch stores k/v itself (None: not here)
+        # The split-and-rotary launch stores k/v itself where Triton runs (None: not here)
         target = ctx.attention.fused_store_target(self.index) if triton_runs_on(h) else None
         h, q, k, v = self.pre_attention(h, addend, cos, sin, ctx, kv_cache=target)
         if target is not None:
@@ -159,12 +165,8 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             return h, Addend(self.moe(x, None if ctx.lora is None else ctx.lora.expert_layer(self.index)))
         weight = self.gate_up_proj.weight
-        if (
-            ctx.lora is None
-            and type(self.gate_up_proj) is FusedLinear
-            and skinny_serves(x, weight, gated=True)
-        ):
-            # LORAPLEX_SKINNY_SILU: the matmul and SwiGLU / GeGLU in one launch (no delta to add between)
+        if ctx.lora is None and type(self.gate_up_proj) is FusedLinear and skinny_serves(x, weight):
+            # The matmul and SwiGLU / GeGLU in one launch (no delta to add between)
             act = skinny_gated(x, weight, self.gate_up_proj.bias, self.activation)
             return h, self._down(act, ctx)
         gate_up = self._linear("gate_up", self.gate_up_proj, x, ctx, xq)
@@ -210,6 +212,7 @@ _LAYER_WEIGHTS = {
     "mlp.up_proj": ("gate_up_proj", 1),
     "mlp.down_proj": ("down_proj", 0),
 }
+_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # Mixtral `block_sparse_moe.experts.N.w1`, Qwen3-MoE `mlp.experts.N.gate_proj`; routers `.gate`.
 _EXPERT_RE = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)$")
@@ -241,8 +244,12 @@ class LlamaForCausalLM(nn.Module):
         self.local_rotary = None if cfg.local_rope is None else RotaryEmbedding(cfg.local_rope, cfg.head_dim)
         self.embed_scale = cfg.hidden_size**0.5 if cfg.family.embed_scale else None
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, lora: LoRABackend | None = None) -> torch.Tensor:
+        """`lora`: an eager step's backend, whose embedding LoRA deltas are added before a Gemma's
+        scale (PEFT scales them too); None where the step has none."""
         h = self.embed_tokens(input_ids)
+        if lora is not None:
+            h = lora.add_embedding(h, input_ids)
         if self.embed_scale is not None:  # Gemma: times sqrt(hidden) rounded to the model dtype
             # (a host scalar: no device tensor is made inside a CUDA-graph capture)
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype).item()
@@ -259,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
-        h = self.embed(input_ids)
+        h = self.embed(input_ids, ctx.lora)
         cos, sin = self.rope_tables(positions, h.dtype)
         addend = None
         for layer in self.layers:
@@ -298,10 +305,25 @@ class LlamaForCausalLM(nn.Module):
         h, addend = self.layers[-1].post_attention(bufs.h, attn, ctx, bufs)
         self.norm.add_forward(h, addend, h_out=bufs.h, out=out)
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits; `out`: write them there (one conversion kernel instead of a convert and a copy)."""
+    def lora_base_weight(self, layer: int, module: str) -> torch.Tensor:
+        """The base rows `[out, in]` of one LoRA-targetable projection (`q_proj`, ...; an FP8 base's
+        dequantized to float32): what DoRA's per-row norms are computed from (lora/dora.py)."""
+        attr, index = _LAYER_WEIGHTS[f"{'mlp' if module in _MLP_MODULES else 'self_attn'}.{module}"]
+        fused: FusedLinear = getattr(self.layers[layer], attr)
+        dequantized = getattr(fused, "dequantized", None)  # models/quantization/fp8_linear.py
+        weight = fused.weight if dequantized is None else dequantized(torch.float32)
+        start = fused.offsets[index]
+        return weight[start : start + fused.out_sizes[index]]
+
+    def compute_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None, lora: LoRABackend | None = None
+    ) -> torch.Tensor:
+        """float32 logits; `out`: write them there (one conversion kernel instead of a convert and a copy).
+        `lora`: an eager step's backend, whose lm_head LoRA deltas are added before the soft-cap."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        logits = skinny_linear(hidden, weight) if skinny_serves(hidden, weight) else F.linear(hidden, weight)
+        logits = F.linear(hidden, weight)
+        if lora is not None:
+            logits = lora.add_head(logits, hidden)
         cap = self.config.final_softcap
         if cap is not None:  # Gemma 2, in the model dtype as transformers computes it
             logits = torch.tanh(logits / cap) * cap

@@ -117,8 +117,10 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
                 torch.empty(plan.vocab_per_rank, cfg.hidden_size), requires_grad=False
             )
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """All ranks get the whole `[rows, vocab]` float32 logits (every rank sees the same rows)."""
+    def compute_logits(self, hidden: torch.Tensor, lora: object = None) -> torch.Tensor:
+        """All ranks get the whole `[rows, vocab]` float32 logits (every rank sees the same rows).
+        `lora` is always None: lm_head LoRA is refused under TP (lora/embedding_lora.py TP_REFUSAL)."""
+        assert lora is None, "lm_head LoRA under tensor parallelism"
         if hidden.shape[0] == 0:
             return hidden.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         local = super().compute_logits(hidden).contiguous()
