@@ -221,3 +221,28 @@ def test_draft_adapter_over_grpc(tiny_llama_path, adapters):
             assert "draft_adapter 'nope'" in info.value.details()
     finally:
         proc.stop()
+
+
+def test_draft_model_beside_overlap_scheduling(tiny_llama_path, adapters, off, one_torch_thread):
+    """Overlap scheduling on and speculation off above 2 running requests: the first steps overlap
+    (placeholder tokens in flight), then, once two requests are done, the draft model catches up on
+    everything the others wrote meanwhile and drafts. Outputs equal speculation off; both kinds of
+    steps ran."""
+    on = _draft_engine(
+        tiny_llama_path, adapters, tiny_llama_path, overlap_schedule=True, speculative_disable_batch_size=2
+    )
+    prompts = [off.tokenizer(p).input_ids for p in PROMPTS]
+    names = [None, "a", "b", None]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (6, 9, 24, 24)]
+    want = [o.token_ids for o in off.generate(prompts, params, names)]
+    overlapped = [0]
+    real = on._step_overlapped
+
+    def counting():
+        overlapped[0] += 1
+        return real()
+
+    on._step_overlapped = counting
+    assert [o.token_ids for o in on.generate(prompts, params, names)] == want
+    drafted, accepted = _spec_counts(on)
+    assert overlapped[0] > 0 and accepted[""] > 0, (overlapped, drafted, accepted)
