@@ -246,3 +246,12 @@ def test_draft_model_beside_overlap_scheduling(tiny_llama_path, adapters, off, o
     assert [o.token_ids for o in on.generate(prompts, params, names)] == want
     drafted, accepted = _spec_counts(on)
     assert overlapped[0] > 0 and accepted[""] > 0, (overlapped, drafted, accepted)
+
+
+def test_draft_adapters_must_be_local_directories(tiny_llama_path, tmp_path):
+    with pytest.raises(
+        ValueError, match="--speculative-draft-lora-paths da=.*: not a local adapter directory"
+    ):
+        _draft_engine(
+            tiny_llama_path, None, tiny_llama_path, speculative_draft_lora_paths=(f"da={tmp_path}/none",)
+        )

@@ -26,6 +26,7 @@ preempted one catches up again from its first token, like the target's recompute
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.sampler import MIN_TEMPERATURE, SamplingInputs, filtered_probs
 from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.engine.startup import decode_graph_max_bs
 from loraplex.services.inference.engine.warmup import warm_up
 from loraplex.services.inference.errors import AdapterNotFound, InvalidRequest
 from loraplex.services.inference.lora.settings import LoRAConfig, parse_lora_paths
@@ -48,6 +50,8 @@ from loraplex.services.inference.lora.shapes import shapes_of_model
 from loraplex.services.inference.models.config import ModelConfig, check_context_length, load_config
 from loraplex.services.inference.models.llama import LlamaForCausalLM
 from loraplex.services.inference.models.loader import load_model, resolve_model_dir
+
+log = logging.getLogger(__name__)
 
 
 class DraftModelMismatch(ValueError):
@@ -78,6 +82,15 @@ class LoadedDraft:
             max_num_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_running_requests,
         )
+        if self.device.type == "cuda" and not config.disable_cuda_graph and config.cuda_graph_max_bs > 0:
+            # Its decode steps are the draft's hot path: graphs up to the batch that still speculates.
+            max_bs = min(decode_graph_max_bs(config), config.speculative_disable_batch_size)
+            try:
+                draft_runner.runner.capture_cuda_graphs(max_bs)
+            except (RuntimeError, torch.OutOfMemoryError):
+                # Slower, not wrong: say so loudly and draft eagerly.
+                log.exception("could not capture the draft model's decode CUDA graphs; it drafts eagerly")
+                draft_runner.runner.cuda_graphs = None
         if triton_runs_on(self.device) and config.startup_warm_up:
             warm_up(
                 draft_runner.runner,
@@ -94,6 +107,9 @@ def build_draft_adapters(draft: LoadedDraft, config: EngineConfig) -> None:
     paths = config.speculative_draft_lora_paths
     if not paths:
         return
+    for name, source in parse_lora_paths(paths).items():
+        if not Path(source).is_dir():  # the adapter store serves the target's adapters only
+            raise ValueError(f"--speculative-draft-lora-paths {name}={source}: not a local adapter directory")
     draft.lora = build_lora(
         LoRAConfig(lora_paths=paths, max_gpu_loras=len(paths)),
         shapes_of_model(draft.config),
