@@ -255,3 +255,19 @@ def test_draft_adapters_must_be_local_directories(tiny_llama_path, tmp_path):
         _draft_engine(
             tiny_llama_path, None, tiny_llama_path, speculative_draft_lora_paths=(f"da={tmp_path}/none",)
         )
+
+
+def test_draft_model_through_preemption(tiny_llama_path, adapters, one_torch_thread):
+    """A KV cache too small for the batch (the draft's as small): requests are preempted mid-run and
+    their draft state dropped and caught up again, and drafts that do not fit are skipped; outputs
+    equal speculation off."""
+    kw = dict(max_total_tokens=64, page_size=4)
+    off_small = sync_engine(server_args(tiny_llama_path, adapters, **kw))
+    on = _draft_engine(tiny_llama_path, adapters, tiny_llama_path, **kw)
+    prompts = [off_small.tokenizer(p).input_ids for p in PROMPTS]
+    names = [None, "a", "b", None]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    want = [o.token_ids for o in off_small.generate(prompts, params, names)]
+    assert [o.token_ids for o in on.generate(prompts, params, names)] == want
+    assert on.scheduler.num_preemptions > 0, "no preemption: the test proves nothing"
+    assert _spec_counts(on)[1][""] > 0
