@@ -54,6 +54,7 @@ class EngineWork(NamedTuple):
     params: SamplingParams
     where: str
     params_where: str
+    draft_adapter: str = ""  # the draft model's adapter ("" = none)
 
 
 def _prefixed(exc: InvalidRequest, prefix: str) -> InvalidRequest:
@@ -267,8 +268,9 @@ def engine_work(engine: Engine, request: pb.GenerateRequest, args: ServerArgs) -
         _check_tokens(ids, where, context_length)
         params, n, params_where = per_input[i]
         params = _with_prompt_options(engine, protos[i], params)
+        draft = (request.inputs[i].draft_adapter if request.inputs else "") or request.draft_adapter
         work.extend(
-            EngineWork(i, j, ids, adapters[i], p, where, params_where)
+            EngineWork(i, j, ids, adapters[i], p, where, params_where, draft)
             for j, p in enumerate(_samples(params, n))
         )
     return work
@@ -281,7 +283,11 @@ def open_streams(engine: Engine, rpc_id: str, work: list[EngineWork]) -> list[As
     streams = []
     for k, w in enumerate(work):
         try:
-            streams.append(engine.generate(f"{rpc_id}-{k}", w.prompt_ids, w.adapter or None, w.params))
+            streams.append(
+                engine.generate(
+                    f"{rpc_id}-{k}", w.prompt_ids, w.adapter or None, w.params, w.draft_adapter or None
+                )
+            )
         except LoraplexError as exc:
             if exc.field == "text":
                 exc.field, exc.message = w.where, f"{w.where}: {exc.message}"

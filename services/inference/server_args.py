@@ -367,8 +367,23 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SPECULATIVE_ALGORITHMS,
         default=e.speculative_algorithm,
         help="speculative decoding: 'ngram' drafts each request's next tokens from its own prompt and "
-        "output and verifies them in one step, each position with its request's adapter (off by default; "
-        "a step that drafts runs without overlap scheduling)",
+        "output, 'draft' with --speculative-draft-model-path; the drafts are verified in one step, each "
+        "position with its request's adapter (off by default; a step that drafts runs without overlap "
+        "scheduling)",
+    )
+    a(
+        "--speculative-draft-model-path",
+        default=e.speculative_draft_model_path,
+        help="the draft model of --speculative-algorithm draft: a smaller model with this model's "
+        "tokenizer (a local directory or a Hub id; its vocabulary size must match)",
+    )
+    a(
+        "--speculative-draft-lora-paths",
+        nargs="*",
+        default=list(e.speculative_draft_lora_paths),
+        metavar="NAME=DIR",
+        help="LoRA adapters of the draft model, loaded at start; a request names one as its "
+        "draft_adapter (each keeps a slot of the draft's own adapter pool)",
     )
     a(
         "--speculative-num-draft-tokens",
@@ -443,7 +458,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         parser.error("--model-path must not be empty")
     values["admin_token"] = values["admin_token"] or os.environ.get("LORAPLEX_ADMIN_TOKEN") or None
     values["api_token"] = values["api_token"] or os.environ.get("LORAPLEX_API_TOKEN") or None
-    for key in ("lora_paths", "allowed_local_dirs"):
+    for key in ("lora_paths", "allowed_local_dirs", "speculative_draft_lora_paths"):
         values[key] = tuple(values[key])
     if values["lora_target_modules"] is not None:
         values["lora_target_modules"] = tuple(values["lora_target_modules"])

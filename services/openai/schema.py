@@ -84,6 +84,8 @@ class _Common(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    # loraplex's: the draft model's adapter (--speculative-draft-lora-paths), sent as draft_adapter.
+    draft_adapter: str | None = None
 
 
 class CompletionRequest(_Common):
@@ -341,7 +343,9 @@ def completion_request(req: CompletionRequest, adapter: str) -> tuple[pb.Generat
         texts,
         req.return_tokens_as_token_ids,
     )
-    return pb.GenerateRequest(inputs=inputs, adapter=[adapter], sampling_params=params), asked
+    request = pb.GenerateRequest(inputs=inputs, adapter=[adapter], sampling_params=params)
+    request.draft_adapter = req.draft_adapter or ""
+    return request, asked
 
 
 PROMPT_FORMS = "a string, a list of strings, a list of token ids or a list of lists of token ids"
@@ -403,4 +407,5 @@ def chat_request(
     request = pb.GenerateRequest(
         inputs=[pb.Input(messages=messages)], adapter=[adapter], sampling_params=params
     )
+    request.draft_adapter = req.draft_adapter or ""
     return request, Asked(top, req.prompt_logprobs, token_ids=req.return_tokens_as_token_ids)

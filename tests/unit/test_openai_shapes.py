@@ -130,3 +130,14 @@ def test_logprobs_built_from_bytes():
     assert [len(c["top_logprobs"]) for c in chat] == [2, 1, 0]
     plp = lp.prompt_logprobs(lps, 1)
     assert plp[0] is None and plp[1]["10"]["rank"] == 1 and plp[3]["13"]["rank"] is None
+
+
+def test_draft_adapter_reaches_the_generate_request():
+    """extra_body's draft_adapter (loraplex's) is sent as GenerateRequest.draft_adapter on both routes."""
+    chat = _parse(schema.ChatRequest, messages=[{"role": "user", "content": "x"}], draft_adapter="d1")
+    assert schema.chat_request(chat, "a")[0].draft_adapter == "d1"
+    completion = _parse(schema.CompletionRequest, prompt="hi", draft_adapter="d2")
+    assert schema.completion_request(completion, "a")[0].draft_adapter == "d2"
+    assert (
+        schema.completion_request(_parse(schema.CompletionRequest, prompt="hi"), "a")[0].draft_adapter == ""
+    )

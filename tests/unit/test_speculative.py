@@ -75,3 +75,29 @@ def test_sampled_verification_emits_the_targets_distribution(draft_token):
     # the acceptance rate is the draft token's target probability
     rate = first[draft_token] / trials
     assert abs(rate - target[0, draft_token].item()) < 4 * math.sqrt(0.25 / trials)
+
+
+def test_sampled_verification_with_a_draft_distribution_emits_the_targets():
+    """A draft model's tokens drawn from q (not one-hot): accepting d with probability min(1, p(d)/q(d))
+    and resampling rejections from max(0, p - q) gives the target's p for the first token, and its
+    second row for the token after an accepted draft; the acceptance rate is sum(min(p, q))."""
+    target = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.1, 0.2]])
+    q = torch.tensor([[0.1, 0.1, 0.5, 0.3], [0.25, 0.25, 0.25, 0.25]])
+    trials = 4000
+    draws = torch.multinomial(q[0], trials, replacement=True, generator=torch.Generator().manual_seed(9))
+    drafts = [[int(d)] for d in draws]
+    gens = [g for seed in range(trials) for g in [torch.Generator().manual_seed(seed)] * 2]
+    runs = verify(target.log().repeat(trials, 1), drafts, _inputs(2 * trials, 1.0, gens), [q[:1]] * trials)
+    first = [0] * 4
+    second = [0] * 4
+    accepted = 0
+    for run in runs:
+        first[run.tokens[0]] += 1
+        if run.accepted:
+            accepted += 1
+            second[run.tokens[1]] += 1
+    assert _chi_square_p(first, target[0].tolist()) > 1e-3, first
+    assert _chi_square_p(second, target[1].tolist()) > 1e-3, second
+    # 0.5 here; read as one-hot (the n-gram rule: accept with p(d)) it would be sum(q * p) = 0.2
+    rate = torch.minimum(target[0], q[0]).sum().item()
+    assert abs(accepted / trials - rate) < 4 * math.sqrt(0.25 / trials)

@@ -112,7 +112,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls_json: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class Input(_message.Message):
-    __slots__ = ("text", "token_ids", "messages", "add_generation_prompt", "adapter", "sampling_params", "tools_json", "chat_template_kwargs_json", "continue_final_message", "add_special_tokens")
+    __slots__ = ("text", "token_ids", "messages", "add_generation_prompt", "adapter", "sampling_params", "tools_json", "chat_template_kwargs_json", "continue_final_message", "add_special_tokens", "draft_adapter")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class Input(_message.Message):
     CHAT_TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
@@ -133,19 +134,22 @@ class Input(_message.Message):
     chat_template_kwargs_json: str
     continue_final_message: bool
     add_special_tokens: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., adapter: _Optional[str] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., tools_json: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., continue_final_message: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    draft_adapter: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., adapter: _Optional[str] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., tools_json: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ..., continue_final_message: _Optional[bool] = ..., add_special_tokens: _Optional[bool] = ..., draft_adapter: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "adapter", "sampling_params", "inputs")
+    __slots__ = ("text", "adapter", "sampling_params", "inputs", "draft_adapter")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     text: _containers.RepeatedScalarFieldContainer[str]
     adapter: _containers.RepeatedScalarFieldContainer[str]
     sampling_params: SamplingParams
     inputs: _containers.RepeatedCompositeFieldContainer[Input]
-    def __init__(self, text: _Optional[_Iterable[str]] = ..., adapter: _Optional[_Iterable[str]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., inputs: _Optional[_Iterable[_Union[Input, _Mapping]]] = ...) -> None: ...
+    draft_adapter: str
+    def __init__(self, text: _Optional[_Iterable[str]] = ..., adapter: _Optional[_Iterable[str]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., inputs: _Optional[_Iterable[_Union[Input, _Mapping]]] = ..., draft_adapter: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "token", "token_bytes")

@@ -21,7 +21,12 @@ class Engine(Protocol):
     # -- requests ---------------------------------------------------------------------------
 
     def generate(
-        self, request_id: str, prompt: str | list[int], adapter: str | None, params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        adapter: str | None,
+        params: SamplingParams,
+        draft_adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Check one request and return its output stream (the last output has finished=True).
 
@@ -30,7 +35,9 @@ class Engine(Protocol):
         prompt, ids outside the vocabulary, no room for a new token in the context, a sampling
         value out of range; `field` is "text" or "sampling_params.NAME"), `CapacityExceeded`
         (the prompt outgrows the whole KV cache) or `BackendUnavailable` (the engine is shut down
-        or unhealthy). The request is queued when the stream is first iterated, which may raise
+        or unhealthy), and for a `draft_adapter` (the draft model's adapter) `InvalidRequest` (no
+        draft adapters are served) or `AdapterNotFound` (not one of them). The request is queued
+        when the stream is first iterated, which may raise
         `AdapterNotFound` (`adapter` is not loaded), `InvalidRequest` (the id is already in
         flight), `CapacityExceeded` (the queue is full) or `BackendUnavailable` (a step failed).
         Closing the stream early aborts the request.

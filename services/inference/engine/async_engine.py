@@ -43,6 +43,7 @@ class _Add(NamedTuple):
     adapter: str | None
     params: SamplingParams
     arrival_time: float
+    draft_adapter: str | None = None
     grammar: object = None  # params.constraint compiled (engine/grammar.py), when it has one
 
 
@@ -90,7 +91,12 @@ class AsyncEngine:
     # -- requests -------------------------------------------------------------------------
 
     def generate(
-        self, request_id: str, prompt: str | list[int], adapter: str | None, params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        adapter: str | None,
+        params: SamplingParams,
+        draft_adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Check the prompt and params now (`Engine.generate`); the adapter and the queue are
         checked when the stream is first iterated, which queues the request."""
@@ -99,7 +105,9 @@ class AsyncEngine:
             raise BackendUnavailable("the engine is shut down")
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.engine.check_request(prompt_ids, params)
-        return self._stream(_Add(request_id, prompt_ids, adapter or None, params, arrival))
+        self.engine.check_draft_adapter(draft_adapter)
+        add = _Add(request_id, prompt_ids, adapter or None, params, arrival, draft_adapter or None)
+        return self._stream(add)
 
     async def _stream(self, add: _Add) -> AsyncIterator[RequestOutput]:
         if add.adapter is not None and not self.has_adapter(add.adapter):
@@ -259,6 +267,7 @@ class AsyncEngine:
                         command.adapter,
                         arrival_time=command.arrival_time,
                         grammar=command.grammar,
+                        draft_adapter=command.draft_adapter,
                     )
                 except LoraplexError as exc:
                     self._deliver(command.request_id, exc)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.services.inference.lora.settings import parse_lora_paths
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -33,7 +35,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the activation dtype; fp8: E4M3, per-layer scales (kv_cache.py)
 QUANTIZATIONS = ("fp8",)  # models/quantization/scheme.py; a checkpoint's own quantization_config needs none
 DEVICES = ("auto", "cuda", "cpu")
-SPECULATIVE_ALGORITHMS = ("ngram",)  # engine/speculative.py
+SPECULATIVE_ALGORITHMS = ("ngram", "draft")  # engine/speculative.py, engine/draft_runner.py
 
 
 def _check(ok: bool, message: str) -> None:
@@ -84,10 +86,14 @@ class EngineConfig:
     # Compiled grammars kept for reuse, all together and one alone (engine/grammar_cache.py).
     grammar_cache_max_bytes: int = 512 * 2**20
     grammar_max_bytes: int = 64 * 2**20
-    # Speculative decoding (engine/speculative.py): None = off; "ngram" drafts by prompt lookup. A step
-    # that speculates runs without overlap (a draft needs the previous step's tokens on the host); the
-    # others keep it.
+    # Speculative decoding (engine/speculative.py): None = off; "ngram" drafts by prompt lookup,
+    # "draft" with the model at speculative_draft_model_path (same tokenizer). A step that speculates
+    # runs without overlap (a draft needs the previous step's tokens on the host); the others keep it.
     speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    # NAME=DIR LoRA adapters of the draft model, loaded at start; a request names one as its
+    # `draft_adapter` (engine/draft_runner.py).
+    speculative_draft_lora_paths: tuple[str, ...] = ()
     speculative_num_draft_tokens: int = 4
     # No speculation in a step with more running requests than this (verification would cost more
     # than it saves).
@@ -127,7 +133,22 @@ class EngineConfig:
         _check(
             self.speculative_algorithm in (None, *SPECULATIVE_ALGORITHMS),
             f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)} "
-            f"(got {self.speculative_algorithm!r}; a draft model is not built yet)",
+            f"(got {self.speculative_algorithm!r})",
+        )
+        _check(
+            (self.speculative_algorithm == "draft") == bool(self.speculative_draft_model_path),
+            "--speculative-draft-model-path is needed by --speculative-algorithm draft and by nothing "
+            f"else (got algorithm {self.speculative_algorithm!r}, "
+            f"path {self.speculative_draft_model_path!r})",
+        )
+        _check(
+            not self.speculative_draft_lora_paths or self.speculative_algorithm == "draft",
+            "--speculative-draft-lora-paths needs --speculative-algorithm draft",
+        )
+        parse_lora_paths(self.speculative_draft_lora_paths, flag="--speculative-draft-lora-paths")
+        _check(
+            self.speculative_algorithm != "draft" or self.tp_size == 1,
+            "--speculative-algorithm draft runs on one device: it is not built for --tp-size > 1",
         )
         _check(
             0.0 < self.mem_fraction_static <= 1.0,

@@ -24,6 +24,7 @@ import torch
 
 from loraplex.kernels.compile_watch import compile_counter
 from loraplex.services.inference.engine.config import EngineConfig
+from loraplex.services.inference.engine.draft_runner import check_draft_adapter, load_draft_for
 from loraplex.services.inference.engine.grammar import GrammarState
 from loraplex.services.inference.engine.grammar_cache import GrammarCache
 from loraplex.services.inference.engine.loading import LoadedModel, load  # noqa: F401 - re-exported: engine.load
@@ -92,7 +93,12 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.context_length = loaded.context_length
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
-        kv_cache, self.block_manager = build_kv_cache(loaded, config, kv_reserved_bytes)
+        draft = load_draft_for(loaded, config)  # weights before the KV cache takes what is left
+        kv_cache, self.block_manager = build_kv_cache(
+            loaded, config, kv_reserved_bytes, draft.kv_bytes_per_token() if draft else 0
+        )
+        # Built (and warmed up) before the target's runner marks the end of start-up.
+        draft_runner = draft.runner(config, self.block_manager.num_blocks) if draft else None
         self.adapter_slots = adapter_slots or NoAdapters()
         self.scheduler = build_scheduler(loaded, config, self.block_manager, self.adapter_slots)
         self.runner, self.config = build_runner(loaded, config, kv_cache, lora_backend)
@@ -105,6 +111,8 @@ class LLMEngine:
                 self.config.speculative_num_draft_tokens,
                 self.config.speculative_disable_batch_size,
                 self.context_length,
+                draft_runner=draft_runner,
+                sampling_inputs=self.output_processor.sampling_inputs,
             )
             if self.config.speculative_algorithm
             else None
@@ -163,6 +171,10 @@ class LLMEngine:
                 field="text",
             )
 
+    def check_draft_adapter(self, name: str | None) -> None:
+        """Raise InvalidRequest / AdapterNotFound for a draft adapter this server does not serve."""
+        check_draft_adapter(self.speculator.draft_runner if self.speculator else None, name)
+
     def add_request(
         self,
         request_id: str,
@@ -171,15 +183,18 @@ class LLMEngine:
         adapter: str | None = None,
         arrival_time: float | None = None,
         grammar=None,
+        draft_adapter: str | None = None,
     ) -> None:
         """Queue a request that passed `check_request`. `arrival_time` (time.monotonic()): when the
         caller received it; default now. `grammar`: params.constraint compiled by `self.grammars`
-        (AsyncEngine compiles it off this thread); compiled here, blocking, when not given."""
+        (AsyncEngine compiles it off this thread); compiled here, blocking, when not given.
+        `draft_adapter`: the draft model's adapter, passed `check_draft_adapter`."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
         if len(self.scheduler.waiting) >= self.config.max_queued_requests:
             raise CapacityExceeded(f"{len(self.scheduler.waiting)} requests are queued; retry later")
         req = Request(request_id, list(prompt_ids), params, adapter=adapter or None)
+        req.draft_adapter = draft_adapter or None
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.max_new_tokens = min(params.max_new_tokens, self.context_length - len(prompt_ids))
@@ -347,15 +362,18 @@ class LLMEngine:
         prompts: list[list[int]],
         params: SamplingParams | list[SamplingParams],
         adapters: list[str | None] | None = None,
+        draft_adapters: list[str | None] | None = None,
     ) -> list[Completion]:
         """Run prompts to completion in one continuous batch (tests, benchmarks)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         adapters = adapters or [None] * len(prompts)
+        draft_adapters = draft_adapters or [None] * len(prompts)
         ids = [f"gen-{i}-{random.getrandbits(32):08x}" for i in range(len(prompts))]
-        for prompt, p in zip(prompts, params_list, strict=True):
+        for prompt, p, d in zip(prompts, params_list, draft_adapters, strict=True):
             self.check_request(prompt, p)
-        for rid, prompt, p, a in zip(ids, prompts, params_list, adapters, strict=True):
-            self.add_request(rid, prompt, p, a)
+            self.check_draft_adapter(d)
+        for rid, prompt, p, a, d in zip(ids, prompts, params_list, adapters, draft_adapters, strict=True):
+            self.add_request(rid, prompt, p, a, draft_adapter=d)
         texts = {rid: [] for rid in ids}
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         done: dict[str, RequestOutput] = {}

@@ -32,6 +32,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
+    draft_adapter: str | None = None  # the draft model's adapter (--speculative-draft-lora-paths)
     lora_slot: int = -1  # adapter slot while running; -1 = base model / not acquired
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -58,6 +59,8 @@ class Request:
     # Speculative decoding (engine/speculative.py): this step's draft tokens (after token_ids, not in
     # it), the drafted and accepted counts since the last back-off, and the step it drafts again at.
     draft_ids: list[int] = field(default_factory=list)
+    # A draft model's distribution q of each draft token ([len(draft_ids), vocab]); None: one-hot.
+    draft_probs: torch.Tensor | None = None
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_paused_until: int = 0

@@ -3,14 +3,17 @@
 Drafting (`--speculative-algorithm ngram`, prompt lookup): the draft for a request is what followed
 the most recent earlier occurrence of its last n tokens (n from `NGRAM_MAX` down to `NGRAM_MIN`)
 in its own prompt and output. It costs no model and no adapter: each request's draft follows what
-its own adapter has written so far.
+its own adapter has written so far. With `--speculative-algorithm draft` a smaller model with the
+target's tokenizer drafts instead (engine/draft_runner.py): K batched decode steps of its own, a
+greedy request drafting its argmax and a sampled one sampling from the draft's distribution q.
 
 Verification: a request with a draft computes its last token and its K draft tokens in one chunk
 of the step (each position with the request's adapter, like any prefill chunk), and the runner
 returns the logits of all K+1 positions. Greedy rows accept draft tokens while each equals the
-argmax of the position before it; sampled rows use rejection sampling (the draft is one token
-with probability 1, so token d at a position with target distribution p is accepted with
-probability p(d), and a rejection samples from p with d removed, renormalized). Either way the
+argmax of the position before it; sampled rows use rejection sampling: token d drafted from q at a
+position where the target has p is accepted with probability min(1, p(d) / q(d)), and a rejection
+samples from max(0, p - q) renormalized (an n-gram draft is one token with probability 1, so d is
+accepted with probability p(d) and a rejection samples from p without d). Either way the
 first mismatch is replaced by the target's own token and, when every draft token is accepted,
 one more token is sampled from the last position: each step emits 1..K+1 tokens, distributed
 exactly as the target's one-token-at-a-time decoding (the random draws differ, so a seed gives a
@@ -37,6 +40,7 @@ from typing import NamedTuple
 
 import torch
 
+from loraplex.services.inference.engine.draft_runner import DraftRunner
 from loraplex.services.inference.engine.logprobs import StepLogprobs, rows_logprobs
 from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.sampler import (
@@ -103,8 +107,14 @@ class Speculator:
         disable_batch_size: int,
         context_length: int,
         propose: Callable[[list[int], int], list[int]] = propose_ngram,
+        draft_runner: DraftRunner | None = None,
+        sampling_inputs: Callable[[list[Request]], SamplingInputs] | None = None,
     ):
         self.propose = propose
+        # --speculative-algorithm draft: the draft model proposes for the whole batch at once
+        # (`sampling_inputs`: the drafting requests' settings, for sampled drafts).
+        self.draft_runner = draft_runner
+        self.sampling_inputs = sampling_inputs
         self.k = num_draft_tokens
         self.disable_batch_size = disable_batch_size
         self.context_length = context_length
@@ -147,6 +157,8 @@ class Speculator:
         """Whether the next step drafts: few enough requests run and one of them may draft. A step
         that does not keeps overlap scheduling (the engine's choice, per step)."""
         self.num_steps += 1
+        if self.draft_runner is not None:
+            self.draft_runner.release_others(running)  # every step: finished requests' draft KV goes
         if self.num_steps < self._quiet_until:
             return False
         return len(running) <= self.disable_batch_size and any(self._may_draft(r) for r in running)
@@ -158,8 +170,10 @@ class Speculator:
         """Set `draft_ids` on the running requests about to decode ([] for the others); the engine
         calls it after `speculates` said yes (and after resolving an in-flight step)."""
         drafted = False
+        batch: list[tuple[Request, int]] = []
         for req in running:
             req.draft_ids = []
+            req.draft_probs = None
             if req.num_uncomputed_tokens != 1 or not self._may_draft(req):
                 continue
             # Room: the output's remaining tokens (the bonus token is one of them) and the context.
@@ -168,9 +182,19 @@ class Speculator:
                 req.max_new_tokens - req.num_output_tokens - 1,
                 self.context_length - len(req.token_ids) - 1,
             )
-            if room > 0:
+            if room <= 0:
+                continue
+            if self.draft_runner is None:
                 req.draft_ids = self.propose(req.token_ids, room)
                 drafted = drafted or bool(req.draft_ids)
+            else:
+                batch.append((req, room))
+        if batch:  # the draft model proposes for all of them at once
+            reqs = [r for r, _ in batch]
+            drafts = self.draft_runner.propose(reqs, [n for _, n in batch], self.sampling_inputs(reqs))
+            for req, ids, q in zip(reqs, drafts, drafts.probs, strict=True):
+                req.draft_ids, req.draft_probs = ids, q
+                drafted = drafted or bool(ids)
         if not drafted:  # nothing to draft: the next steps keep overlap scheduling
             self._quiet_until = self.num_steps + QUIET_STEPS
 
@@ -190,11 +214,20 @@ class Verified(NamedTuple):
     accepted: int  # draft tokens among them
 
 
-def verify(logits: torch.Tensor, drafts: list[list[int]], inp: SamplingInputs) -> list[Verified]:
+def verify(
+    logits: torch.Tensor,
+    drafts: list[list[int]],
+    inp: SamplingInputs,
+    draft_probs: list[torch.Tensor | None] | None = None,
+) -> list[Verified]:
     """Rejection-sample each request's draft against its K+1 rows of `logits` (in order; row j of a
     request is the target's distribution for the token after its j-th chunk position).
 
-    `inp` has one entry per row (each request's settings repeated over its rows). One host read."""
+    `inp` has one entry per row (each request's settings repeated over its rows). `draft_probs`:
+    per request, the draft distribution q of each of its draft positions (`[>= len(draft), vocab]`,
+    a draft model's), or None for a draft that is one token with probability 1 (n-gram). A draft
+    token d where the target has p is accepted with probability min(1, p(d) / q(d)); a rejection
+    samples from max(0, p - q), renormalized, which with one-hot q is p without d. One host read."""
     device = logits.device
     greedy = torch.tensor([t < MIN_TEMPERATURE for t in inp.temperature])
     if bool(greedy.all()):
@@ -202,18 +235,19 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], inp: SamplingInputs) -
         return _accept_greedy(best, drafts)
     probs = filtered_probs(logits, inp)
     rows = probs.shape[0]
-    # Each row's draft token (the bonus row has none: use token 0 with its probability not removed).
+    q = _draft_distribution(probs, drafts, draft_probs)
+    # Each row's draft token (the bonus row has none: token 0, where its q row is all zero).
     draft_col = torch.zeros(rows, dtype=torch.int64)
-    has_draft = torch.zeros(rows, dtype=torch.bool)
     at = 0
     for d in drafts:
         draft_col[at : at + len(d)] = torch.tensor(d, dtype=torch.int64)
-        has_draft[at : at + len(d)] = True
         at += len(d) + 1
-    draft_col, has_draft_d = draft_col.to(device), has_draft.to(device)
-    p_draft = probs.gather(1, draft_col[:, None])[:, 0]
-    residual = probs.scatter(1, draft_col[:, None], 0.0)
-    residual = torch.where(has_draft_d[:, None], residual, probs)
+    draft_col = draft_col.to(device)[:, None]
+    p_draft = probs.gather(1, draft_col)[:, 0]
+    q_draft = q.gather(1, draft_col)[:, 0]
+    residual = (probs - q).clamp_(min=0.0)
+    # p == q leaves nothing (a rejection then has probability 0, up to rounding): fall back to p.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
     # One uniform and one exponential race per row, from each request's own generator.
     uniforms = torch.zeros(rows, device=device)
     races = torch.ones_like(probs)
@@ -221,10 +255,10 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], inp: SamplingInputs) -
         if not greedy[i]:
             uniforms[i : i + 1].uniform_(generator=g)
             races[i].exponential_(generator=g)
+    accept = uniforms * q_draft < p_draft  # u < p(d) / q(d), without dividing by a zero q
     drawn = (residual / races).max(dim=-1).indices
     best = logits.max(dim=-1).indices
-    host = torch.stack([p_draft, uniforms]).tolist()
-    drawn_l, best_l = drawn.tolist(), best.tolist()
+    accept_l, drawn_l, best_l = torch.stack([accept.long(), drawn, best]).tolist()
     out: list[Verified] = []
     at = 0
     for d in drafts:
@@ -238,7 +272,7 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], inp: SamplingInputs) -
                     continue
                 tokens.append(target)
                 break
-            if j < len(d) and host[1][row] < host[0][row]:
+            if j < len(d) and accept_l[row]:
                 tokens.append(d[j])
                 continue
             tokens.append(drawn_l[row])
@@ -246,6 +280,24 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], inp: SamplingInputs) -
         out.append(Verified(tokens, len(tokens) - 1))
         at += len(d) + 1
     return out
+
+
+def _draft_distribution(
+    probs: torch.Tensor, drafts: list[list[int]], draft_probs: list[torch.Tensor | None] | None
+) -> torch.Tensor:
+    """q per row of `probs`: the draft model's rows where given, one-hot at the draft token otherwise,
+    zero on each request's bonus row."""
+    q = torch.zeros_like(probs)
+    at = 0
+    for i, d in enumerate(drafts):
+        given = draft_probs[i] if draft_probs is not None else None
+        if given is not None:
+            q[at : at + len(d)] = given[: len(d)].to(q.dtype)
+        elif d:
+            rows = torch.arange(at, at + len(d), device=probs.device)
+            q[rows, torch.tensor(d, dtype=torch.int64, device=probs.device)] = 1.0
+        at += len(d) + 1
+    return q
 
 
 def _accept_greedy(best: list[int], drafts: list[list[int]]) -> list[Verified]:
@@ -299,7 +351,12 @@ def verify_step(engine, entries, chunks, logits: torch.Tensor) -> list:
     index = torch.tensor(spec_rows, dtype=torch.int64).to(device, non_blocking=True)
     spec_logits = logits.index_select(0, index)
     expanded = [req for req, draft in spec for _ in range(len(draft) + 1)]
-    verified = verify(spec_logits, [d for _, d in spec], processor.sampling_inputs(expanded))
+    verified = verify(
+        spec_logits,
+        [d for _, d in spec],
+        processor.sampling_inputs(expanded),
+        [req.draft_probs for req, _ in spec],
+    )
     if engine.speculator.forced_rate is not None:
         verified = [engine.speculator.forced(d, run) for (_, d), run in zip(spec, verified, strict=True)]
     logprobs = _run_logprobs(spec_logits, spec, verified)
@@ -308,6 +365,7 @@ def verify_step(engine, entries, chunks, logits: torch.Tensor) -> list:
     for (req, draft), run, lps in zip(spec, verified, logprobs, strict=True):
         req.num_computed_tokens += 1 + run.accepted
         req.draft_ids = []
+        req.draft_probs = None
         bad = any(bad_rows[at : at + len(draft) + 1])
         at += len(draft) + 1
         if bad:  # a NaN or Inf in any of its positions' logits: the request ends with an error

@@ -15,7 +15,7 @@ from loraplex.kernels.compile_watch import compile_counter
 from loraplex.kernels.placement import triton_runs_on
 from loraplex.services.inference.engine.block_manager import BlockManager
 from loraplex.services.inference.engine.config import EngineConfig
-from loraplex.services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
+from loraplex.services.inference.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token, plan_num_blocks
 from loraplex.services.inference.engine.loading import LoadedModel
 from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.prefix_cache import base_model_digest
@@ -29,11 +29,17 @@ log = logging.getLogger(__name__)
 
 
 def build_kv_cache(
-    loaded: LoadedModel, config: EngineConfig, reserved_bytes: int
+    loaded: LoadedModel, config: EngineConfig, reserved_bytes: int, draft_bytes_per_token: int = 0
 ) -> tuple[torch.Tensor, BlockManager]:
     """The KV cache, as large as `config` allows of the device memory left once `reserved_bytes`
-    more are held back, and the block manager that hands out its blocks."""
+    more are held back, and the block manager that hands out its blocks.
+
+    `draft_bytes_per_token` (a draft model's KV, engine/draft_runner.py): the draft's cache gets as
+    many tokens as this one, so the memory is shared between them in proportion to their bytes per
+    token (with --max-total-tokens, the draft's share is held back as reserved bytes)."""
     kv_dtype = config.kv_dtype(loaded.dtype)
+    if draft_bytes_per_token and config.max_total_tokens is not None:
+        reserved_bytes += config.max_total_tokens * draft_bytes_per_token
     num_blocks = plan_num_blocks(
         loaded.config,
         kv_dtype,
@@ -46,6 +52,9 @@ def build_kv_cache(
         reserved_bytes=reserved_bytes,
         activation_dtype=loaded.dtype,  # an FP8 cache logs its gain in blocks
     )
+    if draft_bytes_per_token and config.max_total_tokens is None:
+        own = kv_bytes_per_token(loaded.config, kv_dtype)
+        num_blocks = max(1, num_blocks * own // (own + draft_bytes_per_token))
     kv_cache = allocate_kv_cache(loaded.config, num_blocks, config.page_size, kv_dtype, loaded.device)
     return kv_cache, BlockManager(num_blocks, config.page_size, prefix_cache=not config.disable_prefix_cache)
 

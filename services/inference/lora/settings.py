@@ -47,19 +47,19 @@ def parse_target_modules(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(m for m in ALL_MODULES if m in wanted) + experts
 
 
-def parse_lora_paths(items: Iterable[str]) -> dict[str, str]:
-    """`--lora-paths NAME=SOURCE ...` as {name: source}; each name must be one requests can use."""
+def parse_lora_paths(items: Iterable[str], flag: str = "--lora-paths") -> dict[str, str]:
+    """`--lora-paths NAME=SOURCE ...` (or `flag`'s) as {name: source}; each name one requests can use."""
     out: dict[str, str] = {}
     for item in items:
         name, sep, source = item.partition("=")
         if not sep or not name or not source:
-            raise ValueError(f"--lora-paths expects NAME=SOURCE, got {item!r}")
+            raise ValueError(f"{flag} expects NAME=SOURCE, got {item!r}")
         if not is_adapter_name(name):
             raise ValueError(
-                f"--lora-paths name {name!r} is invalid: {ADAPTER_NAME_RULE} (requests could not name it)"
+                f"{flag} name {name!r} is invalid: {ADAPTER_NAME_RULE} (requests could not name it)"
             )
         if name in out:
-            raise ValueError(f"--lora-paths names {name!r} twice ({out[name]!r} and {source!r})")
+            raise ValueError(f"{flag} names {name!r} twice ({out[name]!r} and {source!r})")
         out[name] = source
     return out
 

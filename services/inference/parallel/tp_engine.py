@@ -93,13 +93,18 @@ class TPAsyncEngine(AsyncEngine):
         return self.workers.reason
 
     def generate(
-        self, request_id: str, prompt: str | list[int], adapter: str | None, params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        adapter: str | None,
+        params: SamplingParams,
+        draft_adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if not self.workers.healthy:
             raise BackendUnavailable(
                 f"{self.workers.reason or 'the engine is shut down'}; the server must be restarted"
             )
-        return super().generate(request_id, prompt, adapter, params)
+        return super().generate(request_id, prompt, adapter, params, draft_adapter)
 
     def _on_worker_death(self, reason: str) -> None:
         if dist.is_initialized() and dist.get_backend() == "nccl":
