@@ -45,9 +45,9 @@ class CountingTokenizer:
         self.engine, self.calls = engine, 0
         self.tokenize = engine.tokenize
 
-    def __call__(self, text: str) -> list[int]:
+    def __call__(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.calls += 1
-        return self.tokenize(text)
+        return self.tokenize(text, add_special_tokens)
 
 
 def test_first_too_long_prompt_stops_the_tokenizing(setup, monkeypatch):
