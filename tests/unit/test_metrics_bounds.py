@@ -23,3 +23,22 @@ def test_other_adapters_count_each_upload_once_and_leave_no_state():
     assert value("loraplex_adapter_evictions_total", {"adapter": OTHER}) == 1
     metrics.prune({"named"})  # "overflow" unloaded
     assert "overflow" not in metrics._last_uploads and "overflow" not in metrics._last_evictions
+
+
+def test_host_tier_and_upload_bytes_follow_the_manager_totals_once():
+    metrics = Metrics()
+    value = metrics.registry.get_sample_value
+    for _ in range(2):
+        metrics.popularity_decile("hot")
+    metrics.popularity_decile("cold")
+    hot = AdapterInfo("hot", 4, 8.0, ["q_proj"], "gpu", uploads=3, host_hits=2, host_misses=1, nbytes=100)
+    cold = AdapterInfo("cold", 4, 8.0, ["q_proj"], "host", uploads=1, host_hits=1, nbytes=50)
+    for _ in range(2):  # a refresh with unchanged totals adds nothing
+        metrics.observe_adapters([hot, cold])
+    assert value("loraplex_lora_upload_bytes_total") == 3 * 100 + 50
+    assert value("loraplex_lora_host_tier_hits_total") == 3
+    assert value("loraplex_lora_host_tier_misses_total") == 1
+    assert value("loraplex_lora_uploads_by_decile_total", {"popularity_decile": "0"}) == 3
+    assert value("loraplex_lora_uploads_by_decile_total", {"popularity_decile": "5"}) == 1
+    metrics.prune({"hot"})
+    assert not any(k.endswith(":cold") for k in metrics._last_host)

@@ -27,6 +27,9 @@ class AdapterInfo:
     slot: int = -1
     evictions: int = 0  # times this adapter's GPU slot was given to another adapter
     uploads: int = 0  # times this adapter was copied into a GPU slot
+    host_hits: int = 0  # uploads served from its host copy (the host tier)
+    host_misses: int = 0  # uploads that re-read it from its source first (dropped from the host tier)
+    nbytes: int = 0  # of its weights (what one upload copies)
     queued_requests: int = 0  # its requests waiting in the scheduler (as of the last step)
     slot_wait_s: float = 0.0  # how long it has been waiting for a GPU slot (0: not waiting)
 

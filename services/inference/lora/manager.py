@@ -62,6 +62,7 @@ class _Version:
     modules: list[str]
     weights: AdapterWeights | None  # host copy; None once dropped from the host cache
     chat_template: str | None = None  # read with the weights at load time; kept when they are dropped
+    nbytes: int = 0  # of the host copy (the same each time it is re-read: the digest is checked)
     pinned: bool = False
     refs: int = 0
     slot: int = -1
@@ -79,6 +80,7 @@ class LoRAManager(AdapterSlots):
         pool: AdapterPool,
         *,
         max_loaded_loras: int | None = None,
+        max_cpu_lora_bytes: int | None = None,
         max_loras_per_batch: int | None = None,
         slot_wait_s: float = SLOT_WAIT_S,
         max_draining: int | None = None,
@@ -86,6 +88,7 @@ class LoRAManager(AdapterSlots):
     ):
         self.pool = pool
         self.max_loaded_loras = max_loaded_loras
+        self.max_cpu_lora_bytes = max_cpu_lora_bytes
         self.max_loras_per_batch = max_loras_per_batch
         self.slot_wait_s = slot_wait_s
         self.max_draining = max_draining or max(1, pool.slots // 4)
@@ -99,6 +102,10 @@ class LoRAManager(AdapterSlots):
         self._queued: Mapping[str, int] = {}  # name -> requests in the scheduler's queue (last report)
         self._evictions: dict[str, int] = {}  # per name, cumulative (for metrics)
         self.num_uploads = 0  # adapters copied into a slot, cumulative (for metrics)
+        # host tier (for metrics): placements served from a host copy / re-read from disk, bytes copied
+        self._host_hits: dict[str, int] = {}
+        self._host_misses: dict[str, int] = {}
+        self.upload_bytes = 0
 
     # ----- registry (any thread) -----
 
@@ -124,6 +131,7 @@ class LoRAManager(AdapterSlots):
                     modules=modules_of(weights.all_targets),
                     weights=weights,
                     chat_template=weights.chat_template,
+                    nbytes=weights.nbytes,
                     last_used=self._clock(),
                 )
                 self._active[name] = version
@@ -304,6 +312,8 @@ class LoRAManager(AdapterSlots):
     def _place(self, version: _Version, slot: int) -> bool:
         """Upload `version` into `slot`, evicting its occupant (refcount 0). False if unreadable."""
         weights = version.weights
+        tally = self._host_hits if weights is not None else self._host_misses
+        tally[version.name] = tally.get(version.name, 0) + 1
         if weights is None:
             try:
                 weights = load_adapter_weights(
@@ -331,12 +341,13 @@ class LoRAManager(AdapterSlots):
             self._evictions[occupant.name] = self._evictions.get(occupant.name, 0) + 1
         self.pool.upload(slot, weights)
         self.num_uploads += 1
+        self.upload_bytes += version.nbytes
         version.uploads += 1
         self._slots[slot] = version
         version.slot = slot
         version.placed_at = self._clock()
         version.reserved_until = version.placed_at + RESERVE_S
-        self._trim_host_cache()
+        self._trim_host_cache(keep=version)  # its request takes a reference right after
         return True
 
     def _rebalance(self) -> None:
@@ -362,18 +373,31 @@ class LoRAManager(AdapterSlots):
     def _next_waiter(self) -> str:
         return next_waiter(self._waiting, self._queued, self.slot_wait_s)
 
-    def _trim_host_cache(self) -> None:
-        """Keep at most `max_loaded_loras` host copies: drop LRU ones no request or pin needs."""
-        if self.max_loaded_loras is None:
-            return
+    def _trim_host_cache(self, keep: _Version | None = None) -> None:
+        """The host tier: keep at most `max_loaded_loras` host copies and `max_cpu_lora_bytes` bytes
+        of them, dropping least recently used copies that no request or pin needs (those are
+        re-read from their source, digest-checked, when next placed). Copies a request or a pin
+        holds are never dropped, so either bound may be exceeded by them alone."""
         held = [v for v in (*self._active.values(), *self._retiring.values()) if v.weights is not None]
-        excess = len(held) - self.max_loaded_loras
+        count_excess = len(held) - self.max_loaded_loras if self.max_loaded_loras is not None else 0
+        byte_excess = (
+            sum(v.nbytes for v in held) - self.max_cpu_lora_bytes
+            if self.max_cpu_lora_bytes is not None
+            else 0
+        )
         for v in sorted(held, key=lambda v: v.last_used):
-            if excess <= 0:
+            if count_excess <= 0 and byte_excess <= 0:
                 break
-            if v.refs == 0 and not v.pinned:
-                v.weights = None  # re-read from its source (digest-checked) when next needed
-                excess -= 1
+            if v.refs == 0 and not v.pinned and v is not keep:
+                byte_excess -= v.nbytes
+                count_excess -= 1
+                v.weights = None
+
+    def host_bytes(self) -> int:
+        """Bytes of adapter weights held in host memory (the host tier)."""
+        with self._lock:
+            versions = (*self._active.values(), *self._retiring.values())
+            return sum(v.nbytes for v in versions if v.weights is not None)
 
     def _info(self, v: _Version) -> AdapterInfo:
         location = "gpu" if v.slot >= 0 else ("host" if v.weights is not None else "store")
@@ -390,6 +414,9 @@ class LoRAManager(AdapterSlots):
             slot=v.slot,
             evictions=self._evictions.get(v.name, 0),
             uploads=v.uploads,
+            host_hits=self._host_hits.get(v.name, 0),
+            host_misses=self._host_misses.get(v.name, 0),
+            nbytes=v.nbytes,
             queued_requests=self._queued.get(v.name, 0),
             slot_wait_s=self._clock() - self._waiting[v.name] if v.name in self._waiting else 0.0,
         )

@@ -33,6 +33,7 @@ from loraplex.services.inference.lora.settings import (
     LoRAConfig,
     LoRASettings,
     check_backend_device,
+    default_cpu_lora_bytes,
     parse_target_modules,
 )
 from loraplex.services.inference.lora.shapes import ALL_MODULES, EXPERT_MODULES, ModelShapes
@@ -127,7 +128,8 @@ def resolve_lora_settings(
             slots,
             slots,
         )
-    return LoRASettings(slots, max_rank, target_modules, lora.max_loaded_loras, backend, cap)
+    host_bytes = lora.max_cpu_lora_bytes or default_cpu_lora_bytes()
+    return LoRASettings(slots, max_rank, target_modules, lora.max_loaded_loras, backend, cap, host_bytes)
 
 
 def pool_slots_from_memory(
@@ -192,7 +194,10 @@ def build_lora(
             else ExpertLoRA(pool.experts, grouped=False if mode == "loop" else None, span=mode == "span")
         )
     manager = LoRAManager(
-        pool, max_loaded_loras=settings.max_loaded_loras, max_loras_per_batch=settings.max_loras_per_batch
+        pool,
+        max_loaded_loras=settings.max_loaded_loras,
+        max_cpu_lora_bytes=settings.max_cpu_lora_bytes,
+        max_loras_per_batch=settings.max_loras_per_batch,
     )
     for name, path in _local_paths(lora, resolve_source).items():
         manager.load_adapter(name, path)
