@@ -114,7 +114,7 @@ class PrefixCache:
             return []
         if req.adapter is None:
             root = self.base_root
-        elif req.lora_slot >= 0:
+        elif req.lora_slot >= 0 or req.lora_suspended:
             root = req.kv_root  # fixed when its slot was acquired
         else:  # a hint until acquire: `confirm_root` checks it against the slot's version
             digest = self.adapter_slots.content_digest(req.adapter)

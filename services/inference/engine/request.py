@@ -32,7 +32,10 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
-    lora_slot: int = -1  # adapter slot while running; -1 = base model / not acquired
+    lora_slot: int = -1  # adapter slot while running; -1 = base model / not acquired / suspended
+    # Gave its slot up for another adapter (AdapterSlots.suspend) and keeps its adapter version and
+    # KV; it computes again once `resume` hands it a slot, whichever index that is.
+    lora_suspended: bool = False
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

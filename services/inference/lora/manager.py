@@ -49,7 +49,10 @@ log = logging.getLogger(__name__)
 RESERVE_S = 2.0
 # How long a waiter in the slot queue waits for a slot to free by itself before one is drained for it;
 # also what one queued request is worth in the queue's order (see slot_choice.next_waiter).
-SLOT_WAIT_S = 1.0
+SLOT_WAIT_S = 0.25
+# A slot placed this recently is not drained for another waiter (the rotation's quantum: each
+# upload buys its adapter at least this long on the GPU, so slots cannot thrash).
+MIN_RESIDENT_S = 0.5
 
 
 @dataclass(eq=False)
@@ -64,7 +67,8 @@ class _Version:
     chat_template: str | None = None  # read with the weights at load time; kept when they are dropped
     nbytes: int = 0  # of the host copy (the same each time it is re-read: the digest is checked)
     pinned: bool = False
-    refs: int = 0
+    refs: int = 0  # requests computing on its slot (acquire/resume .. release/suspend)
+    held: int = 0  # suspended requests: they keep this version (and their KV) but no slot
     slot: int = -1
     last_used: float = 0.0
     placed_at: float = 0.0
@@ -83,6 +87,7 @@ class LoRAManager(AdapterSlots):
         max_cpu_lora_bytes: int | None = None,
         max_loras_per_batch: int | None = None,
         slot_wait_s: float = SLOT_WAIT_S,
+        min_resident_s: float = MIN_RESIDENT_S,
         max_draining: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -91,6 +96,7 @@ class LoRAManager(AdapterSlots):
         self.max_cpu_lora_bytes = max_cpu_lora_bytes
         self.max_loras_per_batch = max_loras_per_batch
         self.slot_wait_s = slot_wait_s
+        self.min_resident_s = min_resident_s
         self.max_draining = max_draining or max(1, pool.slots // 4)
         self._clock = clock
         self._lock = threading.RLock()
@@ -106,6 +112,7 @@ class LoRAManager(AdapterSlots):
         self._host_hits: dict[str, int] = {}
         self._host_misses: dict[str, int] = {}
         self.upload_bytes = 0
+        self.num_suspensions = 0  # running requests that gave their slot up (suspend), cumulative
 
     # ----- registry (any thread) -----
 
@@ -213,27 +220,56 @@ class LoRAManager(AdapterSlots):
             version.last_used = self._clock()
             if name in self._retiring:
                 return None
-            if version.slot < 0 and name in self._waiting:
-                if self._next_waiter() == name:
-                    self._rebalance()  # the head checks for a slot freed by time (reservations)
-                if version.slot < 0:
-                    return None  # still queued: release and note_queued move the queue
-            if version.slot < 0:
-                slot = None if self._waiting else self._evictable_slot()  # earlier waiters first
-                if slot is None:
-                    self._waiting[name] = self._clock()
-                    self._rebalance()
-                    if version.slot < 0:
-                        return None
-                elif not self._place(version, slot):
-                    raise AdapterNotFound(
-                        f"adapter {name!r} could not be re-read from {version.source}", adapter=name
-                    )
-            if version.slot in self._draining or not self.pool.ready(version.slot):
+            if not self._claim(version):
                 return None
             version.refs += 1
             version.reserved_until = 0.0
             return version.slot
+
+    def suspend(self, name: str) -> None:
+        """A running request of `name` gives up its slot and keeps its version (the scheduler keeps
+        its KV): the slot frees when no request computes on it, and `resume` takes one again."""
+        with self._lock:
+            version = self._retiring.get(name) or self._active.get(name)
+            if version is None or version.refs == 0:
+                log.warning("suspend(%r) without a matching acquire", name)
+                return
+            version.refs -= 1
+            version.held += 1
+            self.num_suspensions += 1
+            if version.refs == 0:
+                self._draining.discard(version.slot)
+                self._rebalance()
+
+    def resume(self, name: str) -> int | None:
+        """A slot holding the version a suspended request of `name` kept, or None (it waits in the
+        slot queue like any adapter; an upload may have started)."""
+        with self._lock:
+            version = self._retiring.get(name) or self._active.get(name)
+            if version is None or version.held == 0:
+                raise AdapterNotFound(f"adapter {name!r} has no suspended request to resume", adapter=name)
+            version.last_used = self._clock()
+            if not self._claim(version):
+                return None
+            version.held -= 1
+            version.refs += 1
+            version.reserved_until = 0.0
+            return version.slot
+
+    def release_suspended(self, name: str) -> None:
+        """A suspended request of `name` finished or was aborted without resuming."""
+        with self._lock:
+            version = self._retiring.get(name) or self._active.get(name)
+            if version is None or version.held == 0:
+                log.warning("release_suspended(%r) without a matching suspend", name)
+                return
+            version.held -= 1
+            self._forget_if_retired(version)
+
+    def yielding(self) -> frozenset[str]:
+        """Adapters whose slot drains for a waiting adapter: their running requests should suspend."""
+        with self._lock:
+            return frozenset(v.name for s in self._draining if (v := self._slots[s]) is not None and v.refs)
 
     def prefetch(self, name: str) -> None:
         """Upload `name` into an idle slot ahead of its requests (the scheduler's hint).
@@ -267,9 +303,7 @@ class LoRAManager(AdapterSlots):
             if version.refs > 0:
                 return
             self._draining.discard(version.slot)
-            if self._retiring.get(name) is version:
-                del self._retiring[name]
-                self._drop(version)
+            self._forget_if_retired(version)
             self._rebalance()
 
     def slot_queue(self) -> dict[str, float]:
@@ -290,8 +324,38 @@ class LoRAManager(AdapterSlots):
             raise AdapterNotFound(f"adapter {name!r} is not loaded", adapter=name)
         return version
 
+    def _claim(self, version: _Version) -> bool:
+        """Make `version` resident and ready for one more request (True), or queue it for a slot."""
+        name = version.name
+        if version.slot < 0 and name in self._waiting:
+            if self._next_waiter() == name:
+                self._rebalance()  # the head checks for a slot freed by time (reservations)
+            if version.slot < 0:
+                return False  # still queued: release and note_queued move the queue
+        if version.slot < 0:
+            slot = None if self._waiting else self._evictable_slot()  # earlier waiters first
+            if slot is None:
+                self._waiting[name] = self._clock()
+                self._rebalance()
+                if version.slot < 0:
+                    return False
+            elif not self._place(version, slot):
+                raise AdapterNotFound(
+                    f"adapter {name!r} could not be re-read from {version.source}", adapter=name
+                )
+        return version.slot not in self._draining and self.pool.ready(version.slot)
+
+    def _forget_if_retired(self, version: _Version) -> None:
+        if version.refs == 0 and version.held == 0 and self._retiring.get(version.name) is version:
+            del self._retiring[version.name]
+            self._drop(version)
+
+    def _version_of(self, name: str) -> _Version | None:
+        """The version a request of `name` would compute on: the retiring one while it has requests."""
+        return self._retiring.get(name) or self._active.get(name)
+
     def _retire(self, version: _Version) -> None:
-        if version.refs == 0:
+        if version.refs == 0 and version.held == 0:
             self._drop(version)
             return
         stale = self._retiring.get(version.name)
@@ -308,6 +372,10 @@ class LoRAManager(AdapterSlots):
 
     def _evictable_slot(self) -> int | None:
         return evictable_slot(self._slots, self._queued, self._draining, self._clock())
+
+    def _drainable_slots(self, count: int) -> list[int]:
+        placed_before = self._clock() - self.min_resident_s
+        return cheapest_busy_slots(self._slots, self._queued, self._draining, count, placed_before)
 
     def _place(self, version: _Version, slot: int) -> bool:
         """Upload `version` into `slot`, evicting its occupant (refcount 0). False if unreadable."""
@@ -354,8 +422,9 @@ class LoRAManager(AdapterSlots):
         """Serve waiting adapters from evictable slots, then drain busy slots for aged waiters."""
         while self._waiting:
             name = self._next_waiter()
-            version = self._active.get(name)
-            if version is None or version.slot >= 0 or name in self._retiring:
+            version = self._version_of(name)
+            retiring_idle = version is not None and version is self._retiring.get(name) and not version.held
+            if version is None or version.slot >= 0 or retiring_idle:
                 self._waiting.pop(name)
                 continue
             slot = self._evictable_slot()
@@ -367,7 +436,7 @@ class LoRAManager(AdapterSlots):
         aged = sum(1 for since in self._waiting.values() if since <= deadline)
         need = min(aged, self.max_draining) - len(self._draining)
         if need > 0:
-            for slot in cheapest_busy_slots(self._slots, self._queued, self._draining, need):
+            for slot in self._drainable_slots(need):
                 self._draining.add(slot)
 
     def _next_waiter(self) -> str:
@@ -388,7 +457,7 @@ class LoRAManager(AdapterSlots):
         for v in sorted(held, key=lambda v: v.last_used):
             if count_excess <= 0 and byte_excess <= 0:
                 break
-            if v.refs == 0 and not v.pinned and v is not keep:
+            if v.refs == 0 and v.held == 0 and not v.pinned and v is not keep:
                 byte_excess -= v.nbytes
                 count_excess -= 1
                 v.weights = None
@@ -408,7 +477,7 @@ class LoRAManager(AdapterSlots):
             target_modules=list(v.modules),
             location=location,
             pinned=v.pinned,
-            requests_in_flight=v.refs,
+            requests_in_flight=v.refs + v.held,
             source=v.source,
             digest=v.digest,
             slot=v.slot,

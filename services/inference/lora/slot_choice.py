@@ -18,6 +18,7 @@ class SlotHolder(Protocol):
     pinned: bool
     last_used: float
     reserved_until: float  # a slot handed to a waiter is kept for it until then
+    placed_at: float  # when it was uploaded into its slot
 
 
 def evictable_slot(
@@ -47,13 +48,22 @@ def next_waiter(waiting: Mapping[str, float], queued: Mapping[str, int], slot_wa
 
 
 def cheapest_busy_slots(
-    slots: Sequence[SlotHolder | None], queued: Mapping[str, int], draining: set[int], count: int
+    slots: Sequence[SlotHolder | None],
+    queued: Mapping[str, int],
+    draining: set[int],
+    count: int,
+    placed_before: float | None = None,
 ) -> list[int]:
-    """Up to `count` busy unpinned slots, not yet draining, whose loss costs least: fewest queued
+    """Up to `count` busy unpinned slots, not yet draining (and placed no later than `placed_before`,
+    when given: a fresh upload keeps its slot for a quantum), whose loss costs least: fewest queued
     requests, then fewest running, then least recently used."""
     busy = [
         ((queued.get(v.name, 0), v.refs, v.last_used), s)
         for s, v in enumerate(slots)
-        if v is not None and v.refs and not v.pinned and s not in draining
+        if v is not None
+        and v.refs
+        and not v.pinned
+        and s not in draining
+        and (placed_before is None or v.placed_at <= placed_before)
     ]
     return [s for _, s in sorted(busy)[:count]]
