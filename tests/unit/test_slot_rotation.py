@@ -124,6 +124,28 @@ def test_a_fresh_upload_keeps_its_slot_for_the_quantum(tiny_llama_path, adapters
     m.release("h0")
 
 
+def test_the_hot_set_stays_resident_while_colder_slots_rotate(tiny_llama_path, adapters):
+    _, m, clock = make(tiny_llama_path, adapters, slot_wait_s=0.05, min_resident_s=0.0)
+    for t in (0.0, 0.1, 0.2, 0.3):  # h0: four requests, the oldest use
+        clock.now = t
+        assert m.acquire("h0") is not None
+    clock.now = 0.5
+    assert m.acquire("c0") is not None  # c0: one request, the most recent use
+    assert m.acquire("c1") is None
+    clock.now = 0.6
+    m.note_queued({"c1": 1})
+    assert m.yielding() == {"c0"}  # least recently used would be h0; the less popular goes
+    m.suspend("c0")
+    assert m.acquire("c1") is not None
+    # every slot now holds an adapter more popular than the waiter: the least popular still drains
+    for _ in range(2):  # c1: three requests now, still fewer than h0's four
+        assert m.acquire("c1") is not None
+    assert m.resume("c0") is None
+    clock.now = 0.7
+    m.note_queued({})
+    assert m.yielding() == {"c1"}
+
+
 def run_steps(scheduler, clock, steps, step_s, arrivals):
     """Drive the scheduler on the virtual clock; `arrivals(step)` gives the requests added at a
     step. Returns {request id: step of its first computed token}."""

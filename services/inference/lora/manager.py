@@ -29,6 +29,7 @@ registry under the lock, and never touch the pool.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -41,7 +42,12 @@ from loraplex.services.inference.lora.adapter import AdapterWeights, load_adapte
 from loraplex.services.inference.lora.adapter_slots import AdapterInfo, AdapterSlots
 from loraplex.services.inference.lora.config import check_fits, modules_of
 from loraplex.services.inference.lora.pool import AdapterPool
-from loraplex.services.inference.lora.slot_choice import cheapest_busy_slots, evictable_slot, next_waiter
+from loraplex.services.inference.lora.slot_choice import (
+    cheapest_busy_slots,
+    evictable_slot,
+    next_waiter,
+    popularity_after,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +55,14 @@ log = logging.getLogger(__name__)
 RESERVE_S = 2.0
 # How long a waiter in the slot queue waits for a slot to free by itself before one is drained for it;
 # also what one queued request is worth in the queue's order (see slot_choice.next_waiter).
-SLOT_WAIT_S = 0.25
+SLOT_WAIT_S = 0.05
+# What one queued request (not yet started: it owes a first token) is worth in the slot queue's
+# order, in seconds of waiting: adapters with queued requests go before those whose requests all run
+# (suspended), which still age to the front.
+QUEUED_CREDIT_S = 1.0
 # A slot placed this recently is not drained for another waiter (the rotation's quantum: each
 # upload buys its adapter at least this long on the GPU, so slots cannot thrash).
-MIN_RESIDENT_S = 0.5
+MIN_RESIDENT_S = 0.1
 
 
 @dataclass(eq=False)
@@ -74,6 +84,7 @@ class _Version:
     placed_at: float = 0.0
     reserved_until: float = 0.0
     uploads: int = 0
+    popularity: float = -math.inf  # recent request rate (slot_choice.popularity_after)
 
 
 class LoRAManager(AdapterSlots):
@@ -88,6 +99,7 @@ class LoRAManager(AdapterSlots):
         max_loras_per_batch: int | None = None,
         slot_wait_s: float = SLOT_WAIT_S,
         min_resident_s: float = MIN_RESIDENT_S,
+        queued_credit_s: float = QUEUED_CREDIT_S,
         max_draining: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -97,6 +109,7 @@ class LoRAManager(AdapterSlots):
         self.max_loras_per_batch = max_loras_per_batch
         self.slot_wait_s = slot_wait_s
         self.min_resident_s = min_resident_s
+        self.queued_credit_s = queued_credit_s
         self.max_draining = max_draining or max(1, pool.slots // 4)
         self._clock = clock
         self._lock = threading.RLock()
@@ -222,6 +235,7 @@ class LoRAManager(AdapterSlots):
                 return None
             if not self._claim(version):
                 return None
+            version.popularity = popularity_after(version.popularity, version.last_used)
             version.refs += 1
             version.reserved_until = 0.0
             return version.slot
@@ -373,9 +387,11 @@ class LoRAManager(AdapterSlots):
     def _evictable_slot(self) -> int | None:
         return evictable_slot(self._slots, self._queued, self._draining, self._clock())
 
-    def _drainable_slots(self, count: int) -> list[int]:
+    def _drainable_slots(self, count: int, max_popularity: float | None = None) -> list[int]:
         placed_before = self._clock() - self.min_resident_s
-        return cheapest_busy_slots(self._slots, self._queued, self._draining, count, placed_before)
+        return cheapest_busy_slots(
+            self._slots, self._queued, self._draining, count, placed_before, max_popularity
+        )
 
     def _place(self, version: _Version, slot: int) -> bool:
         """Upload `version` into `slot`, evicting its occupant (refcount 0). False if unreadable."""
@@ -432,15 +448,23 @@ class LoRAManager(AdapterSlots):
                 break
             self._waiting.pop(name)
             self._place(version, slot)
-        deadline = self._clock() - self.slot_wait_s
-        aged = sum(1 for since in self._waiting.values() if since <= deadline)
-        need = min(aged, self.max_draining) - len(self._draining)
+        now = self._clock()
+        aged = [n for n, since in self._waiting.items() if since <= now - self.slot_wait_s]
+        need = min(len(aged), self.max_draining) - len(self._draining)
         if need > 0:
-            for slot in self._drainable_slots(need):
+            # Aged waiters drain only adapters no more popular than the most popular of them (its
+            # waiting request counted), so the hot set stays resident while colder slots rotate;
+            # when every unpinned slot holds a more popular adapter, the least popular drains.
+            ceiling: float | None = max(
+                popularity_after(v.popularity, now) for n in aged if (v := self._version_of(n)) is not None
+            )
+            if not any(v is not None and not v.pinned and v.popularity <= ceiling for v in self._slots):
+                ceiling = None
+            for slot in self._drainable_slots(need, ceiling):
                 self._draining.add(slot)
 
     def _next_waiter(self) -> str:
-        return next_waiter(self._waiting, self._queued, self.slot_wait_s)
+        return next_waiter(self._waiting, self._queued, self.queued_credit_s)
 
     def _trim_host_cache(self, keep: _Version | None = None) -> None:
         """The host tier: keep at most `max_loaded_loras` host copies and `max_cpu_lora_bytes` bytes
