@@ -8,7 +8,10 @@ running request needs a block and none is free, the most recently admitted reque
 preempted (its KV freed; it is recomputed when readmitted, from its cached prefix when the
 prefix cache is on). Under `--max-loras-per-batch` only the adapters the step's policy picks
 (engine/adapter_slices.py) compute: other adapters' running requests sit the step out, keeping
-their KV and slot, and their queued requests wait; base requests are never held back.
+their KV and slot, and their queued requests wait; base requests are never held back. When the
+adapter slots drain a slot for a waiting adapter (`AdapterSlots.yielding`), the requests on it
+suspend at the start of the step: they keep their KV and adapter version, give the slot up, sit
+out, and resume on whichever slot they get next (the LoRA manager's policy).
 
 With the prefix cache on (engine/prefix_cache.py, engine/block_manager.py), a request admitted
 starts from the longest run of cached full blocks computed by the same content (its adapter

@@ -5,21 +5,23 @@ Invariants (the choices themselves, eviction, queue order and drains: lora/slot_
   content makes the old version *retiring*; new requests for the name wait (`acquire` -> None)
   until the retiring version's running requests finish, so no request mixes two versions and
   `release(name)` is never ambiguous (at most one version of a name holds references).
-- A slot is freed or re-used only when its version has no running request (refcount 0).
-  Eviction takes the idle slot whose loss costs least: an empty one, else the adapter with the
-  fewest queued requests (as the scheduler last reported them), least recently used among ties.
+- A slot is freed or re-used only when no request computes on it (`refs` 0). A request that
+  gave its slot up (`suspend`: the scheduler keeps its KV) still holds its version (`held`), so a
+  version is dropped, and its host copy trimmed, only with `refs` and `held` both 0.
 - Admission without a cliff: a slot is a scheduling resource, not a request limit. Resident
-  adapters keep taking new requests while others wait for a slot. An adapter refused a slot
-  joins the slot queue, served longest-waiting first where each of its queued requests counts
-  as `slot_wait_s` of waiting (a popular adapter overtakes cold ones; a later arrival overtakes
-  only with more queued requests than seconds since, so every waiter ages to the front). Once a
-  waiter has waited `slot_wait_s` (aged), the busy slot whose loss costs least (fewest queued
-  requests, then fewest running) stops taking new requests (*draining*) and goes to the queue's
-  front when its running requests finish. At most `max_draining` slots drain at once (a quarter
-  of the slots, at least one), so the batch stays mostly full while adapters rotate. Bound: the
-  front of the queue gets a slot within `slot_wait_s` plus the remaining output of the requests
-  running on the slot drained for it (at most their `max_new_tokens` steps). At most
-  `slots - 1` adapters may be pinned so one slot always rotates.
+  adapters keep taking new requests while others wait. An adapter refused a slot joins the slot
+  queue, served longest-waiting first where each queued request counts as `queued_credit_s` of
+  waiting (every waiter ages to the front). Once a waiter has waited `slot_wait_s`, busy slots
+  drain for the aged waiters (at most `max_draining` at once): a draining slot takes no new
+  requests and the scheduler suspends the requests on it (`yielding`), so it frees at the next
+  step. Only slots placed `min_resident_s` ago drain (the quantum), least popular first, and only
+  adapters no more popular than the most popular aged waiter unless every slot holds a hotter one.
+  Bound: the queue's front gets a slot within `slot_wait_s` + `min_resident_s` + 2 steps
+  (docs/architecture.md, "LoRA manager", states the rest). At most `slots - 1` adapters may be
+  pinned so one slot always rotates; pinned slots never drain.
+- The host tier: host copies beyond `max_loaded_loras` (a count) or `max_cpu_lora_bytes` are
+  dropped least recently used first (never one a request or pin holds) and re-read, digest-checked,
+  from their source when next placed.
 
 Threads: `acquire`/`release` run on the engine thread (they write the pool, ordered on its
 compute stream). `load`/`unload`/`pin`/`list` may run on any thread; they only change the
