@@ -91,6 +91,16 @@ class Metrics:
         self.adapters_waiting = Gauge(
             "loraplex_lora_adapters_waiting", "Adapters waiting for a GPU slot", registry=r
         )
+        self.requests_suspended = Gauge(
+            "loraplex_lora_requests_suspended",
+            "Running requests that gave their GPU slot up for a waiting adapter (KV kept) and wait to resume",
+            registry=r,
+        )
+        self.suspensions = Counter(
+            "loraplex_lora_suspensions",
+            "Running requests that gave their GPU slot up for a waiting adapter",
+            registry=r,
+        )
         self.adapter_slot_wait = Gauge(
             "loraplex_adapter_slot_wait_seconds",
             "How long the adapter has been waiting for a GPU slot (0: not waiting)",
@@ -292,10 +302,12 @@ class Metrics:
         self.slots_used.set(stats.lora_slots_used)
         self.slots_draining.set(stats.lora_slots_draining)
         self.adapters_waiting.set(stats.lora_adapters_waiting)
+        self.requests_suspended.set(stats.lora_requests_suspended)
+        self._follow(self.suspensions, "lora_suspensions", stats.lora_suspensions)
         self.prefix_cache_enabled.set(1 if stats.prefix_cache_enabled else 0)
         self.prefix_cache_blocks.set(stats.prefix_cache_blocks)
         self._follow(self.prefix_cache_evictions, "evictions", stats.prefix_cache_evictions)
-        reported = {"evictions"}
+        reported = {"evictions", "lora_suspensions"}
         for kind, metric, totals in (
             ("prompt:", self.prefix_cache_prompt_tokens, stats.prefix_cache_prompt_tokens),
             ("hit:", self.prefix_cache_hit_tokens, stats.prefix_cache_hit_tokens),

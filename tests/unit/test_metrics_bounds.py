@@ -42,3 +42,16 @@ def test_host_tier_and_upload_bytes_follow_the_manager_totals_once():
     assert value("loraplex_lora_uploads_by_decile_total", {"popularity_decile": "5"}) == 1
     metrics.prune({"hot"})
     assert not any(k.endswith(":cold") for k in metrics._last_host)
+
+
+def test_suspensions_follow_the_engine_total_once():
+    from loraplex.services.inference.engine.types import EngineStats
+
+    metrics = Metrics()
+    value = metrics.registry.get_sample_value
+    for total in (3, 3, 5):  # an unchanged total adds nothing
+        metrics.observe_engine(
+            EngineStats(0, 4, 10, 10, 2, 2, lora_suspensions=total, lora_requests_suspended=2)
+        )
+    assert value("loraplex_lora_suspensions_total") == 5
+    assert value("loraplex_lora_requests_suspended") == 2

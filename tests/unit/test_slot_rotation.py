@@ -208,6 +208,7 @@ def test_cancel_while_an_upload_is_in_flight(tiny_llama_path, adapters):
         advance(scheduler, scheduler.schedule())
     assert m._active["c0"].slot in m.pool.in_flight and m.num_suspensions >= 1
     assert cold.lora_slot < 0 and any(r.lora_suspended for r in longs)
+    assert m.requests_suspended() == sum(r.lora_suspended for r in longs) and m.suspensions() >= 1
     scheduler.finish(cold, "abort")  # the client goes while c0's upload is in flight
     m.pool.finish_uploads()
     for step in range(6, 200):  # the reservation for c0 lapses; h0 resumes; everything finishes

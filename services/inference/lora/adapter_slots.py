@@ -111,6 +111,14 @@ class AdapterSlots(ABC):
     def slots_draining(self) -> int:
         return 0
 
+    def suspensions(self) -> int:
+        """Running requests that gave their slot up for a waiting adapter so far (cumulative)."""
+        return 0
+
+    def requests_suspended(self) -> int:
+        """Requests suspended now (KV kept, no slot)."""
+        return 0
+
     def slot_queue(self) -> dict[str, float]:
         """Adapters waiting for a slot -> seconds waited so far."""
         return {}

@@ -328,6 +328,13 @@ class LoRAManager(AdapterSlots):
             now = self._clock()
             return {name: now - since for name, since in self._waiting.items()}
 
+    def suspensions(self) -> int:
+        return self.num_suspensions
+
+    def requests_suspended(self) -> int:
+        with self._lock:
+            return sum(v.held for v in (*self._active.values(), *self._retiring.values()))
+
     def slots_draining(self) -> int:
         with self._lock:
             return len(self._draining)
