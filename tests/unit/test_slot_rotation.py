@@ -234,11 +234,16 @@ def test_cancel_while_an_upload_is_in_flight(tiny_llama_path, adapters):
     assert no_references_left(m)
 
 
+@pytest.mark.parametrize("kv_tokens", [8192, 64], ids=["roomy-kv", "tight-kv-preempts"])
 def test_greedy_outputs_match_peft_when_requests_rotate_mid_generation(
-    tiny_llama_path, adapter_factory, one_torch_thread
+    tiny_llama_path, adapter_factory, one_torch_thread, kv_tokens
 ):
     adapters = make_adapters(adapter_factory, tiny_llama_path, "e2e-tiny")
-    engine = sync_engine(server_args(tiny_llama_path, adapters, max_loras_per_batch=None, max_gpu_loras=2))
+    engine = sync_engine(
+        server_args(
+            tiny_llama_path, adapters, max_loras_per_batch=None, max_gpu_loras=2, max_total_tokens=kv_tokens
+        )
+    )
     manager = engine.adapter_slots
     manager.slot_wait_s, manager.min_resident_s = 0.0, 0.0  # a waiter takes a slot at every step
     names = ["r4", "r8rs", "r16", "r64", None, "r4", "r64"]
@@ -249,4 +254,6 @@ def test_greedy_outputs_match_peft_when_requests_rotate_mid_generation(
     for out, exp, (_, name) in zip(outs, expected, jobs, strict=True):
         assert out.token_ids == exp, f"adapter {name}: engine {out.token_ids} != PEFT {exp}"
     assert manager.num_suspensions >= 4, "requests gave their slots up mid-generation"
+    if kv_tokens < 8192:
+        assert engine.scheduler.num_preemptions > 0, "suspended requests were preempted and resumed too"
     assert no_references_left(manager)
