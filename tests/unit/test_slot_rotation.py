@@ -191,6 +191,47 @@ def test_waits_are_bounded_and_nobody_starves(tiny_llama_path, adapters):
     assert not scheduler.has_work() and no_references_left(m)
 
 
+def test_random_zipf_load_on_few_slots_bounds_every_wait(tiny_llama_path, adapters):
+    """Six adapters on two slots, Zipf-like random arrivals of random lengths: every request is
+    scheduled within the stated bound for a waiter behind all the others, and every one finishes."""
+    import random
+
+    rng = random.Random(7)
+    step_s, wait_s, quantum = 0.02, 0.05, 0.1
+    scheduler, m, clock = make(tiny_llama_path, adapters, slot_wait_s=wait_s, min_resident_s=quantum)
+    weights = [1 / (i + 1) for i in range(len(NAMES))]
+    arrived: dict[str, tuple[int, Request]] = {}
+
+    def arrivals(step):
+        if step >= 300 or rng.random() > 0.5:
+            return []
+        name = rng.choices(NAMES, weights)[0]
+        r = req(f"{name}-{step}", name, rng.randint(4, 30))
+        arrived[r.request_id] = (step, r)
+        return [r]
+
+    queued_max = 0
+    original = scheduler._report_queued
+
+    def report_queued():  # the most requests of one adapter queued at once (the overtaking allowance)
+        nonlocal queued_max
+        counts = [sum(r.adapter == n for r in scheduler.waiting) for n in NAMES]
+        queued_max = max(queued_max, *counts)
+        original()
+
+    scheduler._report_queued = report_queued
+    first = run_steps(scheduler, clock, 1500, step_s, arrivals)
+    waits = [first[rid] - step for rid, (step, _) in arrived.items()]
+    # behind at most the other adapters (k = 5), one drain at a time (2 slots: max_draining 1), plus
+    # the overtaking allowance (a later arrival goes first only with more queued requests than
+    # seconds since, at QUEUED_CREDIT_S each)
+    k = len(NAMES) - 1
+    bound_s = wait_s + (k + 1) * (quantum + 2 * step_s) + queued_max * m.queued_credit_s
+    assert max(waits) * step_s <= bound_s, (max(waits) * step_s, bound_s)
+    assert all(r.finished for _, r in arrived.values()) and no_references_left(m)
+    assert m.num_suspensions > 0
+
+
 def test_cancel_while_an_upload_is_in_flight(tiny_llama_path, adapters):
     scheduler, m, clock = make(
         tiny_llama_path, adapters, pool_cls=UploadGate, slot_wait_s=0.1, min_resident_s=0.0
