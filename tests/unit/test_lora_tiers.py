@@ -94,3 +94,18 @@ def test_default_byte_bound_is_a_fraction_of_available_memory():
     assert default is not None and 0 < default < 2**50
     with pytest.raises(ValueError, match="--max-cpu-lora-bytes"):
         LoRAConfig(max_cpu_lora_bytes=0)
+
+
+def test_the_flag_reaches_the_manager_and_defaults_from_memory(tiny_llama_path, adapters, one_torch_thread):
+    from tests.support.lora_reference import lora_settings, server_args, sync_engine
+
+    shapes, cpu = ModelShapes.from_model_dir(tiny_llama_path), torch.device("cpu")
+    default = lora_settings(server_args(tiny_llama_path), shapes, cpu)
+    assert default.max_cpu_lora_bytes == default_cpu_lora_bytes() or (
+        # available memory moves between the two reads; the same fraction of it, within 5%
+        abs(default.max_cpu_lora_bytes - default_cpu_lora_bytes()) < 0.05 * default.max_cpu_lora_bytes
+    )
+    size = load_adapter_weights(adapters["t0"], shapes).nbytes
+    engine = sync_engine(server_args(tiny_llama_path, adapters, max_cpu_lora_bytes=size))
+    assert engine.adapter_slots.max_cpu_lora_bytes == size
+    assert engine.adapter_slots.host_bytes() == size  # four loaded, one host copy kept
