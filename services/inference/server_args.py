@@ -301,6 +301,21 @@ def build_parser() -> argparse.ArgumentParser:
         f"a pin holds are kept regardless. Default {CPU_LORA_MEMORY_FRACTION:g} of the host memory "
         "available at start-up",
     )
+    a(
+        "--lora-slot-wait",
+        type=float,
+        default=lo.lora_slot_wait,
+        help="seconds an adapter waits for a GPU slot to free by itself before a busy one is drained "
+        "for it (its requests give the slot up and resume later, KV kept); default 0.05",
+    )
+    a(
+        "--lora-rotation-quantum",
+        type=float,
+        default=lo.lora_rotation_quantum,
+        help="seconds an adapter keeps a GPU slot it was uploaded into before the slot may be drained "
+        "for another (the rotation's quantum; raise it for large adapters whose upload takes a good "
+        "part of it); default 0.1",
+    )
     a("--adapter-store", default=s.adapter_store, help="HOST:PORT of the adapter store, or 'none'")
     a(
         "--adapter-cache-dir",

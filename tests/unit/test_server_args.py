@@ -105,6 +105,8 @@ def test_switches_and_environment(monkeypatch):
         (["--max-lora-rank", "0"], "--max-lora-rank must be >= 1"),
         (["--max-loaded-loras", "0"], "--max-loaded-loras must be >= 1"),
         (["--max-cpu-lora-bytes", "0"], "--max-cpu-lora-bytes must be >= 1"),
+        (["--lora-slot-wait", "-1"], "--lora-slot-wait must be in [0, 3600) seconds"),
+        (["--lora-rotation-quantum", "1e9"], "--lora-rotation-quantum must be in [0, 3600) seconds"),
         (["--lora-target-modules", "wq"], "--lora-target-modules: unknown wq"),
         (["--lora-target-modules"], "--lora-target-modules needs at least one module"),
         (["--lora-paths", "nosep"], "--lora-paths expects NAME=SOURCE"),

@@ -15,7 +15,7 @@ from loraplex.services.inference.engine.config import SchedulerConfig
 from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.scheduler import Scheduler
 from loraplex.services.inference.engine.types import SamplingParams
-from loraplex.services.inference.lora.manager import LoRAManager
+from loraplex.services.inference.lora.manager import MIN_RESIDENT_S, SLOT_WAIT_S, LoRAManager
 from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
 from tests.support.lora_reference import make_adapters, peft_greedy, server_args, sync_engine
@@ -298,3 +298,15 @@ def test_greedy_outputs_match_peft_when_requests_rotate_mid_generation(
     if kv_tokens < 8192:
         assert engine.scheduler.num_preemptions > 0, "suspended requests were preempted and resumed too"
     assert no_references_left(manager)
+
+
+def test_slot_timings_are_flags(tiny_llama_path, adapters, one_torch_thread):
+    engine = sync_engine(
+        server_args(tiny_llama_path, adapters, lora_slot_wait=0.2, lora_rotation_quantum=0.3)
+    )
+    assert (engine.adapter_slots.slot_wait_s, engine.adapter_slots.min_resident_s) == (0.2, 0.3)
+    default = sync_engine(server_args(tiny_llama_path, adapters))
+    assert (default.adapter_slots.slot_wait_s, default.adapter_slots.min_resident_s) == (
+        SLOT_WAIT_S,
+        MIN_RESIDENT_S,
+    )

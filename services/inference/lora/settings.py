@@ -118,6 +118,10 @@ class LoRAConfig:
     max_loaded_loras: int | None = None  # host cache size; None = unbounded
     # Host tier in bytes (LRU beyond it); None: CPU_LORA_MEMORY_FRACTION of available host memory.
     max_cpu_lora_bytes: int | None = None
+    # The slot queue's timings (lora/manager.py; None: its SLOT_WAIT_S and MIN_RESIDENT_S): how long a
+    # waiting adapter waits before a busy slot is drained for it, and how long an upload keeps its slot.
+    lora_slot_wait: float | None = None
+    lora_rotation_quantum: float | None = None
     expert_lora_mode: str = "auto"  # one of EXPERT_LORA_MODES
 
     def __post_init__(self) -> None:
@@ -126,6 +130,12 @@ class LoRAConfig:
         _at_least_one("--max-lora-rank", self.max_lora_rank)
         _at_least_one("--max-loaded-loras", self.max_loaded_loras)
         _at_least_one("--max-cpu-lora-bytes", self.max_cpu_lora_bytes)
+        for flag, seconds in (
+            ("--lora-slot-wait", self.lora_slot_wait),
+            ("--lora-rotation-quantum", self.lora_rotation_quantum),
+        ):
+            if seconds is not None and not 0 <= seconds < 3600:
+                raise ValueError(f"{flag} must be in [0, 3600) seconds (got {seconds})")
         if self.lora_backend is not None and self.lora_backend not in LORA_BACKENDS:
             raise ValueError(
                 f"--lora-backend must be one of {', '.join(LORA_BACKENDS)} (got {self.lora_backend!r})"
@@ -156,6 +166,7 @@ class LoRASettings:
     backend: str  # "torch" | "triton"
     max_loras_per_batch: int | None = None  # distinct adapters per step; None: up to pool_slots
     max_cpu_lora_bytes: int | None = None  # the host tier's byte bound (None: unbounded)
+    slot_timings: tuple[tuple[str, float], ...] = ()  # LoRAManager keyword arguments (slot_wait_s, ...)
 
     @property
     def distinct_per_batch(self) -> int:

@@ -129,7 +129,17 @@ def resolve_lora_settings(
             slots,
         )
     host_bytes = lora.max_cpu_lora_bytes or default_cpu_lora_bytes()
-    return LoRASettings(slots, max_rank, target_modules, lora.max_loaded_loras, backend, cap, host_bytes)
+    timings = tuple(
+        (name, seconds)
+        for name, seconds in (
+            ("slot_wait_s", lora.lora_slot_wait),
+            ("min_resident_s", lora.lora_rotation_quantum),
+        )
+        if seconds is not None
+    )
+    return LoRASettings(
+        slots, max_rank, target_modules, lora.max_loaded_loras, backend, cap, host_bytes, timings
+    )
 
 
 def pool_slots_from_memory(
@@ -198,6 +208,7 @@ def build_lora(
         max_loaded_loras=settings.max_loaded_loras,
         max_cpu_lora_bytes=settings.max_cpu_lora_bytes,
         max_loras_per_batch=settings.max_loras_per_batch,
+        **dict(settings.slot_timings),
     )
     for name, path in _local_paths(lora, resolve_source).items():
         manager.load_adapter(name, path)
