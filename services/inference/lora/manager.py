@@ -43,6 +43,7 @@ from loraplex.services.inference.errors import AdapterNotFound, CapacityExceeded
 from loraplex.services.inference.lora.adapter import AdapterWeights, load_adapter_weights
 from loraplex.services.inference.lora.adapter_slots import AdapterInfo, AdapterSlots
 from loraplex.services.inference.lora.config import check_fits, modules_of
+from loraplex.services.inference.lora.host_tier import copies_to_drop
 from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.slot_choice import (
     cheapest_busy_slots,
@@ -476,24 +477,10 @@ class LoRAManager(AdapterSlots):
         return next_waiter(self._waiting, self._queued, self.queued_credit_s)
 
     def _trim_host_cache(self, keep: _Version | None = None) -> None:
-        """The host tier: keep at most `max_loaded_loras` host copies and `max_cpu_lora_bytes` bytes
-        of them, dropping least recently used copies that no request or pin needs (those are
-        re-read from their source, digest-checked, when next placed). Copies a request or a pin
-        holds are never dropped, so either bound may be exceeded by them alone."""
+        """Apply the host tier's bounds (lora/host_tier.py): dropped copies are re-read when needed."""
         held = [v for v in (*self._active.values(), *self._retiring.values()) if v.weights is not None]
-        count_excess = len(held) - self.max_loaded_loras if self.max_loaded_loras is not None else 0
-        byte_excess = (
-            sum(v.nbytes for v in held) - self.max_cpu_lora_bytes
-            if self.max_cpu_lora_bytes is not None
-            else 0
-        )
-        for v in sorted(held, key=lambda v: v.last_used):
-            if count_excess <= 0 and byte_excess <= 0:
-                break
-            if v.refs == 0 and v.held == 0 and not v.pinned and v is not keep:
-                byte_excess -= v.nbytes
-                count_excess -= 1
-                v.weights = None
+        for v in copies_to_drop(held, self.max_loaded_loras, self.max_cpu_lora_bytes, keep):
+            v.weights = None
 
     def host_bytes(self) -> int:
         """Bytes of adapter weights held in host memory (the host tier)."""
