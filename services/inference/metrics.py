@@ -95,6 +95,16 @@ class Metrics:
         self.adapters_waiting = Gauge(
             "loraplex_lora_adapters_waiting", "Adapters waiting for a GPU slot", registry=r
         )
+        self.requests_suspended = Gauge(
+            "loraplex_lora_requests_suspended",
+            "Running requests that gave their GPU slot up for a waiting adapter (KV kept) and wait to resume",
+            registry=r,
+        )
+        self.suspensions = Counter(
+            "loraplex_lora_suspensions",
+            "Running requests that gave their GPU slot up for a waiting adapter",
+            registry=r,
+        )
         self.adapter_slot_wait = Gauge(
             "loraplex_adapter_slot_wait_seconds",
             "How long the adapter has been waiting for a GPU slot (0: not waiting)",
@@ -205,6 +215,7 @@ class Metrics:
         self._fleet_names: set[str] = set()
         self._last_evictions: dict[str, int] = {}
         self._last_uploads: dict[str, int] = {}
+        self._last_host: dict[str, int] = {}  # "hit:NAME" / "miss:NAME" -> the manager's total
         self._last_engine_totals: dict[str, int] = {}
 
     # -- bounded adapter labels --------------------------------------------------------------
@@ -258,6 +269,8 @@ class Metrics:
         for state in (self._last_evictions, self._last_uploads, self._popularity):
             for name in state.keys() - live:
                 del state[name]
+        for key in [k for k in self._last_host if k.split(":", 1)[1] not in live]:
+            del self._last_host[key]
         return gone
 
     def adapter_series(self) -> int:
@@ -297,10 +310,12 @@ class Metrics:
         self.slots_used.set(stats.lora_slots_used)
         self.slots_draining.set(stats.lora_slots_draining)
         self.adapters_waiting.set(stats.lora_adapters_waiting)
+        self.requests_suspended.set(stats.lora_requests_suspended)
+        self._follow(self.suspensions, "lora_suspensions", stats.lora_suspensions)
         self.prefix_cache_enabled.set(1 if stats.prefix_cache_enabled else 0)
         self.prefix_cache_blocks.set(stats.prefix_cache_blocks)
         self._follow(self.prefix_cache_evictions, "evictions", stats.prefix_cache_evictions)
-        reported = {"evictions"}
+        reported = {"evictions", "lora_suspensions"}
         for kind, metric, totals in (
             ("prompt:", self.prefix_cache_prompt_tokens, stats.prefix_cache_prompt_tokens),
             ("hit:", self.prefix_cache_hit_tokens, stats.prefix_cache_hit_tokens),
@@ -344,6 +359,16 @@ class Metrics:
             if delta > 0:
                 self.adapter_uploads.labels(label).inc(delta)
                 self.uploads.inc(delta)
+                self.upload_bytes.inc(delta * info.nbytes)
+                self.uploads_by_decile.labels(self._decile_of(info.name)).inc(delta)
+            for counter, key, total in (
+                (self.host_hits, "hit:", info.host_hits),
+                (self.host_misses, "miss:", info.host_misses),
+            ):
+                delta = total - self._last_host.get(key + info.name, 0)
+                if delta > 0:
+                    counter.inc(delta)
+                self._last_host[key + info.name] = total
             # kept for "_other" adapters too (else their whole total counts again every refresh);
             # prune drops it once the adapter is gone
             self._last_evictions[info.name] = info.evictions
@@ -416,6 +441,27 @@ class Metrics:
             registry=r,
         )
         self.uploads = Counter("loraplex_lora_uploads", "Adapters copied into a GPU slot", registry=r)
+        self.uploads_by_decile = Counter(
+            "loraplex_lora_uploads_by_decile",
+            "Adapters copied into a GPU slot, by the adapter's popularity decile (as queue_seconds)",
+            ["popularity_decile"],
+            registry=r,
+        )
+        self.upload_bytes = Counter(
+            "loraplex_lora_upload_bytes",
+            "Bytes of adapter weights copied host-to-GPU (rate() is bytes moved per second)",
+            registry=r,
+        )
+        self.host_hits = Counter(
+            "loraplex_lora_host_tier_hits",
+            "Uploads served from the adapter's host copy (the host tier)",
+            registry=r,
+        )
+        self.host_misses = Counter(
+            "loraplex_lora_host_tier_misses",
+            "Uploads that re-read the adapter from its source first (not in the host tier)",
+            registry=r,
+        )
         self._popularity: dict[str, int] = {}
 
     def popularity_decile(self, adapter: str | None) -> str:
@@ -425,6 +471,14 @@ class Metrics:
         counts = self._popularity
         counts[adapter] = mine = counts.get(adapter, 0) + 1
         ahead = sum(1 for c in counts.values() if c > mine)
+        return str(ahead * 10 // len(counts))
+
+    def _decile_of(self, adapter: str) -> str:
+        """`adapter`'s popularity decile now, without counting a request."""
+        counts = self._popularity
+        if adapter not in counts:
+            return "9"  # no request seen yet: the coldest
+        ahead = sum(1 for c in counts.values() if c > counts[adapter])
         return str(ahead * 10 // len(counts))
 
     def observe_queue_time(self, adapter: str | None, seconds: float) -> None:

@@ -25,6 +25,7 @@ from loraplex.services.inference.engine.config import (
 )
 from loraplex.services.inference.lora.names import is_served_model_name
 from loraplex.services.inference.lora.settings import (
+    CPU_LORA_MEMORY_FRACTION,
     DEFAULT_MAX_GPU_LORAS,
     DEFAULT_MAX_LORA_RANK,
     EXPERT_LORA_MODES,
@@ -288,7 +289,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-loaded-loras",
         type=int,
         default=lo.max_loaded_loras,
-        help="adapters kept in host memory (LRU beyond it, re-read from source); default unbounded",
+        help="adapters kept in host memory (LRU beyond it, re-read from source); default unbounded. "
+        "Combines with --max-cpu-lora-bytes: a copy goes when either bound is exceeded",
+    )
+    a(
+        "--max-cpu-lora-bytes",
+        type=int,
+        default=lo.max_cpu_lora_bytes,
+        help="bytes of adapter weights kept in host memory (pinned on CUDA), the tier below the GPU "
+        "pool: LRU beyond it, re-read from source (disk cache) when next needed; copies a request or "
+        f"a pin holds are kept regardless. Default {CPU_LORA_MEMORY_FRACTION:g} of the host memory "
+        "available at start-up",
+    )
+    a(
+        "--lora-slot-wait",
+        type=float,
+        default=lo.lora_slot_wait,
+        help="seconds an adapter waits for a GPU slot to free by itself before a busy one is drained "
+        "for it (its requests give the slot up and resume later, KV kept); default 0.05",
+    )
+    a(
+        "--lora-rotation-quantum",
+        type=float,
+        default=lo.lora_rotation_quantum,
+        help="seconds an adapter keeps a GPU slot it was uploaded into before the slot may be drained "
+        "for another (the rotation's quantum; raise it for large adapters whose upload takes a good "
+        "part of it); default 0.1",
     )
     a("--adapter-store", default=s.adapter_store, help="HOST:PORT of the adapter store, or 'none'")
     a(

@@ -40,3 +40,35 @@ def test_metrics_port_answers_metrics_only():
             assert exc.code == 404
         else:
             raise AssertionError(f"{path} answered 200")
+
+
+def test_host_tier_and_upload_bytes_follow_the_manager_totals_once():
+    metrics = Metrics()
+    value = metrics.registry.get_sample_value
+    for _ in range(2):
+        metrics.popularity_decile("hot")
+    metrics.popularity_decile("cold")
+    hot = AdapterInfo("hot", 4, 8.0, ["q_proj"], "gpu", uploads=3, host_hits=2, host_misses=1, nbytes=100)
+    cold = AdapterInfo("cold", 4, 8.0, ["q_proj"], "host", uploads=1, host_hits=1, nbytes=50)
+    for _ in range(2):  # a refresh with unchanged totals adds nothing
+        metrics.observe_adapters([hot, cold])
+    assert value("loraplex_lora_upload_bytes_total") == 3 * 100 + 50
+    assert value("loraplex_lora_host_tier_hits_total") == 3
+    assert value("loraplex_lora_host_tier_misses_total") == 1
+    assert value("loraplex_lora_uploads_by_decile_total", {"popularity_decile": "0"}) == 3
+    assert value("loraplex_lora_uploads_by_decile_total", {"popularity_decile": "5"}) == 1
+    metrics.prune({"hot"})
+    assert not any(k.endswith(":cold") for k in metrics._last_host)
+
+
+def test_suspensions_follow_the_engine_total_once():
+    from loraplex.services.inference.engine.types import EngineStats
+
+    metrics = Metrics()
+    value = metrics.registry.get_sample_value
+    for total in (3, 3, 5):  # an unchanged total adds nothing
+        metrics.observe_engine(
+            EngineStats(0, 4, 10, 10, 2, 2, lora_suspensions=total, lora_requests_suspended=2)
+        )
+    assert value("loraplex_lora_suspensions_total") == 5
+    assert value("loraplex_lora_requests_suspended") == 2

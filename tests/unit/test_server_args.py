@@ -56,6 +56,7 @@ def test_the_design_brief_command_line():
             *("--lora-paths", "sql=/adapters/sql", "chat=hub:org/chat"),
             *("--max-loras-per-batch", "8", "--lora-backend", "torch", "--max-lora-rank", "16"),
             *("--lora-target-modules", "q_proj", "k_proj", "--tp-size", "1", "--max-loaded-loras", "4"),
+            *("--max-cpu-lora-bytes", "1000000"),
             *("--adapter-store", "127.0.0.1:50052", "--device", "cpu", "--dtype", "float32"),
             *("--host", "127.0.0.1", "--port", "50051"),
         ]
@@ -67,6 +68,7 @@ def test_the_design_brief_command_line():
         16,
     )
     assert args.lora.lora_target_modules == ("q_proj", "k_proj") and args.lora.max_loaded_loras == 4
+    assert args.lora.max_cpu_lora_bytes == 1_000_000
     assert (args.engine.tp_size, args.engine.dtype, args.adapter_store) == (1, "float32", "127.0.0.1:50052")
 
 
@@ -102,6 +104,9 @@ def test_switches_and_environment(monkeypatch):
         (["--max-gpu-loras", "0"], "--max-gpu-loras must be >= 1"),
         (["--max-lora-rank", "0"], "--max-lora-rank must be >= 1"),
         (["--max-loaded-loras", "0"], "--max-loaded-loras must be >= 1"),
+        (["--max-cpu-lora-bytes", "0"], "--max-cpu-lora-bytes must be >= 1"),
+        (["--lora-slot-wait", "-1"], "--lora-slot-wait must be in [0, 3600) seconds"),
+        (["--lora-rotation-quantum", "1e9"], "--lora-rotation-quantum must be in [0, 3600) seconds"),
         (["--lora-target-modules", "wq"], "--lora-target-modules: unknown wq"),
         (["--lora-target-modules"], "--lora-target-modules needs at least one module"),
         (["--lora-paths", "nosep"], "--lora-paths expects NAME=SOURCE"),

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.services.inference.lora.slot_choice import cheapest_busy_slots, evictable_slot, next_waiter
+import pytest
+
+from loraplex.services.inference.lora.slot_choice import (
+    cheapest_busy_slots,
+    evictable_slot,
+    next_waiter,
+    popularity_after,
+)
 
 
 @dataclass
@@ -15,6 +22,8 @@ class Held:
     pinned: bool = False
     last_used: float = 0.0
     reserved_until: float = 0.0
+    placed_at: float = 0.0
+    popularity: float = 0.0
 
 
 def test_an_empty_slot_goes_first_whatever_the_others_cost():
@@ -58,3 +67,17 @@ def test_drains_take_the_busy_slots_whose_loss_costs_least():
     queued = {"hot": 3}
     assert cheapest_busy_slots(slots, queued, {5}, count=2) == [3, 4]
     assert cheapest_busy_slots(slots, queued, {5}, count=9) == [3, 4, 0]
+
+
+def test_popularity_is_a_decayed_request_count_that_compares_without_decaying():
+    one_now = popularity_after(-float("inf"), 20.0, half_life_s=10.0)
+    two_then = popularity_after(popularity_after(-float("inf"), 10.0, 10.0), 10.0, 10.0)
+    # two requests one half-life ago weigh as one request now
+    assert two_then == pytest.approx(one_now)
+    three_then = popularity_after(two_then, 10.0, 10.0)
+    assert three_then > one_now > popularity_after(-float("inf"), 0.0, 10.0)
+    # busy slots drain least popular first, and a ceiling keeps the more popular
+    slots = [Held("hot", refs=3, popularity=5.0), Held("cold", refs=1, popularity=1.0, last_used=9.0)]
+    assert cheapest_busy_slots(slots, {}, set(), 1) == [1]
+    assert cheapest_busy_slots(slots, {}, set(), 2, max_popularity=2.0) == [1]
+    assert cheapest_busy_slots(slots, {}, set(), 2, placed_before=-1.0) == []

@@ -348,6 +348,8 @@ class LLMEngine:
             lora_slots_used=self.adapter_slots.slots_used(),
             lora_slots_draining=self.adapter_slots.slots_draining(),
             lora_adapters_waiting=len(self.adapter_slots.slot_queue()),
+            lora_suspensions=self.adapter_slots.suspensions(),
+            lora_requests_suspended=self.adapter_slots.requests_suspended(),
             prefix_cache_enabled=self.block_manager.prefix_cache,
             prefix_cache_blocks=self.block_manager.num_cached_blocks,
             prefix_cache_evictions=self.block_manager.num_evictions,

@@ -123,7 +123,7 @@ class PrefixCache:
             return []
         if req.adapter is None:
             root = salted(self.base_root, req.params.cache_salt)
-        elif req.lora_slot >= 0:
+        elif req.lora_slot >= 0 or req.lora_suspended:
             root = req.kv_root  # fixed (and salted) when its slot was acquired
         else:  # a hint until acquire: `confirm_root` checks it against the slot's version
             digest = self.adapter_slots.content_digest(req.adapter)

@@ -33,7 +33,10 @@ class Request:
     params: SamplingParams
     adapter: str | None = None
     draft_adapter: str | None = None  # the draft model's adapter (--speculative-draft-lora-paths)
-    lora_slot: int = -1  # adapter slot while running; -1 = base model / not acquired
+    lora_slot: int = -1  # adapter slot while running; -1 = base model / not acquired / suspended
+    # Gave its slot up for another adapter (AdapterSlots.suspend) and keeps its adapter version and
+    # KV; it computes again once `resume` hands it a slot, whichever index that is.
+    lora_suspended: bool = False
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

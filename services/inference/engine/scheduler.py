@@ -8,7 +8,10 @@ running request needs a block and none is free, the most recently admitted reque
 preempted (its KV freed; it is recomputed when readmitted, from its cached prefix when the
 prefix cache is on). Under `--max-loras-per-batch` only the adapters the step's policy picks
 (engine/adapter_slices.py) compute: other adapters' running requests sit the step out, keeping
-their KV and slot, and their queued requests wait; base requests are never held back.
+their KV and slot, and their queued requests wait; base requests are never held back. When the
+adapter slots drain a slot for a waiting adapter (`AdapterSlots.yielding`), the requests on it
+suspend at the start of the step: they keep their KV and adapter version, give the slot up, sit
+out, and resume on whichever slot they get next (the LoRA manager's policy).
 
 With the prefix cache on (engine/prefix_cache.py, engine/block_manager.py), a request admitted
 starts from the longest run of cached full blocks computed by the same content (its adapter
@@ -142,6 +145,8 @@ class Scheduler:
         page = self.blocks.page_size
         allowed = self.adapter_slices.select(self.running, self.waiting) if self.adapter_slices else None
         sitting_out = 0
+        self._yield_slots()
+        unresumed: set[str] = set()  # adapters with no slot for their suspended requests this step
 
         i = 0
         while i < len(self.running) and token_budget > 0:
@@ -152,6 +157,15 @@ class Scheduler:
                 i += 1  # not its adapter's turn: sits this step out, KV and slot kept
                 sitting_out += 1
                 continue
+            if req.lora_suspended:
+                resumed = self._resume(req, unresumed)
+                if resumed is None:
+                    i += 1  # gave its slot to another adapter: sits out, KV kept, until it has one
+                    sitting_out += 1
+                    continue
+                if not resumed:  # its adapter can never be served again
+                    finished.append(req)
+                    continue  # req left `running`: the same index now holds the next one
             want = req.num_uncomputed_tokens
             if want == 1 and req.draft_ids:
                 n = self._verify_tokens(req, token_budget)
@@ -192,6 +206,35 @@ class Scheduler:
         entries.sort(key=lambda e: e.num_tokens != 1)  # stable: decodes first
         return ScheduledBatch(entries, finished)
 
+    def _yield_slots(self) -> None:
+        """Requests on slots wanted by waiting adapters give them up (AdapterSlots.yielding): they
+        keep their KV and adapter version, and sit out until `resume` hands them a slot."""
+        wanted = self.adapter_slots.yielding()
+        if not wanted:
+            return
+        for req in itertools.chain(self.running, self.waiting):
+            if req.adapter in wanted and req.lora_slot >= 0:
+                self.adapter_slots.suspend(req.adapter)
+                req.lora_slot = -1
+                req.lora_suspended = True
+
+    def _resume(self, req: Request, unresumed: set[str]) -> bool | None:
+        """Give a suspended request a slot again: True, None (not yet: it sits out), or False (its
+        adapter failed; the request is finished with the error)."""
+        if req.adapter in unresumed:
+            return None
+        try:
+            slot = self.adapter_slots.resume(req.adapter)  # type: ignore[arg-type]
+        except LoraplexError as exc:
+            self.finish(req, "abort", exc)
+            return False
+        if slot is None:
+            unresumed.add(req.adapter)  # type: ignore[arg-type]
+            return None
+        req.lora_slot = slot
+        req.lora_suspended = False
+        return True
+
     def _report_queued(self) -> None:
         """Tell the adapter slots how many requests wait per adapter (it prices evictions and drains)."""
         self.adapter_slots.note_queued(Counter(r.adapter for r in self.waiting if r.adapter is not None))
@@ -204,7 +247,12 @@ class Scheduler:
         for req in itertools.islice(self.waiting, PREFETCH_WINDOW):
             if len(seen) >= limit:
                 break
-            if req.adapter is not None and req.lora_slot < 0 and req.adapter not in seen:
+            if (
+                req.adapter is not None
+                and req.lora_slot < 0
+                and not req.lora_suspended
+                and req.adapter not in seen
+            ):
                 seen.add(req.adapter)
                 self.adapter_slots.prefetch(req.adapter)
 
@@ -257,7 +305,10 @@ class Scheduler:
         req.num_computed_tokens = 0
         if req.lora_slot >= 0 and req.adapter is not None:
             self.adapter_slots.release(req.adapter)
+        elif req.lora_suspended and req.adapter is not None:
+            self.adapter_slots.release_suspended(req.adapter)
         req.lora_slot = -1
+        req.lora_suspended = False
 
     def _admit(
         self,
@@ -290,7 +341,15 @@ class Scheduler:
             if want == 0:
                 self.waiting.appendleft(req)
                 break
-            if req.adapter is not None and req.lora_slot < 0:  # a preempted request keeps its slot
+            if req.lora_suspended:  # preempted, then its slot went to another adapter
+                resumed = self._resume(req, refused)
+                if resumed is None:
+                    skipped.append(req)
+                    continue
+                if not resumed:
+                    finished.append(req)
+                    continue
+            elif req.adapter is not None and req.lora_slot < 0:  # a preempted request keeps its slot
                 try:
                     slot = self.adapter_slots.acquire(req.adapter)
                 except LoraplexError as exc:

@@ -285,6 +285,8 @@ class EngineStats(NamedTuple):
     lora_slots_used: int
     lora_slots_draining: int = 0  # busy slots taking no new requests until they empty for a waiting adapter
     lora_adapters_waiting: int = 0  # adapters waiting for a slot
+    lora_suspensions: int = 0  # running requests that gave their slot up so far (cumulative)
+    lora_requests_suspended: int = 0  # requests holding KV but no slot now
     # Prefix cache: registered blocks (held or evictable; evictable ones also count as free),
     # cached blocks evicted for room so far, and per adapter ("" = base) the prompt tokens of
     # first admissions and how many of them were reused from the cache.

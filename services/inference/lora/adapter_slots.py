@@ -27,6 +27,9 @@ class AdapterInfo:
     slot: int = -1
     evictions: int = 0  # times this adapter's GPU slot was given to another adapter
     uploads: int = 0  # times this adapter was copied into a GPU slot
+    host_hits: int = 0  # uploads served from its host copy (the host tier)
+    host_misses: int = 0  # uploads that re-read it from its source first (dropped from the host tier)
+    nbytes: int = 0  # of its weights (what one upload copies)
     queued_requests: int = 0  # its requests waiting in the scheduler (as of the last step)
     slot_wait_s: float = 0.0  # how long it has been waiting for a GPU slot (0: not waiting)
 
@@ -42,10 +45,17 @@ class AdapterSlots(ABC):
       adapter can never be served; the scheduler fails that request with the error.
     - `release(name)` drops one reference taken by `acquire`; a slot with no references may
       be reused for another adapter. The scheduler holds a request's reference from admission
-      to finish or abort, across preemptions, so a request never changes adapter version.
+      to finish or abort, across preemptions and suspensions, so a request never changes
+      adapter version.
     - Both are called only from the engine thread, between forward passes.
     - `None` holds back only requests of that adapter: the scheduler keeps admitting other
       adapters' and base requests behind them (a slot is a scheduling resource, not a request limit).
+    - Residency follows the scheduler: each step the scheduler asks `yielding()` which adapters'
+      slots are wanted by waiting adapters, and calls `suspend(name)` for each request holding one
+      (it keeps its KV and its adapter version, not the slot; it sits out). A suspended request
+      calls `resume(name)` (like `acquire`: a slot index, any one, or None) until it runs again,
+      or `release_suspended(name)` when it ends first. Implementations that never yield need
+      none of these.
     """
 
     @abstractmethod
@@ -53,6 +63,19 @@ class AdapterSlots(ABC):
 
     @abstractmethod
     def release(self, adapter_name: str) -> None: ...
+
+    def yielding(self) -> frozenset[str]:
+        """Adapters whose running requests should suspend this step (their slot is wanted)."""
+        return frozenset()
+
+    def suspend(self, adapter_name: str) -> None:
+        raise NotImplementedError("this AdapterSlots never yields a slot")
+
+    def resume(self, adapter_name: str) -> int | None:
+        raise NotImplementedError("this AdapterSlots never yields a slot")
+
+    def release_suspended(self, adapter_name: str) -> None:
+        raise NotImplementedError("this AdapterSlots never yields a slot")
 
     def prefetch(self, adapter_name: str) -> None:  # noqa: B027 - an optional hint, a no-op by default
         """A hint: a queued request will need `adapter_name` soon; start its upload if a slot is idle.
@@ -86,6 +109,14 @@ class AdapterSlots(ABC):
         return 0
 
     def slots_draining(self) -> int:
+        return 0
+
+    def suspensions(self) -> int:
+        """Running requests that gave their slot up for a waiting adapter so far (cumulative)."""
+        return 0
+
+    def requests_suspended(self) -> int:
+        """Requests suspended now (KV kept, no slot)."""
         return 0
 
     def slot_queue(self) -> dict[str, float]:

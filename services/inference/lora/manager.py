@@ -5,21 +5,23 @@ Invariants (the choices themselves, eviction, queue order and drains: lora/slot_
   content makes the old version *retiring*; new requests for the name wait (`acquire` -> None)
   until the retiring version's running requests finish, so no request mixes two versions and
   `release(name)` is never ambiguous (at most one version of a name holds references).
-- A slot is freed or re-used only when its version has no running request (refcount 0).
-  Eviction takes the idle slot whose loss costs least: an empty one, else the adapter with the
-  fewest queued requests (as the scheduler last reported them), least recently used among ties.
+- A slot is freed or re-used only when no request computes on it (`refs` 0). A request that
+  gave its slot up (`suspend`: the scheduler keeps its KV) still holds its version (`held`), so a
+  version is dropped, and its host copy trimmed, only with `refs` and `held` both 0.
 - Admission without a cliff: a slot is a scheduling resource, not a request limit. Resident
-  adapters keep taking new requests while others wait for a slot. An adapter refused a slot
-  joins the slot queue, served longest-waiting first where each of its queued requests counts
-  as `slot_wait_s` of waiting (a popular adapter overtakes cold ones; a later arrival overtakes
-  only with more queued requests than seconds since, so every waiter ages to the front). Once a
-  waiter has waited `slot_wait_s` (aged), the busy slot whose loss costs least (fewest queued
-  requests, then fewest running) stops taking new requests (*draining*) and goes to the queue's
-  front when its running requests finish. At most `max_draining` slots drain at once (a quarter
-  of the slots, at least one), so the batch stays mostly full while adapters rotate. Bound: the
-  front of the queue gets a slot within `slot_wait_s` plus the remaining output of the requests
-  running on the slot drained for it (at most their `max_new_tokens` steps). At most
-  `slots - 1` adapters may be pinned so one slot always rotates.
+  adapters keep taking new requests while others wait. An adapter refused a slot joins the slot
+  queue, served longest-waiting first where each queued request counts as `queued_credit_s` of
+  waiting (every waiter ages to the front). Once a waiter has waited `slot_wait_s`, busy slots
+  drain for the aged waiters (at most `max_draining` at once): a draining slot takes no new
+  requests and the scheduler suspends the requests on it (`yielding`), so it frees at the next
+  step. Only slots placed `min_resident_s` ago drain (the quantum), least popular first, and only
+  adapters no more popular than the most popular aged waiter unless every slot holds a hotter one.
+  Bound: the queue's front gets a slot within `slot_wait_s` + `min_resident_s` + 2 steps
+  (docs/architecture.md, "LoRA manager", states the rest). At most `slots - 1` adapters may be
+  pinned so one slot always rotates; pinned slots never drain.
+- The host tier: host copies beyond `max_loaded_loras` (a count) or `max_cpu_lora_bytes` are
+  dropped least recently used first (never one a request or pin holds) and re-read, digest-checked,
+  from their source when next placed.
 
 Threads: `acquire`/`release` run on the engine thread (they write the pool, ordered on its
 compute stream). `load`/`unload`/`pin`/`list` may run on any thread; they only change the
@@ -29,6 +31,7 @@ registry under the lock, and never touch the pool.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -47,8 +50,14 @@ from loraplex.services.inference.lora.adapter_slots import AdapterInfo, AdapterS
 from loraplex.services.inference.lora.config import check_fits, modules_of
 from loraplex.services.inference.lora.dora import BaseWeight, fill_factors
 from loraplex.services.inference.lora.embedding_lora import TP_REFUSAL as VOCAB_TP_REFUSAL
+from loraplex.services.inference.lora.host_tier import copies_to_drop
 from loraplex.services.inference.lora.pool import AdapterPool
-from loraplex.services.inference.lora.slot_choice import cheapest_busy_slots, evictable_slot, next_waiter
+from loraplex.services.inference.lora.slot_choice import (
+    cheapest_busy_slots,
+    evictable_slot,
+    next_waiter,
+    popularity_after,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +65,14 @@ log = logging.getLogger(__name__)
 RESERVE_S = 2.0
 # How long a waiter in the slot queue waits for a slot to free by itself before one is drained for it;
 # also what one queued request is worth in the queue's order (see slot_choice.next_waiter).
-SLOT_WAIT_S = 1.0
+SLOT_WAIT_S = 0.05
+# What one queued request (not yet started: it owes a first token) is worth in the slot queue's
+# order, in seconds of waiting: adapters with queued requests go before those whose requests all run
+# (suspended), which still age to the front.
+QUEUED_CREDIT_S = 1.0
+# A slot placed this recently is not drained for another waiter (the rotation's quantum: each
+# upload buys its adapter at least this long on the GPU, so slots cannot thrash).
+MIN_RESIDENT_S = 0.1
 
 
 @dataclass(eq=False)
@@ -69,13 +85,16 @@ class _Version:
     modules: list[str]
     weights: AdapterWeights | None  # host copy; None once dropped from the host cache
     chat_template: str | None = None  # read with the weights at load time; kept when they are dropped
+    nbytes: int = 0  # of the host copy (the same each time it is re-read: the digest is checked)
     pinned: bool = False
-    refs: int = 0
+    refs: int = 0  # requests computing on its slot (acquire/resume .. release/suspend)
+    held: int = 0  # suspended requests: they keep this version (and their KV) but no slot
     slot: int = -1
     last_used: float = 0.0
     placed_at: float = 0.0
     reserved_until: float = 0.0
     uploads: int = 0
+    popularity: float = -math.inf  # recent request rate (slot_choice.popularity_after)
 
 
 class LoRAManager(AdapterSlots):
@@ -86,8 +105,11 @@ class LoRAManager(AdapterSlots):
         pool: AdapterPool,
         *,
         max_loaded_loras: int | None = None,
+        max_cpu_lora_bytes: int | None = None,
         max_loras_per_batch: int | None = None,
         slot_wait_s: float = SLOT_WAIT_S,
+        min_resident_s: float = MIN_RESIDENT_S,
+        queued_credit_s: float = QUEUED_CREDIT_S,
         max_draining: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         base_weight: BaseWeight | None = None,
@@ -100,8 +122,11 @@ class LoRAManager(AdapterSlots):
         self.base_weight = base_weight
         self.base_tokens = base_tokens
         self.max_loaded_loras = max_loaded_loras
+        self.max_cpu_lora_bytes = max_cpu_lora_bytes
         self.max_loras_per_batch = max_loras_per_batch
         self.slot_wait_s = slot_wait_s
+        self.min_resident_s = min_resident_s
+        self.queued_credit_s = queued_credit_s
         self.max_draining = max_draining or max(1, pool.slots // 4)
         self._clock = clock
         self._lock = threading.RLock()
@@ -113,6 +138,11 @@ class LoRAManager(AdapterSlots):
         self._queued: Mapping[str, int] = {}  # name -> requests in the scheduler's queue (last report)
         self._evictions: dict[str, int] = {}  # per name, cumulative (for metrics)
         self.num_uploads = 0  # adapters copied into a slot, cumulative (for metrics)
+        # host tier (for metrics): placements served from a host copy / re-read from disk, bytes copied
+        self._host_hits: dict[str, int] = {}
+        self._host_misses: dict[str, int] = {}
+        self.upload_bytes = 0
+        self.num_suspensions = 0  # running requests that gave their slot up (suspend), cumulative
 
     # ----- registry (any thread) -----
 
@@ -145,6 +175,7 @@ class LoRAManager(AdapterSlots):
                     modules=modules_of(weights.all_targets),
                     weights=weights,
                     chat_template=weights.chat_template,
+                    nbytes=weights.nbytes,
                     last_used=self._clock(),
                 )
                 self._active[name] = version
@@ -226,27 +257,57 @@ class LoRAManager(AdapterSlots):
             version.last_used = self._clock()
             if name in self._retiring:
                 return None
-            if version.slot < 0 and name in self._waiting:
-                if self._next_waiter() == name:
-                    self._rebalance()  # the head checks for a slot freed by time (reservations)
-                if version.slot < 0:
-                    return None  # still queued: release and note_queued move the queue
-            if version.slot < 0:
-                slot = None if self._waiting else self._evictable_slot()  # earlier waiters first
-                if slot is None:
-                    self._waiting[name] = self._clock()
-                    self._rebalance()
-                    if version.slot < 0:
-                        return None
-                elif not self._place(version, slot):
-                    raise AdapterNotFound(
-                        f"adapter {name!r} could not be re-read from {version.source}", adapter=name
-                    )
-            if version.slot in self._draining or not self.pool.ready(version.slot):
+            if not self._claim(version):
                 return None
+            version.popularity = popularity_after(version.popularity, version.last_used)
             version.refs += 1
             version.reserved_until = 0.0
             return version.slot
+
+    def suspend(self, name: str) -> None:
+        """A running request of `name` gives up its slot and keeps its version (the scheduler keeps
+        its KV): the slot frees when no request computes on it, and `resume` takes one again."""
+        with self._lock:
+            version = self._retiring.get(name) or self._active.get(name)
+            if version is None or version.refs == 0:
+                log.warning("suspend(%r) without a matching acquire", name)
+                return
+            version.refs -= 1
+            version.held += 1
+            self.num_suspensions += 1
+            if version.refs == 0:
+                self._draining.discard(version.slot)
+                self._rebalance()
+
+    def resume(self, name: str) -> int | None:
+        """A slot holding the version a suspended request of `name` kept, or None (it waits in the
+        slot queue like any adapter; an upload may have started)."""
+        with self._lock:
+            version = self._retiring.get(name) or self._active.get(name)
+            if version is None or version.held == 0:
+                raise AdapterNotFound(f"adapter {name!r} has no suspended request to resume", adapter=name)
+            version.last_used = self._clock()
+            if not self._claim(version):
+                return None
+            version.held -= 1
+            version.refs += 1
+            version.reserved_until = 0.0
+            return version.slot
+
+    def release_suspended(self, name: str) -> None:
+        """A suspended request of `name` finished or was aborted without resuming."""
+        with self._lock:
+            version = self._retiring.get(name) or self._active.get(name)
+            if version is None or version.held == 0:
+                log.warning("release_suspended(%r) without a matching suspend", name)
+                return
+            version.held -= 1
+            self._forget_if_retired(version)
+
+    def yielding(self) -> frozenset[str]:
+        """Adapters whose slot drains for a waiting adapter: their running requests should suspend."""
+        with self._lock:
+            return frozenset(v.name for s in self._draining if (v := self._slots[s]) is not None and v.refs)
 
     def prefetch(self, name: str) -> None:
         """Upload `name` into an idle slot ahead of its requests (the scheduler's hint).
@@ -280,9 +341,7 @@ class LoRAManager(AdapterSlots):
             if version.refs > 0:
                 return
             self._draining.discard(version.slot)
-            if self._retiring.get(name) is version:
-                del self._retiring[name]
-                self._drop(version)
+            self._forget_if_retired(version)
             self._rebalance()
 
     def slot_queue(self) -> dict[str, float]:
@@ -290,6 +349,13 @@ class LoRAManager(AdapterSlots):
         with self._lock:
             now = self._clock()
             return {name: now - since for name, since in self._waiting.items()}
+
+    def suspensions(self) -> int:
+        return self.num_suspensions
+
+    def requests_suspended(self) -> int:
+        with self._lock:
+            return sum(v.held for v in (*self._active.values(), *self._retiring.values()))
 
     def slots_draining(self) -> int:
         with self._lock:
@@ -303,8 +369,38 @@ class LoRAManager(AdapterSlots):
             raise AdapterNotFound(f"adapter {name!r} is not loaded", adapter=name)
         return version
 
+    def _claim(self, version: _Version) -> bool:
+        """Make `version` resident and ready for one more request (True), or queue it for a slot."""
+        name = version.name
+        if version.slot < 0 and name in self._waiting:
+            if self._next_waiter() == name:
+                self._rebalance()  # the head checks for a slot freed by time (reservations)
+            if version.slot < 0:
+                return False  # still queued: release and note_queued move the queue
+        if version.slot < 0:
+            slot = None if self._waiting else self._evictable_slot()  # earlier waiters first
+            if slot is None:
+                self._waiting[name] = self._clock()
+                self._rebalance()
+                if version.slot < 0:
+                    return False
+            elif not self._place(version, slot):
+                raise AdapterNotFound(
+                    f"adapter {name!r} could not be re-read from {version.source}", adapter=name
+                )
+        return version.slot not in self._draining and self.pool.ready(version.slot)
+
+    def _forget_if_retired(self, version: _Version) -> None:
+        if version.refs == 0 and version.held == 0 and self._retiring.get(version.name) is version:
+            del self._retiring[version.name]
+            self._drop(version)
+
+    def _version_of(self, name: str) -> _Version | None:
+        """The version a request of `name` would compute on: the retiring one while it has requests."""
+        return self._retiring.get(name) or self._active.get(name)
+
     def _retire(self, version: _Version) -> None:
-        if version.refs == 0:
+        if version.refs == 0 and version.held == 0:
             self._drop(version)
             return
         stale = self._retiring.get(version.name)
@@ -322,9 +418,17 @@ class LoRAManager(AdapterSlots):
     def _evictable_slot(self) -> int | None:
         return evictable_slot(self._slots, self._queued, self._draining, self._clock())
 
+    def _drainable_slots(self, count: int, max_popularity: float | None = None) -> list[int]:
+        placed_before = self._clock() - self.min_resident_s
+        return cheapest_busy_slots(
+            self._slots, self._queued, self._draining, count, placed_before, max_popularity
+        )
+
     def _place(self, version: _Version, slot: int) -> bool:
         """Upload `version` into `slot`, evicting its occupant (refcount 0). False if unreadable."""
         weights = version.weights
+        tally = self._host_hits if weights is not None else self._host_misses
+        tally[version.name] = tally.get(version.name, 0) + 1
         if weights is None:
             try:
                 weights = load_adapter_weights(
@@ -354,20 +458,22 @@ class LoRAManager(AdapterSlots):
             self._evictions[occupant.name] = self._evictions.get(occupant.name, 0) + 1
         self.pool.upload(slot, weights)
         self.num_uploads += 1
+        self.upload_bytes += version.nbytes
         version.uploads += 1
         self._slots[slot] = version
         version.slot = slot
         version.placed_at = self._clock()
         version.reserved_until = version.placed_at + RESERVE_S
-        self._trim_host_cache()
+        self._trim_host_cache(keep=version)  # its request takes a reference right after
         return True
 
     def _rebalance(self) -> None:
         """Serve waiting adapters from evictable slots, then drain busy slots for aged waiters."""
         while self._waiting:
             name = self._next_waiter()
-            version = self._active.get(name)
-            if version is None or version.slot >= 0 or name in self._retiring:
+            version = self._version_of(name)
+            retiring_idle = version is not None and version is self._retiring.get(name) and not version.held
+            if version is None or version.slot >= 0 or retiring_idle:
                 self._waiting.pop(name)
                 continue
             slot = self._evictable_slot()
@@ -375,28 +481,35 @@ class LoRAManager(AdapterSlots):
                 break
             self._waiting.pop(name)
             self._place(version, slot)
-        deadline = self._clock() - self.slot_wait_s
-        aged = sum(1 for since in self._waiting.values() if since <= deadline)
-        need = min(aged, self.max_draining) - len(self._draining)
+        now = self._clock()
+        aged = [n for n, since in self._waiting.items() if since <= now - self.slot_wait_s]
+        need = min(len(aged), self.max_draining) - len(self._draining)
         if need > 0:
-            for slot in cheapest_busy_slots(self._slots, self._queued, self._draining, need):
+            # Aged waiters drain only adapters no more popular than the most popular of them (its
+            # waiting request counted), so the hot set stays resident while colder slots rotate;
+            # when every unpinned slot holds a more popular adapter, the least popular drains.
+            ceiling: float | None = max(
+                popularity_after(v.popularity, now) for n in aged if (v := self._version_of(n)) is not None
+            )
+            if not any(v is not None and not v.pinned and v.popularity <= ceiling for v in self._slots):
+                ceiling = None
+            for slot in self._drainable_slots(need, ceiling):
                 self._draining.add(slot)
 
     def _next_waiter(self) -> str:
-        return next_waiter(self._waiting, self._queued, self.slot_wait_s)
+        return next_waiter(self._waiting, self._queued, self.queued_credit_s)
 
-    def _trim_host_cache(self) -> None:
-        """Keep at most `max_loaded_loras` host copies: drop LRU ones no request or pin needs."""
-        if self.max_loaded_loras is None:
-            return
+    def _trim_host_cache(self, keep: _Version | None = None) -> None:
+        """Apply the host tier's bounds (lora/host_tier.py): dropped copies are re-read when needed."""
         held = [v for v in (*self._active.values(), *self._retiring.values()) if v.weights is not None]
-        excess = len(held) - self.max_loaded_loras
-        for v in sorted(held, key=lambda v: v.last_used):
-            if excess <= 0:
-                break
-            if v.refs == 0 and not v.pinned:
-                v.weights = None  # re-read from its source (digest-checked) when next needed
-                excess -= 1
+        for v in copies_to_drop(held, self.max_loaded_loras, self.max_cpu_lora_bytes, keep):
+            v.weights = None
+
+    def host_bytes(self) -> int:
+        """Bytes of adapter weights held in host memory (the host tier)."""
+        with self._lock:
+            versions = (*self._active.values(), *self._retiring.values())
+            return sum(v.nbytes for v in versions if v.weights is not None)
 
     def _info(self, v: _Version) -> AdapterInfo:
         location = "gpu" if v.slot >= 0 else ("host" if v.weights is not None else "store")
@@ -407,12 +520,15 @@ class LoRAManager(AdapterSlots):
             target_modules=list(v.modules),
             location=location,
             pinned=v.pinned,
-            requests_in_flight=v.refs,
+            requests_in_flight=v.refs + v.held,
             source=v.source,
             digest=v.digest,
             slot=v.slot,
             evictions=self._evictions.get(v.name, 0),
             uploads=v.uploads,
+            host_hits=self._host_hits.get(v.name, 0),
+            host_misses=self._host_misses.get(v.name, 0),
+            nbytes=v.nbytes,
             queued_requests=self._queued.get(v.name, 0),
             slot_wait_s=self._clock() - self._waiting[v.name] if v.name in self._waiting else 0.0,
         )

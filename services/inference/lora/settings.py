@@ -7,6 +7,7 @@ model and device are known (`LoRASettings`, which travels to tensor-parallel wor
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -25,6 +26,29 @@ EXPERT_LORA_MODES = ("auto", "grouped", "span", "loop", "graphs")
 DEFAULT_MAX_LORA_RANK = 64
 # `--max-gpu-loras` when not given: the slot bound of a pool sized from memory, per device type.
 DEFAULT_MAX_GPU_LORAS = {"cuda": 256, "cpu": 64}
+# `--max-cpu-lora-bytes` when not given: this fraction of the host memory available at start-up.
+CPU_LORA_MEMORY_FRACTION = 0.25
+
+
+def available_host_bytes() -> int | None:
+    """Host memory available now (Linux: MemAvailable, else free pages); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def default_cpu_lora_bytes() -> int | None:
+    """The host tier's byte bound when `--max-cpu-lora-bytes` is not given (None: unbounded)."""
+    avail = available_host_bytes()
+    return int(avail * CPU_LORA_MEMORY_FRACTION) if avail else None
 
 
 def parse_target_modules(names: Iterable[str]) -> tuple[str, ...]:
@@ -92,6 +116,12 @@ class LoRAConfig:
     max_lora_rank: int | None = None  # None: the largest rank in lora_paths, else DEFAULT_MAX_LORA_RANK
     lora_target_modules: tuple[str, ...] | None = None  # None: the union of lora_paths' targets, else all
     max_loaded_loras: int | None = None  # host cache size; None = unbounded
+    # Host tier in bytes (LRU beyond it); None: CPU_LORA_MEMORY_FRACTION of available host memory.
+    max_cpu_lora_bytes: int | None = None
+    # The slot queue's timings (lora/manager.py; None: its SLOT_WAIT_S and MIN_RESIDENT_S): how long a
+    # waiting adapter waits before a busy slot is drained for it, and how long an upload keeps its slot.
+    lora_slot_wait: float | None = None
+    lora_rotation_quantum: float | None = None
     expert_lora_mode: str = "auto"  # one of EXPERT_LORA_MODES
 
     def __post_init__(self) -> None:
@@ -99,6 +129,13 @@ class LoRAConfig:
         _at_least_one("--max-gpu-loras", self.max_gpu_loras)
         _at_least_one("--max-lora-rank", self.max_lora_rank)
         _at_least_one("--max-loaded-loras", self.max_loaded_loras)
+        _at_least_one("--max-cpu-lora-bytes", self.max_cpu_lora_bytes)
+        for flag, seconds in (
+            ("--lora-slot-wait", self.lora_slot_wait),
+            ("--lora-rotation-quantum", self.lora_rotation_quantum),
+        ):
+            if seconds is not None and not 0 <= seconds < 3600:
+                raise ValueError(f"{flag} must be in [0, 3600) seconds (got {seconds})")
         if self.lora_backend is not None and self.lora_backend not in LORA_BACKENDS:
             raise ValueError(
                 f"--lora-backend must be one of {', '.join(LORA_BACKENDS)} (got {self.lora_backend!r})"
@@ -128,6 +165,8 @@ class LoRASettings:
     max_loaded_loras: int | None
     backend: str  # "torch" | "triton"
     max_loras_per_batch: int | None = None  # distinct adapters per step; None: up to pool_slots
+    max_cpu_lora_bytes: int | None = None  # the host tier's byte bound (None: unbounded)
+    slot_timings: tuple[tuple[str, float], ...] = ()  # LoRAManager keyword arguments (slot_wait_s, ...)
 
     @property
     def distinct_per_batch(self) -> int:

@@ -34,6 +34,7 @@ from loraplex.services.inference.lora.settings import (
     LoRAConfig,
     LoRASettings,
     check_backend_device,
+    default_cpu_lora_bytes,
     parse_target_modules,
 )
 from loraplex.services.inference.lora.shapes import ALL_MODULES, EXPERT_MODULES, ModelShapes
@@ -129,7 +130,18 @@ def resolve_lora_settings(
             slots,
             slots,
         )
-    return LoRASettings(slots, max_rank, target_modules, lora.max_loaded_loras, backend, cap)
+    host_bytes = lora.max_cpu_lora_bytes or default_cpu_lora_bytes()
+    timings = tuple(
+        (name, seconds)
+        for name, seconds in (
+            ("slot_wait_s", lora.lora_slot_wait),
+            ("min_resident_s", lora.lora_rotation_quantum),
+        )
+        if seconds is not None
+    )
+    return LoRASettings(
+        slots, max_rank, target_modules, lora.max_loaded_loras, backend, cap, host_bytes, timings
+    )
 
 
 def pool_slots_from_memory(
@@ -200,9 +212,11 @@ def build_lora(
     manager = LoRAManager(
         pool,
         max_loaded_loras=settings.max_loaded_loras,
+        max_cpu_lora_bytes=settings.max_cpu_lora_bytes,
         max_loras_per_batch=settings.max_loras_per_batch,
         base_weight=base_weight,
         base_tokens=base_tokens,
+        **dict(settings.slot_timings),
     )
     for name, path in _local_paths(lora, resolve_source).items():
         manager.load_adapter(name, path)

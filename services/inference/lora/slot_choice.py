@@ -6,8 +6,21 @@ every write under its lock and these stay testable with plain records."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Protocol
+
+# Half-life of an adapter's popularity: a request counts half as much this many seconds later.
+POPULARITY_HALF_LIFE_S = 10.0
+
+
+def popularity_after(popularity: float, now: float, half_life_s: float = POPULARITY_HALF_LIFE_S) -> float:
+    """`popularity` plus one request at `now`. Kept as log2 of the decayed request count plus
+    now / half-life, so scores of different adapters compare without decaying each of them: at
+    any moment the higher score is the adapter with more (recency-weighted) requests."""
+    event = now / half_life_s
+    hi, lo = max(popularity, event), min(popularity, event)
+    return hi + math.log2(1.0 + 2.0 ** (lo - hi)) if lo > -math.inf else hi
 
 
 class SlotHolder(Protocol):
@@ -18,21 +31,23 @@ class SlotHolder(Protocol):
     pinned: bool
     last_used: float
     reserved_until: float  # a slot handed to a waiter is kept for it until then
+    placed_at: float  # when it was uploaded into its slot
+    popularity: float  # its requests' recent rate, as `popularity_after` keeps it (higher: hotter)
 
 
 def evictable_slot(
     slots: Sequence[SlotHolder | None], queued: Mapping[str, int], draining: set[int], now: float
 ) -> int | None:
     """An empty slot, else the idle (refcount 0, unpinned, unreserved, not draining) slot whose
-    adapter has the fewest queued requests, least recently used among ties; None when every
-    slot is busy."""
+    adapter has the fewest queued requests, then is least popular, then least recently used; None
+    when every slot is busy."""
     best, best_key = None, None
     for slot, v in enumerate(slots):
         if v is None:
             return slot
         if v.refs or v.pinned or slot in draining or v.reserved_until > now:
             continue
-        key = (queued.get(v.name, 0), v.last_used)
+        key = (queued.get(v.name, 0), v.popularity, v.last_used)
         if best_key is None or key < best_key:
             best, best_key = slot, key
     return best
@@ -47,13 +62,26 @@ def next_waiter(waiting: Mapping[str, float], queued: Mapping[str, int], slot_wa
 
 
 def cheapest_busy_slots(
-    slots: Sequence[SlotHolder | None], queued: Mapping[str, int], draining: set[int], count: int
+    slots: Sequence[SlotHolder | None],
+    queued: Mapping[str, int],
+    draining: set[int],
+    count: int,
+    placed_before: float | None = None,
+    max_popularity: float | None = None,
 ) -> list[int]:
-    """Up to `count` busy unpinned slots, not yet draining, whose loss costs least: fewest queued
-    requests, then fewest running, then least recently used."""
+    """Up to `count` busy unpinned slots, not yet draining (and placed no later than `placed_before`,
+    when given: a fresh upload keeps its slot for a quantum; and no more popular than
+    `max_popularity`, when given), whose loss costs least: fewest queued
+    requests, then least popular (the hot set stays resident), then fewest running, then least
+    recently used."""
     busy = [
-        ((queued.get(v.name, 0), v.refs, v.last_used), s)
+        ((v.popularity, queued.get(v.name, 0), v.refs, v.last_used), s)
         for s, v in enumerate(slots)
-        if v is not None and v.refs and not v.pinned and s not in draining
+        if v is not None
+        and v.refs
+        and not v.pinned
+        and s not in draining
+        and (placed_before is None or v.placed_at <= placed_before)
+        and (max_popularity is None or v.popularity <= max_popularity)
     ]
     return [s for _, s in sorted(busy)[:count]]

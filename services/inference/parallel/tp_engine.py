@@ -241,7 +241,9 @@ def _build_rank0(
     manager = LoRAManager(
         pool,  # type: ignore[arg-type]
         max_loaded_loras=lora.max_loaded_loras,
+        max_cpu_lora_bytes=lora.max_cpu_lora_bytes,
         max_loras_per_batch=lora.max_loras_per_batch,
+        **dict(lora.slot_timings),
     )
     for name, source in lora_config.path_map.items():
         path = local_source(name, source)
