@@ -8,7 +8,6 @@ completions, chat answers, streams and log probabilities must equal what Generat
 from __future__ import annotations
 
 import json
-import time
 import urllib.error
 import urllib.request
 
@@ -16,32 +15,17 @@ import grpc
 import openai
 import pytest
 
-from loraplex.clients.processes import ServerProcess
 from loraplex.v1 import inference_pb2 as pb
 from tests.integration.test_service_inference import PROMPTS, adapters, server, stub  # noqa: F401
+from tests.support.door import running_door
 
 MAX = 6
 
 
 @pytest.fixture(scope="module")
 def door(server):  # noqa: F811
-    proc = ServerProcess(
-        "openai", "loraplex.services.openai", ["--target", server.address, "--port", "0"], echo=False
-    )
-    try:
-        proc.wait_bound(60)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"http://{proc.address}/health", timeout=2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.proc.poll() is not None:
-                    raise RuntimeError(proc.output()) from None
-                time.sleep(0.1)
+    with running_door(server.address) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

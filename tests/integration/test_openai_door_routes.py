@@ -3,43 +3,21 @@ behind the admin token, /tokenize and /detokenize per adapter, /version, and the
 
 from __future__ import annotations
 
-import time
-import urllib.request
-
 import httpx
 import pytest
 
-from loraplex.clients.processes import ServerProcess
 from loraplex.v1 import inference_pb2 as pb
 from tests.integration.test_openai_door import CHAT, base_name, client, door  # noqa: F401
 from tests.integration.test_service_inference import SHAPE, adapters, server, stub  # noqa: F401
+from tests.support.door import running_door
 
 ADMIN = "door-admin-secret"
 
 
 @pytest.fixture(scope="module")
 def admin_door(server):  # noqa: F811
-    proc = ServerProcess(
-        "openai-admin",
-        "loraplex.services.openai",
-        ["--target", server.address, "--port", "0"],
-        env={"LORAPLEX_ADMIN_TOKEN": ADMIN},
-        echo=False,
-    )
-    try:
-        proc.wait_bound(60)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"http://{proc.address}/health", timeout=2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.proc.poll() is not None:
-                    raise RuntimeError(proc.output()) from None
-                time.sleep(0.1)
+    with running_door(server.address, "openai-admin", {"LORAPLEX_ADMIN_TOKEN": ADMIN}) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")
