@@ -1,5 +1,7 @@
 """The Responses API (`POST /v1/responses`) on the real door and server, through the unchanged
-`openai` package (responses.create / parse / stream) and langchain-openai's use_responses_api."""
+`openai` package (responses.create / parse / stream), langchain-openai's use_responses_api and
+litellm's `responses`; and litellm's `completion` with the OpenAI options it passes straight through
+(`store`, `reasoning_effort`), which the door once refused."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pydantic import BaseModel
 
 from tests.integration.test_openai_door import CHAT, base_name, client, door  # noqa: F401
 from tests.integration.test_service_inference import adapters, server, stub  # noqa: F401
+from tests.support.offline_litellm import LOOPBACK, import_offline, resolved_hosts
 
 WEATHER = {
     "type": "function",
@@ -187,3 +190,67 @@ def test_langchain_use_responses_api(door, base_name):  # noqa: F811
         tool_choice="get_weather",
     ).invoke("Weather in Paris?")
     assert tooled.tool_calls and tooled.tool_calls[0]["name"] == "get_weather"
+
+
+@pytest.fixture(scope="module")
+def litellm():
+    return import_offline()
+
+
+@pytest.fixture(scope="module")
+def litellm_door(door, base_name):  # noqa: F811
+    # What a litellm user writes for an OpenAI-compatible server: the provider prefix and its /v1.
+    return {"model": f"openai/{base_name}", "api_base": f"http://{door.address}/v1", "api_key": "EMPTY"}
+
+
+def test_litellm_completion_with_openai_options(litellm, litellm_door):
+    sent = []  # the body litellm put on the wire, from its own logger_fn hook
+
+    def record(details):
+        sent.append(details["additional_args"]["complete_input_dict"])
+
+    call = {**litellm_door, "messages": CHAT, "max_tokens": 8, "temperature": 0, "num_retries": 0}
+    with resolved_hosts() as hosts:
+        plain = litellm.completion(**call)
+        answer = plain.choices[0].message.content
+        assert answer and plain.choices[0].finish_reason in ("stop", "length")
+        assert 0 < plain.usage.completion_tokens <= 8 and plain.usage.prompt_tokens > 0
+        for options in (
+            {"store": False},
+            {"reasoning_effort": "low"},
+            {"store": False, "reasoning_effort": "low", "drop_params": True},
+        ):
+            resp = litellm.completion(**call, **options, logger_fn=record)
+            body = {k: v for k, v in options.items() if k != "drop_params"}
+            assert sent[-1].items() >= body.items(), sent[-1]  # passed through, not dropped
+            assert resp.choices[0].message.content == answer
+            assert resp.usage.completion_tokens == plain.usage.completion_tokens
+        streamed = litellm.completion(**call, store=False, reasoning_effort="low", stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == answer
+    assert hosts <= LOOPBACK, hosts
+
+
+def test_litellm_responses(litellm, litellm_door, client, base_name):  # noqa: F811
+    # 16: litellm raises a smaller max_output_tokens to OpenAI's minimum for the Responses API
+    call = {"input": "Say hi.", "instructions": "Be brief.", "max_output_tokens": 16, "temperature": 0}
+    direct = client.responses.create(model=base_name, **call)
+    with resolved_hosts() as hosts:
+        resp = litellm.responses(**litellm_door, **call, store=False)
+        events = list(litellm.responses(**litellm_door, **call, stream=True))
+        adapter = litellm.responses(
+            **{**litellm_door, "model": "openai/alpha"},
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "Say hi."}]}],
+            max_output_tokens=16,
+            temperature=0,
+        )
+    assert hosts <= LOOPBACK, hosts
+    assert resp.output_text and resp.output_text == direct.output_text
+    assert resp.status == direct.status and resp.model == base_name
+    assert resp.usage.output_tokens == direct.usage.output_tokens > 0
+    assert resp.usage.input_tokens == direct.usage.input_tokens
+    kinds = [e.type for e in events]
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == direct.output_text
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert events[-1].response.usage.output_tokens == direct.usage.output_tokens
+    assert adapter.output_text and adapter.model == "alpha"
