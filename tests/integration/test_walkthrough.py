@@ -1,4 +1,4 @@
-"""docs/walkthrough.md §0–§6, run as a reader would copy them, in order, on one fresh stack.
+"""docs/walkthrough.md §0–§7, run as a reader would copy them, in order, on one fresh stack.
 
 The commands are read from the document (no second copy here). What the test changes, and only
 mechanically: the fixed ports become free ones and `/tmp/` a temporary directory (so parallel
@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "walkthrough.md"
 LAST_SECTION_END = "\n## Errors, deadlines, keepalive"
+# ```sh blocks are shown, not run (§8's, which need a stack of their own with speculation on).
 FENCE = re.compile(r"```(bash|python)\n(.*?)```", re.S)
 SERVER_LINE = re.compile(r"^(make run|\.venv/bin/loraplex up)\b.*$", re.M)
 DOC_PORTS = ("50051", "50052", "8000", "50061", "50062")

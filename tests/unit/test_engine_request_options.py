@@ -17,7 +17,7 @@ from loraplex.services.inference.engine.chat import (
 )
 from loraplex.services.inference.engine.config import EngineConfig, SchedulerConfig
 from loraplex.services.inference.engine.engine import LLMEngine
-from loraplex.services.inference.engine.grammar import constraint_digest
+from loraplex.services.inference.engine.grammar_cache import constraint_digest
 from loraplex.services.inference.engine.output import TextStream
 from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.sampler import SamplingInputs, sample
