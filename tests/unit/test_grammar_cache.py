@@ -73,9 +73,10 @@ def test_the_time_limit_measures_the_compile_not_the_queue(tokenizer):
         slow = [cache.submit(Constraint("regex", f"held{i}"), owner=f"caller{i}") for i in range(2)]
         _wait_for(lambda: len(held.started) == 2)
         assert cache.compile(SIMPLE, owner="other") is not None
-        # It could only start once the held compiles passed their limit and gave their workers
-        # back: it waited in the queue (the old pool counted that wait and refused it).
-        assert all(job.future.done() for job in slow) and not held.release.is_set()
+        # It could only start once a held compile passed its limit and gave its worker back: it
+        # waited in the queue (the old pool counted that wait and refused it). The other held one
+        # may still be short of its own limit (it started later), so one refusal is what is certain.
+        assert any(job.future.done() for job in slow) and not held.release.is_set()
         for job in slow:  # the slow ones are refused for their own time ...
             with pytest.raises(InvalidRequest, match="longer than 0.5 s to compile"):
                 job.future.result(timeout=5)
