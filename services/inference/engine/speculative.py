@@ -230,9 +230,10 @@ def verify(
     samples from max(0, p - q), renormalized, which with one-hot q is p without d. One host read."""
     device = logits.device
     greedy = torch.tensor([t < MIN_TEMPERATURE for t in inp.temperature])
+    at_row = [t for d in drafts for t in (*d, None)]  # each row's draft token (None: the bonus row)
     if bool(greedy.all()):
         best = logits.max(dim=-1).indices.tolist()
-        return _accept_greedy(best, drafts)
+        return _walk(drafts, [t == b for t, b in zip(at_row, best, strict=True)], best)
     probs = filtered_probs(logits, inp)
     rows = probs.shape[0]
     q = _draft_distribution(probs, drafts, draft_probs)
@@ -259,23 +260,25 @@ def verify(
     drawn = (residual / races).max(dim=-1).indices
     best = logits.max(dim=-1).indices
     accept_l, drawn_l, best_l = torch.stack([accept.long(), drawn, best]).tolist()
-    out: list[Verified] = []
-    at = 0
+    # Greedy rows accept by exact match and fall back to the argmax; sampled rows as drawn above.
+    accepts = [
+        t == b if g else bool(a) for t, b, g, a in zip(at_row, best_l, greedy.tolist(), accept_l, strict=True)
+    ]
+    fallbacks = [b if g else x for b, g, x in zip(best_l, greedy.tolist(), drawn_l, strict=True)]
+    return _walk(drafts, accepts, fallbacks)
+
+
+def _walk(drafts: list[list[int]], accepts: list[bool], fallbacks: list[int]) -> list[Verified]:
+    """Per request (its rows in order): its draft tokens while each row accepts, then the first
+    rejecting row's fallback token, or the bonus row's when every draft token was accepted."""
+    out, at = [], 0
     for d in drafts:
         tokens: list[int] = []
         for j in range(len(d) + 1):
-            row = at + j
-            if greedy[row]:
-                target = best_l[row]
-                if j < len(d) and d[j] == target:
-                    tokens.append(target)
-                    continue
-                tokens.append(target)
-                break
-            if j < len(d) and accept_l[row]:
+            if j < len(d) and accepts[at + j]:
                 tokens.append(d[j])
                 continue
-            tokens.append(drawn_l[row])
+            tokens.append(fallbacks[at + j])
             break
         out.append(Verified(tokens, len(tokens) - 1))
         at += len(d) + 1
@@ -298,19 +301,6 @@ def _draft_distribution(
             q[rows, torch.tensor(d, dtype=torch.int64, device=probs.device)] = 1.0
         at += len(d) + 1
     return q
-
-
-def _accept_greedy(best: list[int], drafts: list[list[int]]) -> list[Verified]:
-    out, at = [], 0
-    for d in drafts:
-        tokens = []
-        for j in range(len(d) + 1):
-            tokens.append(best[at + j])
-            if j == len(d) or d[j] != best[at + j]:
-                break
-        out.append(Verified(tokens, len(tokens) - 1))
-        at += len(d) + 1
-    return out
 
 
 def verify_step(engine, entries, chunks, logits: torch.Tensor) -> list:
