@@ -64,10 +64,24 @@ def _with_oracle(on, prompts, want, names):
     on.speculator.propose = oracle(conts)
 
 
-def test_greedy_outputs_equal_with_and_without_speculation(engines, one_torch_thread):
+@pytest.mark.parametrize("layout", ["decode_rows", "segments"])
+def test_greedy_outputs_equal_with_and_without_speculation(engines, layout, one_torch_thread, monkeypatch):
     """Base and two adapters in one batch, greedy, with log probabilities: speculation changes only how
-    many tokens a step emits (and it did emit several: drafts were accepted and rejected)."""
+    many tokens a step emits (and it did emit several: drafts were accepted and rejected). Both layouts
+    of a verify step: its chunks as decode rows (steps of decodes and verify chunks, the CUDA graph
+    path on a GPU) and as prefill segments (the layout of a verify step that holds a prefill chunk)."""
     off, on = engines
+    runner = on.runner
+    taken = []
+    as_rows = type(runner)._verify_as_decode_rows
+
+    def spy(self, chunks):
+        taken.append(as_rows(self, chunks))
+        return taken[-1]
+
+    monkeypatch.setattr(type(runner), "_verify_as_decode_rows", spy)
+    if layout == "segments":
+        monkeypatch.setattr(runner, "max_decode_rows", 0)
     prompts = [off.tokenizer(p).input_ids for p in PROMPTS]
     names = [None, "a", "b", "a"]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=2)
@@ -77,6 +91,7 @@ def test_greedy_outputs_equal_with_and_without_speculation(engines, one_torch_th
     before = on.stats()
     got = on.generate(prompts, params, names)
     assert [o.token_ids for o in got] == want
+    assert any(taken) == (layout == "decode_rows"), taken
     stats = on.stats()
     drafted = sum(stats.spec_draft_tokens.values()) - sum(before.spec_draft_tokens.values())
     accepted = sum(stats.spec_accepted_tokens.values()) - sum(before.spec_accepted_tokens.values())

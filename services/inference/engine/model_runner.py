@@ -41,6 +41,7 @@ class ModelRunner:
         max_num_seqs: int,
         context_length: int,
         lora_backend: LoRABackend | None = None,
+        max_decode_rows: int | None = None,
     ):
         self.model = model
         self.config = model_config
@@ -68,10 +69,13 @@ class ModelRunner:
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
         self.slot_mapping = torch.zeros(max_num_tokens, dtype=torch.int64, device=dev)
         self.token_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=dev)
+        # Decode rows: one per decoding sequence, or per token of a verify chunk laid out as decode
+        # rows (`forward`); `max_decode_rows` (engine/startup.py `decode_rows`) bounds both.
+        self.max_decode_rows = max(max_decode_rows or 0, max_num_seqs)
         self.decode_block_tables = torch.zeros(
-            max_num_seqs, self.max_blocks_per_seq, dtype=torch.int64, device=dev
+            self.max_decode_rows, self.max_blocks_per_seq, dtype=torch.int64, device=dev
         )
-        self.decode_context_lens = torch.zeros(max_num_seqs, dtype=torch.int64, device=dev)
+        self.decode_context_lens = torch.zeros(self.max_decode_rows, dtype=torch.int64, device=dev)
         # A row per sequence, or per token of speculative verify chunks: sized by the token budget.
         self.sample_indices = torch.zeros(max(max_num_seqs, max_num_tokens), dtype=torch.int64, device=dev)
         self._pin = dev.type == "cuda"
@@ -114,6 +118,23 @@ class ModelRunner:
         graphs.capture()
         self.mixed_graphs = graphs
 
+    def _verify_as_decode_rows(self, chunks: list[SeqChunk]) -> bool:
+        """Whether this step's verify chunks run as decode rows: a verify chunk's token at position p
+        is a decode row with context p + 1 over the chunk's block table, since the step stores every
+        row's KV before any row attends, row p sees the draft tokens before it and none after: the
+        causal attention of a prefill chunk. Then a speculating step is a decode step of
+        sum(K + 1) rows and replays the decode CUDA graphs (a mixed step costs about 1.4x a decode
+        step, docs/benchmarks.md). Only for steps of decodes and verify chunks (a prefill chunk in
+        the step keeps the segment layout) whose rows fit the decode buffers."""
+        if not any(c.verify for c in chunks):
+            return False
+        rows = 0
+        for c in chunks:
+            if c.all_logits or not (c.verify or len(c.token_ids) == 1):
+                return False
+            rows += len(c.token_ids)
+        return rows <= self.max_decode_rows
+
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Chunks must come decodes (single token) first. Returns [num sampled, vocab] float32 (a
@@ -136,22 +157,27 @@ class ModelRunner:
         ctx_parts: list[np.ndarray] = []  # per prefill chunk: the KV slots of its whole context
         num_ctx = 0
         max_decode_blocks = 1
+        rows_only = self._verify_as_decode_rows(chunks)
         for chunk in chunks:
             n, start, table = len(chunk.token_ids), chunk.start_pos, chunk.block_table
             q_start = len(ids)
             if chunk.all_logits:
                 all_rows.extend(range(q_start, q_start + n))
-            if n == 1 and not segments:  # decode: one token, no per-token ranges (the hot case)
-                ids.append(chunk.token_ids[0])
-                positions.append(start)
-                slots.append(table[start // page] * page + start % page)
-                token_slots.append(chunk.lora_slot)
-                if chunk.sample:
+            if (n == 1 or rows_only) and not segments:  # decode rows: no per-token ranges (the hot case)
+                for i, token in enumerate(chunk.token_ids):
+                    pos = start + i
+                    ids.append(token)
+                    positions.append(pos)
+                    slots.append(table[pos // page] * page + pos % page)
+                    token_slots.append(chunk.lora_slot)
+                    nblocks = pos // page + 1
+                    decode_tables.append(table[:nblocks])
+                    decode_lens.append(pos + 1)
+                    max_decode_blocks = max(max_decode_blocks, nblocks)
+                if chunk.verify:
+                    sample_rows.extend(range(q_start, q_start + n))
+                elif chunk.sample:
                     sample_rows.append(q_start)
-                nblocks = start // page + 1
-                decode_tables.append(table[:nblocks])
-                decode_lens.append(start + 1)
-                max_decode_blocks = max(max_decode_blocks, nblocks)
                 continue
             ids.extend(chunk.token_ids)
             positions.extend(range(start, start + n))

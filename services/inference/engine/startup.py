@@ -89,6 +89,7 @@ def build_runner(
         max_num_seqs=config.max_running_requests,
         context_length=loaded.context_length,
         lora_backend=lora_backend,
+        max_decode_rows=decode_rows(config),
     )
     config = _capturable(config, loaded, lora_backend)
     if loaded.device.type == "cuda" and not config.disable_cuda_graph and config.cuda_graph_max_bs > 0:
@@ -119,10 +120,21 @@ def build_runner(
     return runner, config
 
 
+def decode_rows(config: EngineConfig) -> int:
+    """The most decode rows a step can hold: a row per running sequence, or, in a speculating step
+    (at most --speculative-disable-batch-size sequences), K + 1 rows per verifying sequence
+    (ModelRunner._verify_as_decode_rows); never past --max-num-batched-tokens."""
+    rows = config.max_running_requests
+    if config.speculative_algorithm is not None:
+        speculating = min(config.speculative_disable_batch_size, config.max_running_requests)
+        rows = max(rows, speculating * (config.speculative_num_draft_tokens + 1))
+    return min(rows, config.max_num_batched_tokens)
+
+
 def decode_graph_max_bs(config: EngineConfig) -> int:
-    """The largest decode batch worth a CUDA graph: a step holds at most --max-running-requests
-    sequences and --max-num-batched-tokens tokens (the runner's buffers are sized by both)."""
-    return min(config.cuda_graph_max_bs, config.max_running_requests, config.max_num_batched_tokens)
+    """The largest decode batch worth a CUDA graph: a step holds at most `decode_rows` rows (the
+    runner's buffers are sized by it)."""
+    return min(config.cuda_graph_max_bs, decode_rows(config))
 
 
 def _capturable(config: EngineConfig, loaded: LoadedModel, lora_backend: LoRABackend | None) -> EngineConfig:

@@ -97,6 +97,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
 def _serve(spec: WorkerSpec, conn: Connection) -> None:
     from loraplex.services.inference.engine.kv_cache import allocate_kv_cache, plan_num_blocks
     from loraplex.services.inference.engine.model_runner import ModelRunner
+    from loraplex.services.inference.engine.startup import decode_rows
     from loraplex.services.inference.lora.pool import AdapterPool
     from loraplex.services.inference.lora.shapes import ModelShapes
     from loraplex.services.inference.models.config import load_config
@@ -161,6 +162,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
         max_num_seqs=config.max_running_requests,
         context_length=spec.context_length,
         lora_backend=backend,
+        max_decode_rows=decode_rows(config),  # the same layout as rank 0's runner
     )
     log.info("TP worker rank %d ready (%d KV blocks)", spec.rank, num_blocks)
     while True:
