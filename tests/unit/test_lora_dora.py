@@ -125,8 +125,8 @@ def test_factor_applies_to_dora_rows_only_in_both_handovers(
     slots = {name: manager.acquire(name) for name in ("dora", "plain")}
     backend = TorchLoRABackend(pool)
     token_slots = [slots["dora"], slots["dora"], slots["plain"], -1]
-    assert backend.step_has_dora(token_slots) and not backend.step_has_dora([slots["plain"], -1])
-    backend.dora_step = True
+    assert backend.step_has_kinds(token_slots) and not backend.step_has_kinds([slots["plain"], -1])
+    backend.kinds_step = True
     backend.prepare(torch.tensor(token_slots, dtype=torch.int32))
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, shapes.hidden_size, generator=gen)
