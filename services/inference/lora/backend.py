@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loraplex.kernels.dora_scale import dora_scale, dora_scale_ref
+from loraplex.kernels.placement import triton_runs_on
+
 if TYPE_CHECKING:
     from loraplex.services.inference.lora.expert_lora import ExpertLoRA, LayerExpertLoRA
     from loraplex.services.inference.lora.pool import AdapterPool
@@ -73,11 +76,10 @@ class LoRABackend(ABC):
 
     def step_has_kinds(self, token_slots: list[int]) -> bool:
         """Whether any of the step's slots (host ints, -1 = none) holds a DoRA adapter or one with
-        vocabulary parts (`AdapterPool.kinds_slot`); cheap when the pool holds none."""
+        vocabulary parts (`AdapterPool.kinds_slots`); one set test when the pool holds none."""
         pool = getattr(self, "pool", None)  # a backend with no pool (a test's recorder) has none
-        if pool is None or not (bool(pool.host_dora.any()) or pool.vocab.holders()):
-            return False
-        return any(pool.kinds_slot(s) for s in set(token_slots) if s >= 0)
+        kinds = frozenset() if pool is None else pool.kinds_slots
+        return bool(kinds) and not kinds.isdisjoint(token_slots)
 
     def prepare_kinds(self, token_slots: torch.Tensor) -> None:
         """Each token's row of the pool's DoRA tables (its slot where that slot is DoRA, else the row
@@ -116,16 +118,8 @@ class LoRABackend(ABC):
         table = self.pool.dora.get(group)
         if table is None:  # a group outside --lora-target-modules: no adapter targets it
             return out if delta is None else out.add_(delta)
-        factor = table[layer].index_select(0, self._dora_index[: out.shape[0]])
-        if bias is None:  # the common case in few launches (a kinds-variant graph runs it per group)
-            if delta is None:
-                return out.mul_(factor)  # computed in float32, rounded once, as `y` below
-            # not in place: the backend's delta buffer must keep its zero rows (tokens without LoRA)
-            return out.copy_((delta + out).mul_(factor))
-        y = out.to(torch.float32) - bias.to(torch.float32)
-        if delta is not None:
-            y = y + delta
-        return (y * factor + bias.to(torch.float32)).to(out.dtype)
+        scale = dora_scale if triton_runs_on(out) else dora_scale_ref  # kernels/dora_scale.py
+        return scale(out, delta, bias, table[layer], self._dora_index)
 
     def max_step_distinct(self) -> int:
         """The most distinct adapters one step can hold (see `step_distinct_cap`)."""

@@ -117,6 +117,8 @@ class AdapterPool:
             device=self.device,
             vocab_slots=vocab_slots,
         )
+        # Slots holding a DoRA adapter or one with vocabulary parts (host; the step's graph variant)
+        self.kinds_slots: frozenset[int] = frozenset()
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._pending: dict[int, tuple[torch.cuda.Event, list]] = {}
@@ -164,14 +166,11 @@ class AdapterPool:
                 self.experts.upload(slot, weights)
             self._upload_dora(slot, weights, tables)
             self.vocab.upload(slot, weights, tables)
+        kinds = bool(self.host_dora[slot]) or self.vocab.host_slot_vocab[slot] >= 0
+        self.kinds_slots = self.kinds_slots | {slot} if kinds else self.kinds_slots - {slot}
         if self._cuda:
             # The host tensors must outlive the asynchronous copies.
             self._pending[slot] = (self._stream.record_event(), keep + tables)
-
-    def kinds_slot(self, slot: int) -> bool:
-        """Whether `slot` holds a DoRA adapter or one with vocabulary parts: a step holding its tokens
-        runs the graphs' kinds variant (engine/cuda_graph.py)."""
-        return bool(self.host_dora[slot]) or self.vocab.host_slot_vocab[slot] >= 0
 
     @property
     def kinds_tables(self) -> tuple[bool, int]:
