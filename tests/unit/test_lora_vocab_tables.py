@@ -154,7 +154,8 @@ def test_vocab_slot_released_and_reused_without_stale_values():
         pool.upload(1, with_vocab_parts(2, "lora", None))
     pool.upload(0, random_adapter(SHAPES, ["q_proj"], 4, 3, torch.float32))  # plain over it: released
     assert pool.vocab.host_slot_vocab == [-1, -1, -1] and pool.vocab.slot_vocab.tolist() == [-1, -1, -1]
-    narrow = with_vocab_parts(4, "lora", "tokens", rank=2)  # lower rank, other parts: nothing of `wide` left
+    # lower rank over the same vocab slot, embedding rows gone: nothing of `wide` may be left
+    narrow = with_vocab_parts(4, "lora", "lora", rank=2)
     pool.upload(2, narrow)
     assert pool.vocab.host_slot_vocab == [-1, -1, 0]
     ids = torch.arange(12)
