@@ -269,20 +269,29 @@ class VocabTables:
         p = self.embed_lora
         if p is not None:
             after_a = self._masked(p.a_t.index_select(0, input_ids.clamp(min=0)), vslots, p.scale)
-            h = h + (after_a @ p.b_t).to(h.dtype)
+            h = _add_product(h, after_a, p.b_t)
         return h
 
     def head(self, logits: torch.Tensor, hidden: torch.Tensor, vslots: torch.Tensor) -> torch.Tensor:
-        """`logits` `[rows, vocab]` of `hidden` `[rows, hidden]` with each row's adapter's lm_head parts."""
+        """`logits` `[rows, vocab]` of `hidden` `[rows, hidden]` with each row's adapter's lm_head parts
+        (`logits` may be changed in place: the model passes the lm_head matmul's fresh output)."""
         t = self.head_tokens
         if t is not None:  # trainable tokens: the listed ids' logits from the adapter's rows
             v = vslots.clamp(min=0)
             use = ((vslots >= 0) & t.has.index_select(0, v)).unsqueeze(1)
             own = (hidden @ t.rows.t()).gather(1, t.src.index_select(0, v)).to(logits.dtype)
             cols = torch.where(use, t.ids.index_select(0, v), 0)
-            logits = logits.scatter(1, cols, torch.where(use, own, logits.gather(1, cols)))
+            logits.scatter_(1, cols, torch.where(use, own, logits.gather(1, cols)))  # a fresh tensor
         p = self.head_lora
         if p is not None:
             after_a = self._masked(hidden.to(p.a_t.dtype) @ p.a_t, vslots, p.scale)
-            logits = logits + (after_a @ p.b_t).to(logits.dtype)
+            logits = _add_product(logits, after_a, p.b_t)
         return logits
+
+
+def _add_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`c + a @ b`: one GEMM with the add in its epilogue where the dtypes agree (the vocabulary-wide
+    lm_head delta is then written once, not written, read and added)."""
+    if c.dtype == a.dtype:
+        return torch.addmm(c, a, b)
+    return c + (a @ b).to(c.dtype)
