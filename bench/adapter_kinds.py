@@ -11,8 +11,9 @@ random per-row factors (what `dora.fill_factors` computes at load), the embeddin
 A/B on both. Decode CUDA graphs are captured as the server captures them; the step holding DoRA and
 embedding/lm_head requests replays the graphs' kinds variant (engine/cuda_graph.py), captured lazily
 by its first step: that capture is timed apart (`kinds_capture_s`, `kinds_capture_mib`) and the timed
-steps replay it. On the CPU (no graphs) both steps run eagerly. Prints both step times and their
-ratio (goal: mixed >= 0.95x plain, i.e. plain_ms / mixed_ms).
+steps replay it; `kinds_tables_mib` is what the DoRA factor and vocab-slot tables took. On the CPU
+(no graphs) both steps run eagerly. Prints both step times and their ratio (goal: mixed >= 0.95x
+plain, i.e. plain_ms / mixed_ms).
 
 `--check`: one decode step over base tokens, plain, DoRA, embedding+lm_head LoRA and trainable-token
 adapters (embedding rows hit by the step's token ids), replayed from the kinds-variant graph and run
@@ -77,6 +78,8 @@ def measure(tiny: bool, device: torch.device, batch: int = 64, adapters: int = 8
     upload_kinds(runner, ((0, "dora"), (1, "dora"), (2, "vocab"), (3, "vocab")))
     runner.forward(chunks)  # the first such step captures the kinds-variant graph (timed apart)
     captures = [] if runner.cuda_graphs is None else runner.cuda_graphs.kinds_captures
+    pool = runner.lora_backend.pool
+    tables = (pool.vocab.nbytes + pool.dora_nbytes) / 2**20  # DoRA factors and vocab slots
     mixed = h.time_step(runner, chunks, repeats)
     del runner
     h.free(device)
@@ -89,6 +92,7 @@ def measure(tiny: bool, device: torch.device, batch: int = 64, adapters: int = 8
         mixed_vs_plain=plain / mixed,
         kinds_capture_s=sum(c[1] for c in captures) if captures else None,
         kinds_capture_mib=sum(c[2] for c in captures) / 2**20 if captures else None,
+        kinds_tables_mib=tables,
     )
 
 
@@ -145,7 +149,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if ok else 1
     row = measure(o.tiny, device)
     h.print_table(
-        ["batch", "adapters", "plain ms", "mixed ms", "plain / mixed", "kinds capture s", "capture MiB"],
+        [
+            "batch",
+            "adapters",
+            "plain ms",
+            "mixed ms",
+            "plain / mixed",
+            "kinds capture s",
+            "capture MiB",
+            "tables MiB",
+        ],
         [
             [
                 row["batch"],
@@ -155,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 h.fmt(row["mixed_vs_plain"]),
                 h.fmt(row["kinds_capture_s"]),
                 h.fmt(row["kinds_capture_mib"], ".0f"),
+                h.fmt(row["kinds_tables_mib"], ".1f"),
             ]
         ],
     )
