@@ -187,6 +187,8 @@ class VocabTables:
                 torch.zeros(V * N, self.hidden, dtype=self.dtype, device=d),
                 torch.zeros(V, dtype=torch.bool, device=d),
             )
+        if d.type == "cuda":  # filled on the upload stream: no step may read them before that ends
+            torch.cuda.synchronize(d)
         self.generation += 1
 
     def _write_lora(self, v: int, lora, which: str, keep: list) -> None:
