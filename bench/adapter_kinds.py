@@ -17,8 +17,8 @@ plain, i.e. plain_ms / mixed_ms).
 
 `--check`: one decode step over base tokens, plain, DoRA, embedding+lm_head LoRA and trainable-token
 adapters (embedding rows hit by the step's token ids), replayed from the kinds-variant graph and run
-eagerly on the same runner: one line, exit 1 unless the logits agree (bf16 tolerance) and the graph
-was the variant. On the CPU it runs the eager step twice (a smoke run of the setup only).
+eagerly on the same runner: one line, exit 1 unless the logits agree (bf16 tolerance), the graph
+was the variant, and each kind changes its own rows against the same step with the kinds off. On the CPU it runs the eager step twice (a smoke run of the setup only).
 """
 
 from __future__ import annotations
@@ -125,13 +125,29 @@ def check(tiny: bool, device: torch.device, batch: int = 16, adapters: int = 8) 
         want = runner.forward(chunks).clone()
     finally:
         runner.cuda_graphs = graphs
+    # the same step with the kinds' parts off (the plain graph): each kind must change its own rows,
+    # else the comparison above would pass with the parts left out of both paths
+    pool = runner.lora_backend.pool
+    kinds_slots, pool.kinds_slots = pool.kinds_slots, frozenset()
+    try:
+        without = runner.forward(chunks).clone()
+    finally:
+        pool.kinds_slots = kinds_slots
     scale = want.abs().max().item()
-    worst = (got - want).abs().max().item() / max(scale, 1e-6)
+    diff = (got - want).abs().max().item()
+    worst = diff / max(scale, 1e-6)
+    changed = {}
+    for name, slots in (("DoRA", (0, 1)), ("LoRA", (2, 4)), ("tokens", (3,))):
+        rows = [i for i, c in enumerate(chunks) if c.lora_slot in slots]
+        moved = (got[rows] - without[rows]).abs().max().item()
+        changed[name] = moved > max(10 * diff, 1e-3 * scale)
     ok = bool(torch.isfinite(got).all()) and worst <= CHECK_REL_TOL and (used or graphs is None)
+    ok = ok and all(changed.values())
     mode = "kinds-variant graph vs eager" if graphs is not None else "eager twice (no CUDA graphs here)"
     line = (
         f"adapter_kinds check: {mode}, batch {batch} (base, plain, 2 DoRA, 2 embedding+lm_head LoRA, "
         f"trainable tokens): max |diff| / max |logit| = {worst:.2e} (tol {CHECK_REL_TOL:.0e}), "
+        f"parts change their rows: {' '.join(f'{k}={v}' for k, v in changed.items())}, "
         f"variant replayed: {used} -> {'OK' if ok else 'MISMATCH'}"
     )
     return ok, line
