@@ -18,7 +18,8 @@ plain, i.e. plain_ms / mixed_ms).
 `--check`: one decode step over base tokens, plain, DoRA, embedding+lm_head LoRA and trainable-token
 adapters (embedding rows hit by the step's token ids), replayed from the kinds-variant graph and run
 eagerly on the same runner: one line, exit 1 unless the logits agree (bf16 tolerance), the graph
-was the variant, and each kind changes its own rows against the same step with the kinds off. On the CPU it runs the eager step twice (a smoke run of the setup only).
+was the variant, and each kind changes its own rows against the same step with the kinds off. On
+the CPU it runs the eager step twice (a smoke run of the setup only).
 """
 
 from __future__ import annotations
