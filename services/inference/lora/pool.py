@@ -7,6 +7,9 @@ output widths `w_i` and input width `d`, `R = max_lora_rank`:
 - `rank[g]`: `[L, slots, n]` int32 (0 = not targeted), `scaling[g]`: `[L, slots, n]` float32
 - `dora[g]` (allocated with the first DoRA adapter, lora/dora.py): `[L, slots + 1, sum(w)]` float32,
   the per-row factor `m / ||W + sBA||` of a DoRA slot; row `slots` is all ones (non-DoRA tokens)
+- `vocab` (lora/vocab_tables.py): embedding / lm_head LoRA and trainable-token rows of up to
+  `VOCAB_SLOTS` adapters, stacked, each part allocated with its first adapter; `kinds_slots` names
+  the slots holding DoRA or vocabulary parts (a step holding one replays the graphs' kinds variant)
 Groups with no module in `--lora-target-modules` are not allocated. Padding beyond a slot's
 rank is uninitialised or stale: readers must honour `rank`.
 
