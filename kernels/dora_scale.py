@@ -25,10 +25,10 @@ BLOCK = 1024
 @triton.jit
 def _dora_scale_kernel(
     out_ptr,
-    delta_ptr,
+    d_ptr,  # the handed-over delta (float32)
     bias_ptr,
-    table_ptr,
-    index_ptr,
+    factor_ptr,  # the factor table (float32)
+    slots_ptr,  # each token's row of it (int64)
     stride_o,
     stride_d,
     stride_t,
@@ -40,15 +40,15 @@ def _dora_scale_kernel(
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    slot = tl.load(index_ptr + row).to(tl.int64)
-    f = tl.load(table_ptr + slot * stride_t + offs, mask=mask, other=1.0)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    f = tl.load(factor_ptr + slot * stride_t + offs, mask=mask, other=1.0)
     o_ptrs = out_ptr + row.to(tl.int64) * stride_o + offs
     y = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b = tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = y - b
     if HAS_DELTA:
-        y = y + tl.load(delta_ptr + row.to(tl.int64) * stride_d + offs, mask=mask, other=0.0)
+        y = y + tl.load(d_ptr + row.to(tl.int64) * stride_d + offs, mask=mask, other=0.0)
     y = y * f
     if HAS_BIAS:
         y = y + b
