@@ -175,6 +175,8 @@ def build_runner(
             kv_size=cfg.kv_size,
             fused_checkpoint=cfg.family.fused_checkpoint,
             moe=cfg.is_moe,
+            vocab_size=cfg.vocab_size,  # the vocabulary tables (lora/vocab_tables.py)
+            tie_word_embeddings=cfg.tie_word_embeddings,
         )
         targets = ATTN_MODULES if cfg.is_moe else ALL_MODULES
         pool = AdapterPool(

@@ -18,6 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from loraplex.kernels.attention_decode import _decode_split_kernel
+from loraplex.kernels.dora_scale import _dora_scale_kernel
 from loraplex.kernels.expert_lora_pairs import _pair_lora_kernel
 from loraplex.kernels.fused_ops import _add_rms_norm_kernel, _rms_norm_kernel, _silu_mul_kernel
 from loraplex.kernels.lora_expand import _expand_kernel
@@ -62,6 +63,7 @@ POINTERS = {
     "slot_scale_ptr": "*fp32",
     "xq_ptr": "*fp8e4nv",
     "xs_ptr": "*fp32",
+    "factor_ptr": "*fp32",  # DoRA's factor table
 }
 SCALARS = {
     "eps": "fp32",
@@ -195,6 +197,7 @@ KERNELS = {
     "expert_pair_lora_r16": (_pair_lora_kernel, dict(RANK=16, R_P2=16, BLOCK_K=128, BLOCK_N=64)),
     "expert_pair_lora_r24": (_pair_lora_kernel, dict(RANK=24, R_P2=32, BLOCK_K=128, BLOCK_N=64)),
     "moe_align": (_moe_align_kernel, dict(E_P2=128, BLOCK_M=16, BLOCK_P=32)),
+    "dora_scale": (_dora_scale_kernel, dict(HAS_DELTA=True, HAS_BIAS=True, BLOCK=1024)),
 }
 
 

@@ -120,13 +120,15 @@ def test_cuda_graph_lora_tiers() -> None:
 
     graphs = DecodeGraphs.__new__(DecodeGraphs)  # key() needs only the ladder and the backend (no GPU)
     graphs.ladder, graphs.lora = batch_ladder(64), object()
-    assert graphs.key(64, 0) == (64, 0)
-    assert graphs.key(3, 2) == (4, 1)
-    assert graphs.key(64, MANY_ADAPTERS) == (64, 1)
-    assert graphs.key(20, MANY_ADAPTERS + 1) == (32, 2)  # tier 2 exists only above MANY_ADAPTERS tokens
+    assert graphs.key(64, 0) == (64, 0, 0)
+    assert graphs.key(3, 2) == (4, 1, 0)
+    assert graphs.key(64, MANY_ADAPTERS) == (64, 1, 0)
+    assert graphs.key(20, MANY_ADAPTERS + 1) == (32, 2, 0)  # tier 2 exists only above MANY_ADAPTERS tokens
     assert graphs.key(65, 1) is None
+    # a step holding DoRA / vocabulary-part adapters replays the kinds variant (engine/cuda_graph.py)
+    assert graphs.key(3, 2, kinds=True) == (4, 1, 1)
     graphs.lora = None
-    assert graphs.key(8, 0) == (8, 0) and graphs.key(8, 1) is None
+    assert graphs.key(8, 0) == (8, 0, 0) and graphs.key(8, 1) is None
 
 
 def test_kernels_under_triton_interpreter() -> None:

@@ -32,6 +32,14 @@ def test_suite_runs_end_to_end_on_cuda(bench, tmp_path):
     assert json.loads((tmp_path / f"{bench}.json").read_text())
 
 
+def test_adapter_kinds_graph_equals_eager_on_cuda():
+    """The decode graphs' kinds variant (DoRA, embedding / lm_head LoRA, trainable tokens beside plain
+    adapters and the base) against the eager step (bench/adapter_kinds.py --check)."""
+    argv = ["-m", "loraplex.bench.adapter_kinds", "--check", "--tiny", "--device", "cuda"]
+    out = run_child(argv, timeout=900).stdout
+    assert "variant replayed: True -> OK" in out, out
+
+
 def test_goals_fill_every_built_row_on_cuda(tmp_path):
     args = ["--tiny", "--workdir", str(tmp_path / "files"), "--out", str(tmp_path)]
     run_child(["-m", "loraplex.bench.goals", *args], timeout=900)

@@ -35,7 +35,7 @@ def test_recapture_writes_no_kv_and_keeps_replays_right():
     graphs.block_tables[:8, 0] = torch.arange(8, device=device, dtype=torch.int32)
     graphs.token_slots[:8] = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3], device=device, dtype=torch.int32)
     before = runner.kv_cache.clone()
-    graphs.recapture([(8, 0), (8, 1), (4, 1)])
+    graphs.recapture([(8, 0, 0), (8, 1, 0), (4, 1, 0)])
     torch.cuda.synchronize()
     assert torch.equal(runner.kv_cache, before)
     assert (graphs.slot_mapping == -1).all() and (graphs.token_slots == -1).all()

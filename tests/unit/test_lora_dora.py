@@ -125,8 +125,8 @@ def test_factor_applies_to_dora_rows_only_in_both_handovers(
     slots = {name: manager.acquire(name) for name in ("dora", "plain")}
     backend = TorchLoRABackend(pool)
     token_slots = [slots["dora"], slots["dora"], slots["plain"], -1]
-    assert backend.step_has_dora(token_slots) and not backend.step_has_dora([slots["plain"], -1])
-    backend.dora_step = True
+    assert backend.step_has_kinds(token_slots) and not backend.step_has_kinds([slots["plain"], -1])
+    backend.kinds_step = True
     backend.prepare(torch.tensor(token_slots, dtype=torch.int32))
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, shapes.hidden_size, generator=gen)
@@ -136,7 +136,7 @@ def test_factor_applies_to_dora_rows_only_in_both_handovers(
     in_place = base.clone()
     backend.apply(0, "qkv", x, in_place)
     delta = in_place - base
-    got_in_place = backend.dora(0, "qkv", in_place, None, bias)
+    got_in_place = backend.dora(0, "qkv", in_place.clone(), None, bias)  # scales `out` in place
     got_handed = backend.dora(0, "qkv", base.clone(), delta, bias)
     torch.testing.assert_close(got_in_place, got_handed)
     factor = manager.pool.dora["qkv"][0, slots["dora"]]
@@ -153,3 +153,12 @@ def test_embedding_lora_refused_under_tensor_parallelism(tiny_llama_path, adapte
     with pytest.raises(AdapterIncompatible, match="vocabulary is sharded") as e:
         LoRAManager(pool).load_adapter("v", vocab)
     assert e.value.field == "target_modules"
+
+
+def test_dora_scale_kernel_matches_its_reference():
+    """kernels/dora_scale.py under the Triton interpreter (a child: Triton reads it at import)."""
+    from tests.support.child import child_env, run_child
+
+    proc = run_child(["-m", "tests.support.dora_scale_check"], env=child_env(interpret=True))
+    assert "FAIL" not in proc.stdout
+    assert proc.stdout.count(": ok") == 8, proc.stdout

@@ -15,6 +15,14 @@ The upper tier is captured only where a step can hold more than MANY_ADAPTERS di
 (`graph_tiers` of the backend's `max_step_distinct()`: the pool's slots, or --max-loras-per-batch
 below them); a step whose graph was not captured runs eagerly.
 
+Kinds variant: a step holding a DoRA adapter's tokens or one with vocabulary parts (embedding /
+lm_head LoRA, trainable tokens) replays a graph captured with those parts (the backend's
+`kinds_step`: DoRA factors per group, lora/vocab_tables.py around the embedding and the logits),
+keyed (batch size, tier, 1). Such graphs are captured lazily, on the first step that needs one,
+into the same memory pool; when the pool allocates DoRA or vocabulary tables the variant graphs
+captured before are dropped (they lack those parts) and captured again on use. Steps without such
+adapters replay the plain graphs (variant 0) and pay nothing.
+
 Host work per step: fill two pinned buffers (numpy views), two host-to-device copies, one
 replay. Capture time and the memory the graphs took are logged.
 """
@@ -81,11 +89,14 @@ class DecodeGraphs:
         self.slot_mapping.fill_(-1)
         self.token_slots.fill_(-1)
         self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=dev)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch size, LoRA tier)
+        # (batch size, LoRA tier, kinds variant 0/1)
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self._kinds_tables = None  # the pool tables the kinds-variant graphs were captured with
+        self.kinds_captures: list[tuple[tuple[int, int, int], float, int]] = []  # key, seconds, bytes
         self._pool = None  # one memory pool for every graph, made by the first capture
         self._inputs_copied: torch.cuda.Event | None = None
 
-    def _forward(self, bs: int, tier: int) -> None:
+    def _forward(self, bs: int, tier: int, variant: int = 0) -> None:
         self.attention.begin(
             AttentionMetadata(
                 self.slot_mapping[:bs],
@@ -98,10 +109,16 @@ class DecodeGraphs:
         )
         lora = None
         if tier:  # the tier's bound on distinct adapters plans the LoRA launches of every step it serves
+            self.lora.kinds_step = bool(variant)
             self.lora.prepare(self.token_slots[:bs], tier_distinct_bound(tier, bs))
             lora = self.lora
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], ForwardContext(self.attention, lora))
-        self.model.compute_logits(hidden, out=self.logits[:bs])
+        try:
+            ctx = ForwardContext(self.attention, lora)
+            hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
+            self.model.compute_logits(hidden, out=self.logits[:bs], lora=lora if variant else None)
+        finally:
+            if lora is not None:
+                lora.kinds_step = False
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -111,7 +128,7 @@ class DecodeGraphs:
         start = time.perf_counter()
         tiers = graph_tiers(None if self.lora is None else self.lora.max_step_distinct())
         self.recapture(
-            [(bs, t) for bs in reversed(self.ladder) for t in tiers if t < 2 or bs > MANY_ADAPTERS]
+            [(bs, t, 0) for bs in reversed(self.ladder) for t in tiers if t < 2 or bs > MANY_ADAPTERS]
         )
         torch.cuda.synchronize()
         taken = free_before - torch.cuda.mem_get_info()[0]
@@ -127,9 +144,9 @@ class DecodeGraphs:
         self.capture_bytes = taken
 
     @torch.inference_mode()
-    def recapture(self, keys: list[tuple[int, int]]) -> None:
-        """(Re)capture the graphs for these (batch size, LoRA tier) keys into the graphs' memory
-        pool (benchmarks use it after switching a backend option)."""
+    def recapture(self, keys: list[tuple[int, int, int]]) -> None:
+        """(Re)capture the graphs for these (batch size, LoRA tier, kinds variant) keys into the
+        graphs' memory pool (benchmarks use it after switching a backend option)."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         # The buffers hold the last replay's step. The eager warm-up below runs it again, at another
@@ -139,27 +156,52 @@ class DecodeGraphs:
         self.slot_mapping.fill_(-1)
         self.token_slots.fill_(-1)
         stream = torch.cuda.Stream()
-        for bs, tier in keys:
+        for bs, tier, variant in keys:
             # Eager warm-up on a side stream (Triton compiles, cuBLAS picks kernels) before capture.
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._forward(bs, tier)
+                self._forward(bs, tier, variant)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._forward(bs, tier)
-            self.graphs[(bs, tier)] = graph
+                self._forward(bs, tier, variant)
+            self.graphs[(bs, tier, variant)] = graph
+
+    def _capture_kinds(self, key: tuple[int, int, int]) -> None:
+        """Capture one kinds-variant graph on first use (see the module docstring), after dropping
+        the variant graphs captured before the pool's DoRA / vocabulary tables last changed."""
+        tables = self.lora.pool.kinds_tables
+        if tables != self._kinds_tables:
+            for old in [k for k in self.graphs if k[2]]:
+                del self.graphs[old]
+            self._kinds_tables = tables
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        start = time.perf_counter()
+        self.recapture([key])
+        torch.cuda.synchronize()
+        seconds, taken = time.perf_counter() - start, free_before - torch.cuda.mem_get_info()[0]
+        self.kinds_captures.append((key, seconds, taken))
+        log.info(
+            "captured the kinds-variant decode graph (batch %d, LoRA tier %d) in %.2f s, %.0f MiB",
+            key[0],
+            key[1],
+            seconds,
+            taken / 2**20,
+        )
 
     def bucket(self, n: int) -> int | None:
         return next((bs for bs in self.ladder if bs >= n), None)
 
-    def key(self, n: int, distinct_adapters: int) -> tuple[int, int] | None:
+    def key(self, n: int, distinct_adapters: int, kinds: bool = False) -> tuple[int, int, int] | None:
         """The graph a decode step of `n` tokens over that many distinct adapters replays (None: eager):
-        (batch size, tier) with tier 0 without LoRA, 1 up to MANY_ADAPTERS distinct adapters, 2 above."""
+        (batch size, tier, variant) with tier 0 without LoRA, 1 up to MANY_ADAPTERS distinct adapters,
+        2 above; variant 1 for a step holding DoRA or vocabulary-part adapters (`kinds`)."""
         bs = self.bucket(n)
         if bs is None or (distinct_adapters and self.lora is None):
             return None
-        return bs, lora_tier(distinct_adapters)
+        tier = lora_tier(distinct_adapters)
+        return bs, tier, int(kinds and tier > 0)
 
     def run(
         self,
@@ -172,15 +214,23 @@ class DecodeGraphs:
         context_lens: list[int],
         sample_rows: list[int],
         prev_tokens: torch.Tensor | None = None,
+        kinds: bool = False,
     ) -> torch.Tensor | None:
         """Logits `[len(sample_rows), vocab]` of one decode step, or None when no graph fits.
 
         `distinct_adapters`: how many different slots >= 0 `token_slots` holds (picks the LoRA tier).
         `prev_tokens`: as in ModelRunner.forward (placeholder ids filled in on the device before the replay).
+        `kinds`: the step holds a DoRA or vocabulary-part adapter (`LoRABackend.step_has_kinds`).
         """
         n = len(ids)
-        key = self.key(n, distinct_adapters)
-        if key is None or key not in self.graphs or max(map(len, tables)) > self.max_blocks:
+        key = self.key(n, distinct_adapters, kinds)
+        if key is None or max(map(len, tables)) > self.max_blocks:
+            return None
+        if key[2] and (key not in self.graphs or self._kinds_tables != self.lora.pool.kinds_tables):
+            if self._inputs_copied is not None:
+                self._inputs_copied.synchronize()
+            self._capture_kinds(key)  # lazily: the first step holding such adapters at this size
+        if key not in self.graphs:
             return None
         bs = key[0]
         if self._inputs_copied is not None:

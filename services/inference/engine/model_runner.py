@@ -197,14 +197,12 @@ class ModelRunner:
             num_ctx += ctx_len
 
         distinct = len({s for s in token_slots if s >= 0})  # picks the LoRA graph tier and kernels
-        # A step with a DoRA or embedding / lm_head adapter's tokens runs eagerly: the graphs hold none
-        # of those parts (lora/dora.py, lora/embedding_lora.py); other steps are unchanged.
-        eager = (
-            distinct > 0
-            and self.lora_backend is not None
-            and self.lora_backend.plan_eager_parts(token_slots, sample_rows + all_rows)
+        # A step with a DoRA adapter's tokens or one with vocabulary parts replays the decode graphs'
+        # kinds variant (lora/vocab_tables.py, lora/dora.py); other steps never run those parts.
+        kinds = (
+            distinct > 0 and self.lora_backend is not None and self.lora_backend.step_has_kinds(token_slots)
         )
-        if self.cuda_graphs is not None and not segments and not all_rows and not eager:
+        if self.cuda_graphs is not None and not segments and not all_rows:
             logits = self.cuda_graphs.run(
                 ids,
                 positions,
@@ -215,13 +213,14 @@ class ModelRunner:
                 decode_lens,
                 sample_rows,
                 prev_tokens,
+                kinds=kinds,
             )
             if logits is not None:
                 return logits
         num_tokens = len(ids)
         mixed_key = (
             None
-            if self.mixed_graphs is None or not segments or eager
+            if self.mixed_graphs is None or not segments or kinds  # kinds: eager (docs/architecture.md)
             else self.mixed_graphs.key(num_tokens, distinct)
         )
         if mixed_key is None:
@@ -252,6 +251,7 @@ class ModelRunner:
             return self.model.compute_logits(hidden[rows])
         lora = None
         if self.lora_backend is not None and distinct:
+            self.lora_backend.kinds_step = kinds
             self.lora_backend.prepare(self._upload(self.token_slots, token_slots), distinct)
             lora = self.lora_backend
         ctx = ForwardContext(self.attention, lora)
@@ -264,7 +264,10 @@ class ModelRunner:
                 )
             else:
                 rows = self._upload(self.sample_indices, sample_rows)
-            return self.model.compute_logits(hidden[rows], lora=lora if eager else None)
+            if kinds:
+                self.lora_backend.logit_rows = rows
+            return self.model.compute_logits(hidden[rows], lora=lora if kinds else None)
         finally:
-            if eager:  # graphs captured later must see none of this step's parts
-                self.lora_backend.clear_eager_parts()
+            if kinds:  # graphs captured later must see none of this step's parts
+                self.lora_backend.kinds_step = False
+                self.lora_backend.logit_rows = None

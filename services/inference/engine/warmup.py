@@ -24,8 +24,10 @@ import time
 import torch
 
 from loraplex.kernels.attention_decode import decode_variants
+from loraplex.kernels.dora_scale import warm_up as dora_warm_up
 from loraplex.kernels.lora_configs import MANY_ADAPTERS
 from loraplex.kernels.lora_meta import segments_block_ts
+from loraplex.kernels.placement import triton_runs_on
 from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.scheduler import SeqChunk
 
@@ -128,6 +130,10 @@ def warm_up(runner: ModelRunner, *, max_num_tokens: int, max_num_seqs: int, cont
     finally:
         if experts is not None:
             backend.experts = experts
+    if pool is not None and triton_runs_on(runner.device):
+        # DoRA's kernel runs only in steps holding a DoRA adapter (none is loaded yet)
+        dtype = runner.model.norm.weight.dtype
+        dora_warm_up([pool.offsets[g][-1] for g in pool.groups], dtype, runner.device)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     log.info(

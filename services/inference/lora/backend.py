@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.services.inference.lora.embedding_lora import add_embedding_deltas, add_head_deltas
+from loraplex.kernels.dora_scale import dora_scale, dora_scale_ref
+from loraplex.kernels.placement import triton_runs_on
 
 if TYPE_CHECKING:
     from loraplex.services.inference.lora.expert_lora import ExpertLoRA, LayerExpertLoRA
@@ -58,62 +59,50 @@ class LoRABackend(ABC):
     # expert buffers; `prepare` must call its `prepare` too.
     experts: ExpertLoRA | None = None
 
-    # DoRA (lora/dora.py): True for a step holding a DoRA adapter's tokens, set by the model runner
-    # before `prepare` (from the host slot list: `step_has_dora`) and cleared after the forward. Such
-    # a step runs eagerly; graphs are captured with it False, so steps without DoRA pay nothing.
-    dora_step: bool = False
+    # A step holding a DoRA adapter's tokens or one with vocabulary parts (embedding / lm_head LoRA,
+    # trainable tokens): the model runner sets it (from the host slot list: `step_has_kinds`) before
+    # `prepare` and clears it after the step's logits; a decode graph's kinds variant is captured with
+    # it set (engine/cuda_graph.py). Steps without such adapters neither capture nor run those parts.
+    kinds_step: bool = False
     _dora_index: torch.Tensor | None = None
-    # LoRA on the embedding / lm_head (lora/embedding_lora.py): per distinct such adapter of the step,
-    # its slot's tensors and its token rows / logits rows (device indices). Set by `plan_eager_parts`.
-    _embed_segments: list = []
-    _head_segments: list = []
+    _token_vslots: torch.Tensor | None = None  # each token's vocab slot (lora/vocab_tables.py)
+    # The token index of each logits row of an eager step (None: one row per token, as in a graph)
+    logit_rows: torch.Tensor | None = None
 
-    def step_has_dora(self, token_slots: list[int]) -> bool:
-        """Whether any of the step's slots (host ints, -1 = none) holds a DoRA adapter."""
-        flags = self.pool.host_dora
-        return bool(flags.any()) and any(s >= 0 and bool(flags[s]) for s in set(token_slots))
+    @property
+    def dora_step(self) -> bool:
+        """Whether this step applies the DoRA factors (a kinds step, once the pool holds DoRA tables)."""
+        return self.kinds_step and bool(self.pool.dora)
 
-    def plan_eager_parts(self, token_slots: list[int], logit_rows: list[int]) -> bool:
-        """Before a step (host): set `dora_step` and the embedding / lm_head segments from the step's
-        token slots and the token index of each logits row. True when the step must run eagerly
-        (a graph holds none of these parts). `clear_eager_parts` after the step's logits."""
-        self._embed_segments, self._head_segments = [], []
-        if getattr(self, "pool", None) is None:  # a backend with no pool (a test's recorder) has none
-            self.dora_step = False
-            return False
-        self.dora_step = self.step_has_dora(token_slots)
-        if bool(self.pool.host_vocab.any()):
-            device = self.pool.device
-            for slot in sorted({s for s in token_slots if s >= 0 and bool(self.pool.host_vocab[s])}):
-                lora = self.pool.vocab_lora[slot]
-                if lora.has_embedding:
-                    rows = [i for i, s in enumerate(token_slots) if s == slot]
-                    self._embed_segments.append((lora, torch.tensor(rows, device=device)))
-                if lora.has_head:
-                    rows = [j for j, i in enumerate(logit_rows) if token_slots[i] == slot]
-                    if rows:
-                        self._head_segments.append((lora, torch.tensor(rows, device=device)))
-        return self.dora_step or bool(self._embed_segments) or bool(self._head_segments)
+    def step_has_kinds(self, token_slots: list[int]) -> bool:
+        """Whether any of the step's slots (host ints, -1 = none) holds a DoRA adapter or one with
+        vocabulary parts (`AdapterPool.kinds_slots`); one set test when the pool holds none."""
+        pool = getattr(self, "pool", None)  # a backend with no pool (a test's recorder) has none
+        kinds = frozenset() if pool is None else pool.kinds_slots
+        return bool(kinds) and not kinds.isdisjoint(token_slots)
 
-    def clear_eager_parts(self) -> None:
-        """After the step: graphs captured later must see none of its parts."""
-        self.dora_step = False
-        self._embed_segments, self._head_segments = [], []
+    def prepare_kinds(self, token_slots: torch.Tensor) -> None:
+        """Each token's row of the pool's DoRA tables (its slot where that slot is DoRA, else the row
+        of ones) and its vocab slot. Device ops only. Backends call it from `prepare` on a kinds step."""
+        slots = token_slots.to(torch.int64)
+        if self.pool.dora:
+            is_dora = (slots >= 0) & self.pool.dora_flag[slots.clamp(min=0)]
+            self._dora_index = torch.where(is_dora, slots, self.pool.slots)
+        self._token_vslots = self.pool.vocab.token_vslots(slots)
 
     def add_embedding(self, h: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """The looked-up embeddings plus the step's embedding LoRA deltas (lora/embedding_lora.py)."""
-        return add_embedding_deltas(h, input_ids, self._embed_segments)
+        """The looked-up embeddings plus the step's adapters' embedding parts (lora/vocab_tables.py)."""
+        if not self.kinds_step:
+            return h
+        return self.pool.vocab.embed(h, input_ids, self._token_vslots[: h.shape[0]])
 
     def add_head(self, logits: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The logits rows plus the step's lm_head LoRA deltas (lora/embedding_lora.py)."""
-        return add_head_deltas(logits, hidden, self._head_segments)
-
-    def prepare_dora(self, token_slots: torch.Tensor) -> None:
-        """Each token's row of the pool's DoRA tables: its slot where that slot is DoRA, else the
-        row of ones. Device ops only. Backends call it from `prepare` when `dora_step`."""
-        slots = token_slots.to(torch.int64)
-        is_dora = (slots >= 0) & self.pool.dora_flag[slots.clamp(min=0)]
-        self._dora_index = torch.where(is_dora, slots, self.pool.slots)
+        """The logits rows plus the step's adapters' lm_head parts (lora/vocab_tables.py)."""
+        if not self.kinds_step:
+            return logits
+        vslots = self._token_vslots
+        vslots = vslots[: logits.shape[0]] if self.logit_rows is None else vslots[self.logit_rows]
+        return self.pool.vocab.head(logits, hidden, vslots)
 
     def dora(
         self,
@@ -129,16 +118,8 @@ class LoRABackend(ABC):
         table = self.pool.dora.get(group)
         if table is None:  # a group outside --lora-target-modules: no adapter targets it
             return out if delta is None else out.add_(delta)
-        factor = table[layer].index_select(0, self._dora_index[: out.shape[0]])
-        y = out.to(torch.float32)
-        if bias is not None:
-            y = y - bias.to(torch.float32)
-        if delta is not None:
-            y = y + delta
-        y = y * factor
-        if bias is not None:
-            y = y + bias.to(torch.float32)
-        return y.to(out.dtype)
+        scale = dora_scale if triton_runs_on(out) else dora_scale_ref  # kernels/dora_scale.py
+        return scale(out, delta, bias, table[layer], self._dora_index)
 
     def max_step_distinct(self) -> int:
         """The most distinct adapters one step can hold (see `step_distinct_cap`)."""

@@ -12,7 +12,7 @@ in float32) and a step scales each DoRA row's `W x + delta` by it: the step neve
 
 Here: reading the magnitude tensors (`lora_magnitude_vector`, `[out]`; finite and positive) and
 the factor. The pool holds the factors (lora/pool.py `DoraFactors`); the backends apply them
-(lora/backend.py `LoRABackend.dora`).
+(lora/backend.py `LoRABackend.dora`, one launch per group: kernels/dora_scale.py).
 """
 
 from __future__ import annotations

@@ -10,10 +10,9 @@
 PEFT saves a copy of the base layer beside them (`...embed_tokens.base_layer.weight`,
 `lm_head.base_layer.weight`, `save_embedding_layers`): its shape is checked and it is not used.
 
-Where they live: a slot's tensors are copied to the device when the adapter is uploaded
-(`SlotEmbeddingLoRA`, held by the pool per slot, sized by the adapter's own rank, none for adapters
-without them). A step holding such a request runs eagerly (as DoRA's, lora/dora.py), and its delta
-is one shrink and one expand per distinct such adapter in the step over that adapter's rows.
+Where they live: the pool's vocabulary tables (lora/vocab_tables.py), a few vocab slots stacked so
+one step applies every resident adapter's with one gather and one matmul (embedding) and one
+shrink and one expand (lm_head), inside the decode graphs' kinds variant (engine/cuda_graph.py).
 """
 
 from __future__ import annotations
@@ -127,95 +126,3 @@ def finish_embedding_lora(
             )
         out[path] = EmbeddingLoRA(got["A"], got["B"], target.scaling)
     return out
-
-
-@dataclass(frozen=True)
-class SlotEmbeddingLoRA:
-    """A slot's embedding / lm_head LoRA on the device, laid out for the step's gathers."""
-
-    embed_a_t: torch.Tensor | None  # [vocab, r]: a token's row of A^T
-    embed_b_t: torch.Tensor | None  # [r, hidden]
-    embed_scaling: float
-    head_a_t: torch.Tensor | None  # [hidden, r]
-    head_b_t: torch.Tensor | None  # [r, vocab]
-    head_scaling: float
-    # trainable tokens (lora/trainable_tokens.py): each vocabulary id's row in `embed_rows` (-1: the
-    # base's), and lm_head's listed ids with their rows
-    embed_lut: torch.Tensor | None = None  # int64 [vocab]
-    embed_rows: torch.Tensor | None = None  # [n, hidden]
-    head_ids: torch.Tensor | None = None  # int64 [n]
-    head_rows: torch.Tensor | None = None  # [n, hidden]
-
-    @property
-    def has_embedding(self) -> bool:
-        return self.embed_a_t is not None or self.embed_lut is not None
-
-    @property
-    def has_head(self) -> bool:
-        return self.head_a_t is not None or self.head_ids is not None
-
-    @classmethod
-    def upload(
-        cls, lora: dict[str, EmbeddingLoRA], rows: dict, vocab: int, device: torch.device, non_blocking: bool
-    ) -> SlotEmbeddingLoRA:
-        """`rows`: the adapter's trainable-token rows (`TokenRows` per layer path)."""
-
-        def dev(t: torch.Tensor, transpose: bool = True) -> torch.Tensor:
-            return (t.t() if transpose else t).contiguous().to(device, non_blocking=non_blocking)
-
-        e, h = lora.get(EMBED_PATH), lora.get(HEAD_PATH)
-        embed_lut = embed_rows = head_ids = head_rows = None
-        if EMBED_PATH in rows:
-            lut = torch.full((vocab,), -1, dtype=torch.int64)
-            lut[rows[EMBED_PATH].ids] = torch.arange(len(rows[EMBED_PATH].ids))
-            embed_lut, embed_rows = dev(lut, False), dev(rows[EMBED_PATH].values, False)
-        if HEAD_PATH in rows:
-            head_ids, head_rows = dev(rows[HEAD_PATH].ids, False), dev(rows[HEAD_PATH].values, False)
-        return cls(
-            None if e is None else dev(e.a),
-            None if e is None else dev(e.b),
-            0.0 if e is None else e.scaling,
-            None if h is None else dev(h.a),
-            None if h is None else dev(h.b),
-            0.0 if h is None else h.scaling,
-            embed_lut,
-            embed_rows,
-            head_ids,
-            head_rows,
-        )
-
-
-def add_embedding_deltas(
-    h: torch.Tensor, input_ids: torch.Tensor, segments: list[tuple[SlotEmbeddingLoRA, torch.Tensor]]
-) -> torch.Tensor:
-    """`h` `[T, hidden]` (the looked-up embeddings) plus each segment's `s * B @ A[:, token]` on its
-    token rows (`segments`: (the slot's LoRA, the rows' indices) per distinct adapter with one)."""
-    if not segments:
-        return h
-    h = h.clone()
-    for lora, rows in segments:
-        ids = input_ids.index_select(0, rows)
-        if lora.embed_lut is not None:  # trainable tokens: the adapter's rows replace the base's
-            at = lora.embed_lut.index_select(0, ids)
-            own = lora.embed_rows.index_select(0, at.clamp(min=0)).to(h.dtype)
-            h.index_copy_(0, rows, torch.where((at >= 0).unsqueeze(1), own, h.index_select(0, rows)))
-        if lora.embed_a_t is not None:
-            after_a = lora.embed_a_t.index_select(0, ids)  # [n, r]
-            delta = (after_a @ lora.embed_b_t) * lora.embed_scaling
-            h.index_add_(0, rows, delta.to(h.dtype))
-    return h
-
-
-def add_head_deltas(
-    logits: torch.Tensor, hidden: torch.Tensor, segments: list[tuple[SlotEmbeddingLoRA, torch.Tensor]]
-) -> torch.Tensor:
-    """`logits` `[R, vocab]` plus each segment's `s * (h A^T) B^T` on its rows of `hidden` `[R, hidden]`."""
-    for lora, rows in segments:
-        h = hidden.index_select(0, rows)
-        if lora.head_ids is not None:  # trainable tokens: those ids' logits from the adapter's rows
-            own = (h @ lora.head_rows.t()).to(logits.dtype)  # [n_rows, n_ids]
-            logits.index_put_((rows.unsqueeze(1), lora.head_ids.unsqueeze(0)), own)
-        if lora.head_a_t is not None:
-            delta = ((h @ lora.head_a_t) @ lora.head_b_t) * lora.head_scaling
-            logits.index_add_(0, rows, delta.to(logits.dtype))
-    return logits

@@ -22,6 +22,11 @@ Invariants (the choices themselves, eviction, queue order and drains: lora/slot_
 - The host tier: host copies beyond `max_loaded_loras` (a count) or `max_cpu_lora_bytes` are
   dropped least recently used first (never one a request or pin holds) and re-read, digest-checked,
   from their source when next placed.
+- Vocab slots (lora/vocab_tables.py): an adapter with embedding / lm_head LoRA or trainable tokens
+  also needs one of the pool's few vocab slots. It is placed only into a slot where one is free or
+  whose evicted occupant frees one; otherwise it waits in the slot queue (later waiters that need no
+  vocab slot are served meanwhile), and an aged one drains a busy vocab-holding slot. At most
+  `vocab_slots - 1` such adapters may be pinned.
 
 Threads: `acquire`/`release` run on the engine thread (they write the pool, ordered on its
 compute stream). `load`/`unload`/`pin`/`list` may run on any thread; they only change the
@@ -58,6 +63,7 @@ from loraplex.services.inference.lora.slot_choice import (
     next_waiter,
     popularity_after,
 )
+from loraplex.services.inference.lora.vocab_tables import check_vocab_fits
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +101,7 @@ class _Version:
     reserved_until: float = 0.0
     uploads: int = 0
     popularity: float = -math.inf  # recent request rate (slot_choice.popularity_after)
+    vocab: bool = False  # has vocabulary parts: needs a vocab slot too (lora/vocab_tables.py)
 
 
 class LoRAManager(AdapterSlots):
@@ -156,6 +163,7 @@ class LoRAManager(AdapterSlots):
             base_tokens=self.base_tokens,
         )
         check_fits(weights.all_targets, self.pool.max_rank, self.pool.target_modules)
+        check_vocab_fits(weights, self.pool.max_rank, self.pool.vocab.max_token_rows)
         fill_factors(weights, self.base_weight)  # DoRA: once, here, not on every upload
         if weights.has_vocab_parts and self.base_weight is None:
             raise AdapterIncompatible(VOCAB_TP_REFUSAL, field="target_modules")
@@ -177,6 +185,7 @@ class LoRAManager(AdapterSlots):
                     chat_template=weights.chat_template,
                     nbytes=weights.nbytes,
                     last_used=self._clock(),
+                    vocab=weights.has_vocab_parts,
                 )
                 self._active[name] = version
                 if old is not None:
@@ -207,6 +216,13 @@ class LoRAManager(AdapterSlots):
                     raise CapacityExceeded(
                         f"cannot pin {name!r}: at most {self.pool.slots - 1} of {self.pool.slots} slots "
                         "(the pool's slots - 1) may hold pinned adapters",
+                        adapter=name,
+                    )
+                vocab_pins = sum(v.pinned and v.vocab for v in self._active.values())
+                if version.vocab and vocab_pins >= self.pool.vocab.vocab_slots - 1:
+                    raise CapacityExceeded(
+                        f"cannot pin {name!r}: at most {self.pool.vocab.vocab_slots - 1} adapters with "
+                        "embedding / lm_head LoRA or trainable tokens (the vocab slots - 1) may be pinned",
                         adapter=name,
                     )
                 if version.slot < 0:
@@ -318,7 +334,7 @@ class LoRAManager(AdapterSlots):
             version = self._active.get(name)
             if version is None or version.slot >= 0 or name in self._retiring or self._waiting:
                 return
-            slot = self._evictable_slot()
+            slot = self._evictable_slot(version)
             if slot is not None:
                 self._place(version, slot)  # False (source gone) is reported by the next acquire
 
@@ -378,7 +394,7 @@ class LoRAManager(AdapterSlots):
             if version.slot < 0:
                 return False  # still queued: release and note_queued move the queue
         if version.slot < 0:
-            slot = None if self._waiting else self._evictable_slot()  # earlier waiters first
+            slot = None if self._waiting else self._evictable_slot(version)  # earlier waiters first
             if slot is None:
                 self._waiting[name] = self._clock()
                 self._rebalance()
@@ -415,8 +431,16 @@ class LoRAManager(AdapterSlots):
             version.slot = -1
         version.weights = None
 
-    def _evictable_slot(self) -> int | None:
-        return evictable_slot(self._slots, self._queued, self._draining, self._clock())
+    def _vocab_allowed(self, version: _Version | None) -> set[int] | None:
+        """The slots `version` may take: any (None), or, for an adapter needing a vocab slot while
+        none is free, those whose occupant holds one (replacing it frees it)."""
+        if version is None or not version.vocab or self.pool.vocab.free_vocab_slot():
+            return None
+        return self.pool.vocab.holders()
+
+    def _evictable_slot(self, version: _Version | None = None) -> int | None:
+        allowed = self._vocab_allowed(version)
+        return evictable_slot(self._slots, self._queued, self._draining, self._clock(), allowed)
 
     def _drainable_slots(self, count: int, max_popularity: float | None = None) -> list[int]:
         placed_before = self._clock() - self.min_resident_s
@@ -469,18 +493,7 @@ class LoRAManager(AdapterSlots):
 
     def _rebalance(self) -> None:
         """Serve waiting adapters from evictable slots, then drain busy slots for aged waiters."""
-        while self._waiting:
-            name = self._next_waiter()
-            version = self._version_of(name)
-            retiring_idle = version is not None and version is self._retiring.get(name) and not version.held
-            if version is None or version.slot >= 0 or retiring_idle:
-                self._waiting.pop(name)
-                continue
-            slot = self._evictable_slot()
-            if slot is None:
-                break
-            self._waiting.pop(name)
-            self._place(version, slot)
+        self._serve_waiters()
         now = self._clock()
         aged = [n for n, since in self._waiting.items() if since <= now - self.slot_wait_s]
         need = min(len(aged), self.max_draining) - len(self._draining)
@@ -495,6 +508,44 @@ class LoRAManager(AdapterSlots):
                 ceiling = None
             for slot in self._drainable_slots(need, ceiling):
                 self._draining.add(slot)
+        # An aged waiter that needs a vocab slot while none is free drains a vocab-holding slot.
+        holders = self.pool.vocab.holders()
+        blocked = any(self._vocab_allowed(self._version_of(n)) is not None for n in aged)
+        if blocked and not holders & self._draining and len(self._draining) < self.max_draining:
+            placed_before = now - self.min_resident_s
+            for slot in cheapest_busy_slots(
+                self._slots, self._queued, self._draining, 1, placed_before, allowed=holders
+            ):
+                self._draining.add(slot)
+
+    def _serve_waiters(self) -> None:
+        """Place waiting adapters into evictable slots, in queue order. One that needs a vocab slot
+        while none can be had is passed over (it keeps its place); one that needs a plain slot while
+        none is evictable stops the pass (nothing after it can be placed either)."""
+        progressed = True
+        while progressed and self._waiting:
+            progressed = False
+            order = sorted(
+                self._waiting, key=lambda n: self._waiting[n] - self.queued_credit_s * self._queued.get(n, 0)
+            )
+            for name in order:
+                version = self._version_of(name)
+                retiring_idle = (
+                    version is not None and version is self._retiring.get(name) and not version.held
+                )
+                if version is None or version.slot >= 0 or retiring_idle:
+                    self._waiting.pop(name)
+                    progressed = True
+                    break
+                slot = self._evictable_slot(version)
+                if slot is None:
+                    if self._vocab_allowed(version) is not None:
+                        continue
+                    return
+                self._waiting.pop(name)
+                self._place(version, slot)
+                progressed = True
+                break
 
     def _next_waiter(self) -> str:
         return next_waiter(self._waiting, self._queued, self.queued_credit_s)

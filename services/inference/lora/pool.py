@@ -7,6 +7,9 @@ output widths `w_i` and input width `d`, `R = max_lora_rank`:
 - `rank[g]`: `[L, slots, n]` int32 (0 = not targeted), `scaling[g]`: `[L, slots, n]` float32
 - `dora[g]` (allocated with the first DoRA adapter, lora/dora.py): `[L, slots + 1, sum(w)]` float32,
   the per-row factor `m / ||W + sBA||` of a DoRA slot; row `slots` is all ones (non-DoRA tokens)
+- `vocab` (lora/vocab_tables.py): embedding / lm_head LoRA and trainable-token rows of up to
+  `VOCAB_SLOTS` adapters, stacked, each part allocated with its first adapter; `kinds_slots` names
+  the slots holding DoRA or vocabulary parts (a step holding one replays the graphs' kinds variant)
 Groups with no module in `--lora-target-modules` are not allocated. Padding beyond a slot's
 rank is uninitialised or stale: readers must honour `rank`.
 
@@ -25,9 +28,9 @@ import torch
 
 from loraplex.services.inference.lora.adapter import AdapterWeights
 from loraplex.services.inference.lora.backend import GROUPS
-from loraplex.services.inference.lora.embedding_lora import SlotEmbeddingLoRA
 from loraplex.services.inference.lora.expert_lora import ExpertLoRAPool, expert_modules, expert_pool_nbytes
 from loraplex.services.inference.lora.shapes import ModelShapes
+from loraplex.services.inference.lora.vocab_tables import VOCAB_SLOTS, VocabTables
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,7 @@ class AdapterPool:
         target_modules: Iterable[str],
         dtype: torch.dtype,
         device: torch.device | str,
+        vocab_slots: int = VOCAB_SLOTS,
     ):
         self.shapes, self.slots, self.max_rank = shapes, slots, max_rank
         self.target_modules = tuple(target_modules)
@@ -106,9 +110,18 @@ class AdapterPool:
         self.host_dora = torch.zeros(slots, dtype=torch.bool)
         self.dora_flag = torch.zeros(slots, dtype=torch.bool, device=self.device)
         self.dora: dict[str, torch.Tensor] = {}
-        # LoRA on the embedding / lm_head (lora/embedding_lora.py): per slot, the adapter's own tensors
-        self.vocab_lora: list[SlotEmbeddingLoRA | None] = [None] * slots
-        self.host_vocab = torch.zeros(slots, dtype=torch.bool)
+        # LoRA on the embedding / lm_head and trainable tokens, in a few vocab slots (lora/vocab_tables.py)
+        self.vocab = VocabTables(
+            slots,
+            vocab=shapes.vocab_size,
+            hidden=shapes.hidden_size,
+            max_rank=max_rank,
+            dtype=dtype,
+            device=self.device,
+            vocab_slots=vocab_slots,
+        )
+        # Slots holding a DoRA adapter or one with vocabulary parts (host; the step's graph variant)
+        self.kinds_slots: frozenset[int] = frozenset()
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._pending: dict[int, tuple[torch.cuda.Event, list]] = {}
@@ -155,21 +168,17 @@ class AdapterPool:
             if self.experts is not None:
                 self.experts.upload(slot, weights)
             self._upload_dora(slot, weights, tables)
-            self.vocab_lora[slot] = (
-                SlotEmbeddingLoRA.upload(
-                    weights.embedding, weights.token_rows, self.shapes.vocab_size, self.device, self._cuda
-                )
-                if weights.has_vocab_parts
-                else None
-            )
-            self.host_vocab[slot] = weights.has_vocab_parts
+            self.vocab.upload(slot, weights, tables)
+        kinds = bool(self.host_dora[slot]) or self.vocab.host_slot_vocab[slot] >= 0
+        self.kinds_slots = self.kinds_slots | {slot} if kinds else self.kinds_slots - {slot}
         if self._cuda:
             # The host tensors must outlive the asynchronous copies.
             self._pending[slot] = (self._stream.record_event(), keep + tables)
 
-    def eager_slot(self, slot: int) -> bool:
-        """Whether a step holding `slot`'s tokens must run eagerly (DoRA, embedding / lm_head LoRA)."""
-        return bool(self.host_dora[slot]) or bool(self.host_vocab[slot])
+    @property
+    def kinds_tables(self) -> tuple[bool, int]:
+        """What a kinds-variant graph captured: changes when DoRA or vocabulary tables are allocated."""
+        return bool(self.dora), self.vocab.generation
 
     @property
     def dora_nbytes(self) -> int:

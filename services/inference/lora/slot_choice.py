@@ -7,7 +7,7 @@ every write under its lock and these stay testable with plain records."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 # Half-life of an adapter's popularity: a request counts half as much this many seconds later.
@@ -36,13 +36,19 @@ class SlotHolder(Protocol):
 
 
 def evictable_slot(
-    slots: Sequence[SlotHolder | None], queued: Mapping[str, int], draining: set[int], now: float
+    slots: Sequence[SlotHolder | None],
+    queued: Mapping[str, int],
+    draining: set[int],
+    now: float,
+    allowed: Collection[int] | None = None,
 ) -> int | None:
     """An empty slot, else the idle (refcount 0, unpinned, unreserved, not draining) slot whose
     adapter has the fewest queued requests, then is least popular, then least recently used; None
-    when every slot is busy."""
+    when every slot is busy. `allowed`: only these slots (None: any)."""
     best, best_key = None, None
     for slot, v in enumerate(slots):
+        if allowed is not None and slot not in allowed:
+            continue
         if v is None:
             return slot
         if v.refs or v.pinned or slot in draining or v.reserved_until > now:
@@ -68,12 +74,13 @@ def cheapest_busy_slots(
     count: int,
     placed_before: float | None = None,
     max_popularity: float | None = None,
+    allowed: Collection[int] | None = None,
 ) -> list[int]:
     """Up to `count` busy unpinned slots, not yet draining (and placed no later than `placed_before`,
     when given: a fresh upload keeps its slot for a quantum; and no more popular than
     `max_popularity`, when given), whose loss costs least: fewest queued
     requests, then least popular (the hot set stays resident), then fewest running, then least
-    recently used."""
+    recently used. `allowed`: only these slots (None: any)."""
     busy = [
         ((v.popularity, queued.get(v.name, 0), v.refs, v.last_used), s)
         for s, v in enumerate(slots)
@@ -83,5 +90,6 @@ def cheapest_busy_slots(
         and s not in draining
         and (placed_before is None or v.placed_at <= placed_before)
         and (max_popularity is None or v.popularity <= max_popularity)
+        and (allowed is None or s in allowed)
     ]
     return [s for _, s in sorted(busy)[:count]]

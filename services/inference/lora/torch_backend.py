@@ -43,8 +43,8 @@ class TorchLoRABackend(LoRABackend):
         self._scales = {g: self.pool.host_scaling[g][:, used].tolist() for g in self.pool.groups}
         if self.experts is not None:
             self.experts.prepare(token_slots)
-        if self.dora_step:
-            self.prepare_dora(token_slots)
+        if self.kinds_step:
+            self.prepare_kinds(token_slots)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         if group not in self._ranks or not self._segments:

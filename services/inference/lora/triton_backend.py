@@ -93,8 +93,8 @@ class TritonLoRABackend(LoRABackend):
 
     def prepare(self, token_slots: torch.Tensor, max_distinct: int | None = None) -> None:
         build_segments(token_slots, self.segments)
-        if self.dora_step:
-            self.prepare_dora(token_slots)
+        if self.kinds_step:
+            self.prepare_kinds(token_slots)
         if self.experts is not None:  # reads the slots on the host: graphs are off (engine.py)
             self.experts.prepare(token_slots)
         self._plan = plan_step(self.group_shapes, token_slots.shape[0], self.pool.slots, max_distinct)

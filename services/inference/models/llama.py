@@ -245,8 +245,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_scale = cfg.hidden_size**0.5 if cfg.family.embed_scale else None
 
     def embed(self, input_ids: torch.Tensor, lora: LoRABackend | None = None) -> torch.Tensor:
-        """`lora`: an eager step's backend, whose embedding LoRA deltas are added before a Gemma's
-        scale (PEFT scales them too); None where the step has none."""
+        """`lora`: the step's backend, whose adapters' embedding parts (on a kinds step: lora/vocab_tables.py)
+        are applied before a Gemma's scale (PEFT scales them too); None where the step has no LoRA."""
         h = self.embed_tokens(input_ids)
         if lora is not None:
             h = lora.add_embedding(h, input_ids)
@@ -319,7 +319,7 @@ class LlamaForCausalLM(nn.Module):
         self, hidden: torch.Tensor, out: torch.Tensor | None = None, lora: LoRABackend | None = None
     ) -> torch.Tensor:
         """float32 logits; `out`: write them there (one conversion kernel instead of a convert and a copy).
-        `lora`: an eager step's backend, whose lm_head LoRA deltas are added before the soft-cap."""
+        `lora`: a kinds step's backend, whose adapters' lm_head parts are applied before the soft-cap."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         logits = F.linear(hidden, weight)
         if lora is not None:
