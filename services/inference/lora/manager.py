@@ -113,14 +113,11 @@ class LoRAManager(AdapterSlots):
         max_draining: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         base_weight: BaseWeight | None = None,
-        base_tokens: Mapping[str, int] | None = None,
     ):
         """`base_weight`: the base model's projection rows, for DoRA's norms (None: the model is
-        sharded, tensor parallelism: DoRA and embedding / lm_head adapters are refused).
-        `base_tokens`: the base tokenizer's token -> id (lora/trainable_tokens.py `check_added_tokens`)."""
+        sharded, tensor parallelism: DoRA and embedding / lm_head adapters are refused)."""
         self.pool = pool
         self.base_weight = base_weight
-        self.base_tokens = base_tokens
         self.max_loaded_loras = max_loaded_loras
         self.max_cpu_lora_bytes = max_cpu_lora_bytes
         self.max_loras_per_batch = max_loras_per_batch
@@ -153,7 +150,6 @@ class LoRAManager(AdapterSlots):
             self.pool.shapes,
             dtype=self.pool.dtype,
             pin_memory=self.pool.device.type == "cuda",
-            base_tokens=self.base_tokens,
         )
         check_fits(weights.all_targets, self.pool.max_rank, self.pool.target_modules)
         fill_factors(weights, self.base_weight)  # DoRA: once, here, not on every upload
@@ -436,7 +432,6 @@ class LoRAManager(AdapterSlots):
                     self.pool.shapes,
                     dtype=self.pool.dtype,
                     pin_memory=self.pool.device.type == "cuda",
-                    base_tokens=self.base_tokens,
                 )
                 fill_factors(weights, self.base_weight)
             except LoraplexError as e:
