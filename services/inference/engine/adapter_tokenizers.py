@@ -20,6 +20,7 @@ does for the base, because a fast tokenizer must not be used from two threads at
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import shutil
@@ -34,8 +35,9 @@ from loraplex.services.inference.errors import AdapterIncompatible, AdapterInval
 # What an adapter's tokenizer is made of, as `save_pretrained` writes it (the fast tokenizer's
 # `tokenizer.json`; a slow tokenizer's vocabulary files are not read: the base's serve).
 TOKENIZER_FILES = ("tokenizer.json", "added_tokens.json", "tokenizer_config.json", "special_tokens_map.json")
-# Llama 3's tokenizer.json is 9 MB, Qwen2.5's 7 MB; Gemma 3's 33 MB is the largest in wide use.
-MAX_TOKENIZER_JSON_BYTES = 40 * 2**20
+# The store's bound (adapter_store/tokenizer_files.py: Llama 3's tokenizer.json is 9 MB, Qwen2.5's
+# 7 MB), so an adapter loads the same from a directory as through the store.
+MAX_TOKENIZER_JSON_BYTES = 16 * 2**20
 MAX_OTHER_FILE_BYTES = 4 * 2**20  # as the chat template's files (lora/adapter.py)
 # Base files copied under an adapter's, so an adapter shipping some of them keeps the rest.
 _BASE_FILES = (*TOKENIZER_FILES, "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
@@ -200,7 +202,7 @@ class AdapterTokenizers:
             with self._lock:
                 self._base_keys.add(key)
             return None
-        entry = AdapterTokenizer(key, caller, self._load(files))
+        entry = AdapterTokenizer(key, caller, copy.deepcopy(caller))  # the engine thread's own copy
         with self._lock:
             return self._by_key.get(key, entry)  # another load of the same files won the race
 
