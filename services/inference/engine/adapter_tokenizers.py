@@ -43,6 +43,7 @@ MAX_OTHER_FILE_BYTES = 4 * 2**20  # as the chat template's files (lora/adapter.p
 _BASE_FILES = (*TOKENIZER_FILES, "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 MAX_ADAPTER_TOKENIZERS = 8
 _MERGED = ("tokenizer_config.json", "special_tokens_map.json")
+MAX_BASE_KEYS = 4096  # digests of files known to make the base's tokenizer
 
 
 def file_limit(name: str) -> int:
@@ -185,8 +186,8 @@ class AdapterTokenizers:
             return len(self._by_key)
 
     def prepare(self, files: dict[str, bytes]) -> AdapterTokenizer | None:
-        """The tokenizer these files make (None: the base's); refused as `check_vocabulary` says,
-        or when `limit` distinct ones are in use."""
+        """The tokenizer these files make (None: the base's), or the one already made from them;
+        refused as `check_vocabulary` says. `check_room` then says whether it may be kept."""
         if not files:
             return None
         key = files_key(files)
@@ -200,6 +201,8 @@ class AdapterTokenizers:
         check_vocabulary(caller, stated, self.rows)
         if _signature(caller) == self._base_signature:
             with self._lock:
+                if len(self._base_keys) >= MAX_BASE_KEYS:
+                    self._base_keys.clear()  # only a cache of "no need to build": rebuilt if asked
                 self._base_keys.add(key)
             return None
         entry = AdapterTokenizer(key, caller, copy.deepcopy(caller))  # the engine thread's own copy

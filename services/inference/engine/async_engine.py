@@ -251,16 +251,19 @@ class AsyncEngine:
 
     def _load_adapter(self, name: str, path: str, pin: bool) -> AdapterInfo:
         # Its tokenizer is built and checked first: a refused one leaves the name as it was.
-        own = self.adapter_tokenizers.prepare(read_tokenizer_files(path, read_side_file))
-        self.adapter_tokenizers.check_room(name, own)
+        own = self._tokenizer_of(name, path)
         info = self._manager().load_adapter(name, path, pin)
         self.adapter_tokenizers.assign(name, own)
         return info
 
     def _adopt_tokenizer(self, name: str, path: str) -> None:
+        self.adapter_tokenizers.assign(name, self._tokenizer_of(name, path))
+
+    def _tokenizer_of(self, name: str, path: str):
+        """The tokenizer the adapter directory's files make (None: the base's), read once, now."""
         own = self.adapter_tokenizers.prepare(read_tokenizer_files(path, read_side_file))
         self.adapter_tokenizers.check_room(name, own)
-        self.adapter_tokenizers.assign(name, own)
+        return own
 
     async def unload_adapter(self, name: str) -> None:
         await asyncio.to_thread(self._manager().unload_adapter, name)
