@@ -90,30 +90,41 @@ def tokenizers(smollm2_path, adapter):
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_path, adapter, tokenizers):
-    """Greedy ids of transformers + PEFT for (text, with the adapter?), each side's own tokenizer."""
+def peft_greedy(smollm2_path, adapter):
+    """`peft_greedy(prompt ids, with_adapter)`: transformers + PEFT's greedy new ids."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(model, adapter).eval()
+
+    @torch.inference_mode()
+    def greedy(ids: list[int], with_adapter: bool) -> list[int]:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # beside a server process on 2 shared cores
+        try:
+            x = torch.tensor([ids])
+            if with_adapter:
+                out = peft.generate(input_ids=x, max_new_tokens=MAX_NEW, do_sample=False)
+            else:
+                with peft.disable_adapter():
+                    out = peft.generate(input_ids=x, max_new_tokens=MAX_NEW, do_sample=False)
+            return out[0, len(ids) :].tolist()
+        finally:
+            torch.set_num_threads(threads)
+
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizers, peft_greedy):
+    """(prompt ids, greedy new ids) of TEXT, with the adapter (its tokenizer) and without (the base's)."""
     base_tok, own_tok = tokenizers
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32).eval()
-        peft = PeftModel.from_pretrained(model, adapter).eval()
-        out = {}
-        with torch.inference_mode():
-            for with_adapter, tok in ((True, own_tok), (False, base_tok)):
-                ids = torch.tensor([tok(TEXT).input_ids])
-                if with_adapter:
-                    gen = peft.generate(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False)
-                else:
-                    with peft.disable_adapter():
-                        gen = peft.generate(input_ids=ids, max_new_tokens=MAX_NEW, do_sample=False)
-                out[with_adapter] = (ids[0].tolist(), gen[0, ids.shape[1] :].tolist())
-        return out
-    finally:
-        torch.set_num_threads(threads)
+    out = {}
+    for with_adapter, tok in ((True, own_tok), (False, base_tok)):
+        ids = tok(TEXT).input_ids
+        out[with_adapter] = (ids, peft_greedy(ids, with_adapter))
+    return out
 
 
 def test_the_store_carries_the_tokenizer_and_refuses_ids_past_the_rows(client, stack, past_rows):
@@ -155,8 +166,12 @@ def test_streamed_text_detokenize_and_stop_strings_read_the_adapters_tokens(stub
     request = pb.GenerateRequest(
         text=[TEXT], adapter=[NAME], sampling_params=pb.SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
     )
-    streamed = "".join(m.text for m in stub.GenerateStream(request, timeout=60))
-    assert MARKER in streamed
+    request.sampling_params.logprobs = True
+    messages = list(stub.GenerateStream(request, timeout=60))
+    assert MARKER in "".join(m.text for m in messages)
+    # log probabilities name each token by the adapter's tokenizer too
+    named = {lp.token_id: lp.token for m in messages for lp in m.logprobs}
+    assert named[MARKER_ID] == MARKER
     ids = [MARKER_ID, 28120]
     own = stub.Detokenize(pb.DetokenizeRequest(token_ids=ids, adapter=NAME), timeout=60).text
     base = stub.Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=60).text
@@ -176,7 +191,7 @@ def _post(door, path: str, body: dict) -> dict:
         return json.loads(resp.read())
 
 
-def test_the_door_uses_the_adapters_tokenizer(client, stack, reference):
+def test_the_door_uses_the_adapters_tokenizer(client, stack, reference, tokenizers, peft_greedy):
     from openai import OpenAI
 
     _, inference = stack
@@ -187,13 +202,18 @@ def test_the_door_uses_the_adapters_tokenizer(client, stack, reference):
         assert MARKER in done.choices[0].text and done.usage.prompt_tokens == len(own_prompt)
         assert _post(door, "/tokenize", {"model": NAME, "prompt": TEXT})["tokens"] == own_prompt
         assert MARKER_ID not in _post(door, "/tokenize", {"prompt": TEXT})["tokens"]
-        chat = _post(door, "/tokenize", {"model": NAME, "messages": [{"role": "user", "content": TEXT}]})
-        assert MARKER_ID in chat["tokens"]  # rendered by the template, tokenized by the adapter's tokenizer
         assert _post(door, "/detokenize", {"model": NAME, "tokens": [MARKER_ID]})["prompt"] == MARKER
-        reply = api.chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": TEXT}], max_tokens=MAX_NEW, temperature=0
-        )
-        assert reply.usage.prompt_tokens == len(chat["tokens"])
+        # chat: rendered by the template, tokenized by the adapter's tokenizer, greedy as PEFT's
+        messages = [{"role": "user", "content": TEXT}]
+        want = tokenizers[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        want = list(want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want)
+        assert MARKER_ID in want
+        assert _post(door, "/tokenize", {"model": NAME, "messages": messages})["tokens"] == want
+        text = tokenizers[1].decode(peft_greedy(want, True), skip_special_tokens=True)
+        reply = api.chat.completions.create(model=NAME, messages=messages, max_tokens=MAX_NEW, temperature=0)
+        assert reply.usage.prompt_tokens == len(want) and reply.choices[0].message.content == text
+        answer = api.responses.create(model=NAME, input=TEXT, max_output_tokens=MAX_NEW, temperature=0)
+        assert answer.output_text == text
 
 
 def test_the_inference_server_checks_the_rows_at_load(tiny_llama_path, adapter_factory, tmp_path):

@@ -73,7 +73,7 @@ def test_tokenizer_json_is_carried_but_only_a_pull_reads_it(registry, plain, tmp
 
     record, got, listed, pulled = asyncio.run(run())
     assert pulled["tokenizer.json"] == (src / "tokenizer.json").read_bytes()
-    assert set(pulled) == {"tokenizer.json", "tokenizer_config.json"}
+    assert set(pulled) == {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}
     assert record.files_digest == tokenizer_files.files_digest(pulled)
     assert got.files_json == "" and got.files_digest == record.files_digest  # GetAdapter: no files
     assert [r.files_json for r in listed if r.name == "marker"] == [""]

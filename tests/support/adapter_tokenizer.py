@@ -20,7 +20,8 @@ REPLACED = "ectable"
 
 
 def write_marker_tokenizer(base: Path, adapter_dir: Path, *, past_rows: bool = False) -> int:
-    """Write tokenizer.json (and the base's tokenizer_config.json) into `adapter_dir`; the marker's id."""
+    """Write tokenizer.json (and the base's tokenizer_config.json and chat template) into
+    `adapter_dir`; the marker's id."""
     doc = json.loads((base / "tokenizer.json").read_text())
     vocab = doc["model"]["vocab"]
     if past_rows:
@@ -45,5 +46,7 @@ def write_marker_tokenizer(base: Path, adapter_dir: Path, *, past_rows: bool = F
         }
     )
     (adapter_dir / "tokenizer.json").write_text(json.dumps(doc, ensure_ascii=False))
-    shutil.copyfile(base / "tokenizer_config.json", adapter_dir / "tokenizer_config.json")
+    for name in ("tokenizer_config.json", "chat_template.jinja"):  # as save_pretrained writes them
+        if (base / name).is_file():
+            shutil.copyfile(base / name, adapter_dir / name)
     return token_id
