@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -106,6 +107,15 @@ class Event(NamedTuple):
     files_digest: str = ""
 
 
+# A record's fields but its tokenizer files: GetAdapter, ListAdapters and registration never need
+# them, and a tokenizer.json is megabytes (a page of 1,000 records would read gigabytes).
+LISTED_FIELDS = [f.name for f in dataclasses.fields(StoreRecord) if f.name != "files_json"]
+
+
+def _fields(values: list) -> dict[str, str]:
+    return {k: v for k, v in zip(LISTED_FIELDS, values, strict=True) if v is not None}
+
+
 class AdapterIndex:
     def __init__(
         self,
@@ -138,8 +148,13 @@ class AdapterIndex:
     async def ping(self) -> None:
         await self.r.ping()
 
-    async def get(self, name: str) -> StoreRecord | None:
-        data = await self.r.hgetall(f"{self.p}adapter:{name}")
+    async def get(self, name: str, with_files: bool = False) -> StoreRecord | None:
+        """The record; its tokenizer files (`files_json`, up to megabytes) only `with_files` (a pull)."""
+        key = f"{self.p}adapter:{name}"
+        if with_files:
+            data = await self.r.hgetall(key)
+        else:
+            data = _fields(await self.r.hmget(key, LISTED_FIELDS))
         return StoreRecord.from_redis(data) if data else None
 
     async def generation(self, name: str) -> int:
@@ -190,8 +205,8 @@ class AdapterIndex:
         names = names[:page_size]
         async with self.r.pipeline(transaction=False) as pipe:
             for n in names:
-                pipe.hgetall(f"{self.p}adapter:{n}")
-            rows = await pipe.execute()
+                pipe.hmget(f"{self.p}adapter:{n}", LISTED_FIELDS)
+            rows = [_fields(values) for values in await pipe.execute()]
         records = [StoreRecord.from_redis(d) for d in rows if d]
         return records, (names[-1] if more and names else "")
 

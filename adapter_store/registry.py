@@ -25,7 +25,7 @@ from loraplex.adapter_store.lora_config import parse_lora_config
 from loraplex.adapter_store.names import check_name, check_not_base_model
 from loraplex.adapter_store.records import StoreRecord
 from loraplex.adapter_store.sources import ResolvedSource, SourceFetcher, parse_source
-from loraplex.adapter_store.tokenizer_files import check_file, encode, files_digest
+from loraplex.adapter_store.tokenizer_files import check_file, check_vocabulary, encode, files_digest
 from loraplex.adapter_store.validate import validate_adapter
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,7 @@ class AdapterRegistry:
             fetched = self.fetcher.fetch(resolved, staging, stop)
             config = parse_lora_config(fetched.config_raw)
             tokenizer_texts = {n: check_file(n, data) for n, data in fetched.tokenizer_files.items()}
+            check_vocabulary(tokenizer_texts, self.base)
             summary = validate_adapter(config, fetched.weights, self.base)
             self.blobs.put(fetched.weights, summary.digest)
         now = time.time()
@@ -218,7 +219,12 @@ class AdapterRegistry:
     @contextlib.asynccontextmanager
     async def open_pull(self, name: str) -> AsyncIterator[PullHandle]:
         """The record and its blob path, pinned against eviction until the context exits."""
-        record = await self.get(name)
+        check_name(name)
+        record = await self.index.get(name, with_files=True)
+        if record is None:
+            raise NotFound(
+                f"no adapter named {name!r} in the store; RegisterAdapter it first", name=name, field="name"
+            )
         with self.blobs.pinned(record.digest):
             if not self.blobs.has(record.digest):
                 record = await self._refetch(record)

@@ -63,7 +63,9 @@ async def serve(config: StoreConfig) -> None:
     interceptors = [AdminTokenInterceptor(config.admin_token)] if config.admin_token else []
     # Undecodable request bytes: INVALID_ARGUMENT rather than grpc's bare UNKNOWN.
     interceptors.append(MalformedRequestInterceptor(f"/{SERVICE_NAME}/"))
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_send_message_length", 8 << 20)])
+    # A PullAdapter header carries the adapter's tokenizer files (tokenizer_files.py: tokenizer.json up
+    # to 16 MiB, the others 4 MiB each, the config 1 MiB); servers accept 64 MiB per message.
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.max_send_message_length", 48 << 20)])
     servicer = AdapterStoreServicer(registry, config.max_watchers)
     pb_grpc.add_AdapterStoreServicer_to_server(servicer, server)
     health = health_aio.HealthServicer()

@@ -2,7 +2,7 @@
 
 One directory per adapter content, `<weights hex>-<config hex>/` under `--adapter-cache-dir`, or
 `<weights hex>-<config hex>-<tokenizer files hex>/` for an adapter that ships tokenizer files
-(its chat template: `CARRIED_FILES`, which the store carries in the PullAdapter header).
+(its chat template and tokenizer: `CARRIED_FILES`, which the store carries in the PullAdapter header).
 The cache holds at most `--adapter-cache-max-bytes` (default: half of what the directory's
 filesystem had free at start, plus what the cache already held). A pull reserves its bytes
 before it writes any (`reserve`, once the header tells its size): directories that no loaded
@@ -38,9 +38,23 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # Tokenizer files an adapter may ship, as the store carries them (adapter_store/tokenizer_files.py):
-# nothing else is written into a cached copy. lora/adapter.py reads the chat template from them.
-CARRIED_FILES = ("chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json")
+# nothing else is written into a cached copy. lora/adapter.py reads the chat template from them,
+# engine/adapter_tokenizers.py the adapter's own tokenizer.
+CARRIED_FILES = (
+    "chat_template.jinja",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "added_tokens.json",
+)
 MAX_CARRIED_FILE_BYTES = 4 * 2**20
+MAX_CARRIED_TOKENIZER_JSON_BYTES = 16 * 2**20  # the store's bound (Llama 3's is 9 MB)
+
+
+def carried_file_limit(name: str) -> int:
+    return MAX_CARRIED_TOKENIZER_JSON_BYTES if name == "tokenizer.json" else MAX_CARRIED_FILE_BYTES
+
+
 DEFAULT_FREE_SHARE = 0.5
 _HEX = set("0123456789abcdef")
 # A disk that refuses a write: full, over quota, or over the process's file size limit.

@@ -72,23 +72,26 @@ def _params(p: pb.SamplingParams, args: ServerArgs, prefix: str = "") -> tuple[S
     return params, max(1, p.n)
 
 
-def _bad_words_ids(engine: Engine, words) -> tuple[tuple[int, ...], ...]:
+def _bad_words_ids(engine: Engine, words, adapter: str) -> tuple[tuple[int, ...], ...]:
     """vLLM's reading of bad_words: each word as tokenized alone and after a space (a word inside a
-    sentence is usually its spaced form), without special tokens; duplicates once."""
+    sentence is usually its spaced form), without special tokens, by the adapter's tokenizer;
+    duplicates once."""
     out: dict[tuple[int, ...], None] = {}
     for word in words:
         for form in (word, word if word.startswith(" ") else " " + word):
-            ids = tuple(engine.tokenize(form, add_special_tokens=False))
+            ids = tuple(engine.tokenize(form, add_special_tokens=False, adapter=adapter or None))
             if ids:
                 out[ids] = None
     return tuple(out)
 
 
-def _with_prompt_options(engine: Engine, p: pb.SamplingParams, params: SamplingParams) -> SamplingParams:
+def _with_prompt_options(
+    engine: Engine, p: pb.SamplingParams, params: SamplingParams, adapter: str
+) -> SamplingParams:
     """The options that need the tokenizer (bad_words)."""
     if not p.bad_words:
         return params
-    return dataclasses.replace(params, bad_words_ids=_bad_words_ids(engine, p.bad_words))
+    return dataclasses.replace(params, bad_words_ids=_bad_words_ids(engine, p.bad_words, adapter))
 
 
 def _samples(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -130,7 +133,7 @@ def prompt_of_input(engine: Engine, inp: pb.Input, adapter: str, i: int) -> list
         return list(inp.token_ids)
     if inp.text:
         add_special = inp.add_special_tokens if inp.HasField("add_special_tokens") else True
-        return engine.tokenize(inp.text, add_special)
+        return engine.tokenize(inp.text, add_special, adapter=adapter or None)
     if len(inp.messages) > MAX_CHAT_MESSAGES:
         raise InvalidRequest(
             f"{where}.messages has {len(inp.messages)} entries; at most {MAX_CHAT_MESSAGES}",
@@ -262,12 +265,12 @@ def engine_work(engine: Engine, request: pb.GenerateRequest, args: ServerArgs) -
             if not request.text[i]:
                 raise InvalidRequest(f"text[{i}] is empty", field=where)
             _check_length(len(request.text[i]), where, context_length)
-            ids = engine.tokenize(request.text[i])
+            ids = engine.tokenize(request.text[i], adapter=adapters[i] or None)
         if protos[i].truncate_prompt_tokens:  # vLLM's: keep the prompt's last k tokens
             ids = ids[-protos[i].truncate_prompt_tokens :]
         _check_tokens(ids, where, context_length)
         params, n, params_where = per_input[i]
-        params = _with_prompt_options(engine, protos[i], params)
+        params = _with_prompt_options(engine, protos[i], params, adapters[i])
         draft = (request.inputs[i].draft_adapter if request.inputs else "") or request.draft_adapter
         work.extend(
             EngineWork(i, j, ids, adapters[i], p, where, params_where, draft)

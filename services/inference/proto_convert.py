@@ -185,13 +185,14 @@ def adapter_proto(info: AdapterInfo) -> pb.AdapterInfo:
     )
 
 
-def logprobs_proto(engine: Engine, logprobs: list[TokenLogprob]) -> list[pb.TokenLogprob]:
-    """Engine log probabilities -> proto, each token with its text (`engine.detokenize_each`)."""
+def logprobs_proto(engine: Engine, logprobs: list[TokenLogprob], adapter: str = "") -> list[pb.TokenLogprob]:
+    """Engine log probabilities -> proto, each token with its text (`engine.detokenize_each`, by
+    the adapter's tokenizer)."""
     if not logprobs:
         return []
     ids = sorted({lp.token_id for lp in logprobs} | {t for lp in logprobs for t, _ in lp.top})
-    text = dict(zip(ids, engine.detokenize_each(ids), strict=True))
-    raw = dict(zip(ids, engine.token_bytes(ids), strict=True))
+    text = dict(zip(ids, engine.detokenize_each(ids, adapter or None), strict=True))
+    raw = dict(zip(ids, engine.token_bytes(ids, adapter or None), strict=True))
     return [
         pb.TokenLogprob(
             token_id=lp.token_id,
@@ -208,7 +209,7 @@ def first_token_bytes(engine: Engine, work) -> bytes:
     """The first prompt token's bytes for a work item asking prompt log probabilities, else b""."""
     if work.params.prompt_logprobs is None:
         return b""
-    return engine.token_bytes(work.prompt_ids[:1])[0]
+    return engine.token_bytes(work.prompt_ids[:1], work.adapter or None)[0]
 
 
 def timing_fields(out: RequestOutput) -> dict[str, float | int]:

@@ -69,7 +69,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.args = args
         self.state = state
         self.metrics = metrics
-        self._tokenizer = None  # for Tokenize's `tokens`, loaded on first use
 
     # -- plumbing ---------------------------------------------------------------------------
     async def _begin(self, context: grpc.aio.ServicerContext, method: str) -> tuple[Engine, AdapterResolver]:
@@ -110,6 +109,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self, engine: Engine, resolver: AdapterResolver, request: pb.GenerateRequest, unary: bool = False
     ) -> PreparedCall:
         """Check everything, then resolve every adapter (which may pull), before any engine work."""
+        named = {*request.adapter, *(inp.adapter for inp in request.inputs)}
+        absent = {n for n in named if n and not engine.has_adapter(n)}
         # Tokenizing and rendering chat templates is CPU work that grows with the prompt: off the
         # event loop, so other calls' streams keep flowing meanwhile.
         work = await asyncio.to_thread(engine_work, engine, request, self.args)
@@ -122,6 +123,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         rpc_id = uuid.uuid4().hex[:12]
         streams = open_streams(engine, rpc_id, work)
         await resolver.ensure({w.adapter for w in work})
+        if absent:
+            # Their prompts were built before they were here, with the base model's tokenizer and
+            # template: again, now with their own (engine/adapter_tokenizers.py). Nothing was queued.
+            work = await asyncio.to_thread(engine_work, engine, request, self.args)
+            streams = open_streams(engine, rpc_id, work)
         return PreparedCall(rpc_id, work, streams)
 
     async def _run(
@@ -225,8 +231,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     adapter=w.adapter,
                     index=w.index,
                     sample=w.sample,
-                    logprobs=logprobs_proto(engine, logprobs[k]),
-                    prompt_logprobs=logprobs_proto(engine, prompt_logprobs[k]),
+                    logprobs=logprobs_proto(engine, logprobs[k], w.adapter),
+                    prompt_logprobs=logprobs_proto(engine, prompt_logprobs[k], w.adapter),
                     prompt_first_token_bytes=first_token_bytes(engine, w),
                     **timing_fields(f),
                 )
@@ -259,8 +265,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         sample=work[k].sample,
                         text=out.new_text,
                         token_ids=out.new_token_ids,
-                        logprobs=logprobs_proto(engine, out.logprobs or []),
-                        prompt_logprobs=logprobs_proto(engine, out.prompt_logprobs or []),
+                        logprobs=logprobs_proto(engine, out.logprobs or [], work[k].adapter),
+                        prompt_logprobs=logprobs_proto(engine, out.prompt_logprobs or [], work[k].adapter),
                     )
                     if out.prompt_logprobs is not None:
                         msg.prompt_first_token_bytes = first_token_bytes(engine, work[k])
@@ -342,27 +348,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
         return await self._simple(context, "GetModelInfo", work)
 
-    async def _own_tokenizer(self):
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            # Our own copy: the engine's tokenizers belong to its threads.
-            path = self.args.engine.model_path
-            self._tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, path)
-        return self._tokenizer
-
     async def Tokenize(self, request, context):
         async def work(engine, resolver):
-            ids = await tokenize_rpc.tokenize(engine, resolver, request)
-            tokenizer = await self._own_tokenizer()
-            return pb.TokenizeResponse(token_ids=ids, tokens=tokenizer.convert_ids_to_tokens(ids))
+            ids, tokens = await tokenize_rpc.tokenize(engine, resolver, request)
+            return pb.TokenizeResponse(token_ids=ids, tokens=tokens)
 
         return await self._simple(context, "Tokenize", work)
 
     async def Detokenize(self, request, context):
         async def work(engine, resolver):
-            tokenizer = await self._own_tokenizer()
-            text = await asyncio.to_thread(tokenize_rpc.detokenize, tokenizer, request)
-            return pb.DetokenizeResponse(text=text)
+            return pb.DetokenizeResponse(text=await tokenize_rpc.detokenize(engine, resolver, request))
 
         return await self._simple(context, "Detokenize", work)

@@ -30,10 +30,10 @@ from loraplex.services.inference.adapter_cache import (
     CARRIED_FILES,
     CONFIG_FILE,
     DISK_FULL_ERRNOS,
-    MAX_CARRIED_FILE_BYTES,
     WEIGHTS_FILE,
     AdapterCache,
     Reservation,
+    carried_file_limit,
     default_max_bytes,
     read_carried_files,
     tokenizer_files_digest,
@@ -150,10 +150,12 @@ def _header_files(name: str, header: pb.AdapterHeader, record: pb.AdapterRecord)
     once and bounded, hashing to the record's files_digest."""
     files: dict[str, bytes] = {}
     for f in header.files:
-        if f.name not in CARRIED_FILES or f.name in files or len(f.content) > MAX_CARRIED_FILE_BYTES:
+        if f.name not in CARRIED_FILES or f.name in files or len(f.content) > carried_file_limit(f.name):
             raise AdapterInvalid(
                 f"adapter {name!r}: the store sent a file {f.name[:64]!r} ({len(f.content)} bytes) that is "
-                f"not one of {', '.join(CARRIED_FILES)} at most {MAX_CARRIED_FILE_BYTES} bytes, once each",
+                f"not one of {', '.join(CARRIED_FILES)} within its bound (tokenizer.json "
+                f"{carried_file_limit('tokenizer.json')} bytes, the others {carried_file_limit('')}), "
+                "once each",
                 adapter=name,
             )
         files[f.name] = f.content

@@ -1,6 +1,6 @@
 """Tokenize and Detokenize: a text or a chat input -> its prompt ids exactly as Generate would build
-them (the adapter's chat template included), and ids -> text. The door's vLLM-shaped /tokenize and
-/detokenize routes are these calls."""
+them (the adapter's chat template and tokenizer included), and ids -> text (by the adapter's
+tokenizer). The door's vLLM-shaped /tokenize and /detokenize routes are these calls."""
 
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ from loraplex.v1 import inference_pb2 as pb
 MAX_DETOKENIZE_IDS = 1 << 20
 
 
-async def tokenize(engine: Engine, resolver: AdapterResolver, request: pb.TokenizeRequest) -> list[int]:
+async def tokenize(
+    engine: Engine, resolver: AdapterResolver, request: pb.TokenizeRequest
+) -> tuple[list[int], list[str]]:
+    """The prompt ids and each id's token string, by the adapter's tokenizer."""
     context = engine.model_info().context_length
     limit = context * MAX_CHARS_PER_TOKEN
     has_input = request.HasField("input")
@@ -32,34 +35,54 @@ async def tokenize(engine: Engine, resolver: AdapterResolver, request: pb.Tokeni
     if request.HasField("add_special_tokens") and not inp.text:
         raise InvalidRequest("add_special_tokens applies to text only", field="add_special_tokens")
     if not has_input and not request.text:
-        return []
+        return [], []
     adapter = request.adapter or inp.adapter
-    if adapter:
-        check_adapter_name(adapter, field="adapter")
-        await resolver.ensure({adapter})  # NOT_FOUND for an unknown name; its template is then loaded
     add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
     if inp.HasField("add_special_tokens"):
         add_special = inp.add_special_tokens
-    if inp.text:
-        return await asyncio.to_thread(engine.tokenize, inp.text, add_special)
-    if adapter:
-        resolver.acquire(adapter)  # kept resident while its template renders
+
+    def work() -> tuple[list[int], list[str]]:
+        if inp.text:
+            ids = engine.tokenize(inp.text, add_special, adapter=adapter or None)
+        else:
+            ids = prompt_of_input(engine, inp, adapter, 0)
+        with engine.tokenizer_for(adapter or None) as tokenizer:
+            return ids, tokenizer.convert_ids_to_tokens(ids)
+
+    return await _with_adapter(resolver, adapter, work)
+
+
+async def _with_adapter(resolver: AdapterResolver, adapter: str, work):
+    """`work()` on a thread, with `adapter` (when named) loaded (NOT_FOUND for an unknown name) and
+    kept resident meanwhile: its template and tokenizer are those of the version loaded."""
+    if not adapter:
+        return await asyncio.to_thread(work)
+    check_adapter_name(adapter, field="adapter")
+    await resolver.ensure({adapter})
+    resolver.acquire(adapter)
     try:
-        return await asyncio.to_thread(prompt_of_input, engine, inp, adapter, 0)
+        return await asyncio.to_thread(work)
     finally:
-        if adapter:
-            resolver.release(adapter)
+        resolver.release(adapter)
 
 
-def detokenize(tokenizer, request: pb.DetokenizeRequest) -> str:
+async def detokenize(engine: Engine, resolver: AdapterResolver, request: pb.DetokenizeRequest) -> str:
+    """The ids' text, by the adapter's tokenizer."""
     ids = list(request.token_ids)
     if len(ids) > MAX_DETOKENIZE_IDS:
         raise InvalidRequest(
             f"token_ids has {len(ids)} entries; at most {MAX_DETOKENIZE_IDS}", field="token_ids"
         )
-    vocab = len(tokenizer)
-    bad = [t for t in ids if t >= vocab]
-    if bad:
-        raise InvalidRequest(f"token_ids has {bad[0]}: ids must be in [0, {vocab})", field="token_ids")
     skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else False
-    return tokenizer.decode(ids, skip_special_tokens=skip)
+
+    def work() -> str:
+        with engine.tokenizer_for(request.adapter or None) as tokenizer:
+            vocab = len(tokenizer)
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequest(
+                    f"token_ids has {bad[0]}: ids must be in [0, {vocab})", field="token_ids"
+                )
+            return tokenizer.decode(ids, skip_special_tokens=skip)
+
+    return await _with_adapter(resolver, request.adapter, work)

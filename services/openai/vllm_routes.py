@@ -8,7 +8,8 @@
   the token travels on, so the server's --admin-token checks it again.
 - `POST /tokenize` (a `prompt`, or chat `messages` rendered by the `model`'s chat template: an
   adapter's own when it ships one) -> `{"count", "max_model_len", "tokens", "token_strs"}`;
-  `POST /detokenize` `{"model", "tokens"}` -> `{"prompt"}`.
+  `POST /detokenize` `{"model", "tokens"}` -> `{"prompt"}`. Both read text by the `model`'s
+  tokenizer: an adapter's own when it ships one (added tokens).
 - `GET /version` -> `{"version"}`.
 """
 
@@ -177,7 +178,7 @@ def add_routes(app: FastAPI, backend, metadata_of, body_of, admin_token: str | N
             raise OpenAIError(400, "tokens must be token ids (non-negative)", param="tokens")
         adapter = await adapter_of(request, req.model)
         md = metadata_of(request, adapter)
-        grpc_req = pb.DetokenizeRequest(token_ids=req.tokens)
+        grpc_req = pb.DetokenizeRequest(token_ids=req.tokens, adapter=adapter)
         resp = await call(backend.stub.Detokenize, grpc_req, md, req.model or "", {"token_ids": "tokens"})
         return JSONResponse({"prompt": resp.text})
 

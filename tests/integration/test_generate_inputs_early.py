@@ -45,9 +45,9 @@ class CountingTokenizer:
         self.engine, self.calls = engine, 0
         self.tokenize = engine.tokenize
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def __call__(self, text: str, add_special_tokens: bool = True, adapter: str | None = None) -> list[int]:
         self.calls += 1
-        return self.tokenize(text, add_special_tokens)
+        return self.tokenize(text, add_special_tokens, adapter)
 
 
 def test_first_too_long_prompt_stops_the_tokenizing(setup, monkeypatch):

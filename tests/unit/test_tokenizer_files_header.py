@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 
 from loraplex.adapter_store.tokenizer_files import CARRIED_FILES as STORE_FILES
-from loraplex.adapter_store.tokenizer_files import MAX_FILE_BYTES, files_digest
+from loraplex.adapter_store.tokenizer_files import MAX_FILE_BYTES, MAX_TOKENIZER_JSON_BYTES, files_digest
 from loraplex.services.inference.adapter_cache import (
     CARRIED_FILES,
     MAX_CARRIED_FILE_BYTES,
+    MAX_CARRIED_TOKENIZER_JSON_BYTES,
     tokenizer_files_digest,
 )
 from loraplex.services.inference.errors import AdapterInvalid
@@ -28,6 +29,7 @@ def _header(files: list[tuple[str, bytes]], digest: str) -> tuple[pb.AdapterHead
 
 def test_both_sides_agree_on_the_files_and_their_digest():
     assert CARRIED_FILES == STORE_FILES and MAX_CARRIED_FILE_BYTES == MAX_FILE_BYTES
+    assert MAX_CARRIED_TOKENIZER_JSON_BYTES == MAX_TOKENIZER_JSON_BYTES
     assert tokenizer_files_digest(FILES) == files_digest(FILES) != files_digest({})
     assert files_digest({}) == tokenizer_files_digest({}) == ""
     header, record = _header(list(FILES.items()), files_digest(FILES))
@@ -40,6 +42,7 @@ def test_both_sides_agree_on_the_files_and_their_digest():
         [("../adapter_model.safetensors", b"x")],
         [("chat_template.jinja", b"a"), ("chat_template.jinja", b"b")],
         [("chat_template.jinja", b"x" * (MAX_CARRIED_FILE_BYTES + 1))],
+        [("tokenizer.json", b"x" * (MAX_CARRIED_TOKENIZER_JSON_BYTES + 1))],
     ],
 )
 def test_an_unexpected_file_is_refused(files):

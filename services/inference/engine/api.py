@@ -11,6 +11,7 @@ the caller's event loop; the others return at once and are called directly, from
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 from loraplex.services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
@@ -51,9 +52,15 @@ class Engine(Protocol):
 
     # -- text -------------------------------------------------------------------------------
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special_tokens: bool = True, adapter: str | None = None) -> list[int]:
         """The prompt ids of `text` (no special tokens beyond what the tokenizer adds itself; none
-        at all with `add_special_tokens` False)."""
+        at all with `add_special_tokens` False), by `adapter`'s tokenizer (`tokenizer_for`)."""
+        ...
+
+    def tokenizer_for(self, adapter: str | None = None) -> AbstractContextManager:
+        """The tokenizer of `adapter`'s requests, held for the caller's thread while the context
+        lasts: the adapter's own when it ships one (engine/adapter_tokenizers.py), else the base
+        model's. Every method here that turns text into ids or back goes through it."""
         ...
 
     def render_chat(
@@ -69,14 +76,15 @@ class Engine(Protocol):
         one, else the model's; `tools` (OpenAI tool definitions) as engine/chat_tools.py renders them;
         `template_kwargs` extra template variables (never the renderer's own names);
         `continue_final_message` leaves the last message open (needs add_generation_prompt False).
+        The ids are the adapter's tokenizer's (`tokenizer_for`).
         Raises `InvalidRequest` when the template cannot render them."""
         ...
 
-    def detokenize_each(self, token_ids: list[int]) -> list[str]:
+    def detokenize_each(self, token_ids: list[int], adapter: str | None = None) -> list[str]:
         """Each token's text alone (the `token` of log probabilities)."""
         ...
 
-    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+    def token_bytes(self, token_ids: list[int], adapter: str | None = None) -> list[bytes]:
         """Each token's raw bytes (engine/token_bytes.py): part of a character stays its bytes."""
         ...
 

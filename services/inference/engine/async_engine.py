@@ -8,6 +8,7 @@ asyncio.Queue, so no coroutine ever waits on the model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -15,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
+from loraplex.services.inference.engine.adapter_tokenizers import AdapterTokenizers, read_tokenizer_files
 from loraplex.services.inference.engine.chat import (
     check_template_kwargs,
     continue_final,
@@ -31,6 +33,7 @@ from loraplex.services.inference.errors import (
     InvalidRequest,
     LoraplexError,
 )
+from loraplex.services.inference.lora.adapter import read_side_file
 from loraplex.services.inference.lora.adapter_slots import AdapterInfo
 from loraplex.services.inference.lora.manager import LoRAManager
 
@@ -45,6 +48,7 @@ class _Add(NamedTuple):
     arrival_time: float
     draft_adapter: str | None = None
     grammar: object = None  # params.constraint compiled (engine/grammar.py), when it has one
+    tokenizer: object = None  # the adapter's own, the engine thread's copy (None: the base's)
 
 
 class _Abort(NamedTuple):
@@ -80,6 +84,12 @@ class AsyncEngine:
         self._template_variables = dict(self._tokenizer.special_tokens_map)
         self._templates = TemplateRenderer()  # adapters' templates: worker processes, started on first use
         self._token_bytes = TokenBytes(self._tokenizer)
+        # Adapters that ship a tokenizer of their own (engine/adapter_tokenizers.py).
+        self.adapter_tokenizers = AdapterTokenizers(
+            engine.loaded.model_dir, engine.loaded.config.vocab_size, self._tokenizer
+        )
+        for info in lora_manager.list_adapters() if lora_manager is not None else ():
+            self._adopt_tokenizer(info.name, info.source)  # loaded at start (--lora-paths)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}
@@ -103,10 +113,19 @@ class AsyncEngine:
         arrival = time.monotonic()
         if self._stopped.is_set():
             raise BackendUnavailable("the engine is shut down")
-        prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = self.tokenize(prompt, adapter=adapter) if isinstance(prompt, str) else list(prompt)
         self.engine.check_request(prompt_ids, params)
         self.engine.check_draft_adapter(draft_adapter)
-        add = _Add(request_id, prompt_ids, adapter or None, params, arrival, draft_adapter or None)
+        own = self.adapter_tokenizers.get(adapter)
+        add = _Add(
+            request_id,
+            prompt_ids,
+            adapter or None,
+            params,
+            arrival,
+            draft_adapter or None,
+            tokenizer=own.engine if own is not None else None,
+        )
         return self._stream(add)
 
     async def _stream(self, add: _Add) -> AsyncIterator[RequestOutput]:
@@ -147,9 +166,22 @@ class AsyncEngine:
         """Stop a request and free its KV blocks and adapter reference (its stream ends with 'abort')."""
         self._send(_Abort(request_id))
 
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        with self._tokenizer_lock:
-            return list(self._tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+    @contextlib.contextmanager
+    def tokenizer_for(self, adapter: str | None = None):
+        """The tokenizer of `adapter`'s requests, held for the caller's thread: its own when it
+        ships one (engine/adapter_tokenizers.py), else the base model's. Every text <-> ids of a
+        request goes through here (the engine thread decodes with its own copies)."""
+        own = self.adapter_tokenizers.get(adapter)
+        if own is None:
+            with self._tokenizer_lock:
+                yield self._tokenizer
+        else:
+            with own.lock:
+                yield own.caller
+
+    def tokenize(self, text: str, add_special_tokens: bool = True, adapter: str | None = None) -> list[int]:
+        with self.tokenizer_for(adapter) as tokenizer:
+            return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def render_chat(
         self,
@@ -162,7 +194,9 @@ class AsyncEngine:
     ) -> list[int]:
         """Prompt ids of chat `messages` (engine/chat.py); an adapter's own template when it ships one."""
         kwargs = dict(template_kwargs or {})
-        check_template_kwargs(kwargs, frozenset(self._template_variables))
+        own = self.adapter_tokenizers.get(adapter)
+        variables = own.template_variables if own is not None else self._template_variables
+        check_template_kwargs(kwargs, frozenset(variables))
         if continue_final_message and add_generation_prompt:
             raise InvalidRequest(
                 "continue_final_message needs add_generation_prompt false", field="continue_final_message"
@@ -171,7 +205,8 @@ class AsyncEngine:
         template = self.lora_manager.chat_template(adapter) if adapter and self.lora_manager else None
         # Rendered outside the tokenizer lock: a slow template must not hold every other request.
         if template is None:
-            text = render_model_template(self._tokenizer, messages, add_generation_prompt, tools, kwargs)
+            model_tokenizer = own.caller if own is not None else self._tokenizer
+            text = render_model_template(model_tokenizer, messages, add_generation_prompt, tools, kwargs)
         else:
             text = render_adapter_template(
                 self._templates,
@@ -179,23 +214,24 @@ class AsyncEngine:
                 adapter or "",
                 messages,
                 add_generation_prompt,
-                {**self._template_variables, **kwargs},
+                {**variables, **kwargs},
                 self.engine.context_length,
                 tools,
             )
         if continue_final_message:
             text = continue_final(text, messages)
-        with self._tokenizer_lock:
-            return list(self._tokenizer(text, add_special_tokens=False).input_ids)
+        return self.tokenize(text, add_special_tokens=False, adapter=adapter)
 
-    def detokenize_each(self, token_ids: list[int]) -> list[str]:
+    def detokenize_each(self, token_ids: list[int], adapter: str | None = None) -> list[str]:
         """Each token's text alone (for log probabilities' `token`)."""
-        with self._tokenizer_lock:
-            return [self._tokenizer.decode([t]) for t in token_ids]
+        with self.tokenizer_for(adapter) as tokenizer:
+            return [tokenizer.decode([t]) for t in token_ids]
 
-    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
-        with self._tokenizer_lock:
-            return [self._token_bytes(t) for t in token_ids]
+    def token_bytes(self, token_ids: list[int], adapter: str | None = None) -> list[bytes]:
+        own = self.adapter_tokenizers.get(adapter)
+        table = own.token_bytes if own is not None else self._token_bytes
+        with self.tokenizer_for(adapter):
+            return [table(t) for t in token_ids]
 
     def model_info(self) -> ModelInfo:
         return self._model_info
@@ -211,10 +247,27 @@ class AsyncEngine:
         return self.lora_manager
 
     async def load_adapter(self, name: str, path: str, pin: bool = False) -> AdapterInfo:
-        return await asyncio.to_thread(self._manager().load_adapter, name, path, pin)
+        return await asyncio.to_thread(self._load_adapter, name, path, pin)
+
+    def _load_adapter(self, name: str, path: str, pin: bool) -> AdapterInfo:
+        # Its tokenizer is built and checked first: a refused one leaves the name as it was.
+        own = self._tokenizer_of(name, path)
+        info = self._manager().load_adapter(name, path, pin)
+        self.adapter_tokenizers.assign(name, own)
+        return info
+
+    def _adopt_tokenizer(self, name: str, path: str) -> None:
+        self.adapter_tokenizers.assign(name, self._tokenizer_of(name, path))
+
+    def _tokenizer_of(self, name: str, path: str):
+        """The tokenizer the adapter directory's files make (None: the base's), read once, now."""
+        own = self.adapter_tokenizers.prepare(read_tokenizer_files(path, read_side_file))
+        self.adapter_tokenizers.check_room(name, own)
+        return own
 
     async def unload_adapter(self, name: str) -> None:
         await asyncio.to_thread(self._manager().unload_adapter, name)
+        self.adapter_tokenizers.forget(name)
         self.engine.forget_adapter(name)
 
     def list_adapters(self) -> list[AdapterInfo]:
@@ -268,6 +321,7 @@ class AsyncEngine:
                         arrival_time=command.arrival_time,
                         grammar=command.grammar,
                         draft_adapter=command.draft_adapter,
+                        tokenizer=command.tokenizer,
                     )
                 except LoraplexError as exc:
                     self._deliver(command.request_id, exc)

@@ -39,7 +39,6 @@ def build_llm_engine(
         max_tokens=config.max_num_batched_tokens,
         mem_fraction_static=config.mem_fraction_static,
         base_weight=loaded.model.lora_base_weight,
-        base_tokens=loaded.tokenizer.get_vocab(),
     )
     engine = LLMEngine(
         loaded, config, adapter_slots=lora.manager, lora_backend=lora.backend, kv_reserved_bytes=0

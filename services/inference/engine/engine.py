@@ -184,11 +184,14 @@ class LLMEngine:
         arrival_time: float | None = None,
         grammar=None,
         draft_adapter: str | None = None,
+        tokenizer=None,
     ) -> None:
         """Queue a request that passed `check_request`. `arrival_time` (time.monotonic()): when the
         caller received it; default now. `grammar`: params.constraint compiled by `self.grammars`
         (AsyncEngine compiles it off this thread); compiled here, blocking, when not given.
-        `draft_adapter`: the draft model's adapter, passed `check_draft_adapter`."""
+        `draft_adapter`: the draft model's adapter, passed `check_draft_adapter`. `tokenizer`: the
+        adapter's own (engine/adapter_tokenizers.py, this thread's copy) for its output text; None:
+        the base's."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
         if len(self.scheduler.waiting) >= self.config.max_queued_requests:
@@ -205,7 +208,7 @@ class LLMEngine:
             req.grammar = GrammarState(
                 grammar if grammar is not None else self.grammars.compile(params.constraint)
             )
-        self.output_processor.add(req)
+        self.output_processor.add(req, tokenizer)
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

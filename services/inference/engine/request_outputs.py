@@ -112,11 +112,15 @@ class OutputProcessor:
         self.num_constrained = 0  # under a grammar: the step builds a token mask
         self.num_masking = 0  # logit_bias / allowed_token_ids / bad_words: sampling biases or masks rows
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, tokenizer=None) -> None:
+        """`tokenizer`: the request's adapter's own, for its text and stop strings (None: the base's)."""
         params = req.params
         self.requests[req.request_id] = req
         self._streams[req.request_id] = TextStream(
-            self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+            tokenizer or self.tokenizer,
+            params.stop,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
         )
         if req.grammar is not None:
             self.num_constrained += 1

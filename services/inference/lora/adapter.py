@@ -20,7 +20,6 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,7 +162,7 @@ def _digest(directory: Path, side_files: dict[str, bytes]) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def _read_side_file(path: Path, limit: int) -> bytes | None:
+def read_side_file(path: Path, limit: int) -> bytes | None:
     """The bytes of the regular file `path` (None if absent), at most `limit` of them.
 
     Symlinks are followed (a Hub cache snapshot is all symlinks); where they may lead is checked
@@ -194,7 +193,7 @@ def read_chat_template(directory: str | Path) -> tuple[str | None, dict[str, byt
     """The chat template the directory ships (None: none) and the files read to find it."""
     directory = Path(directory)
     for name in TEMPLATE_FILES:
-        data = _read_side_file(directory / name, MAX_TEMPLATE_FILE_BYTES)
+        data = read_side_file(directory / name, MAX_TEMPLATE_FILE_BYTES)
         if data is None:
             continue
         try:
@@ -242,14 +241,11 @@ def load_adapter_weights(
     *,
     dtype: torch.dtype = torch.float32,
     pin_memory: bool = False,
-    base_tokens: Mapping[str, int] | None = None,
 ) -> AdapterWeights:
     """Validate config and weights against `shapes`; return host tensors in `dtype`.
 
     AdapterInvalid: malformed config, missing/unexpected tensors, rank disagreeing with the config.
     AdapterIncompatible: layer indices or widths of another base model.
-    `base_tokens`: the base tokenizer's token -> id, which an adapter changing the embedding or
-    lm_head must agree with on every token its own tokenizer adds (lora/trainable_tokens.py).
     """
     spec, directory = read_config(directory)
     targets = resolve_targets(spec, shapes.num_layers, shapes.hf_modules)
@@ -397,7 +393,7 @@ def load_adapter_weights(
             field="trainable_token_indices",
         )
     if token_rows or embedding:  # its tokenizer must not need rows the base does not have
-        check_added_tokens(directory, shapes.vocab_size, _read_side_file, base_tokens)
+        check_added_tokens(directory, shapes.vocab_size, read_side_file)
     chat_template, side_files = read_chat_template(directory)
     return AdapterWeights(
         spec=spec,

@@ -120,14 +120,11 @@ class LoRAManager(AdapterSlots):
         max_draining: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         base_weight: BaseWeight | None = None,
-        base_tokens: Mapping[str, int] | None = None,
     ):
         """`base_weight`: the base model's projection rows, for DoRA's norms (None: the model is
-        sharded, tensor parallelism: DoRA and embedding / lm_head adapters are refused).
-        `base_tokens`: the base tokenizer's token -> id (lora/trainable_tokens.py `check_added_tokens`)."""
+        sharded, tensor parallelism: DoRA and embedding / lm_head adapters are refused)."""
         self.pool = pool
         self.base_weight = base_weight
-        self.base_tokens = base_tokens
         self.max_loaded_loras = max_loaded_loras
         self.max_cpu_lora_bytes = max_cpu_lora_bytes
         self.max_loras_per_batch = max_loras_per_batch
@@ -160,7 +157,6 @@ class LoRAManager(AdapterSlots):
             self.pool.shapes,
             dtype=self.pool.dtype,
             pin_memory=self.pool.device.type == "cuda",
-            base_tokens=self.base_tokens,
         )
         check_fits(weights.all_targets, self.pool.max_rank, self.pool.target_modules)
         check_vocab_fits(weights, self.pool.max_rank, self.pool.vocab.max_token_rows)
@@ -460,7 +456,6 @@ class LoRAManager(AdapterSlots):
                     self.pool.shapes,
                     dtype=self.pool.dtype,
                     pin_memory=self.pool.device.type == "cuda",
-                    base_tokens=self.base_tokens,
                 )
                 fill_factors(weights, self.base_weight)
             except LoraplexError as e:

@@ -13,7 +13,7 @@ Defaults (docs/architecture.md, "LoRA defaults"):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -175,11 +175,9 @@ def build_lora(
     mem_fraction_static: float,
     resolve_source: Callable[[str, str], str | None] = local_source,
     base_weight: BaseWeight | None = None,
-    base_tokens: Mapping[str, int] | None = None,
 ) -> LoRAStack:
     """Allocate the pool (call before sizing the KV cache), pick the backend, load `--lora-paths`.
-    `base_weight`: the model's projection rows, for DoRA adapters (lora/dora.py; None refuses them).
-    `base_tokens`: the base tokenizer's token -> id (lora/trainable_tokens.py)."""
+    `base_weight`: the model's projection rows, for DoRA adapters (lora/dora.py; None refuses them)."""
     settings = resolve_lora_settings(
         lora, shapes, device, resolve_source, dtype, mem_fraction_static=mem_fraction_static
     )
@@ -215,7 +213,6 @@ def build_lora(
         max_cpu_lora_bytes=settings.max_cpu_lora_bytes,
         max_loras_per_batch=settings.max_loras_per_batch,
         base_weight=base_weight,
-        base_tokens=base_tokens,
         **dict(settings.slot_timings),
     )
     for name, path in _local_paths(lora, resolve_source).items():

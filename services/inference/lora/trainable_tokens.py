@@ -10,15 +10,15 @@ lm_head list of its own is then refused unless it is the embedding's.
 
 For the adapter's requests only: a token whose id is listed is looked up in the adapter's rows;
 the logits of a listed id are `h · row`. Ids are checked against the base vocabulary at load, and
-an adapter whose tokenizer files add tokens past the base vocabulary is refused (the adapter's
-tokenizer is not used: its requests are tokenized by the base model's).
+an adapter whose tokenizer files add tokens past the base vocabulary is refused. Its requests are
+tokenized by its own tokenizer when it ships one (engine/adapter_tokenizers.py, which checks every
+id that tokenizer can produce against the embedding rows).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,14 +144,12 @@ def finish_token_rows(layers: dict[str, tuple[int, ...]], read: dict, tied: bool
     return rows
 
 
-def check_added_tokens(
-    directory: Path, vocab: int, read_file, base_tokens: Mapping[str, int] | None = None
-) -> None:
-    """AdapterIncompatible when the adapter's tokenizer files add a token past the base vocabulary,
-    or (given the base tokenizer's `base_tokens`, token -> id) one the base tokenizer does not map to
-    the same id: its requests are tokenized by the base tokenizer, which would split that token.
+def check_added_tokens(directory: Path, vocab: int, read_file) -> None:
+    """AdapterIncompatible when the adapter's tokenizer files add a token past the base vocabulary
+    (the embedding has no row for it). Added tokens within it are served: the adapter's own
+    tokenizer maps their text to their ids for its requests (engine/adapter_tokenizers.py).
 
-    `read_file(path, limit)`: the bytes of a regular file or None (lora/adapter.py `_read_side_file`)."""
+    `read_file(path, limit)`: the bytes of a regular file or None (lora/adapter.py `read_side_file`)."""
     found: list[tuple[int, str]] = []
     for name in TOKENIZER_FILES:
         data = read_file(directory / name, MAX_TOKENIZER_BYTES)
@@ -180,15 +178,6 @@ def check_added_tokens(
                     if str(i).isdigit()
                 ]
     beyond = sorted(t for t in found if t[0] >= vocab)
-    unknown = sorted(t for t in found if base_tokens is not None and base_tokens.get(t[1]) != t[0])
-    if unknown and not beyond:
-        token_id, text = unknown[0]
-        raise AdapterIncompatible(
-            f"the adapter's tokenizer adds token {text[:40]!r} (id {token_id}), which this base model's "
-            "tokenizer does not have; the adapter's tokenizer is not used, so its text would be tokenized "
-            "differently (send token ids, or serve it with a base whose tokenizer has the token)",
-            field="tokenizer",
-        )
     if beyond:
         token_id, text = beyond[0]
         raise AdapterIncompatible(
