@@ -8,6 +8,11 @@ blob visible. The record files are what `--reindex` rebuilds the Redis index fro
 (a single sidecar listing every name was rewritten whole on each registration), and each blob has
 its own lock, so writes for one blob never wait on another's. Pins mark blobs being streamed:
 eviction skips them. Sidecars of the older one-file layout (`<hex>.json`) are split at start.
+
+The same mechanism, under `tokenizer_files/sha256/`, keeps each distinct set of adapter tokenizer
+files once (tokenizer_store.py): there a "record file" is a reference, and `add_record` with
+`content` writes the blob and the reference under one lock, so a delete of the last reference cannot
+remove the blob between the two.
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ def _hex(digest: str) -> str:
 
 
 class BlobCache:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, subdir: str = "blobs"):
         self.root = root
-        self.blob_dir = root / "blobs" / "sha256"
+        self.blob_dir = root / subdir / "sha256"
         self.staging_root = root / "staging"
         self.blob_dir.mkdir(parents=True, exist_ok=True)
         self.staging_root.mkdir(parents=True, exist_ok=True)
@@ -108,9 +113,12 @@ class BlobCache:
                 if entry[1] == 0:
                     del self._digest_locks[digest]
 
-    def add_record(self, digest: str, name: str, record: dict) -> None:
-        """Write (or replace) the record file of `name` under the blob, atomically."""
+    def add_record(self, digest: str, name: str, record: dict, content: bytes | None = None) -> None:
+        """Write (or replace) the record file of `name` under the blob, atomically; with `content`,
+        first write the blob from it unless it is there (both under the blob's lock)."""
         with self.digest_lock(digest):
+            if content is not None and not self.has(digest):
+                self._write_blob(digest, content)
             folder = self.records_dir(digest)
             folder.mkdir(exist_ok=True)
             self._write_json(folder, name + ".json", record)
@@ -164,6 +172,19 @@ class BlobCache:
             for folder in self.blob_dir.glob("*.records")
             if any(folder.glob("*.json"))
         }
+
+    def _write_blob(self, digest: str, content: bytes) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.blob_dir)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(content)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o444)
+            os.replace(tmp, self.path(digest))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     def _write_json(self, folder: Path, filename: str, data: dict) -> None:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)

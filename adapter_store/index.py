@@ -1,7 +1,8 @@
 """The Redis index: records, name -> digest, last-use order, per-name locks, the event stream.
 
 Keys (all under the configured prefix P):
-  P adapter:<name>   hash   the record's fields plus `generation`
+  P adapter:<name>   hash   the record's fields plus `generation` (its tokenizer files by
+                           `files_digest` only: the files are on disk, tokenizer_store.py)
   P names            zset   every name at score 0, so ZRANGEBYLEX pages in name order
   P digests          hash   name -> digest
   P generations      hash   name -> generation (survives delete, so generations never repeat)
@@ -72,7 +73,15 @@ redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[3], '*', 'type', 'deleted', 'nam
            'digest', digest, 'config_digest', config_digest, 'files_digest', files_digest,
            'generation', gen, 'time', ARGV[2])
 redis.call('INCR', KEYS[7])
-return {digest, gen}
+return {digest, gen, files_digest}
+"""
+
+# A record of the older format holds its tokenizer files inline (`files_json`): once they are in the
+# tokenizer file store, drop them from Redis, unless the record changed meanwhile.
+_UNINLINE = """
+if redis.call('HGET', KEYS[1], 'generation') ~= ARGV[1] then return 0 end
+if redis.call('HGET', KEYS[1], 'files_digest') ~= ARGV[2] then return 0 end
+return redis.call('HDEL', KEYS[1], 'files_json')
 """
 
 _RESTORE = """
@@ -131,6 +140,7 @@ class AdapterIndex:
         self._commit = client.register_script(_COMMIT)
         self._delete = client.register_script(_DELETE)
         self._restore = client.register_script(_RESTORE)
+        self._uninline = client.register_script(_UNINLINE)
         self._releasing: set[asyncio.Task] = set()  # lock releases retried after a refusal
 
     def _keys(self, name: str) -> list[str]:
@@ -149,7 +159,8 @@ class AdapterIndex:
         await self.r.ping()
 
     async def get(self, name: str, with_files: bool = False) -> StoreRecord | None:
-        """The record; its tokenizer files (`files_json`, up to megabytes) only `with_files` (a pull)."""
+        """The record; `files_json` only `with_files` (a pull): a record of the older format holds
+        its tokenizer files there (megabytes), a current one only their `files_digest`."""
         key = f"{self.p}adapter:{name}"
         if with_files:
             data = await self.r.hgetall(key)
@@ -177,10 +188,28 @@ class AdapterIndex:
         ]
         return int(await self._commit(keys=self._keys(record.name), args=args))
 
-    async def delete(self, name: str) -> tuple[str, int] | None:
-        """Remove the name; return (digest it pointed at, new generation), or None if absent."""
+    async def delete(self, name: str) -> tuple[str, int, str] | None:
+        """Remove the name; return (digest it pointed at, new generation, its files_digest), or None
+        if absent."""
         out = await self._delete(keys=self._keys(name), args=[name, time.time(), self.events_max_len])
-        return (out[0], int(out[1])) if out else None
+        return (out[0], int(out[1]), out[2]) if out else None
+
+    async def names_with_inline_files(self) -> list[str]:
+        """Names whose record still holds its tokenizer files inline (the older format)."""
+        names = await self.r.zrange(f"{self.p}names", 0, -1)
+        found = []
+        for start in range(0, len(names), 500):
+            page = names[start : start + 500]
+            async with self.r.pipeline(transaction=False) as pipe:
+                for n in page:
+                    pipe.hstrlen(f"{self.p}adapter:{n}", "files_json")
+                found += [n for n, length in zip(page, await pipe.execute(), strict=True) if length]
+        return found
+
+    async def drop_inline_files(self, name: str, generation: int, files_digest: str) -> bool:
+        """Remove the record's inline `files_json` if it is still at `generation` with `files_digest`."""
+        keys = [f"{self.p}adapter:{name}"]
+        return bool(await self._uninline(keys=keys, args=[generation, files_digest]))
 
     async def restore(self, record: StoreRecord) -> bool:
         """Put back a record from a sidecar unless the index already has it at that generation or newer."""

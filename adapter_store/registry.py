@@ -25,7 +25,14 @@ from loraplex.adapter_store.lora_config import parse_lora_config
 from loraplex.adapter_store.names import check_name, check_not_base_model
 from loraplex.adapter_store.records import StoreRecord
 from loraplex.adapter_store.sources import ResolvedSource, SourceFetcher, parse_source
-from loraplex.adapter_store.tokenizer_files import check_file, check_vocabulary, encode, files_digest
+from loraplex.adapter_store.tokenizer_files import (
+    check_file,
+    check_vocabulary,
+    decode,
+    encode,
+    files_digest,
+)
+from loraplex.adapter_store.tokenizer_store import TokenizerFileStore
 from loraplex.adapter_store.validate import validate_adapter
 
 log = logging.getLogger(__name__)
@@ -34,6 +41,7 @@ log = logging.getLogger(__name__)
 class PullHandle(NamedTuple):
     record: StoreRecord
     path: Path
+    files: dict[str, bytes]  # its tokenizer files (name -> bytes), {} for none
 
 
 class AdapterRegistry:
@@ -50,6 +58,7 @@ class AdapterRegistry:
         self.blobs = blobs
         self.fetcher = fetcher
         self.base = base
+        self.tokenizer_files = TokenizerFileStore(blobs.root)
         self.fetch_count = 0  # fetches actually run (not answered from the index)
         self._evict_lock = asyncio.Lock()
         self._stopping = threading.Event()
@@ -104,29 +113,40 @@ class AdapterRegistry:
                 return existing
             start_generation = await self.index.generation(name)
             record = await self._fetch_in_thread(name, resolved)
-            record = record.with_(generation=start_generation + 1)
+            # The files go to the tokenizer file store (one copy per distinct set), the record
+            # names them by files_digest.
+            files_json, record = (
+                record.files_json,
+                record.with_(generation=start_generation + 1, files_json=""),
+            )
             if existing is not None:
                 record = (
                     record.with_(created_at=existing.created_at)
                     if existing.content == record.content
                     else record
                 )
+            if record.files_digest:
+                await asyncio.to_thread(self.tokenizer_files.add, record.files_digest, name, files_json)
             await asyncio.to_thread(self._sidecar_add, record)
             try:
                 generation = await self.index.commit(record, start_generation)
             except Exception:
                 # Not indexed (Redis failed): do not let a later --reindex resurrect it.
                 await asyncio.to_thread(self._sidecar_drop, record.digest, name, record.generation)
+                await self._drop_files_unless_used(record.files_digest, name, existing)
                 raise
             if generation < 0:
                 # Our lock expired and another registration committed first: theirs stands.
                 await asyncio.to_thread(self._sidecar_drop, record.digest, name, record.generation)
                 current = await self.index.get(name)
+                await self._drop_files_unless_used(record.files_digest, name, current)
                 if current is None:
                     raise Unavailable(f"registration of {name!r} raced with a delete; retry")
                 return current
             if existing is not None and existing.digest != record.digest:
                 await asyncio.to_thread(self._sidecar_drop, existing.digest, name, None)
+            if existing is not None:
+                await self._drop_files_unless_used(existing.files_digest, name, record)
         log.info(
             "registered %s -> %s (%s, %d bytes, generation %d)",
             name,
@@ -178,6 +198,12 @@ class AdapterRegistry:
             files_digest=files_digest(fetched.tokenizer_files),
         )
 
+    async def _drop_files_unless_used(self, digest: str, name: str, standing: StoreRecord | None) -> None:
+        """`name`'s reference to the tokenizer files `digest`, unless the record that stands for the
+        name (`standing`) uses them; the files go with their last reference."""
+        if digest and (standing is None or standing.files_digest != digest):
+            await asyncio.to_thread(self.tokenizer_files.drop, digest, name)
+
     def _sidecar_add(self, record: StoreRecord) -> None:
         self.blobs.add_record(record.digest, record.name, record.to_json())
 
@@ -207,18 +233,20 @@ class AdapterRegistry:
             out = await self.index.delete(name)
             if out is None:
                 return False
-            digest, _generation = out
+            digest, _generation, files = out
             # The blob's record files answer "does another name still use it" without listing
-            # every name in the index.
+            # every name in the index; the tokenizer files' references likewise.
             if not await asyncio.to_thread(self.blobs.drop_record, digest, name, None):
                 await self.index.forget_digest(digest)
+            await self._drop_files_unless_used(files, name, None)
         log.info("deleted %s (%s)", name, digest[:19])
         return True
 
     # -- pull --------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def open_pull(self, name: str) -> AsyncIterator[PullHandle]:
-        """The record and its blob path, pinned against eviction until the context exits."""
+        """The record, its blob path and its tokenizer files; the blob pinned against eviction until
+        the context exits."""
         check_name(name)
         record = await self.index.get(name, with_files=True)
         if record is None:
@@ -226,10 +254,19 @@ class AdapterRegistry:
                 f"no adapter named {name!r} in the store; RegisterAdapter it first", name=name, field="name"
             )
         with self.blobs.pinned(record.digest):
-            if not self.blobs.has(record.digest):
+            files = await self._files_of(record)
+            if not self.blobs.has(record.digest) or files is None:
                 record = await self._refetch(record)
+                files = await self._files_of(record)
             record = record.with_(last_used_at=await self._touch(name, record.digest, record.last_used_at))
-            yield PullHandle(record, self.blobs.path(record.digest))
+            yield PullHandle(record, self.blobs.path(record.digest), files or {})
+
+    async def _files_of(self, record: StoreRecord) -> dict[str, bytes] | None:
+        """The record's tokenizer files: inline (a record of the older format, not yet moved) or from
+        the tokenizer file store; None when the store has lost them."""
+        if record.files_json or not record.files_digest:
+            return decode(record.files_json)
+        return await asyncio.to_thread(self.tokenizer_files.read, record.files_digest)
 
     async def _touch(self, name: str, digest: str, before: float) -> float:
         """Record the use for the LRU. Best effort: a Redis that refuses writes (its disk full, a
@@ -241,20 +278,26 @@ class AdapterRegistry:
             return before
 
     async def _refetch(self, record: StoreRecord) -> StoreRecord:
-        """The blob was evicted: fetch the same source at the recorded revision, same digest required."""
+        """The blob was evicted (or its tokenizer files lost): fetch the same source at the recorded
+        revision, same digests required."""
         async with self.index.name_lock(record.name):
-            if self.blobs.has(record.digest):
+            if self.blobs.has(record.digest) and await self._files_of(record) is not None:
                 return record
             spec = parse_source(record.source, record.revision, self.config.allowed_local_dirs)
             resolved = await asyncio.to_thread(self.fetcher.resolve, spec)
             again = await self._fetch_in_thread(record.name, resolved)
-            if again.digest != record.digest:
-                await asyncio.to_thread(self.blobs.remove_blob, again.digest)
+            if (again.digest, again.files_digest) != (record.digest, record.files_digest):
+                if not self.blobs.has_records(again.digest):
+                    await asyncio.to_thread(self.blobs.remove_blob, again.digest)
                 raise FailedPrecondition(
                     f"{record.name!r} was evicted from the cache and its source {record.source} now has "
-                    f"different content ({again.digest[:19]} != {record.digest[:19]}); RegisterAdapter it "
-                    "again",
+                    f"different content ({again.digest[:19]} != {record.digest[:19]} or tokenizer files "
+                    f"{again.files_digest[:19]} != {record.files_digest[:19]}); RegisterAdapter it again",
                     name=record.name,
+                )
+            if again.files_digest and not record.files_json:
+                await asyncio.to_thread(
+                    self.tokenizer_files.add, again.files_digest, record.name, again.files_json
                 )
             log.info("re-fetched evicted %s", record.name)
         await self.evict_if_needed(keep=record.digest)
@@ -288,6 +331,30 @@ class AdapterRegistry:
                 restored += 1
         log.info("reindex: restored %d records from record files", restored)
         return restored
+
+    async def move_inline_files(self) -> int:
+        """Records of the older format hold their tokenizer files inline, in Redis and in their record
+        file: move each set into the tokenizer file store, then drop the inline copies (the record
+        file first, Redis last, under the name's lock). Run at start; returns how many moved."""
+        moved = 0
+        for name in await self.index.names_with_inline_files():
+            async with self.index.name_lock(name):
+                record = await self.index.get(name, with_files=True)
+                if record is None or not record.files_json:
+                    continue
+                if files_digest(decode(record.files_json)) != record.files_digest:
+                    log.error(
+                        "%s: its inline tokenizer files do not hash to its files_digest; left inline", name
+                    )
+                    continue
+                await asyncio.to_thread(
+                    self.tokenizer_files.add, record.files_digest, name, record.files_json
+                )
+                await asyncio.to_thread(self._sidecar_add, record.with_(files_json=""))
+                moved += await self.index.drop_inline_files(name, record.generation, record.files_digest)
+        if moved:
+            log.info("moved the inline tokenizer files of %d records into the tokenizer file store", moved)
+        return moved
 
     async def count_unindexed_sidecars(self) -> int:
         indexed = await self.index.names_by_digest()

@@ -50,6 +50,8 @@ async def serve(config: StoreConfig) -> None:
             log.warning(
                 "%d cached blobs are not in the Redis index; restart with --reindex to restore them", missing
             )
+        # Records written before tokenizer files were stored once per set hold them inline.
+        await registry.move_inline_files()
     except Exception as e:
         if config.reindex:
             raise

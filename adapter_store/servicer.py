@@ -26,7 +26,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from loraplex.adapter_store import errors, tokenizer_files
+from loraplex.adapter_store import errors
 from loraplex.adapter_store.index import stream_position
 from loraplex.adapter_store.records import StoreRecord
 from loraplex.adapter_store.registry import AdapterRegistry
@@ -238,10 +238,7 @@ class AdapterStoreServicer(pb_grpc.AdapterStoreServicer):
                 header = pb.AdapterHeader(
                     record=record_to_proto(handle.record),
                     adapter_config_json=handle.record.config_json,
-                    files=[
-                        pb.AdapterFile(name=n, content=data)
-                        for n, data in sorted(tokenizer_files.decode(handle.record.files_json).items())
-                    ],
+                    files=[pb.AdapterFile(name=n, content=data) for n, data in sorted(handle.files.items())],
                 )
                 if request.shared_cache:
                     header.local_safetensors_path = str(handle.path)

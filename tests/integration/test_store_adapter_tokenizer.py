@@ -68,7 +68,7 @@ def test_tokenizer_json_is_carried_but_only_a_pull_reads_it(registry, plain, tmp
         got = await registry.get("marker")
         listed, _ = await registry.list(100, "")
         async with registry.open_pull("marker") as handle:
-            pulled = tokenizer_files.decode(handle.record.files_json)
+            pulled = handle.files
         return record, got, listed, pulled
 
     record, got, listed, pulled = asyncio.run(run())
