@@ -1,6 +1,7 @@
 """Content-addressed disk cache: `blobs/sha256/<hex>` plus one small record file per name that
-points at the blob, `blobs/sha256/<hex>.records/<name>.json` (small unless the adapter ships its
-own tokenizer: the record holds its tokenizer files, tokenizer_files.py).
+points at the blob, `blobs/sha256/<hex>.records/<name>.json` (small: an adapter's own tokenizer
+files are kept once per set, tokenizer_store.py, and the record names them by digest; a record
+file of the older format still holds them until the store moves them out at start).
 
 A blob appears only by rename of a complete, validated file, so a crash never leaves a half
 blob visible. The record files are what `--reindex` rebuilds the Redis index from. One file per

@@ -206,6 +206,14 @@ class AdapterIndex:
                 found += [n for n, length in zip(page, await pipe.execute(), strict=True) if length]
         return found
 
+    async def files_digests(self, names: list[str]) -> dict[str, str | None]:
+        """Each name's record's files_digest ("" for none), None where the name has no record."""
+        async with self.r.pipeline(transaction=False) as pipe:
+            for n in names:
+                pipe.hmget(f"{self.p}adapter:{n}", ["name", "files_digest"])
+            rows = await pipe.execute()
+        return {n: (None if row[0] is None else row[1] or "") for n, row in zip(names, rows, strict=True)}
+
     async def drop_inline_files(self, name: str, generation: int, files_digest: str) -> bool:
         """Remove the record's inline `files_json` if it is still at `generation` with `files_digest`."""
         keys = [f"{self.p}adapter:{name}"]

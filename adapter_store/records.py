@@ -26,7 +26,9 @@ class StoreRecord:
     requested_revision: str = ""
     fingerprint: str = ""
     generation: int = 0
-    # The tokenizer files it ships (tokenizer_files.py): name -> text as JSON, and their digest.
+    # The tokenizer files it ships are named by files_digest and kept once per set on disk
+    # (tokenizer_store.py). files_json holds them (name -> text as JSON) only in memory between fetch
+    # and store, and in records of the older format, which held them inline until moved at start.
     files_json: str = field(default="", repr=False)
     files_digest: str = ""
 

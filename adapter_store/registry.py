@@ -33,9 +33,21 @@ from loraplex.adapter_store.tokenizer_files import (
     files_digest,
 )
 from loraplex.adapter_store.tokenizer_store import TokenizerFileStore
+from loraplex.adapter_store.tokenizer_tidy import drop_stale_references, move_inline_files
 from loraplex.adapter_store.validate import validate_adapter
 
 log = logging.getLogger(__name__)
+
+
+async def _run_to_end(coro):
+    """Await `coro` to its end even when the caller is cancelled meanwhile (the cancellation is
+    raised after): a commit's disk writes, Redis script and clean-up are never left half done."""
+    task = asyncio.ensure_future(coro)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise
 
 
 class PullHandle(NamedTuple):
@@ -125,28 +137,11 @@ class AdapterRegistry:
                     if existing.content == record.content
                     else record
                 )
-            if record.files_digest:
-                await asyncio.to_thread(self.tokenizer_files.add, record.files_digest, name, files_json)
-            await asyncio.to_thread(self._sidecar_add, record)
-            try:
-                generation = await self.index.commit(record, start_generation)
-            except Exception:
-                # Not indexed (Redis failed): do not let a later --reindex resurrect it.
-                await asyncio.to_thread(self._sidecar_drop, record.digest, name, record.generation)
-                await self._drop_files_unless_used(record.files_digest, name, existing)
-                raise
-            if generation < 0:
-                # Our lock expired and another registration committed first: theirs stands.
-                await asyncio.to_thread(self._sidecar_drop, record.digest, name, record.generation)
-                current = await self.index.get(name)
-                await self._drop_files_unless_used(record.files_digest, name, current)
-                if current is None:
-                    raise Unavailable(f"registration of {name!r} raced with a delete; retry")
-                return current
-            if existing is not None and existing.digest != record.digest:
-                await asyncio.to_thread(self._sidecar_drop, existing.digest, name, None)
-            if existing is not None:
-                await self._drop_files_unless_used(existing.files_digest, name, record)
+            # Once begun, the writes and their clean-up run to the end even if the caller goes.
+            outcome = await _run_to_end(self._commit(record, files_json, existing, start_generation))
+            if isinstance(outcome, StoreRecord):
+                return outcome  # another registration's, which stands
+            generation = outcome
         log.info(
             "registered %s -> %s (%s, %d bytes, generation %d)",
             name,
@@ -157,6 +152,37 @@ class AdapterRegistry:
         )
         await self.evict_if_needed(keep=record.digest)
         return record
+
+    async def _commit(
+        self, record: StoreRecord, files_json: str, existing: StoreRecord | None, start_generation: int
+    ) -> int | StoreRecord:
+        """Store the tokenizer files, the record file and the index entry of a fetched `record`; drop
+        what the name used before. The new generation, or the record that stands instead (a
+        registration that won while our lock had expired)."""
+        name = record.name
+        if record.files_digest:
+            await asyncio.to_thread(self.tokenizer_files.add, record.files_digest, name, files_json)
+        await asyncio.to_thread(self._sidecar_add, record)
+        try:
+            generation = await self.index.commit(record, start_generation)
+        except Exception:
+            # Not indexed (Redis failed): do not let a later --reindex resurrect it.
+            await asyncio.to_thread(self._sidecar_drop, record.digest, name, record.generation)
+            await self._drop_files_unless_used(record.files_digest, name, existing)
+            raise
+        if generation < 0:
+            # Our lock expired and another registration committed first: theirs stands.
+            await asyncio.to_thread(self._sidecar_drop, record.digest, name, record.generation)
+            current = await self.index.get(name)
+            await self._drop_files_unless_used(record.files_digest, name, current)
+            if current is None:
+                raise Unavailable(f"registration of {name!r} raced with a delete; retry")
+            return current
+        if existing is not None and existing.digest != record.digest:
+            await asyncio.to_thread(self._sidecar_drop, existing.digest, name, None)
+        if existing is not None:
+            await self._drop_files_unless_used(existing.files_digest, name, record)
+        return generation
 
     def _fetch_validate_store(
         self, name: str, resolved: ResolvedSource, stop: Callable[[], bool] | None = None
@@ -230,17 +256,25 @@ class AdapterRegistry:
     async def delete(self, name: str) -> bool:
         check_name(name)
         async with self.index.name_lock(name):
-            out = await self.index.delete(name)
-            if out is None:
-                return False
-            digest, _generation, files = out
-            # The blob's record files answer "does another name still use it" without listing
-            # every name in the index; the tokenizer files' references likewise.
-            if not await asyncio.to_thread(self.blobs.drop_record, digest, name, None):
-                await self.index.forget_digest(digest)
-            await self._drop_files_unless_used(files, name, None)
+            digest = await _run_to_end(self._delete(name))
+        if digest is None:
+            return False
         log.info("deleted %s (%s)", name, digest[:19])
         return True
+
+    async def _delete(self, name: str) -> str | None:
+        """Remove the name from the index, then its record file and tokenizer-file reference; the
+        weights digest it pointed at, or None."""
+        out = await self.index.delete(name)
+        if out is None:
+            return None
+        digest, _generation, files = out
+        # The blob's record files answer "does another name still use it" without listing
+        # every name in the index; the tokenizer files' references likewise.
+        if not await asyncio.to_thread(self.blobs.drop_record, digest, name, None):
+            await self.index.forget_digest(digest)
+        await self._drop_files_unless_used(files, name, None)
+        return digest
 
     # -- pull --------------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -332,29 +366,11 @@ class AdapterRegistry:
         log.info("reindex: restored %d records from record files", restored)
         return restored
 
-    async def move_inline_files(self) -> int:
-        """Records of the older format hold their tokenizer files inline, in Redis and in their record
-        file: move each set into the tokenizer file store, then drop the inline copies (the record
-        file first, Redis last, under the name's lock). Run at start; returns how many moved."""
-        moved = 0
-        for name in await self.index.names_with_inline_files():
-            async with self.index.name_lock(name):
-                record = await self.index.get(name, with_files=True)
-                if record is None or not record.files_json:
-                    continue
-                if files_digest(decode(record.files_json)) != record.files_digest:
-                    log.error(
-                        "%s: its inline tokenizer files do not hash to its files_digest; left inline", name
-                    )
-                    continue
-                await asyncio.to_thread(
-                    self.tokenizer_files.add, record.files_digest, name, record.files_json
-                )
-                await asyncio.to_thread(self._sidecar_add, record.with_(files_json=""))
-                moved += await self.index.drop_inline_files(name, record.generation, record.files_digest)
-        if moved:
-            log.info("moved the inline tokenizer files of %d records into the tokenizer file store", moved)
-        return moved
+    async def tidy_tokenizer_files(self) -> None:
+        """At start: move older records' inline tokenizer files out of Redis, then drop references
+        that no record stands for (tokenizer_tidy.py)."""
+        await move_inline_files(self.index, self.blobs, self.tokenizer_files)
+        await drop_stale_references(self.index, self.blobs, self.tokenizer_files)
 
     async def count_unindexed_sidecars(self) -> int:
         indexed = await self.index.names_by_digest()

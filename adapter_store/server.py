@@ -51,7 +51,7 @@ async def serve(config: StoreConfig) -> None:
                 "%d cached blobs are not in the Redis index; restart with --reindex to restore them", missing
             )
         # Records written before tokenizer files were stored once per set hold them inline.
-        await registry.move_inline_files()
+        await registry.tidy_tokenizer_files()
     except Exception as e:
         if config.reindex:
             raise

@@ -6,11 +6,11 @@ own tokenizer (`tokenizer.json`; `added_tokens.json`): a fine-tune that teaches 
 to one id, which the base tokenizer would split. The inference server tokenizes that adapter's
 requests with it (services/inference/engine/adapter_tokenizers.py). Only the names in
 `CARRIED_FILES` are read; each is bounded (`file_limit`), UTF-8, and a JSON object when it is
-`.json`. They live in the record (Redis and the record files, like the config's text; the index
-reads them only for a pull, never for GetAdapter or ListAdapters) and go out in the PullAdapter
-header; `files_digest` names them, so a change to them alone is a new content, seen by every
-watcher. `check_vocabulary` refuses at registration a tokenizer that does not load, or that can
-produce an id past the base model's embedding rows (with --base-model), naming the token and id.
+`.json`. Each distinct set is kept once on disk (tokenizer_store.py); the record names it by
+`files_digest` (so a change to the files alone is a new content, seen by every watcher), and a pull
+sends the files in the PullAdapter header. `check_vocabulary` refuses at registration a tokenizer
+that does not load, or that can produce an id past the base model's embedding rows (with
+--base-model), naming the token and id.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ CARRIED_FILES = (
 # The inference side reads a template file up to 4 MiB (lora/adapter.py); Gemma's
 # tokenizer_config.json, with its added tokens, is about 1 MiB.
 MAX_FILE_BYTES = 4 * 2**20
-# tokenizer.json: Llama 3's is 9 MB, Qwen2.5's 7 MB, Mistral Nemo's 9 MB. It lives in the record
-# (a Redis value, the record file) and in the one PullAdapter header message, so it is bounded
+# tokenizer.json: Llama 3's is 9 MB, Qwen2.5's 7 MB, Mistral Nemo's 9 MB. It travels in the one
+# PullAdapter header message (and is read whole at registration and pull), so it is bounded
 # well below the 64 MiB a server accepts per message; Gemma's (17-33 MB) are over it and refused.
 MAX_TOKENIZER_JSON_BYTES = 16 * 2**20
 
@@ -119,7 +119,7 @@ def files_digest(files: dict[str, bytes]) -> str:
 
 
 def encode(files: dict[str, str]) -> str:
-    """The record's `files_json`: name -> text ("" for none)."""
+    """A set's stored form (and an older record's inline `files_json`): name -> text ("" for none)."""
     return json.dumps(files, sort_keys=True) if files else ""
 
 

@@ -27,6 +27,7 @@ from loraplex.adapter_store.redis_embedded import connect
 from loraplex.adapter_store.registry import AdapterRegistry
 from loraplex.adapter_store.sources import SourceFetcher
 from loraplex.adapter_store.tokenizer_store import TokenizerFileStore
+from loraplex.adapter_store.tokenizer_tidy import drop_stale_references, move_inline_files
 from loraplex.v1 import adapter_store_pb2 as pb
 from tests.support.adapter_tokenizer import write_marker_tokenizer
 from tests.support.store_helpers import RedisServer, pull, start_store, store_stub, write_random_adapter
@@ -140,6 +141,17 @@ def test_re_registering_with_other_files_moves_the_reference(store, sources):
     assert pulled_a == _files(templated) and pulled_b == {}
 
 
+def test_a_lost_set_is_fetched_again_from_the_source_on_pull(store, sources):
+    async def run():
+        record = await store.register("lost", str(sources["marker"]))
+        path = store.tokenizer_files.blobs.path(record.files_digest)
+        path.unlink()  # e.g. a cache dir restored without it
+        assert await _pulled(store, "lost") == _files(sources["marker"])
+        assert path.is_file() and _sets_on_disk(store) == {record.files_digest: {"lost"}}
+
+    asyncio.run(run())
+
+
 def test_concurrent_registrations_of_one_set_and_a_delete_racing_a_registration(store, sources):
     marker = str(sources["marker"])
 
@@ -217,13 +229,37 @@ def test_a_record_of_the_older_format_is_served_then_moved_out_of_redis(store, s
         assert _redis_bytes(redis_server, key)[key] > len(files["tokenizer.json"])
         assert await _pulled(store, "legacy") == files  # served from the inline copy
 
-        assert await store.move_inline_files() == 1
+        assert await move_inline_files(store.index, store.blobs, store.tokenizer_files) == 1
         assert _redis_bytes(redis_server, key)[key] < 8192
         assert _sets_on_disk(store) == {record.files_digest: {"legacy"}}
         on_disk = json.loads((store.blobs.records_dir(record.digest) / "legacy.json").read_text())
         assert on_disk["files_json"] == "" and on_disk["files_digest"] == record.files_digest
         assert await _pulled(store, "legacy") == files
-        assert await store.move_inline_files() == 0
+        assert await move_inline_files(store.index, store.blobs, store.tokenizer_files) == 0
+
+    asyncio.run(run())
+
+
+def test_references_no_record_stands_for_are_dropped_at_start(store, sources):
+    """What a store killed mid-registration leaves: references of a name whose record names other
+    files, and of a name with no record at all, are dropped; a name whose record file outlived Redis
+    keeps its reference (--reindex will restore it)."""
+    marker = _files(sources["marker"])
+    marker_json = tokenizer_files.encode({n: d.decode() for n, d in marker.items()})
+    digest = tokenizer_files.files_digest(marker)
+
+    async def run():
+        plain = await store.register("plain", str(sources["plain"]))
+        await store.register("user", str(sources["marker"]))
+        lost = await store.register("lost-redis", str(sources["marker"]))
+        await store.index.r.delete(f"{store.index.p}adapter:lost-redis")  # as after losing Redis
+        for name in ("plain", "ghost"):  # killed after writing the reference
+            store.tokenizer_files.add(digest, name, marker_json)
+        assert _sets_on_disk(store) == {digest: {"plain", "user", "lost-redis", "ghost"}}
+        dropped = await drop_stale_references(store.index, store.blobs, store.tokenizer_files)
+        assert dropped == 2 and _sets_on_disk(store) == {digest: {"user", "lost-redis"}}
+        assert plain.files_digest == "" and lost.files_digest == digest
+        assert await _pulled(store, "user") == marker
 
     asyncio.run(run())
 
