@@ -1,8 +1,9 @@
 """The store's end of an adapter's own tokenizer (issue 56): `tokenizer.json` is carried like the
 other tokenizer files, bounded, checked at registration (it loads; with a base model, no id past its
-embedding rows), and read from Redis only by a pull, never by GetAdapter or ListAdapters (a page of
-records must not drag megabytes of tokenizers along). In process: a real redis-server, the real
-registry, blob cache and index; SmolLM2's real tokenizer files.
+embedding rows), and read only by a pull (from its set on disk: test_store_shared_tokenizer_files.py),
+never by GetAdapter or ListAdapters (a page of records must not drag megabytes of tokenizers along).
+In process: a real redis-server, the real registry, blob cache and index; SmolLM2's real tokenizer
+files.
 """
 
 from __future__ import annotations

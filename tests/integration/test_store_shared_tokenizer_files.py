@@ -304,3 +304,12 @@ def test_over_grpc_pulls_send_each_names_files_and_a_restart_moves_old_records(
         assert {f.name: f.content for f in pull(stub, "s1")[0].files} == files
     refs = cache / "tokenizer_files" / "sha256" / (records["s1"].files_digest.split(":")[1] + ".records")
     assert sorted(p.name for p in refs.glob("*.json")) == ["legacy.json", "s1.json", "s2.json"]
+
+    # Redis loses everything of this store: --reindex restores the records from their record files,
+    # and the sets on disk serve them.
+    plain.delete(*plain.keys(prefix + "*"))
+    with start_store(cache, *flags, "--reindex") as proc, store_stub(proc.address) as stub:
+        for n in ("legacy", "s1", "other"):
+            header, _ = pull(stub, n)
+            assert {f.name: f.content for f in header.files} == _files(sources[shares.get(n, "marker")])
+    assert sorted(p.name for p in refs.glob("*.json")) == ["legacy.json", "s1.json", "s2.json"]
