@@ -315,18 +315,33 @@ class AdapterRegistry:
         """The blob was evicted (or its tokenizer files lost): fetch the same source at the recorded
         revision, same digests required."""
         async with self.index.name_lock(record.name):
+            current = await self.index.get(record.name)
+            if current is None:
+                raise NotFound(
+                    f"{record.name!r} was deleted while it was pulled", name=record.name, field="name"
+                )
+            if current.generation != record.generation:
+                # Registered again meanwhile (its old tokenizer files may be gone with it).
+                raise Unavailable(f"{record.name!r} was registered again while it was pulled; pull it again")
             if self.blobs.has(record.digest) and await self._files_of(record) is not None:
                 return record
             spec = parse_source(record.source, record.revision, self.config.allowed_local_dirs)
             resolved = await asyncio.to_thread(self.fetcher.resolve, spec)
             again = await self._fetch_in_thread(record.name, resolved)
-            if (again.digest, again.files_digest) != (record.digest, record.files_digest):
-                if not self.blobs.has_records(again.digest):
+            changed = [
+                f"{what} {now[:19]} != {was[:19]}"
+                for what, now, was in (
+                    ("weights", again.digest, record.digest),
+                    ("tokenizer files", again.files_digest, record.files_digest),
+                )
+                if now != was
+            ]
+            if changed:
+                if not await asyncio.to_thread(self.blobs.has_records, again.digest):
                     await asyncio.to_thread(self.blobs.remove_blob, again.digest)
                 raise FailedPrecondition(
                     f"{record.name!r} was evicted from the cache and its source {record.source} now has "
-                    f"different content ({again.digest[:19]} != {record.digest[:19]} or tokenizer files "
-                    f"{again.files_digest[:19]} != {record.files_digest[:19]}); RegisterAdapter it again",
+                    f"different content ({', '.join(changed)}); RegisterAdapter it again",
                     name=record.name,
                 )
             if again.files_digest and not record.files_json:

@@ -22,6 +22,7 @@ import redis
 from loraplex.adapter_store import tokenizer_files
 from loraplex.adapter_store.blobs import BlobCache
 from loraplex.adapter_store.cli.args import StoreConfig
+from loraplex.adapter_store.errors import FailedPrecondition
 from loraplex.adapter_store.index import AdapterIndex
 from loraplex.adapter_store.redis_embedded import connect
 from loraplex.adapter_store.registry import AdapterRegistry
@@ -141,13 +142,20 @@ def test_re_registering_with_other_files_moves_the_reference(store, sources):
     assert pulled_a == _files(templated) and pulled_b == {}
 
 
-def test_a_lost_set_is_fetched_again_from_the_source_on_pull(store, sources):
+def test_a_lost_set_is_fetched_again_from_the_source_on_pull(store, sources, tmp_path):
+    src = shutil.copytree(sources["marker"], tmp_path / "src")
+
     async def run():
-        record = await store.register("lost", str(sources["marker"]))
+        record = await store.register("lost", str(src))
         path = store.tokenizer_files.blobs.path(record.files_digest)
         path.unlink()  # e.g. a cache dir restored without it
         assert await _pulled(store, "lost") == _files(sources["marker"])
         assert path.is_file() and _sets_on_disk(store) == {record.files_digest: {"lost"}}
+        # Lost again, and the source's files changed meanwhile: refused, saying what changed.
+        path.unlink()
+        (src / "chat_template.jinja").write_text("changed")
+        with pytest.raises(FailedPrecondition, match="now has different content \\(tokenizer files sha256:"):
+            await _pulled(store, "lost")
 
     asyncio.run(run())
 
