@@ -78,6 +78,9 @@ class ShardedAdapterPool:
         self._send_upload = send_upload  # (rank, slot, shard) to a worker, in step order
         self.slots, self.max_rank, self.target_modules = local.slots, local.max_rank, local.target_modules
         self.dtype, self.device, self.groups = local.dtype, local.device, local.groups
+        # Rank 0's vocab slots, for the manager's bookkeeping: adapters with vocabulary parts are
+        # refused under tensor parallelism (lora/embedding_lora.py), so these stay empty.
+        self.vocab = local.vocab
 
     @property
     def nbytes(self) -> int:
