@@ -66,9 +66,14 @@ def test_registration_cost_does_not_grow_with_names_sharing_one_blob(tmp_path, t
         return costs
 
     costs = asyncio.run(run())
-    early = sorted(costs[window : 2 * window])[window // 2]
-    late = sorted(costs[-window:])[window // 2]
-    assert late < 2.5 * early, f"median registration {early * 1e3:.2f} ms early, {late * 1e3:.2f} ms late"
+    # The fastest tenth of each window: a cost that grows with the names grows there too, while a
+    # busy machine (CI runs this beside the TP tests) slows some registrations at random and moved
+    # the medians 4x apart in a fresh-clone run with no growth behind it.
+    early = sorted(costs[window : 2 * window])[window // 10]
+    late = sorted(costs[-window:])[window // 10]
+    assert late < 2.5 * early, (
+        f"registration {early * 1e3:.2f} ms early, {late * 1e3:.2f} ms late (10th percentile)"
+    )
     # One record file per name, each small, and no file that lists every name.
     blob_dir = tmp_path / "cache" / "blobs" / "sha256"
     (records,) = list(blob_dir.glob("*.records"))
