@@ -19,6 +19,9 @@ Invariants (the choices themselves, eviction, queue order and drains: lora/slot_
   Bound: the queue's front gets a slot within `slot_wait_s` + `min_resident_s` + 2 steps
   (docs/architecture.md, "LoRA manager", states the rest). At most `slots - 1` adapters may be
   pinned so one slot always rotates; pinned slots never drain.
+- Pages (lora/pool.py): an adapter takes pages of its own rank. A placement short of free pages
+  evicts further idle adapters, cheapest first, only if that makes room (`_room_for`); an adapter
+  a request computes on keeps its pages. Pinned adapters leave room for one max-rank upload.
 - The host tier: host copies beyond `max_loaded_loras` (a count) or `max_cpu_lora_bytes` are
   dropped least recently used first (never one a request or pin holds) and re-read, digest-checked,
   from their source when next placed.
@@ -55,6 +58,7 @@ from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.slot_choice import (
     cheapest_busy_slots,
     evictable_slot,
+    idle_slots,
     next_waiter,
     popularity_after,
 )
@@ -95,6 +99,7 @@ class _Version:
     reserved_until: float = 0.0
     uploads: int = 0
     popularity: float = -math.inf  # recent request rate (slot_choice.popularity_after)
+    pages: int = 0  # pool pages its upload takes (AdapterPool.pages_needed: its own rank, not the pool's)
 
 
 class LoRAManager(AdapterSlots):
@@ -177,6 +182,7 @@ class LoRAManager(AdapterSlots):
                     chat_template=weights.chat_template,
                     nbytes=weights.nbytes,
                     last_used=self._clock(),
+                    pages=self.pool.pages_needed(weights),
                 )
                 self._active[name] = version
                 if old is not None:
@@ -207,6 +213,14 @@ class LoRAManager(AdapterSlots):
                     raise CapacityExceeded(
                         f"cannot pin {name!r}: at most {self.pool.slots - 1} of {self.pool.slots} slots "
                         "(the pool's slots - 1) may hold pinned adapters",
+                        adapter=name,
+                    )
+                pinned_pages = sum(v.pages for v in self._active.values() if v.pinned) + version.pages
+                if pinned_pages + self.pool.pages_per_slot > self.pool.num_pages:
+                    raise CapacityExceeded(
+                        f"cannot pin {name!r}: pinned adapters would hold {pinned_pages} of the pool's "
+                        f"{self.pool.num_pages} pages, leaving too few for a rank-{self.pool.max_rank} "
+                        f"adapter ({self.pool.pages_per_slot} pages) to rotate",
                         adapter=name,
                     )
                 if version.slot < 0:
@@ -318,7 +332,7 @@ class LoRAManager(AdapterSlots):
             version = self._active.get(name)
             if version is None or version.slot >= 0 or name in self._retiring or self._waiting:
                 return
-            slot = self._evictable_slot()
+            slot = self._room_for(version)
             if slot is not None:
                 self._place(version, slot)  # False (source gone) is reported by the next acquire
 
@@ -378,7 +392,7 @@ class LoRAManager(AdapterSlots):
             if version.slot < 0:
                 return False  # still queued: release and note_queued move the queue
         if version.slot < 0:
-            slot = None if self._waiting else self._evictable_slot()  # earlier waiters first
+            slot = None if self._waiting else self._room_for(version)  # earlier waiters first
             if slot is None:
                 self._waiting[name] = self._clock()
                 self._rebalance()
@@ -412,11 +426,41 @@ class LoRAManager(AdapterSlots):
         if version.slot >= 0:
             self._draining.discard(version.slot)
             self._slots[version.slot] = None
+            self.pool.release(version.slot)
             version.slot = -1
         version.weights = None
 
-    def _evictable_slot(self) -> int | None:
-        return evictable_slot(self._slots, self._queued, self._draining, self._clock())
+    def _room_for(self, version: _Version) -> int | None:
+        """A slot `version` can be uploaded into with enough free pages, or None. The slot is
+        `evictable_slot`'s choice; when the free pages (with that slot's own) fall short, further idle
+        adapters are evicted, cheapest first (`idle_slots`), but only if that makes room: an adapter
+        a request computes on (refs > 0), a pinned, reserved or draining one is never evicted."""
+        now = self._clock()
+        slot = evictable_slot(self._slots, self._queued, self._draining, now)
+        if slot is None:
+            return None
+        free = self.pool.free_pages + self.pool.slot_pages(slot)
+        evict: list[int] = []
+        for other in idle_slots(self._slots, self._queued, self._draining, now):
+            if free >= version.pages:
+                break
+            if other != slot:
+                evict.append(other)
+                free += self.pool.slot_pages(other)
+        if free < version.pages:
+            return None
+        for other in evict:
+            self._evict(other)
+        return slot
+
+    def _evict(self, slot: int) -> None:
+        """Send an idle slot's adapter back to the host tier and free its pages."""
+        occupant = self._slots[slot]
+        if occupant is not None:
+            occupant.slot = -1
+            self._evictions[occupant.name] = self._evictions.get(occupant.name, 0) + 1
+        self._slots[slot] = None
+        self.pool.release(slot)
 
     def _drainable_slots(self, count: int, max_popularity: float | None = None) -> list[int]:
         placed_before = self._clock() - self.min_resident_s
@@ -476,7 +520,7 @@ class LoRAManager(AdapterSlots):
             if version is None or version.slot >= 0 or retiring_idle:
                 self._waiting.pop(name)
                 continue
-            slot = self._evictable_slot()
+            slot = self._room_for(version)
             if slot is None:
                 break
             self._waiting.pop(name)

@@ -159,7 +159,7 @@ class LoRAConfig:
 class LoRASettings:
     """The LoRA flags resolved against the model and device: what every rank builds its pool from."""
 
-    pool_slots: int  # adapters resident on the device at once (sized from memory, <= --max-gpu-loras)
+    pool_slots: int  # adapters resident on the device at once (<= --max-gpu-loras; their pages: pool_pages)
     max_lora_rank: int
     target_modules: tuple[str, ...]
     max_loaded_loras: int | None
@@ -167,6 +167,8 @@ class LoRASettings:
     max_loras_per_batch: int | None = None  # distinct adapters per step; None: up to pool_slots
     max_cpu_lora_bytes: int | None = None  # the host tier's byte bound (None: unbounded)
     slot_timings: tuple[tuple[str, float], ...] = ()  # LoRAManager keyword arguments (slot_wait_s, ...)
+    # The pool's pages of rank rows (lora/pool.py; sized from memory); None: every slot a max-rank adapter
+    pool_pages: int | None = None
 
     @property
     def distinct_per_batch(self) -> int:

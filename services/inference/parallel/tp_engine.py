@@ -218,6 +218,7 @@ def _build_rank0(
         target_modules=lora.target_modules,
         dtype=dtype,
         device=device,
+        num_pages=lora.pool_pages,
     )
     own_blocks = plan_num_blocks(
         local_cfg,
