@@ -41,6 +41,7 @@ class Case(NamedTuple):
     slot_pattern: str = "random"  # random | one_big | none | distinct (one token per slot)
     per_token: bool = False  # expand with one program per token (ExpandConfig.per_token)
     page_rows: int = 8  # rank rows per page of the pool (services/inference/lora/pool.py PAGE_ROWS)
+    page_gap: int = 0  # NaN rows between pages (pages as views of bigger blocks: lora/unified.py)
 
 
 class CaseResult(NamedTuple):
@@ -121,6 +122,7 @@ def paged_pool(
     ranks: tuple[tuple[int, ...], ...],
     page_rows: int,
     gen: torch.Generator,
+    gap: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-slot A `[slots, n*R, d]` / B `[slots, W, R]` spread over pages as the pool keeps them: each
     slot owns the pages of its own largest rank only, in a shuffled order with free pages between
@@ -135,11 +137,17 @@ def paged_pool(
         table[s, : own[s]] = torch.tensor(order[sum(own[:s]) : sum(own[: s + 1])], dtype=torch.int32)
     table = table.to(A.device)
     n_stack = len(ranks[0])
-    return (
-        page_a(A, table, own, n_stack, num_pages, page_rows),
-        page_b(B, table, own, num_pages, page_rows),
-        table,
-    )
+    a, b = page_a(A, table, own, n_stack, num_pages, page_rows), page_b(B, table, own, num_pages, page_rows)
+    if gap:  # each page a view at the head of a bigger NaN block: the page stride is not the page size
+        a_big = torch.full(
+            (num_pages, a.shape[1] + gap, a.shape[2]), float("nan"), dtype=a.dtype, device=a.device
+        )
+        b_big = torch.full(
+            (num_pages, b.shape[1] + gap, b.shape[2]), float("nan"), dtype=b.dtype, device=b.device
+        )
+        a_big[:, : a.shape[1]], b_big[:, : b.shape[1]] = a, b
+        a, b = a_big[:, : a.shape[1]], b_big[:, : b.shape[1]]
+    return a, b, table
 
 
 def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
@@ -154,7 +162,7 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     x = rand(case.num_tokens, case.d)
     A_dense = rand(num_slots, n * R, case.d, scale=case.d**-0.5)
     B_dense = rand(num_slots, sum(case.widths), R, scale=R**-0.5)
-    A, B, pages = paged_pool(A_dense, B_dense, case.ranks, case.page_rows, gen)
+    A, B, pages = paged_pool(A_dense, B_dense, case.ranks, case.page_rows, gen, case.page_gap)
     ranks = torch.tensor(case.ranks, dtype=torch.int32, device=device)
     scalings = (torch.rand(num_slots, n, generator=gen) + 0.5).to(device)
     slots = _token_slots(case, num_slots, gen).to(device)
@@ -252,6 +260,18 @@ CASES: tuple[Case, ...] = (
         ((64, 64), (4, 0), (0, 16), (1, 40)),
         "float32",
         page_rows=16,
+    ),
+    Case("pages_in_bigger_blocks_fp32", 37, 200, (48, 16, 16), 16, R4, "float32", splits=2, page_gap=5),
+    Case(
+        "per_token_pages_in_bigger_blocks_fp16",
+        20,
+        72,
+        (96, 96),
+        64,
+        ((64, 64), (4, 0), (0, 16), (1, 64)),
+        "float16",
+        per_token=True,
+        page_gap=3,
     ),
     Case("per_token_pages_of_4_fp32", 37, 200, (48, 16, 16), 16, R4, "float32", per_token=True, page_rows=4),
     Case("no_adapter_tokens_fp32", 12, 40, (16, 8), 8, ((8, 8),), "float32", slot_pattern="none"),

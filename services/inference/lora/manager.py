@@ -439,15 +439,15 @@ class LoRAManager(AdapterSlots):
         slot = evictable_slot(self._slots, self._queued, self._draining, now)
         if slot is None:
             return None
-        free = self.pool.free_pages + self.pool.slot_pages(slot)
+        returned = self.pool.slot_pages(slot)
         evict: list[int] = []
         for other in idle_slots(self._slots, self._queued, self._draining, now):
-            if free >= version.pages:
+            if self.pool.pages_available(returned) >= version.pages:
                 break
             if other != slot:
                 evict.append(other)
-                free += self.pool.slot_pages(other)
-        if free < version.pages:
+                returned += self.pool.slot_pages(other)
+        if self.pool.pages_available(returned) < version.pages:
             return None
         for other in evict:
             self._evict(other)

@@ -97,6 +97,24 @@ def pool_nbytes(
     return total + expert_pool_nbytes(shapes, slots, max_rank, target_modules, dtype)
 
 
+class FreePages:
+    """Where a pool's pages come from: its own buffers' pages, lowest free page first (a heap).
+    lora/unified.py's `KVRuns` hands out pages inside the KV cache's blocks instead."""
+
+    def __init__(self, num_pages: int):
+        self._heap = list(range(num_pages))
+
+    def available(self, returned: int = 0) -> int:
+        """Pages an upload could take now, were `returned` pages in use given back first."""
+        return len(self._heap) + returned
+
+    def take(self) -> int:
+        return heapq.heappop(self._heap)
+
+    def give(self, page: int) -> None:
+        heapq.heappush(self._heap, page)
+
+
 class PoolFull(RuntimeError):
     """An upload found fewer free pages than its adapter needs (the manager frees pages first)."""
 
@@ -152,7 +170,7 @@ class AdapterPool:
             self.offsets[g] = tuple(sum(widths[:i]) for i in range(n + 1))
         self.page_table = torch.zeros(slots, self.pages_per_slot, dtype=torch.int32, device=self.device)
         self.host_pages: list[list[int]] = [[] for _ in range(slots)]
-        self._free_pages = list(range(self.num_pages))  # a heap: the lowest free page goes first
+        self.page_source: FreePages = FreePages(self.num_pages)
         # The experts' buffers, when --lora-target-modules names them (lora/expert_lora.py).
         self.experts = (
             ExpertLoRAPool(
@@ -190,17 +208,30 @@ class AdapterPool:
             + (0 if self.experts is None else self.experts.nbytes)
         )
 
+    def adopt(self, lora_a: dict[str, torch.Tensor], lora_b: dict[str, torch.Tensor]) -> None:
+        """Hold the pages in other memory (lora/unified.py: views of the KV cache's blocks), before any
+        adapter is uploaded: same shapes and dtype, any page stride."""
+        if self.pages_in_use:
+            raise RuntimeError("the pool's pages can move only while no adapter holds any")
+        for mine, theirs in ((self.lora_a, lora_a), (self.lora_b, lora_b)):
+            for g, t in mine.items():
+                if theirs[g].shape != t.shape or theirs[g].dtype != t.dtype:
+                    raise ValueError(
+                        f"group {g}: {tuple(theirs[g].shape)} {theirs[g].dtype} for {tuple(t.shape)}"
+                    )
+        self.lora_a, self.lora_b = dict(lora_a), dict(lora_b)
+
     @property
     def page_nbytes(self) -> int:
         return page_nbytes(self.shapes, self.max_rank, self.target_modules, self.dtype)
 
     @property
     def free_pages(self) -> int:
-        return len(self._free_pages)
+        return self.page_source.available()
 
     @property
     def pages_in_use(self) -> int:
-        return self.num_pages - len(self._free_pages)
+        return sum(len(pages) for pages in self.host_pages)
 
     def pages_needed(self, weights: AdapterWeights) -> int:
         """Pages `weights` takes: its largest rank over the pool's groups, in pages (0: it targets
@@ -209,6 +240,10 @@ class AdapterPool:
             return 0
         return pages_for_rank(max((t.rank for t in weights.targets.values()), default=0), self.max_rank)
 
+    def pages_available(self, returned: int = 0) -> int:
+        """Pages an upload could take, were `returned` pages of resident adapters given back first."""
+        return self.page_source.available(returned)
+
     def slot_pages(self, slot: int) -> int:
         return len(self.host_pages[slot])
 
@@ -216,19 +251,18 @@ class AdapterPool:
         """Give the slot's pages back (its adapter left the pool). Nothing may compute on the slot
         any more; an upload into the pages is ordered after the work already queued that read them."""
         for page in self.host_pages[slot]:
-            heapq.heappush(self._free_pages, page)
+            self.page_source.give(page)
         self.host_pages[slot] = []
 
     def upload(self, slot: int, weights: AdapterWeights) -> None:
         """Copy an adapter into `slot` (asynchronously on CUDA; see `ready`), its pages taken from the
         free list after the slot's previous pages went back; `PoolFull` when too few are free."""
         need = self.pages_needed(weights)
-        if need > self.free_pages + self.slot_pages(slot):
-            raise PoolFull(
-                f"adapter needs {need} pages; {self.free_pages + self.slot_pages(slot)} free for slot {slot}"
-            )
+        available = self.pages_available(self.slot_pages(slot))
+        if need > available:
+            raise PoolFull(f"adapter needs {need} pages; {available} free for slot {slot}")
         self.release(slot)
-        pages = [heapq.heappop(self._free_pages) for _ in range(need)]
+        pages = [self.page_source.take() for _ in range(need)]
         self.host_pages[slot] = pages
         row = torch.zeros(self.pages_per_slot, dtype=torch.int32)
         row[:need] = torch.tensor(pages, dtype=torch.int32)

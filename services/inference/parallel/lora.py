@@ -101,6 +101,9 @@ class ShardedAdapterPool:
     def pages_needed(self, weights: AdapterWeights) -> int:
         return self.local.pages_needed(weights)
 
+    def pages_available(self, returned: int = 0) -> int:
+        return self.local.pages_available(returned)
+
     def slot_pages(self, slot: int) -> int:
         return self.local.slot_pages(slot)
 
