@@ -150,3 +150,33 @@ def test_pinned_adapters_leave_pages_for_a_max_rank_upload(tiny_llama_path, page
     m.pin("s0")  # 1 pinned page + 2 for any rank-16 adapter = 3
     with pytest.raises(CapacityExceeded, match="pages"):
         m.pin("s1")
+
+
+def test_kv_reclaim_takes_idle_adapters_least_recently_used_never_a_computing_one(
+    tiny_llama_path, paged_adapters
+):
+    """The KV cache's reclaim (lora/unified.py binds it): what it counts as free and what it evicts."""
+    clock = StepClock()
+    pool = AdapterPool(
+        ModelShapes.from_model_dir(tiny_llama_path),
+        slots=4,
+        max_rank=16,
+        target_modules=ALL_MODULES,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    m = LoRAManager(pool, clock=clock)
+    m.run_blocks = 3  # KV blocks per page
+    for name, path in paged_adapters.items():
+        m.load_adapter(name, path)
+    for name in ("s1", "big", "s0"):  # s1 used first: least recently used
+        clock.now += 1
+        m.acquire(name)
+    m.release("s1")
+    m.release("big")
+    assert m.reclaimable_blocks() == (1 + 2) * 3  # s0 computes: its page is not the KV cache's
+    m.reclaim_blocks(1)
+    assert m._active["s1"].slot == -1 and m._active["big"].slot >= 0, "least recently used first"
+    m.reclaim_blocks(100)
+    assert m._active["big"].slot == -1 and m._active["s0"].slot >= 0, "a computing adapter stays"
+    assert m.reclaimable_blocks() == 0 and m.num_reclaims == 2 and pool.pages_in_use == 1

@@ -148,6 +148,8 @@ class LoRAManager(AdapterSlots):
         self._host_misses: dict[str, int] = {}
         self.upload_bytes = 0
         self.num_suspensions = 0  # running requests that gave their slot up (suspend), cumulative
+        self.num_reclaims = 0  # adapters evicted because the KV cache needed their pages (lora/unified.py)
+        self.run_blocks = 0  # KV blocks per page, where the pages live in the KV cache (lora/unified.py bind)
 
     # ----- registry (any thread) -----
 
@@ -216,7 +218,9 @@ class LoRAManager(AdapterSlots):
                         adapter=name,
                     )
                 pinned_pages = sum(v.pages for v in self._active.values() if v.pinned) + version.pages
-                if pinned_pages + self.pool.pages_per_slot > self.pool.num_pages:
+                if pinned_pages + self.pool.pages_per_slot > (
+                    self.pool.guaranteed_pages or self.pool.num_pages
+                ):
                     raise CapacityExceeded(
                         f"cannot pin {name!r}: pinned adapters would hold {pinned_pages} of the pool's "
                         f"{self.pool.num_pages} pages, leaving too few for a rank-{self.pool.max_rank} "
@@ -402,7 +406,49 @@ class LoRAManager(AdapterSlots):
                 raise AdapterNotFound(
                     f"adapter {name!r} could not be re-read from {version.source}", adapter=name
                 )
+        if version.refs == 0 and not self._within_share(version):
+            return False  # computing adapters would hold more than the pool's share: wait a step
         return version.slot not in self._draining and self.pool.ready(version.slot)
+
+    def _within_share(self, version: _Version) -> bool:
+        """Pages in the KV cache's memory (lora/unified.py): adapters requests compute with, and
+        pinned ones, hold at most the pool's share (`pool.guaranteed_pages`), so the KV cache can
+        always reclaim the rest and never gets fewer blocks than beside a separate pool."""
+        share = self.pool.guaranteed_pages
+        if share is None:
+            return True
+        held = sum(
+            v.pages for v in self._slots if v is not None and (v.refs or v.pinned) and v is not version
+        )
+        return held + version.pages <= share
+
+    def reclaimable_blocks(self) -> int:
+        """KV blocks the idle adapters' pages hold (the KV side counts them as free)."""
+        with self._lock:
+            pages = sum(
+                self.pool.slot_pages(s) for s, v in enumerate(self._slots) if v is not None and self._idle(v)
+            )
+            return pages * self.run_blocks
+
+    def reclaim_blocks(self, blocks: int) -> None:
+        """The KV cache needs `blocks` more: idle adapters go back to the host tier, least recently
+        used first, until their pages cover it (never one a request computes with: `refs` > 0)."""
+        with self._lock:
+            idle = sorted(
+                (v.last_used, s) for s, v in enumerate(self._slots) if v is not None and self._idle(v)
+            )
+            freed = 0
+            for _, slot in idle:
+                if freed >= blocks:
+                    break
+                freed += self.pool.slot_pages(slot) * self.run_blocks
+                self._draining.discard(slot)
+                self._evict(slot)
+                self.num_reclaims += 1
+
+    @staticmethod
+    def _idle(v: _Version) -> bool:
+        return not v.refs and not v.pinned
 
     def _forget_if_retired(self, version: _Version) -> None:
         if version.refs == 0 and version.held == 0 and self._retiring.get(version.name) is version:

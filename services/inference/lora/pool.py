@@ -133,9 +133,11 @@ class AdapterPool:
         dtype: torch.dtype,
         device: torch.device | str,
         num_pages: int | None = None,
+        external_pages: bool = False,
     ):
         """`num_pages` None: `default_pages` (every slot can hold a max-rank adapter); fewer pages
-        bound the memory, and then uploads need free pages (`free_pages`) as well as a slot."""
+        bound the memory, and then uploads need free pages (`free_pages`) as well as a slot.
+        `external_pages`: allocate no page buffers; `adopt` brings them (lora/unified.py)."""
         self.shapes, self.slots, self.max_rank = shapes, slots, max_rank
         self.target_modules = tuple(target_modules)
         self.dtype, self.device = dtype, torch.device(device)
@@ -143,7 +145,9 @@ class AdapterPool:
         self.page_rows = page_rows(max_rank)
         self.pages_per_slot = pages_for_rank(max_rank, max_rank)
         self.num_pages = default_pages(slots, max_rank) if num_pages is None else num_pages
-        if self.groups and self.num_pages < self.pages_per_slot:
+        if external_pages:
+            self.num_pages = 0
+        elif self.groups and self.num_pages < self.pages_per_slot:
             raise ValueError(
                 f"an adapter pool of {self.num_pages} pages cannot hold one rank-{max_rank} adapter "
                 f"({self.pages_per_slot} pages of {self.page_rows} rank rows)"
@@ -171,6 +175,9 @@ class AdapterPool:
         self.page_table = torch.zeros(slots, self.pages_per_slot, dtype=torch.int32, device=self.device)
         self.host_pages: list[list[int]] = [[] for _ in range(slots)]
         self.page_source: FreePages = FreePages(self.num_pages)
+        # Pages in the KV cache's memory (lora/unified.py): the most that adapters requests compute
+        # with may hold (the pool's own share of the budget); None: the pool's own buffers.
+        self.guaranteed_pages: int | None = None
         # The experts' buffers, when --lora-target-modules names them (lora/expert_lora.py).
         self.experts = (
             ExpertLoRAPool(
@@ -213,13 +220,14 @@ class AdapterPool:
         adapter is uploaded: same shapes and dtype, any page stride."""
         if self.pages_in_use:
             raise RuntimeError("the pool's pages can move only while no adapter holds any")
+        num_pages = next(iter(lora_a.values())).shape[1] if lora_a else self.num_pages
         for mine, theirs in ((self.lora_a, lora_a), (self.lora_b, lora_b)):
             for g, t in mine.items():
-                if theirs[g].shape != t.shape or theirs[g].dtype != t.dtype:
-                    raise ValueError(
-                        f"group {g}: {tuple(theirs[g].shape)} {theirs[g].dtype} for {tuple(t.shape)}"
-                    )
+                want = (t.shape[0], num_pages, *t.shape[2:])
+                if tuple(theirs[g].shape) != want or theirs[g].dtype != t.dtype:
+                    raise ValueError(f"group {g}: {tuple(theirs[g].shape)} {theirs[g].dtype} for {want}")
         self.lora_a, self.lora_b = dict(lora_a), dict(lora_b)
+        self.num_pages = num_pages
 
     @property
     def page_nbytes(self) -> int:
@@ -250,6 +258,11 @@ class AdapterPool:
     def release(self, slot: int) -> None:
         """Give the slot's pages back (its adapter left the pool). Nothing may compute on the slot
         any more; an upload into the pages is ordered after the work already queued that read them."""
+        pending = self._pending.get(slot)
+        if pending is not None and self.host_pages[slot]:
+            # Pages inside the KV cache (lora/unified.py) may be written by the compute stream next:
+            # never before the side stream's copy into them has landed.
+            torch.cuda.current_stream(self.device).wait_event(pending[0])
         for page in self.host_pages[slot]:
             self.page_source.give(page)
         self.host_pages[slot] = []

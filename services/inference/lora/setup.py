@@ -130,6 +130,10 @@ def resolve_lora_settings(
     slots, pages = pool_size_from_memory(
         lora, shapes, max_rank, target_modules, dtype, device, mem_fraction_static
     )
+    if lora.lora_memory == "unified":
+        # The pages sized from memory are the pool's guaranteed share of the KV cache's blocks; more
+        # adapters stay resident in blocks the cache is not using, up to the slots.
+        slots = lora.max_gpu_loras or DEFAULT_MAX_GPU_LORAS.get(device.type, DEFAULT_MAX_GPU_LORAS["cpu"])
     cap = lora.max_loras_per_batch
     if cap is not None and cap > slots:
         log.warning(
@@ -203,6 +207,12 @@ def build_lora(
     settings = resolve_lora_settings(
         lora, shapes, device, resolve_source, dtype, mem_fraction_static=mem_fraction_static
     )
+    unified = lora.lora_memory == "unified"
+    if unified and expert_modules(settings.target_modules):
+        raise ValueError(
+            "--lora-memory unified: LoRA on the experts keeps per-slot buffers; serve expert adapters "
+            "with --lora-memory separate"
+        )
     pool = AdapterPool(
         shapes,
         slots=settings.pool_slots,
@@ -211,7 +221,10 @@ def build_lora(
         dtype=dtype,
         device=device,
         num_pages=settings.pool_pages,
+        external_pages=unified,
     )
+    if unified:  # the pages come with the KV cache (engine/unified_blocks.py); this is their share
+        pool.guaranteed_pages = pool.pages_per_slot if settings.pool_pages is None else settings.pool_pages
     if settings.backend == "triton":
         from loraplex.services.inference.lora.triton_backend import TritonLoRABackend
 

@@ -17,12 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from loraplex.services.inference.lora.backend import GROUPS
-from loraplex.services.inference.lora.pool import allocated_groups, page_rows
+from loraplex.services.inference.lora.pool import AdapterPool, allocated_groups, page_rows
 from loraplex.services.inference.lora.shapes import ModelShapes
+
+if TYPE_CHECKING:
+    from loraplex.services.inference.engine.unified_blocks import UnifiedBlocks
+    from loraplex.services.inference.lora.manager import LoRAManager
 
 ALIGN = 16  # bytes: every part starts 16-byte aligned (Triton specialises pointers on it)
 
@@ -109,3 +114,28 @@ def page_views(
         side, off = fit.parts[(g, "b")]
         lora_b[g] = arena.as_strided((L, num_pages, P, w), (layer, page, w, 1), side * half + off // elem)
     return lora_a, lora_b
+
+
+class KVRuns:
+    """The pool's page source when its pages live in the KV cache (`AdapterPool.page_source`): rank
+    page `p` is run `p` of the shared block allocator (engine/unified_blocks.py)."""
+
+    def __init__(self, blocks: UnifiedBlocks):
+        self.blocks = blocks
+
+    def available(self, returned: int = 0) -> int:
+        return self.blocks.runs_available(returned)
+
+    def take(self) -> int:
+        return self.blocks.take_run()
+
+    def give(self, page: int) -> None:
+        self.blocks.give_run(page)
+
+
+def bind(pool: AdapterPool, manager: LoRAManager, blocks: UnifiedBlocks) -> None:
+    """Draw the pool's pages from `blocks`, and let the KV side reclaim idle adapters' pages."""
+    pool.page_source = KVRuns(blocks)
+    blocks.reclaimer = manager.reclaim_blocks
+    blocks.reclaimable = manager.reclaimable_blocks
+    manager.run_blocks = blocks.run_blocks

@@ -86,6 +86,8 @@ class ShardedAdapterPool:
 
     # Pages: every rank's pool has the same page count and sees the same uploads and releases in the
     # same order, so every rank's free list (lowest page first) stays rank 0's.
+    guaranteed_pages = None  # --lora-memory unified is refused under tensor parallelism
+
     @property
     def num_pages(self) -> int:
         return self.local.num_pages
