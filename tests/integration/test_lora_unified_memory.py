@@ -17,6 +17,7 @@ from loraplex.services.inference.engine.unified_blocks import UnifiedBlocks
 from loraplex.services.inference.lora import setup as lora_setup
 from loraplex.services.inference.lora.pool import page_nbytes, pool_nbytes
 from loraplex.services.inference.lora.shapes import ModelShapes
+from tests.support.child import REPO, child_env, run_child
 from tests.support.lora_reference import (
     BATCH,
     NEW_TOKENS,
@@ -55,6 +56,17 @@ def test_unified_pool_matches_peft_and_the_separate_pool(tiny_llama_path, adapte
     assert got == peft_greedy(tiny_llama_path, adapters, list(zip(prompts, BATCH, strict=True)))
 
 
+# 4 slots, q/v adapters, a cache of 64 blocks of 16 tokens of its own
+BURST_FLAGS = dict(
+    max_gpu_loras=4,
+    max_loras_per_batch=None,
+    lora_target_modules=("q_proj", "v_proj"),
+    max_total_tokens=1024,
+    chunked_prefill_size=256,
+    max_num_batched_tokens=256,
+)
+
+
 def long_prompts(ids: list[int], count: int) -> list[list[int]]:
     """`count` distinct 240-token prompts (no prefix shared: each takes its own 15 blocks)."""
     return [[7 + i, *(ids * 200)][:240] for i in range(count)]
@@ -79,19 +91,7 @@ def test_a_burst_of_long_prompts_shrinks_resident_adapters_and_they_come_back(
     page = page_nbytes(shapes, 8, ("q_proj", "v_proj"), torch.float32)
     tables = pool_nbytes(shapes, 4, 8, ("q_proj", "v_proj"), torch.float32, num_pages=0)
     monkeypatch.setattr(lora_setup, "CPU_POOL_BYTES", 2 * page + tables)
-    engine = sync_engine(
-        server_args(
-            tiny_llama_path,
-            small_adapters,
-            lora_memory="unified",
-            max_gpu_loras=4,
-            max_loras_per_batch=None,
-            lora_target_modules=("q_proj", "v_proj"),
-            max_total_tokens=1024,
-            chunked_prefill_size=256,
-            max_num_batched_tokens=256,
-        )
-    )
+    engine = sync_engine(server_args(tiny_llama_path, small_adapters, lora_memory="unified", **BURST_FLAGS))
     manager, pool, blocks = engine.adapter_slots, engine.adapter_slots.pool, engine.block_manager
     assert pool.guaranteed_pages == 2 and pool.slots == 4
     names = list(small_adapters)
@@ -106,25 +106,18 @@ def test_a_burst_of_long_prompts_shrinks_resident_adapters_and_they_come_back(
     assert all(len(t) == 4 for t in burst), "every long prompt completes"
     assert manager.num_reclaims > 0 and blocks.num_reclaims > 0
     assert manager.slots_used() < 4
+    # the cache had all it had beside a separate pool: the same tokens, no more preemptions
+    separate = sync_engine(server_args(tiny_llama_path, small_adapters, **BURST_FLAGS))
+    generate(separate, short, names, n=8)
+    assert generate(separate, long_prompts(short[3], 4), [None] * 4, n=4) == burst
+    assert engine.scheduler.num_preemptions == separate.scheduler.num_preemptions == 0
     # the burst is over: the adapters come back, with the same tokens
     assert generate(engine, short, names, n=8) == before
     assert manager.slots_used() == 4 and pool.pages_in_use == 4
 
 
 def test_an_adapter_computing_is_never_reclaimed(tiny_llama_path, small_adapters, monkeypatch):
-    engine = sync_engine(
-        server_args(
-            tiny_llama_path,
-            small_adapters,
-            lora_memory="unified",
-            max_gpu_loras=4,
-            max_loras_per_batch=None,
-            lora_target_modules=("q_proj", "v_proj"),
-            max_total_tokens=1024,
-            chunked_prefill_size=256,
-            max_num_batched_tokens=256,
-        )
-    )
+    engine = sync_engine(server_args(tiny_llama_path, small_adapters, lora_memory="unified", **BURST_FLAGS))
     manager = engine.adapter_slots
     evict = manager._evict
     evicted_busy: list[str] = []
@@ -143,3 +136,15 @@ def test_an_adapter_computing_is_never_reclaimed(tiny_llama_path, small_adapters
     out = generate(engine, [short[0], *long_prompts(short[3], 4)], [names[0], None, None, None, None], n=24)
     assert manager.num_reclaims > 0 and not evicted_busy
     assert out[0][:4] == generate(engine, [short[0]], [names[0]], n=4)[0]
+
+
+def test_triton_backend_over_pages_in_the_kv_cache_gives_the_separate_pools_tokens(
+    tiny_llama_path, adapter_factory
+):
+    """The Triton kernels read the pages through the KV cache's strides (interpreter, child process)."""
+    adapters = make_adapters(adapter_factory, tiny_llama_path, "e2e-tiny")
+    script = str(REPO / "tests" / "support" / "unified_memory_check.py")
+    argv = [script, str(tiny_llama_path), *(f"{n}={p}" for n, p in adapters.items())]
+    out = run_child(argv, env=child_env(interpret=True), timeout=600).stdout
+    lines = out.strip().splitlines()
+    assert len(lines) == len(PROMPTS) and all(line.startswith("ok ") for line in lines), out
