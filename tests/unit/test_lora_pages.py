@@ -180,3 +180,32 @@ def test_kv_reclaim_takes_idle_adapters_least_recently_used_never_a_computing_on
     m.reclaim_blocks(100)
     assert m._active["big"].slot == -1 and m._active["s0"].slot >= 0, "a computing adapter stays"
     assert m.reclaimable_blocks() == 0 and m.num_reclaims == 2 and pool.pages_in_use == 1
+
+
+def test_a_resident_adapter_waiting_for_the_share_is_served_by_a_drain(tiny_llama_path, paged_adapters):
+    """Pages in the KV cache (--lora-memory unified): computing adapters hold at most the pool's share.
+    A resident adapter over it waits in the slot queue, and aged waiters drain a busy slot for it."""
+    clock = StepClock()
+    pool = AdapterPool(
+        ModelShapes.from_model_dir(tiny_llama_path),
+        slots=4,
+        max_rank=16,
+        target_modules=ALL_MODULES,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    pool.guaranteed_pages = 2  # the share: one rank-8 adapter computing beside... one more page
+    m = LoRAManager(pool, clock=clock, slot_wait_s=1.0, min_resident_s=0.0)
+    for name, path in paged_adapters.items():
+        m.load_adapter(name, path)
+    assert m.acquire("s1") is not None
+    m.release("s1")  # resident, idle
+    assert m.acquire("big") is not None  # 2 pages computing: the share is full
+    assert m.acquire("s1") is None and "s1" in m.slot_queue(), "over the share: it waits in the queue"
+    assert m._active["s1"].slot >= 0, "it stays resident meanwhile"
+    assert not m.yielding()
+    clock.now += 2.0  # aged: a busy slot drains for it
+    m.note_queued({"s1": 1})
+    assert m.yielding() == frozenset({"big"})
+    m.suspend("big")
+    assert m.acquire("s1") is not None and "s1" not in m.slot_queue()

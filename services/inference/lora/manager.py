@@ -407,7 +407,13 @@ class LoRAManager(AdapterSlots):
                     f"adapter {name!r} could not be re-read from {version.source}", adapter=name
                 )
         if version.refs == 0 and not self._within_share(version):
-            return False  # computing adapters would hold more than the pool's share: wait a step
+            # Computing adapters would hold more than the pool's share: wait in the slot queue like an
+            # adapter with no slot, so aged waiters drain busy slots for it (no starvation).
+            self._waiting.setdefault(name, self._clock())
+            self._rebalance()
+            return False
+        if name in self._waiting and version.slot >= 0:
+            self._waiting.pop(name)
         return version.slot not in self._draining and self.pool.ready(version.slot)
 
     def _within_share(self, version: _Version) -> bool:
@@ -563,6 +569,13 @@ class LoRAManager(AdapterSlots):
             name = self._next_waiter()
             version = self._version_of(name)
             retiring_idle = version is not None and version is self._retiring.get(name) and not version.held
+            if (
+                version is not None
+                and version.slot >= 0
+                and not version.refs
+                and not self._within_share(version)
+            ):
+                break  # resident, waiting for the share (unified memory): only a drain helps it
             if version is None or version.slot >= 0 or retiring_idle:
                 self._waiting.pop(name)
                 continue
