@@ -12,7 +12,7 @@ import torch
 
 from loraplex.kernels.lora_configs import ExpandConfig, ShrinkConfig
 from loraplex.kernels.lora_plan import GroupLaunch
-from loraplex.services.inference.lora.pool import page_rows, pages_for_rank
+from loraplex.services.inference.lora.pool_layout import page_rows, pages_for_rank
 
 # group -> (input width d, stacked output widths): Llama-3.1-8B, GQA k/v = 8 heads x 128.
 GROUPS: dict[str, tuple[int, tuple[int, ...]]] = {

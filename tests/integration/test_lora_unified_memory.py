@@ -15,7 +15,7 @@ import torch
 from loraplex.services.inference.engine.types import SamplingParams
 from loraplex.services.inference.engine.unified_blocks import UnifiedBlocks
 from loraplex.services.inference.lora import setup as lora_setup
-from loraplex.services.inference.lora.pool import page_nbytes, pool_nbytes
+from loraplex.services.inference.lora.pool_layout import page_nbytes, pool_nbytes
 from loraplex.services.inference.lora.shapes import ModelShapes
 from tests.support.child import REPO, child_env, run_child
 from tests.support.lora_reference import (

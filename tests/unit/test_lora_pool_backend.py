@@ -10,7 +10,8 @@ import torch
 from loraplex.services.inference.lora.adapter import AdapterWeights
 from loraplex.services.inference.lora.backend import GROUPS
 from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA
-from loraplex.services.inference.lora.pool import PAGE_ROWS, AdapterPool, pool_nbytes
+from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.pool_layout import PAGE_ROWS, pool_nbytes
 from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
 from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
 

@@ -9,7 +9,7 @@ import torch
 
 from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
-from loraplex.services.inference.lora.unified import fit_page, kv_chunk_bytes, page_views
+from loraplex.services.inference.lora.unified import fit_page, kv_chunk_bytes, page_views, part_bytes
 from tests.unit.test_lora_pages import check_backend
 from tests.unit.test_lora_pool_backend import SHAPES, random_adapter
 
@@ -31,25 +31,12 @@ def test_llama_8b_rank_page_fits_in_few_kv_blocks(kv_dtype, modules, blocks):
     fit = fit_page(LLAMA_8B, 64, modules, torch.bfloat16, chunk)
     assert fit.blocks == blocks and fit.waste < 0.08
     # the parts never overlap and stay inside their half of the run
-    spans = sorted(
-        (half, off, off + size) for (half, off), size in zip(fit.parts.values(), _sizes(fit), strict=True)
-    )
+    sizes = part_bytes(LLAMA_8B, 64, modules, torch.bfloat16)
+    spans = sorted((half, off, off + sizes[key]) for key, (half, off) in fit.parts.items())
     for (h0, _, end0), (h1, start1, _) in zip(spans, spans[1:], strict=False):
         assert h0 != h1 or end0 <= start1
     assert all(end <= fit.blocks * chunk for _, _, end in spans)
-
-
-def _sizes(fit):
-    from loraplex.services.inference.lora.unified import part_bytes
-
-    sizes = part_bytes(LLAMA_8B, 64, [m for (g, _) in fit.parts for m in _modules(g)], torch.bfloat16)
-    return [sizes[key] for key in fit.parts]
-
-
-def _modules(group):
-    from loraplex.services.inference.lora.backend import GROUPS
-
-    return GROUPS[group]
+    assert sum(sizes.values()) == fit.page_bytes
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])

@@ -26,7 +26,8 @@ from loraplex.services.inference.engine.block_manager import BlockManager
 from loraplex.services.inference.engine.config import EngineConfig
 from loraplex.services.inference.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from loraplex.services.inference.engine.loading import LoadedModel
-from loraplex.services.inference.lora.pool import AdapterPool, default_pages
+from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.pool_layout import default_pages
 from loraplex.services.inference.lora.unified import fit_page, kv_chunk_bytes, page_views
 
 log = logging.getLogger(__name__)

@@ -28,8 +28,8 @@ from loraplex.services.inference.lora.expert_lora import ExpertLoRA, ExpertLoRAP
 from loraplex.services.inference.lora.expert_lora_graph import GraphExpertLoRA
 from loraplex.services.inference.lora.expert_targets import resolve_expert_targets
 from loraplex.services.inference.lora.manager import LoRAManager
-from loraplex.services.inference.lora.pool import (
-    AdapterPool,
+from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.pool_layout import (
     default_pages,
     page_nbytes,
     pages_for_rank,

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from loraplex.services.inference.lora.backend import GROUPS
-from loraplex.services.inference.lora.pool import AdapterPool, allocated_groups, page_rows
+from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.pool_layout import allocated_groups, page_rows
 from loraplex.services.inference.lora.shapes import ModelShapes
 
 if TYPE_CHECKING:
