@@ -76,10 +76,14 @@ def lora_fns(copy: dict, segs, sc: dict, launches: dict) -> list:
     for g, (_, widths) in GROUPS.items():
         c, launch = copy[g], launches[g]
         y = torch.zeros(launch.splits, sc["tokens"], len(widths) * sc["rank"], device=DEVICE)
-        fns.append(lambda c=c, y=y, launch=launch: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, launch))
+        fns.append(
+            lambda c=c, y=y, launch=launch: lora_shrink(
+                c["x"], c["A"], c["ranks"], c["pages"], segs, y, launch
+            )
+        )
         fns.append(
             lambda c=c, y=y, w=widths, launch=launch: lora_expand(
-                y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, launch
+                y, c["B"], c["ranks"], c["scal"], c["pages"], segs, c["out"], w, launch
             )
         )
     return fns
@@ -92,11 +96,11 @@ def lora_check(copy: dict, segs, sc: dict, launches: dict) -> float:
         p, launch = copy[g], launches[g]
         y = torch.full((launch.splits, sc["tokens"], len(widths) * sc["rank"]), float("nan"), device=DEVICE)
         y_ref = torch.full_like(y, float("nan"))
-        lora_shrink(p["x"], p["A"], p["ranks"], segs, y, launch)
-        lora_shrink_ref(p["x"], p["A"], p["ranks"], segs, y_ref)
+        lora_shrink(p["x"], p["A"], p["ranks"], p["pages"], segs, y, launch)
+        lora_shrink_ref(p["x"], p["A"], p["ranks"], p["pages"], segs, y_ref)
         out, out_ref = p["out"].clone(), p["out"].clone()
-        lora_expand(y, p["B"], p["ranks"], p["scal"], segs, out, widths, launch)
-        lora_expand_ref(y_ref, p["B"], p["ranks"], p["scal"], segs, out_ref, widths)
+        lora_expand(y, p["B"], p["ranks"], p["scal"], p["pages"], segs, out, widths, launch)
+        lora_expand_ref(y_ref, p["B"], p["ranks"], p["scal"], p["pages"], segs, out_ref, widths)
         delta, delta_ref = out.float() - p["out"].float(), out_ref.float() - p["out"].float()
         err = ((delta - delta_ref).norm() / delta_ref.norm()).item()
         worst = max(worst, err if err == err else float("inf"))  # NaN: unwritten rows

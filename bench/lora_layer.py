@@ -12,6 +12,7 @@ import torch
 
 from loraplex.kernels.lora_configs import ExpandConfig, ShrinkConfig
 from loraplex.kernels.lora_plan import GroupLaunch
+from loraplex.services.inference.lora.pool_layout import page_rows, pages_for_rank
 
 # group -> (input width d, stacked output widths): Llama-3.1-8B, GQA k/v = 8 heads x 128.
 GROUPS: dict[str, tuple[int, tuple[int, ...]]] = {
@@ -50,15 +51,19 @@ def floor_of(sc: dict, group: str, kernel: str, bw: float, rate: float) -> tuple
 def make_copies(sc: dict, bytes_per_copy: float) -> list[dict]:
     copies = max(2, min(64, int(4 * L2_BYTES / bytes_per_copy) + 1))
     a, r, T = sc["distinct"], sc["rank"], sc["tokens"]
+    P, pp = page_rows(r), pages_for_rank(r, r)
     out = []
     for _ in range(copies):
         c = {}
+        # The pool's paged layout (services/inference/lora/pool.py), each adapter's pages scattered.
+        pages = torch.randperm(a * pp, device=DEVICE).view(a, pp).to(torch.int32)
         for g, (d, widths) in GROUPS.items():
             n = len(widths)
             c[g] = dict(
                 x=torch.randn(T, d, device=DEVICE, dtype=DT),
-                A=(torch.randn(a, n * r, d, device=DEVICE) * d**-0.5).to(DT),
-                B=(torch.randn(a, sum(widths), r, device=DEVICE) * r**-0.5).to(DT),
+                A=(torch.randn(a * pp, n * P, d, device=DEVICE) * d**-0.5).to(DT),
+                B=(torch.randn(a * pp, P, sum(widths), device=DEVICE) * r**-0.5).to(DT),
+                pages=pages,
                 ranks=torch.full((a, n), r, dtype=torch.int32, device=DEVICE),
                 scal=torch.full((a, n), 2.0, dtype=torch.float32, device=DEVICE),
                 out=torch.randn(T, sum(widths), device=DEVICE, dtype=DT),

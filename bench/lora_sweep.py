@@ -80,7 +80,11 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
             y = torch.zeros(S, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
             launch = launch_of(sc, cfg, S, e_vars[0])
             fns = [
-                (lambda c=c[g], y=y, launch=launch: lora_shrink(c["x"], c["A"], c["ranks"], segs, y, launch))
+                (
+                    lambda c=c[g], y=y, launch=launch: lora_shrink(
+                        c["x"], c["A"], c["ranks"], c["pages"], segs, y, launch
+                    )
+                )
                 for c in copies
             ]
             timed_s.append((_time_or_inf(fns), cfg, S))
@@ -97,7 +101,15 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
         us_s, cfg_s, S_best = min(timed_s, key=lambda t: t[0])
         y = torch.zeros(S_best, T, len(widths) * r, device=DEVICE, dtype=torch.float32)
         launch = launch_of(sc, cfg_s, S_best, e_vars[0])
-        lora_shrink(copies[0][g]["x"], copies[0][g]["A"], copies[0][g]["ranks"], segs, y, launch)
+        lora_shrink(
+            copies[0][g]["x"],
+            copies[0][g]["A"],
+            copies[0][g]["ranks"],
+            copies[0][g]["pages"],
+            segs,
+            y,
+            launch,
+        )
         timed_e = []
         e_key = (sum(widths), len(widths))  # o and down share one EXPAND_TABLE entry: sweep it once
         if e_key in swept_e:
@@ -106,7 +118,7 @@ def sweep(sc: dict) -> tuple[dict, list[dict]]:
             fns = [
                 (
                     lambda c=c[g], launch=launch._replace(expand=cfg), w=widths, y=y: lora_expand(
-                        y, c["B"], c["ranks"], c["scal"], segs, c["out"], w, launch
+                        y, c["B"], c["ranks"], c["scal"], c["pages"], segs, c["out"], w, launch
                     )
                 )
                 for c in copies
@@ -163,7 +175,7 @@ def joint_sweep(scs: list[dict]) -> tuple[dict, list[dict]]:
             fns = [
                 (
                     lambda c=c[g], launch=launch, segs=segs: lora_shrink(
-                        c["x"], c["A"], c["ranks"], segs, y, launch
+                        c["x"], c["A"], c["ranks"], c["pages"], segs, y, launch
                     )
                 )
                 for c in copies
@@ -190,7 +202,7 @@ def joint_sweep(scs: list[dict]) -> tuple[dict, list[dict]]:
             fns = [
                 (
                     lambda c=c[g], launch=launch, segs=segs: lora_expand(
-                        y, c["B"], c["ranks"], c["scal"], segs, c["out"], widths, launch
+                        y, c["B"], c["ranks"], c["scal"], c["pages"], segs, c["out"], widths, launch
                     )
                 )
                 for c in copies

@@ -81,16 +81,35 @@ QKV_STORE = dict(QKV_LLAMA_8B, HAS_DELTA=False, QK_NORM=False, UNIT_OFFSET=False
 KERNELS = {
     "shrink": (
         _shrink_kernel,
-        dict(COMMON, R_BLOCKS=1, STRIDE_BLOCK_TOKENS=128, EVEN_K=True, PDL=False, BLOCK_R=16, BLOCK_K=256),
+        dict(
+            COMMON,
+            R_BLOCKS=1,
+            PAGE=8,
+            STRIDE_BLOCK_TOKENS=128,
+            EVEN_K=True,
+            PDL=False,
+            BLOCK_R=16,
+            BLOCK_K=256,
+        ),
     ),
     "shrink_pdl": (  # programmatic dependent launch (compute capability >= 9): the grid-dependency wait
         _shrink_kernel,
-        dict(COMMON, R_BLOCKS=1, STRIDE_BLOCK_TOKENS=128, EVEN_K=False, PDL=True, BLOCK_R=16, BLOCK_K=128),
+        dict(
+            COMMON,
+            R_BLOCKS=1,
+            PAGE=8,
+            STRIDE_BLOCK_TOKENS=128,
+            EVEN_K=False,
+            PDL=True,
+            BLOCK_R=16,
+            BLOCK_K=128,
+        ),
     ),
     "expand_accumulate": (
         _expand_kernel,
         dict(
             COMMON,
+            PAGE=8,
             N_SPLITS=2,
             STRIDE_BLOCK_TOKENS=128,
             EVEN_N=True,
@@ -104,6 +123,7 @@ KERNELS = {
         _expand_kernel,
         dict(
             COMMON,
+            PAGE=8,
             N_SPLITS=1,
             STRIDE_BLOCK_TOKENS=128,
             EVEN_N=False,
@@ -115,11 +135,11 @@ KERNELS = {
     ),
     "expand_token_delta": (
         _expand_token_kernel,
-        dict(N_SPLITS=8, EVEN_N=True, ACCUMULATE=False, PDL=True, BLOCK_N=128, BLOCK_R=16),
+        dict(PAGE=8, N_SPLITS=8, EVEN_N=True, ACCUMULATE=False, PDL=True, BLOCK_N=128, BLOCK_R=16),
     ),
     "expand_token_accumulate": (
         _expand_token_kernel,
-        dict(N_SPLITS=1, EVEN_N=False, ACCUMULATE=True, PDL=False, BLOCK_N=64, BLOCK_R=64),
+        dict(PAGE=8, N_SPLITS=1, EVEN_N=False, ACCUMULATE=True, PDL=False, BLOCK_N=64, BLOCK_R=64),
     ),
     "add_rms_norm_delta": (_add_rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_DELTA=True, QUANT=False)),
     "silu_mul_delta": (_silu_mul_kernel, dict(N=14336, BLOCK=1024, HAS_DELTA=True, QUANT=False)),

@@ -24,6 +24,7 @@ from loraplex.kernels.lora_meta import (
     num_blocks_bound,
     triton_build_fits,
 )
+from loraplex.kernels.lora_pages import page_a, page_b
 from loraplex.kernels.lora_plan import GroupShape, plan_group
 from loraplex.kernels.lora_shrink import alloc_shrink_out, lora_shrink, lora_shrink_ref, shrink_out_view
 
@@ -39,6 +40,8 @@ class Case(NamedTuple):
     splits: int | None = None  # None: the table's choice (the step plan's)
     slot_pattern: str = "random"  # random | one_big | none | distinct (one token per slot)
     per_token: bool = False  # expand with one program per token (ExpandConfig.per_token)
+    page_rows: int = 8  # rank rows per page of the pool (services/inference/lora/pool.py PAGE_ROWS)
+    page_gap: int = 0  # NaN rows between pages (pages as views of bigger blocks: lora/unified.py)
 
 
 class CaseResult(NamedTuple):
@@ -113,6 +116,40 @@ SEGMENT_CASES: dict[str, tuple[list[int], int]] = {
 }
 
 
+def paged_pool(
+    A: torch.Tensor,
+    B: torch.Tensor,
+    ranks: tuple[tuple[int, ...], ...],
+    page_rows: int,
+    gen: torch.Generator,
+    gap: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-slot A `[slots, n*R, d]` / B `[slots, W, R]` spread over pages as the pool keeps them: each
+    slot owns the pages of its own largest rank only, in a shuffled order with free pages between
+    (NaN: a kernel reading a page its slot does not own, or a row past the rank, shows in the result);
+    the page table's entries past a slot's pages are 0, as in the pool."""
+    slots, R = A.shape[0], B.shape[2]
+    own = [-(-max(r) // page_rows) for r in ranks]
+    num_pages = sum(own) + 3
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    table = torch.zeros(slots, -(-R // page_rows), dtype=torch.int32)
+    for s in range(slots):
+        table[s, : own[s]] = torch.tensor(order[sum(own[:s]) : sum(own[: s + 1])], dtype=torch.int32)
+    table = table.to(A.device)
+    n_stack = len(ranks[0])
+    a, b = page_a(A, table, own, n_stack, num_pages, page_rows), page_b(B, table, own, num_pages, page_rows)
+    if gap:  # each page a view at the head of a bigger NaN block: the page stride is not the page size
+        a_big = torch.full(
+            (num_pages, a.shape[1] + gap, a.shape[2]), float("nan"), dtype=a.dtype, device=a.device
+        )
+        b_big = torch.full(
+            (num_pages, b.shape[1] + gap, b.shape[2]), float("nan"), dtype=b.dtype, device=b.device
+        )
+        a_big[:, : a.shape[1]], b_big[:, : b.shape[1]] = a, b
+        a, b = a_big[:, : a.shape[1]], b_big[:, : b.shape[1]]
+    return a, b, table
+
+
 def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, case.dtype)
@@ -123,8 +160,9 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
         return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
 
     x = rand(case.num_tokens, case.d)
-    A = rand(num_slots, n * R, case.d, scale=case.d**-0.5)
-    B = rand(num_slots, sum(case.widths), R, scale=R**-0.5)
+    A_dense = rand(num_slots, n * R, case.d, scale=case.d**-0.5)
+    B_dense = rand(num_slots, sum(case.widths), R, scale=R**-0.5)
+    A, B, pages = paged_pool(A_dense, B_dense, case.ranks, case.page_rows, gen, case.page_gap)
     ranks = torch.tensor(case.ranks, dtype=torch.int32, device=device)
     scalings = (torch.rand(num_slots, n, generator=gen) + 0.5).to(device)
     slots = _token_slots(case, num_slots, gen).to(device)
@@ -141,8 +179,8 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
         y = torch.empty(case.splits, case.num_tokens, n * R, dtype=torch.float32, device=device)
     y.fill_(float("nan"))  # poison: unwritten entries stay NaN
     y_ref = torch.full_like(y, float("nan"))
-    lora_shrink(x, A, ranks, segs, y, launch)
-    lora_shrink_ref(x, A, ranks, segs, y_ref)
+    lora_shrink(x, A, ranks, pages, segs, y, launch)
+    lora_shrink_ref(x, A, ranks, pages, segs, y_ref)
     ys, ys_ref = y.sum(0), y_ref.sum(0)
     written = bool(torch.equal(ys.isnan(), ys_ref.isnan()))
     valid = ~ys_ref.isnan()
@@ -150,8 +188,8 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
 
     out0 = rand(case.num_tokens, sum(case.widths))
     out, out_ref = out0.clone(), out0.clone()
-    lora_expand(y, B, ranks, scalings, segs, out, case.widths, launch)
-    lora_expand_ref(y_ref, B, ranks, scalings, segs, out_ref, case.widths)
+    lora_expand(y, B, ranks, scalings, pages, segs, out, case.widths, launch)
+    lora_expand_ref(y_ref, B, ranks, scalings, pages, segs, out_ref, case.widths)
     no_adapter = slots < 0
     untouched = bool(torch.equal(out[no_adapter], out0[no_adapter]))
     # Compare the deltas: the base output would otherwise dwarf the error.
@@ -161,8 +199,8 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     # Delta mode (the LoRA side stream): poisoned float32 buffer, adapter rows written in full.
     delta = torch.full((case.num_tokens, sum(case.widths)), float("nan"), device=device)
     delta_ref = delta.clone()
-    lora_expand(y, B, ranks, scalings, segs, delta, case.widths, launch, accumulate=False)
-    lora_expand_ref(y_ref, B, ranks, scalings, segs, delta_ref, case.widths, accumulate=False)
+    lora_expand(y, B, ranks, scalings, pages, segs, delta, case.widths, launch, accumulate=False)
+    lora_expand_ref(y_ref, B, ranks, scalings, pages, segs, delta_ref, case.widths, accumulate=False)
     has = ~no_adapter
     delta_err = _rel(delta[has], delta_ref[has]) if bool(has.any()) else 0.0
     adds_up = bool(torch.equal((out0[has].float() + delta[has]).to(dtype), out[has]))
@@ -172,8 +210,8 @@ def run_case(case: Case, device: str = "cpu", seed: int = 0) -> CaseResult:
     distinct = len({int(v) for v in slots.tolist() if v >= 0})
     y_t, out_t = torch.full_like(y, float("nan")), out0.clone()
     tight = launch._replace(distinct_bound=distinct)
-    lora_shrink(x, A, ranks, segs, y_t, tight)
-    lora_expand(y_t, B, ranks, scalings, segs, out_t, case.widths, tight)
+    lora_shrink(x, A, ranks, pages, segs, y_t, tight)
+    lora_expand(y_t, B, ranks, scalings, pages, segs, out_t, case.widths, tight)
     tight_equal = bool(torch.equal(out_t, out))
     return CaseResult(
         case.name,
@@ -211,6 +249,31 @@ CASES: tuple[Case, ...] = (
     Case("thousands_tokens_fp32", 2048, 24, (20,), 8, ((8,), (1,), (4,)), "float32"),
     Case("even_tiles_fp16", 9, 512, (256, 256), 16, ((16, 3), (0, 9), (12, 16)), "float16"),
     Case("rank_not_multiple_of_8_pool_fp32", 7, 48, (24, 40), 12, ((12, 5), (3, 12)), "float32"),
+    # Any page size works: pages of 4 rows (a rank block spans pages) and of 16 (pages span rank blocks)
+    Case("pages_of_4_fp32", 37, 200, (48, 16, 16), 16, R4, "float32", splits=2, page_rows=4),
+    Case(
+        "pages_of_16_mixed_ranks_fp32",
+        20,
+        72,
+        (96, 96),
+        64,
+        ((64, 64), (4, 0), (0, 16), (1, 40)),
+        "float32",
+        page_rows=16,
+    ),
+    Case("pages_in_bigger_blocks_fp32", 37, 200, (48, 16, 16), 16, R4, "float32", splits=2, page_gap=5),
+    Case(
+        "per_token_pages_in_bigger_blocks_fp16",
+        20,
+        72,
+        (96, 96),
+        64,
+        ((64, 64), (4, 0), (0, 16), (1, 64)),
+        "float16",
+        per_token=True,
+        page_gap=3,
+    ),
+    Case("per_token_pages_of_4_fp32", 37, 200, (48, 16, 16), 16, R4, "float32", per_token=True, page_rows=4),
     Case("no_adapter_tokens_fp32", 12, 40, (16, 8), 8, ((8, 8),), "float32", slot_pattern="none"),
     Case(
         "token_per_adapter_fp32",

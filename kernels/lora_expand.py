@@ -1,4 +1,8 @@
-"""LoRA expand: `out[t, off_i : off_i+w_i] += scale[s,i] * y[t, i*R : i*R+r] @ B[s, off_i : off_i+w_i, :r]^T`.
+"""LoRA expand: `out[t, off_i : off_i+w_i] += scale[s,i] * y[t, i*R : i*R+r] @ B_s[:r, off_i : off_i+w_i]`.
+
+`B_s` is read through the pool's page table (services/inference/lora/pool.py): rank row `j` of slot
+`s` is row `j % P` of page `pages[s, j // P]` of `B` `[pages, P, sum(w)]`, contiguous along the output
+width. A program gathers its rank rows' page ids once, before its column loop.
 
 One launch covers a whole mixed batch and all `n` stacked modules of a group; the stacks
 may have different widths (q/k/v with GQA: q wider than k and v). Programs are (output
@@ -36,6 +40,7 @@ import triton.language as tl
 
 from loraplex.kernels.lora_expand_token import _expand_token_kernel
 from loraplex.kernels.lora_meta import LoRASegments, num_blocks_bound
+from loraplex.kernels.lora_pages import unpage_b
 from loraplex.kernels.lora_plan import GroupLaunch
 from loraplex.kernels.lora_tiles import _b_tile, _chunk_lora, _put_tile
 from loraplex.kernels.placement import pdl_launch
@@ -54,6 +59,7 @@ def _expand_kernel(
     scal_ptr,
     block_slot_ptr,
     block_tokens_ptr,
+    pages_ptr,
     max_rank,
     width0,
     width1,
@@ -64,7 +70,7 @@ def _expand_kernel(
     stride_y_split,
     stride_y_token,
     stride_y_col,
-    stride_b_slot,
+    stride_b_page,
     stride_b_out,
     stride_b_rank,
     stride_out_token,
@@ -73,6 +79,8 @@ def _expand_kernel(
     stride_ranks_stack,
     stride_scal_slot,
     stride_scal_stack,
+    stride_pages_slot,
+    PAGE: tl.constexpr,
     N_SPLITS: tl.constexpr,
     STRIDE_BLOCK_TOKENS: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -123,7 +131,9 @@ def _expand_kernel(
     k_real = offs_k < rank
     n_begin = chunk * chunk_n
     n_end = tl.minimum(n_begin + chunk_n, width)
-    b_base = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_k[:, None] * stride_b_rank
+    page = tl.load(pages_ptr + slot * stride_pages_slot + offs_k // PAGE, mask=k_load, other=0)
+    b_rows = page.to(tl.int64) * stride_b_page + (offs_k % PAGE).to(tl.int64) * stride_b_rank
+    b_base = b_ptr + b_rows[:, None]
     # The first B tile before `y`: under programmatic dependent launch (PDL) this program may start
     # while the shrink still runs, and B, the ranks and the step's segments were all written before it.
     bt, cols, n_mask = _b_tile(b_base, col0, n_begin, n_end, k_load, k_real, stride_b_out, EVEN_N, BLOCK_N)
@@ -150,8 +160,10 @@ def _expand_kernel(
 def _check_widths(widths: tuple[int, ...], ranks: torch.Tensor, B: torch.Tensor, out: torch.Tensor) -> None:
     if not 1 <= len(widths) <= MAX_STACK or len(widths) != ranks.shape[1]:
         raise ValueError(f"widths {widths} must have 1..{MAX_STACK} entries, one per stacked module")
-    if sum(widths) != B.shape[1] or sum(widths) != out.shape[1]:
-        raise ValueError(f"widths {widths} sum to {sum(widths)}; B has {B.shape[1]}, out {out.shape[1]} rows")
+    if sum(widths) != B.shape[2] or sum(widths) != out.shape[1]:
+        raise ValueError(
+            f"widths {widths} sum to {sum(widths)}; B has {B.shape[2]}, out {out.shape[1]} columns"
+        )
 
 
 class ColumnChunks(NamedTuple):
@@ -172,6 +184,7 @@ def lora_expand(
     B: torch.Tensor,
     ranks: torch.Tensor,
     scalings: torch.Tensor,
+    pages: torch.Tensor,
     segs: LoRASegments,
     out: torch.Tensor,
     widths: tuple[int, ...],
@@ -181,7 +194,8 @@ def lora_expand(
     """Triton expand (in place on `out`); see the module docstring. Returns `out`.
 
     y: float32 `[launch.splits, T, n*R]` from `lora_shrink` (or `[T, n*R]` with one split);
-    B: `[slots, sum(widths), R]`; ranks: int32 `[slots, n]`; scalings: float32 `[slots, n]`;
+    B: `[pages, P, sum(widths)]` (one layer's view of the pool's pages); ranks: int32 `[slots, n]`;
+    scalings: float32 `[slots, n]`; pages: int32 `[slots, ceil(R/P)]`, the pool's page table;
     out: `[T, sum(widths)]` (float32 when `accumulate=False`: it receives the delta instead of
     having it added). launch: the group's entry of the step's plan (`loraplex.kernels.lora_plan`): the
     K-split partials to add, block sizes (`launch.expand`) and the distinct-slot bound that sizes
@@ -194,7 +208,7 @@ def lora_expand(
     num_tokens = out.shape[0]
     if num_tokens == 0:
         return out
-    max_rank = B.shape[2]
+    max_rank = y3.shape[2] // ranks.shape[1]
     cfg = launch.expand
     w, chunk_n, n_chunks = column_chunks(widths, cfg.chunk_n, cfg.block_n)
     # Arguments after the slot metadata, the same for both kernels.
@@ -210,17 +224,19 @@ def lora_expand(
         y3.stride(1),
         y3.stride(2),
         B.stride(0),
-        B.stride(1),
         B.stride(2),
+        B.stride(1),
         out.stride(0),
         out.stride(1),
         ranks.stride(0),
         ranks.stride(1),
         scalings.stride(0),
         scalings.stride(1),
+        pages.stride(0),
     )
     pdl = pdl_launch(out)
     common = dict(
+        PAGE=B.shape[1],
         N_SPLITS=launch.splits,
         EVEN_N=all(wi % cfg.block_n == 0 for wi in widths),
         ACCUMULATE=accumulate,
@@ -233,7 +249,7 @@ def lora_expand(
     )
     if cfg.per_token:
         _expand_token_kernel[(sum(n_chunks), num_tokens)](
-            y3, B, out, ranks, scalings, segs.token_slots, *shape_args, **common
+            y3, B, out, ranks, scalings, segs.token_slots, pages, *shape_args, **common
         )
         return out
     bslot, btok = segs.blocks_for(cfg.block_m)
@@ -248,6 +264,7 @@ def lora_expand(
         scalings,
         bslot,
         btok,
+        pages,
         *shape_args,
         STRIDE_BLOCK_TOKENS=btok.stride(0),
         # fp32 must stay fp32 (tl.dot defaults to TF32 on GPU); 16-bit inputs ignore it.
@@ -263,16 +280,20 @@ def lora_expand_ref(
     B: torch.Tensor,
     ranks: torch.Tensor,
     scalings: torch.Tensor,
+    pages: torch.Tensor,
     segs: LoRASegments,
     out: torch.Tensor,
     widths: tuple[int, ...],
     accumulate: bool = True,
 ) -> torch.Tensor:
-    """Torch reference with the same contract as `lora_expand` (float32 math, host loop over slots)."""
+    """Torch reference with the same contract as `lora_expand` (float32 math, host loop over slots;
+    the pages gathered back into each slot's `[W, R]` first: `kernels/lora_pages.py`)."""
     _check_widths(widths, ranks, B, out)
     num_tokens = out.shape[0]
-    num_slots, _, max_rank = B.shape
     y3 = y.unsqueeze(0) if y.dim() == 2 else y
+    max_rank = y3.shape[2] // ranks.shape[1]
+    B = unpage_b(B, pages, max_rank)
+    num_slots = B.shape[0]
     slots = segs.token_slots[:num_tokens].to(torch.int64)
     rank_list = ranks.tolist()
     for s in range(num_slots):

@@ -19,6 +19,7 @@ def _expand_token_kernel(
     ranks_ptr,
     scal_ptr,
     slots_ptr,
+    pages_ptr,
     max_rank,
     width0,
     width1,
@@ -29,7 +30,7 @@ def _expand_token_kernel(
     stride_y_split,
     stride_y_token,
     stride_y_col,
-    stride_b_slot,
+    stride_b_page,
     stride_b_out,
     stride_b_rank,
     stride_out_token,
@@ -38,6 +39,8 @@ def _expand_token_kernel(
     stride_ranks_stack,
     stride_scal_slot,
     stride_scal_stack,
+    stride_pages_slot,
+    PAGE: tl.constexpr,
     N_SPLITS: tl.constexpr,
     EVEN_N: tl.constexpr,
     ACCUMULATE: tl.constexpr,
@@ -79,7 +82,10 @@ def _expand_token_kernel(
     k_real = offs_k < rank
     n_begin = chunk * chunk_n
     n_end = tl.minimum(n_begin + chunk_n, width)
-    b_base = b_ptr + slot.to(tl.int64) * stride_b_slot + offs_k[None, :] * stride_b_rank
+    # Each rank row's page (the pool's page table), gathered once before the column loop.
+    page = tl.load(pages_ptr + slot * stride_pages_slot + offs_k // PAGE, mask=k_load, other=0)
+    b_rows = page.to(tl.int64) * stride_b_page + (offs_k % PAGE).to(tl.int64) * stride_b_rank
+    b_base = b_ptr + b_rows[None, :]
     # The first B tile before `y`, as in `_expand_kernel`.
     bt, cols, n_mask = _b_row_tile(
         b_base, col0, n_begin, n_end, k_load, k_real, stride_b_out, EVEN_N, BLOCK_N

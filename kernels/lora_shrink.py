@@ -1,4 +1,9 @@
-"""LoRA shrink: `y[t, i*R : i*R+r] = x[t] @ A[s, i*R : i*R+r]^T` for every token's slot `s`.
+"""LoRA shrink: `y[t, i*R : i*R+r] = x[t] @ A_s,i[:r]^T` for every token's slot `s`.
+
+`A_s,i` is read through the pool's page table (services/inference/lora/pool.py): rank row `j` of
+stack `i` of slot `s` is row `i*P + j % P` of page `pages[s, j // P]` of `A` `[pages, n*P, d]`. Each
+program gathers the page ids of its rank block once (one int load per row); its K loop then reads
+whole rows, contiguous along `d`, as before.
 
 One launch covers a whole mixed batch (decode tokens and prefill segments) and all `n`
 stacked modules of a group (q/k/v: n=3, gate/up: n=2). Programs are (stack x rank block,
@@ -23,6 +28,7 @@ import triton.language as tl
 
 from loraplex.kernels.lora_configs import DECODE_MAX_TOKENS, SPLITS_TABLE, shrink_splits
 from loraplex.kernels.lora_meta import LoRASegments, num_blocks_bound
+from loraplex.kernels.lora_pages import unpage_a
 from loraplex.kernels.lora_plan import GroupLaunch
 from loraplex.kernels.lora_tiles import _shrink_acc
 from loraplex.kernels.placement import pdl_launch
@@ -36,6 +42,7 @@ def _shrink_kernel(
     a_ptr,
     y_ptr,
     ranks_ptr,
+    pages_ptr,
     block_slot_ptr,
     block_tokens_ptr,
     d,
@@ -43,7 +50,7 @@ def _shrink_kernel(
     k_per_split,
     stride_x_token,
     stride_x_in,
-    stride_a_slot,
+    stride_a_page,
     stride_a_row,
     stride_a_in,
     stride_y_split,
@@ -51,7 +58,9 @@ def _shrink_kernel(
     stride_y_col,
     stride_ranks_slot,
     stride_ranks_stack,
+    stride_pages_slot,
     R_BLOCKS: tl.constexpr,
+    PAGE: tl.constexpr,
     STRIDE_BLOCK_TOKENS: tl.constexpr,
     PRECISION: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -83,12 +92,15 @@ def _shrink_kernel(
     tok = tl.where(m_mask, tok, 0).to(tl.int64)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    rows = stack * max_rank + offs_r
+    rows = stack * max_rank + offs_r  # y's columns
+    # The page of each rank row (rows past the rank read page 0's entry: masked below).
+    page = tl.load(pages_ptr + slot * stride_pages_slot + offs_r // PAGE, mask=r_mask, other=0)
+    a_rows = page.to(tl.int64) * stride_a_page + (stack * PAGE + offs_r % PAGE).to(tl.int64) * stride_a_row
 
     k_begin = pid_k * k_per_split
     acc = _shrink_acc(
         x_ptr + tok[:, None] * stride_x_token,
-        a_ptr + slot.to(tl.int64) * stride_a_slot + rows[None, :].to(tl.int64) * stride_a_row,
+        a_ptr + a_rows[None, :],
         k_begin,
         tl.minimum(k_begin + k_per_split, d),
         m_mask,
@@ -154,23 +166,25 @@ def lora_shrink(
     x: torch.Tensor,
     A: torch.Tensor,
     ranks: torch.Tensor,
+    pages: torch.Tensor,
     segs: LoRASegments,
     y: torch.Tensor,
     launch: GroupLaunch,
 ) -> torch.Tensor:
     """Triton shrink; see the module docstring. Returns `y`.
 
-    x: `[T, d]`; A: `[slots, n*R, d]` (one layer's view of the pool, same dtype as x);
-    ranks: int32 `[slots, n]`; segs: built by `build_segments` for these T tokens;
+    x: `[T, d]`; A: `[pages, n*P, d]` (one layer's view of the pool's pages, same dtype as x);
+    ranks: int32 `[slots, n]`; pages: int32 `[slots, ceil(R/P)]`, the pool's page table;
+    segs: built by `build_segments` for these T tokens;
     y: float32 `[launch.splits, T, n*R]` (`shrink_out_view`), or `[T, n*R]` with one split.
     launch: the group's entry of the step's plan (`loraplex.kernels.lora_plan`): K-splits, block sizes
     (`launch.shrink`) and the distinct-slot bound that sizes the grid.
     """
     num_tokens, d = x.shape
-    n_rows = A.shape[1]
     n_stack = ranks.shape[1]
-    max_rank = n_rows // n_stack
+    page_rows = A.shape[1] // n_stack
     y3 = y.unsqueeze(0) if y.dim() == 2 else y
+    max_rank = y3.shape[2] // n_stack
     if y3.shape[0] != launch.splits:
         raise ValueError(f"y holds {y3.shape[0]} K-split partials; the launch plans {launch.splits}")
     if num_tokens == 0:
@@ -184,6 +198,7 @@ def lora_shrink(
         A,
         y3,
         ranks,
+        pages,
         bslot,
         btok,
         d,
@@ -199,7 +214,9 @@ def lora_shrink(
         y3.stride(2),
         ranks.stride(0),
         ranks.stride(1),
+        pages.stride(0),
         R_BLOCKS=r_blocks,
+        PAGE=page_rows,
         STRIDE_BLOCK_TOKENS=btok.stride(0),
         EVEN_K=d % cfg.block_k == 0,
         PDL=pdl,
@@ -219,20 +236,23 @@ def lora_shrink_ref(
     x: torch.Tensor,
     A: torch.Tensor,
     ranks: torch.Tensor,
+    pages: torch.Tensor,
     segs: LoRASegments,
     y: torch.Tensor,
 ) -> torch.Tensor:
-    """Torch reference with the same contract as `lora_shrink` (computes in float32).
+    """Torch reference with the same contract as `lora_shrink` (computes in float32): the pages are
+    gathered back into each slot's `[n*R, d]` rows first (`kernels/lora_pages.py`).
 
     With a `[S, T, n*R]` output the whole sum goes to partial 0 and the others get zeros,
     so the partials add up to the same `y`. Loops over slots on the host (a reference,
     not a fast path).
     """
     num_tokens = x.shape[0]
-    num_slots, n_rows, _ = A.shape
     n_stack = ranks.shape[1]
-    max_rank = n_rows // n_stack
     y3 = y.unsqueeze(0) if y.dim() == 2 else y
+    max_rank = y3.shape[2] // n_stack
+    A = unpage_a(A, pages, n_stack, max_rank)
+    num_slots = A.shape[0]
     slots = segs.token_slots[:num_tokens].to(torch.int64)
     col_rank = ranks.to(torch.int64).repeat_interleave(max_rank, dim=1)  # [slots, n*R]
     col_in_rank = torch.arange(max_rank, device=A.device).repeat(n_stack)[None, :] < col_rank

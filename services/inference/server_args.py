@@ -30,6 +30,7 @@ from loraplex.services.inference.lora.settings import (
     DEFAULT_MAX_LORA_RANK,
     EXPERT_LORA_MODES,
     LORA_BACKENDS,
+    LORA_MEMORY,
     LoRAConfig,
     check_backend_device,
 )
@@ -284,6 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=lo.disable_lora_side_stream,
         help="triton backend: run decode steps' LoRA kernels after each base matmul on one stream, "
         "instead of beside it on a second stream (the default on CUDA)",
+    )
+    a(
+        "--lora-memory",
+        choices=LORA_MEMORY,
+        default=lo.lora_memory,
+        help="where the adapter pool's rank pages live: separate (their own memory, a share sized at "
+        "start) or unified (inside the KV cache's blocks, one free list: adapters grow into memory the "
+        "KV cache is not using and go back to the host tier when it needs it)",
     )
     a(
         "--max-loaded-loras",

@@ -74,6 +74,33 @@ def test_mixed_batch_matches_peft_tiny(tiny_llama_path, adapter_factory):
     check_mixed_batch(tiny_llama_path, adapters, BATCH, 2, 2)
 
 
+def test_ranks_4_to_64_in_one_step_take_their_own_pages(tiny_llama_path, adapter_factory):
+    """Issue 57 (rank pages): ranks 4, 8, 16 and 64 compute in one step of a rank-64 pool, token for
+    token as PEFT, and the pool's bytes in use are the adapters' own pages (1 + 1 + 2 + 8 pages of 8
+    rank rows), not four rank-64 slots (32 pages)."""
+    adapters = make_adapters(adapter_factory, tiny_llama_path, "e2e-tiny")
+    engine = sync_engine(server_args(tiny_llama_path, adapters, max_loras_per_batch=None, max_gpu_loras=4))
+    pool = engine.adapter_slots.pool
+    step = engine.scheduler.schedule
+    seen: list[tuple[int, int]] = []  # (distinct adapters, pages in use) per step
+
+    def counted():
+        batch = step()
+        seen.append((len({r.adapter for r, _ in batch.entries if r.adapter}), pool.pages_in_use))
+        return batch
+
+    engine.scheduler.schedule = counted
+    prompts = [engine.tokenizer(p).input_ids for p in PROMPTS[: len(BATCH)]]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS), list(BATCH))
+    expected = peft_greedy(tiny_llama_path, adapters, list(zip(prompts, BATCH, strict=True)))
+    for out, exp, name in zip(outs, expected, BATCH, strict=True):
+        assert out.token_ids == exp, f"adapter {name}: engine {out.token_ids} != PEFT {exp}"
+    assert pool.max_rank == 64 and pool.page_rows == 8
+    all_four = [pages for distinct, pages in seen if distinct == 4]
+    assert all_four and set(all_four) == {1 + 1 + 2 + 8}
+    assert pool.pages_in_use * pool.page_nbytes == 12 * pool.page_nbytes < 32 * pool.page_nbytes
+
+
 @pytest.mark.slow
 def test_mixed_batch_matches_peft_smollm2(smollm2_path, adapter_factory):
     check_mixed_batch(
@@ -234,7 +261,8 @@ def test_rank4_and_rank64_side_by_side_and_refused_without_flags(tiny_llama_path
 
 
 def documented_pool_bytes(base: Path, slots: int, rank: int, modules: list[str], dtype_bytes: int = 4) -> int:
-    """docs/architecture.md: sum_g L*slots*(R*(n*d + sum(w))*dtype_bytes + n*8) over allocated groups."""
+    """docs/architecture.md: pages * sum_g L*P*(n*d + sum(w))*dtype_bytes + sum_g L*slots*n*8 + the page
+    table's slots*ceil(R/P)*4, over allocated groups; a pool sized on CPU has every slot's pages."""
     s = ModelShapes.from_model_dir(base)
     h, i, q, kv = s.hidden_size, s.intermediate_size, s.q_size, s.kv_size
     groups = {
@@ -243,8 +271,11 @@ def documented_pool_bytes(base: Path, slots: int, rank: int, modules: list[str],
         "gate_up": (("gate_proj", "up_proj"), h, 2 * i),
         "down": (("down_proj",), i, h),
     }
-    return sum(
-        s.num_layers * slots * (rank * (len(mods) * d + w) * dtype_bytes + len(mods) * 8)
+    P = min(8, rank)
+    per_slot = -(-rank // P)
+    pages = slots * per_slot
+    return slots * per_slot * 4 + sum(
+        pages * s.num_layers * P * (len(mods) * d + w) * dtype_bytes + s.num_layers * slots * len(mods) * 8
         for mods, d, w in groups.values()
         if set(mods) & set(modules)
     )

@@ -33,18 +33,23 @@ SHAPES = {"llama": TINY, "mixtral": {**TINY, **TINY_FAMILIES["mixtral"]}}
 
 
 def poison(pool) -> None:
-    """NaN in all of slot 0, and in every slot's A rows and B columns past its rank."""
-    R = pool.max_rank
+    """NaN in all of slot 0's pages, in every free page, and in every other slot's rows past its rank
+    (what an evicted adapter leaves behind; the pool never clears it)."""
+    P = pool.page_rows
+    owned = {p for s in range(1, pool.slots) for p in pool.host_pages[s]}
+    stale = [p for p in range(pool.num_pages) if p not in owned]
     for g in pool.groups:
-        pool.lora_a[g][:, 0] = float("nan")
-        pool.lora_b[g][:, 0] = float("nan")
+        pool.lora_a[g][:, stale] = float("nan")
+        pool.lora_b[g][:, stale] = float("nan")
         for layer in range(pool.shapes.num_layers):
             for slot in range(1, pool.slots):
+                pages = pool.host_pages[slot]
                 for i in range(len(GROUPS[g])):
                     r = int(pool.host_rank[g][layer, slot, i])
-                    pool.lora_a[g][layer, slot, i * R + r : (i + 1) * R] = float("nan")
                     lo, hi = pool.offsets[g][i], pool.offsets[g][i + 1]
-                    pool.lora_b[g][layer, slot, lo:hi, r:] = float("nan")
+                    for j in range(r, len(pages) * P):
+                        pool.lora_a[g][layer, pages[j // P], i * P + j % P] = float("nan")
+                        pool.lora_b[g][layer, pages[j // P], j % P, lo:hi] = float("nan")
 
 
 def greedy(runner, requests: list[tuple[list[int], int, list[int]]]) -> list[list[torch.Tensor]]:

@@ -40,7 +40,9 @@ def make_manager(shapes, slots=2, max_rank=8, **kw) -> LoRAManager:
 
 
 def slot_q_rows(m: LoRAManager, slot: int, rank: int) -> torch.Tensor:
-    return m.pool.lora_a["qkv"][0, slot, :rank].clone()
+    """Layer 0's q_proj A rows of the slot, through its pages (the pool's page table)."""
+    pages, P = m.pool.host_pages[slot], m.pool.page_rows
+    return m.pool.lora_a["qkv"][0, pages, :P].reshape(-1, m.pool.lora_a["qkv"].shape[-1])[:rank].clone()
 
 
 def test_refcount_lru_and_list(shapes, adapters):

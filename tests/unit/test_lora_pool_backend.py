@@ -10,7 +10,8 @@ import torch
 from loraplex.services.inference.lora.adapter import AdapterWeights
 from loraplex.services.inference.lora.backend import GROUPS
 from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA
-from loraplex.services.inference.lora.pool import AdapterPool, pool_nbytes
+from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.pool_layout import PAGE_ROWS, pool_nbytes
 from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
 from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
 
@@ -36,24 +37,56 @@ def random_adapter(
 
 
 def test_pool_nbytes_equals_documented_formula():
-    # docs/architecture.md: sum_g L*slots*R*(n*d + sum(w))*dtype_bytes + L*slots*n*(4+4) tables
-    L, S, R = SHAPES.num_layers, 5, 12
+    # docs/architecture.md: pages * sum_g L*P*(n*d + sum(w))*dtype_bytes + L*slots*n*(4+4) rank/scaling
+    # tables + slots*ceil(R/P)*4 page table; by default every slot can hold a rank-R adapter at once.
+    L, S, R, P = SHAPES.num_layers, 5, 12, PAGE_ROWS
     h, i, q, kv = SHAPES.hidden_size, SHAPES.intermediate_size, SHAPES.q_size, SHAPES.kv_size
     groups = {"qkv": (3, h, q + 2 * kv), "o": (1, q, h), "gate_up": (2, h, 2 * i), "down": (1, i, h)}
+    pages = S * -(-R // P)
     for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
-        expected = sum(L * S * R * (n * d + w) * size + L * S * n * 8 for n, d, w in groups.values())
+        expected = sum(pages * L * P * (n * d + w) * size + L * S * n * 8 for n, d, w in groups.values())
+        expected += S * -(-R // P) * 4
         pool = AdapterPool(SHAPES, slots=S, max_rank=R, target_modules=ALL_MODULES, dtype=dtype, device="cpu")
         assert pool.nbytes == expected == pool_nbytes(SHAPES, S, R, ALL_MODULES, dtype)
-        assert pool.lora_a["qkv"].shape == (L, S, 3 * R, h)
-        assert pool.lora_b["gate_up"].shape == (L, S, 2 * i, R)
+        assert pool.lora_a["qkv"].shape == (L, pages, 3 * P, h)
+        assert pool.lora_b["gate_up"].shape == (L, pages, P, 2 * i)
+        assert pool.page_table.shape == (S, 2) and pool.page_table.dtype == torch.int32
         assert pool.rank["qkv"].shape == (L, S, 3) and pool.rank["qkv"].dtype == torch.int32
+    # fewer pages than slots x max rank: the pages bound the bytes, the slots only the tables
+    small = AdapterPool(
+        SHAPES,
+        slots=S,
+        max_rank=R,
+        target_modules=ALL_MODULES,
+        dtype=torch.float32,
+        device="cpu",
+        num_pages=3,
+    )
+    assert small.nbytes == pool_nbytes(SHAPES, S, R, ALL_MODULES, torch.float32, num_pages=3)
+    assert (
+        small.nbytes - S * 2 * 4 - sum(L * S * n * 8 for n, _, _ in groups.values()) == 3 * small.page_nbytes
+    )
     # only groups holding a targeted module are allocated
     only_qv = AdapterPool(
         SHAPES, slots=S, max_rank=R, target_modules=["q_proj", "v_proj"], dtype=torch.float32, device="cpu"
     )
     assert only_qv.groups == ["qkv"]
     n, d, w = groups["qkv"]
-    assert only_qv.nbytes == L * S * R * (n * d + w) * 4 + L * S * n * 8
+    assert only_qv.nbytes == pages * L * P * (n * d + w) * 4 + L * S * n * 8 + S * 2 * 4
+
+
+def slot_rows(
+    pool: AdapterPool, group: str, layer: int, slot: int, stack: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot's A rows `[k*P, d]` and B^T rows `[k*P, w]` of one stacked module, through its pages."""
+    pages, P = pool.host_pages[slot], pool.page_rows
+    lo, hi = pool.offsets[group][stack], pool.offsets[group][stack + 1]
+    a = pool.lora_a[group][layer, pages, stack * P : (stack + 1) * P].reshape(
+        -1, pool.lora_a[group].shape[-1]
+    )
+    b = pool.lora_b[group][layer, pages, :, lo:hi].reshape(-1, hi - lo)
+    assert torch.equal(pool.page_table[slot, : len(pages)], torch.tensor(pages, dtype=torch.int32))
+    return a, b
 
 
 def test_upload_places_rows_and_tables():
@@ -63,13 +96,14 @@ def test_upload_places_rows_and_tables():
     ad = random_adapter(SHAPES, ["k_proj", "up_proj"], rank=8, seed=1, rank_jitter=True)
     pool.upload(2, ad)
     r = ad.targets[(1, "k_proj")].rank
-    assert torch.equal(pool.lora_a["qkv"][1, 2, 8 : 8 + r], ad.lora_a[(1, "k_proj")])
-    off = SHAPES.q_size
-    assert torch.equal(pool.lora_b["qkv"][1, 2, off : off + SHAPES.kv_size, :r], ad.lora_b[(1, "k_proj")])
+    a, b = slot_rows(pool, "qkv", 1, 2, 1)
+    assert torch.equal(a[:r], ad.lora_a[(1, "k_proj")])
+    assert torch.equal(b[:r], ad.lora_b[(1, "k_proj")].t())
     assert pool.rank["qkv"][1, 2].tolist() == [0, r, 0]
     assert pool.scaling["gate_up"][0, 2, 1].item() == pytest.approx(ad.targets[(0, "up_proj")].scaling)
     assert pool.rank["o"][:, 2].sum() == 0 and pool.rank["down"][:, 2].sum() == 0
     assert torch.equal(pool.host_rank["qkv"], pool.rank["qkv"])
+    assert pool.pages_in_use == 1 and pool.host_pages[2] == [0]
 
 
 def naive_delta(

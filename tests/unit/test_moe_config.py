@@ -127,7 +127,8 @@ def test_lora_settings_cover_attention_only_on_moe_bases():
 def test_expert_buffers_only_when_named_and_only_on_moe_bases():
     import torch
 
-    from loraplex.services.inference.lora.pool import AdapterPool, pool_nbytes
+    from loraplex.services.inference.lora.pool import AdapterPool
+    from loraplex.services.inference.lora.pool_layout import pool_nbytes
     from loraplex.services.inference.lora.settings import LoRAConfig
     from loraplex.services.inference.lora.setup import resolve_lora_settings
 

@@ -37,9 +37,11 @@ from loraplex.services.inference.engine.sampler import read_sampled
 from loraplex.services.inference.engine.speculative import Speculator, verify_step
 from loraplex.services.inference.engine.startup import build_kv_cache, build_runner, build_scheduler
 from loraplex.services.inference.engine.types import EngineStats, RequestOutput, SamplingParams
+from loraplex.services.inference.engine.unified_blocks import UnifiedBlocks
 from loraplex.services.inference.errors import CapacityExceeded, ContextLengthExceeded, InvalidRequest
 from loraplex.services.inference.lora.adapter_slots import AdapterSlots, NoAdapters
 from loraplex.services.inference.lora.backend import LoRABackend
+from loraplex.services.inference.lora.unified import bind
 
 
 def _admitted(entries) -> None:
@@ -94,9 +96,12 @@ class LLMEngine:
         self.context_length = loaded.context_length
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
         draft = load_draft_for(loaded, config)  # weights before the KV cache takes what is left
+        pool = getattr(lora_backend, "pool", None)
         kv_cache, self.block_manager = build_kv_cache(
-            loaded, config, kv_reserved_bytes, draft.kv_bytes_per_token() if draft else 0
+            loaded, config, kv_reserved_bytes, draft.kv_bytes_per_token() if draft else 0, pool
         )
+        if isinstance(self.block_manager, UnifiedBlocks):  # --lora-memory unified: one free list
+            bind(pool, adapter_slots, self.block_manager)
         # Built (and warmed up) before the target's runner marks the end of start-up.
         draft_runner = draft.runner(config, self.block_manager.num_blocks) if draft else None
         self.adapter_slots = adapter_slots or NoAdapters()

@@ -20,23 +20,38 @@ from loraplex.services.inference.engine.loading import LoadedModel
 from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.prefix_cache import base_model_digest
 from loraplex.services.inference.engine.scheduler import Scheduler
+from loraplex.services.inference.engine.unified_blocks import unified_kv_cache
 from loraplex.services.inference.engine.warmup import warm_up
 from loraplex.services.inference.lora.adapter_slots import AdapterSlots
 from loraplex.services.inference.lora.backend import LoRABackend
+from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.models.moe import graph_safe_max_tokens
 
 log = logging.getLogger(__name__)
 
 
 def build_kv_cache(
-    loaded: LoadedModel, config: EngineConfig, reserved_bytes: int, draft_bytes_per_token: int = 0
+    loaded: LoadedModel,
+    config: EngineConfig,
+    reserved_bytes: int,
+    draft_bytes_per_token: int = 0,
+    lora_pool: AdapterPool | None = None,
 ) -> tuple[torch.Tensor, BlockManager]:
     """The KV cache, as large as `config` allows of the device memory left once `reserved_bytes`
     more are held back, and the block manager that hands out its blocks.
 
     `draft_bytes_per_token` (a draft model's KV, engine/draft_runner.py): the draft's cache gets as
     many tokens as this one, so the memory is shared between them in proportion to their bytes per
-    token (with --max-total-tokens, the draft's share is held back as reserved bytes)."""
+    token (with --max-total-tokens, the draft's share is held back as reserved bytes).
+
+    `lora_pool` with `guaranteed_pages` set (--lora-memory unified): its pages live in the cache's
+    blocks, one free list for both (engine/unified_blocks.py)."""
+    if lora_pool is not None and lora_pool.guaranteed_pages is not None:
+        if draft_bytes_per_token:
+            raise ValueError("--lora-memory unified with a draft model is not supported yet; use separate")
+        return unified_kv_cache(
+            loaded, config, lora_pool, lambda extra: _plan(loaded, config, reserved_bytes + extra)
+        )
     kv_dtype = config.kv_dtype(loaded.dtype)
     if draft_bytes_per_token and config.max_total_tokens is not None:
         reserved_bytes += config.max_total_tokens * draft_bytes_per_token
@@ -57,6 +72,21 @@ def build_kv_cache(
         num_blocks = max(1, num_blocks * own // (own + draft_bytes_per_token))
     kv_cache = allocate_kv_cache(loaded.config, num_blocks, config.page_size, kv_dtype, loaded.device)
     return kv_cache, BlockManager(num_blocks, config.page_size, prefix_cache=not config.disable_prefix_cache)
+
+
+def _plan(loaded: LoadedModel, config: EngineConfig, reserved_bytes: int) -> int:
+    return plan_num_blocks(
+        loaded.config,
+        config.kv_dtype(loaded.dtype),
+        loaded.device,
+        page_size=config.page_size,
+        context_length=loaded.context_length,
+        max_running_requests=config.max_running_requests,
+        max_total_tokens=config.max_total_tokens,
+        mem_fraction_static=config.mem_fraction_static,
+        reserved_bytes=reserved_bytes,
+        activation_dtype=loaded.dtype,
+    )
 
 
 def build_scheduler(

@@ -19,6 +19,9 @@ Invariants (the choices themselves, eviction, queue order and drains: lora/slot_
   Bound: the queue's front gets a slot within `slot_wait_s` + `min_resident_s` + 2 steps
   (docs/architecture.md, "LoRA manager", states the rest). At most `slots - 1` adapters may be
   pinned so one slot always rotates; pinned slots never drain.
+- Pages (lora/pool.py): an adapter takes pages of its own rank. A placement short of free pages
+  evicts further idle adapters, cheapest first, only if that makes room (`_room_for`); an adapter
+  a request computes on keeps its pages. Pinned adapters leave room for one max-rank upload.
 - The host tier: host copies beyond `max_loaded_loras` (a count) or `max_cpu_lora_bytes` are
   dropped least recently used first (never one a request or pin holds) and re-read, digest-checked,
   from their source when next placed.
@@ -60,6 +63,7 @@ from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.slot_choice import (
     cheapest_busy_slots,
     evictable_slot,
+    idle_slots,
     next_waiter,
     popularity_after,
 )
@@ -102,6 +106,7 @@ class _Version:
     uploads: int = 0
     popularity: float = -math.inf  # recent request rate (slot_choice.popularity_after)
     vocab: bool = False  # has vocabulary parts: needs a vocab slot too (lora/vocab_tables.py)
+    pages: int = 0  # pool pages its upload takes (AdapterPool.pages_needed: its own rank, not the pool's)
 
 
 class LoRAManager(AdapterSlots):
@@ -147,6 +152,8 @@ class LoRAManager(AdapterSlots):
         self._host_misses: dict[str, int] = {}
         self.upload_bytes = 0
         self.num_suspensions = 0  # running requests that gave their slot up (suspend), cumulative
+        self.num_reclaims = 0  # adapters evicted because the KV cache needed their pages (lora/unified.py)
+        self.run_blocks = 0  # KV blocks per page, where the pages live in the KV cache (lora/unified.py bind)
 
     # ----- registry (any thread) -----
 
@@ -182,6 +189,7 @@ class LoRAManager(AdapterSlots):
                     nbytes=weights.nbytes,
                     last_used=self._clock(),
                     vocab=weights.has_vocab_parts,
+                    pages=self.pool.pages_needed(weights),
                 )
                 self._active[name] = version
                 if old is not None:
@@ -219,6 +227,16 @@ class LoRAManager(AdapterSlots):
                     raise CapacityExceeded(
                         f"cannot pin {name!r}: at most {self.pool.vocab.vocab_slots - 1} adapters with "
                         "embedding / lm_head LoRA or trainable tokens (the vocab slots - 1) may be pinned",
+                        adapter=name,
+                    )
+                pinned_pages = sum(v.pages for v in self._active.values() if v.pinned) + version.pages
+                if pinned_pages + self.pool.pages_per_slot > (
+                    self.pool.guaranteed_pages or self.pool.num_pages
+                ):
+                    raise CapacityExceeded(
+                        f"cannot pin {name!r}: pinned adapters would hold {pinned_pages} of the pool's "
+                        f"{self.pool.num_pages} pages, leaving too few for a rank-{self.pool.max_rank} "
+                        f"adapter ({self.pool.pages_per_slot} pages) to rotate",
                         adapter=name,
                     )
                 if version.slot < 0:
@@ -330,7 +348,7 @@ class LoRAManager(AdapterSlots):
             version = self._active.get(name)
             if version is None or version.slot >= 0 or name in self._retiring or self._waiting:
                 return
-            slot = self._evictable_slot(version)
+            slot = self._room_for(version)
             if slot is not None:
                 self._place(version, slot)  # False (source gone) is reported by the next acquire
 
@@ -390,7 +408,7 @@ class LoRAManager(AdapterSlots):
             if version.slot < 0:
                 return False  # still queued: release and note_queued move the queue
         if version.slot < 0:
-            slot = None if self._waiting else self._evictable_slot(version)  # earlier waiters first
+            slot = None if self._waiting else self._room_for(version)  # earlier waiters first
             if slot is None:
                 self._waiting[name] = self._clock()
                 self._rebalance()
@@ -400,7 +418,55 @@ class LoRAManager(AdapterSlots):
                 raise AdapterNotFound(
                     f"adapter {name!r} could not be re-read from {version.source}", adapter=name
                 )
+        if version.refs == 0 and not self._within_share(version):
+            # Computing adapters would hold more than the pool's share: wait in the slot queue like an
+            # adapter with no slot, so aged waiters drain busy slots for it (no starvation).
+            self._waiting.setdefault(name, self._clock())
+            self._rebalance()
+            return False
+        if name in self._waiting and version.slot >= 0:
+            self._waiting.pop(name)
         return version.slot not in self._draining and self.pool.ready(version.slot)
+
+    def _within_share(self, version: _Version) -> bool:
+        """Pages in the KV cache's memory (lora/unified.py): adapters requests compute with, and
+        pinned ones, hold at most the pool's share (`pool.guaranteed_pages`), so the KV cache can
+        always reclaim the rest and never gets fewer blocks than beside a separate pool."""
+        share = self.pool.guaranteed_pages
+        if share is None:
+            return True
+        held = sum(
+            v.pages for v in self._slots if v is not None and (v.refs or v.pinned) and v is not version
+        )
+        return held + version.pages <= share
+
+    def reclaimable_blocks(self) -> int:
+        """KV blocks the idle adapters' pages hold (the KV side counts them as free)."""
+        with self._lock:
+            pages = sum(
+                self.pool.slot_pages(s) for s, v in enumerate(self._slots) if v is not None and self._idle(v)
+            )
+            return pages * self.run_blocks
+
+    def reclaim_blocks(self, blocks: int) -> None:
+        """The KV cache needs `blocks` more: idle adapters go back to the host tier, least recently
+        used first, until their pages cover it (never one a request computes with: `refs` > 0)."""
+        with self._lock:
+            idle = sorted(
+                (v.last_used, s) for s, v in enumerate(self._slots) if v is not None and self._idle(v)
+            )
+            freed = 0
+            for _, slot in idle:
+                if freed >= blocks:
+                    break
+                freed += self.pool.slot_pages(slot) * self.run_blocks
+                self._draining.discard(slot)
+                self._evict(slot)
+                self.num_reclaims += 1
+
+    @staticmethod
+    def _idle(v: _Version) -> bool:
+        return not v.refs and not v.pinned
 
     def _forget_if_retired(self, version: _Version) -> None:
         if version.refs == 0 and version.held == 0 and self._retiring.get(version.name) is version:
@@ -424,6 +490,7 @@ class LoRAManager(AdapterSlots):
         if version.slot >= 0:
             self._draining.discard(version.slot)
             self._slots[version.slot] = None
+            self.pool.release(version.slot)
             version.slot = -1
         version.weights = None
 
@@ -434,9 +501,38 @@ class LoRAManager(AdapterSlots):
             return None
         return self.pool.vocab.holders()
 
-    def _evictable_slot(self, version: _Version | None = None) -> int | None:
+    def _room_for(self, version: _Version) -> int | None:
+        """A slot `version` can be uploaded into with enough free pages, or None. The slot is
+        `evictable_slot`'s choice; when the free pages (with that slot's own) fall short, further idle
+        adapters are evicted, cheapest first (`idle_slots`), but only if that makes room: an adapter
+        a request computes on (refs > 0), a pinned, reserved or draining one is never evicted."""
+        now = self._clock()
         allowed = self._vocab_allowed(version)
-        return evictable_slot(self._slots, self._queued, self._draining, self._clock(), allowed)
+        slot = evictable_slot(self._slots, self._queued, self._draining, now, allowed)
+        if slot is None:
+            return None
+        returned = self.pool.slot_pages(slot)
+        evict: list[int] = []
+        for other in idle_slots(self._slots, self._queued, self._draining, now):
+            if self.pool.pages_available(returned) >= version.pages:
+                break
+            if other != slot:
+                evict.append(other)
+                returned += self.pool.slot_pages(other)
+        if self.pool.pages_available(returned) < version.pages:
+            return None
+        for other in evict:
+            self._evict(other)
+        return slot
+
+    def _evict(self, slot: int) -> None:
+        """Send an idle slot's adapter back to the host tier and free its pages."""
+        occupant = self._slots[slot]
+        if occupant is not None:
+            occupant.slot = -1
+            self._evictions[occupant.name] = self._evictions.get(occupant.name, 0) + 1
+        self._slots[slot] = None
+        self.pool.release(slot)
 
     def _drainable_slots(self, count: int, max_popularity: float | None = None) -> list[int]:
         placed_before = self._clock() - self.min_resident_s
@@ -528,11 +624,18 @@ class LoRAManager(AdapterSlots):
                 retiring_idle = (
                     version is not None and version is self._retiring.get(name) and not version.held
                 )
+                if (
+                    version is not None
+                    and version.slot >= 0
+                    and not version.refs
+                    and not self._within_share(version)
+                ):
+                    return  # resident, waiting for the share (unified memory): only a drain helps it
                 if version is None or version.slot >= 0 or retiring_idle:
                     self._waiting.pop(name)
                     progressed = True
                     break
-                slot = self._evictable_slot(version)
+                slot = self._room_for(version)
                 if slot is None:
                     if self._vocab_allowed(version) is not None:
                         continue

@@ -101,6 +101,9 @@ def _at_least_one(flag: str, value: int | None) -> None:
         raise ValueError(f"{flag} must be >= 1 (got {value})")
 
 
+LORA_MEMORY = ("separate", "unified")
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """The LoRA flags as given; None means "inferred or sized at start-up" (see lora/setup.py)."""
@@ -123,6 +126,9 @@ class LoRAConfig:
     lora_slot_wait: float | None = None
     lora_rotation_quantum: float | None = None
     expert_lora_mode: str = "auto"  # one of EXPERT_LORA_MODES
+    # Where the pool's rank pages live: "separate" (its own buffers, sized apart from the KV cache) or
+    # "unified" (inside the KV cache's blocks, one free list: lora/unified.py, engine/unified_blocks.py).
+    lora_memory: str = "separate"
 
     def __post_init__(self) -> None:
         _at_least_one("--max-loras-per-batch", self.max_loras_per_batch)
@@ -139,6 +145,10 @@ class LoRAConfig:
         if self.lora_backend is not None and self.lora_backend not in LORA_BACKENDS:
             raise ValueError(
                 f"--lora-backend must be one of {', '.join(LORA_BACKENDS)} (got {self.lora_backend!r})"
+            )
+        if self.lora_memory not in LORA_MEMORY:
+            raise ValueError(
+                f"--lora-memory must be one of {', '.join(LORA_MEMORY)} (got {self.lora_memory!r})"
             )
         if self.expert_lora_mode not in EXPERT_LORA_MODES:
             raise ValueError(
@@ -159,7 +169,7 @@ class LoRAConfig:
 class LoRASettings:
     """The LoRA flags resolved against the model and device: what every rank builds its pool from."""
 
-    pool_slots: int  # adapters resident on the device at once (sized from memory, <= --max-gpu-loras)
+    pool_slots: int  # adapters resident on the device at once (<= --max-gpu-loras; their pages: pool_pages)
     max_lora_rank: int
     target_modules: tuple[str, ...]
     max_loaded_loras: int | None
@@ -167,6 +177,8 @@ class LoRASettings:
     max_loras_per_batch: int | None = None  # distinct adapters per step; None: up to pool_slots
     max_cpu_lora_bytes: int | None = None  # the host tier's byte bound (None: unbounded)
     slot_timings: tuple[tuple[str, float], ...] = ()  # LoRAManager keyword arguments (slot_wait_s, ...)
+    # The pool's pages of rank rows (lora/pool.py; sized from memory); None: every slot a max-rank adapter
+    pool_pages: int | None = None
 
     @property
     def distinct_per_batch(self) -> int:

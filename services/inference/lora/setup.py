@@ -5,7 +5,8 @@ Defaults (docs/architecture.md, "LoRA defaults"):
   largest rank, the union of targeted modules); with no `--lora-paths` either, rank 64 and all
   seven projections, so any common adapter can be loaded later without a restart.
 - `--lora-backend`: triton on CUDA, torch on CPU.
-- The adapter pool is sized from memory (`pool_slots_from_memory`), at most `--max-gpu-loras` slots.
+- The adapter pool is sized from memory (`pool_size_from_memory`): its pages of rank rows bound
+  the bytes, `--max-gpu-loras` bounds the slots (the resident adapters).
   `--max-loras-per-batch` never sizes it: it caps the distinct adapters of one step, which the
   scheduler applies (engine/adapter_slices.py), so an adapter left out of a step stays resident.
 """
@@ -23,11 +24,17 @@ from loraplex.services.inference.lora.adapter import read_config
 from loraplex.services.inference.lora.backend import LoRABackend
 from loraplex.services.inference.lora.config import resolve_targets
 from loraplex.services.inference.lora.dora import BaseWeight
-from loraplex.services.inference.lora.expert_lora import ExpertLoRA, ExpertLoRAPool
+from loraplex.services.inference.lora.expert_lora import ExpertLoRA, ExpertLoRAPool, expert_modules
 from loraplex.services.inference.lora.expert_lora_graph import GraphExpertLoRA
 from loraplex.services.inference.lora.expert_targets import resolve_expert_targets
 from loraplex.services.inference.lora.manager import LoRAManager
-from loraplex.services.inference.lora.pool import AdapterPool, pool_nbytes
+from loraplex.services.inference.lora.pool import AdapterPool
+from loraplex.services.inference.lora.pool_layout import (
+    default_pages,
+    page_nbytes,
+    pages_for_rank,
+    pool_nbytes,
+)
 from loraplex.services.inference.lora.settings import (
     DEFAULT_MAX_GPU_LORAS,
     DEFAULT_MAX_LORA_RANK,
@@ -120,7 +127,13 @@ def resolve_lora_settings(
     backend = lora.lora_backend or ("triton" if device.type == "cuda" else "torch")
     check_backend_device(backend, device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    slots = pool_slots_from_memory(lora, shapes, max_rank, target_modules, dtype, device, mem_fraction_static)
+    slots, pages = pool_size_from_memory(
+        lora, shapes, max_rank, target_modules, dtype, device, mem_fraction_static
+    )
+    if lora.lora_memory == "unified":
+        # The pages sized from memory are the pool's guaranteed share of the KV cache's blocks; more
+        # adapters stay resident in blocks the cache is not using, up to the slots.
+        slots = lora.max_gpu_loras or DEFAULT_MAX_GPU_LORAS.get(device.type, DEFAULT_MAX_GPU_LORAS["cpu"])
     cap = lora.max_loras_per_batch
     if cap is not None and cap > slots:
         log.warning(
@@ -140,11 +153,11 @@ def resolve_lora_settings(
         if seconds is not None
     )
     return LoRASettings(
-        slots, max_rank, target_modules, lora.max_loaded_loras, backend, cap, host_bytes, timings
+        slots, max_rank, target_modules, lora.max_loaded_loras, backend, cap, host_bytes, timings, pages
     )
 
 
-def pool_slots_from_memory(
+def pool_size_from_memory(
     lora: LoRAConfig,
     shapes: ModelShapes,
     max_rank: int,
@@ -152,17 +165,28 @@ def pool_slots_from_memory(
     dtype: torch.dtype,
     device: torch.device,
     mem_fraction_static: float,
-) -> int:
-    """Slots for a pool sized from memory: POOL_MEMORY_SHARE of what the static budget leaves after
-    the weights (CUDA) or CPU_POOL_BYTES (CPU), capped by --max-gpu-loras (default per device)."""
-    per_slot = pool_nbytes(shapes, 1, max_rank, target_modules, dtype)
+) -> tuple[int, int]:
+    """(slots, pages) of a pool sized from memory: POOL_MEMORY_SHARE of what the static budget leaves
+    after the weights (CUDA) or CPU_POOL_BYTES (CPU), in pages (lora/pool.py: at most enough for every
+    slot to hold a max-rank adapter, at least one such adapter); slots: --max-gpu-loras (default per
+    device), fewer only where the pages could not give each slot one page."""
     cap = lora.max_gpu_loras or DEFAULT_MAX_GPU_LORAS.get(device.type, DEFAULT_MAX_GPU_LORAS["cpu"])
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = POOL_MEMORY_SHARE * max(total * mem_fraction_static - (total - free), 0)
     else:
         budget = CPU_POOL_BYTES
-    return max(1, min(cap, int(budget // per_slot)))
+    per_page = page_nbytes(shapes, max_rank, target_modules, dtype)
+    per_slot = pool_nbytes(shapes, 1, max_rank, target_modules, dtype, num_pages=0)  # tables (+ experts)
+    one_adapter = pages_for_rank(max_rank, max_rank)
+    if per_page == 0 or expert_modules(target_modules):
+        # The experts' buffers are per slot (lora/expert_lora.py): slots sized as before, every slot's pages.
+        slots = max(1, min(cap, int(budget // pool_nbytes(shapes, 1, max_rank, target_modules, dtype))))
+        return slots, default_pages(slots, max_rank)
+    # The slot tables of `cap` slots first (kilobytes), the pages from the rest.
+    pages = int(max(budget - cap * per_slot, 0) // per_page)
+    pages = max(one_adapter, min(pages, default_pages(cap, max_rank)))
+    return max(1, min(cap, pages)), pages
 
 
 def build_lora(
@@ -181,6 +205,12 @@ def build_lora(
     settings = resolve_lora_settings(
         lora, shapes, device, resolve_source, dtype, mem_fraction_static=mem_fraction_static
     )
+    unified = lora.lora_memory == "unified"
+    if unified and expert_modules(settings.target_modules):
+        raise ValueError(
+            "--lora-memory unified: LoRA on the experts keeps per-slot buffers; serve expert adapters "
+            "with --lora-memory separate"
+        )
     pool = AdapterPool(
         shapes,
         slots=settings.pool_slots,
@@ -188,7 +218,11 @@ def build_lora(
         target_modules=settings.target_modules,
         dtype=dtype,
         device=device,
+        num_pages=settings.pool_pages,
+        external_pages=unified,
     )
+    if unified:  # the pages come with the KV cache (engine/unified_blocks.py); this is their share
+        pool.guaranteed_pages = pool.pages_per_slot if settings.pool_pages is None else settings.pool_pages
     if settings.backend == "triton":
         from loraplex.services.inference.lora.triton_backend import TritonLoRABackend
 
@@ -218,9 +252,12 @@ def build_lora(
     for name, path in _local_paths(lora, resolve_source).items():
         manager.load_adapter(name, path)
     log.info(
-        "LoRA adapter pool: %d bytes (%.1f MiB) = %d slots x rank %d over %s, %s, backend %s; %s",
+        "LoRA adapter pool: %d bytes (%.1f MiB) = %d pages of %d rank rows, %d slots up to rank %d over "
+        "%s, %s, backend %s; %s",
         pool.nbytes,
         pool.nbytes / 2**20,
+        pool.num_pages,
+        pool.page_rows,
         pool.slots,
         pool.max_rank,
         ",".join(settings.target_modules),

@@ -45,18 +45,26 @@ def evictable_slot(
     """An empty slot, else the idle (refcount 0, unpinned, unreserved, not draining) slot whose
     adapter has the fewest queued requests, then is least popular, then least recently used; None
     when every slot is busy. `allowed`: only these slots (None: any)."""
-    best, best_key = None, None
     for slot, v in enumerate(slots):
         if allowed is not None and slot not in allowed:
             continue
         if v is None:
             return slot
-        if v.refs or v.pinned or slot in draining or v.reserved_until > now:
-            continue
-        key = (queued.get(v.name, 0), v.popularity, v.last_used)
-        if best_key is None or key < best_key:
-            best, best_key = slot, key
-    return best
+    idle = [s for s in idle_slots(slots, queued, draining, now) if allowed is None or s in allowed]
+    return idle[0] if idle else None
+
+
+def idle_slots(
+    slots: Sequence[SlotHolder | None], queued: Mapping[str, int], draining: set[int], now: float
+) -> list[int]:
+    """The occupied idle slots in the order `evictable_slot` gives them up (cheapest first): an upload
+    short of free pages evicts these, in this order, until its pages fit."""
+    keyed = [
+        ((queued.get(v.name, 0), v.popularity, v.last_used), slot)
+        for slot, v in enumerate(slots)
+        if v is not None and not (v.refs or v.pinned or slot in draining or v.reserved_until > now)
+    ]
+    return [slot for _, slot in sorted(keyed)]
 
 
 def next_waiter(waiting: Mapping[str, float], queued: Mapping[str, int], slot_wait_s: float) -> str:

@@ -111,8 +111,9 @@ class TritonLoRABackend(LoRABackend):
         a, b, scaling = pool.lora_a[group][layer], pool.lora_b[group][layer], pool.scaling[group][layer]
         n_cols = len(GROUPS[group]) * pool.max_rank
         y = shrink_out_view(self._shrink_buf, launch.splits, self._plan.num_tokens)[..., :n_cols]
-        lora_shrink(x, a, ranks, self.segments, y, launch)
-        lora_expand(y, b, ranks, scaling, self.segments, out, widths, launch, accumulate=accumulate)
+        pages = pool.page_table
+        lora_shrink(x, a, ranks, pages, self.segments, y, launch)
+        lora_expand(y, b, ranks, scaling, pages, self.segments, out, widths, launch, accumulate=accumulate)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
         if group in self._widths:

@@ -70,12 +70,12 @@ class ShardedAdapterPool:
         shapes: ModelShapes,
         plans: list[ShardPlan],
         local: AdapterPool,
-        send_upload: Callable[[int, int, AdapterWeights], None],
+        send_upload: Callable[[int, int, AdapterWeights | None], None],
     ):
         self.shapes = shapes
         self.plans = plans
         self.local = local
-        self._send_upload = send_upload  # (rank, slot, shard) to a worker, in step order
+        self._send_upload = send_upload  # (rank, slot, shard or None: release) to a worker, in step order
         self.slots, self.max_rank, self.target_modules = local.slots, local.max_rank, local.target_modules
         self.dtype, self.device, self.groups = local.dtype, local.device, local.groups
         # Rank 0's vocab slots, for the manager's bookkeeping: adapters with vocabulary parts are
@@ -86,6 +86,36 @@ class ShardedAdapterPool:
     def nbytes(self) -> int:
         """Rank 0's pool bytes (every rank's is about this size)."""
         return self.local.nbytes
+
+    # Pages: every rank's pool has the same page count and sees the same uploads and releases in the
+    # same order, so every rank's free list (lowest page first) stays rank 0's.
+    guaranteed_pages = None  # --lora-memory unified is refused under tensor parallelism
+
+    @property
+    def num_pages(self) -> int:
+        return self.local.num_pages
+
+    @property
+    def pages_per_slot(self) -> int:
+        return self.local.pages_per_slot
+
+    @property
+    def free_pages(self) -> int:
+        return self.local.free_pages
+
+    def pages_needed(self, weights: AdapterWeights) -> int:
+        return self.local.pages_needed(weights)
+
+    def pages_available(self, returned: int = 0) -> int:
+        return self.local.pages_available(returned)
+
+    def slot_pages(self, slot: int) -> int:
+        return self.local.slot_pages(slot)
+
+    def release(self, slot: int) -> None:
+        for plan in self.plans[1:]:
+            self._send_upload(plan.rank, slot, None)  # None: free the slot's pages
+        self.local.release(slot)
 
     def upload(self, slot: int, weights: AdapterWeights) -> None:
         for plan in self.plans[1:]:
@@ -126,15 +156,16 @@ class TPLoRABackend(TorchLoRABackend):
         lora_a, lora_b = self.pool.lora_a[group][layer], self.pool.lora_b[group][layer]
         # One [T, R] buffer for every segment's shrink: one all-reduce per layer, not per adapter.
         shrunk = torch.zeros(self._num_tokens, self.pool.max_rank, dtype=x.dtype, device=x.device)
-        for k, (slot, sel) in enumerate(self._segments):
+        width = lora_b.shape[-1]
+        for k, (_, sel) in enumerate(self._segments):
             r = ranks[k][0]
             if r:
-                shrunk[sel, :r] = F.linear(x[sel], lora_a[slot, :r])
+                shrunk[sel, :r] = F.linear(x[sel], self.rows(lora_a, lora_b, k, 0, r, 0, width)[0])
         dist.all_reduce(shrunk)
-        for k, (slot, sel) in enumerate(self._segments):
+        for k, (_, sel) in enumerate(self._segments):
             r = ranks[k][0]
             if r:
-                delta = F.linear(shrunk[sel, :r], lora_b[slot, :, :r])
+                delta = F.linear(shrunk[sel, :r], self.rows(lora_a, lora_b, k, 0, r, 0, width)[1].t())
                 out[sel] += (delta * scales[k][0]).to(out.dtype)
 
 
@@ -168,13 +199,14 @@ class TPTritonLoRABackend(LoRABackend):
         launch = plan.groups[group]
         y = shrink_out_view(self._row_buf, launch.splits, plan.num_tokens)
         ranks = pool.rank[group][layer]
-        lora_shrink(x, pool.lora_a[group][layer], ranks, self.inner.segments, y, launch)
+        lora_shrink(x, pool.lora_a[group][layer], ranks, pool.page_table, self.inner.segments, y, launch)
         dist.all_reduce(y)
         lora_expand(
             y,
             pool.lora_b[group][layer],
             ranks,
             pool.scaling[group][layer],
+            pool.page_table,
             self.inner.segments,
             out,
             pool.shapes.group_widths(group),

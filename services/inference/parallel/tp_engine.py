@@ -162,6 +162,10 @@ def build_tp_engine(config: EngineConfig, lora_config: LoRAConfig) -> TPAsyncEng
     dtype = resolve_dtype(config.dtype, cfg.torch_dtype, device)
     shapes = shapes_of_model(cfg)  # an MoE base's: LoRA on attention (and the experts, refused below)
     lora = resolve_lora_settings(lora_config, shapes, device, mem_fraction_static=config.mem_fraction_static)
+    if lora_config.lora_memory != "separate":
+        raise ValueError(
+            f"--tp-size {tp}: --lora-memory unified is not sharded across ranks yet; use separate"
+        )
     experts = [m for m in lora.target_modules if m in EXPERT_MODULES]
     if experts:
         raise ValueError(
@@ -218,6 +222,7 @@ def _build_rank0(
         target_modules=lora.target_modules,
         dtype=dtype,
         device=device,
+        num_pages=lora.pool_pages,
     )
     own_blocks = plan_num_blocks(
         local_cfg,

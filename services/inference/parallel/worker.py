@@ -130,6 +130,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
             target_modules=s.target_modules,
             dtype=spec.dtype,
             device=device,
+            num_pages=s.pool_pages,
         )
         backend = make_tp_backend(pool, s.backend, config.max_num_batched_tokens, s.max_loras_per_batch)
     blocks = plan_num_blocks(
@@ -172,6 +173,9 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
             runner.forward(message[1])  # the logits are rank 0's to sample
         elif kind == "lora":
             _, slot, shard = message
+            if shard is None:  # the slot's adapter left the pool: its pages go back
+                pool.release(slot)
+                continue
             pool.upload(slot, shard)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the next step must see the whole upload
