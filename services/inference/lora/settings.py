@@ -121,7 +121,7 @@ class LoRAConfig:
     max_loaded_loras: int | None = None  # host cache size; None = unbounded
     # Host tier in bytes (LRU beyond it); None: CPU_LORA_MEMORY_FRACTION of available host memory.
     max_cpu_lora_bytes: int | None = None
-    # The slot queue's timings (lora/manager.py; None: its SLOT_WAIT_S and MIN_RESIDENT_S): how long a
+    # The slot queue's timings (lora/slot_rotation.py; None: its SLOT_WAIT_S and MIN_RESIDENT_S): how long a
     # waiting adapter waits before a busy slot is drained for it, and how long an upload keeps its slot.
     lora_slot_wait: float | None = None
     lora_rotation_quantum: float | None = None

@@ -21,7 +21,7 @@ never reach another's tokens. A slot's tables are written on the pool's upload s
 
 A step's adapters may hold at most V vocab slots between them: the manager places an adapter with
 vocabulary parts only where a vocab slot is free or its evicted occupant frees one; otherwise it
-waits in the slot queue like an adapter waiting for a pool slot (lora/manager.py).
+waits in the slot queue like an adapter waiting for a pool slot (lora/slot_rotation.py).
 """
 
 from __future__ import annotations
