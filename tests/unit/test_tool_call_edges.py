@@ -72,20 +72,22 @@ HOSTILE = {
 @pytest.mark.parametrize("text", list(HOSTILE.values()), ids=list(HOSTILE))
 def test_parsing_hostile_output_is_linear(text):
     # Issue 59 H1: `<tool_call>` and 6,000 spaces took the old regex 90 s (cubic), with the GIL held.
+    # The bound is on this thread's CPU time (7 ms at most idle): a fresh-clone CI run put 0.36 s of
+    # wall time on one 7 ms parse while the machine was busy; the alarm still bounds the wall time.
     for plan in (AUTO, REQUIRED, NAMED):
         for reason in ("stop", "length"):
-            start = time.perf_counter()
+            start = time.thread_time()
             with deadline(2.0):
                 tools.tool_output(plan, text, reason)
-            assert time.perf_counter() - start < 0.25, (plan.mode, reason)
+            assert time.thread_time() - start < 0.25, (plan.mode, reason)
 
 
 def test_required_head_of_a_long_cut_name_is_linear():
     text = '{ "name" : "' + '\\"' * N
-    start = time.perf_counter()
+    start = time.thread_time()
     with deadline(2.0):
         assert tools.tool_output(REQUIRED, text, "length") == (text, [], "length")
-    assert time.perf_counter() - start < 0.25
+    assert time.thread_time() - start < 0.25
 
 
 def test_forced_calls_cut_by_max_tokens_come_back_as_partial_calls():
