@@ -55,18 +55,7 @@ def build_kv_cache(
     kv_dtype = config.kv_dtype(loaded.dtype)
     if draft_bytes_per_token and config.max_total_tokens is not None:
         reserved_bytes += config.max_total_tokens * draft_bytes_per_token
-    num_blocks = plan_num_blocks(
-        loaded.config,
-        kv_dtype,
-        loaded.device,
-        page_size=config.page_size,
-        context_length=loaded.context_length,
-        max_running_requests=config.max_running_requests,
-        max_total_tokens=config.max_total_tokens,
-        mem_fraction_static=config.mem_fraction_static,
-        reserved_bytes=reserved_bytes,
-        activation_dtype=loaded.dtype,  # an FP8 cache logs its gain in blocks
-    )
+    num_blocks = _plan(loaded, config, reserved_bytes)
     if draft_bytes_per_token and config.max_total_tokens is None:
         own = kv_bytes_per_token(loaded.config, kv_dtype)
         num_blocks = max(1, num_blocks * own // (own + draft_bytes_per_token))
@@ -85,7 +74,7 @@ def _plan(loaded: LoadedModel, config: EngineConfig, reserved_bytes: int) -> int
         max_total_tokens=config.max_total_tokens,
         mem_fraction_static=config.mem_fraction_static,
         reserved_bytes=reserved_bytes,
-        activation_dtype=loaded.dtype,
+        activation_dtype=loaded.dtype,  # an FP8 cache logs its gain in blocks
     )
 
 
