@@ -33,6 +33,7 @@ class Goal:
     measure: str | None = None  # a Measure's name; None: not built yet
     figure: Callable[[dict], float | None] | None = None
     goal_text: str | None = None  # shown instead of "op target" (a bound that is not one number)
+    scenario: str | None = None  # the workload scenario (SCENARIOS key) the figure reads
 
     @property
     def goal(self) -> str:
@@ -80,11 +81,21 @@ SCENARIOS = {
 
 def _scenario_rows(key: str, label: str, tok: float, p99: float | None, hot: float | None) -> list[Goal]:
     rows = [
-        Goal(57, f"{label}: tok/s vs base", ">=", tok, "workload", _workload(key, "output_tok_s")),
+        Goal(
+            57, f"{label}: tok/s vs base", ">=", tok, "workload", _workload(key, "output_tok_s"), scenario=key
+        ),
     ]
     if p99 is not None:
         rows.append(
-            Goal(57, f"{label}: TTFT p99 vs base", "<=", p99, "workload", _workload(key, "ttft_ms_p99"))
+            Goal(
+                57,
+                f"{label}: TTFT p99 vs base",
+                "<=",
+                p99,
+                "workload",
+                _workload(key, "ttft_ms_p99"),
+                scenario=key,
+            )
         )
     if hot is not None:
         rows.append(
@@ -95,6 +106,7 @@ def _scenario_rows(key: str, label: str, tok: float, p99: float | None, hot: flo
                 hot,
                 "workload",
                 _workload(key, "hot_ttft_ms_p99"),
+                scenario=key,
             )
         )
     return rows

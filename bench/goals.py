@@ -72,8 +72,11 @@ def measure_lora_layer(ctx: Context) -> dict:
 
 
 def workload_args(o: argparse.Namespace, cuda: bool) -> list[str]:
-    names = [full_tiny[1 if o.tiny else 0] for full_tiny in SCENARIOS.values()]
+    keys = o.scenarios.split(",") if o.scenarios else list(SCENARIOS)
+    names = [SCENARIOS[k][1 if o.tiny else 0] for k in keys]
     args = ["--mode", "engine" if cuda else "cpu", "--scenarios", *names]
+    for pair in o.server_arg:
+        args += ["--server-arg", pair]
     args += ["--window", str(o.window), "--drain", str(o.drain), "--rate", str(o.rate)]
     if o.tiny:  # short requests: the CPU decodes a few hundred tokens/s
         args += ["--prompt-len", "8,24", "--output-len", "4,12"] + (["--tiny"] if cuda else [])
@@ -103,7 +106,7 @@ def measure_workload(ctx: Context) -> dict:
             f"({vs.get('ttft_ms_p99')}x), took {spent[-1]:.0f} s"
         )
         ctx.report()
-        if now + max(spent) > ctx.deadline and len(spent) < len(keys):
+        if now + max(spent) > ctx.deadline and len(spent) < len(opts.scenarios):
             h.log(f"workload: stopping, the next scenario would pass the budget ({max(spent):.0f} s each)")
             return False
         return True
@@ -155,6 +158,8 @@ def evaluate(goal: Goal, measured: dict, cuda: bool) -> tuple[float | None, str]
         return None, "not run yet"
     if m["status"] != "ok" and m.get("result") is None:
         return None, m["status"]
+    if goal.scenario is not None and goal.scenario not in (m.get("result") or {}):
+        return None, "not run (budget or --scenarios)"
     value = goal.figure(m["result"])
     if value is None:
         return None, "not measured" if cuda else "needs CUDA"
@@ -199,10 +204,26 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=None, help="workload requests/s (default 25; --tiny 15)")
     p.add_argument("--measures", default=",".join(m.name for m in MEASURES), help="comma-separated subset")
     p.add_argument(
+        "--scenarios",
+        default=None,
+        help=f"workload scenarios, a comma-separated subset of {','.join(SCENARIOS)} (default: all; "
+        "the ratios need base)",
+    )
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="FLAG=VALUE",
+        help="workload: a ServerArgs field for every scenario, e.g. lora_memory=unified",
+    )
+    p.add_argument(
         "--workdir", type=Path, default=None, help="the workload's model and adapters (kept, reused)"
     )
     add_out_argument(p)
     o = p.parse_args(argv)
+    unknown = set(o.scenarios.split(",")) - set(SCENARIOS) if o.scenarios else set()
+    if unknown:
+        p.error(f"--scenarios: no scenario {', '.join(sorted(unknown))} (known: {', '.join(SCENARIOS)})")
     o.budget_s = o.budget_s or (600 if o.tiny else 540)
     o.window = o.window or (2 if o.tiny else 12)
     o.drain = o.drain or (20 if o.tiny else 10)
@@ -219,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     info = dict(
         meta=h.meta(device, o.tiny),
         budget_s=o.budget_s,
-        workload=dict(window_s=o.window, drain_s=o.drain, rate=o.rate),
+        workload=dict(window_s=o.window, drain_s=o.drain, rate=o.rate, server_args=o.server_arg),
     )
 
     def report() -> None:

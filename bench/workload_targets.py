@@ -149,6 +149,7 @@ class EngineTarget:
             max_lora_rank=s.max_lora_rank,
             target_modules=list(s.target_modules),
             backend=s.backend,
+            block_manager=type(llm.block_manager).__name__,  # UnifiedBlocks under --lora-memory unified
             kv_tokens=llm.block_manager.capacity_tokens,
             pool_mib=round(self.lora.pool.nbytes / 2**20, 1),
         )

@@ -101,6 +101,22 @@ def test_door_suite_times_both_paths(tmp_path):
     assert "door overhead" in out and result["requests"] == 2
 
 
+def test_goals_runs_chosen_workload_scenarios_with_server_flags(tmp_path):
+    """--scenarios picks rows; --server-arg reaches every scenario's engine (here: one KV/LoRA budget)."""
+    args = ["--tiny", "--device", "cpu", "--workdir", str(tmp_path / "files"), "--measures", "workload"]
+    args += ["--scenarios", "base,64/16", "--server-arg", "lora_memory=unified"]
+    out, result = run_bench("goals", tmp_path, args)
+    scenarios = result["measures"]["workload"]["result"]
+    assert set(scenarios) == {"base", "64/16"}
+    for name, res in scenarios.items():
+        assert (res["completed"], res["errors"]) == (res["requests"], 0), (name, res)
+        assert res["setup"]["block_manager"] == "UnifiedBlocks", res["setup"]
+    rows = {r["row"]: r for r in result["rows"] if r["measure"] == "workload"}
+    assert all(r["status"] in ("met", "missed") for k, r in rows.items() if k.startswith("64 Zipf, --max"))
+    assert rows["256 Zipf, default flags: tok/s vs base"]["status"] == "not run (budget or --scenarios)"
+    assert result["workload"]["server_args"] == ["lora_memory=unified"]
+
+
 def test_goals_command_prints_and_writes_every_row(tmp_path):
     args = ["--tiny", "--device", "cpu", "--workdir", str(tmp_path / "files")]
     out, result = run_bench("goals", tmp_path, args)
