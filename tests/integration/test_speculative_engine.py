@@ -291,3 +291,50 @@ def test_speculation_beside_overlap_scheduling(tiny_llama_path, adapters, one_to
     assert _run(on, prompts, params, names) == want
     assert overlapped[0] > 0, "no overlapped step: the switch is untested"
     assert sum(on.stats().spec_accepted_tokens.values()) > 0
+
+
+def test_nan_in_a_verify_step_ends_that_request_only(
+    tiny_llama_path, adapters, adapter_factory, one_torch_thread
+):
+    """An adapter whose pages turn NaN after its request's first token (the verify steps are the ones
+    that meet it): that request ends with a NonFiniteLogits error, having served only the token before;
+    the base and a good adapter in the same verify steps emit what they emit with speculation off."""
+    bad = adapter_factory(tiny_llama_path, "spec-nan", r=8, target_modules=["q_proj", "v_proj"], seed=9)
+    both = {**adapters, "bad": bad}
+    off = sync_engine(server_args(tiny_llama_path, both))
+    on = sync_engine(server_args(tiny_llama_path, both, speculative_algorithm="ngram"))
+    prompts = [off.tokenizer(p).input_ids for p in PROMPTS[:3]]
+    names = [None, "a", "bad"]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    want = _run(off, prompts, params, names)
+    _with_oracle(on, prompts, want, names)
+    for i, (ids, name) in enumerate(zip(prompts, names, strict=True)):
+        on.add_request(f"r{i}", ids, params, name)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    reasons: dict[str, str | None] = {}
+
+    def step() -> None:
+        for o in on.step():
+            got[o.request_id] += list(o.new_token_ids)
+            if o.finish_reason is not None:
+                reasons[o.request_id] = o.finish_reason
+
+    while not got["r2"]:
+        step()
+    assert len(got["r2"]) == 1  # its first token comes from a plain step: no verify yet
+    pool, slot = on.adapter_slots.pool, on.adapter_slots._active["bad"].slot
+    pages = torch.tensor(pool.host_pages[slot], dtype=torch.int64)
+    for g in pool.lora_b:
+        if pool.host_rank[g][:, slot].any():
+            pool.lora_b[g][:, pages] = float("nan")
+    before = on.stats()
+    while on.has_unfinished():
+        step()
+    assert reasons == {"r0": "length", "r1": "length", "r2": "abort"}, reasons
+    assert got["r0"] == want[0] and got["r1"] == want[1]
+    assert got["r2"] == want[2][:1]  # nothing computed from the NaN pages was served
+    error = on.errors.pop("r2")
+    assert type(error).__name__ == "NonFiniteLogits" and error.adapter == "bad", error
+    assert not on.errors
+    drafted = sum(on.stats().spec_draft_tokens.values()) - sum(before.spec_draft_tokens.values())
+    assert drafted > 0  # the steps after the poisoning verified drafts
