@@ -42,7 +42,22 @@ def test_greedy_verification_accepts_up_to_the_first_mismatch():
     gens = [None] * 4
     assert verify(logits, [[2, 3, 4]], _inputs(4, 0.0, gens))[0].tokens == [2, 3, 1]
     assert verify(logits, [[2, 3, 1]], _inputs(4, 0.0, gens))[0].tokens == [2, 3, 1, 5]
-    assert verify(logits, [[0, 3, 1]], _inputs(4, 0.0, gens))[0] == ([2], 0)
+    assert verify(logits, [[0, 3, 1]], _inputs(4, 0.0, gens))[0] == ([2], 0, False)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_verification_flags_a_request_with_a_non_finite_row(temperature):
+    """A NaN or Inf in any row of a request's draft positions flags that request (read in the
+    verification's one host copy), and only that request."""
+    logits = torch.randn(7, 6)
+    logits[5, 2] = float("nan")  # the second request's second row
+    logits[0, 1] = 40.0  # the first request's rows stay finite, even when large
+    gens = [torch.Generator().manual_seed(i) for i in range(7)]
+    runs = verify(logits, [[1, 2], [3, 4, 0]], _inputs(7, temperature, gens))
+    assert [r.nonfinite for r in runs] == [False, True]
+    logits[5, 2] = float("-inf")
+    runs = verify(logits, [[1, 2], [3, 4, 0]], _inputs(7, temperature, gens))
+    assert [r.nonfinite for r in runs] == [False, True]
 
 
 def _chi_square_p(counts: list[int], probs: list[float]) -> float:

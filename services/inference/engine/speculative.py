@@ -140,7 +140,7 @@ class Speculator:
         while accepted < len(draft) and self._forced_rng.random() < self.forced_rate:
             accepted += 1
         nxt = draft[accepted] if accepted < len(draft) else run.tokens[-1]
-        return Verified(draft[:accepted] + [nxt], accepted)
+        return Verified(draft[:accepted] + [nxt], accepted, run.nonfinite)
 
     def eligible(self, req: Request) -> bool:
         p = req.params
@@ -212,6 +212,7 @@ class Verified(NamedTuple):
 
     tokens: list[int]
     accepted: int  # draft tokens among them
+    nonfinite: bool = False  # a NaN or Inf in one of its rows' logits: none of it may be served
 
 
 def verify(
@@ -227,13 +228,15 @@ def verify(
     per request, the draft distribution q of each of its draft positions (`[>= len(draft), vocab]`,
     a draft model's), or None for a draft that is one token with probability 1 (n-gram). A draft
     token d where the target has p is accepted with probability min(1, p(d) / q(d)); a rejection
-    samples from max(0, p - q), renormalized, which with one-hot q is p without d. One host read."""
+    samples from max(0, p - q), renormalized, which with one-hot q is p without d. One host read,
+    which also brings the rows' non-finite flags (`Verified.nonfinite`)."""
     device = logits.device
     greedy = torch.tensor([t < MIN_TEMPERATURE for t in inp.temperature])
     at_row = [t for d in drafts for t in (*d, None)]  # each row's draft token (None: the bonus row)
+    bad = nonfinite_rows(logits).long()
     if bool(greedy.all()):
-        best = logits.max(dim=-1).indices.tolist()
-        return _walk(drafts, [t == b for t, b in zip(at_row, best, strict=True)], best)
+        best, bad_l = torch.stack([logits.max(dim=-1).indices, bad]).tolist()
+        return _walk(drafts, [t == b for t, b in zip(at_row, best, strict=True)], best, bad_l)
     probs = filtered_probs(logits, inp)
     rows = probs.shape[0]
     q = _draft_distribution(probs, drafts, draft_probs)
@@ -259,18 +262,21 @@ def verify(
     accept = uniforms * q_draft < p_draft  # u < p(d) / q(d), without dividing by a zero q
     drawn = (residual / races).max(dim=-1).indices
     best = logits.max(dim=-1).indices
-    accept_l, drawn_l, best_l = torch.stack([accept.long(), drawn, best]).tolist()
+    accept_l, drawn_l, best_l, bad_l = torch.stack([accept.long(), drawn, best, bad]).tolist()
     # Greedy rows accept by exact match and fall back to the argmax; sampled rows as drawn above.
     accepts = [
         t == b if g else bool(a) for t, b, g, a in zip(at_row, best_l, greedy.tolist(), accept_l, strict=True)
     ]
     fallbacks = [b if g else x for b, g, x in zip(best_l, greedy.tolist(), drawn_l, strict=True)]
-    return _walk(drafts, accepts, fallbacks)
+    return _walk(drafts, accepts, fallbacks, bad_l)
 
 
-def _walk(drafts: list[list[int]], accepts: list[bool], fallbacks: list[int]) -> list[Verified]:
+def _walk(
+    drafts: list[list[int]], accepts: list[bool], fallbacks: list[int], bad: list[int]
+) -> list[Verified]:
     """Per request (its rows in order): its draft tokens while each row accepts, then the first
-    rejecting row's fallback token, or the bonus row's when every draft token was accepted."""
+    rejecting row's fallback token, or the bonus row's when every draft token was accepted; flagged
+    non-finite when any of its rows is."""
     out, at = [], 0
     for d in drafts:
         tokens: list[int] = []
@@ -280,7 +286,7 @@ def _walk(drafts: list[list[int]], accepts: list[bool], fallbacks: list[int]) ->
                 continue
             tokens.append(fallbacks[at + j])
             break
-        out.append(Verified(tokens, len(tokens) - 1))
+        out.append(Verified(tokens, len(tokens) - 1, any(bad[at : at + len(d) + 1])))
         at += len(d) + 1
     return out
 
@@ -350,15 +356,11 @@ def verify_step(engine, entries, chunks, logits: torch.Tensor) -> list:
     if engine.speculator.forced_rate is not None:
         verified = [engine.speculator.forced(d, run) for (_, d), run in zip(spec, verified, strict=True)]
     logprobs = _run_logprobs(spec_logits, spec, verified)
-    bad_rows = nonfinite_rows(spec_logits).tolist()
-    at = 0
     for (req, draft), run, lps in zip(spec, verified, logprobs, strict=True):
         req.num_computed_tokens += 1 + run.accepted
         req.draft_ids = []
         req.draft_probs = None
-        bad = any(bad_rows[at : at + len(draft) + 1])
-        at += len(draft) + 1
-        if bad:  # a NaN or Inf in any of its positions' logits: the request ends with an error
+        if run.nonfinite:  # a NaN or Inf in any of its positions' logits: the request ends with an error
             outputs.extend(processor.process([req], [0], None, None, [True]))
             continue
         engine.speculator.record(req, len(draft), run.accepted)
