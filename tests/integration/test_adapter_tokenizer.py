@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import urllib.request
 from pathlib import Path
@@ -181,6 +182,22 @@ def test_streamed_text_detokenize_and_stop_strings_read_the_adapters_tokens(stub
     cut = own_ids.index(MARKER_ID)
     assert stopped.finish_reason == "stop" and MARKER not in stopped.text
     assert list(stopped.token_ids) == own_ids[: cut + 1]
+
+
+def test_a_constraint_is_compiled_on_the_adapters_tokenizer(client, stub, tokenizers):
+    """Output exactly the marker's text, its id pushed up by logit_bias, in one call: the adapter's
+    mask (from its tokenizer's strings) allows the marker's one id, which is the whole output; the
+    base's id 49151 is "ectable", forbidden there, so the base writes the marker's text in pieces.
+    (Compiled on the base's strings for both, the adapter's output was pieces too.)"""
+    for kind, value in (("regex", re.escape(MARKER)), ("choice", pb.Choices(choices=[MARKER]))):
+        params = pb.SamplingParams(max_new_tokens=MAX_NEW, temperature=0, **{kind: value})
+        params.logit_bias[MARKER_ID] = 100
+        request = pb.GenerateRequest(text=[TEXT, TEXT], adapter=[NAME, ""], sampling_params=params)
+        own, base = stub.Generate(request, timeout=60).completions
+        eos = [tokenizers[0].eos_token_id]  # the grammar ends: EOS is all it allows
+        assert (list(own.token_ids), own.text, own.finish_reason) == ([MARKER_ID, *eos], MARKER, "stop"), kind
+        assert (base.text, base.finish_reason, list(base.token_ids[-1:])) == (MARKER, "stop", eos), kind
+        assert MARKER_ID not in base.token_ids and len(base.token_ids) > 2, kind  # pieces, then EOS
 
 
 def _post(door, path: str, body: dict) -> dict:
