@@ -8,6 +8,8 @@ through the `openai` package; transformers + PEFT with the adapter's tokenizer a
   tokenizer (the marker is one id) and a base request in the same call by the base's (split).
 - Greedy outputs equal transformers + PEFT's; the output text (unary, streamed, Detokenize, the door)
   is the adapter tokenizer's, the marker shown; a stop string is matched in that text.
+- A constraint (regex, choice; gRPC and the door) is compiled on the adapter's tokenizer: the marker
+  is one token under the adapter, pieces under the base.
 - A tokenizer with an id past the embedding rows is refused by the store (FAILED_PRECONDITION naming
   the token and id) and by the inference server at load.
 """
@@ -218,6 +220,16 @@ def test_the_door_uses_the_adapters_tokenizer(client, stack, reference, tokenize
         done = api.completions.create(model=NAME, prompt=TEXT, max_tokens=MAX_NEW, temperature=0)
         assert MARKER in done.choices[0].text and done.usage.prompt_tokens == len(own_prompt)
         assert _post(door, "/tokenize", {"model": NAME, "prompt": TEXT})["tokens"] == own_prompt
+        # a structured output by `model`: compiled on the adapter's tokenizer (the marker, one token)
+        chose = api.completions.create(
+            model=NAME,
+            prompt=TEXT,
+            max_tokens=MAX_NEW,
+            temperature=0,
+            logit_bias={str(MARKER_ID): 100},
+            extra_body={"guided_choice": [MARKER]},
+        )
+        assert chose.choices[0].text == MARKER and chose.usage.completion_tokens == 2  # it and EOS
         assert MARKER_ID not in _post(door, "/tokenize", {"prompt": TEXT})["tokens"]
         assert _post(door, "/detokenize", {"model": NAME, "tokens": [MARKER_ID]})["prompt"] == MARKER
         # chat: rendered by the template, tokenized by the adapter's tokenizer, greedy as PEFT's
