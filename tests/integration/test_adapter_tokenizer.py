@@ -248,7 +248,7 @@ def test_the_door_uses_the_adapters_tokenizer(client, stack, reference, tokenize
 def test_the_inference_server_checks_the_rows_at_load(tiny_llama_path, adapter_factory, tmp_path):
     """Without a store in between (the tiny Llama has SmolLM2's tokenizer and 49,152 rows): the
     marker within the rows loads, with its own tokenizer; past them, AdapterIncompatible
-    (FAILED_PRECONDITION) naming the token, and the name stays unloaded."""
+    (FAILED_PRECONDITION) naming the token, and the name stays unloaded. Then its grammars (below)."""
     from tests.support.lora_reference import async_engine, server_args
 
     made = adapter_factory(
@@ -268,5 +268,29 @@ def test_the_inference_server_checks_the_rows_at_load(tiny_llama_path, adapter_f
         ):
             asyncio.run(engine.load_adapter("past", str(past)))
         assert not engine.has_adapter("past")
+        _check_grammars_follow_the_tokenizer(engine)
     finally:
         asyncio.run(engine.shutdown())
+
+
+def _check_grammars_follow_the_tokenizer(engine) -> None:
+    """In the AsyncEngine: "within"'s constrained request is compiled on its tokenizer (the marker is
+    its one token) and cached apart from the base's; unloading it drops that entry, not the base's."""
+    from loraplex.services.inference.engine.types import Constraint, SamplingParams
+
+    c = Constraint("regex", re.escape(MARKER))
+    params = SamplingParams(max_new_tokens=4, temperature=0, constraint=c, logit_bias=((MARKER_ID, 100.0),))
+
+    async def new_ids(adapter: str | None) -> list[int]:
+        return [
+            t
+            async for out in engine.generate(f"c-{adapter}", TEXT, adapter, params)
+            for t in out.new_token_ids
+        ]
+
+    own, grammars = engine.adapter_tokenizers.get("within"), engine.engine.grammars
+    assert asyncio.run(new_ids("within"))[0] == MARKER_ID
+    assert MARKER_ID not in asyncio.run(new_ids(None))
+    assert grammars.cached(c, own) and grammars.cached(c)
+    asyncio.run(engine.unload_adapter("within"))
+    assert own.dropped and not grammars.cached(c, own) and grammars.cached(c)
