@@ -8,6 +8,8 @@ through the `openai` package; transformers + PEFT with the adapter's tokenizer a
   tokenizer (the marker is one id) and a base request in the same call by the base's (split).
 - Greedy outputs equal transformers + PEFT's; the output text (unary, streamed, Detokenize, the door)
   is the adapter tokenizer's, the marker shown; a stop string is matched in that text.
+- A constraint (regex, choice; gRPC and the door) is compiled on the adapter's tokenizer: the marker
+  is one token under the adapter, pieces under the base.
 - A tokenizer with an id past the embedding rows is refused by the store (FAILED_PRECONDITION naming
   the token and id) and by the inference server at load.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import urllib.request
 from pathlib import Path
@@ -183,6 +186,22 @@ def test_streamed_text_detokenize_and_stop_strings_read_the_adapters_tokens(stub
     assert list(stopped.token_ids) == own_ids[: cut + 1]
 
 
+def test_a_constraint_is_compiled_on_the_adapters_tokenizer(client, stub, tokenizers):
+    """Output exactly the marker's text, its id pushed up by logit_bias, in one call: the adapter's
+    mask (from its tokenizer's strings) allows the marker's one id, which is the whole output; the
+    base's id 49151 is "ectable", forbidden there, so the base writes the marker's text in pieces.
+    (Compiled on the base's strings for both, the adapter's output was pieces too.)"""
+    for kind, value in (("regex", re.escape(MARKER)), ("choice", pb.Choices(choices=[MARKER]))):
+        params = pb.SamplingParams(max_new_tokens=MAX_NEW, temperature=0, **{kind: value})
+        params.logit_bias[MARKER_ID] = 100
+        request = pb.GenerateRequest(text=[TEXT, TEXT], adapter=[NAME, ""], sampling_params=params)
+        own, base = stub.Generate(request, timeout=60).completions
+        eos = [tokenizers[0].eos_token_id]  # the grammar ends: EOS is all it allows
+        assert (list(own.token_ids), own.text, own.finish_reason) == ([MARKER_ID, *eos], MARKER, "stop"), kind
+        assert (base.text, base.finish_reason, list(base.token_ids[-1:])) == (MARKER, "stop", eos), kind
+        assert MARKER_ID not in base.token_ids and len(base.token_ids) > 2, kind  # pieces, then EOS
+
+
 def _post(door, path: str, body: dict) -> dict:
     req = urllib.request.Request(
         f"http://{door.address}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
@@ -201,6 +220,16 @@ def test_the_door_uses_the_adapters_tokenizer(client, stack, reference, tokenize
         done = api.completions.create(model=NAME, prompt=TEXT, max_tokens=MAX_NEW, temperature=0)
         assert MARKER in done.choices[0].text and done.usage.prompt_tokens == len(own_prompt)
         assert _post(door, "/tokenize", {"model": NAME, "prompt": TEXT})["tokens"] == own_prompt
+        # a structured output by `model`: compiled on the adapter's tokenizer (the marker, one token)
+        chose = api.completions.create(
+            model=NAME,
+            prompt=TEXT,
+            max_tokens=MAX_NEW,
+            temperature=0,
+            logit_bias={str(MARKER_ID): 100},
+            extra_body={"guided_choice": [MARKER]},
+        )
+        assert chose.choices[0].text == MARKER and chose.usage.completion_tokens == 2  # it and EOS
         assert MARKER_ID not in _post(door, "/tokenize", {"prompt": TEXT})["tokens"]
         assert _post(door, "/detokenize", {"model": NAME, "tokens": [MARKER_ID]})["prompt"] == MARKER
         # chat: rendered by the template, tokenized by the adapter's tokenizer, greedy as PEFT's
@@ -219,7 +248,7 @@ def test_the_door_uses_the_adapters_tokenizer(client, stack, reference, tokenize
 def test_the_inference_server_checks_the_rows_at_load(tiny_llama_path, adapter_factory, tmp_path):
     """Without a store in between (the tiny Llama has SmolLM2's tokenizer and 49,152 rows): the
     marker within the rows loads, with its own tokenizer; past them, AdapterIncompatible
-    (FAILED_PRECONDITION) naming the token, and the name stays unloaded."""
+    (FAILED_PRECONDITION) naming the token, and the name stays unloaded. Then its grammars (below)."""
     from tests.support.lora_reference import async_engine, server_args
 
     made = adapter_factory(
@@ -239,5 +268,29 @@ def test_the_inference_server_checks_the_rows_at_load(tiny_llama_path, adapter_f
         ):
             asyncio.run(engine.load_adapter("past", str(past)))
         assert not engine.has_adapter("past")
+        _check_grammars_follow_the_tokenizer(engine)
     finally:
         asyncio.run(engine.shutdown())
+
+
+def _check_grammars_follow_the_tokenizer(engine) -> None:
+    """In the AsyncEngine: "within"'s constrained request is compiled on its tokenizer (the marker is
+    its one token) and cached apart from the base's; unloading it drops that entry, not the base's."""
+    from loraplex.services.inference.engine.types import Constraint, SamplingParams
+
+    c = Constraint("regex", re.escape(MARKER))
+    params = SamplingParams(max_new_tokens=4, temperature=0, constraint=c, logit_bias=((MARKER_ID, 100.0),))
+
+    async def new_ids(adapter: str | None) -> list[int]:
+        return [
+            t
+            async for out in engine.generate(f"c-{adapter}", TEXT, adapter, params)
+            for t in out.new_token_ids
+        ]
+
+    own, grammars = engine.adapter_tokenizers.get("within"), engine.engine.grammars
+    assert asyncio.run(new_ids("within"))[0] == MARKER_ID
+    assert MARKER_ID not in asyncio.run(new_ids(None))
+    assert grammars.cached(c, own) and grammars.cached(c)
+    asyncio.run(engine.unload_adapter("within"))
+    assert own.dropped and not grammars.cached(c, own) and grammars.cached(c)

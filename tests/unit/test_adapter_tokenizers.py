@@ -1,16 +1,23 @@
 """An adapter's own tokenizer (engine/adapter_tokenizers.py): built over the base's files from what
 the adapter ships, kept only when it differs from the base's, refused naming the token when an id
-is past the embedding rows or an added token does not land where its files say, and bounded."""
+is past the embedding rows or an added token does not land where its files say, and bounded. Its
+requests' constraints are compiled on its token strings (engine/grammar_cache.py), kept apart from
+the base's, and dropped with it."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from loraplex.services.inference.engine.adapter_tokenizers import AdapterTokenizers
+from loraplex.services.inference.engine.grammar import GrammarState, allocate_bitmask
+from loraplex.services.inference.engine.grammar_cache import GrammarCache, constraint_digest
+from loraplex.services.inference.engine.types import Constraint
 from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid
 from tests.support.adapter_tokenizer import MARKER, MARKER_ID, write_marker_tokenizer
 
@@ -102,3 +109,72 @@ def test_distinct_tokenizers_are_bounded_and_dropped_with_their_last_adapter(mar
     assert tokenizers.distinct() == 1
     tokenizers.forget("b")
     assert tokenizers.get("b") is None and tokenizers.distinct() == 0
+
+
+EOS = 2  # SmolLM2's <|im_end|>, the stop token here
+AS_MARKER = (Constraint("regex", re.escape(MARKER)), Constraint("choice", choices=(MARKER,)))
+
+
+@pytest.fixture(scope="module")
+def base_compiler(base_tokenizer):
+    """xgrammar's table of the base tokenizer, built once for the module's caches."""
+    return GrammarCache(base_tokenizer, ROWS, [EOS]).prepare()
+
+
+@pytest.fixture
+def grammars(base, base_tokenizer, base_compiler, marker):
+    """(a grammar cache on the base tokenizer, adapter tokenizers that drop theirs from it, the
+    marker adapter "m"'s entry there: a fresh entry on the module's marker tokenizer)."""
+    cache = GrammarCache(base_tokenizer, ROWS, [EOS], tokenizer_name=str(base), compiler=base_compiler)
+    tokenizers = AdapterTokenizers(base, ROWS, base_tokenizer, on_drop=cache.forget_tokenizer)
+    own = dataclasses.replace(marker[1], grammar_compiler=None, dropped=False)
+    tokenizers.assign("m", own)
+    yield cache, tokenizers, own
+    cache.close()
+
+
+def _allowed(state: GrammarState) -> torch.Tensor:
+    """Which ids the grammar allows next (bool, one per logit)."""
+    bitmask = allocate_bitmask(1, ROWS, pin=False)
+    state.fill(bitmask, 0)
+    return ((bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:ROWS].bool()
+
+
+@pytest.mark.parametrize("constraint", AS_MARKER, ids=lambda c: c.kind)
+def test_a_constraint_is_compiled_on_its_requests_tokenizer(grammars, base_tokenizer, constraint):
+    """Output exactly the marker's text: under the adapter the marker's one id is allowed and ends it
+    (then only EOS); under the base that id is "ectable" and forbidden, the text comes in pieces.
+    (Compiled on the base's strings for both, the adapter could not emit its own marker token.)"""
+    cache, _, own = grammars
+    under_own, under_base = cache.compile(constraint, own=own), cache.compile(constraint)
+    assert _allowed(GrammarState(under_own))[MARKER_ID] and not _allowed(GrammarState(under_base))[MARKER_ID]
+    state = GrammarState(under_own)
+    assert state.accept(0, MARKER_ID)
+    assert _allowed(state).nonzero().flatten().tolist() == [EOS]
+    assert not GrammarState(under_base).accept(0, MARKER_ID)
+    pieces = base_tokenizer(MARKER, add_special_tokens=False).input_ids
+    base_state = GrammarState(under_base)
+    assert len(pieces) > 1 and all(base_state.accept(i, t) for i, t in enumerate(pieces))
+
+
+def test_base_and_adapter_grammars_are_kept_apart_and_go_with_the_tokenizer(grammars, base):
+    """One constraint, two tokenizers: two cache entries, two compilers; the base's key is as it was
+    before adapters had tokenizers. The adapter's entry (and its compiler, on the tokenizer entry)
+    goes with the last adapter using that tokenizer; a compile of it finishing later is not kept."""
+    cache, tokenizers, own = grammars
+    c = AS_MARKER[0]
+    under_own, under_base = cache.compile(c, own=own), cache.compile(c)
+    assert under_own is not under_base
+    assert cache.key(c) == (str(base), constraint_digest(c)) and cache.key(c, own) == (
+        own.key,
+        constraint_digest(c),
+    )
+    assert cache.cached(c) and cache.cached(c, own)
+    assert cache.compile(c, own=own) is under_own and cache.compile(c) is under_base  # hits
+    assert own.grammar_compiler is not None and own.grammar_compiler is not cache.prepare()
+    base_bytes = int(under_base.memory_size_bytes)
+    tokenizers.forget("m")
+    assert own.dropped and tokenizers.distinct() == 0
+    assert not cache.cached(c, own) and cache.cached(c) and cache.bytes_held == base_bytes
+    cache.compile(c, own=own)  # a request that looked the tokenizer up before it went
+    assert not cache.cached(c, own) and cache.bytes_held == base_bytes

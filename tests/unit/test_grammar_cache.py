@@ -40,11 +40,11 @@ class Held:
         self.started: list[str] = []
         self.cache: GrammarCache | None = None
 
-    def __call__(self, c: Constraint):
+    def __call__(self, c: Constraint, own=None):
         self.started.append(c.value)
         if c.value.startswith("held"):
             assert self.release.wait(30), "the test never released its held compiles"
-        return self.cache._xgr_compile(c)
+        return self.cache._xgr_compile(c, own)
 
 
 def _cache(tokenizer, held: Held | None = None, **kw) -> GrammarCache:

@@ -80,6 +80,11 @@ class AdapterTokenizer:
     lock: threading.Lock = field(default_factory=threading.Lock)
     token_bytes: TokenBytes | None = None
     template_variables: dict = field(default_factory=dict)
+    # xgrammar's compiler on this tokenizer's token strings (engine/grammar_cache.py builds it on the
+    # first constrained request, under `grammar_lock`): it goes with the entry.
+    grammar_compiler: object = None
+    grammar_lock: threading.Lock = field(default_factory=threading.Lock)
+    dropped: bool = False  # no adapter uses it any more (its compiled grammars are not kept)
 
     def __post_init__(self):
         self.token_bytes = TokenBytes(self.caller)
@@ -166,8 +171,17 @@ class AdapterTokenizers:
     `get(name)` is a dict lookup (None: the base tokenizer); `prepare` builds (a second or two for
     a large tokenizer) and must run off the engine thread and the event loop."""
 
-    def __init__(self, base_dir: str | Path, rows: int, base_tokenizer, limit: int = MAX_ADAPTER_TOKENIZERS):
+    def __init__(
+        self,
+        base_dir: str | Path,
+        rows: int,
+        base_tokenizer,
+        limit: int = MAX_ADAPTER_TOKENIZERS,
+        on_drop=None,
+    ):
         self.base_dir = Path(base_dir)
+        # on_drop(key): an entry no adapter uses went (GrammarCache.forget_tokenizer drops its grammars).
+        self._on_drop = on_drop
         self.rows = rows
         self.limit = limit
         self._base_signature = _signature(base_tokenizer)
@@ -234,11 +248,16 @@ class AdapterTokenizers:
             if entry is None:
                 self._by_name.pop(name, None)
             else:
+                entry.dropped = False  # (an entry prepared before its last user went, assigned again)
                 self._by_key[entry.key] = entry
                 self._by_name[name] = entry
             used = {e.key for e in self._by_name.values()}
-            for key in [k for k in self._by_key if k not in used]:
-                del self._by_key[key]
+            gone = [self._by_key.pop(k) for k in list(self._by_key) if k not in used]
+            for old in gone:
+                old.dropped = True
+        for old in gone:
+            if self._on_drop is not None:
+                self._on_drop(old.key)
 
     def check_room(self, name: str, entry: AdapterTokenizer | None) -> None:
         """Refuse before loading an adapter whose tokenizer would exceed `limit` (see `assign`)."""

@@ -49,6 +49,7 @@ class _Add(NamedTuple):
     draft_adapter: str | None = None
     grammar: object = None  # params.constraint compiled (engine/grammar.py), when it has one
     tokenizer: object = None  # the adapter's own, the engine thread's copy (None: the base's)
+    own: object = None  # the adapter's AdapterTokenizer entry: its constraint is compiled on it
 
 
 class _Abort(NamedTuple):
@@ -86,7 +87,10 @@ class AsyncEngine:
         self._token_bytes = TokenBytes(self._tokenizer)
         # Adapters that ship a tokenizer of their own (engine/adapter_tokenizers.py).
         self.adapter_tokenizers = AdapterTokenizers(
-            engine.loaded.model_dir, engine.loaded.config.vocab_size, self._tokenizer
+            engine.loaded.model_dir,
+            engine.loaded.config.vocab_size,
+            self._tokenizer,
+            on_drop=engine.grammars.forget_tokenizer,  # its compiled grammars go with it
         )
         for info in lora_manager.list_adapters() if lora_manager is not None else ():
             self._adopt_tokenizer(info.name, info.source)  # loaded at start (--lora-paths)
@@ -125,6 +129,7 @@ class AsyncEngine:
             arrival,
             draft_adapter or None,
             tokenizer=own.engine if own is not None else None,
+            own=own,
         )
         return self._stream(add)
 
@@ -134,11 +139,13 @@ class AsyncEngine:
                 f"adapter {add.adapter!r} is not loaded on this server", adapter=add.adapter
             )
         if add.params.constraint is not None:
-            # Compiled on the grammar cache's threads: the batch runs on while this request waits.
+            # Compiled on the grammar cache's threads: the batch runs on while this request waits,
+            # against the token strings of the tokenizer its text went through (the adapter's own).
             # The servicer names a call's engine requests `{call id}-{k}`: the call is the owner
             # the compile pool shares its workers fairly between.
             owner = add.request_id.rpartition("-")[0] or add.request_id
-            add = add._replace(grammar=await self.engine.grammars.compile_async(add.params.constraint, owner))
+            grammar = await self.engine.grammars.compile_async(add.params.constraint, owner, add.own)
+            add = add._replace(grammar=grammar)
         sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
         with self._sinks_lock:
             if add.request_id in self._sinks:

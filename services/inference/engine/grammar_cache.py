@@ -1,17 +1,23 @@
-"""GrammarCache: a request's Constraint compiled once (xgrammar), off the engine thread, and kept
-for the next request with the same constraint, within a byte bound.
+"""GrammarCache: a request's Constraint compiled once (xgrammar, engine/grammar_compile.py), off
+the engine thread, against the tokenizer that request uses, and kept for the next request with the
+same constraint and tokenizer, within a byte bound.
 
 - Compiles run on `CompilePool` (engine/compile_pool.py): fair across callers, each compile under
   `compile_timeout_s` of its own running time. A compile past it is refused, and the same grammar
   is then refused at once for `TOO_SLOW_FOR_S` (the time was the grammar's own). A caller that
   waited longer than `queue_timeout_s` for a worker gets CapacityExceeded (retry later); that
   refusal is not kept.
-- The cache keeps compiled grammars by the digest of (tokenizer, constraint), least recently used
-  dropped first, at most `max_bytes` in all (xgrammar's `memory_size_bytes`: its token masks) and
-  `max_entries` of them. A grammar over `max_grammar_bytes` is refused, and kept by nothing.
-- Refused at compile, naming the field: parser errors, JSON-schema keywords xgrammar does not
-  enforce (engine/schema_keywords.py), and grammars that admit no output at all (`root ::= root`,
-  an empty character class, a schema that only refers to itself).
+- A request's tokenizer is the base model's, or its adapter's own (engine/adapter_tokenizers.py:
+  added tokens make other token strings, so a mask built from the base's would allow the wrong
+  ids). The base's xgrammar compiler is the cache's; an adapter tokenizer's is built on its first
+  constrained request and lives on its entry, so it is bounded as the entries are and goes with the
+  last adapter using it (`forget_tokenizer` then drops that tokenizer's compiled grammars too).
+- The cache keeps compiled grammars by (tokenizer identity: the base model's name or the adapter
+  tokenizer's files digest, the constraint's digest), least recently used dropped first, at most
+  `max_bytes` in all (xgrammar's `memory_size_bytes`: its token masks) and `max_entries` of them,
+  whatever their tokenizer. A grammar over `max_grammar_bytes` is refused, and kept by nothing.
+- Refused at compile, naming the field (engine/grammar_compile.py): parser errors, JSON-schema
+  keywords xgrammar does not enforce, and grammars that admit no output at all.
 """
 
 from __future__ import annotations
@@ -19,15 +25,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
-import json
-import re
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 from loraplex.services.inference.engine.compile_pool import CompileJob, CompilePool
-from loraplex.services.inference.engine.schema_keywords import check_schema_keywords
+from loraplex.services.inference.engine.grammar_compile import build_compiler, compile_constraint
 from loraplex.services.inference.engine.types import Constraint
 from loraplex.services.inference.errors import CapacityExceeded, InvalidRequest
 
@@ -39,32 +44,16 @@ GRAMMAR_MAX_BYTES = 64 * 2**20  # one compiled grammar (--grammar-max-bytes)
 TOO_SLOW_KEPT = 4096  # digests of grammars refused as too slow, remembered to refuse them at once
 # ... for this long: a compile slowed by a loaded CPU rather than by its grammar is not refused for good.
 TOO_SLOW_FOR_S = 600.0
-# "Any JSON object", written the way json_schema output is (", " and ": ", no other whitespace)
-# and with numbers of at most 16 integer and 16 fraction digits: xgrammar's built-in JSON grammar
-# lets a small model write digits for ever (seen on SmolLM2: "population": 2000000000...).
-JSON_OBJECT_GRAMMAR = r"""root ::= object
-value ::= object | array | string | number | "true" | "false" | "null"
-object ::= "{" ( member ( ", " member )* )? "}"
-member ::= string ": " value
-array ::= "[" ( value ( ", " value )* )? "]"
-string ::= "\"" char* "\""
-char ::= [^"\\\x00-\x1f] | "\\" ( ["\\/bfnrt] | "u" [0-9a-fA-F]{4} )
-number ::= "-"? int frac? exp?
-int ::= "0" | [1-9] [0-9]{0,15}
-frac ::= "." [0-9]{1,16}
-exp ::= [eE] [+-]? [0-9]{1,3}
-"""
-_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+if TYPE_CHECKING:
+    from loraplex.services.inference.engine.adapter_tokenizers import AdapterTokenizer
 
 
-def _parser_message(exc: Exception) -> str:
-    """xgrammar's error text without its C++ source location prefix."""
-    return _CPP_PREFIX.sub("", str(exc).strip()).strip()
+class _Asked(NamedTuple):
+    """What a compile job carries for the pool's callbacks."""
 
-
-def choice_grammar(choices: tuple[str, ...]) -> str:
-    """EBNF whose language is exactly `choices` (JSON string escapes are valid EBNF literals)."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    constraint: Constraint
+    own: AdapterTokenizer | None  # the adapter's own tokenizer; None: the base's
 
 
 def constraint_digest(c: Constraint) -> str:
@@ -82,9 +71,11 @@ def _mb(n: int) -> str:
 
 
 class GrammarCache:
-    """Compiled grammars for one tokenizer, by constraint digest, compiled off the caller's thread.
+    """Compiled grammars by (tokenizer, constraint digest), compiled off the caller's thread.
 
-    `compile_fn(constraint)`: the compiler (default: xgrammar on this tokenizer); tests pass a
+    `tokenizer`: the base model's (named `tokenizer_name`); `own` in `submit` / `compile` /
+    `compile_async`: the request's adapter tokenizer entry, None for the base's.
+    `compile_fn(constraint, own)`: the compiler (default: xgrammar on that tokenizer); tests pass a
     slow one to exercise the pool. `pool_limits`: CompilePool's `workers`, `per_owner`, ...
     `owner` in `submit` / `compile_async`: who asks (the servicer's call), for the pool's fairness."""
 
@@ -100,7 +91,7 @@ class GrammarCache:
         max_entries: int = CACHE_ENTRIES,
         max_bytes: int = CACHE_MAX_BYTES,
         max_grammar_bytes: int = GRAMMAR_MAX_BYTES,
-        compile_fn: Callable[[Constraint], object] | None = None,
+        compile_fn: Callable[[Constraint, AdapterTokenizer | None], object] | None = None,
         compiler=None,
         **pool_limits,
     ):
@@ -116,24 +107,28 @@ class GrammarCache:
         self._compile_fn = compile_fn or self._xgr_compile
         self._lock = threading.Lock()
         self._compiler_lock = threading.Lock()
-        # xgrammar's compiler on this tokenizer: built on first use (it reads the whole vocabulary:
-        # ~0.2 s), or another cache's on the same tokenizer (`compiler`: tests share one).
+        # xgrammar's compiler on the base tokenizer: built on first use (it reads the whole
+        # vocabulary: ~0.2 s), or another cache's on the same tokenizer (`compiler`: tests share one).
         self._compiler = compiler
         self._done: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()
         self.bytes_held = 0
         self._too_slow: OrderedDict[tuple[str, str], float] = OrderedDict()  # key -> when refused
         self.pool = CompilePool(compile_timeout_s, self._finished, self._overdue, **pool_limits)
 
-    def key(self, c: Constraint) -> tuple[str, str]:
-        return (self.tokenizer_name, constraint_digest(c))
+    def key(self, c: Constraint, own: AdapterTokenizer | None = None) -> tuple[str, str]:
+        """A base request's key is (the model's name, digest), as before adapters had tokenizers; an
+        adapter tokenizer's is its files digest ("sha256:..."), which no model name equals."""
+        return (self.tokenizer_name if own is None else own.key, constraint_digest(c))
 
     # -- asking -----------------------------------------------------------------------------
 
-    def submit(self, c: Constraint, owner: str = "") -> CompileJob | object:
+    def submit(
+        self, c: Constraint, owner: str = "", own: AdapterTokenizer | None = None
+    ) -> CompileJob | object:
         """The compiled grammar if cached, else the compile's job (shared with every other caller
-        of the same constraint). Raises the refusals known at once."""
+        of the same constraint and tokenizer). Raises the refusals known at once."""
         c.validate()
-        key = self.key(c)
+        key = self.key(c, own)
         with self._lock:
             refused_at = self._too_slow.get(key)
             if refused_at is not None:
@@ -144,15 +139,15 @@ class GrammarCache:
             if hit is not None:
                 self._done.move_to_end(key)
                 return hit[0]
-        return self.pool.submit(key, lambda: self._compile_fn(c), owner, c)
+        return self.pool.submit(key, lambda: self._compile_fn(c, own), owner, _Asked(c, own))
 
-    def cached(self, c: Constraint) -> bool:
+    def cached(self, c: Constraint, own: AdapterTokenizer | None = None) -> bool:
         with self._lock:
-            return self.key(c) in self._done
+            return self.key(c, own) in self._done
 
-    def compile(self, c: Constraint, owner: str = ""):
+    def compile(self, c: Constraint, owner: str = "", own: AdapterTokenizer | None = None):
         """Blocking form (the synchronous LLMEngine.generate, tests)."""
-        job = self.submit(c, owner)
+        job = self.submit(c, owner, own)
         if not isinstance(job, CompileJob):
             return job
         try:
@@ -165,10 +160,10 @@ class GrammarCache:
             if not job.future.done():
                 self.pool.leave(job)
 
-    async def compile_async(self, c: Constraint, owner: str = ""):
+    async def compile_async(self, c: Constraint, owner: str = "", own: AdapterTokenizer | None = None):
         """Wait for the compiled grammar without blocking the event loop (or the engine thread).
         A cancelled wait cancels only this caller's interest, never the shared compile."""
-        job = self.submit(c, owner)
+        job = self.submit(c, owner, own)
         if not isinstance(job, CompileJob):
             return job
         waiting = asyncio.wrap_future(job.future)
@@ -204,7 +199,7 @@ class GrammarCache:
         if isinstance(value, BaseException):
             return value
         size = int(getattr(value, "memory_size_bytes", 0))
-        field = job.context.field
+        field = job.context.constraint.field
         if size > self.max_grammar_bytes:
             return InvalidRequest(
                 f"{field} compiles to {_mb(size)} of token masks; at most {_mb(self.max_grammar_bytes)} "
@@ -212,6 +207,9 @@ class GrammarCache:
                 field=field,
             )
         with self._lock:
+            own = job.context.own
+            if own is not None and own.dropped:
+                return value  # its tokenizer went meanwhile (forget_tokenizer): this request only
             self._done[job.key] = (value, size)
             self.bytes_held += size
             while self.bytes_held > self.max_bytes or len(self._done) > self.max_entries:
@@ -225,74 +223,47 @@ class GrammarCache:
             self._too_slow.move_to_end(job.key)
             while len(self._too_slow) > TOO_SLOW_KEPT:
                 self._too_slow.popitem(last=False)
-        return self._timeout_error(job.context)
+        return self._timeout_error(job.context.constraint)
+
+    def forget_tokenizer(self, key: str) -> None:
+        """No adapter uses the tokenizer with files digest `key` any more: its compiled grammars go
+        (running requests keep their own). AdapterTokenizers marks its entry dropped first, so a
+        compile of it that ends after this is not kept either."""
+        with self._lock:
+            for k in [k for k in self._done if k[0] == key]:
+                _, size = self._done.pop(k)
+                self.bytes_held -= size
+            for k in [k for k in self._too_slow if k[0] == key]:
+                del self._too_slow[k]
 
     # -- xgrammar ---------------------------------------------------------------------------
 
     def prepare(self):
-        """Build xgrammar's compiler on this tokenizer now (~0.2 s; else the first compile does)."""
-        return self._xgr_compiler()
+        """Build xgrammar's compiler on the base tokenizer now (~0.2 s; else the first compile does)."""
+        return self._base_compiler()
 
-    def _xgr_compiler(self):
-        import xgrammar as xgr
-
+    def _base_compiler(self):
         # Its own lock: building the table takes a while, and submit() (on the event loop) must
         # not wait for it.
         with self._compiler_lock:
             if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
-                )
-                # No cache of xgrammar's own (unbounded by default): this class keeps a bounded one.
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                self._compiler = build_compiler(self._tokenizer, self.vocab_size, self._stop_token_ids)
             return self._compiler
 
-    def _xgr_compile(self, c: Constraint):
-        compiler = self._xgr_compiler()
-        try:
-            if c.kind == "json_schema":
-                try:
-                    schema = json.loads(c.value)
-                except ValueError as exc:
-                    raise InvalidRequest(f"{c.field} is not valid JSON: {exc}", field=c.field) from None
-                check_schema_keywords(schema, c.field)
-                compiled = compiler.compile_json_schema(
-                    c.value, any_whitespace=c.any_whitespace, strict_mode=True
-                )
-            elif c.kind == "json_object":
-                if c.any_whitespace:
-                    compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=True)
-                else:
-                    compiled = compiler.compile_grammar(JSON_OBJECT_GRAMMAR)
-            elif c.kind == "regex":
-                compiled = compiler.compile_regex(c.value)
-            elif c.kind == "choice":
-                compiled = compiler.compile_grammar(choice_grammar(c.choices))
-            else:
-                compiled = compiler.compile_grammar(c.value)
-        except (RuntimeError, ValueError, TypeError) as exc:
-            if isinstance(exc, InvalidRequest):
-                raise
-            raise InvalidRequest(f"{c.field} is invalid: {_parser_message(exc)}", field=c.field) from None
-        if not admits_output(compiled, self.vocab_size):
-            raise InvalidRequest(
-                f"{c.field} admits no output: no token can start it (a rule that only refers to "
-                "itself, an empty character class, a schema that is only a reference to itself)",
-                field=c.field,
-            )
-        return compiled
+    def compiler_for(self, own: AdapterTokenizer | None):
+        """xgrammar's compiler on the tokenizer of `own`'s requests (None: the base's). An adapter
+        tokenizer's is built on first use from its caller-side copy, under that copy's lock (the
+        engine thread's copy is decoding meanwhile); masks stay the model's logits wide."""
+        if own is None:
+            return self._base_compiler()
+        with own.grammar_lock:
+            if own.grammar_compiler is None:
+                with own.lock:
+                    own.grammar_compiler = build_compiler(own.caller, self.vocab_size, self._stop_token_ids)
+            return own.grammar_compiler
+
+    def _xgr_compile(self, c: Constraint, own: AdapterTokenizer | None = None):
+        return compile_constraint(self.compiler_for(own), c, self.vocab_size)
 
     def close(self) -> None:
         self.pool.close()
-
-
-def admits_output(compiled, vocab_size: int) -> bool:
-    """Whether any token (a stop token included, where the empty output is allowed) may come first."""
-    import xgrammar as xgr
-
-    from loraplex.services.inference.engine.grammar import allocate_bitmask
-
-    matcher = xgr.GrammarMatcher(compiled)
-    bitmask = allocate_bitmask(1, vocab_size, pin=False)
-    matcher.fill_next_token_bitmask(bitmask, 0)
-    return bool(bitmask.any())
