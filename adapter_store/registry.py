@@ -24,7 +24,8 @@ from loraplex.adapter_store.index import AdapterIndex
 from loraplex.adapter_store.lora_config import parse_lora_config
 from loraplex.adapter_store.names import check_name, check_not_base_model
 from loraplex.adapter_store.records import StoreRecord
-from loraplex.adapter_store.sources import ResolvedSource, SourceFetcher, parse_source
+from loraplex.adapter_store.source_fetcher import SourceFetcher
+from loraplex.adapter_store.sources import ResolvedSource, parse_source
 from loraplex.adapter_store.tokenizer_files import (
     check_file,
     check_vocabulary,
