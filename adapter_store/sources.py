@@ -49,7 +49,7 @@ class FetchedAdapter(NamedTuple):
     config_raw: bytes
     weights: Path  # a safetensors file inside the staging dir
     revision: str
-    tokenizer_files: dict[str, bytes]  # unchecked: registry.py checks them with the rest
+    tokenizer_files: dict[str, bytes]  # unchecked: record_fetch.py checks them with the rest
 
 
 def parse_source(source: str, revision: str, allowed_dirs: tuple[Path, ...] = ()) -> SourceSpec:
