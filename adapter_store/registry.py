@@ -1,4 +1,5 @@
-"""The store's core: register, get, list, delete, pull, evict, reindex (no gRPC here).
+"""The store's core: register, get, list, delete, evict, reindex (no gRPC here); pulls are
+adapter_pull.py's, the blocking fetch-and-check of a registration record_fetch.py's.
 
 Blocking work (fetching, hashing, file moves) runs in worker threads; Redis calls are async.
 """
@@ -8,33 +9,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
-import time
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
-from typing import NamedTuple
 
-from redis.exceptions import RedisError
-
+from loraplex.adapter_store.adapter_pull import AdapterPulls, PullHandle
 from loraplex.adapter_store.base_model import BaseModelShapes
 from loraplex.adapter_store.blobs import BlobCache
 from loraplex.adapter_store.cli.args import StoreConfig
-from loraplex.adapter_store.errors import FailedPrecondition, NotFound, Unavailable
+from loraplex.adapter_store.errors import NotFound, Unavailable
 from loraplex.adapter_store.index import AdapterIndex
-from loraplex.adapter_store.lora_config import parse_lora_config
 from loraplex.adapter_store.names import check_name, check_not_base_model
+from loraplex.adapter_store.record_fetch import RecordFetcher
 from loraplex.adapter_store.records import StoreRecord
-from loraplex.adapter_store.sources import ResolvedSource, SourceFetcher, parse_source
-from loraplex.adapter_store.tokenizer_files import (
-    check_file,
-    check_vocabulary,
-    decode,
-    encode,
-    files_digest,
-)
+from loraplex.adapter_store.source_fetcher import SourceFetcher
+from loraplex.adapter_store.sources import parse_source
 from loraplex.adapter_store.tokenizer_store import TokenizerFileStore
 from loraplex.adapter_store.tokenizer_tidy import drop_stale_references, move_inline_files
-from loraplex.adapter_store.validate import validate_adapter
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +38,6 @@ async def _run_to_end(coro):
         raise
 
 
-class PullHandle(NamedTuple):
-    record: StoreRecord
-    path: Path
-    files: dict[str, bytes]  # its tokenizer files (name -> bytes), {} for none
-
-
 class AdapterRegistry:
     def __init__(
         self,
@@ -69,43 +51,16 @@ class AdapterRegistry:
         self.index = index
         self.blobs = blobs
         self.fetcher = fetcher
-        self.base = base
         self.tokenizer_files = TokenizerFileStore(blobs.root)
-        self.fetch_count = 0  # fetches actually run (not answered from the index)
+        self.records = RecordFetcher(fetcher, blobs, base)
+        self.pulls = AdapterPulls(
+            config, index, blobs, self.tokenizer_files, self.records, evict_if_needed=self.evict_if_needed
+        )
         self._evict_lock = asyncio.Lock()
-        self._stopping = threading.Event()
 
     def begin_shutdown(self) -> None:
         """Fetches in worker threads stop at their next chunk instead of holding the exit."""
-        self._stopping.set()
-
-    async def _fetch_in_thread(self, name: str, resolved: ResolvedSource) -> StoreRecord:
-        """Fetch and validate off the event loop; a caller that goes away (its RPC cancelled)
-        stops the copy too, rather than leaving a thread writing for nobody."""
-        gone = threading.Event()
-        work = asyncio.ensure_future(
-            asyncio.to_thread(
-                self._fetch_validate_store, name, resolved, lambda: gone.is_set() or self._stopping.is_set()
-            )
-        )
-        try:
-            return await asyncio.shield(work)
-        except asyncio.CancelledError:
-            gone.set()
-            work.add_done_callback(lambda w, n=name: self._abandoned(w, n))
-            raise
-
-    def _abandoned(self, work: asyncio.Future, name: str) -> None:
-        error = None if work.cancelled() else work.exception()
-        if error is not None:
-            log.info("fetch for %s abandoned by its caller: %s", name, error)
-            return
-        if not work.cancelled():
-            # It finished first: a blob no record points at would never be evicted.
-            digest = work.result().digest
-            if not self.blobs.has_records(digest):
-                self.blobs.remove_blob(digest)
-        log.info("fetch for %s abandoned by its caller after it finished", name)
+        self.records.begin_shutdown()
 
     # -- register ----------------------------------------------------------------------------
     async def register(self, name: str, source: str, revision: str = "") -> StoreRecord:
@@ -124,7 +79,7 @@ class AdapterRegistry:
                 # Same content as registered (the usual case for concurrent registrations of one name).
                 return existing
             start_generation = await self.index.generation(name)
-            record = await self._fetch_in_thread(name, resolved)
+            record = await self.records.fetch(name, resolved)
             # The files go to the tokenizer file store (one copy per distinct set), the record
             # names them by files_digest.
             files_json, record = (
@@ -184,46 +139,6 @@ class AdapterRegistry:
             await self._drop_files_unless_used(existing.files_digest, name, record)
         return generation
 
-    def _fetch_validate_store(
-        self, name: str, resolved: ResolvedSource, stop: Callable[[], bool] | None = None
-    ) -> StoreRecord:
-        self.fetch_count += 1
-        spec = resolved.spec
-        log.info(
-            "fetching %s for %s",
-            spec.canonical + (f"@{resolved.revision[:12]}" if resolved.revision else ""),
-            name,
-        )
-        with self.blobs.staging_dir() as staging:
-            fetched = self.fetcher.fetch(resolved, staging, stop)
-            config = parse_lora_config(fetched.config_raw)
-            tokenizer_texts = {n: check_file(n, data) for n, data in fetched.tokenizer_files.items()}
-            check_vocabulary(tokenizer_texts, self.base)
-            summary = validate_adapter(config, fetched.weights, self.base)
-            self.blobs.put(fetched.weights, summary.digest)
-        now = time.time()
-        return StoreRecord(
-            name=name,
-            source=spec.canonical,
-            revision=fetched.revision,
-            digest=summary.digest,
-            base_model=config.base_model,
-            rank=summary.rank,
-            alpha=config.lora_alpha,
-            target_modules=tuple(config.target_module_names()),
-            use_rslora=config.use_rslora,
-            dtype=summary.dtype,
-            size_bytes=summary.size_bytes,
-            created_at=now,
-            last_used_at=now,
-            config_digest=config.digest,
-            config_json=config.text,
-            requested_revision=spec.revision,
-            fingerprint=resolved.fingerprint,
-            files_json=encode(tokenizer_texts),
-            files_digest=files_digest(fetched.tokenizer_files),
-        )
-
     async def _drop_files_unless_used(self, digest: str, name: str, standing: StoreRecord | None) -> None:
         """`name`'s reference to the tokenizer files `digest`, unless the record that stands for the
         name (`standing`) uses them; the files go with their last reference."""
@@ -277,80 +192,10 @@ class AdapterRegistry:
         return digest
 
     # -- pull --------------------------------------------------------------------------------
-    @contextlib.asynccontextmanager
-    async def open_pull(self, name: str) -> AsyncIterator[PullHandle]:
+    def open_pull(self, name: str) -> contextlib.AbstractAsyncContextManager[PullHandle]:
         """The record, its blob path and its tokenizer files; the blob pinned against eviction until
-        the context exits."""
-        check_name(name)
-        record = await self.index.get(name, with_files=True)
-        if record is None:
-            raise NotFound(
-                f"no adapter named {name!r} in the store; RegisterAdapter it first", name=name, field="name"
-            )
-        with self.blobs.pinned(record.digest):
-            files = await self._files_of(record)
-            if not self.blobs.has(record.digest) or files is None:
-                record = await self._refetch(record)
-                files = await self._files_of(record)
-            record = record.with_(last_used_at=await self._touch(name, record.digest, record.last_used_at))
-            yield PullHandle(record, self.blobs.path(record.digest), files or {})
-
-    async def _files_of(self, record: StoreRecord) -> dict[str, bytes] | None:
-        """The record's tokenizer files: inline (a record of the older format, not yet moved) or from
-        the tokenizer file store; None when the store has lost them."""
-        if record.files_json or not record.files_digest:
-            return decode(record.files_json)
-        return await asyncio.to_thread(self.tokenizer_files.read, record.files_digest)
-
-    async def _touch(self, name: str, digest: str, before: float) -> float:
-        """Record the use for the LRU. Best effort: a Redis that refuses writes (its disk full, a
-        read-only replica) must not fail a read; the blob is then only a little older to eviction."""
-        try:
-            return await self.index.touch(name, digest)
-        except RedisError as e:
-            log.warning("could not record the use of %s for eviction order (%s); pull continues", name, e)
-            return before
-
-    async def _refetch(self, record: StoreRecord) -> StoreRecord:
-        """The blob was evicted (or its tokenizer files lost): fetch the same source at the recorded
-        revision, same digests required."""
-        async with self.index.name_lock(record.name):
-            current = await self.index.get(record.name)
-            if current is None:
-                raise NotFound(
-                    f"{record.name!r} was deleted while it was pulled", name=record.name, field="name"
-                )
-            if current.generation != record.generation:
-                # Registered again meanwhile (its old tokenizer files may be gone with it).
-                raise Unavailable(f"{record.name!r} was registered again while it was pulled; pull it again")
-            if self.blobs.has(record.digest) and await self._files_of(record) is not None:
-                return record
-            spec = parse_source(record.source, record.revision, self.config.allowed_local_dirs)
-            resolved = await asyncio.to_thread(self.fetcher.resolve, spec)
-            again = await self._fetch_in_thread(record.name, resolved)
-            changed = [
-                f"{what} {now[:19]} != {was[:19]}"
-                for what, now, was in (
-                    ("weights", again.digest, record.digest),
-                    ("tokenizer files", again.files_digest, record.files_digest),
-                )
-                if now != was
-            ]
-            if changed:
-                if not await asyncio.to_thread(self.blobs.has_records, again.digest):
-                    await asyncio.to_thread(self.blobs.remove_blob, again.digest)
-                raise FailedPrecondition(
-                    f"{record.name!r} was evicted from the cache and its source {record.source} now has "
-                    f"different content ({', '.join(changed)}); RegisterAdapter it again",
-                    name=record.name,
-                )
-            if again.files_digest and not record.files_json:
-                await asyncio.to_thread(
-                    self.tokenizer_files.add, again.files_digest, record.name, again.files_json
-                )
-            log.info("re-fetched evicted %s", record.name)
-        await self.evict_if_needed(keep=record.digest)
-        return record
+        the context exits (adapter_pull.py)."""
+        return self.pulls.open(name)
 
     # -- eviction ----------------------------------------------------------------------------
     async def evict_if_needed(self, keep: str | None = None) -> list[str]:

@@ -19,7 +19,7 @@ from loraplex.adapter_store.index import AdapterIndex
 from loraplex.adapter_store.redis_embedded import EmbeddedRedis, connect, describe
 from loraplex.adapter_store.registry import AdapterRegistry
 from loraplex.adapter_store.servicer import AdapterStoreServicer, CallerGoneFilter
-from loraplex.adapter_store.sources import SourceFetcher
+from loraplex.adapter_store.source_fetcher import SourceFetcher
 from loraplex.v1 import adapter_store_pb2 as pb
 from loraplex.v1 import adapter_store_pb2_grpc as pb_grpc
 from loraplex.wire import MalformedRequestInterceptor

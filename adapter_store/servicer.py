@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from loraplex.adapter_store import errors
-from loraplex.adapter_store.index import stream_position
+from loraplex.adapter_store.index_events import stream_position
 from loraplex.adapter_store.records import StoreRecord
 from loraplex.adapter_store.registry import AdapterRegistry
 from loraplex.adapter_store.watch_hub import WatchHub

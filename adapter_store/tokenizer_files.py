@@ -29,7 +29,7 @@ CARRIED_FILES = (
     "tokenizer.json",
     "added_tokens.json",
 )
-# The inference side reads a template file up to 4 MiB (lora/adapter.py); Gemma's
+# The inference side reads a template file up to 4 MiB (lora/adapter_files.py); Gemma's
 # tokenizer_config.json, with its added tokens, is about 1 MiB.
 MAX_FILE_BYTES = 4 * 2**20
 # tokenizer.json: Llama 3's is 9 MB, Qwen2.5's 7 MB, Mistral Nemo's 9 MB. It travels in the one

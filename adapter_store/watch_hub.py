@@ -15,7 +15,8 @@ import logging
 from collections.abc import AsyncIterator
 
 from loraplex.adapter_store.errors import ResourceExhausted, StoreError, Unavailable
-from loraplex.adapter_store.index import AdapterIndex, Event
+from loraplex.adapter_store.index import AdapterIndex
+from loraplex.adapter_store.index_events import Event
 
 log = logging.getLogger(__name__)
 # A subscriber this far behind is ended (UNAVAILABLE) rather than buffering without bound; it

@@ -30,7 +30,7 @@ import torch
 
 from loraplex.bench import harness as h
 from loraplex.bench.results import add_out_argument, write_json
-from loraplex.services.inference.lora.adapter import AdapterWeights
+from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 from loraplex.services.inference.lora.backend_check import MODULE_SETS, random_adapter
 from loraplex.services.inference.lora.embedding_lora import EMBED_PATH, HEAD_PATH, EmbeddingLoRA
 from loraplex.services.inference.lora.trainable_tokens import TokenRows

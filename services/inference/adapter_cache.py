@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # Tokenizer files an adapter may ship, as the store carries them (adapter_store/tokenizer_files.py):
-# nothing else is written into a cached copy. lora/adapter.py reads the chat template from them,
+# nothing else is written into a cached copy. lora/adapter_files.py reads the chat template from them,
 # engine/adapter_tokenizers.py the adapter's own tokenizer.
 CARRIED_FILES = (
     "chat_template.jinja",

@@ -12,7 +12,12 @@ from pathlib import Path, PurePath
 from urllib.parse import unquote, urlparse
 
 from loraplex.services.inference.errors import AdapterNotFound, InvalidRequest
-from loraplex.services.inference.lora.adapter import CONFIG_FILE, PICKLE_FILES, TEMPLATE_FILES, WEIGHTS_FILE
+from loraplex.services.inference.lora.adapter_files import (
+    CONFIG_FILE,
+    PICKLE_FILES,
+    TEMPLATE_FILES,
+    WEIGHTS_FILE,
+)
 
 # Every file a loader opens (or looks at) in an adapter directory, the chat template's included:
 # each is confined on its own, since a symlinked file inside an allowed directory could point

@@ -15,7 +15,7 @@ from loraplex.adapter_store.errors import InvalidArgument
 from loraplex.adapter_store.lora_config import parse_lora_config
 from loraplex.adapter_store.validate import validate_adapter
 from loraplex.services.inference.errors import AdapterInvalid
-from loraplex.services.inference.lora.adapter import load_adapter_weights
+from loraplex.services.inference.lora.adapter_loader import load_adapter_weights
 from loraplex.services.inference.lora.settings import parse_target_modules
 from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
 from tests.support.factories import make_tiny_model

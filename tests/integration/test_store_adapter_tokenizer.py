@@ -23,7 +23,7 @@ from loraplex.adapter_store.errors import FailedPrecondition, InvalidArgument
 from loraplex.adapter_store.index import AdapterIndex
 from loraplex.adapter_store.redis_embedded import connect
 from loraplex.adapter_store.registry import AdapterRegistry
-from loraplex.adapter_store.sources import SourceFetcher
+from loraplex.adapter_store.source_fetcher import SourceFetcher
 from tests.support.adapter_tokenizer import MARKER, write_marker_tokenizer
 from tests.support.store_helpers import RedisServer, write_random_adapter
 

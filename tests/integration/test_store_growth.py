@@ -21,7 +21,7 @@ from loraplex.adapter_store.index import AdapterIndex
 from loraplex.adapter_store.redis_embedded import connect
 from loraplex.adapter_store.registry import AdapterRegistry
 from loraplex.adapter_store.servicer import _to_store_error
-from loraplex.adapter_store.sources import SourceFetcher
+from loraplex.adapter_store.source_fetcher import SourceFetcher
 from tests.support.store_helpers import RedisServer, write_random_adapter
 
 pytestmark = pytest.mark.timeout(120)

@@ -26,7 +26,7 @@ from loraplex.adapter_store.errors import FailedPrecondition
 from loraplex.adapter_store.index import AdapterIndex
 from loraplex.adapter_store.redis_embedded import connect
 from loraplex.adapter_store.registry import AdapterRegistry
-from loraplex.adapter_store.sources import SourceFetcher
+from loraplex.adapter_store.source_fetcher import SourceFetcher
 from loraplex.adapter_store.tokenizer_store import TokenizerFileStore
 from loraplex.adapter_store.tokenizer_tidy import drop_stale_references, move_inline_files
 from loraplex.v1 import adapter_store_pb2 as pb

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from loraplex.services.inference.lora.adapter import AdapterWeights
+from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA
 from loraplex.services.inference.models.config import load_config
 from loraplex.services.inference.parallel.lora import shard_adapter

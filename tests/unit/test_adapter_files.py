@@ -13,7 +13,8 @@ import pytest
 
 from loraplex.services.inference.errors import AdapterInvalid, InvalidRequest
 from loraplex.services.inference.local_sources import check_allowed
-from loraplex.services.inference.lora.adapter import MAX_TEMPLATE_FILE_BYTES, load_adapter_weights
+from loraplex.services.inference.lora.adapter_files import MAX_TEMPLATE_FILE_BYTES
+from loraplex.services.inference.lora.adapter_loader import load_adapter_weights
 from loraplex.services.inference.lora.manager import LoRAManager
 from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex.services.inference.errors import AdapterInvalid
-from loraplex.services.inference.lora.adapter import load_adapter_weights
+from loraplex.services.inference.lora.adapter_loader import load_adapter_weights
 from loraplex.services.inference.lora.shapes import ModelShapes
 from loraplex.services.inference.lora.tensor_checks import MAX_WEIGHT_ABS
 from tests.unit.test_expert_adapter_checks import CONFIG as EXPERT_CONFIG

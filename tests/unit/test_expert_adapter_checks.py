@@ -1,6 +1,6 @@
 """Adapters with LoRA on the experts (PEFT target_parameters), checked against the base's experts by
 the adapter store (adapter_store/expert_check.py) and by the inference server's loader
-(lora/adapter.py, lora/expert_targets.py): the right shapes pass, another base's are refused."""
+(lora/adapter_loader.py, lora/expert_targets.py): the right shapes pass, another base's are refused."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from loraplex.adapter_store.lora_config import parse_lora_config
 from loraplex.adapter_store.safetensors_header import SafetensorsHeader, TensorInfo
 from loraplex.adapter_store.validate import check_tensors
 from loraplex.services.inference.errors import AdapterIncompatible
-from loraplex.services.inference.lora.adapter import load_adapter_weights
+from loraplex.services.inference.lora.adapter_loader import load_adapter_weights
 from loraplex.services.inference.lora.shapes import ModelShapes
 
 E, H, INTER, R = 8, 64, 48, 4

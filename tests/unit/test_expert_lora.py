@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from loraplex.services.inference.lora import expert_lora as expert_lora_module
-from loraplex.services.inference.lora.adapter import AdapterWeights
+from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA
 from loraplex.services.inference.lora.expert_lora import DOWN, GATE_UP, ExpertLoRA, ExpertLoRAPool
 from loraplex.services.inference.lora.expert_targets import per_expert

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid, AdapterNotFound
-from loraplex.services.inference.lora.adapter import load_adapter_weights
+from loraplex.services.inference.lora.adapter_loader import load_adapter_weights
 from loraplex.services.inference.lora.config import (
     check_fits,
     parse_adapter_config,

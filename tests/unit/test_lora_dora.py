@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid
-from loraplex.services.inference.lora.adapter import load_adapter_weights
+from loraplex.services.inference.lora.adapter_loader import load_adapter_weights
 from loraplex.services.inference.lora.dora import fill_factors
 from loraplex.services.inference.lora.manager import LoRAManager
 from loraplex.services.inference.lora.pool import AdapterPool

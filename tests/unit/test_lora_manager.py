@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from loraplex.services.inference.errors import AdapterIncompatible, AdapterNotFound, CapacityExceeded
-from loraplex.services.inference.lora.adapter import load_adapter_weights
+from loraplex.services.inference.lora.adapter_loader import load_adapter_weights
 from loraplex.services.inference.lora.manager import LoRAManager
 from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes

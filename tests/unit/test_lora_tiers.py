@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.services.inference.lora.adapter import load_adapter_weights
+from loraplex.services.inference.lora.adapter_loader import load_adapter_weights
 from loraplex.services.inference.lora.manager import LoRAManager
 from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.settings import LoRAConfig, default_cpu_lora_bytes

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid
-from loraplex.services.inference.lora.adapter import load_adapter_weights
+from loraplex.services.inference.lora.adapter_loader import load_adapter_weights
 from loraplex.services.inference.lora.config import parse_adapter_config
 from loraplex.services.inference.lora.shapes import ModelShapes
 

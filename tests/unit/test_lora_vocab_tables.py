@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loraplex.services.inference.errors import AdapterIncompatible, CapacityExceeded
-from loraplex.services.inference.lora.adapter import AdapterWeights
+from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 from loraplex.services.inference.lora.backend_check import random_adapter
 from loraplex.services.inference.lora.embedding_lora import EMBED_PATH, HEAD_PATH, EmbeddingLoRA
 from loraplex.services.inference.lora.manager import LoRAManager

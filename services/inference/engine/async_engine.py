@@ -33,7 +33,7 @@ from loraplex.services.inference.errors import (
     InvalidRequest,
     LoraplexError,
 )
-from loraplex.services.inference.lora.adapter import read_side_file
+from loraplex.services.inference.lora.adapter_files import read_side_file
 from loraplex.services.inference.lora.adapter_slots import AdapterInfo
 from loraplex.services.inference.lora.manager import LoRAManager
 

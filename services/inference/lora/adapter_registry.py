@@ -29,8 +29,9 @@ from loraplex.services.inference.errors import (
     CapacityExceeded,
     LoraplexError,
 )
-from loraplex.services.inference.lora.adapter import AdapterWeights, load_adapter_weights
+from loraplex.services.inference.lora.adapter_loader import load_adapter_weights
 from loraplex.services.inference.lora.adapter_slots import AdapterInfo
+from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 from loraplex.services.inference.lora.config import check_fits, modules_of
 from loraplex.services.inference.lora.dora import BaseWeight, fill_factors
 from loraplex.services.inference.lora.embedding_lora import TP_REFUSAL as VOCAB_TP_REFUSAL

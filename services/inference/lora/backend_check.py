@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from loraplex.services.inference.lora.adapter import AdapterWeights
+from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 from loraplex.services.inference.lora.backend import GROUPS
 from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA
 from loraplex.services.inference.lora.pool import AdapterPool

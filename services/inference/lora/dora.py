@@ -27,7 +27,7 @@ from loraplex.services.inference.errors import AdapterIncompatible, AdapterInval
 from loraplex.services.inference.lora.shapes import FUSED_MODULES, ModelShapes
 
 if TYPE_CHECKING:
-    from loraplex.services.inference.lora.adapter import AdapterWeights
+    from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 MAGNITUDE_KEY = re.compile(r"^base_model\.model\.(?P<path>.+)\.lora_magnitude_vector(?:\.weight)?$")

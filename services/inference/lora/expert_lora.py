@@ -44,7 +44,7 @@ from loraplex.services.inference.lora.shapes import (
 )
 
 if TYPE_CHECKING:
-    from loraplex.services.inference.lora.adapter import AdapterWeights
+    from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 
 GATE_UP, DOWN = EXPERT_MODULES
 # torch 2.11's CUDA grouped_mm refused 8 slots x 128 experts ("Can't process more than 1024 groups")

@@ -34,7 +34,7 @@ from contextlib import nullcontext
 
 import torch
 
-from loraplex.services.inference.lora.adapter import AdapterWeights
+from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 from loraplex.services.inference.lora.backend import GROUPS
 from loraplex.services.inference.lora.expert_lora import ExpertLoRAPool, expert_modules
 from loraplex.services.inference.lora.pool_layout import (

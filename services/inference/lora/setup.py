@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from loraplex.services.inference.lora.adapter import read_config
+from loraplex.services.inference.lora.adapter_files import read_config
 from loraplex.services.inference.lora.backend import LoRABackend
 from loraplex.services.inference.lora.config import resolve_targets
 from loraplex.services.inference.lora.dora import BaseWeight

@@ -149,7 +149,7 @@ def check_added_tokens(directory: Path, vocab: int, read_file) -> None:
     (the embedding has no row for it). Added tokens within it are served: the adapter's own
     tokenizer maps their text to their ids for its requests (engine/adapter_tokenizers.py).
 
-    `read_file(path, limit)`: the bytes of a regular file or None (lora/adapter.py `read_side_file`)."""
+    `read_file(path, limit)`: the bytes of a regular file or None (lora/adapter_files.py `read_side_file`)."""
     found: list[tuple[int, str]] = []
     for name in TOKENIZER_FILES:
         data = read_file(directory / name, MAX_TOKENIZER_BYTES)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from loraplex.kernels.lora_expand import lora_expand
 from loraplex.kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
-from loraplex.services.inference.lora.adapter import AdapterWeights
+from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 from loraplex.services.inference.lora.backend import LoRABackend
 from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.shapes import ModelShapes

@@ -1,42 +1,38 @@
-"""Read a PEFT adapter directory into host tensors, checked against the model's shapes.
+"""Read a PEFT adapter's tensors into host memory (AdapterWeights), checked against the model's shapes.
 
 `adapter_model.safetensors` keys look like
 `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` ([r, in]) and `...lora_B.weight`
-([out, r]). The header is checked (keys, shapes) before any data is read.
-
-An adapter may ship its own chat template (`chat_template.jinja`, or `chat_template` in its
-`tokenizer_config.json`, as `save_pretrained` writes them). It is read here, at load time, with the
-weights: a regular file only, size-bounded, and covered by the adapter's content digest, so the
-template a request renders is the one that was checked and loaded, not whatever the directory
-holds when the first chat arrives.
+([out, r]). The header is checked (keys, shapes) before any data is read. The directory's files,
+their bounds and the content digest are adapter_files.py's.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import os
 import re
-import stat
-import struct
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid, AdapterNotFound
+from loraplex.services.inference.errors import AdapterIncompatible, AdapterInvalid
+from loraplex.services.inference.lora.adapter_files import (
+    PICKLE_FILES,
+    WEIGHTS_FILE,
+    check_header_size,
+    content_digest,
+    read_chat_template,
+    read_config,
+    read_side_file,
+)
+from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 from loraplex.services.inference.lora.config import (
     AdapterSpec,
     ModuleLoRA,
-    parse_adapter_config,
     resolve_embedding_targets,
     resolve_targets,
 )
 from loraplex.services.inference.lora.dora import MAGNITUDE_KEY, read_magnitudes
 from loraplex.services.inference.lora.embedding_lora import (
-    EmbeddingLoRA,
     finish_embedding_lora,
     read_embedding_tensor,
 )
@@ -56,183 +52,7 @@ from loraplex.services.inference.lora.trainable_tokens import (
     read_token_rows,
 )
 
-log = logging.getLogger(__name__)
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
-MAX_HEADER_BYTES = 16 * 2**20  # same cap as the adapter store's
-MAX_CONFIG_BYTES = 1 * 2**20
-TEMPLATE_FILE = "chat_template.jinja"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-# Read besides the config and the weights, for the chat template (the first one present wins).
-TEMPLATE_FILES = (TEMPLATE_FILE, TOKENIZER_CONFIG_FILE)
-# Large enough for any real tokenizer_config.json (Gemma's, with its added tokens, is about 1 MiB).
-MAX_TEMPLATE_FILE_BYTES = 4 * 2**20
 _KEY = re.compile(r"^base_model\.model\.(?P<path>.+)\.lora_(?P<ab>[AB])\.weight$")
-
-
-@dataclass(frozen=True)
-class AdapterWeights:
-    """One adapter version in host memory: per-(layer, module) A `[r, in]` and B `[out, r]`; on
-    the experts (lora/expert_targets.py) per-(layer, expert module) A `[E, r, in]` and B `[E, out, r]`."""
-
-    spec: AdapterSpec
-    targets: dict[tuple[int, str], ModuleLoRA]
-    lora_a: dict[tuple[int, str], torch.Tensor]
-    lora_b: dict[tuple[int, str], torch.Tensor]
-    digest: str
-    chat_template: str | None = None  # the adapter's own, read at load time (None: the model's)
-    expert_targets: dict[tuple[int, str], ModuleLoRA] = field(default_factory=dict)
-    expert_a: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    expert_b: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    # DoRA (lora/dora.py): per-(layer, module) magnitude `[out]` float32, as read; and the factor
-    # `m / ||W + sBA||` per row, filled once from the base weights (`dora.fill_factors`) before upload.
-    dora_magnitude: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    dora_factor: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    # LoRA on "model.embed_tokens" / "lm_head" (lora/embedding_lora.py)
-    embedding: dict[str, EmbeddingLoRA] = field(default_factory=dict)
-    # trainable tokens (lora/trainable_tokens.py): per "model.embed_tokens" / "lm_head", its own rows
-    token_rows: dict[str, TokenRows] = field(default_factory=dict)
-
-    @property
-    def has_vocab_parts(self) -> bool:
-        """Whether the adapter changes the embedding or lm_head (served on one device only)."""
-        return bool(self.embedding) or bool(self.token_rows)
-
-    @property
-    def all_targets(self) -> dict[tuple[int, str], ModuleLoRA]:
-        """The linear targets and the expert targets together (what the server's limits check)."""
-        return {**self.targets, **self.expert_targets}
-
-    @property
-    def max_rank(self) -> int:
-        ranks = [t.rank for t in self.all_targets.values()] + [
-            int(e.a.shape[0]) for e in self.embedding.values()
-        ]
-        return max(ranks)
-
-    @property
-    def nbytes(self) -> int:
-        tensors = (
-            self.lora_a,
-            self.lora_b,
-            self.expert_a,
-            self.expert_b,
-            self.dora_magnitude,
-            self.dora_factor,
-        )
-        vocab_parts = [t for e in self.embedding.values() for t in (e.a, e.b)]
-        vocab_parts += [r.values for r in self.token_rows.values()]
-        return sum(t.numel() * t.element_size() for d in tensors for t in d.values()) + sum(
-            t.numel() * t.element_size() for t in vocab_parts
-        )
-
-
-def _check_header_size(path: Path) -> None:
-    """Refuse a safetensors header longer than MAX_HEADER_BYTES (or the file) before it is parsed."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if len(head) < 8:
-        raise AdapterInvalid(
-            f"{WEIGHTS_FILE} is {size} bytes, too short for a safetensors header", field=WEIGHTS_FILE
-        )
-    (n,) = struct.unpack("<Q", head)
-    if n > MAX_HEADER_BYTES or 8 + n > size:
-        # n is not echoed: in a file that is not safetensors it is the file's first 8 bytes.
-        raise AdapterInvalid(
-            f"{WEIGHTS_FILE}: the header length field exceeds the {MAX_HEADER_BYTES}-byte cap "
-            f"or the {size}-byte file (truncated, or not safetensors?)",
-            field=WEIGHTS_FILE,
-        )
-
-
-def _digest(directory: Path, side_files: dict[str, bytes]) -> str:
-    """sha256 of the config and weights (as the adapter store computes it) and of the other files
-    read (`side_files`, the bytes actually used), so a changed template is another version."""
-    h = hashlib.sha256()
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        h.update(name.encode() + b"\0")
-        with open(directory / name, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    for name, data in sorted(side_files.items()):
-        h.update(b"\0" + name.encode() + b"\0" + len(data).to_bytes(8, "little") + data)
-    return "sha256:" + h.hexdigest()
-
-
-def read_side_file(path: Path, limit: int) -> bytes | None:
-    """The bytes of the regular file `path` (None if absent), at most `limit` of them.
-
-    Symlinks are followed (a Hub cache snapshot is all symlinks); where they may lead is checked
-    before loading (`local_sources`, --allowed-local-dirs). A FIFO or device is refused, not
-    read: it would block or never end, and `stat` says 0 bytes for both."""
-    if not os.path.lexists(path):
-        return None
-    try:
-        # O_NONBLOCK: opening a FIFO must not wait for a writer.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as e:
-        reason = "a dangling symlink" if isinstance(e, FileNotFoundError) else e.strerror
-        raise AdapterInvalid(f"{path.name} cannot be opened: {reason}", field=path.name) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise AdapterInvalid(f"{path.name} is not a regular file", field=path.name)
-        data = b""
-        while len(data) <= limit and (chunk := os.read(fd, limit + 1 - len(data))):
-            data += chunk
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise AdapterInvalid(f"{path.name} is over {limit} bytes, the most read", field=path.name)
-    return data
-
-
-def read_chat_template(directory: str | Path) -> tuple[str | None, dict[str, bytes]]:
-    """The chat template the directory ships (None: none) and the files read to find it."""
-    directory = Path(directory)
-    for name in TEMPLATE_FILES:
-        data = read_side_file(directory / name, MAX_TEMPLATE_FILE_BYTES)
-        if data is None:
-            continue
-        try:
-            text = data.decode("utf-8")
-            template = text if name == TEMPLATE_FILE else json.loads(text).get("chat_template")
-        except UnicodeDecodeError as e:  # its message would echo the file's bytes
-            raise AdapterInvalid(f"{name} is not UTF-8 at byte {e.start}", field=name) from None
-        except (ValueError, AttributeError, RecursionError):
-            raise AdapterInvalid(f"{name} is not a JSON object", field=name) from None
-        if name == TOKENIZER_CONFIG_FILE and not isinstance(template, str):
-            template = None  # a tokenizer_config.json without a template (or with a list of named ones)
-        return template or None, {name: data}
-    return None, {}
-
-
-def read_config(directory: str | Path) -> tuple[AdapterSpec, Path]:
-    """Parse the directory's adapter_config.json (no weights read)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise AdapterNotFound(f"adapter directory {directory} does not exist", field="source")
-    config_path = directory / CONFIG_FILE
-    if not config_path.is_file():
-        raise AdapterInvalid(f"{directory} has no {CONFIG_FILE}", field=CONFIG_FILE)
-    if config_path.stat().st_size > MAX_CONFIG_BYTES:
-        raise AdapterInvalid(
-            f"{CONFIG_FILE} is {config_path.stat().st_size} bytes; at most {MAX_CONFIG_BYTES} are read",
-            field=CONFIG_FILE,
-        )
-    try:
-        cfg = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise AdapterInvalid(f"{CONFIG_FILE} is not valid JSON: {e}", field=CONFIG_FILE) from None
-    except UnicodeDecodeError as e:  # its message would echo the file's bytes
-        raise AdapterInvalid(
-            f"{CONFIG_FILE} is not valid JSON: not UTF-8 at byte {e.start}", field=CONFIG_FILE
-        ) from None
-    except RecursionError:
-        raise AdapterInvalid(f"{CONFIG_FILE}: JSON nested too deeply", field=CONFIG_FILE) from None
-    return parse_adapter_config(cfg), directory
 
 
 def load_adapter_weights(
@@ -267,7 +87,7 @@ def load_adapter_weights(
                 field=WEIGHTS_FILE,
             )
         raise AdapterInvalid(f"{directory} has no {WEIGHTS_FILE}", field=WEIGHTS_FILE)
-    _check_header_size(weights_path)
+    check_header_size(weights_path)
 
     def hf_module(module: str) -> str:  # the HF module a pool module's weights come from
         return FUSED_OF.get(module, module) if shapes.fused_checkpoint else module
@@ -400,7 +220,7 @@ def load_adapter_weights(
         targets=targets,
         lora_a=lora_a,
         lora_b=lora_b,
-        digest=_digest(directory, side_files),
+        digest=content_digest(directory, side_files),
         chat_template=chat_template,
         expert_targets=expert_targets,
         expert_a=expert_a,
