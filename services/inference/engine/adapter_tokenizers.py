@@ -38,7 +38,7 @@ TOKENIZER_FILES = ("tokenizer.json", "added_tokens.json", "tokenizer_config.json
 # The store's bound (adapter_store/tokenizer_files.py: Llama 3's tokenizer.json is 9 MB, Qwen2.5's
 # 7 MB), so an adapter loads the same from a directory as through the store.
 MAX_TOKENIZER_JSON_BYTES = 16 * 2**20
-MAX_OTHER_FILE_BYTES = 4 * 2**20  # as the chat template's files (lora/adapter.py)
+MAX_OTHER_FILE_BYTES = 4 * 2**20  # as the chat template's files (lora/adapter_files.py)
 # Base files copied under an adapter's, so an adapter shipping some of them keeps the rest.
 _BASE_FILES = (*TOKENIZER_FILES, "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 MAX_ADAPTER_TOKENIZERS = 8
@@ -59,7 +59,7 @@ def files_key(files: dict[str, bytes]) -> str:
 
 
 def read_tokenizer_files(directory: str | Path, read_file) -> dict[str, bytes]:
-    """The tokenizer files the directory ships; `read_file(path, limit)` (lora/adapter.py
+    """The tokenizer files the directory ships; `read_file(path, limit)` (lora/adapter_files.py
     `read_side_file`): a regular file's bytes or None, AdapterInvalid past the limit."""
     out = {}
     for name in TOKENIZER_FILES:

@@ -208,7 +208,7 @@ class AsyncEngine:
             raise InvalidRequest(
                 "continue_final_message needs add_generation_prompt false", field="continue_final_message"
             )
-        # Read with the adapter's weights at load time (lora/adapter.py), never from its directory now.
+        # Read with the adapter's weights at load time (lora/adapter_files.py), never from its directory now.
         template = self.lora_manager.chat_template(adapter) if adapter and self.lora_manager else None
         # Rendered outside the tokenizer lock: a slow template must not hold every other request.
         if template is None:

@@ -3,7 +3,7 @@
 Rendered as transformers' `apply_chat_template(messages, add_generation_prompt=...,
 tokenize=True)` does: the template's text, tokenized without adding special tokens (the
 template writes them). An adapter that ships a template uses it (read with its weights at load
-time: lora/adapter.py), rendered in a worker process with a time and size budget
+time: lora/adapter_files.py), rendered in a worker process with a time and size budget
 (template_sandbox.py); the model's own is rendered here. Neither holds the tokenizer lock.
 OpenAI tool definitions go to a template that renders `tools`, else are described in the system
 message (engine/chat_tools.py).
