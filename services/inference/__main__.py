@@ -6,7 +6,7 @@ import logging
 import sys
 
 from loraplex.services.inference.server import main
-from loraplex.services.inference.server_args import parse_args
+from loraplex.services.inference.server_flags import parse_args
 
 
 def run(argv: list[str] | None = None) -> int:

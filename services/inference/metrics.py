@@ -1,4 +1,5 @@
-"""Prometheus metrics of the inference service, served on `--metrics-port`.
+"""Recording the inference service's Prometheus metrics (defined in metric_families.py),
+served on `--metrics-port` (metrics_http.py).
 
 Request-path metrics are recorded by the servicer as events happen; engine gauges (queue,
 KV, slots, per-adapter residency) are refreshed from `engine.stats()` / `list_adapters()`
@@ -11,27 +12,23 @@ other adapter is counted under the label `_other`. An adapter's series (and this
 for it) are removed at the first refresh after it is neither loaded in the engine nor has
 requests in flight here (a store delete, an unload), which frees its place for another name.
 Adapters that live only in the store get residency rows only while they have requests here;
-`loraplex_store_adapters` counts them.
+`loraplex_store_adapters` counts them. Queue time and uploads are also counted by the adapter's
+popularity decile (issue 34), eleven labels however many adapters.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from wsgiref.simple_server import WSGIRequestHandler, make_server
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
 
 from loraplex.services.inference.engine.types import EngineStats
 from loraplex.services.inference.lora.adapter_slots import AdapterInfo
+from loraplex.services.inference.metric_families import MetricFamilies
+from loraplex.services.inference.metrics_http import serve_registry
 
 log = logging.getLogger(__name__)
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 LOCATIONS = ("gpu", "host", "store")
 
 
@@ -39,8 +36,9 @@ OTHER = "_other"  # adapter names start with a letter or digit, so no adapter is
 DEFAULT_MAX_ADAPTER_SERIES = 256
 
 
-class Metrics:
-    """One registry per server; names are prefixed `loraplex_`."""
+class Metrics(MetricFamilies):
+    """One server's metric families and what recording into them keeps: which adapters have series
+    of their own, and the engine's running totals seen so far (its counters follow them)."""
 
     def __init__(self, replica: str = "", max_adapter_series: int = DEFAULT_MAX_ADAPTER_SERIES) -> None:
         self.replica = replica
@@ -48,168 +46,7 @@ class Metrics:
         self._named: set[str] = set()  # adapters with series of their own (at most max_adapter_series)
         # names loaded or busy on this server (set by the server): label() prunes with it when full
         self.live_names: Callable[[], set[str]] | None = None
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "loraplex_requests",
-            "Generation requests (one per input) by adapter and outcome",
-            ["adapter", "code"],
-            registry=r,
-        )
-        self.rpcs = Counter(
-            "loraplex_rpcs", "RPCs handled, by method and status code", ["method", "code"], registry=r
-        )
-        self.prompt_tokens = Counter(
-            "loraplex_prompt_tokens", "Prompt tokens admitted", ["adapter"], registry=r
-        )
-        self.completion_tokens = Counter(
-            "loraplex_completion_tokens", "Tokens generated", ["adapter"], registry=r
-        )
-        self.ttft = Histogram(
-            "loraplex_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
-        )
-        self.itl = Histogram(
-            "loraplex_inter_token_latency_seconds",
-            "Time between output tokens",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.aborted = Counter(
-            "loraplex_aborted_requests",
-            "Engine requests aborted (client cancel, deadline, error)",
-            ["reason"],
-            registry=r,
-        )
-        self.queue_waiting = Gauge("loraplex_queue_waiting", "Requests waiting in the scheduler", registry=r)
-        self.running = Gauge("loraplex_requests_running", "Requests running in the engine", registry=r)
-        self.kv_blocks_total = Gauge("loraplex_kv_blocks_total", "KV cache blocks", registry=r)
-        self.kv_blocks_free = Gauge("loraplex_kv_blocks_free", "Free KV cache blocks", registry=r)
-        self.kv_usage = Gauge("loraplex_kv_usage_ratio", "Fraction of KV blocks in use", registry=r)
-        self.slots_total = Gauge("loraplex_lora_slots_total", "GPU adapter slots", registry=r)
-        self.slots_used = Gauge("loraplex_lora_slots_used", "GPU adapter slots in use", registry=r)
-        self.slots_draining = Gauge(
-            "loraplex_lora_slots_draining",
-            "Busy slots taking no new requests until they empty for a waiting adapter",
-            registry=r,
-        )
-        self.adapters_waiting = Gauge(
-            "loraplex_lora_adapters_waiting", "Adapters waiting for a GPU slot", registry=r
-        )
-        self.requests_suspended = Gauge(
-            "loraplex_lora_requests_suspended",
-            "Running requests that gave their GPU slot up for a waiting adapter (KV kept) and wait to resume",
-            registry=r,
-        )
-        self.suspensions = Counter(
-            "loraplex_lora_suspensions",
-            "Running requests that gave their GPU slot up for a waiting adapter",
-            registry=r,
-        )
-        self.adapter_slot_wait = Gauge(
-            "loraplex_adapter_slot_wait_seconds",
-            "How long the adapter has been waiting for a GPU slot (0: not waiting)",
-            ["adapter"],
-            registry=r,
-        )
-        self.adapter_uploads = Counter(
-            "loraplex_adapter_uploads",
-            "Times the adapter was copied into a GPU slot",
-            ["adapter"],
-            registry=r,
-        )
-        self.residency = Gauge(
-            "loraplex_adapter_resident",
-            "1 where the adapter lives (gpu/host/store)",
-            ["adapter", "location"],
-            registry=r,
-        )
-        self.adapter_loads = Counter(
-            "loraplex_adapter_loads", "Adapter loads into the engine", ["adapter"], registry=r
-        )
-        self.adapter_evictions = Counter(
-            "loraplex_adapter_evictions",
-            "Times the adapter's GPU slot was given to another adapter",
-            ["adapter"],
-            registry=r,
-        )
-        self.adapter_requests = Counter(
-            "loraplex_adapter_requests", "Requests naming the adapter", ["adapter"], registry=r
-        )
-        # For routers that score replicas by adapter residency (docs/operations.md, "Residency").
-        self.adapter_location = Gauge(
-            "loraplex_adapter_location",
-            "1 for where the adapter lives on this replica: gpu (a slot), host (memory) or store "
-            "(only there)",
-            ["replica", "adapter", "location"],
-            registry=r,
-        )
-        self.adapter_queued = Gauge(
-            "loraplex_adapter_queued_requests",
-            "Requests for the adapter on this replica waiting for a GPU slot",
-            ["replica", "adapter"],
-            registry=r,
-        )
-        self.lora_info = Gauge(
-            "loraplex_lora_requests_info",
-            "vllm:lora_requests_info's shape: adapters with running / waiting requests (comma-separated) and "
-            "the GPU slots; the value is the refresh time (unix seconds)",
-            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
-            registry=r,
-        )
-        self.prefix_cache_enabled = Gauge(
-            "loraplex_prefix_cache_enabled",
-            "1 when the prefix cache is on (off: --disable-prefix-cache)",
-            registry=r,
-        )
-        self.prefix_cache_blocks = Gauge(
-            "loraplex_prefix_cache_blocks",
-            "KV blocks indexed by the prefix cache (held or evictable)",
-            registry=r,
-        )
-        self.prefix_cache_evictions = Counter(
-            "loraplex_prefix_cache_evictions", "Cached KV blocks evicted to make room", registry=r
-        )
-        self.prefix_cache_prompt_tokens = Counter(
-            "loraplex_prefix_cache_prompt_tokens",
-            "Prompt tokens of admitted requests",
-            ["adapter"],
-            registry=r,
-        )
-        self.prefix_cache_hit_tokens = Counter(
-            "loraplex_prefix_cache_hit_tokens",
-            "Prompt tokens whose KV was reused from the prefix cache (computed by the same content)",
-            ["adapter"],
-            registry=r,
-        )
-        self.spec_draft_tokens = Counter(
-            "loraplex_spec_draft_tokens",
-            "Speculative draft tokens verified (--speculative-algorithm)",
-            ["adapter"],
-            registry=r,
-        )
-        self.spec_accepted_tokens = Counter(
-            "loraplex_spec_accepted_tokens",
-            "Speculative draft tokens accepted by verification",
-            ["adapter"],
-            registry=r,
-        )
-        self.store_adapters = Gauge(
-            "loraplex_store_adapters",
-            "Adapters the store has that are neither loaded here nor have requests here",
-            registry=r,
-        )
-        self.store_pulls = Counter(
-            "loraplex_store_pulls", "Adapters pulled from the adapter store", registry=r
-        )
-        self.store_pull_bytes = Counter(
-            "loraplex_store_pull_bytes", "Bytes pulled from the adapter store", registry=r
-        )
-        self.triton_compiles = Counter(
-            "loraplex_triton_compiles_after_start",
-            "Triton kernel compilations after start-up (each stalls the engine thread; 0 in steady state)",
-            registry=r,
-        )
-        self._init_fairness(r)
+        super().__init__()
         self._compiles_seen = 0
         self._last_location: dict[str, str] = {}
         self._fleet_names: set[str] = set()
@@ -217,6 +54,7 @@ class Metrics:
         self._last_uploads: dict[str, int] = {}
         self._last_host: dict[str, int] = {}  # "hit:NAME" / "miss:NAME" -> the manager's total
         self._last_engine_totals: dict[str, int] = {}
+        self._popularity: dict[str, int] = {}  # requests per adapter name so far
 
     # -- bounded adapter labels --------------------------------------------------------------
     def label(self, adapter: str | None) -> str:
@@ -285,13 +123,8 @@ class Metrics:
         return sum(len(m._metrics) for m in families)  # prometheus_client keeps one child per label set
 
     def serve(self, host: str, port: int) -> int:
-        """Start the HTTP exporter on a daemon thread; returns the bound port. It answers
-        `GET /metrics` only (404 elsewhere: a health check pointed at it must not read 200)."""
-        server_class = _IPv6Server if ":" in host else ThreadingWSGIServer
-        app = metrics_only(make_wsgi_app(self.registry))
-        server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
-        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
-        return server.server_port
+        """Start the HTTP exporter on a daemon thread; returns the bound port (metrics_http.py)."""
+        return serve_registry(self.registry, host, port)
 
     def observe_compiles(self, after_start: int) -> None:
         """Export `loraplex.kernels.compile_watch.compile_counter.after_start` (a running total)."""
@@ -423,47 +256,7 @@ class Metrics:
             time.time()
         )
 
-    # ----- adapter fairness (issue 34): queue time by popularity decile, swaps -----
-    # Bounded series: eleven decile labels ("0" hottest .. "9", "base"), however many adapters.
-
-    def _init_fairness(self, r: CollectorRegistry) -> None:
-        self.queue_by_decile = Histogram(
-            "loraplex_adapter_queue_seconds",
-            "Arrival to first scheduled, by the adapter's popularity decile on this replica "
-            "(0: the most requested tenth of adapters so far; base: no adapter)",
-            ["popularity_decile"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.swaps = Counter(
-            "loraplex_lora_swaps",
-            "Resident adapters replaced in a GPU slot (each costs an upload; rate() is swaps per second)",
-            registry=r,
-        )
-        self.uploads = Counter("loraplex_lora_uploads", "Adapters copied into a GPU slot", registry=r)
-        self.uploads_by_decile = Counter(
-            "loraplex_lora_uploads_by_decile",
-            "Adapters copied into a GPU slot, by the adapter's popularity decile (as queue_seconds)",
-            ["popularity_decile"],
-            registry=r,
-        )
-        self.upload_bytes = Counter(
-            "loraplex_lora_upload_bytes",
-            "Bytes of adapter weights copied host-to-GPU (rate() is bytes moved per second)",
-            registry=r,
-        )
-        self.host_hits = Counter(
-            "loraplex_lora_host_tier_hits",
-            "Uploads served from the adapter's host copy (the host tier)",
-            registry=r,
-        )
-        self.host_misses = Counter(
-            "loraplex_lora_host_tier_misses",
-            "Uploads that re-read the adapter from its source first (not in the host tier)",
-            registry=r,
-        )
-        self._popularity: dict[str, int] = {}
-
+    # -- adapter fairness (issue 34): popularity deciles --------------------------------------
     def popularity_decile(self, adapter: str | None) -> str:
         """Count one request of `adapter` and return its decile among adapters by requests so far."""
         if not adapter:  # None or "" (the base model)
@@ -491,24 +284,3 @@ def _remove(metric, *labels: str) -> None:
         metric.remove(*labels)
     except KeyError:
         pass
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 - the base class's name
-        """No access log on stderr (as prometheus_client's own exporter)."""
-
-
-class _IPv6Server(ThreadingWSGIServer):
-    address_family = socket.AF_INET6
-
-
-def metrics_only(app):
-    """A WSGI app that passes `/metrics` to `app` and answers 404 to every other path."""
-
-    def route(environ, start_response):
-        if environ.get("PATH_INFO", "") in ("/metrics", "/metrics/"):
-            return app(environ, start_response)
-        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-        return [b"not found: this port serves GET /metrics only\n"]
-
-    return route

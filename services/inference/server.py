@@ -31,7 +31,8 @@ from loraplex.services.inference.models.config import UnsupportedModelError
 from loraplex.services.inference.replica import ReplicaInterceptor, replica_id
 from loraplex.services.inference.server_args import ServerArgs
 from loraplex.services.inference.servicer import InferenceServicer, ServerState
-from loraplex.services.inference.store_client import StoreClient, channel_credentials
+from loraplex.services.inference.store_client import StoreClient
+from loraplex.services.inference.store_rpc import channel_credentials
 from loraplex.v1 import inference_pb2, inference_pb2_grpc
 from loraplex.wire import MalformedRequestInterceptor
 

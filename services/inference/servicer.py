@@ -1,20 +1,16 @@
 """`loraplex.v1.Inference` over the engine: proto ⇄ engine types, limits, status codes.
 
 Thin on purpose: the engine schedules and checks each prompt, the resolver finds adapters,
-generate_inputs.py checks a request's shape and turns it into engine requests (inputs x samples);
-this file runs them and gathers (or streams) the results.
-A cancelled or expired RPC aborts every unfinished engine request it started.
+generate_inputs.py checks a request's shape and turns it into engine requests (inputs x samples),
+generate_run.py runs them; this file gathers (or streams) the results as protos and maps errors
+to status codes. A cancelled or expired RPC aborts every unfinished engine request it started.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-import uuid
-from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import NamedTuple
 
 import grpc
 
@@ -23,7 +19,7 @@ from loraplex.services.inference.adapter_resolver import AdapterResolver
 from loraplex.services.inference.engine.api import Engine
 from loraplex.services.inference.engine.types import RequestOutput
 from loraplex.services.inference.errors import BackendUnavailable, LoraplexError
-from loraplex.services.inference.generate_inputs import EngineWork, engine_work, open_streams
+from loraplex.services.inference.generate_run import prepare_call, run_call
 from loraplex.services.inference.local_sources import public_model_name
 from loraplex.services.inference.metrics import Metrics
 from loraplex.services.inference.proto_convert import (
@@ -32,23 +28,13 @@ from loraplex.services.inference.proto_convert import (
     logprobs_proto,
     timing_fields,
 )
-from loraplex.services.inference.reply_size import check_reply, check_reply_floor
+from loraplex.services.inference.reply_size import check_reply
 from loraplex.services.inference.server_args import ServerArgs
 from loraplex.services.inference.status import abort_with, build_status, status_for
 from loraplex.v1 import inference_pb2 as pb
 from loraplex.v1 import inference_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-DEADLINE_SLACK_S = 0.5
-
-
-class PreparedCall(NamedTuple):
-    """A Generate call checked and ready: engine request `{rpc_id}-{k}` runs `work[k]` via `streams[k]`."""
-
-    rpc_id: str
-    work: list[EngineWork]
-    streams: list[AsyncIterator[RequestOutput]]
 
 
 class ServerState:
@@ -105,113 +91,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             context, build_status(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
         )
 
-    async def _prepare(
-        self, engine: Engine, resolver: AdapterResolver, request: pb.GenerateRequest, unary: bool = False
-    ) -> PreparedCall:
-        """Check everything, then resolve every adapter (which may pull), before any engine work."""
-        named = {*request.adapter, *(inp.adapter for inp in request.inputs)}
-        absent = {n for n in named if n and not engine.has_adapter(n)}
-        # Tokenizing and rendering chat templates is CPU work that grows with the prompt: off the
-        # event loop, so other calls' streams keep flowing meanwhile.
-        work = await asyncio.to_thread(engine_work, engine, request, self.args)
-        if unary:  # one reply message: refuse before running what could only fail at the end
-            check_reply_floor(
-                [(len(w.prompt_ids), w.params) for w in work],
-                engine.model_info().context_length,
-                self.args.max_message_bytes,
-            )
-        rpc_id = uuid.uuid4().hex[:12]
-        streams = open_streams(engine, rpc_id, work)
-        await resolver.ensure({w.adapter for w in work})
-        if absent:
-            # Their prompts were built before they were here, with the base model's tokenizer and
-            # template: again, now with their own (engine/adapter_tokenizers.py). Nothing was queued.
-            work = await asyncio.to_thread(engine_work, engine, request, self.args)
-            streams = open_streams(engine, rpc_id, work)
-        return PreparedCall(rpc_id, work, streams)
-
-    async def _run(
-        self,
-        context,
-        engine: Engine,
-        resolver: AdapterResolver,
-        prepared: PreparedCall,
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run every work item as one engine request; yield (item index, output) as they arrive."""
-        rpc_id, work, streams = prepared
-        queue: asyncio.Queue = asyncio.Queue()
-        unfinished = {f"{rpc_id}-{k}" for k in range(len(work))}
-
-        async def pump(k: int) -> None:
-            rid = f"{rpc_id}-{k}"
-            last, first = time.monotonic(), True
-            try:
-                async for out in streams[k]:
-                    if out.new_token_ids:
-                        now = time.monotonic()
-                        if first:
-                            self.metrics.observe_queue_time(work[k].adapter, out.queue_time)
-                        (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
-                        last, first = now, False
-                    if out.finished:
-                        unfinished.discard(rid)
-                    await queue.put((k, out))
-            except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
-                await queue.put((k, exc))
-
-        for item in work:
-            if item.adapter:
-                resolver.acquire(item.adapter)
-        tasks = [asyncio.create_task(pump(k)) for k in range(len(work))]
-        done = 0
-        try:
-            while done < len(tasks):
-                k, out = await queue.get()
-                if isinstance(out, BaseException):
-                    raise out
-                if out.finished:
-                    done += 1
-                    self._count(work[k].adapter, out)
-                yield k, out
-        finally:
-            for task in tasks:
-                task.cancel()
-            if unfinished:
-                # The client's deadline fires (and cancels) a little before the server's copy of
-                # it, which starts when the request arrives: count "nearly out of time" as deadline.
-                remaining = context.time_remaining()
-                reason = "deadline" if remaining is not None and remaining < DEADLINE_SLACK_S else "cancelled"
-                self.metrics.aborted.labels(reason).inc(len(unfinished))
-                for rid in unfinished:
-                    try:
-                        engine.abort(rid)
-                    except Exception:  # noqa: BLE001 - aborting is best effort, the KV is the engine's
-                        log.exception("abort %s failed", rid)
-                log.info(
-                    "aborted %d unfinished engine requests of rpc %s (%s)", len(unfinished), rpc_id, reason
-                )
-            for item in work:
-                if item.adapter:
-                    resolver.release(item.adapter)
-
-    def _count(self, adapter: str, out: RequestOutput) -> None:
-        label = self.metrics.label(adapter)
-        self.metrics.requests.labels(label, "OK").inc()
-        self.metrics.prompt_tokens.labels(label).inc(out.prompt_tokens)
-        self.metrics.completion_tokens.labels(label).inc(out.completion_tokens)
-
     # -- generation -------------------------------------------------------------------------
     async def Generate(self, request, context):
         engine, resolver = await self._begin(context, "Generate")
         try:
-            prepared = await self._prepare(engine, resolver, request, unary=True)
+            prepared = await prepare_call(engine, resolver, request, self.args, unary=True)
             work = prepared.work
             texts = [[] for _ in work]
             ids = [[] for _ in work]
             logprobs = [[] for _ in work]
             prompt_logprobs = [[] for _ in work]
             final: list[RequestOutput | None] = [None] * len(work)
-            async with aclosing(self._run(context, engine, resolver, prepared)) as stream:
+            async with aclosing(run_call(context, engine, resolver, prepared, self.metrics)) as stream:
                 async for k, out in stream:
                     texts[k].append(out.new_text)
                     ids[k].extend(out.new_token_ids)
@@ -254,9 +145,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def GenerateStream(self, request, context):
         engine, resolver = await self._begin(context, "GenerateStream")
         try:
-            prepared = await self._prepare(engine, resolver, request)
+            prepared = await prepare_call(engine, resolver, request, self.args)
             work = prepared.work
-            async with aclosing(self._run(context, engine, resolver, prepared)) as stream:
+            async with aclosing(run_call(context, engine, resolver, prepared, self.metrics)) as stream:
                 async for k, out in stream:
                     if not out.finished and not out.new_token_ids and not out.new_text:
                         continue

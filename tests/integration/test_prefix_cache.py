@@ -366,7 +366,7 @@ def test_prometheus_series_follow_the_engine(tiny_llama_path, adapters):
 
 
 def test_disable_prefix_cache_flag():
-    from loraplex.services.inference.server_args import parse_args
+    from loraplex.services.inference.server_flags import parse_args
 
     assert not parse_args(["--model-path", "m", "--device", "cpu"]).engine.disable_prefix_cache
     args = parse_args(["--model-path", "m", "--device", "cpu", "--disable-prefix-cache"])

@@ -168,22 +168,27 @@ def _imported_modules(path: Path) -> set[str]:
     return names
 
 
+# The command line's modules: the ServerArgs type, its checks, the parser and its LoRA flags.
+CLI_MODULES = ("server_args", "server_args_checks", "server_flags", "lora_flags")
+
+
 @pytest.mark.parametrize("package", CONFIG_TAKERS)
 def test_engine_lora_and_workers_take_config_objects_not_the_cli_type(package):
     """The engine, LoRA and tensor-parallel code are built from EngineConfig / LoRAConfig /
-    LoRASettings; only the server knows the command line (services/inference/server_args.py)."""
+    LoRASettings; only the server knows the command line (services/inference/server_args.py and
+    the other CLI_MODULES)."""
     files = sorted((ROOT / "services" / "inference" / package).rglob("*.py"))
     assert files
-    bad = [
-        str(f.relative_to(ROOT))
-        for f in files
-        if "loraplex.services.inference.server_args" in _imported_modules(f)
-    ]
-    assert not bad, f"these import the CLI type (loraplex.services.inference.server_args): {bad}"
+    cli = {f"loraplex.services.inference.{m}" for m in CLI_MODULES}
+    bad = {str(f.relative_to(ROOT)): sorted(_imported_modules(f) & cli) for f in files}
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, f"these import the command line's modules: {bad}"
 
 
-def test_server_args_does_not_reach_back_into_proto_convert():
+@pytest.mark.parametrize("module", CLI_MODULES)
+def test_server_args_does_not_reach_back_into_proto_convert(module):
     """proto_convert reads ServerArgs; the adapter name rule both need lives in lora/names.py, so
     no import, not even one inside a function, runs the other way."""
-    imported = _imported_modules(ROOT / "services" / "inference" / "server_args.py")
+    assert (ROOT / "services" / "inference" / f"{module}.py").exists(), module
+    imported = _imported_modules(ROOT / "services" / "inference" / f"{module}.py")
     assert not {m for m in imported if m.startswith("loraplex.services.inference.proto_convert")}

@@ -11,13 +11,8 @@ import torch
 from loraplex.kernels.settings import reload_kernel_settings
 from loraplex.services.inference.engine.config import EngineConfig
 from loraplex.services.inference.lora.settings import LoRAConfig
-from loraplex.services.inference.server_args import (
-    ServerArgs,
-    build_parser,
-    flat_defaults,
-    flat_field_owners,
-    parse_args,
-)
+from loraplex.services.inference.server_args import ServerArgs, flat_defaults, flat_field_owners
+from loraplex.services.inference.server_flags import build_parser, parse_args
 
 BASE = ["--model-path", "m", "--device", "cpu"]
 NOT_FLAGS = {"mixed_graphs", "startup_warm_up"}  # EngineConfig switches for tests and TP only
