@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.services.inference.adapter_pull import content_dir_name
 from loraplex.services.inference.engine.api import Engine
 from loraplex.services.inference.errors import AdapterNotFound, InvalidRequest, LoraplexError
 from loraplex.services.inference.local_sources import check_allowed, local_path, looks_local
@@ -24,6 +23,7 @@ from loraplex.services.inference.lora.names import is_served_model_name
 from loraplex.services.inference.metrics import Metrics
 from loraplex.services.inference.proto_convert import check_adapter_name, check_source
 from loraplex.services.inference.store_client import PulledAdapter, StoreClient
+from loraplex.services.inference.store_pull import content_dir_name
 
 log = logging.getLogger(__name__)
 LIST_PAGE_MAX = 1000  # adapters per ListAdapters page (the store's page limit too)

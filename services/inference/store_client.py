@@ -3,7 +3,7 @@
 `StoreClient` is the store's calls (store_rpc.py) plus the local cache of pulled adapters.
 `fetch(name)` asks the store (`GetAdapter`), and unless the content is already in the local
 cache (`<cache>/<weights hex>-<config hex>/`: an adapter is its weights *and* its config) and
-hashes to the record's digests, streams `PullAdapter` (adapter_pull.py): once its header tells
+hashes to the record's digests, streams `PullAdapter` (store_pull.py): once its header tells
 the size, the pull reserves its bytes under the cache's byte bound (adapter_cache.py; waiting
 while other pulls' reservations leave no room) before writing any, checks the sha256 of both
 files against the record and renames a finished temp dir into place, so a reader never sees a
@@ -37,8 +37,8 @@ from loraplex.services.inference.adapter_cache import (
     read_carried_files,
     tokenizer_files_digest,
 )
-from loraplex.services.inference.adapter_pull import content_dir_name, remove_stale_pulls, stream_into
 from loraplex.services.inference.errors import BackendUnavailable
+from loraplex.services.inference.store_pull import content_dir_name, remove_stale_pulls, stream_into
 from loraplex.services.inference.store_rpc import StoreConnection
 from loraplex.v1 import adapter_store_pb2 as pb
 

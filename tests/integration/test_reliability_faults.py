@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraplex.clients import Client
 from loraplex.clients.processes import ServerProcess
-from loraplex.services.inference.adapter_pull import content_dir_name
+from loraplex.services.inference.store_pull import content_dir_name
 from loraplex.v1 import adapter_store_pb2 as spb
 from loraplex.v1 import adapter_store_pb2_grpc as spb_grpc
 from loraplex.v1 import inference_pb2 as pb

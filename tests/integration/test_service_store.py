@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from loraplex.clients import AsyncClient, Client, NotFound
-from loraplex.services.inference.adapter_pull import content_dir_name
+from loraplex.services.inference.store_pull import content_dir_name
 from loraplex.v1 import inference_pb2 as pb
 from tests.support.service_stack import STORE_STACK_SHAPE, PeftReference, scrape, store_stack
 from tests.support.store_helpers import copy_adapter, edit_config

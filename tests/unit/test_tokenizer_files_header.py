@@ -14,8 +14,8 @@ from loraplex.services.inference.adapter_cache import (
     MAX_CARRIED_TOKENIZER_JSON_BYTES,
     tokenizer_files_digest,
 )
-from loraplex.services.inference.adapter_pull import _header_files
 from loraplex.services.inference.errors import AdapterInvalid
+from loraplex.services.inference.store_pull import _header_files
 from loraplex.v1 import adapter_store_pb2 as pb
 
 FILES = {"chat_template.jinja": b"{{ messages }}", "tokenizer_config.json": b"{}"}
