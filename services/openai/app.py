@@ -27,6 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from loraplex.services.openai import (
+    chat_schema,
+    completion_schema,
     reply,
     responses,
     responses_route,
@@ -316,17 +318,19 @@ def create_app(backend: Backend, admin_token: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        parsed = await asyncio.to_thread(schema.parse, schema.CompletionRequest, await _body(request))
+        parsed = await asyncio.to_thread(
+            schema.parse, completion_schema.CompletionRequest, await _body(request)
+        )
         adapter = await _resolve(backend, request, parsed.model)
-        door_call = await asyncio.to_thread(schema.completion_call, parsed, adapter)
+        door_call = await asyncio.to_thread(completion_schema.completion_call, parsed, adapter)
         return await generate(request, parsed, door_call, adapter, False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        parsed, legacy = await asyncio.to_thread(schema.parse_chat, await _body(request))
+        parsed, legacy = await asyncio.to_thread(chat_schema.parse_chat, await _body(request))
         adapter = await _resolve(backend, request, parsed.model)
         door_call = await asyncio.to_thread(
-            schema.chat_call, parsed, adapter, backend.max_new_tokens_limit, legacy
+            chat_schema.chat_call, parsed, adapter, backend.max_new_tokens_limit, legacy
         )
         return await generate(request, parsed, door_call, adapter, True)
 

@@ -12,10 +12,10 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.responses import JSONResponse, Response
 
 from loraplex.services.openai import (
+    chat_schema,
     responses,
     responses_api,
     responses_api_output,
-    schema,
     stream,
     structured,
 )
@@ -31,9 +31,9 @@ def add_route(app: FastAPI, backend, metadata_of, body_of, resolve) -> None:
     async def create_response(request: Request) -> Response:
         body = await body_of(request)
         try:
-            parsed, _ = schema.parse_chat(responses_api.chat_body(body))
+            parsed, _ = chat_schema.parse_chat(responses_api.chat_body(body))
             adapter = await resolve(backend, request, parsed.model)
-            door_call = schema.chat_call(parsed, adapter, backend.max_new_tokens_limit)
+            door_call = chat_schema.chat_call(parsed, adapter, backend.max_new_tokens_limit)
         except OpenAIError as err:
             raise responses_api.rename(err) from None
         md = metadata_of(request, adapter)

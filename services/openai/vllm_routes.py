@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from loraplex.services.openai import schema, tools
+from loraplex.services.openai import chat_schema, schema, tools
 from loraplex.services.openai.errors import OpenAIError, from_grpc
 from loraplex.v1 import inference_pb2 as pb
 
@@ -59,7 +59,7 @@ class TokenizeChat(BaseModel):
     model_config = FORBID
 
     model: str | None = None
-    messages: list[schema.ChatMessage] = Field(min_length=1)
+    messages: list[chat_schema.ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # vLLM's default for chat: the template writes them
