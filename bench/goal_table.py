@@ -59,7 +59,7 @@ def _step(key: str, field: str = "ms", over: str | None = "base") -> Callable[[d
 
 
 def _workload(scenario: str, ratio: str) -> Callable[[dict], float | None]:
-    """A workload scenario's ratio to the base model of the same run (workload.py's `vs_base`)."""
+    """A workload scenario's ratio to the base model of the same run (workload_report.py's `vs_base`)."""
 
     def pick(result: dict) -> float | None:
         return result.get(scenario, {}).get("vs_base", {}).get(ratio)

@@ -86,7 +86,7 @@ def workload_args(o: argparse.Namespace, cuda: bool) -> list[str]:
 
 
 def measure_workload(ctx: Context) -> dict:
-    from loraplex.bench import workload
+    from loraplex.bench import workload, workload_report
 
     opts = workload.build_parser().parse_args(workload_args(ctx.opts, ctx.device.type == "cuda"))
     keys = {(full_tiny[1 if ctx.opts.tiny else 0]): key for key, full_tiny in SCENARIOS.items()}
@@ -98,7 +98,7 @@ def measure_workload(ctx: Context) -> dict:
         spent.append(now - last[0])
         last[0] = now
         ctx.partial[keys[name]] = res
-        workload.add_ratios(ctx.partial)
+        workload_report.add_ratios(ctx.partial)
         vs = res.get("vs_base", {})
         h.log(
             f"workload {name}: {res['completed']}/{res['requests']} done, {res['output_tok_s']} tok/s "

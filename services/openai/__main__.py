@@ -15,7 +15,8 @@ import uvicorn
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
 
-from loraplex.services.openai.app import DEFAULT_MAX_BODY_BYTES, Backend, create_app
+from loraplex.services.openai.app import create_app
+from loraplex.services.openai.backend import DEFAULT_MAX_BODY_BYTES, Backend
 from loraplex.services.openai.limits import (
     AcceptErrorFilter,
     BodyLimit,

@@ -39,7 +39,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 
 class Asked(NamedTuple):
-    """What the HTTP request asked of the response (schema.py fills it from the body)."""
+    """What the HTTP request asked of the response (chat_schema.py and completion_schema.py fill it
+    from the body)."""
 
     logprobs: int | None = None  # alternatives per token (chat: top_logprobs); None = no logprobs
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs

@@ -5,7 +5,7 @@ A Responses body is read into a chat completions body (`chat_body`): `instructio
 `function_call` and `function_call_output`) as the messages, function `tools` and `tool_choice` in
 the chat shape, `text.format` as `response_format`, `text.verbosity` and `reasoning.effort` as the
 chat template's variables, `max_output_tokens` as `max_tokens`. That body then takes the chat path
-(schema.py: one parser, one set of checks), and the chat answer is written back as a Response
+(chat_schema.py: one parser, one set of checks), and the chat answer is written back as a Response
 object (responses_api_output.py): a `message` item with one `output_text` part, one `function_call` item
 per tool call, usage as input / output tokens, `status` "incomplete" (reason `max_output_tokens`)
 when the output was cut. Streams are responses_api_stream.py.

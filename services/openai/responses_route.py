@@ -12,31 +12,30 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.responses import JSONResponse, Response
 
 from loraplex.services.openai import (
+    chat_schema,
     responses,
     responses_api,
     responses_api_output,
-    schema,
     stream,
     structured,
 )
+from loraplex.services.openai.backend import Backend, call_metadata, read_body, resolve_adapter
 from loraplex.services.openai.disconnect import unless_client_leaves
 from loraplex.services.openai.errors import OpenAIError, from_grpc
 from loraplex.services.openai.responses_api_stream import ResponseEvents
 
 
-def add_route(app: FastAPI, backend, metadata_of, body_of, resolve) -> None:
-    """`resolve(backend, request, model)`: the adapter `model` names."""
-
+def add_route(app: FastAPI, backend: Backend) -> None:
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        body = await body_of(request)
+        body = await read_body(request)
         try:
-            parsed, _ = schema.parse_chat(responses_api.chat_body(body))
-            adapter = await resolve(backend, request, parsed.model)
-            door_call = schema.chat_call(parsed, adapter, backend.max_new_tokens_limit)
+            parsed, _ = chat_schema.parse_chat(responses_api.chat_body(body))
+            adapter = await resolve_adapter(backend, request, parsed.model)
+            door_call = chat_schema.chat_call(parsed, adapter, backend.max_new_tokens_limit)
         except OpenAIError as err:
             raise responses_api.rename(err) from None
-        md = metadata_of(request, adapter)
+        md = call_metadata(request, adapter)
         grpc_request = door_call.request
 
         def failed(exc: grpc.RpcError) -> OpenAIError:

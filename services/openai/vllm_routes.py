@@ -25,7 +25,8 @@ from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from loraplex.services.openai import schema, tools
+from loraplex.services.openai import chat_schema, schema, tools
+from loraplex.services.openai.backend import Backend, call_metadata, read_body, resolve_adapter
 from loraplex.services.openai.errors import OpenAIError, from_grpc
 from loraplex.v1 import inference_pb2 as pb
 
@@ -59,7 +60,7 @@ class TokenizeChat(BaseModel):
     model_config = FORBID
 
     model: str | None = None
-    messages: list[schema.ChatMessage] = Field(min_length=1)
+    messages: list[chat_schema.ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # vLLM's default for chat: the template writes them
@@ -99,9 +100,7 @@ def check_admin(request: Request, admin_token: str | None) -> None:
         )
 
 
-def add_routes(app: FastAPI, backend, metadata_of, body_of, admin_token: str | None) -> None:
-    """`metadata_of(request, adapter=None)`: the gRPC metadata of a call; `body_of(request)`: its JSON."""
-
+def add_routes(app: FastAPI, backend: Backend, admin_token: str | None) -> None:
     async def call(method, message, md, model: str = "", names: dict[str, str] | None = None):
         """The gRPC call; its error with `param` in the HTTP body's words (`names`: gRPC -> HTTP)."""
         try:
@@ -117,8 +116,8 @@ def add_routes(app: FastAPI, backend, metadata_of, body_of, admin_token: str | N
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> Response:
         check_admin(request, admin_token)
-        req = schema.parse(LoadLoRA, await body_of(request))
-        md = metadata_of(request, req.lora_name)
+        req = schema.parse(LoadLoRA, await read_body(request))
+        md = call_metadata(request, req.lora_name)
         load = pb.LoadAdapterRequest(name=req.lora_name, source=req.lora_path)
         await call(backend.stub.LoadAdapter, load, md)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
@@ -126,22 +125,19 @@ def add_routes(app: FastAPI, backend, metadata_of, body_of, admin_token: str | N
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> Response:
         check_admin(request, admin_token)
-        req = schema.parse(UnloadLoRA, await body_of(request))
-        md = metadata_of(request, req.lora_name)
+        req = schema.parse(UnloadLoRA, await read_body(request))
+        md = call_metadata(request, req.lora_name)
         await call(backend.stub.UnloadAdapter, pb.UnloadAdapterRequest(name=req.lora_name), md, req.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     async def adapter_of(request: Request, model: str | None) -> str:
         if not model:
             return ""
-        try:
-            return await backend.adapter_for(model, metadata_of(request))
-        except grpc.RpcError as exc:
-            raise from_grpc(exc, model) from None
+        return await resolve_adapter(backend, request, model)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        body = await body_of(request)
+        body = await read_body(request)
         chat = isinstance(body, dict) and "messages" in body
         req = schema.parse(TokenizeChat if chat else TokenizeCompletion, body)
         adapter = await adapter_of(request, req.model)
@@ -159,7 +155,7 @@ def add_routes(app: FastAPI, backend, metadata_of, body_of, admin_token: str | N
         else:
             grpc_req = pb.TokenizeRequest(text=req.prompt, adapter=adapter)
             grpc_req.add_special_tokens = req.add_special_tokens
-        md = metadata_of(request, adapter)
+        md = call_metadata(request, adapter)
         resp = await call(backend.stub.Tokenize, grpc_req, md, req.model or "")
         await backend.base_names(md)
         return JSONResponse(
@@ -173,11 +169,11 @@ def add_routes(app: FastAPI, backend, metadata_of, body_of, admin_token: str | N
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        req = schema.parse(Detokenize, await body_of(request))
+        req = schema.parse(Detokenize, await read_body(request))
         if any(t < 0 or t > schema.UINT32_MAX for t in req.tokens):
             raise OpenAIError(400, "tokens must be token ids (non-negative)", param="tokens")
         adapter = await adapter_of(request, req.model)
-        md = metadata_of(request, adapter)
+        md = call_metadata(request, adapter)
         grpc_req = pb.DetokenizeRequest(token_ids=req.tokens, adapter=adapter)
         resp = await call(backend.stub.Detokenize, grpc_req, md, req.model or "", {"token_ids": "tokens"})
         return JSONResponse({"prompt": resp.text})

@@ -14,10 +14,12 @@ from loraplex.services.inference.errors import InvalidRequest
 from loraplex.services.inference.generate_inputs import CHAT_ROLES
 from loraplex.services.inference.local_sources import public_model_name
 from loraplex.services.inference.reply_size import check_reply, check_reply_floor
-from loraplex.services.openai.app import Backend, create_app
+from loraplex.services.openai.app import create_app
+from loraplex.services.openai.backend import Backend
+from loraplex.services.openai.chat_schema import ChatRole
 from loraplex.services.openai.limits import AcceptErrorFilter
 from loraplex.services.openai.responses import public_source
-from loraplex.services.openai.schema import ChatRole, field_param
+from loraplex.services.openai.schema import field_param
 from loraplex.v1 import inference_pb2 as pb
 
 

@@ -7,20 +7,20 @@ import json
 
 import pytest
 
-from loraplex.services.openai import reply, schema
+from loraplex.services.openai import chat_schema, completion_schema, reply, schema
 from loraplex.services.openai.errors import OpenAIError
 
 USER = [{"role": "user", "content": "hi"}]
 
 
 def _chat(**body):
-    req, legacy = schema.parse_chat({"model": "m", "messages": USER, **body})
-    return schema.chat_call(req, "", 0, legacy)
+    req, legacy = chat_schema.parse_chat({"model": "m", "messages": USER, **body})
+    return chat_schema.chat_call(req, "", 0, legacy)
 
 
 def _completion(**body):
-    return schema.completion_call(
-        schema.parse(schema.CompletionRequest, {"model": "m", "prompt": "hi", **body}), ""
+    return completion_schema.completion_call(
+        schema.parse(completion_schema.CompletionRequest, {"model": "m", "prompt": "hi", **body}), ""
     )
 
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from loraplex.services.openai import chat_schema
 from loraplex.services.openai import responses_api as api
 from loraplex.services.openai import responses_api_output as output
-from loraplex.services.openai import schema
 from loraplex.services.openai.errors import OpenAIError
 from loraplex.services.openai.responses_api_stream import ResponseEvents
 
@@ -55,8 +55,8 @@ def test_items_become_chat_messages():
     assert body["response_format"]["json_schema"]["schema"] == {"type": "object"}
     assert (body["max_tokens"], body["verbosity"], body["reasoning_effort"]) == (7, "low", "low")
     del body["response_format"]  # a named tool already constrains the output: one constraint a call
-    req, _ = schema.parse_chat(body)  # the chat path takes it as it is
-    call = schema.chat_call(req, "")
+    req, _ = chat_schema.parse_chat(body)  # the chat path takes it as it is
+    call = chat_schema.chat_call(req, "")
     assert json.loads(call.request.inputs[0].chat_template_kwargs_json) == {
         "reasoning_effort": "low",
         "verbosity": "low",
@@ -90,7 +90,7 @@ def test_refusals_name_the_responses_field(extra, param):
 
 def test_chat_errors_are_renamed():
     with pytest.raises(OpenAIError) as info:
-        schema.parse_chat(api.chat_body({"model": "m", "input": "hi", "max_output_tokens": 0}))
+        chat_schema.parse_chat(api.chat_body({"model": "m", "input": "hi", "max_output_tokens": 0}))
     err = api.rename(info.value)
     assert err.param == "max_output_tokens" and "max_output_tokens" in err.message
 

@@ -7,6 +7,8 @@ import pytest
 
 from loraplex.services.openai import logprobs as lp
 from loraplex.services.openai import schema
+from loraplex.services.openai.chat_schema import ChatRequest, chat_request
+from loraplex.services.openai.completion_schema import CompletionRequest, completion_request
 from loraplex.services.openai.errors import OpenAIError, request_param
 from loraplex.v1 import inference_pb2 as pb
 
@@ -17,18 +19,18 @@ def _parse(cls, **body):
 
 def test_unknown_fields_are_refused_by_name():
     with pytest.raises(OpenAIError) as info:
-        _parse(schema.CompletionRequest, prompt="hi", foo_bar=1)
+        _parse(CompletionRequest, prompt="hi", foo_bar=1)
     assert info.value.status == 400 and info.value.param == "foo_bar" and "foo_bar" in info.value.message
     with pytest.raises(OpenAIError) as info:
-        _parse(schema.ChatRequest, messages=[{"role": "user", "content": "x"}], web_search_options={"a": 1})
+        _parse(ChatRequest, messages=[{"role": "user", "content": "x"}], web_search_options={"a": 1})
     assert info.value.param == "web_search_options" and "web search is not available" in info.value.message
     # OpenAI fields this server lacks pass when empty, as SDKs send them
-    _parse(schema.ChatRequest, messages=[{"role": "user", "content": "x"}], audio=None, metadata={})
+    _parse(ChatRequest, messages=[{"role": "user", "content": "x"}], audio=None, metadata={})
 
 
 def test_vllm_extensions_reach_the_sampling_params():
     req = _parse(
-        schema.CompletionRequest,
+        CompletionRequest,
         prompt="hi",
         ignore_eos=True,
         top_k=-1,
@@ -41,7 +43,7 @@ def test_vllm_extensions_reach_the_sampling_params():
         prompt_logprobs=2,
         logprobs=1,
     )
-    grpc_req, asked = schema.completion_request(req, "")
+    grpc_req, asked = completion_request(req, "")
     p = grpc_req.sampling_params
     assert (p.ignore_eos, p.top_k, p.min_tokens, list(p.stop_token_ids), p.seed) == (True, 0, 3, [7, 9], 4)
     assert p.min_p == pytest.approx(0.1) and p.repetition_penalty == pytest.approx(1.2)
@@ -49,33 +51,28 @@ def test_vllm_extensions_reach_the_sampling_params():
     assert p.logprobs and p.prompt_logprobs and p.top_logprobs == 2
     assert (asked.logprobs, asked.prompt_logprobs) == (1, 2)
     assert (
-        schema.completion_request(_parse(schema.CompletionRequest, prompt="hi", top_k=5), "")[
-            0
-        ].sampling_params.top_k
-        == 5
+        completion_request(_parse(CompletionRequest, prompt="hi", top_k=5), "")[0].sampling_params.top_k == 5
     )
 
 
 def test_echo_scoring_and_max_tokens_zero():
-    req = _parse(schema.CompletionRequest, prompt=[[1, 2, 3], [4, 5]], echo=True, logprobs=1, max_tokens=0)
-    grpc_req, asked = schema.completion_request(req, "")
+    req = _parse(CompletionRequest, prompt=[[1, 2, 3], [4, 5]], echo=True, logprobs=1, max_tokens=0)
+    grpc_req, asked = completion_request(req, "")
     assert grpc_req.sampling_params.max_new_tokens == 1 and grpc_req.sampling_params.prompt_logprobs
     assert asked.echo and asked.score_only and asked.prompts == (None, None)
     with pytest.raises(OpenAIError) as info:
-        schema.completion_request(_parse(schema.CompletionRequest, prompt="hi", max_tokens=0), "")
+        completion_request(_parse(CompletionRequest, prompt="hi", max_tokens=0), "")
     assert info.value.param == "max_tokens"
     # streamed as vLLM streams it (services/openai/stream.py): the same request, the same answer pieces
-    streamed = schema.completion_request(
-        _parse(schema.CompletionRequest, prompt="hi", echo=True, stream=True), ""
-    )
-    assert streamed == schema.completion_request(_parse(schema.CompletionRequest, prompt="hi", echo=True), "")
+    streamed = completion_request(_parse(CompletionRequest, prompt="hi", echo=True, stream=True), "")
+    assert streamed == completion_request(_parse(CompletionRequest, prompt="hi", echo=True), "")
 
 
 def test_chat_without_max_tokens_asks_the_server_limit():
-    req = _parse(schema.ChatRequest, messages=[{"role": "user", "content": "x"}])
-    assert schema.chat_request(req, "", 4096)[0].sampling_params.max_new_tokens == 4096
-    req = _parse(schema.ChatRequest, messages=[{"role": "user", "content": "x"}], max_tokens=7)
-    assert schema.chat_request(req, "", 4096)[0].sampling_params.max_new_tokens == 7
+    req = _parse(ChatRequest, messages=[{"role": "user", "content": "x"}])
+    assert chat_request(req, "", 4096)[0].sampling_params.max_new_tokens == 4096
+    req = _parse(ChatRequest, messages=[{"role": "user", "content": "x"}], max_tokens=7)
+    assert chat_request(req, "", 4096)[0].sampling_params.max_new_tokens == 7
 
 
 @pytest.mark.parametrize(
@@ -134,10 +131,8 @@ def test_logprobs_built_from_bytes():
 
 def test_draft_adapter_reaches_the_generate_request():
     """extra_body's draft_adapter (loraplex's) is sent as GenerateRequest.draft_adapter on both routes."""
-    chat = _parse(schema.ChatRequest, messages=[{"role": "user", "content": "x"}], draft_adapter="d1")
-    assert schema.chat_request(chat, "a")[0].draft_adapter == "d1"
-    completion = _parse(schema.CompletionRequest, prompt="hi", draft_adapter="d2")
-    assert schema.completion_request(completion, "a")[0].draft_adapter == "d2"
-    assert (
-        schema.completion_request(_parse(schema.CompletionRequest, prompt="hi"), "a")[0].draft_adapter == ""
-    )
+    chat = _parse(ChatRequest, messages=[{"role": "user", "content": "x"}], draft_adapter="d1")
+    assert chat_request(chat, "a")[0].draft_adapter == "d1"
+    completion = _parse(CompletionRequest, prompt="hi", draft_adapter="d2")
+    assert completion_request(completion, "a")[0].draft_adapter == "d2"
+    assert completion_request(_parse(CompletionRequest, prompt="hi"), "a")[0].draft_adapter == ""

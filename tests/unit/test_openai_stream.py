@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loraplex.services.openai import responses, schema
+from loraplex.services.openai import chat_schema, completion_schema, responses, schema
 from loraplex.services.openai.stream import StreamState
 from loraplex.v1 import inference_pb2 as pb
 
@@ -67,9 +67,10 @@ def _both(body: dict[str, Any], n: int = 1, prompts: int = 1, score_only: bool =
     """The body and the stream's chunks for `prompts` inputs of `n` samples each, the streams of the
     choices interleaved message by message, as the server's are."""
     req = schema.parse(
-        schema.ChatRequest if chat else schema.CompletionRequest, {"model": "m", "n": n, **body}
+        chat_schema.ChatRequest if chat else completion_schema.CompletionRequest,
+        {"model": "m", "n": n, **body},
     )
-    door = schema.chat_call(req, "") if chat else schema.completion_call(req, "")
+    door = chat_schema.chat_call(req, "") if chat else completion_schema.completion_call(req, "")
     outputs = [_completion(i, s, score_only) for i in range(prompts) for s in range(n)]
     resp = pb.GenerateResponse(completions=outputs)
     whole = (responses.chat_body if chat else responses.completion_body)(resp, "m", door.asked)

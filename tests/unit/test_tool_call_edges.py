@@ -14,7 +14,7 @@ import pytest
 from loraplex.services.inference.engine.chat_tools import parse_tool_calls, parse_tools
 from loraplex.services.inference.engine.types import Constraint
 from loraplex.services.inference.errors import InvalidRequest
-from loraplex.services.openai import schema, structured, tools
+from loraplex.services.openai import chat_schema, schema, structured, tools
 from loraplex.services.openai.errors import OpenAIError
 from loraplex.services.openai.responses import Asked
 from loraplex.services.openai.stream import StreamState
@@ -201,7 +201,7 @@ def test_server_checks_tool_names_and_call_shapes():
 
 def chat(messages: list) -> None:
     body = {"model": "m", "messages": messages, "tools": [WEATHER]}
-    schema.chat_call(schema.parse(schema.ChatRequest, body), "")
+    chat_schema.chat_call(schema.parse(chat_schema.ChatRequest, body), "")
 
 
 def assistant(calls) -> dict:
@@ -279,7 +279,7 @@ def test_schema_text_that_is_no_schema_is_400_with_a_reason(field, value):
     else:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": value}}
         want = "response_format.json_schema.schema"
-    req = schema.parse(schema.ChatRequest, body)
+    req = schema.parse(chat_schema.ChatRequest, body)
     with pytest.raises(OpenAIError) as err:
         structured.apply(req, pb.SamplingParams(), req.response_format)
     assert err.value.param == want and err.value.message.startswith(want + " ")
@@ -300,7 +300,9 @@ def test_grpc_schema_text_that_is_no_schema_says_why(value, got):
 def test_strict_of_a_json_schema_is_named_itself():
     # Issue 59 L3's sweep: a wrong `strict` was reported as `response_format`.
     rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}, "strict": "yes"}}
-    req = schema.parse(schema.ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    req = schema.parse(
+        chat_schema.ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    )
     with pytest.raises(OpenAIError) as err:
         structured.apply(req, pb.SamplingParams(), rf)
     assert err.value.param == "response_format.json_schema.strict"

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from loraplex.services.inference.engine.chat import render_model_template
-from loraplex.services.openai import schema, tools
+from loraplex.services.openai import chat_schema, schema, tools
 from loraplex.services.openai.errors import OpenAIError
 from loraplex.services.openai.responses import Asked
 from loraplex.services.openai.stream import StreamState
@@ -96,13 +96,13 @@ def test_bad_tools_are_400(tools_, choice, param):
 
 def test_chat_call_carries_tools_and_refuses_two_constraints():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
-    call = schema.chat_call(schema.parse(schema.ChatRequest, body), "")
+    call = chat_schema.chat_call(schema.parse(chat_schema.ChatRequest, body), "")
     assert json.loads(call.request.inputs[0].tools_json) == [WEATHER] and call.tool_plan.mode == "auto"
     assert call.request.sampling_params.WhichOneof("constraint") is None
     with pytest.raises(OpenAIError) as err:
-        schema.chat_call(
+        chat_schema.chat_call(
             schema.parse(
-                schema.ChatRequest,
+                chat_schema.ChatRequest,
                 {**body, "tool_choice": "required", "response_format": {"type": "json_object"}},
             ),
             "",
