@@ -40,7 +40,7 @@ from loraplex.services.inference.engine.loading import LoadedModel
 from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.sampler import MIN_TEMPERATURE, SamplingInputs, filtered_probs
-from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.engine.scheduled_batch import SeqChunk
 from loraplex.services.inference.engine.startup import decode_graph_max_bs
 from loraplex.services.inference.engine.warmup import warm_up
 from loraplex.services.inference.errors import AdapterNotFound, InvalidRequest
