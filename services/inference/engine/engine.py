@@ -34,7 +34,8 @@ from loraplex.services.inference.engine.overlap import InFlightStep, kv_fits_wit
 from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.request_outputs import OutputProcessor, take_prompt_logprobs
 from loraplex.services.inference.engine.sampler import read_sampled
-from loraplex.services.inference.engine.speculative import Speculator, verify_step
+from loraplex.services.inference.engine.speculative import Speculator
+from loraplex.services.inference.engine.speculative_verify import verify_step
 from loraplex.services.inference.engine.startup import build_kv_cache, build_runner, build_scheduler
 from loraplex.services.inference.engine.types import EngineStats, RequestOutput, SamplingParams
 from loraplex.services.inference.engine.unified_blocks import UnifiedBlocks

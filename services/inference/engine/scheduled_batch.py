@@ -22,7 +22,7 @@ class SeqChunk(NamedTuple):
     sample: bool  # the chunk reaches the end of the sequence: sample the next token
     all_logits: bool = False  # also return every token's logits (prompt log probabilities)
     # Speculative verification: token_ids ends with the request's draft tokens, and every token's
-    # logits are sampled rows (engine/speculative.py).
+    # logits are sampled rows (engine/speculative_verify.py).
     verify: bool = False
 
 
