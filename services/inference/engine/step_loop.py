@@ -17,11 +17,11 @@ from typing import Protocol
 
 import torch
 
-from loraplex.services.inference.engine.logprobs import StepLogprobs, rows_logprobs
+from loraplex.services.inference.engine.logprobs import StepLogprobs, rows_logprobs, take_prompt_logprobs
 from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.overlap import InFlightStep, kv_fits_without_preemption
 from loraplex.services.inference.engine.request import Request
-from loraplex.services.inference.engine.request_outputs import take_prompt_logprobs
+from loraplex.services.inference.engine.request_sampling import mask_constrained
 from loraplex.services.inference.engine.sampler import read_sampled
 from loraplex.services.inference.engine.speculative_verify import verify_step
 from loraplex.services.inference.engine.types import RequestOutput
@@ -165,5 +165,5 @@ class StepLoop:
         constrained; `pending`: the overlapped step whose tokens that mask may need first."""
         masked = None
         if self.output_processor.num_constrained:
-            masked = self._phase("mask", self.output_processor.mask_constrained, logits, reqs, pending)
+            masked = self._phase("mask", mask_constrained, logits, reqs, pending, self.requests)
         return self.output_processor.sample(logits, reqs, masked)
