@@ -22,7 +22,7 @@ import torch
 
 from loraplex.bench.random_runner import TINY, build_runner
 from loraplex.bench.serving_setup import LLAMA_8B
-from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.engine.scheduled_batch import SeqChunk
 
 PAGE = 16
 _T0 = time.perf_counter()

@@ -25,7 +25,7 @@ from loraplex.bench.random_runner import TINY, build_runner
 from loraplex.bench.results import add_out_argument, write_json
 from loraplex.kernels.lora_configs import MANY_ADAPTERS
 from loraplex.services.inference.engine.model_runner import ModelRunner
-from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.engine.scheduled_batch import SeqChunk
 
 PAGE = 16
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from loraplex.bench.results import add_out_argument, write_json
 from loraplex.services.inference.engine.kv_cache import allocate_kv_cache
 from loraplex.services.inference.engine.model_runner import ModelRunner
-from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.engine.scheduled_batch import SeqChunk
 from loraplex.services.inference.models.llama import FusedLinear
 from loraplex.services.inference.models.quantization.fp8_linear import quantize_loaded
 

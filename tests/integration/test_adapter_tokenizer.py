@@ -288,7 +288,7 @@ def _check_grammars_follow_the_tokenizer(engine) -> None:
             for t in out.new_token_ids
         ]
 
-    own, grammars = engine.adapter_tokenizers.get("within"), engine.engine.grammars
+    own, grammars = engine.tokenizers.adapters.get("within"), engine.engine.grammars
     assert asyncio.run(new_ids("within"))[0] == MARKER_ID
     assert MARKER_ID not in asyncio.run(new_ids(None))
     assert grammars.cached(c, own) and grammars.cached(c)

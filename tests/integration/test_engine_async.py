@@ -10,7 +10,8 @@ import torch
 
 from loraplex.services.inference.engine.async_engine import AsyncEngine
 from loraplex.services.inference.engine.config import EngineConfig
-from loraplex.services.inference.engine.engine import LLMEngine, load
+from loraplex.services.inference.engine.engine import LLMEngine
+from loraplex.services.inference.engine.loading import load
 from loraplex.services.inference.engine.types import RequestOutput, SamplingParams
 from loraplex.services.inference.errors import AdapterNotFound, CapacityExceeded, InvalidRequest
 from loraplex.services.inference.lora.adapter_slots import AdapterSlots

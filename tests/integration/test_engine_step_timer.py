@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from loraplex.services.inference.engine.engine import STEP_PHASES
-from loraplex.services.inference.engine.scheduler import ScheduledBatch
+from loraplex.services.inference.engine.scheduled_batch import ScheduledBatch
+from loraplex.services.inference.engine.step_loop import STEP_PHASES
 from loraplex.services.inference.engine.types import SamplingParams
 from tests.integration.test_engine_overlap import make_engine
 

@@ -146,7 +146,7 @@ class Counter:
 def greedy_tokens(triton: bool, counters: dict[str, Counter]) -> list[list[int]]:
     from loraplex.bench.random_runner import TINY, build_runner
     from loraplex.kernels.placement import run_triton_on_cpu
-    from loraplex.services.inference.engine.scheduler import SeqChunk
+    from loraplex.services.inference.engine.scheduled_batch import SeqChunk
 
     for c in counters.values():
         c.calls = 0

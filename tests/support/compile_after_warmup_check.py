@@ -19,7 +19,7 @@ import torch
 from loraplex.bench.random_runner import TINY, build_runner
 from loraplex.kernels.compile_watch import record_launch_keys
 from loraplex.kernels.placement import run_triton_on_cpu
-from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.engine.scheduled_batch import SeqChunk
 from loraplex.services.inference.engine.warmup import warm_up
 
 MAX_TOKENS, MAX_SEQS, SLOTS, PAGE = 48, 20, 18, 16

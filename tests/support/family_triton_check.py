@@ -14,7 +14,7 @@ import torch
 
 from loraplex.bench.random_runner import TINY, TINY_FAMILIES, build_runner
 from loraplex.kernels.placement import run_triton_on_cpu
-from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.engine.scheduled_batch import SeqChunk
 
 A_BLOCKS, B_BLOCKS = list(range(1, 7)), list(range(7, 13))
 STEPS = [

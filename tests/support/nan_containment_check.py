@@ -22,7 +22,7 @@ import torch
 
 from loraplex.bench.random_runner import TINY, TINY_FAMILIES, build_runner
 from loraplex.kernels.placement import run_triton_on_cpu
-from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.engine.scheduled_batch import SeqChunk
 from loraplex.services.inference.lora.backend import GROUPS
 
 PAGE = 4

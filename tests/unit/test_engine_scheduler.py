@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from loraplex.services.inference.engine.block_manager import BlockManager
 from loraplex.services.inference.engine.config import SchedulerConfig
 from loraplex.services.inference.engine.request import Request, RequestStatus
-from loraplex.services.inference.engine.scheduler import ScheduledBatch, Scheduler
+from loraplex.services.inference.engine.scheduled_batch import ScheduledBatch
+from loraplex.services.inference.engine.scheduler import Scheduler
 from loraplex.services.inference.engine.types import SamplingParams
 from loraplex.services.inference.lora.adapter_slots import NoAdapters
 

@@ -1,5 +1,6 @@
-"""Speculative decoding's parts (engine/speculative.py): n-gram drafts and exact verification (the
-engine with speculation on: tests/integration/test_speculative_engine.py)."""
+"""Speculative decoding's parts: n-gram drafts (engine/speculative.py) and exact verification
+(engine/speculative_verify.py). The engine with speculation on:
+tests/integration/test_speculative_engine.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from loraplex.services.inference.engine.sampler import SamplingInputs
-from loraplex.services.inference.engine.speculative import propose_ngram, verify
+from loraplex.services.inference.engine.speculative import propose_ngram
+from loraplex.services.inference.engine.speculative_verify import verify
 
 
 def test_ngram_proposes_what_followed_the_latest_match():

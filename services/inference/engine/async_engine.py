@@ -8,7 +8,6 @@ asyncio.Queue, so no coroutine ever waits on the model.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
@@ -16,16 +15,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
-from loraplex.services.inference.engine.adapter_tokenizers import AdapterTokenizers, read_tokenizer_files
-from loraplex.services.inference.engine.chat import (
-    check_template_kwargs,
-    continue_final,
-    render_adapter_template,
-    render_model_template,
-)
+from loraplex.services.inference.engine.caller_tokenizers import CallerTokenizers
 from loraplex.services.inference.engine.engine import LLMEngine
-from loraplex.services.inference.engine.template_sandbox import TemplateRenderer
-from loraplex.services.inference.engine.token_bytes import TokenBytes
 from loraplex.services.inference.engine.types import EngineStats, ModelInfo, RequestOutput, SamplingParams
 from loraplex.services.inference.errors import (
     AdapterNotFound,
@@ -33,7 +24,6 @@ from loraplex.services.inference.errors import (
     InvalidRequest,
     LoraplexError,
 )
-from loraplex.services.inference.lora.adapter_files import read_side_file
 from loraplex.services.inference.lora.adapter_slots import AdapterInfo
 from loraplex.services.inference.lora.manager import LoRAManager
 
@@ -77,23 +67,11 @@ class AsyncEngine:
         self.engine = engine
         self.lora_manager = lora_manager
         self._model_info = model_info or default_model_info(engine)
-        # The engine thread uses engine.tokenizer for decoding; callers get their own copy
-        # because a fast tokenizer must not be used from two threads at once.
-        self._tokenizer = _clone_tokenizer(engine)
-        self._tokenizer_lock = threading.Lock()
-        # What transformers hands a template besides the messages (bos_token, eos_token, ...).
-        self._template_variables = dict(self._tokenizer.special_tokens_map)
-        self._templates = TemplateRenderer()  # adapters' templates: worker processes, started on first use
-        self._token_bytes = TokenBytes(self._tokenizer)
-        # Adapters that ship a tokenizer of their own (engine/adapter_tokenizers.py).
-        self.adapter_tokenizers = AdapterTokenizers(
-            engine.loaded.model_dir,
-            engine.loaded.config.vocab_size,
-            self._tokenizer,
-            on_drop=engine.grammars.forget_tokenizer,  # its compiled grammars go with it
-        )
+        # Callers' text <-> ids, on their threads (the engine thread decodes with its own copies).
+        self.tokenizers = CallerTokenizers(engine, lora_manager)
         for info in lora_manager.list_adapters() if lora_manager is not None else ():
-            self._adopt_tokenizer(info.name, info.source)  # loaded at start (--lora-paths)
+            # loaded at start (--lora-paths)
+            self.tokenizers.adapters.assign(info.name, self.tokenizers.prepare(info.name, info.source))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._sinks: dict[str, _Sink] = {}
@@ -120,7 +98,7 @@ class AsyncEngine:
         prompt_ids = self.tokenize(prompt, adapter=adapter) if isinstance(prompt, str) else list(prompt)
         self.engine.check_request(prompt_ids, params)
         self.engine.check_draft_adapter(draft_adapter)
-        own = self.adapter_tokenizers.get(adapter)
+        own = self.tokenizers.adapters.get(adapter)
         add = _Add(
             request_id,
             prompt_ids,
@@ -173,22 +151,13 @@ class AsyncEngine:
         """Stop a request and free its KV blocks and adapter reference (its stream ends with 'abort')."""
         self._send(_Abort(request_id))
 
-    @contextlib.contextmanager
+    # -- text <-> ids (engine/caller_tokenizers.py) ------------------------------------------
+
     def tokenizer_for(self, adapter: str | None = None):
-        """The tokenizer of `adapter`'s requests, held for the caller's thread: its own when it
-        ships one (engine/adapter_tokenizers.py), else the base model's. Every text <-> ids of a
-        request goes through here (the engine thread decodes with its own copies)."""
-        own = self.adapter_tokenizers.get(adapter)
-        if own is None:
-            with self._tokenizer_lock:
-                yield self._tokenizer
-        else:
-            with own.lock:
-                yield own.caller
+        return self.tokenizers.tokenizer_for(adapter)
 
     def tokenize(self, text: str, add_special_tokens: bool = True, adapter: str | None = None) -> list[int]:
-        with self.tokenizer_for(adapter) as tokenizer:
-            return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        return self.tokenizers.tokenize(text, add_special_tokens, adapter)
 
     def render_chat(
         self,
@@ -199,46 +168,15 @@ class AsyncEngine:
         template_kwargs: dict | None = None,
         continue_final_message: bool = False,
     ) -> list[int]:
-        """Prompt ids of chat `messages` (engine/chat.py); an adapter's own template when it ships one."""
-        kwargs = dict(template_kwargs or {})
-        own = self.adapter_tokenizers.get(adapter)
-        variables = own.template_variables if own is not None else self._template_variables
-        check_template_kwargs(kwargs, frozenset(variables))
-        if continue_final_message and add_generation_prompt:
-            raise InvalidRequest(
-                "continue_final_message needs add_generation_prompt false", field="continue_final_message"
-            )
-        # Read with the adapter's weights at load time (lora/adapter_files.py), never from its directory now.
-        template = self.lora_manager.chat_template(adapter) if adapter and self.lora_manager else None
-        # Rendered outside the tokenizer lock: a slow template must not hold every other request.
-        if template is None:
-            model_tokenizer = own.caller if own is not None else self._tokenizer
-            text = render_model_template(model_tokenizer, messages, add_generation_prompt, tools, kwargs)
-        else:
-            text = render_adapter_template(
-                self._templates,
-                template,
-                adapter or "",
-                messages,
-                add_generation_prompt,
-                {**variables, **kwargs},
-                self.engine.context_length,
-                tools,
-            )
-        if continue_final_message:
-            text = continue_final(text, messages)
-        return self.tokenize(text, add_special_tokens=False, adapter=adapter)
+        return self.tokenizers.render_chat(
+            messages, adapter, add_generation_prompt, tools, template_kwargs, continue_final_message
+        )
 
     def detokenize_each(self, token_ids: list[int], adapter: str | None = None) -> list[str]:
-        """Each token's text alone (for log probabilities' `token`)."""
-        with self.tokenizer_for(adapter) as tokenizer:
-            return [tokenizer.decode([t]) for t in token_ids]
+        return self.tokenizers.detokenize_each(token_ids, adapter)
 
     def token_bytes(self, token_ids: list[int], adapter: str | None = None) -> list[bytes]:
-        own = self.adapter_tokenizers.get(adapter)
-        table = own.token_bytes if own is not None else self._token_bytes
-        with self.tokenizer_for(adapter):
-            return [table(t) for t in token_ids]
+        return self.tokenizers.token_bytes(token_ids, adapter)
 
     def model_info(self) -> ModelInfo:
         return self._model_info
@@ -258,23 +196,14 @@ class AsyncEngine:
 
     def _load_adapter(self, name: str, path: str, pin: bool) -> AdapterInfo:
         # Its tokenizer is built and checked first: a refused one leaves the name as it was.
-        own = self._tokenizer_of(name, path)
+        own = self.tokenizers.prepare(name, path)
         info = self._manager().load_adapter(name, path, pin)
-        self.adapter_tokenizers.assign(name, own)
+        self.tokenizers.adapters.assign(name, own)
         return info
-
-    def _adopt_tokenizer(self, name: str, path: str) -> None:
-        self.adapter_tokenizers.assign(name, self._tokenizer_of(name, path))
-
-    def _tokenizer_of(self, name: str, path: str):
-        """The tokenizer the adapter directory's files make (None: the base's), read once, now."""
-        own = self.adapter_tokenizers.prepare(read_tokenizer_files(path, read_side_file))
-        self.adapter_tokenizers.check_room(name, own)
-        return own
 
     async def unload_adapter(self, name: str) -> None:
         await asyncio.to_thread(self._manager().unload_adapter, name)
-        self.adapter_tokenizers.forget(name)
+        self.tokenizers.adapters.forget(name)
         self.engine.forget_adapter(name)
 
     def list_adapters(self) -> list[AdapterInfo]:
@@ -296,7 +225,7 @@ class AsyncEngine:
         """Stop the engine thread; requests still running end with BackendUnavailable."""
         self._stopped.set()
         self._wake.set()
-        self._templates.close()  # a render under way ends now, not when its template would
+        self.tokenizers.close()  # a chat template's render under way ends now
         self.engine.grammars.close()  # queued compiles fail now
         await asyncio.to_thread(self._thread.join, timeout)
 
@@ -381,9 +310,3 @@ def default_model_info(engine: LLMEngine) -> ModelInfo:
         architecture=loaded.config.architecture,
         family=loaded.config.family.name,
     )
-
-
-def _clone_tokenizer(engine: LLMEngine):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(engine.loaded.model_dir)

@@ -7,8 +7,8 @@ import logging
 
 from loraplex.services.inference.engine.async_engine import AsyncEngine, default_model_info
 from loraplex.services.inference.engine.config import EngineConfig
-from loraplex.services.inference.engine.engine import LLMEngine, load
-from loraplex.services.inference.engine.loading import LoadedModel
+from loraplex.services.inference.engine.engine import LLMEngine
+from loraplex.services.inference.engine.loading import LoadedModel, load
 from loraplex.services.inference.lora.settings import LoRAConfig
 from loraplex.services.inference.lora.setup import LoRAStack, build_lora
 from loraplex.services.inference.lora.shapes import shapes_of_model

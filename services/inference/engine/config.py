@@ -78,7 +78,7 @@ class EngineConfig:
     # Run every step shape class once at start-up so no Triton kernel compiles while serving
     # (engine/warmup.py; CUDA only). Off under tensor parallelism: a step there needs every rank.
     startup_warm_up: bool = True
-    # Launch step N+1 before processing step N's outputs (engine.py). None = on for CUDA, off
+    # Launch step N+1 before processing step N's outputs (engine/step_loop.py). None = on for CUDA, off
     # elsewhere (on the CPU the forward is synchronous, so nothing overlaps); False is
     # --disable-overlap-schedule; True forces it on (tests).
     overlap_schedule: bool | None = None

@@ -12,7 +12,7 @@ KV it holds; a step's drafting:
 2. K decode steps over all drafting requests batched: the first feeds each request's last token,
    each later one the token drafted before. A greedy request drafts the argmax; a sampled one
    samples from the draft's distribution q (its own temperature, top-k, top-p, min-p, from its
-   own generator), and q's row is kept for verification's rejection sampling (speculative.verify).
+   own generator), and q's row is kept for verification's rejection sampling (speculative_verify.verify).
 
 Draft adapters (`--speculative-draft-lora-paths NAME=DIR`): LoRA adapters of the draft model,
 loaded at start into a pool of their own (lora/setup.py's machinery, over the draft's shapes),
@@ -40,7 +40,7 @@ from loraplex.services.inference.engine.loading import LoadedModel
 from loraplex.services.inference.engine.model_runner import ModelRunner
 from loraplex.services.inference.engine.request import Request
 from loraplex.services.inference.engine.sampler import MIN_TEMPERATURE, SamplingInputs, filtered_probs
-from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.engine.scheduled_batch import SeqChunk
 from loraplex.services.inference.engine.startup import decode_graph_max_bs
 from loraplex.services.inference.engine.warmup import warm_up
 from loraplex.services.inference.errors import AdapterNotFound, InvalidRequest

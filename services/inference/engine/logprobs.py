@@ -77,3 +77,17 @@ def record_prompt_logprobs(req: Request, start: int, logits: torch.Tensor) -> No
         TokenLogprob(t, c, list(zip(i, v, strict=True)))
         for t, c, i, v in zip(targets, chosen, top_ids, top_values, strict=True)
     )
+
+
+def take_prompt_logprobs(entries, chunks, logits: torch.Tensor, num_sampled: int) -> torch.Tensor:
+    """The sampled rows of `logits`; the rows after them (chunks with `all_logits`) become their
+    requests' prompt log probabilities. Reads them on the host at once: only steps that prefill a
+    prompt asking for them pay that sync."""
+    if logits.shape[0] == num_sampled:
+        return logits
+    at = num_sampled
+    for (req, n), chunk in zip(entries, chunks, strict=True):
+        if chunk.all_logits:
+            record_prompt_logprobs(req, chunk.start_pos, logits[at : at + n])
+            at += n
+    return logits[:num_sampled]

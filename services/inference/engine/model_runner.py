@@ -21,7 +21,7 @@ from loraplex.services.inference.engine.attention import (
     effective_windows,
 )
 from loraplex.services.inference.engine.overlap import fill_placeholders
-from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.engine.scheduled_batch import SeqChunk
 from loraplex.services.inference.lora.backend import LoRABackend
 from loraplex.services.inference.models.config import ModelConfig
 from loraplex.services.inference.models.context import ForwardContext

@@ -1,10 +1,11 @@
 """OutputProcessor: the requests' side of a step, from the forward's logits to RequestOutputs.
 
 LLMEngine decides what runs and the model runner computes it; this module holds what only the
-requests know: each one's sampling settings, grammar and text stream. It builds a step's sampling
-inputs from them and, once the tokens are on the host, runs the stop checks and detokenization
-and ends the requests whose token finished them. The engine times and orders these calls
-(overlap scheduling processes step N's tokens during step N+1: engine/overlap.py).
+requests know: each one's sampling settings, grammar and text stream. It samples a step's tokens
+with the inputs built from them (engine/request_sampling.py) and, once the tokens are on the
+host, runs the stop checks and detokenization and ends the requests whose token finished them.
+The engine times and orders these calls (overlap scheduling processes step N's tokens during
+step N+1: engine/overlap.py).
 """
 
 from __future__ import annotations
@@ -14,39 +15,17 @@ import time
 
 import torch
 
-from loraplex.services.inference.engine.grammar import allocate_bitmask, mask_logits
-from loraplex.services.inference.engine.logprobs import StepLogprobs, record_prompt_logprobs
+from loraplex.services.inference.engine.logprobs import StepLogprobs
 from loraplex.services.inference.engine.output import TextStream
-from loraplex.services.inference.engine.overlap import InFlightStep, strip_placeholders
+from loraplex.services.inference.engine.overlap import strip_placeholders
 from loraplex.services.inference.engine.request import Request
+from loraplex.services.inference.engine.request_sampling import needs_history, sampling_inputs
 from loraplex.services.inference.engine.sampler import SamplingInputs, nonfinite_rows, sample_on_device
 from loraplex.services.inference.engine.scheduler import Scheduler
-from loraplex.services.inference.engine.types import RequestOutput, SamplingParams, TokenLogprob
+from loraplex.services.inference.engine.types import RequestOutput, TokenLogprob
 from loraplex.services.inference.errors import BackendUnavailable, NonFiniteLogits
 
 log = logging.getLogger(__name__)
-
-
-def _needs_history(params: SamplingParams) -> bool:
-    """Sampling reads the request's output ids on the host (penalties, bad words): under overlap
-    scheduling the step before is resolved first, so no placeholder is read."""
-    return (
-        params.repetition_penalty != 1
-        or bool(params.frequency_penalty)
-        or bool(params.presence_penalty)
-        or bool(params.bad_words_ids)
-    )
-
-
-def _bad_word_ends(req: Request) -> tuple[int, ...]:
-    """The last id of each bad word whose other ids end the output so far (vLLM's rule)."""
-    out = req.output_ids
-    ends = []
-    for word in req.params.bad_words_ids:
-        head = list(word[:-1])
-        if not head or (len(out) >= len(head) and out[len(out) - len(head) :] == head):
-            ends.append(word[-1])
-    return tuple(ends)
 
 
 def _timing(req: Request) -> tuple[float, float, int]:
@@ -54,20 +33,6 @@ def _timing(req: Request) -> tuple[float, float, int]:
     queued = req.first_scheduled_time - req.arrival_time if req.first_scheduled_time is not None else 0.0
     first = req.first_token_time - req.arrival_time if req.first_token_time is not None else 0.0
     return queued, first, req.num_cached_prompt_tokens
-
-
-def take_prompt_logprobs(entries, chunks, logits: torch.Tensor, num_sampled: int) -> torch.Tensor:
-    """The sampled rows of `logits`; the rows after them (chunks with `all_logits`) become their
-    requests' prompt log probabilities. Reads them on the host at once: only steps that prefill a
-    prompt asking for them pay that sync."""
-    if logits.shape[0] == num_sampled:
-        return logits
-    at = num_sampled
-    for (req, n), chunk in zip(entries, chunks, strict=True):
-        if chunk.all_logits:
-            record_prompt_logprobs(req, chunk.start_pos, logits[at : at + n])
-            at += n
-    return logits[:num_sampled]
 
 
 def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
@@ -89,7 +54,8 @@ class OutputProcessor:
 
     Contract (one engine thread; not thread-safe):
     - `add(req)` when the engine queues a request; it is then in `requests` until its final output.
-    - `mask_constrained` then `sample` give one step's tokens for `reqs`, one row each, in order.
+    - `sample` gives one step's tokens for `reqs`, one row each, in order (after the grammar mask,
+      request_sampling.mask_constrained, when a request is constrained).
     - `process` turns one step's host tokens into one RequestOutput per request; a token that ends
       its request (stop token or string, grammar end, length) finishes it in `scheduler` and its
       output is the final one.
@@ -124,42 +90,22 @@ class OutputProcessor:
         )
         if req.grammar is not None:
             self.num_constrained += 1
-        if _needs_history(params):
+        if needs_history(params):
             self.num_penalized += 1
         if params.logprobs is not None:
             self.num_logprobs += 1
         if params.masks_tokens:
             self.num_masking += 1
 
-    # -- before sampling --------------------------------------------------------------------
-
-    def mask_constrained(
-        self, logits: torch.Tensor, reqs: list[Request], pending: InFlightStep | None = None
-    ) -> torch.Tensor:
-        """`logits` with the grammar mask applied to the rows of constrained requests. Under overlap
-        scheduling (`pending`: the step launched before this one, its tokens not yet processed) a
-        constrained row's previous token is still on the device: wait for that step's sampling
-        (already done: this step's forward is queued behind it) and accept its tokens first."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if not rows:
-            return logits
-        if pending is not None and any(reqs[i].token_ids[-1] < 0 for i in rows):
-            tokens = pending.host_tokens()
-            for req, pos, token in zip(pending.requests, pending.positions, tokens, strict=True):
-                if req.grammar is not None and self.requests.get(req.request_id) is req:
-                    req.grammar.accept(pos - req.num_prompt_tokens, token)
-        bitmask = allocate_bitmask(len(rows), logits.shape[1], pin=logits.is_cuda)
-        for k, i in enumerate(rows):
-            reqs[i].grammar.fill(bitmask, k)
-        return mask_logits(logits, rows, bitmask)
+    # -- sampling -------------------------------------------------------------------------
 
     def sample(
         self, logits: torch.Tensor, reqs: list[Request], masked: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, StepLogprobs | None, torch.Tensor]:
         """Token ids on the logits' device (no host sync for batches without penalties), drawn from
-        `masked` (`mask_constrained`'s result) when given, the log probabilities of the rows
-        that asked for them (None when none did; they are the model's, before any grammar mask),
-        and which rows' raw logits hold a NaN or Inf (bool, on the device: read with the ids)."""
+        `masked` (request_sampling.mask_constrained's result) when given, the log probabilities of
+        the rows that asked for them (None when none did; they are the model's, before any grammar
+        mask), and which rows' raw logits hold a NaN or Inf (bool, on the device: read with the ids)."""
         tokens = sample_on_device(masked if masked is not None else logits, self.sampling_inputs(reqs))
         nonfinite = nonfinite_rows(logits)
         if not self.num_logprobs:
@@ -170,34 +116,10 @@ class OutputProcessor:
         return tokens, StepLogprobs(logits, tokens, rows, [reqs[i].params.logprobs for i in rows]), nonfinite
 
     def sampling_inputs(self, reqs: list[Request]) -> SamplingInputs:
-        ps = [r.params for r in reqs]
-        needs_history = self.num_penalized > 0 and any(_needs_history(p) for p in ps)
-        return SamplingInputs(
-            temperature=[p.temperature for p in ps],
-            top_k=[p.top_k for p in ps],
-            top_p=[p.top_p for p in ps],
-            min_p=[p.min_p for p in ps],
-            repetition_penalty=[p.repetition_penalty for p in ps],
-            frequency_penalty=[p.frequency_penalty for p in ps],
-            presence_penalty=[p.presence_penalty for p in ps],
-            generators=[r.generator for r in reqs],
-            prompt_ids=[r.prompt_ids for r in reqs] if needs_history else [[] for _ in reqs],
-            output_ids=[r.output_ids for r in reqs] if needs_history else [[] for _ in reqs],
-            banned=[self._banned(r) for r in reqs],
-            bias=[r.params.logit_bias for r in reqs] if self.num_masking else None,
-            allowed=[r.params.allowed_token_ids for r in reqs] if self.num_masking else None,
+        """The sampling settings of `reqs`, one row each (engine/request_sampling.py)."""
+        return sampling_inputs(
+            reqs, self.eos_token_ids, self.vocab_size, self.num_penalized > 0, self.num_masking > 0
         )
-
-    def _banned(self, req: Request) -> tuple[int, ...]:
-        """Token ids `req` may not sample now: its stop tokens while it is short of min_tokens (the
-        output count at sampling time includes an overlap placeholder, i.e. the tokens before this one)."""
-        params = req.params
-        bad = _bad_word_ends(req) if params.bad_words_ids else ()
-        if req.num_output_tokens >= params.min_tokens:
-            return bad
-        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
-        # a stop id outside the vocabulary can never be sampled
-        return bad + eos + tuple(t for t in params.stop_token_ids if t < self.vocab_size)
 
     # -- after sampling ---------------------------------------------------------------------
 
@@ -315,7 +237,7 @@ class OutputProcessor:
         stream = self._streams.pop(req.request_id)
         self.requests.pop(req.request_id, None)
         strip_placeholders(req)  # overlap: the next step's token, sampled before the request ended
-        if _needs_history(req.params):
+        if needs_history(req.params):
             self.num_penalized -= 1
         if req.params.logprobs is not None:
             self.num_logprobs -= 1

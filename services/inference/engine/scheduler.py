@@ -8,10 +8,10 @@ running request needs a block and none is free, the most recently admitted reque
 preempted (its KV freed; it is recomputed when readmitted, from its cached prefix when the
 prefix cache is on). Under `--max-loras-per-batch` only the adapters the step's policy picks
 (engine/adapter_slices.py) compute: other adapters' running requests sit the step out, keeping
-their KV and slot, and their queued requests wait; base requests are never held back. When the
-adapter slots drain a slot for a waiting adapter (`AdapterSlots.yielding`), the requests on it
-suspend at the start of the step: they keep their KV and adapter version, give the slot up, sit
-out, and resume on whichever slot they get next (the LoRA manager's policy).
+their KV and slot, and their queued requests wait; base requests are never held back. Which
+slot each request holds (acquire, suspend when a waiting adapter wants it, resume, release, and
+the queue's adapters uploaded ahead) is engine/request_slots.py's; the step's plan it hands the
+runner is engine/scheduled_batch.py's.
 
 With the prefix cache on (engine/prefix_cache.py, engine/block_manager.py), a request admitted
 starts from the longest run of cached full blocks computed by the same content (its adapter
@@ -22,69 +22,19 @@ aborts or is preempted.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import Counter, deque
-from typing import NamedTuple
 
 from loraplex.services.inference.engine.adapter_slices import DemandSlices
 from loraplex.services.inference.engine.block_manager import BlockManager
 from loraplex.services.inference.engine.config import SchedulerConfig
 from loraplex.services.inference.engine.prefix_cache import PrefixCache
 from loraplex.services.inference.engine.request import Request, RequestStatus
-from loraplex.services.inference.errors import LoraplexError
+from loraplex.services.inference.engine.request_slots import RequestSlots
+from loraplex.services.inference.engine.scheduled_batch import ScheduledBatch, ScheduledEntry
 from loraplex.services.inference.lora.adapter_slots import AdapterSlots
 
 log = logging.getLogger(__name__)
-
-# How far down the waiting queue the scheduler looks for adapters to upload ahead of time.
-PREFETCH_WINDOW = 64
-
-
-class SeqChunk(NamedTuple):
-    """What the model runner needs of one scheduled request (plain data, no request object)."""
-
-    token_ids: list[int]  # the tokens to compute this step
-    start_pos: int  # position of token_ids[0]; tokens before it are already in the KV cache
-    block_table: list[int]
-    lora_slot: int
-    sample: bool  # the chunk reaches the end of the sequence: sample the next token
-    all_logits: bool = False  # also return every token's logits (prompt log probabilities)
-    # Speculative verification: token_ids ends with the request's draft tokens, and every token's
-    # logits are sampled rows (engine/speculative.py).
-    verify: bool = False
-
-
-class ScheduledEntry(NamedTuple):
-    request: Request
-    num_tokens: int
-
-    @property
-    def sample(self) -> bool:
-        # `>`: a verify chunk runs past the sequence's end into the draft tokens
-        return self.request.num_computed_tokens + self.num_tokens >= len(self.request.token_ids)
-
-
-class ScheduledBatch(NamedTuple):
-    entries: list[ScheduledEntry]  # single-token entries (decodes) first
-    finished: list[Request]  # requests that ended while scheduling (errors, cache too small)
-
-    def chunks(self) -> list[SeqChunk]:
-        out = []
-        for req, n in self.entries:
-            start = req.num_computed_tokens
-            ids = req.token_ids[start : start + n]
-            verify = len(ids) < n  # the rest are draft tokens
-            if verify:
-                ids = ids + req.draft_ids[: n - len(ids)]
-            sample = start + n >= len(req.token_ids)
-            all_logits = req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1
-            out.append(SeqChunk(ids, start, req.block_table, req.lora_slot, sample, all_logits, verify))
-        return out
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(e.num_tokens for e in self.entries)
 
 
 class Scheduler:
@@ -103,6 +53,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_cache = PrefixCache(block_manager, adapter_slots, base_digest)
+        self.slots = RequestSlots(adapter_slots, self.finish)
         cap = adapter_slots.batch_cap()
         self.adapter_slices = DemandSlices(cap) if cap is not None else None
 
@@ -145,7 +96,7 @@ class Scheduler:
         page = self.blocks.page_size
         allowed = self.adapter_slices.select(self.running, self.waiting) if self.adapter_slices else None
         sitting_out = 0
-        self._yield_slots()
+        self.slots.yield_wanted(self.running, self.waiting)
         unresumed: set[str] = set()  # adapters with no slot for their suspended requests this step
 
         i = 0
@@ -158,7 +109,7 @@ class Scheduler:
                 sitting_out += 1
                 continue
             if req.lora_suspended:
-                resumed = self._resume(req, unresumed)
+                resumed = self.slots.resume(req, unresumed)
                 if resumed is None:
                     i += 1  # gave its slot to another adapter: sits out, KV kept, until it has one
                     sitting_out += 1
@@ -202,59 +153,13 @@ class Scheduler:
 
         self._admit(entries, finished, token_budget, prefill_budget, allowed, sitting_out)
         self._report_queued()
-        self._prefetch_upcoming()
+        self.slots.prefetch(self.waiting)
         entries.sort(key=lambda e: e.num_tokens != 1)  # stable: decodes first
         return ScheduledBatch(entries, finished)
-
-    def _yield_slots(self) -> None:
-        """Requests on slots wanted by waiting adapters give them up (AdapterSlots.yielding): they
-        keep their KV and adapter version, and sit out until `resume` hands them a slot."""
-        wanted = self.adapter_slots.yielding()
-        if not wanted:
-            return
-        for req in itertools.chain(self.running, self.waiting):
-            if req.adapter in wanted and req.lora_slot >= 0:
-                self.adapter_slots.suspend(req.adapter)
-                req.lora_slot = -1
-                req.lora_suspended = True
-
-    def _resume(self, req: Request, unresumed: set[str]) -> bool | None:
-        """Give a suspended request a slot again: True, None (not yet: it sits out), or False (its
-        adapter failed; the request is finished with the error)."""
-        if req.adapter in unresumed:
-            return None
-        try:
-            slot = self.adapter_slots.resume(req.adapter)  # type: ignore[arg-type]
-        except LoraplexError as exc:
-            self.finish(req, "abort", exc)
-            return False
-        if slot is None:
-            unresumed.add(req.adapter)  # type: ignore[arg-type]
-            return None
-        req.lora_slot = slot
-        req.lora_suspended = False
-        return True
 
     def _report_queued(self) -> None:
         """Tell the adapter slots how many requests wait per adapter (it prices evictions and drains)."""
         self.adapter_slots.note_queued(Counter(r.adapter for r in self.waiting if r.adapter is not None))
-
-    def _prefetch_upcoming(self) -> None:
-        """Start uploading the adapters of the next queued requests, so they are resident by the
-        time those requests are admitted (the copy overlaps this step's forward)."""
-        limit = self.adapter_slots.slots_total()
-        seen: set[str] = set()
-        for req in itertools.islice(self.waiting, PREFETCH_WINDOW):
-            if len(seen) >= limit:
-                break
-            if (
-                req.adapter is not None
-                and req.lora_slot < 0
-                and not req.lora_suspended
-                and req.adapter not in seen
-            ):
-                seen.add(req.adapter)
-                self.adapter_slots.prefetch(req.adapter)
 
     def _verify_tokens(self, req: Request, token_budget: int) -> int:
         """Tokens of a decoding request with a draft to compute this step: its last token and as many
@@ -303,12 +208,7 @@ class Scheduler:
         self.blocks.free(req.block_table)
         req.num_registered_blocks = 0
         req.num_computed_tokens = 0
-        if req.lora_slot >= 0 and req.adapter is not None:
-            self.adapter_slots.release(req.adapter)
-        elif req.lora_suspended and req.adapter is not None:
-            self.adapter_slots.release_suspended(req.adapter)
-        req.lora_slot = -1
-        req.lora_suspended = False
+        self.slots.release(req)
 
     def _admit(
         self,
@@ -342,7 +242,7 @@ class Scheduler:
                 self.waiting.appendleft(req)
                 break
             if req.lora_suspended:  # preempted, then its slot went to another adapter
-                resumed = self._resume(req, refused)
+                resumed = self.slots.resume(req, refused)
                 if resumed is None:
                     skipped.append(req)
                     continue
@@ -350,24 +250,19 @@ class Scheduler:
                     finished.append(req)
                     continue
             elif req.adapter is not None and req.lora_slot < 0:  # a preempted request keeps its slot
-                try:
-                    slot = self.adapter_slots.acquire(req.adapter)
-                except LoraplexError as exc:
-                    self.finish(req, "abort", exc)
-                    finished.append(req)
-                    continue
-                if slot is None:
-                    refused.add(req.adapter)
+                acquired = self.slots.acquire(req, refused)
+                if acquired is None:
                     skipped.append(req)  # not resident yet: let others go first
                     continue
-                req.lora_slot = slot
+                if not acquired:
+                    finished.append(req)
+                    continue
                 if not self.prefix_cache.confirm_root(req):  # the adapter was reloaded since the lookup
                     want, hit = self._admissible(
                         req, self.prefix_cache.lookup(req), token_budget, prefill_budget
                     )
                     if want == 0:
-                        self.adapter_slots.release(req.adapter)
-                        req.lora_slot = -1
+                        self.slots.release(req)
                         self.waiting.appendleft(req)
                         break
             req.status = RequestStatus.RUNNING

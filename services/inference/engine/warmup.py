@@ -29,7 +29,7 @@ from loraplex.kernels.lora_configs import MANY_ADAPTERS
 from loraplex.kernels.lora_meta import segments_block_ts
 from loraplex.kernels.placement import triton_runs_on
 from loraplex.services.inference.engine.model_runner import ModelRunner
-from loraplex.services.inference.engine.scheduler import SeqChunk
+from loraplex.services.inference.engine.scheduled_batch import SeqChunk
 
 log = logging.getLogger(__name__)
 

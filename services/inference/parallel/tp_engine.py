@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 from loraplex.services.inference.engine.async_engine import AsyncEngine, default_model_info
 from loraplex.services.inference.engine.config import EngineConfig
-from loraplex.services.inference.engine.engine import LLMEngine, LoadedModel
+from loraplex.services.inference.engine.engine import LLMEngine
 from loraplex.services.inference.engine.kv_cache import plan_num_blocks
+from loraplex.services.inference.engine.loading import LoadedModel
 from loraplex.services.inference.engine.types import RequestOutput, SamplingParams
 from loraplex.services.inference.errors import BackendUnavailable
 from loraplex.services.inference.lora.manager import LoRAManager
