@@ -132,7 +132,7 @@ def test_expert_pair_lora_kernel_matches_its_reference(results):
 
 
 def test_moe_steps_capture_at_any_size_only_with_the_grouped_kernel():
-    """What the engine reads to size its CUDA graphs for an MoE model (engine/engine.py)."""
+    """What the engine reads to size its CUDA graphs for an MoE model (engine/startup.py)."""
     import torch
 
     from loraplex.services.inference.models import moe

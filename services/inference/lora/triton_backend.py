@@ -95,7 +95,7 @@ class TritonLoRABackend(LoRABackend):
         build_segments(token_slots, self.segments)
         if self.kinds_step:
             self.prepare_kinds(token_slots)
-        if self.experts is not None:  # reads the slots on the host: graphs are off (engine.py)
+        if self.experts is not None:  # reads the slots on the host: graphs are off (engine/startup.py)
             self.experts.prepare(token_slots)
         self._plan = plan_step(self.group_shapes, token_slots.shape[0], self.pool.slots, max_distinct)
         if self._uses_delta():
