@@ -14,6 +14,20 @@ import torch
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+# (tokenizer directory, its files) -> the tokenizer loaded from it: every tiny model copies SmolLM2's,
+# and loading it costs ~0.2 s (a tokenizer is only saved here, never changed).
+_LOADED_TOKENIZERS: dict[tuple, Any] = {}
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    key = (str(path.resolve()), files_key(path))
+    if key not in _LOADED_TOKENIZERS:
+        _LOADED_TOKENIZERS[key] = AutoTokenizer.from_pretrained(path)
+    return _LOADED_TOKENIZERS[key]
+
+
 def make_tiny_model(
     path: Path,
     *,
@@ -37,9 +51,9 @@ def make_tiny_model(
     `arch`: llama, qwen2, or one of FAMILY_CONFIGS (whose features are on; `family_kw` overrides).
     """
     import transformers
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from) if tokenizer_from else None
+    tokenizer = _tokenizer(Path(tokenizer_from)) if tokenizer_from else None
     vocab = vocab_size or (len(tokenizer) if tokenizer is not None else 256)
     common = dict(
         hidden_size=hidden_size,
