@@ -34,28 +34,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def pytest_collection_finish(session):
-    """Tests marked `early_child(argv, **child_env_kwargs)` get their child started now, in the
-    background (tests/support/child.py says why). Not under pytest-xdist: there both cores already
-    run a worker each (and each worker collects every test, to run only some)."""
-    import os
-
-    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    from tests.support.child import child_env, start_early
-
-    for item in session.items:
-        for mark in item.iter_markers("early_child"):
-            start_early(list(mark.args[0]), child_env(**mark.kwargs))
-
-
-def pytest_sessionfinish(session):
-    """Children started early that no test collected (-x stopped the run, ...) are stopped."""
-    from tests.support.child import stop_early
-
-    stop_early()
-
-
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The converted embedded model (`make model` makes it; this converts if missing)."""

@@ -155,14 +155,10 @@ def test_embedding_lora_refused_under_tensor_parallelism(tiny_llama_path, adapte
     assert e.value.field == "target_modules"
 
 
-DORA_SCALE_CHECK = ["-m", "tests.support.dora_scale_check"]
-
-
-@pytest.mark.early_child(DORA_SCALE_CHECK, interpret=True)  # a child's start-up: started early
 def test_dora_scale_kernel_matches_its_reference():
     """kernels/dora_scale.py under the Triton interpreter (a child: Triton reads it at import)."""
     from tests.support.child import child_env, run_child
 
-    proc = run_child(DORA_SCALE_CHECK, env=child_env(interpret=True))
+    proc = run_child(["-m", "tests.support.dora_scale_check"], env=child_env(interpret=True))
     assert "FAIL" not in proc.stdout
     assert proc.stdout.count(": ok") == 8, proc.stdout
