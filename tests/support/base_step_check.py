@@ -1,4 +1,4 @@
-"""Child process of tests/unit/test_base_step_kernels.py (TRITON_INTERPRET=1): the base decode step's
+"""Child process of tests/integration/test_base_step_kernels.py (TRITON_INTERPRET=1): the base decode step's
 fused launches (issue 38; on wherever Triton runs) against their torch references and against the
 launches they replace.
 
