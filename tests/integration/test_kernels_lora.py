@@ -1,4 +1,5 @@
-"""Triton LoRA shrink/expand vs their torch references, on the CPU through Triton's interpreter.
+"""Triton LoRA shrink/expand, and DoRA's scale kernel, vs their torch references, on the CPU through
+Triton's interpreter.
 
 Triton picks interpreter or compiler when a kernel is *decorated*, and another test module
 may already have imported the kernels in this pytest process, so the checks run in one
@@ -55,3 +56,10 @@ def test_segments_built_by_triton_match_torch(results):
     read; the kernel cases above also run over Triton-built maps."""
     seg = {k: v["match"] for k, v in results.items() if k.startswith("segments: ")}
     assert len(seg) == 11 and all(seg.values()), seg
+
+
+def test_dora_scale_kernel_matches_its_reference():
+    """kernels/dora_scale.py (a child of its own: tests/support/dora_scale_check.py)."""
+    proc = run_child(["-m", "tests.support.dora_scale_check"], env=child_env(interpret=True))
+    assert "FAIL" not in proc.stdout
+    assert proc.stdout.count(": ok") == 8, proc.stdout

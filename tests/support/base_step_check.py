@@ -1,4 +1,4 @@
-"""Child process of tests/unit/test_base_step_kernels.py (TRITON_INTERPRET=1): the base decode step's
+"""Child process of tests/integration/test_base_step_kernels.py (TRITON_INTERPRET=1): the base decode step's
 fused launches (issue 38; on wherever Triton runs) against their torch references and against the
 launches they replace.
 
@@ -165,7 +165,11 @@ def greedy_tokens(triton: bool, counters: dict[str, Counter]) -> list[list[int]]
             num_blocks=80,
         )
         rnd = random.Random(3)
-        seqs = [[rnd.randrange(TINY["vocab_size"]) for _ in range(rnd.randint(2, 7))] for _ in range(8)]
+        # Short prompts (every token is a Triton program per launch under the interpreter): one
+        # past a 4-token page (a prefill crossing pages), one filling a page exactly (its first
+        # decode opens a page).
+        lens = [2, 6, 4, 3, 2, 3, 2, 3]
+        seqs = [[rnd.randrange(TINY["vocab_size"]) for _ in range(n)] for n in lens]
         lora = [-1, 0, -1, -1, 1, -1, -1, -1]
         tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(8)]
         new: list[list[int]] = [[] for _ in seqs]

@@ -1,6 +1,7 @@
-"""Child of tests/unit/test_lora_dora.py (TRITON_INTERPRET=1): kernels/dora_scale.py's kernel against
-its torch reference over random inputs (with and without a handed-over delta and a bias, float32
-and bfloat16, a width that is not a multiple of the block). One line per case, ": ok" or "FAIL"."""
+"""Child of tests/integration/test_kernels_lora.py (TRITON_INTERPRET=1): kernels/dora_scale.py's
+kernel against its torch reference over random inputs (with and without a handed-over delta and a
+bias, float32 and bfloat16, a width that is not a multiple of the block). One line per case, ": ok"
+or "FAIL"."""
 
 from __future__ import annotations
 

@@ -14,6 +14,20 @@ import torch
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+# (tokenizer directory, its files) -> the tokenizer loaded from it: every tiny model copies SmolLM2's,
+# and loading it costs ~0.2 s (a tokenizer is only saved here, never changed).
+_LOADED_TOKENIZERS: dict[tuple, Any] = {}
+
+
+def _tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    key = (str(path.resolve()), files_key(path))
+    if key not in _LOADED_TOKENIZERS:
+        _LOADED_TOKENIZERS[key] = AutoTokenizer.from_pretrained(path)
+    return _LOADED_TOKENIZERS[key]
+
+
 def make_tiny_model(
     path: Path,
     *,
@@ -37,9 +51,9 @@ def make_tiny_model(
     `arch`: llama, qwen2, or one of FAMILY_CONFIGS (whose features are on; `family_kw` overrides).
     """
     import transformers
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from) if tokenizer_from else None
+    tokenizer = _tokenizer(Path(tokenizer_from)) if tokenizer_from else None
     vocab = vocab_size or (len(tokenizer) if tokenizer is not None else 256)
     common = dict(
         hidden_size=hidden_size,
@@ -168,6 +182,31 @@ FAMILY_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+def files_key(path: Path) -> tuple:
+    """A directory's files with their sizes and modification times: what its contents are."""
+    files = (f for f in sorted(path.iterdir()) if f.is_file())
+    return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+
+
+# (base directory, its files' sizes and modification times) -> the base as loaded; an adapter starts
+# from a copy (PEFT injects its layers into the model it is given). A session makes ~100 adapters on a
+# handful of bases: loading each base once instead of per adapter saves seconds of the unit tier.
+_LOADED_BASES: dict[tuple, torch.nn.Module] = {}
+
+
+def _fresh_base(base_path: Path) -> torch.nn.Module:
+    """A float32 copy of the model at `base_path`, as `from_pretrained` loads it; the directory's
+    files are part of the key, so a base rewritten in place is loaded again."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    key = (str(Path(base_path).resolve()), files_key(Path(base_path)))
+    if key not in _LOADED_BASES:
+        _LOADED_BASES[key] = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    return copy.deepcopy(_LOADED_BASES[key])
+
+
 def make_peft_adapter(
     base_path: Path,
     out_path: Path,
@@ -193,9 +232,8 @@ def make_peft_adapter(
     factors in [0.5, 1.5) too; `trainable_token_indices` rows get random values.
     """
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    base = _fresh_base(base_path)
     config = LoraConfig(
         r=r,
         lora_alpha=lora_alpha,

@@ -14,6 +14,7 @@ from loraplex.services.inference.lora.settings import LoRASettings
 from loraplex.services.inference.lora.setup import resolve_lora_settings
 from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
 from loraplex.services.inference.server_args import ServerArgs
+from tests.support.factories import files_key
 
 NEW_TOKENS = 24
 PROMPTS = [
@@ -49,13 +50,39 @@ def make_adapters(adapter_factory, base: Path, tag: str) -> dict[str, Path]:
     return {name: adapter_factory(base, f"{tag}-{name}", **kw) for name, kw in ADAPTERS.items()}
 
 
+# PEFT's greedy reference is a pure function of the base's and adapters' files, the jobs and the
+# length: tests parametrized over engine settings (slot rotation, overlap, ...) ask for the same one.
+_REFERENCES: dict[tuple, list[list[int]]] = {}
+
+
 def peft_greedy(
     base: Path,
     adapters: dict[str, Path],
     jobs: list[tuple[list[int], str | None]],
     new_tokens: int = NEW_TOKENS,
 ) -> list[list[int]]:
-    """PEFT's greedy tokens for each (prompt, adapter), one sequence at a time, cut after EOS."""
+    """PEFT's greedy tokens for each (prompt, adapter), one sequence at a time, cut after EOS
+    (computed once per session for the same files, jobs and length)."""
+    names = sorted({a for _, a in jobs if a is not None}) or sorted(adapters)[:1]
+    key = (
+        str(base),
+        files_key(Path(base)),
+        tuple((n, str(adapters[n]), files_key(Path(adapters[n]))) for n in names),
+        tuple((tuple(ids), name) for ids, name in jobs),
+        new_tokens,
+        torch.get_num_threads(),  # float sums may round apart across thread counts: no tie flips
+    )
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _peft_greedy(base, adapters, jobs, new_tokens)
+    return [list(tokens) for tokens in _REFERENCES[key]]
+
+
+def _peft_greedy(
+    base: Path,
+    adapters: dict[str, Path],
+    jobs: list[tuple[list[int], str | None]],
+    new_tokens: int,
+) -> list[list[int]]:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

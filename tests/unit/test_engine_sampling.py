@@ -231,10 +231,16 @@ def test_stop_token_ids_and_max_new_tokens(tiny):
 # -- detokenization ---------------------------------------------------------------------------
 
 
-def test_streamed_text_never_splits_characters(smollm2_path):
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_path):
+    """SmolLM2's tokenizer, loaded once for the detokenization tests (none of them changes it)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+def test_streamed_text_never_splits_characters(smollm2_tokenizer):
+    tok = smollm2_tokenizer
     text = "naïve café — 東京タワー 🎉🚀 Ünïcödé ✓ «quotes» and emoji 👩‍👩‍👧 end"
     ids = tok(text).input_ids
     detok = IncrementalDetokenizer(tok)
@@ -245,10 +251,8 @@ def test_streamed_text_never_splits_characters(smollm2_path):
     assert sum(1 for d in deltas if d) > 10  # it really streamed
 
 
-def test_deltas_concatenate_to_full_decode_on_arbitrary_ids(smollm2_path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(smollm2_path)
+def test_deltas_concatenate_to_full_decode_on_arbitrary_ids(smollm2_tokenizer):
+    tok = smollm2_tokenizer
     rng = random.Random(0)
     for _ in range(30):
         ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 40))]
@@ -257,10 +261,8 @@ def test_deltas_concatenate_to_full_decode_on_arbitrary_ids(smollm2_path):
         assert streamed == tok.decode(ids, skip_special_tokens=True)
 
 
-def test_text_stream_holds_back_possible_stop_prefixes(smollm2_path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(smollm2_path)
+def test_text_stream_holds_back_possible_stop_prefixes(smollm2_tokenizer):
+    tok = smollm2_tokenizer
     stream = TextStream(tok, ("STOP",))
     pieces = []
     stopped = False
@@ -296,10 +298,8 @@ def test_ban_masks_only_the_named_ids():
     assert got[1] == 2 and got[0] != 3
 
 
-def test_special_tokens_kept_when_asked(smollm2_path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(smollm2_path)
+def test_special_tokens_kept_when_asked(smollm2_tokenizer):
+    tok = smollm2_tokenizer
     ids = tok("hi").input_ids + [tok.convert_tokens_to_ids("<|im_end|>")]
     for skip, want in ((True, "hi"), (False, "hi<|im_end|>")):
         stream = TextStream(tok, (), skip)
@@ -309,13 +309,11 @@ def test_special_tokens_kept_when_asked(smollm2_path):
         assert stream.take(True) == want
 
 
-def test_token_bytes_rebuild_the_text(smollm2_path):
+def test_token_bytes_rebuild_the_text(smollm2_tokenizer):
     """Byte-level pieces of one character keep their bytes (decoded alone they are U+FFFD)."""
-    from transformers import AutoTokenizer
-
     from loraplex.services.inference.engine.token_bytes import TokenBytes
 
-    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    tok = smollm2_tokenizer
     text = "hi 😀 there é 東京 👩‍👩‍👧<|im_end|>"
     ids = tok(text).input_ids
     raw = TokenBytes(tok)

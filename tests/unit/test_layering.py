@@ -8,6 +8,7 @@ Python but not from the reader, so the shared piece moves to where it belongs in
 from __future__ import annotations
 
 import ast
+import functools
 import graphlib
 from pathlib import Path
 
@@ -27,8 +28,14 @@ def _package_of(module: str) -> str:
     return parts[1] if parts[0] == "loraplex" and len(parts) > 1 else parts[0]
 
 
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    """A file's syntax tree, parsed once for all the checks here (none of them changes a tree)."""
+    return ast.parse(path.read_text(), filename=str(path))
+
+
 def _imported_packages(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = _parsed(path)
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -72,16 +79,23 @@ def _top_level_imports(body: list[ast.stmt]):
                 yield from _top_level_imports(block)
 
 
+# What can hold a statement: statements (bodies of functions, classes, branches, loops, `with`,
+# `try`), `except` clauses and `case` blocks. Expressions never do, so the walk below skips them.
+_HOLDS_STATEMENTS = (ast.stmt, ast.excepthandler, ast.match_case)
+
+
 def _all_imports(body: list[ast.AST]):
     """Every import statement at any depth (functions, classes, branches) except under
     `if TYPE_CHECKING:`."""
-    for node in body:
+    pending = list(body)
+    while pending:
+        node = pending.pop()
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
         elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            yield from _all_imports(node.orelse)
+            pending.extend(node.orelse)
         else:
-            yield from _all_imports(list(ast.iter_child_nodes(node)))
+            pending.extend(c for c in ast.iter_child_nodes(node) if isinstance(c, _HOLDS_STATEMENTS))
 
 
 def _module_graph(everywhere: bool = False) -> tuple[dict[str, set[str]], dict[str, Path]]:
@@ -97,7 +111,7 @@ def _module_graph(everywhere: bool = False) -> tuple[dict[str, set[str]], dict[s
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         deps = set()
-        body = ast.parse(path.read_text(), filename=str(path)).body
+        body = _parsed(path).body
         for node in (_all_imports if everywhere else _top_level_imports)(body):
             if isinstance(node, ast.Import):
                 deps.update(known(alias.name) for alias in node.names)
@@ -159,7 +173,7 @@ CONFIG_TAKERS = ("engine", "lora", "parallel")
 def _imported_modules(path: Path) -> set[str]:
     """Every module a file imports, at any level (function-level imports count here)."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(_parsed(path)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
