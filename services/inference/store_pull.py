@@ -108,9 +108,11 @@ async def stream_into(
     record: pb.AdapterRecord | None = None
     weights = hashlib.sha256()
     nbytes = 0
+    call = None
     try:
         with open(tmp / WEIGHTS_FILE, "wb") as out:
-            async for chunk in open_stream(name):
+            call = open_stream(name)
+            async for chunk in call:
                 if chunk.WhichOneof("payload") == "header":
                     if record is not None:
                         raise BackendUnavailable(
@@ -146,6 +148,11 @@ async def stream_into(
             os.fsync(out.fileno())
     except grpc.RpcError as err:
         raise map_rpc_error(err, name, "PullAdapter") from None
+    finally:
+        # An abandoned pull (past the record's size, a bad header, the caller gone) stops the store's
+        # stream now, not when the call is collected: it would go on sending into the receive window.
+        if call is not None and hasattr(call, "cancel"):
+            call.cancel()
     if record is None:
         raise BackendUnavailable(f"adapter store sent no header for {name!r}", adapter=name)
     if "sha256:" + weights.hexdigest() != record.digest and weights.hexdigest() != record.digest:
