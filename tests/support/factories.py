@@ -6,6 +6,7 @@ write, so code under test reads the same files it reads in production.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,7 @@ _LOADED_TOKENIZERS: dict[tuple, Any] = {}
 def _tokenizer(path: Path):
     from transformers import AutoTokenizer
 
-    key = (str(path.resolve()), files_key(path))
-    if key not in _LOADED_TOKENIZERS:
-        _LOADED_TOKENIZERS[key] = AutoTokenizer.from_pretrained(path)
-    return _LOADED_TOKENIZERS[key]
+    return loaded_once(_LOADED_TOKENIZERS, path, AutoTokenizer.from_pretrained)
 
 
 def make_tiny_model(
@@ -188,6 +186,15 @@ def files_key(path: Path) -> tuple:
     return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files)
 
 
+def loaded_once(cache: dict, path: Path, load: Callable[[Path], Any]) -> Any:
+    """`load(path)`, kept in `cache` by the directory and its files (`files_key`), so a directory
+    rewritten in place is loaded again."""
+    key = (str(path.resolve()), files_key(path))
+    if key not in cache:
+        cache[key] = load(path)
+    return cache[key]
+
+
 # (base directory, its files' sizes and modification times) -> the base as loaded; an adapter starts
 # from a copy (PEFT injects its layers into the model it is given). A session makes ~100 adapters on a
 # handful of bases: loading each base once instead of per adapter saves seconds of the unit tier.
@@ -201,10 +208,10 @@ def _fresh_base(base_path: Path) -> torch.nn.Module:
 
     from transformers import AutoModelForCausalLM
 
-    key = (str(Path(base_path).resolve()), files_key(Path(base_path)))
-    if key not in _LOADED_BASES:
-        _LOADED_BASES[key] = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-    return copy.deepcopy(_LOADED_BASES[key])
+    def load(path: Path) -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+    return copy.deepcopy(loaded_once(_LOADED_BASES, Path(base_path), load))
 
 
 def make_peft_adapter(

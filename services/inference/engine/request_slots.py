@@ -35,8 +35,20 @@ class RequestSlots:
 
     def acquire(self, req: Request, refused: set[str]) -> bool | None:
         """A slot for a request admitted for the first time (or preempted before its adapter had one)."""
+        return self._take(req, refused, self.adapter_slots.acquire)
+
+    def resume(self, req: Request, refused: set[str]) -> bool | None:
+        """A slot again for a suspended request."""
+        if req.adapter in refused:
+            return None
+        took = self._take(req, refused, self.adapter_slots.resume)
+        if took:
+            req.lora_suspended = False
+        return took
+
+    def _take(self, req: Request, refused: set[str], take: Callable[[str], int | None]) -> bool | None:
         try:
-            slot = self.adapter_slots.acquire(req.adapter)  # type: ignore[arg-type]
+            slot = take(req.adapter)  # type: ignore[arg-type]
         except LoraplexError as exc:
             self._finish(req, "abort", exc)
             return False
@@ -44,22 +56,6 @@ class RequestSlots:
             refused.add(req.adapter)  # type: ignore[arg-type]
             return None  # not resident yet: others go first
         req.lora_slot = slot
-        return True
-
-    def resume(self, req: Request, refused: set[str]) -> bool | None:
-        """A slot again for a suspended request."""
-        if req.adapter in refused:
-            return None
-        try:
-            slot = self.adapter_slots.resume(req.adapter)  # type: ignore[arg-type]
-        except LoraplexError as exc:
-            self._finish(req, "abort", exc)
-            return False
-        if slot is None:
-            refused.add(req.adapter)  # type: ignore[arg-type]
-            return None
-        req.lora_slot = slot
-        req.lora_suspended = False
         return True
 
     def release(self, req: Request) -> None:
