@@ -1,7 +1,7 @@
 """The kernels suite (GPU): one decoder layer's LoRA shrink + expand and the paged attention kernels at
 Llama-3.1-8B shapes, each against its floor.
 
-    PYTHONPATH=protos python3 -m loraplex.bench.kernels [--parts lora,attention,fp8] [--out DIR]
+    PYTHONPATH=protos python3 -m loraplex.bench.kernels [--parts lora,attention,fp8,upload] [--out DIR]
     PYTHONPATH=protos python3 -m loraplex.bench.kernels --tiny    # GPU smoke size: a few cases
     PYTHONPATH=protos python3 -m loraplex.bench.kernels --tune-lora --parts lora   # another GPU or shape
 
@@ -18,7 +18,9 @@ Llama-3.1-8B shapes, each against its floor.
 - fp8: one decoder layer's four FP8 linears (q/k/v, o, gate/up, down; per-channel scales, the GEMM
   the engine picks for each row count) at 1/16/64/256 rows, each checked against float32 over its
   dequantized weight (max error over the |x| |w| bound < 2^-4: the W8A8 GEMM quantizes activations
-  to E4M3, 3 mantissa bits), then timed against the layer's FP8 weight bytes over the bandwidth.
+  to E4M3, 3 mantissa bits), then timed against the layer's FP8 weight bytes over the bandwidth;
+- upload: one q/k/v/o adapter's host-to-GPU upload into the pool, packed per group against per
+  (layer, module) (bench/lora_upload.py): the engine thread's ms per upload, ms until ready, GB/s.
 A failed check exits 1 before timing. On the CPU it says it needs CUDA (the interpreter checks are
 tests/integration/test_kernels_lora.py and test_attention_kernels.py). Writes kernels.json.
 `--tune-lora` first sweeps the decode LoRA configuration (bench/lora_sweep.py) and writes
@@ -268,7 +270,9 @@ def fp8_layer(bw: float, tiny: bool) -> tuple[list[dict], list[str]]:
 def main(argv: list[str] | None = None) -> int:
     p = h.suite_parser("kernels", __doc__.split("\n")[0])
     p.add_argument(
-        "--parts", default="lora,attention,fp8", help="comma-separated subset of lora,attention,fp8"
+        "--parts",
+        default="lora,attention,fp8,upload",
+        help="comma-separated subset of lora,attention,fp8,upload",
     )
     p.add_argument(
         "--tune-lora",
@@ -329,6 +333,16 @@ def main(argv: list[str] | None = None) -> int:
         print("\none decoder layer's four FP8 linears (per-channel scales), CUDA graph replays")
         rows = [[r["rows"], r["floor_us"], r["us"], r["x_floor"]] for r in result["fp8"]]
         h.print_table(["rows", "floor us", "us", "x floor"], rows)
+    if "upload" in o.parts:
+        from loraplex.bench.lora_upload import upload_rows
+
+        result["upload"] = rows = upload_rows(device, o.tiny)
+        print("\none adapter's upload into the pool (q/k/v/o, bf16, pinned host copy)")
+        keys = ["rank", "layout", "mb", "host_ms", "ready_ms", "gb_per_s"]
+        h.print_table(
+            ["rank", "host layout", "MB", "engine thread ms", "ms until ready", "GB/s"],
+            [[r[k] for k in keys] for r in rows],
+        )
     result["failed"] = failed
     write_json(o.out, "kernels", result)
     for f in failed:

@@ -10,6 +10,7 @@ import torch
 from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 from loraplex.services.inference.lora.backend import GROUPS
 from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA
+from loraplex.services.inference.lora.packed_groups import pack_groups
 from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.pool_layout import PAGE_ROWS, pool_nbytes
 from loraplex.services.inference.lora.shapes import ALL_MODULES, ModelShapes
@@ -209,3 +210,33 @@ def test_a_step_holds_at_most_the_batch_cap_or_the_pool_of_distinct_adapters():
     for kind in ("torch", "triton"):
         assert make_tp_backend(pool, kind, 64, 4).max_step_distinct() == 4
         assert make_tp_backend(pool, kind, 64).max_step_distinct() == 24
+
+
+@pytest.mark.parametrize("rank, jitter", [(2 * PAGE_ROWS - 3, True), (2 * PAGE_ROWS, False)])
+def test_a_packed_upload_fills_the_pool_as_the_per_module_copies_do(rank, jitter):
+    # lora/packed_groups.py: mixed ranks within a group (zero padding), layers where a group is
+    # untargeted, and ranks spanning pages must land exactly where the per-(layer, module) path puts
+    # them; a rank filling whole pages uploads the pack as the staging itself.
+    R = 2 * PAGE_ROWS
+    ad = random_adapter(SHAPES, ["q_proj", "v_proj", "down_proj"], rank=rank, seed=7, rank_jitter=jitter)
+    del ad.targets[(1, "down_proj")], ad.lora_a[(1, "down_proj")], ad.lora_b[(1, "down_proj")]
+    packed = pack_groups(ad, SHAPES)
+    assert set(packed.packed) == {"qkv", "down"}
+    for key in ad.targets:  # the views read as the originals
+        assert torch.equal(packed.lora_a[key], ad.lora_a[key])
+        assert torch.equal(packed.lora_b[key], ad.lora_b[key])
+    # views, not a second copy: the packs (padded to each group's largest rank) are all it holds
+    assert packed.nbytes == sum(t.numel() * 4 for p in packed.packed.values() for t in p)
+    pools = []
+    for weights in (ad, packed):
+        pool = AdapterPool(
+            SHAPES, slots=2, max_rank=R, target_modules=ALL_MODULES, dtype=torch.float32, device="cpu"
+        )
+        for g in pool.groups:  # stale rows past a rank must read the same too: start from one fill
+            pool.lora_a[g].fill_(0.5)
+            pool.lora_b[g].fill_(0.5)
+        pool.upload(1, weights)
+        pools.append(pool)
+    for g in pools[0].groups:
+        for buf in ("lora_a", "lora_b", "rank", "scaling"):
+            assert torch.equal(getattr(pools[0], buf)[g], getattr(pools[1], buf)[g]), (g, buf)

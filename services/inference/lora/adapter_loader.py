@@ -42,6 +42,7 @@ from loraplex.services.inference.lora.expert_targets import (
     resolve_expert_targets,
     tensor_keys,
 )
+from loraplex.services.inference.lora.packed_groups import pack_groups
 from loraplex.services.inference.lora.shapes import FUSED_MODULES, FUSED_OF, ModelShapes, module_path
 from loraplex.services.inference.lora.tensor_checks import read_checked
 from loraplex.services.inference.lora.trainable_tokens import (
@@ -172,10 +173,7 @@ def load_adapter_weights(
                 if m.group("ab") == "A"
                 else t.split([shapes.module_dims(p)[1] for p in parts], dim=0)
             )
-            for part, piece in zip(parts, pieces, strict=True):
-                piece = piece.contiguous()
-                if pin_memory:
-                    piece = piece.pin_memory()
+            for part, piece in zip(parts, pieces, strict=True):  # packed (and pinned) below
                 (lora_a if m.group("ab") == "A" else lora_b)[(layer, part)] = piece
     missing = (
         list(
@@ -215,7 +213,7 @@ def load_adapter_weights(
     if token_rows or embedding:  # its tokenizer must not need rows the base does not have
         check_added_tokens(directory, shapes.vocab_size, read_side_file)
     chat_template, side_files = read_chat_template(directory)
-    return AdapterWeights(
+    weights = AdapterWeights(
         spec=spec,
         targets=targets,
         lora_a=lora_a,
@@ -229,6 +227,7 @@ def load_adapter_weights(
         embedding=embedding,
         token_rows=token_rows,
     )
+    return pack_groups(weights, shapes, pin_memory=pin_memory)
 
 
 def check_embedding_targets(spec: AdapterSpec, shapes: ModelShapes) -> dict[str, ModuleLoRA]:

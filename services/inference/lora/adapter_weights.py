@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA
 from loraplex.services.inference.lora.embedding_lora import EmbeddingLoRA
 from loraplex.services.inference.lora.trainable_tokens import TokenRows
+
+if TYPE_CHECKING:
+    from loraplex.services.inference.lora.packed_groups import PackedGroup
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,9 @@ class AdapterWeights:
     embedding: dict[str, EmbeddingLoRA] = field(default_factory=dict)
     # trainable tokens (lora/trainable_tokens.py): per "model.embed_tokens" / "lm_head", its own rows
     token_rows: dict[str, TokenRows] = field(default_factory=dict)
+    # per module group, the A/B above packed for a two-copy upload (lora/packed_groups.py); empty: the
+    # pool copies per (layer, module). Whoever replaces lora_a / lora_b must drop it.
+    packed: dict[str, PackedGroup] = field(default_factory=dict)
 
     @property
     def has_vocab_parts(self) -> bool:
@@ -53,16 +60,22 @@ class AdapterWeights:
 
     @property
     def nbytes(self) -> int:
-        tensors = (
-            self.lora_a,
-            self.lora_b,
-            self.expert_a,
-            self.expert_b,
-            self.dora_magnitude,
-            self.dora_factor,
-        )
-        vocab_parts = [t for e in self.embedding.values() for t in (e.a, e.b)]
-        vocab_parts += [r.values for r in self.token_rows.values()]
-        return sum(t.numel() * t.element_size() for d in tensors for t in d.values()) + sum(
-            t.numel() * t.element_size() for t in vocab_parts
-        )
+        """Host bytes held, each storage once (A/B may be views into `packed`; a fused module's parts
+        share one A)."""
+        tensors = [
+            t
+            for d in (
+                self.lora_a,
+                self.lora_b,
+                self.expert_a,
+                self.expert_b,
+                self.dora_magnitude,
+                self.dora_factor,
+            )
+            for t in d.values()
+        ]
+        tensors += [t for e in self.embedding.values() for t in (e.a, e.b)]
+        tensors += [r.values for r in self.token_rows.values()]
+        tensors += [t for p in self.packed.values() for t in p]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())

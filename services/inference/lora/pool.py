@@ -262,23 +262,19 @@ class AdapterPool:
         tables: list,
         keep: list,
     ) -> None:
-        """One group's rows and tables: each (layer, module)'s A and B are copied whole into a
-        rank-padded device staging (the copies of the unpaged layout), then scattered into the
-        adapter's pages with one device copy per tensor."""
+        """One group's rows and tables: its A and B are copied into a rank-padded device staging (the
+        unpaged layout: two copies from a pack, lora/packed_groups.py, else two per (layer, module)),
+        then scattered into the adapter's pages with one device copy per tensor."""
         L, P, n = self.shapes.num_layers, self.page_rows, len(GROUPS[g])
         rank = torch.zeros(L, n, dtype=torch.int32)
         scaling = torch.zeros(L, n, dtype=torch.float32)
         mine = [(key, t) for key, t in weights.targets.items() if key[1] in GROUPS[g]]
+        for (layer, module), t in mine:
+            i = GROUPS[g].index(module)
+            rank[layer, i], scaling[layer, i] = t.rank, t.scaling
         if mine:
+            stage_a, stage_b = self._staging(g, weights, mine, need)
             d, width = self.shapes.group_in(g), self.offsets[g][-1]
-            stage_a = torch.zeros(L, n, need * P, d, dtype=self.dtype, device=self.device)
-            stage_b = torch.zeros(L, width, need * P, dtype=self.dtype, device=self.device)
-            for (layer, module), t in mine:
-                i = GROUPS[g].index(module)
-                r, lo, hi = t.rank, self.offsets[g][i], self.offsets[g][i + 1]
-                stage_a[layer, i, :r].copy_(weights.lora_a[(layer, module)], non_blocking=True)
-                stage_b[layer, lo:hi, :r].copy_(weights.lora_b[(layer, module)], non_blocking=True)
-                rank[layer, i], scaling[layer, i] = r, t.scaling
             # [L, n, pages*P, d] -> [L, pages, n*P, d]; [L, W, pages*P] -> [L, pages, P, W]
             paged_a = stage_a.view(L, n, need, P, d).transpose(1, 2).reshape(L, need, n * P, d)
             paged_b = stage_b.view(L, width, need, P).permute(0, 2, 3, 1)
@@ -292,6 +288,30 @@ class AdapterPool:
             tables += [rank, scaling]
         self.rank[g][:, slot].copy_(rank, non_blocking=True)
         self.scaling[g][:, slot].copy_(scaling, non_blocking=True)
+
+    def _staging(
+        self, g: str, weights: AdapterWeights, mine: list, need: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's A `[L, n, need*P, d]` and B `[L, W, need*P]` on the device, zero past each rank."""
+        L, P, n = self.shapes.num_layers, self.page_rows, len(GROUPS[g])
+        pack = weights.packed.get(g)
+        if pack is not None and pack.a.shape[2] == need * P and pack.a.dtype == self.dtype:
+            # the pack is the staging itself (its rank fills whole pages: rank 16 on 8-row pages)
+            return pack.a.to(self.device, non_blocking=True), pack.b.to(self.device, non_blocking=True)
+        d, width = self.shapes.group_in(g), self.offsets[g][-1]
+        stage_a = torch.zeros(L, n, need * P, d, dtype=self.dtype, device=self.device)
+        stage_b = torch.zeros(L, width, need * P, dtype=self.dtype, device=self.device)
+        if pack is not None:
+            r = pack.a.shape[2]
+            stage_a[:, :, :r].copy_(pack.a.to(self.device, non_blocking=True))
+            stage_b[:, :, :r].copy_(pack.b.to(self.device, non_blocking=True))
+            return stage_a, stage_b
+        for (layer, module), t in mine:
+            i = GROUPS[g].index(module)
+            r, lo, hi = t.rank, self.offsets[g][i], self.offsets[g][i + 1]
+            stage_a[layer, i, :r].copy_(weights.lora_a[(layer, module)], non_blocking=True)
+            stage_b[layer, lo:hi, :r].copy_(weights.lora_b[(layer, module)], non_blocking=True)
+        return stage_a, stage_b
 
     @property
     def dora_nbytes(self) -> int:

@@ -48,7 +48,8 @@ def make_tp_backend(
 
 
 def shard_adapter(weights: AdapterWeights, plan: ShardPlan) -> AdapterWeights:
-    """This rank's slices: B rows of column modules, A columns of row modules."""
+    """This rank's slices: B rows of column modules, A columns of row modules (uploaded per
+    (layer, module): the whole-model packs, lora/packed_groups.py, are dropped)."""
     lora_a, lora_b = {}, {}
     for key, a in weights.lora_a.items():
         module = key[1]
@@ -58,7 +59,7 @@ def shard_adapter(weights: AdapterWeights, plan: ShardPlan) -> AdapterWeights:
             lora_a[key], lora_b[key] = a, b[lo:hi].contiguous()
         else:
             lora_a[key], lora_b[key] = a[:, lo:hi].contiguous(), b
-    return dataclasses.replace(weights, lora_a=lora_a, lora_b=lora_b)
+    return dataclasses.replace(weights, lora_a=lora_a, lora_b=lora_b, packed={})
 
 
 class ShardedAdapterPool:
