@@ -80,7 +80,7 @@ def measure(tiny: bool, device: torch.device, batch: int = 64, adapters: int = 8
     runner.forward(chunks)  # the first such step captures the kinds-variant graph (timed apart)
     captures = [] if runner.cuda_graphs is None else runner.cuda_graphs.kinds_captures
     pool = runner.lora_backend.pool
-    tables = (pool.vocab.nbytes + pool.dora_nbytes) / 2**20  # DoRA factors and vocab slots
+    tables = (pool.vocab.nbytes + pool.dora.nbytes) / 2**20  # DoRA factors and vocab slots
     mixed = h.time_step(runner, chunks, repeats)
     del runner
     h.free(device)

@@ -140,7 +140,7 @@ def test_factor_applies_to_dora_rows_only_in_both_handovers(
     got_in_place = backend.dora(0, "qkv", in_place.clone(), None, bias)  # scales `out` in place
     got_handed = backend.dora(0, "qkv", base.clone(), delta, bias)
     torch.testing.assert_close(got_in_place, got_handed)
-    factor = manager.pool.dora["qkv"][0, slots["dora"]]
+    factor = manager.pool.dora.factors["qkv"][0, slots["dora"]]
     torch.testing.assert_close(got_in_place[:2], (in_place[:2] - bias) * factor + bias)
     torch.testing.assert_close(got_in_place[2:], in_place[2:])  # plain adapter and no adapter untouched
 

@@ -72,7 +72,7 @@ class LoRABackend(ABC):
     @property
     def dora_step(self) -> bool:
         """Whether this step applies the DoRA factors (a kinds step, once the pool holds DoRA tables)."""
-        return self.kinds_step and bool(self.pool.dora)
+        return self.kinds_step and bool(self.pool.dora.factors)
 
     def step_has_kinds(self, token_slots: list[int]) -> bool:
         """Whether any of the step's slots (host ints, -1 = none) holds a DoRA adapter or one with
@@ -85,8 +85,8 @@ class LoRABackend(ABC):
         """Each token's row of the pool's DoRA tables (its slot where that slot is DoRA, else the row
         of ones) and its vocab slot. Device ops only. Backends call it from `prepare` on a kinds step."""
         slots = token_slots.to(torch.int64)
-        if self.pool.dora:
-            is_dora = (slots >= 0) & self.pool.dora_flag[slots.clamp(min=0)]
+        if self.pool.dora.factors:
+            is_dora = (slots >= 0) & self.pool.dora.flag[slots.clamp(min=0)]
             self._dora_index = torch.where(is_dora, slots, self.pool.slots)
         self._token_vslots = self.pool.vocab.token_vslots(slots)
 
@@ -115,7 +115,7 @@ class LoRABackend(ABC):
         """The group's output with DoRA applied: `f * (W x + delta) + b` per token's row, where `out`
         is `W x + b` (plus the delta, when `delta` is None: added in place) and `f` the token's
         factors (ones for tokens of other adapters or none). PEFT adds the bias after the scale."""
-        table = self.pool.dora.get(group)
+        table = self.pool.dora.factors.get(group)
         if table is None:  # a group outside --lora-target-modules: no adapter targets it
             return out if delta is None else out.add_(delta)
         scale = dora_scale if triton_runs_on(out) else dora_scale_ref  # kernels/dora_scale.py

@@ -9,7 +9,7 @@ output widths `w_i` and input width `d`, `P = min(PAGE_ROWS, R)`, `R = max_lora_
 - `page_table`: `[slots, ceil(R/P)]` int32 on the device (static: CUDA graphs read it in place);
   entries past a slot's own pages are 0 (a valid page: readers mask rows past the rank)
 - `rank[g]`: `[L, slots, n]` int32 (0 = not targeted), `scaling[g]`: `[L, slots, n]` float32
-- `dora[g]` (allocated with the first DoRA adapter, lora/dora.py): `[L, slots + 1, sum(w)]` float32,
+- `dora.factors[g]` (lora/dora_tables.py, with the first DoRA adapter): `[L, slots + 1, sum(w)]` float32,
   the per-row factor `m / ||W + sBA||` of a DoRA slot; row `slots` is all ones (non-DoRA tokens)
 - `vocab` (lora/vocab_tables.py): embedding / lm_head LoRA and trainable-token rows of up to
   `VOCAB_SLOTS` adapters, stacked, each part allocated with its first adapter; `kinds_slots` names
@@ -36,6 +36,7 @@ import torch
 
 from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 from loraplex.services.inference.lora.backend import GROUPS
+from loraplex.services.inference.lora.dora_tables import DoraTables
 from loraplex.services.inference.lora.expert_lora import ExpertLoRAPool, expert_modules
 from loraplex.services.inference.lora.pool_layout import (
     FreePages,
@@ -128,10 +129,7 @@ class AdapterPool:
             if expert_modules(self.target_modules)
             else None
         )
-        # DoRA: which slots hold a DoRA adapter (host, for the step's choice; device, for the index)
-        self.host_dora = torch.zeros(slots, dtype=torch.bool)
-        self.dora_flag = torch.zeros(slots, dtype=torch.bool, device=self.device)
-        self.dora: dict[str, torch.Tensor] = {}
+        self.dora = DoraTables(shapes, self.groups, self.offsets, slots, self.device)  # lora/dora_tables.py
         # LoRA on the embedding / lm_head and trainable tokens, in a few vocab slots (lora/vocab_tables.py)
         self.vocab = VocabTables(
             slots,
@@ -239,9 +237,9 @@ class AdapterPool:
                 self._upload_group(g, slot, weights, need, page_ids, tables, keep)
             if self.experts is not None:
                 self.experts.upload(slot, weights)
-            self._upload_dora(slot, weights, tables)
+            self.dora.upload(slot, weights, tables)
             self.vocab.upload(slot, weights, tables)
-        kinds = bool(self.host_dora[slot]) or self.vocab.host_slot_vocab[slot] >= 0
+        kinds = bool(self.dora.host_flag[slot]) or self.vocab.host_slot_vocab[slot] >= 0
         self.kinds_slots = self.kinds_slots | {slot} if kinds else self.kinds_slots - {slot}
         if self._cuda:
             # The host tensors (and the device staging) must outlive the asynchronous copies.
@@ -250,7 +248,7 @@ class AdapterPool:
     @property
     def kinds_tables(self) -> tuple[bool, int]:
         """What a kinds-variant graph captured: changes when DoRA or vocabulary tables are allocated."""
-        return bool(self.dora), self.vocab.generation
+        return bool(self.dora.factors), self.vocab.generation
 
     def _upload_group(
         self,
@@ -312,38 +310,6 @@ class AdapterPool:
             stage_a[layer, i, :r].copy_(weights.lora_a[(layer, module)], non_blocking=True)
             stage_b[layer, lo:hi, :r].copy_(weights.lora_b[(layer, module)], non_blocking=True)
         return stage_a, stage_b
-
-    @property
-    def dora_nbytes(self) -> int:
-        """Bytes of the DoRA factor tables (none until the first DoRA adapter is uploaded)."""
-        return sum(t.numel() * t.element_size() for t in self.dora.values())
-
-    def _upload_dora(self, slot: int, weights: AdapterWeights, tables: list) -> None:
-        """The slot's DoRA factors (ones for a module it does not target) and its flag."""
-        is_dora = bool(weights.dora_factor)
-        if is_dora and not self.dora:
-            log.info("DoRA adapter in the pool: allocating its per-row factor tables")
-            for g in self.groups:
-                width = self.offsets[g][-1]
-                t = torch.empty(self.shapes.num_layers, self.slots + 1, width, device=self.device)
-                self.dora[g] = t.fill_(1.0)
-        if is_dora:
-            for g in self.groups:
-                factor = torch.ones(self.shapes.num_layers, self.offsets[g][-1])
-                for (layer, module), f in weights.dora_factor.items():
-                    if module in GROUPS[g]:
-                        i = GROUPS[g].index(module)
-                        factor[layer, self.offsets[g][i] : self.offsets[g][i + 1]] = f
-                if self._cuda:
-                    factor = factor.pin_memory()
-                    tables.append(factor)
-                self.dora[g][:, slot].copy_(factor, non_blocking=True)
-        self.host_dora[slot] = is_dora
-        flag = torch.tensor([is_dora])
-        if self._cuda:
-            flag = flag.pin_memory()
-            tables.append(flag)
-        self.dora_flag[slot : slot + 1].copy_(flag, non_blocking=True)
 
     def ready(self, slot: int) -> bool:
         """True when the slot's last upload has landed (never blocks)."""
