@@ -11,12 +11,11 @@ that the next fused kernel adds (the q/k/v split with rotary, the RMSNorm after 
 add, SiLU-and-mul). A layer returns its down projection unadded, so the residual add fuses with
 the next layer's norm.
 The linears, norms and `Addend` are models/layers.py's. Checkpoint tensors are copied straight into the
-fused parameters by `load_weights`.
+fused parameters by `load_weights` (models/checkpoint_load.py).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
@@ -30,12 +29,12 @@ from loraplex.kernels.fused_ops import silu_and_mul
 from loraplex.kernels.placement import triton_runs_on
 from loraplex.kernels.qkv_rotary import qkv_rotary, qkv_rotary_ref
 from loraplex.kernels.skinny_gemm import skinny_gated, skinny_serves
+from loraplex.services.inference.models.checkpoint_load import LAYER_WEIGHTS, load_checkpoint, projection_name
 from loraplex.services.inference.models.config import ModelConfig
 from loraplex.services.inference.models.context import ForwardContext
 from loraplex.services.inference.models.layers import Addend, FusedLinear, RMSNorm, empty_param
 from loraplex.services.inference.models.moe import SparseMoE
 from loraplex.services.inference.models.rope import RotaryEmbedding
-from loraplex.services.inference.models.value_checks import check_finite
 
 if TYPE_CHECKING:
     from loraplex.services.inference.lora.backend import LoRABackend
@@ -200,33 +199,6 @@ class StepBuffers(NamedTuple):
     v: torch.Tensor
 
 
-# checkpoint name -> (our module attribute, stack index; -1: the whole fused tensor) for the fused linears.
-_LAYER_WEIGHTS = {
-    "self_attn.qkv_proj": ("qkv_proj", -1),  # Phi-3 stores them fused
-    "mlp.gate_up_proj": ("gate_up_proj", -1),
-    "self_attn.q_proj": ("qkv_proj", 0),
-    "self_attn.k_proj": ("qkv_proj", 1),
-    "self_attn.v_proj": ("qkv_proj", 2),
-    "self_attn.o_proj": ("o_proj", 0),
-    "mlp.gate_proj": ("gate_up_proj", 0),
-    "mlp.up_proj": ("gate_up_proj", 1),
-    "mlp.down_proj": ("down_proj", 0),
-}
-_MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-# Mixtral `block_sparse_moe.experts.N.w1`, Qwen3-MoE `mlp.experts.N.gate_proj`; routers `.gate`.
-_EXPERT_RE = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)$")
-_ROUTERS = ("block_sparse_moe.gate", "mlp.gate")
-_LAYER_NORMS = {
-    "input_layernorm",
-    "post_attention_layernorm",
-    "attn_output_norm",
-    "mlp_output_norm",
-    "self_attn.q_norm",
-    "self_attn.k_norm",
-}
-
-
 class LlamaForCausalLM(nn.Module):
     """Serves every architecture of models/families.py (the name is the family it started from)."""
 
@@ -308,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
     def lora_base_weight(self, layer: int, module: str) -> torch.Tensor:
         """The base rows `[out, in]` of one LoRA-targetable projection (`q_proj`, ...; an FP8 base's
         dequantized to float32): what DoRA's per-row norms are computed from (lora/dora.py)."""
-        attr, index = _LAYER_WEIGHTS[f"{'mlp' if module in _MLP_MODULES else 'self_attn'}.{module}"]
+        attr, index = LAYER_WEIGHTS[projection_name(module)]
         fused: FusedLinear = getattr(self.layers[layer], attr)
         dequantized = getattr(fused, "dequantized", None)  # models/quantization/fp8_linear.py
         weight = fused.weight if dequantized is None else dequantized(torch.float32)
@@ -330,72 +302,6 @@ class LlamaForCausalLM(nn.Module):
         return logits.float() if out is None else out.copy_(logits)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into our (fused) parameters; refuse gaps and strangers."""
-        expected = {name for name, _ in self.named_parameters() if ".moe." not in name}
-        for i, layer in enumerate(self.layers):  # each expert's three projections, and the router
-            if layer.moe is not None:
-                expected.add(f"layers.{i}.moe.gate")
-                for e in range(layer.moe.num_experts):
-                    expected |= {
-                        f"layers.{i}.moe.{part}.{e}.{p}" for part, p in (("gate_up", 0), ("gate_up", 1))
-                    }
-                    expected.add(f"layers.{i}.moe.down.{e}.-1")
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: some checkpoints still ship the copy
-            target = self._load_one(name, tensor)
-            loaded.add(target)
-        missing = sorted(expected - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
-
-    def _load_one(self, name: str, tensor: torch.Tensor) -> str:
-        match = _LAYER_RE.match(name)
-        if match:
-            layer_idx, module_name, kind = int(match[1]), match[2], match[3]
-            module_name = self.config.family.checkpoint_renames.get(module_name, module_name)
-            layer = self.layers[layer_idx]
-            if layer.moe is not None and kind == "weight":
-                expert = _EXPERT_RE.match(module_name)
-                if expert:
-                    part = layer.moe.load_expert(int(expert[1]), expert[2], tensor, name)
-                    return f"layers.{layer_idx}.moe.{part}"
-                if module_name in _ROUTERS:
-                    check_finite(name, tensor)
-                    _copy(layer.moe.gate, tensor, name)
-                    return f"layers.{layer_idx}.moe.gate"
-            if module_name in _LAYER_WEIGHTS and getattr(layer, _LAYER_WEIGHTS[module_name][0]) is not None:
-                attr, index = _LAYER_WEIGHTS[module_name]
-                fused: FusedLinear = getattr(layer, attr)
-                if index < 0:  # a fused checkpoint tensor: our stacks in the same order
-                    if tensor.shape[0] != sum(fused.out_sizes):
-                        raise ValueError(f"{name}: {tensor.shape[0]} rows, expected {sum(fused.out_sizes)}")
-                    for i, part in enumerate(tensor.split(fused.out_sizes, dim=0)):
-                        fused.load_shard(i, kind, part)
-                else:
-                    fused.load_shard(index, kind, tensor)
-                return f"layers.{layer_idx}.{attr}.{kind}"
-            attr = module_name.removeprefix("self_attn.")
-            if module_name in _LAYER_NORMS and kind == "weight" and getattr(layer, attr) is not None:
-                _copy(getattr(layer, attr).weight, tensor, name)
-                return f"layers.{layer_idx}.{attr}.weight"
-        simple = {
-            "model.embed_tokens.weight": ("embed_tokens.weight", self.embed_tokens.weight),
-            "model.norm.weight": ("norm.weight", self.norm.weight),
-        }
-        if self.lm_head is not None:
-            simple["lm_head.weight"] = ("lm_head", self.lm_head)
-        if name in simple:
-            target_name, param = simple[name]
-            _copy(param, tensor, name)
-            return target_name
-        raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-
-
-def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if param.shape != tensor.shape:
-        raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not fit {tuple(param.shape)}")
-    param.data.copy_(tensor)
+        """Copy checkpoint tensors into our (fused) parameters; refuse gaps and strangers
+        (models/checkpoint_load.py)."""
+        load_checkpoint(self, weights)

@@ -31,8 +31,9 @@ from loraplex.kernels.fp8_quant import QuantizedRows, empty_quantized
 from loraplex.kernels.fp8_weight_gemm import fp8_w8a8_gemm, fp8_weight_gemm
 from loraplex.kernels.fused_ops import fuses_quant
 from loraplex.kernels.settings import kernel_settings
+from loraplex.services.inference.models.checkpoint_load import LAYER_WEIGHTS
 from loraplex.services.inference.models.layers import FusedLinear
-from loraplex.services.inference.models.llama import _LAYER_WEIGHTS, LlamaForCausalLM
+from loraplex.services.inference.models.llama import LlamaForCausalLM
 from loraplex.services.inference.models.quantization.scheme import Fp8Scheme
 from loraplex.services.inference.models.value_checks import check_scale
 
@@ -215,8 +216,8 @@ def route_scales(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
     Refuses an FP8 tensor outside the quantized linears (lm_head, embedding, norms)."""
     for name, tensor in weights:
         match = _SCALE_RE.match(name)
-        if match and match[2] in _LAYER_WEIGHTS:
-            attr, index = _LAYER_WEIGHTS[match[2]]
+        if match and match[2] in LAYER_WEIGHTS:
+            attr, index = LAYER_WEIGHTS[match[2]]
             check_scale(name, tensor)  # finite and positive (models/value_checks.py)
             getattr(model.layers[int(match[1])], attr).load_scale(index, match[3], tensor)
             continue
