@@ -62,3 +62,28 @@ def test_adapter_shards_follow_s_lora(smollm2_path):
     assert torch.equal(shard.lora_b[(0, "q_proj")], b_q[384:576])  # B by output rows
     assert torch.equal(shard.lora_a[(0, "o_proj")], a_o[:, 384:576])  # row-parallel: A by input columns
     assert torch.equal(shard.lora_b[(0, "o_proj")], b_o)  # B whole
+
+
+def test_a_shard_for_a_worker_pickles_only_its_own_tensors(smollm2_path, adapter_factory):
+    # The loader's A/B are views into per-group packs (lora/packed_groups.py); pickle writes a view's
+    # whole storage, so a shard sent down a worker's pipe must hold its own tensors, or each of its
+    # views would carry its group's whole pack (30 layers x q/k/v/o here: 120 copies).
+    import pickle
+
+    from loraplex.services.inference.lora.adapter_loader import load_adapter_weights
+    from loraplex.services.inference.lora.shapes import ModelShapes
+
+    adapter = adapter_factory(
+        smollm2_path, "tp-pickle", r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    weights = load_adapter_weights(adapter, ModelShapes.from_model_dir(smollm2_path))
+    assert weights.packed
+    plan = plan_shards(load_config(smollm2_path), 2)[1]
+    sent = shard_adapter(weights, plan, own_storage=True)
+    local = shard_adapter(weights, plan)
+    tensor_bytes = sum(t.numel() * t.element_size() for d in (sent.lora_a, sent.lora_b) for t in d.values())
+    assert len(pickle.dumps(sent)) < 1.1 * tensor_bytes
+    assert not sent.packed and not local.packed  # a shard uploads per (layer, module)
+    for key in weights.lora_a:  # the same values either way
+        assert torch.equal(sent.lora_a[key], local.lora_a[key])
+        assert torch.equal(sent.lora_b[key], local.lora_b[key])

@@ -47,18 +47,21 @@ def make_tp_backend(
     return tp
 
 
-def shard_adapter(weights: AdapterWeights, plan: ShardPlan) -> AdapterWeights:
+def shard_adapter(weights: AdapterWeights, plan: ShardPlan, own_storage: bool = False) -> AdapterWeights:
     """This rank's slices: B rows of column modules, A columns of row modules (uploaded per
-    (layer, module): the whole-model packs, lora/packed_groups.py, are dropped)."""
+    (layer, module): the whole-model packs, lora/packed_groups.py, are dropped). `own_storage`: every
+    tensor in its own storage, for a shard pickled to a worker (pickle writes a view's whole storage,
+    and the loader's tensors are views into the packs)."""
+    own = torch.clone if own_storage else torch.Tensor.contiguous
     lora_a, lora_b = {}, {}
     for key, a in weights.lora_a.items():
         module = key[1]
         lo, hi = plan.module_range(module)
         b = weights.lora_b[key]
         if module in COLUMN_MODULES:
-            lora_a[key], lora_b[key] = a, b[lo:hi].contiguous()
+            lora_a[key], lora_b[key] = own(a), own(b[lo:hi])
         else:
-            lora_a[key], lora_b[key] = a[:, lo:hi].contiguous(), b
+            lora_a[key], lora_b[key] = own(a[:, lo:hi]), own(b)
     return dataclasses.replace(weights, lora_a=lora_a, lora_b=lora_b, packed={})
 
 
@@ -120,7 +123,7 @@ class ShardedAdapterPool:
 
     def upload(self, slot: int, weights: AdapterWeights) -> None:
         for plan in self.plans[1:]:
-            self._send_upload(plan.rank, slot, shard_adapter(weights, plan))
+            self._send_upload(plan.rank, slot, shard_adapter(weights, plan, own_storage=True))
         self.local.upload(slot, shard_adapter(weights, self.plans[0]))
 
     def ready(self, slot: int) -> bool:
