@@ -40,10 +40,10 @@ def pack_groups(weights: AdapterWeights, shapes: ModelShapes, *, pin_memory: boo
         widths = shapes.group_widths(g)
         offsets = [sum(widths[:i]) for i in range(len(widths) + 1)]
         dtype = weights.lora_a[mine[0][0]].dtype
-        a = torch.zeros(shapes.num_layers, len(modules), r, shapes.group_in(g), dtype=dtype)
-        b = torch.zeros(shapes.num_layers, offsets[-1], r, dtype=dtype)
-        if pin_memory:
-            a, b = a.pin_memory(), b.pin_memory()
+        a = torch.zeros(
+            shapes.num_layers, len(modules), r, shapes.group_in(g), dtype=dtype, pin_memory=pin_memory
+        )
+        b = torch.zeros(shapes.num_layers, offsets[-1], r, dtype=dtype, pin_memory=pin_memory)
         for (layer, module), t in mine:
             i = modules.index(module)
             lo, hi = offsets[i], offsets[i + 1]
