@@ -9,6 +9,7 @@ import torch
 
 from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA
+from loraplex.services.inference.lora.shapes import ModelShapes
 from loraplex.services.inference.models.config import load_config
 from loraplex.services.inference.parallel.lora import shard_adapter
 from loraplex.services.inference.parallel.partition import plan_shards, split_sizes
@@ -57,33 +58,39 @@ def test_adapter_shards_follow_s_lora(smollm2_path):
         {(0, "q_proj"): b_q, (0, "o_proj"): b_o},
         "d",
     )
-    shard = shard_adapter(weights, plan)
+    shard = shard_adapter(weights, plan, ModelShapes.from_model_dir(smollm2_path))
     assert torch.equal(shard.lora_a[(0, "q_proj")], a_q)  # column-parallel: A whole
     assert torch.equal(shard.lora_b[(0, "q_proj")], b_q[384:576])  # B by output rows
     assert torch.equal(shard.lora_a[(0, "o_proj")], a_o[:, 384:576])  # row-parallel: A by input columns
     assert torch.equal(shard.lora_b[(0, "o_proj")], b_o)  # B whole
 
 
-def test_a_shard_for_a_worker_pickles_only_its_own_tensors(smollm2_path, adapter_factory):
-    # The loader's A/B are views into per-group packs (lora/packed_groups.py); pickle writes a view's
-    # whole storage, so a shard sent down a worker's pipe must hold its own tensors, or each of its
-    # views would carry its group's whole pack (30 layers x q/k/v/o here: 120 copies).
+def test_a_packed_shard_slices_its_packs_as_the_modules_and_pickles_only_them(smollm2_path, adapter_factory):
+    # The loader's A/B are views into per-group packs (lora/packed_groups.py), and pickle writes a view's
+    # whole storage: a shard sent down a worker's pipe carries its packs only (a few tensors, each
+    # written once), sliced exactly as the per-module shards are.
     import pickle
 
     from loraplex.services.inference.lora.adapter_loader import load_adapter_weights
-    from loraplex.services.inference.lora.shapes import ModelShapes
+    from loraplex.services.inference.lora.backend import GROUPS
 
-    adapter = adapter_factory(
-        smollm2_path, "tp-pickle", r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]
-    )
-    weights = load_adapter_weights(adapter, ModelShapes.from_model_dir(smollm2_path))
-    assert weights.packed
+    shapes = ModelShapes.from_model_dir(smollm2_path)
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
+    adapter = adapter_factory(smollm2_path, "tp-packs", r=8, target_modules=modules)
+    weights = load_adapter_weights(adapter, shapes)
     plan = plan_shards(load_config(smollm2_path), 2)[1]
-    sent = shard_adapter(weights, plan, own_storage=True)
-    local = shard_adapter(weights, plan)
-    tensor_bytes = sum(t.numel() * t.element_size() for d in (sent.lora_a, sent.lora_b) for t in d.values())
-    assert len(pickle.dumps(sent)) < 1.1 * tensor_bytes
-    assert not sent.packed and not local.packed  # a shard uploads per (layer, module)
-    for key in weights.lora_a:  # the same values either way
-        assert torch.equal(sent.lora_a[key], local.lora_a[key])
-        assert torch.equal(sent.lora_b[key], local.lora_b[key])
+    sent = shard_adapter(weights, plan, shapes)
+    per_module = shard_adapter(dataclasses.replace(weights, packed={}), plan, shapes)
+    assert set(sent.packed) == {"qkv", "o", "gate_up", "down"} and not sent.lora_a
+    pack_bytes = sum(t.numel() * t.element_size() for p in sent.packed.values() for t in p)
+    assert len(pickle.dumps(sent)) < 1.1 * pack_bytes
+    assert len(pickle.dumps(per_module)) < 1.1 * per_module.nbytes  # its own storages too
+    for (layer, module), t in weights.targets.items():
+        g = next(g for g, ms in GROUPS.items() if module in ms)
+        i = GROUPS[g].index(module)
+        local = [hi - lo for lo, hi in map(plan.module_range, GROUPS[g])]  # this rank's rows per module
+        lo = 0 if g in ("o", "down") else sum(local[:i])  # a row group's B is whole
+        a, b = sent.packed[g]
+        want_b = per_module.lora_b[(layer, module)]
+        assert torch.equal(a[layer, i, : t.rank], per_module.lora_a[(layer, module)])
+        assert torch.equal(b[layer, lo : lo + want_b.shape[0], : t.rank], want_b)

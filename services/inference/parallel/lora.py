@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from loraplex.kernels.lora_expand import lora_expand
 from loraplex.kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
 from loraplex.services.inference.lora.adapter_weights import AdapterWeights
-from loraplex.services.inference.lora.backend import LoRABackend
+from loraplex.services.inference.lora.backend import GROUPS, LoRABackend
+from loraplex.services.inference.lora.packed_groups import PackedGroup
 from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.shapes import ModelShapes
 from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
@@ -47,22 +48,42 @@ def make_tp_backend(
     return tp
 
 
-def shard_adapter(weights: AdapterWeights, plan: ShardPlan, own_storage: bool = False) -> AdapterWeights:
-    """This rank's slices: B rows of column modules, A columns of row modules (uploaded per
-    (layer, module): the whole-model packs, lora/packed_groups.py, are dropped). `own_storage`: every
-    tensor in its own storage, for a shard pickled to a worker (pickle writes a view's whole storage,
-    and the loader's tensors are views into the packs)."""
-    own = torch.clone if own_storage else torch.Tensor.contiguous
+def shard_adapter(weights: AdapterWeights, plan: ShardPlan, shapes: ModelShapes) -> AdapterWeights:
+    """This rank's slices: B rows of column modules, A columns of row modules (`shapes`: the whole
+    model's). Every tensor has its own storage: a shard is pickled down a worker's pipe, and pickle
+    writes a view's whole storage (the loader's A/B are views into its packs)."""
+    if weights.packed:
+        return _shard_packs(weights, plan, shapes)
     lora_a, lora_b = {}, {}
     for key, a in weights.lora_a.items():
         module = key[1]
         lo, hi = plan.module_range(module)
         b = weights.lora_b[key]
         if module in COLUMN_MODULES:
-            lora_a[key], lora_b[key] = own(a), own(b[lo:hi])
+            lora_a[key], lora_b[key] = a.clone(), b[lo:hi].clone()
         else:
-            lora_a[key], lora_b[key] = own(a[:, lo:hi]), own(b)
-    return dataclasses.replace(weights, lora_a=lora_a, lora_b=lora_b, packed={})
+            lora_a[key], lora_b[key] = a[:, lo:hi].clone(), b.clone()
+    return dataclasses.replace(weights, lora_a=lora_a, lora_b=lora_b)
+
+
+def _shard_packs(weights: AdapterWeights, plan: ShardPlan, shapes: ModelShapes) -> AdapterWeights:
+    """The packs (lora/packed_groups.py) sliced the same way: a row group's A packs by input columns,
+    a column group's B packs by each stacked module's output rows; the shard carries only the packs
+    (an upload reads nothing else of A/B), so a worker's copy is a few tensors, uploaded a few copies."""
+    packed = {}
+    for g, pack in weights.packed.items():
+        modules = GROUPS[g]
+        if g in ROW_GROUPS:
+            lo, hi = plan.module_range(modules[0])
+            packed[g] = PackedGroup(pack.a[..., lo:hi].contiguous(), pack.b)
+            continue
+        rows, off = [], 0
+        for module, width in zip(modules, shapes.group_widths(g), strict=True):
+            lo, hi = plan.module_range(module)
+            rows.append(pack.b[:, off + lo : off + hi])
+            off += width
+        packed[g] = PackedGroup(pack.a, torch.cat(rows, dim=1))
+    return dataclasses.replace(weights, lora_a={}, lora_b={}, packed=packed)
 
 
 class ShardedAdapterPool:
@@ -123,8 +144,8 @@ class ShardedAdapterPool:
 
     def upload(self, slot: int, weights: AdapterWeights) -> None:
         for plan in self.plans[1:]:
-            self._send_upload(plan.rank, slot, shard_adapter(weights, plan, own_storage=True))
-        self.local.upload(slot, shard_adapter(weights, self.plans[0]))
+            self._send_upload(plan.rank, slot, shard_adapter(weights, plan, self.shapes))
+        self.local.upload(slot, shard_adapter(weights, self.plans[0], self.shapes))
 
     def ready(self, slot: int) -> bool:
         # Workers apply uploads before the next step message (the pipe is ordered) and wait for them.
