@@ -21,8 +21,9 @@ Llama-3.1-8B shapes, each against its floor.
   to E4M3, 3 mantissa bits), then timed against the layer's FP8 weight bytes over the bandwidth;
 - upload: one q/k/v/o adapter's host-to-GPU upload into the pool, packed per group against per
   (layer, module) (bench/lora_upload.py): the engine thread's ms per upload, ms until ready, GB/s.
-A failed check exits 1 before timing. On the CPU it says it needs CUDA (the interpreter checks are
-tests/integration/test_kernels_lora.py and test_attention_kernels.py). Writes kernels.json.
+A failed check exits 1 before timing. On the CPU only `--parts upload` runs; the rest says it needs
+CUDA (the interpreter checks are tests/integration/test_kernels_lora.py and test_attention_kernels.py).
+Writes kernels.json.
 `--tune-lora` first sweeps the decode LoRA configuration (bench/lora_sweep.py) and writes
 lora_configs.json for LORAPLEX_LORA_CONFIGS; the FP8 GEMMs' tuner is `python -m loraplex.bench.fp8_gemm`.
 """
@@ -285,10 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     o = p.parse_args(argv)
     device = h.pick_device(o.device)
     result: dict = dict(meta=h.meta(device, o.tiny))
-    if device.type != "cuda":
+    parts = o.parts.split(",")
+    if device.type != "cuda" and parts != ["upload"]:
         print("the kernels suite needs CUDA (the CPU's interpreter checks are in tests/integration)")
         write_json(o.out, "kernels", dict(result, skipped="needs CUDA"))
         return 0
+    if parts == ["upload"]:
+        return upload_part(device, o, result)
     bw, rate = h.copy_bandwidth(device), h.matmul_rate(device)
     result.update(bandwidth=bw, matmul_rate=rate)
     h.log(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
@@ -334,20 +338,27 @@ def main(argv: list[str] | None = None) -> int:
         rows = [[r["rows"], r["floor_us"], r["us"], r["x_floor"]] for r in result["fp8"]]
         h.print_table(["rows", "floor us", "us", "x floor"], rows)
     if "upload" in o.parts:
-        from loraplex.bench.lora_upload import upload_rows
-
-        result["upload"] = rows = upload_rows(device, o.tiny)
-        print("\none adapter's upload into the pool (q/k/v/o, bf16, pinned host copy)")
-        keys = ["rank", "layout", "mb", "host_ms", "ready_ms", "gb_per_s"]
-        h.print_table(
-            ["rank", "host layout", "MB", "engine thread ms", "ms until ready", "GB/s"],
-            [[r[k] for k in keys] for r in rows],
-        )
+        upload_part(device, o, result)
     result["failed"] = failed
     write_json(o.out, "kernels", result)
     for f in failed:
         print(f"FAIL {f}")
     return 1 if failed else 0
+
+
+def upload_part(device: torch.device, o, result: dict) -> int:
+    """bench/lora_upload.py's rows, printed and written (on the CPU too: its copies are synchronous)."""
+    from loraplex.bench.lora_upload import upload_rows
+
+    result["upload"] = rows = upload_rows(device, o.tiny)
+    print("\none adapter's upload into the pool (q/k/v/o, bf16; host copy pinned on CUDA)")
+    keys = ["rank", "layout", "mb", "host_ms", "ready_ms", "gb_per_s"]
+    h.print_table(
+        ["rank", "host layout", "MB", "engine thread ms", "ms until ready", "GB/s"],
+        [[r[k] for k in keys] for r in rows],
+    )
+    write_json(o.out, "kernels", result)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Every benchmark suite end to end on the CPU at its tiny size, run the one way users run them
 (`python -m loraplex.bench.NAME` from the repo root): the serving suite's open-loop workload
-(bench/workload.py), step, quality, door, kernels (which says it needs CUDA) and the goals command,
+(bench/workload.py), step, quality, door, kernels (which says it needs CUDA, but for its upload part) and the goals command,
 whose table and JSON are exercised for real (rows that need CUDA say so).
 
 The workload's first test asserts completion only (every request of every scenario finishes without
@@ -80,6 +80,20 @@ def test_step_suite_times_every_part_at_the_tiny_size(tmp_path):
 def test_kernels_suite_says_it_needs_cuda(tmp_path):
     out, result = run_bench("kernels", tmp_path, ["--device", "cpu"])
     assert result["skipped"] == "needs CUDA" and "needs CUDA" in out
+
+
+def test_kernels_upload_part_runs_on_the_cpu(tmp_path):
+    # the one part that runs without CUDA: both host layouts at ranks 16 and 64, the same bytes moved
+    out, result = run_bench("kernels", tmp_path, ["--device", "cpu", "--parts", "upload", "--tiny"])
+    rows = result["upload"]
+    assert [(r["rank"], r["layout"]) for r in rows] == [
+        (16, "per module"),
+        (16, "packed"),
+        (64, "per module"),
+        (64, "packed"),
+    ]
+    assert rows[0]["mb"] == rows[1]["mb"] and rows[2]["mb"] == 4 * rows[0]["mb"]
+    assert "| rank | host layout |" in out
 
 
 def test_fp8_gemm_tuner_checks_its_kernels_under_the_interpreter(tmp_path):
