@@ -1,7 +1,7 @@
 """Every benchmark suite end to end on the CPU at its tiny size, run the one way users run them
 (`python -m loraplex.bench.NAME` from the repo root): the serving suite's open-loop workload
-(bench/workload.py), step, quality, door, kernels (which says it needs CUDA, but for its upload part) and the goals command,
-whose table and JSON are exercised for real (rows that need CUDA say so).
+(bench/workload.py), step, quality, door, kernels (which says it needs CUDA, but for its upload part)
+and the goals command, whose table and JSON are exercised for real (rows that need CUDA say so).
 
 The workload's first test asserts completion only (every request of every scenario finishes without
 error, none cut). The second is the CPU smoke version of issue 34's first goal row (64 Zipf adapters
