@@ -255,6 +255,12 @@ class DecodeGraphs:
         if prev_tokens is not None:
             fill_placeholders(self.input_ids[:n], prev_tokens)
         self.graphs[key].replay()
-        if len(sample_rows) == n:
-            return self.logits[:n]
-        return self.logits[torch.tensor(sample_rows, device=self.logits.device)]
+        return sampled_logits(self.logits, n, sample_rows)
+
+
+def sampled_logits(logits: torch.Tensor, n: int, sample_rows: list[int]) -> torch.Tensor:
+    """The rows a step samples, of its first `n` rows of `logits`: `[len(sample_rows), vocab]`, also when
+    none is sampled (a draft model's catch-up step: `[0, vocab]`)."""
+    if len(sample_rows) == n:
+        return logits[:n]
+    return logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
