@@ -90,7 +90,7 @@ def test_a_packed_shard_slices_its_packs_as_the_modules_and_pickles_only_them(sm
         i = GROUPS[g].index(module)
         local = [hi - lo for lo, hi in map(plan.module_range, GROUPS[g])]  # this rank's rows per module
         lo = 0 if g in ("o", "down") else sum(local[:i])  # a row group's B is whole
-        a, b = sent.packed[g]
+        a, b = sent.packed[g].a, sent.packed[g].b
         want_b = per_module.lora_b[(layer, module)]
         assert torch.equal(a[layer, i, : t.rank], per_module.lora_a[(layer, module)])
         assert torch.equal(b[layer, lo : lo + want_b.shape[0], : t.rank], want_b)

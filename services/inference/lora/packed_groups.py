@@ -25,6 +25,10 @@ from loraplex.services.inference.lora.shapes import ModelShapes
 class PackedGroup(NamedTuple):
     a: torch.Tensor  # [L, n, r_g, d]
     b: torch.Tensor  # [L, W, r_g]
+    # the pool's per-slot tables for this adapter, made once here, not per upload (a Python loop over
+    # every (layer, module) that cost more of the engine thread than the copies themselves)
+    rank: torch.Tensor  # [L, n] int32, 0: not targeted
+    scaling: torch.Tensor  # [L, n] float32
 
 
 def pack_groups(weights: AdapterWeights, shapes: ModelShapes, *, pin_memory: bool = False) -> AdapterWeights:
@@ -44,6 +48,7 @@ def pack_groups(weights: AdapterWeights, shapes: ModelShapes, *, pin_memory: boo
             shapes.num_layers, len(modules), r, shapes.group_in(g), dtype=dtype, pin_memory=pin_memory
         )
         b = torch.zeros(shapes.num_layers, offsets[-1], r, dtype=dtype, pin_memory=pin_memory)
+        rank, scaling = group_tables(mine, modules, shapes.num_layers, pin_memory)
         for (layer, module), t in mine:
             i = modules.index(module)
             lo, hi = offsets[i], offsets[i + 1]
@@ -51,5 +56,18 @@ def pack_groups(weights: AdapterWeights, shapes: ModelShapes, *, pin_memory: boo
             b[layer, lo:hi, : t.rank] = weights.lora_b[(layer, module)]
             lora_a[(layer, module)] = a[layer, i, : t.rank]
             lora_b[(layer, module)] = b[layer, lo:hi, : t.rank]
-        packed[g] = PackedGroup(a, b)
+        packed[g] = PackedGroup(a, b, rank, scaling)
     return dataclasses.replace(weights, lora_a=lora_a, lora_b=lora_b, packed=packed)
+
+
+def group_tables(
+    mine: list, modules: tuple[str, ...], num_layers: int, pin_memory: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `[L, n]` int32 and scaling `[L, n]` float32 of one group's `((layer, module), ModuleLoRA)`."""
+    rank = [[0] * len(modules) for _ in range(num_layers)]
+    scaling = [[0.0] * len(modules) for _ in range(num_layers)]
+    for (layer, module), t in mine:
+        i = modules.index(module)
+        rank[layer][i], scaling[layer][i] = t.rank, t.scaling
+    tables = torch.tensor(rank, dtype=torch.int32), torch.tensor(scaling, dtype=torch.float32)
+    return (tables[0].pin_memory(), tables[1].pin_memory()) if pin_memory else tables

@@ -38,6 +38,7 @@ from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 from loraplex.services.inference.lora.backend import GROUPS
 from loraplex.services.inference.lora.dora_tables import DoraTables
 from loraplex.services.inference.lora.expert_lora import ExpertLoRAPool, expert_modules
+from loraplex.services.inference.lora.packed_groups import group_tables
 from loraplex.services.inference.lora.pool_layout import (
     FreePages,
     allocated_groups,
@@ -264,13 +265,14 @@ class AdapterPool:
         unpaged layout: two copies from a pack, lora/packed_groups.py, else two per (layer, module)),
         then scattered into the adapter's pages with one device copy per tensor."""
         L, P, n = self.shapes.num_layers, self.page_rows, len(GROUPS[g])
-        rank = torch.zeros(L, n, dtype=torch.int32)
-        scaling = torch.zeros(L, n, dtype=torch.float32)
-        mine = [(key, t) for key, t in weights.targets.items() if key[1] in GROUPS[g]]
-        for (layer, module), t in mine:
-            i = GROUPS[g].index(module)
-            rank[layer, i], scaling[layer, i] = t.rank, t.scaling
-        if mine:
+        pack = weights.packed.get(g)
+        if pack is not None:
+            mine, rank, scaling = [], pack.rank, pack.scaling  # pinned on CUDA already
+        else:
+            mine = [(key, t) for key, t in weights.targets.items() if key[1] in GROUPS[g]]
+            rank, scaling = group_tables(mine, GROUPS[g], L, pin_memory=self._cuda)
+            tables += [rank, scaling]  # the asynchronous copies read them
+        if mine or pack is not None:
             stage_a, stage_b = self._staging(g, weights, mine, need)
             d, width = self.shapes.group_in(g), self.offsets[g][-1]
             # [L, n, pages*P, d] -> [L, pages, n*P, d]; [L, W, pages*P] -> [L, pages, P, W]
@@ -281,9 +283,6 @@ class AdapterPool:
             # The stagings are made and read on the upload's stream only: freeing them here is safe.
         self.host_rank[g][:, slot] = rank
         self.host_scaling[g][:, slot] = scaling
-        if self._cuda:
-            rank, scaling = rank.pin_memory(), scaling.pin_memory()
-            tables += [rank, scaling]
         self.rank[g][:, slot].copy_(rank, non_blocking=True)
         self.scaling[g][:, slot].copy_(scaling, non_blocking=True)
 

@@ -26,7 +26,6 @@ from loraplex.kernels.lora_expand import lora_expand
 from loraplex.kernels.lora_shrink import alloc_shrink_out, lora_shrink, shrink_out_view
 from loraplex.services.inference.lora.adapter_weights import AdapterWeights
 from loraplex.services.inference.lora.backend import GROUPS, LoRABackend
-from loraplex.services.inference.lora.packed_groups import PackedGroup
 from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.shapes import ModelShapes
 from loraplex.services.inference.lora.torch_backend import TorchLoRABackend
@@ -75,14 +74,14 @@ def _shard_packs(weights: AdapterWeights, plan: ShardPlan, shapes: ModelShapes) 
         modules = GROUPS[g]
         if g in ROW_GROUPS:
             lo, hi = plan.module_range(modules[0])
-            packed[g] = PackedGroup(pack.a[..., lo:hi].contiguous(), pack.b)
+            packed[g] = pack._replace(a=pack.a[..., lo:hi].contiguous())
             continue
         rows, off = [], 0
         for module, width in zip(modules, shapes.group_widths(g), strict=True):
             lo, hi = plan.module_range(module)
             rows.append(pack.b[:, off + lo : off + hi])
             off += width
-        packed[g] = PackedGroup(pack.a, torch.cat(rows, dim=1))
+        packed[g] = pack._replace(b=torch.cat(rows, dim=1))
     return dataclasses.replace(weights, lora_a={}, lora_b={}, packed=packed)
 
 
