@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         write_json(o.out, "kernels", dict(result, skipped="needs CUDA"))
         return 0
     if parts == ["upload"]:
-        return upload_part(device, o, result)
+        upload_part(device, o, result)
+        return 0
     bw, rate = h.copy_bandwidth(device), h.matmul_rate(device)
     result.update(bandwidth=bw, matmul_rate=rate)
     h.log(f"copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s")
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def upload_part(device: torch.device, o, result: dict) -> int:
+def upload_part(device: torch.device, o, result: dict) -> None:
     """bench/lora_upload.py's rows, printed and written (on the CPU too: its copies are synchronous)."""
     from loraplex.bench.lora_upload import upload_rows
 
@@ -252,7 +253,6 @@ def upload_part(device: torch.device, o, result: dict) -> int:
         [[r[k] for k in keys] for r in rows],
     )
     write_json(o.out, "kernels", result)
-    return 0
 
 
 if __name__ == "__main__":

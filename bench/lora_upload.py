@@ -16,7 +16,7 @@ import time
 import torch
 
 from loraplex.services.inference.lora.adapter_weights import AdapterWeights
-from loraplex.services.inference.lora.config import AdapterSpec, ModuleLoRA
+from loraplex.services.inference.lora.backend_check import random_adapter
 from loraplex.services.inference.lora.packed_groups import pack_groups
 from loraplex.services.inference.lora.pool import AdapterPool
 from loraplex.services.inference.lora.shapes import ATTN_MODULES, ModelShapes
@@ -26,17 +26,12 @@ DT = torch.bfloat16
 
 
 def per_module_adapter(shapes: ModelShapes, rank: int, pin: bool) -> AdapterWeights:
-    gen = torch.Generator().manual_seed(rank)
-    targets, lora_a, lora_b = {}, {}, {}
-    for layer in range(shapes.num_layers):
-        for m in ATTN_MODULES:
-            d_in, d_out = shapes.module_dims(m)
-            targets[(layer, m)] = ModuleLoRA(rank, 2.0 * rank, 2.0)
-            a = (torch.randn(rank, d_in, generator=gen) / d_in**0.5).to(DT)
-            b = (torch.randn(d_out, rank, generator=gen) / rank**0.5).to(DT)
-            lora_a[(layer, m)], lora_b[(layer, m)] = (a.pin_memory(), b.pin_memory()) if pin else (a, b)
-    spec = AdapterSpec(r=rank, lora_alpha=2.0 * rank, target_modules=ATTN_MODULES)
-    return AdapterWeights(spec, targets, lora_a, lora_b, digest=f"sha256:bench-{rank}")
+    """A rank-`rank` adapter on q/k/v/o with its A/B per (layer, module), pinned when `pin`."""
+    w = random_adapter(shapes, list(ATTN_MODULES), rank, rank, DT, jitter=False)
+    if not pin:
+        return w
+    pinned = [{k: t.pin_memory() for k, t in d.items()} for d in (w.lora_a, w.lora_b)]
+    return dataclasses.replace(w, lora_a=pinned[0], lora_b=pinned[1])
 
 
 def upload_rows(device: torch.device, tiny: bool, repeats: int = 20) -> list[dict]:

@@ -30,14 +30,15 @@ MODULE_SETS = [
 
 
 def random_adapter(
-    shapes: ModelShapes, modules: list[str], rank: int, seed: int, dtype: torch.dtype
+    shapes: ModelShapes, modules: list[str], rank: int, seed: int, dtype: torch.dtype, jitter: bool = True
 ) -> AdapterWeights:
+    """Random A/B on `modules` of every layer, each of a random rank up to `rank` (`jitter`) or `rank`."""
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     targets, lora_a, lora_b = {}, {}, {}
     for layer in range(shapes.num_layers):
         for m in modules:
-            r = rnd.randint(1, rank)
+            r = rnd.randint(1, rank) if jitter else rank
             d_in, d_out = shapes.module_dims(m)
             targets[(layer, m)] = ModuleLoRA(r, 16.0, 16.0 / r)
             lora_a[(layer, m)] = (torch.randn(r, d_in, generator=gen) / d_in**0.5).to(dtype)

@@ -18,11 +18,6 @@ if TYPE_CHECKING:
     from loraplex.services.inference.models.llama import LlamaForCausalLM
 
 
-def projection_name(module: str) -> str:
-    """A layer's projection as checkpoints name it below the layer ("self_attn.q_proj", "mlp.down_proj")."""
-    return f"{'mlp' if module in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{module}"
-
-
 # checkpoint name -> (our module attribute, stack index; -1: the whole fused tensor) for the fused linears.
 LAYER_WEIGHTS = {
     "self_attn.qkv_proj": ("qkv_proj", -1),  # Phi-3 stores them fused
@@ -35,6 +30,8 @@ LAYER_WEIGHTS = {
     "mlp.up_proj": ("gate_up_proj", 1),
     "mlp.down_proj": ("down_proj", 0),
 }
+# a projection's PEFT name ("q_proj", "qkv_proj") -> its entry above (checkpoint names end in it)
+PROJECTIONS = {name.rsplit(".", 1)[1]: target for name, target in LAYER_WEIGHTS.items()}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 # Mixtral `block_sparse_moe.experts.N.w1`, Qwen3-MoE `mlp.experts.N.gate_proj`; routers `.gate`.
 _EXPERT_RE = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)$")

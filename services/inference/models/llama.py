@@ -29,7 +29,7 @@ from loraplex.kernels.fused_ops import silu_and_mul
 from loraplex.kernels.placement import triton_runs_on
 from loraplex.kernels.qkv_rotary import qkv_rotary, qkv_rotary_ref
 from loraplex.kernels.skinny_gemm import skinny_gated, skinny_serves
-from loraplex.services.inference.models.checkpoint_load import LAYER_WEIGHTS, load_checkpoint, projection_name
+from loraplex.services.inference.models.checkpoint_load import PROJECTIONS, load_checkpoint
 from loraplex.services.inference.models.config import ModelConfig
 from loraplex.services.inference.models.context import ForwardContext
 from loraplex.services.inference.models.layers import Addend, FusedLinear, RMSNorm, empty_param
@@ -280,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
     def lora_base_weight(self, layer: int, module: str) -> torch.Tensor:
         """The base rows `[out, in]` of one LoRA-targetable projection (`q_proj`, ...; an FP8 base's
         dequantized to float32): what DoRA's per-row norms are computed from (lora/dora.py)."""
-        attr, index = LAYER_WEIGHTS[projection_name(module)]
+        attr, index = PROJECTIONS[module]
         fused: FusedLinear = getattr(self.layers[layer], attr)
         dequantized = getattr(fused, "dequantized", None)  # models/quantization/fp8_linear.py
         weight = fused.weight if dequantized is None else dequantized(torch.float32)
