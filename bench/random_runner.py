@@ -153,12 +153,15 @@ def build_runner(
     lora_backend: str = "triton",
     fp8: bool = False,
     kv_dtype: torch.dtype | None = None,
+    target_modules: tuple[str, ...] | None = None,
 ) -> ModelRunner:
     """A runner with `slots` random adapters of rank <= `rank` resident (slots 0: no LoRA backend).
     `lora_backend` "torch": the CPU backend (no Triton interpreter needed). `fp8`: the base linears
     quantized to FP8 E4M3 per output channel (models/quantization/), adapters in `dtype`. A
     mixture-of-experts shape gets adapters on q/k/v/o, all that LoRA reaches on such a base.
-    `kv_dtype`: the KV cache's element type (default `dtype`; torch.float8_e4m3fn: an FP8 cache)."""
+    `kv_dtype`: the KV cache's element type (default `dtype`; torch.float8_e4m3fn: an FP8 cache).
+    `target_modules`: the pool's modules (default: every module, q/k/v/o on a mixture of experts);
+    each adapter targets its share of them."""
     cfg = model_config(shape, context_length)
     model = random_model(cfg, dtype, device, seed)
     if fp8:
@@ -178,12 +181,13 @@ def build_runner(
             vocab_size=cfg.vocab_size,  # the vocabulary tables (lora/vocab_tables.py)
             tie_word_embeddings=cfg.tie_word_embeddings,
         )
-        targets = ATTN_MODULES if cfg.is_moe else ALL_MODULES
+        targets = target_modules or (ATTN_MODULES if cfg.is_moe else ALL_MODULES)
         pool = AdapterPool(
             shapes, slots=slots, max_rank=rank, target_modules=targets, dtype=dtype, device=device
         )
         for s in range(slots):
             modules = list(ATTN_MODULES) if cfg.is_moe else MODULE_SETS[s % len(MODULE_SETS)]
+            modules = [m for m in modules if m in targets] or list(targets)
             pool.upload(s, random_adapter(shapes, modules, rank, seed + s, dtype))
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # uploads run on a side stream

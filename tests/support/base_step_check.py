@@ -143,7 +143,9 @@ class Counter:
         return self.inner[grid]
 
 
-def greedy_tokens(triton: bool, counters: dict[str, Counter]) -> list[list[int]]:
+def greedy_tokens(
+    triton: bool, counters: dict[str, Counter], targets: tuple[str, ...] | None = None
+) -> list[list[int]]:
     from loraplex.bench.random_runner import TINY, build_runner
     from loraplex.kernels.placement import run_triton_on_cpu
     from loraplex.services.inference.engine.scheduled_batch import SeqChunk
@@ -163,6 +165,7 @@ def greedy_tokens(triton: bool, counters: dict[str, Counter]) -> list[list[int]]
             context_length=32,
             page_size=4,
             num_blocks=80,
+            target_modules=targets,
         )
         rnd = random.Random(3)
         # Short prompts (every token is a Triton program per launch under the interpreter): one
@@ -215,6 +218,14 @@ def check_greedy() -> None:
     fused = calls["skinny"] > 0 and calls["store"] == 0 and calls["merge"] == 0
     taken = not any(ref_calls.values()) and fused
     report("each fused launch taken", taken, f"torch path {ref_calls}, Triton path {calls}")
+    # Adapters on q/k/v/o only: no delta is ever pending on gate_up, so the adapter steps take the
+    # skinny launch too (every step, not only the last one)
+    attn = ("q_proj", "k_proj", "v_proj", "o_proj")
+    ref = greedy_tokens(False, counters, attn)
+    got = greedy_tokens(True, counters, attn)
+    skinny = counters["skinny"].calls
+    ok = got == ref and skinny == 3 * calls["skinny"]
+    report("q/k/v/o adapters: gate_up skinny in every step", ok, f"{skinny} vs {calls['skinny']} launches")
 
 
 def main() -> int:

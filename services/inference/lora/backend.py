@@ -121,6 +121,13 @@ class LoRABackend(ABC):
         scale = dora_scale if triton_runs_on(out) else dora_scale_ref  # kernels/dora_scale.py
         return scale(out, delta, bias, table[layer], self._dora_index)
 
+    def targets(self, group: str) -> bool:
+        """Whether any adapter this backend serves can target `group` (the pool holds its buffers).
+        A group no adapter targets takes the model's plain path, e.g. the MLP's one-launch skinny
+        gate_up beside q/k/v/o-only adapters."""
+        pool = getattr(self, "pool", None)  # a backend with no pool (a test's recorder) may target any
+        return pool is None or group in pool.groups
+
     def max_step_distinct(self) -> int:
         """The most distinct adapters one step can hold (see `step_distinct_cap`)."""
         cap = self.step_distinct_cap

@@ -164,7 +164,8 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:
             return h, Addend(self.moe(x, None if ctx.lora is None else ctx.lora.expert_layer(self.index)))
         weight = self.gate_up_proj.weight
-        if ctx.lora is None and type(self.gate_up_proj) is FusedLinear and skinny_serves(x, weight):
+        plain = ctx.lora is None or not ctx.lora.targets("gate_up")
+        if plain and type(self.gate_up_proj) is FusedLinear and skinny_serves(x, weight):
             # The matmul and SwiGLU / GeGLU in one launch (no delta to add between)
             act = skinny_gated(x, weight, self.gate_up_proj.bias, self.activation)
             return h, self._down(act, ctx)
