@@ -25,6 +25,10 @@ adapters replay the plain graphs (variant 0) and pay nothing.
 
 Host work per step: fill two pinned buffers (numpy views), two host-to-device copies, one
 replay. Capture time and the memory the graphs took are logged.
+
+With `use_graphs=False` nothing is captured: every step runs the forward a graph would hold, over the
+same static buffers, eagerly (the CPU tests, under the Triton interpreter, check the glue around the
+graphs that way: padding rows, tiers, verify rows, steps that sample no row).
 """
 
 from __future__ import annotations
@@ -64,8 +68,10 @@ class DecodeGraphs:
         *,
         max_bs: int,
         max_blocks_per_seq: int,
+        use_graphs: bool = True,
     ):
         self.model = model
+        self.use_graphs = use_graphs
         # The graphs' own attention (its metadata is the graphs' static buffers), with the eager
         # one's scale, per-layer windows and soft-capping.
         a = eager_attention
@@ -78,8 +84,8 @@ class DecodeGraphs:
         dev = kv_cache.device
         n, mb = self.max_bs, max_blocks_per_seq
         # int64 inputs: ids, positions, KV slots. int32: context lengths, adapter slots, tables.
-        self._host64 = torch.zeros(3 * n, dtype=torch.int64, pin_memory=True)
-        self._host32 = torch.zeros(2 * n + n * mb, dtype=torch.int32, pin_memory=True)
+        self._host64 = torch.zeros(3 * n, dtype=torch.int64, pin_memory=use_graphs)
+        self._host32 = torch.zeros(2 * n + n * mb, dtype=torch.int32, pin_memory=use_graphs)
         self._np64, self._np32 = self._host64.numpy(), self._host32.numpy()
         self._dev64 = torch.zeros(3 * n, dtype=torch.int64, device=dev)
         self._dev32 = torch.zeros(2 * n + n * mb, dtype=torch.int32, device=dev)
@@ -89,8 +95,8 @@ class DecodeGraphs:
         self.slot_mapping.fill_(-1)
         self.token_slots.fill_(-1)
         self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=dev)
-        # (batch size, LoRA tier, kinds variant 0/1)
-        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        # (batch size, LoRA tier, kinds variant 0/1); None: the step runs eagerly (`use_graphs=False`)
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph | None] = {}
         self._kinds_tables = None  # the pool tables the kinds-variant graphs were captured with
         self.kinds_captures: list[tuple[tuple[int, int, int], float, int]] = []  # key, seconds, bytes
         self._pool = None  # one memory pool for every graph, made by the first capture
@@ -123,13 +129,15 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every (batch size, LoRA tier) graph, largest first, in one memory pool."""
+        tiers = graph_tiers(None if self.lora is None else self.lora.max_step_distinct())
+        keys = [(bs, t, 0) for bs in reversed(self.ladder) for t in tiers if t < 2 or bs > MANY_ADAPTERS]
+        if not self.use_graphs:
+            self.recapture(keys)
+            return
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
-        tiers = graph_tiers(None if self.lora is None else self.lora.max_step_distinct())
-        self.recapture(
-            [(bs, t, 0) for bs in reversed(self.ladder) for t in tiers if t < 2 or bs > MANY_ADAPTERS]
-        )
+        self.recapture(keys)
         torch.cuda.synchronize()
         taken = free_before - torch.cuda.mem_get_info()[0]
         log.info(
@@ -147,6 +155,9 @@ class DecodeGraphs:
     def recapture(self, keys: list[tuple[int, int, int]]) -> None:
         """(Re)capture the graphs for these (batch size, LoRA tier, kinds variant) keys into the
         graphs' memory pool (benchmarks use it after switching a backend option)."""
+        if not self.use_graphs:
+            self.graphs.update(dict.fromkeys(keys))
+            return
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         # The buffers hold the last replay's step. The eager warm-up below runs it again, at another
@@ -175,6 +186,9 @@ class DecodeGraphs:
             for old in [k for k in self.graphs if k[2]]:
                 del self.graphs[old]
             self._kinds_tables = tables
+        if not self.use_graphs:
+            self.recapture([key])
+            return
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         start = time.perf_counter()
@@ -250,11 +264,16 @@ class DecodeGraphs:
         self._dev64.copy_(self._host64, non_blocking=True)
         end32 = 2 * max_bs + bs * self.max_blocks
         self._dev32[:end32].copy_(self._host32[:end32], non_blocking=True)
-        self._inputs_copied = torch.cuda.Event()
-        self._inputs_copied.record()
+        if self.use_graphs:
+            self._inputs_copied = torch.cuda.Event()
+            self._inputs_copied.record()
         if prev_tokens is not None:
             fill_placeholders(self.input_ids[:n], prev_tokens)
-        self.graphs[key].replay()
+        graph = self.graphs[key]
+        if graph is None:
+            self._forward(*key)
+        else:
+            graph.replay()
         return sampled_logits(self.logits, n, sample_rows)
 
 

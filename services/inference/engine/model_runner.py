@@ -86,8 +86,9 @@ class ModelRunner:
         view.copy_(host, non_blocking=True)
         return view
 
-    def capture_cuda_graphs(self, max_bs: int) -> None:
-        """Capture decode CUDA graphs for batch sizes up to `max_bs` (see engine/cuda_graph.py)."""
+    def capture_cuda_graphs(self, max_bs: int, use_graphs: bool = True) -> None:
+        """Capture decode CUDA graphs for batch sizes up to `max_bs` (see engine/cuda_graph.py);
+        `use_graphs=False` runs the same steps eagerly over the graphs' buffers (CPU tests)."""
         from loraplex.services.inference.engine.cuda_graph import DecodeGraphs
 
         graphs = DecodeGraphs(
@@ -97,6 +98,7 @@ class ModelRunner:
             self.lora_backend,
             max_bs=max_bs,
             max_blocks_per_seq=self.max_blocks_per_seq,
+            use_graphs=use_graphs,
         )
         graphs.capture()
         self.cuda_graphs = graphs
