@@ -3,10 +3,14 @@ of the target and of the draft's pool, decode CUDA graphs beside eager verify st
 with a draft model equal speculation off, base and two adapters in one batch, the target as its own
 draft with the target's adapters as draft adapters (so nearly every draft token is accepted).
 
-Run as `PYTHONPATH=protos:. python tests/support/speculative_draft_check.py DIR [cuda|cpu]`, where
-DIR holds `model/` (a tiny model with a tokenizer) and `a/`, `b/` (PEFT adapters of it), which
+Run as `PYTHONPATH=protos:. python tests/support/speculative_draft_check.py DIR [cuda|cpu|interpret]`,
+where DIR holds `model/` (a tiny model with a tokenizer) and `a/`, `b/` (PEFT adapters of it), which
 `--make SMOLLM2_DIR DIR` writes (16 MB, on a machine with the embedded model). Prints one line and
-exits non-zero on a mismatch or an acceptance below 0.9. Run on the CPU (2 s); not yet on a GPU.
+exits non-zero on a mismatch or an acceptance below 0.9. `interpret` (TRITON_INTERPRET=1, the CPU):
+the GPU's path without a GPU, Triton attention and LoRA backends, and the decode graphs of the target
+and of the draft run eagerly (`use_graphs=False`); tests/integration/test_decode_graphs_eager.py runs
+it. On an H100 (2026-12-08) the draft's catch-up step crashed in the decode graphs' glue, which the
+`interpret` mode now reaches.
 """
 
 from __future__ import annotations
@@ -30,12 +34,17 @@ def make(smollm2: Path, out: Path) -> None:
 
 
 def check(root: Path, device: str) -> int:
+    from loraplex.kernels.placement import run_triton_on_cpu
     from loraplex.services.inference.engine.types import SamplingParams
     from tests.support.lora_reference import server_args, sync_engine
 
     model = root / "model"
     adapters = {"a": root / "a", "b": root / "b"}
-    kw = dict(device=device, dtype="float32", max_total_tokens=4096)
+    interpret = device == "interpret"
+    kw = dict(device="cpu" if interpret else device, dtype="float32", max_total_tokens=4096)
+    if interpret:
+        run_triton_on_cpu(True)
+        kw.update(lora_backend="triton", startup_warm_up=False)
     off = sync_engine(server_args(model, adapters, **kw))
     on = sync_engine(
         server_args(
@@ -47,7 +56,8 @@ def check(root: Path, device: str) -> int:
             **kw,
         )
     )
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    served = _eager_graphs(on) if interpret else None
+    params = SamplingParams(max_new_tokens=12 if interpret else 24, ignore_eos=True)
     names, drafts = [None, "a", "b"], [None, "da", "db"]
     want = [o.token_ids for o in off.generate(PROMPTS, params, names)]
     start = time.perf_counter()
@@ -56,11 +66,33 @@ def check(root: Path, device: str) -> int:
     stats = on.stats()
     rates = {k: stats.spec_accepted_tokens[k] / v for k, v in stats.spec_draft_tokens.items() if v}
     print(f"{device}: equal={got == want} acceptance={rates} ({seconds:.2f} s)")
+    if served is not None:  # both runners' decode steps went through the graphs' path
+        print(f"decode graph steps: target {served['target']}, draft {served['draft']}")
+        if not (served["target"] and served["draft"]):
+            return 1
     if got != want:
         for w, g in zip(want, got, strict=True):
             print("  off", w, "\n  on ", g)
         return 1
     return 0 if all(r >= 0.9 for r in rates.values()) and len(rates) == 3 else 1
+
+
+def _eager_graphs(engine) -> dict[str, int]:
+    """Decode graphs run eagerly on the target's and the draft's runners; counts of the steps each
+    served, filled in as the engine steps."""
+    served = {"target": 0, "draft": 0}
+    runners = {"target": engine.runner, "draft": engine.speculator.draft_runner.runner}
+    for name, runner in runners.items():
+        runner.capture_cuda_graphs(32 if name == "target" else 8, use_graphs=False)
+        inner = runner.cuda_graphs.run
+
+        def counted(*args, _inner=inner, _name=name, **kwargs):
+            out = _inner(*args, **kwargs)
+            served[_name] += out is not None
+            return out
+
+        runner.cuda_graphs.run = counted
+    return served
 
 
 if __name__ == "__main__":

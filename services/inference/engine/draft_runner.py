@@ -101,9 +101,11 @@ class LoadedDraft:
         return draft_runner
 
 
-def build_draft_adapters(draft: LoadedDraft, config: EngineConfig) -> None:
+def build_draft_adapters(draft: LoadedDraft, config: EngineConfig, backend: str | None = None) -> None:
     """Load --speculative-draft-lora-paths into a pool sized for them alone, each in its own slot
-    for good (before the target's KV cache is sized, so that takes what is left)."""
+    for good (before the target's KV cache is sized, so that takes what is left). `backend`: the
+    target's LoRA backend (--lora-backend), which the draft adapters run on too (None: the device's
+    default)."""
     paths = config.speculative_draft_lora_paths
     if not paths:
         return
@@ -111,7 +113,7 @@ def build_draft_adapters(draft: LoadedDraft, config: EngineConfig) -> None:
         if not Path(source).is_dir():  # the adapter store serves the target's adapters only
             raise ValueError(f"--speculative-draft-lora-paths {name}={source}: not a local adapter directory")
     draft.lora = build_lora(
-        LoRAConfig(lora_paths=paths, max_gpu_loras=len(paths)),
+        LoRAConfig(lora_paths=paths, max_gpu_loras=len(paths), lora_backend=backend),
         shapes_of_model(draft.config),
         dtype=draft.dtype,
         device=draft.device,
@@ -125,14 +127,17 @@ def build_draft_adapters(draft: LoadedDraft, config: EngineConfig) -> None:
         draft.adapter_slots[name] = slot
 
 
-def load_draft_for(loaded: LoadedModel, config: EngineConfig) -> LoadedDraft | None:
-    """The draft model `config` names (--speculative-draft-model-path), or None."""
+def load_draft_for(
+    loaded: LoadedModel, config: EngineConfig, lora_backend: str | None = None
+) -> LoadedDraft | None:
+    """The draft model `config` names (--speculative-draft-model-path), or None. `lora_backend`: the
+    target's (its draft adapters run on the same one)."""
     if config.speculative_algorithm != "draft":
         return None
     draft = load_draft(
         config.speculative_draft_model_path, loaded.config, loaded.context_length, loaded.device, loaded.dtype
     )
-    build_draft_adapters(draft, config)
+    build_draft_adapters(draft, config, lora_backend)
     return draft
 
 

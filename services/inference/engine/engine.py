@@ -64,7 +64,8 @@ class LLMEngine(StepLoop):
         self.tokenizer = loaded.tokenizer
         self.context_length = loaded.context_length
         self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
-        draft = load_draft_for(loaded, config)  # weights before the KV cache takes what is left
+        # Weights before the KV cache takes what is left; draft adapters on the target's LoRA backend
+        draft = load_draft_for(loaded, config, getattr(lora_backend, "name", None) or None)
         pool = getattr(lora_backend, "pool", None)
         kv_cache, self.block_manager = build_kv_cache(
             loaded, config, kv_reserved_bytes, draft.kv_bytes_per_token() if draft else 0, pool

@@ -48,6 +48,7 @@ class LoRABackend(ABC):
       the model runner must not capture CUDA graphs around it.
     """
 
+    name: str = ""  # its --lora-backend value
     cuda_graph_safe: bool = True
     pool: AdapterPool  # the slots it reads
     # The most distinct adapters one step can hold: --max-loras-per-batch where it is below the

@@ -19,6 +19,7 @@ from loraplex.services.inference.lora.pool import AdapterPool
 
 
 class TorchLoRABackend(LoRABackend):
+    name = "torch"
     cuda_graph_safe = False
 
     def __init__(self, pool: AdapterPool):

@@ -35,6 +35,7 @@ from loraplex.services.inference.lora.pool import AdapterPool
 
 
 class TritonLoRABackend(LoRABackend):
+    name = "triton"
     cuda_graph_safe = True
 
     def __init__(
