@@ -44,6 +44,20 @@ def steps() -> list[tuple[str, list[SeqChunk]]]:
     ]
 
 
+def graphs_eagerly(runner, max_bs: int, served: dict[str, int], name: str) -> None:
+    """Give `runner` decode graphs up to `max_bs` that run eagerly (`use_graphs=False`), counting in
+    `served[name]` the steps they serve (their `run` returns logits rather than None)."""
+    runner.capture_cuda_graphs(max_bs, use_graphs=False)
+    inner = runner.cuda_graphs.run
+
+    def counted(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        served[name] += out is not None
+        return out
+
+    runner.cuda_graphs.run = counted
+
+
 def run(graphs: bool) -> tuple[list[torch.Tensor], int]:
     """Each step's logits, and how many steps the decode graphs' path served."""
     run_triton_on_cpu(True)
@@ -60,19 +74,10 @@ def run(graphs: bool) -> tuple[list[torch.Tensor], int]:
             page_size=PAGE,
             num_blocks=32,
         )
-        served = 0
+        served = {"graphs": 0}
         if graphs:
-            runner.capture_cuda_graphs(8, use_graphs=False)
-            inner = runner.cuda_graphs.run
-
-            def counted(*args, **kwargs):
-                nonlocal served
-                out = inner(*args, **kwargs)
-                served += out is not None
-                return out
-
-            runner.cuda_graphs.run = counted
-        return [runner.forward(chunks).clone() for _, chunks in steps()], served
+            graphs_eagerly(runner, 8, served, "graphs")
+        return [runner.forward(chunks).clone() for _, chunks in steps()], served["graphs"]
     finally:
         run_triton_on_cpu(False)
 

@@ -80,18 +80,11 @@ def check(root: Path, device: str) -> int:
 def _eager_graphs(engine) -> dict[str, int]:
     """Decode graphs run eagerly on the target's and the draft's runners; counts of the steps each
     served, filled in as the engine steps."""
+    from tests.support.decode_graphs_check import graphs_eagerly
+
     served = {"target": 0, "draft": 0}
-    runners = {"target": engine.runner, "draft": engine.speculator.draft_runner.runner}
-    for name, runner in runners.items():
-        runner.capture_cuda_graphs(32 if name == "target" else 8, use_graphs=False)
-        inner = runner.cuda_graphs.run
-
-        def counted(*args, _inner=inner, _name=name, **kwargs):
-            out = _inner(*args, **kwargs)
-            served[_name] += out is not None
-            return out
-
-        runner.cuda_graphs.run = counted
+    graphs_eagerly(engine.runner, 32, served, "target")  # verify rows: K + 1 per request
+    graphs_eagerly(engine.speculator.draft_runner.runner, 8, served, "draft")
     return served
 
 
