@@ -52,7 +52,8 @@ def _engine(root: Path, tiny: bool, device: torch.device):
 
 def _run(engine, vocab: int, batch: int, adapters: bool, new_tokens: int, prompt_len: int) -> dict:
     """`batch` requests at once to the end; inter-token latency per request (its decode time over
-    its tokens after the first), and the batch's output tokens/s."""
+    its tokens after the first), the batch's output tokens/s, and the tokens a decoding request
+    emits per step (1 without speculation, up to K + 1 with it; first tokens not counted)."""
     from loraplex.services.inference.engine.types import SamplingParams
 
     rnd = random.Random(batch)
@@ -64,6 +65,7 @@ def _run(engine, vocab: int, batch: int, adapters: bool, new_tokens: int, prompt
         prompt = [rnd.randrange(1, vocab - 2) for _ in range(prompt_len)]
         engine.add_request(f"r{i}", prompt, params, f"s{i % ADAPTERS}" if adapters else None)
     t0 = time.perf_counter()
+    runs = decoded = 0  # a decoding request's emissions in a step, and their tokens
     while engine.has_unfinished():
         outs = engine.step()
         now = time.perf_counter()
@@ -71,12 +73,18 @@ def _run(engine, vocab: int, batch: int, adapters: bool, new_tokens: int, prompt
             n = len(out.new_token_ids)
             if not n:
                 continue
+            if out.request_id in first:
+                runs, decoded = runs + 1, decoded + n
             first.setdefault(out.request_id, now)
             last[out.request_id] = now
             count[out.request_id] = count.get(out.request_id, 0) + n
     elapsed = time.perf_counter() - t0
     itl = [(last[r] - first[r]) / (count[r] - 1) for r in first if count[r] > 1]
-    return dict(itl_ms=1e3 * sum(itl) / len(itl), tok_s=sum(count.values()) / elapsed)
+    return dict(
+        itl_ms=1e3 * sum(itl) / len(itl),
+        tok_s=sum(count.values()) / elapsed,
+        tokens_per_step=decoded / max(runs, 1),
+    )
 
 
 def run(root: Path, tiny: bool, device: torch.device, batches=(1, 8, 32), throughput_batch: int = 64) -> dict:
@@ -94,20 +102,23 @@ def run(root: Path, tiny: bool, device: torch.device, batches=(1, 8, 32), throug
         # Warm the speculative path too: on a cold kernel cache the first batch-64 window with it paid a
         # one-time stall (H100, 2026-12-08: 0.76x tok/s at the same inter-token latency; 1.00x rerun).
         _run(engine, vocab, batch, adapters, 4, prompt_len)
-        drafted = sum(spec.stats.drafted.values())
+        drafted, accepted = sum(spec.stats.drafted.values()), sum(spec.stats.accepted.values())
         on = _run(engine, vocab, batch, adapters, new_tokens, prompt_len)
         drafted = sum(spec.stats.drafted.values()) - drafted
+        accepted = sum(spec.stats.accepted.values()) - accepted
         row = dict(
             off=off,
             on=on,
             itl_on_vs_off=on["itl_ms"] / off["itl_ms"],
             tok_s_on_vs_off=on["tok_s"] / off["tok_s"],
             drafted=drafted,
+            accepted=accepted,
         )
         h.log(
             f"speculation batch {batch}{' x 8 adapters' if adapters else ''}: inter-token "
             f"{off['itl_ms']:.2f} -> {on['itl_ms']:.2f} ms ({row['itl_on_vs_off']:.2f}x), "
-            f"{off['tok_s']:.0f} -> {on['tok_s']:.0f} tok/s, {drafted} draft tokens"
+            f"{off['tok_s']:.0f} -> {on['tok_s']:.0f} tok/s, {drafted} draft tokens "
+            f"({accepted / max(drafted, 1):.0%} accepted, {on['tokens_per_step']:.2f} tokens/request/step)"
         )
         return row
 
@@ -138,11 +149,14 @@ def main(argv: list[str] | None = None) -> int:
             h.fmt(v["on"]["itl_ms"]),
             h.fmt(v["itl_on_vs_off"]),
             h.fmt(v["tok_s_on_vs_off"]),
+            h.fmt(v["accepted"] / v["drafted"]) if v["drafted"] else "-",
+            h.fmt(v["on"]["tokens_per_step"]),
         ]
         for k, v in result.items()
         if isinstance(v, dict)
     ]
-    h.print_table(["case", "ITL off ms", "ITL on ms", "ITL on/off", "tok/s on/off"], rows)
+    header = ["case", "ITL off ms", "ITL on ms", "ITL on/off", "tok/s on/off", "accepted", "tokens/step"]
+    h.print_table(header, rows)
     write_json(o.out, "speculation", dict(result, meta=h.meta(device, o.tiny)))
     return 0
 
