@@ -12,6 +12,7 @@ import torch
 from loraplex.services.inference.engine.sampler import SamplingInputs
 from loraplex.services.inference.engine.speculative import propose_ngram
 from loraplex.services.inference.engine.speculative_verify import verify
+from tests.support.chi_square import chi_square_p
 
 
 def test_ngram_proposes_what_followed_the_latest_match():
@@ -62,14 +63,6 @@ def test_verification_flags_a_request_with_a_non_finite_row(temperature):
     assert [r.nonfinite for r in runs] == [False, True]
 
 
-def _chi_square_p(counts: list[int], probs: list[float]) -> float:
-    """Upper tail of Pearson's chi-square statistic (survival function via the regularized gamma)."""
-    n = sum(counts)
-    stat = sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True) if p > 0)
-    dof = sum(1 for p in probs if p > 0) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
-
-
 @pytest.mark.parametrize("draft_token", [0, 3])
 def test_sampled_verification_emits_the_targets_distribution(draft_token):
     """The first emitted token is distributed as the target's first row, whatever the draft (a likely
@@ -86,9 +79,9 @@ def test_sampled_verification_emits_the_targets_distribution(draft_token):
         if run.accepted:
             second[run.tokens[1]] += 1
     # a false alarm 1 time in 1000 per check
-    assert _chi_square_p(first, target[0].tolist()) > 1e-3, first
+    assert chi_square_p(first, target[0].tolist()) > 1e-3, first
     assert sum(second) == first[draft_token]
-    assert _chi_square_p(second, target[1].tolist()) > 1e-3, second
+    assert chi_square_p(second, target[1].tolist()) > 1e-3, second
     # the acceptance rate is the draft token's target probability
     rate = first[draft_token] / trials
     assert abs(rate - target[0, draft_token].item()) < 4 * math.sqrt(0.25 / trials)
@@ -113,8 +106,8 @@ def test_sampled_verification_with_a_draft_distribution_emits_the_targets():
         if run.accepted:
             accepted += 1
             second[run.tokens[1]] += 1
-    assert _chi_square_p(first, target[0].tolist()) > 1e-3, first
-    assert _chi_square_p(second, target[1].tolist()) > 1e-3, second
+    assert chi_square_p(first, target[0].tolist()) > 1e-3, first
+    assert chi_square_p(second, target[1].tolist()) > 1e-3, second
     # 0.5 here; read as one-hot (the n-gram rule: accept with p(d)) it would be sum(q * p) = 0.2
     rate = torch.minimum(target[0], q[0]).sum().item()
     assert abs(accepted / trials - rate) < 4 * math.sqrt(0.25 / trials)
