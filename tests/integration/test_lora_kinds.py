@@ -43,12 +43,18 @@ def check_batch(
 
 
 def check_triton_backend(
-    base: Path, adapters: dict[str, Path], batch: list[str | None], torch_backend: list
+    base: Path, adapters: dict[str, Path], batch: list[str | None], torch_backend: list, graphs: bool = False
 ) -> None:
-    """The Triton backend (interpreter, child process) gives the torch backend's tokens and logprobs."""
+    """The Triton backend (interpreter, child process) gives the torch backend's tokens and logprobs.
+    `graphs`: its decode steps on the decode graphs' path (eagerly), the kinds variant among them."""
     script = str(REPO / "tests" / "support" / "lora_kinds_triton_check.py")
-    argv = [script, str(base), *(f"{n}={p}" for n, p in adapters.items()), ",".join(n or "-" for n in batch)]
-    got = json_lines(run_child(argv, env=child_env(interpret=True), timeout=600).stdout)
+    argv = [script, *(["--graphs"] if graphs else []), str(base), *(f"{n}={p}" for n, p in adapters.items())]
+    argv.append(",".join(n or "-" for n in batch))
+    stdout = run_child(argv, env=child_env(interpret=True), timeout=600).stdout
+    if graphs:  # decode steps went through the graphs, the kinds variant's too
+        assert "variants [0, 1]" in stdout or "variants [1]" in stdout, stdout
+        assert "graphs: 0 steps" not in stdout, stdout
+    got = json_lines(stdout)
     assert len(got) == len(batch)
     for row, (tokens, logprobs), name in zip(got, torch_backend, batch, strict=True):
         assert row["tokens"] == tokens, f"adapter {name}: triton {row['tokens']} != torch {tokens}"
@@ -90,7 +96,8 @@ def test_embedding_and_lm_head_lora_beside_dora_plain_and_base(tiny_llama_path, 
         "plain": adapter_factory(base, "kinds-plain-l", r=4, target_modules=["q_proj", "k_proj"], seed=9),
     }
     batch = [None, "emb", "head", "dora", "plain", "emb"]
-    check_batch(base, adapters, batch)
+    ours = check_batch(base, adapters, batch)
+    check_triton_backend(base, adapters, batch, ours, graphs=True)
 
 
 @pytest.fixture(scope="module")
