@@ -199,6 +199,8 @@ class TPTritonLoRABackend(LoRABackend):
     add up either way), then expand, with the inner backend's launch plan. No host reads, so
     CUDA-graph safe."""
 
+    name = "triton"
+
     cuda_graph_safe = True
 
     def __init__(self, pool: AdapterPool, max_tokens: int):
