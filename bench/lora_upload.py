@@ -1,8 +1,9 @@
 """One adapter's upload into the GPU pool, for the kernels suite (`bench/kernels.py --parts upload`).
 
 `AdapterPool.upload` from a pinned host copy of a Llama-3.1-8B q/k/v/o adapter (ranks 16 and 64, bf16),
-packed per module group as the loader keeps it (lora/packed_groups.py) and per (layer, module) (how a
-tensor-parallel rank's shard is still copied): the engine thread's time in the call (it only queues
+packed per module group as the loader keeps it (lora/packed_groups.py; tensor-parallel shards slice the
+packs) and per (layer, module) (the pool's path for adapters without packs: the random adapters of tests
+and benches, and the layout before packing): the engine thread's time in the call (it only queues
 copies on the pool's side stream) and the time until the slot is ready, whose bytes over it give the
 host-to-device rate reached (PCIe 5 x16 carries about 50 GB/s).
 """
@@ -57,10 +58,7 @@ def upload_rows(device: torch.device, tiny: bool, repeats: int = 20) -> list[dic
                 if i >= 2:
                     host.append((t1 - t0) * 1e3)
                     ready.append((t2 - t0) * 1e3)
-            mb = (
-                sum(t.numel() * t.element_size() for d in (plain.lora_a, plain.lora_b) for t in d.values())
-                / 1e6
-            )
+            mb = plain.nbytes / 1e6  # A and B: the same bytes in either layout
             ms = statistics.median(ready)
             rows.append(
                 dict(
